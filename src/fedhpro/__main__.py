@@ -1,0 +1,5 @@
+import sys
+
+from fedhpro.cli import main
+
+sys.exit(main())

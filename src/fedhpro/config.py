@@ -1,0 +1,206 @@
+"""Run configuration: defaults, a YAML file, then ``KEY=VALUE`` overrides, all validated.
+
+Keys are flat words for the run (``rounds=20``) and ``section.knob`` for a
+method's knobs (``fedhpro.tau=0.1``) and the data set's layout
+(``data.fraction=0.1``). YAML files may nest sections or use dotted keys.
+Every bad key or value raises :class:`~fedhpro.errors.ConfigError` with one
+line naming the problem and the valid choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+from fedhpro import options as opt
+from fedhpro.data import DATASETS, get_dataset
+from fedhpro.errors import ConfigError
+from fedhpro.methods import METHODS
+from fedhpro.models import MODELS
+from fedhpro.options import option
+
+DATA_SECTION = "data"
+
+
+@dataclass
+class RunOptions:
+    method: str = option("fedhpro", choices=tuple(METHODS), help="the federated method")
+    dataset: str = option("digits-offline", choices=tuple(DATASETS), help="the federation's data set")
+    model: str = option("cnn", choices=tuple(MODELS), help="the model architecture")
+    feature_dim: int = option(512, min=1, help="d, the feature dimension")
+    rounds: int = option(20, min=1, help="R, communication rounds")
+    clients: int | None = option(None, min=1, help="K, number of clients (default: the data set's layout)")
+    participation: float = option(1.0, gt=0.0, max=1.0, help="fraction of clients sampled each round")
+    local_epochs: int = option(1, min=1, help="E, local epochs per round")
+    batch_size: int = option(64, min=1, help="local mini-batch size")
+    lr: float = option(0.01, gt=0.0, help="local SGD learning rate")
+    momentum: float = option(0.9, min=0.0, max=1.0, help="local SGD momentum")
+    weight_decay: float = option(1e-5, min=0.0, help="local SGD weight decay")
+    seed: int = option(0, min=0, help="seed of the model init, partition, client sampling and batches")
+    device: str = option("auto", help="auto (CUDA if available), cpu, cuda or cuda:N")
+    eval_every: int = option(1, min=1, help="evaluate the global model every this many rounds (and at the end)")
+    out: str | None = option(None, help="output folder (default runs/<method>-<dataset>-<timestamp>)")
+    data_dir: str | None = option(None, help="where data sets are cached (default ~/.cache/fedhpro)")
+    progress: bool = option(True, help="show a progress bar")
+
+
+@dataclass
+class Config:
+    """A resolved configuration: the run's options, every method's knobs and the data set's options."""
+
+    run: RunOptions
+    methods: dict[str, Any]
+    data: Any
+
+    @property
+    def method_options(self) -> Any:
+        return self.methods[self.run.method]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Nested plain dict, as saved to ``config.yaml`` (loadable again by :func:`load_config`)."""
+        out = dataclasses.asdict(self.run)
+        for name, options in self.methods.items():
+            values = dataclasses.asdict(options)
+            if values:
+                out[name] = values
+        out[DATA_SECTION] = dataclasses.asdict(self.data)
+        return out
+
+
+def _run_keys() -> list[str]:
+    return [f.name for f in dataclasses.fields(RunOptions)]
+
+
+def _all_keys(dataset: str) -> list[str]:
+    keys = _run_keys()
+    for name, spec in METHODS.items():
+        keys += [f"{name}.{f.name}" for f in dataclasses.fields(spec.options)]
+    keys += [f"{DATA_SECTION}.{f.name}" for f in dataclasses.fields(get_dataset(dataset).options)]
+    return keys
+
+
+def _unknown(key: str, dataset: str) -> ConfigError:
+    keys = _all_keys(dataset)
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return ConfigError(f"unknown config key '{key}'{hint}; valid keys: {', '.join(keys)}")
+
+
+def _flatten(values: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """``{"fedhpro": {"tau": 1}}`` and ``{"fedhpro.tau": 1}`` both become ``{"fedhpro.tau": 1}``."""
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{source} must hold a mapping of config keys, got {type(values).__name__}")
+    flat: dict[str, Any] = {}
+    sections = set(METHODS) | {DATA_SECTION}
+    for key, value in values.items():
+        key = str(key)
+        if key in sections and isinstance(value, Mapping):
+            for inner, inner_value in value.items():
+                flat[f"{key}.{inner}"] = inner_value
+        elif key in sections and value is None:
+            continue
+        else:
+            flat[key] = value
+    return flat
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"fedhpro.tau=0.1"`` -> ``("fedhpro.tau", 0.1)``; the value is read as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"'{text}' is not KEY=VALUE (e.g. rounds=10) nor an existing .yaml file")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"'{text}' has no key before '='")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}; fix its syntax") from None
+    return _flatten(values, f"config file {str(path)!r}")
+
+
+def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
+                overrides: Iterable[str] | Mapping[str, Any] | None = None) -> Config:
+    """Resolve a configuration.
+
+    Args:
+        source: a YAML file, a (nested or dotted) mapping, or None for the defaults.
+        overrides: ``["rounds=5", "fedhpro.tau=0.1"]`` or a mapping applied after ``source``.
+    """
+    if source is None:
+        values: dict[str, Any] = {}
+    elif isinstance(source, Mapping):
+        values = _flatten(source, "config")
+    else:
+        values = read_yaml(source)
+    if overrides is not None:
+        pairs = overrides.items() if isinstance(overrides, Mapping) else map(parse_override, overrides)
+        values.update(_flatten(dict(pairs), "overrides"))
+
+    run_values: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {}
+    entry_keys: dict[str, set[str]] = {}
+    for key, value in values.items():
+        section, _, knob = key.partition(".")
+        if knob:
+            sections.setdefault(section, {})
+            inner, _, item = knob.partition(".")
+            if item:  # data.clients_per_domain.mnist=2 sets one entry of a mapping
+                entry_keys.setdefault(section, set()).add(inner)
+                sections[section].setdefault(inner, {})
+                if not isinstance(sections[section][inner], dict):
+                    raise ConfigError(f"'{key}' sets an entry of '{section}.{inner}', which is not a mapping")
+                sections[section][inner][item] = value
+            else:
+                sections[section][inner] = value
+        else:
+            run_values[key] = value
+
+    dataset = run_values.get("dataset", RunOptions.dataset)
+    if dataset not in DATASETS:
+        raise ConfigError(f"dataset={dataset!r} is not valid; choose one of: {', '.join(DATASETS)}")
+    for key in run_values:
+        if key not in _run_keys():
+            raise _unknown(key, dataset)
+    for section, knobs in sections.items():
+        if section not in METHODS and section != DATA_SECTION:
+            raise _unknown(f"{section}.{next(iter(knobs))}", dataset)
+
+    run = _build(RunOptions, run_values, "", dataset)
+    methods = {name: _build(spec.options, sections.get(name, {}), f"{name}.", dataset)
+               for name, spec in METHODS.items()}
+    data_spec = get_dataset(dataset)
+    data_values = dict(sections.get(DATA_SECTION, {}))
+    defaults = dataclasses.asdict(data_spec.options())
+    for name in entry_keys.get(DATA_SECTION, ()):  # single entries merge into the default mapping
+        if isinstance(defaults.get(name), dict):
+            data_values[name] = {**defaults[name], **data_values[name]}
+    data = _build(data_spec.options, data_values, f"{DATA_SECTION}.", dataset)
+    return Config(run=run, methods=methods, data=data)
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str, dataset: str) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    for name in values:
+        if name not in known:
+            raise _unknown(prefix + name, dataset)
+    return opt.build(cls, values, prefix)

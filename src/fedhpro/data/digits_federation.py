@@ -1,0 +1,94 @@
+"""``digits-offline``: the paper's Digits domain-skew federation on data that needs no download.
+
+Clients are assigned to domains as in the paper's Digits setup (Table A3:
+MNIST 3, USPS 7, SVHN 6, SYN 4 clients); here the stand-ins are mnist 3,
+optdigits 7, mnistm 6, syn 4. Each client takes a random ``fraction`` of its
+domain's training set, disjoint from the other clients of that domain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fedhpro.data import DatasetSpec
+from fedhpro.data.federation import ClientData, Federation, normalize_images
+from fedhpro.errors import ConfigError
+from fedhpro.options import option
+
+PAPER_CLIENTS = {"mnist": 3, "optdigits": 7, "mnistm": 6, "syn": 4}
+
+
+def _paper_clients() -> dict[str, int]:
+    return dict(PAPER_CLIENTS)
+
+
+@dataclass
+class DigitsOfflineOptions:
+    clients_per_domain: dict[str, int] = option(
+        default_factory=_paper_clients,
+        help="clients of each domain (the paper's Digits layout); `clients=K` spreads K evenly instead")
+    fraction: float = option(0.1, gt=0.0, max=1.0, help="share of its domain's training set each client samples")
+    test_fraction: float = option(0.2, gt=0.0, max=0.9, help="share of each domain held out for testing")
+    syn_size: int = option(5000, min=100, help="number of rendered synthetic digits")
+    build_seed: int = option(0, help="seed of the data set itself (images, train/test split); the run seed "
+                                     "only changes which samples each client gets")
+
+
+def build(options: DigitsOfflineOptions, clients: int | None, seed: int, data_dir=None,
+          progress: bool = False) -> Federation:
+    from fedhpro.data.digits_offline import DOMAINS, build_digits_offline
+
+    domains = build_digits_offline(data_dir, seed=options.build_seed, test_fraction=options.test_fraction,
+                                   syn_size=options.syn_size, progress=progress)
+    layout = dict(options.clients_per_domain)
+    unknown = set(layout) - set(DOMAINS)
+    if unknown:
+        raise ConfigError(f"data.clients_per_domain names unknown domains {sorted(unknown)}; "
+                          f"the domains are: {', '.join(DOMAINS)}")
+    if clients is not None:
+        # spread K clients over the domains in the paper's order, round robin
+        order = [d for d in PAPER_CLIENTS if d in DOMAINS]
+        layout = {d: 0 for d in order}
+        for k in range(clients):
+            layout[order[k % len(order)]] += 1
+    layout = {d: n for d, n in layout.items() if n > 0}
+    if not layout:
+        raise ConfigError("digits-offline needs at least one client; set clients=K or data.clients_per_domain")
+
+    rng = np.random.default_rng(seed)
+    client_data, client_domains, records = [], [], []
+    for domain in [d for d in PAPER_CLIENTS if d in layout]:
+        data = domains[domain]
+        available = int(data.train_y.shape[0])
+        size = int(options.fraction * available)
+        needed = size * layout[domain]
+        if size < 2:
+            raise ConfigError(f"data.fraction={options.fraction} gives clients of domain {domain} fewer than 2 "
+                              f"samples (it has {available}); raise data.fraction")
+        if needed > available:
+            raise ConfigError(f"{layout[domain]} clients x data.fraction={options.fraction} of domain {domain} need "
+                              f"{needed} samples but it has {available}; lower data.fraction or the client count")
+        order = rng.permutation(available)
+        for j in range(layout[domain]):
+            index = np.sort(order[j * size:(j + 1) * size])
+            index_t = torch.from_numpy(index)
+            y = data.train_y[index_t]
+            client_data.append(ClientData(normalize_images(data.train_x[index_t]), y.clone(), 10))
+            client_domains.append(domain)
+            records.append({"client": len(records), "domain": domain, "indices": index.tolist(),
+                            "class_counts": torch.bincount(y, minlength=10).tolist()})
+    test_sets = {d: (normalize_images(domains[d].test_x), domains[d].test_y.clone()) for d in layout}
+    partition = {"dataset": "digits-offline", "seed": seed, "scheme": "domains",
+                 "layout": layout, "fraction": options.fraction, "clients": records}
+    return Federation("digits-offline", 10, (3, 32, 32), client_data, client_domains, test_sets, partition)
+
+
+DATASET = DatasetSpec(
+    name="digits-offline",
+    options=DigitsOfflineOptions,
+    build=build,
+    description="four digit domains built offline: mnist, optdigits, syn, mnistm (stand-ins for MNIST, USPS, SYN, SVHN)",
+)

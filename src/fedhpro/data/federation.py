@@ -1,0 +1,55 @@
+"""A federation: the clients' training data and the test sets, resident as tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+
+@dataclass
+class ClientData:
+    """One client's training data, resident as tensors on the training device."""
+
+    x: Tensor
+    y: Tensor
+    num_classes: int
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+
+@dataclass
+class Federation:
+    """Clients' training tensors, test sets by domain (or one ``"all"``), and how they were made.
+
+    ``partition`` is JSON-serialisable: per client its domain, the indices it
+    took from its domain's training set, and its class counts.
+    """
+
+    name: str
+    num_classes: int
+    input_shape: tuple[int, ...]
+    clients: list[ClientData]
+    client_domains: list[str]
+    test_sets: dict[str, tuple[Tensor, Tensor]]
+    partition: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.clients)
+
+    def to(self, device: torch.device) -> "Federation":
+        """Move every tensor to ``device`` (once, before training: data stays resident)."""
+        self.clients = [ClientData(c.x.to(device), c.y.to(device), c.num_classes) for c in self.clients]
+        self.test_sets = {name: (x.to(device), y.to(device)) for name, (x, y) in self.test_sets.items()}
+        return self
+
+
+def normalize_images(images: Tensor) -> Tensor:
+    """uint8 N x C x H x W -> float32 in [-1, 1] (mean 0.5, std 0.5 per channel)."""
+    return images.float().div_(127.5).sub_(1.0)

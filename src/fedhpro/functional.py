@@ -1,0 +1,364 @@
+"""The paper's equations as small, pure, batched functions.
+
+Every function here is stateless and works on tensors only, like
+``torch.nn.functional``. Equation numbers refer to the FedHPro paper
+(*Federated Hyper-Prototype Learning via Gradient Matching*, ICML).
+
+Shapes: ``B`` samples, ``C`` classes, ``d`` feature dimension, ``I`` the
+number of hyper-prototypes per class (the paper's ``|I|``).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "local_prototypes",
+    "global_prototypes",
+    "client_margin",
+    "class_gradients",
+    "aggregate_class_gradients",
+    "hyper_prototype_gradients",
+    "gradient_matching_loss",
+    "match_hyper_prototypes",
+    "hyper_similarity",
+    "hpcl_loss",
+    "hpal_loss",
+    "weighted_average",
+]
+
+
+def local_prototypes(features: Tensor, labels: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
+    """Class-wise prototypes of one client, Eq. 2 (stacked as in Eq. 3).
+
+    Args:
+        features: ``B x d`` feature vectors ``z = f(x)``.
+        labels: ``B`` integer class labels in ``[0, num_classes)``.
+        num_classes: ``C``.
+
+    Returns:
+        ``(prototypes, present)``: ``C x d`` means of the features of each
+        class (zeros for a class with no sample) and a ``C`` bool mask of the
+        classes that have at least one sample.
+    """
+    features = features.reshape(features.shape[0], -1)
+    counts = torch.bincount(labels, minlength=num_classes)[:num_classes]
+    sums = features.new_zeros(num_classes, features.shape[1]).index_add_(0, labels, features)
+    present = counts > 0
+    prototypes = sums / counts.clamp(min=1).unsqueeze(1).to(features.dtype)
+    return prototypes, present
+
+
+def global_prototypes(prototypes: Tensor, present: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+    """Global prototypes ``P``, Eq. 4, as the paper prints it.
+
+    ``p^c = 1/|A^c| * sum_{k in A^c} (n_k^c / n^c) p_k^c`` where ``A^c`` is the
+    set of clients holding class ``c``.
+
+    Args:
+        prototypes: ``K x C x d`` local prototypes of ``K`` clients.
+        present: ``K x C`` bool, which client holds which class.
+        counts: ``K x C`` per-client class counts ``n_k^c``.
+
+    Returns:
+        ``(P, held)``: ``C x d`` global prototypes (zeros for a class no client
+        holds) and the ``C`` bool mask of classes held by some client.
+    """
+    counts = counts.to(prototypes.dtype) * present.to(prototypes.dtype)
+    class_totals = counts.sum(0)  # n^c
+    holders = present.sum(0)  # |A^c|
+    held = holders > 0
+    weights = counts / class_totals.clamp(min=1e-12)  # n_k^c / n^c
+    summed = torch.einsum("kc,kcd->cd", weights, prototypes)
+    return summed / holders.clamp(min=1).unsqueeze(1).to(prototypes.dtype), held
+
+
+def client_margin(prototypes: Tensor, present: Tensor, normalized: bool = False) -> Tensor:
+    """Client-specific margin ``d_k``, Eq. 10.
+
+    ``d_k = 1/(C-1)^2 * sum_{c1} sum_{c2 != c1} ||p^c1 - p^c2||_2`` over the
+    ordered pairs of classes the client holds, with ``C`` the total number of
+    classes. A client with fewer than two classes has ``d_k = 0``.
+
+    Args:
+        prototypes: ``C x d`` local prototypes (Eq. 2).
+        present: ``C`` bool mask of the classes the client holds.
+        normalized: compute the distances between L2-normalised prototypes
+            (then ``d_k <= 2``) instead of raw ones.
+
+    Returns:
+        A 0-dim tensor.
+    """
+    num_classes = prototypes.shape[0]
+    held = prototypes[present]
+    if held.shape[0] < 2 or num_classes < 2:
+        return prototypes.new_zeros(())
+    if normalized:
+        held = F.normalize(held, dim=1)
+    # the exact (not matrix-product) form: no cancellation for close prototypes
+    distances = torch.cdist(held.unsqueeze(0), held.unsqueeze(0), compute_mode="donot_use_mm_for_euclid_dist")[0]
+    return distances.sum() / float((num_classes - 1) ** 2)
+
+
+def _per_sample_input_gradients(inputs: Tensor, labels: Tensor, classifier: nn.Module, create_graph: bool) -> Tensor:
+    """``d CE(h(z_i), y_i) / d z_i`` for every row ``z_i`` of ``inputs``.
+
+    Each row's loss depends on that row only (the head is applied row-wise,
+    in eval mode), so the gradient of the summed loss is exactly the stack of
+    the per-sample gradients.
+    """
+    if not create_graph:
+        inputs = inputs.detach().requires_grad_(True)
+    logits = classifier(inputs)
+    loss = F.cross_entropy(logits, labels, reduction="sum")
+    (gradients,) = torch.autograd.grad(loss, inputs, create_graph=create_graph)
+    return gradients
+
+
+def class_gradients(features: Tensor, labels: Tensor, classifier: nn.Module, num_classes: int) -> tuple[Tensor, Tensor]:
+    """Class-wise average feature gradients ``g_k^c``, Eq. 5.
+
+    ``g_k^c = 1/n_k^c * sum_{i: y_i = c} d CE(h(z_i), y_i) / d z_i`` with
+    ``z_i`` a leaf (the feature extractor is not differentiated). Exact, with
+    one backward pass through the head for the whole batch.
+
+    Args:
+        features: ``B x d`` features ``z_i`` (detached inside).
+        labels: ``B`` class labels.
+        classifier: the linear head ``h`` (``nn.Linear(d, C)``), used as given
+            (no parameter receives a gradient).
+        num_classes: ``C``.
+
+    Returns:
+        ``(gradients, counts)``: ``C x d`` per-class mean gradients (zeros for
+        absent classes) and the ``C`` per-class sample counts.
+    """
+    with torch.enable_grad():
+        per_sample = _per_sample_input_gradients(features, labels, classifier, create_graph=False)
+    means, present = local_prototypes(per_sample, labels, num_classes)
+    counts = torch.bincount(labels, minlength=num_classes)[:num_classes]
+    return means.detach(), counts
+
+
+def aggregate_class_gradients(gradients: Tensor, present: Tensor) -> tuple[Tensor, Tensor]:
+    """Server-side class gradients ``g^c``, Eq. 6.
+
+    ``g^c = 1/|A^c| * sum_{k in A^c} g_k^c``: an unweighted mean over the
+    clients ``A^c`` that hold class ``c``.
+
+    Args:
+        gradients: ``K x C x d`` uploaded ``g_k^c`` (rows of absent classes ignored).
+        present: ``K x C`` bool, which client holds which class.
+
+    Returns:
+        ``(g, held)``: ``C x d`` (zeros for a class nobody holds) and the ``C``
+        bool mask of classes held by at least one client.
+    """
+    holders = present.sum(0)
+    summed = torch.where(present.unsqueeze(2), gradients, torch.zeros((), dtype=gradients.dtype)).sum(0)
+    return summed / holders.clamp(min=1).unsqueeze(1).to(gradients.dtype), holders > 0
+
+
+def hyper_prototype_gradients(hyper: Tensor, classifier: nn.Module) -> Tensor:
+    """Gradients of the hyper-prototypes under the virtual loss, Eq. 7.
+
+    ``g_HP^c = 1/|I| * sum_i d CE(h*(s_i^c), c) / d s_i^c``: each vector's
+    gradient of its own loss, then averaged over the ``|I|`` vectors.
+    Differentiable with respect to ``hyper`` (second order through ``h``),
+    as gradient matching (Eq. 8-9) needs.
+
+    Args:
+        hyper: ``C x I x d`` hyper-prototypes ``S``.
+        classifier: the global linear head ``h*``.
+
+    Returns:
+        ``C x d``.
+    """
+    num_classes, per_class, dim = hyper.shape
+    flat = hyper.reshape(num_classes * per_class, dim)
+    virtual_labels = torch.arange(num_classes, device=hyper.device).repeat_interleave(per_class)
+    with torch.enable_grad():
+        if not flat.requires_grad:
+            flat = flat.detach().requires_grad_(True)
+            gradients = _per_sample_input_gradients(flat, virtual_labels, classifier, create_graph=False).detach()
+        else:
+            gradients = _per_sample_input_gradients(flat, virtual_labels, classifier, create_graph=True)
+    return gradients.reshape(num_classes, per_class, dim).mean(1)
+
+
+def gradient_matching_loss(g_real: Tensor, g_hyper: Tensor, present: Tensor) -> Tensor:
+    """Gradient-matching loss ``L_GM``, Eq. 8, summed over the present classes.
+
+    ``sum_{c present} 1 - cos(g^c, g_HP^c)`` with the cosine of whole
+    ``d``-vectors.
+
+    Args:
+        g_real: ``C x d`` aggregated real-sample gradients ``g^c`` (Eq. 6).
+        g_hyper: ``C x d`` hyper-prototype gradients ``g_HP^c`` (Eq. 7).
+        present: ``C`` bool mask of classes that have a ``g^c``.
+
+    Returns:
+        A 0-dim tensor (0 when no class is present).
+    """
+    cosine = F.cosine_similarity(g_real, g_hyper, dim=1, eps=1e-12)
+    return ((1.0 - cosine) * present.to(cosine.dtype)).sum()
+
+
+def match_hyper_prototypes(
+    hyper: Tensor,
+    classifier: nn.Module,
+    g_real: Tensor,
+    present: Tensor,
+    steps: int,
+    lr: float,
+    optimizer: str = "sgd",
+) -> tuple[Tensor, float, float]:
+    """Optimise the hyper-prototypes by gradient matching, Eq. 9.
+
+    Runs ``steps`` (the paper's ``M``) optimiser steps on ``L_GM`` (Eq. 8)
+    with respect to ``S`` only; the classifier is not changed. Classes not
+    present keep their vectors exactly.
+
+    Args:
+        hyper: ``C x I x d`` hyper-prototypes before matching (not modified).
+        classifier: the global linear head ``h*``.
+        g_real: ``C x d`` aggregated real-sample gradients (Eq. 6).
+        present: ``C`` bool mask of classes with a ``g^c``.
+        steps: ``M``; 0 returns the input unchanged.
+        lr: the step size ``lr_hp``.
+        optimizer: ``"sgd"`` (the paper) or ``"adam"``.
+
+    Returns:
+        ``(new_hyper, loss_before, loss_after)``: the ``C x I x d`` matched
+        hyper-prototypes (detached), and ``L_GM`` before and after matching.
+    """
+    if optimizer not in ("sgd", "adam"):
+        raise ValueError(f"optimizer must be 'sgd' or 'adam', got {optimizer!r}")
+    g_real = g_real.detach()
+    with torch.enable_grad():
+        start = hyper.detach()
+        loss_before = float(gradient_matching_loss(g_real, hyper_prototype_gradients(start, classifier), present))
+        if steps <= 0 or not bool(present.any()):
+            return start.clone(), loss_before, loss_before
+        variable = start.clone().requires_grad_(True)
+        opt = torch.optim.SGD([variable], lr=lr) if optimizer == "sgd" else torch.optim.Adam([variable], lr=lr)
+        for _ in range(steps):
+            loss = gradient_matching_loss(g_real, hyper_prototype_gradients(variable, classifier), present)
+            (grad,) = torch.autograd.grad(loss, variable)
+            variable.grad = grad
+            opt.step()
+        matched = variable.detach()
+        # absent classes: keep the input bit for bit (Adam's eps could nudge them)
+        matched = torch.where(present.view(-1, 1, 1), matched, start)
+        loss_after = float(gradient_matching_loss(g_real, hyper_prototype_gradients(matched, classifier), present))
+    return matched, loss_before, loss_after
+
+
+def _unit(x: Tensor, dim: int) -> Tensor:
+    """``x / ||x||`` along ``dim`` without overflow or underflow of the norm (zero rows stay zero)."""
+    scale = x.detach().abs().amax(dim=dim, keepdim=True)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return F.normalize(x / scale, dim=dim)
+
+
+def hyper_similarity(z: Tensor, hyper: Tensor) -> Tensor:
+    """Similarity of every sample to every class's hyper-prototypes, Eq. 11.
+
+    ``s(z, S^c) = 1/|I| * sum_j cos(z, s_j^c)``.
+
+    Args:
+        z: ``B x d`` features.
+        hyper: ``C x I x d`` hyper-prototypes.
+
+    Returns:
+        ``B x C``.
+    """
+    z_unit = _unit(z, dim=1)
+    hyper_unit = _unit(hyper, dim=2)
+    return torch.einsum("bd,cid->bc", z_unit, hyper_unit) / hyper.shape[1]
+
+
+def hpcl_loss(z: Tensor, y: Tensor, hyper: Tensor, margin: float | Tensor, tau: float) -> Tensor:
+    """Hyper-prototype contrastive loss ``L_HPCL``, Eq. 11-12, batch mean.
+
+    Per sample: ``log(1 + sum_{j != y} exp((s(z, S^j) + d_k)/tau) / exp(s(z, S^y)/tau))``,
+    computed as ``softplus(logsumexp_{j != y}((s_j + d_k)/tau) - s_y/tau)``,
+    which never overflows.
+
+    Args:
+        z: ``B x d`` features.
+        y: ``B`` labels.
+        hyper: ``C x I x d`` hyper-prototypes.
+        margin: the client margin ``d_k`` (Eq. 10), a number or 0-dim tensor.
+        tau: temperature.
+
+    Returns:
+        A 0-dim tensor.
+    """
+    similarity = hyper_similarity(z, hyper)  # B x C
+    num_classes = similarity.shape[1]
+    if num_classes < 2:
+        return similarity.sum() * 0.0
+    positive = similarity.gather(1, y.view(-1, 1)).squeeze(1) / tau
+    is_positive = F.one_hot(y, num_classes).bool()
+    negatives = ((similarity + margin) / tau).masked_fill(is_positive, float("-inf"))
+    # log(1 + e^x) as logaddexp(0, x): exact for every x (softplus switches to x above 20)
+    gap = torch.logsumexp(negatives, dim=1) - positive
+    return torch.logaddexp(torch.zeros_like(gap), gap).mean()
+
+
+def hpal_loss(z: Tensor, y: Tensor, hyper: Tensor, normalized: bool = False) -> Tensor:
+    """Hyper-prototype alignment loss ``L_HPAL``, Eq. 13, batch mean.
+
+    With ``H^c`` the mean of class ``c``'s hyper-prototypes, Eq. 13 as printed
+    (``normalized=False``) is, per sample, the Huber / smooth-L1 (beta = 1)
+    of ``z - H^y`` summed over the ``d`` dimensions; the batch mean is returned.
+    ``normalized=True`` is the authors' code: the same Huber between
+    ``z/||z||`` and ``H^y/||H^y||``, averaged over all ``B x d`` elements.
+
+    Args:
+        z: ``B x d`` features.
+        y: ``B`` labels.
+        hyper: ``C x I x d`` hyper-prototypes.
+        normalized: see above.
+
+    Returns:
+        A 0-dim tensor.
+    """
+    targets = hyper.mean(1)[y]
+    if normalized:
+        return F.smooth_l1_loss(_unit(z, dim=1), _unit(targets, dim=1), beta=1.0, reduction="mean")
+    return F.smooth_l1_loss(z, targets, beta=1.0, reduction="none").sum(1).mean()
+
+
+def weighted_average(states: Sequence[Mapping[str, Tensor]], weights: Sequence[float]) -> dict[str, Tensor]:
+    """Global aggregation of Algorithm 1 (and Eq. 1): ``w* = sum_k (n_k/N) w_k``.
+
+    Floating-point entries (parameters and BatchNorm running statistics) are
+    averaged with weights ``n_k / N``; integer entries (``num_batches_tracked``)
+    are counters, not parameters: the largest one is kept. Returns new tensors
+    (no aliasing of any input).
+
+    Args:
+        states: state dicts with the same keys and shapes.
+        weights: one non-negative weight per state (``n_k``), not all zero.
+    """
+    if not states:
+        raise ValueError("weighted_average needs at least one state")
+    total = float(sum(weights))
+    if total <= 0:
+        raise ValueError("weighted_average needs a positive total weight")
+    fractions = [float(w) / total for w in weights]
+    averaged: dict[str, Tensor] = {}
+    for key, first in states[0].items():
+        if first.is_floating_point() or first.is_complex():
+            stacked = torch.stack([state[key].to(first.dtype) for state in states])
+            coefficients = torch.tensor(fractions, dtype=first.dtype, device=first.device)
+            averaged[key] = torch.tensordot(coefficients, stacked, dims=1)
+        else:
+            averaged[key] = torch.stack([state[key] for state in states]).amax(0).clone()
+    return averaged

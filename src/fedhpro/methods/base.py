@@ -1,0 +1,197 @@
+"""What every method is made of: a server part and a client part exchanging plain payloads.
+
+A payload is a ``dict`` of tensors, numbers and nested dicts of tensors (a
+model's weights under ``"weights"``). Neither part knows which engine runs it:
+the in-process simulator and the Flower apps call the same four hooks.
+
+Server hooks: ``broadcast(round) -> payload``, ``aggregate(round, replies) ->
+metrics``, ``global_weights()``, ``state_dict()`` / ``load_state_dict()``.
+Client hook: ``fit(model, payload, data, state, generator) -> (reply, metrics)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedhpro.data.federation import ClientData
+from fedhpro.errors import UpdateError
+from fedhpro.functional import weighted_average
+
+Payload = dict[str, Any]
+Weights = dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Local optimisation settings shared by all methods (SGD, as the paper)."""
+
+    epochs: int = 1
+    batch_size: int = 64
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 1e-5
+
+
+@dataclass
+class MethodContext:
+    """What the engine tells a method when it builds it."""
+
+    model: nn.Module  # a template of the global model (the server may use it as scratch)
+    num_classes: int
+    options: Any  # the method's options dataclass
+    train: TrainSettings
+    seed: int = 0
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+
+
+def clone_weights(model: nn.Module) -> Weights:
+    """A copy of the model's state, sharing no storage with the model (no aliasing between clients)."""
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def payload_bytes(payload: Any) -> int:
+    """Bytes of all tensors in a payload (numbers count 8 bytes each)."""
+    if isinstance(payload, Tensor):
+        return payload.numel() * payload.element_size()
+    if isinstance(payload, Mapping):
+        return sum(payload_bytes(value) for value in payload.values())
+    if isinstance(payload, (list, tuple)):
+        return sum(payload_bytes(value) for value in payload)
+    if isinstance(payload, (int, float, bool)):
+        return 8
+    return 0
+
+
+def check_weights(weights: Any, reference: Mapping[str, Tensor], who: str = "client") -> None:
+    """Raise UpdateError unless ``weights`` has the reference's keys, shapes and only finite values."""
+    if not isinstance(weights, Mapping):
+        raise UpdateError(f"{who} sent weights of type {type(weights).__name__}, expected a dict of tensors")
+    missing = set(reference) - set(weights)
+    extra = set(weights) - set(reference)
+    if missing or extra:
+        raise UpdateError(f"{who} sent weights with missing keys {sorted(missing)[:3]} / unexpected keys {sorted(extra)[:3]}")
+    for name, tensor in weights.items():
+        if not isinstance(tensor, Tensor) or tensor.shape != reference[name].shape:
+            raise UpdateError(f"{who} sent '{name}' with shape {getattr(tensor, 'shape', None)}, expected {tuple(reference[name].shape)}")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise UpdateError(f"{who} sent non-finite values in '{name}'; the local training diverged (lower lr?)")
+
+
+class Server:
+    """Server part. The default is FedAvg: broadcast the global weights, average the replies by n_k."""
+
+    def __init__(self, context: MethodContext):
+        self.context = context
+        self.options = context.options
+        self.num_classes = context.num_classes
+        self.weights: Weights = clone_weights(context.model)
+
+    def broadcast(self, round: int) -> Payload:
+        return {"weights": self.weights}
+
+    def aggregate(self, round: int, replies: list[Payload]) -> dict[str, float]:
+        self.weights = self.average_weights(replies)
+        return {}
+
+    def average_weights(self, replies: list[Payload]) -> Weights:
+        """FedAvg of the replies' weights by their ``num_examples`` (Algorithm 1's aggregation)."""
+        for index, reply in enumerate(replies):
+            check_weights(reply.get("weights"), self.weights, who=f"reply {index}")
+            if not reply.get("num_examples", 0) > 0:
+                raise UpdateError(f"reply {index} has num_examples={reply.get('num_examples')!r}; it must be > 0")
+        return weighted_average([reply["weights"] for reply in replies], [reply["num_examples"] for reply in replies])
+
+    def global_weights(self) -> Weights:
+        return self.weights
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"weights": self.weights}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.weights = dict(state["weights"])
+
+
+Regularizer = Callable[[Tensor, Tensor, Tensor], dict[str, Tensor]]
+
+
+class Client:
+    """Client part. The default is FedAvg: load the global weights, run E epochs of SGD on CE."""
+
+    def __init__(self, context: MethodContext):
+        self.context = context
+        self.options = context.options
+        self.num_classes = context.num_classes
+        self.train = context.train
+
+    def fit(self, model: nn.Module, payload: Payload, data: ClientData, state: dict[str, Any],
+            generator: torch.Generator) -> tuple[Payload, dict[str, float]]:
+        model.load_state_dict(payload["weights"])
+        losses = train_epochs(model, data, self.train, generator)
+        return {"weights": clone_weights(model), "num_examples": len(data)}, losses
+
+
+def train_epochs(model: nn.Module, data: ClientData, train: TrainSettings, generator: torch.Generator,
+                 regularizer: Regularizer | None = None) -> dict[str, float]:
+    """E epochs of mini-batch SGD on ``CE + sum(regularizer terms)``; returns the mean of each term.
+
+    Batches are index slices of the resident tensors, in an order drawn from
+    ``generator`` (on the CPU, so the order is the same on every device). A
+    trailing batch of one sample is skipped (BatchNorm cannot train on it).
+    """
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=train.lr, momentum=train.momentum,
+                                weight_decay=train.weight_decay)
+    n = len(data)
+    totals: dict[str, Tensor] = {}
+    steps = 0
+    for _ in range(train.epochs):
+        order = torch.randperm(n, generator=generator).to(data.x.device)
+        for start in range(0, n, train.batch_size):
+            index = order[start:start + train.batch_size]
+            if index.numel() < 2 and n > 1:
+                continue
+            x, y = data.x[index], data.y[index]
+            z = model.features(x)
+            logits = model.classifier(z)
+            terms = {"ce": F.cross_entropy(logits, y)}
+            if regularizer is not None:
+                terms.update(regularizer(z, y, logits))
+            loss = sum(terms.values())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            terms["loss"] = loss
+            for name, value in terms.items():
+                totals[name] = totals.get(name, 0.0) + value.detach()
+            steps += 1
+        if "loss" in totals and not bool(torch.isfinite(totals["loss"])):
+            raise UpdateError("local training produced a non-finite loss (NaN/Inf); lower lr or check the data")
+    return {name: float(total) / max(steps, 1) for name, total in totals.items()}
+
+
+@torch.no_grad()
+def extract_features(model: nn.Module, x: Tensor, batch_size: int = 1024) -> Tensor:
+    """``f(x)`` for all rows of ``x`` in eval mode (restores the previous mode)."""
+    was_training = model.training
+    model.eval()
+    features = torch.cat([model.features(x[i:i + batch_size]) for i in range(0, x.shape[0], batch_size)])
+    model.train(was_training)
+    return features
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A registered method: its name, option group, server part and client part."""
+
+    name: str
+    options: type
+    server: type[Server]
+    client: type[Client]
+    description: str = ""

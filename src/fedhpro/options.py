@@ -1,0 +1,138 @@
+"""Typed, validated option groups.
+
+Every group of settings (the run, a method's knobs, a data set's layout) is a
+dataclass whose fields carry their checks in ``metadata``: ``choices``,
+``min``/``max`` (inclusive) or ``gt`` (exclusive), and ``help``. ``coerce``
+turns strings from the command line or YAML into the field's type and checks
+them, raising :class:`~fedhpro.errors.ConfigError` with one clear message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from typing import Any
+
+from fedhpro.errors import ConfigError
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def option(default: Any = dataclasses.MISSING, *, help: str = "", choices: tuple | None = None,
+           min: float | None = None, max: float | None = None, gt: float | None = None,
+           default_factory: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field with validation metadata."""
+    metadata = {"help": help, "choices": choices, "min": min, "max": max, "gt": gt}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce_scalar(key: str, value: Any, tp: Any) -> Any:
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, (int, str)) and str(value).strip().lower() in _TRUE | _FALSE:
+            return str(value).strip().lower() in _TRUE
+        raise ConfigError(f"{key}={value!r} is not a boolean; use true or false")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} is not an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}={value!r} is not an integer")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} is not a number")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r} is not a number") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{key}={value!r} must be a finite number")
+        return number
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}={value!r} must be a single word, not a {type(value).__name__}")
+        return str(value)
+    return value
+
+
+def coerce(key: str, value: Any, field: dataclasses.Field, tp: Any) -> Any:
+    """Convert ``value`` to the field type ``tp`` and check the field's limits."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and type(None) in args:
+        if value is None or (isinstance(value, str) and value.strip().lower() in {"none", "null", "~", ""}):
+            return None
+        inner = [a for a in args if a is not type(None)]
+        tp = inner[0] if len(inner) == 1 else inner
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if isinstance(tp, list):  # a union like int | dict: keep the value if it fits one of them
+        for candidate in tp:
+            try:
+                return coerce(key, value, field, candidate)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}={value!r} must be one of the types {[_type_name(t) for t in tp]}")
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r} must be a mapping, e.g. {key}={{a: 1, b: 2}}")
+        value_type = args[1] if args else Any
+        return {str(k): (_coerce_scalar(f"{key}.{k}", v, value_type) if value_type is not Any else v)
+                for k, v in value.items()}
+    if origin in (list, tuple):
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r} must be a list, e.g. {key}=[0,1,2]")
+        item_type = args[0] if args else Any
+        return [(_coerce_scalar(f"{key}[{i}]", v, item_type) if item_type is not Any else v)
+                for i, v in enumerate(value)]
+    value = _coerce_scalar(key, value, tp)
+    meta = field.metadata
+    if meta.get("choices") is not None and value not in meta["choices"]:
+        raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, meta['choices']))}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if meta.get("min") is not None and value < meta["min"]:
+            raise ConfigError(f"{key}={value!r} is too small; it must be >= {meta['min']}")
+        if meta.get("max") is not None and value > meta["max"]:
+            raise ConfigError(f"{key}={value!r} is too large; it must be <= {meta['max']}")
+        if meta.get("gt") is not None and value <= meta["gt"]:
+            raise ConfigError(f"{key}={value!r} is too small; it must be > {meta['gt']}")
+    return value
+
+
+def fields_of(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
+    """``{name: (field, resolved type)}`` of an options dataclass."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls)}
+
+
+def build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
+    """Instantiate options ``cls`` from ``values`` (unknown names raise ConfigError)."""
+    known = fields_of(cls)
+    kwargs = {}
+    for name, value in values.items():
+        if name not in known:
+            raise ConfigError(f"unknown config key '{prefix}{name}'; valid keys: {', '.join(prefix + k for k in known)}")
+        field, tp = known[name]
+        kwargs[name] = coerce(prefix + name, value, field, tp)
+    return cls(**kwargs)
+
+
+def as_dict(options: Any) -> dict[str, Any]:
+    return dataclasses.asdict(options)

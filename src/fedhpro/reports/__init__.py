@@ -1,0 +1,82 @@
+"""Result files a person can open: atomic JSON/YAML/JSONL writes, tables and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file and ``os.replace``: readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
+def write_json(path: str | os.PathLike, value: Any) -> None:
+    write_atomic(path, json.dumps(value, indent=2, sort_keys=False) + "\n")
+
+
+def write_yaml(path: str | os.PathLike, value: Any) -> None:
+    write_atomic(path, yaml.safe_dump(value, sort_keys=False))
+
+
+def write_jsonl(path: str | os.PathLike, rows: Iterable[dict[str, Any]]) -> None:
+    """The whole file, rewritten atomically (rows are few: one per round)."""
+    write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
+
+
+def accuracy_table(accuracy: dict[str, float], title: str = "") -> str:
+    """A two-row text table: domains then AVG, in percent with two decimals (as the paper prints)."""
+    names = [name for name in accuracy if name != "AVG"] + ["AVG"]
+    widths = [max(len(name), 6) for name in names]
+    head = "  ".join(name.rjust(w) for name, w in zip(names, widths))
+    values = "  ".join(f"{accuracy[name]:.2f}".rjust(w) for name, w in zip(names, widths))
+    return (f"{title}\n" if title else "") + head + "\n" + values
+
+
+def plot_accuracy(history: list[dict[str, Any]], path: str | os.PathLike, title: str = "") -> None:
+    """PNG of test accuracy per round (each domain thin, AVG thick), written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [row for row in history if "accuracy" in row]
+    if not rows:
+        return
+    names = list(rows[0]["accuracy"])
+    figure, axis = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    rounds = [row["round"] + 1 for row in rows]
+    for name in names:
+        values = [row["accuracy"][name] for row in rows]
+        if name == "AVG":
+            axis.plot(rounds, values, color="black", linewidth=2.4, label="AVG", marker="o", markersize=3)
+        else:
+            axis.plot(rounds, values, linewidth=1.2, label=name)
+    axis.set_xlabel("round")
+    axis.set_ylabel("test accuracy (%)")
+    axis.set_title(title)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp.png")
+    figure.savefig(temporary)
+    plt.close(figure)
+    os.replace(temporary, path)
