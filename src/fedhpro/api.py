@@ -103,14 +103,15 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
                           eval_every=options.eval_every, device=device)
 
     rows: list[dict[str, Any]] = []
+    timings: list[dict[str, Any]] = []  # wall times vary run to run: kept out of metrics.jsonl
     bar = _progress(options.rounds, f"{options.method} on {options.dataset}", options.progress)
     last_accuracy: dict[str, float] | None = None
     for round_index in range(options.rounds):
         record = simulator.run_round(round_index)
-        row = record.to_json()
-        row["elapsed"] = time.perf_counter() - started
-        rows.append(row)
+        rows.append(record.to_json())
+        timings.append({"round": round_index, **record.seconds, "elapsed": time.perf_counter() - started})
         reports.write_jsonl(out / "metrics.jsonl", rows)
+        reports.write_jsonl(out / "timing.jsonl", timings)
         if record.accuracy is not None:
             last_accuracy = record.accuracy
         if bar is not None:
@@ -143,7 +144,7 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
     if echo:
         print(reports.accuracy_table(last_accuracy, f"{options.method} on {options.dataset}, seed {options.seed}, "
                                      f"{options.rounds} rounds, {seconds:.0f} s — test accuracy (%):"))
-        print(f"results in {out}/ (summary.json, metrics.jsonl, accuracy.png, config.yaml)")
+        print(f"results in {out}/ (summary.json, metrics.jsonl, timing.jsonl, accuracy.png, config.yaml)")
     return RunResult(summary=summary, metrics=rows, out=out, config=config)
 
 

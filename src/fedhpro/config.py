@@ -9,6 +9,7 @@ line naming the problem and the valid choices.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import os
@@ -146,38 +147,43 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
         source: a YAML file, a (nested or dotted) mapping, or None for the defaults.
         overrides: ``["rounds=5", "fedhpro.tau=0.1"]`` or a mapping applied after ``source``.
     """
-    if source is None:
-        values: dict[str, Any] = {}
-    elif isinstance(source, Mapping):
-        values = _flatten(source, "config")
-    else:
-        values = read_yaml(source)
+    layers: list[dict[str, Any]] = []
+    if isinstance(source, Mapping):
+        layers.append(_flatten(source, "config"))
+    elif source is not None:
+        layers.append(read_yaml(source))
     if overrides is not None:
-        pairs = overrides.items() if isinstance(overrides, Mapping) else map(parse_override, overrides)
-        values.update(_flatten(dict(pairs), "overrides"))
+        pairs = list(overrides.items()) if isinstance(overrides, Mapping) else [parse_override(o) for o in overrides]
+        layers.append(_flatten(dict(pairs), "overrides"))
+    assignments = [(key, copy.deepcopy(value)) for layer in layers for key, value in layer.items()]
 
-    run_values: dict[str, Any] = {}
-    sections: dict[str, dict[str, Any]] = {}
-    entry_keys: dict[str, set[str]] = {}
-    for key, value in values.items():
-        section, _, knob = key.partition(".")
-        if knob:
-            sections.setdefault(section, {})
-            inner, _, item = knob.partition(".")
-            if item:  # data.clients_per_domain.mnist=2 sets one entry of a mapping
-                entry_keys.setdefault(section, set()).add(inner)
-                sections[section].setdefault(inner, {})
-                if not isinstance(sections[section][inner], dict):
-                    raise ConfigError(f"'{key}' sets an entry of '{section}.{inner}', which is not a mapping")
-                sections[section][inner][item] = value
-            else:
-                sections[section][inner] = value
-        else:
-            run_values[key] = value
-
-    dataset = run_values.get("dataset", RunOptions.dataset)
+    dataset = RunOptions.dataset
+    for key, value in assignments:
+        if key == "dataset":
+            dataset = value
     if dataset not in DATASETS:
         raise ConfigError(f"dataset={dataset!r} is not valid; choose one of: {', '.join(DATASETS)}")
+
+    # applied in order: a later layer beats an earlier one, whether it sets a mapping or one entry of it
+    run_values: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in assignments:
+        section, _, knob = key.partition(".")
+        if not knob:
+            run_values[key] = value
+            continue
+        knobs = sections.setdefault(section, {})
+        inner, _, item = knob.partition(".")
+        if not item:
+            knobs[inner] = value
+            continue
+        # data.clients_per_domain.mnist=2 sets one entry of the mapping as it stands
+        if inner not in knobs:
+            knobs[inner] = copy.deepcopy(_default_of(section, inner, dataset))
+        if not isinstance(knobs[inner], dict):
+            raise ConfigError(f"'{key}' sets an entry of '{section}.{inner}', which is not a mapping")
+        knobs[inner][item] = value
+
     for key in run_values:
         if key not in _run_keys():
             raise _unknown(key, dataset)
@@ -188,14 +194,19 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
     run = _build(RunOptions, run_values, "", dataset)
     methods = {name: _build(spec.options, sections.get(name, {}), f"{name}.", dataset)
                for name, spec in METHODS.items()}
-    data_spec = get_dataset(dataset)
-    data_values = dict(sections.get(DATA_SECTION, {}))
-    defaults = dataclasses.asdict(data_spec.options())
-    for name in entry_keys.get(DATA_SECTION, ()):  # single entries merge into the default mapping
-        if isinstance(defaults.get(name), dict):
-            data_values[name] = {**defaults[name], **data_values[name]}
-    data = _build(data_spec.options, data_values, f"{DATA_SECTION}.", dataset)
+    data = _build(get_dataset(dataset).options, sections.get(DATA_SECTION, {}), f"{DATA_SECTION}.", dataset)
     return Config(run=run, methods=methods, data=data)
+
+
+def _default_of(section: str, name: str, dataset: str) -> Any:
+    """The default value of ``section.name`` (an empty mapping when it has none)."""
+    cls = get_dataset(dataset).options if section == DATA_SECTION else getattr(METHODS.get(section), "options", None)
+    if cls is None:
+        raise _unknown(f"{section}.{name}", dataset)
+    defaults = dataclasses.asdict(cls())
+    if name not in defaults:
+        raise _unknown(f"{section}.{name}", dataset)
+    return defaults[name]
 
 
 def _build(cls: type, values: dict[str, Any], prefix: str, dataset: str) -> Any:

@@ -34,7 +34,7 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _coerce_scalar(key: str, value: Any, tp: Any) -> Any:
+def _coerce_scalar(key: str, value: Any, tp: Any, choices: tuple | None = None) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -65,6 +65,11 @@ def _coerce_scalar(key: str, value: Any, tp: Any) -> Any:
             raise ConfigError(f"{key}={value!r} must be a finite number")
         return number
     if tp is str:
+        if isinstance(value, bool):
+            # YAML 1.1 reads on/off/yes/no as booleans: give back the word the user most likely wrote
+            words = ("true", "on", "yes") if value else ("false", "off", "no")
+            matches = [w for w in words if w in (choices or ())]
+            return matches[0] if matches else words[0]
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key}={value!r} must be a single word, not a {type(value).__name__}")
         return str(value)
@@ -102,8 +107,8 @@ def coerce(key: str, value: Any, field: dataclasses.Field, tp: Any) -> Any:
         item_type = args[0] if args else Any
         return [(_coerce_scalar(f"{key}[{i}]", v, item_type) if item_type is not Any else v)
                 for i, v in enumerate(value)]
-    value = _coerce_scalar(key, value, tp)
     meta = field.metadata
+    value = _coerce_scalar(key, value, tp, meta.get("choices"))
     if meta.get("choices") is not None and value not in meta["choices"]:
         raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, meta['choices']))}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -45,9 +45,9 @@ class RoundRecord:
     seconds: dict[str, float]
 
     def to_json(self) -> dict[str, Any]:
+        """The deterministic part (same seed, same numbers): a line of ``metrics.jsonl``."""
         out = {"round": self.round, "participants": self.participants, "train": self.train,
-               "server": self.server, "bytes_up": self.bytes_up, "bytes_down": self.bytes_down,
-               "seconds": self.seconds}
+               "server": self.server, "bytes_up": self.bytes_up, "bytes_down": self.bytes_down}
         if self.accuracy is not None:
             out["accuracy"] = self.accuracy
         return out

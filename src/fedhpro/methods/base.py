@@ -12,6 +12,7 @@ Client hook: ``fit(model, payload, data, state, generator) -> (reply, metrics)``
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -104,8 +105,10 @@ class Server:
         """FedAvg of the replies' weights by their ``num_examples`` (Algorithm 1's aggregation)."""
         for index, reply in enumerate(replies):
             check_weights(reply.get("weights"), self.weights, who=f"reply {index}")
-            if not reply.get("num_examples", 0) > 0:
-                raise UpdateError(f"reply {index} has num_examples={reply.get('num_examples')!r}; it must be > 0")
+            count = reply.get("num_examples")
+            if (isinstance(count, bool) or not isinstance(count, (int, float)) or not math.isfinite(count)
+                    or count <= 0):
+                raise UpdateError(f"reply {index} has num_examples={count!r}; it must be a finite number > 0")
         return weighted_average([reply["weights"] for reply in replies], [reply["num_examples"] for reply in replies])
 
     def global_weights(self) -> Weights:

@@ -66,8 +66,9 @@ class FedHProServer(Server):
         return {"weights": self.weights, "hyper_prototypes": self.hyper}
 
     def aggregate(self, round: int, replies: list[Payload]) -> dict[str, float]:
-        self.weights = self.average_weights(replies)
+        # validate everything before changing any state: a rejected round leaves the server as it was
         gradients, present = _stack_class_gradients(replies, self.num_classes, self.hyper.shape[2])
+        self.weights = self.average_weights(replies)
         g_real, held = HF.aggregate_class_gradients(gradients, present)
         self.scratch.load_state_dict(self.weights)
         classifier = self.scratch.classifier
