@@ -33,7 +33,7 @@ def test_defaults():
     config = load_config(None)
     run = config.run
     assert (run.method, run.dataset, run.model) == ("fedhpro", "digits-offline", "cnn")
-    assert (run.rounds, run.feature_dim, run.local_epochs, run.batch_size) == (20, 512, 1, 64)
+    assert (run.rounds, run.feature_dim, run.local_epochs, run.batch_size) == (10, 512, 5, 64)
     assert (run.lr, run.momentum, run.weight_decay) == (0.01, 0.9, 1e-5)
     assert (run.participation, run.seed, run.eval_every, run.clients) == (1.0, 0, 1, None)
     assert run.progress is True and run.device == "auto" and run.out is None and run.data_dir is None
