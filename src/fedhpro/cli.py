@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedhpro",
         description="FedHPro and federated-learning baselines on heterogeneous clients.")
+    from fedhpro import __version__
+
+    parser.add_argument("--version", action="version", version=f"fedhpro {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     run_parser = commands.add_parser(
         "run", help="train one method on one federation",

@@ -9,7 +9,7 @@ class ConfigError(FedHProError, ValueError):
     """A wrong config key or value."""
 
 
-class DataError(FedHProError):
+class DataError(FedHProError, RuntimeError):
     """Missing or malformed data."""
 
 

@@ -15,7 +15,7 @@ import torch
 
 from fedhpro.data import DatasetSpec
 from fedhpro.data.federation import ClientData, Federation, normalize_images
-from fedhpro.errors import ConfigError
+from fedhpro.errors import ConfigError, DataError
 from fedhpro.options import option
 
 PAPER_CLIENTS = {"mnist": 3, "optdigits": 7, "mnistm": 6, "syn": 4}
@@ -39,10 +39,14 @@ class DigitsOfflineOptions:
 
 def build(options: DigitsOfflineOptions, clients: int | None, seed: int, data_dir=None,
           progress: bool = False) -> Federation:
-    from fedhpro.data.digits_offline import DOMAINS, build_digits_offline
+    from fedhpro.data.digits_offline import DOMAINS, build_digits_offline, default_data_dir
 
-    domains = build_digits_offline(data_dir, seed=options.build_seed, test_fraction=options.test_fraction,
-                                   syn_size=options.syn_size, progress=progress)
+    try:
+        domains = build_digits_offline(data_dir, seed=options.build_seed, test_fraction=options.test_fraction,
+                                       syn_size=options.syn_size, progress=progress)
+    except OSError as error:
+        raise DataError(f"cannot build or cache digits-offline under {data_dir or default_data_dir()!s} "
+                        f"({error.strerror or error}); set data_dir= to a writable folder") from None
     layout = dict(options.clients_per_domain)
     unknown = set(layout) - set(DOMAINS)
     if unknown:

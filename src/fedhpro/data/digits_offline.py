@@ -75,6 +75,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedhpro.errors import DataError
+
 __all__ = [
     "DOMAINS",
     "DOMAIN_DESCRIPTIONS",
@@ -286,7 +288,7 @@ def _require(package: str, import_name: str):
     try:
         return __import__(import_name, fromlist=["_"])
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise RuntimeError(
+        raise DataError(
             f"The digits-offline benchmark needs the '{package}' package, which is not "
             f"installed. Install it with: pip install {package}"
         ) from exc
@@ -333,7 +335,7 @@ def _font_sources() -> list[str]:
     except (TypeError, OSError, ImportError):  # old Pillow or no FreeType
         pass
     if not fonts:
-        raise RuntimeError(
+        raise DataError(
             "No usable FreeType font found for the 'syn' domain: need matplotlib's bundled "
             "DejaVu fonts or Pillow >= 10.1 built with FreeType (pip install -U matplotlib pillow)."
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,9 +52,30 @@ class MethodContext:
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
 
 
-def clone_weights(model: nn.Module) -> Weights:
-    """A copy of the model's state, sharing no storage with the model (no aliasing between clients)."""
-    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+def clone_weights(model: nn.Module, keys: Iterable[str] | None = None) -> Weights:
+    """A copy of the model's state (only ``keys`` if given), sharing no storage with the model."""
+    state = model.state_dict()
+    names = state.keys() if keys is None else keys
+    return {name: state[name].detach().clone() for name in names}
+
+
+def load_weights(model: nn.Module, weights: Mapping[str, Tensor]) -> None:
+    """Load the shared part of a model: every key in ``weights`` must exist in the model.
+
+    With a homogeneous federation ``weights`` is the whole state; with
+    heterogeneous feature extractors it is the shared classifier only, and the
+    client's own feature extractor stays as it is.
+    """
+    state = model.state_dict()
+    unknown = [name for name in weights if name not in state]
+    if unknown:
+        raise UpdateError(f"the server sent weights {unknown[:3]} that this client's model does not have")
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            if state[name].shape != tensor.shape:
+                raise UpdateError(f"the server sent '{name}' with shape {tuple(tensor.shape)}, "
+                                  f"the client's model has {tuple(state[name].shape)}")
+            state[name].copy_(tensor)
 
 
 def payload_bytes(payload: Any) -> int:
@@ -135,9 +156,10 @@ class Client:
 
     def fit(self, model: nn.Module, payload: Payload, data: ClientData, state: dict[str, Any],
             generator: torch.Generator) -> tuple[Payload, dict[str, float]]:
-        model.load_state_dict(payload["weights"])
+        load_weights(model, payload["weights"])
         losses = train_epochs(model, data, self.train, generator)
-        return {"weights": clone_weights(model), "num_examples": len(data)}, losses
+        # reply exactly the keys received: the shared part of the model
+        return {"weights": clone_weights(model, payload["weights"]), "num_examples": len(data)}, losses
 
 
 def train_epochs(model: nn.Module, data: ClientData, train: TrainSettings, generator: torch.Generator,

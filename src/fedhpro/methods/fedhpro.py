@@ -24,6 +24,7 @@ from fedhpro.methods.base import (
     Server,
     clone_weights,
     extract_features,
+    load_weights,
     train_epochs,
 )
 from fedhpro.options import option
@@ -70,7 +71,7 @@ class FedHProServer(Server):
         gradients, present = _stack_class_gradients(replies, self.num_classes, self.hyper.shape[2])
         self.weights = self.average_weights(replies)
         g_real, held = HF.aggregate_class_gradients(gradients, present)
-        self.scratch.load_state_dict(self.weights)
+        load_weights(self.scratch, self.weights)
         classifier = self.scratch.classifier
         device = classifier.weight.device
         hyper, before, after = HF.match_hyper_prototypes(
@@ -110,7 +111,7 @@ def _stack_class_gradients(replies: list[Payload], num_classes: int, feature_dim
 class FedHProClient(Client):
     def fit(self, model, payload: Payload, data: ClientData, state: dict, generator: torch.Generator):
         options = self.options
-        model.load_state_dict(payload["weights"])
+        load_weights(model, payload["weights"])
         hyper = payload["hyper_prototypes"].to(data.x.device)
         margin = torch.zeros((), device=data.x.device)
         if options.margin != "off" and options.hpcl_weight > 0:
@@ -134,7 +135,7 @@ class FedHProClient(Client):
             gradients, counts, prototypes = self._class_gradients(model, data)
         losses["margin"] = float(margin)
         reply = {
-            "weights": clone_weights(model),
+            "weights": clone_weights(model, payload["weights"]),
             "num_examples": len(data),
             "class_counts": counts.cpu(),
             "class_gradients": gradients.cpu(),
