@@ -98,9 +98,19 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
 
     train = TrainSettings(epochs=options.local_epochs, batch_size=options.batch_size, lr=options.lr,
                           momentum=options.momentum, weight_decay=options.weight_decay)
+    architectures = None
+    if options.heterogeneity != "none":
+        from fedhpro.models.heterogeneity import architecture_for_client
+
+        architectures = [architecture_for_client(options.heterogeneity, k) for k in range(federation.num_clients)]
+
+    def architecture_factory(name: str):
+        return build_model(name, federation.num_classes, federation.input_shape, options.feature_dim)
+
     simulator = Simulator(method, config.method_options, federation, model_factory, train,
                           rounds=options.rounds, participation=options.participation, seed=options.seed,
-                          eval_every=options.eval_every, device=device)
+                          eval_every=options.eval_every, device=device, client_architectures=architectures,
+                          architecture_factory=architecture_factory)
 
     rows: list[dict[str, Any]] = []
     timings: list[dict[str, Any]] = []  # wall times vary run to run: kept out of metrics.jsonl

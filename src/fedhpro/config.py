@@ -35,6 +35,9 @@ class RunOptions:
     dataset: str = option("digits-offline", choices=tuple(DATASETS), help="the federation's data set")
     model: str = option("cnn", choices=tuple(MODELS), help="the model architecture")
     feature_dim: int = option(512, min=1, help="d, the feature dimension")
+    heterogeneity: str = option("none", choices=("none", "htfe2", "htfe3", "htfe5", "htfe8"),
+                                help="model heterogeneity: htfeX gives client k the architecture k mod X of the "
+                                     "paper's HtFE_X list; only the classifier is shared")
     rounds: int = option(10, min=1, help="R, communication rounds (the paper: 100; 10 fits a CPU in minutes)")
     clients: int | None = option(None, min=1, help="K, number of clients (default: the data set's layout)")
     participation: float = option(1.0, gt=0.0, max=1.0, help="fraction of clients sampled each round")

@@ -43,6 +43,15 @@ class Federation:
     def num_clients(self) -> int:
         return len(self.clients)
 
+    def client_test_name(self, k: int) -> str:
+        """The test set of client ``k``'s own distribution: its domain's, else the only/``all`` one."""
+        domain = self.client_domains[k] if self.client_domains else None
+        if domain in self.test_sets:
+            return domain
+        if "all" in self.test_sets or len(self.test_sets) != 1:
+            return "all"
+        return next(iter(self.test_sets))
+
     def to(self, device: torch.device) -> "Federation":
         """Move every tensor to ``device`` (once, before training: data stays resident)."""
         self.clients = [ClientData(c.x.to(device), c.y.to(device), c.num_classes) for c in self.clients]

@@ -12,14 +12,15 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from fedhpro.data.federation import Federation
-from fedhpro.methods.base import MethodContext, MethodSpec, TrainSettings, payload_bytes
+from fedhpro.errors import ConfigError
+from fedhpro.methods.base import MethodContext, MethodSpec, TrainSettings, load_weights, payload_bytes
 
 
 def derive_seed(*parts: int) -> int:
@@ -73,7 +74,12 @@ class Simulator:
     def __init__(self, method: MethodSpec, options: Any, federation: Federation,
                  model_factory: Callable[[], nn.Module], train: TrainSettings, *, rounds: int,
                  participation: float = 1.0, seed: int = 0, eval_every: int = 1,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", client_architectures: Sequence[str] | None = None,
+                 architecture_factory: Callable[[str], nn.Module] | None = None):
+        """``client_architectures`` (one name per client, built by ``architecture_factory``) switches on
+        heterogeneous feature extractors: each client keeps its own model across rounds and only the
+        classifier (``classifier.*``) is exchanged and aggregated; evaluation then averages each
+        client's model (its feature extractor with the global classifier) on its own test data."""
         self.method = method
         self.federation = federation
         self.rounds = rounds
@@ -81,17 +87,71 @@ class Simulator:
         self.seed = seed
         self.eval_every = eval_every
         self.device = torch.device(device)
-        with torch.random.fork_rng(devices=[]):  # seed the initial weights without touching the caller's RNG
-            torch.manual_seed(derive_seed(seed, _INIT))
-            global_model = model_factory().to(self.device)
-        self.working_model = copy.deepcopy(global_model)  # reused by every client: no per-client allocation
-        self.eval_model = copy.deepcopy(global_model)
+        self.client_architectures = list(client_architectures) if client_architectures is not None else None
+        shared_keys = None
+        if self.client_architectures is None:
+            global_model = self._seeded(model_factory, derive_seed(seed, _INIT))
+            self.working_model = copy.deepcopy(global_model)  # reused by every client: no per-client allocation
+            self.eval_model = copy.deepcopy(global_model)
+        else:
+            if len(self.client_architectures) != federation.num_clients:
+                raise ValueError(f"{len(self.client_architectures)} architectures for {federation.num_clients} clients")
+            if architecture_factory is None:
+                raise ValueError("client_architectures needs an architecture_factory")
+            self.working_models: dict[str, nn.Module] = {}
+            self.client_weights: list[dict[str, Tensor]] = []
+            for k, name in enumerate(self.client_architectures):
+                model = self._seeded(lambda: architecture_factory(name), derive_seed(seed, _INIT, k))
+                self.working_models.setdefault(name, model)
+                self.client_weights.append({key: v.detach().clone() for key, v in model.state_dict().items()})
+            global_model = copy.deepcopy(self.working_models[self.client_architectures[0]])
+            shared_keys = [key for key in global_model.state_dict() if key.startswith("classifier.")]
+            shapes = {name: [tuple(m.state_dict()[key].shape) for key in shared_keys]
+                      for name, m in self.working_models.items()}
+            if len({tuple(v) for v in shapes.values()}) != 1:
+                raise ConfigError(f"the client models' classifiers differ in shape {shapes}; "
+                                  "every architecture must produce the same feature_dim")
         context = MethodContext(model=global_model, num_classes=federation.num_classes, options=options,
-                                train=train, seed=derive_seed(seed, _SERVER), device=self.device)
+                                train=train, seed=derive_seed(seed, _SERVER), device=self.device,
+                                shared_keys=shared_keys)
         self.server = method.server(context)
         self.client = method.client(context)
         self.client_states: list[dict[str, Any]] = [{} for _ in range(federation.num_clients)]
         self.history: list[RoundRecord] = []
+
+    def _seeded(self, factory: Callable[[], nn.Module], seed: int) -> nn.Module:
+        with torch.random.fork_rng(devices=[]):  # seed the initial weights without touching the caller's RNG
+            torch.manual_seed(seed)
+            return factory().to(self.device)
+
+    @property
+    def heterogeneous(self) -> bool:
+        return self.client_architectures is not None
+
+    def _client_model(self, k: int) -> nn.Module:
+        """The model client ``k`` trains: the shared working model, or its own persistent one."""
+        if not self.heterogeneous:
+            return self.working_model
+        model = self.working_models[self.client_architectures[k]]
+        model.load_state_dict(self.client_weights[k])
+        return model
+
+    def evaluate_global(self) -> dict[str, float]:
+        """Test accuracy (%) per test set and AVG: the global model, or (heterogeneous) each client's
+        model with the global classifier on its own test data, averaged per domain and over domains."""
+        if not self.heterogeneous:
+            self.eval_model.load_state_dict(self.server.global_weights())
+            return evaluate(self.eval_model, self.federation.test_sets)
+        per_client = []
+        for k in range(self.federation.num_clients):
+            model = self._client_model(k)
+            load_weights(model, self.server.global_weights())
+            name = self.federation.client_test_name(k)
+            per_client.append((name, evaluate(model, {name: self.federation.test_sets[name]})[name]))
+        names = [name for name in self.federation.test_sets if any(n == name for n, _ in per_client)]
+        accuracy = {name: float(np.mean([a for n, a in per_client if n == name])) for name in names}
+        accuracy["AVG"] = float(np.mean([accuracy[name] for name in names]))
+        return accuracy
 
     def sample_clients(self, round: int) -> list[int]:
         """The participants of ``round``: a seeded draw without replacement, sorted."""
@@ -110,8 +170,11 @@ class Simulator:
         replies, train_metrics = [], []
         for k in participants:
             generator = torch.Generator().manual_seed(derive_seed(self.seed, _TRAIN, round, k))
-            reply, metrics = self.client.fit(self.working_model, payload, self.federation.clients[k],
+            model = self._client_model(k)
+            reply, metrics = self.client.fit(model, payload, self.federation.clients[k],
                                              self.client_states[k], generator)
+            if self.heterogeneous:  # the client's own feature extractor persists to its next round
+                self.client_weights[k] = {key: v.detach().clone() for key, v in model.state_dict().items()}
             replies.append(reply)
             train_metrics.append((len(self.federation.clients[k]), metrics))
         client_seconds = time.perf_counter() - timer
@@ -124,8 +187,7 @@ class Simulator:
         timer = time.perf_counter()
         accuracy = None
         if (round + 1) % self.eval_every == 0 or round + 1 == self.rounds:
-            self.eval_model.load_state_dict(self.server.global_weights())
-            accuracy = evaluate(self.eval_model, self.federation.test_sets)
+            accuracy = self.evaluate_global()
         eval_seconds = time.perf_counter() - timer
 
         record = RoundRecord(

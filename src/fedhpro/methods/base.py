@@ -50,6 +50,8 @@ class MethodContext:
     train: TrainSettings
     seed: int = 0
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+    #: the state keys exchanged and aggregated (None: the whole model; heterogeneous models: the classifier)
+    shared_keys: list[str] | None = None
 
 
 def clone_weights(model: nn.Module, keys: Iterable[str] | None = None) -> Weights:
@@ -113,7 +115,7 @@ class Server:
         self.context = context
         self.options = context.options
         self.num_classes = context.num_classes
-        self.weights: Weights = clone_weights(context.model)
+        self.weights: Weights = clone_weights(context.model, context.shared_keys)
 
     def broadcast(self, round: int) -> Payload:
         return {"weights": self.weights}
