@@ -142,3 +142,32 @@ def test_mismatched_classifier_shapes_are_a_clear_error():
     with pytest.raises(ConfigError, match="feature_dim"):
         Simulator(spec, spec.options(), federation(), lambda: factory("tiny"), TRAIN, rounds=1,
                   client_architectures=["tiny", "other", "tiny", "other"], architecture_factory=bad_factory)
+
+
+def test_shared_none_keeps_every_client_model_personal():
+    """Prototype-only protocols: no weights travel, each client's whole model persists and is evaluated alone."""
+    spec = METHODS["fedavg"]
+    fed = federation()
+    sim = Simulator(spec, spec.options(), fed, lambda: factory("tiny"), TRAIN, rounds=2, seed=5, shared="none")
+    assert sim.server.broadcast(0)["weights"] == {}
+    record = sim.run_round(0)
+    assert record.bytes_down == 0
+    # clients trained alone: client k's model equals its own training from its own initial weights
+    k = 1
+    model = factory("tiny")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(5, 1, k))
+        initial = factory("tiny").state_dict()
+    model.load_state_dict(initial)
+    sim.client.fit(model, {"weights": {}}, fed.clients[k], {}, torch.Generator().manual_seed(derive_seed(5, 3, 0, k)))
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, sim.client_weights[k][key])
+    # evaluation: each client's own model on its own domain's test set, averaged per domain then over domains
+    per_domain: dict[str, list[float]] = {}
+    for i in range(fed.num_clients):
+        m = factory("tiny")
+        m.load_state_dict(sim.client_weights[i])
+        domain = fed.client_domains[i]
+        per_domain.setdefault(domain, []).append(evaluate(m, {domain: fed.test_sets[domain]})[domain])
+    for domain, values in per_domain.items():
+        assert record.accuracy[domain] == pytest.approx(sum(values) / len(values))

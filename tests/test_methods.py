@@ -248,7 +248,7 @@ def test_aggregate_class_gradients_are_unweighted_means_over_holders(monkeypatch
     for c in range(3):
         assert not torch.equal(server.hyper[c], hyper_before[c])
     assert metrics["gm_loss_after"] <= metrics["gm_loss_before"]
-    movement = float((server.hyper - server.hyper_initial).norm() / server.hyper_initial.norm())
+    movement = float((server.hyper - server.bank.initial).norm() / server.bank.initial.norm())
     assert metrics["hyper_movement"] == pytest.approx(movement, rel=1e-6)
     assert metrics["hyper_movement"] > 0
     # the next broadcast carries the matched hyper-prototypes
@@ -296,7 +296,7 @@ def test_server_state_dict_round_trip():
     fresh = FedHProServer(context(FedHProOptions(match_steps=2), seed=99))
     fresh.load_state_dict(state)
     assert torch.equal(fresh.hyper, server.hyper)
-    assert torch.equal(fresh.hyper_initial, server.hyper_initial)
+    assert torch.equal(fresh.bank.initial, server.bank.initial)
     for name in server.weights:
         assert torch.equal(fresh.weights[name], server.weights[name])
 

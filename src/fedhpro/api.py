@@ -110,7 +110,7 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
     simulator = Simulator(method, config.method_options, federation, model_factory, train,
                           rounds=options.rounds, participation=options.participation, seed=options.seed,
                           eval_every=options.eval_every, device=device, client_architectures=architectures,
-                          architecture_factory=architecture_factory)
+                          architecture_factory=architecture_factory, shared=_shared(config))
 
     rows: list[dict[str, Any]] = []
     timings: list[dict[str, Any]] = []  # wall times vary run to run: kept out of metrics.jsonl
@@ -156,6 +156,13 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
                                      f"{options.rounds} rounds, {seconds:.0f} s — test accuracy (%):"))
         print(f"results in {out}/ (summary.json, metrics.jsonl, timing.jsonl, accuracy.png, config.yaml)")
     return RunResult(summary=summary, metrics=rows, out=out, config=config)
+
+
+def _shared(config: Config) -> str:
+    """Which weights travel: prototype-only protocols send none; heterogeneous models the classifier."""
+    if getattr(config.method_options, "protocol", "dagger") == "proto-only":
+        return "none"
+    return "classifier" if config.run.heterogeneity != "none" else "all"
 
 
 def _progress(total: int, description: str, enabled: bool):

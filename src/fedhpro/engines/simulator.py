@@ -75,11 +75,25 @@ class Simulator:
                  model_factory: Callable[[], nn.Module], train: TrainSettings, *, rounds: int,
                  participation: float = 1.0, seed: int = 0, eval_every: int = 1,
                  device: torch.device | str = "cpu", client_architectures: Sequence[str] | None = None,
-                 architecture_factory: Callable[[str], nn.Module] | None = None):
+                 architecture_factory: Callable[[str], nn.Module] | None = None, shared: str | None = None):
         """``client_architectures`` (one name per client, built by ``architecture_factory``) switches on
         heterogeneous feature extractors: each client keeps its own model across rounds and only the
         classifier (``classifier.*``) is exchanged and aggregated; evaluation then averages each
-        client's model (its feature extractor with the global classifier) on its own test data."""
+        client's model (its feature extractor with the global classifier) on its own test data.
+
+        ``shared`` says which weights travel: ``"all"`` (default for one architecture), ``"classifier"``
+        (default with ``client_architectures``) or ``"none"`` (prototype-only protocols: every client
+        keeps its whole model, evaluated on its own test data)."""
+        if shared is None:
+            shared = "all" if client_architectures is None else "classifier"
+        if shared not in ("all", "classifier", "none"):
+            raise ValueError(f"shared must be all, classifier or none, got {shared!r}")
+        if shared == "all" and client_architectures is not None:
+            raise ConfigError("different client architectures cannot share all their weights")
+        if shared != "all" and client_architectures is None:
+            client_architectures = ["model"] * federation.num_clients
+            architecture_factory = lambda name: model_factory()  # noqa: E731
+        self.shared = shared
         self.method = method
         self.federation = federation
         self.rounds = rounds
@@ -105,7 +119,8 @@ class Simulator:
                 self.working_models.setdefault(name, model)
                 self.client_weights.append({key: v.detach().clone() for key, v in model.state_dict().items()})
             global_model = copy.deepcopy(self.working_models[self.client_architectures[0]])
-            shared_keys = [key for key in global_model.state_dict() if key.startswith("classifier.")]
+            shared_keys = ([key for key in global_model.state_dict() if key.startswith("classifier.")]
+                           if shared == "classifier" else [])
             shapes = {name: [tuple(m.state_dict()[key].shape) for key in shared_keys]
                       for name, m in self.working_models.items()}
             if len({tuple(v) for v in shapes.values()}) != 1:

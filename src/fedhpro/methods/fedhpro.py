@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from fedhpro import functional as HF
-from fedhpro.errors import UpdateError
 from fedhpro.methods.base import (
     Client,
     ClientData,
@@ -27,6 +26,7 @@ from fedhpro.methods.base import (
     load_weights,
     train_epochs,
 )
+from fedhpro.methods.hyper import HyperPrototypeBank, class_statistics
 from fedhpro.options import option
 
 
@@ -56,56 +56,32 @@ class FedHProOptions:
 class FedHProServer(Server):
     def __init__(self, context: MethodContext):
         super().__init__(context)
-        feature_dim = context.model.classifier.in_features
-        generator = torch.Generator().manual_seed(context.seed)
-        # S ~ N(0, 1), drawn once on the CPU (same values on every device)
-        self.hyper = torch.randn(self.num_classes, self.options.num_hyper, feature_dim, generator=generator)
-        self.hyper_initial = self.hyper.clone()
+        o = self.options
+        self.bank = HyperPrototypeBank(self.num_classes, context.model.classifier.in_features, context.seed,
+                                       num_hyper=o.num_hyper, match_steps=o.match_steps, lr=o.hyper_lr,
+                                       optimizer=o.hyper_optimizer)
         self.scratch = context.model
 
+    @property
+    def hyper(self) -> torch.Tensor:
+        return self.bank.hyper
+
     def broadcast(self, round: int) -> Payload:
-        return {"weights": self.weights, "hyper_prototypes": self.hyper}
+        return {"weights": self.weights, "hyper_prototypes": self.bank.hyper}
 
     def aggregate(self, round: int, replies: list[Payload]) -> dict[str, float]:
         # validate everything before changing any state: a rejected round leaves the server as it was
-        gradients, present = _stack_class_gradients(replies, self.num_classes, self.hyper.shape[2])
+        gradients, present = self.bank.validate(replies)
         self.weights = self.average_weights(replies)
-        g_real, held = HF.aggregate_class_gradients(gradients, present)
         load_weights(self.scratch, self.weights)
-        classifier = self.scratch.classifier
-        device = classifier.weight.device
-        hyper, before, after = HF.match_hyper_prototypes(
-            self.hyper.to(device), classifier, g_real.to(device), held.to(device),
-            steps=self.options.match_steps, lr=self.options.hyper_lr, optimizer=self.options.hyper_optimizer)
-        self.hyper = hyper.to(self.hyper.device)
-        movement = float((self.hyper - self.hyper_initial).norm() / self.hyper_initial.norm())
-        return {"gm_loss_before": before, "gm_loss_after": after, "hyper_movement": movement}
+        return self.bank.update(gradients, present, self.scratch.classifier)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"weights": self.weights, "hyper_prototypes": self.hyper, "hyper_initial": self.hyper_initial}
+        return {"weights": self.weights, **self.bank.state_dict()}
 
     def load_state_dict(self, state) -> None:
         self.weights = dict(state["weights"])
-        self.hyper = state["hyper_prototypes"].clone()
-        self.hyper_initial = state["hyper_initial"].clone()
-
-
-def _stack_class_gradients(replies: list[Payload], num_classes: int, feature_dim: int):
-    gradients, present = [], []
-    for index, reply in enumerate(replies):
-        g = reply.get("class_gradients")
-        counts = reply.get("class_counts")
-        if not isinstance(g, torch.Tensor) or tuple(g.shape) != (num_classes, feature_dim):
-            raise UpdateError(f"reply {index}: class_gradients must be a {num_classes} x {feature_dim} tensor, "
-                              f"got {getattr(g, 'shape', type(g).__name__)}")
-        if not isinstance(counts, torch.Tensor) or tuple(counts.shape) != (num_classes,):
-            raise UpdateError(f"reply {index}: class_counts must be a tensor of {num_classes} counts")
-        holds = counts > 0
-        if not bool(torch.isfinite(g[holds]).all()):
-            raise UpdateError(f"reply {index}: class_gradients contain NaN/Inf")
-        gradients.append(g.float())
-        present.append(holds)
-    return torch.stack(gradients), torch.stack(present)
+        self.bank.load_state_dict(state)
 
 
 class FedHProClient(Client):
@@ -144,26 +120,7 @@ class FedHProClient(Client):
         return reply, losses
 
     def _class_gradients(self, model, data: ClientData):
-        """g_k^c (Eq. 5) and p_k^c (Eq. 2) from one eval-mode pass over the client's data."""
-        x, y = data.x, data.y
-        limit = self.options.gradient_samples_per_class
-        if limit > 0:
-            # the first `limit` samples of each class, in stored order
-            rank = torch.zeros_like(y)
-            for c in torch.unique(y):
-                where = (y == c).nonzero().squeeze(1)
-                rank[where] = torch.arange(where.numel(), device=y.device)
-            keep = rank < limit
-            x, y = x[keep], y[keep]
-        features = extract_features(model, x)
-        was_training = model.training
-        model.eval()
-        gradients, counts = HF.class_gradients(features, y, model.classifier, self.num_classes)
-        model.train(was_training)
-        prototypes, _ = HF.local_prototypes(features, y, self.num_classes)
-        if limit > 0:
-            counts = torch.bincount(data.y, minlength=self.num_classes)[: self.num_classes]
-        return gradients, counts, prototypes
+        return class_statistics(model, data, self.num_classes, self.options.gradient_samples_per_class)
 
 
 METHOD = MethodSpec(

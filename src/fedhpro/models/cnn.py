@@ -36,3 +36,18 @@ class FedAvgCNN(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.classifier(self.features(x))
+
+
+class CNN4(FedAvgCNN):
+    """The paper's "4-layer CNN" of the HtFE_2 / HtFE_8 lists: FedAvgCNN under its HtFE name.
+
+    FedHPro's HtFE lists follow FedTGP (Zhang et al., 2024a) and FedSA, whose
+    code builds that entry as ``FedAvgCNN(in_features=3, dim=1600)``: two 5x5
+    convolutions (32, 64 channels, ReLU, 2x2 max-pool) and two fully connected
+    layers (flatten -> 512 -> ReLU, then the classifier), i.e. four weight
+    layers. So ``cnn4`` is exactly :class:`FedAvgCNN` (features = conv, conv,
+    linear(d) + ReLU; classifier = linear(d, C)), with ``d`` honoured by the
+    first linear layer. It needs inputs of at least 16x16.
+    """
+
+    input_kind = "image"

@@ -1,0 +1,93 @@
+"""Pieces shared by the model zoo: the common model shape, input-shape checks, and the ``-> d`` projection."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from numbers import Integral
+
+from torch import Tensor, nn
+
+#: inputs with ``min(H, W) <= SMALL_INPUT`` get the small-image ("CIFAR") stems; larger ones keep ImageNet's
+SMALL_INPUT = 32
+
+PROJECTIONS = ("linear", "pool")
+
+
+class ZooModel(nn.Module):
+    """``features`` (an ``nn.Module``: input -> ``B x d``) followed by ``classifier`` (``nn.Linear(d, C)``).
+
+    ``forward(x) == classifier(features(x))``. Subclasses set ``self.features``;
+    :meth:`_finish` adds the classifier and the ``feature_dim`` / ``num_classes``
+    attributes.
+    """
+
+    #: "image" (input_shape = C x H x W) or "tokens" (input_shape = (L,), LongTensor token ids)
+    input_kind = "image"
+
+    features: nn.Module
+    classifier: nn.Linear
+
+    def _finish(self, num_classes: int, feature_dim: int) -> None:
+        self.classifier = nn.Linear(feature_dim, num_classes)
+        self.feature_dim = feature_dim
+        self.num_classes = num_classes
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(self.features(x))
+
+
+def check_dims(name: str, num_classes: int, feature_dim: int) -> None:
+    if int(num_classes) < 1:
+        raise ValueError(f"{name}: num_classes must be >= 1, got {num_classes}")
+    if int(feature_dim) < 1:
+        raise ValueError(f"{name}: feature_dim must be >= 1, got {feature_dim}")
+
+
+def _int_tuple(input_shape: Sequence[int]) -> tuple:
+    """The shape as a tuple, integral entries (numpy / torch ints too) turned into ``int``."""
+    return tuple(int(s) if isinstance(s, Integral) and not isinstance(s, bool) else s for s in input_shape)
+
+
+def check_image_shape(name: str, input_shape: Sequence[int], min_size: int = 1) -> tuple[int, int, int]:
+    """``input_shape`` as ``(C, H, W)``; ``ValueError`` when it is not an image shape of at least ``min_size``."""
+    shape = _int_tuple(input_shape)
+    if len(shape) != 3 or not all(isinstance(s, int) and s >= 1 for s in shape):
+        hint = " (a token sequence shape: use 'textcnn')" if len(shape) == 1 else ""
+        raise ValueError(f"model {name!r} takes images: input_shape must be (channels, height, width) of "
+                         f"positive ints, got {shape}{hint}")
+    if min(shape[1:]) < min_size:
+        raise ValueError(f"model {name!r} needs images of at least {min_size}x{min_size}, got {shape}")
+    return shape  # type: ignore[return-value]
+
+
+def check_token_shape(name: str, input_shape: Sequence[int]) -> int:
+    """``input_shape`` as ``(L,)``; ``ValueError`` otherwise. Returns ``L``."""
+    shape = _int_tuple(input_shape)
+    if len(shape) != 1 or not isinstance(shape[0], int) or shape[0] < 1:
+        raise ValueError(f"model {name!r} takes token-id sequences: input_shape must be (L,) with L >= 1, "
+                         f"got {shape}" + (" (an image shape: use an image model)" if len(shape) == 3 else ""))
+    return shape[0]
+
+
+class FeaturePool(nn.Module):
+    """Parameter-free ``B x W -> B x d`` adaptive average pooling over the feature axis (HtFLlib's trick)."""
+
+    def __init__(self, feature_dim: int):
+        super().__init__()
+        self.pool = nn.AdaptiveAvgPool1d(feature_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.pool(x.unsqueeze(1)).squeeze(1)
+
+
+def projection(width: int, feature_dim: int, kind: str = "linear") -> nn.Module:
+    """The map from a trunk's pooled width to ``d``: identity when equal, else ``nn.Linear(width, d)``
+    (``kind="linear"``, the default) or parameter-free adaptive average pooling (``kind="pool"``, what the
+    paper's "adaptive average pooling layer after each feature extractor" and FedTGP/HtFLlib do)."""
+    if kind not in PROJECTIONS:
+        raise ValueError(f"projection must be one of {PROJECTIONS}, got {kind!r}")
+    if width == feature_dim:
+        return nn.Identity()
+    if kind == "pool":
+        return FeaturePool(feature_dim)
+    return nn.Linear(width, feature_dim)
