@@ -94,7 +94,13 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
     federation.to(device)
 
     def model_factory():
-        return build_model(options.model, federation.num_classes, federation.input_shape, options.feature_dim)
+        return architecture_factory(options.model)
+
+    def architecture_factory(name: str):
+        model = build_model(name, federation.num_classes, federation.input_shape, options.feature_dim)
+        if method.model_wrapper is not None:
+            model = method.model_wrapper(model, config.method_options, federation.num_classes)
+        return model
 
     train = TrainSettings(epochs=options.local_epochs, batch_size=options.batch_size, lr=options.lr,
                           momentum=options.momentum, weight_decay=options.weight_decay)
@@ -104,8 +110,6 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
 
         architectures = [architecture_for_client(options.heterogeneity, k) for k in range(federation.num_clients)]
 
-    def architecture_factory(name: str):
-        return build_model(name, federation.num_classes, federation.input_shape, options.feature_dim)
 
     simulator = Simulator(method, config.method_options, federation, model_factory, train,
                           rounds=options.rounds, participation=options.participation, seed=options.seed,

@@ -222,3 +222,6 @@ class MethodSpec:
     server: type[Server]
     client: type[Client]
     description: str = ""
+    #: optional ``(model, options, num_classes) -> model``: a method that changes the network (MOON's
+    #: projection head) wraps the engine's model here; the result keeps ``features``/``classifier``
+    model_wrapper: Callable[[nn.Module, Any, int], nn.Module] | None = None

@@ -8,16 +8,37 @@ Adding a model is one new file plus one line in ``MODELS``. Constructors take
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable
 
 from torch import nn
 
 from fedhpro.models._common import check_image_shape, check_token_shape
 from fedhpro.models.cnn import CNN4, FedAvgCNN
-from fedhpro.models.googlenet import GoogLeNetFE
-from fedhpro.models.mobilenet import MobileNetV2FE
-from fedhpro.models.resnet import ResNetFE, resnet10, resnet18, resnet34, resnet50, resnet101
 from fedhpro.models.textcnn import TextCNN
+
+#: classes of the modules that need torchvision, imported on first use (keeps ``import fedhpro`` light)
+_LAZY_CLASSES = {"ResNetFE": "resnet", "MobileNetV2FE": "mobilenet", "GoogLeNetFE": "googlenet"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_CLASSES:
+        return getattr(importlib.import_module(f"fedhpro.models.{_LAZY_CLASSES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _lazy(module: str, attr: str) -> Callable[..., nn.Module]:
+    """A constructor that imports ``fedhpro.models.<module>`` (and so torchvision) only when called."""
+
+    def build(num_classes: int = 10, input_shape: tuple[int, ...] = (3, 32, 32), feature_dim: int = 512,
+              **options: Any) -> nn.Module:
+        constructor = getattr(importlib.import_module(f"fedhpro.models.{module}"), attr)
+        return constructor(num_classes=num_classes, input_shape=input_shape, feature_dim=feature_dim, **options)
+
+    build.__name__ = build.__qualname__ = attr
+    build.__doc__ = f"Build :func:`fedhpro.models.{module}.{attr}` (imported on first call)."
+    build.input_kind = "image"  # type: ignore[attr-defined]
+    return build
 
 __all__ = ["MODELS", "build_model", "FedAvgCNN", "CNN4", "ResNetFE", "MobileNetV2FE", "GoogLeNetFE", "TextCNN",
            "describe_models", "format_model_table", "HTFE", "architecture_for_client"]
@@ -26,13 +47,13 @@ __all__ = ["MODELS", "build_model", "FedAvgCNN", "CNN4", "ResNetFE", "MobileNetV
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "cnn": FedAvgCNN,
     "cnn4": CNN4,
-    "resnet10": resnet10,
-    "resnet18": resnet18,
-    "resnet34": resnet34,
-    "resnet50": resnet50,
-    "resnet101": resnet101,
-    "mobilenetv2": MobileNetV2FE,
-    "googlenet": GoogLeNetFE,
+    "resnet10": _lazy("resnet", "resnet10"),
+    "resnet18": _lazy("resnet", "resnet18"),
+    "resnet34": _lazy("resnet", "resnet34"),
+    "resnet50": _lazy("resnet", "resnet50"),
+    "resnet101": _lazy("resnet", "resnet101"),
+    "mobilenetv2": _lazy("mobilenet", "MobileNetV2FE"),
+    "googlenet": _lazy("googlenet", "GoogLeNetFE"),
     "textcnn": TextCNN,
 }
 
