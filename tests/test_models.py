@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -47,6 +50,12 @@ def test_registry_holds_the_zoo():
     assert set(MODELS) == {"cnn", "cnn4", "resnet10", "resnet18", "resnet34", "resnet50", "resnet101",
                            "mobilenetv2", "googlenet", "textcnn"}
     assert set(USUAL_INPUT_SHAPES) == set(MODELS)
+
+
+def test_importing_the_zoo_does_not_import_torchvision():
+    code = "import sys, fedhpro.models as m; assert 'torchvision' not in sys.modules; m.ResNetFE; " \
+           "assert 'torchvision' in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 @pytest.mark.parametrize("d", [64, 512])
@@ -224,7 +233,7 @@ def test_htfe_lists():
     eight = ["cnn4", "googlenet", "mobilenetv2", "resnet10", "resnet18", "resnet34", "resnet50", "resnet101"]
     assert [architecture_for_client("htfe8", k) for k in range(20)] == [eight[k % 8] for k in range(20)]
     assert [architecture_for_client("htfe2", k) for k in range(4)] == ["cnn4", "resnet18"] * 2
-    assert architecture_for_client("htfe5", 7) == "resnet10"
+    assert architecture_for_client("htfe5", 7) == "resnet18"  # 7 mod 5 = 2
     with pytest.raises(KeyError, match="htfe8"):
         architecture_for_client("htfe4", 0)
     with pytest.raises(ValueError):

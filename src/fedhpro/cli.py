@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import sys
 
-from fedhpro.errors import FedHProError
+from fedhpro.errors import ConfigError, FedHProError
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -44,6 +44,19 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_models(args: argparse.Namespace) -> int:
+    """Print every registered model with its parameter count and forward FLOPs at its usual input size."""
+    from fedhpro.models import describe_models, format_model_table
+
+    from fedhpro.models import MODELS
+
+    unknown = [name for name in args.names if name not in MODELS]
+    if unknown:
+        raise ConfigError(f"unknown model {unknown[0]!r}; choose from: {', '.join(MODELS)}")
+    print(format_model_table(describe_models(args.names or None)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedhpro",
@@ -62,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     config_parser.add_argument("settings", nargs="*", metavar="[CONFIG.yaml] KEY=VALUE")
     config_parser.add_argument("--keys", action="store_true", help="list every key with its help")
     config_parser.set_defaults(handler=_cmd_config)
+    models_parser = commands.add_parser(
+        "models", help="list the model zoo: parameters and forward FLOPs (torch.utils.flop_counter)")
+    models_parser.add_argument("names", nargs="*", help="only these models")
+    models_parser.set_defaults(handler=_cmd_models)
     return parser
 
 

@@ -49,6 +49,7 @@ class GoogLeNetFE(ZooModel):
             names.remove("maxpool1")
         self.trunk_width = net.fc.in_features
         stages = [(name, getattr(net, name)) for name in names]
-        stages += [("flatten", nn.Flatten(1)), ("projection", make_projection(self.trunk_width, feature_dim, projection))]
+        stages += [("flatten", nn.Flatten(1)),
+                   ("projection", make_projection(self.trunk_width, feature_dim, projection))]
         self.features = nn.Sequential(OrderedDict(stages))
         self._finish(num_classes, feature_dim)

@@ -42,8 +42,8 @@ class MobileNetV2FE(ZooModel):
         trunk = net.features
         stem = trunk[0][0]
         if self.small_input_stem or channels != 3:
-            trunk[0][0] = nn.Conv2d(channels, stem.out_channels, kernel_size=3, stride=1 if self.small_input_stem else 2,
-                                    padding=1, bias=False)
+            stride = 1 if self.small_input_stem else 2
+            trunk[0][0] = nn.Conv2d(channels, stem.out_channels, kernel_size=3, stride=stride, padding=1, bias=False)
             nn.init.kaiming_normal_(trunk[0][0].weight, mode="fan_out")
         self.trunk_width = net.last_channel
         self.features = nn.Sequential(trunk, nn.AdaptiveAvgPool2d(1), nn.Flatten(1),
