@@ -97,7 +97,11 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
         return architecture_factory(options.model)
 
     def architecture_factory(name: str):
-        model = build_model(name, federation.num_classes, federation.input_shape, options.feature_dim)
+        try:
+            model = build_model(name, federation.num_classes, federation.input_shape, options.feature_dim)
+        except ValueError as error:
+            raise ConfigError(f"model {name!r} does not fit {options.dataset}'s inputs "
+                              f"{tuple(federation.input_shape)}: {error}") from None
         if method.model_wrapper is not None:
             model = method.model_wrapper(model, config.method_options, federation.num_classes)
         return model
