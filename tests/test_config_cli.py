@@ -15,6 +15,7 @@ import yaml
 from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
 from fedhpro.config import Config, load_config
 from fedhpro.errors import ConfigError
+from fedhpro.methods import METHODS
 
 PAPER_LAYOUT = {"mnist": 3, "optdigits": 7, "mnistm": 6, "syn": 4}
 
@@ -42,7 +43,7 @@ def test_defaults():
     assert (fedhpro.tau, fedhpro.num_hyper, fedhpro.match_steps, fedhpro.hyper_lr) == (0.05, 5, 30, 0.1)
     assert (fedhpro.hpcl_weight, fedhpro.hpal_weight, fedhpro.margin) == (1.0, 1.0, "raw")
     assert (fedhpro.hpal_form, fedhpro.gradient_timing, fedhpro.gradient_samples_per_class) == ("normalized", "after", 0)
-    assert set(config.methods) == {"fedavg", "fedhpro"}
+    assert {"fedavg", "fedhpro"} <= set(config.methods) and set(config.methods) == set(METHODS)
     assert config.data.clients_per_domain == PAPER_LAYOUT
     assert (config.data.fraction, config.data.test_fraction, config.data.syn_size) == (0.1, 0.2, 5000)
     # defaults are fresh objects: changing one config's mapping leaves the next one alone

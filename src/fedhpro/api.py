@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import sys
 import time
@@ -15,7 +17,8 @@ import torch
 from fedhpro import reports
 from fedhpro.config import Config, load_config, parse_override
 from fedhpro.data import get_dataset
-from fedhpro.engines.simulator import Simulator
+from fedhpro.engines import checkpoint
+from fedhpro.engines.simulator import Faults, Simulator
 from fedhpro.errors import ConfigError
 from fedhpro.methods import METHODS, TrainSettings
 from fedhpro.models import build_model
@@ -74,6 +77,9 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
         config = load_config(config, merged)
     elif overrides or kwargs:
         raise ConfigError("pass overrides with a YAML path or mapping, not with a resolved Config")
+    resume_from = None
+    if config.run.resume:
+        config, resume_from = _resume_config(config)
     options = config.run
     device = resolve_device(options.device)
     if device.type == "cpu":
@@ -82,15 +88,9 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
     method = METHODS[options.method]
     started = time.perf_counter()
 
-    out = Path(options.out) if options.out else Path("runs") / (
-        f"{options.method}-{options.dataset}-{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}")
-    out.mkdir(parents=True, exist_ok=True)
-    reports.write_yaml(out / "config.yaml", config.to_dict())
-
     dataset = get_dataset(options.dataset)
     federation = dataset.build(config.data, options.clients, options.seed, data_dir=options.data_dir,
                                progress=options.progress)
-    reports.write_json(out / "partition.json", federation.partition)
     federation.to(device)
 
     def model_factory():
@@ -114,22 +114,47 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
 
         architectures = [architecture_for_client(options.heterogeneity, k) for k in range(federation.num_clients)]
 
+    def warn(message: str) -> None:
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"fedhpro: warning: {message}", file=sys.stderr)
 
     simulator = Simulator(method, config.method_options, federation, model_factory, train,
                           rounds=options.rounds, participation=options.participation, seed=options.seed,
                           eval_every=options.eval_every, device=device, client_architectures=architectures,
-                          architecture_factory=architecture_factory, shared=_shared(config))
+                          architecture_factory=architecture_factory, shared=_shared(config),
+                          faults=Faults(config.faults.dropout, config.faults.corrupt),
+                          min_clients=options.min_clients, on_drop=warn)
 
     rows: list[dict[str, Any]] = []
     timings: list[dict[str, Any]] = []  # wall times vary run to run: kept out of metrics.jsonl
-    bar = _progress(options.rounds, f"{options.method} on {options.dataset}", options.progress)
-    last_accuracy: dict[str, float] | None = None
-    for round_index in range(options.rounds):
+    first_round = 0
+    if resume_from is not None:
+        out = Path(options.resume)
+        state = checkpoint.load(resume_from)
+        simulator.load_state_dict(state["simulator"])
+        rows = state["metrics"]
+        first_round = state["completed_rounds"]
+        timings = [row for row in _read_jsonl(out / "timing.jsonl") if row.get("round", 1e9) < first_round]
+    else:
+        # the folder appears only once the config and the data are known to be good
+        out = Path(options.out) if options.out else Path("runs") / (
+            f"{options.method}-{options.dataset}-{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}")
+        out.mkdir(parents=True, exist_ok=True)
+        reports.write_yaml(out / "config.yaml", config.to_dict())
+        reports.write_json(out / "partition.json", federation.partition)
+
+    bar = _progress(options.rounds, f"{options.method} on {options.dataset}", options.progress, first_round)
+    last_accuracy = next((row["accuracy"] for row in reversed(rows) if "accuracy" in row), None)
+    for round_index in range(first_round, options.rounds):
         record = simulator.run_round(round_index)
         rows.append(record.to_json())
         timings.append({"round": round_index, **record.seconds, "elapsed": time.perf_counter() - started})
         reports.write_jsonl(out / "metrics.jsonl", rows)
         reports.write_jsonl(out / "timing.jsonl", timings)
+        completed = round_index + 1
+        if completed == options.rounds or (options.checkpoint_every and completed % options.checkpoint_every == 0):
+            checkpoint.save(out, completed, simulator.state_dict(), rows, keep=options.keep_checkpoints)
         if record.accuracy is not None:
             last_accuracy = record.accuracy
         if bar is not None:
@@ -173,10 +198,40 @@ def _shared(config: Config) -> str:
     return "classifier" if config.run.heterogeneity != "none" else "all"
 
 
-def _progress(total: int, description: str, enabled: bool):
+def _progress(total: int, description: str, enabled: bool, initial: int = 0):
     if not enabled:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=description, unit="round", file=sys.stderr, dynamic_ncols=True,
+    return tqdm(total=total, initial=initial, desc=description, unit="round", file=sys.stderr, dynamic_ncols=True,
                 bar_format="{desc}: round {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining}{postfix}")
+
+
+#: settings a resumed run may change (how it runs, not what it computes)
+_RESUME_SETTINGS = {"resume", "progress", "device", "checkpoint_every", "keep_checkpoints"}
+
+
+def _resume_config(config: Config) -> tuple[Config, Path]:
+    """The saved config of the run to resume (with the allowed settings of ``config``) and its newest checkpoint."""
+    run_dir = Path(config.run.resume)
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"resume={str(run_dir)!r}: no config.yaml there; give the folder of an earlier run")
+    defaults = load_config(None).run
+    changed = [name for name in dataclasses.asdict(config.run)
+               if name not in _RESUME_SETTINGS and getattr(config.run, name) != getattr(defaults, name)]
+    if changed:
+        raise ConfigError(f"resume takes its settings from {saved}; remove {', '.join(sorted(changed))} "
+                          f"(only {', '.join(sorted(_RESUME_SETTINGS - {'resume'}))} may change)")
+    keep = {name: getattr(config.run, name) for name in _RESUME_SETTINGS}
+    resumed = load_config(saved, keep)
+    newest = checkpoint.latest(run_dir)
+    if newest is None:
+        raise ConfigError(f"resume={str(run_dir)!r}: the run has no checkpoint yet; start it again instead")
+    return resumed, newest
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -27,6 +27,13 @@ from fedhpro.models import MODELS
 from fedhpro.options import option
 
 DATA_SECTION = "data"
+FAULTS_SECTION = "faults"
+
+
+@dataclass
+class FaultOptions:
+    dropout: float = option(0.0, min=0.0, max=1.0, help="probability that a sampled client does not answer")
+    corrupt: float = option(0.0, min=0.0, max=1.0, help="probability that a client sends NaN weights")
 
 
 @dataclass
@@ -52,6 +59,10 @@ class RunOptions:
     out: str | None = option(None, help="output folder (default runs/<method>-<dataset>-<timestamp>)")
     data_dir: str | None = option(None, help="where data sets are cached (default ~/.cache/fedhpro)")
     progress: bool = option(True, help="show a progress bar")
+    min_clients: int = option(1, min=1, help="a round with fewer valid client updates is skipped")
+    checkpoint_every: int = option(5, min=0, help="write a checkpoint every this many rounds (0: only at the end)")
+    keep_checkpoints: int = option(2, min=1, help="keep only the newest this many checkpoints")
+    resume: str | None = option(None, help="continue the interrupted run in this folder (its config.yaml)")
 
 
 @dataclass
@@ -61,6 +72,7 @@ class Config:
     run: RunOptions
     methods: dict[str, Any]
     data: Any
+    faults: FaultOptions = dataclasses.field(default_factory=FaultOptions)
 
     @property
     def method_options(self) -> Any:
@@ -74,6 +86,7 @@ class Config:
             if values:
                 out[name] = values
         out[DATA_SECTION] = dataclasses.asdict(self.data)
+        out[FAULTS_SECTION] = dataclasses.asdict(self.faults)
         return out
 
 
@@ -86,6 +99,7 @@ def _all_keys(dataset: str) -> list[str]:
     for name, spec in METHODS.items():
         keys += [f"{name}.{f.name}" for f in dataclasses.fields(spec.options)]
     keys += [f"{DATA_SECTION}.{f.name}" for f in dataclasses.fields(get_dataset(dataset).options)]
+    keys += [f"{FAULTS_SECTION}.{f.name}" for f in dataclasses.fields(FaultOptions)]
     return keys
 
 
@@ -101,7 +115,7 @@ def _flatten(values: Mapping[str, Any], source: str) -> dict[str, Any]:
     if not isinstance(values, Mapping):
         raise ConfigError(f"{source} must hold a mapping of config keys, got {type(values).__name__}")
     flat: dict[str, Any] = {}
-    sections = set(METHODS) | {DATA_SECTION}
+    sections = set(METHODS) | {DATA_SECTION, FAULTS_SECTION}
     for key, value in values.items():
         key = str(key)
         if key in sections and isinstance(value, Mapping):
@@ -132,6 +146,8 @@ def parse_override(text: str) -> tuple[str, Any]:
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
+        if path.suffix not in (".yaml", ".yml"):
+            raise ConfigError(f"'{path}' is not KEY=VALUE (e.g. rounds=10) nor an existing .yaml config file")
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
         values = yaml.safe_load(path.read_text()) or {}
@@ -191,19 +207,25 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
         if key not in _run_keys():
             raise _unknown(key, dataset)
     for section, knobs in sections.items():
-        if section not in METHODS and section != DATA_SECTION:
+        if section not in METHODS and section not in (DATA_SECTION, FAULTS_SECTION):
             raise _unknown(f"{section}.{next(iter(knobs))}", dataset)
 
     run = _build(RunOptions, run_values, "", dataset)
     methods = {name: _build(spec.options, sections.get(name, {}), f"{name}.", dataset)
                for name, spec in METHODS.items()}
     data = _build(get_dataset(dataset).options, sections.get(DATA_SECTION, {}), f"{DATA_SECTION}.", dataset)
-    return Config(run=run, methods=methods, data=data)
+    faults = _build(FaultOptions, sections.get(FAULTS_SECTION, {}), f"{FAULTS_SECTION}.", dataset)
+    return Config(run=run, methods=methods, data=data, faults=faults)
 
 
 def _default_of(section: str, name: str, dataset: str) -> Any:
     """The default value of ``section.name`` (an empty mapping when it has none)."""
-    cls = get_dataset(dataset).options if section == DATA_SECTION else getattr(METHODS.get(section), "options", None)
+    if section == DATA_SECTION:
+        cls = get_dataset(dataset).options
+    elif section == FAULTS_SECTION:
+        cls = FaultOptions
+    else:
+        cls = getattr(METHODS.get(section), "options", None)
     if cls is None:
         raise _unknown(f"{section}.{name}", dataset)
     defaults = dataclasses.asdict(cls())

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from fedhpro.data.federation import Federation
-from fedhpro.errors import ConfigError
+from fedhpro.errors import ConfigError, UpdateError
 from fedhpro.methods.base import MethodContext, MethodSpec, TrainSettings, load_weights, payload_bytes
 
 
@@ -29,7 +29,15 @@ def derive_seed(*parts: int) -> int:
 
 
 # stream tags: each kind of randomness gets its own stream
-_INIT, _SAMPLE, _TRAIN, _SERVER = 1, 2, 3, 4
+_INIT, _SAMPLE, _TRAIN, _SERVER, _FAULT = 1, 2, 3, 4, 5
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Injected client faults, for tests and robustness studies (seeded per round and client)."""
+
+    dropout: float = 0.0  # probability that a sampled client does not answer
+    corrupt: float = 0.0  # probability that an answering client sends NaN weights
 
 
 @dataclass
@@ -44,11 +52,17 @@ class RoundRecord:
     bytes_up: int
     bytes_down: int
     seconds: dict[str, float]
+    dropped: list[dict[str, Any]] = field(default_factory=list)
+    skipped: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The deterministic part (same seed, same numbers): a line of ``metrics.jsonl``."""
         out = {"round": self.round, "participants": self.participants, "train": self.train,
                "server": self.server, "bytes_up": self.bytes_up, "bytes_down": self.bytes_down}
+        if self.dropped:
+            out["dropped"] = self.dropped
+        if self.skipped:
+            out["skipped"] = True
         if self.accuracy is not None:
             out["accuracy"] = self.accuracy
         return out
@@ -75,7 +89,8 @@ class Simulator:
                  model_factory: Callable[[], nn.Module], train: TrainSettings, *, rounds: int,
                  participation: float = 1.0, seed: int = 0, eval_every: int = 1,
                  device: torch.device | str = "cpu", client_architectures: Sequence[str] | None = None,
-                 architecture_factory: Callable[[str], nn.Module] | None = None, shared: str | None = None):
+                 architecture_factory: Callable[[str], nn.Module] | None = None, shared: str | None = None,
+                 faults: Faults | None = None, min_clients: int = 1, on_drop: Callable[[str], None] | None = None):
         """``client_architectures`` (one name per client, built by ``architecture_factory``) switches on
         heterogeneous feature extractors: each client keeps its own model across rounds and only the
         classifier (``classifier.*``) is exchanged and aggregated; evaluation then averages each
@@ -94,6 +109,9 @@ class Simulator:
             client_architectures = ["model"] * federation.num_clients
             architecture_factory = lambda name: model_factory()  # noqa: E731
         self.shared = shared
+        self.faults = faults or Faults()
+        self.min_clients = min_clients
+        self.on_drop = on_drop
         self.method = method
         self.federation = federation
         self.rounds = rounds
@@ -182,21 +200,54 @@ class Simulator:
         participants = self.sample_clients(round)
         payload = self.server.broadcast(round)
         down = payload_bytes(payload)
-        replies, train_metrics = [], []
+        replies, train_metrics, dropped, errors = [], [], [], []
         for k in participants:
+            fault_rng = np.random.default_rng(derive_seed(self.seed, _FAULT, round, k))
+            draw_dropout, draw_corrupt = fault_rng.random(2)
+            if draw_dropout < self.faults.dropout:
+                dropped.append({"client": k, "reason": "did not answer (faults.dropout)"})
+                continue
             generator = torch.Generator().manual_seed(derive_seed(self.seed, _TRAIN, round, k))
             model = self._client_model(k)
-            reply, metrics = self.client.fit(model, payload, self.federation.clients[k],
-                                             self.client_states[k], generator)
+            state_before = copy.deepcopy(self.client_states[k]) if self.client_states[k] else {}
+            try:
+                reply, metrics = self.client.fit(model, payload, self.federation.clients[k],
+                                                 self.client_states[k], generator)
+            except (KeyboardInterrupt, SystemExit, MemoryError):
+                raise
+            except Exception as error:  # a crashing client is a dropped client
+                self.client_states[k] = state_before
+                dropped.append({"client": k, "reason": f"raised {type(error).__name__}: {error}"})
+                errors.append(error)
+                continue
+            if draw_corrupt < self.faults.corrupt:
+                reply = _corrupted(reply)
+            try:
+                self.server.validate_reply(reply)
+            except UpdateError as error:
+                dropped.append({"client": k, "reason": f"invalid update: {error}"})
+                continue
             if self.heterogeneous:  # the client's own feature extractor persists to its next round
                 self.client_weights[k] = {key: v.detach().clone() for key, v in model.state_dict().items()}
             replies.append(reply)
             train_metrics.append((len(self.federation.clients[k]), metrics))
+        if errors and len(errors) == len(participants):
+            raise errors[0]  # every client failed: a bug or a setting, not a fault; show it
+        for item in dropped:
+            if self.on_drop is not None:
+                self.on_drop(f"round {round}: client {item['client']} dropped: {item['reason']}")
         client_seconds = time.perf_counter() - timer
         up = sum(payload_bytes(reply) for reply in replies)
 
         timer = time.perf_counter()
-        server_metrics = self.server.aggregate(round, replies)
+        skipped = len(replies) < self.min_clients
+        if skipped:
+            server_metrics = {}
+            if self.on_drop is not None:
+                self.on_drop(f"round {round}: only {len(replies)} valid updates (min_clients={self.min_clients}); "
+                             "the round is skipped and the global model kept")
+        else:
+            server_metrics = self.server.aggregate(round, replies)
         server_seconds = time.perf_counter() - timer
 
         timer = time.perf_counter()
@@ -208,9 +259,30 @@ class Simulator:
         record = RoundRecord(
             round=round, participants=participants, train=_weighted_mean(train_metrics),
             server=server_metrics, accuracy=accuracy, bytes_up=up, bytes_down=down * len(participants),
-            seconds={"clients": client_seconds, "server": server_seconds, "eval": eval_seconds})
+            seconds={"clients": client_seconds, "server": server_seconds, "eval": eval_seconds},
+            dropped=dropped, skipped=skipped)
         self.history.append(record)
         return record
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a later round depends on (all randomness is derived from seed, round and client)."""
+        state = {"server": self.server.state_dict(), "client_states": self.client_states}
+        if self.heterogeneous:
+            state["client_weights"] = self.client_weights
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.server.load_state_dict(state["server"])
+        self.client_states = [dict(s) for s in state["client_states"]]
+        if self.heterogeneous:
+            self.client_weights = [dict(w) for w in state["client_weights"]]
+
+
+def _corrupted(reply: dict[str, Any]) -> dict[str, Any]:
+    """The reply with every floating-point weight replaced by NaN (fault injection)."""
+    weights = {key: torch.full_like(v, float("nan")) if v.is_floating_point() else v
+               for key, v in reply.get("weights", {}).items()}
+    return {**reply, "weights": weights}
 
 
 def round_half_up(value: float) -> int:

@@ -124,14 +124,24 @@ class Server:
         self.weights = self.average_weights(replies)
         return {}
 
+    def validate_reply(self, reply: Payload, who: str = "reply") -> None:
+        """Raise UpdateError naming the problem unless ``reply`` is a well-formed, finite update.
+
+        The engines call this for every reply before aggregation and drop the
+        invalid ones; methods that upload more than weights extend it.
+        """
+        if not isinstance(reply, Mapping):
+            raise UpdateError(f"{who} is a {type(reply).__name__}, expected a dict")
+        check_weights(reply.get("weights"), self.weights, who=who)
+        count = reply.get("num_examples")
+        if (isinstance(count, bool) or not isinstance(count, (int, float)) or not math.isfinite(count)
+                or count <= 0):
+            raise UpdateError(f"{who} has num_examples={count!r}; it must be a finite number > 0")
+
     def average_weights(self, replies: list[Payload]) -> Weights:
         """FedAvg of the replies' weights by their ``num_examples`` (Algorithm 1's aggregation)."""
         for index, reply in enumerate(replies):
-            check_weights(reply.get("weights"), self.weights, who=f"reply {index}")
-            count = reply.get("num_examples")
-            if (isinstance(count, bool) or not isinstance(count, (int, float)) or not math.isfinite(count)
-                    or count <= 0):
-                raise UpdateError(f"reply {index} has num_examples={count!r}; it must be a finite number > 0")
+            self.validate_reply(reply, who=f"reply {index}")
         return weighted_average([reply["weights"] for reply in replies], [reply["num_examples"] for reply in replies])
 
     def global_weights(self) -> Weights:

@@ -69,6 +69,10 @@ class FedHProServer(Server):
     def broadcast(self, round: int) -> Payload:
         return {"weights": self.weights, "hyper_prototypes": self.bank.hyper}
 
+    def validate_reply(self, reply: Payload, who: str = "reply") -> None:
+        super().validate_reply(reply, who)
+        self.bank.validate([reply])
+
     def aggregate(self, round: int, replies: list[Payload]) -> dict[str, float]:
         # validate everything before changing any state: a rejected round leaves the server as it was
         gradients, present = self.bank.validate(replies)

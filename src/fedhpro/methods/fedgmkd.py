@@ -1,0 +1,411 @@
+"""FedGMKD (Zhang, Shan & Han, NeurIPS 2024): Gaussian-mixture prototypes, knowledge distillation, DAT.
+
+As fixed by ``shared/spec/baselines.md`` (its line wins over the authors' code).
+
+Client, after loading the global weights, trains E epochs on::
+
+    CE(h(z), y) + gamma * MSE(z, P_y) + lam * KL(S^ || softmax(h(P) / T))
+
+* ``MSE(z, P_y)``: ``F.mse_loss`` averaged over all ``B x d`` entries of the
+  batch; a sample whose class has no global prototype is its own target (it
+  adds 0 but still counts in the mean), as in the FedProto/FedGMKD code.
+* ``KL``: for every class c that has global knowledge,
+  ``KL(S^_c || q_c) = sum_j S^_cj (log S^_cj - log q_cj)`` with
+  ``q_c = softmax(h(P_c) / T)`` (log-softmax, ``xlogy`` so zero entries add 0),
+  summed over the C outputs and averaged over those classes. Direction: the
+  global soft prediction is the target distribution (the authors'
+  ``KLDivLoss(log q, S^)``); their default ``reduction='mean'`` also divides by
+  C, which is not a KL divergence, so it is not copied. Only the head ``h``
+  receives gradients from this term (``P`` and ``S^`` are constants).
+* no global knowledge (round 0, or a class nobody held last round): the term
+  is left out for that class (both terms absent in round 0).
+
+After training, ONE eval-mode pass gives the features z and the soft
+predictions ``softmax(h(z)/T)``. Per class c held by the client:
+
+* prototype ``p_k^c``: a :class:`sklearn.mixture.GaussianMixture` fitted to the
+  class's features in the ORIGINAL feature space (no standardisation: the
+  authors' code standardises first and so sends zero vectors), the number of
+  components chosen by the lowest BIC over ``1..min(n_c, max_components)``,
+  ``random_state`` drawn from the client's generator; the prototype is the
+  mixture's mean ``sum_m pi_m mu_m``. At most ``max_samples`` (500) randomly
+  chosen samples of the class enter the fit (speed; documented option).
+  Note: after an EM M-step ``sum_m pi_m mu_m`` equals the mean of the fitted
+  samples exactly (up to sklearn's 10*eps), whatever the components, so the
+  prototype is the (sub-sampled) class mean; the fit only decides the
+  reported component count. It costs ~1.8 s per class at d=512, n=500, full
+  covariance on one core (``covariance=diag``: ~0.2 s, same prototype).
+* soft prediction ``S_k^c``: the mean of ``softmax(h(z_i)/T)`` over ALL the
+  client's samples of class c;
+* ``n_k^c``: the class count.
+
+Server (DAT, the paper's discrepancy-aware aggregation; our reading of its
+Figure 2 and Section 3, with the per-class form of the authors' code), for
+each class c over the clients A^c that hold it (n_k^c > 0):
+
+1. initial weights ``w0_k^c = n_k^c / sum_{j in A^c} n_j^c``;
+2. preliminary global soft prediction ``S0^c = sum_k w0_k^c S_k^c``;
+3. discrepancy ``d_k^c = KL(S_k^c || S0^c)``;
+4. ``p_k^c = ReLU(w0_k^c - a d_k^c + b) / sum_{j in A^c} ReLU(w0_j^c - a d_j^c + b)``
+   (a = ``dat_a`` = 0.4, b = ``dat_b`` = 0.2, the authors' per-class values;
+   if every numerator of a class is 0 the class falls back to ``w0``);
+5. global knowledge ``P^c = sum_k p_k^c p_k^c``, ``S^c = sum_k p_k^c S_k^c``.
+
+Classes nobody held this round get no global knowledge (masked out, never a
+zero vector). Weights (``dagger``): each client's weight is the class-share
+average of its DAT weights, ``w_k = sum_c (n^c / N) p_k^c`` with
+``n^c = sum_k n_k^c``, ``N = sum_c n^c`` (they sum to 1; with ``a = b = 0``
+this is exactly FedAvg's ``n_k / N``); floating entries are averaged with
+``w_k``, counters keep their maximum (``weighted_average``).
+
+``protocol=proto-only``: no weights travel (engine ``shared="none"``), only
+the knowledge step runs. ``prototypes=hyper`` (paper Table 3): the server
+keeps a :class:`HyperPrototypeBank` and sends ``H`` (C x d) in place of ``P``
+(for the MSE and the KL term); clients also upload ``class_gradients``
+(Eq. 5, from the same eval pass) and skip the GMM (their uploaded prototypes
+are plain class means, unused by the server). The matching needs the global
+head, so ``hyper`` requires ``protocol=dagger`` (ConfigError otherwise).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedhpro import functional as HF
+from fedhpro.errors import ConfigError, UpdateError
+from fedhpro.functional import weighted_average
+from fedhpro.methods.base import (
+    Client,
+    ClientData,
+    MethodContext,
+    MethodSpec,
+    Payload,
+    Server,
+    clone_weights,
+    extract_features,
+    load_weights,
+    train_epochs,
+)
+from fedhpro.methods.hyper import HyperPrototypeBank
+from fedhpro.options import option
+
+PROTOCOLS = ("dagger", "proto-only")
+PROTOTYPE_SOURCES = ("local", "hyper")
+
+
+@dataclass
+class FedGMKDOptions:
+    lam: float = option(0.6, min=0.0, help="lambda, weight of KL(S^ || softmax(h(P)/T)) (paper C.1: 0.6)")
+    gamma: float = option(0.5, min=0.0, help="weight of MSE(z, P_y) (paper C.1: 0.5)")
+    temperature: float = option(0.6, gt=0.0, help="T of the soft predictions")
+    max_components: int = option(6, min=1, help="GMM components tried: 1..min(n_c, max_components), lowest BIC")
+    max_samples: int = option(500, min=0, help="at most this many random samples per class enter the GMM (0: all)")
+    covariance: str = option("full", choices=("full", "diag", "tied", "spherical"),
+                             help="GMM covariance type (authors: full); the prototype does not depend on it")
+    dat_a: float = option(0.4, min=0.0, help="DAT discrepancy coefficient a")
+    dat_b: float = option(0.2, min=0.0, help="DAT offset b")
+    protocol: str = option("dagger", choices=PROTOCOLS,
+                           help="dagger: weights and knowledge travel; proto-only: knowledge only")
+    prototypes: str = option("local", choices=PROTOTYPE_SOURCES,
+                             help="local: GMM prototypes aggregated by DAT; hyper: FedHPro's averaged hyper-prototypes")
+    num_hyper: int = option(5, min=1, help="prototypes=hyper: |I|, hyper-prototypes per class")
+    match_steps: int = option(30, min=0, help="prototypes=hyper: gradient-matching steps per round")
+    hyper_lr: float = option(0.1, gt=0.0, help="prototypes=hyper: step size of gradient matching")
+
+
+# ----------------------------------------------------------------------------
+# pure pieces (tested one by one)
+# ----------------------------------------------------------------------------
+
+
+def select_gmm(features: np.ndarray, max_components: int, covariance: str = "full", seed: int = 0):
+    """The GaussianMixture of lowest BIC over ``1..min(n, max_components)`` components (None if none fits)."""
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.mixture import GaussianMixture
+
+    best, best_bic = None, np.inf
+    for k in range(1, min(features.shape[0], max_components) + 1):
+        gmm = GaussianMixture(n_components=k, covariance_type=covariance, random_state=seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            try:
+                gmm.fit(features)
+            except (ValueError, np.linalg.LinAlgError):  # ill-conditioned fit: skip this k
+                continue
+        bic = gmm.bic(features)
+        if np.isfinite(bic) and bic < best_bic:
+            best, best_bic = gmm, bic
+    return best
+
+
+def gmm_prototypes(features: Tensor, labels: Tensor, num_classes: int, *, max_components: int = 6,
+                   max_samples: int = 500, covariance: str = "full", seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-class GMM prototypes ``sum_m pi_m mu_m`` in the original feature space.
+
+    Returns ``(prototypes C x d (zeros for absent classes), present C bool, components C long)``;
+    a class with one sample is that sample (1 component); a class whose every fit fails
+    falls back to its mean (0 components).
+    """
+    x = features.detach().reshape(features.shape[0], -1).cpu().double().numpy()
+    y = labels.cpu().numpy()
+    rng = np.random.default_rng(seed)
+    prototypes = np.zeros((num_classes, x.shape[1]))
+    components = np.zeros(num_classes, dtype=np.int64)
+    present = np.zeros(num_classes, dtype=bool)
+    for c in range(num_classes):
+        rows = np.flatnonzero(y == c)
+        if rows.size == 0:
+            continue
+        present[c] = True
+        if 0 < max_samples < rows.size:
+            rows = np.sort(rng.choice(rows, size=max_samples, replace=False))
+        members = x[rows]
+        if members.shape[0] == 1:
+            prototypes[c], components[c] = members[0], 1
+            continue
+        gmm = select_gmm(members, max_components, covariance, seed=(seed + c) % (2 ** 31 - 1))
+        if gmm is None:
+            prototypes[c] = members.mean(0)
+        else:
+            prototypes[c], components[c] = gmm.weights_ @ gmm.means_, gmm.n_components
+    return (torch.from_numpy(prototypes).to(features.dtype), torch.from_numpy(present),
+            torch.from_numpy(components))
+
+
+def soft_predictions(logits: Tensor, labels: Tensor, num_classes: int, temperature: float) -> Tensor:
+    """``S_k^c``: the mean of ``softmax(logits / T)`` over the samples of class c (zeros if absent), C x C."""
+    means, _ = HF.local_prototypes(torch.softmax(logits / temperature, dim=1), labels, num_classes)
+    return means
+
+
+def prototype_mse(z: Tensor, y: Tensor, prototypes: Tensor, held: Tensor) -> Tensor:
+    """``MSE(z, P_y)`` over all ``B x d`` entries; samples of a class without a prototype are their own target."""
+    target = torch.where(held[y].unsqueeze(1), prototypes[y], z.detach())
+    return F.mse_loss(z, target)
+
+
+def knowledge_kl(classifier: nn.Module, prototypes: Tensor, soft: Tensor, held: Tensor, temperature: float) -> Tensor:
+    """``mean_{c held} KL(S^_c || softmax(h(P_c)/T))`` (sum over the C outputs, mean over held classes)."""
+    log_q = torch.log_softmax(classifier(prototypes[held]) / temperature, dim=1)
+    target = soft[held].to(log_q.dtype)
+    return (torch.special.xlogy(target, target) - target * log_q).sum(1).mean()
+
+
+def kl_rows(p: Tensor, q: Tensor) -> Tensor:
+    """``KL(p_i || q_i)`` for each row (``0 log 0 = 0``; q clamped at the smallest normal number)."""
+    tiny = torch.finfo(q.dtype).tiny
+    return (torch.special.xlogy(p, p) - p * torch.log(q.clamp(min=tiny))).sum(-1)
+
+
+def dat_weights(counts: Tensor, soft: Tensor, a: float, b: float) -> tuple[Tensor, Tensor]:
+    """Discrepancy-aware per-class weights ``p_k^c`` (K x C) and discrepancies ``d_k^c`` (K x C).
+
+    ``counts``: K x C class counts ``n_k^c``; ``soft``: K x C x C soft predictions ``S_k^c``.
+    Columns of held classes sum to 1 over their holders; non-holders and unheld classes get 0.
+    """
+    present = counts > 0
+    n = counts.double() * present
+    w0 = n / n.sum(0).clamp(min=1e-300)  # n_k^c / n^c
+    soft = soft.double()
+    preliminary = torch.einsum("kc,kcj->cj", w0, soft)  # S0^c
+    discrepancy = kl_rows(soft, preliminary.unsqueeze(0).expand_as(soft)) * present
+    raw = torch.relu(w0 - a * discrepancy + b) * present
+    total = raw.sum(0)
+    weights = torch.where(total > 0, raw / total.clamp(min=1e-300), w0)
+    return weights, discrepancy
+
+
+def client_weights_from_dat(counts: Tensor, weights: Tensor) -> Tensor:
+    """``w_k = sum_c (n^c / N) p_k^c`` (K): per-class DAT weights turned into one weight per client."""
+    class_totals = (counts.double() * (counts > 0)).sum(0)
+    share = class_totals / class_totals.sum().clamp(min=1e-300)
+    return weights.double() @ share
+
+
+# ----------------------------------------------------------------------------
+# reply checks shared with FedSA
+# ----------------------------------------------------------------------------
+
+
+def check_class_tensor(reply: Payload, key: str, shape: tuple[int, ...], who: str,
+                       held: Tensor | None = None) -> Tensor:
+    """``reply[key]`` as a tensor of ``shape``, finite on the rows of ``held`` (all rows if None)."""
+    value = reply.get(key)
+    if not isinstance(value, Tensor) or tuple(value.shape) != tuple(shape):
+        raise UpdateError(f"{who}: {key} must be a tensor of shape {tuple(shape)}, "
+                          f"got {tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
+    rows = value if held is None else value[held]
+    if value.is_floating_point() and not bool(torch.isfinite(rows).all()):
+        raise UpdateError(f"{who}: {key} contains NaN/Inf")
+    return value
+
+
+def check_counts(reply: Payload, num_classes: int, who: str) -> Tensor:
+    counts = check_class_tensor(reply, "class_counts", (num_classes,), who)
+    if counts.is_floating_point() or bool((counts < 0).any()):
+        raise UpdateError(f"{who}: class_counts must be non-negative integers")
+    return counts
+
+
+def check_protocol(options: Any, weights: dict) -> None:
+    """ConfigErrors for protocol/prototype combinations the server cannot run."""
+    if options.protocol == "proto-only":
+        if options.prototypes == "hyper":
+            raise ConfigError("prototypes=hyper needs protocol=dagger: gradient matching needs the global "
+                              "classifier, and proto-only exchanges no weights")
+        if weights:
+            raise ConfigError("protocol=proto-only exchanges no weights: run the engine with shared='none' "
+                              "(fedhpro.run does this itself)")
+    elif options.prototypes == "hyper" and not any(key.startswith("classifier.") for key in weights):
+        raise ConfigError("prototypes=hyper needs the classifier among the shared weights (gradient matching "
+                          "uses the global head)")
+
+
+# ----------------------------------------------------------------------------
+# server and client
+# ----------------------------------------------------------------------------
+
+
+class FedGMKDServer(Server):
+    def __init__(self, context: MethodContext):
+        super().__init__(context)
+        check_protocol(self.options, self.weights)
+        o = self.options
+        self.feature_dim = context.model.classifier.in_features
+        c, d = self.num_classes, self.feature_dim
+        self.prototypes = torch.zeros(c, d)
+        self.soft = torch.zeros(c, c)
+        self.held = torch.zeros(c, dtype=torch.long)  # 1: the class has global knowledge
+        self.hyper = o.prototypes == "hyper"
+        self.bank = (HyperPrototypeBank(c, d, context.seed, num_hyper=o.num_hyper, match_steps=o.match_steps,
+                                        lr=o.hyper_lr) if self.hyper else None)
+        self.scratch = context.model
+
+    def broadcast(self, round: int) -> Payload:
+        if self.hyper:
+            prototypes, prototype_held = self.bank.averaged, torch.ones(self.num_classes, dtype=torch.long)
+        else:
+            prototypes, prototype_held = self.prototypes, self.held
+        return {"weights": self.weights, "prototypes": prototypes, "prototype_held": prototype_held,
+                "soft_predictions": self.soft, "soft_held": self.held}
+
+    def validate_reply(self, reply: Payload, who: str = "reply") -> None:
+        super().validate_reply(reply, who)
+        c, d = self.num_classes, self.feature_dim
+        counts = check_counts(reply, c, who)
+        held = counts > 0
+        check_class_tensor(reply, "prototypes", (c, d), who, held)
+        soft = check_class_tensor(reply, "soft_predictions", (c, c), who, held)
+        if bool((soft[held] < 0).any()):
+            raise UpdateError(f"{who}: soft_predictions must be probabilities")
+        if self.hyper:
+            check_class_tensor(reply, "class_gradients", (c, d), who, held)
+
+    def aggregate(self, round: int, replies: list[Payload]) -> dict[str, float]:
+        # validate everything before changing any state: a rejected round leaves the server as it was
+        for index, reply in enumerate(replies):
+            self.validate_reply(reply, who=f"reply {index}")
+        counts = torch.stack([reply["class_counts"].cpu() for reply in replies])
+        present = counts > 0
+        soft = torch.stack([reply["soft_predictions"].cpu().double() for reply in replies])
+        prototypes = torch.stack([reply["prototypes"].cpu().double() for reply in replies])
+        # rows of classes a client does not hold are ignored (weight 0, and never read as values)
+        soft = torch.where(present.unsqueeze(2), soft, torch.zeros((), dtype=soft.dtype))
+        prototypes = torch.where(present.unsqueeze(2), prototypes, torch.zeros((), dtype=prototypes.dtype))
+        gradients = self.bank.validate(replies)[0] if self.hyper else None
+
+        weights, discrepancy = dat_weights(counts, soft, self.options.dat_a, self.options.dat_b)
+        held = present.any(0)
+        self.prototypes = torch.einsum("kc,kcd->cd", weights, prototypes).float()
+        self.soft = torch.einsum("kc,kcj->cj", weights, soft).float()
+        self.held = held.long()
+        metrics = {"classes_held": float(held.sum()),
+                   "discrepancy_mean": float(discrepancy[present].mean()) if bool(present.any()) else 0.0}
+        if self.options.protocol == "dagger":
+            client_weights = client_weights_from_dat(counts, weights)
+            self.weights = weighted_average([reply["weights"] for reply in replies], client_weights.tolist())
+            metrics["client_weight_min"] = float(client_weights.min())
+            metrics["client_weight_max"] = float(client_weights.max())
+        if self.hyper:
+            load_weights(self.scratch, self.weights)
+            metrics.update(self.bank.update(gradients, present, self.scratch.classifier))
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"weights": self.weights, "prototypes": self.prototypes, "soft_predictions": self.soft,
+                 "held": self.held}
+        if self.bank is not None:
+            state.update(self.bank.state_dict())
+        return state
+
+    def load_state_dict(self, state) -> None:
+        self.weights = dict(state["weights"])
+        self.prototypes = state["prototypes"].clone()
+        self.soft = state["soft_predictions"].clone()
+        self.held = state["held"].clone()
+        if self.bank is not None:
+            self.bank.load_state_dict(state)
+
+
+class FedGMKDClient(Client):
+    def fit(self, model, payload: Payload, data: ClientData, state: dict, generator: torch.Generator):
+        o = self.options
+        load_weights(model, payload["weights"])
+        device = data.x.device
+        prototypes = payload["prototypes"].to(device)
+        prototype_held = payload["prototype_held"].to(device) > 0
+        soft = payload["soft_predictions"].to(device)
+        knowledge_held = (payload["soft_held"].to(device) > 0) & prototype_held
+        use_mse = o.gamma > 0 and bool(prototype_held.any())
+        use_kl = o.lam > 0 and bool(knowledge_held.any())
+
+        def regularizer(z, y, logits):
+            terms = {}
+            if use_mse:
+                terms["proto_mse"] = o.gamma * prototype_mse(z, y, prototypes.to(z.dtype), prototype_held)
+            if use_kl:
+                terms["kd_kl"] = o.lam * knowledge_kl(model.classifier, prototypes.to(z.dtype), soft,
+                                                      knowledge_held, o.temperature)
+            return terms
+
+        losses = train_epochs(model, data, self.train, generator, regularizer)
+
+        # one eval-mode pass: features, soft predictions (and class gradients for prototypes=hyper)
+        features = extract_features(model, data.x)
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            logits = model.classifier(features)
+        reply_soft = soft_predictions(logits, data.y, self.num_classes, o.temperature)
+        counts = torch.bincount(data.y, minlength=self.num_classes)[:self.num_classes]
+        reply = {"weights": clone_weights(model, payload["weights"]), "num_examples": len(data)}
+        if o.prototypes == "hyper":
+            gradients, _ = HF.class_gradients(features, data.y, model.classifier, self.num_classes)
+            local, _ = HF.local_prototypes(features, data.y, self.num_classes)
+            reply["class_gradients"] = gradients.cpu()
+        else:
+            seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=generator))
+            local, present, components = gmm_prototypes(
+                features, data.y, self.num_classes, max_components=o.max_components,
+                max_samples=o.max_samples, covariance=o.covariance, seed=seed)
+            losses["gmm_components"] = float(components[present].double().mean())
+        model.train(was_training)
+        reply.update({"prototypes": local.detach().cpu(), "soft_predictions": reply_soft.detach().cpu(),
+                      "class_counts": counts.cpu()})
+        return reply, losses
+
+
+METHOD = MethodSpec(
+    name="fedgmkd",
+    options=FedGMKDOptions,
+    server=FedGMKDServer,
+    client=FedGMKDClient,
+    description="FedGMKD: GMM prototypes + soft-label distillation, discrepancy-aware (DAT) aggregation",
+)

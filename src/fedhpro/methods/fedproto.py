@@ -1,0 +1,66 @@
+"""FedProto (Tan et al., AAAI 2022), as ``baselines.md`` fixes it.
+
+Client: ``CE + lam * MSE(z, P_y)`` where ``P`` are the global prototypes; a sample whose class has
+no global prototype is not regularised (all samples in round 0), and the MSE is the authors'
+``nn.MSELoss`` over the whole ``B x d`` batch (see :func:`prototypes.prototype_mse`). After training
+the client uploads its local prototypes ``p_k^c`` (Eq. 2, trained model, eval mode, one pass) and
+class counts.
+
+Server: ``P^c = 1/|A^c| sum_{k in A^c} p_k^c``, the UNWEIGHTED mean over the clients ``A^c`` that
+hold class ``c`` this round (the authors' ``proto_aggregation``). A class nobody holds this round
+keeps its previous prototype (its mask stays as it was: a class never held is absent, never zeros).
+
+Protocols: ``dagger`` (default, the paper's FedProto†) also does FedAvg on the weights;
+``proto-only`` exchanges prototypes only. ``prototypes=hyper`` sends FedHPro's averaged
+hyper-prototypes instead of ``P`` (Table 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from fedhpro.methods.base import MethodSpec
+from fedhpro.methods.prototypes import (
+    PrototypeClient,
+    PrototypeServer,
+    hyper_lr_option,
+    match_steps_option,
+    mean_prototypes,
+    merge_prototypes,
+    num_hyper_option,
+    protocol_option,
+    prototypes_option,
+)
+from fedhpro.options import option
+
+
+@dataclass
+class FedProtoOptions:
+    lam: float = option(1.0, min=0.0, help="lambda of the prototype MSE term")
+    protocol: str = protocol_option()
+    prototypes: str = prototypes_option()
+    num_hyper: int = num_hyper_option()
+    match_steps: int = match_steps_option()
+    hyper_lr: float = hyper_lr_option()
+
+
+class FedProtoServer(PrototypeServer):
+    def prototype_step(self, round: int, prototypes: Tensor, present: Tensor, counts: Tensor) -> dict[str, float]:
+        new, held = mean_prototypes(prototypes, present)
+        self.prototypes, self.prototype_mask = merge_prototypes(self.prototypes, self.prototype_mask, new, held)
+        return {}
+
+
+class FedProtoClient(PrototypeClient):
+    pass
+
+
+METHOD = MethodSpec(
+    name="fedproto",
+    options=FedProtoOptions,
+    server=FedProtoServer,
+    client=FedProtoClient,
+    description="FedProto: CE + lam * MSE to the unweighted mean of the clients' class prototypes",
+)

@@ -1,0 +1,73 @@
+"""FedProx (Li et al., MLSys 2020): local CE plus a proximal term towards the received global model.
+
+Client loss: ``CE + (mu / 2) * sum_k ||w_k - w^t_k||^2`` where ``k`` runs over the
+model's trainable parameters (``requires_grad``, buffers such as BatchNorm's
+running statistics excluded) **that the server sent** in ``payload["weights"]``:
+the whole model in a homogeneous federation, only the classifier when
+heterogeneous feature extractors exchange just the classifier (a client's own
+feature extractor has no global anchor to be pulled towards). ``w^t`` is the
+received tensor, fixed for the whole local training. Server: FedAvg.
+
+With ``mu = 0`` the term is not built at all, so the update equals FedAvg's bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from fedhpro.methods.base import Client, ClientData, MethodSpec, Payload, Server, clone_weights, load_weights, train_epochs
+from fedhpro.options import option
+
+
+@dataclass
+class FedProxOptions:
+    mu: float = option(0.01, min=0.0, help="proximal coefficient mu of (mu/2)||w - w^t||^2 (paper C.1: 0.01)")
+
+
+def anchored_parameters(model: nn.Module, anchors: Mapping[str, Tensor]) -> list[tuple[Tensor, Tensor]]:
+    """``(parameter, received tensor)`` for every trainable parameter of ``model`` named in ``anchors``.
+
+    The received tensor is detached and moved to the parameter's device/dtype (no copy when they match;
+    it is only read).
+    """
+    pairs = []
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad and name in anchors:
+            pairs.append((parameter, anchors[name].detach().to(device=parameter.device, dtype=parameter.dtype)))
+    return pairs
+
+
+def proximal_term(pairs: list[tuple[Tensor, Tensor]], mu: float) -> Tensor:
+    """``(mu / 2) * sum over pairs of ||w - w_global||_2^2`` (a scalar tensor with a graph to the ``w``)."""
+    total = sum((parameter - anchor).pow(2).sum() for parameter, anchor in pairs)
+    if not isinstance(total, Tensor):  # no anchored parameter
+        return torch.zeros(())
+    return 0.5 * mu * total
+
+
+class FedProxClient(Client):
+    def fit(self, model: nn.Module, payload: Payload, data: ClientData, state: dict, generator: torch.Generator):
+        load_weights(model, payload["weights"])
+        mu = float(self.options.mu)
+        regularizer = None
+        if mu > 0:
+            pairs = anchored_parameters(model, payload["weights"])
+
+            def regularizer(z, y, logits):
+                return {"prox": proximal_term(pairs, mu)}
+
+        losses = train_epochs(model, data, self.train, generator, regularizer)
+        return {"weights": clone_weights(model, payload["weights"]), "num_examples": len(data)}, losses
+
+
+METHOD = MethodSpec(
+    name="fedprox",
+    options=FedProxOptions,
+    server=Server,
+    client=FedProxClient,
+    description="FedProx: CE + (mu/2)||w - w^t||^2 on the received trainable parameters; FedAvg server",
+)

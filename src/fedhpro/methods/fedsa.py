@@ -1,0 +1,269 @@
+"""FedSA (Zhou et al., AAAI 2025): semantic anchors for prototype-based FL.
+
+As fixed by ``shared/spec/baselines.md`` and the authors' public code.
+
+Anchors ``A`` (C x d): class codes ``R ~ N(0, I)`` (C x d) through a FIXED random
+2-layer MLP, ``A = ReLU(BN(W2 ReLU(BN(W1 R + b1)) + b2))`` (the authors' layout:
+Linear-BN-ReLU-Linear-BN-ReLU, BatchNorm in training mode, i.e. normalised with
+the batch statistics of the C codes, biased variance, eps 1e-5, unit scale and
+zero shift). ``W, b ~ U(-1/sqrt(d), 1/sqrt(d))`` (PyTorch's Linear default
+range) and ``R`` are drawn from a CPU generator seeded with the server's seed,
+so the same seed gives the same anchors on every device. The MLP is never
+trained; after each round the server moves the anchors of the classes held by
+some participant: ``A_c <- m A_c + (1 - m) Pbar_c`` with ``m = anchor_momentum``
+(0.9999) and ``Pbar_c`` the unweighted mean of the uploaded prototypes over the
+clients holding c; other classes keep their anchors.
+
+Client loss (on top of CE), with ``A`` the received anchors::
+
+    lambda1 * CE(h(A), [0..C-1])                     classifier calibration on the anchors
+  + lambda2 * MSE(z, A_y)                            F.mse_loss, mean over B x d
+  + lambda3 * CE(-(||z - A_c||_2 + gamma * onehot(y)), y)   margin-enhanced contrastive
+
+The distance is ``sqrt(clamp(sum_j (z_j - A_cj)^2, min=1e-12))`` (exact
+differences, clamped before the square root: finite gradients at z == A_c).
+``gamma = max(global gap, local gap)``, fixed for the round, where a gap is the
+mean over classes of the distance to the nearest other class: the global gap
+of the received anchors, the local gap of the client's own prototypes of its
+previous participation (``state["last_prototypes"]``, over the classes it held
+then, ``state["last_present"]``); with fewer than two such classes (or on a
+first participation) only the global gap counts, as in the authors' code.
+
+After training, one eval-mode pass gives the uploaded prototypes (class means
+of the features; the authors collect training-mode features during the epochs)
+and the class counts; they are also stored in ``state`` for the next gap.
+
+``dagger``: the server does FedAvg (by n_k) on the weights and the anchor
+update; ``proto-only``: only the anchor update (engine ``shared="none"``).
+``prototypes=hyper`` (paper Table 3): ``H`` (C x d, FedHPro's averaged
+hyper-prototypes, matched against the new global head each round) replaces
+the anchors in all three terms and in the global gap; clients upload
+``class_gradients`` (Eq. 5) from the same eval pass; needs ``protocol=dagger``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fedhpro import functional as HF
+from fedhpro.methods.base import (
+    Client,
+    ClientData,
+    MethodContext,
+    MethodSpec,
+    Payload,
+    Server,
+    clone_weights,
+    extract_features,
+    load_weights,
+    train_epochs,
+)
+from fedhpro.methods.fedgmkd import PROTOCOLS, PROTOTYPE_SOURCES, check_class_tensor, check_counts, check_protocol
+from fedhpro.methods.hyper import HyperPrototypeBank
+from fedhpro.options import option
+
+SQRT_CLAMP = 1e-12
+
+
+@dataclass
+class FedSAOptions:
+    lambda1: float = option(0.1, min=0.0, help="weight of the classifier calibration CE(h(A), [0..C-1])")
+    lambda2: float = option(0.9, min=0.0, help="weight of MSE(z, A_y)")
+    lambda3: float = option(1.0, min=0.0, help="weight of the margin-enhanced contrastive CE")
+    anchor_momentum: float = option(0.9999, min=0.0, max=1.0,
+                                    help="m in A <- m A + (1 - m) Pbar after each round")
+    protocol: str = option("dagger", choices=PROTOCOLS,
+                           help="dagger: weights and prototypes travel; proto-only: prototypes only")
+    prototypes: str = option("local", choices=PROTOTYPE_SOURCES,
+                             help="local: semantic anchors; hyper: FedHPro's averaged hyper-prototypes as anchors")
+    num_hyper: int = option(5, min=1, help="prototypes=hyper: |I|, hyper-prototypes per class")
+    match_steps: int = option(30, min=0, help="prototypes=hyper: gradient-matching steps per round")
+    hyper_lr: float = option(0.1, gt=0.0, help="prototypes=hyper: step size of gradient matching")
+
+
+# ----------------------------------------------------------------------------
+# pure pieces
+# ----------------------------------------------------------------------------
+
+
+def _batch_norm(x: Tensor, eps: float = 1e-5) -> Tensor:
+    """BatchNorm1d in training mode with unit scale and zero shift (identity-like for a batch of one)."""
+    if x.shape[0] < 2:
+        return x / math.sqrt(1.0 + eps)  # eval mode with the initial running statistics
+    return (x - x.mean(0)) / torch.sqrt(x.var(0, unbiased=False) + eps)
+
+
+def semantic_anchors(num_classes: int, feature_dim: int, seed: int) -> Tensor:
+    """The initial anchors ``A = MLP(R)`` (C x d, float32, CPU), a pure function of the seed."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randn(num_classes, feature_dim, generator=generator)
+    bound = 1.0 / math.sqrt(feature_dim)
+
+    def uniform(*shape):
+        return (torch.rand(*shape, generator=generator) * 2.0 - 1.0) * bound
+
+    w1, b1 = uniform(feature_dim, feature_dim), uniform(feature_dim)
+    w2, b2 = uniform(feature_dim, feature_dim), uniform(feature_dim)
+    hidden = torch.relu(_batch_norm(codes @ w1.T + b1))
+    return torch.relu(_batch_norm(hidden @ w2.T + b2))
+
+
+def class_gap(vectors: Tensor, present: Tensor | None = None) -> float | None:
+    """Mean over the (present) classes of the distance to the nearest other (present) class; None if < 2."""
+    if present is not None:
+        vectors = vectors[present]
+    if vectors.shape[0] < 2:
+        return None
+    distances = torch.cdist(vectors.double().unsqueeze(0), vectors.double().unsqueeze(0),
+                            compute_mode="donot_use_mm_for_euclid_dist")[0]
+    distances.fill_diagonal_(float("inf"))
+    return float(distances.min(1).values.mean())
+
+
+def anchor_distances(z: Tensor, anchors: Tensor) -> Tensor:
+    """``||z_i - A_c||_2`` (B x C), the squared distance clamped at 1e-12 before the square root."""
+    squared = (z.unsqueeze(1) - anchors.unsqueeze(0)).pow(2).sum(2)
+    return squared.clamp(min=SQRT_CLAMP).sqrt()
+
+
+def margin_ce(z: Tensor, y: Tensor, anchors: Tensor, gap: float) -> Tensor:
+    """``CE(-(||z - A_c|| + gap * onehot(y)), y)``, batch mean."""
+    logits = -(anchor_distances(z, anchors) + gap * F.one_hot(y, anchors.shape[0]).to(z.dtype))
+    return F.cross_entropy(logits, y)
+
+
+def calibration_ce(classifier, anchors: Tensor) -> Tensor:
+    """``CE(h(A), [0..C-1])``: each anchor must be classified as its class."""
+    return F.cross_entropy(classifier(anchors), torch.arange(anchors.shape[0], device=anchors.device))
+
+
+def ema_anchors(anchors: Tensor, mean_prototypes: Tensor, held: Tensor, momentum: float) -> Tensor:
+    """``A_c <- m A_c + (1 - m) Pbar_c`` for held classes; the others unchanged."""
+    moved = momentum * anchors + (1.0 - momentum) * mean_prototypes.to(anchors.dtype)
+    return torch.where(held.unsqueeze(1), moved, anchors)
+
+
+# ----------------------------------------------------------------------------
+# server and client
+# ----------------------------------------------------------------------------
+
+
+class FedSAServer(Server):
+    def __init__(self, context: MethodContext):
+        super().__init__(context)
+        check_protocol(self.options, self.weights)
+        o = self.options
+        self.feature_dim = context.model.classifier.in_features
+        self.anchors = semantic_anchors(self.num_classes, self.feature_dim, context.seed)
+        self.hyper = o.prototypes == "hyper"
+        self.bank = (HyperPrototypeBank(self.num_classes, self.feature_dim, context.seed, num_hyper=o.num_hyper,
+                                        match_steps=o.match_steps, lr=o.hyper_lr) if self.hyper else None)
+        self.scratch = context.model
+
+    def current_anchors(self) -> Tensor:
+        return self.bank.averaged if self.hyper else self.anchors
+
+    def broadcast(self, round: int) -> Payload:
+        return {"weights": self.weights, "anchors": self.current_anchors()}
+
+    def validate_reply(self, reply: Payload, who: str = "reply") -> None:
+        super().validate_reply(reply, who)
+        c, d = self.num_classes, self.feature_dim
+        held = check_counts(reply, c, who) > 0
+        check_class_tensor(reply, "prototypes", (c, d), who, held)
+        if self.hyper:
+            check_class_tensor(reply, "class_gradients", (c, d), who, held)
+
+    def aggregate(self, round: int, replies: list[Payload]) -> dict[str, float]:
+        for index, reply in enumerate(replies):
+            self.validate_reply(reply, who=f"reply {index}")
+        present = torch.stack([reply["class_counts"].cpu() > 0 for reply in replies])
+        prototypes = torch.stack([reply["prototypes"].cpu().double() for reply in replies])
+        gradients = self.bank.validate(replies)[0] if self.hyper else None
+        mean_prototypes, held = HF.aggregate_class_gradients(prototypes, present)  # unweighted mean over holders
+        metrics = {"classes_held": float(held.sum())}
+        if self.options.protocol == "dagger":
+            self.weights = self.average_weights(replies)
+        if self.hyper:
+            load_weights(self.scratch, self.weights)
+            metrics.update(self.bank.update(gradients, present, self.scratch.classifier))
+        else:
+            before = self.anchors
+            self.anchors = ema_anchors(self.anchors, mean_prototypes, held, self.options.anchor_momentum)
+            metrics["anchor_shift"] = float((self.anchors - before).norm())
+        gap = class_gap(self.current_anchors())
+        metrics["anchor_gap"] = gap if gap is not None else 0.0
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"weights": self.weights, "anchors": self.anchors}
+        if self.bank is not None:
+            state.update(self.bank.state_dict())
+        return state
+
+    def load_state_dict(self, state) -> None:
+        self.weights = dict(state["weights"])
+        self.anchors = state["anchors"].clone()
+        if self.bank is not None:
+            self.bank.load_state_dict(state)
+
+
+class FedSAClient(Client):
+    def fit(self, model, payload: Payload, data: ClientData, state: dict, generator: torch.Generator):
+        o = self.options
+        load_weights(model, payload["weights"])
+        device = data.x.device
+        anchors = payload["anchors"].to(device)
+        global_gap = class_gap(anchors)
+        local_gap = None
+        if "last_prototypes" in state:
+            local_gap = class_gap(state["last_prototypes"], state["last_present"].bool())
+        gaps = [g for g in (global_gap, local_gap) if g is not None]
+        gap = max(gaps) if gaps else 0.0
+
+        def regularizer(z, y, logits):
+            a = anchors.to(z.dtype)
+            terms = {}
+            if o.lambda1 > 0:
+                terms["calibration"] = o.lambda1 * calibration_ce(model.classifier, a)
+            if o.lambda2 > 0:
+                terms["anchor_mse"] = o.lambda2 * F.mse_loss(z, a[y])
+            if o.lambda3 > 0:
+                terms["margin_ce"] = o.lambda3 * margin_ce(z, y, a, gap)
+            return terms
+
+        losses = train_epochs(model, data, self.train, generator, regularizer)
+
+        features = extract_features(model, data.x)  # one eval-mode pass
+        prototypes, present = HF.local_prototypes(features, data.y, self.num_classes)
+        counts = torch.bincount(data.y, minlength=self.num_classes)[:self.num_classes]
+        reply = {"weights": clone_weights(model, payload["weights"]), "num_examples": len(data),
+                 "prototypes": prototypes.detach().cpu(), "class_counts": counts.cpu()}
+        if o.prototypes == "hyper":
+            was_training = model.training
+            model.eval()
+            gradients, _ = HF.class_gradients(features, data.y, model.classifier, self.num_classes)
+            model.train(was_training)
+            reply["class_gradients"] = gradients.cpu()
+        state["last_prototypes"] = prototypes.detach().cpu()
+        state["last_present"] = present.cpu()
+        losses["gap"] = float(gap)
+        losses["global_gap"] = float(global_gap) if global_gap is not None else 0.0
+        if local_gap is not None:
+            losses["local_gap"] = float(local_gap)
+        return reply, losses
+
+
+METHOD = MethodSpec(
+    name="fedsa",
+    options=FedSAOptions,
+    server=FedSAServer,
+    client=FedSAClient,
+    description="FedSA: fixed random semantic anchors (EMA of prototypes), calibration + MSE + margin CE",
+)
