@@ -57,6 +57,12 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from fedhpro.compare import main as compare_main
+
+    return compare_main(args.settings)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedhpro",
@@ -75,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     config_parser.add_argument("settings", nargs="*", metavar="[CONFIG.yaml] KEY=VALUE")
     config_parser.add_argument("--keys", action="store_true", help="list every key with its help")
     config_parser.set_defaults(handler=_cmd_config)
+    compare_parser = commands.add_parser(
+        "compare", help="several methods on the same federation and seeds: a table like the paper's Table A3",
+        description="Run methods=[...] for seeds=[...] (default: all nine methods, seeds 0,1,2) with the same "
+                    "settings; writes <out>/table.md and table.csv (default out=runs/compare). Finished runs "
+                    "in <out> are reused.")
+    compare_parser.add_argument("settings", nargs="*", metavar="[CONFIG.yaml] KEY=VALUE")
+    compare_parser.set_defaults(handler=_cmd_compare)
     models_parser = commands.add_parser(
         "models", help="list the model zoo: parameters and forward FLOPs (torch.utils.flop_counter)")
     models_parser.add_argument("names", nargs="*", help="only these models")

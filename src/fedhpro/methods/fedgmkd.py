@@ -17,13 +17,13 @@ Client, after loading the global weights, trains E epochs on::
   ``KLDivLoss(log q, S^)``); their default ``reduction='mean'`` also divides by
   C, which is not a KL divergence, so it is not copied. Only the head ``h``
   receives gradients from this term (``P`` and ``S^`` are constants).
-* no global knowledge (round 0, or a class nobody held last round): the term
-  is left out for that class (both terms absent in round 0).
+* no global knowledge for a class (round 0, or no client has held it yet):
+  the class is left out of both terms (both terms absent in round 0).
 
 After training, ONE eval-mode pass gives the features z and the soft
 predictions ``softmax(h(z)/T)``. Per class c held by the client:
 
-* prototype ``p_k^c``: a :class:`sklearn.mixture.GaussianMixture` fitted to the
+* prototype ``P_k^c``: a :class:`sklearn.mixture.GaussianMixture` fitted to the
   class's features in the ORIGINAL feature space (no standardisation: the
   authors' code standardises first and so sends zero vectors), the number of
   components chosen by the lowest BIC over ``1..min(n_c, max_components)``,
@@ -49,14 +49,20 @@ each class c over the clients A^c that hold it (n_k^c > 0):
 4. ``p_k^c = ReLU(w0_k^c - a d_k^c + b) / sum_{j in A^c} ReLU(w0_j^c - a d_j^c + b)``
    (a = ``dat_a`` = 0.4, b = ``dat_b`` = 0.2, the authors' per-class values;
    if every numerator of a class is 0 the class falls back to ``w0``);
-5. global knowledge ``P^c = sum_k p_k^c p_k^c``, ``S^c = sum_k p_k^c S_k^c``.
+5. global knowledge ``P^c = sum_k p_k^c P_k^c``, ``S^c = sum_k p_k^c S_k^c``.
 
-Classes nobody held this round get no global knowledge (masked out, never a
-zero vector). Weights (``dagger``): each client's weight is the class-share
+A class nobody held this round keeps its previous global knowledge (as
+FedProto here, ``prototypes.merge_prototypes``); one nobody has held yet has
+none (``prototype_mask`` / ``soft_mask`` False: never a zero vector). Weights (``dagger``): each client's weight is the class-share
 average of its DAT weights, ``w_k = sum_c (n^c / N) p_k^c`` with
 ``n^c = sum_k n_k^c``, ``N = sum_c n^c`` (they sum to 1; with ``a = b = 0``
 this is exactly FedAvg's ``n_k / N``); floating entries are averaged with
 ``w_k``, counters keep their maximum (``weighted_average``).
+
+Payload: server -> client ``weights`` (``{}`` in proto-only), ``prototypes``
+(C x d), ``prototype_mask`` (C bool), ``soft_predictions`` (C x C),
+``soft_mask`` (C bool); client -> server ``weights``, ``num_examples``,
+``prototypes``, ``soft_predictions``, ``class_counts`` (+ ``class_gradients``).
 
 ``protocol=proto-only``: no weights travel (engine ``shared="none"``), only
 the knowledge step runs. ``prototypes=hyper`` (paper Table 3): the server
@@ -79,7 +85,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedhpro import functional as HF
-from fedhpro.errors import ConfigError, UpdateError
+from fedhpro.errors import UpdateError
 from fedhpro.functional import weighted_average
 from fedhpro.methods.base import (
     Client,
@@ -94,10 +100,19 @@ from fedhpro.methods.base import (
     train_epochs,
 )
 from fedhpro.methods.hyper import HyperPrototypeBank
+from fedhpro.methods.prototypes import (
+    check_protocol,
+    check_prototype_reply,
+    feature_dim_of,
+    hyper_lr_option,
+    match_steps_option,
+    merge_prototypes,
+    num_hyper_option,
+    protocol_option,
+    prototype_mse,
+    prototypes_option,
+)
 from fedhpro.options import option
-
-PROTOCOLS = ("dagger", "proto-only")
-PROTOTYPE_SOURCES = ("local", "hyper")
 
 
 @dataclass
@@ -111,14 +126,11 @@ class FedGMKDOptions:
                              help="GMM covariance type (authors: full); the prototype does not depend on it")
     dat_a: float = option(0.4, min=0.0, help="DAT discrepancy coefficient a")
     dat_b: float = option(0.2, min=0.0, help="DAT offset b")
-    protocol: str = option("dagger", choices=PROTOCOLS,
-                           help="dagger: weights and knowledge travel; proto-only: knowledge only")
-    prototypes: str = option("local", choices=PROTOTYPE_SOURCES,
-                             help="local: GMM prototypes aggregated by DAT; hyper: FedHPro's averaged hyper-prototypes")
-    num_hyper: int = option(5, min=1, help="prototypes=hyper: |I|, hyper-prototypes per class")
-    match_steps: int = option(30, min=0, help="prototypes=hyper: gradient-matching steps per round")
-    hyper_lr: float = option(0.1, gt=0.0, help="prototypes=hyper: step size of gradient matching")
-
+    protocol: str = protocol_option()
+    prototypes: str = prototypes_option()
+    num_hyper: int = num_hyper_option()
+    match_steps: int = match_steps_option()
+    hyper_lr: float = hyper_lr_option()
 
 # ----------------------------------------------------------------------------
 # pure pieces (tested one by one)
@@ -185,12 +197,6 @@ def soft_predictions(logits: Tensor, labels: Tensor, num_classes: int, temperatu
     return means
 
 
-def prototype_mse(z: Tensor, y: Tensor, prototypes: Tensor, held: Tensor) -> Tensor:
-    """``MSE(z, P_y)`` over all ``B x d`` entries; samples of a class without a prototype are their own target."""
-    target = torch.where(held[y].unsqueeze(1), prototypes[y], z.detach())
-    return F.mse_loss(z, target)
-
-
 def knowledge_kl(classifier: nn.Module, prototypes: Tensor, soft: Tensor, held: Tensor, temperature: float) -> Tensor:
     """``mean_{c held} KL(S^_c || softmax(h(P_c)/T))`` (sum over the C outputs, mean over held classes)."""
     log_q = torch.log_softmax(classifier(prototypes[held]) / temperature, dim=1)
@@ -230,7 +236,7 @@ def client_weights_from_dat(counts: Tensor, weights: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------
-# reply checks shared with FedSA
+# reply checks (also used by FedSA)
 # ----------------------------------------------------------------------------
 
 
@@ -254,20 +260,6 @@ def check_counts(reply: Payload, num_classes: int, who: str) -> Tensor:
     return counts
 
 
-def check_protocol(options: Any, weights: dict) -> None:
-    """ConfigErrors for protocol/prototype combinations the server cannot run."""
-    if options.protocol == "proto-only":
-        if options.prototypes == "hyper":
-            raise ConfigError("prototypes=hyper needs protocol=dagger: gradient matching needs the global "
-                              "classifier, and proto-only exchanges no weights")
-        if weights:
-            raise ConfigError("protocol=proto-only exchanges no weights: run the engine with shared='none' "
-                              "(fedhpro.run does this itself)")
-    elif options.prototypes == "hyper" and not any(key.startswith("classifier.") for key in weights):
-        raise ConfigError("prototypes=hyper needs the classifier among the shared weights (gradient matching "
-                          "uses the global head)")
-
-
 # ----------------------------------------------------------------------------
 # server and client
 # ----------------------------------------------------------------------------
@@ -275,36 +267,41 @@ def check_protocol(options: Any, weights: dict) -> None:
 
 class FedGMKDServer(Server):
     def __init__(self, context: MethodContext):
+        check_protocol(context)
         super().__init__(context)
-        check_protocol(self.options, self.weights)
         o = self.options
-        self.feature_dim = context.model.classifier.in_features
+        self.feature_dim = feature_dim_of(context.model)
         c, d = self.num_classes, self.feature_dim
         self.prototypes = torch.zeros(c, d)
+        self.prototype_mask = torch.zeros(c, dtype=torch.bool)
         self.soft = torch.zeros(c, c)
-        self.held = torch.zeros(c, dtype=torch.long)  # 1: the class has global knowledge
+        self.soft_mask = torch.zeros(c, dtype=torch.bool)
         self.hyper = o.prototypes == "hyper"
         self.bank = (HyperPrototypeBank(c, d, context.seed, num_hyper=o.num_hyper, match_steps=o.match_steps,
                                         lr=o.hyper_lr) if self.hyper else None)
         self.scratch = context.model
 
+    @property
+    def exchanges_weights(self) -> bool:
+        return self.options.protocol == "dagger"
+
     def broadcast(self, round: int) -> Payload:
         if self.hyper:
-            prototypes, prototype_held = self.bank.averaged, torch.ones(self.num_classes, dtype=torch.long)
+            prototypes, mask = self.bank.averaged, torch.ones(self.num_classes, dtype=torch.bool)
         else:
-            prototypes, prototype_held = self.prototypes, self.held
-        return {"weights": self.weights, "prototypes": prototypes, "prototype_held": prototype_held,
-                "soft_predictions": self.soft, "soft_held": self.held}
+            prototypes, mask = self.prototypes, self.prototype_mask
+        return {"weights": self.weights if self.exchanges_weights else {},
+                "prototypes": prototypes.clone(), "prototype_mask": mask.clone(),
+                "soft_predictions": self.soft.clone(), "soft_mask": self.soft_mask.clone()}
 
     def validate_reply(self, reply: Payload, who: str = "reply") -> None:
         super().validate_reply(reply, who)
         c, d = self.num_classes, self.feature_dim
-        counts = check_counts(reply, c, who)
-        held = counts > 0
-        check_class_tensor(reply, "prototypes", (c, d), who, held)
+        held = check_prototype_reply(reply, c, d, who)
+        check_counts(reply, c, who)
         soft = check_class_tensor(reply, "soft_predictions", (c, c), who, held)
         if bool((soft[held] < 0).any()):
-            raise UpdateError(f"{who}: soft_predictions must be probabilities")
+            raise UpdateError(f"{who}: soft_predictions must be probabilities (>= 0)")
         if self.hyper:
             check_class_tensor(reply, "class_gradients", (c, d), who, held)
 
@@ -312,23 +309,26 @@ class FedGMKDServer(Server):
         # validate everything before changing any state: a rejected round leaves the server as it was
         for index, reply in enumerate(replies):
             self.validate_reply(reply, who=f"reply {index}")
-        counts = torch.stack([reply["class_counts"].cpu() for reply in replies])
+        counts = torch.stack([reply["class_counts"].detach().cpu() for reply in replies])
         present = counts > 0
-        soft = torch.stack([reply["soft_predictions"].cpu().double() for reply in replies])
-        prototypes = torch.stack([reply["prototypes"].cpu().double() for reply in replies])
-        # rows of classes a client does not hold are ignored (weight 0, and never read as values)
-        soft = torch.where(present.unsqueeze(2), soft, torch.zeros((), dtype=soft.dtype))
-        prototypes = torch.where(present.unsqueeze(2), prototypes, torch.zeros((), dtype=prototypes.dtype))
+        zero = torch.zeros((), dtype=torch.float64)
+        # rows of classes a client does not hold are never read (weight 0 and replaced by zeros)
+        soft = torch.where(present.unsqueeze(2),
+                           torch.stack([reply["soft_predictions"].detach().cpu().double() for reply in replies]), zero)
+        prototypes = torch.where(present.unsqueeze(2),
+                                 torch.stack([reply["prototypes"].detach().cpu().double() for reply in replies]), zero)
         gradients = self.bank.validate(replies)[0] if self.hyper else None
 
         weights, discrepancy = dat_weights(counts, soft, self.options.dat_a, self.options.dat_b)
         held = present.any(0)
-        self.prototypes = torch.einsum("kc,kcd->cd", weights, prototypes).float()
-        self.soft = torch.einsum("kc,kcj->cj", weights, soft).float()
-        self.held = held.long()
+        # classes nobody held this round keep their previous global knowledge (none before the first holder)
+        self.prototypes, self.prototype_mask = merge_prototypes(
+            self.prototypes, self.prototype_mask, torch.einsum("kc,kcd->cd", weights, prototypes).float(), held)
+        self.soft, self.soft_mask = merge_prototypes(
+            self.soft, self.soft_mask, torch.einsum("kc,kcj->cj", weights, soft).float(), held)
         metrics = {"classes_held": float(held.sum()),
                    "discrepancy_mean": float(discrepancy[present].mean()) if bool(present.any()) else 0.0}
-        if self.options.protocol == "dagger":
+        if self.exchanges_weights:
             client_weights = client_weights_from_dat(counts, weights)
             self.weights = weighted_average([reply["weights"] for reply in replies], client_weights.tolist())
             metrics["client_weight_min"] = float(client_weights.min())
@@ -339,8 +339,8 @@ class FedGMKDServer(Server):
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"weights": self.weights, "prototypes": self.prototypes, "soft_predictions": self.soft,
-                 "held": self.held}
+        state = {"weights": self.weights, "prototypes": self.prototypes, "prototype_mask": self.prototype_mask,
+                 "soft_predictions": self.soft, "soft_mask": self.soft_mask}
         if self.bank is not None:
             state.update(self.bank.state_dict())
         return state
@@ -348,8 +348,9 @@ class FedGMKDServer(Server):
     def load_state_dict(self, state) -> None:
         self.weights = dict(state["weights"])
         self.prototypes = state["prototypes"].clone()
+        self.prototype_mask = state["prototype_mask"].clone().bool()
         self.soft = state["soft_predictions"].clone()
-        self.held = state["held"].clone()
+        self.soft_mask = state["soft_mask"].clone().bool()
         if self.bank is not None:
             self.bank.load_state_dict(state)
 
@@ -360,19 +361,19 @@ class FedGMKDClient(Client):
         load_weights(model, payload["weights"])
         device = data.x.device
         prototypes = payload["prototypes"].to(device)
-        prototype_held = payload["prototype_held"].to(device) > 0
+        prototype_mask = payload["prototype_mask"].to(device).bool()
         soft = payload["soft_predictions"].to(device)
-        knowledge_held = (payload["soft_held"].to(device) > 0) & prototype_held
-        use_mse = o.gamma > 0 and bool(prototype_held.any())
-        use_kl = o.lam > 0 and bool(knowledge_held.any())
+        knowledge_mask = payload["soft_mask"].to(device).bool() & prototype_mask
+        use_mse = o.gamma > 0 and bool(prototype_mask.any())
+        use_kl = o.lam > 0 and bool(knowledge_mask.any())
 
         def regularizer(z, y, logits):
             terms = {}
             if use_mse:
-                terms["proto_mse"] = o.gamma * prototype_mse(z, y, prototypes.to(z.dtype), prototype_held)
+                terms["proto_mse"] = o.gamma * prototype_mse(z, y, prototypes, prototype_mask)
             if use_kl:
                 terms["kd_kl"] = o.lam * knowledge_kl(model.classifier, prototypes.to(z.dtype), soft,
-                                                      knowledge_held, o.temperature)
+                                                      knowledge_mask, o.temperature)
             return terms
 
         losses = train_epochs(model, data, self.train, generator, regularizer)

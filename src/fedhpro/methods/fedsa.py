@@ -64,8 +64,19 @@ from fedhpro.methods.base import (
     load_weights,
     train_epochs,
 )
-from fedhpro.methods.fedgmkd import PROTOCOLS, PROTOTYPE_SOURCES, check_class_tensor, check_counts, check_protocol
+from fedhpro.methods.fedgmkd import check_class_tensor
 from fedhpro.methods.hyper import HyperPrototypeBank
+from fedhpro.methods.prototypes import (
+    check_protocol,
+    check_prototype_reply,
+    feature_dim_of,
+    hyper_lr_option,
+    match_steps_option,
+    mean_prototypes,
+    num_hyper_option,
+    protocol_option,
+    prototypes_option,
+)
 from fedhpro.options import option
 
 SQRT_CLAMP = 1e-12
@@ -78,13 +89,11 @@ class FedSAOptions:
     lambda3: float = option(1.0, min=0.0, help="weight of the margin-enhanced contrastive CE")
     anchor_momentum: float = option(0.9999, min=0.0, max=1.0,
                                     help="m in A <- m A + (1 - m) Pbar after each round")
-    protocol: str = option("dagger", choices=PROTOCOLS,
-                           help="dagger: weights and prototypes travel; proto-only: prototypes only")
-    prototypes: str = option("local", choices=PROTOTYPE_SOURCES,
-                             help="local: semantic anchors; hyper: FedHPro's averaged hyper-prototypes as anchors")
-    num_hyper: int = option(5, min=1, help="prototypes=hyper: |I|, hyper-prototypes per class")
-    match_steps: int = option(30, min=0, help="prototypes=hyper: gradient-matching steps per round")
-    hyper_lr: float = option(0.1, gt=0.0, help="prototypes=hyper: step size of gradient matching")
+    protocol: str = protocol_option()
+    prototypes: str = prototypes_option()
+    num_hyper: int = num_hyper_option()
+    match_steps: int = match_steps_option()
+    hyper_lr: float = hyper_lr_option()
 
 
 # ----------------------------------------------------------------------------
@@ -156,10 +165,10 @@ def ema_anchors(anchors: Tensor, mean_prototypes: Tensor, held: Tensor, momentum
 
 class FedSAServer(Server):
     def __init__(self, context: MethodContext):
+        check_protocol(context)
         super().__init__(context)
-        check_protocol(self.options, self.weights)
         o = self.options
-        self.feature_dim = context.model.classifier.in_features
+        self.feature_dim = feature_dim_of(context.model)
         self.anchors = semantic_anchors(self.num_classes, self.feature_dim, context.seed)
         self.hyper = o.prototypes == "hyper"
         self.bank = (HyperPrototypeBank(self.num_classes, self.feature_dim, context.seed, num_hyper=o.num_hyper,
@@ -169,33 +178,38 @@ class FedSAServer(Server):
     def current_anchors(self) -> Tensor:
         return self.bank.averaged if self.hyper else self.anchors
 
+    @property
+    def exchanges_weights(self) -> bool:
+        return self.options.protocol == "dagger"
+
     def broadcast(self, round: int) -> Payload:
-        return {"weights": self.weights, "anchors": self.current_anchors()}
+        return {"weights": self.weights if self.exchanges_weights else {}, "anchors": self.current_anchors().clone()}
 
     def validate_reply(self, reply: Payload, who: str = "reply") -> None:
         super().validate_reply(reply, who)
         c, d = self.num_classes, self.feature_dim
-        held = check_counts(reply, c, who) > 0
-        check_class_tensor(reply, "prototypes", (c, d), who, held)
+        held = check_prototype_reply(reply, c, d, who)
         if self.hyper:
             check_class_tensor(reply, "class_gradients", (c, d), who, held)
 
     def aggregate(self, round: int, replies: list[Payload]) -> dict[str, float]:
         for index, reply in enumerate(replies):
             self.validate_reply(reply, who=f"reply {index}")
-        present = torch.stack([reply["class_counts"].cpu() > 0 for reply in replies])
-        prototypes = torch.stack([reply["prototypes"].cpu().double() for reply in replies])
+        present = torch.stack([reply["class_counts"].detach().cpu() > 0 for reply in replies])
+        prototypes = torch.where(present.unsqueeze(2),
+                                 torch.stack([reply["prototypes"].detach().cpu().double() for reply in replies]),
+                                 torch.zeros((), dtype=torch.float64))
         gradients = self.bank.validate(replies)[0] if self.hyper else None
-        mean_prototypes, held = HF.aggregate_class_gradients(prototypes, present)  # unweighted mean over holders
+        pbar, held = mean_prototypes(prototypes, present)  # unweighted mean over the holders of each class
         metrics = {"classes_held": float(held.sum())}
-        if self.options.protocol == "dagger":
+        if self.exchanges_weights:
             self.weights = self.average_weights(replies)
         if self.hyper:
             load_weights(self.scratch, self.weights)
             metrics.update(self.bank.update(gradients, present, self.scratch.classifier))
         else:
             before = self.anchors
-            self.anchors = ema_anchors(self.anchors, mean_prototypes, held, self.options.anchor_momentum)
+            self.anchors = ema_anchors(self.anchors, pbar, held, self.options.anchor_momentum)
             metrics["anchor_shift"] = float((self.anchors - before).norm())
         gap = class_gap(self.current_anchors())
         metrics["anchor_gap"] = gap if gap is not None else 0.0

@@ -1,0 +1,122 @@
+"""``fedhpro compare``: several methods on the same federation and seeds, one table in the paper's layout.
+
+Every (method, seed) run gets its own folder under ``out`` (a finished run is
+reused, so an interrupted comparison continues where it stopped), and the
+table is written as ``table.md`` and ``table.csv``: accuracy per domain and
+AVG, mean ± std over the seeds, and the difference of AVG to FedAvg (the
+paper's Table A3 layout).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from fedhpro.errors import ConfigError
+from fedhpro.methods import METHODS
+from fedhpro.reports import write_atomic
+
+#: the paper's order of Table A3
+PAPER_ORDER = ["fedavg", "fedprox", "moon", "fedproto", "fedtgp", "fedgmkd", "fedrcl", "fedsa", "fedhpro"]
+
+
+def _as_list(value: Any, key: str) -> list[str]:
+    if isinstance(value, str):
+        items = [item.strip() for item in value.strip("[]").split(",") if item.strip()]
+    elif isinstance(value, (list, tuple)):
+        items = [str(item) for item in value]
+    else:
+        items = [str(value)]
+    if not items:
+        raise ConfigError(f"{key} is empty; give e.g. {key}=[a,b]")
+    return items
+
+
+def compare(methods: Sequence[str], seeds: Sequence[int], settings: Mapping[str, Any] | Sequence[str],
+            out: str | Path, source: str | None = None, echo: bool = True) -> dict[str, Any]:
+    """Run every method for every seed with the same ``settings`` and write the table; returns it as rows."""
+    from fedhpro.api import run
+    from fedhpro.config import load_config, parse_override
+
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ConfigError(f"unknown method {unknown[0]!r}; choose from: {', '.join(METHODS)}")
+    pairs = dict(settings) if isinstance(settings, Mapping) else dict(map(parse_override, settings))
+    for forbidden in ("method", "seed", "out", "resume"):
+        if forbidden in pairs:
+            raise ConfigError(f"{forbidden}= is set by compare for each run; remove it")
+    load_config(source, pairs)  # validate once, before any run starts
+    out = Path(out)
+    summaries: dict[str, list[dict[str, Any]]] = {}
+    for method in methods:
+        for seed in seeds:
+            folder = out / f"{method}-seed{seed}"
+            done = folder / "summary.json"
+            if done.is_file():
+                summary = json.loads(done.read_text())
+            else:
+                summary = run(source, {**pairs, "method": method, "seed": seed, "out": str(folder)}).summary
+            summaries.setdefault(method, []).append(summary)
+            if echo:
+                print(f"{method:10s} seed {seed}: AVG {summary['accuracy']:.2f}", flush=True)
+    table = _table(summaries, seeds)
+    write_atomic(out / "table.md", table["markdown"])
+    write_atomic(out / "table.csv", table["csv"])
+    if echo:
+        print(table["markdown"])
+        print(f"written: {out / 'table.md'}, {out / 'table.csv'}")
+    return table
+
+
+def _table(summaries: dict[str, list[dict[str, Any]]], seeds: Sequence[int]) -> dict[str, Any]:
+    first = next(iter(summaries.values()))[0]
+    domains = list(first["per_domain"])
+    columns = domains + ["AVG"] if len(domains) > 1 else ["AVG"]
+
+    def values(method: str, column: str) -> list[float]:
+        return [s["accuracy"] if column == "AVG" else s["per_domain"][column] for s in summaries[method]]
+
+    def cell(numbers: list[float]) -> str:
+        spread = statistics.stdev(numbers) if len(numbers) > 1 else 0.0
+        return f"{statistics.mean(numbers):.2f} ± {spread:.2f}"
+
+    baseline = statistics.mean(values("fedavg", "AVG")) if "fedavg" in summaries else None
+    header = "| Methods | " + " | ".join(columns) + " | Δ |"
+    lines = [header, "|---" * (len(columns) + 2) + "|"]
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(["method"] + [f"{c}_mean" for c in columns] + [f"{c}_std" for c in columns] + ["delta_avg"])
+    ordered = sorted(summaries, key=lambda m: PAPER_ORDER.index(m) if m in PAPER_ORDER else len(PAPER_ORDER))
+    for method in ordered:
+        avg = statistics.mean(values(method, "AVG"))
+        delta = "–" if baseline is None or method == "fedavg" else f"{avg - baseline:+.2f}"
+        lines.append(f"| {method} | " + " | ".join(cell(values(method, c)) for c in columns) + f" | {delta} |")
+        means = [statistics.mean(values(method, c)) for c in columns]
+        stds = [statistics.stdev(values(method, c)) if len(seeds) > 1 else 0.0 for c in columns]
+        writer.writerow([method] + [f"{v:.4f}" for v in means + stds]
+                        + ["" if delta == "–" else f"{avg - baseline:.4f}"])
+    caption = (f"Test accuracy (%) on {first['dataset']}, mean ± std over seeds {list(seeds)}; "
+               "Δ = AVG minus FedAvg's AVG.\n\n")
+    return {"markdown": caption + "\n".join(lines) + "\n", "csv": buffer.getvalue()}
+
+
+def main(arguments: Sequence[str]) -> int:
+    """CLI: ``fedhpro compare [CONFIG.yaml] methods=[a,b] seeds=[0,1,2] out=DIR KEY=VALUE ...``."""
+    from fedhpro.config import parse_override
+
+    items = list(arguments)
+    source = items.pop(0) if items and "=" not in items[0] else None
+    pairs = dict(map(parse_override, items))
+    methods = _as_list(pairs.pop("methods", ",".join(PAPER_ORDER)), "methods")
+    seeds_raw = _as_list(pairs.pop("seeds", "0,1,2"), "seeds")
+    try:
+        seeds = [int(s) for s in seeds_raw]
+    except ValueError:
+        raise ConfigError(f"seeds={seeds_raw} must be integers, e.g. seeds=[0,1,2]") from None
+    out = pairs.pop("out", "runs/compare")
+    compare(methods, seeds, pairs, out, source=source)
+    return 0
