@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from conftest import FEATURE_DIM, NUM_CLASSES, TinyNet, make_client, make_federation
 from fedhpro.engines.simulator import Simulator
 from fedhpro.errors import ConfigError, UpdateError
-from fedhpro.functional import local_prototypes
 from fedhpro.methods.base import MethodContext, TrainSettings, clone_weights
 from fedhpro.methods.fedavg import METHOD as FEDAVG
 from fedhpro.methods.fedavg import FedAvgOptions
@@ -273,7 +272,7 @@ def gmkd_replies(server):
 def test_fedgmkd_server_aggregates_knowledge_and_weights_with_dat_and_masks_unheld_classes():
     server = G.FedGMKDServer(context(G.FedGMKDOptions()))
     first = server.broadcast(0)
-    assert first["prototype_held"].tolist() == [0, 0, 0, 0] and first["soft_held"].tolist() == [0, 0, 0, 0]
+    assert first["prototype_mask"].tolist() == [False] * 4 and first["soft_mask"].tolist() == [False] * 4
     replies, counts = gmkd_replies(server)
     metrics = server.aggregate(0, replies)
     soft = [[r["soft_predictions"][c].double().tolist() if counts[k][c] else [0.0] * 4 for c in range(4)]
@@ -285,8 +284,8 @@ def test_fedgmkd_server_aggregates_knowledge_and_weights_with_dat_and_masks_unhe
         torch.testing.assert_close(server.prototypes[c].double(), proto, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(server.soft[c].double(), label, rtol=1e-5, atol=1e-6)
     payload = server.broadcast(1)
-    assert payload["prototype_held"].tolist() == [1, 1, 1, 0]
-    assert payload["soft_held"].tolist() == [1, 1, 1, 0]
+    assert payload["prototype_mask"].tolist() == [True, True, True, False]
+    assert payload["soft_mask"].tolist() == [True, True, True, False]
     assert bool(torch.isfinite(payload["prototypes"]).all()) and float(payload["prototypes"].abs().max()) < 100
     assert metrics["classes_held"] == 3.0
     # weights: weighted by w_k = sum_c (n^c / N) p_k^c, computed by hand in float64
@@ -313,6 +312,22 @@ def test_fedgmkd_server_rejects_malformed_knowledge_and_keeps_its_state():
         server.validate_reply(replies[0])
 
 
+def test_fedgmkd_server_keeps_the_knowledge_of_a_class_nobody_held_this_round():
+    server = G.FedGMKDServer(context(G.FedGMKDOptions()))
+    replies, _ = gmkd_replies(server)
+    server.aggregate(0, replies)
+    kept_p, kept_s = server.prototypes[0].clone(), server.soft[0].clone()
+    later, _ = gmkd_replies(server)
+    for reply in later:  # nobody holds class 0 in round 1
+        reply["class_counts"][0] = 0
+        reply["prototypes"][0] = float("nan")
+        reply["num_examples"] = int(reply["class_counts"].sum())
+    server.aggregate(1, later)
+    assert torch.equal(server.prototypes[0], kept_p) and torch.equal(server.soft[0], kept_s)
+    assert server.prototype_mask.tolist() == [True, True, True, False]
+    assert server.soft_mask.tolist() == [True, True, True, False]
+
+
 # ============================================================================
 # FedGMKD: client
 # ============================================================================
@@ -324,10 +339,10 @@ def gmkd_payload(model, *, knowledge: bool, dtype=torch.float32, seed=21):
     g = gen(seed)
     protos = torch.randn(NUM_CLASSES, FEATURE_DIM, generator=g).to(dtype)
     soft = torch.softmax(torch.randn(NUM_CLASSES, NUM_CLASSES, generator=g), 1).to(dtype)
-    p_held = torch.tensor([1, 1, 0, 1]) if knowledge else torch.zeros(NUM_CLASSES, dtype=torch.long)
-    s_held = torch.tensor([1, 0, 1, 1]) if knowledge else torch.zeros(NUM_CLASSES, dtype=torch.long)
-    return {"weights": clone_weights(model), "prototypes": protos, "prototype_held": p_held,
-            "soft_predictions": soft, "soft_held": s_held}
+    p_mask = torch.tensor([True, True, False, True]) if knowledge else torch.zeros(NUM_CLASSES, dtype=torch.bool)
+    s_mask = torch.tensor([True, False, True, True]) if knowledge else torch.zeros(NUM_CLASSES, dtype=torch.bool)
+    return {"weights": clone_weights(model), "prototypes": protos, "prototype_mask": p_mask,
+            "soft_predictions": soft, "soft_mask": s_mask}
 
 
 def test_fedgmkd_client_without_knowledge_trains_like_fedavg_and_uploads_its_knowledge():
@@ -525,7 +540,8 @@ def test_class_gap_by_hand():
 
 
 def sa_payload(model, scale=1.0, dtype=torch.float32):
-    return {"weights": clone_weights(model), "anchors": (scale * S.semantic_anchors(NUM_CLASSES, FEATURE_DIM, 8)).to(dtype)}
+    anchors = scale * S.semantic_anchors(NUM_CLASSES, FEATURE_DIM, 8)
+    return {"weights": clone_weights(model), "anchors": anchors.to(dtype)}
 
 
 def test_fedsa_client_keeps_last_prototypes_and_uses_them_for_the_gap():
@@ -619,7 +635,7 @@ def test_hyper_broadcast_is_the_averaged_bank_and_replies_carry_class_gradients(
     key = "prototypes" if module is G else "anchors"
     assert torch.equal(payload[key], bank.averaged)
     if module is G:
-        assert payload["prototype_held"].tolist() == [1, 1, 1, 1]
+        assert payload["prototype_mask"].tolist() == [True] * 4
 
     data = make_client(24, HELD, seed=8)
     model = seeded_model(0)
@@ -689,13 +705,16 @@ def test_simulator_runs_every_configuration(method, protocol, source):
     else:
         assert all(bool(torch.isfinite(v).all()) for v in sim.server.weights.values() if v.is_floating_point())
     if method == "fedgmkd":
-        assert sim.server.held.tolist() == [1, 1, 1, 0]
+        assert sim.server.soft_mask.tolist() == [True, True, True, False]
+        if source == "local":
+            assert sim.server.prototype_mask.tolist() == [True, True, True, False]
         assert {"proto_mse", "kd_kl"} <= set(records[1].train)  # knowledge from round 0 is used in round 1
         assert bool(torch.isfinite(sim.server.prototypes).all())
     else:
         assert "margin_ce" in records[1].train
         if source == "local":
-            assert torch.equal(sim.server.anchors[3], S.semantic_anchors(NUM_CLASSES, FEATURE_DIM, sim.server.context.seed)[3])
+            initial = S.semantic_anchors(NUM_CLASSES, FEATURE_DIM, sim.server.context.seed)
+            assert torch.equal(sim.server.anchors[3], initial[3])  # nobody holds class 3: never moved
         assert all("last_prototypes" in state for state in sim.client_states)
     # a checkpoint round-trip of the server keeps its state
     state = copy.deepcopy(sim.server.state_dict())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedhpro.methods import fedavg, fedhpro, fedprox, fedproto, fedrcl, fedtgp, moon
+from fedhpro.methods import fedavg, fedgmkd, fedhpro, fedprox, fedproto, fedrcl, fedsa, fedtgp, moon
 from fedhpro.methods.base import (
     Client,
     ClientData,
@@ -21,6 +21,8 @@ METHODS: dict[str, MethodSpec] = {
     "fedrcl": fedrcl.METHOD,
     "fedproto": fedproto.METHOD,
     "fedtgp": fedtgp.METHOD,
+    "fedgmkd": fedgmkd.METHOD,
+    "fedsa": fedsa.METHOD,
 }
 
 __all__ = ["METHODS", "Client", "ClientData", "MethodContext", "MethodSpec", "Server", "TrainSettings", "payload_bytes"]
