@@ -14,7 +14,6 @@ import json
 import os
 import random
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 
 from fedhpro.errors import DataError
+from fedhpro.reports import write_atomic_with
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^round-(\d{6})\.pt$")
@@ -64,17 +64,7 @@ def save(run_dir: str | os.PathLike, completed_rounds: int, simulator_state: dic
         "metrics": json.dumps(metrics),
         "rng": _rng_states(),
     }
-    fd, temporary = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(blob, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
+    write_atomic_with(path, lambda handle: torch.save(blob, handle))
     for old in sorted(p for p in folder.iterdir() if _NAME.match(p.name))[:-max(keep, 1)]:
         old.unlink()
     return path

@@ -6,19 +6,20 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, BinaryIO, Callable, Iterable
 
 import yaml
 
 
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file and ``os.replace``: readers never see half a file."""
+def write_atomic_with(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
+    """Call ``write(handle)`` on a temporary file beside ``path``, then ``os.replace`` it: readers never
+    see half a file, and an interrupted write leaves the previous file in place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
@@ -26,6 +27,11 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
         if os.path.exists(temporary):
             os.unlink(temporary)
         raise
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically."""
+    write_atomic_with(path, lambda handle: handle.write(text.encode("utf-8")))
 
 
 def write_json(path: str | os.PathLike, value: Any) -> None:
