@@ -114,7 +114,7 @@ _CACHE_SUBDIR = "digits-offline"
 # images -- independent of which extra fonts a matplotlib build happens to
 # carry.  Excluded on purpose: the *Display* DejaVu fonts and the STIX size /
 # non-Unicode fonts (no digits), cmsy/cmex (symbols at the digit code points),
-# cmmi10 (old-style digits), LastResort (placeholder glyphs).
+# cmmi10 (old-style digits), LastResort (boxes instead of digits).
 _MATPLOTLIB_FONTS: tuple[str, ...] = (
     "DejaVuSans.ttf",
     "DejaVuSans-Bold.ttf",

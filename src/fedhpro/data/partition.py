@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any, Callable, Union
 import numpy as np
 
 from fedhpro.errors import FedHProError
+from fedhpro.reports import write_atomic
 
 LabelsLike = Union[np.ndarray, Mapping[str, np.ndarray]]
 
@@ -214,21 +214,7 @@ class Partition:
              seed: int | None = None) -> Path:
         """Write :meth:`to_json` to ``path`` atomically (a temp file in the same folder, then ``os.replace``)."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(self.to_json(labels, num_classes, seed))
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        write_atomic(path, json.dumps(self.to_json(labels, num_classes, seed)))
         return path
 
     @classmethod

@@ -135,7 +135,7 @@ def relaxed_contrastive_terms(features: Tensor, labels: Tensor, tau: float, thre
     """One stage's ``(SCL, DIV)`` for pooled features ``B x C`` (see the module docstring); DIV is None
     when ``with_penalty`` is false."""
     pairs = select_pairs(F.normalize(features, p=2, dim=1), labels, num_negatives)
-    # rows without a positive get a finite placeholder (no inf in the graph), then weight 0
+    # rows without a positive get a finite stand-in value (no inf in the graph), then weight 0
     positive = torch.where(pairs.has_positive, pairs.positive, torch.zeros_like(pairs.positive))
     logits = torch.cat([positive[:, None], pairs.negatives], dim=1) / tau
     per_sample = -torch.log_softmax(logits, dim=1)[:, 0]

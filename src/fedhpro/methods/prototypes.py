@@ -21,6 +21,7 @@ with ``prototypes=hyper``.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any
 
@@ -242,7 +243,7 @@ def check_protocol(context: MethodContext) -> None:
                           "classifier, and proto-only exchanges no weights (paper Table 3 uses the dagger variants)")
 
 
-class PrototypeServer(Server):
+class PrototypeServer(Server, ABC):
     """FedAvg on the weights (``dagger``) or none (``proto-only``), plus a prototype step.
 
     Subclasses implement :meth:`prototype_step` (the method's own global prototypes, from the
@@ -308,9 +309,9 @@ class PrototypeServer(Server):
             metrics.update(self.prototype_step(round, prototypes, present, counts))
         return metrics
 
+    @abstractmethod
     def prototype_step(self, round: int, prototypes: Tensor, present: Tensor, counts: Tensor) -> dict[str, float]:
         """Update ``self.prototypes`` / ``self.prototype_mask`` from this round's uploads; return metrics."""
-        raise NotImplementedError
 
     def extra_state(self) -> dict[str, Any]:
         return {}
