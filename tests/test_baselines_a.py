@@ -18,7 +18,7 @@ from torch import nn
 
 from conftest import NUM_CLASSES, TinyBNNet, TinyNet, make_client, make_federation
 from fedhpro.engines.simulator import Simulator
-from fedhpro.methods.base import Client, MethodContext, TrainSettings, clone_weights
+from fedhpro.methods.base import Client, MethodContext, TrainSettings, clone_weights, train_epochs
 from fedhpro.methods.fedavg import FedAvgOptions
 from fedhpro.methods import fedprox, fedrcl, moon
 from fedhpro.methods.fedprox import FedProxClient, FedProxOptions, anchored_parameters, proximal_term
@@ -425,3 +425,25 @@ def test_fedprox_classifier_only_exchange_applies_prox_to_the_classifier():
     assert set(sim.server.global_weights()) == {"classifier.weight", "classifier.bias"}
     check_replies(captured[0], sim.server.global_weights())
     assert "prox" in records[0].train
+
+
+def test_train_epochs_clips_the_global_gradient_norm_before_the_step():
+    # one full batch, plain SGD (lr 1, no momentum/decay): the step is -g * min(1, c / (||g|| + 1e-6)),
+    # torch's clip_grad_norm_ (with its epsilon)
+    data = make_client(8, [0, 1, 2, 3], seed=9, dtype=torch.float64)
+    model = seeded(TinyBNNet, 7, torch.float64)
+    start = clone_weights(model)
+    ref = copy.deepcopy(model).train()
+    loss = F.cross_entropy(ref(data.x), data.y)
+    names = [name for name, _ in ref.named_parameters()]
+    grads = torch.autograd.grad(loss, [p for _, p in ref.named_parameters()])
+    norm = float(torch.sqrt(sum((g ** 2).sum() for g in grads)))
+    limit = norm / 4  # clipping active: the step shrinks by about 4
+    factor = limit / (norm + 1e-6)
+    train = TrainSettings(epochs=1, batch_size=8, lr=1.0, momentum=0.0, weight_decay=0.0, max_grad_norm=limit)
+    train_epochs(model, data, train, torch.Generator().manual_seed(0))
+    after = dict(model.named_parameters())
+    for name, grad in zip(names, grads):
+        torch.testing.assert_close(after[name].detach(), start[name] - grad * factor, rtol=0, atol=1e-12, msg=name)
+    # FedRCL's default is the authors' clipping at 10; 0 switches it off
+    assert FedRCLOptions().max_grad_norm == 10.0

@@ -38,6 +38,9 @@ class TrainSettings:
     lr: float = 0.01
     momentum: float = 0.9
     weight_decay: float = 1e-5
+    #: clip the gradient's global L2 norm to this before each step (None: no clipping); a method's
+    #: recipe may set it (FedRCL's authors clip at 10)
+    max_grad_norm: float | None = None
 
 
 @dataclass
@@ -203,6 +206,8 @@ def train_epochs(model: nn.Module, data: ClientData, train: TrainSettings, gener
             loss = sum(terms.values())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if train.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_grad_norm)
             optimizer.step()
             terms["loss"] = loss
             for name, value in terms.items():

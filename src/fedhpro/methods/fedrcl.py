@@ -41,12 +41,17 @@ Differences from the authors' code (documented, deliberate): stage outputs are
 taken after the block's last activation (the authors use pre-ReLU block outputs,
 ``feature_relu: False``); their loss uses the sample itself as positive when it
 has no same-class batch-mate, here such a sample has no contrastive term (as the
-brief requires); no gradient clipping, learning-rate decay or AMP (the shared
-``train_epochs`` SGD loop of all methods).
+brief requires); no learning-rate decay or AMP (the shared ``train_epochs``
+SGD loop of all methods). The authors' gradient clipping (global norm 10) is
+kept, as ``max_grad_norm``: without it the 1/tau = 20 gradients of the
+contrastive terms swamp the cross-entropy with this loop's SGD (measured on
+digits-offline, 3 rounds: AVG 8.6% without clipping, the CE rising to 19;
+42.2% with it, FedAvg 42.0%).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -67,6 +72,9 @@ class FedRCLOptions:
                               help="similarity threshold of the penalty: m' = least similar same-class "
                                    "similarity if >= threshold, else -1 (the authors' 0.7)")
     num_negatives: int = option(2, min=1, help="hardest negatives per sample (the authors' topk_neg = 2)")
+    max_grad_norm: float = option(10.0, min=0.0,
+                                  help="clip the local gradient's L2 norm to this before each SGD step "
+                                       "(the authors' 10; 0 = no clipping)")
 
 
 _LOCAL_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
@@ -180,8 +188,9 @@ class FedRCLClient(Client):
                 stages.append(z)
             return fedrcl_loss(stages, y, options)
 
+        train = dataclasses.replace(self.train, max_grad_norm=float(options.max_grad_norm) or None)
         try:
-            losses = train_epochs(model, data, self.train, generator, regularizer)
+            losses = train_epochs(model, data, train, generator, regularizer)
         finally:
             for handle in handles:
                 handle.remove()
