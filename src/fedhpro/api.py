@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -20,7 +20,8 @@ from fedhpro.data import get_dataset
 from fedhpro.engines import checkpoint
 from fedhpro.engines.simulator import Faults, Simulator
 from fedhpro.errors import ConfigError
-from fedhpro.methods import METHODS, TrainSettings
+from fedhpro.data.federation import Federation
+from fedhpro.methods import METHODS, MethodSpec, TrainSettings
 from fedhpro.models import build_model
 
 
@@ -85,44 +86,20 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
     if device.type == "cpu":
         # tiny gradients (HPCL's saturated gate) produce denormal floats, which run ~10x slower on x86
         torch.set_flush_denormal(True)
-    method = METHODS[options.method]
     started = time.perf_counter()
 
-    dataset = get_dataset(options.dataset)
-    federation = dataset.build(config.data, options.clients, options.seed, data_dir=options.data_dir,
-                               progress=options.progress)
-    federation.to(device)
-
-    def model_factory():
-        return architecture_factory(options.model)
-
-    def architecture_factory(name: str):
-        try:
-            model = build_model(name, federation.num_classes, federation.input_shape, options.feature_dim)
-        except ValueError as error:
-            raise ConfigError(f"model {name!r} does not fit {options.dataset}'s inputs "
-                              f"{tuple(federation.input_shape)}: {error}") from None
-        if method.model_wrapper is not None:
-            model = method.model_wrapper(model, config.method_options, federation.num_classes)
-        return model
-
-    train = TrainSettings(epochs=options.local_epochs, batch_size=options.batch_size, lr=options.lr,
-                          momentum=options.momentum, weight_decay=options.weight_decay)
-    architectures = None
-    if options.heterogeneity != "none":
-        from fedhpro.models.heterogeneity import architecture_for_client
-
-        architectures = [architecture_for_client(options.heterogeneity, k) for k in range(federation.num_clients)]
+    parts = build_experiment(config, device)
+    federation = parts.federation
 
     def warn(message: str) -> None:
         from tqdm.auto import tqdm
 
         tqdm.write(f"fedhpro: warning: {message}", file=sys.stderr)
 
-    simulator = Simulator(method, config.method_options, federation, model_factory, train,
+    simulator = Simulator(parts.method, config.method_options, federation, parts.model_factory, parts.train,
                           rounds=options.rounds, participation=options.participation, seed=options.seed,
-                          eval_every=options.eval_every, device=device, client_architectures=architectures,
-                          architecture_factory=architecture_factory, shared=_shared(config),
+                          eval_every=options.eval_every, device=device, client_architectures=parts.architectures,
+                          architecture_factory=parts.architecture_factory, shared=parts.shared,
                           faults=Faults(config.faults.dropout, config.faults.corrupt),
                           min_clients=options.min_clients, on_drop=warn)
 
@@ -189,6 +166,55 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
                                      f"{options.rounds} rounds, {seconds:.0f} s — test accuracy (%):"))
         print(f"results in {out}/ (summary.json, metrics.jsonl, timing.jsonl, accuracy.png, config.yaml)")
     return RunResult(summary=summary, metrics=rows, out=out, config=config)
+
+
+@dataclass
+class Experiment:
+    """Everything an engine needs to run ``config``: built the same way for the simulator and Flower."""
+
+    method: MethodSpec
+    federation: Federation
+    model_factory: Callable[[], torch.nn.Module]  # the global model (``model=``), wrapped by the method if it wraps
+    architecture_factory: Callable[[str], torch.nn.Module]  # any zoo name, wrapped likewise
+    architectures: list[str] | None  # per-client architecture names under model heterogeneity, else None
+    train: TrainSettings
+    shared: str  # which weights travel: "all", "classifier" or "none"
+
+
+def build_experiment(config: Config, device: torch.device | str = "cpu") -> Experiment:
+    """Build the federation (on ``device``), the model factories and the method of ``config``.
+
+    The same seed and config give the same federation and the same initial
+    models wherever this is called (the simulator, a Flower node).
+    """
+    options = config.run
+    method = METHODS[options.method]
+    dataset = get_dataset(options.dataset)
+    federation = dataset.build(config.data, options.clients, options.seed, data_dir=options.data_dir,
+                               progress=options.progress)
+    federation.to(torch.device(device))
+
+    def architecture_factory(name: str) -> torch.nn.Module:
+        try:
+            model = build_model(name, federation.num_classes, federation.input_shape, options.feature_dim)
+        except ValueError as error:
+            raise ConfigError(f"model {name!r} does not fit {options.dataset}'s inputs "
+                              f"{tuple(federation.input_shape)}: {error}") from None
+        if method.model_wrapper is not None:
+            model = method.model_wrapper(model, config.method_options, federation.num_classes)
+        return model
+
+    def model_factory() -> torch.nn.Module:
+        return architecture_factory(options.model)
+
+    train = TrainSettings(epochs=options.local_epochs, batch_size=options.batch_size, lr=options.lr,
+                          momentum=options.momentum, weight_decay=options.weight_decay)
+    architectures = None
+    if options.heterogeneity != "none":
+        from fedhpro.models.heterogeneity import architecture_for_client
+
+        architectures = [architecture_for_client(options.heterogeneity, k) for k in range(federation.num_clients)]
+    return Experiment(method, federation, model_factory, architecture_factory, architectures, train, _shared(config))
 
 
 def _shared(config: Config) -> str:
