@@ -560,3 +560,64 @@ def test_simulator_proto_only_with_hyper_is_a_config_error():
     with pytest.raises(ConfigError, match="dagger"):
         Simulator(FEDPROTO, FedProtoOptions(protocol="proto-only", prototypes="hyper"), fed, TinyNet,
                   TrainSettings(), rounds=1, shared="none")
+
+
+# ----------------------------------------------------------------------------
+# nearest-prototype inference (inference=nearest-prototype)
+# ----------------------------------------------------------------------------
+
+
+def test_nearest_prototype_classifier_by_hand():
+    from fedhpro.methods.prototypes import NearestPrototypeClassifier
+
+    class Identity(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.features = torch.nn.Flatten()
+            self.anchor = torch.nn.Parameter(torch.zeros(1))  # a device to read
+
+    prototypes = torch.tensor([[0.0, 0.0], [3.0, 4.0], [10.0, 0.0]])
+    mask = torch.tensor([True, True, False])  # class 2 has no prototype: never predicted
+    classifier = NearestPrototypeClassifier(Identity(), prototypes, mask)
+    x = torch.tensor([[1.0, 1.0], [3.0, 3.0], [9.0, 0.0]])
+    logits = classifier(x)
+    assert logits[0, :2].tolist() == pytest.approx([-math.sqrt(2), -math.sqrt(4 + 9)])
+    assert logits[1, :2].tolist() == pytest.approx([-math.sqrt(18), -1.0])
+    assert math.isinf(float(logits[0, 2])) and float(logits[0, 2]) < 0
+    # (9, 0) is nearest to class 2's row, but class 2 is absent: class 1 (sqrt(52) = 7.2) beats class 0 (9)
+    assert logits.argmax(1).tolist() == [0, 1, 1]
+
+
+@pytest.mark.parametrize("method", ["fedproto", "fedtgp"])
+def test_proto_only_nearest_prototype_accuracy_equals_a_hand_evaluation(method):
+    spec, options_cls = METHODS[method]
+    extra = {"server_epochs": 2} if method == "fedtgp" else {}
+    fed = make_federation([12, 14, 10], classes=[[0, 1], [1, 2], [0, 1, 2, 3]])
+    fed.client_domains = ["a", "b", "a"]
+    train = TrainSettings(epochs=1, batch_size=8, lr=0.05)
+    runs = {}
+    for inference in ("head", "nearest-prototype"):
+        options = options_cls(protocol="proto-only", inference=inference, **extra)
+        sim = Simulator(spec, options, fed, TinyNet, train, rounds=2, seed=1, shared="none")
+        records = [sim.run_round(r) for r in range(2)]
+        runs[inference] = (sim, records)
+    head_sim, head_records = runs["head"]
+    nearest_sim, nearest_records = runs["nearest-prototype"]
+    # the inference rule changes only the evaluation, not the training
+    assert [r.train for r in head_records] == [r.train for r in nearest_records]
+    # reference: each client's own model, argmin_c ||f(x) - P_c|| over the held prototypes, on its domain
+    prototypes, mask = nearest_sim.server.broadcast_prototypes()
+    per_domain: dict[str, list[float]] = {}
+    for k in range(fed.num_clients):
+        model = nearest_sim._client_model(k)
+        name = fed.client_test_name(k)
+        x, y = fed.test_sets[name]
+        z = extract_features(model, x)
+        correct = 0
+        for i in range(len(y)):
+            best = min((float((z[i] - prototypes[c]).norm()), c) for c in range(NUM_CLASSES) if mask[c])
+            correct += int(best[1] == int(y[i]))
+        per_domain.setdefault(name, []).append(100.0 * correct / len(y))
+    expected = {name: sum(v) / len(v) for name, v in per_domain.items()}
+    for name, value in expected.items():
+        assert nearest_records[-1].accuracy[name] == pytest.approx(value, abs=1e-9)

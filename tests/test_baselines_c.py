@@ -723,3 +723,27 @@ def test_simulator_runs_every_configuration(method, protocol, source):
     for key, value in sim.server.state_dict().items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(fresh.state_dict()[key], value), key
+
+
+def test_nearest_prototype_inference_uses_fedsa_anchors_and_fedgmkd_prototypes():
+    from fedhpro.methods.prototypes import NearestPrototypeClassifier
+
+    fed = make_federation([12, 14, 10], classes=[[0, 1], [1, 2], [0, 1, 2, 3]])
+    fed.client_domains = ["a", "b", "a"]
+    for spec, options in ((S.METHOD, S.FedSAOptions(protocol="proto-only", inference="nearest-prototype")),
+                          (G.METHOD, G.FedGMKDOptions(protocol="proto-only", inference="nearest-prototype"))):
+        sim = Simulator(spec, options, fed, TinyNet, TRAIN, rounds=1, seed=2, shared="none")
+        record = sim.run_round(0)
+        assert math.isfinite(record.accuracy["AVG"])
+        model = sim._client_model(0)
+        wrapped = sim.server.inference_model(model)
+        assert isinstance(wrapped, NearestPrototypeClassifier) and wrapped.model is model
+        if spec is S.METHOD:
+            expected, mask = sim.server.current_anchors(), torch.ones(NUM_CLASSES, dtype=torch.bool)
+        else:
+            expected, mask = sim.server.prototypes, sim.server.prototype_mask
+        torch.testing.assert_close(wrapped.prototypes, expected.to(wrapped.prototypes.dtype))
+        assert wrapped.mask.tolist() == mask.tolist()
+        # inference=head (the default) evaluates the model itself
+        sim.server.options = type(options)(protocol="proto-only")
+        assert sim.server.inference_model(model) is model

@@ -150,6 +150,11 @@ class Server:
     def global_weights(self) -> Weights:
         return self.weights
 
+    def inference_model(self, model: nn.Module) -> nn.Module:
+        """What the engine evaluates for ``model`` (loaded with the weights to test): the model itself;
+        a method with another inference rule (nearest prototype) returns a module that applies it."""
+        return model
+
     def state_dict(self) -> dict[str, Any]:
         return {"weights": self.weights}
 
@@ -198,6 +203,8 @@ def train_epochs(model: nn.Module, data: ClientData, train: TrainSettings, gener
             if index.numel() < 2 and n > 1:
                 continue
             x, y = data.x[index], data.y[index]
+            if data.augment is not None:  # off by default: the default path draws nothing more
+                x = data.augment(x, generator)
             z = model.features(x)
             logits = model.classifier(z)
             terms = {"ce": F.cross_entropy(logits, y)}

@@ -114,6 +114,8 @@ from fedhpro.methods.prototypes import (
     num_hyper_option,
     protocol_option,
     prototype_mse,
+    prototype_inference,
+    inference_option,
     prototypes_option,
 )
 from fedhpro.options import option
@@ -134,6 +136,7 @@ class FedGMKDOptions:
     dat_b: float = option(0.2, min=0.0, help="DAT offset b")
     protocol: str = protocol_option()
     prototypes: str = prototypes_option()
+    inference: str = inference_option()
     num_hyper: int = num_hyper_option()
     match_steps: int = match_steps_option()
     hyper_lr: float = hyper_lr_option()
@@ -292,11 +295,17 @@ class FedGMKDServer(Server):
     def exchanges_weights(self) -> bool:
         return self.options.protocol == "dagger"
 
-    def broadcast(self, round: int) -> Payload:
+    def broadcast_prototypes(self) -> tuple[Tensor, Tensor]:
+        """``(P C x d, mask C)``: what the clients receive (the hyper-prototypes with ``prototypes=hyper``)."""
         if self.hyper:
-            prototypes, mask = self.bank.averaged, torch.ones(self.num_classes, dtype=torch.bool)
-        else:
-            prototypes, mask = self.prototypes, self.prototype_mask
+            return self.bank.averaged, torch.ones(self.num_classes, dtype=torch.bool)
+        return self.prototypes, self.prototype_mask
+
+    def inference_model(self, model: nn.Module) -> nn.Module:
+        return prototype_inference(self.options, model, *self.broadcast_prototypes())
+
+    def broadcast(self, round: int) -> Payload:
+        prototypes, mask = self.broadcast_prototypes()
         return {"weights": self.weights if self.exchanges_weights else {},
                 "prototypes": prototypes.clone(), "prototype_mask": mask.clone(),
                 "soft_predictions": self.soft.clone(), "soft_mask": self.soft_mask.clone()}

@@ -31,6 +31,7 @@ from fedhpro.methods.prototypes import (
     merge_prototypes,
     num_hyper_option,
     protocol_option,
+    inference_option,
     prototypes_option,
 )
 from fedhpro.options import option
@@ -41,6 +42,7 @@ class FedProtoOptions:
     lam: float = option(1.0, min=0.0, help="lambda of the prototype MSE term")
     protocol: str = protocol_option()
     prototypes: str = prototypes_option()
+    inference: str = inference_option()
     num_hyper: int = num_hyper_option()
     match_steps: int = match_steps_option()
     hyper_lr: float = hyper_lr_option()

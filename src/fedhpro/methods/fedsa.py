@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from fedhpro import functional as HF
 from fedhpro.methods.base import (
@@ -75,6 +75,8 @@ from fedhpro.methods.prototypes import (
     mean_prototypes,
     num_hyper_option,
     protocol_option,
+    prototype_inference,
+    inference_option,
     prototypes_option,
 )
 from fedhpro.options import option
@@ -91,6 +93,7 @@ class FedSAOptions:
                                     help="m in A <- m A + (1 - m) Pbar after each round")
     protocol: str = protocol_option()
     prototypes: str = prototypes_option()
+    inference: str = inference_option()
     num_hyper: int = num_hyper_option()
     match_steps: int = match_steps_option()
     hyper_lr: float = hyper_lr_option()
@@ -181,6 +184,11 @@ class FedSAServer(Server):
     @property
     def exchanges_weights(self) -> bool:
         return self.options.protocol == "dagger"
+
+    def inference_model(self, model: nn.Module) -> nn.Module:
+        # FedSA's prototypes are its anchors: every class has one from round 0
+        return prototype_inference(self.options, model, self.current_anchors(),
+                                   torch.ones(self.num_classes, dtype=torch.bool))
 
     def broadcast(self, round: int) -> Payload:
         return {"weights": self.weights if self.exchanges_weights else {}, "anchors": self.current_anchors().clone()}

@@ -52,6 +52,7 @@ from fedhpro.methods.prototypes import (
     nearest_class_gaps,
     num_hyper_option,
     protocol_option,
+    inference_option,
     prototypes_option,
 )
 from fedhpro.options import option
@@ -70,6 +71,7 @@ class FedTGPOptions:
     margin_cap: float = option(100.0, min=0.0, help="upper bound of the adaptive margin delta")
     protocol: str = protocol_option()
     prototypes: str = prototypes_option()
+    inference: str = inference_option()
     num_hyper: int = num_hyper_option()
     match_steps: int = match_steps_option()
     hyper_lr: float = hyper_lr_option()

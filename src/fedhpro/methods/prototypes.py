@@ -48,6 +48,7 @@ from fedhpro.options import option
 
 PROTOCOLS = ("dagger", "proto-only")
 PROTOTYPE_SOURCES = ("local", "hyper")
+INFERENCE = ("head", "nearest-prototype")
 
 
 # ----------------------------------------------------------------------------
@@ -65,6 +66,13 @@ def prototypes_option() -> Any:
     return option("local", choices=PROTOTYPE_SOURCES,
                   help="local: the method's own global prototypes; hyper: the averaged hyper-prototypes H "
                        "learned by FedHPro's gradient matching (plug-and-play, Table 3; needs protocol=dagger)")
+
+
+def inference_option() -> Any:
+    return option("head", choices=INFERENCE,
+                  help="how the evaluated models classify: head (the model's own classifier) or "
+                       "nearest-prototype (argmin_c ||f(x) - P_c||_2 over the server's global prototypes, "
+                       "FedProto's inference; useful with protocol=proto-only)")
 
 
 def num_hyper_option() -> Any:
@@ -212,6 +220,34 @@ def local_class_prototypes(model: nn.Module, data: ClientData, num_classes: int)
     return prototypes, counts
 
 
+class NearestPrototypeClassifier(nn.Module):
+    """Classify by the nearest global prototype: logits ``-||f(x) - P_c||_2`` (``-inf`` for a class
+    without a prototype), so ``argmax`` is FedProto's ``argmin_c ||f(x) - P_c||_2``."""
+
+    def __init__(self, model: nn.Module, prototypes: Tensor, mask: Tensor):
+        super().__init__()
+        self.model = model
+        self.register_buffer("prototypes", prototypes.detach().clone())
+        self.register_buffer("mask", mask.detach().clone().bool())
+
+    def forward(self, x: Tensor) -> Tensor:
+        z = self.model.features(x).reshape(x.shape[0], -1)
+        prototypes = self.prototypes.to(device=z.device, dtype=z.dtype)
+        # exact differences, not |a|^2 - 2ab + |b|^2: ties and near-ties stay ordered correctly
+        distances = (z.unsqueeze(1) - prototypes.unsqueeze(0)).pow(2).sum(-1).sqrt()
+        return (-distances).masked_fill(~self.mask.to(z.device), float("-inf"))
+
+
+def prototype_inference(options: Any, model: nn.Module, prototypes: Tensor, mask: Tensor) -> nn.Module:
+    """``model`` itself (``inference=head``), or a :class:`NearestPrototypeClassifier` over ``prototypes``.
+
+    Before any class has a prototype (nothing aggregated yet) the model's own head is used."""
+    if getattr(options, "inference", "head") != "nearest-prototype" or not bool(mask.any()):
+        return model
+    device = next(model.parameters()).device
+    return NearestPrototypeClassifier(model, prototypes.to(device), mask.to(device))
+
+
 def feature_dim_of(model: nn.Module) -> int:
     classifier = getattr(model, "classifier", None)
     dim = getattr(classifier, "in_features", None)
@@ -272,11 +308,7 @@ class PrototypeServer(Server, ABC):
         return self.options.protocol == "dagger"
 
     def broadcast(self, round: int) -> Payload:
-        if self.bank is not None:
-            prototypes = self.bank.averaged
-            mask = torch.ones(self.num_classes, dtype=torch.bool)
-        else:
-            prototypes, mask = self.prototypes, self.prototype_mask
+        prototypes, mask = self.broadcast_prototypes()
         return {"weights": self.weights if self.exchanges_weights else {},
                 "prototypes": prototypes.clone(), "prototype_mask": mask.clone()}
 
@@ -308,6 +340,16 @@ class PrototypeServer(Server, ABC):
         else:
             metrics.update(self.prototype_step(round, prototypes, present, counts))
         return metrics
+
+    def inference_model(self, model: nn.Module) -> nn.Module:
+        prototypes = self.broadcast_prototypes()
+        return prototype_inference(self.options, model, *prototypes)
+
+    def broadcast_prototypes(self) -> tuple[Tensor, Tensor]:
+        """``(P C x d, mask C)``: what the clients receive (the hyper-prototypes with ``prototypes=hyper``)."""
+        if self.bank is not None:
+            return self.bank.averaged, torch.ones(self.num_classes, dtype=torch.bool)
+        return self.prototypes, self.prototype_mask
 
     @abstractmethod
     def prototype_step(self, round: int, prototypes: Tensor, present: Tensor, counts: Tensor) -> dict[str, float]:
