@@ -174,13 +174,14 @@ class Simulator:
         model with the global classifier on its own test data, averaged per domain and over domains."""
         if not self.heterogeneous:
             self.eval_model.load_state_dict(self.server.global_weights())
-            return evaluate(self.eval_model, self.federation.test_sets)
+            return evaluate(self.server.inference_model(self.eval_model), self.federation.test_sets)
         per_client = []
         for k in range(self.federation.num_clients):
             model = self._client_model(k)
             load_weights(model, self.server.global_weights())
             name = self.federation.client_test_name(k)
-            per_client.append((name, evaluate(model, {name: self.federation.test_sets[name]})[name]))
+            per_client.append((name, evaluate(self.server.inference_model(model),
+                                              {name: self.federation.test_sets[name]})[name]))
         names = [name for name in self.federation.test_sets if any(n == name for n, _ in per_client)]
         accuracy = {name: float(np.mean([a for n, a in per_client if n == name])) for name in names}
         accuracy["AVG"] = float(np.mean([accuracy[name] for name in names]))
