@@ -1,0 +1,21 @@
+"""Run any fedhpro method on Flower (flwr 1.42, Message API): simulation engine or real SuperLink/SuperNodes.
+
+* :data:`fedhpro.flower.server.app` / :func:`~fedhpro.flower.server.make_server_app`: the ServerApp
+  (the method's server part, the simulator's sampling, validation and evaluation);
+* :data:`fedhpro.flower.client.app`: the ClientApp (the method's client part on partition
+  ``partition-id`` of the federation);
+* :mod:`fedhpro.flower.records`: payloads <-> ArrayRecord / ConfigRecord / MetricRecord;
+* :mod:`fedhpro.flower.settings`: Flower's ``run_config`` -> a fedhpro Config.
+
+The same seed and config give the numbers ``fedhpro run`` gives. Needs the
+``flower`` extra: ``pip install "fedhpro[flower]"``. See README, section Flower.
+"""
+
+from __future__ import annotations
+
+try:
+    import flwr  # noqa: F401
+except ImportError as error:  # pragma: no cover - depends on the install
+    from fedhpro.errors import ConfigError
+
+    raise ConfigError('fedhpro.flower needs Flower: pip install "fedhpro[flower]"') from error

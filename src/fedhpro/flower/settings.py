@@ -1,0 +1,123 @@
+"""Flower's ``run_config`` -> a fedhpro :class:`~fedhpro.config.Config`, and the app's default config table.
+
+Flower's run config is flat, with dotted keys (``fedhpro.tau``) and TOML
+values (int, float, bool, str). Every fedhpro config key is accepted under its
+own name. Values are taken as they come, except:
+
+* strings are read like the CLI's ``KEY=VALUE`` (as YAML): ``"[0, 1]"`` is a list,
+  ``"null"`` is None; a string that is not valid YAML is kept as it is;
+* the empty string ``""`` means "the default" (TOML has no null: the app's
+  ``pyproject.toml`` declares ``clients = ""`` etc. for keys whose default is None).
+
+Keys under ``flower.`` configure the Flower layer itself, not the experiment:
+``flower.node-wait`` (seconds the ServerApp waits for the nodes to connect) and
+``flower.round-timeout`` (seconds it waits for the replies of one round).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from fedhpro.config import Config, load_config
+from fedhpro.errors import ConfigError
+
+FLOWER_PREFIX = "flower."
+
+
+@dataclass(frozen=True)
+class FlowerSettings:
+    """How the ServerApp talks to the nodes (not part of what the experiment computes)."""
+
+    node_wait: float = 120.0  # seconds to wait until every partition's node has connected
+    round_timeout: float = 3600.0  # seconds to wait for one round's replies
+
+
+_FLOWER_KEYS = {"flower.node-wait": "node_wait", "flower.round-timeout": "round_timeout"}
+
+#: fedhpro keys that make no sense on Flower (the run lives on the SuperLink, not in a resumable folder)
+_UNSUPPORTED = {"resume": "resuming is not supported on Flower; start the run again"}
+
+
+def _value(raw: Any) -> Any:
+    if isinstance(raw, str):
+        if raw == "":
+            return None
+        try:
+            return yaml.safe_load(raw)
+        except yaml.YAMLError:
+            return raw
+    return raw
+
+
+def split_run_config(run_config: Mapping[str, Any]) -> tuple[dict[str, Any], FlowerSettings]:
+    """``(fedhpro overrides, FlowerSettings)`` from a Flower run config; raises ConfigError on a bad value."""
+    overrides: dict[str, Any] = {}
+    flower: dict[str, float] = {}
+    for key, raw in run_config.items():
+        if key.startswith(FLOWER_PREFIX):
+            if key not in _FLOWER_KEYS:
+                raise ConfigError(f"unknown Flower setting '{key}'; valid: {', '.join(_FLOWER_KEYS)}")
+            value = _value(raw)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"{key}={raw!r} must be a number of seconds > 0")
+            flower[_FLOWER_KEYS[key]] = float(value)
+            continue
+        value = _value(raw)
+        if value is None:
+            continue  # "" = the default
+        if key in _UNSUPPORTED:
+            raise ConfigError(f"{key}={raw!r}: {_UNSUPPORTED[key]}")
+        overrides[key] = value
+    return overrides, FlowerSettings(**flower)
+
+
+def config_from_run_config(run_config: Mapping[str, Any], base: Mapping[str, Any] | None = None
+                           ) -> tuple[Config, FlowerSettings]:
+    """The fedhpro Config of a run: the defaults, then ``base`` (the app's own settings), then ``run_config``.
+
+    An empty ``run_config`` (as ``flwr.simulation.run_simulation`` passes) gives
+    the defaults plus ``base``. Every key error is a one-line ConfigError.
+    """
+    overrides, flower = split_run_config(run_config)
+    return load_config(dict(base or {}), overrides), flower
+
+
+def default_app_config_toml() -> str:
+    """The ``[tool.flwr.app.config]`` table that declares every fedhpro config key.
+
+    ``flwr run --run-config`` only accepts keys the app declares, so the example
+    app's ``pyproject.toml`` carries this table (a test checks that it is
+    current). Every key is declared as ``""`` (= fedhpro's default, shown in the
+    comment), so the app's table never shadows a default and a value given with
+    ``--run-config`` is the only thing that changes the experiment. Mapping-valued
+    keys (``data.clients_per_domain``) are also declared entry by entry
+    (``data.clients_per_domain.mnist``), the config layer's way of setting one entry.
+    """
+    from fedhpro.data import DATASETS, get_dataset
+
+    defaults: dict[str, Any] = dict(dataclasses.asdict(load_config(None).run))
+    for section, values in load_config(None).to_dict().items():
+        if isinstance(values, Mapping) and section not in ("data",):
+            defaults.update({f"{section}.{knob}": value for knob, value in values.items()})
+    for name in DATASETS:  # every data set's layout options (a run uses those of its dataset=)
+        for field in dataclasses.fields(get_dataset(name).options):
+            defaults.setdefault(f"data.{field.name}", dataclasses.asdict(get_dataset(name).options())[field.name])
+    lines = ["[tool.flwr.app.config]",
+             '# Every fedhpro config key; "" means fedhpro\'s default (in the comment). Set values with',
+             "# flwr run ... --run-config 'rounds=5 method=\"moon\" fedhpro.tau=0.1'"]
+    for key, value in defaults.items():
+        lines.append(f'"{key}" = ""  # {_comment(value)}')
+        if isinstance(value, Mapping):
+            lines += [f'"{key}.{item}" = ""  # {_comment(inner)}' for item, inner in value.items()]
+    lines.append(f'"flower.node-wait" = {FlowerSettings.node_wait!r}  # seconds to wait for the SuperNodes')
+    lines.append(f'"flower.round-timeout" = {FlowerSettings.round_timeout!r}  # seconds to wait for a round\'s replies')
+    return "\n".join(lines) + "\n"
+
+
+def _comment(value: Any) -> str:
+    return "default: " + yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
