@@ -3,20 +3,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
+#: ``augment(x, generator) -> x``: a per-batch training augmentation (e.g. TinyImageNet's AutoAugment)
+Augment = Callable[[Tensor, torch.Generator], Tensor]
 
 
 @dataclass
 class ClientData:
-    """One client's training data, resident as tensors on the training device."""
+    """One client's training data, resident as tensors on the training device.
+
+    ``augment``, when set, is applied to every training mini-batch (never to
+    the data used for prototypes or evaluation); its randomness comes from the
+    client's training generator, so a run stays reproducible.
+    """
 
     x: Tensor
     y: Tensor
     num_classes: int
+    augment: Optional[Augment] = None
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
@@ -54,7 +62,7 @@ class Federation:
 
     def to(self, device: torch.device) -> "Federation":
         """Move every tensor to ``device`` (once, before training: data stays resident)."""
-        self.clients = [ClientData(c.x.to(device), c.y.to(device), c.num_classes) for c in self.clients]
+        self.clients = [ClientData(c.x.to(device), c.y.to(device), c.num_classes, c.augment) for c in self.clients]
         self.test_sets = {name: (x.to(device), y.to(device)) for name, (x, y) in self.test_sets.items()}
         return self
 

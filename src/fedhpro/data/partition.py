@@ -37,6 +37,7 @@ from typing import Any, Callable, Union
 import numpy as np
 
 from fedhpro.errors import FedHProError
+from fedhpro.options import option
 from fedhpro.reports import write_atomic
 
 LabelsLike = Union[np.ndarray, Mapping[str, np.ndarray]]
@@ -634,5 +635,50 @@ PARTITIONERS: dict[str, Callable[..., Partition]] = {
     "ag-nid": ag_nid,
 }
 
-__all__ = ["PARTITIONERS", "Partition", "PartitionError", "ag_nid", "dirichlet", "domains", "iid", "longtail",
-           "nid2"]
+#: the schemes a label-skew benchmark accepts as ``partition=NAME`` (``domains`` needs a domain layout)
+LABEL_SCHEMES = ("iid", "dirichlet", "nid2", "longtail", "ag-nid")
+
+
+@dataclass
+class PartitionOptions:
+    """The ``partition`` config section: which scheme splits the training set, and its parameters.
+
+    ``partition=dirichlet`` on the command line (or ``partition: dirichlet``
+    in YAML) is short for ``partition.scheme=dirichlet``. ``auto`` takes the
+    benchmark's own scheme (the one its paper table uses).
+    """
+
+    scheme: str = option("auto", choices=("auto",) + tuple(PARTITIONERS),
+                         help="auto (the benchmark's scheme) or one of the partitioners")
+    alpha: float = option(0.5, gt=0.0, help="dirichlet/longtail: Dirichlet concentration (NID1_alpha)")
+    min_size: int = option(10, min=0, help="dirichlet/longtail: fewest samples any client may get")
+    max_retries: int = option(1000, min=1, help="dirichlet/longtail: draws tried before giving up")
+    rho: float = option(100.0, min=1.0, help="longtail: head-to-tail class size ratio (the paper: 10, 50, 100)")
+    single_class_clients: int | None = option(None, min=0, help="nid2: single-class clients (default K - 1)")
+    two_class_fraction: float | None = option(None, min=0.0, max=1.0,
+                                              help="ag-nid: share of 2-class clients (default 0.5 if K <= 10 "
+                                                   "else 0.8, Table A10)")
+    seed: int | None = option(None, min=0, help="seed of the partition (default: the run seed)")
+    load: str | None = option(None, help="reuse the partition saved in this partition.json instead of drawing one")
+
+
+def label_partition(options: PartitionOptions, scheme: str, labels: np.ndarray, num_clients: int,
+                    rng: np.random.Generator, num_classes: int | None = None) -> Partition:
+    """Split ``labels`` with the label-skew ``scheme`` and the parameters of ``options``."""
+    if scheme == "iid":
+        return iid(labels, num_clients, rng)
+    if scheme == "dirichlet":
+        return dirichlet(labels, num_clients, options.alpha, rng, min_size=options.min_size,
+                         max_retries=options.max_retries)
+    if scheme == "nid2":
+        return nid2(labels, num_clients, rng, single_class_clients=options.single_class_clients)
+    if scheme == "longtail":
+        return longtail(labels, num_clients, options.rho, rng, alpha=options.alpha, min_size=options.min_size,
+                        max_retries=options.max_retries, num_classes=num_classes)
+    if scheme == "ag-nid":
+        return ag_nid(labels, num_clients, rng, two_class_fraction=options.two_class_fraction)
+    raise PartitionError(f"partition={scheme!r} does not split by label; choose one of: {', '.join(LABEL_SCHEMES)}")
+
+
+__all__ = ["LABEL_SCHEMES", "PARTITIONERS", "Partition", "PartitionError", "PartitionOptions", "ag_nid", "dirichlet",
+           "domains", "iid", "label_partition", "longtail", "nid2"]
