@@ -191,7 +191,7 @@ def build_experiment(config: Config, device: torch.device | str = "cpu") -> Expe
     method = METHODS[options.method]
     dataset = get_dataset(options.dataset)
     federation = dataset.build(config.data, options.clients, options.seed, data_dir=options.data_dir,
-                               progress=options.progress)
+                               progress=options.progress, partition=config.partition)
     federation.to(torch.device(device))
 
     def architecture_factory(name: str) -> torch.nn.Module:

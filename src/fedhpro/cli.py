@@ -34,6 +34,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
     if args.keys:
         groups = [("", RunOptions)] + [(f"{n}.", s.options) for n, s in METHODS.items()]
         groups.append(("data.", get_dataset(config.run.dataset).options))
+        from fedhpro.data.partition import PartitionOptions
+
+        groups.append(("partition.", PartitionOptions))
         for prefix, cls in groups:
             for field in dataclasses.fields(cls):
                 choices = field.metadata.get("choices")
@@ -54,6 +57,30 @@ def _cmd_models(args: argparse.Namespace) -> int:
     if unknown:
         raise ConfigError(f"unknown model {unknown[0]!r}; choose from: {', '.join(MODELS)}")
     print(format_model_table(describe_models(args.names or None)))
+    return 0
+
+
+def _cmd_data_describe(args: argparse.Namespace) -> int:
+    """Build the configured federation and print who holds what; write partition.png and partition.json."""
+    from pathlib import Path
+
+    from fedhpro import reports
+    from fedhpro.config import load_config
+    from fedhpro.data import get_dataset
+    from fedhpro.data.describe import plot_heatmap, table
+
+    overrides = list(args.settings)
+    source = overrides.pop(0) if overrides and "=" not in overrides[0] else None
+    config = load_config(source, overrides)
+    options = config.run
+    federation = get_dataset(options.dataset).build(config.data, options.clients, options.seed,
+                                                    data_dir=options.data_dir, progress=options.progress,
+                                                    partition=config.partition)
+    out = Path(options.out) if options.out else Path("runs") / f"data-{options.dataset}"
+    print(table(federation))
+    reports.write_json(out / "partition.json", federation.partition)
+    plot_heatmap(federation, out / "partition.png")
+    print(f"heat map: {out / 'partition.png'}; partition: {out / 'partition.json'}")
     return 0
 
 
@@ -92,6 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
         "models", help="list the model zoo: parameters and forward FLOPs (torch.utils.flop_counter)")
     models_parser.add_argument("names", nargs="*", help="only these models")
     models_parser.set_defaults(handler=_cmd_models)
+    data_parser = commands.add_parser("data", help="inspect data sets and federations (data describe)")
+    data_commands = data_parser.add_subparsers(dest="data_command", metavar="COMMAND")
+    data_parser.set_defaults(handler=lambda _args: data_parser.print_help() or 2)
+    describe_parser = data_commands.add_parser(
+        "describe", help="per-client table (samples, classes, domain) and a client x class heat map",
+        description="Build the federation of the given settings (same keys as `fedhpro run`) and print one row "
+                    "per client; writes partition.png (client x class counts) and partition.json to out= "
+                    "(default runs/data-<dataset>).")
+    describe_parser.add_argument("settings", nargs="*", metavar="[CONFIG.yaml] KEY=VALUE")
+    describe_parser.set_defaults(handler=_cmd_data_describe)
     return parser
 
 

@@ -21,6 +21,7 @@ import yaml
 
 from fedhpro import options as opt
 from fedhpro.data import DATASETS, get_dataset
+from fedhpro.data.partition import PartitionOptions
 from fedhpro.errors import ConfigError
 from fedhpro.methods import METHODS
 from fedhpro.models import MODELS
@@ -28,6 +29,8 @@ from fedhpro.options import option
 
 DATA_SECTION = "data"
 FAULTS_SECTION = "faults"
+#: ``partition=NAME`` is short for ``partition.scheme=NAME``; ``partition.alpha=0.5`` etc. are its knobs
+PARTITION_SECTION = "partition"
 
 
 @dataclass
@@ -57,7 +60,8 @@ class RunOptions:
     device: str = option("auto", help="auto (CUDA if available), cpu, cuda or cuda:N")
     eval_every: int = option(1, min=1, help="evaluate the global model every this many rounds (and at the end)")
     out: str | None = option(None, help="output folder (default runs/<method>-<dataset>-<timestamp>)")
-    data_dir: str | None = option(None, help="where data sets are cached (default ~/.cache/fedhpro)")
+    data_dir: str | None = option(None, help="where data sets are read and cached, each in its own folder "
+                                             "(default $FEDHPRO_DATA_DIR, else ~/.cache/fedhpro)")
     progress: bool = option(True, help="show a progress bar")
     min_clients: int = option(1, min=1, help="a round with fewer valid client updates is skipped")
     checkpoint_every: int = option(5, min=0, help="write a checkpoint every this many rounds (0: only at the end)")
@@ -73,6 +77,7 @@ class Config:
     methods: dict[str, Any]
     data: Any
     faults: FaultOptions = dataclasses.field(default_factory=FaultOptions)
+    partition: PartitionOptions = dataclasses.field(default_factory=PartitionOptions)
 
     @property
     def method_options(self) -> Any:
@@ -87,6 +92,7 @@ class Config:
                 out[name] = values
         out[DATA_SECTION] = dataclasses.asdict(self.data)
         out[FAULTS_SECTION] = dataclasses.asdict(self.faults)
+        out[PARTITION_SECTION] = dataclasses.asdict(self.partition)
         return out
 
 
@@ -100,6 +106,7 @@ def _all_keys(dataset: str) -> list[str]:
         keys += [f"{name}.{f.name}" for f in dataclasses.fields(spec.options)]
     keys += [f"{DATA_SECTION}.{f.name}" for f in dataclasses.fields(get_dataset(dataset).options)]
     keys += [f"{FAULTS_SECTION}.{f.name}" for f in dataclasses.fields(FaultOptions)]
+    keys += [PARTITION_SECTION] + [f"{PARTITION_SECTION}.{f.name}" for f in dataclasses.fields(PartitionOptions)]
     return keys
 
 
@@ -115,10 +122,12 @@ def _flatten(values: Mapping[str, Any], source: str) -> dict[str, Any]:
     if not isinstance(values, Mapping):
         raise ConfigError(f"{source} must hold a mapping of config keys, got {type(values).__name__}")
     flat: dict[str, Any] = {}
-    sections = set(METHODS) | {DATA_SECTION, FAULTS_SECTION}
+    sections = set(METHODS) | {DATA_SECTION, FAULTS_SECTION, PARTITION_SECTION}
     for key, value in values.items():
         key = str(key)
-        if key in sections and isinstance(value, Mapping):
+        if key == PARTITION_SECTION and value is not None and not isinstance(value, Mapping):
+            flat[f"{PARTITION_SECTION}.scheme"] = value  # partition=dirichlet
+        elif key in sections and isinstance(value, Mapping):
             for inner, inner_value in value.items():
                 flat[f"{key}.{inner}"] = inner_value
         elif key in sections and value is None:
@@ -182,6 +191,8 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
             dataset = value
     if dataset not in DATASETS:
         raise ConfigError(f"dataset={dataset!r} is not valid; choose one of: {', '.join(DATASETS)}")
+    # a benchmark's own run settings (SUN397's 20% participation) come first: anything the user sets wins
+    assignments = list(get_dataset(dataset).run_defaults.items()) + assignments
 
     # applied in order: a later layer beats an earlier one, whether it sets a mapping or one entry of it
     run_values: dict[str, Any] = {}
@@ -207,7 +218,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
         if key not in _run_keys():
             raise _unknown(key, dataset)
     for section, knobs in sections.items():
-        if section not in METHODS and section not in (DATA_SECTION, FAULTS_SECTION):
+        if section not in METHODS and section not in (DATA_SECTION, FAULTS_SECTION, PARTITION_SECTION):
             raise _unknown(f"{section}.{next(iter(knobs))}", dataset)
 
     run = _build(RunOptions, run_values, "", dataset)
@@ -215,7 +226,8 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
                for name, spec in METHODS.items()}
     data = _build(get_dataset(dataset).options, sections.get(DATA_SECTION, {}), f"{DATA_SECTION}.", dataset)
     faults = _build(FaultOptions, sections.get(FAULTS_SECTION, {}), f"{FAULTS_SECTION}.", dataset)
-    return Config(run=run, methods=methods, data=data, faults=faults)
+    partition = _build(PartitionOptions, sections.get(PARTITION_SECTION, {}), f"{PARTITION_SECTION}.", dataset)
+    return Config(run=run, methods=methods, data=data, faults=faults, partition=partition)
 
 
 def _default_of(section: str, name: str, dataset: str) -> Any:
@@ -224,6 +236,8 @@ def _default_of(section: str, name: str, dataset: str) -> Any:
         cls = get_dataset(dataset).options
     elif section == FAULTS_SECTION:
         cls = FaultOptions
+    elif section == PARTITION_SECTION:
+        cls = PartitionOptions
     else:
         cls = getattr(METHODS.get(section), "options", None)
     if cls is None:

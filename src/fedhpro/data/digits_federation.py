@@ -38,8 +38,13 @@ class DigitsOfflineOptions:
 
 
 def build(options: DigitsOfflineOptions, clients: int | None, seed: int, data_dir=None,
-          progress: bool = False) -> Federation:
+          progress: bool = False, partition=None) -> Federation:
     from fedhpro.data.digits_offline import DOMAINS, build_digits_offline, default_data_dir
+
+    if partition is not None and partition.scheme not in ("auto", "domains"):
+        raise ConfigError(f"partition={partition.scheme} does not apply to digits-offline (a domain-skew "
+                          "federation); use partition=domains (the default) or a label-skew benchmark such as "
+                          "dataset=cifar10")
 
     try:
         domains = build_digits_offline(data_dir, seed=options.build_seed, test_fraction=options.test_fraction,
@@ -62,7 +67,9 @@ def build(options: DigitsOfflineOptions, clients: int | None, seed: int, data_di
     if not layout:
         raise ConfigError("digits-offline needs at least one client; set clients=K or data.clients_per_domain")
 
-    rng = np.random.default_rng(seed)
+    if partition is not None and partition.load:
+        return _loaded(partition.load, domains, options)
+    rng = np.random.default_rng(seed if partition is None or partition.seed is None else partition.seed)
     client_data, client_domains, records = [], [], []
     for domain in [d for d in PAPER_CLIENTS if d in layout]:
         data = domains[domain]
@@ -88,6 +95,32 @@ def build(options: DigitsOfflineOptions, clients: int | None, seed: int, data_di
     partition = {"dataset": "digits-offline", "seed": seed, "scheme": "domains",
                  "layout": layout, "fraction": options.fraction, "clients": records}
     return Federation("digits-offline", 10, (3, 32, 32), client_data, client_domains, test_sets, partition)
+
+
+def _loaded(path: str, domains: dict, options: DigitsOfflineOptions) -> Federation:
+    """The federation of a saved ``partition.json`` (``partition.load=PATH``): same clients, same samples."""
+    from pathlib import Path
+
+    from fedhpro.data.partition import Partition
+
+    if not Path(path).expanduser().is_file():
+        raise ConfigError(f"partition.load={path!r}: no such file; give the partition.json of an earlier run")
+    split = Partition.load(Path(path).expanduser(), num_samples={d: int(v.train_y.shape[0]) for d, v in domains.items()})
+    if split.client_domains is None:
+        raise ConfigError(f"partition.load={path!r} has no client domains; digits-offline needs a domains partition")
+    client_data, records = [], []
+    for k, (index, domain) in enumerate(zip(split.client_indices, split.client_domains)):
+        index_t = torch.from_numpy(index)
+        y = domains[domain].train_y[index_t]
+        client_data.append(ClientData(normalize_images(domains[domain].train_x[index_t]), y.clone(), 10))
+        records.append({"client": k, "domain": domain, "indices": index.tolist(),
+                        "class_counts": torch.bincount(y, minlength=10).tolist()})
+    used = [d for d in PAPER_CLIENTS if d in set(split.client_domains)]
+    test_sets = {d: (normalize_images(domains[d].test_x), domains[d].test_y.clone()) for d in used}
+    record = {"dataset": "digits-offline", "seed": None, "scheme": "domains", "loaded_from": str(path),
+              "layout": {d: split.client_domains.count(d) for d in used}, "fraction": options.fraction,
+              "clients": records}
+    return Federation("digits-offline", 10, (3, 32, 32), client_data, list(split.client_domains), test_sets, record)
 
 
 DATASET = DatasetSpec(

@@ -1,0 +1,452 @@
+"""The paper's benchmarks: a data set (:mod:`fedhpro.data.loaders`) plus a partition, as its tables compose them.
+
+=====================  ============================  ==========================================================
+benchmark              data                          partition (``partition=``; default first)
+=====================  ============================  ==========================================================
+``digits``             MNIST, USPS, SVHN, SYN        domains M:3 U:7 SV:6 SY:4, 1% of a domain per client
+``office-caltech``     Caltech, Webcam, Amazon,      domains C:3 W:1 A:2 D:4, 20% per client
+                       DSLR
+``cifar10``            CIFAR-10                      dirichlet (alpha 0.5, K=10) | nid2 (K=7) | iid | longtail
+``cifar100``           CIFAR-100                     same
+``ham10000``           HAM10000 (224 px)             same
+``tinyimagenet``       TinyImageNet (AutoAugment)    same
+``cifar10-lt``         CIFAR-10                      longtail (rho, default 100; then dirichlet 0.5)
+``cifar100-lt``        CIFAR-100                     longtail
+``tinyimagenet-lt``    TinyImageNet                  longtail
+``ag-news``            AG News (tokens)              ag-nid (K=10: AG-NID_K10; clients=50: AG-NID_K50)
+``sun397``             SUN397                        dirichlet, K=100, 20% participation
+=====================  ============================  ==========================================================
+
+Images become float tensors normalised per channel (the statistics in
+:data:`PRESETS`) at the paper's size. Only the samples some client holds and
+the test sets are converted; the rest of a large set stays in its
+memory-mapped ``uint8`` cache. Test sets are the official ones (the long-tail
+benchmarks keep them balanced); where none exists (Office-Caltech, HAM10000,
+SUN397) a seeded per-class split holds out ``data.test_fraction``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fedhpro.data import DatasetSpec
+from fedhpro.data.federation import Augment, ClientData, Federation
+from fedhpro.data.loaders import image_arrays, open_loader, split_indices
+from fedhpro.data.partition import Partition, PartitionError, PartitionOptions, domains, label_partition
+from fedhpro.errors import ConfigError
+from fedhpro.options import option
+
+# --------------------------------------------------------------------------- transforms
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A source's transform as the paper applies it: square ``size``, 3 channels, per-channel normalisation."""
+
+    size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+
+HALF = (0.5, 0.5, 0.5)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+#: per source: the paper's image size; the usual per-data-set channel statistics
+PRESETS: dict[str, Preset] = {
+    # Digits: 32 x 32 RGB in [-1, 1], as the Digits domain-skew code (and digits-offline)
+    "mnist": Preset(32, HALF, HALF),
+    "usps": Preset(32, HALF, HALF),
+    "svhn": Preset(32, HALF, HALF),
+    "syn": Preset(32, HALF, HALF),
+    "office-caltech": Preset(32, IMAGENET_MEAN, IMAGENET_STD),
+    "cifar10": Preset(32, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": Preset(32, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+    "tinyimagenet": Preset(64, (0.4802, 0.4481, 0.3975), (0.2302, 0.2265, 0.2262)),
+    "ham10000": Preset(224, IMAGENET_MEAN, IMAGENET_STD),
+    # the paper does not give SUN397's size; 64 px keeps 108k images in a few GB (data.image_size=224 for more)
+    "sun397": Preset(64, IMAGENET_MEAN, IMAGENET_STD),
+}
+
+
+def to_float(images: np.ndarray, preset: Preset, size: int, chunk: int = 2048) -> Tensor:
+    """``uint8`` N x C x H x W -> float32 N x 3 x size x size, normalised by ``preset``.
+
+    Grey images are repeated to 3 channels; other sizes are resized
+    (bilinear, antialiased). Converted in chunks, so a memory-mapped source
+    is read once and never copied whole.
+    """
+    n = images.shape[0]
+    out = torch.empty((n, 3, size, size), dtype=torch.float32)
+    mean = torch.tensor(preset.mean).view(1, 3, 1, 1)
+    std = torch.tensor(preset.std).view(1, 3, 1, 1)
+    for start in range(0, n, chunk):
+        batch = torch.from_numpy(np.array(images[start:start + chunk], dtype=np.uint8)).float().div_(255.0)
+        if batch.shape[1] == 1:
+            batch = batch.expand(-1, 3, -1, -1)
+        if batch.shape[-2:] != (size, size):
+            batch = F.interpolate(batch, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+            batch = batch.clamp_(0.0, 1.0)
+        out[start:start + chunk] = (batch - mean) / std
+    return out
+
+
+class AutoAugmentBatch:
+    """Per-sample AutoAugment (ImageNet policy, Cubuk et al. 2019) on a normalised float batch.
+
+    Each image gets its own policy draw. torchvision's AutoAugment draws from
+    the global CPU generator, so it runs under :func:`torch.random.fork_rng`
+    seeded from the client's training generator: the run stays reproducible
+    and the global RNG is left as it was.
+    """
+
+    def __init__(self, mean: tuple[float, ...], std: tuple[float, ...]):
+        from torchvision.transforms import AutoAugment, AutoAugmentPolicy
+
+        self.policy = AutoAugment(AutoAugmentPolicy.IMAGENET)
+        self.mean = torch.tensor(mean).view(1, 3, 1, 1)
+        self.std = torch.tensor(std).view(1, 3, 1, 1)
+
+    def __call__(self, x: Tensor, generator: torch.Generator) -> Tensor:
+        mean, std = self.mean.to(x.device), self.std.to(x.device)
+        pixels = ((x * std + mean) * 255.0).round_().clamp_(0, 255).to(torch.uint8)
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            pixels = torch.stack([self.policy(image) for image in pixels])
+        return (pixels.float().div_(255.0) - mean) / std
+
+    def __repr__(self) -> str:
+        return "AutoAugmentBatch(imagenet)"
+
+
+# --------------------------------------------------------------------------- options
+
+
+def data_root(data_dir: str | Path | None) -> Path:
+    """Where real data sets live: ``data_dir`` if given, else ``$FEDHPRO_DATA_DIR`` or ``~/.cache/fedhpro``."""
+    if data_dir:
+        return Path(data_dir).expanduser()
+    from fedhpro.data.digits_offline import default_data_dir
+
+    return default_data_dir()
+
+
+@dataclass
+class ImageOptions:
+    """``data.*`` of the label-skew image benchmarks."""
+
+    download: bool = option(False, help="fetch a missing data set with torchvision (mnist, usps, svhn, cifar10, "
+                                        "cifar100, sun397; the others have no automatic download)")
+    image_size: int | None = option(None, min=8, help="side of the square images (default: the paper's size; "
+                                                      "smaller is faster on a CPU, e.g. 64 for ham10000)")
+    augment: bool | None = option(None, help="AutoAugment each training batch (default: on for TinyImageNet, "
+                                             "as the paper; off otherwise)")
+    test_fraction: float | None = option(None, gt=0.0, max=0.9,
+                                         help="held-out share where there is no official test set (ham10000 "
+                                              "default 0.11, sun397 0.2); ignored otherwise")
+    split_seed: int = option(0, min=0, help="seed of that train/test split (fixed, not the run seed)")
+
+
+def _digits_layout() -> dict[str, int]:
+    return {"mnist": 3, "usps": 7, "svhn": 6, "syn": 4}
+
+
+def _office_layout() -> dict[str, int]:
+    return {"caltech": 3, "webcam": 1, "amazon": 2, "dslr": 4}
+
+
+@dataclass
+class DigitsOptions:
+    """``data.*`` of ``digits``."""
+
+    clients_per_domain: dict[str, int] = option(default_factory=_digits_layout,
+                                                help="clients of each domain (the paper: M:3 U:7 SV:6 SY:4); "
+                                                     "`clients=K` spreads K evenly instead")
+    fraction: float = option(0.01, gt=0.0, max=1.0, help="share of its domain's training set each client samples")
+    download: bool = option(False, help="fetch MNIST, USPS and SVHN with torchvision (SYN has no download)")
+    image_size: int | None = option(None, min=8, help="side of the square images (default 32)")
+
+
+@dataclass
+class OfficeCaltechOptions:
+    """``data.*`` of ``office-caltech``."""
+
+    clients_per_domain: dict[str, int] = option(default_factory=_office_layout,
+                                                help="clients of each domain (the paper: C:3 W:1 A:2 D:4); "
+                                                     "`clients=K` spreads K evenly instead")
+    fraction: float = option(0.2, gt=0.0, max=1.0, help="share of its domain's training set each client samples")
+    test_fraction: float = option(0.3, gt=0.0, max=0.9, help="share of each domain held out for testing "
+                                                               "(there is no official split)")
+    split_seed: int = option(0, min=0, help="seed of that train/test split (fixed, not the run seed)")
+    image_size: int | None = option(None, min=8, help="side of the square images (default 32)")
+
+
+@dataclass
+class TextOptions:
+    """``data.*`` of ``ag-news``."""
+
+    max_length: int = option(256, min=1, help="tokens per text (cut or padded); the model input is (max_length,)")
+    vocab_size: int = option(30000, min=3, max=30000,
+                             help="vocabulary from the training split, incl. padding (0) and unknown (1); at most "
+                                  "textcnn's 30000 embedding rows")
+
+
+# --------------------------------------------------------------------------- shared steps
+
+
+def _partition_rng(seed: int, options: PartitionOptions) -> np.random.Generator:
+    return np.random.default_rng(seed if options.seed is None else options.seed)
+
+
+def _load_partition(options: PartitionOptions, num_samples: int | dict[str, int]) -> Partition:
+    path = Path(options.load).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"partition.load={options.load!r}: no such file; give the partition.json of an earlier run")
+    return Partition.load(path, num_samples=num_samples)
+
+
+def _record(partition: Partition, name: str, labels: Any, num_classes: int, seed: int | None,
+            options: PartitionOptions) -> dict[str, Any]:
+    record = {"dataset": name, **partition.to_json(labels, num_classes, seed)}
+    if options.load:
+        record["loaded_from"] = str(options.load)
+    return record
+
+
+def _scheme(options: PartitionOptions, default: str, allowed: tuple[str, ...], name: str) -> str:
+    scheme = default if options.scheme == "auto" else options.scheme
+    if scheme not in allowed:
+        raise ConfigError(f"partition={scheme} does not apply to {name}; choose one of: {', '.join(allowed)}")
+    return scheme
+
+
+def _size(image_size: int | None, preset: Preset) -> int:
+    return preset.size if image_size is None else int(image_size)
+
+
+# --------------------------------------------------------------------------- label skew (images and text)
+
+
+@dataclass(frozen=True)
+class LabelSkewBenchmark:
+    """One data set split among K clients by a label-skew partitioner (paper Tables 1, A1, A2, A10)."""
+
+    name: str
+    source: str  # a loader name
+    num_classes: int
+    scheme: str = "dirichlet"  # the default partition
+    schemes: tuple[str, ...] = ("dirichlet", "nid2", "iid", "longtail")
+    clients: int = 10  # K (nid2's default is 7, as the paper)
+    augment: bool = False  # AutoAugment by default
+    test_fraction: float | None = None  # no official test set: hold this share out
+    description: str = ""
+
+    def build(self, options: ImageOptions, clients: int | None, seed: int, data_dir: Any = None,
+              progress: bool = False, partition: PartitionOptions | None = None) -> Federation:
+        partition = partition or PartitionOptions()
+        scheme = _scheme(partition, self.scheme, self.schemes, self.name)
+        preset = PRESETS[self.source]
+        size = _size(options.image_size, preset)
+        root = data_root(data_dir)
+        cache = root / ".fedhpro-cache" / self.source
+        test_fraction = options.test_fraction if options.test_fraction is not None else self.test_fraction
+        loader_options: dict[str, Any] = {}
+        if self.source == "ham10000":
+            loader_options = {"test_fraction": test_fraction, "split_seed": options.split_seed}
+        train = open_loader(self.source, root, True, options.download, **loader_options)
+        train_x, train_y = image_arrays(train, size, cache, progress)
+        if self.source == "sun397":  # one folder, no official split
+            train_index, test_index = split_indices(train_y, test_fraction, options.split_seed)
+            test_x, test_y = train_x, train_y
+        else:
+            test = open_loader(self.source, root, False, options.download, **loader_options)
+            test_x, test_y = image_arrays(test, size, cache, progress)
+            train_index, test_index = np.arange(len(train_y)), np.arange(len(test_y))
+        labels = train_y[train_index]
+
+        k = clients or (7 if scheme == "nid2" else self.clients)
+        if partition.load:
+            split = _load_partition(partition, len(labels))
+        else:
+            split = label_partition(partition, scheme, labels, k, _partition_rng(seed, partition), self.num_classes)
+        augment = options.augment if options.augment is not None else self.augment
+        hook: Augment | None = AutoAugmentBatch(preset.mean, preset.std) if augment else None
+        client_data = []
+        for ix in split.client_indices:
+            rows = train_index[ix]
+            client_data.append(ClientData(to_float(train_x[rows], preset, size), torch.from_numpy(labels[ix]).clone(),
+                                          self.num_classes, hook))
+        test_rows = test_index
+        test_sets = {"all": (to_float(test_x[test_rows], preset, size), torch.from_numpy(test_y[test_rows]).clone())}
+        notes = [f"{self.name}: {split.scheme} partition over {split.num_clients} clients, {size}x{size} images"]
+        if augment:
+            notes.append("AutoAugment (ImageNet policy) on every training batch")
+        record = _record(split, self.name, labels, self.num_classes, partition.seed if partition.seed is not None
+                         else seed, partition)
+        return Federation(self.name, self.num_classes, (3, size, size), client_data, [""] * len(client_data),
+                          test_sets, record, notes)
+
+
+@dataclass(frozen=True)
+class TextBenchmark:
+    """AG News with TextCNN token inputs, split by ``ag-nid`` (paper Table A10)."""
+
+    name: str = "ag-news"
+    num_classes: int = 4
+    scheme: str = "ag-nid"
+    schemes: tuple[str, ...] = ("ag-nid", "dirichlet", "iid")
+    clients: int = 10
+
+    def build(self, options: TextOptions, clients: int | None, seed: int, data_dir: Any = None,
+              progress: bool = False, partition: PartitionOptions | None = None) -> Federation:
+        partition = partition or PartitionOptions()
+        scheme = _scheme(partition, self.scheme, self.schemes, self.name)
+        root = data_root(data_dir)
+        train = open_loader("ag_news", root, True, max_length=options.max_length, vocab_size=options.vocab_size)
+        test = open_loader("ag_news", root, False, max_length=options.max_length, vocab=train.vocab)
+        labels = train.targets.numpy()
+        if partition.load:
+            split = _load_partition(partition, len(labels))
+        else:
+            split = label_partition(partition, scheme, labels, clients or self.clients,
+                                    _partition_rng(seed, partition), self.num_classes)
+        client_data = [ClientData(train.tokens[torch.from_numpy(ix)].clone(), train.targets[torch.from_numpy(ix)].clone(),
+                                  self.num_classes) for ix in split.client_indices]
+        record = _record(split, self.name, labels, self.num_classes,
+                         partition.seed if partition.seed is not None else seed, partition)
+        record["vocab_size"] = len(train.vocab) + 2
+        return Federation(self.name, self.num_classes, (options.max_length,), client_data, [""] * len(client_data),
+                          {"all": (test.tokens, test.targets)}, record,
+                          [f"ag-news: {split.scheme} partition over {split.num_clients} clients, "
+                           f"{len(train.vocab) + 2} token ids"])
+
+
+# --------------------------------------------------------------------------- domain skew
+
+
+@dataclass(frozen=True)
+class DomainBenchmark:
+    """Several domains, each client sampling a fraction of one domain (paper Tables 2, A3)."""
+
+    name: str
+    domains: tuple[tuple[str, str, dict], ...]  # (domain, loader name, loader options), in the paper's order
+
+    def build(self, options: Any, clients: int | None, seed: int, data_dir: Any = None, progress: bool = False,
+              partition: PartitionOptions | None = None) -> Federation:
+        partition = partition or PartitionOptions()
+        _scheme(partition, "domains", ("domains",), self.name)
+        names = [d for d, _, _ in self.domains]
+        layout = dict(options.clients_per_domain)
+        unknown = sorted(set(layout) - set(names))
+        if unknown:
+            raise ConfigError(f"data.clients_per_domain names unknown domains {unknown}; "
+                              f"the domains of {self.name} are: {', '.join(names)}")
+        if clients is not None:  # spread K clients over the domains in the paper's order, round robin
+            layout = {d: 0 for d in names}
+            for k in range(clients):
+                layout[names[k % len(names)]] += 1
+        layout = {d: layout.get(d, 0) for d in names if layout.get(d, 0) > 0}
+        if not layout and not partition.load:
+            raise ConfigError(f"{self.name} needs at least one client; set clients=K or data.clients_per_domain")
+
+        root = data_root(data_dir)
+        train, test = {}, {}
+        for domain, source, extra in self.domains:
+            if domain not in layout and not partition.load:
+                continue
+            preset = PRESETS[source]
+            size = _size(options.image_size, preset)
+            loader_options = dict(extra)
+            if source == "office-caltech":
+                loader_options.update(test_fraction=options.test_fraction, split_seed=options.split_seed)
+            download = getattr(options, "download", False)
+            cache = root / ".fedhpro-cache" / f"{source}-{domain}"
+            train[domain] = image_arrays(open_loader(source, root, True, download, **loader_options), size, cache,
+                                         progress)
+            test[domain] = image_arrays(open_loader(source, root, False, download, **loader_options), size, cache,
+                                        progress)
+        labels = {d: y for d, (_, y) in train.items()}
+        if partition.load:
+            split = _load_partition(partition, {d: len(y) for d, y in labels.items()})
+            if split.client_domains is None:
+                raise ConfigError(f"partition.load={partition.load!r} has no client domains; {self.name} needs a "
+                                  "domains partition")
+        else:
+            try:
+                split = domains({d: np.arange(len(y)) for d, y in labels.items()},
+                                [(d, n, options.fraction) for d, n in layout.items()], _partition_rng(seed, partition))
+            except PartitionError as error:
+                raise ConfigError(f"{self.name}: {error} (data.fraction / data.clients_per_domain)") from None
+        source_of = {d: s for d, s, _ in self.domains}
+        client_data = []
+        for ix, domain in zip(split.client_indices, split.client_domains):
+            preset = PRESETS[source_of[domain]]
+            x, y = train[domain]
+            client_data.append(ClientData(to_float(x[ix], preset, _size(options.image_size, preset)),
+                                          torch.from_numpy(y[ix]).clone(), 10))
+        used = [d for d in names if d in set(split.client_domains)]
+        test_sets = {}
+        for d in used:
+            preset = PRESETS[source_of[d]]
+            x, y = test[d]
+            test_sets[d] = (to_float(x, preset, _size(options.image_size, preset)), torch.from_numpy(y).clone())
+        size = _size(options.image_size, PRESETS[self.domains[0][1]])
+        record = _record(split, self.name, {d: labels[d] for d in used}, 10,
+                         partition.seed if partition.seed is not None else seed, partition)
+        record["fraction"] = options.fraction
+        return Federation(self.name, 10, (3, size, size), client_data, list(split.client_domains), test_sets, record,
+                          [f"{self.name}: " + ", ".join(f"{d} {split.client_domains.count(d)}" for d in used)])
+
+
+# --------------------------------------------------------------------------- the benchmarks
+
+
+def _spec(benchmark: Any, options: type, description: str, run_defaults: dict | None = None) -> DatasetSpec:
+    return DatasetSpec(name=benchmark.name, options=options, build=benchmark.build, description=description,
+                       run_defaults=dict(run_defaults or {}))
+
+
+def _label(name: str, source: str, classes: int, **kwargs: Any) -> LabelSkewBenchmark:
+    return LabelSkewBenchmark(name, source, classes, **kwargs)
+
+
+_LT = dict(scheme="longtail", schemes=("longtail",))
+
+BENCHMARKS: dict[str, Callable[[], DatasetSpec]] = {
+    "digits": lambda: _spec(
+        DomainBenchmark("digits", (("mnist", "mnist", {}), ("usps", "usps", {}), ("svhn", "svhn", {}),
+                                   ("syn", "syn", {}))),
+        DigitsOptions, "Digits domain skew: MNIST 3, USPS 7, SVHN 6, SYN 4 clients, 1% each (Table A3)"),
+    "office-caltech": lambda: _spec(
+        DomainBenchmark("office-caltech", tuple((d, "office-caltech", {"domain": d})
+                                                for d in ("caltech", "webcam", "amazon", "dslr"))),
+        OfficeCaltechOptions, "Office-Caltech domain skew: Caltech 3, Webcam 1, Amazon 2, DSLR 4, 20% each (Table 2)"),
+    "cifar10": lambda: _spec(_label("cifar10", "cifar10", 10), ImageOptions,
+                             "CIFAR-10, label skew: dirichlet (NID1_alpha, K=10) or nid2 (K=7) (Table 1)"),
+    "cifar100": lambda: _spec(_label("cifar100", "cifar100", 100), ImageOptions,
+                              "CIFAR-100, label skew: dirichlet or nid2 (Table A1)"),
+    "ham10000": lambda: _spec(_label("ham10000", "ham10000", 7, test_fraction=0.11), ImageOptions,
+                              "HAM10000 skin lesions (7 classes, 224 px), label skew: dirichlet or nid2 (Table 1)"),
+    "tinyimagenet": lambda: _spec(_label("tinyimagenet", "tinyimagenet", 200, augment=True), ImageOptions,
+                                  "TinyImageNet (64 px, AutoAugment), label skew: dirichlet or nid2 (Table 1)"),
+    "cifar10-lt": lambda: _spec(_label("cifar10-lt", "cifar10", 10, **_LT), ImageOptions,
+                                "CIFAR10-LT quantity skew: longtail rho (10, 50, 100) then dirichlet 0.5 (Table A2)"),
+    "cifar100-lt": lambda: _spec(_label("cifar100-lt", "cifar100", 100, **_LT), ImageOptions,
+                                 "CIFAR100-LT quantity skew: longtail rho then dirichlet 0.5 (Table A2)"),
+    "tinyimagenet-lt": lambda: _spec(_label("tinyimagenet-lt", "tinyimagenet", 200, augment=True, **_LT),
+                                     ImageOptions, "TinyImageNet-LT quantity skew: longtail rho then dirichlet 0.5 "
+                                                   "(Table A2)"),
+    "ag-news": lambda: _spec(TextBenchmark(), TextOptions,
+                             "AG News text: ag-nid, K=10 (AG-NID_K10) or clients=50 (AG-NID_K50) (Table A10)",
+                             {"model": "textcnn"}),
+    "sun397": lambda: _spec(_label("sun397", "sun397", 397, clients=100, test_fraction=0.2), ImageOptions,
+                            "SUN397 (397 classes): dirichlet, K=100, 20% participation (Table A10)",
+                            {"participation": 0.2}),
+}

@@ -1,0 +1,519 @@
+"""Loaders for the paper's real data sets, torchvision-style, registered by name in :data:`LOADERS`.
+
+Each loader is a ``torch.utils.data.Dataset`` taking ``root`` (the folder the
+data set lives in), ``train``, ``transform`` and, where a public download
+exists, ``download``. ``mnist``, ``usps``, ``svhn``, ``cifar10``,
+``cifar100`` and ``sun397`` are torchvision's own classes; the others read
+their usual on-disk layouts:
+
+==================  ==========================================================================
+name                files under ``root`` (``root`` = ``<data_dir>/<folder>``)
+==================  ==========================================================================
+``mnist``           ``MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte`` (torchvision)
+``usps``            ``usps.bz2``, ``usps.t.bz2`` (libsvm format, torchvision)
+``svhn``            ``train_32x32.mat``, ``test_32x32.mat`` (torchvision)
+``cifar10``         ``cifar-10-batches-py/`` (torchvision)
+``cifar100``        ``cifar-100-python/`` (torchvision)
+``sun397``          ``SUN397/ClassName.txt`` and ``SUN397/<letter>/<class>/sun_*.jpg`` (torchvision)
+``syn``             ``train/<digit>/*.png`` and ``val/<digit>/*.png`` (``test/`` is accepted for
+                    ``val/``): the layout of the Digits domain-skew code (FedBN / FPL / RethinkFL)
+``office-caltech``  ``office_caltech_10/{amazon,caltech,dslr,webcam}/<class>/*.jpg``
+``tinyimagenet``    ``tiny-imagenet-200/{wnids.txt, train/<wnid>/images/*.JPEG,
+                    val/images/*.JPEG, val/val_annotations.txt}`` (the official zip)
+``ham10000``        ``HAM10000_metadata.csv`` and ``<image_id>.jpg`` anywhere below ``root``
+                    (e.g. the official ``HAM10000_images_part_1/`` and ``_part_2/``)
+``ag_news``         ``train.csv``, ``test.csv`` (class 1-4, title, description; no header)
+==================  ==========================================================================
+
+Torchvision's checksum is verified when it downloads; files already on disk
+are only checked for presence (so a copied or re-packed data set loads).
+A missing data set raises :class:`~fedhpro.errors.DataError` with one line
+naming the folder and how to get the data.
+
+:func:`image_arrays` turns a loader into ``uint8`` ``N x C x H x W`` arrays:
+the torchvision sets hold their pixels in memory already; image-file sets are
+decoded once, at one size, into a memory-mapped ``.npy`` cache beside the data
+(``<root>/.fedhpro-cache/``), so later runs read only the samples they use.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from fedhpro.errors import DataError
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".tif", ".tiff", ".webp")
+
+
+def _pil_rgb(path: str | os.PathLike) -> Any:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return image.convert("RGB")
+
+
+def _images_in(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+
+
+class _FileImages(Dataset):
+    """A list of (image file, label); images are opened on access (lazy)."""
+
+    files: list[Path]
+    targets: list[int]
+    classes: list[str]
+    transform: Callable | None
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        image = _pil_rgb(self.files[index])
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, self.targets[index]
+
+
+def _class_folders(root: Path, what: str) -> tuple[list[str], list[Path], list[int]]:
+    """ImageFolder layout ``root/<class>/*.<image>``: classes sorted by name, files sorted per class."""
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    files, targets = [], []
+    for label, name in enumerate(classes):
+        for path in _images_in(root / name):
+            files.append(path)
+            targets.append(label)
+    if not files:
+        raise DataError(f"{what}: no images under {root} (expected {root}/<class>/*.jpg)")
+    return classes, files, targets
+
+
+class SynDigits(_FileImages):
+    """SYN (synthetic digits, Ganin & Lempitsky) in the layout of the Digits domain-skew code.
+
+    ``root/train/<digit>/*.png`` and ``root/val/<digit>/*.png`` (``test/`` is
+    accepted instead of ``val/``); class folders are ``0`` ... ``9``.
+    """
+
+    def __init__(self, root: str | os.PathLike, train: bool = True, transform: Callable | None = None):
+        root = Path(root)
+        split = "train" if train else next((s for s in ("val", "test") if (root / s).is_dir()), "val")
+        folder = root / split
+        if not folder.is_dir():
+            raise missing("syn", root)
+        self.classes, self.files, self.targets = _class_folders(folder, "syn")
+        if self.classes != [str(d) for d in range(10)]:
+            raise DataError(f"syn: the class folders of {folder} are {self.classes}; expected 0 ... 9")
+        self.transform = transform
+
+
+class OfficeCaltech(_FileImages):
+    """Office-Caltech-10, one domain: ``root/office_caltech_10/<domain>/<class>/*.jpg``.
+
+    There is no official train/test split: :attr:`train` selects the
+    training or test part of a split drawn per class with ``split_seed``
+    (``test_fraction`` of each class held out), the same on every machine.
+    """
+
+    DOMAINS = ("amazon", "caltech", "dslr", "webcam")
+
+    def __init__(self, root: str | os.PathLike, domain: str, train: bool = True, transform: Callable | None = None,
+                 test_fraction: float = 0.3, split_seed: int = 0):
+        if domain not in self.DOMAINS:
+            raise DataError(f"office-caltech: unknown domain {domain!r}; the domains are {', '.join(self.DOMAINS)}")
+        folder = Path(root) / "office_caltech_10" / domain
+        if not folder.is_dir():
+            raise missing("office-caltech", Path(root))
+        self.classes, files, targets = _class_folders(folder, f"office-caltech/{domain}")
+        keep = split_indices(np.asarray(targets), test_fraction, split_seed)[0 if train else 1]
+        self.files = [files[i] for i in keep]
+        self.targets = [targets[i] for i in keep]
+        self.transform = transform
+
+
+class TinyImageNet(_FileImages):
+    """TinyImageNet-200 in the official layout (``root`` = the ``tiny-imagenet-200`` folder).
+
+    Train: ``train/<wnid>/images/*.JPEG``; test (the official validation set,
+    10,000 images): ``val/images/*.JPEG`` labelled by ``val/val_annotations.txt``.
+    Labels index the sorted ``wnids.txt``.
+    """
+
+    def __init__(self, root: str | os.PathLike, train: bool = True, transform: Callable | None = None):
+        root = Path(root)
+        if not (root / "wnids.txt").is_file():
+            raise missing("tinyimagenet", root)
+        self.classes = sorted(line.strip() for line in (root / "wnids.txt").read_text().splitlines() if line.strip())
+        index = {wnid: i for i, wnid in enumerate(self.classes)}
+        self.files, self.targets = [], []
+        if train:
+            for wnid in self.classes:
+                for path in _images_in(root / "train" / wnid / "images"):
+                    self.files.append(path)
+                    self.targets.append(index[wnid])
+        else:
+            annotations = root / "val" / "val_annotations.txt"
+            if not annotations.is_file():
+                raise missing("tinyimagenet", root)
+            for line in annotations.read_text().splitlines():
+                parts = line.split("\t")
+                if len(parts) < 2:
+                    continue
+                if parts[1] not in index:
+                    raise DataError(f"tinyimagenet: {annotations} labels {parts[0]} with {parts[1]}, "
+                                    "which is not in wnids.txt")
+                self.files.append(root / "val" / "images" / parts[0])
+                self.targets.append(index[parts[1]])
+        if not self.files:
+            raise DataError(f"tinyimagenet: no {'training' if train else 'validation'} images under {root}")
+        self.transform = transform
+
+
+class HAM10000(_FileImages):
+    """HAM10000 skin lesions (7 classes): ``root/HAM10000_metadata.csv`` plus ``<image_id>.jpg`` below ``root``.
+
+    The metadata's ``dx`` column is the label (classes sorted: akiec, bcc,
+    bkl, df, mel, nv, vasc). No official split: a per-class split with
+    ``test_fraction`` (0.11, about the paper's 8,912 / 1,103) and ``split_seed``.
+    """
+
+    CLASSES = ("akiec", "bcc", "bkl", "df", "mel", "nv", "vasc")
+
+    def __init__(self, root: str | os.PathLike, train: bool = True, transform: Callable | None = None,
+                 test_fraction: float = 0.11, split_seed: int = 0):
+        root = Path(root)
+        metadata = root / "HAM10000_metadata.csv"
+        if not metadata.is_file():
+            raise missing("ham10000", root)
+        found = {p.stem: p for p in root.rglob("*.jpg")}
+        files, targets = [], []
+        with metadata.open(newline="") as handle:
+            for row in csv.DictReader(handle):
+                image_id, dx = row.get("image_id"), row.get("dx")
+                if dx not in self.CLASSES:
+                    raise DataError(f"ham10000: {metadata} has dx={dx!r}; expected one of {', '.join(self.CLASSES)}")
+                if image_id not in found:
+                    raise DataError(f"ham10000: {metadata} lists {image_id} but {image_id}.jpg is not below {root}")
+                files.append(found[image_id])
+                targets.append(self.CLASSES.index(dx))
+        self.classes = list(self.CLASSES)
+        keep = split_indices(np.asarray(targets), test_fraction, split_seed)[0 if train else 1]
+        self.files = [files[i] for i in keep]
+        self.targets = [targets[i] for i in keep]
+        self.transform = transform
+
+
+_TOKEN = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
+
+
+def tokenize(text: str) -> list[str]:
+    """Lower-case words and numbers (``"U.S. stocks' rally"`` -> ``["u", "s", "stocks", "rally"]``)."""
+    return _TOKEN.findall(text.lower().replace("#39;", "'"))  # AG News writes ' as the bare entity #39;
+
+
+class AGNews(Dataset):
+    """AG News (Zhang et al., 2015): ``root/train.csv`` and ``root/test.csv`` rows ``class, title, description``.
+
+    Classes 1-4 become 0-3 (World, Sports, Business, Sci/Tech). Text is
+    ``title + " " + description``, tokenised by :func:`tokenize`, mapped
+    through ``vocab`` (default: built from the training split by
+    :func:`build_vocab`; 0 = padding, 1 = unknown) and cut or padded to
+    ``max_length``. ``tokens`` is an ``N x max_length`` LongTensor.
+    """
+
+    CLASSES = ("World", "Sports", "Business", "Sci/Tech")
+
+    def __init__(self, root: str | os.PathLike, train: bool = True, max_length: int = 256, vocab_size: int = 30000,
+                 vocab: dict[str, int] | None = None, transform: Callable | None = None):
+        root = Path(root)
+        if vocab is None:
+            vocab = build_vocab(read_ag_news(root, True)[0], vocab_size)
+        texts, labels = read_ag_news(root, train)
+        self.vocab = vocab
+        self.classes = list(self.CLASSES)
+        self.tokens = encode(texts, vocab, max_length)
+        self.targets = torch.as_tensor(labels, dtype=torch.int64)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return int(self.targets.shape[0])
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        tokens = self.tokens[index]
+        return (self.transform(tokens) if self.transform else tokens), int(self.targets[index])
+
+
+def read_ag_news(root: Path, train: bool) -> tuple[list[str], list[int]]:
+    path = root / ("train.csv" if train else "test.csv")
+    if not path.is_file():
+        raise missing("ag_news", root)
+    texts, labels = [], []
+    with path.open(newline="", encoding="utf-8") as handle:
+        for line, row in enumerate(csv.reader(handle), start=1):
+            if not row:
+                continue
+            try:
+                label = int(row[0])
+            except ValueError:
+                if line == 1:  # a header row
+                    continue
+                raise DataError(f"ag_news: {path} line {line}: class {row[0]!r} is not a number 1-4") from None
+            if not 1 <= label <= 4 or len(row) < 3:
+                raise DataError(f"ag_news: {path} line {line}: expected class 1-4, title, description")
+            texts.append(f"{row[1]} {row[2]}")
+            labels.append(label - 1)
+    return texts, labels
+
+
+def build_vocab(texts: Sequence[str], vocab_size: int) -> dict[str, int]:
+    """The ``vocab_size - 2`` most frequent tokens of ``texts`` -> ids 2...; ties broken alphabetically."""
+    counts = Counter(token for text in texts for token in tokenize(text))
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:max(vocab_size - 2, 0)]
+    return {token: i + 2 for i, (token, _) in enumerate(ranked)}
+
+
+def encode(texts: Sequence[str], vocab: dict[str, int], max_length: int) -> torch.Tensor:
+    """Token ids (unknown -> 1), cut to ``max_length``, padded with 0."""
+    out = torch.zeros(len(texts), max_length, dtype=torch.int64)
+    for row, text in enumerate(texts):
+        ids = [vocab.get(token, 1) for token in tokenize(text)][:max_length]
+        if ids:
+            out[row, :len(ids)] = torch.as_tensor(ids)
+    return out
+
+
+def split_indices(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A per-class (stratified) train/test split: ``round(test_fraction * n_c)`` of each class to test."""
+    rng = np.random.default_rng(seed)
+    train, test = [], []
+    for c in np.unique(labels):
+        index = rng.permutation(np.flatnonzero(labels == c))
+        cut = int(round(test_fraction * len(index)))
+        test.append(index[:cut])
+        train.append(index[cut:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
+
+
+# --------------------------------------------------------------------------- torchvision's classes
+
+
+def _torchvision(name: str) -> Callable[..., Dataset]:
+    """torchvision's class for ``name``; files on disk are checked for presence, not checksums."""
+    from torchvision import datasets
+
+    if name == "mnist":
+        return lambda root, train=True, transform=None, download=False: datasets.MNIST(
+            root, train=train, transform=transform, download=download)
+    if name == "usps":
+        return lambda root, train=True, transform=None, download=False: datasets.USPS(
+            root, train=train, transform=transform, download=download)
+    if name == "sun397":
+        return lambda root, train=True, transform=None, download=False: datasets.SUN397(
+            root, transform=transform, download=download)
+
+    def present(self: Any) -> bool:
+        base = os.path.join(self.root, getattr(self, "base_folder", ""))
+        lists = getattr(self, "train_list", None)  # CIFAR: the batches; SVHN: its one .mat file
+        names = [n for n, _ in lists + self.test_list] if lists is not None else [self.filename]
+        return all(os.path.isfile(os.path.join(base, n)) for n in names)
+
+    if name == "svhn":
+        svhn = type("SVHN", (datasets.SVHN,), {"_check_integrity": present})
+        return lambda root, train=True, transform=None, download=False: svhn(
+            root, split="train" if train else "test", transform=transform, download=download)
+
+    parent = datasets.CIFAR10 if name == "cifar10" else datasets.CIFAR100
+
+    def load_meta(self: Any) -> None:  # torchvision's, without the checksum
+        import pickle
+
+        path = os.path.join(self.root, self.base_folder, self.meta["filename"])
+        if not os.path.isfile(path):
+            raise RuntimeError("Dataset metadata file not found")
+        with open(path, "rb") as handle:
+            self.classes = pickle.load(handle, encoding="latin1")[self.meta["key"]]
+        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+
+    cifar = type(parent.__name__, (parent,), {"_check_integrity": present, "_load_meta": load_meta})
+    return lambda root, train=True, transform=None, download=False: cifar(
+        root, train=train, transform=transform, download=download)
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+@dataclass(frozen=True)
+class LoaderSpec:
+    """A registered loader: where its files go, what they look like, and how to get them."""
+
+    name: str
+    open: Callable[..., Dataset]  # (root, train=True, transform=None, download=False, **options) -> Dataset
+    folder: str  # subfolder of the data root
+    layout: str  # the files expected under <data_dir>/<folder>
+    source: str  # where to get it
+    download: bool = False  # torchvision can fetch it (data.download=true)
+
+
+def _lazy_torchvision(name: str) -> Callable[..., Dataset]:
+    def open_(root: str | os.PathLike, train: bool = True, transform: Callable | None = None,
+              download: bool = False) -> Dataset:
+        return _torchvision(name)(str(root), train=train, transform=transform, download=download)
+
+    return open_
+
+
+LOADERS: dict[str, LoaderSpec] = {spec.name: spec for spec in (
+    LoaderSpec("mnist", _lazy_torchvision("mnist"), "mnist", "MNIST/raw/*-ubyte", "torchvision", True),
+    LoaderSpec("usps", _lazy_torchvision("usps"), "usps", "usps.bz2 and usps.t.bz2", "torchvision", True),
+    LoaderSpec("svhn", _lazy_torchvision("svhn"), "svhn", "train_32x32.mat and test_32x32.mat", "torchvision", True),
+    LoaderSpec("cifar10", _lazy_torchvision("cifar10"), "cifar10", "cifar-10-batches-py/", "torchvision", True),
+    LoaderSpec("cifar100", _lazy_torchvision("cifar100"), "cifar100", "cifar-100-python/", "torchvision", True),
+    LoaderSpec("sun397", _lazy_torchvision("sun397"), "sun397", "SUN397/ClassName.txt and SUN397/<letter>/<class>/",
+               "torchvision (37 GB)", True),
+    LoaderSpec("syn", SynDigits, "syn", "train/<0-9>/*.png and val/<0-9>/*.png",
+               "the SynDigits images of the FedBN/FPL Digits release (e.g. its syn/ folder)"),
+    LoaderSpec("office-caltech", OfficeCaltech, "", "office_caltech_10/{amazon,caltech,dslr,webcam}/<class>/*.jpg",
+               "the Office-Caltech-10 release (Gong et al., 2012)"),
+    LoaderSpec("tinyimagenet", TinyImageNet, "tiny-imagenet-200",
+               "wnids.txt, train/<wnid>/images/, val/images/ and val/val_annotations.txt",
+               "http://cs231n.stanford.edu/tiny-imagenet-200.zip (unzip into the data folder)"),
+    LoaderSpec("ham10000", HAM10000, "ham10000", "HAM10000_metadata.csv and the <image_id>.jpg files",
+               "https://doi.org/10.7910/DVN/DBW86T (Harvard Dataverse)"),
+    LoaderSpec("ag_news", AGNews, "ag_news", "train.csv and test.csv (class, title, description)",
+               "the ag_news_csv release of Zhang et al. (2015), e.g. from the fastText/torchtext mirrors"),
+)}
+
+
+def missing(name: str, folder: Path) -> DataError:
+    """The one-line error for a data set that is not where it was looked for."""
+    spec = LOADERS[name]
+    if spec.download:
+        how = f"add data.download=true to fetch it with torchvision, or put the files there"
+    else:
+        how = f"get it from {spec.source} (no automatic download)"
+    return DataError(f"{name}: data not found in {folder} (expected {spec.layout}); {how}, "
+                     f"or set data_dir= to the folder that holds {spec.folder or 'it'}/")
+
+
+def open_loader(name: str, data_dir: Path, train: bool, download: bool = False, **options: Any) -> Dataset:
+    """Open the registered loader ``name`` under ``data_dir``; a missing data set raises a one-line DataError."""
+    spec = LOADERS[name]
+    root = data_dir / spec.folder if spec.folder else data_dir
+    kwargs = dict(options)
+    if spec.download:
+        kwargs["download"] = download
+        if download:
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                raise DataError(f"{name}: cannot create {root} ({error.strerror or error}); "
+                                "set data_dir= to a writable folder") from None
+    try:
+        return spec.open(root, train=train, **kwargs)
+    except DataError:
+        raise
+    except RuntimeError as error:  # torchvision: "Dataset not found ..."
+        if download:
+            raise DataError(f"{name}: download into {root} failed ({error}); check the network or fetch the files "
+                            f"by hand (expected {spec.layout})") from None
+        raise missing(name, root) from None
+    except (OSError, ValueError) as error:
+        if download and ("urlopen" in repr(error) or "URLError" in type(error).__name__):
+            raise DataError(f"{name}: download into {root} failed ({error}); fetch the files by hand "
+                            f"(expected {spec.layout})") from None
+        if isinstance(error, FileNotFoundError):
+            raise missing(name, root) from None
+        raise DataError(f"{name}: cannot read the data in {root} ({error}); expected {spec.layout}") from None
+
+
+# --------------------------------------------------------------------------- pixels as arrays
+
+
+def image_arrays(dataset: Dataset, size: int | None = None, cache: Path | None = None,
+                 progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """``(images, labels)``: ``uint8`` ``N x C x H x W`` (C = 1 or 3) and ``int64`` ``N``.
+
+    torchvision's MNIST/USPS/SVHN/CIFAR already hold their pixels: they are
+    returned as they are (resizing happens later, on the samples used). An
+    image-file data set is decoded to ``size x size`` RGB; with ``cache`` the
+    array is written once to that ``.npy`` (atomically) and memory-mapped, so
+    a large set is never held in memory twice and later runs skip decoding.
+    """
+    data = getattr(dataset, "data", None)
+    if data is not None and not isinstance(dataset, _FileImages):
+        array = data.numpy() if isinstance(data, torch.Tensor) else np.asarray(data)
+        labels = getattr(dataset, "targets", None)
+        if labels is None:
+            labels = dataset.labels  # SVHN
+        labels = np.asarray(labels.numpy() if isinstance(labels, torch.Tensor) else labels, dtype=np.int64)
+        if array.ndim == 3:  # MNIST, USPS: N x H x W
+            array = array[:, None]
+        elif array.shape[-1] == 3 and array.shape[1] != 3:  # CIFAR: N x H x W x C
+            array = array.transpose(0, 3, 1, 2)
+        return np.ascontiguousarray(array, dtype=np.uint8), labels
+    files = getattr(dataset, "files", None)
+    if files is None:  # torchvision's SUN397
+        files = list(dataset._image_files)
+        labels = np.asarray(dataset._labels, dtype=np.int64)
+    else:
+        labels = np.asarray(dataset.targets, dtype=np.int64)
+    if size is None:
+        raise ValueError("image_arrays: an image-file data set needs a size")
+    if cache is not None:
+        key = hashlib.sha1("\n".join(map(str, files)).encode()).hexdigest()[:12]
+        path = cache / f"{key}-{size}px.npy"
+        if path.is_file():
+            array = np.load(path, mmap_mode="r")
+            if array.shape == (len(files), 3, size, size):
+                return array, labels
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            return _decode_to(path, files, size, progress), labels
+        except OSError:
+            pass  # a read-only data folder: decode into memory instead
+    out = np.empty((len(files), 3, size, size), dtype=np.uint8)
+    _decode_into(out, files, size, progress)
+    return out, labels
+
+
+def _decode_into(out: np.ndarray, files: Sequence[Path], size: int, progress: bool) -> None:
+    from PIL import Image
+
+    iterator: Any = files
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(files, desc=f"decoding images to {size}px", unit="img", leave=False)
+    for i, path in enumerate(iterator):
+        image = _pil_rgb(path)
+        if image.size != (size, size):
+            image = image.resize((size, size), Image.BILINEAR)
+        out[i] = np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
+
+
+def _decode_to(path: Path, files: Sequence[Path], size: int, progress: bool) -> np.ndarray:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp.npy")
+    try:
+        out = np.lib.format.open_memmap(temporary, mode="w+", dtype=np.uint8, shape=(len(files), 3, size, size))
+        _decode_into(out, files, size, progress)
+        out.flush()
+        del out
+        os.replace(temporary, path)
+    finally:
+        if temporary.exists():
+            temporary.unlink()
+    return np.load(path, mmap_mode="r")
+
+
+__all__ = ["AGNews", "HAM10000", "LOADERS", "LoaderSpec", "OfficeCaltech", "SynDigits", "TinyImageNet",
+           "build_vocab", "encode", "image_arrays", "missing", "open_loader", "split_indices", "tokenize"]
