@@ -115,12 +115,13 @@ class AutoAugmentBatch:
 
     def __call__(self, x: Tensor, generator: torch.Generator) -> Tensor:
         mean, std = self.mean.to(x.device), self.std.to(x.device)
-        pixels = ((x * std + mean) * 255.0).round_().clamp_(0, 255).to(torch.uint8)
+        # the policy runs on the CPU (a 64-image uint8 batch is small): the same images on every device
+        pixels = ((x * std + mean) * 255.0).round_().clamp_(0, 255).to("cpu", torch.uint8)
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed)
             pixels = torch.stack([self.policy(image) for image in pixels])
-        return (pixels.float().div_(255.0) - mean) / std
+        return (pixels.to(x.device).float().div_(255.0) - mean) / std
 
     def __repr__(self) -> str:
         return "AutoAugmentBatch(imagenet)"

@@ -68,8 +68,8 @@ def plot_heatmap(federation: Federation, path: str | os.PathLike, title: str | N
 
     counts = class_counts(federation)
     k, c = counts.shape
-    width = min(max(6.0, 0.45 * c + 2.5), 24.0)
-    height = min(max(3.0, 0.35 * k + 1.8), 24.0)
+    width = min(max(6.0, 0.45 * c + 2.5), 14.0)  # many classes: narrower cells, not a banner
+    height = min(max(4.0, 0.35 * k + 1.8), 14.0)
     figure, axes = plt.subplots(figsize=(width, height), dpi=110)
     shown = np.where(counts > 0, counts, np.nan)  # empty cells stay white
     image = axes.imshow(shown, aspect="auto", cmap="viridis", interpolation="nearest")
