@@ -630,3 +630,34 @@ def test_cli_data_describe_prints_the_table_and_writes_the_heat_map(tmp_path, ca
     png = tmp_path / "describe" / "partition.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "describe" / "partition.json").read_text())["scheme"] == "nid2"
+
+
+def test_cli_runs_tinyimagenet_with_autoaugment_and_ag_news_with_textcnn(tmp_path, capsys):
+    write_tinyimagenet(tmp_path, per_class=6)
+    rows = [(c, f"title {c} {i}", f"text of class {c} number {i}") for c in (1, 2, 3, 4) for i in range(10)]
+    write_ag_news(tmp_path / "ag_news", train=rows, test=rows[:8])
+    common = [f"data_dir={tmp_path}", "rounds=1", "local_epochs=1", "progress=false", "checkpoint_every=0",
+              "device=cpu", "batch_size=4"]
+    code = main(["run", "dataset=tinyimagenet", "partition=iid", "clients=2", "data.image_size=32", "method=fedhpro",
+                 f"out={tmp_path / 'tiny'}", *common])
+    assert code == 0, capsys.readouterr().err
+    assert "AutoAugment" in " ".join(json.loads((tmp_path / "tiny" / "summary.json").read_text())["notes"])
+    code = main(["run", "dataset=ag-news", "data.max_length=8", "data.vocab_size=50", "method=fedavg",
+                 f"out={tmp_path / 'ag'}", *common])
+    assert code == 0, capsys.readouterr().err
+    summary = json.loads((tmp_path / "ag" / "summary.json").read_text())
+    assert summary["clients"] == 10 and 0.0 <= summary["accuracy"] <= 100.0
+
+
+def test_failed_download_is_one_clear_line(tmp_path, monkeypatch):
+    from urllib.error import URLError
+
+    import torchvision.datasets.cifar as cifar
+
+    def offline(*args, **kwargs):
+        raise URLError("no network")
+
+    monkeypatch.setattr(cifar, "download_and_extract_archive", offline)
+    with pytest.raises(DataError, match=r"cifar10: download into .*cifar10 failed") as raised:
+        open_loader("cifar10", tmp_path, True, download=True)
+    assert "\n" not in str(raised.value)

@@ -341,3 +341,24 @@ def test_load_checks_indices_against_data_size(tmp_path):
     Partition.load(path, num_samples=labels.size)
     with pytest.raises(ValueError, match=r"p\.json.*only 100 samples"):
         Partition.load(path, num_samples=100)
+
+
+def test_label_partition_applies_the_config_section():
+    from fedhpro.data.partition import LABEL_SCHEMES, PartitionOptions, label_partition
+
+    y = balanced()
+    options = PartitionOptions(alpha=0.3, min_size=5, rho=10.0, single_class_clients=3, two_class_fraction=0.5)
+    same = {
+        "iid": iid(y, 6, rng(1)),
+        "dirichlet": dirichlet(y, 6, 0.3, rng(1), min_size=5),
+        "nid2": nid2(y, 6, rng(1), single_class_clients=3),
+        "longtail": longtail(y, 6, 10.0, rng(1), alpha=0.3, min_size=5),
+        "ag-nid": ag_nid(y, 6, rng(1), two_class_fraction=0.5),
+    }
+    assert set(same) == set(LABEL_SCHEMES)
+    for scheme, expected in same.items():
+        got = label_partition(options, scheme, y, 6, rng(1))
+        assert got.scheme == expected.scheme and got.params == expected.params
+        assert all(np.array_equal(a, b) for a, b in zip(got.client_indices, expected.client_indices))
+    with pytest.raises(PartitionError, match="does not split by label"):
+        label_partition(options, "domains", y, 6, rng(1))
