@@ -64,7 +64,8 @@ def write_usps(root: Path, n_train: int = 40, n_test: int = 12) -> dict:
         rng = np.random.default_rng(seed)
         values = rng.choice([-1.0, 0.0, 1.0], size=(n, 256))
         y = labels_for(n, 10, seed)
-        lines = [f"{label + 1} " + " ".join(f"{i + 1}:{v:g}" for i, v in enumerate(row)) for row, label in zip(values, y)]
+        lines = [f"{label + 1} " + " ".join(f"{i + 1}:{v:g}" for i, v in enumerate(row))
+                 for row, label in zip(values, y)]
         (root / name).write_bytes(bz2.compress(("\n".join(lines) + "\n").encode()))
         expected = np.vectorize(USPS_VALUES.get)(values).astype(np.uint8).reshape(n, 16, 16)
         out["train" if name == "usps.bz2" else "test"] = (expected, y)
@@ -553,6 +554,7 @@ def test_saved_partition_is_reused(tmp_path):
     again = build("cifar10", tmp_path, seed=99, load=str(path))
     assert [e["indices"] for e in again.partition["clients"]] == [e["indices"] for e in first.partition["clients"]]
     assert all(torch.equal(a.x, b.x) for a, b in zip(first.clients, again.clients))
+    assert again.partition["seed"] == 3 and again.partition["loaded_from"] == str(path)
     assert Partition.load(path).num_clients == 10
     with pytest.raises(ConfigError, match="no such file"):
         build("cifar10", tmp_path, load=str(tmp_path / "nope.json"))

@@ -27,7 +27,8 @@ SUN397) a seeded per-class split holds out ``data.test_fraction``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -215,6 +216,8 @@ def _load_partition(options: PartitionOptions, num_samples: int | dict[str, int]
 
 def _record(partition: Partition, name: str, labels: Any, num_classes: int, seed: int | None,
             options: PartitionOptions) -> dict[str, Any]:
+    if options.load:  # the seed that drew the loaded partition, not this run's
+        seed = json.loads(Path(options.load).expanduser().read_text()).get("seed")
     record = {"dataset": name, **partition.to_json(labels, num_classes, seed)}
     if options.load:
         record["loaded_from"] = str(options.load)
@@ -318,8 +321,10 @@ class TextBenchmark:
         else:
             split = label_partition(partition, scheme, labels, clients or self.clients,
                                     _partition_rng(seed, partition), self.num_classes)
-        client_data = [ClientData(train.tokens[torch.from_numpy(ix)].clone(), train.targets[torch.from_numpy(ix)].clone(),
-                                  self.num_classes) for ix in split.client_indices]
+        client_data = []
+        for ix in split.client_indices:
+            rows = torch.from_numpy(ix)
+            client_data.append(ClientData(train.tokens[rows].clone(), train.targets[rows].clone(), self.num_classes))
         record = _record(split, self.name, labels, self.num_classes,
                          partition.seed if partition.seed is not None else seed, partition)
         record["vocab_size"] = len(train.vocab) + 2

@@ -105,7 +105,8 @@ def _loaded(path: str, domains: dict, options: DigitsOfflineOptions) -> Federati
 
     if not Path(path).expanduser().is_file():
         raise ConfigError(f"partition.load={path!r}: no such file; give the partition.json of an earlier run")
-    split = Partition.load(Path(path).expanduser(), num_samples={d: int(v.train_y.shape[0]) for d, v in domains.items()})
+    sizes = {d: int(v.train_y.shape[0]) for d, v in domains.items()}
+    split = Partition.load(Path(path).expanduser(), num_samples=sizes)
     if split.client_domains is None:
         raise ConfigError(f"partition.load={path!r} has no client domains; digits-offline needs a domains partition")
     client_data, records = [], []

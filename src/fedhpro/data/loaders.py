@@ -398,11 +398,12 @@ def missing(name: str, folder: Path) -> DataError:
     """The one-line error for a data set that is not where it was looked for."""
     spec = LOADERS[name]
     if spec.download:
-        how = f"add data.download=true to fetch it with torchvision, or put the files there"
+        how = "add data.download=true to fetch it with torchvision, or put the files there"
     else:
         how = f"get it from {spec.source} (no automatic download)"
+    holds = spec.folder or spec.layout.split("/")[0]
     return DataError(f"{name}: data not found in {folder} (expected {spec.layout}); {how}, "
-                     f"or set data_dir= to the folder that holds {spec.folder or 'it'}/")
+                     f"or set data_dir= to the folder that holds {holds}/")
 
 
 def open_loader(name: str, data_dir: Path, train: bool, download: bool = False, **options: Any) -> Dataset:
