@@ -656,3 +656,104 @@ def test_infinite_num_examples_raise_update_error():
     assert all(bool(torch.isfinite(t).all()) for t in server.weights.values() if t.is_floating_point()), \
         "global weights became non-finite"
     pytest.fail("num_examples=inf was accepted")
+
+
+# ----------------------------------------------------------------------------
+# Table 6: global prototypes P (Eq. 4) in place of the hyper-prototypes
+# ----------------------------------------------------------------------------
+
+
+def hand_hpcl_masked(z, y, prototypes, mask, margin, tau):
+    """Eq. 12 with one target per class, over the samples whose class has a prototype; classes without
+    one are no negatives; the mean is over those samples."""
+    classes = [c for c in range(prototypes.shape[0]) if mask[c]]
+    total, count = 0.0, 0
+    for i in range(z.shape[0]):
+        if int(y[i]) not in classes:
+            continue
+        sims = {c: F.cosine_similarity(z[i], prototypes[c], dim=0) for c in classes}
+        positive = torch.exp(sims[int(y[i])] / tau)
+        negatives = sum(torch.exp((sims[c] + margin) / tau) for c in classes if c != int(y[i]))
+        total, count = total + torch.log(1 + negatives / positive), count + 1
+    return total / count
+
+
+@pytest.mark.parametrize("variant", ["global", "global-hpcl", "global-hpal"])
+def test_client_step_with_global_prototypes_matches_hand_loss(variant):
+    data = make_client(12, HELD, seed=9, dtype=torch.float64)
+    train = TrainSettings(epochs=1, batch_size=64, lr=0.05, momentum=0.9, weight_decay=1e-3)
+    options = FedHProOptions(hpcl_weight=0.7, hpal_weight=0.3, tau=0.5, num_hyper=2, prototypes=variant)
+    model = seeded_model(TinyNet, 4, torch.float64)
+    payload = fedhpro_payload(model, num_hyper=2, dtype=torch.float64)
+    global_prototypes = torch.randn(NUM_CLASSES, FEATURE_DIM, generator=generator(3), dtype=torch.float64)
+    mask = torch.tensor([True, True, True, False])  # class 3 (held by this client) has no P yet
+    payload.update(global_prototypes=global_prototypes, global_mask=mask)
+    received = copy.deepcopy(payload["weights"])
+    client = FedHProClient(context(options, train=train))
+    reply, metrics = client.fit(model, payload, data, {}, generator(5))
+
+    ref = model_with(copy.deepcopy(received), dtype=torch.float64)
+    margin = loop_margin(loop_prototypes(ref, data.x, data.y, NUM_CLASSES), HELD, NUM_CLASSES)
+    ref.train()
+    z = ref.features(data.x)
+    ce = F.cross_entropy(ref.classifier(z), data.y)
+    hyper = payload["hyper_prototypes"]
+    if variant in ("global", "global-hpcl"):
+        hpcl = hand_hpcl_masked(z, data.y, global_prototypes, mask, margin, options.tau)
+    else:
+        hpcl = hand_hpcl(z, data.y, hyper, margin, options.tau)
+    if variant in ("global", "global-hpal"):
+        keep = mask[data.y]
+        hpal = hand_hpal(z[keep], data.y[keep], global_prototypes.unsqueeze(1), normalized=True)
+    else:
+        hpal = hand_hpal(z, data.y, hyper, normalized=True)
+    loss = ce + 0.7 * hpcl + 0.3 * hpal
+    params = dict(ref.named_parameters())
+    grads = torch.autograd.grad(loss, list(params.values()))
+    for (name, p), grad in zip(params.items(), grads):
+        expected = p.detach() - train.lr * (grad + train.weight_decay * p.detach())
+        torch.testing.assert_close(reply["weights"][name], expected, rtol=0, atol=1e-10, msg=name)
+    assert metrics["hpcl"] == pytest.approx(0.7 * float(hpcl.detach()), rel=1e-9)
+    assert metrics["hpal"] == pytest.approx(0.3 * float(hpal.detach()), rel=1e-9)
+
+
+def test_server_global_prototypes_are_eq4_as_printed_and_persist():
+    options = FedHProOptions(prototypes="global", match_steps=0)
+    server = FedHProServer(context(options))
+    round0 = server.broadcast(0)
+    assert not round0["global_mask"].any()  # nothing aggregated yet: the client's P-loss is off
+    rows = [torch.randn(NUM_CLASSES, FEATURE_DIM, generator=generator(s)) for s in (1, 2)]
+    counts = [torch.tensor([3, 0, 5, 0]), torch.tensor([1, 4, 0, 0])]
+    replies = []
+    for s, (p, n) in enumerate(zip(rows, counts)):
+        replies.append({"weights": clone_weights(server.scratch), "num_examples": int(n.sum()),
+                        "class_counts": n, "prototypes": p,
+                        "class_gradients": torch.randn(NUM_CLASSES, FEATURE_DIM, generator=generator(10 + s))})
+    server.aggregate(0, replies)
+    out = server.broadcast(1)
+    # Eq. 4 by hand: p^c = 1/|A^c| sum_k (n_k^c / n^c) p_k^c over the holders A^c
+    for c in range(NUM_CLASSES):
+        holders = [k for k in range(2) if counts[k][c] > 0]
+        if not holders:
+            assert not out["global_mask"][c]
+            continue
+        n_c = sum(int(counts[k][c]) for k in holders)
+        expected = sum(int(counts[k][c]) / n_c * rows[k][c] for k in holders) / len(holders)
+        torch.testing.assert_close(out["global_prototypes"][c], expected)
+        assert out["global_mask"][c]
+    # a class nobody holds in the next round keeps its P
+    before = out["global_prototypes"].clone()
+    replies[0]["class_counts"] = torch.tensor([0, 2, 0, 0])
+    replies[1]["class_counts"] = torch.tensor([0, 3, 0, 0])
+    server.aggregate(1, replies)
+    after = server.broadcast(2)["global_prototypes"]
+    torch.testing.assert_close(after[0], before[0])
+    torch.testing.assert_close(after[2], before[2])
+    expected_1 = (2 / 5 * rows[0][1] + 3 / 5 * rows[1][1]) / 2
+    torch.testing.assert_close(after[1], expected_1)
+    # checkpoints keep P
+    twin = FedHProServer(context(options))
+    twin.load_state_dict(server.state_dict())
+    torch.testing.assert_close(twin.broadcast(3)["global_prototypes"], after)
+    # the method itself sends no P
+    assert "global_prototypes" not in FedHProServer(context(FedHProOptions())).broadcast(0)

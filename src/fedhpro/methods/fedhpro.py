@@ -4,12 +4,22 @@ Server: FedAvg on the weights, then ``match_steps`` steps of gradient
 matching (Eq. 6-9) on the hyper-prototypes S (C x |I| x d), which persist
 across rounds. Client: CE + HPCL (Eq. 11-12, with the margin of Eq. 10) +
 HPAL (Eq. 13) against S, then the class-wise feature gradients of Eq. 5.
+
+Table 6's ablation, ``prototypes=global|global-hpcl|global-hpal``: the server
+also aggregates the uploaded local prototypes into the global prototypes P of
+Eq. 4 (as printed, so scaled by 1/|A^c|; both losses are scale-free in the
+default normalised HPAL) and sends them; clients then use P (as ``C x 1 x d``)
+in place of S in both losses, in HPCL only or in HPAL only. A class nobody has
+held yet has no P: its samples get no term from the loss that uses P and it is
+no negative in HPCL; before the first aggregation (round 0) that loss is off,
+as FedProto's prototype term. Classes nobody holds in a later round keep their
+previous P.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -27,6 +37,7 @@ from fedhpro.methods.base import (
     train_epochs,
 )
 from fedhpro.methods.hyper import HyperPrototypeBank, class_statistics
+from fedhpro.methods.prototypes import merge_prototypes, stack_prototypes
 from fedhpro.options import option
 
 
@@ -48,6 +59,10 @@ class FedHProOptions:
     gradient_timing: str = option("after", choices=("after", "before"),
                                   help="class gradients g_k^c after local training (Algorithm 1) "
                                        "or before it (the authors' code)")
+    prototypes: str = option("hyper", choices=("hyper", "global", "global-hpcl", "global-hpal"),
+                             help="what HPCL and HPAL pull towards: the hyper-prototypes S (the method), or the "
+                                  "global prototypes P of Eq. 4 in both losses, in HPCL only or in HPAL only "
+                                  "(Table 6)")
     gradient_samples_per_class: int = option(0, min=0,
                                              help="use at most this many samples per class for g_k^c (0: all; "
                                                   "the authors' code uses 100)")
@@ -61,13 +76,21 @@ class FedHProServer(Server):
                                        num_hyper=o.num_hyper, match_steps=o.match_steps, lr=o.hyper_lr,
                                        optimizer=o.hyper_optimizer)
         self.scratch = context.model
+        self.uses_global = o.prototypes != "hyper"
+        feature_dim = context.model.classifier.in_features
+        self.global_prototypes = torch.zeros(self.num_classes, feature_dim)
+        self.global_mask = torch.zeros(self.num_classes, dtype=torch.bool)
 
     @property
     def hyper(self) -> torch.Tensor:
         return self.bank.hyper
 
     def broadcast(self, round: int) -> Payload:
-        return {"weights": self.weights, "hyper_prototypes": self.bank.hyper}
+        payload = {"weights": self.weights, "hyper_prototypes": self.bank.hyper}
+        if self.uses_global:
+            payload["global_prototypes"] = self.global_prototypes.clone()
+            payload["global_mask"] = self.global_mask.clone()
+        return payload
 
     def validate_reply(self, reply: Payload, who: str = "reply") -> None:
         super().validate_reply(reply, who)
@@ -76,16 +99,53 @@ class FedHProServer(Server):
     def aggregate(self, round: int, replies: list[Payload]) -> dict[str, float]:
         # validate everything before changing any state: a rejected round leaves the server as it was
         gradients, present = self.bank.validate(replies)
+        if self.uses_global:
+            prototypes, held_by, counts = stack_prototypes(replies, self.num_classes, self.global_prototypes.shape[1])
         self.weights = self.average_weights(replies)
         load_weights(self.scratch, self.weights)
-        return self.bank.update(gradients, present, self.scratch.classifier)
+        metrics = self.bank.update(gradients, present, self.scratch.classifier)
+        if self.uses_global:
+            new, held = HF.global_prototypes(prototypes, held_by, counts)
+            self.global_prototypes, self.global_mask = merge_prototypes(self.global_prototypes, self.global_mask,
+                                                                        new, held)
+        return metrics
 
     def state_dict(self) -> dict[str, Any]:
-        return {"weights": self.weights, **self.bank.state_dict()}
+        state = {"weights": self.weights, **self.bank.state_dict()}
+        if self.uses_global:
+            state.update(global_prototypes=self.global_prototypes, global_mask=self.global_mask)
+        return state
 
     def load_state_dict(self, state) -> None:
         self.weights = dict(state["weights"])
         self.bank.load_state_dict(state)
+        if self.uses_global:
+            self.global_prototypes = state["global_prototypes"].clone()
+            self.global_mask = state["global_mask"].clone().bool()
+
+
+class PrototypeTargets(NamedTuple):
+    """What a loss pulls towards: ``C x I x d`` targets and, for global prototypes, which classes have one."""
+
+    targets: torch.Tensor
+    mask: torch.Tensor | None  # None: every class has targets (the hyper-prototypes)
+
+    @property
+    def usable(self) -> bool:
+        return self.mask is None or bool(self.mask.any())
+
+    def restrict(self, z: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(z, y, targets)`` over the samples and classes that have targets, labels renumbered to
+        match; the inputs themselves when every class has targets; None when no sample of the batch has."""
+        if self.mask is None or bool(self.mask.all()):
+            return z, y, self.targets
+        classes = self.mask.nonzero().squeeze(1)
+        position = torch.full(self.mask.shape, -1, dtype=torch.long, device=self.mask.device)
+        position[classes] = torch.arange(classes.numel(), device=classes.device)
+        keep = self.mask[y]
+        if not bool(keep.any()):
+            return None
+        return z[keep], position[y[keep]], self.targets[classes]
 
 
 class FedHProClient(Client):
@@ -93,6 +153,15 @@ class FedHProClient(Client):
         options = self.options
         load_weights(model, payload["weights"])
         hyper = payload["hyper_prototypes"].to(data.x.device)
+        hpcl_targets = hpal_targets = PrototypeTargets(hyper, None)
+        if options.prototypes != "hyper":
+            # Table 6: P (C x 1 x d) with its mask in place of S in one or both losses
+            global_targets = PrototypeTargets(payload["global_prototypes"].to(data.x.device).unsqueeze(1),
+                                              payload["global_mask"].to(data.x.device).bool())
+            if options.prototypes in ("global", "global-hpcl"):
+                hpcl_targets = global_targets
+            if options.prototypes in ("global", "global-hpal"):
+                hpal_targets = global_targets
         margin = torch.zeros((), device=data.x.device)
         if options.margin != "off" and options.hpcl_weight > 0:
             # d_k: from the received model, before training, fixed for the round (Eq. 10)
@@ -101,13 +170,18 @@ class FedHProClient(Client):
         if options.gradient_timing == "before":
             gradients, counts, prototypes = self._class_gradients(model, data)
 
+        normalized = options.hpal_form == "normalized"
+
         def regularizer(z, y, logits):
             terms = {}
-            if options.hpcl_weight > 0:
-                terms["hpcl"] = options.hpcl_weight * HF.hpcl_loss(z, y, hyper, margin, options.tau)
-            if options.hpal_weight > 0:
-                terms["hpal"] = options.hpal_weight * HF.hpal_loss(
-                    z, y, hyper, normalized=options.hpal_form == "normalized")
+            if options.hpcl_weight > 0 and hpcl_targets.usable:
+                kept = hpcl_targets.restrict(z, y)
+                if kept is not None:
+                    terms["hpcl"] = options.hpcl_weight * HF.hpcl_loss(*kept[:2], kept[2], margin, options.tau)
+            if options.hpal_weight > 0 and hpal_targets.usable:
+                kept = hpal_targets.restrict(z, y)
+                if kept is not None:
+                    terms["hpal"] = options.hpal_weight * HF.hpal_loss(*kept, normalized=normalized)
             return terms
 
         losses = train_epochs(model, data, self.train, generator, regularizer)
