@@ -1,0 +1,267 @@
+"""The Flower engine (fedhpro.flower) against the in-process simulator, its reference.
+
+* units: the payload <-> record codec (bit-exact round trip), the run_config mapping,
+  node discovery errors, the example app's pyproject;
+* Flower's simulation engine (``flwr.simulation.run_simulation``, Ray): FedHPro for 2 rounds
+  with 3 clients, and every method of ``METHODS`` for one round, each compared with
+  ``fedhpro.run`` for the same seed and config;
+* a real deployment on loopback: a SuperLink, 2 SuperNodes and ``flwr run`` (test_flower_deployment.py).
+
+Tolerance: none. Both engines run the same method code on the same data with
+the same seeded generators, one torch thread per process (conftest; Ray gives
+each 1-CPU actor OMP_NUM_THREADS=1), and arrays travel as exact ``.npy``
+bytes, so every number must be equal to the last bit: accuracies, training
+losses, server metrics, the hyper-prototypes and the global weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pip install -e '.[flower]'")
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # silences a Ray FutureWarning
+
+from flwr.app import ConfigRecord, Message, RecordDict  # noqa: E402
+
+import fedhpro  # noqa: E402
+from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION  # noqa: E402
+from fedhpro.config import load_config  # noqa: E402
+from fedhpro.engines import checkpoint  # noqa: E402
+from fedhpro.errors import ConfigError, UpdateError  # noqa: E402
+from fedhpro.flower import records  # noqa: E402
+from fedhpro.flower.server import discover_nodes  # noqa: E402
+from fedhpro.flower.settings import FlowerSettings, app_pyproject_toml, config_from_run_config, split_run_config  # noqa: E402
+from fedhpro.methods import METHODS  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: the metrics.jsonl keys both engines write (the simulator's opt-in measurements are simulator-only)
+CORE_KEYS = ("round", "participants", "train", "server", "bytes_up", "bytes_down", "accuracy", "dropped", "skipped")
+
+
+def tiny_config(data_dir: Path, **extra: Any) -> dict[str, Any]:
+    """A federation small enough for 2 CPU cores: 3 clients of ~40 images, d=16, one local epoch."""
+    return {"rounds": 2, "clients": 3, "data.fraction": 0.02, "data.syn_size": DIGITS_SYN_SIZE,
+            "data.test_fraction": DIGITS_TEST_FRACTION, "feature_dim": 16, "local_epochs": 1, "device": "cpu",
+            "data_dir": str(data_dir), "progress": False, "seed": 1, **extra}
+
+
+def core(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{key: row[key] for key in CORE_KEYS if key in row} for row in rows]
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def reference(settings: dict[str, Any], out: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``(metrics rows, final server state)`` of the in-process simulator for ``settings``."""
+    result = fedhpro.run(settings, out=str(out))
+    state = checkpoint.load(checkpoint.latest(out))["simulator"]["server"]
+    return result.metrics, state
+
+
+def assert_same_state(flower: dict[str, Any], simulator: dict[str, Any]) -> None:
+    """Every tensor of the method's server state equal to the last bit (weights, hyper-prototypes, ...)."""
+    assert set(flower) == set(simulator)
+    for key, value in simulator.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(flower[key], value), key
+        elif isinstance(value, dict):
+            assert list(flower[key]) == list(value), key
+            for name, tensor in value.items():
+                assert torch.equal(flower[key][name], tensor), f"{key}.{name}"
+
+
+# ---------------------------------------------------------------------------- units
+
+
+def test_payload_records_round_trip_bit_for_bit():
+    generator = torch.Generator().manual_seed(0)
+    payload = {
+        "weights": {"features.0.weight": torch.randn(4, 3, generator=generator),
+                    "bn.num_batches_tracked": torch.tensor(7), "classifier.bias": torch.randn(2, generator=generator)},
+        "hyper_prototypes": torch.randn(3, 2, 5, generator=generator).double(),
+        "prototype_mask": torch.tensor([True, False, True]),
+        "class_counts": torch.tensor([3, 0, 9]),
+        "num_examples": 12, "ratio": 0.25, "flag": True, "empty": {},
+    }
+    content = RecordDict(records.encode_payload(payload))
+    assert isinstance(content["weights"], records.ArrayRecord)
+    decoded = records.decode_payload(content)
+    assert list(decoded) == list(payload) and list(decoded["weights"]) == list(payload["weights"])
+    for key, value in payload.items():
+        if isinstance(value, torch.Tensor):
+            assert decoded[key].dtype == value.dtype and torch.equal(decoded[key], value)
+        elif isinstance(value, dict):
+            assert all(torch.equal(decoded[key][name], tensor) for name, tensor in value.items())
+        else:
+            assert decoded[key] == value and type(decoded[key]) is type(value)
+
+
+@pytest.mark.parametrize("payload, words", [
+    ({"weights": {"a": [1.0]}}, "holds non-tensors"),
+    ({"items": [1, 2]}, "is a list"),
+    ({"fedhpro.layout": 1}, "cannot travel"),
+])
+def test_payloads_that_cannot_travel_are_one_line_update_errors(payload, words):
+    with pytest.raises(UpdateError, match=words):
+        records.encode_payload(payload)
+
+
+def test_run_config_maps_onto_fedhpro_keys():
+    run_config = {"method": "moon", "rounds": 3, "fedhpro.tau": 0.2, "moon.mu": "0.5", "clients": "",
+                  "data.clients_per_domain.mnist": 2, "progress": False, "flower.node-wait": 5}
+    config, settings = config_from_run_config(run_config)
+    assert (config.run.method, config.run.rounds, config.run.clients) == ("moon", 3, None)
+    assert config.methods["fedhpro"].tau == 0.2 and config.methods["moon"].mu == 0.5
+    assert config.data.clients_per_domain["mnist"] == 2
+    assert settings == FlowerSettings(node_wait=5.0)
+    # an empty run_config (as run_simulation passes) gives the defaults, then the app's base settings
+    config, _ = config_from_run_config({}, {"method": "fedavg"})
+    assert config.run.method == "fedavg" and config.run.rounds == load_config(None).run.rounds
+
+
+@pytest.mark.parametrize("run_config, words", [
+    ({"fedhpro.tua": 0.1}, "did you mean 'fedhpro.tau'"),
+    ({"rounds": 0}, "rounds"),
+    ({"flower.wait": 3}, "unknown Flower setting"),
+    ({"flower.node-wait": -1}, "seconds > 0"),
+    ({"resume": "runs/x"}, "not supported on Flower"),
+])
+def test_bad_run_config_is_a_one_line_config_error(run_config, words):
+    with pytest.raises(ConfigError, match=words) as error:
+        config_from_run_config(run_config)
+    assert "\n" not in str(error.value)
+
+
+def test_split_keeps_flower_settings_out_of_the_experiment():
+    overrides, settings = split_run_config({"flower.round-timeout": 30, "lr": "0.1", "out": ""})
+    assert overrides == {"lr": 0.1} and settings.round_timeout == 30.0
+
+
+class FakeGrid:
+    """Just enough of flwr's Grid for node discovery: nodes answer a query with their node_config."""
+
+    def __init__(self, node_configs: dict[int, dict[str, Any]]):
+        self.node_configs = node_configs
+
+    def get_node_ids(self):
+        return list(self.node_configs)
+
+    def send_and_receive(self, messages, timeout=None):
+        replies = []
+        for message in messages:
+            info = self.node_configs[message.metadata.dst_node_id]
+            reply = Message(RecordDict({"fedhpro.node": ConfigRecord(info)}), reply_to=message)
+            replies.append(reply)  # a reply comes from the node the message went to
+        return replies
+
+
+def test_node_discovery_maps_partitions_and_names_the_fix(monkeypatch):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)  # outside a run, flwr refuses to address a Message
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+    grid = FakeGrid({11: {"partition-id": 1, "num-partitions": 2}, 7: {"partition-id": 0, "num-partitions": 2}})
+    assert discover_nodes(grid, None, FlowerSettings(node_wait=1)) == ({0: 7, 1: 11}, 2)
+    with pytest.raises(ConfigError, match="set clients=2 or run 3 SuperNodes"):
+        discover_nodes(grid, 3, FlowerSettings(node_wait=1))
+    twins = FakeGrid({1: {"partition-id": 0, "num-partitions": 2}, 2: {"partition-id": 0, "num-partitions": 2}})
+    with pytest.raises(ConfigError, match="both hold partition-id=0"):
+        discover_nodes(twins, None, FlowerSettings(node_wait=1))
+
+
+def test_example_app_declares_every_config_key():
+    """flwr run accepts only the keys the app declares: examples/flower/pyproject.toml must be current."""
+    path = REPO / "examples" / "flower" / "pyproject.toml"
+    assert path.read_text() == app_pyproject_toml(), (
+        "examples/flower/pyproject.toml is stale; regenerate it: python -m fedhpro.flower new-app examples/flower")
+    declared = tomllib.loads(path.read_text())["tool"]["flwr"]["app"]
+    assert declared["components"] == {"serverapp": "fedhpro.flower.server:app",
+                                      "clientapp": "fedhpro.flower.client:app"}
+    config = declared["config"]
+    assert {"method", "rounds", "clients", "seed", "fedhpro.tau", "moon.mu", "data.fraction"} <= set(config)
+    # the declared table alone (all "" = defaults) resolves to the defaults
+    assert config_from_run_config(config)[0].to_dict() == load_config(None).to_dict()
+
+
+# ---------------------------------------------------------------------------- Flower's simulation engine
+
+
+#: (name, config overrides) run in one Flower simulation (one Ray start): FedHPro 2 rounds, every method one
+#: round, MOON and FedSA 2 rounds (their per-client state in Context.state is used from the 2nd round), and
+#: FedProto proto-only 2 rounds (personal models in Context.state, evaluated on the nodes)
+SIMULATED = ([("fedhpro-2-rounds", {"method": "fedhpro", "rounds": 2})]
+             + [(name, {"method": name, "rounds": 2 if name in ("moon", "fedsa") else 1}) for name in METHODS]
+             + [("fedproto-proto-only", {"method": "fedproto", "rounds": 2, "fedproto.protocol": "proto-only"})])
+
+
+@pytest.fixture(scope="module")
+def simulated(digits_data_dir, tmp_path_factory):
+    """Runs every SIMULATED config through ``run_simulation`` (3 SuperNodes, 1 Ray CPU) in one session."""
+    from flwr.app import Context
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+
+    from fedhpro.flower.client import app as client_app
+    from fedhpro.flower.server import run_server
+
+    root = tmp_path_factory.mktemp("flower-sim")
+    outcomes: dict[str, Any] = {}
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        assert dict(context.run_config) == {}  # what run_simulation passes: the apps must cope
+        for name, extra in SIMULATED:
+            try:
+                run_server(grid, context.run_config, tiny_config(digits_data_dir, out=str(root / name), **extra))
+                outcomes[name] = root / name
+            except Exception as error:  # keep going: each method's test reports its own failure
+                outcomes[name] = error
+
+    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=3,
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                   "init_args": {"num_cpus": 1, "include_dashboard": False}})
+    return outcomes, root
+
+
+def flower_result(simulated, name):
+    outcomes, _ = simulated
+    outcome = outcomes.get(name, RuntimeError("the Flower simulation did not reach this config"))
+    if isinstance(outcome, Exception):
+        raise outcome
+    return read_rows(outcome / "metrics.jsonl"), torch.load(outcome / "server_state.pt", weights_only=True)
+
+
+def test_fedhpro_on_flower_simulation_equals_the_simulator(simulated, digits_data_dir, tmp_path):
+    rows, state = flower_result(simulated, "fedhpro-2-rounds")
+    expected_rows, expected_state = reference(tiny_config(digits_data_dir, method="fedhpro", rounds=2), tmp_path)
+    assert len(rows) == 2 and all(row["participants"] == [0, 1, 2] for row in rows)
+    assert core(rows) == core(expected_rows)  # accuracies, losses, server metrics, bytes: exactly
+    assert [row["accuracy"]["AVG"] for row in rows] == [row["accuracy"]["AVG"] for row in expected_rows]
+    assert torch.equal(state["server"]["hyper_prototypes"], expected_state["hyper_prototypes"])
+    assert_same_state(state["server"], expected_state)
+    summary = json.loads((simulated[1] / "fedhpro-2-rounds" / "summary.json").read_text())
+    assert summary["engine"] == "flower" and summary["accuracy"] == expected_rows[-1]["accuracy"]["AVG"]
+
+
+@pytest.mark.parametrize("name", [name for name, _ in SIMULATED[1:]])
+def test_every_method_runs_on_flower_simulation(simulated, name, digits_data_dir, tmp_path):
+    rows, state = flower_result(simulated, name)
+    extra = dict(SIMULATED)[name]
+    assert len(rows) == extra["rounds"] and "accuracy" in rows[-1]
+    expected_rows, expected_state = reference(tiny_config(digits_data_dir, **extra), tmp_path)
+    assert core(rows) == core(expected_rows)
+    assert_same_state(state["server"], expected_state)
