@@ -101,7 +101,8 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
                           eval_every=options.eval_every, device=device, client_architectures=parts.architectures,
                           architecture_factory=parts.architecture_factory, shared=parts.shared,
                           faults=Faults(config.faults.dropout, config.faults.corrupt),
-                          min_clients=options.min_clients, on_drop=warn)
+                          min_clients=options.min_clients, on_drop=warn, count_flops=options.flops,
+                          prototype_distance=options.prototype_distance)
 
     rows: list[dict[str, Any]] = []
     timings: list[dict[str, Any]] = []  # wall times vary run to run: kept out of metrics.jsonl
@@ -121,6 +122,7 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
         reports.write_yaml(out / "config.yaml", config.to_dict())
         reports.write_json(out / "partition.json", federation.partition)
 
+    board = _tensorboard(out, options.tensorboard, warn)
     bar = _progress(options.rounds, f"{options.method} on {options.dataset}", options.progress, first_round)
     last_accuracy = next((row["accuracy"] for row in reversed(rows) if "accuracy" in row), None)
     for round_index in range(first_round, options.rounds):
@@ -129,6 +131,8 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
         timings.append({"round": round_index, **record.seconds, "elapsed": time.perf_counter() - started})
         reports.write_jsonl(out / "metrics.jsonl", rows)
         reports.write_jsonl(out / "timing.jsonl", timings)
+        if board is not None:
+            _log_scalars(board, rows[-1])
         completed = round_index + 1
         if completed == options.rounds or (options.checkpoint_every and completed % options.checkpoint_every == 0):
             checkpoint.save(out, completed, simulator.state_dict(), rows, keep=options.keep_checkpoints)
@@ -140,6 +144,8 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
             bar.update(1)
     if bar is not None:
         bar.close()
+    if board is not None:
+        board.close()
 
     assert last_accuracy is not None  # the last round is always evaluated
     seconds = time.perf_counter() - started
@@ -157,8 +163,11 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
         "bytes_up": sum(row["bytes_up"] for row in rows),
         "bytes_down": sum(row["bytes_down"] for row in rows),
         "notes": federation.notes,
+        **_summary_measurements(rows),
     }
     reports.write_json(out / "summary.json", summary)
+    if options.tsne:
+        _write_tsne(simulator, out, options.seed, f"{options.method} on {options.dataset} (seed {options.seed})")
     reports.plot_accuracy(rows, out / "accuracy.png",
                           title=f"{options.method} on {options.dataset} (seed {options.seed})")
     if echo:
@@ -234,7 +243,77 @@ def _progress(total: int, description: str, enabled: bool, initial: int = 0):
 
 
 #: settings a resumed run may change (how it runs, not what it computes)
-_RESUME_SETTINGS = {"resume", "progress", "device", "checkpoint_every", "keep_checkpoints"}
+_RESUME_SETTINGS = {"resume", "progress", "device", "checkpoint_every", "keep_checkpoints", "tensorboard", "tsne"}
+
+
+def _summary_measurements(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary's share of the per-round measurements: final fairness (Table A8), parameters
+    sent (Table 4's Upload) and, when counted, training FLOPs (Table 4)."""
+    final = next(row for row in reversed(rows) if "accuracy" in row)
+    out: dict[str, Any] = {}
+    if "fairness" in final:
+        out["fairness"] = final["fairness"]
+        out["client_accuracy"] = final["client_accuracy"]
+    if all("params_up" in row for row in rows):
+        out["params_up"] = sum(row["params_up"] for row in rows)
+        out["params_down"] = sum(row["params_down"] for row in rows)
+    if all("flops_train" in row for row in rows):
+        out["flops_train"] = sum(row["flops_train"] for row in rows)
+        out["flops_server"] = sum(row["flops_server"] for row in rows)
+    return out
+
+
+def _tensorboard(out: Path, enabled: bool, warn: Callable[[str], None]):
+    """A TensorBoard ``SummaryWriter`` on ``<out>/tensorboard``, or None (off, or the package is missing)."""
+    if not enabled:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        warn("tensorboard=true but the tensorboard package is not installed; pip install tensorboard "
+             "(this run continues without TensorBoard logs)")
+        return None
+    return SummaryWriter(log_dir=str(out / "tensorboard"))
+
+
+def _log_scalars(board, row: dict[str, Any]) -> None:
+    """Every number of a ``metrics.jsonl`` row as a TensorBoard scalar at step ``round + 1``."""
+    step = row["round"] + 1
+    for group in ("accuracy", "train", "server", "fairness"):
+        for name, value in (row.get(group) or {}).items():
+            if isinstance(value, (int, float)):
+                board.add_scalar(f"{group}/{name}", value, step)
+    for name in ("bytes_up", "bytes_down", "params_up", "params_down", "flops_train", "flops_server"):
+        if name in row:
+            board.add_scalar(f"communication/{name}" if "flops" not in name else f"compute/{name}", row[name], step)
+    board.flush()
+
+
+def _write_tsne(simulator: Simulator, out: Path, seed: int, title: str, per_test_set: int = 300) -> None:
+    """``tsne.png`` and ``tsne.npz``: t-SNE of the global model's test features (colour = class, marker =
+    test set), with the server's prototypes embedded alongside when the method has any (Figures 3, 6)."""
+    import numpy as np
+
+    from fedhpro.metrics.embedding import tsne_embedding
+    from fedhpro.reports.plots import plot_tsne
+
+    features, labels, names = simulator.test_features(per_test_set)
+    held = simulator.server_prototypes()
+    points = features.numpy()
+    prototype_classes = np.zeros(0, dtype=np.int64)
+    kind = ""
+    if held is not None:
+        prototypes, mask, kind = held
+        prototype_classes = mask.nonzero().squeeze(1).numpy()
+        points = np.concatenate([points, prototypes[mask].cpu().numpy()])
+    embedded = tsne_embedding(points, seed=seed)
+    n = features.shape[0]
+    plot_tsne(embedded[:n], labels.numpy(), names, out / "tsne.png", title=f"t-SNE of test features: {title}",
+              prototype_points=embedded[n:], prototype_labels=prototype_classes,
+              prototype_name={"hyper": "hyper-prototypes H", "global": "global prototypes"}.get(kind, "prototypes"))
+    reports.write_atomic_with(out / "tsne.npz", lambda handle: np.savez(
+        handle, points=embedded[:n], labels=labels.numpy(), test_sets=np.asarray(names),
+        prototype_points=embedded[n:], prototype_labels=prototype_classes))
 
 
 def _resume_config(config: Config) -> tuple[Config, Path]:

@@ -90,6 +90,25 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return compare_main(args.settings)
 
 
+def _cmd_reproduce(args: argparse.Namespace) -> int:
+    from fedhpro.reproduce import main as reproduce_main
+
+    return reproduce_main(args.settings)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from fedhpro.config import parse_override
+    from fedhpro.reports.runs import report
+
+    folders = [item for item in args.settings if "=" not in item]
+    pairs = dict(parse_override(item) for item in args.settings if "=" in item)
+    unknown = set(pairs) - {"out"}
+    if unknown:
+        raise ConfigError(f"fedhpro report takes run folders and out=DIR only, not {', '.join(sorted(unknown))}")
+    report(folders, pairs.get("out"))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedhpro",
@@ -115,6 +134,22 @@ def build_parser() -> argparse.ArgumentParser:
                     "in <out> are reused.")
     compare_parser.add_argument("settings", nargs="*", metavar="[CONFIG.yaml] KEY=VALUE")
     compare_parser.set_defaults(handler=_cmd_compare)
+    reproduce_parser = commands.add_parser(
+        "reproduce", help="run a table or figure of the paper (configs/paper/NAME.yaml): tables and PNGs",
+        description="fedhpro reproduce NAME [scale=paper|smoke] [seeds=[0,1,2]] [out=DIR] [KEY=VALUE ...]: runs "
+                    "the target's methods x seeds (finished runs are reused) and writes table.md, table.csv and "
+                    "PNG figures with the paper's numbers beside ours (default out=runs/reproduce/<scale>). "
+                    "NAME=list lists the targets, NAME=all runs them all. scale=smoke runs in minutes on a CPU "
+                    "(Digits tables fall back to digits-offline when the real data are absent).")
+    reproduce_parser.add_argument("settings", nargs="*", metavar="NAME [KEY=VALUE]")
+    reproduce_parser.set_defaults(handler=_cmd_reproduce)
+    report_parser = commands.add_parser(
+        "report", help="tables and plots from finished runs (accuracy curves, L_GM, fairness)",
+        description="fedhpro report RUN_DIR [RUN_DIR ...] [out=DIR]: table.md/table.csv (final accuracy, fairness, "
+                    "communication, FLOPs) and accuracy.png, gm_loss.png, fairness.png, prototype_distance.png "
+                    "(default out=<first run's parent>/report).")
+    report_parser.add_argument("settings", nargs="*", metavar="RUN_DIR")
+    report_parser.set_defaults(handler=_cmd_report)
     models_parser = commands.add_parser(
         "models", help="list the model zoo: parameters and forward FLOPs (torch.utils.flop_counter)")
     models_parser.add_argument("names", nargs="*", help="only these models")

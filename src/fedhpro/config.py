@@ -67,6 +67,15 @@ class RunOptions:
     checkpoint_every: int = option(5, min=0, help="write a checkpoint every this many rounds (0: only at the end)")
     keep_checkpoints: int = option(2, min=1, help="keep only the newest this many checkpoints")
     resume: str | None = option(None, help="continue the interrupted run in this folder (its config.yaml)")
+    flops: bool = option(False, help="count training FLOPs of every client and the server step with "
+                                     "torch.utils.flop_counter into metrics.jsonl (Table 4; slows training a little)")
+    prototype_distance: bool = option(False, help="each evaluated round, the L2 distance of the method's prototypes "
+                                                  "to the centralized prototypes (Figure 2; one extra pass over "
+                                                  "all training data)")
+    tsne: bool = option(False, help="at the end, a t-SNE of the global model's test features: tsne.png "
+                                    "(Figures 3 and 6; needs scikit-learn)")
+    tensorboard: bool = option(False, help="also write TensorBoard logs to <out>/tensorboard (needs the "
+                                           "tensorboard package: pip install tensorboard)")
 
 
 @dataclass

@@ -9,6 +9,7 @@ same seed and config give the same numbers on the CPU, whatever ran before.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from dataclasses import dataclass, field
@@ -20,7 +21,9 @@ from torch import Tensor, nn
 
 from fedhpro.data.federation import Federation
 from fedhpro.errors import ConfigError, UpdateError
-from fedhpro.methods.base import MethodContext, MethodSpec, TrainSettings, load_weights, payload_bytes
+from fedhpro.methods.base import MethodContext, MethodSpec, TrainSettings, extract_features, load_weights
+from fedhpro.metrics import (FlopCounter, class_means, fairness_statistics, mean_client_prototypes, payload_bytes,
+                             payload_parameters, prototype_distance)
 
 
 def derive_seed(*parts: int) -> int:
@@ -54,11 +57,15 @@ class RoundRecord:
     seconds: dict[str, float]
     dropped: list[dict[str, Any]] = field(default_factory=list)
     skipped: bool = False
+    #: further deterministic measurements (parameters sent, per-client accuracy and fairness,
+    #: FLOPs, prototype distances), written as top-level keys of the ``metrics.jsonl`` row
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The deterministic part (same seed, same numbers): a line of ``metrics.jsonl``."""
         out = {"round": self.round, "participants": self.participants, "train": self.train,
                "server": self.server, "bytes_up": self.bytes_up, "bytes_down": self.bytes_down}
+        out.update(self.extra)
         if self.dropped:
             out["dropped"] = self.dropped
         if self.skipped:
@@ -90,7 +97,8 @@ class Simulator:
                  participation: float = 1.0, seed: int = 0, eval_every: int = 1,
                  device: torch.device | str = "cpu", client_architectures: Sequence[str] | None = None,
                  architecture_factory: Callable[[str], nn.Module] | None = None, shared: str | None = None,
-                 faults: Faults | None = None, min_clients: int = 1, on_drop: Callable[[str], None] | None = None):
+                 faults: Faults | None = None, min_clients: int = 1, on_drop: Callable[[str], None] | None = None,
+                 count_flops: bool = False, prototype_distance: bool = False):
         """``client_architectures`` (one name per client, built by ``architecture_factory``) switches on
         heterogeneous feature extractors: each client keeps its own model across rounds and only the
         classifier (``classifier.*``) is exchanged and aggregated; evaluation then averages each
@@ -98,7 +106,13 @@ class Simulator:
 
         ``shared`` says which weights travel: ``"all"`` (default for one architecture), ``"classifier"``
         (default with ``client_architectures``) or ``"none"`` (prototype-only protocols: every client
-        keeps its whole model, evaluated on its own test data)."""
+        keeps its whole model, evaluated on its own test data).
+
+        Opt-in measurements (each costs compute, none changes the training): ``count_flops`` counts
+        the FLOPs of every client's ``fit`` and of the server step with ``torch.utils.flop_counter``
+        (Table 4); ``prototype_distance`` computes, at each evaluated round, the L2 distance of the
+        server's prototypes and of the mean of the clients' class means to the centralized
+        prototypes, the class means of all training data under the global model (Figure 2)."""
         if shared is None:
             shared = "all" if client_architectures is None else "classifier"
         if shared not in ("all", "classifier", "none"):
@@ -108,6 +122,11 @@ class Simulator:
         if shared != "all" and client_architectures is None:
             client_architectures = ["model"] * federation.num_clients
             architecture_factory = lambda name: model_factory()  # noqa: E731
+        if prototype_distance and shared != "all":
+            raise ConfigError("prototype_distance=true needs one shared global model; it is undefined with "
+                              "heterogeneous models or protocol=proto-only (set prototype_distance=false)")
+        self.count_flops = count_flops
+        self.prototype_distance = prototype_distance
         self.shared = shared
         self.faults = faults or Faults()
         self.min_clients = min_clients
@@ -172,9 +191,19 @@ class Simulator:
     def evaluate_global(self) -> dict[str, float]:
         """Test accuracy (%) per test set and AVG: the global model, or (heterogeneous) each client's
         model with the global classifier on its own test data, averaged per domain and over domains."""
+        return self.evaluate_clients()[0]
+
+    def evaluate_clients(self) -> tuple[dict[str, float], list[float]]:
+        """``(accuracy per test set and AVG, accuracy of each client on its own test distribution)``.
+
+        With one global model a client's accuracy is the global model's on its test set
+        (``client_test_name``: its domain's), so clients of one domain share it; with personal
+        models (heterogeneous, proto-only) it is the client's own model's."""
         if not self.heterogeneous:
             self.eval_model.load_state_dict(self.server.global_weights())
-            return evaluate(self.server.inference_model(self.eval_model), self.federation.test_sets)
+            accuracy = evaluate(self.server.inference_model(self.eval_model), self.federation.test_sets)
+            return accuracy, [accuracy[self.federation.client_test_name(k)]
+                              for k in range(self.federation.num_clients)]
         per_client = []
         for k in range(self.federation.num_clients):
             model = self._client_model(k)
@@ -185,7 +214,49 @@ class Simulator:
         names = [name for name in self.federation.test_sets if any(n == name for n, _ in per_client)]
         accuracy = {name: float(np.mean([a for n, a in per_client if n == name])) for name in names}
         accuracy["AVG"] = float(np.mean([accuracy[name] for name in names]))
-        return accuracy
+        return accuracy, [a for _, a in per_client]
+
+    def server_prototypes(self) -> tuple[Tensor, Tensor, str] | None:
+        """The server's global prototypes ``(C x d, mask C, kind)``: ``kind`` is ``"hyper"`` for the
+        averaged hyper-prototypes H (FedHPro, ``prototypes=hyper``) and ``"global"`` for a method's own
+        (FedProto's P, FedSA's anchors); None for a method without any (FedAvg)."""
+        server = self.server
+        if hasattr(server, "broadcast_prototypes"):
+            prototypes, mask = server.broadcast_prototypes()
+            kind = "hyper" if getattr(server, "bank", None) is not None else "global"
+            return prototypes.detach(), mask.bool(), kind
+        bank = getattr(server, "bank", None)
+        if bank is not None and hasattr(bank, "averaged"):
+            return bank.averaged.detach(), torch.ones(self.federation.num_classes, dtype=torch.bool), "hyper"
+        return None
+
+    def centralized_prototypes(self) -> tuple[Tensor, Tensor]:
+        """Class means of all clients' training features under the global model (Figure 2's reference)."""
+        self.eval_model.load_state_dict(self.server.global_weights())
+        num_classes = self.federation.num_classes
+        sums, counts = None, torch.zeros(num_classes, dtype=torch.float64)
+        for data in self.federation.clients:
+            means, _ = class_means(extract_features(self.eval_model, data.x), data.y, num_classes)
+            n = torch.bincount(data.y.cpu(), minlength=num_classes)[:num_classes].double()
+            part = means.double().cpu() * n.unsqueeze(1)
+            sums = part if sums is None else sums + part
+            counts += n
+        return (sums / counts.clamp(min=1).unsqueeze(1)).float(), counts > 0
+
+    @torch.no_grad()
+    def test_features(self, per_test_set: int = 300) -> tuple[Tensor, Tensor, list[str]]:
+        """``(features N x d, labels N, test-set name of each row)``: the global model's features of
+        the first ``per_test_set`` samples of every test set (t-SNE of Figures 3 and 6)."""
+        if self.shared != "all":
+            raise ConfigError("test features need one shared global model; not available with heterogeneous "
+                              "models or protocol=proto-only")
+        self.eval_model.load_state_dict(self.server.global_weights())
+        features, labels, names = [], [], []
+        for name, (x, y) in self.federation.test_sets.items():
+            features.append(extract_features(self.eval_model, x[:per_test_set]).cpu())
+            labels.append(y[:per_test_set].cpu())
+            names += [name] * int(labels[-1].shape[0])
+        return torch.cat(features), torch.cat(labels), names
 
     def sample_clients(self, round: int) -> list[int]:
         """The participants of ``round``: a seeded draw without replacement, sorted."""
@@ -201,7 +272,9 @@ class Simulator:
         participants = self.sample_clients(round)
         payload = self.server.broadcast(round)
         down = payload_bytes(payload)
+        evaluating = (round + 1) % self.eval_every == 0 or round + 1 == self.rounds
         replies, train_metrics, dropped, errors = [], [], [], []
+        flops_train, local_prototypes = 0, []
         for k in participants:
             fault_rng = np.random.default_rng(derive_seed(self.seed, _FAULT, round, k))
             draw_dropout, draw_corrupt = fault_rng.random(2)
@@ -211,9 +284,11 @@ class Simulator:
             generator = torch.Generator().manual_seed(derive_seed(self.seed, _TRAIN, round, k))
             model = self._client_model(k)
             state_before = copy.deepcopy(self.client_states[k]) if self.client_states[k] else {}
+            counter = FlopCounter() if self.count_flops else contextlib.nullcontext()
             try:
-                reply, metrics = self.client.fit(model, payload, self.federation.clients[k],
-                                                 self.client_states[k], generator)
+                with counter:  # counting FLOPs only observes the operations
+                    reply, metrics = self.client.fit(model, payload, self.federation.clients[k],
+                                                     self.client_states[k], generator)
             except (KeyboardInterrupt, SystemExit, MemoryError):
                 raise
             except Exception as error:  # a crashing client is a dropped client
@@ -232,6 +307,12 @@ class Simulator:
                 self.client_weights[k] = {key: v.detach().clone() for key, v in model.state_dict().items()}
             replies.append(reply)
             train_metrics.append((len(self.federation.clients[k]), metrics))
+            if self.count_flops:
+                flops_train += counter.total
+            if self.prototype_distance and evaluating:  # the client's class means under its trained model
+                data = self.federation.clients[k]
+                local_prototypes.append(class_means(extract_features(model, data.x), data.y,
+                                                    self.federation.num_classes))
         if errors and len(errors) == len(participants):
             raise errors[0]  # every client failed: a bug or a setting, not a fault; show it
         for item in dropped:
@@ -248,22 +329,49 @@ class Simulator:
                 self.on_drop(f"round {round}: only {len(replies)} valid updates (min_clients={self.min_clients}); "
                              "the round is skipped and the global model kept")
         else:
-            server_metrics = self.server.aggregate(round, replies)
+            counter = FlopCounter() if self.count_flops else contextlib.nullcontext()
+            with counter:
+                server_metrics = self.server.aggregate(round, replies)
         server_seconds = time.perf_counter() - timer
 
         timer = time.perf_counter()
         accuracy = None
-        if (round + 1) % self.eval_every == 0 or round + 1 == self.rounds:
-            accuracy = self.evaluate_global()
+        extra: dict[str, Any] = {"params_up": sum(payload_parameters(reply) for reply in replies),
+                                 "params_down": payload_parameters(payload) * len(participants)}
+        if self.count_flops:
+            extra["flops_train"] = flops_train
+            extra["flops_server"] = counter.total if not skipped else 0
+        if evaluating:
+            accuracy, per_client = self.evaluate_clients()
+            extra["client_accuracy"] = per_client
+            extra["fairness"] = fairness_statistics(per_client)
+            if self.prototype_distance:
+                extra["prototype_distance"] = self._prototype_distances(local_prototypes)
         eval_seconds = time.perf_counter() - timer
 
         record = RoundRecord(
             round=round, participants=participants, train=_weighted_mean(train_metrics),
             server=server_metrics, accuracy=accuracy, bytes_up=up, bytes_down=down * len(participants),
             seconds={"clients": client_seconds, "server": server_seconds, "eval": eval_seconds},
-            dropped=dropped, skipped=skipped)
+            dropped=dropped, skipped=skipped, extra=extra)
         self.history.append(record)
         return record
+
+    def _prototype_distances(self, local_prototypes: list[tuple[Tensor, Tensor]]) -> dict[str, Any]:
+        """Figure 2: distances to the centralized prototypes of the server's prototypes (if any) and
+        of the unweighted mean (Eq. 4) of this round's clients' class means."""
+        reference, reference_mask = self.centralized_prototypes()
+        out: dict[str, Any] = {"centralized_norm": float(reference[reference_mask].norm(dim=1).mean())}
+        held = self.server_prototypes()
+        if held is not None:
+            prototypes, mask, kind = held
+            out["server"] = {"kind": kind, **prototype_distance(prototypes, mask, reference, reference_mask)}
+        if local_prototypes:
+            stacked = torch.stack([p.cpu() for p, _ in local_prototypes])
+            present = torch.stack([m.cpu() for _, m in local_prototypes])
+            mean, mask = mean_client_prototypes(stacked, present)
+            out["clients_mean"] = prototype_distance(mean, mask, reference, reference_mask)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a later round depends on (all randomness is derived from seed, round and client)."""

@@ -1,4 +1,8 @@
-"""Result files a person can open: atomic JSON/YAML/JSONL writes, tables and PNG plots."""
+"""Result files a person can open: atomic JSON/YAML/JSONL writes, tables and PNG plots.
+
+:mod:`.tables` formats Markdown/CSV tables, :mod:`.plots` draws curves, bars, sweeps and t-SNE
+scatters, :mod:`.runs` reads finished runs back and builds ``fedhpro report``.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,136 @@
+"""PNG plots of runs: curves of several runs on one axis, grouped bars, parameter sweeps, t-SNE.
+
+Every function writes its PNG atomically (a temporary file beside it, then ``os.replace``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+#: one marker per domain / test set in the t-SNE plots (Figures 3 and 6: colour = class, marker = domain)
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*", "<", ">"]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(figure, path: str | os.PathLike) -> None:
+    """Save a matplotlib figure to ``path`` atomically and close it."""
+    plt = _pyplot()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp.png")
+    figure.tight_layout()
+    figure.savefig(temporary)
+    plt.close(figure)
+    os.replace(temporary, path)
+
+
+def plot_curves(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], path: str | os.PathLike, *,
+                title: str = "", xlabel: str = "round", ylabel: str = "", log_y: bool = False,
+                styles: Mapping[str, dict] | None = None) -> None:
+    """One line per entry of ``series`` (label -> (x, y)) on one axis; FedHPro's line drawn thicker."""
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(6.8, 4.2), dpi=130)
+    for label, (x, y) in series.items():
+        style = dict(linewidth=2.6 if "fedhpro" in label.lower() else 1.4, marker="o", markersize=3)
+        style.update((styles or {}).get(label, {}))
+        axis.plot(list(x), list(y), label=label, **style)
+    if log_y:
+        axis.set_yscale("log")
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
+    axis.set_title(title, fontsize=10)
+    axis.grid(alpha=0.3)
+    if series:
+        axis.legend(fontsize=8)
+    save_figure(figure, path)
+
+
+def plot_bars(groups: Mapping[str, Mapping[str, float]], path: str | os.PathLike, *, title: str = "",
+              ylabel: str = "", errors: Mapping[str, Mapping[str, float]] | None = None) -> None:
+    """Grouped bars: one group per metric (the inner keys), one bar per entry of ``groups`` (e.g. a method)."""
+    plt = _pyplot()
+    labels = list(groups)
+    metrics = list(next(iter(groups.values()))) if groups else []
+    width = 0.8 / max(len(labels), 1)
+    figure, axis = plt.subplots(figsize=(max(5.5, 1.3 * len(metrics) * max(len(labels), 1) * 0.6), 4.0), dpi=130)
+    for i, label in enumerate(labels):
+        x = np.arange(len(metrics)) + (i - (len(labels) - 1) / 2) * width
+        values = [groups[label].get(m, np.nan) for m in metrics]
+        spread = [(errors or {}).get(label, {}).get(m, 0.0) for m in metrics]
+        bars = axis.bar(x, values, width, yerr=spread if errors else None, capsize=3, label=label)
+        axis.bar_label(bars, fmt="%.1f", fontsize=7, padding=2)
+    axis.set_xticks(np.arange(len(metrics)), metrics)
+    axis.set_ylabel(ylabel)
+    axis.set_title(title, fontsize=10)
+    axis.grid(alpha=0.3, axis="y")
+    axis.legend(fontsize=8)
+    save_figure(figure, path)
+
+
+def plot_sweep(x: Sequence[float | str], series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+               path: str | os.PathLike, *, title: str = "", xlabel: str = "", ylabel: str = "test accuracy (%)",
+               reference: Mapping[str, Sequence[float | None]] | None = None) -> None:
+    """Accuracy against a swept setting: our mean ± std (error bars) per series; the paper's values, where
+    given in ``reference`` (label -> values aligned with ``x``), as dashed lines."""
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(6.0, 4.0), dpi=130)
+    positions = np.arange(len(x))
+    for label, (means, stds) in series.items():
+        axis.errorbar(positions, means, yerr=stds, marker="o", capsize=3, linewidth=2, label=label)
+    for label, values in (reference or {}).items():
+        points = [(p, v) for p, v in zip(positions, values) if v is not None]
+        if points:
+            axis.plot(*zip(*points), linestyle="--", marker="x", color="grey", label=label)
+    axis.set_xticks(positions, [str(v) for v in x])
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
+    axis.set_title(title, fontsize=10)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    save_figure(figure, path)
+
+
+def plot_tsne(points: np.ndarray, labels: Sequence[int], domains: Sequence[str], path: str | os.PathLike, *,
+              title: str = "", prototype_points: np.ndarray | None = None,
+              prototype_labels: Sequence[int] | None = None, prototype_name: str = "prototypes") -> None:
+    """t-SNE scatter: colour = class, marker = domain; prototypes (if given) as large black-edged stars."""
+    plt = _pyplot()
+    labels = np.asarray(labels)
+    domains = np.asarray(domains)
+    names = list(dict.fromkeys(domains.tolist()))
+    colours = plt.get_cmap("tab10")
+    figure, axis = plt.subplots(figsize=(6.4, 5.6), dpi=130)
+    for j, name in enumerate(names):
+        where = domains == name
+        axis.scatter(points[where, 0], points[where, 1], c=[colours(int(c) % 10) for c in labels[where]],
+                     marker=MARKERS[j % len(MARKERS)], s=10, alpha=0.6, linewidths=0)
+    if prototype_points is not None and len(prototype_points):
+        axis.scatter(prototype_points[:, 0], prototype_points[:, 1],
+                     c=[colours(int(c) % 10) for c in prototype_labels], marker="*", s=260,
+                     edgecolors="black", linewidths=1.0, zorder=5)
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], marker=MARKERS[j % len(MARKERS)], color="grey", linestyle="", label=name)
+               for j, name in enumerate(names)]
+    handles += [Line2D([], [], marker="o", color=colours(c % 10), linestyle="", label=f"class {c}")
+                for c in sorted(set(labels.tolist()))]
+    if prototype_points is not None and len(prototype_points):
+        handles.append(Line2D([], [], marker="*", color="white", markeredgecolor="black", markersize=12,
+                              linestyle="", label=prototype_name))
+    axis.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
+    axis.set_xticks([])
+    axis.set_yticks([])
+    axis.set_title(title, fontsize=10)
+    save_figure(figure, path)

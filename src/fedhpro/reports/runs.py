@@ -1,0 +1,154 @@
+"""``fedhpro report RUN_DIR...``: tables and plots from finished runs (their ``metrics.jsonl``).
+
+Written to ``out`` (default: the first run's parent folder, ``report/``): ``table.md`` and
+``table.csv`` (final accuracy per domain and AVG, best AVG, fairness of Table A8, bytes and
+parameters sent per round, FLOPs if counted), ``accuracy.png`` (AVG per round, one line per
+run), ``gm_loss.png`` (FedHPro's L_GM before and after matching, Figure 4), ``fairness.png``
+(Table A8 as bars) and ``prototype_distance.png`` (Figure 2) when the runs hold those metrics.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from fedhpro.errors import ConfigError
+from fedhpro.reports.plots import plot_bars, plot_curves
+from fedhpro.reports.tables import csv_text, markdown_table
+
+
+@dataclass
+class RunData:
+    """One finished (or running) run read back from its folder."""
+
+    path: Path
+    config: dict[str, Any]
+    rows: list[dict[str, Any]]
+    summary: dict[str, Any] | None
+
+    @property
+    def method(self) -> str:
+        return str(self.config.get("method", "?"))
+
+    @property
+    def evaluated(self) -> list[dict[str, Any]]:
+        return [row for row in self.rows if "accuracy" in row]
+
+    @property
+    def final(self) -> dict[str, Any]:
+        """The last evaluated row."""
+        return self.evaluated[-1]
+
+
+def load_run(path: str | Path) -> RunData:
+    """Read ``config.yaml``, ``metrics.jsonl`` and (if there) ``summary.json`` of a run folder."""
+    path = Path(path)
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ConfigError(f"{str(path)!r} is not a run folder (no metrics.jsonl); give folders written by "
+                          "`fedhpro run` or `fedhpro compare`")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    if not any("accuracy" in row for row in rows):
+        raise ConfigError(f"{str(path)!r} has no evaluated round yet; wait for its first evaluation")
+    config_path = path / "config.yaml"
+    config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else {}
+    summary_path = path / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    return RunData(path, config or {}, rows, summary)
+
+
+def run_labels(runs: Sequence[RunData]) -> list[str]:
+    """The method names if they tell the runs apart, else the folder names."""
+    methods = [run.method for run in runs]
+    if len(set(methods)) == len(methods):
+        return methods
+    return [run.path.name for run in runs]
+
+
+def accuracy_series(run: RunData, key: str = "AVG") -> tuple[list[int], list[float]]:
+    rows = run.evaluated
+    return [row["round"] + 1 for row in rows], [row["accuracy"][key] for row in rows]
+
+
+def gm_series(run: RunData) -> dict[str, tuple[list[int], list[float]]]:
+    """L_GM before and after the M matching steps per round (Figure 4); empty if the run has none."""
+    rows = [row for row in run.rows if "gm_loss_before" in row.get("server", {})]
+    if not rows:
+        return {}
+    rounds = [row["round"] + 1 for row in rows]
+    return {"before": (rounds, [row["server"]["gm_loss_before"] for row in rows]),
+            "after": (rounds, [row["server"]["gm_loss_after"] for row in rows])}
+
+
+def prototype_series(run: RunData) -> dict[str, tuple[list[int], list[float]]]:
+    """Figure 2: L2 distance to the centralized prototypes per evaluated round, by source."""
+    rows = [row for row in run.rows if "prototype_distance" in row]
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for source in ("server", "clients_mean"):
+        points = [(row["round"] + 1, row["prototype_distance"][source]["l2"])
+                  for row in rows if source in row["prototype_distance"]]
+        if points:
+            kind = rows[0]["prototype_distance"].get("server", {}).get("kind", "") if source == "server" else ""
+            name = {"hyper": "hyper-prototypes H", "global": "global prototypes P"}.get(kind, "mean of client class means")
+            out[name] = ([p[0] for p in points], [p[1] for p in points])
+    return out
+
+
+def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: bool = True) -> Path:
+    """Build the table and the plots of ``run_dirs``; returns the output folder."""
+    from fedhpro.reports import write_atomic
+
+    if not run_dirs:
+        raise ConfigError("give at least one run folder: fedhpro report RUN_DIR [RUN_DIR ...] [out=DIR]")
+    runs = [load_run(path) for path in run_dirs]
+    labels = run_labels(runs)
+    out = Path(out) if out else runs[0].path.parent / "report"
+    domains = [name for name in runs[0].final["accuracy"] if name != "AVG"]
+    header = ["run"] + domains + ["AVG", "best AVG", "rounds", "worst 10%", "best 10%", "client mean",
+                                  "variance", "MB up/round", "params up/round", "GFLOPs train/round"]
+    rows = []
+    for label, run in zip(labels, runs):
+        final = run.final
+        fairness = final.get("fairness", {})
+        rounds = len(run.rows)
+        flops = [row["flops_train"] for row in run.rows if "flops_train" in row]
+        rows.append([label] + [final["accuracy"].get(d) for d in domains] + [
+            final["accuracy"]["AVG"], max(row["accuracy"]["AVG"] for row in run.evaluated), rounds,
+            fairness.get("worst_10"), fairness.get("best_10"), fairness.get("mean"), fairness.get("variance"),
+            sum(row["bytes_up"] for row in run.rows) / rounds / 1e6,
+            (sum(row.get("params_up", 0) for row in run.rows) / rounds) if "params_up" in run.rows[0] else None,
+            (sum(flops) / len(flops) / 1e9) if flops else None])
+    caption = (f"Final test accuracy (%) of {len(runs)} run(s); fairness over clients (Table A8) at the last "
+               "evaluated round; communication and FLOPs averaged per round.")
+    write_atomic(out / "table.md", markdown_table(header, rows, caption))
+    write_atomic(out / "table.csv", csv_text(header, rows))
+    written = ["table.md", "table.csv"]
+    plot_curves({label: accuracy_series(run) for label, run in zip(labels, runs)}, out / "accuracy.png",
+                title="test accuracy (AVG over domains) per round", ylabel="test accuracy (%)")
+    written.append("accuracy.png")
+    gm = {f"{label}: L_GM {when}": series for label, run in zip(labels, runs)
+          for when, series in gm_series(run).items()}
+    if gm:
+        plot_curves(gm, out / "gm_loss.png", title="gradient-matching loss L_GM (Eq. 8) before / after matching",
+                    ylabel="L_GM", log_y=all(min(y) > 0 for _, y in gm.values()))
+        written.append("gm_loss.png")
+    fair = {label: {"worst 10%": run.final["fairness"]["worst_10"], "average": run.final["fairness"]["mean"],
+                    "best 10%": run.final["fairness"]["best_10"], "std": run.final["fairness"]["std"]}
+            for label, run in zip(labels, runs) if "fairness" in run.final}
+    if fair:
+        plot_bars(fair, out / "fairness.png", title="accuracy across clients (Table A8)", ylabel="test accuracy (%)")
+        written.append("fairness.png")
+    distances = {f"{label}: {name}": series for label, run in zip(labels, runs)
+                 for name, series in prototype_series(run).items()}
+    if distances:
+        plot_curves(distances, out / "prototype_distance.png", ylabel="L2 distance",
+                    title="distance to the centralized prototypes (Figure 2)")
+        written.append("prototype_distance.png")
+    if echo:
+        print(markdown_table(header, rows, caption))
+        print(f"written to {out}/: {', '.join(written)}")
+    return out

@@ -1,0 +1,64 @@
+"""Tables as Markdown and CSV text (written by the callers with the atomic writers)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from typing import Any, Sequence
+
+
+def format_number(value: Any, digits: int = 2) -> str:
+    """``None``/NaN -> "–"; floats with ``digits`` decimals; anything else as text."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]], caption: str = "", notes: Sequence[str] = ()) -> str:
+    """A GitHub-flavoured Markdown table (cells formatted with :func:`format_number`), a caption above
+    and notes below."""
+    lines = []
+    if caption:
+        lines += [caption, ""]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "---|" * len(header))
+    for row in rows:
+        lines.append("| " + " | ".join(format_number(cell) for cell in row) + " |")
+    if notes:
+        lines.append("")
+        lines += [f"- {note}" for note in notes]
+    return "\n".join(lines) + "\n"
+
+
+def csv_text(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """CSV with full precision floats (empty cells for None/NaN)."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(header)
+    for row in rows:
+        writer.writerow(["" if cell is None or (isinstance(cell, float) and math.isnan(cell))
+                         else (f"{cell:.6g}" if isinstance(cell, float) else cell) for cell in row])
+    return buffer.getvalue()
+
+
+def mean_std(values: Sequence[float | None]) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation (0 for one value) of the non-None values; (None, None) if none."""
+    present = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not present:
+        return None, None
+    mean = sum(present) / len(present)
+    if len(present) == 1:
+        return mean, 0.0
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in present) / (len(present) - 1))
+
+
+def mean_pm_std(values: Sequence[float | None], digits: int = 2) -> str:
+    """"84.80 ± 0.31" (or "84.80" for one seed; "–" for none)."""
+    mean, std = mean_std(values)
+    if mean is None:
+        return "–"
+    count = sum(1 for v in values if v is not None)
+    return f"{mean:.{digits}f} ± {std:.{digits}f}" if count > 1 else f"{mean:.{digits}f}"
