@@ -34,7 +34,7 @@ from flwr.app import ConfigRecord, Message, RecordDict  # noqa: E402
 
 import fedhpro  # noqa: E402
 from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION  # noqa: E402
-from fedhpro.config import load_config  # noqa: E402
+from fedhpro.config import RunOptions, load_config  # noqa: E402
 from fedhpro.engines import checkpoint  # noqa: E402
 from fedhpro.errors import ConfigError, UpdateError  # noqa: E402
 from fedhpro.flower import records  # noqa: E402
@@ -137,6 +137,8 @@ def test_run_config_maps_onto_fedhpro_keys():
     ({"flower.wait": 3}, "unknown Flower setting"),
     ({"flower.node-wait": -1}, "seconds > 0"),
     ({"resume": "runs/x"}, "not supported on Flower"),
+    pytest.param({"flops": True}, "only by the in-process simulator",
+                 marks=pytest.mark.skipif(not hasattr(RunOptions, "flops"), reason="no flops switch in this version")),
 ])
 def test_bad_run_config_is_a_one_line_config_error(run_config, words):
     with pytest.raises(ConfigError, match=words) as error:

@@ -41,6 +41,8 @@ _FLOWER_KEYS = {"flower.node-wait": "node_wait", "flower.round-timeout": "round_
 
 #: fedhpro keys that make no sense on Flower (the run lives on the SuperLink, not in a resumable folder)
 _UNSUPPORTED = {"resume": "resuming is not supported on Flower; start the run again"}
+#: opt-in measurements that only the in-process simulator takes (they observe its internals)
+_SIMULATOR_ONLY = ("flops", "prototype_distance", "tsne", "tensorboard")
 
 
 def _value(raw: Any) -> Any:
@@ -84,7 +86,12 @@ def config_from_run_config(run_config: Mapping[str, Any], base: Mapping[str, Any
     the defaults plus ``base``. Every key error is a one-line ConfigError.
     """
     overrides, flower = split_run_config(run_config)
-    return load_config(dict(base or {}), overrides), flower
+    config = load_config(dict(base or {}), overrides)
+    for name in _SIMULATOR_ONLY:  # getattr: these measurement switches may not exist in every version
+        if getattr(config.run, name, False):
+            raise ConfigError(f"{name}=true is measured only by the in-process simulator (fedhpro run); "
+                              f"drop it on Flower")
+    return config, flower
 
 
 def default_app_config_toml() -> str:
