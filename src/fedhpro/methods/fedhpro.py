@@ -162,13 +162,19 @@ class FedHProClient(Client):
                 hpcl_targets = global_targets
             if options.prototypes in ("global", "global-hpal"):
                 hpal_targets = global_targets
+        if options.gradient_timing == "before":
+            gradients, counts, prototypes = self._class_gradients(model, data)
         margin = torch.zeros((), device=data.x.device)
         if options.margin != "off" and options.hpcl_weight > 0:
             # d_k: from the received model, before training, fixed for the round (Eq. 10)
-            prototypes, present = HF.local_prototypes(extract_features(model, data.x), data.y, self.num_classes)
-            margin = HF.client_margin(prototypes, present, normalized=options.margin == "normalized")
-        if options.gradient_timing == "before":
-            gradients, counts, prototypes = self._class_gradients(model, data)
+            if options.gradient_timing == "before" and options.gradient_samples_per_class == 0:
+                # the class-statistics pass just made exactly these prototypes (same model in eval mode, same
+                # data, same call): reuse them instead of a second pass over the data
+                margin_prototypes, present = prototypes, counts > 0
+            else:
+                margin_prototypes, present = HF.local_prototypes(extract_features(model, data.x), data.y,
+                                                                 self.num_classes)
+            margin = HF.client_margin(margin_prototypes, present, normalized=options.margin == "normalized")
 
         normalized = options.hpal_form == "normalized"
 
