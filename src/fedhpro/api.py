@@ -289,7 +289,7 @@ def _log_scalars(board, row: dict[str, Any]) -> None:
     board.flush()
 
 
-def _write_tsne(simulator: Simulator, out: Path, seed: int, title: str, per_test_set: int = 300) -> None:
+def _write_tsne(simulator: Simulator, out: Path, seed: int, title: str, per_test_set: int = 200) -> None:
     """``tsne.png`` and ``tsne.npz``: t-SNE of the global model's test features (colour = class, marker =
     test set), with the server's prototypes embedded alongside when the method has any (Figures 3, 6)."""
     import numpy as np

@@ -202,7 +202,8 @@ class Simulator:
         if not self.heterogeneous:
             self.eval_model.load_state_dict(self.server.global_weights())
             accuracy = evaluate(self.server.inference_model(self.eval_model), self.federation.test_sets)
-            return accuracy, [accuracy[self.federation.client_test_name(k)]
+            # a client whose distribution has no test set of its own is scored by the AVG
+            return accuracy, [accuracy.get(self.federation.client_test_name(k), accuracy["AVG"])
                               for k in range(self.federation.num_clients)]
         per_client = []
         for k in range(self.federation.num_clients):

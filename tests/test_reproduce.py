@@ -1,0 +1,262 @@
+"""Tests of ``fedhpro reproduce`` (the paper's tables and figures) and ``fedhpro report``.
+
+The shipped YAML files are checked for shape (every published number belongs to a row and a column);
+an end-to-end reproduction runs tiny targets on a small digits-offline build, checking the Digits
+fallback, the one line naming an absent data set, the tables (ours beside the paper's numbers) and
+the PNGs.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
+from fedhpro import reproduce as R
+from fedhpro.errors import ConfigError
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SHIPPED = R.available_targets()
+
+
+def test_every_table_and_figure_of_the_digits_experiments_has_a_target():
+    wanted = {"table3", "table4", "table5", "table6", "tableA3", "tableA4", "tableA6", "tableA7", "tableA8",
+              "figure2", "figure4", "figure6", "figure7", "figure8"}
+    assert wanted <= set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("scale", ["paper", "smoke"])
+def test_shipped_targets_have_one_published_number_per_row_and_column(name, scale):
+    target = R.load_target(name, scale)
+    assert target.parts and target.seeds
+    if scale == "paper":
+        assert target.settings["rounds"] >= 5 and target.settings["local_epochs"] == 10
+        assert target.settings["lr"] == 0.01 and target.settings["batch_size"] == 64
+    for part in target.parts:
+        labels = {v.label for v in part.variants}
+        assert set(part.paper) <= labels, f"{name}/{part.name}: paper rows {set(part.paper) - labels} are not rows"
+        if target.layout == "domains":
+            width = len(part.columns) + 1
+        elif target.layout in ("scenarios", "sweep"):
+            width = len(part.scenarios) + (1 if part.extra.get("average_column") else 0)
+        elif target.layout == "convergence":
+            width = len(part.extra["thresholds"]) + 2
+        else:
+            width = 4
+        for row, values in part.paper.items():
+            if scale == "paper" or target.layout not in ("scenarios", "sweep"):
+                assert len(values) == width, f"{name}/{part.name}/{row}: {len(values)} numbers for {width} columns"
+
+
+def test_unknown_target_and_scale_are_one_clear_error():
+    with pytest.raises(ConfigError, match="no reproduce target 'table99'.*table3"):
+        R.load_target("table99")
+    with pytest.raises(ConfigError, match="scale=.*paper or scale=smoke"):
+        R.load_target("table3", "huge")
+
+
+# ----------------------------------------------------------------------------
+# end to end on a tiny digits-offline build
+# ----------------------------------------------------------------------------
+
+VARIANTS = [{"label": "FedAvg", "method": "fedavg"}, {"label": "FedHPro", "method": "fedhpro"}]
+DIGITS_PART = {"name": "Digits", "benchmark": "digits", "settings": {"dataset": "digits"},
+               "columns": ["MNIST", "USPS", "SVHN", "SYN"],
+               "paper": {"FedAvg": [96.68, 90.43, 76.35, 51.85, 78.82], "FedHPro": [98.52, 93.13, 84.95, 62.59, 84.80]}}
+ABSENT_PART = {"name": "CIFAR10", "benchmark": "cifar10", "settings": {"dataset": "cifar10"},
+               "scenarios": [{"label": "NID1_0.5"}]}
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory, digits_data_dir):
+    folder = tmp_path_factory.mktemp("configs")
+    smoke = {"seeds": [0], "settings": {"model": "cnn", "feature_dim": 16, "rounds": 2, "local_epochs": 1,
+                                        "clients": 4, "data.fraction": 0.02, "data.syn_size": DIGITS_SYN_SIZE,
+                                        "data.test_fraction": DIGITS_TEST_FRACTION, "data_dir": str(digits_data_dir),
+                                        "checkpoint_every": 0, "device": "cpu", "fedhpro.match_steps": 2}}
+    base = {"seeds": [0, 1, 2], "settings": {"rounds": 100, "local_epochs": 10}, "smoke": smoke, "variants": VARIANTS}
+    documents = {
+        "tiny_domains": {"title": "Table T: tiny", "layout": "domains", "parts": [DIGITS_PART, ABSENT_PART]},
+        "tiny_fairness": {"title": "Table F: fairness", "layout": "fairness",
+                          "parts": [{**DIGITS_PART, "paper": {"FedAvg": [36.85, 73.09, 56.39, 12.81]}}]},
+        "tiny_convergence": {"title": "Table C: convergence", "layout": "convergence",
+                             "parts": [{**DIGITS_PART, "thresholds": [5, 10], "speedup_at": 10, "paper": {}}]},
+        "tiny_gm": {"title": "Figure G: L_GM", "layout": "gm_loss", "parts": [DIGITS_PART],
+                    "variants": [VARIANTS[1]]},
+        "tiny_tsne": {"title": "Figure S: t-SNE", "layout": "tsne", "parts": [DIGITS_PART],
+                      "settings": {"tsne": True}},
+    }
+    for name, document in documents.items():
+        merged = {**base, **document, "name": name, "settings": {**base["settings"], **document.get("settings", {})}}
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump(merged, allow_unicode=True))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reproduced(targets, tmp_path_factory):
+    """Every tiny target reproduced once (the runs are shared); returns (out folder, captured stdout)."""
+    out = tmp_path_factory.mktemp("reproduce")
+    patch = pytest.MonkeyPatch()
+    patch.setattr(R, "configs_dir", lambda: targets)
+    buffer = io.StringIO()
+    stdout, sys.stdout = sys.stdout, buffer
+    try:
+        for name in ("tiny_domains", "tiny_fairness", "tiny_convergence", "tiny_gm", "tiny_tsne"):
+            R.reproduce(name, "smoke", out=out)
+    finally:
+        sys.stdout = stdout
+        patch.undo()
+    return out, buffer.getvalue()
+
+
+def test_absent_data_set_is_one_line_naming_it_and_digits_falls_back_to_digits_offline(reproduced):
+    out, printed = reproduced
+    absent = [line for line in printed.splitlines() if line.startswith("fedhpro reproduce tiny_domains:")]
+    assert len(absent) == 1 and "'cifar10'" in absent[0] and "not available" in absent[0]
+    assert "digits-offline" in printed and "optdigits stands in for USPS" in printed
+    table = (out / "tiny_domains" / "table.md").read_text()
+    assert "not run: CIFAR10" in table
+
+
+def test_domains_table_puts_ours_beside_the_papers_numbers(reproduced):
+    out, _ = reproduced
+    table = (out / "tiny_domains" / "table.md").read_text()
+    assert "| Methods | MNIST | USPS (ours: optdigits) | SVHN (ours: mnistm) | SYN | AVG | Δ |" in table
+    assert "/ 84.80" in table and "/ 78.82" in table and "scale=smoke" in table
+    assert "Ordering against the paper" in table
+    rows = list(csv.DictReader(io.StringIO((out / "tiny_domains" / "table.csv").read_text())))
+    fedhpro_avg = [r for r in rows if r["row"] == "FedHPro" and r["column"] == "AVG"]
+    assert len(fedhpro_avg) == 1 and float(fedhpro_avg[0]["paper"]) == 84.80
+    assert 0.0 <= float(fedhpro_avg[0]["ours_mean"]) <= 100.0
+    assert (out / "tiny_domains" / "accuracy_digits.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_runs_are_shared_between_targets(reproduced):
+    out, printed = reproduced
+    assert len(list((out / "runs").glob("fedavg-*-seed0"))) == 2  # tiny_domains' run and tiny_tsne's (tsne=true)
+    assert "reused" in printed
+
+
+def test_fairness_convergence_gm_and_tsne_outputs(reproduced):
+    out, _ = reproduced
+    fairness = (out / "tiny_fairness" / "table.md").read_text()
+    assert "Worst 10%" in fairness and "/ 36.85" in fairness and "Std (ours)" in fairness
+    assert "R_5%" in (out / "tiny_convergence" / "table.md").read_text()
+    gm = (out / "tiny_gm" / "table.csv").read_text().splitlines()
+    assert gm[0] == "part,scenario,round,gm_loss_before,gm_loss_after" and len(gm) == 3  # header + 2 rounds
+    for png in ("tiny_fairness/fairness_digits.png", "tiny_convergence/convergence_digits.png",
+                "tiny_gm/gm_loss_digits.png", "tiny_tsne/tsne_digits.png"):
+        assert (out / png).read_bytes()[:8] == PNG_MAGIC, png
+    assert "silhouette" in (out / "tiny_tsne" / "table.md").read_text()
+
+
+def test_report_builds_tables_and_plots_from_run_folders(reproduced, tmp_path):
+    from fedhpro.reports.runs import report
+
+    out, _ = reproduced
+    folders = sorted(str(p) for p in (out / "runs").iterdir() if not p.name.startswith("."))
+    written = report(folders, tmp_path / "report", echo=False)
+    table = (written / "table.md").read_text()
+    assert "worst 10%" in table and "MB up/round" in table
+    for png in ("accuracy.png", "gm_loss.png", "fairness.png"):
+        assert (written / png).read_bytes()[:8] == PNG_MAGIC, png
+
+
+def test_report_of_a_folder_that_is_not_a_run_is_one_clear_error(tmp_path):
+    from fedhpro.reports.runs import report
+
+    with pytest.raises(ConfigError, match="not a run folder.*metrics.jsonl"):
+        report([tmp_path])
+    with pytest.raises(ConfigError, match="at least one run folder"):
+        report([])
+
+
+def test_tensorboard_missing_is_one_message_to_pip_install_it(monkeypatch, tmp_path):
+    from fedhpro import api
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
+    messages = []
+    assert api._tensorboard(tmp_path, True, messages.append) is None
+    assert len(messages) == 1 and "pip install tensorboard" in messages[0]
+    assert api._tensorboard(tmp_path, False, messages.append) is None and len(messages) == 1
+
+
+# ----------------------------------------------------------------------------
+# the other layouts, on hand-written run folders (no training)
+# ----------------------------------------------------------------------------
+
+
+def fake_run(folder: Path, method: str, avg: list[float], **extra) -> "R.RunData":
+    """A run folder whose metrics.jsonl has the given AVG per round plus the keys the builders read."""
+    import json
+
+    from fedhpro.reports.runs import load_run
+
+    folder.mkdir(parents=True)
+    rows, timing = [], []
+    for r, value in enumerate(avg):
+        row = {"round": r, "participants": [0, 1], "train": {}, "server": {}, "bytes_up": 1000, "bytes_down": 3000,
+               "params_up": 200, "params_down": 600, "accuracy": {"mnist": value, "AVG": value},
+               "client_accuracy": [value, value], "fairness": {"mean": value, "worst_10": value, "best_10": value,
+                                                               "variance": 0.0, "std": 0.0}}
+        for key, values in extra.items():
+            row[key] = values[r]
+        rows.append(row)
+        timing.append({"round": r, "clients": 2.0, "server": 0.1, "eval": 0.5, "elapsed": 3.0 * (r + 1)})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (folder / "timing.jsonl").write_text("".join(json.dumps(row) + "\n" for row in timing))
+    (folder / "config.yaml").write_text(yaml.safe_dump({"method": method}))
+    return load_run(folder)
+
+
+def test_scenarios_layout_with_an_average_column_and_a_sweep_plot(tmp_path):
+    variants = [R.Variant("FedProto†", "fedproto"), R.Variant("FedHPro", "fedhpro")]
+    part = R.Part("Digits", "digits", {}, [R.Scenario("d=64"), R.Scenario("d=256")], [],
+                  {"FedProto†": [75.96, 78.43, 77.0], "FedHPro": [80.28, 83.37, 81.0]},
+                  {"average_column": True, "xlabel": "d"}, variants)
+    runs = {("d=64", "FedProto†"): [fake_run(tmp_path / "a", "fedproto", [50.0, 60.0])],
+            ("d=256", "FedProto†"): [fake_run(tmp_path / "b", "fedproto", [50.0, 70.0])],
+            ("d=64", "FedHPro"): [fake_run(tmp_path / "c", "fedhpro", [50.0, 65.0])],
+            ("d=256", "FedHPro"): [fake_run(tmp_path / "d", "fedhpro", [50.0, 75.0])]}
+    target = R.Target("t", "Table A6: d", "scenarios", [0], {}, variants, [part], [], {})
+    sections, (header, rows), figures, checks = R._build_scenarios(
+        target, [R.PartResult(part, "", runs, ["mnist"])], [0], tmp_path / "out")
+    assert "| FedHPro | 65.00 / 80.28 | 75.00 / 83.37 | 70.00 / 81.00 |" in sections[0]
+    assert any("d=256" in line and "matches" in line for line in checks)
+    assert figures[0].read_bytes()[:8] == PNG_MAGIC
+
+
+def test_efficiency_layout_reads_parameters_bytes_flops_and_training_time(tmp_path):
+    variants = [R.Variant("FedAvg", "fedavg"), R.Variant("FedHPro", "fedhpro")]
+    part = R.Part("Digits", "digits", {}, [R.Scenario("Digits")], [],
+                  {"FedAvg": [10.87, 380.42, 1.02, 23.11], "FedHPro": [10.90, 387.57, 1.35, 35.16]}, {}, variants)
+    runs = {("Digits", "FedAvg"): [fake_run(tmp_path / "a", "fedavg", [10.0, 20.0], flops_train=[1e10, 1e10])],
+            ("Digits", "FedHPro"): [fake_run(tmp_path / "b", "fedhpro", [10.0, 20.0], flops_train=[2e10, 2e10])]}
+    target = R.Target("t", "Table 4: efficiency", "efficiency", [0], {}, variants, [part], [], {})
+    sections, (header, rows), figures, checks = R._build_efficiency(
+        target, [R.PartResult(part, "", runs, ["mnist"])], [0], tmp_path / "out")
+    # 200 parameters up = 2e-5 x 10^7; 4000 bytes = 0.0038 MiB; 2e10 FLOPs = 2 x 10^10; 2 s of training
+    assert "| FedHPro | 0.0000 / 10.9 | 0.0038 / 387.57 | 2.0000 / 1.35 | 2.00 / 35.16 |" in sections[0]
+    assert any("FLOPs" in line and "matches" in line for line in checks)
+
+
+def test_prototype_layout_finds_the_closest_prototypes(tmp_path):
+    variants = [R.Variant("FedAvg", "fedavg"), R.Variant("FedHPro", "fedhpro")]
+    part = R.Part("Digits", "digits", {}, [R.Scenario("Digits")], [], {}, {}, variants)
+    far = {"centralized_norm": 3.0, "clients_mean": {"l2": 2.0, "l2_normalized": 0.5}}
+    near = {"centralized_norm": 3.0, "server": {"kind": "hyper", "l2": 1.0, "l2_normalized": 0.2},
+            "clients_mean": {"l2": 2.0, "l2_normalized": 0.5}}
+    runs = {("Digits", "FedAvg"): [fake_run(tmp_path / "a", "fedavg", [1.0, 2.0], prototype_distance=[far, far])],
+            ("Digits", "FedHPro"): [fake_run(tmp_path / "b", "fedhpro", [1.0, 2.0], prototype_distance=[near, near])]}
+    target = R.Target("t", "Figure 2", "prototypes", [0], {}, variants, [part], [], {})
+    sections, _, figures, checks = R._build_prototypes(target, [R.PartResult(part, "", runs, ["mnist"])], [0],
+                                                       tmp_path / "out")
+    assert "| FedHPro | server | 1.000 | 0.200 | 3.000 |" in sections[0]
+    assert "closest = FedHPro -> matches" in checks[0]
+    assert all(f.read_bytes()[:8] == PNG_MAGIC for f in figures)
