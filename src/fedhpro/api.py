@@ -217,7 +217,8 @@ def build_experiment(config: Config, device: torch.device | str = "cpu") -> Expe
         return architecture_factory(options.model)
 
     train = TrainSettings(epochs=options.local_epochs, batch_size=options.batch_size, lr=options.lr,
-                          momentum=options.momentum, weight_decay=options.weight_decay)
+                          momentum=options.momentum, weight_decay=options.weight_decay, amp=options.amp,
+                          channels_last=options.channels_last, compile=options.compile)
     architectures = None
     if options.heterogeneity != "none":
         from fedhpro.models.heterogeneity import architecture_for_client

@@ -67,6 +67,13 @@ class RunOptions:
     checkpoint_every: int = option(5, min=0, help="write a checkpoint every this many rounds (0: only at the end)")
     keep_checkpoints: int = option(2, min=1, help="keep only the newest this many checkpoints")
     resume: str | None = option(None, help="continue the interrupted run in this folder (its config.yaml)")
+    amp: str = option("off", choices=("off", "bf16"),
+                      help="mixed precision of local training: off (float32) or bf16 (forward under bfloat16 "
+                           "autocast, losses and weights float32; for GPUs, see bench/RESULTS.md)")
+    channels_last: bool = option(False, help="train in the channels_last memory format (faster convolutions on "
+                                             "GPUs; changes results within float rounding)")
+    compile: bool = option(False, help="torch.compile the feature extractor once (the first round pays the "
+                                       "compilation; needs a C++ compiler on the CPU)")
     flops: bool = option(False, help="count training FLOPs of every client and the server step with "
                                      "torch.utils.flop_counter into metrics.jsonl (Table 4; slows training a little)")
     prototype_distance: bool = option(False, help="each evaluated round, the L2 distance of the method's prototypes "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,27 @@ class TrainSettings:
     #: clip the gradient's global L2 norm to this before each step (None: no clipping); a method's
     #: recipe may set it (FedRCL's authors clip at 10)
     max_grad_norm: float | None = None
+    #: mixed precision of the training forward pass: "off" (float32, the default) or "bf16" (the model's
+    #: forward under ``torch.autocast(bfloat16)``; the losses and the weights stay float32, no loss scaling)
+    amp: str = "off"
+    #: convert the model and every image batch to ``torch.channels_last`` (faster convolutions on GPUs)
+    channels_last: bool = False
+    #: ``torch.compile`` the feature extractor once per working model (the compiled graph is reused by every
+    #: client, as the working model is)
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.amp not in AMP_CHOICES:
+            raise ValueError(f"amp must be one of {AMP_CHOICES}, got {self.amp!r}")
+
+    @property
+    def fast_path(self) -> bool:
+        """Whether any of the opt-in speed settings (amp, channels_last, compile) is on."""
+        return self.amp != "off" or self.channels_last or self.compile
+
+
+#: the values of ``TrainSettings.amp``
+AMP_CHOICES = ("off", "bf16")
 
 
 @dataclass
@@ -191,12 +213,16 @@ def train_epochs(model: nn.Module, data: ClientData, train: TrainSettings, gener
     trailing batch of one sample is skipped (BatchNorm cannot train on it).
     """
     model.train()
+    if train.channels_last:
+        model.to(memory_format=torch.channels_last)  # in place, before the optimiser takes the parameters
     optimizer = torch.optim.SGD(model.parameters(), lr=train.lr, momentum=train.momentum,
                                 weight_decay=train.weight_decay)
+    features = compiled_features(model) if train.compile else model.features
     n = len(data)
     totals: dict[str, Tensor] = {}
     steps = 0
     for _ in range(train.epochs):
+        # one host-to-device copy per epoch; nothing in the batch loop below waits for the device
         order = torch.randperm(n, generator=generator).to(data.x.device)
         for start in range(0, n, train.batch_size):
             index = order[start:start + train.batch_size]
@@ -205,8 +231,11 @@ def train_epochs(model: nn.Module, data: ClientData, train: TrainSettings, gener
             x, y = data.x[index], data.y[index]
             if data.augment is not None:  # off by default: the default path draws nothing more
                 x = data.augment(x, generator)
-            z = model.features(x)
-            logits = model.classifier(z)
+            if train.fast_path:
+                z, logits = _fast_forward(model, features, x, train)
+            else:  # the default path: exactly these operations, so results stay bit for bit as before
+                z = model.features(x)
+                logits = model.classifier(z)
             terms = {"ce": F.cross_entropy(logits, y)}
             if regularizer is not None:
                 terms.update(regularizer(z, y, logits))
@@ -223,6 +252,41 @@ def train_epochs(model: nn.Module, data: ClientData, train: TrainSettings, gener
         if "loss" in totals and not bool(torch.isfinite(totals["loss"])):
             raise UpdateError("local training produced a non-finite loss (NaN/Inf); lower lr or check the data")
     return {name: float(total) / max(steps, 1) for name, total in totals.items()}
+
+
+def _fast_forward(model: nn.Module, features: Callable[[Tensor], Tensor], x: Tensor,
+                  train: TrainSettings) -> tuple[Tensor, Tensor]:
+    """``(z, logits)`` of the opt-in fast path: channels_last input, bf16 autocast, float32 outputs.
+
+    The outputs are cast back to float32 so the losses (softmax, HPCL's
+    logsumexp, HPAL's Huber) and the method's regularisers run in full
+    precision whatever ran the network.
+    """
+    if train.channels_last and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=train.amp == "bf16"):
+        z = features(x)
+        logits = model.classifier(z)
+    return z.float(), logits.float()
+
+
+#: compiled feature extractors, one per working model's ``features`` module (dropped with the module)
+_COMPILED: "weakref.WeakKeyDictionary[nn.Module, Callable[[Tensor], Tensor]]" = weakref.WeakKeyDictionary()
+
+
+def compiled_features(model: nn.Module) -> Callable[[Tensor], Tensor]:
+    """``torch.compile(model.features)``, compiled on first use and cached for this module.
+
+    The compiled wrapper shares the module's parameters (they are read at
+    every call), so loading new weights into the working model or stepping the
+    optimiser needs no recompilation; the state-dict keys do not change.
+    """
+    module = model.features
+    compiled = _COMPILED.get(module)
+    if compiled is None:
+        compiled = torch.compile(module)
+        _COMPILED[module] = compiled
+    return compiled
 
 
 @torch.no_grad()

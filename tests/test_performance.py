@@ -1,0 +1,186 @@
+"""The speed paths against independent references.
+
+* FedHPro with ``gradient_timing=before`` makes one eval pass over the local
+  data (its prototypes give the margin too) and still computes Eq. 10 on the
+  received model; with ``after`` it needs two.
+* The opt-in fast path of ``train_epochs`` (``amp=bf16``, ``channels_last``,
+  ``compile``) trains the same model as the default float32 path, within the
+  stated tolerances; the default path is left bit for bit as it was (the
+  hand-written-SGD and determinism tests in test_methods.py / test_simulator.py).
+* On a GPU (skipped here without one), the batch loop never waits for the device.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import shutil
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import NUM_CLASSES, TinyBNNet, make_client
+from fedhpro.config import load_config
+from fedhpro.errors import ConfigError
+from fedhpro.methods import TrainSettings
+from fedhpro.methods import fedhpro as fedhpro_module
+from fedhpro.methods import hyper as hyper_module
+from fedhpro.methods.base import train_epochs
+from fedhpro.methods.fedhpro import FedHProOptions
+from test_methods import fit_fedhpro, loop_class_gradients, loop_margin, loop_prototypes, model_with
+
+HELD = [0, 1, 3]
+
+
+def count_feature_passes(monkeypatch) -> list[int]:
+    """Patch ``extract_features`` where FedHPro's client calls it; the list grows by one per pass."""
+    calls: list[int] = []
+    real = fedhpro_module.extract_features
+
+    def counting(model, x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return real(model, x, *args, **kwargs)
+
+    monkeypatch.setattr(fedhpro_module, "extract_features", counting)
+    monkeypatch.setattr(hyper_module, "extract_features", counting)
+    return calls
+
+
+@pytest.mark.parametrize("timing, passes", [("before", 1), ("after", 2)])
+def test_fedhpro_feature_passes_and_eq10_margin_on_the_received_model(monkeypatch, timing, passes):
+    data = make_client(24, HELD, seed=10)
+    calls = count_feature_passes(monkeypatch)
+    received, _, reply, metrics = fit_fedhpro(FedHProOptions(num_hyper=2, gradient_timing=timing), data)
+    assert calls == [24] * passes
+    before = loop_prototypes(model_with(received), data.x, data.y, NUM_CLASSES)
+    assert metrics["margin"] == pytest.approx(loop_margin(before, HELD, NUM_CLASSES), rel=1e-5)
+    if timing == "before":  # the one pass also gave the uploaded statistics, of the received model
+        expected, _ = loop_class_gradients(model_with(received), data.x, data.y, NUM_CLASSES)
+        torch.testing.assert_close(reply["class_gradients"].double(), expected, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(reply["prototypes"].double(), before, rtol=1e-5, atol=1e-6)
+
+
+def test_fedhpro_before_with_subsampled_gradients_keeps_a_full_margin_pass(monkeypatch):
+    data = make_client(30, HELD, seed=11)
+    calls = count_feature_passes(monkeypatch)
+    received, _, _, metrics = fit_fedhpro(
+        FedHProOptions(num_hyper=2, gradient_timing="before", gradient_samples_per_class=4), data)
+    assert sorted(calls) == [12, 30]  # 4 per held class for the gradients, all 30 samples for the margin
+    before = loop_prototypes(model_with(received), data.x, data.y, NUM_CLASSES)
+    assert metrics["margin"] == pytest.approx(loop_margin(before, HELD, NUM_CLASSES), rel=1e-5)
+
+
+# ---------------------------------------------------------------------------- the opt-in fast path
+
+
+def conv_client(n: int = 40, seed: int = 3):
+    """A client of 3 x 8 x 8 images, for the convolutional TinyBNNet (channels_last matters for 4-d weights)."""
+    return make_client(n, list(range(NUM_CLASSES)), seed=seed)
+
+
+def train_copy(model: torch.nn.Module, data, train: TrainSettings, seed: int = 7):
+    """Train a deep copy of ``model``; return it and the mean losses."""
+    trained = copy.deepcopy(model)
+    losses = train_epochs(trained, data, train, torch.Generator().manual_seed(seed))
+    return trained, losses
+
+
+def updates(before: torch.nn.Module, after: torch.nn.Module) -> torch.Tensor:
+    """All parameters' changes, flattened into one vector."""
+    return torch.cat([(a.detach() - b.detach()).flatten().float()
+                      for a, b in zip(after.parameters(), before.parameters())])
+
+
+@pytest.fixture
+def conv_model():
+    torch.manual_seed(0)
+    return TinyBNNet()
+
+
+def test_channels_last_trains_the_same_model_within_float32_rounding(conv_model):
+    data = conv_client()
+    train = TrainSettings(epochs=2, batch_size=8)
+    reference, reference_losses = train_copy(conv_model, data, train)
+    fast, fast_losses = train_copy(conv_model, data, dataclasses.replace(train, channels_last=True))
+    conv_weight = fast.features[0].weight
+    assert conv_weight.is_contiguous(memory_format=torch.channels_last)
+    assert list(fast.state_dict()) == list(reference.state_dict())  # same keys: loads and averages as before
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(fast.state_dict()[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    assert fast_losses["loss"] == pytest.approx(reference_losses["loss"], rel=1e-4)
+
+
+def test_bf16_autocast_update_stays_close_to_the_float32_update(conv_model):
+    """bf16 keeps 8 bits of mantissa (relative rounding ~4e-3): after 10 SGD steps the total update
+    must point the same way (cosine > 0.99) with about the same size (within 5%), and the mean loss
+    agree within 2%."""
+    data = conv_client()
+    train = TrainSettings(epochs=2, batch_size=8)
+    reference, reference_losses = train_copy(conv_model, data, train)
+    fast, fast_losses = train_copy(conv_model, data, dataclasses.replace(train, amp="bf16", channels_last=True))
+    expected, got = updates(conv_model, reference), updates(conv_model, fast)
+    assert float(F.cosine_similarity(expected, got, dim=0)) > 0.99
+    assert float(got.norm() / expected.norm()) == pytest.approx(1.0, abs=0.05)
+    assert fast_losses["loss"] == pytest.approx(reference_losses["loss"], rel=0.02)
+    assert all(p.dtype == torch.float32 for p in fast.parameters())  # weights stay float32
+
+
+def test_fast_path_regularizer_sees_float32_features(conv_model):
+    seen = []
+
+    def regularizer(z, y, logits):
+        seen.append((z.dtype, logits.dtype))
+        return {"zero": (z * 0).sum()}
+
+    train_epochs(copy.deepcopy(conv_model), conv_client(16), TrainSettings(batch_size=8, amp="bf16"),
+                 torch.Generator().manual_seed(0), regularizer)
+    assert seen and all(dtypes == (torch.float32, torch.float32) for dtypes in seen)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="torch.compile's CPU backend needs a C++ compiler")
+def test_compiled_features_train_like_eager(conv_model):
+    data = conv_client(24)
+    train = TrainSettings(epochs=1, batch_size=8)
+    reference, reference_losses = train_copy(conv_model, data, train)
+    compiled, compiled_losses = train_copy(conv_model, data, dataclasses.replace(train, compile=True))
+    assert list(compiled.state_dict()) == list(reference.state_dict())
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(compiled.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert compiled_losses["loss"] == pytest.approx(reference_losses["loss"], rel=1e-5)
+
+
+def test_amp_choices_are_validated():
+    with pytest.raises(ValueError, match="amp must be one of"):
+        TrainSettings(amp="fp16")
+    with pytest.raises(ConfigError, match="bf16"):
+        load_config(None, ["amp=fp16"])
+    run = load_config(None, ["amp=bf16", "channels_last=true", "compile=true"]).run
+    assert (run.amp, run.channels_last, run.compile) == ("bf16", True, True)
+    defaults = load_config(None).run
+    assert (defaults.amp, defaults.channels_last, defaults.compile) == ("off", False, False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fast", [False, True], ids=["default", "bf16-channels_last"])
+def test_gpu_batch_loop_does_not_synchronise(conv_model, fast):
+    """Synchronisations per client must not grow with the number of batches: at most two per epoch
+    (the epoch's order copied to the device, the finite-loss check)."""
+    device = torch.device("cuda")
+    data = conv_client(96)
+    data = dataclasses.replace(data, x=data.x.to(device), y=data.y.to(device))
+    model = copy.deepcopy(conv_model).to(device)
+    train = TrainSettings(epochs=2, batch_size=8, amp="bf16" if fast else "off", channels_last=fast)
+    train_epochs(model, data, train, torch.Generator().manual_seed(0))  # warm-up (lazy initialisations)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train_epochs(model, data, train, torch.Generator().manual_seed(1))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    assert len(syncs) <= 2 * train.epochs, [str(w.message) for w in syncs]
