@@ -1,0 +1,124 @@
+"""FedHPro's round cost against FedAvg's on the same federation (the paper's Table 4: 35.16 s / 23.11 s = 1.52).
+
+Variants, run interleaved in one process on the same clients (see ``harness.py``):
+
+* ``fedavg``: a FedAvg round;
+* ``fedhpro``: a FedHPro round with the defaults (Algorithm 1: margin
+  prototypes from the received model before training, class gradients from
+  the trained model after it: two extra eval-mode passes over the local data);
+* ``fedhpro gradient_timing=before``: the authors' code, class gradients
+  before training, so one pass gives both the margin's prototypes and the
+  class gradients;
+* ``fedhpro margin=off``: no margin pass (what the margin pass costs);
+* ``fedhpro gradient_timing=before, two passes``: the client as it was before
+  the one-pass change (a separate margin pass), for the before/after record;
+  only on request (``--variants``).
+
+Per variant it prints the median seconds per round, the server's share
+(aggregation + gradient matching) and the ratios to FedAvg within each
+repeat. Evaluation is not timed.
+
+    python bench/fedhpro_vs_fedavg.py                      # 3 clients, E = 5, 3 repeats
+    python bench/fedhpro_vs_fedavg.py --clients 20 --epochs 10 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+
+import torch
+
+import harness
+from fedhpro.engines.simulator import Simulator
+from fedhpro.methods import METHODS, TrainSettings
+from fedhpro.methods.base import extract_features, load_weights
+from fedhpro.methods.fedhpro import FedHProClient
+from fedhpro.models import build_model
+
+TARGET = 1.15
+
+#: variant name -> (method, option overrides)
+VARIANTS = {
+    "fedavg": ("fedavg", {}),
+    "fedhpro": ("fedhpro", {}),
+    "fedhpro gradient_timing=before": ("fedhpro", {"gradient_timing": "before"}),
+    "fedhpro margin=off": ("fedhpro", {"margin": "off"}),
+    "fedhpro gradient_timing=before, two passes": ("fedhpro-two-passes", {"gradient_timing": "before"}),
+}
+DEFAULT_VARIANTS = list(VARIANTS)[:4]
+
+
+class TwoPassClient(FedHProClient):
+    """FedHPro's client as it was before the margin reused the class-statistics pass: one more eval
+    pass over the local data (its result discarded; the margin comes out the same either way)."""
+
+    def fit(self, model, payload, data, state, generator):
+        if self.options.margin != "off" and self.options.hpcl_weight > 0:
+            load_weights(model, payload["weights"])
+            extract_features(model, data.x)
+        return super().fit(model, payload, data, state, generator)
+
+
+METHOD_SPECS = {**METHODS, "fedhpro-two-passes": dataclasses.replace(METHODS["fedhpro"], client=TwoPassClient)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=3, help="use the first N clients of digits-offline (20 in all)")
+    parser.add_argument("--epochs", type=int, default=5, help="E, local epochs (the package default 5, the paper 10)")
+    parser.add_argument("--repeats", type=int, default=3, help="counted repeats (after one warm-up)")
+    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS), metavar="VARIANT",
+                        help=f"of {list(VARIANTS)}")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--data-dir", default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)  # as fedhpro.run does on the CPU
+
+    federation, config = harness.digits_federation(args.clients, args.data_dir)
+    train = TrainSettings(epochs=args.epochs)
+
+    def factory() -> torch.nn.Module:
+        return build_model("cnn", federation.num_classes, federation.input_shape, 512)
+
+    names = ["fedavg"] + [name for name in args.variants if name != "fedavg"]
+    simulators = {}
+    for name in names:
+        method, overrides = VARIANTS[name]
+        options = dataclasses.replace(config.methods[METHOD_SPECS[method].name], **overrides)
+        simulators[name] = Simulator(METHOD_SPECS[method], options, federation, factory, train,
+                                     rounds=10 ** 9, eval_every=10 ** 9)
+    rounds = {name: 0 for name in names}
+    server_seconds: dict[str, list[float]] = {name: [] for name in names}
+
+    def one_round(name: str) -> None:
+        record = simulators[name].run_round(rounds[name])
+        rounds[name] += 1
+        server_seconds[name].append(record.seconds["server"])
+
+    samples = harness.sample_passes(federation, args.epochs, train.batch_size)
+    harness.print_header(f"FedHPro vs FedAvg: digits-offline, first {federation.num_clients} clients, "
+                         f"E = {args.epochs}, batch {train.batch_size}, {samples} sample passes per round")
+    times = harness.interleaved({name: (lambda name=name: one_round(name)) for name in names}, args.repeats,
+                                on_repeat=lambda r, s: print(f"  repeat {r}: " + ", ".join(
+                                    f"{k} {v:.2f} s" for k, v in s.items()), flush=True))
+    print("seconds per round, median [min - max]:")
+    harness.report_times(times, samples)
+    for name in names[1:]:
+        server = statistics.median(server_seconds[name][1:])  # the first round was the warm-up
+        print(f"  {name}: server step (aggregation + matching) {server:.3f} s "
+              f"= {server / statistics.median(times['fedavg']):.3f} of a FedAvg round")
+    print("ratios to FedAvg (within each repeat):")
+    for name in names[1:]:
+        harness.report_ratio(times, name, "fedavg", f"{name} / fedavg", TARGET if name == "fedhpro" else None)
+    old, new = "fedhpro gradient_timing=before, two passes", "fedhpro gradient_timing=before"
+    if old in times and new in times:
+        harness.report_ratio(times, old, new, "before/after the one-pass change")
+    print(f"  after: {harness.machine_info()['load']}")
+
+
+if __name__ == "__main__":
+    main()
