@@ -808,7 +808,7 @@ def _build_tsne(target: Target, results: list[PartResult], seeds, out: Path):
         scenario = part.scenarios[0].label
         plt = _pyplot()
         count = len(part.variants)
-        figure, axes = plt.subplots(1, count, figsize=(4.6 * count, 4.6), dpi=130, squeeze=False)
+        figure, axes = plt.subplots(1, count, figsize=(4.6 * count, 5.4), dpi=130, squeeze=False)
         rows, scores = [], {}
         colours = plt.get_cmap("tab10")
         for axis, variant in zip(axes[0], part.variants):
@@ -829,13 +829,20 @@ def _build_tsne(target: Target, results: list[PartResult], seeds, out: Path):
             scores[variant.label] = mean_std(score)[0]
             rows.append([variant.label, mean_pm_std(score, 3)])
             csv_rows.append([part.name, variant.label, "silhouette", *mean_std(score), None])
-        handles = axes[0][0].get_legend_handles_labels()
-        figure.legend(*handles, loc="lower center", ncol=len(handles[1]), fontsize=8, markerscale=2, frameon=False)
+        from matplotlib.lines import Line2D
+
+        domains = axes[0][0].get_legend_handles_labels()[1]
+        handles = [Line2D([], [], marker=MARKERS[j % len(MARKERS)], color="dimgrey", linestyle="", label=name)
+                   for j, name in enumerate(domains)]
+        handles += [Line2D([], [], marker="o", color=colours(c), linestyle="", label=f"class {c}") for c in range(10)]
+        handles.append(Line2D([], [], marker="*", color="white", markeredgecolor="black", markersize=11,
+                              linestyle="", label="prototypes"))
+        figure.legend(handles=handles, loc="lower center", ncol=8, fontsize=8, frameon=False)
         figure.suptitle(f"{target.title.split(':')[0]} -- {part.name}: t-SNE of test features "
                         "(colour = class, marker = domain, stars = prototypes)", fontsize=10)
-        figure.subplots_adjust(bottom=0.12)
+        figure.subplots_adjust(left=0.02, right=0.98, top=0.86, bottom=0.2, wspace=0.05)
         path = out / f"tsne_{_slug(part.name)}.png"
-        save_figure(figure, path)
+        save_figure(figure, path, tight_layout=False)
         figures.append(path)
         notes = ["silhouette score of the test features by class in the 2-D t-SNE embedding (higher: classes more "
                  "separated and compact; the paper argues this visually, without numbers)"]

@@ -24,13 +24,15 @@ def _pyplot():
     return plt
 
 
-def save_figure(figure, path: str | os.PathLike) -> None:
-    """Save a matplotlib figure to ``path`` atomically and close it."""
+def save_figure(figure, path: str | os.PathLike, tight_layout: bool = True) -> None:
+    """Save a matplotlib figure to ``path`` atomically and close it (``tight_layout=False`` keeps a
+    layout the caller arranged, e.g. room for a figure-level legend)."""
     plt = _pyplot()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.tmp.png")
-    figure.tight_layout()
+    if tight_layout:
+        figure.tight_layout()
     figure.savefig(temporary)
     plt.close(figure)
     os.replace(temporary, path)
@@ -87,12 +89,15 @@ def plot_sweep(x: Sequence[float | str], series: Mapping[str, tuple[Sequence[flo
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(6.0, 4.0), dpi=130)
     positions = np.arange(len(x))
+    colours = {}
+    base = lambda label: label.replace(" (ours)", "").replace(" (paper)", "")  # noqa: E731
     for label, (means, stds) in series.items():
-        axis.errorbar(positions, means, yerr=stds, marker="o", capsize=3, linewidth=2, label=label)
+        line = axis.errorbar(positions, means, yerr=stds, marker="o", capsize=3, linewidth=2, label=label)
+        colours[base(label)] = line.lines[0].get_color()
     for label, values in (reference or {}).items():
         points = [(p, v) for p, v in zip(positions, values) if v is not None]
-        if points:
-            axis.plot(*zip(*points), linestyle="--", marker="x", color="grey", label=label)
+        if points:  # the paper's values: dashed, in the colour of the same method's line
+            axis.plot(*zip(*points), linestyle="--", marker="x", color=colours.get(base(label), "grey"), label=label)
     axis.set_xticks(positions, [str(v) for v in x])
     axis.set_xlabel(xlabel)
     axis.set_ylabel(ylabel)
