@@ -235,9 +235,18 @@ def simulated(digits_data_dir, tmp_path_factory):
             except Exception as error:  # keep going: each method's test reports its own failure
                 outcomes[name] = error
 
-    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=3,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                   "init_args": {"num_cpus": 1, "include_dashboard": False}})
+    # Flower's Ray backend sets os.environ["PYTHONPATH"] to this process's whole sys.path and leaves it
+    # set: restore it, or every subprocess later tests start inherits pytest's import path
+    pythonpath = os.environ.get("PYTHONPATH")
+    try:
+        run_simulation(server_app=server_app, client_app=client_app, num_supernodes=3,
+                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                       "init_args": {"num_cpus": 1, "include_dashboard": False}})
+    finally:
+        if pythonpath is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = pythonpath
     return outcomes, root
 
 

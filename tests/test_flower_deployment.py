@@ -29,7 +29,9 @@ pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pi
 
 from test_flower import CORE_KEYS, REPO, assert_same_state, core, read_rows, reference, tiny_config  # noqa: E402
 
-RUN_TIMEOUT = 420  # seconds for the whole flwr run (2 tiny rounds took 90 s on a busy 2-core machine)
+RUN_TIMEOUT = 600  # seconds for the whole flwr run (2 tiny rounds took 90 s on a busy 2-core machine)
+#: the environment before any test ran (Flower's simulation engine rewrites PYTHONPATH in-process)
+ENVIRONMENT = dict(os.environ)
 
 
 def free_port() -> int:
@@ -146,7 +148,7 @@ def test_superlink_and_two_supernodes_run_fedhpro_like_the_simulator(digits_data
     (home / "config.toml").write_text(
         f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\naddress = "127.0.0.1:{link_port}"\n'
         "insecure = true\n")
-    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
+    env = {**ENVIRONMENT, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     processes = Processes(env, logs)
     try:

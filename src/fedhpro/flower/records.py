@@ -38,7 +38,8 @@ RESERVED_PREFIX = "fedhpro."
 _TENSOR, _TENSORS, _SCALAR = "tensor", "tensors", "scalar"
 
 
-def _array(tensor: Tensor) -> Array:
+def to_array(tensor: Tensor) -> Array:
+    """A tensor as a Flower Array (``.npy`` bytes: dtype, shape and bits kept)."""
     return Array.from_numpy_ndarray(tensor.detach().cpu().numpy())
 
 
@@ -63,7 +64,7 @@ def encode_payload(payload: Mapping[str, Any], prefix: str = "") -> dict[str, Ar
             raise UpdateError(f"payload key {key!r} cannot travel: keys must be strings not starting with "
                               f"{RESERVED_PREFIX!r}")
         if isinstance(value, Tensor):
-            records[prefix + key] = ArrayRecord({key: _array(value)})
+            records[prefix + key] = ArrayRecord({key: to_array(value)})
             layout[key] = _TENSOR
             if value.device.type != "cpu":
                 on_device.append(key)
@@ -72,7 +73,7 @@ def encode_payload(payload: Mapping[str, Any], prefix: str = "") -> dict[str, Ar
             if bad:
                 raise UpdateError(f"payload entry '{key}' holds non-tensors (e.g. '{bad[0]}'); "
                                   "only dicts of tensors can travel as an ArrayRecord")
-            records[prefix + key] = ArrayRecord({name: _array(item) for name, item in value.items()})
+            records[prefix + key] = ArrayRecord({name: to_array(item) for name, item in value.items()})
             layout[key] = _TENSORS
             if any(item.device.type != "cpu" for item in value.values()):
                 on_device.append(key)

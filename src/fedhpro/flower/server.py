@@ -193,7 +193,7 @@ class MethodStrategy(Strategy):
         state.update(train=_weighted_mean(train_metrics), server=server_metrics, skipped=skipped,
                      bytes_up=sum(payload_bytes(reply) for reply in valid),
                      seconds={"clients": client_seconds, "server": time.perf_counter() - timer})
-        arrays = ArrayRecord({key: records._array(v) for key, v in self.engine.server.global_weights().items()})
+        arrays = ArrayRecord({key: records.to_array(v) for key, v in self.engine.server.global_weights().items()})
         return arrays, records.encode_metrics(state["train"])
 
     # ------------------------------------------------------------------ evaluation
@@ -276,7 +276,7 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, Any
         out.mkdir(parents=True, exist_ok=True)
         reports.write_yaml(out / "config.yaml", config.to_dict())
         reports.write_json(out / "partition.json", engine.federation.partition)
-    initial = ArrayRecord({key: records._array(v) for key, v in engine.server.global_weights().items()})
+    initial = ArrayRecord({key: records.to_array(v) for key, v in engine.server.global_weights().items()})
     strategy.start(grid, initial, num_rounds=config.run.rounds, timeout=settings.round_timeout)
     if out is not None:
         write_results(out, strategy, time.perf_counter() - started)
