@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'bench/gpu.sh: no CUDA device')"
-timeout 60 python -m pytest -q -p no:cacheprovider tests/test_performance.py -k gpu_batch_loop
-timeout 420 python bench/gpu_round.py --budget 380 "$@"
+timeout 90 python -m pytest -q -p no:cacheprovider tests/test_performance.py -k gpu_batch_loop
+timeout 380 python bench/gpu_round.py --budget 340 "$@"

@@ -222,7 +222,8 @@ def train_epochs(model: nn.Module, data: ClientData, train: TrainSettings, gener
     totals: dict[str, Tensor] = {}
     steps = 0
     for _ in range(train.epochs):
-        # one host-to-device copy per epoch; nothing in the batch loop below waits for the device
+        # one host-to-device copy per epoch; the batch loop itself never waits for the device (FedAvg's and
+        # FedHPro's losses do not either; tests/test_performance.py counts the synchronisations on a GPU)
         order = torch.randperm(n, generator=generator).to(data.x.device)
         for start in range(0, n, train.batch_size):
             index = order[start:start + train.batch_size]
