@@ -43,11 +43,20 @@ def plot_curves(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], p
                 styles: Mapping[str, dict] | None = None) -> None:
     """One line per entry of ``series`` (label -> (x, y)) on one axis; FedHPro's line drawn thicker."""
     plt = _pyplot()
+    import re
+
     figure, axis = plt.subplots(figsize=(6.8, 4.2), dpi=130)
+    highlight = not all("fedhpro" in label.lower() for label in series)  # FedHPro thicker among others
+    colours: dict[str, str] = {}
     for label, (x, y) in series.items():
-        style = dict(linewidth=2.6 if "fedhpro" in label.lower() else 1.4, marker="o", markersize=3)
+        style = dict(linewidth=2.6 if highlight and "fedhpro" in label.lower() else 1.6, marker="o", markersize=3)
+        # "<run>: ... before" / "... after" pairs share a colour; "after" is dashed
+        pair = re.sub(r"(before|after)( matching)?$", "", label)
+        if pair != label and pair in colours:
+            style.update(color=colours[pair], linestyle="--")
         style.update((styles or {}).get(label, {}))
-        axis.plot(list(x), list(y), label=label, **style)
+        line, = axis.plot(list(x), list(y), label=label, **style)
+        colours.setdefault(pair, line.get_color())
     if log_y:
         axis.set_yscale("log")
     axis.set_xlabel(xlabel)

@@ -61,12 +61,32 @@ def load_run(path: str | Path) -> RunData:
     return RunData(path, config or {}, rows, summary)
 
 
+def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def run_labels(runs: Sequence[RunData]) -> list[str]:
-    """The method names if they tell the runs apart, else the folder names."""
+    """The method names if they tell the runs apart, else the method plus the settings that differ
+    between the runs (``fedhpro hpal_weight=0.0``); the folder names as the last resort."""
     methods = [run.method for run in runs]
     if len(set(methods)) == len(methods):
         return methods
-    return [run.path.name for run in runs]
+    flats = [_flatten(run.config) for run in runs]
+    keys = sorted({key for flat in flats for key in flat})
+    differing = [key for key in keys if key not in ("method", "out")
+                 and len({json.dumps(flat.get(key), default=str) for flat in flats}) > 1]
+    labels = []
+    for run, flat in zip(runs, flats):
+        own = [key for key in differing if "." not in key or key.split(".")[0] in (run.method, "data", "partition")]
+        labels.append(" ".join([run.method] + [f"{key.split('.', 1)[-1] if key.startswith(run.method + '.') else key}"
+                                               f"={flat.get(key)}" for key in own]))
+    return labels if len(set(labels)) == len(labels) else [run.path.name for run in runs]
 
 
 def accuracy_series(run: RunData, key: str = "AVG") -> tuple[list[int], list[float]]:
