@@ -245,3 +245,18 @@ def test_simulator_flops_are_the_closed_form_and_counting_changes_no_number():
         # FedAvg's weighted mean, done as a (1 x K) @ (K x P) product per tensor: 2 K P FLOPs
         parameters = sum(t.numel() for t in TinyNet().state_dict().values())
         assert row["flops_server"] == 2 * len(sizes) * parameters
+
+
+def test_flop_counter_allows_autograd_grad_with_inputs_as_fedhpro_class_gradients_use():
+    # FlopCounterMode's module hooks made torch.autograd.grad(..., inputs) fail inside it
+    from fedhpro import functional as HF
+    from fedhpro.metrics.flops import FlopCounter
+
+    classifier = torch.nn.Linear(8, 4)
+    z, y = torch.randn(5, 8), torch.tensor([0, 1, 2, 3, 0])
+    expected, _ = HF.class_gradients(z, y, classifier, 4)
+    with FlopCounter() as counter:
+        gradients, _ = HF.class_gradients(z, y, classifier, 4)
+    torch.testing.assert_close(gradients, expected)
+    # forward addmm 2*5*8*4 plus the backward mm for the input gradient 2*5*4*8 (no weight gradient)
+    assert counter.total == 2 * 5 * 8 * 4 * 2
