@@ -33,7 +33,7 @@ FLOWER_PREFIX = "flower."
 class FlowerSettings:
     """How the ServerApp talks to the nodes (not part of what the experiment computes)."""
 
-    node_wait: float = 120.0  # seconds to wait until every partition's node has connected
+    node_wait: float = 600.0  # seconds until every partition's node must have connected (Ray + torch start slowly)
     round_timeout: float = 3600.0  # seconds to wait for one round's replies
 
 
