@@ -7,7 +7,6 @@ in well under a second each on one CPU thread.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -112,12 +111,7 @@ def tiny_federation() -> Callable[..., Federation]:
 @pytest.fixture(scope="session")
 def digits_data_dir(tmp_path_factory):
     """A data_dir holding a cached digits-offline build (syn_size=DIGITS_SYN_SIZE), built once per session."""
-    if importlib.util.find_spec("fedhpro.data.digits_offline") is None:
-        pytest.skip("fedhpro.data.digits_offline is not importable yet (another helper is finishing it)")
-    try:
-        from fedhpro.data.digits_offline import build_digits_offline
-    except ImportError as error:  # half-written module
-        pytest.skip(f"fedhpro.data.digits_offline cannot be imported yet: {error}")
+    from fedhpro.data.digits_offline import build_digits_offline
     root = tmp_path_factory.mktemp("digits-data")
     build_digits_offline(root, seed=DIGITS_BUILD_SEED, test_fraction=DIGITS_TEST_FRACTION,
                          syn_size=DIGITS_SYN_SIZE)
