@@ -109,6 +109,15 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings_command(commands, name: str, handler, *, help: str, description: str | None = None,
+                      metavar: str = "[CONFIG.yaml] KEY=VALUE") -> argparse.ArgumentParser:
+    """A subcommand that takes free ``settings`` (a YAML path and KEY=VALUE pairs, or names) and a handler."""
+    parser = commands.add_parser(name, help=help, description=description)
+    parser.add_argument("settings", nargs="*", metavar=metavar)
+    parser.set_defaults(handler=handler)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedhpro",
@@ -117,39 +126,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"fedhpro {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    run_parser = commands.add_parser(
-        "run", help="train one method on one federation",
+    _settings_command(
+        commands, "run", _cmd_run, help="train one method on one federation",
         description="Train one method on one federation. With no arguments: FedHPro on digits-offline. "
                     "Settings: an optional CONFIG.yaml, then KEY=VALUE pairs (see `fedhpro config --keys`).")
-    run_parser.add_argument("settings", nargs="*", metavar="[CONFIG.yaml] KEY=VALUE")
-    run_parser.set_defaults(handler=_cmd_run)
-    config_parser = commands.add_parser("config", help="print the resolved config (or --keys: every key)")
-    config_parser.add_argument("settings", nargs="*", metavar="[CONFIG.yaml] KEY=VALUE")
+    config_parser = _settings_command(commands, "config", _cmd_config,
+                                      help="print the resolved config (or --keys: every key)")
     config_parser.add_argument("--keys", action="store_true", help="list every key with its help")
-    config_parser.set_defaults(handler=_cmd_config)
-    compare_parser = commands.add_parser(
-        "compare", help="several methods on the same federation and seeds: a table like the paper's Table A3",
+    _settings_command(
+        commands, "compare", _cmd_compare,
+        help="several methods on the same federation and seeds: a table like the paper's Table A3",
         description="Run methods=[...] for seeds=[...] (default: all nine methods, seeds 0,1,2) with the same "
                     "settings; writes <out>/table.md and table.csv (default out=runs/compare). Finished runs "
                     "in <out> are reused.")
-    compare_parser.add_argument("settings", nargs="*", metavar="[CONFIG.yaml] KEY=VALUE")
-    compare_parser.set_defaults(handler=_cmd_compare)
-    reproduce_parser = commands.add_parser(
-        "reproduce", help="run a table or figure of the paper (configs/paper/NAME.yaml): tables and PNGs",
+    _settings_command(
+        commands, "reproduce", _cmd_reproduce, metavar="NAME [KEY=VALUE]",
+        help="run a table or figure of the paper (configs/paper/NAME.yaml): tables and PNGs",
         description="fedhpro reproduce NAME [scale=paper|smoke] [seeds=[0,1,2]] [out=DIR] [KEY=VALUE ...]: runs "
                     "the target's methods x seeds (finished runs are reused) and writes table.md, table.csv and "
                     "PNG figures with the paper's numbers beside ours (default out=runs/reproduce/<scale>). "
                     "NAME=list lists the targets, NAME=all runs them all. scale=smoke runs in minutes on a CPU "
                     "(Digits tables fall back to digits-offline when the real data are absent).")
-    reproduce_parser.add_argument("settings", nargs="*", metavar="NAME [KEY=VALUE]")
-    reproduce_parser.set_defaults(handler=_cmd_reproduce)
-    report_parser = commands.add_parser(
-        "report", help="tables and plots from finished runs (accuracy curves, L_GM, fairness)",
+    _settings_command(
+        commands, "report", _cmd_report, metavar="RUN_DIR",
+        help="tables and plots from finished runs (accuracy curves, L_GM, fairness)",
         description="fedhpro report RUN_DIR [RUN_DIR ...] [out=DIR]: table.md/table.csv (final accuracy, fairness, "
                     "communication, FLOPs) and accuracy.png, gm_loss.png, fairness.png, prototype_distance.png "
                     "(default out=<first run's parent>/report).")
-    report_parser.add_argument("settings", nargs="*", metavar="RUN_DIR")
-    report_parser.set_defaults(handler=_cmd_report)
     models_parser = commands.add_parser(
         "models", help="list the model zoo: parameters and forward FLOPs (torch.utils.flop_counter)")
     models_parser.add_argument("names", nargs="*", help="only these models")
@@ -157,13 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
     data_parser = commands.add_parser("data", help="inspect data sets and federations (data describe)")
     data_commands = data_parser.add_subparsers(dest="data_command", metavar="COMMAND")
     data_parser.set_defaults(handler=lambda _args: data_parser.print_help() or 2)
-    describe_parser = data_commands.add_parser(
-        "describe", help="per-client table (samples, classes, domain) and a client x class heat map",
+    _settings_command(
+        data_commands, "describe", _cmd_data_describe,
+        help="per-client table (samples, classes, domain) and a client x class heat map",
         description="Build the federation of the given settings (same keys as `fedhpro run`) and print one row "
                     "per client; writes partition.png (client x class counts) and partition.json to out= "
                     "(default runs/data-<dataset>).")
-    describe_parser.add_argument("settings", nargs="*", metavar="[CONFIG.yaml] KEY=VALUE")
-    describe_parser.set_defaults(handler=_cmd_data_describe)
     return parser
 
 

@@ -359,15 +359,25 @@ def _fedhpro_row(labels: list[str]) -> str | None:
     return next((label for label in labels if label.lower().startswith("fedhpro")), None)
 
 
+#: CSV columns of the builders whose rows are (part, row, measure) triples
+_MEASURE_HEADER = ("part", "row", "measure", "ours_mean", "ours_std", "paper")
+
+
+def _parts_that_ran(results: list[PartResult], sections: list[str]):
+    """The results that have runs; each one without gets its "not run" section (naming why) instead."""
+    for result in results:
+        if result.runs:
+            yield result
+        else:
+            sections.append(f"## {result.part.name}\n\nnot run: {result.note}\n")
+
+
 def _build_domains(target: Target, results: list[PartResult], seeds, out: Path):
     sections, checks, figures = [], [], []
     csv_header = ["part", "row", "column", "ours_mean", "ours_std", "paper"]
     csv_rows = []
-    for result in results:
+    for result in _parts_that_ran(results, sections):
         part = result.part
-        if not result.runs:
-            sections.append(f"## {part.name}\n\nnot run: {result.note}\n")
-            continue
         scenario = part.scenarios[0].label
         columns = _column_names(part, result.domains) + ["AVG"]
         delta = bool(part.extra.get("delta", True))
@@ -434,11 +444,8 @@ def _build_scenarios(target: Target, results: list[PartResult], seeds, out: Path
     sections, checks, figures = [], [], []
     csv_header = ["part", "row", "column", "ours_mean", "ours_std", "paper"]
     csv_rows = []
-    for result in results:
+    for result in _parts_that_ran(results, sections):
         part = result.part
-        if not result.runs:
-            sections.append(f"## {part.name}\n\nnot run: {result.note}\n")
-            continue
         average = bool(part.extra.get("average_column", False))
         columns = [s.label for s in part.scenarios] + (["AVG"] if average else [])
         rows, labels, ours_by_column, paper_by_column = [], [], {c: [] for c in columns}, {c: [] for c in columns}
@@ -503,11 +510,8 @@ def _build_convergence(target: Target, results: list[PartResult], seeds, out: Pa
     csv_rows = []
     from fedhpro.reports.plots import plot_curves
 
-    for result in results:
+    for result in _parts_that_ran(results, sections):
         part = result.part
-        if not result.runs:
-            sections.append(f"## {part.name}\n\nnot run: {result.note}\n")
-            continue
         scenario = part.scenarios[0].label
         thresholds = [float(t) for t in part.extra.get("thresholds", [50, 60, 70, 75])]
         speed_at = float(part.extra.get("speedup_at", thresholds[-1]))
@@ -567,11 +571,8 @@ def _build_fairness(target: Target, results: list[PartResult], seeds, out: Path)
     csv_rows = []
     keys = [("worst_10", "Worst 10%", True), ("best_10", "Best 10%", True), ("mean", "Average", True),
             ("variance", "Variance", False)]
-    for result in results:
+    for result in _parts_that_ran(results, sections):
         part = result.part
-        if not result.runs:
-            sections.append(f"## {part.name}\n\nnot run: {result.note}\n")
-            continue
         scenario = part.scenarios[0].label
         rows, bars, errors = [], {}, {}
         stats_by_row = {}
@@ -633,11 +634,8 @@ def _build_efficiency(target: Target, results: list[PartResult], seeds, out: Pat
     csv_header = ["part", "row", "column", "ours_mean", "ours_std", "paper"]
     csv_rows = []
     columns = ["Upload ×10^7", "Comm. MB", "FLOPs ×10^10", "Time_train s"]
-    for result in results:
+    for result in _parts_that_ran(results, sections):
         part = result.part
-        if not result.runs:
-            sections.append(f"## {part.name}\n\nnot run: {result.note}\n")
-            continue
         scenario = part.scenarios[0].label
         rows, labels, per_column = [], [], {c: [] for c in columns}
         for variant in part.variants:
@@ -695,13 +693,10 @@ def _build_prototypes(target: Target, results: list[PartResult], seeds, out: Pat
     from fedhpro.reports.plots import plot_curves
 
     sections, checks, figures = [], [], []
-    csv_header = ["part", "row", "measure", "ours_mean", "ours_std", "paper"]
+    csv_header = list(_MEASURE_HEADER)
     csv_rows = []
-    for result in results:
+    for result in _parts_that_ran(results, sections):
         part = result.part
-        if not result.runs:
-            sections.append(f"## {part.name}\n\nnot run: {result.note}\n")
-            continue
         scenario = part.scenarios[0].label
         curves, normalized, rows, finals = {}, {}, [], {}
         for variant in part.variants:
@@ -752,11 +747,8 @@ def _build_gm_loss(target: Target, results: list[PartResult], seeds, out: Path):
     sections, checks, figures = [], [], []
     csv_header = ["part", "scenario", "round", "gm_loss_before", "gm_loss_after"]
     csv_rows = []
-    for result in results:
+    for result in _parts_that_ran(results, sections):
         part = result.part
-        if not result.runs:
-            sections.append(f"## {part.name}\n\nnot run: {result.note}\n")
-            continue
         series, rows = {}, []
         for (scenario, label), runs in result.runs.items():
             curves = [gm_series(run) for run in runs]
@@ -798,13 +790,10 @@ def _build_tsne(target: Target, results: list[PartResult], seeds, out: Path):
     from fedhpro.reports.plots import MARKERS, _pyplot, save_figure
 
     sections, checks, figures = [], [], []
-    csv_header = ["part", "row", "measure", "ours_mean", "ours_std", "paper"]
+    csv_header = list(_MEASURE_HEADER)
     csv_rows = []
-    for result in results:
+    for result in _parts_that_ran(results, sections):
         part = result.part
-        if not result.runs:
-            sections.append(f"## {part.name}\n\nnot run: {result.note}\n")
-            continue
         scenario = part.scenarios[0].label
         plt = _pyplot()
         count = len(part.variants)

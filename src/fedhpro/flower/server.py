@@ -38,7 +38,7 @@ from fedhpro.errors import ConfigError, FedHProError, UpdateError
 from fedhpro.flower import records
 from fedhpro.flower.engine import build_engine, config_text
 from fedhpro.flower.settings import FlowerSettings, config_from_run_config
-from fedhpro.methods.base import payload_bytes
+from fedhpro.metrics import payload_bytes
 
 #: the ConfigRecord every fedhpro message carries: the resolved config (JSON), the round and the client
 HEADER = "fedhpro.header"

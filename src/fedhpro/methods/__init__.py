@@ -10,7 +10,6 @@ from fedhpro.methods.base import (
     MethodSpec,
     Server,
     TrainSettings,
-    payload_bytes,
 )
 
 METHODS: dict[str, MethodSpec] = {
@@ -25,4 +24,4 @@ METHODS: dict[str, MethodSpec] = {
     "fedsa": fedsa.METHOD,
 }
 
-__all__ = ["METHODS", "Client", "ClientData", "MethodContext", "MethodSpec", "Server", "TrainSettings", "payload_bytes"]
+__all__ = ["METHODS", "Client", "ClientData", "MethodContext", "MethodSpec", "Server", "TrainSettings"]

@@ -105,19 +105,6 @@ def load_weights(model: nn.Module, weights: Mapping[str, Tensor]) -> None:
             state[name].copy_(tensor)
 
 
-def payload_bytes(payload: Any) -> int:
-    """Bytes of all tensors in a payload (numbers count 8 bytes each)."""
-    if isinstance(payload, Tensor):
-        return payload.numel() * payload.element_size()
-    if isinstance(payload, Mapping):
-        return sum(payload_bytes(value) for value in payload.values())
-    if isinstance(payload, (list, tuple)):
-        return sum(payload_bytes(value) for value in payload)
-    if isinstance(payload, (int, float, bool)):
-        return 8
-    return 0
-
-
 def check_weights(weights: Any, reference: Mapping[str, Tensor], who: str = "client") -> None:
     """Raise UpdateError unless ``weights`` has the reference's keys, shapes and only finite values."""
     if not isinstance(weights, Mapping):
