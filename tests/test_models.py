@@ -292,3 +292,47 @@ def test_describe_models_and_table():
     assert len({len(line) for line in lines[1:]}) == 1  # right-aligned numeric columns: equal widths
     with pytest.raises(KeyError):
         describe_models(["nope"])
+
+
+# --- the no-grad max pool: exactly nn.MaxPool2d, faster -------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 8, 8), (2, 5, 7, 9), (1, 1, 2, 3), (4, 32, 28, 28)])
+def test_fast_max_pool_equals_torch_max_pool_bit_for_bit(shape):
+    from fedhpro.models._common import MaxPool2d
+
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    x[0, 0, 0, :2] = 1.5  # a tie inside one window
+    x[-1, -1, -1, -1] = float("nan")  # NaN propagates in both (odd sizes: a dropped row may hold it)
+    with torch.no_grad():
+        expected = nn.MaxPool2d(2)(x)
+        got = MaxPool2d(2)(x)
+    assert got.shape == expected.shape
+    assert torch.equal(torch.nan_to_num(got, nan=7.0), torch.nan_to_num(expected, nan=7.0))
+    assert torch.equal(got.isnan(), expected.isnan())
+
+
+def test_fast_max_pool_takes_the_standard_kernel_when_training():
+    from fedhpro.models._common import MaxPool2d
+
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+    ours, theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    MaxPool2d(2)(ours).pow(2).sum().backward()
+    nn.MaxPool2d(2)(theirs).pow(2).sum().backward()
+    assert torch.equal(ours.grad, theirs.grad)
+    # a window it does not cover (3 x 3, stride 2, padding 1) runs torch's kernel under no_grad too
+    with torch.no_grad():
+        assert torch.equal(MaxPool2d(3, 2, 1)(x), nn.MaxPool2d(3, 2, 1)(x))
+
+
+def test_cnn_eval_forward_equals_the_torch_max_pool_network():
+    model = build_model("cnn", C, (3, 32, 32), 64).eval()
+    reference = build_model("cnn", C, (3, 32, 32), 64).eval()
+    reference.load_state_dict(model.state_dict())
+    for index, layer in enumerate(reference.features):
+        if isinstance(layer, nn.MaxPool2d):
+            reference.features[index] = nn.MaxPool2d(layer.kernel_size)  # torch's own layer
+    assert sum(type(layer) is nn.MaxPool2d for layer in reference.features) == 2
+    x = torch.randn(5, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from numbers import Integral
 
+import torch
 from torch import Tensor, nn
 
 #: inputs with ``min(H, W) <= SMALL_INPUT`` get the small-image ("CIFAR") stems; larger ones keep ImageNet's
@@ -91,3 +92,34 @@ def projection(width: int, feature_dim: int, kind: str = "linear") -> nn.Module:
     if kind == "pool":
         return FeaturePool(feature_dim)
     return nn.Linear(width, feature_dim)
+
+
+class MaxPool2d(nn.MaxPool2d):
+    """``nn.MaxPool2d`` with a faster, exactly equal forward where no gradient is taken.
+
+    PyTorch's CPU kernel for NCHW max pooling computes the argmax indices even
+    under ``no_grad`` and is slow: in ``cnn`` it took ~45 % of an eval-mode
+    forward pass. For the 2 x 2, stride 2 window (no padding, dilation 1,
+    floor mode) the pool is the elementwise maximum of four strided views;
+    a maximum is exact, so the output is bit for bit the same (measured 7x
+    faster on one CPU thread). Where autograd records (training) the standard
+    kernel runs, so training and its gradients are unchanged. The state dict
+    is that of ``nn.MaxPool2d`` (no parameters).
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        if (x.requires_grad and torch.is_grad_enabled()) or not self._strided_maximum_applies(x):
+            return super().forward(x)
+        height, width = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2  # floor mode drops an odd last row/column
+        top = torch.maximum(x[..., 0:height:2, 0:width:2], x[..., 0:height:2, 1:width:2])
+        bottom = torch.maximum(x[..., 1:height:2, 0:width:2], x[..., 1:height:2, 1:width:2])
+        return torch.maximum(top, bottom)
+
+    def _strided_maximum_applies(self, x: Tensor) -> bool:
+        def pair(value):
+            return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+
+        return (x.dim() == 4 and x.device.type == "cpu" and not self.return_indices and not self.ceil_mode
+                and pair(self.kernel_size) == (2, 2) and pair(self.stride or self.kernel_size) == (2, 2)
+                and pair(self.padding) == (0, 0) and pair(self.dilation) == (1, 1)
+                and x.shape[-2] >= 2 and x.shape[-1] >= 2)

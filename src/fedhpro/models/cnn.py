@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from fedhpro.models._common import MaxPool2d
+
 
 class FedAvgCNN(nn.Module):
     """conv5x5(32) - ReLU - maxpool2 - conv5x5(64) - ReLU - maxpool2 - linear(d) - ReLU | linear(C).
@@ -21,10 +23,10 @@ class FedAvgCNN(nn.Module):
         trunk = nn.Sequential(
             nn.Conv2d(channels, 32, kernel_size=5),
             nn.ReLU(inplace=True),
-            nn.MaxPool2d(2),
+            MaxPool2d(2),
             nn.Conv2d(32, 64, kernel_size=5),
             nn.ReLU(inplace=True),
-            nn.MaxPool2d(2),
+            MaxPool2d(2),
             nn.Flatten(),
         )
         with torch.no_grad():
