@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedhpro import functional as HF
 from fedhpro.functional import (
     class_gradients,
     client_margin,
@@ -437,6 +438,115 @@ def test_hyper_prototype_gradients_second_order():
 
 
 # ----------------------------------------------------------------------------
+# Eq. 7 with a linear head: the closed form against the autograd path
+# ----------------------------------------------------------------------------
+
+
+class WrappedHead(nn.Module):
+    """Calls an ``nn.Linear`` but is not one: forces the autograd (double-backward) path of Eq. 7."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def no_bias_head(d: int, c: int, seed: int, dtype=DT) -> nn.Linear:
+    head = nn.Linear(d, c, bias=False).to(dtype)
+    with torch.no_grad():
+        head.weight.copy_(randn(c, d, seed=seed + 1000, dtype=dtype))
+    return head
+
+
+def _forbid_autograd_path(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a plain nn.Linear head must take the closed form, not autograd")
+
+    monkeypatch.setattr(HF, "_per_sample_input_gradients", forbidden)
+
+
+@pytest.mark.parametrize("C", [2, 7])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("I", [1, 3])
+def test_hyper_prototype_gradients_closed_form_equals_per_sample_autograd(C, bias, I, monkeypatch):
+    d = 6
+    head = linear_head(d, C, seed=300 + C) if bias else no_bias_head(d, C, seed=300 + C)
+    hyper = randn(C, I, d, seed=310 + C, scale=2.0)
+    # the reference: the autograd path's per-sample input gradients, averaged over the |I| vectors
+    labels = torch.arange(C).repeat_interleave(I)
+    per_sample = HF._per_sample_input_gradients(hyper.reshape(C * I, d), labels, head, create_graph=False)
+    ref = per_sample.reshape(C, I, d).mean(1)
+    assert not torch.allclose(ref, torch.zeros_like(ref), atol=1e-3)
+    _forbid_autograd_path(monkeypatch)
+    got = hyper_prototype_gradients(hyper, head)
+    assert got.shape == (C, d) and got.dtype == DT
+    assert torch.allclose(got, ref, atol=1e-10, rtol=0)
+    assert not got.requires_grad
+    for p in head.parameters():
+        assert p.grad is None
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_gradient_matching_grad_closed_form_equals_double_backward(bias, monkeypatch):
+    C, I, d = 5, 3, 7
+    head = linear_head(d, C, seed=320) if bias else no_bias_head(d, C, seed=320)
+    base = randn(C, I, d, seed=321, scale=1.5)
+    g_real = randn(C, d, seed=322)
+    present = torch.tensor([True, False, True, True, True])
+    g_real[1] = 0.0
+
+    slow_var = base.clone().requires_grad_(True)  # autograd path: double backward through cross_entropy
+    slow_loss = gradient_matching_loss(g_real, hyper_prototype_gradients(slow_var, WrappedHead(head)), present)
+    (slow,) = torch.autograd.grad(slow_loss, slow_var)
+
+    _forbid_autograd_path(monkeypatch)
+    fast_var = base.clone().requires_grad_(True)
+    fast_loss = gradient_matching_loss(g_real, hyper_prototype_gradients(fast_var, head), present)
+    (fast,) = torch.autograd.grad(fast_loss, fast_var)
+
+    assert float(fast_loss.detach()) == pytest.approx(float(slow_loss.detach()), rel=1e-12, abs=1e-12)
+    assert slow.abs().max() > 1e-3
+    assert torch.allclose(fast, slow, atol=1e-9, rtol=0)
+    assert torch.count_nonzero(fast[1]) == 0  # an absent class gets no gradient
+    for p in head.parameters():
+        assert p.grad is None
+
+
+def test_hyper_prototype_gradients_under_no_grad_stay_differentiable():
+    C, I, d = 3, 2, 4
+    head = linear_head(d, C, seed=330)
+    hyper = randn(C, I, d, seed=331).requires_grad_(True)
+    with torch.no_grad():
+        g = hyper_prototype_gradients(hyper, head)
+    assert g.requires_grad  # as the autograd path (it runs under enable_grad)
+
+
+class ScaledLinear(nn.Linear):
+    """An ``nn.Linear`` subclass whose forward is not ``W x + b``: must not take the closed form."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 3.0 * super().forward(x)
+
+
+def test_hyper_prototype_gradients_other_heads_take_the_autograd_path():
+    C, I, d = 4, 2, 5
+    plain = linear_head(d, C, seed=340)
+    hyper = randn(C, I, d, seed=341)
+    scaled = ScaledLinear(d, C).to(DT)
+    scaled.load_state_dict(plain.state_dict())
+    hooked = copy.deepcopy(plain)
+    hooked.register_forward_hook(lambda module, args, out: 3.0 * out)
+    expected = torch.stack([
+        sum(autograd_ce_grad(WrappedHead(scaled), hyper[c, i], c) for i in range(I)) / I for c in range(C)])
+    closed = hyper_prototype_gradients(hyper, plain)
+    assert not torch.allclose(expected, closed, atol=1e-3)
+    for head in (scaled, hooked):
+        assert torch.allclose(hyper_prototype_gradients(hyper, head), expected, atol=1e-12, rtol=0)
+
+
+# ----------------------------------------------------------------------------
 # Eq. 8: gradient-matching loss
 # ----------------------------------------------------------------------------
 
@@ -587,6 +697,39 @@ def test_match_sgd_moves_only_within_row_space_of_W():
     assert complement.abs().max() < 1e-10
     # the complement part of every vector is untouched
     assert torch.allclose(new - new @ proj_row, hyper - hyper @ proj_row, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("optimizer,lr", [("sgd", 0.1), ("adam", 0.05)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_match_closed_form_equals_autograd_path_float32(optimizer, lr, bias):
+    C, I, d = 6, 4, 16
+    head = linear_head(d, C, seed=350, dtype=torch.float32) if bias else no_bias_head(d, C, 350, torch.float32)
+    with torch.no_grad():
+        head.weight.mul_(0.5)
+    hyper = randn(C, I, d, seed=351, dtype=torch.float32)
+    g_real = randn(C, d, seed=352, dtype=torch.float32)
+    present = torch.tensor([True, True, False, True, True, True])
+    g_real[2] = 0.0
+    fast, fast_before, fast_after = match_hyper_prototypes(hyper, head, g_real, present, steps=6, lr=lr,
+                                                           optimizer=optimizer)
+    slow, slow_before, slow_after = match_hyper_prototypes(hyper, WrappedHead(head), g_real, present, steps=6,
+                                                           lr=lr, optimizer=optimizer)
+    assert (fast - hyper).abs().max() > 1e-3  # the step moved S: the comparison means something
+    assert torch.allclose(fast, slow, atol=1e-5, rtol=0)
+    assert torch.equal(fast[2], hyper[2]) and torch.equal(slow[2], hyper[2])
+    assert fast_before == pytest.approx(slow_before, rel=1e-5, abs=1e-6)
+    assert fast_after == pytest.approx(slow_after, rel=1e-5, abs=1e-6)
+    assert fast_after < fast_before
+    for p in head.parameters():
+        assert p.grad is None
+
+
+def test_match_loss_before_is_the_loss_of_the_start():
+    head, hyper, g_real, present = _match_fixture(seed=360)
+    W, b = head.weight.detach(), head.bias.detach()
+    _, before, _ = match_hyper_prototypes(hyper, head, g_real, present, steps=3, lr=0.1)
+    assert before == float(gradient_matching_loss(g_real, hyper_prototype_gradients(hyper, head), present))
+    assert before == pytest.approx(float(ref_lgm(g_real, closed_form_g_hp(hyper, W, b), present)), rel=1e-12)
 
 
 # ----------------------------------------------------------------------------

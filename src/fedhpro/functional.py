@@ -29,6 +29,7 @@ __all__ = [
     "hpcl_loss",
     "hpal_loss",
     "weighted_average",
+    "WeightedSum",
 ]
 
 
@@ -163,22 +164,66 @@ def aggregate_class_gradients(gradients: Tensor, present: Tensor) -> tuple[Tenso
     return summed / holders.clamp(min=1).unsqueeze(1).to(gradients.dtype), holders > 0
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """True for an ``nn.Linear`` whose output is exactly ``F.linear(x, weight, bias)``.
+
+    A subclass that overrides ``forward`` (a cosine or normalised head, say) or
+    a module with forward hooks is not: those take the autograd path.
+    """
+    return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+            and not module._forward_hooks and not module._forward_pre_hooks)
+
+
+def _linear_head_hyper_gradients(hyper: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """Eq. 7 for a linear head ``h(s) = W s + b`` in closed form (``C x I x d`` -> ``C x d``).
+
+    ``d CE(W s + b, c) / d s = W^T (softmax(W s + b) - e_c)``, so
+    ``g_HP^c = W^T (1/|I| sum_i softmax(W s_i^c + b) - e_c)``: one matmul
+    for the ``C |I| x C`` logits of all vectors, a softmax, the mean over the
+    ``|I|`` vectors of each class, minus the identity (the one-hot rows
+    ``e_c``), one ``C x C`` by ``C x d`` matmul. ``W`` and ``b`` are detached.
+    """
+    num_classes, per_class, dim = hyper.shape
+    weight = weight.detach()
+    bias = bias.detach() if bias is not None else None
+    logits = F.linear(hyper.reshape(num_classes * per_class, dim), weight, bias)
+    probs = torch.softmax(logits, dim=1).reshape(num_classes, per_class, logits.shape[1]).mean(1)
+    eye = torch.eye(num_classes, logits.shape[1], dtype=probs.dtype, device=probs.device)
+    return (probs - eye) @ weight
+
+
 def hyper_prototype_gradients(hyper: Tensor, classifier: nn.Module) -> Tensor:
     """Gradients of the hyper-prototypes under the virtual loss, Eq. 7.
 
     ``g_HP^c = 1/|I| * sum_i d CE(h*(s_i^c), c) / d s_i^c``: each vector's
     gradient of its own loss, then averaged over the ``|I|`` vectors.
-    Differentiable with respect to ``hyper`` (second order through ``h``),
-    as gradient matching (Eq. 8-9) needs.
+    Differentiable with respect to ``hyper``, as gradient matching
+    (Eq. 8-9) needs.
+
+    For a plain ``nn.Linear`` head (every model in the zoo) the gradient is
+    computed in closed form, ``W^T (mean_i softmax(W s_i^c + b) - e_c)``, as
+    ordinary tensor ops of ``hyper`` (``W``, ``b`` detached): differentiating
+    ``L_GM`` through it is then a first-order backward through a softmax and
+    two matmuls, instead of autograd's double backward through
+    ``cross_entropy`` (``create_graph=True``), which is several times slower
+    per matching step. The maths is exact, the same function as the autograd
+    path, but not the same float operations (the mean over ``|I|`` is taken
+    before multiplying by ``W^T``), so results agree to rounding, not bit for
+    bit. Any other head takes the autograd path (per-sample input gradients,
+    second order through ``h`` when ``hyper`` requires grad).
 
     Args:
         hyper: ``C x I x d`` hyper-prototypes ``S``.
-        classifier: the global linear head ``h*``.
+        classifier: the global head ``h*`` (``nn.Linear(d, C)``); no parameter
+            receives a gradient.
 
     Returns:
         ``C x d``.
     """
     num_classes, per_class, dim = hyper.shape
+    if _plain_linear(classifier):
+        with torch.enable_grad():  # differentiable w.r.t. hyper even when called under no_grad
+            return _linear_head_hyper_gradients(hyper, classifier.weight, classifier.bias)
     flat = hyper.reshape(num_classes * per_class, dim)
     virtual_labels = torch.arange(num_classes, device=hyper.device).repeat_interleave(per_class)
     with torch.enable_grad():
@@ -241,16 +286,21 @@ def match_hyper_prototypes(
     g_real = g_real.detach()
     with torch.enable_grad():
         start = hyper.detach()
-        loss_before = float(gradient_matching_loss(g_real, hyper_prototype_gradients(start, classifier), present))
         if steps <= 0 or not bool(present.any()):
+            loss_before = float(gradient_matching_loss(g_real, hyper_prototype_gradients(start, classifier), present))
             return start.clone(), loss_before, loss_before
         variable = start.clone().requires_grad_(True)
         opt = torch.optim.SGD([variable], lr=lr) if optimizer == "sgd" else torch.optim.Adam([variable], lr=lr)
+        first_loss = None
         for _ in range(steps):
+            # with a linear head, hyper_prototype_gradients is closed form: a first-order backward here
             loss = gradient_matching_loss(g_real, hyper_prototype_gradients(variable, classifier), present)
+            if first_loss is None:
+                first_loss = loss.detach()  # L_GM of the start: the first step's forward, not a second one
             (grad,) = torch.autograd.grad(loss, variable)
             variable.grad = grad
             opt.step()
+        loss_before = float(first_loss)
         matched = variable.detach()
         # absent classes: keep the input bit for bit (Adam's eps could nudge them)
         matched = torch.where(present.view(-1, 1, 1), matched, start)
@@ -335,30 +385,79 @@ def hpal_loss(z: Tensor, y: Tensor, hyper: Tensor, normalized: bool = False) -> 
     return F.smooth_l1_loss(z, targets, beta=1.0, reduction="none").sum(1).mean()
 
 
+class WeightedSum:
+    """The global aggregation of Algorithm 1 (Eq. 1), folded one state at a time.
+
+    ``add(w_k, n_k)`` adds ``n_k * w_k`` to a running sum of each floating-point
+    entry (in arrival order, in the entry's dtype); :meth:`result` returns
+    ``w* = sum_k n_k w_k / N`` with ``N = sum_k n_k``. Integer entries
+    (``num_batches_tracked``) are counters, not parameters: the largest one is
+    kept. Memory is one state's worth whatever the number of states, so an
+    engine can fold each client's weights as the reply arrives instead of
+    holding every client's copy until the end of the round.
+    :func:`weighted_average` folds a list with this same code, so a list and a
+    stream in the same order give bit-identical results.
+    """
+
+    def __init__(self) -> None:
+        self._sums: dict[str, Tensor] | None = None
+        self.total = 0.0  # N = sum of the weights added
+        self.count = 0  # number of states added
+
+    def add(self, state: Mapping[str, Tensor], weight: float) -> None:
+        """Fold one state (the keys and shapes of the first one) with weight ``n_k``; the state is not kept."""
+        weight = float(weight)
+        with torch.no_grad():
+            if self._sums is None:
+                # new tensors: a product (floating) or a copy (integer), never the input's storage
+                self._sums = {key: torch.mul(value, weight) if _averaged(value) else value.detach().clone()
+                              for key, value in state.items()}
+            else:
+                for key, total in self._sums.items():
+                    value = state[key]
+                    if _averaged(total):
+                        total.add_(value.detach().to(total.dtype), alpha=weight)
+                    else:
+                        torch.maximum(total, value.detach().to(total.dtype), out=total)
+        self.total += weight
+        self.count += 1
+
+    def result(self) -> dict[str, Tensor]:
+        """``sum_k n_k w_k / N`` per floating entry, the max per integer entry: new tensors (the sums are kept).
+
+        Raises ValueError when no state was added or the total weight is not positive.
+        """
+        if self._sums is None:
+            raise ValueError("weighted_average needs at least one state")
+        if not self.total > 0:
+            raise ValueError("weighted_average needs a positive total weight")
+        with torch.no_grad():
+            return {key: total / self.total if _averaged(total) else total.clone() for key, total in self._sums.items()}
+
+
+def _averaged(value: Tensor) -> bool:
+    """Whether an entry is averaged (floating or complex) rather than kept as the max (integer counters)."""
+    return value.is_floating_point() or value.is_complex()
+
+
 def weighted_average(states: Sequence[Mapping[str, Tensor]], weights: Sequence[float]) -> dict[str, Tensor]:
     """Global aggregation of Algorithm 1 (and Eq. 1): ``w* = sum_k (n_k/N) w_k``.
 
     Floating-point entries (parameters and BatchNorm running statistics) are
-    averaged with weights ``n_k / N``; integer entries (``num_batches_tracked``)
+    averaged with weights ``n_k / N`` (summed as ``sum_k n_k w_k`` in the order
+    given, then divided by ``N``); integer entries (``num_batches_tracked``)
     are counters, not parameters: the largest one is kept. Returns new tensors
-    (no aliasing of any input).
+    (no aliasing of any input). The states are folded one by one with
+    :class:`WeightedSum`, exactly as an engine streams them, so both give
+    bit-identical results.
 
     Args:
         states: state dicts with the same keys and shapes.
         weights: one non-negative weight per state (``n_k``), not all zero.
     """
-    if not states:
-        raise ValueError("weighted_average needs at least one state")
-    total = float(sum(weights))
-    if total <= 0:
-        raise ValueError("weighted_average needs a positive total weight")
-    fractions = [float(w) / total for w in weights]
-    averaged: dict[str, Tensor] = {}
-    for key, first in states[0].items():
-        if first.is_floating_point() or first.is_complex():
-            stacked = torch.stack([state[key].to(first.dtype) for state in states])
-            coefficients = torch.tensor(fractions, dtype=first.dtype, device=first.device)
-            averaged[key] = torch.tensordot(coefficients, stacked, dims=1)
-        else:
-            averaged[key] = torch.stack([state[key] for state in states]).amax(0).clone()
-    return averaged
+    if len(states) != len(weights):
+        raise ValueError(f"weighted_average got {len(states)} states but {len(weights)} weights")
+    folded = WeightedSum()
+    for state, weight in zip(states, weights):
+        folded.add(state, weight)
+    return folded.result()
