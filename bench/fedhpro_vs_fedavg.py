@@ -13,6 +13,10 @@ Variants, run interleaved in one process on the same clients (see ``harness.py``
 * ``fedhpro gradient_timing=before, two passes``: the client as it was before
   the one-pass change (a separate margin pass), for the before/after record;
   only on request (``--variants``).
+* ``fedhpro, old eval passes``: the default client with the eval-mode passes
+  as they were before the no-grad max pool and the CPU eval batch of 128
+  (torch's ``nn.MaxPool2d``, batches of 1024), for the before/after record;
+  only on request.
 
 Per variant it prints the median seconds per round, the server's share
 (aggregation + gradient matching) and the ratios to FedAvg within each
@@ -27,12 +31,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+from unittest import mock
 
 import torch
 
 import harness
 from fedhpro.engines.simulator import Simulator
 from fedhpro.methods import METHODS, TrainSettings
+from fedhpro.methods import base
 from fedhpro.methods.base import extract_features, load_weights
 from fedhpro.methods.fedhpro import FedHProClient
 from fedhpro.models import build_model
@@ -46,7 +52,9 @@ VARIANTS = {
     "fedhpro gradient_timing=before": ("fedhpro", {"gradient_timing": "before"}),
     "fedhpro margin=off": ("fedhpro", {"margin": "off"}),
     "fedhpro gradient_timing=before, two passes": ("fedhpro-two-passes", {"gradient_timing": "before"}),
+    "fedhpro, old eval passes": ("fedhpro", {}),
 }
+OLD_EVAL_PASSES = "fedhpro, old eval passes"
 DEFAULT_VARIANTS = list(VARIANTS)[:4]
 
 
@@ -84,18 +92,30 @@ def main() -> None:
     def factory() -> torch.nn.Module:
         return build_model("cnn", federation.num_classes, federation.input_shape, 512)
 
+    def torch_pool_factory() -> torch.nn.Module:
+        model = factory()
+        for index, layer in enumerate(model.features):
+            if isinstance(layer, torch.nn.MaxPool2d):
+                model.features[index] = torch.nn.MaxPool2d(layer.kernel_size)  # torch's kernel, also under no_grad
+        return model
+
     names = ["fedavg"] + [name for name in args.variants if name != "fedavg"]
     simulators = {}
     for name in names:
         method, overrides = VARIANTS[name]
         options = dataclasses.replace(config.methods[METHOD_SPECS[method].name], **overrides)
-        simulators[name] = Simulator(METHOD_SPECS[method], options, federation, factory, train,
+        simulators[name] = Simulator(METHOD_SPECS[method], options, federation,
+                                     torch_pool_factory if name == OLD_EVAL_PASSES else factory, train,
                                      rounds=10 ** 9, eval_every=10 ** 9)
     rounds = {name: 0 for name in names}
     server_seconds: dict[str, list[float]] = {name: [] for name in names}
 
     def one_round(name: str) -> None:
-        record = simulators[name].run_round(rounds[name])
+        if name == OLD_EVAL_PASSES:  # the eval batch as it was (1024) for this variant's round only
+            with mock.patch.object(base, "eval_batch_size", lambda device: 1024):
+                record = simulators[name].run_round(rounds[name])
+        else:
+            record = simulators[name].run_round(rounds[name])
         rounds[name] += 1
         server_seconds[name].append(record.seconds["server"])
 
@@ -117,6 +137,8 @@ def main() -> None:
     old, new = "fedhpro gradient_timing=before, two passes", "fedhpro gradient_timing=before"
     if old in times and new in times:
         harness.report_ratio(times, old, new, "before/after the one-pass change")
+    if OLD_EVAL_PASSES in times and "fedhpro" in times:
+        harness.report_ratio(times, OLD_EVAL_PASSES, "fedhpro", "before/after the faster eval passes")
     print(f"  after: {harness.machine_info()['load']}")
 
 

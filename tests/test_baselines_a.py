@@ -376,15 +376,21 @@ def run_rounds(spec, model_factory, rounds=1, **kwargs):
     federation.client_domains = ["a", "b", "a"]  # per-client evaluation (classifier-only exchange) needs test sets
     train = TrainSettings(epochs=1, batch_size=8, lr=0.05, momentum=0.9, weight_decay=1e-5)
     sim = Simulator(spec, spec.options(), federation, model_factory, train, rounds=rounds, **kwargs)
+    # the clients' uploads, one list per round (captured at fit: the server folds each reply's weights into
+    # its running sum as the reply arrives, so what reaches aggregate no longer holds them)
     captured = []
-    aggregate = sim.server.aggregate
+    fit = sim.client.fit
 
-    def capture(round, replies):
-        captured.append(replies)
-        return aggregate(round, replies)
+    def capture(model, payload, data, state, generator):
+        reply, metrics = fit(model, payload, data, state, generator)
+        captured[-1].append(reply)
+        return reply, metrics
 
-    sim.server.aggregate = capture
-    records = [sim.run_round(r) for r in range(rounds)]
+    sim.client.fit = capture
+    records = []
+    for r in range(rounds):
+        captured.append([])
+        records.append(sim.run_round(r))
     return sim, records, captured
 
 

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from fedhpro.data.federation import Federation
 from fedhpro.errors import ConfigError, UpdateError
-from fedhpro.methods.base import MethodContext, MethodSpec, TrainSettings, extract_features, load_weights
+from fedhpro.methods.base import MethodContext, MethodSpec, TrainSettings, eval_batch_size, extract_features, load_weights
 from fedhpro.metrics import (FlopCounter, class_means, fairness_statistics, mean_client_prototypes, payload_bytes,
                              payload_parameters, prototype_distance)
 
@@ -76,11 +76,13 @@ class RoundRecord:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, test_sets: dict[str, tuple[Tensor, Tensor]], batch_size: int = 1024) -> dict[str, float]:
+def evaluate(model: nn.Module, test_sets: dict[str, tuple[Tensor, Tensor]],
+             batch_size: int | None = None) -> dict[str, float]:
     """Accuracy in percent on each test set, plus ``AVG``, their unweighted mean (the paper's AVG)."""
     model.eval()
     accuracy = {}
     for name, (x, y) in test_sets.items():
+        batch_size = batch_size or eval_batch_size(x.device)
         correct = 0
         for start in range(0, x.shape[0], batch_size):
             correct += int((model(x[start:start + batch_size]).argmax(1) == y[start:start + batch_size]).sum())
@@ -274,8 +276,12 @@ class Simulator:
         payload = self.server.broadcast(round)
         down = payload_bytes(payload)
         evaluating = (round + 1) % self.eval_every == 0 or round + 1 == self.rounds
-        replies, train_metrics, dropped, errors = [], [], [], []
+        # valid replies, appended in client order; the server's container folds each reply's weights into a
+        # running sum as it arrives (one model's memory, not one per client), so the uploads are measured here
+        replies = self.server.new_replies()
+        train_metrics, dropped, errors = [], [], []
         flops_train, local_prototypes = 0, []
+        up, params_up = 0, 0
         for k in participants:
             fault_rng = np.random.default_rng(derive_seed(self.seed, _FAULT, round, k))
             draw_dropout, draw_corrupt = fault_rng.random(2)
@@ -306,6 +312,8 @@ class Simulator:
                 continue
             if self.heterogeneous:  # the client's own feature extractor persists to its next round
                 self.client_weights[k] = {key: v.detach().clone() for key, v in model.state_dict().items()}
+            up += payload_bytes(reply)
+            params_up += payload_parameters(reply)
             replies.append(reply)
             train_metrics.append((len(self.federation.clients[k]), metrics))
             if self.count_flops:
@@ -320,7 +328,6 @@ class Simulator:
             if self.on_drop is not None:
                 self.on_drop(f"round {round}: client {item['client']} dropped: {item['reason']}")
         client_seconds = time.perf_counter() - timer
-        up = sum(payload_bytes(reply) for reply in replies)
 
         timer = time.perf_counter()
         skipped = len(replies) < self.min_clients
@@ -337,7 +344,7 @@ class Simulator:
 
         timer = time.perf_counter()
         accuracy = None
-        extra: dict[str, Any] = {"params_up": sum(payload_parameters(reply) for reply in replies),
+        extra: dict[str, Any] = {"params_up": params_up,
                                  "params_down": payload_parameters(payload) * len(participants)}
         if self.count_flops:
             extra["flops_train"] = flops_train

@@ -154,7 +154,11 @@ class MethodStrategy(Strategy):
         answers: dict[int, Message] = {}
         for reply in list(replies):  # an iterable that can be read once
             answers[self.partition_of[reply.metadata.src_node_id]] = reply
-        valid, train_metrics, errors = [], [], []
+        # the method's container, filled reply by reply as the simulator fills it: the same arithmetic (each
+        # reply's weights folded into the running sum on arrival), so both engines give the same bits
+        valid = self.engine.server.new_replies()
+        train_metrics, errors = [], []
+        bytes_up = 0
         dropped = state["dropped"]
         for k in sorted(state["sent"]):  # the simulator's order: sorted participants
             reply = answers.get(k)
@@ -174,6 +178,7 @@ class MethodStrategy(Strategy):
             except UpdateError as error:
                 dropped.append({"client": k, "reason": f"invalid update: {error}"})
                 continue
+            bytes_up += payload_bytes(payload)
             valid.append(payload)
             train_metrics.append((len(self.engine.federation.clients[k]), records.decode_metrics(reply.content)))
         dropped.sort(key=lambda item: state["participants"].index(item["client"]))
@@ -191,7 +196,7 @@ class MethodStrategy(Strategy):
         else:
             server_metrics = self.engine.server.aggregate(round, valid)
         state.update(train=_weighted_mean(train_metrics), server=server_metrics, skipped=skipped,
-                     bytes_up=sum(payload_bytes(reply) for reply in valid),
+                     bytes_up=bytes_up,
                      seconds={"clients": client_seconds, "server": time.perf_counter() - timer})
         arrays = ArrayRecord({key: records.to_array(v) for key, v in self.engine.server.global_weights().items()})
         return arrays, records.encode_metrics(state["train"])

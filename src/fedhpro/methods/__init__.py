@@ -8,6 +8,7 @@ from fedhpro.methods.base import (
     ClientData,
     MethodContext,
     MethodSpec,
+    Replies,
     Server,
     TrainSettings,
 )
@@ -24,4 +25,4 @@ METHODS: dict[str, MethodSpec] = {
     "fedsa": fedsa.METHOD,
 }
 
-__all__ = ["METHODS", "Client", "ClientData", "MethodContext", "MethodSpec", "Server", "TrainSettings"]
+__all__ = ["METHODS", "Client", "ClientData", "MethodContext", "MethodSpec", "Replies", "Server", "TrainSettings"]

@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from fedhpro.data.federation import ClientData
 from fedhpro.errors import UpdateError
-from fedhpro.functional import weighted_average
+from fedhpro.functional import WeightedSum, weighted_average
 
 Payload = dict[str, Any]
 Weights = dict[str, Tensor]
@@ -120,8 +120,67 @@ def check_weights(weights: Any, reference: Mapping[str, Tensor], who: str = "cli
             raise UpdateError(f"{who} sent non-finite values in '{name}'; the local training diverged (lower lr?)")
 
 
+class Replies(Sequence[Payload]):
+    """One round's valid replies, in the order an engine appends them (client order).
+
+    With ``fold_weights`` (what :meth:`Server.new_replies` gives unless the
+    method says otherwise) each reply's ``"weights"`` are folded, as the reply
+    is appended, into a running ``n_k``-weighted sum (:class:`WeightedSum`, by
+    ``num_examples``), and the stored reply keeps every other key (counts,
+    prototypes, class gradients: small) but not the weights. The round then
+    holds one model's worth of summed weights, not one copy per client, and
+    :meth:`Server.average_weights` returns the same numbers as for the list of
+    the full replies in the same order (bit for bit). Without ``fold_weights``
+    it is a plain list of the replies as appended.
+
+    Append only replies that passed :meth:`Server.validate_reply`: the weights
+    are gone afterwards, so the server cannot check them again.
+    """
+
+    def __init__(self, fold_weights: bool = True):
+        self.folds_weights = fold_weights
+        self._replies: list[Payload] = []
+        self._sum = WeightedSum() if fold_weights else None
+
+    def append(self, reply: Payload) -> None:
+        """Add a validated reply; with ``fold_weights`` its weights go into the running sum, not into the store."""
+        if self._sum is not None:
+            self._sum.add(reply["weights"], reply["num_examples"])
+            reply = {key: value for key, value in reply.items() if key != "weights"}
+        self._replies.append(reply)
+
+    def average_weights(self) -> Weights:
+        """FedAvg of the folded weights by ``num_examples``: new tensors; ValueError if nothing was folded."""
+        if self._sum is None:
+            raise ValueError("these replies keep their weights (fold_weights=False); average the replies instead")
+        return self._sum.result()
+
+    def __len__(self) -> int:
+        return len(self._replies)
+
+    @overload
+    def __getitem__(self, index: int) -> Payload: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Payload]: ...
+
+    def __getitem__(self, index):
+        return self._replies[index]
+
+    def __iter__(self) -> Iterator[Payload]:
+        return iter(self._replies)
+
+    def __repr__(self) -> str:
+        return f"Replies({len(self)} replies, fold_weights={self.folds_weights})"
+
+
 class Server:
     """Server part. The default is FedAvg: broadcast the global weights, average the replies by n_k."""
+
+    #: the engines collect a round's replies in :meth:`new_replies`; with True each reply's weights are folded
+    #: into the ``num_examples``-weighted sum as it arrives (one model's memory per round, not one per client).
+    #: A method that weights the clients by another rule, or reads the clients' weights, sets False.
+    folds_weights = True
 
     def __init__(self, context: MethodContext):
         self.context = context
@@ -132,9 +191,13 @@ class Server:
     def broadcast(self, round: int) -> Payload:
         return {"weights": self.weights}
 
-    def aggregate(self, round: int, replies: list[Payload]) -> dict[str, float]:
+    def aggregate(self, round: int, replies: Sequence[Payload]) -> dict[str, float]:
         self.weights = self.average_weights(replies)
         return {}
+
+    def new_replies(self) -> Replies:
+        """The container an engine appends this round's valid replies to (then hands to :meth:`aggregate`)."""
+        return Replies(fold_weights=self.folds_weights)
 
     def validate_reply(self, reply: Payload, who: str = "reply") -> None:
         """Raise UpdateError naming the problem unless ``reply`` is a well-formed, finite update.
@@ -150,10 +213,24 @@ class Server:
                 or count <= 0):
             raise UpdateError(f"{who} has num_examples={count!r}; it must be a finite number > 0")
 
-    def average_weights(self, replies: list[Payload]) -> Weights:
-        """FedAvg of the replies' weights by their ``num_examples`` (Algorithm 1's aggregation)."""
+    def validate_replies(self, replies: Sequence[Payload]) -> None:
+        """:meth:`validate_reply` for every reply (named ``reply {index}``), before any state changes.
+
+        Replies whose weights were folded are skipped: the engine validated
+        each one as it appended it, and the weights are no longer there."""
+        if isinstance(replies, Replies) and replies.folds_weights:
+            return
         for index, reply in enumerate(replies):
             self.validate_reply(reply, who=f"reply {index}")
+
+    def average_weights(self, replies: Sequence[Payload]) -> Weights:
+        """FedAvg of the replies' weights by their ``num_examples`` (Algorithm 1's aggregation).
+
+        For folded :class:`Replies` the sum was built as the replies arrived; a list of replies is
+        validated, then folded in its order with the same code (:func:`weighted_average`)."""
+        if isinstance(replies, Replies) and replies.folds_weights:
+            return replies.average_weights()
+        self.validate_replies(replies)
         return weighted_average([reply["weights"] for reply in replies], [reply["num_examples"] for reply in replies])
 
     def global_weights(self) -> Weights:
@@ -277,9 +354,22 @@ def compiled_features(model: nn.Module) -> Callable[[Tensor], Tensor]:
     return compiled
 
 
+def eval_batch_size(device: torch.device) -> int:
+    """Rows per forward pass of the no-grad passes (features, evaluation).
+
+    A fixed choice per device, so runs stay reproducible; another batch size
+    can change the last float digits (CPU kernels block small batches
+    differently). On the CPU, 128 keeps a ``cnn`` batch's activations in
+    cache: ~1.8x faster per sample than 1024 on one thread (bench/RESULTS.md);
+    accelerators prefer large batches.
+    """
+    return 128 if device.type == "cpu" else 1024
+
+
 @torch.no_grad()
-def extract_features(model: nn.Module, x: Tensor, batch_size: int = 1024) -> Tensor:
+def extract_features(model: nn.Module, x: Tensor, batch_size: int | None = None) -> Tensor:
     """``f(x)`` for all rows of ``x`` in eval mode (restores the previous mode)."""
+    batch_size = batch_size or eval_batch_size(x.device)
     was_training = model.training
     model.eval()
     features = torch.cat([model.features(x[i:i + batch_size]) for i in range(0, x.shape[0], batch_size)])

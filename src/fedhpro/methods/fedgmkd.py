@@ -81,6 +81,7 @@ head, so ``hyper`` requires ``protocol=dagger`` (ConfigError otherwise).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -276,6 +277,9 @@ def check_counts(reply: Payload, num_classes: int, who: str) -> Tensor:
 
 
 class FedGMKDServer(Server):
+    #: the clients' weights are averaged by the DAT client weights, known once every reply is in
+    folds_weights = False
+
     def __init__(self, context: MethodContext):
         check_protocol(context)
         super().__init__(context)
@@ -321,10 +325,9 @@ class FedGMKDServer(Server):
         if self.hyper:
             check_class_tensor(reply, "class_gradients", (c, d), who, held)
 
-    def aggregate(self, round: int, replies: list[Payload]) -> dict[str, float]:
+    def aggregate(self, round: int, replies: Sequence[Payload]) -> dict[str, float]:
         # validate everything before changing any state: a rejected round leaves the server as it was
-        for index, reply in enumerate(replies):
-            self.validate_reply(reply, who=f"reply {index}")
+        self.validate_replies(replies)
         counts = torch.stack([reply["class_counts"].detach().cpu() for reply in replies])
         present = counts > 0
         zero = torch.zeros((), dtype=torch.float64)

@@ -18,6 +18,7 @@ previous P.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -96,7 +97,7 @@ class FedHProServer(Server):
         super().validate_reply(reply, who)
         self.bank.validate([reply])
 
-    def aggregate(self, round: int, replies: list[Payload]) -> dict[str, float]:
+    def aggregate(self, round: int, replies: Sequence[Payload]) -> dict[str, float]:
         # validate everything before changing any state: a rejected round leaves the server as it was
         gradients, present = self.bank.validate(replies)
         if self.uses_global:

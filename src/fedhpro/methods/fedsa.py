@@ -44,6 +44,7 @@ the anchors in all three terms and in the global gap; clients upload
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,9 +201,8 @@ class FedSAServer(Server):
         if self.hyper:
             check_class_tensor(reply, "class_gradients", (c, d), who, held)
 
-    def aggregate(self, round: int, replies: list[Payload]) -> dict[str, float]:
-        for index, reply in enumerate(replies):
-            self.validate_reply(reply, who=f"reply {index}")
+    def aggregate(self, round: int, replies: Sequence[Payload]) -> dict[str, float]:
+        self.validate_replies(replies)
         present = torch.stack([reply["class_counts"].detach().cpu() > 0 for reply in replies])
         prototypes = torch.where(present.unsqueeze(2),
                                  torch.stack([reply["prototypes"].detach().cpu().double() for reply in replies]),

@@ -22,7 +22,7 @@ with ``prototypes=hyper``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -322,10 +322,9 @@ class PrototypeServer(Server, ABC):
             except UpdateError as error:  # its messages name the reply "reply 0"
                 raise UpdateError(str(error).replace("reply 0", who, 1)) from None
 
-    def aggregate(self, round: int, replies: list[Payload]) -> dict[str, float]:
+    def aggregate(self, round: int, replies: Sequence[Payload]) -> dict[str, float]:
         # validate everything before changing any state: a rejected round leaves the server as it was
-        for index, reply in enumerate(replies):
-            self.validate_reply(reply, who=f"reply {index}")
+        self.validate_replies(replies)
         prototypes, present, counts = stack_prototypes(replies, self.num_classes, self.feature_dim)
         gradients = None
         if self.bank is not None:
