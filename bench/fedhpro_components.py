@@ -29,6 +29,7 @@ from fedhpro import functional as HF
 from fedhpro.data.federation import ClientData
 from fedhpro.methods.base import TrainSettings, extract_features, train_epochs
 from fedhpro.models import build_model
+from fedhpro.runtime import configure_cpu_runtime
 
 
 def main() -> None:
@@ -39,7 +40,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)
+    configure_cpu_runtime()  # as fedhpro.run does on the CPU
     generator = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     model = build_model("cnn", 10, (3, 32, 32), 512)

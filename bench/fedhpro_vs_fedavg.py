@@ -14,9 +14,9 @@ Variants, run interleaved in one process on the same clients (see ``harness.py``
   the one-pass change (a separate margin pass), for the before/after record;
   only on request (``--variants``).
 * ``fedhpro, old eval passes``: the default client with the eval-mode passes
-  as they were before the no-grad max pool and the CPU eval batch of 128
-  (torch's ``nn.MaxPool2d``, batches of 1024), for the before/after record;
-  only on request.
+  as they were before the no-grad max pool, the channels_last eval layout and
+  the CPU eval batch of 64 (torch's ``nn.MaxPool2d``, NCHW, batches of 1024),
+  for the before/after record; only on request.
 
 Per variant it prints the median seconds per round, the server's share
 (aggregation + gradient matching) and the ratios to FedAvg within each
@@ -42,6 +42,7 @@ from fedhpro.methods import base
 from fedhpro.methods.base import extract_features, load_weights
 from fedhpro.methods.fedhpro import FedHProClient
 from fedhpro.models import build_model
+from fedhpro.runtime import configure_cpu_runtime
 
 TARGET = 1.15
 
@@ -84,7 +85,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)  # as fedhpro.run does on the CPU
+    configure_cpu_runtime()  # as fedhpro.run does on the CPU
 
     federation, config = harness.digits_federation(args.clients, args.data_dir)
     train = TrainSettings(epochs=args.epochs)
@@ -111,8 +112,9 @@ def main() -> None:
     server_seconds: dict[str, list[float]] = {name: [] for name in names}
 
     def one_round(name: str) -> None:
-        if name == OLD_EVAL_PASSES:  # the eval batch as it was (1024) for this variant's round only
-            with mock.patch.object(base, "eval_batch_size", lambda device: 1024):
+        if name == OLD_EVAL_PASSES:  # the eval batch (1024) and layout (NCHW) as they were, for this round only
+            with mock.patch.object(base, "eval_batch_size", lambda device: 1024), \
+                    mock.patch.object(base, "eval_layout", lambda batch: batch):
                 record = simulators[name].run_round(rounds[name])
         else:
             record = simulators[name].run_round(rounds[name])

@@ -23,6 +23,7 @@ import subprocess
 import sys
 
 import harness
+from fedhpro.runtime import configure_cpu_runtime
 
 
 def child(method: str, num_clients: int, samples: int) -> dict:
@@ -35,7 +36,7 @@ def child(method: str, num_clients: int, samples: int) -> dict:
     from fedhpro.methods import METHODS, TrainSettings
     from fedhpro.models import build_model
 
-    torch.set_flush_denormal(True)
+    configure_cpu_runtime()  # as fedhpro.run does on the CPU
     generator = torch.Generator().manual_seed(0)
     per_client = max(2, samples // num_clients)
     clients = [ClientData(torch.randn(per_client, 3, 32, 32, generator=generator),

@@ -31,6 +31,7 @@ import torch
 
 import harness
 from fedhpro.methods.hyper import HyperPrototypeBank
+from fedhpro.runtime import configure_cpu_runtime
 
 
 class AutogradHead(torch.nn.Module):
@@ -91,7 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)
+    configure_cpu_runtime()  # as fedhpro.run does on the CPU
 
     paths = ["closed-form", "autograd"] if args.path == "both" else [args.path]
     variants = {}

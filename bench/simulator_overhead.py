@@ -23,6 +23,7 @@ import harness
 from fedhpro.engines.simulator import Simulator
 from fedhpro.methods import METHODS, TrainSettings
 from fedhpro.models import build_model
+from fedhpro.runtime import configure_cpu_runtime
 
 TARGET = 1.10
 
@@ -63,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)  # as fedhpro.run does on the CPU
+    configure_cpu_runtime()  # as fedhpro.run does on the CPU
 
     federation, config = harness.digits_federation(args.clients, args.data_dir)
     train = TrainSettings(epochs=args.epochs)

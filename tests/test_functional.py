@@ -1015,3 +1015,40 @@ def test_weighted_average_batchnorm_state_dicts():
     fresh = nn.BatchNorm2d(3)
     fresh.load_state_dict(out)
     assert int(fresh.num_batches_tracked) == 3
+
+
+# --- the batched form FedHPro's local training uses ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("normalized", [True, False])
+def test_hyper_prototype_losses_equal_the_two_losses_and_their_gradients(normalized):
+    g = torch.Generator().manual_seed(11)
+    hyper = torch.randn(6, 3, 16, generator=g)
+    y = torch.randint(0, 6, (9,), generator=g)
+    z0 = torch.relu(torch.randn(9, 16, generator=g))
+    z_joint, z_apart = z0.clone().requires_grad_(True), z0.clone().requires_grad_(True)
+    hpcl, hpal = HF.hyper_prototype_losses(z_joint, y, hyper, 0.3, 0.05, normalized=normalized)
+    (hpcl + 2 * hpal).backward()
+    hpcl_apart = HF.hpcl_loss(z_apart, y, hyper, 0.3, 0.05)
+    hpal_apart = HF.hpal_loss(z_apart, y, hyper, normalized=normalized)
+    (hpcl_apart + 2 * hpal_apart).backward()
+    torch.testing.assert_close(hpcl, hpcl_apart, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(hpal, hpal_apart, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(z_joint.grad, z_apart.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_hyper_similarity_is_the_mean_cosine_per_sample_and_follows_in_place_changes():
+    g = torch.Generator().manual_seed(12)
+    hyper = torch.randn(4, 3, 8, generator=g, dtype=torch.float64)
+    z = torch.randn(5, 8, generator=g, dtype=torch.float64)
+
+    def by_hand():
+        return torch.tensor([[sum(float(F.cosine_similarity(z[b], hyper[c, j], dim=0)) for j in range(3)) / 3
+                              for c in range(4)] for b in range(5)], dtype=torch.float64)
+
+    torch.testing.assert_close(HF.hyper_similarity(z, hyper), by_hand(), rtol=0, atol=1e-12)
+    # the class directions are cached per tensor: an in-place change and a new tensor are both seen
+    hyper.mul_(-1.0)
+    torch.testing.assert_close(HF.hyper_similarity(z, hyper), by_hand(), rtol=0, atol=1e-12)
+    hyper = torch.randn(4, 3, 8, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(HF.hyper_similarity(z, hyper), by_hand(), rtol=0, atol=1e-12)

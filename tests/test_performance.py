@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import shutil
+import sys
 import warnings
 
 import pytest
@@ -196,3 +197,32 @@ def test_gpu_batch_loop_does_not_synchronise(conv_model, fast):
         return sum("synchroniz" in str(w.message).lower() for w in caught)
 
     assert count_syncs(48) == count_syncs(96)
+
+
+# --- process settings (fedhpro.runtime) -----------------------------------------------------------------------
+
+
+def _runtime_probe(env_value: str | None) -> str:
+    import os
+    import subprocess
+
+    env = dict(os.environ)
+    env.pop("FEDHPRO_KEEP_FREED_MEMORY", None)
+    if env_value is not None:
+        env["FEDHPRO_KEEP_FREED_MEMORY"] = env_value
+    code = ("from fedhpro.runtime import configure_cpu_runtime, keep_freed_memory; "
+            "configure_cpu_runtime(); print(keep_freed_memory())")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt is Linux-only")
+def test_runtime_keeps_freed_memory_on_glibc_and_the_switch_turns_it_off():
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    if not hasattr(libc, "gnu_get_libc_version"):
+        pytest.skip("not glibc")
+    assert _runtime_probe(None) == "True"
+    assert _runtime_probe("0") == "False"

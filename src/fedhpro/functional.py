@@ -10,7 +10,8 @@ number of hyper-prototypes per class (the paper's ``|I|``).
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+import weakref
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ __all__ = [
     "hyper_similarity",
     "hpcl_loss",
     "hpal_loss",
+    "hyper_prototype_losses",
     "weighted_average",
     "WeightedSum",
 ]
@@ -315,10 +317,37 @@ def _unit(x: Tensor, dim: int) -> Tensor:
     return F.normalize(x / scale, dim=dim)
 
 
+#: values derived from a tensor that does not require grad (the hyper-prototypes of a round): local training
+#: calls the losses with the same hyper-prototypes for every batch, so their class directions are computed once
+#: per round. A value is reused only for the very same tensor object (held by a weak reference), unmodified
+#: since (its version counter).
+_DERIVED: dict[str, tuple[weakref.ref, int, Tensor]] = {}
+
+
+def _derived(name: str, tensor: Tensor, compute: Callable[[Tensor], Tensor]) -> Tensor:
+    if tensor.requires_grad:  # part of a graph: computed afresh for each call
+        return compute(tensor)
+    entry = _DERIVED.get(name)
+    if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
+        return entry[2]
+    with torch.no_grad():
+        value = compute(tensor)
+    _DERIVED[name] = (weakref.ref(tensor), tensor._version, value)
+    return value
+
+
+def _class_directions(hyper: Tensor) -> Tensor:
+    """``C x d``: the mean over ``j`` of the unit vectors ``s_j^c / ||s_j^c||``."""
+    return _unit(hyper, dim=2).mean(1)
+
+
 def hyper_similarity(z: Tensor, hyper: Tensor) -> Tensor:
     """Similarity of every sample to every class's hyper-prototypes, Eq. 11.
 
-    ``s(z, S^c) = 1/|I| * sum_j cos(z, s_j^c)``.
+    ``s(z, S^c) = 1/|I| * sum_j cos(z, s_j^c)``, computed as
+    ``z/||z|| . (1/|I| sum_j s_j^c/||s_j^c||)`` (the same sum, by linearity):
+    one ``B x d`` by ``d x C`` product, the class directions computed once
+    per hyper-prototype tensor, not per batch.
 
     Args:
         z: ``B x d`` features.
@@ -327,9 +356,11 @@ def hyper_similarity(z: Tensor, hyper: Tensor) -> Tensor:
     Returns:
         ``B x C``.
     """
-    z_unit = _unit(z, dim=1)
-    hyper_unit = _unit(hyper, dim=2)
-    return torch.einsum("bd,cid->bc", z_unit, hyper_unit) / hyper.shape[1]
+    return _similarity_of_units(_unit(z, dim=1), hyper)
+
+
+def _similarity_of_units(z_unit: Tensor, hyper: Tensor) -> Tensor:
+    return z_unit @ _derived("class_directions", hyper, _class_directions).T
 
 
 def hpcl_loss(z: Tensor, y: Tensor, hyper: Tensor, margin: float | Tensor, tau: float) -> Tensor:
@@ -349,7 +380,10 @@ def hpcl_loss(z: Tensor, y: Tensor, hyper: Tensor, margin: float | Tensor, tau: 
     Returns:
         A 0-dim tensor.
     """
-    similarity = hyper_similarity(z, hyper)  # B x C
+    return _hpcl_of_similarity(hyper_similarity(z, hyper), y, margin, tau)
+
+
+def _hpcl_of_similarity(similarity: Tensor, y: Tensor, margin: float | Tensor, tau: float) -> Tensor:
     num_classes = similarity.shape[1]
     if num_classes < 2:
         return similarity.sum() * 0.0
@@ -379,10 +413,27 @@ def hpal_loss(z: Tensor, y: Tensor, hyper: Tensor, normalized: bool = False) -> 
     Returns:
         A 0-dim tensor.
     """
-    targets = hyper.mean(1)[y]
-    if normalized:
-        return F.smooth_l1_loss(_unit(z, dim=1), _unit(targets, dim=1), beta=1.0, reduction="mean")
+    if normalized:  # H^c / ||H^c|| per class (the same per-row values as normalising the gathered rows)
+        targets = _derived("unit_class_means", hyper, lambda h: _unit(h.mean(1), dim=1))[y]
+        return F.smooth_l1_loss(_unit(z, dim=1), targets, beta=1.0, reduction="mean")
+    targets = _derived("class_means", hyper, lambda h: h.mean(1))[y]
     return F.smooth_l1_loss(z, targets, beta=1.0, reduction="none").sum(1).mean()
+
+
+def hyper_prototype_losses(z: Tensor, y: Tensor, hyper: Tensor, margin: float | Tensor, tau: float,
+                           normalized: bool = False) -> tuple[Tensor, Tensor]:
+    """``(L_HPCL, L_HPAL)`` of one batch against the same hyper-prototypes (Eq. 11-13).
+
+    Equal to ``(hpcl_loss(z, y, hyper, margin, tau), hpal_loss(z, y, hyper, normalized))``
+    (to rounding), with ``z / ||z||`` computed, and backpropagated, once for
+    both losses: FedHPro's local training calls this for every batch.
+    """
+    z_unit = _unit(z, dim=1)
+    hpcl = _hpcl_of_similarity(_similarity_of_units(z_unit, hyper), y, margin, tau)
+    if normalized:
+        targets = _derived("unit_class_means", hyper, lambda h: _unit(h.mean(1), dim=1))[y]
+        return hpcl, F.smooth_l1_loss(z_unit, targets, beta=1.0, reduction="mean")
+    return hpcl, hpal_loss(z, y, hyper, normalized=False)
 
 
 class WeightedSum:

@@ -27,6 +27,7 @@ from fedhpro.api import build_experiment, resolve_device
 from fedhpro.config import Config, load_config
 from fedhpro.engines.simulator import _TRAIN, Faults, Simulator, derive_seed
 from fedhpro.errors import ConfigError
+from fedhpro.runtime import configure_cpu_runtime
 
 
 def config_text(config: Config) -> str:
@@ -44,8 +45,7 @@ def config_from_text(text: str, node_overrides: dict[str, Any] | None = None) ->
 def prepare_torch(device: torch.device) -> None:
     """The process-wide torch settings ``fedhpro run`` uses (they change the numbers, so every node sets them)."""
     if device.type == "cpu":
-        # tiny gradients produce denormal floats, which run ~10x slower on x86; api.run flushes them too
-        torch.set_flush_denormal(True)
+        configure_cpu_runtime()  # as api.run: denormals flushed, freed memory reused (fedhpro.runtime)
 
 
 def build_engine(config: Config, on_drop=None) -> Simulator:

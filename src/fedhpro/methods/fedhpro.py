@@ -179,7 +179,12 @@ class FedHProClient(Client):
 
         normalized = options.hpal_form == "normalized"
 
+        both_on_hyper = (options.prototypes == "hyper" and options.hpcl_weight > 0 and options.hpal_weight > 0)
+
         def regularizer(z, y, logits):
+            if both_on_hyper:  # the method's default: both losses against S, sharing z/||z||
+                hpcl, hpal = HF.hyper_prototype_losses(z, y, hyper, margin, options.tau, normalized=normalized)
+                return {"hpcl": options.hpcl_weight * hpcl, "hpal": options.hpal_weight * hpal}
             terms = {}
             if options.hpcl_weight > 0 and hpcl_targets.usable:
                 kept = hpcl_targets.restrict(z, y)
