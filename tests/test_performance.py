@@ -21,6 +21,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from conftest import NUM_CLASSES, TinyBNNet, make_client
 from fedhpro.config import load_config
@@ -30,6 +31,7 @@ from fedhpro.methods import fedhpro as fedhpro_module
 from fedhpro.methods import hyper as hyper_module
 from fedhpro.methods.base import train_epochs
 from fedhpro.methods.fedhpro import FedHProOptions
+from fedhpro.models import build_model
 from test_methods import fit_fedhpro, loop_class_gradients, loop_margin, loop_prototypes, model_with
 
 HELD = [0, 1, 3]
@@ -226,3 +228,47 @@ def test_runtime_keeps_freed_memory_on_glibc_and_the_switch_turns_it_off():
         pytest.skip("not glibc")
     assert _runtime_probe(None) == "True"
     assert _runtime_probe("0") == "False"
+
+
+# --- no-grad passes in channels_last, with a fallback ---------------------------------------------------------
+
+
+class _ViewingNet(nn.Module):
+    """A user's model that flattens with ``.view`` (fails on channels_last activations)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.features = nn.Sequential(self.conv)
+        self.classifier = nn.Linear(4 * 6 * 6, NUM_CLASSES)
+
+    def forward(self, x):
+        return self.classifier(self.conv(x).view(x.shape[0], -1))
+
+
+def test_eval_passes_fall_back_to_nchw_for_a_model_that_views_its_activations():
+    from fedhpro.engines.simulator import evaluate
+    from fedhpro.methods.base import _NCHW_ONLY, eval_forward
+
+    model = _ViewingNet().eval()
+    x = torch.randn(10, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, NUM_CLASSES, (10,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(x)
+        assert torch.equal(eval_forward(model, x), expected)  # NCHW after the channels_last attempt failed
+    assert model in _NCHW_ONLY
+    by_hand = 100.0 * float((expected.argmax(1) == y).float().mean())
+    assert evaluate(model, {"t": (x, y)})["t"] == pytest.approx(by_hand)
+
+
+def test_eval_features_in_channels_last_match_nchw_to_rounding():
+    from fedhpro.methods.base import extract_features
+
+    torch.manual_seed(0)
+    model = build_model("cnn", NUM_CLASSES, (3, 32, 32), 64)
+    x = torch.randn(70, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    features = extract_features(model, x)
+    with torch.no_grad():
+        reference = model.eval().features(x)  # NCHW, torch's layout
+    assert features.shape == (70, 64)
+    torch.testing.assert_close(features, reference, rtol=1e-5, atol=1e-5)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from fedhpro.data.federation import Federation
 from fedhpro.errors import ConfigError, UpdateError
-from fedhpro.methods.base import (MethodContext, MethodSpec, TrainSettings, eval_batch_size, eval_layout,
+from fedhpro.methods.base import (MethodContext, MethodSpec, TrainSettings, eval_batch_size, eval_forward,
                                   extract_features, load_weights)
 from fedhpro.metrics import (FlopCounter, class_means, fairness_statistics, mean_client_prototypes, payload_bytes,
                              payload_parameters, prototype_distance)
@@ -86,7 +86,7 @@ def evaluate(model: nn.Module, test_sets: dict[str, tuple[Tensor, Tensor]],
         batch_size = batch_size or eval_batch_size(x.device)
         correct = 0
         for start in range(0, x.shape[0], batch_size):
-            logits = model(eval_layout(x[start:start + batch_size]))
+            logits = eval_forward(model, x[start:start + batch_size])
             correct += int((logits.argmax(1) == y[start:start + batch_size]).sum())
         accuracy[name] = 100.0 * correct / max(int(y.shape[0]), 1)
     accuracy["AVG"] = float(np.mean([accuracy[name] for name in test_sets]))

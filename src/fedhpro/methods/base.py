@@ -6,6 +6,9 @@ the in-process simulator and the Flower apps call the same four hooks.
 
 Server hooks: ``broadcast(round) -> payload``, ``aggregate(round, replies) ->
 metrics``, ``global_weights()``, ``state_dict()`` / ``load_state_dict()``.
+The engines collect a round's replies in ``new_replies()`` (a :class:`Replies`
+that folds each reply's weights into a running weighted sum as it arrives)
+and hand that to ``aggregate``; methods also accept a plain list.
 Client hook: ``fit(model, payload, data, state, generator) -> (reply, metrics)``.
 """
 
@@ -379,13 +382,34 @@ def eval_layout(batch: Tensor) -> Tensor:
     return batch
 
 
+#: modules that failed on a channels_last batch (a user's model that ``.view()``s its activations): NCHW for them
+_NCHW_ONLY: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def eval_forward(module: nn.Module, batch: Tensor) -> Tensor:
+    """``module(batch)`` for a no-grad pass, in :func:`eval_layout` where the module accepts it.
+
+    A module that raises on the channels_last batch (``.view`` needs
+    contiguous NCHW strides) is remembered and run on the batch as given.
+    """
+    if module not in _NCHW_ONLY:
+        laid_out = eval_layout(batch)
+        if laid_out is batch:
+            return module(batch)
+        try:
+            return module(laid_out)
+        except RuntimeError:
+            _NCHW_ONLY[module] = True
+    return module(batch)
+
+
 @torch.no_grad()
 def extract_features(model: nn.Module, x: Tensor, batch_size: int | None = None) -> Tensor:
     """``f(x)`` for all rows of ``x`` in eval mode (restores the previous mode)."""
     batch_size = batch_size or eval_batch_size(x.device)
     was_training = model.training
     model.eval()
-    features = torch.cat([model.features(eval_layout(x[i:i + batch_size]))
+    features = torch.cat([eval_forward(model.features, x[i:i + batch_size])
                           for i in range(0, x.shape[0], batch_size)])
     model.train(was_training)
     return features
