@@ -29,7 +29,6 @@ from fedhpro import functional as HF
 from fedhpro.data.federation import ClientData
 from fedhpro.methods.base import TrainSettings, extract_features, train_epochs
 from fedhpro.models import build_model
-from fedhpro.runtime import configure_cpu_runtime
 
 
 def main() -> None:
@@ -38,9 +37,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    configure_cpu_runtime()  # as fedhpro.run does on the CPU
+    harness.prepare_torch(args.threads)
     generator = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     model = build_model("cnn", 10, (3, 32, 32), 512)

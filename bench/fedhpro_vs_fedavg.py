@@ -41,8 +41,6 @@ from fedhpro.methods import METHODS, TrainSettings
 from fedhpro.methods import base
 from fedhpro.methods.base import extract_features, load_weights
 from fedhpro.methods.fedhpro import FedHProClient
-from fedhpro.models import build_model
-from fedhpro.runtime import configure_cpu_runtime
 
 TARGET = 1.15
 
@@ -75,23 +73,15 @@ METHOD_SPECS = {**METHODS, "fedhpro-two-passes": dataclasses.replace(METHODS["fe
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--clients", type=int, default=3, help="use the first N clients of digits-offline (20 in all)")
-    parser.add_argument("--epochs", type=int, default=5, help="E, local epochs (the package default 5, the paper 10)")
-    parser.add_argument("--repeats", type=int, default=3, help="counted repeats (after one warm-up)")
+    harness.add_digits_arguments(parser, clients=3, epochs=5, repeats=3)  # E = 5: the package default (paper: 10)
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS), metavar="VARIANT",
                         help=f"of {list(VARIANTS)}")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--data-dir", default=None)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    configure_cpu_runtime()  # as fedhpro.run does on the CPU
+    harness.prepare_torch(args.threads)
 
     federation, config = harness.digits_federation(args.clients, args.data_dir)
     train = TrainSettings(epochs=args.epochs)
-
-    def factory() -> torch.nn.Module:
-        return build_model("cnn", federation.num_classes, federation.input_shape, 512)
+    factory = harness.cnn_factory(federation)
 
     def torch_pool_factory() -> torch.nn.Module:
         model = factory()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import argparse
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -124,3 +125,31 @@ def sample_passes(federation, epochs: int, batch_size: int) -> int:
         dropped = 1 if n % batch_size == 1 and n > 1 else 0
         total += (n - dropped) * epochs
     return total
+
+
+def prepare_torch(threads: int | None) -> None:
+    """``threads`` torch threads (None: torch's choice) and the process settings ``fedhpro run`` uses on the CPU."""
+    from fedhpro.runtime import configure_cpu_runtime
+
+    if threads:
+        torch.set_num_threads(threads)
+    configure_cpu_runtime()
+
+
+def add_digits_arguments(parser: argparse.ArgumentParser, clients: int, epochs: int, repeats: int) -> None:
+    """``--clients --epochs --repeats --threads --data-dir`` of the benchmarks that train on digits-offline."""
+    parser.add_argument("--clients", type=int, default=clients, help="use the first N clients of digits-offline (20 in all)")
+    parser.add_argument("--epochs", type=int, default=epochs, help="E, local epochs")
+    parser.add_argument("--repeats", type=int, default=repeats, help="counted repeats (after one warm-up)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--data-dir", default=None)
+
+
+def cnn_factory(federation) -> Callable[[], torch.nn.Module]:
+    """A factory of the default model (``cnn``, d = 512) for ``federation``'s inputs."""
+    from fedhpro.models import build_model
+
+    def factory() -> torch.nn.Module:
+        return build_model("cnn", federation.num_classes, federation.input_shape, 512)
+
+    return factory

@@ -23,7 +23,6 @@ import subprocess
 import sys
 
 import harness
-from fedhpro.runtime import configure_cpu_runtime
 
 
 def child(method: str, num_clients: int, samples: int) -> dict:
@@ -36,7 +35,7 @@ def child(method: str, num_clients: int, samples: int) -> dict:
     from fedhpro.methods import METHODS, TrainSettings
     from fedhpro.models import build_model
 
-    configure_cpu_runtime()  # as fedhpro.run does on the CPU
+    harness.prepare_torch(None)  # the process settings fedhpro.run uses on the CPU
     generator = torch.Generator().manual_seed(0)
     per_client = max(2, samples // num_clients)
     clients = [ClientData(torch.randn(per_client, 3, 32, 32, generator=generator),

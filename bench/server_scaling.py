@@ -31,7 +31,6 @@ import torch
 
 import harness
 from fedhpro.methods.hyper import HyperPrototypeBank
-from fedhpro.runtime import configure_cpu_runtime
 
 
 class AutogradHead(torch.nn.Module):
@@ -90,9 +89,7 @@ def main() -> None:
     parser.add_argument("--path", choices=["closed-form", "autograd", "both"], default="both",
                         help="Eq. 7 path(s) to time; both: interleaved side by side, with the speed-up per cell")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    configure_cpu_runtime()  # as fedhpro.run does on the CPU
+    harness.prepare_torch(args.threads)
 
     paths = ["closed-form", "autograd"] if args.path == "both" else [args.path]
     variants = {}
@@ -118,14 +115,7 @@ def main() -> None:
     print(f"  after: {harness.machine_info()['load']}")
 
 
-def report(times: dict[str, list[float]], classes: list[int], clients: list[int]) -> None:
-    """The C x K table of seconds, the fit against C and the ratio across K, for one path."""
-    median = {(c, k): statistics.median(times[f"C={c} K={k}"]) for c in classes for k in clients}
-    print("seconds per server step, median [min - max]:")
-    print("  " + "C \\ K".ljust(8) + "".join(f"K={k}".rjust(26) for k in clients))
-    for c in classes:
-        print("  " + f"C={c}".ljust(8) + "".join(harness.spread(times[f'C={c} K={k}']).rjust(26) for k in clients))
-
+def _linear_fit(median: dict[tuple[int, int], float], classes: list[int], clients: list[int]) -> None:
     print("linear in C: seconds per class (median / C), and a least-squares line t = a + b C:")
     for k in clients:
         xs = [float(c) for c in classes]
@@ -138,7 +128,21 @@ def report(times: dict[str, list[float]], classes: list[int], clients: list[int]
         per_class = ", ".join(f"{1e3 * median[(c, k)] / c:.2f}" for c in classes)
         print(f"  K={k}: ms per class [{per_class}]; a = {intercept * 1e3:.1f} ms, b = {slope * 1e3:.2f} ms/class, "
               f"R^2 = {1 - residual / total:.4f}")
-    if len(classes) >= 3:
+
+
+def report(times: dict[str, list[float]], classes: list[int], clients: list[int]) -> None:
+    """The C x K table of seconds, the fit against C and the ratio across K, for one path."""
+    median = {(c, k): statistics.median(times[f"C={c} K={k}"]) for c in classes for k in clients}
+    print("seconds per server step, median [min - max]:")
+    print("  " + "C \\ K".ljust(8) + "".join(f"K={k}".rjust(26) for k in clients))
+    for c in classes:
+        print("  " + f"C={c}".ljust(8) + "".join(harness.spread(times[f'C={c} K={k}']).rjust(26) for k in clients))
+
+    if len(set(classes)) < 2:
+        print("(no fit against C: give --classes at least two values)")
+    else:
+        _linear_fit(median, classes, clients)
+    if len(set(classes)) >= 3:
         print("with a quadratic term, t = a + b C + q C^2 (least squares); share of q C^2 at the largest C:")
         xs = torch.tensor([float(c) for c in classes], dtype=torch.float64)
         design = torch.stack([torch.ones_like(xs), xs, xs * xs], dim=1)

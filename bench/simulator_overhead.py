@@ -22,8 +22,6 @@ import torch.nn.functional as F
 import harness
 from fedhpro.engines.simulator import Simulator
 from fedhpro.methods import METHODS, TrainSettings
-from fedhpro.models import build_model
-from fedhpro.runtime import configure_cpu_runtime
 
 TARGET = 1.10
 
@@ -56,21 +54,13 @@ def bare_round(model: torch.nn.Module, global_state: dict, clients, train: Train
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--clients", type=int, default=8, help="use the first N clients of digits-offline (20 in all)")
-    parser.add_argument("--epochs", type=int, default=1, help="E, local epochs")
-    parser.add_argument("--repeats", type=int, default=5, help="counted repeats (after one warm-up)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--data-dir", default=None)
+    harness.add_digits_arguments(parser, clients=8, epochs=1, repeats=5)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    configure_cpu_runtime()  # as fedhpro.run does on the CPU
+    harness.prepare_torch(args.threads)
 
     federation, config = harness.digits_federation(args.clients, args.data_dir)
     train = TrainSettings(epochs=args.epochs)
-
-    def factory() -> torch.nn.Module:
-        return build_model("cnn", federation.num_classes, federation.input_shape, 512)
+    factory = harness.cnn_factory(federation)
 
     simulator = Simulator(METHODS["fedavg"], config.methods["fedavg"], federation, factory, train,
                           rounds=10 ** 9, eval_every=10 ** 9)

@@ -7,6 +7,7 @@ from numbers import Integral
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.utils import _pair
 
 #: inputs with ``min(H, W) <= SMALL_INPUT`` get the small-image ("CIFAR") stems; larger ones keep ImageNet's
 SMALL_INPUT = 32
@@ -116,10 +117,7 @@ class MaxPool2d(nn.MaxPool2d):
         return torch.maximum(top, bottom)
 
     def _strided_maximum_applies(self, x: Tensor) -> bool:
-        def pair(value):
-            return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
-
         return (x.dim() == 4 and x.device.type == "cpu" and not self.return_indices and not self.ceil_mode
-                and pair(self.kernel_size) == (2, 2) and pair(self.stride or self.kernel_size) == (2, 2)
-                and pair(self.padding) == (0, 0) and pair(self.dilation) == (1, 1)
+                and _pair(self.kernel_size) == (2, 2) and _pair(self.stride or self.kernel_size) == (2, 2)
+                and _pair(self.padding) == (0, 0) and _pair(self.dilation) == (1, 1)
                 and x.shape[-2] >= 2 and x.shape[-1] >= 2)
