@@ -140,13 +140,14 @@ def small_head():
     return head
 
 
-def test_knowledge_kl_by_hand():
+@pytest.mark.parametrize("reduction", ["mean", "batchmean"])
+def test_knowledge_kl_by_hand(reduction):
     head = small_head()
     P = torch.tensor([[1.0, 2.0], [-0.5, 0.3], [0.8, -1.2]], dtype=torch.float64)
     soft = torch.tensor([[0.7, 0.2, 0.1], [0.3, 0.3, 0.4], [0.0, 0.25, 0.75]], dtype=torch.float64)
     held = torch.tensor([True, False, True])
     T = 0.6
-    value = G.knowledge_kl(head, P, soft, held, T)
+    value = G.knowledge_kl(head, P, soft, held, T, reduction)
     expected = []
     for c in (0, 2):
         logits = [sum(float(head.weight.detach()[j, i]) * float(P[c, i]) for i in range(2))
@@ -154,7 +155,15 @@ def test_knowledge_kl_by_hand():
                   for j in range(3)]
         q = hand_softmax([v / T for v in logits])
         expected.append(hand_kl(soft[c].tolist(), q))  # KL(S^_c || softmax(h(P_c)/T)), 0 log 0 = 0
-    assert float(value.detach()) == pytest.approx(sum(expected) / 2, rel=1e-12)
+    # batchmean: the divergence (summed over the 3 outputs) averaged over the 2 held classes;
+    # mean: also divided by the 3 outputs, as torch.nn.KLDivLoss() in the authors' code
+    per_class = sum(expected) / 2
+    assert float(value.detach()) == pytest.approx(per_class / 3 if reduction == "mean" else per_class, rel=1e-12)
+    if reduction == "mean":
+        # torch's reduction='mean': the summed pointwise KL over the number of entries (2 x 3)
+        reference = torch.nn.functional.kl_div(torch.log_softmax(head(P[held]) / T, dim=1), soft[held],
+                                               reduction="sum") / 6
+        assert float(value.detach()) == pytest.approx(float(reference.detach()), rel=1e-12)
     # gradients reach the head only through this term, and are finite with a zero entry in S^
     value.backward()
     assert bool(torch.isfinite(head.weight.grad).all())
@@ -372,9 +381,10 @@ def test_fedgmkd_client_without_knowledge_trains_like_fedavg_and_uploads_its_kno
     assert 1.0 <= metrics["gmm_components"] <= 6.0
 
 
-def test_fedgmkd_client_one_sgd_step_matches_hand_written_loss():
+@pytest.mark.parametrize("reduction", ["mean", "batchmean"])
+def test_fedgmkd_client_one_sgd_step_matches_hand_written_loss(reduction):
     data = make_client(12, HELD, seed=5, dtype=torch.float64)
-    options = G.FedGMKDOptions(lam=0.7, gamma=0.4, temperature=0.8)
+    options = G.FedGMKDOptions(lam=0.7, gamma=0.4, temperature=0.8, kl_reduction=reduction)
     model = seeded_model(3, torch.float64)
     payload = gmkd_payload(model, knowledge=True, dtype=torch.float64)
     received = copy.deepcopy(payload["weights"])
@@ -392,7 +402,7 @@ def test_fedgmkd_client_one_sgd_step_matches_hand_written_loss():
     for c in (0, 3):  # prototype AND soft prediction held
         log_q = torch.log_softmax(ref.classifier(P[c]) / 0.8, dim=0)
         kl = kl + sum(S[c, j] * (torch.log(S[c, j]) - log_q[j]) for j in range(NUM_CLASSES))
-    kl = kl / 2
+    kl = kl / 2 if reduction == "batchmean" else kl / (2 * NUM_CLASSES)
     loss = ce + 0.4 * mse + 0.7 * kl
     params = dict(ref.named_parameters())
     grads = torch.autograd.grad(loss, list(params.values()))

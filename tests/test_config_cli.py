@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
-from fedhpro.config import Config, load_config
+from fedhpro.config import load_config
 from fedhpro.errors import ConfigError
 from fedhpro.methods import METHODS
 

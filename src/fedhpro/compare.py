@@ -1,8 +1,12 @@
 """``fedhpro compare``: several methods on the same federation and seeds, one table in the paper's layout.
 
-Every (method, seed) run gets its own folder under ``out`` (a finished run is
-reused, so an interrupted comparison continues where it stopped), and the
-table is written as ``table.md`` and ``table.csv``: accuracy per domain and
+Every (method, seed) run gets its own folder under ``out``. A finished run is
+reused, so an interrupted comparison continues where it stopped, but only if
+its ``config.yaml`` holds the settings asked for now (what decides the numbers:
+the run keys but the presentational ones, the method's own options, data,
+faults, partition); otherwise the comparison stops before it runs anything and
+names the settings that differ, instead of mixing old numbers into a new
+table. The table is written as ``table.md`` and ``table.csv``: accuracy per domain and
 AVG, mean ± std over the seeds, and the difference of AVG to FedAvg (the
 paper's Table A3 layout).
 """
@@ -36,6 +40,65 @@ def _as_list(value: Any, key: str) -> list[str]:
     return items
 
 
+def run_settings(config: Mapping[str, Any], method: str) -> dict[str, Any]:
+    """The part of a nested config (``Config.to_dict()`` / ``config.yaml``) that decides ``method``'s numbers.
+
+    Presentational keys (``out``, ``progress``, ``device``, ...) and the other methods' sections are left out.
+    """
+    from fedhpro.config import PRESENTATION_KEYS
+
+    return {key: value for key, value in config.items()
+            if key not in PRESENTATION_KEYS and (key not in METHODS or key == method)}
+
+
+def _flat(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping) and value:
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            # JSON's view: a tuple and the list YAML reads back are the same setting
+            flat[f"{prefix}{key}"] = json.loads(json.dumps(value, default=str))
+    return flat
+
+
+_MISSING = object()
+
+
+def setting_differences(stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
+    """``["rounds: 10 there, 20 asked", ...]`` for every dotted key whose values differ (or one side lacks)."""
+    there, asked = _flat(stored), _flat(wanted)
+    lines = []
+    for key in sorted(set(there) | set(asked)):
+        old, new = there.get(key, _MISSING), asked.get(key, _MISSING)
+        if old != new:
+            lines.append(f"{key}: {'not recorded' if old is _MISSING else repr(old)} there, "
+                         f"{'not set' if new is _MISSING else repr(new)} asked")
+    return lines
+
+
+def _check_finished(folder: Path, config, method: str) -> None:
+    import yaml
+
+    saved = folder / "config.yaml"
+    try:
+        stored = yaml.safe_load(saved.read_text())
+        reason = None if isinstance(stored, dict) else "not a mapping of settings"
+    except OSError as error:
+        reason = error.strerror or str(error)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        reason = f"{getattr(error, 'problem', None) or 'invalid YAML'}" + (f" at line {mark.line + 1}" if mark else "")
+    if reason is not None:
+        raise ConfigError(f"{folder} holds a finished run but its config.yaml cannot be read ({reason}); "
+                          "delete that folder to run it again")
+    differences = setting_differences(run_settings(stored, method), run_settings(config.to_dict(), method))
+    if differences:
+        shown = "; ".join(differences[:4]) + (f"; and {len(differences) - 4} more" if len(differences) > 4 else "")
+        raise ConfigError(f"{folder} holds a finished run with other settings ({shown}); give another out= "
+                          "or delete that folder to run it again")
+
+
 def compare(methods: Sequence[str], seeds: Sequence[int], settings: Mapping[str, Any] | Sequence[str],
             out: str | Path, source: str | None = None, echo: bool = True) -> dict[str, Any]:
     """Run every method for every seed with the same ``settings`` and write the table; returns it as rows."""
@@ -51,18 +114,21 @@ def compare(methods: Sequence[str], seeds: Sequence[int], settings: Mapping[str,
             raise ConfigError(f"{forbidden}= is set by compare for each run; remove it")
     load_config(source, pairs)  # validate once, before any run starts
     out = Path(out)
-    summaries: dict[str, list[dict[str, Any]]] = {}
+    plan = []
     for method in methods:
         for seed in seeds:
             folder = out / f"{method}-seed{seed}"
+            settings_of_run = {**pairs, "method": method, "seed": seed, "out": str(folder)}
             done = folder / "summary.json"
-            if done.is_file():
-                summary = json.loads(done.read_text())
-            else:
-                summary = run(source, {**pairs, "method": method, "seed": seed, "out": str(folder)}).summary
-            summaries.setdefault(method, []).append(summary)
-            if echo:
-                print(f"{method:10s} seed {seed}: AVG {summary['accuracy']:.2f}", flush=True)
+            if done.is_file():  # checked for all runs first: a stale folder stops the comparison before it starts
+                _check_finished(folder, load_config(source, settings_of_run), method)
+            plan.append((method, seed, settings_of_run, done))
+    summaries: dict[str, list[dict[str, Any]]] = {}
+    for method, seed, settings_of_run, done in plan:
+        summary = json.loads(done.read_text()) if done.is_file() else run(source, settings_of_run).summary
+        summaries.setdefault(method, []).append(summary)
+        if echo:
+            print(f"{method:10s} seed {seed}: AVG {summary['accuracy']:.2f}", flush=True)
     table = _table(summaries, seeds)
     write_atomic(out / "table.md", table["markdown"])
     write_atomic(out / "table.csv", table["csv"])

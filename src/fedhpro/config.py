@@ -33,6 +33,11 @@ FAULTS_SECTION = "faults"
 PARTITION_SECTION = "partition"
 
 
+#: run keys that change where and how a run is shown or stored, never its numbers
+PRESENTATION_KEYS = frozenset({"out", "progress", "device", "resume", "tensorboard", "checkpoint_every",
+                               "keep_checkpoints"})
+
+
 @dataclass
 class FaultOptions:
     dropout: float = option(0.0, min=0.0, max=1.0, help="probability that a sampled client does not answer")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -28,10 +27,11 @@ from typing import Any, Sequence
 
 import yaml
 
+from fedhpro.config import PRESENTATION_KEYS
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.metrics import rounds_to_accuracy, speedup
 from fedhpro.reports import write_atomic, write_json
-from fedhpro.reports.runs import RunData, gm_series, load_run, prototype_series
+from fedhpro.reports.runs import RunData, gm_series, load_run
 from fedhpro.reports.tables import csv_text, markdown_table, mean_pm_std, mean_std
 
 SCALES = ("paper", "smoke")
@@ -40,7 +40,6 @@ FALLBACKS = {"digits": ("digits-offline", "the real Digits benchmark (MNIST, USP
                                           "here; ran on digits-offline, where optdigits stands in for USPS and "
                                           "mnistm for SVHN, with far fewer rounds than the paper")}
 #: settings that change how a run is shown or stored, not what it computes (left out of the run's identity)
-_PRESENTATION = {"out", "progress", "device", "resume", "tensorboard", "checkpoint_every", "keep_checkpoints"}
 
 
 def configs_dir() -> Path:
@@ -151,7 +150,7 @@ def load_target(name: str, scale: str = "paper") -> Target:
 
 
 def _identity(config) -> str:
-    values = {k: v for k, v in config.to_dict().items() if k not in _PRESENTATION}
+    values = {k: v for k, v in config.to_dict().items() if k not in PRESENTATION_KEYS}
     return hashlib.sha1(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
@@ -339,12 +338,11 @@ def _kendall_tau(a: list[float], b: list[float]) -> float | None:
 
 def _ordering_check(part: str, labels: list[str], ours: list[float | None], paper: list[float | None],
                     higher_is_better: bool = True, what: str = "AVG") -> str | None:
-    """One line: FedHPro's rank among the rows in ours and the paper's, and the rank correlation."""
+    """One line: the best row in ours and in the paper's, and the rank correlation of the two orderings."""
     rows = [(label, o, p) for label, o, p in zip(labels, ours, paper) if o is not None and p is not None]
     if len(rows) < 2:
         return None
     sign = 1 if higher_is_better else -1
-    rank = lambda values, v: 1 + sum(1 for x in values if sign * x > sign * v)  # noqa: E731
     ours_values = [o for _, o, _ in rows]
     paper_values = [p for _, _, p in rows]
     tau = _kendall_tau(ours_values, paper_values)
