@@ -138,3 +138,39 @@ def test_stored_config_round_trip_matches_what_compare_asks(compared, digits_dat
     asked = load_config(None, {**settings(digits_data_dir), "method": "fedavg", "seed": 0,
                                "out": str(compared / "fedavg-seed0")}).to_dict()
     assert setting_differences(run_settings(stored, "fedavg"), run_settings(asked, "fedavg")) == []
+
+
+def test_an_interrupted_run_continues_from_its_checkpoint_one_without_starts_again(digits_data_dir, tmp_path,
+                                                                                   monkeypatch):
+    import fedhpro.api
+
+    out = tmp_path / "cmp"
+    two_rounds = settings(digits_data_dir, rounds=2, checkpoint_every=1)
+    compare(["fedavg"], [0], two_rounds, out, echo=False)
+    folder = out / "fedavg-seed0"
+    reference = json.loads((folder / "summary.json").read_text())
+    calls = []
+    real_run = fedhpro.api.run
+    monkeypatch.setattr(fedhpro.api, "run", lambda *a, **k: calls.append(a) or real_run(*a, **k))
+
+    # killed after round 1's checkpoint: continued from it, to the same numbers
+    (folder / "summary.json").unlink()
+    (folder / "checkpoints" / "round-000002.pt").unlink()
+    compare(["fedavg"], [0], two_rounds, out, echo=False)
+    assert calls[-1][1]["resume"] == str(folder)
+    again = json.loads((folder / "summary.json").read_text())
+    assert {k: again[k] for k in ("accuracy", "per_domain", "bytes_up")} == \
+        {k: reference[k] for k in ("accuracy", "per_domain", "bytes_up")}
+    # continuing it with other settings is refused like a finished run
+    (folder / "summary.json").unlink()
+    with pytest.raises(ConfigError, match="unfinished run with other settings.*lr: 0.01 there, 0.02 asked"):
+        compare(["fedavg"], [0], {**two_rounds, "lr": 0.02}, out, echo=False)
+
+    # killed before its first checkpoint: its files are removed and it runs from the start
+    import shutil
+    shutil.rmtree(folder / "checkpoints")
+    (folder / "metrics.jsonl").write_text('{"round": 0, "partial": true}\n')
+    compare(["fedavg"], [0], {**two_rounds, "lr": 0.02}, out, echo=False)
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [row["round"] for row in rows] == [0, 1] and "partial" not in rows[0]
+    assert yaml.safe_load((folder / "config.yaml").read_text())["lr"] == 0.02

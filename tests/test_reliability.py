@@ -277,3 +277,29 @@ def test_every_method_resumes_bit_for_bit_from_a_weights_only_checkpoint(method,
     assert resumed.history[0].to_json() == straight.history[2].to_json()
     for key, value in straight.server.global_weights().items():
         assert torch.equal(value, resumed.server.global_weights()[key]), key
+
+
+# ---------------------------------------------------------------------------- run folders
+
+
+def test_a_new_run_never_writes_into_another_runs_folder(digits_data_dir, tmp_path, capsys):
+    folder = tmp_path / "run"
+    assert cli_main(["run", *tiny_settings(digits_data_dir, folder, rounds=2)]) == 0
+    before = {path.name: path.read_bytes() for path in folder.iterdir() if path.is_file()}
+    capsys.readouterr()
+    # finished: refused, one line, and nothing in the folder changes
+    assert cli_main(["run", *tiny_settings(digits_data_dir, folder, rounds=3)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "already holds a finished run" in err and "another out=" in err and "\n" not in err
+    assert {path.name: path.read_bytes() for path in folder.iterdir() if path.is_file()} == before
+    # unfinished with a checkpoint: the message offers resume=
+    (folder / "summary.json").unlink()
+    assert cli_main(["run", *tiny_settings(digits_data_dir, folder, rounds=3)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "already holds an unfinished run" in err and f"resume={folder}" in err
+    # an empty folder, or one holding other files, is fine
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    assert cli_main(["run", *tiny_settings(digits_data_dir, other, rounds=1)]) == 0
+    assert (other / "notes.txt").read_text() == "mine" and (other / "summary.json").is_file()

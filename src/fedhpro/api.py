@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -83,6 +84,8 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
     if config.run.resume:
         config, resume_from = _resume_config(config)
     options = config.run
+    if resume_from is None and options.out:
+        _check_new_folder(Path(options.out))  # before the data are built: fail fast
     device = resolve_device(options.device)
     if device.type == "cpu":
         configure_cpu_runtime()  # denormals flushed, freed memory reused (fedhpro.runtime)
@@ -315,6 +318,44 @@ def _write_tsne(simulator: Simulator, out: Path, seed: int, title: str, per_test
     reports.write_atomic_with(out / "tsne.npz", lambda handle: np.savez(
         handle, points=embedded[:n], labels=labels.numpy(), test_sets=np.asarray(names),
         prototype_points=embedded[n:], prototype_labels=prototype_classes))
+
+
+#: what a run writes into its folder: a new run never writes where any of it is (the two runs' files would mix)
+_RUN_FILES = ("summary.json", "config.yaml", "metrics.jsonl", "timing.jsonl", "partition.json", "accuracy.png",
+              "checkpoints")
+
+
+def _check_new_folder(out: Path) -> None:
+    held = [name for name in _RUN_FILES if (out / name).exists()]
+    if not held:
+        return
+    if (out / "summary.json").is_file():
+        raise ConfigError(f"out={out} already holds a finished run; give another out= or delete that folder")
+    resume = f"continue it with resume={out}, " if checkpoint.latest(out) is not None else ""
+    raise ConfigError(f"out={out} already holds an unfinished run ({held[0]}); {resume}"
+                      "give another out= or delete that folder")
+
+
+def run_or_continue(config: Config, folder: str | os.PathLike) -> dict[str, Any]:
+    """The summary of ``config`` run in ``folder``, for drivers of many runs (compare, reproduce).
+
+    A finished run there is read back; an interrupted one continues from its newest checkpoint; one
+    interrupted before its first checkpoint has its files removed and starts again. The caller makes
+    sure that the folder's ``config.yaml``, if any, is ``config``'s.
+    """
+    folder = Path(folder)
+    done = folder / "summary.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    if (folder / "config.yaml").is_file() and checkpoint.latest(folder) is not None:
+        return run(None, {"resume": str(folder), "progress": config.run.progress}).summary
+    for name in _RUN_FILES:
+        path = folder / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    return run(dataclasses.replace(config, run=dataclasses.replace(config.run, out=str(folder)))).summary
 
 
 def _resume_config(config: Config) -> tuple[Config, Path]:

@@ -1,7 +1,8 @@
 """``fedhpro compare``: several methods on the same federation and seeds, one table in the paper's layout.
 
 Every (method, seed) run gets its own folder under ``out``. A finished run is
-reused, so an interrupted comparison continues where it stopped, but only if
+reused and an interrupted one continues from its newest checkpoint, so an
+interrupted comparison continues where it stopped, but only if
 its ``config.yaml`` holds the settings asked for now (what decides the numbers:
 the run keys but the presentational ones, the method's own options, data,
 faults, partition); otherwise the comparison stops before it runs anything and
@@ -77,8 +78,16 @@ def setting_differences(stored: Mapping[str, Any], wanted: Mapping[str, Any]) ->
     return lines
 
 
-def _check_finished(folder: Path, config, method: str) -> None:
+def _check_stored(folder: Path, config, method: str) -> None:
+    """Raise unless the run kept in ``folder`` (finished, or interrupted after a checkpoint) has ``config``'s settings."""
     import yaml
+
+    from fedhpro.engines import checkpoint
+
+    finished = (folder / "summary.json").is_file()
+    if not finished and checkpoint.latest(folder) is None:
+        return  # nothing worth keeping: run_or_continue starts it again
+    what = "a finished run" if finished else "an unfinished run"
 
     saved = folder / "config.yaml"
     try:
@@ -90,19 +99,19 @@ def _check_finished(folder: Path, config, method: str) -> None:
         mark = getattr(error, "problem_mark", None)
         reason = f"{getattr(error, 'problem', None) or 'invalid YAML'}" + (f" at line {mark.line + 1}" if mark else "")
     if reason is not None:
-        raise ConfigError(f"{folder} holds a finished run but its config.yaml cannot be read ({reason}); "
+        raise ConfigError(f"{folder} holds {what} but its config.yaml cannot be read ({reason}); "
                           "delete that folder to run it again")
     differences = setting_differences(run_settings(stored, method), run_settings(config.to_dict(), method))
     if differences:
         shown = "; ".join(differences[:4]) + (f"; and {len(differences) - 4} more" if len(differences) > 4 else "")
-        raise ConfigError(f"{folder} holds a finished run with other settings ({shown}); give another out= "
+        raise ConfigError(f"{folder} holds {what} with other settings ({shown}); give another out= "
                           "or delete that folder to run it again")
 
 
 def compare(methods: Sequence[str], seeds: Sequence[int], settings: Mapping[str, Any] | Sequence[str],
             out: str | Path, source: str | None = None, echo: bool = True) -> dict[str, Any]:
     """Run every method for every seed with the same ``settings`` and write the table; returns it as rows."""
-    from fedhpro.api import run
+    from fedhpro.api import run_or_continue
     from fedhpro.config import load_config, parse_override
 
     unknown = [m for m in methods if m not in METHODS]
@@ -118,14 +127,12 @@ def compare(methods: Sequence[str], seeds: Sequence[int], settings: Mapping[str,
     for method in methods:
         for seed in seeds:
             folder = out / f"{method}-seed{seed}"
-            settings_of_run = {**pairs, "method": method, "seed": seed, "out": str(folder)}
-            done = folder / "summary.json"
-            if done.is_file():  # checked for all runs first: a stale folder stops the comparison before it starts
-                _check_finished(folder, load_config(source, settings_of_run), method)
-            plan.append((method, seed, settings_of_run, done))
+            config = load_config(source, {**pairs, "method": method, "seed": seed, "out": str(folder)})
+            _check_stored(folder, config, method)  # all first: a stale folder stops the comparison before it starts
+            plan.append((method, seed, config, folder))
     summaries: dict[str, list[dict[str, Any]]] = {}
-    for method, seed, settings_of_run, done in plan:
-        summary = json.loads(done.read_text()) if done.is_file() else run(source, settings_of_run).summary
+    for method, seed, config, folder in plan:
+        summary = run_or_continue(config, folder)
         summaries.setdefault(method, []).append(summary)
         if echo:
             print(f"{method:10s} seed {seed}: AVG {summary['accuracy']:.2f}", flush=True)

@@ -208,20 +208,21 @@ def resolve_dataset(part: Part, settings: dict[str, Any], scale: str, echo) -> t
 
 def run_one(settings: dict[str, Any], seed: int, runs_dir: Path, label: str, echo: bool) -> RunData:
     """Run (or reuse) one configuration for one seed; returns its folder read back."""
-    from fedhpro.api import run
+    from fedhpro.api import run_or_continue
     from fedhpro.config import load_config
 
     pairs = {**settings, "seed": seed, "progress": False}
     config = load_config(None, pairs)
+    # the folder's name carries the hash of the settings: a run kept there is this configuration's
     folder = runs_dir / f"{_slug(config.run.method)}-{_identity(config)}-seed{seed}"
     if (folder / "summary.json").is_file():
         if echo:
             print(f"  {label:34s} seed {seed}: reused {folder}", flush=True)
         return load_run(folder)
     started = time.perf_counter()
-    result = run(config.to_dict() | {"out": str(folder)})
+    summary = run_or_continue(config, folder)  # continues an interrupted run from its newest checkpoint
     if echo:
-        print(f"  {label:34s} seed {seed}: AVG {result.accuracy:6.2f}  ({time.perf_counter() - started:.0f} s)",
+        print(f"  {label:34s} seed {seed}: AVG {summary['accuracy']:6.2f}  ({time.perf_counter() - started:.0f} s)",
               flush=True)
     return load_run(folder)
 
