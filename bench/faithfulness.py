@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import statistics
 from pathlib import Path
 
-import fedhpro
+from fedhpro.api import run_or_continue
+from fedhpro.compare import check_stored_run
+from fedhpro.config import load_config, parse_override
+from fedhpro.errors import FedHProError
 from fedhpro.reports import write_atomic
 
 #: variant name -> config overrides (the defaults are the package's defaults)
@@ -42,19 +44,21 @@ def main() -> None:
     args = parser.parse_args()
 
     out = Path(args.out)
-    results: dict[str, list[dict]] = {}
+    settings = dict(map(parse_override, args.set))
+    plan = []
     for variant in args.variants:
         for seed in args.seeds:
             folder = out / f"{variant.replace(' ', '_').replace('=', '-')}-seed{seed}"
-            summary_file = folder / "summary.json"
-            if summary_file.exists():  # resume an interrupted sweep
-                summary = json.loads(summary_file.read_text())
-            else:
-                overrides = {**VARIANTS[variant], "seed": seed, "out": str(folder), "progress": False}
-                summary = fedhpro.run(None, args.set, **overrides).summary
-            results.setdefault(variant, []).append(summary)
-            print(f"{variant:28s} seed {seed}: AVG {summary['accuracy']:.2f}  ({summary['seconds']:.0f} s)",
-                  flush=True)
+            config = load_config(None, {**settings, **VARIANTS[variant], "seed": seed, "out": str(folder),
+                                        "progress": False})
+            check_stored_run(folder, config, config.run.method)  # a kept run must have these settings
+            plan.append((variant, seed, config, folder))
+    results: dict[str, list[dict]] = {}
+    for variant, seed, config, folder in plan:
+        # an interrupted sweep continues: finished runs are read back, cut-short ones resume
+        summary = run_or_continue(config, folder)
+        results.setdefault(variant, []).append(summary)
+        print(f"{variant:28s} seed {seed}: AVG {summary['accuracy']:.2f}  ({summary['seconds']:.0f} s)", flush=True)
 
     domains = list(next(iter(results.values()))[0]["per_domain"])
     columns = domains + ["AVG"]
@@ -84,4 +88,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except FedHProError as error:  # a bad setting or a stale run folder: one line, as the CLI prints it
+        raise SystemExit(f"faithfulness: error: {error}") from None

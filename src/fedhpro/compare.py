@@ -78,7 +78,7 @@ def setting_differences(stored: Mapping[str, Any], wanted: Mapping[str, Any]) ->
     return lines
 
 
-def _check_stored(folder: Path, config, method: str) -> None:
+def check_stored_run(folder: Path, config, method: str) -> None:
     """Raise unless the run kept in ``folder`` (finished, or interrupted after a checkpoint) has ``config``'s settings."""
     import yaml
 
@@ -128,7 +128,7 @@ def compare(methods: Sequence[str], seeds: Sequence[int], settings: Mapping[str,
         for seed in seeds:
             folder = out / f"{method}-seed{seed}"
             config = load_config(source, {**pairs, "method": method, "seed": seed, "out": str(folder)})
-            _check_stored(folder, config, method)  # all first: a stale folder stops the comparison before it starts
+            check_stored_run(folder, config, method)  # all first: a stale folder stops the comparison before it starts
             plan.append((method, seed, config, folder))
     summaries: dict[str, list[dict[str, Any]]] = {}
     for method, seed, config, folder in plan:
