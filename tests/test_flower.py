@@ -184,6 +184,19 @@ def test_node_discovery_maps_partitions_and_names_the_fix(monkeypatch):
         discover_nodes(twins, None, FlowerSettings(node_wait=1))
 
 
+def test_server_refuses_an_out_folder_holding_another_run_before_asking_any_node(tmp_path):
+    from fedhpro.flower.server import run_server
+
+    class UntouchableGrid:
+        def __getattr__(self, name):
+            raise AssertionError(f"the grid was used ({name}) before the out folder was checked")
+
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(ConfigError, match="already holds a finished run; give another out="):
+        run_server(UntouchableGrid(), {}, {"out": str(tmp_path), "rounds": 1})
+    assert (tmp_path / "summary.json").read_text() == "{}"
+
+
 def test_example_app_declares_every_config_key():
     """flwr run accepts only the keys the app declares: examples/flower/pyproject.toml must be current."""
     path = REPO / "examples" / "flower" / "pyproject.toml"

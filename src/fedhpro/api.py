@@ -85,7 +85,7 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
         config, resume_from = _resume_config(config)
     options = config.run
     if resume_from is None and options.out:
-        _check_new_folder(Path(options.out))  # before the data are built: fail fast
+        check_new_run_folder(Path(options.out))  # before the data are built: fail fast
     device = resolve_device(options.device)
     if device.type == "cpu":
         configure_cpu_runtime()  # denormals flushed, freed memory reused (fedhpro.runtime)
@@ -325,7 +325,8 @@ _RUN_FILES = ("summary.json", "config.yaml", "metrics.jsonl", "timing.jsonl", "p
               "checkpoints")
 
 
-def _check_new_folder(out: Path) -> None:
+def check_new_run_folder(out: Path) -> None:
+    """Raise a one-line ConfigError if ``out`` holds another run's files (used by run and the Flower server)."""
     held = [name for name in _RUN_FILES if (out / name).exists()]
     if not held:
         return

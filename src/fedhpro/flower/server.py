@@ -32,6 +32,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from fedhpro import reports
+from fedhpro.api import check_new_run_folder
 from fedhpro.config import Config, load_config
 from fedhpro.engines.simulator import _FAULT, RoundRecord, Simulator, _corrupted, _weighted_mean, derive_seed
 from fedhpro.errors import ConfigError, FedHProError, UpdateError
@@ -263,6 +264,9 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, Any
     """Run the experiment that ``base`` + ``run_config`` describe on the nodes of ``grid``; return the strategy."""
     config, settings = config_from_run_config(run_config, base)
     config = load_config(config.to_dict(), {"progress": False})  # no progress bars in a server log
+    out = Path(config.run.out) if config.run.out else None
+    if out is not None:
+        check_new_run_folder(out)  # before any node is asked: another run's results must not be overwritten
     started = time.perf_counter()
 
     def warn(message: str) -> None:
@@ -276,7 +280,6 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, Any
         raise ConfigError(f"the federation has {engine.federation.num_clients} clients but {clients} SuperNodes "
                           f"hold partitions; set clients={engine.federation.num_clients} or run that many SuperNodes")
     strategy = MethodStrategy(engine, config, nodes)
-    out = Path(config.run.out) if config.run.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         reports.write_yaml(out / "config.yaml", config.to_dict())
