@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="several methods on the same federation and seeds: a table like the paper's Table A3",
         description="Run methods=[...] for seeds=[...] (default: all nine methods, seeds 0,1,2) with the same "
                     "settings; writes <out>/table.md and table.csv (default out=runs/compare). Finished runs "
-                    "in <out> are reused if their config.yaml holds the same settings; one that does not "
+                    "in <out> are reused (interrupted ones continue from their checkpoint) if their config.yaml "
+                    "holds the same settings; one that does not "
                     "stops the comparison with the settings that differ.")
     _settings_command(
         commands, "reproduce", _cmd_reproduce, metavar="NAME [KEY=VALUE]",
