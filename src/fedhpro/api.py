@@ -322,7 +322,7 @@ def _write_tsne(simulator: Simulator, out: Path, seed: int, title: str, per_test
 
 #: what a run writes into its folder: a new run never writes where any of it is (the two runs' files would mix)
 _RUN_FILES = ("summary.json", "config.yaml", "metrics.jsonl", "timing.jsonl", "partition.json", "accuracy.png",
-              "checkpoints")
+              "tsne.png", "tsne.npz", "tensorboard", "checkpoints", "server_state.pt")
 
 
 def check_new_run_folder(out: Path) -> None:
