@@ -17,8 +17,7 @@ import io
 import statistics
 from pathlib import Path
 
-from fedhpro.api import run_or_continue
-from fedhpro.compare import check_stored_run
+from fedhpro.compare import run_all
 from fedhpro.config import load_config, parse_override
 from fedhpro.errors import FedHProError
 from fedhpro.reports import write_atomic
@@ -45,18 +44,13 @@ def main() -> None:
 
     out = Path(args.out)
     settings = dict(map(parse_override, args.set))
-    plan = []
-    for variant in args.variants:
-        for seed in args.seeds:
-            folder = out / f"{variant.replace(' ', '_').replace('=', '-')}-seed{seed}"
-            config = load_config(None, {**settings, **VARIANTS[variant], "seed": seed, "out": str(folder),
-                                        "progress": False})
-            check_stored_run(folder, config, config.run.method)  # a kept run must have these settings
-            plan.append((variant, seed, config, folder))
+    runs = [(variant, seed, out / f"{variant.replace(' ', '_').replace('=', '-')}-seed{seed}")
+            for variant in args.variants for seed in args.seeds]
+    jobs = [(load_config(None, {**settings, **VARIANTS[variant], "seed": seed, "out": str(folder),
+                                "progress": False}), folder) for variant, seed, folder in runs]
     results: dict[str, list[dict]] = {}
-    for variant, seed, config, folder in plan:
-        # an interrupted sweep continues: finished runs are read back, cut-short ones resume
-        summary = run_or_continue(config, folder)
+    # an interrupted sweep continues: kept runs (checked against their settings) are read back or resumed
+    for (variant, seed, _), summary in zip(runs, run_all(jobs)):
         results.setdefault(variant, []).append(summary)
         print(f"{variant:28s} seed {seed}: AVG {summary['accuracy']:.2f}  ({summary['seconds']:.0f} s)", flush=True)
 

@@ -10,10 +10,10 @@ load) before the median over repeats is reported with its min-max spread.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
-import argparse
 import statistics
 import time
 from collections.abc import Callable, Mapping

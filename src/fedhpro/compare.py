@@ -19,7 +19,7 @@ import io
 import json
 import statistics
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from fedhpro.errors import ConfigError
 from fedhpro.methods import METHODS
@@ -78,7 +78,7 @@ def setting_differences(stored: Mapping[str, Any], wanted: Mapping[str, Any]) ->
     return lines
 
 
-def check_stored_run(folder: Path, config, method: str) -> None:
+def check_stored_run(folder: Path, config) -> None:
     """Raise unless the run kept in ``folder`` (finished, or interrupted after a checkpoint) has ``config``'s settings."""
     import yaml
 
@@ -101,6 +101,7 @@ def check_stored_run(folder: Path, config, method: str) -> None:
     if reason is not None:
         raise ConfigError(f"{folder} holds {what} but its config.yaml cannot be read ({reason}); "
                           "delete that folder to run it again")
+    method = config.run.method
     differences = setting_differences(run_settings(stored, method), run_settings(config.to_dict(), method))
     if differences:
         shown = "; ".join(differences[:4]) + (f"; and {len(differences) - 4} more" if len(differences) > 4 else "")
@@ -108,10 +109,23 @@ def check_stored_run(folder: Path, config, method: str) -> None:
                           "or delete that folder to run it again")
 
 
+def run_all(jobs: Sequence[tuple[Any, Path]]) -> Iterator[dict[str, Any]]:
+    """The summary of each ``(config, folder)`` job, in order: read back, continued or run (``run_or_continue``).
+
+    Every kept run is checked against its config before the first job runs, so a stale folder stops the
+    whole sweep at once instead of after hours.
+    """
+    from fedhpro.api import run_or_continue
+
+    for config, folder in jobs:
+        check_stored_run(folder, config)
+    for config, folder in jobs:
+        yield run_or_continue(config, folder)
+
+
 def compare(methods: Sequence[str], seeds: Sequence[int], settings: Mapping[str, Any] | Sequence[str],
             out: str | Path, source: str | None = None, echo: bool = True) -> dict[str, Any]:
     """Run every method for every seed with the same ``settings`` and write the table; returns it as rows."""
-    from fedhpro.api import run_or_continue
     from fedhpro.config import load_config, parse_override
 
     unknown = [m for m in methods if m not in METHODS]
@@ -121,18 +135,13 @@ def compare(methods: Sequence[str], seeds: Sequence[int], settings: Mapping[str,
     for forbidden in ("method", "seed", "out", "resume"):
         if forbidden in pairs:
             raise ConfigError(f"{forbidden}= is set by compare for each run; remove it")
-    load_config(source, pairs)  # validate once, before any run starts
     out = Path(out)
-    plan = []
-    for method in methods:
-        for seed in seeds:
-            folder = out / f"{method}-seed{seed}"
-            config = load_config(source, {**pairs, "method": method, "seed": seed, "out": str(folder)})
-            check_stored_run(folder, config, method)  # all first: a stale folder stops the comparison before it starts
-            plan.append((method, seed, config, folder))
+    runs = [(method, seed, out / f"{method}-seed{seed}") for method in methods for seed in seeds]
+    # every config is resolved (and so validated) before any run starts
+    jobs = [(load_config(source, {**pairs, "method": method, "seed": seed, "out": str(folder)}), folder)
+            for method, seed, folder in runs]
     summaries: dict[str, list[dict[str, Any]]] = {}
-    for method, seed, config, folder in plan:
-        summary = run_or_continue(config, folder)
+    for (method, seed, _), summary in zip(runs, run_all(jobs)):
         summaries.setdefault(method, []).append(summary)
         if echo:
             print(f"{method:10s} seed {seed}: AVG {summary['accuracy']:.2f}", flush=True)

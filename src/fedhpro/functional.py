@@ -413,11 +413,16 @@ def hpal_loss(z: Tensor, y: Tensor, hyper: Tensor, normalized: bool = False) -> 
     Returns:
         A 0-dim tensor.
     """
-    if normalized:  # H^c / ||H^c|| per class (the same per-row values as normalising the gathered rows)
-        targets = _derived("unit_class_means", hyper, lambda h: _unit(h.mean(1), dim=1))[y]
-        return F.smooth_l1_loss(_unit(z, dim=1), targets, beta=1.0, reduction="mean")
+    if normalized:
+        return _normalized_hpal_of_units(_unit(z, dim=1), y, hyper)
     targets = _derived("class_means", hyper, lambda h: h.mean(1))[y]
     return F.smooth_l1_loss(z, targets, beta=1.0, reduction="none").sum(1).mean()
+
+
+def _normalized_hpal_of_units(z_unit: Tensor, y: Tensor, hyper: Tensor) -> Tensor:
+    # targets H^c / ||H^c|| per class: the same per-row values as normalising the gathered rows
+    targets = _derived("unit_class_means", hyper, lambda h: _unit(h.mean(1), dim=1))[y]
+    return F.smooth_l1_loss(z_unit, targets, beta=1.0, reduction="mean")
 
 
 def hyper_prototype_losses(z: Tensor, y: Tensor, hyper: Tensor, margin: float | Tensor, tau: float,
@@ -431,8 +436,7 @@ def hyper_prototype_losses(z: Tensor, y: Tensor, hyper: Tensor, margin: float | 
     z_unit = _unit(z, dim=1)
     hpcl = _hpcl_of_similarity(_similarity_of_units(z_unit, hyper), y, margin, tau)
     if normalized:
-        targets = _derived("unit_class_means", hyper, lambda h: _unit(h.mean(1), dim=1))[y]
-        return hpcl, F.smooth_l1_loss(z_unit, targets, beta=1.0, reduction="mean")
+        return hpcl, _normalized_hpal_of_units(z_unit, y, hyper)
     return hpcl, hpal_loss(z, y, hyper, normalized=False)
 
 

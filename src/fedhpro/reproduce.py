@@ -39,7 +39,6 @@ SCALES = ("paper", "smoke")
 FALLBACKS = {"digits": ("digits-offline", "the real Digits benchmark (MNIST, USPS, SVHN, SYN) is not available "
                                           "here; ran on digits-offline, where optdigits stands in for USPS and "
                                           "mnistm for SVHN, with far fewer rounds than the paper")}
-#: settings that change how a run is shown or stored, not what it computes (left out of the run's identity)
 
 
 def configs_dir() -> Path:
