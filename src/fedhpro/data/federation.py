@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
+
+from fedhpro.errors import DataError
 
 #: ``augment(x, generator) -> x``: a per-batch training augmentation (e.g. TinyImageNet's AutoAugment)
 Augment = Callable[[Tensor, torch.Generator], Tensor]
@@ -36,6 +39,16 @@ class Federation:
 
     ``partition`` is JSON-serialisable: per client its domain, the indices it
     took from its domain's training set, and its class counts.
+
+    ``client_tests``, when set, holds each client's own test split (a
+    federation that arrives split, as real sites hold data: ``dataset=clients``,
+    :meth:`from_tensors` with per-client tests). Evaluation is then federated:
+    every client tests on its own split and the correct counts are pooled per
+    domain (per ``client_domains``; ``"all"`` for clients without one), exactly
+    as the Flower server pools what its nodes report. ``test_sets`` then holds
+    the same data concatenated per domain, for whole-set measurements (t-SNE).
+    ``client_names`` names the clients (their folders); Flower nodes are
+    ordered by it.
     """
 
     name: str
@@ -46,6 +59,8 @@ class Federation:
     test_sets: dict[str, tuple[Tensor, Tensor]]
     partition: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    client_tests: Optional[list[tuple[Tensor, Tensor]]] = None
+    client_names: Optional[list[str]] = None
 
     @property
     def num_clients(self) -> int:
@@ -54,6 +69,8 @@ class Federation:
     def client_test_name(self, k: int) -> str:
         """The test set of client ``k``'s own distribution: its domain's, else the only/``all`` one."""
         domain = self.client_domains[k] if self.client_domains else None
+        if self.client_tests is not None:
+            return domain or "all"
         if domain in self.test_sets:
             return domain
         if "all" in self.test_sets or len(self.test_sets) != 1:
@@ -64,7 +81,116 @@ class Federation:
         """Move every tensor to ``device`` (once, before training: data stays resident)."""
         self.clients = [ClientData(c.x.to(device), c.y.to(device), c.num_classes, c.augment) for c in self.clients]
         self.test_sets = {name: (x.to(device), y.to(device)) for name, (x, y) in self.test_sets.items()}
+        if self.client_tests is not None:
+            self.client_tests = [(x.to(device), y.to(device)) for x, y in self.client_tests]
         return self
+
+    @classmethod
+    def from_tensors(cls, train: Sequence[tuple[Tensor, Tensor]],
+                     test: Sequence[tuple[Tensor, Tensor]] | Mapping[str, tuple[Tensor, Tensor]], *,
+                     num_classes: int | None = None, domains: Sequence[str | None] | None = None,
+                     names: Sequence[str] | None = None, name: str = "custom",
+                     partition: dict[str, Any] | None = None, notes: Sequence[str] = ()) -> "Federation":
+        """A federation from per-client ``(x, y)`` training tensors, checked.
+
+        ``test``: one ``(x, y)`` per client (each client's own test split:
+        evaluation is federated, see the class docstring), or a mapping
+        ``name -> (x, y)`` of shared test sets (a domain's name, or ``"all"``),
+        on which the global model is tested as for the built-in data sets.
+        ``domains``: each client's domain (``None`` or ``""``: none).
+        ``num_classes``: default max label + 1. Inputs are float (images,
+        features) or integer token ids; labels integer class indices.
+
+        Raises :class:`~fedhpro.errors.DataError` naming the client and the fix
+        (no training data, labels out of range, shapes that differ).
+        """
+        train = list(train)
+        if not train:
+            raise DataError("a federation needs at least one client; give one (x, y) training pair per client")
+        k_total = len(train)
+        names = [str(n) for n in names] if names is not None else [f"client {k}" for k in range(k_total)]
+        if len(names) != k_total:
+            raise DataError(f"{len(names)} client names for {k_total} clients; give one name per client")
+        if len(set(names)) != k_total:
+            raise DataError(f"client names repeat ({sorted(n for n in set(names) if names.count(n) > 1)}); "
+                            "give every client its own name")
+        domain_list = [str(d) if d else "" for d in domains] if domains is not None else [""] * k_total
+        if len(domain_list) != k_total:
+            raise DataError(f"{len(domain_list)} domains for {k_total} clients; give one domain (or None) per client")
+        per_client = not isinstance(test, Mapping)
+        tests = list(test) if per_client else []
+        if per_client and len(tests) != k_total:
+            raise DataError(f"{len(tests)} test splits for {k_total} clients; give one (x, y) test pair per client, "
+                            "or a mapping name -> (x, y) of shared test sets")
+        shared = {} if per_client else {str(n): pair for n, pair in test.items()}
+        if not per_client and not shared:
+            raise DataError("no test set; give one (x, y) per client or a mapping name -> (x, y)")
+        labelled = [(names[k], "training", pair) for k, pair in enumerate(train)]
+        labelled += [(names[k], "test", pair) for k, pair in enumerate(tests)]
+        labelled += [(f"test set {n!r}", "test", pair) for n, pair in shared.items()]
+        checked = {}
+        for who, split, pair in labelled:
+            checked[(who, split)] = _checked_pair(pair, who, split)
+        top = max(int(y.max()) for (_, y) in checked.values() if y.numel())
+        num_classes = top + 1 if num_classes is None else int(num_classes)
+        shapes = {tuple(x.shape[1:]) for (x, _) in checked.values()}
+        if len(shapes) != 1:
+            raise DataError(f"the clients' inputs differ in shape {sorted(shapes)}; give every client the same "
+                            "input shape (e.g. resize images to one size)")
+        for (who, split), (x, y) in checked.items():
+            if y.numel() and (int(y.min()) < 0 or int(y.max()) >= num_classes):
+                bad = int(y.max()) if int(y.max()) >= num_classes else int(y.min())
+                raise DataError(f"{who}: {split} label {bad} is out of range for {num_classes} classes; labels must "
+                                f"be 0..{num_classes - 1} (set num_classes or fix the labels)")
+        for k, who in enumerate(names):
+            if checked[(who, "training")][1].numel() == 0:
+                raise DataError(f"{who} has no training data; give it samples or leave it out of the federation")
+        clients = [ClientData(*checked[(who, "training")], num_classes) for who in names]
+        client_tests = [checked[(who, "test")] for who in names] if per_client else None
+        if per_client:
+            groups: dict[str, list[int]] = {}
+            for k, domain in enumerate(domain_list):
+                groups.setdefault(domain or "all", []).append(k)
+            test_sets = {group: (torch.cat([client_tests[k][0] for k in members]),
+                                 torch.cat([client_tests[k][1] for k in members]))
+                         for group, members in groups.items()}
+        else:
+            test_sets = {n: checked[(f"test set {n!r}", "test")] for n in shared}
+        record = partition if partition is not None else {
+            "dataset": name, "scheme": "given",
+            "clients": [{"client": k, "name": names[k], "domain": domain_list[k] or None,
+                         "size": len(clients[k]),
+                         "class_counts": torch.bincount(clients[k].y, minlength=num_classes).tolist()}
+                        for k in range(k_total)]}
+        return cls(name, num_classes, tuple(next(iter(shapes))), clients, domain_list, test_sets, record,
+                   list(notes), client_tests=client_tests, client_names=names)
+
+
+def _checked_pair(pair: Any, who: str, split: str) -> tuple[Tensor, Tensor]:
+    """``(x, y)`` as tensors: x float (or integer token ids), y int64 of the same length; else one DataError."""
+    try:
+        x, y = pair
+    except (TypeError, ValueError):
+        raise DataError(f"{who}: the {split} data must be an (x, y) pair of tensors") from None
+    x, y = torch.as_tensor(x), torch.as_tensor(y)
+    if y.dim() != 1 or x.dim() < 2 or x.shape[0] != y.shape[0]:
+        raise DataError(f"{who}: {split} inputs {tuple(x.shape)} and labels {tuple(y.shape)} do not match; give "
+                        "x as N x ... and y as N class indices")
+    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+        if y.is_floating_point() and bool(torch.all(y == y.round())):
+            y = y.long()
+        else:
+            raise DataError(f"{who}: {split} labels must be integer class indices, got {y.dtype}")
+    if x.is_floating_point():
+        if not bool(torch.isfinite(x).all()):
+            raise DataError(f"{who}: {split} inputs hold NaN or infinite values; clean the data")
+        x = x.float()
+    elif x.dtype == torch.uint8:
+        raise DataError(f"{who}: {split} inputs are uint8 pixels; convert them to float "
+                        "(fedhpro.data.federation.normalize_images maps 0..255 to [-1, 1])")
+    else:
+        x = x.long()
+    return x.contiguous(), y.long().contiguous()
 
 
 def normalize_images(images: Tensor) -> Tensor:

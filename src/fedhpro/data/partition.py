@@ -680,5 +680,38 @@ def label_partition(options: PartitionOptions, scheme: str, labels: np.ndarray, 
     raise PartitionError(f"partition={scheme!r} does not split by label; choose one of: {', '.join(LABEL_SCHEMES)}")
 
 
+def within_domains(labels: Mapping[str, np.ndarray], layout: Mapping[str, int], scheme: str,
+                   options: "PartitionOptions", rng: np.random.Generator,
+                   num_classes: int | None = None) -> Partition:
+    """A label-skew ``scheme`` applied separately to each domain's training set among that domain's clients.
+
+    ``labels``: domain -> that domain's training labels; ``layout``: domain ->
+    its number of clients (domains with 0 are left out; clients are numbered in
+    ``layout`` order, a domain's clients consecutive). Indices are in each
+    domain's own index space and ``client_domains`` records each client's
+    domain, as :func:`domains` returns them. With one domain this is the plain
+    label partition of that domain.
+    """
+    parts: list[np.ndarray] = []
+    owners: list[str] = []
+    params: dict[str, Any] = {"within_domains": {}}
+    for domain, clients in layout.items():
+        if not clients:
+            continue
+        if domain not in labels:
+            raise PartitionError(f"unknown domain {domain!r}; the data has {sorted(labels)}")
+        try:
+            split = label_partition(options, scheme, np.asarray(labels[domain]), int(clients), rng, num_classes)
+        except PartitionError as error:
+            raise PartitionError(f"domain {domain!r} ({int(clients)} clients): {error}") from None
+        parts += split.client_indices
+        owners += [str(domain)] * split.num_clients
+        params["within_domains"][str(domain)] = {"clients": int(clients), **split.params}
+    if not parts:
+        raise PartitionError("the layout gives no client; give at least one domain a client")
+    return Partition(parts, scheme, params, client_domains=owners)
+
+
 __all__ = ["LABEL_SCHEMES", "PARTITIONERS", "Partition", "PartitionError", "PartitionOptions", "ag_nid", "dirichlet",
-           "domains", "iid", "label_partition", "longtail", "nid2"]
+           "domains", "iid", "label_partition", "longtail", "nid2",
+           "within_domains"]
