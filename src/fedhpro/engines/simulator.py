@@ -20,77 +20,135 @@ import torch
 from torch import Tensor, nn
 
 from fedhpro.data.federation import Federation
-from fedhpro.errors import ConfigError, UpdateError
+from fedhpro.engines.protocol import (FAULT, INIT, SAMPLE, SERVER, TRAIN, Faults, RoundProtocol, RoundRecord,
+                                      TestCount, corrupted, derive_seed, pool_accuracy, round_half_up,
+                                      train_generator, weighted_mean)
+from fedhpro.errors import ConfigError
 from fedhpro.methods.base import (MethodContext, MethodSpec, TrainSettings, eval_batch_size, eval_forward,
                                   extract_features, load_weights)
-from fedhpro.metrics import (FlopCounter, class_means, fairness_statistics, mean_client_prototypes, payload_bytes,
-                             payload_parameters, prototype_distance)
+from fedhpro.metrics import (FlopCounter, class_means, fairness_statistics, mean_client_prototypes,
+                             prototype_distance)
 
 
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed from integer parts (independent streams for rounds and clients)."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> np.uint64(1))
-
-
-# stream tags: each kind of randomness gets its own stream
-_INIT, _SAMPLE, _TRAIN, _SERVER, _FAULT = 1, 2, 3, 4, 5
-
-
-@dataclass(frozen=True)
-class Faults:
-    """Injected client faults, for tests and robustness studies (seeded per round and client)."""
-
-    dropout: float = 0.0  # probability that a sampled client does not answer
-    corrupt: float = 0.0  # probability that an answering client sends NaN weights
-
-
-@dataclass
-class RoundRecord:
-    """Everything measured in one round (one line of ``metrics.jsonl``)."""
-
-    round: int
-    participants: list[int]
-    train: dict[str, float]
-    server: dict[str, float]
-    accuracy: dict[str, float] | None
-    bytes_up: int
-    bytes_down: int
-    seconds: dict[str, float]
-    dropped: list[dict[str, Any]] = field(default_factory=list)
-    skipped: bool = False
-    #: further deterministic measurements (parameters sent, per-client accuracy and fairness,
-    #: FLOPs, prototype distances), written as top-level keys of the ``metrics.jsonl`` row
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        """The deterministic part (same seed, same numbers): a line of ``metrics.jsonl``."""
-        out = {"round": self.round, "participants": self.participants, "train": self.train,
-               "server": self.server, "bytes_up": self.bytes_up, "bytes_down": self.bytes_down}
-        out.update(self.extra)
-        if self.dropped:
-            out["dropped"] = self.dropped
-        if self.skipped:
-            out["skipped"] = True
-        if self.accuracy is not None:
-            out["accuracy"] = self.accuracy
-        return out
+# the protocol's names, kept importable from here
+_INIT, _SAMPLE, _TRAIN, _SERVER, _FAULT = INIT, SAMPLE, TRAIN, SERVER, FAULT
+_corrupted, _weighted_mean = corrupted, weighted_mean
 
 
 @torch.no_grad()
+def count_correct(model: nn.Module, x: Tensor, y: Tensor, batch_size: int | None = None) -> int:
+    """How many of ``x`` the model classifies as ``y`` (eval mode, batches of ``eval_batch_size``)."""
+    model.eval()
+    batch_size = batch_size or eval_batch_size(x.device)
+    correct = 0
+    for start in range(0, x.shape[0], batch_size):
+        logits = eval_forward(model, x[start:start + batch_size])
+        correct += int((logits.argmax(1) == y[start:start + batch_size]).sum())
+    return correct
+
+
 def evaluate(model: nn.Module, test_sets: dict[str, tuple[Tensor, Tensor]],
              batch_size: int | None = None) -> dict[str, float]:
     """Accuracy in percent on each test set, plus ``AVG``, their unweighted mean (the paper's AVG)."""
-    model.eval()
-    accuracy = {}
-    for name, (x, y) in test_sets.items():
-        batch_size = batch_size or eval_batch_size(x.device)
-        correct = 0
-        for start in range(0, x.shape[0], batch_size):
-            logits = eval_forward(model, x[start:start + batch_size])
-            correct += int((logits.argmax(1) == y[start:start + batch_size]).sum())
-        accuracy[name] = 100.0 * correct / max(int(y.shape[0]), 1)
-    accuracy["AVG"] = float(np.mean([accuracy[name] for name in test_sets]))
-    return accuracy
+    return pool_accuracy([TestCount(name, count_correct(model, x, y, batch_size), int(y.shape[0]))
+                          for name, (x, y) in test_sets.items()])
+
+
+def _seeded(factory: Callable[[], nn.Module], seed: int, device: torch.device) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):  # seed the initial weights without touching the caller's RNG
+        torch.manual_seed(seed)
+        return factory().to(device)
+
+
+class ClientModels:
+    """The models of a run: the global model and, with personal models, each client's own.
+
+    One architecture (``shared="all"``): a global model and one working model
+    that every client trains in turn (no per-client allocation). Personal
+    models (``client_architectures``, or ``shared`` ``"classifier"``/``"none"``):
+    client ``k``'s model starts from its own seeded initialisation and keeps
+    its weights across rounds; the global model is client 0's initial model,
+    of which only ``shared_keys`` travel.
+
+    ``clients`` limits the personal models built to those clients (a Flower
+    node builds its own, the server none); the initial weights do not depend
+    on which are built.
+    """
+
+    def __init__(self, model_factory: Callable[[], nn.Module], *, num_clients: int, seed: int,
+                 device: torch.device, client_architectures: Sequence[str] | None = None,
+                 architecture_factory: Callable[[str], nn.Module] | None = None, shared: str | None = None,
+                 clients: Sequence[int] | None = None):
+        if shared is None:
+            shared = "all" if client_architectures is None else "classifier"
+        if shared not in ("all", "classifier", "none"):
+            raise ValueError(f"shared must be all, classifier or none, got {shared!r}")
+        if shared == "all" and client_architectures is not None:
+            raise ConfigError("different client architectures cannot share all their weights")
+        if shared != "all" and client_architectures is None:
+            client_architectures = ["model"] * num_clients
+            architecture_factory = lambda name: model_factory()  # noqa: E731
+        self.shared = shared
+        self.device = device
+        self.architectures = list(client_architectures) if client_architectures is not None else None
+        self.shared_keys: list[str] | None = None
+        if self.architectures is None:
+            self.global_model = _seeded(model_factory, derive_seed(seed, INIT), device)
+            self.working_model = copy.deepcopy(self.global_model)  # reused by every client
+            self.eval_model = copy.deepcopy(self.global_model)
+            return
+        if len(self.architectures) != num_clients:
+            raise ValueError(f"{len(self.architectures)} architectures for {num_clients} clients")
+        if architecture_factory is None:
+            raise ValueError("client_architectures needs an architecture_factory")
+        self.working_models: dict[str, nn.Module] = {}
+        self.client_weights: dict[int, dict[str, Tensor]] = {}
+        for k in (range(num_clients) if clients is None else clients):
+            name = self.architectures[k]
+            model = _seeded(lambda: architecture_factory(name), derive_seed(seed, INIT, k), device)
+            self.working_models.setdefault(name, model)
+            self.client_weights[k] = {key: v.detach().clone() for key, v in model.state_dict().items()}
+        if 0 in self.client_weights:  # client 0's initial model, as built above
+            self.global_model = copy.deepcopy(self.working_models[self.architectures[0]])
+            self.global_model.load_state_dict(self.client_weights[0])
+        else:
+            self.global_model = _seeded(lambda: architecture_factory(self.architectures[0]),
+                                        derive_seed(seed, INIT, 0), device)
+        self.shared_keys = ([key for key in self.global_model.state_dict() if key.startswith("classifier.")]
+                            if shared == "classifier" else [])
+        shapes = {name: [tuple(m.state_dict()[key].shape) for key in self.shared_keys]
+                  for name, m in self.working_models.items()}
+        shapes[self.architectures[0]] = [tuple(self.global_model.state_dict()[key].shape) for key in self.shared_keys]
+        if len({tuple(v) for v in shapes.values()}) != 1:
+            raise ConfigError(f"the client models' classifiers differ in shape {shapes}; "
+                              "every architecture must produce the same feature_dim")
+
+    @property
+    def personal(self) -> bool:
+        """Whether each client keeps a model of its own (heterogeneous or prototype-only)."""
+        return self.architectures is not None
+
+    def model_for(self, k: int, weights: dict[str, Tensor] | None = None) -> nn.Module:
+        """The model client ``k`` trains or is tested with: the shared working model, or its own personal
+        model (``weights``, else its stored ones) loaded into its architecture's working model."""
+        if not self.personal:
+            return self.working_model
+        model = self.working_models[self.architectures[k]]
+        model.load_state_dict(weights if weights is not None else self.client_weights[k])
+        return model
+
+    def keep(self, k: int, model: nn.Module) -> None:
+        """Client ``k``'s personal model persists to its next round."""
+        if self.personal:
+            self.client_weights[k] = {key: v.detach().clone() for key, v in model.state_dict().items()}
+
+
+def build_method(method: MethodSpec, options: Any, models: ClientModels, num_classes: int, train: TrainSettings,
+                 seed: int, device: torch.device) -> tuple[Any, Any]:
+    """``(server part, client part)`` of ``method`` for these models (the same on every engine)."""
+    context = MethodContext(model=models.global_model, num_classes=num_classes, options=options, train=train,
+                            seed=derive_seed(seed, SERVER), device=device, shared_keys=models.shared_keys)
+    return method.server(context), method.client(context)
 
 
 class Simulator:
@@ -117,109 +175,109 @@ class Simulator:
         (Table 4); ``prototype_distance`` computes, at each evaluated round, the L2 distance of the
         server's prototypes and of the mean of the clients' class means to the centralized
         prototypes, the class means of all training data under the global model (Figure 2)."""
-        if shared is None:
-            shared = "all" if client_architectures is None else "classifier"
-        if shared not in ("all", "classifier", "none"):
-            raise ValueError(f"shared must be all, classifier or none, got {shared!r}")
-        if shared == "all" and client_architectures is not None:
-            raise ConfigError("different client architectures cannot share all their weights")
-        if shared != "all" and client_architectures is None:
-            client_architectures = ["model"] * federation.num_clients
-            architecture_factory = lambda name: model_factory()  # noqa: E731
-        if prototype_distance and shared != "all":
+        self.device = torch.device(device)
+        self.models = ClientModels(model_factory, num_clients=federation.num_clients, seed=seed, device=self.device,
+                                   client_architectures=client_architectures,
+                                   architecture_factory=architecture_factory, shared=shared)
+        self.shared = self.models.shared
+        if prototype_distance and self.shared != "all":
             raise ConfigError("prototype_distance=true needs one shared global model; it is undefined with "
                               "heterogeneous models or protocol=proto-only (set prototype_distance=false)")
         self.count_flops = count_flops
         self.prototype_distance = prototype_distance
-        self.shared = shared
-        self.faults = faults or Faults()
-        self.min_clients = min_clients
-        self.on_drop = on_drop
         self.method = method
         self.federation = federation
-        self.rounds = rounds
-        self.participation = participation
-        self.seed = seed
-        self.eval_every = eval_every
-        self.device = torch.device(device)
-        self.client_architectures = list(client_architectures) if client_architectures is not None else None
-        shared_keys = None
-        if self.client_architectures is None:
-            global_model = self._seeded(model_factory, derive_seed(seed, _INIT))
-            self.working_model = copy.deepcopy(global_model)  # reused by every client: no per-client allocation
-            self.eval_model = copy.deepcopy(global_model)
-        else:
-            if len(self.client_architectures) != federation.num_clients:
-                raise ValueError(f"{len(self.client_architectures)} architectures for {federation.num_clients} clients")
-            if architecture_factory is None:
-                raise ValueError("client_architectures needs an architecture_factory")
-            self.working_models: dict[str, nn.Module] = {}
-            self.client_weights: list[dict[str, Tensor]] = []
-            for k, name in enumerate(self.client_architectures):
-                model = self._seeded(lambda: architecture_factory(name), derive_seed(seed, _INIT, k))
-                self.working_models.setdefault(name, model)
-                self.client_weights.append({key: v.detach().clone() for key, v in model.state_dict().items()})
-            global_model = copy.deepcopy(self.working_models[self.client_architectures[0]])
-            shared_keys = ([key for key in global_model.state_dict() if key.startswith("classifier.")]
-                           if shared == "classifier" else [])
-            shapes = {name: [tuple(m.state_dict()[key].shape) for key in shared_keys]
-                      for name, m in self.working_models.items()}
-            if len({tuple(v) for v in shapes.values()}) != 1:
-                raise ConfigError(f"the client models' classifiers differ in shape {shapes}; "
-                                  "every architecture must produce the same feature_dim")
-        context = MethodContext(model=global_model, num_classes=federation.num_classes, options=options,
-                                train=train, seed=derive_seed(seed, _SERVER), device=self.device,
-                                shared_keys=shared_keys)
-        self.server = method.server(context)
-        self.client = method.client(context)
+        self.server, self.client = build_method(method, options, self.models, federation.num_classes, train, seed,
+                                                self.device)
+        self.protocol = RoundProtocol(self.server, federation.num_clients, rounds=rounds, participation=participation,
+                                      seed=seed, eval_every=eval_every, faults=faults, min_clients=min_clients,
+                                      on_drop=on_drop)
         self.client_states: list[dict[str, Any]] = [{} for _ in range(federation.num_clients)]
         self.history: list[RoundRecord] = []
 
-    def _seeded(self, factory: Callable[[], nn.Module], seed: int) -> nn.Module:
-        with torch.random.fork_rng(devices=[]):  # seed the initial weights without touching the caller's RNG
-            torch.manual_seed(seed)
-            return factory().to(self.device)
+    # the run's settings, as the protocol holds them
+    rounds = property(lambda self: self.protocol.rounds)
+    seed = property(lambda self: self.protocol.seed)
+    eval_every = property(lambda self: self.protocol.eval_every)
+    participation = property(lambda self: self.protocol.participation)
+    faults = property(lambda self: self.protocol.faults)
+    min_clients = property(lambda self: self.protocol.min_clients)
 
     @property
     def heterogeneous(self) -> bool:
-        return self.client_architectures is not None
+        """Whether each client keeps a model of its own (heterogeneous or prototype-only)."""
+        return self.models.personal
 
-    def _client_model(self, k: int) -> nn.Module:
-        """The model client ``k`` trains: the shared working model, or its own persistent one."""
-        if not self.heterogeneous:
-            return self.working_model
-        model = self.working_models[self.client_architectures[k]]
-        model.load_state_dict(self.client_weights[k])
-        return model
+    @property
+    def client_architectures(self) -> list[str] | None:
+        return self.models.architectures
+
+    @property
+    def working_model(self) -> nn.Module:
+        return self.models.working_model
+
+    @property
+    def eval_model(self) -> nn.Module:
+        return self.models.eval_model
+
+    @property
+    def working_models(self) -> dict[str, nn.Module]:
+        return self.models.working_models
+
+    @property
+    def client_weights(self) -> list[dict[str, Tensor]]:
+        return [self.models.client_weights[k] for k in range(self.federation.num_clients)]
+
+    def sample_clients(self, round: int) -> list[int]:
+        """The participants of ``round``: a seeded draw without replacement, sorted."""
+        return self.protocol.sample_clients(round)
 
     def evaluate_global(self) -> dict[str, float]:
         """Test accuracy (%) per test set and AVG: the global model, or (heterogeneous) each client's
-        model with the global classifier on its own test data, averaged per domain and over domains."""
+        model with the global classifier on its own test data, pooled per domain and over domains."""
         return self.evaluate_clients()[0]
+
+    def client_test(self, k: int) -> tuple[str, tuple[Tensor, Tensor]]:
+        """``(test-set name, (x, y))`` client ``k`` is tested on: its own split (federations that arrive
+        split), else its domain's test set."""
+        name = self.federation.client_test_name(k)
+        if self.federation.client_tests is not None:
+            return name, self.federation.client_tests[k]
+        return name, self.federation.test_sets[name]
+
+    def evaluate_client(self, k: int, model: nn.Module | None = None) -> TestCount:
+        """Client ``k``'s test count: the global model (one shared model), or its personal model with the
+        global shared part, through the server's inference rule, on :meth:`client_test`. A Flower node
+        computes the same with its own model and data."""
+        if model is None:
+            if self.heterogeneous:
+                model = self.models.model_for(k)
+                load_weights(model, self.server.global_weights())
+            else:
+                model = self.eval_model
+                model.load_state_dict(self.server.global_weights())
+        name, (x, y) = self.client_test(k)
+        return TestCount(name, count_correct(self.server.inference_model(model), x, y), int(y.shape[0]))
 
     def evaluate_clients(self) -> tuple[dict[str, float], list[float]]:
         """``(accuracy per test set and AVG, accuracy of each client on its own test distribution)``.
 
-        With one global model a client's accuracy is the global model's on its test set
-        (``client_test_name``: its domain's), so clients of one domain share it; with personal
-        models (heterogeneous, proto-only) it is the client's own model's."""
-        if not self.heterogeneous:
+        Personal models, or a federation that arrives split (``client_tests``): every client is tested
+        (:meth:`evaluate_client`) and the counts pooled per test set (:func:`pool_accuracy`). One global
+        model on shared test sets: the global model on each test set; a client's accuracy is then its
+        test set's (clients of one domain share it). A client without test data is scored by the AVG."""
+        order = list(self.federation.test_sets)
+        if not self.heterogeneous and self.federation.client_tests is None:
             self.eval_model.load_state_dict(self.server.global_weights())
             accuracy = evaluate(self.server.inference_model(self.eval_model), self.federation.test_sets)
-            # a client whose distribution has no test set of its own is scored by the AVG
             return accuracy, [accuracy.get(self.federation.client_test_name(k), accuracy["AVG"])
                               for k in range(self.federation.num_clients)]
-        per_client = []
-        for k in range(self.federation.num_clients):
-            model = self._client_model(k)
-            load_weights(model, self.server.global_weights())
-            name = self.federation.client_test_name(k)
-            per_client.append((name, evaluate(self.server.inference_model(model),
-                                              {name: self.federation.test_sets[name]})[name]))
-        names = [name for name in self.federation.test_sets if any(n == name for n, _ in per_client)]
-        accuracy = {name: float(np.mean([a for n, a in per_client if n == name])) for name in names}
-        accuracy["AVG"] = float(np.mean([accuracy[name] for name in names]))
-        return accuracy, [a for _, a in per_client]
+        if not self.heterogeneous:
+            self.eval_model.load_state_dict(self.server.global_weights())
+        counts = [self.evaluate_client(k, None if self.heterogeneous else self.eval_model)
+                  for k in range(self.federation.num_clients)]
+        accuracy = pool_accuracy(counts, order)
+        return accuracy, [c.accuracy if c.total else accuracy["AVG"] for c in counts]
 
     def server_prototypes(self) -> tuple[Tensor, Tensor, str] | None:
         """The server's global prototypes ``(C x d, mask C, kind)``: ``kind`` is ``"hyper"`` for the
@@ -263,94 +321,46 @@ class Simulator:
             names += [name] * int(labels[-1].shape[0])
         return torch.cat(features), torch.cat(labels), names
 
-    def sample_clients(self, round: int) -> list[int]:
-        """The participants of ``round``: a seeded draw without replacement, sorted."""
-        total = self.federation.num_clients
-        count = max(1, int(round_half_up(self.participation * total)))
-        if count >= total:
-            return list(range(total))
-        rng = np.random.default_rng(derive_seed(self.seed, _SAMPLE, round))
-        return sorted(int(k) for k in rng.choice(total, size=count, replace=False))
-
     def run_round(self, round: int) -> RoundRecord:
-        timer = time.perf_counter()
-        participants = self.sample_clients(round)
-        payload = self.server.broadcast(round)
-        down = payload_bytes(payload)
-        evaluating = (round + 1) % self.eval_every == 0 or round + 1 == self.rounds
-        # valid replies, appended in client order; the server's container folds each reply's weights into a
-        # running sum as it arrives (one model's memory, not one per client), so the uploads are measured here
-        replies = self.server.new_replies()
-        train_metrics, dropped, errors = [], [], []
+        current = self.protocol.open(round)
+        evaluating = self.protocol.evaluates(round)
         flops_train, local_prototypes = 0, []
-        up, params_up = 0, 0
-        for k in participants:
-            fault_rng = np.random.default_rng(derive_seed(self.seed, _FAULT, round, k))
-            draw_dropout, draw_corrupt = fault_rng.random(2)
-            if draw_dropout < self.faults.dropout:
-                dropped.append({"client": k, "reason": "did not answer (faults.dropout)"})
-                continue
-            generator = torch.Generator().manual_seed(derive_seed(self.seed, _TRAIN, round, k))
-            model = self._client_model(k)
+        for k in current.to_ask:
+            model = self.models.model_for(k)
             state_before = copy.deepcopy(self.client_states[k]) if self.client_states[k] else {}
             counter = FlopCounter() if self.count_flops else contextlib.nullcontext()
             try:
                 with counter:  # counting FLOPs only observes the operations
-                    reply, metrics = self.client.fit(model, payload, self.federation.clients[k],
-                                                     self.client_states[k], generator)
+                    reply, metrics = self.client.fit(model, current.payload, self.federation.clients[k],
+                                                     self.client_states[k], train_generator(self.seed, round, k))
             except (KeyboardInterrupt, SystemExit, MemoryError):
                 raise
             except Exception as error:  # a crashing client is a dropped client
                 self.client_states[k] = state_before
-                dropped.append({"client": k, "reason": f"raised {type(error).__name__}: {error}"})
-                errors.append(error)
+                current.fail(k, f"raised {type(error).__name__}: {error}", error)
                 continue
-            if draw_corrupt < self.faults.corrupt:
-                reply = _corrupted(reply)
-            try:
-                self.server.validate_reply(reply)
-            except UpdateError as error:
-                dropped.append({"client": k, "reason": f"invalid update: {error}"})
+            if not current.receive(k, reply, metrics, len(self.federation.clients[k])):
                 continue
-            if self.heterogeneous:  # the client's own feature extractor persists to its next round
-                self.client_weights[k] = {key: v.detach().clone() for key, v in model.state_dict().items()}
-            up += payload_bytes(reply)
-            params_up += payload_parameters(reply)
-            replies.append(reply)
-            train_metrics.append((len(self.federation.clients[k]), metrics))
+            self.models.keep(k, model)  # a personal model persists to the client's next round
             if self.count_flops:
                 flops_train += counter.total
             if self.prototype_distance and evaluating:  # the client's class means under its trained model
                 data = self.federation.clients[k]
                 local_prototypes.append(class_means(extract_features(model, data.x), data.y,
                                                     self.federation.num_classes))
-        if errors and len(errors) == len(participants):
-            raise errors[0]  # every client failed: a bug or a setting, not a fault; show it
-        for item in dropped:
-            if self.on_drop is not None:
-                self.on_drop(f"round {round}: client {item['client']} dropped: {item['reason']}")
-        client_seconds = time.perf_counter() - timer
+        client_seconds = time.perf_counter() - current.started
 
         timer = time.perf_counter()
-        skipped = len(replies) < self.min_clients
-        if skipped:
-            server_metrics = {}
-            if self.on_drop is not None:
-                self.on_drop(f"round {round}: only {len(replies)} valid updates (min_clients={self.min_clients}); "
-                             "the round is skipped and the global model kept")
-        else:
-            counter = FlopCounter() if self.count_flops else contextlib.nullcontext()
-            with counter:
-                server_metrics = self.server.aggregate(round, replies)
+        counter = FlopCounter() if self.count_flops else None
+        server_metrics = current.close(counter)
         server_seconds = time.perf_counter() - timer
 
         timer = time.perf_counter()
         accuracy = None
-        extra: dict[str, Any] = {"params_up": params_up,
-                                 "params_down": payload_parameters(payload) * len(participants)}
+        extra: dict[str, Any] = {}
         if self.count_flops:
             extra["flops_train"] = flops_train
-            extra["flops_server"] = counter.total if not skipped else 0
+            extra["flops_server"] = counter.total if not current.skipped else 0
         if evaluating:
             accuracy, per_client = self.evaluate_clients()
             extra["client_accuracy"] = per_client
@@ -358,12 +368,8 @@ class Simulator:
             if self.prototype_distance:
                 extra["prototype_distance"] = self._prototype_distances(local_prototypes)
         eval_seconds = time.perf_counter() - timer
-
-        record = RoundRecord(
-            round=round, participants=participants, train=_weighted_mean(train_metrics),
-            server=server_metrics, accuracy=accuracy, bytes_up=up, bytes_down=down * len(participants),
-            seconds={"clients": client_seconds, "server": server_seconds, "eval": eval_seconds},
-            dropped=dropped, skipped=skipped, extra=extra)
+        record = current.record(server_metrics, accuracy,
+                                {"clients": client_seconds, "server": server_seconds, "eval": eval_seconds}, extra)
         self.history.append(record)
         return record
 
@@ -394,22 +400,4 @@ class Simulator:
         self.server.load_state_dict(state["server"])
         self.client_states = [dict(s) for s in state["client_states"]]
         if self.heterogeneous:
-            self.client_weights = [dict(w) for w in state["client_weights"]]
-
-
-def _corrupted(reply: dict[str, Any]) -> dict[str, Any]:
-    """The reply with every floating-point weight replaced by NaN (fault injection)."""
-    weights = {key: torch.full_like(v, float("nan")) if v.is_floating_point() else v
-               for key, v in reply.get("weights", {}).items()}
-    return {**reply, "weights": weights}
-
-
-def round_half_up(value: float) -> int:
-    return int(np.floor(value + 0.5))
-
-
-def _weighted_mean(metrics: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
-    """Mean of each client metric, weighted by the clients' sample counts."""
-    total = sum(n for n, _ in metrics) or 1
-    names = sorted({name for _, m in metrics for name in m})
-    return {name: sum(n * m.get(name, 0.0) for n, m in metrics) / total for name in names}
+            self.models.client_weights = {k: dict(w) for k, w in enumerate(state["client_weights"])}
