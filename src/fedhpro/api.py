@@ -205,15 +205,27 @@ def build_experiment(config: Config, device: torch.device | str = "cpu") -> Expe
     federation = dataset.build(config.data, options.clients, options.seed, data_dir=options.data_dir,
                                progress=options.progress, partition=config.partition)
     federation.to(torch.device(device))
+    model_factory, architecture_factory, architectures, shared, train = model_factories(
+        config, method, federation.num_classes, federation.input_shape, federation.num_clients)
+    return Experiment(method, federation, model_factory, architecture_factory, architectures, train, shared)
+
+
+def model_factories(config: Config, method: MethodSpec, num_classes: int, input_shape: tuple[int, ...],
+                    num_clients: int) -> tuple[Callable[[], torch.nn.Module], Callable[[str], torch.nn.Module],
+                                               list[str] | None, str, TrainSettings]:
+    """``(model_factory, architecture_factory, architectures, shared, train settings)`` of ``config`` for
+    ``num_clients`` clients with inputs of ``input_shape`` and ``num_classes`` classes: everything but the
+    data (a Flower server builds exactly this, holding no data)."""
+    options = config.run
 
     def architecture_factory(name: str) -> torch.nn.Module:
         try:
-            model = build_model(name, federation.num_classes, federation.input_shape, options.feature_dim)
+            model = build_model(name, num_classes, input_shape, options.feature_dim)
         except ValueError as error:
             raise ConfigError(f"model {name!r} does not fit {options.dataset}'s inputs "
-                              f"{tuple(federation.input_shape)}: {error}") from None
+                              f"{tuple(input_shape)}: {error}") from None
         if method.model_wrapper is not None:
-            model = method.model_wrapper(model, config.method_options, federation.num_classes)
+            model = method.model_wrapper(model, config.method_options, num_classes)
         return model
 
     def model_factory() -> torch.nn.Module:
@@ -226,8 +238,8 @@ def build_experiment(config: Config, device: torch.device | str = "cpu") -> Expe
     if options.heterogeneity != "none":
         from fedhpro.models.heterogeneity import architecture_for_client
 
-        architectures = [architecture_for_client(options.heterogeneity, k) for k in range(federation.num_clients)]
-    return Experiment(method, federation, model_factory, architecture_factory, architectures, train, _shared(config))
+        architectures = [architecture_for_client(options.heterogeneity, k) for k in range(num_clients)]
+    return model_factory, architecture_factory, architectures, _shared(config), train
 
 
 def _shared(config: Config) -> str:
