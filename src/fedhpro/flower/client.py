@@ -1,38 +1,52 @@
 """The fedhpro ClientApp: a method's client part on a Flower SuperNode.
 
-The node's data is partition ``partition-id`` of its ``node_config``: client
-``partition-id`` of the federation the config builds, the data the in-process
-simulator gives that client. The config itself comes with every message from
-the ServerApp (so the nodes need no run config of their own); a node may set
-its own ``data-dir`` and ``device`` in its node_config.
+What a node holds depends on the run (see :mod:`fedhpro.flower.engine`):
+
+* partition mode (a named data set): partition ``partition-id`` of its
+  ``node_config``, i.e. client ``partition-id`` of the federation the config
+  builds, the data the in-process simulator gives that client;
+* own-data mode (``dataset=clients``): only its own folder, ``data-dir`` in
+  its ``node_config`` (the :mod:`fedhpro.data.clients` layout of one client:
+  ``train/<class>/*`` and ``test/<class>/*`` images, or ``train.npz|pt`` and
+  ``test.npz|pt``). Its client name is the folder's name (``name=`` in the
+  node_config overrides it) and its domain that of the folder (``domain.txt``
+  or the name's prefix).
+
+The config itself comes with every message from the ServerApp (so the nodes
+need no run config of their own); a node may set its own ``data-dir`` and
+``device`` in its node_config.
 
 Between rounds the client's state lives in ``Context.state``: the method's
 per-client state (MOON's previous model, FedSA's last prototypes) under
 ``state/...`` records and, with personal models (heterogeneous or
 prototype-only federations), the client's whole model under ``personal/...``.
 
-Handlers: ``query`` (which partition this node holds), ``train`` (the method's
-``fit``), ``evaluate`` (personal models only: this client's model with the
-global shared part, on its own test set). A failing handler answers with an
-error reply whose reason is one line, ``raised <Error>: <message>``, as the
-simulator reports a crashing client; the server drops that client.
+Handlers: ``query`` (which partition this node holds, or what its folder
+holds: name, domain, classes, input shape, sizes; never the data), ``train``
+(the method's ``fit``), ``evaluate`` (the global model, or its personal model
+with the global shared part, on its own test data: correct and total counts).
+A failing handler answers with an error reply whose reason is one line,
+``raised <Error>: <message>``, as the simulator reports a crashing client;
+the server drops that client (in a query: stops with that line).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import traceback
 from typing import Any
 
-from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
-from fedhpro.engines.simulator import Simulator, evaluate
+from fedhpro.engines.simulator import count_correct
 from fedhpro.errors import ConfigError
 from fedhpro.flower import records
-from fedhpro.flower.engine import EngineCache, check_partition, train_generator
-from fedhpro.flower.server import HEADER, SERVER_STATE
+from fedhpro.flower.engine import NodeCache, NodeSide, check_partition, config_from_text, node_folder, own_data
+from fedhpro.flower.server import EVAL_RECORD, HEADER, NODE_RECORD, SERVER_STATE
 from fedhpro.methods.base import load_weights
 
 logger = logging.getLogger("fedhpro.flower")
@@ -46,7 +60,7 @@ MODEL = "model"
 NODE_OVERRIDES = {"data-dir": "data_dir", "device": "device"}
 
 app = ClientApp()
-_engines = EngineCache()
+_nodes = NodeCache()
 
 
 def _node_overrides(node_config: dict[str, Any]) -> dict[str, Any]:
@@ -57,29 +71,42 @@ def _node_overrides(node_config: dict[str, Any]) -> dict[str, Any]:
     return overrides
 
 
-def _setup(msg: Message, context: Context) -> tuple[Simulator, int, int]:
-    """``(engine, round, client)`` for a message: the engine of the config it carries, and this node's client."""
-    partition, _ = check_partition(dict(context.node_config))
+def _check_dataset(node_config: dict[str, Any], dataset: str) -> None:
+    """A node that names its data set must be asked for that one."""
+    declared = node_config.get("dataset")
+    if declared not in (None, "") and declared != dataset:
+        raise ConfigError(f"this SuperNode holds dataset={declared} but the run is dataset={dataset}; start the run "
+                          f"with dataset={declared} or the node with --node-config \"dataset={dataset} ...\"")
+
+
+def _setup(msg: Message, context: Context) -> tuple[NodeSide, int]:
+    """``(node side, round)`` for a message: this node's client of the config the message carries."""
+    node_config = dict(context.node_config)
     header = msg.content.config_records[HEADER]
     client = int(header["client"])
-    if client != partition:
-        raise ConfigError(f"the server addressed client {client} but this SuperNode holds partition {partition}")
-    engine = _engines.get(str(header["config"]), _node_overrides(dict(context.node_config)))
-    return engine, int(header["round"]), client
-
-
-def _client_model(engine: Simulator, client: int, context: Context) -> nn.Module:
-    """The model client ``client`` trains: the engine's shared working model (a global model is loaded whole
-    from the payload), or its own personal model, restored from Context.state (first time: its seeded init)."""
-    if not engine.heterogeneous:
-        return engine.working_model
-    model = engine.working_models[engine.client_architectures[client]]
-    if MODEL_PREFIX + records.LAYOUT in context.state.config_records:
-        weights = records.decode_payload(context.state, engine.device, prefix=MODEL_PREFIX)[MODEL]
+    text = str(header["config"])
+    overrides = _node_overrides(node_config)
+    config = config_from_text(text, overrides)
+    _check_dataset(node_config, config.run.dataset)
+    if not own_data(config):
+        partition, _ = check_partition(node_config)
+        if client != partition:
+            raise ConfigError(f"the server addressed client {client} but this SuperNode holds partition {partition}")
     else:
-        weights = engine.client_weights[client]  # never changed on a node: the initial weights
-    model.load_state_dict(weights)
-    return model
+        node_folder(node_config)
+    node = _nodes.get(text, overrides, client, int(header["num-clients"]))
+    return node, int(header["round"])
+
+
+def _personal_weights(node: NodeSide, context: Context) -> dict[str, Any] | None:
+    """This client's personal model as stored on the node (None: not trained yet, or one global model)."""
+    if not node.models.personal or MODEL_PREFIX + records.LAYOUT not in context.state.config_records:
+        return None
+    return records.decode_payload(context.state, node.device, prefix=MODEL_PREFIX)[MODEL]
+
+
+def _model(node: NodeSide, context: Context) -> nn.Module:
+    return node.model(_personal_weights(node, context))
 
 
 def _failure(msg: Message, error: BaseException) -> Message:
@@ -90,58 +117,75 @@ def _failure(msg: Message, error: BaseException) -> Message:
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Which partition this node holds (the server maps partitions to nodes with it)."""
+    """What this node holds: its partition (partition mode), or a description of its own folder
+    (own-data mode: name, domain, classes, input shape and sizes; no sample leaves the node)."""
     try:
-        partition, count = check_partition(dict(context.node_config))
+        node_config = dict(context.node_config)
+        header = msg.content.config_records[HEADER]
+        if str(header["query"]) == "data":
+            from fedhpro.data.clients import scan_client
+
+            config = config_from_text(str(header["config"]), _node_overrides(node_config))
+            _check_dataset(node_config, config.run.dataset)
+            info = scan_client(node_folder(node_config), config.data)
+            if node_config.get("name"):
+                info = dataclasses.replace(info, name=str(node_config["name"]))
+            answer = {"info": json.dumps(dataclasses.asdict(info))}
+        else:
+            partition, count = check_partition(node_config)
+            answer = {"partition-id": partition, "num-partitions": count}
     except Exception as error:  # noqa: BLE001 - every failure becomes an error reply
         return _failure(msg, error)
-    return Message(RecordDict({"fedhpro.node": ConfigRecord({"partition-id": partition, "num-partitions": count})}),
-                   reply_to=msg)
+    return Message(RecordDict({NODE_RECORD: ConfigRecord(answer)}), reply_to=msg)
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """One round of the method's local training on this node's partition."""
+    """One round of the method's local training on this node's data."""
     try:
-        engine, round, client = _setup(msg, context)
-        payload = records.decode_payload(msg.content, engine.device)
-        state = _load_state(context, engine)
-        model = _client_model(engine, client, context)
-        data = engine.federation.clients[client]
+        node, round = _setup(msg, context)
+        payload = records.decode_payload(msg.content, node.device)
+        state = _load_state(context, node)
+        model = _model(node, context)
         # fit mutates ``state``, a copy decoded from Context.state: a failing fit leaves the stored state as it was
-        reply, metrics = engine.client.fit(model, payload, data, state, train_generator(engine, round, client))
+        reply, metrics = node.method_client.fit(model, payload, node.data, state, node.generator(round))
         content = RecordDict({**records.encode_payload(reply), records.METRICS: records.encode_metrics(metrics)})
     except Exception as error:  # noqa: BLE001 - a crashing client is a dropped client
         return _failure(msg, error)
     _save_state(context, state)
-    if engine.heterogeneous:  # the personal model persists to the client's next round
+    if node.models.personal:  # the personal model persists to the client's next round
         for name, record in records.encode_payload({MODEL: model.state_dict()}, prefix=MODEL_PREFIX).items():
             context.state[name] = record
     return Message(content, reply_to=msg)
 
 
 @app.evaluate()
-def evaluate_personal(msg: Message, context: Context) -> Message:
-    """Accuracy of this client's personal model with the global shared part, on its own test set."""
+def evaluate(msg: Message, context: Context) -> Message:
+    """Correct and total counts on this client's own test data: the global model, or its personal model
+    with the global shared part, through the server's inference rule (as the simulator tests client k)."""
     try:
-        engine, _, client = _setup(msg, context)
-        shared = records.decode_payload(msg.content, engine.device)["weights"]
+        node, _ = _setup(msg, context)
+        shared = records.decode_payload(msg.content, node.device)["weights"]
         # the server's inference rule (nearest prototype) needs the server's state: load it into the node's copy
-        engine.server.load_state_dict(records.decode_payload(msg.content, engine.device, prefix=SERVER_STATE))
-        model = _client_model(engine, client, context)
-        load_weights(model, shared)
-        name = engine.federation.client_test_name(client)
-        accuracy = evaluate(engine.server.inference_model(model), {name: engine.federation.test_sets[name]})[name]
+        node.server.load_state_dict(records.decode_payload(msg.content, node.device, prefix=SERVER_STATE))
+        if node.models.personal:
+            model = _model(node, context)
+            load_weights(model, shared)
+        else:
+            model = node.models.eval_model
+            model.load_state_dict(shared)
+        x, y = node.test
+        correct = count_correct(node.server.inference_model(model), x, y)
     except Exception as error:  # noqa: BLE001
         return _failure(msg, error)
-    return Message(RecordDict({"fedhpro.eval": ConfigRecord({"test-set": name}),
-                               "fedhpro.eval-metrics": MetricRecord({"accuracy": accuracy})}), reply_to=msg)
+    return Message(RecordDict({EVAL_RECORD: ConfigRecord({"test-set": node.test_name, "correct": correct,
+                                                          "total": int(y.shape[0])})}), reply_to=msg)
 
 
-def _load_state(context: Context, engine: Simulator) -> dict[str, Any]:
+def _load_state(context: Context, node: NodeSide) -> dict[str, Any]:
     if STATE_PREFIX + records.LAYOUT not in context.state.config_records:
         return {}
-    return records.decode_payload(context.state, engine.device, prefix=STATE_PREFIX)
+    return records.decode_payload(context.state, node.device, prefix=STATE_PREFIX)
 
 
 def _save_state(context: Context, state: dict[str, Any]) -> None:

@@ -1,33 +1,53 @@
-"""What the ServerApp and every ClientApp build from a Config: the in-process engine, as a reference.
+"""What the ServerApp and the ClientApp build from a Config: the same pieces the in-process engine uses.
 
-Each Flower node (the ServerApp and every SuperNode) builds the same
-:class:`~fedhpro.engines.simulator.Simulator` the in-process engine builds for
-the config: the same federation (so client ``k``'s data is the partition the
-simulator gives client ``k``), the same seeded initial models, the same method
-server/client parts. The Flower apps then use its pieces instead of
-re-implementing them: the server part, participant sampling and the global
-evaluation on the server; client ``k``'s data, initial model and the method's
-``fit`` on a node. Randomness comes from the same ``derive_seed`` streams, so
-both engines compute the same numbers.
+Two ways to give the nodes their data:
 
-Cost: like ``fedhpro run``, every node loads the whole data set and (with
-heterogeneous models) builds one model per client; a node keeps the latest
-engine in memory so later rounds reuse it.
+* **partition mode** (a named data set: ``digits-offline``, ``cifar10``, ...,
+  for simulation and reproduction): every node and the server build the
+  federation of the config, exactly as :func:`fedhpro.api.run` does, and node
+  ``partition-id = k`` keeps client ``k``; the server evaluates the global
+  model on the test sets it built. A node keeps the latest engine in memory.
+* **own-data mode** (``dataset=clients``: a real federation): a SuperNode
+  started with ``--node-config "data-dir=/its/folder"`` loads only its own
+  folder (:mod:`fedhpro.data.clients` layout); the server builds no data at
+  all: the number of classes and the input shape come from the nodes' first
+  answer (a ``query``), and evaluation is federated (each node tests on its
+  own split, the server pools the counts per domain).
+
+Either way the method's parts, the models and every random stream are built
+by the in-process engine's own code (:class:`~fedhpro.engines.simulator.ClientModels`,
+:func:`~fedhpro.engines.simulator.build_method`,
+:class:`~fedhpro.engines.protocol.RoundProtocol`), so both engines compute
+the same numbers.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
+from torch import Tensor, nn
 
-from fedhpro.api import build_experiment, resolve_device
+from fedhpro.api import build_experiment, model_factories, resolve_device
 from fedhpro.config import Config, load_config
-from fedhpro.engines.simulator import _TRAIN, Faults, Simulator, derive_seed
+from fedhpro.data.federation import ClientData, Federation
+from fedhpro.engines.protocol import Faults, RoundProtocol, train_generator
+from fedhpro.engines.simulator import ClientModels, Simulator, build_method
 from fedhpro.errors import ConfigError
+from fedhpro.methods import get_method
 from fedhpro.runtime import configure_cpu_runtime
+
+#: the data set whose nodes hold their own data (own-data mode)
+OWN_DATA = "clients"
+
+
+def own_data(config: Config) -> bool:
+    """Whether the nodes of this run hold their own data (``dataset=clients``) rather than a partition."""
+    return config.run.dataset == OWN_DATA
 
 
 def config_text(config: Config) -> str:
@@ -48,8 +68,18 @@ def prepare_torch(device: torch.device) -> None:
         configure_cpu_runtime()  # as api.run: denormals flushed, freed memory reused (fedhpro.runtime)
 
 
+def protocol_for(config: Config, server: Any, num_clients: int,
+                 on_drop: Callable[[str], None] | None = None) -> RoundProtocol:
+    """The run's round protocol (the same settings :func:`fedhpro.api.run` gives the simulator)."""
+    options = config.run
+    return RoundProtocol(server, num_clients, rounds=options.rounds, participation=options.participation,
+                         seed=options.seed, eval_every=options.eval_every,
+                         faults=Faults(config.faults.dropout, config.faults.corrupt),
+                         min_clients=options.min_clients, on_drop=on_drop)
+
+
 def build_engine(config: Config, on_drop=None) -> Simulator:
-    """The in-process engine of ``config``, built exactly as :func:`fedhpro.api.run` builds it."""
+    """The in-process engine of ``config`` (partition mode), built exactly as :func:`fedhpro.api.run` builds it."""
     device = resolve_device(config.run.device)
     prepare_torch(device)
     parts = build_experiment(config, device)
@@ -62,28 +92,132 @@ def build_engine(config: Config, on_drop=None) -> Simulator:
                      min_clients=options.min_clients, on_drop=on_drop)
 
 
-def train_generator(engine: Simulator, round: int, client: int) -> torch.Generator:
-    """Client ``client``'s batch-order generator in ``round``: the simulator's stream for (seed, round, client)."""
-    return torch.Generator().manual_seed(derive_seed(engine.seed, _TRAIN, round, client))
+@dataclass
+class ServerSide:
+    """What the ServerApp runs: the method's server part, its round protocol, and (partition mode) the
+    engine holding the test sets; in own-data mode it holds no data."""
+
+    config: Config
+    server: Any
+    protocol: RoundProtocol
+    models: ClientModels
+    device: torch.device
+    num_samples: list[int]  # each client's training-set size (weights of its training metrics)
+    engine: Simulator | None = None  # partition mode: the whole federation, as the simulator has it
+
+    @property
+    def personal(self) -> bool:
+        return self.models.personal
+
+    @property
+    def federated_evaluation(self) -> bool:
+        """Whether the nodes evaluate (personal models, or own data) rather than the server."""
+        return self.engine is None or self.personal
 
 
-class EngineCache:
-    """One engine per process, rebuilt only when the config changes (a Ray actor serves many nodes)."""
+def build_server_side(config: Config, *, num_classes: int | None = None, input_shape: tuple[int, ...] | None = None,
+                      num_samples: list[int] | None = None, on_drop=None) -> ServerSide:
+    """Partition mode: the whole engine (data included). Own-data mode: the method's server part for
+    ``num_classes`` and ``input_shape`` (as the nodes reported them), and no data."""
+    if not own_data(config):
+        engine = build_engine(config, on_drop)
+        return ServerSide(config, engine.server, engine.protocol, engine.models, engine.device,
+                          [len(c) for c in engine.federation.clients], engine)
+    assert num_classes is not None and input_shape is not None and num_samples is not None
+    device = resolve_device(config.run.device)
+    prepare_torch(device)
+    method, options = get_method(config.run.method), config.run
+    model_factory, architecture_factory, architectures, shared, train = model_factories(
+        config, method, num_classes, tuple(input_shape), len(num_samples))
+    models = ClientModels(model_factory, num_clients=len(num_samples), seed=options.seed, device=device,
+                          client_architectures=architectures, architecture_factory=architecture_factory,
+                          shared=shared, clients=[])
+    server, _ = build_method(method, config.method_options, models, num_classes, train, options.seed, device)
+    return ServerSide(config, server, protocol_for(config, server, len(num_samples), on_drop), models, device,
+                      list(num_samples))
+
+
+@dataclass
+class NodeSide:
+    """What a SuperNode runs for client ``client``: the method's parts, its models and its own data."""
+
+    client: int
+    seed: int
+    device: torch.device
+    models: ClientModels
+    server: Any  # the method's server part: its inference rule (nearest prototype) needs the server's state
+    method_client: Any
+    data: ClientData
+    test_name: str
+    test: tuple[Tensor, Tensor]
+
+    def generator(self, round: int) -> torch.Generator:
+        """This client's batch-order generator in ``round``: the simulator's stream for (seed, round, client)."""
+        return train_generator(self.seed, round, self.client)
+
+    def model(self, personal_weights: dict[str, Tensor] | None) -> nn.Module:
+        """The model this client trains: the working model (the global one is loaded from the payload),
+        or its personal model (``personal_weights`` as stored on the node, else its seeded init)."""
+        if not self.models.personal:
+            return self.models.working_model
+        return self.models.model_for(self.client, personal_weights)
+
+
+def node_from_engine(engine: Simulator, client: int) -> NodeSide:
+    """Partition mode: client ``client`` of the whole engine this node built."""
+    name, test = engine.client_test(client)
+    return NodeSide(client, engine.seed, engine.device, engine.models, engine.server, engine.client,
+                    engine.federation.clients[client], name, test)
+
+
+def build_own_node(config: Config, client: int, num_clients: int) -> NodeSide:
+    """Own-data mode: the node's own folder (``data_dir``, with ``data.classes`` as the server resolved
+    them) as client ``client`` of ``num_clients``; the same tensors the simulator loads for it."""
+    from fedhpro.data.clients import load_client
+
+    device = resolve_device(config.run.device)
+    prepare_torch(device)
+    if not config.run.data_dir:
+        raise ConfigError("this SuperNode has no data-dir; start it with --node-config \"data-dir=/path/to/its/"
+                          "folder\" (the folder holding its train/ and test/ data)")
+    classes = config.data.classes
+    train, test, info = load_client(config.run.data_dir, config.data, classes)
+    # the same checks and conversions as the simulator's federation
+    own = Federation.from_tensors([train], [test], num_classes=len(classes), domains=[info.domain],
+                                  names=[info.name], name=OWN_DATA).to(device)
+    method, options = get_method(config.run.method), config.run
+    model_factory, architecture_factory, architectures, shared, train_settings = model_factories(
+        config, method, len(classes), own.input_shape, num_clients)
+    models = ClientModels(model_factory, num_clients=num_clients, seed=options.seed, device=device,
+                          client_architectures=architectures, architecture_factory=architecture_factory,
+                          shared=shared, clients=[client])
+    server, method_client = build_method(method, config.method_options, models, len(classes), train_settings,
+                                         options.seed, device)
+    assert own.client_tests is not None
+    return NodeSide(client, options.seed, device, models, server, method_client, own.clients[0],
+                    own.client_test_name(0), own.client_tests[0])
+
+
+class NodeCache:
+    """One node side per process and message key, rebuilt only when the config changes (a Ray actor
+    serves many simulated nodes; a partition-mode engine holds a whole data set)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._key: str | None = None
-        self._engine: Simulator | None = None
+        self._value: Any = None
 
-    def get(self, text: str, node_overrides: dict[str, Any]) -> Simulator:
-        key = text + json.dumps(node_overrides, sort_keys=True)
+    def get(self, text: str, node_overrides: dict[str, Any], client: int, num_clients: int) -> NodeSide:
+        config = config_from_text(text, node_overrides)
+        own = own_data(config)
+        key = text + json.dumps(node_overrides, sort_keys=True) + (f"#{client}" if own else "")
         with self._lock:
             if self._key != key:
-                self._engine = None  # free the old one first: engines hold a whole data set
-                self._engine = build_engine(config_from_text(text, node_overrides))
+                self._value = None  # free the old one first
+                self._value = build_own_node(config, client, num_clients) if own else build_engine(config)
                 self._key = key
-            assert self._engine is not None
-            return self._engine
+            value = self._value
+        return value if own else node_from_engine(value, client)
 
 
 def check_partition(node_config: dict[str, Any]) -> tuple[int, int]:
@@ -92,7 +226,18 @@ def check_partition(node_config: dict[str, Any]) -> tuple[int, int]:
         partition, count = int(node_config["partition-id"]), int(node_config["num-partitions"])
     except (KeyError, TypeError, ValueError):
         raise ConfigError("this SuperNode has no integer partition-id / num-partitions; start it with "
-                          "--node-config 'partition-id=K num-partitions=N'") from None
+                          "--node-config 'partition-id=K num-partitions=N' (a named data set), or run "
+                          "dataset=clients with --node-config 'data-dir=/its/folder' (nodes with their own data)"
+                          ) from None
     if not 0 <= partition < count:
         raise ConfigError(f"partition-id={partition} is not in [0, num-partitions={count})")
     return partition, count
+
+
+def node_folder(node_config: dict[str, Any]) -> Path:
+    """The folder an own-data node holds (its ``data-dir``); ConfigError naming the fix if it has none."""
+    folder = node_config.get("data-dir")
+    if not folder:
+        raise ConfigError("this SuperNode has no data-dir; start it with --node-config \"data-dir=/path/to/its/"
+                          "folder\" (the folder holding its train/ and test/ data)")
+    return Path(str(folder)).expanduser()

@@ -3,20 +3,31 @@
 One run, as the in-process simulator does it (see :mod:`fedhpro.flower.engine`):
 
 1. resolve the config (defaults, the app's ``base`` settings, then Flower's ``run_config``);
-2. wait for the nodes and ask each for its ``partition-id`` (a ``query`` message):
-   partition ``k`` is the simulator's client ``k``; ``clients`` defaults to the
-   nodes' ``num-partitions``;
-3. each round, :class:`MethodStrategy` samples the participants with the
-   simulator's seeded draw, sends each its own message holding the method's
-   broadcast payload, validates and aggregates the replies with the method's
-   server part (in client order), and evaluates like the simulator (the global
-   model on the server, or, with personal models, each client's model on its node);
-4. if ``out`` is set, write ``metrics.jsonl`` (same rows as ``fedhpro run``),
+2. wait for the nodes and ask each what it holds (a ``query`` message):
+   * partition mode (a named data set): its ``partition-id``; partition ``k`` is
+     the simulator's client ``k``, ``clients`` defaults to the nodes' ``num-partitions``;
+   * own-data mode (``dataset=clients``): a description of its own folder (name,
+     domain, classes, input shape, sizes; no data); nodes are ordered by name, as
+     the simulator orders client folders, the class list is resolved over all of
+     them (one line naming the nodes when they disagree), and the server builds
+     the method's server part from that alone: it holds no data;
+3. each round, :class:`MethodStrategy` runs the shared round protocol
+   (:class:`~fedhpro.engines.protocol.RoundProtocol`: sampling, fault draws,
+   validation, drops, skipped rounds) and only moves its messages: one per
+   participant, holding the method's broadcast payload; the replies go back to
+   the protocol in client order;
+4. evaluation: with one global model in partition mode, on the server's test
+   sets; otherwise federated: every node tests (the global model, or its
+   personal model) on its own test data and the server pools the counts per
+   test set (:func:`~fedhpro.engines.protocol.pool_accuracy`);
+5. if ``out`` is set, write ``metrics.jsonl`` (same rows as ``fedhpro run``),
    ``summary.json``, ``config.yaml``, ``partition.json`` and ``server_state.pt``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
 import time
 from collections.abc import Iterable, Mapping
@@ -24,7 +35,6 @@ from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
@@ -34,17 +44,21 @@ from flwr.supercore import log
 from fedhpro import reports
 from fedhpro.api import check_new_run_folder
 from fedhpro.config import Config, load_config
-from fedhpro.engines.simulator import _FAULT, RoundRecord, Simulator, _corrupted, _weighted_mean, derive_seed
-from fedhpro.errors import ConfigError, FedHProError, UpdateError
+from fedhpro.engines.protocol import OpenRound, TestCount, pool_accuracy, weighted_mean
+from fedhpro.errors import ConfigError, DataError, FedHProError
 from fedhpro.flower import records
-from fedhpro.flower.engine import build_engine, config_text
+from fedhpro.flower.engine import ServerSide, build_server_side, config_text, own_data
 from fedhpro.flower.settings import FlowerSettings, config_from_run_config
-from fedhpro.metrics import payload_bytes
+from fedhpro.metrics import fairness_statistics
 
 #: the ConfigRecord every fedhpro message carries: the resolved config (JSON), the round and the client
 HEADER = "fedhpro.header"
 #: record-name prefix of the server state sent with client-side evaluation (inference may need it)
 SERVER_STATE = "server-state/"
+#: what a node answers to a query: its partition (partition mode) or its folder's description (own data)
+NODE_RECORD = "fedhpro.node"
+#: what a node answers to an evaluation: test-set name, correct and total counts
+EVAL_RECORD = "fedhpro.eval"
 
 
 def discover_nodes(grid: Grid, clients: int | None, settings: FlowerSettings) -> tuple[dict[int, int], int]:
@@ -57,16 +71,8 @@ def discover_nodes(grid: Grid, clients: int | None, settings: FlowerSettings) ->
     deadline = time.monotonic() + settings.node_wait
     known: dict[int, tuple[int, int]] = {}  # node id -> (partition-id, num-partitions)
     while True:
-        new = [node for node in grid.get_node_ids() if node not in known]
-        if new:
-            queries = [Message(RecordDict({HEADER: ConfigRecord({"query": "partition"})}), node, MessageType.QUERY)
-                       for node in new]
-            for reply in grid.send_and_receive(queries, timeout=max(1.0, deadline - time.monotonic())):
-                node = reply.metadata.src_node_id
-                if reply.has_error():
-                    raise ConfigError(f"node {node} cannot take part: {reply.error.reason}")
-                info = reply.content.config_records["fedhpro.node"]
-                known[node] = (int(info["partition-id"]), int(info["num-partitions"]))
+        for node, info in _ask_new_nodes(grid, known, {"query": "partition"}, deadline).items():
+            known[node] = (int(info["partition-id"]), int(info["num-partitions"]))
         counts = {count for _, count in known.values()}
         if len(counts) > 1:
             raise ConfigError(f"the nodes disagree on num-partitions ({sorted(counts)}); give every SuperNode "
@@ -92,33 +98,100 @@ def discover_nodes(grid: Grid, clients: int | None, settings: FlowerSettings) ->
         time.sleep(0.2)
 
 
+def discover_own_data(grid: Grid, config: Config, settings: FlowerSettings) -> tuple[dict[int, int], list[Any], list[str]]:
+    """Own-data mode: ``({client index: node id}, the nodes' ClientInfo in client order, class names)``.
+
+    Asks every node to describe its own folder (nothing but counts, names and
+    shapes leaves it), waits until ``clients`` nodes have answered, orders them
+    by name (the simulator's order of client folders) and resolves the class
+    list over all of them. One-line errors name the nodes: a node that cannot
+    read its folder, two nodes with one name, nodes that disagree on the
+    classes or the input shape.
+    """
+    from fedhpro.data.clients import ClientInfo, resolve_classes
+
+    expected = config.run.clients
+    if expected is None:
+        raise ConfigError("dataset=clients on Flower needs clients=K, the number of SuperNodes that hold data "
+                          "(the server waits for that many)")
+    deadline = time.monotonic() + settings.node_wait
+    known: dict[int, Any] = {}  # node id -> ClientInfo
+    query = {"query": "data", "config": config_text(config)}
+    while len(known) < expected:
+        for node, info in _ask_new_nodes(grid, known, query, deadline).items():
+            known[node] = ClientInfo(**json.loads(str(info["info"])))
+        if len(known) > expected:
+            raise ConfigError(f"{len(known)} SuperNodes hold data but clients={expected}; set clients={len(known)}")
+        if len(known) < expected and time.monotonic() > deadline:
+            raise ConfigError(f"after {settings.node_wait:.0f} s only {len(known)} of clients={expected} SuperNodes "
+                              f"answered ({', '.join(sorted(i.name for i in known.values())) or 'none'}); start the "
+                              "missing SuperNodes, set clients= to the number running, or raise flower.node-wait")
+        if len(known) < expected:
+            time.sleep(0.2)
+    by_name: dict[str, int] = {}
+    for node, info in sorted(known.items()):
+        if info.name in by_name:
+            raise ConfigError(f"nodes {by_name[info.name]} and {node} both hold a client named {info.name!r}; give "
+                              "every node its own folder name (or --node-config name=...)")
+        by_name[info.name] = node
+    names = sorted(by_name)
+    infos = [known[by_name[name]] for name in names]
+    try:
+        classes = resolve_classes(infos, config.data)
+    except DataError as error:
+        raise ConfigError(f"the nodes' data do not fit together: {error}") from None
+    return {k: by_name[name] for k, name in enumerate(names)}, infos, classes
+
+
+def _ask_new_nodes(grid: Grid, known: Mapping[int, Any], query: dict[str, Any], deadline: float
+                   ) -> dict[int, ConfigRecord]:
+    """Send ``query`` to every connected node not in ``known``; ``{node id: its answer}`` (an error reply
+    is a one-line ConfigError naming the node)."""
+    new = [node for node in grid.get_node_ids() if node not in known]
+    if not new:
+        return {}
+    messages = [Message(RecordDict({HEADER: ConfigRecord(query)}), node, MessageType.QUERY) for node in new]
+    answers = {}
+    for reply in grid.send_and_receive(messages, timeout=max(1.0, deadline - time.monotonic())):
+        node = reply.metadata.src_node_id
+        if reply.has_error():
+            raise ConfigError(f"node {node} cannot take part: {reply.error.reason}")
+        answers[node] = reply.content.config_records[NODE_RECORD]
+    return answers
+
+
 class MethodStrategy(Strategy):
-    """A Flower Strategy running one fedhpro method, with the simulator's sampling, validation and evaluation.
+    """A Flower Strategy running one fedhpro method through the shared round protocol.
 
     It subclasses ``Strategy`` rather than ``FedAvg``: a fedhpro reply carries
     several ArrayRecords (weights, prototypes, class gradients), which FedAvg's
     reply validation rejects and its aggregation would average. Every reply is
-    decoded back to the method's payload and handed to the method's own server
-    part, so any method runs unchanged.
+    decoded back to the method's payload and handed to the protocol, which
+    validates it and gives it to the method's own server part, so any method
+    runs unchanged.
     """
 
-    def __init__(self, engine: Simulator, config: Config, nodes: dict[int, int]):
-        self.engine = engine
+    def __init__(self, side: ServerSide, config: Config, nodes: dict[int, int]):
+        self.side = side
         self.config = config
-        self.nodes = nodes  # partition-id (= client index) -> Flower node id
+        self.nodes = nodes  # client index -> Flower node id
         self.partition_of = {node: k for k, node in nodes.items()}
         self.text = config_text(config)
         self.rows: list[dict[str, Any]] = []
         self.timings: list[dict[str, Any]] = []
-        self._round: dict[str, Any] = {}
+        self._round: OpenRound | None = None
+        self._times: dict[str, float] = {}
+        self._server_metrics: dict[str, float] = {}
+
+    @property
+    def server(self) -> Any:
+        return self.side.server
 
     # ------------------------------------------------------------------ helpers
 
     def _header(self, round: int, client: int) -> ConfigRecord:
-        return ConfigRecord({"config": self.text, "round": round, "client": client})
-
-    def _evaluates(self, round: int) -> bool:
-        return (round + 1) % self.engine.eval_every == 0 or round + 1 == self.engine.rounds
+        return ConfigRecord({"config": self.text, "round": round, "client": client,
+                             "num-clients": len(self.nodes)})
 
     def summary(self) -> None:
         log(INFO, "\t├── fedhpro method: %s on %s, %d clients (one per SuperNode)",
@@ -128,136 +201,94 @@ class MethodStrategy(Strategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        """One message per sampled client, each with its own RecordDict (the payload is per round, the header
-        per client); a client the fault model drops gets none, as in the simulator."""
-        round = server_round - 1
-        started = time.perf_counter()
-        participants = self.engine.sample_clients(round)
-        payload = self.engine.server.broadcast(round)
-        encoded = records.encode_payload(payload)
-        dropped, sent = [], []
-        for k in participants:
-            draw_dropout, draw_corrupt = np.random.default_rng(derive_seed(self.engine.seed, _FAULT, round, k)).random(2)
-            if draw_dropout < self.engine.faults.dropout:
-                dropped.append({"client": k, "reason": "did not answer (faults.dropout)"})
-                continue
-            sent.append((k, draw_corrupt))
-        self._round = {"round": round, "participants": participants, "dropped": dropped, "sent": dict(sent),
-                       "bytes_down": payload_bytes(payload) * len(participants), "started": started}
-        return [Message(RecordDict({**encoded, HEADER: self._header(round, k)}), self.nodes[k], MessageType.TRAIN)
-                for k, _ in sent]
+        """One message per client the protocol asks, each with its own RecordDict (the payload is per round,
+        the header per client); a client the fault model drops gets none, as in the simulator."""
+        current = self._round = self.side.protocol.open(server_round - 1)
+        encoded = records.encode_payload(current.payload)
+        return [Message(RecordDict({**encoded, HEADER: self._header(current.round, k)}), self.nodes[k],
+                        MessageType.TRAIN) for k in current.to_ask]
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate every reply with the method's server part, aggregate the valid ones in client order."""
-        state = self._round
-        round = state["round"]
-        answers: dict[int, Message] = {}
-        for reply in list(replies):  # an iterable that can be read once
-            answers[self.partition_of[reply.metadata.src_node_id]] = reply
-        # the method's container, filled reply by reply as the simulator fills it: the same arithmetic (each
-        # reply's weights folded into the running sum on arrival), so both engines give the same bits
-        valid = self.engine.server.new_replies()
-        train_metrics, errors = [], []
-        bytes_up = 0
-        dropped = state["dropped"]
-        for k in sorted(state["sent"]):  # the simulator's order: sorted participants
+        """Hand every reply to the protocol in client order (the simulator's order), then close the round."""
+        current = self._round
+        assert current is not None
+        answers = {self.partition_of[reply.metadata.src_node_id]: reply for reply in list(replies)}  # read once
+        for k in current.to_ask:
             reply = answers.get(k)
             if reply is None:
-                dropped.append({"client": k, "reason": "no reply before flower.round-timeout"})
-                errors.append(f"client {k}: no reply")
-                continue
-            if reply.has_error():
-                dropped.append({"client": k, "reason": reply.error.reason})
-                errors.append(f"client {k}: {reply.error.reason}")
-                continue
-            try:
-                payload = records.decode_payload(reply.content, self.engine.device)
-                if state["sent"][k] < self.engine.faults.corrupt:
-                    payload = _corrupted(payload)
-                self.engine.server.validate_reply(payload)
-            except UpdateError as error:
-                dropped.append({"client": k, "reason": f"invalid update: {error}"})
-                continue
-            bytes_up += payload_bytes(payload)
-            valid.append(payload)
-            train_metrics.append((len(self.engine.federation.clients[k]), records.decode_metrics(reply.content)))
-        dropped.sort(key=lambda item: state["participants"].index(item["client"]))
-        if errors and len(errors) == len(state["participants"]):
-            raise FedHProError(f"round {round}: every client failed; {errors[0]}")
-        for item in dropped:
-            log(WARNING, "fedhpro: round %d: client %d dropped: %s", round, item["client"], item["reason"])
-        client_seconds = time.perf_counter() - state["started"]
+                current.fail(k, "no reply before flower.round-timeout")
+            elif reply.has_error():
+                current.fail(k, reply.error.reason)
+            else:
+                try:
+                    payload = records.decode_payload(reply.content, self.side.device)
+                except FedHProError as error:
+                    current.fail(k, f"invalid update: {error}")
+                    continue
+                current.receive(k, payload, records.decode_metrics(reply.content), self.side.num_samples[k])
+        client_seconds = time.perf_counter() - current.started
         timer = time.perf_counter()
-        skipped = len(valid) < self.engine.min_clients
-        if skipped:
-            log(WARNING, "fedhpro: round %d: only %d valid updates (min_clients=%d); the round is skipped",
-                round, len(valid), self.engine.min_clients)
-            server_metrics: dict[str, float] = {}
-        else:
-            server_metrics = self.engine.server.aggregate(round, valid)
-        state.update(train=_weighted_mean(train_metrics), server=server_metrics, skipped=skipped,
-                     bytes_up=bytes_up,
-                     seconds={"clients": client_seconds, "server": time.perf_counter() - timer})
-        arrays = ArrayRecord({key: records.to_array(v) for key, v in self.engine.server.global_weights().items()})
-        return arrays, records.encode_metrics(state["train"])
+        self._server_metrics = current.close()
+        self._times = {"clients": client_seconds, "server": time.perf_counter() - timer}
+        arrays = ArrayRecord({key: records.to_array(v) for key, v in self.server.global_weights().items()})
+        return arrays, records.encode_metrics(weighted_mean(current.train_metrics))
 
     # ------------------------------------------------------------------ evaluation
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
-        """Personal models live on the nodes: every client evaluates its own (with the global shared part and
-        the server's inference rule). A global model is evaluated on the server: no messages."""
+        """Federated evaluation: every node tests on its own data (the global model, or its personal model
+        with the global shared part, through the server's inference rule, whose state travels along). A
+        global model in partition mode is tested on the server: no messages."""
         round = server_round - 1
-        self._round["eval_started"] = time.perf_counter()
-        if not self._evaluates(round) or not self.engine.heterogeneous:
+        self._times["eval_started"] = time.perf_counter()
+        if not self.side.protocol.evaluates(round) or not self.side.federated_evaluation:
             return []
-        encoded = records.encode_payload({"weights": self.engine.server.global_weights()})
-        encoded.update(records.encode_payload(self.engine.server.state_dict(), prefix=SERVER_STATE))
+        encoded = records.encode_payload({"weights": self.server.global_weights()})
+        encoded.update(records.encode_payload(self.server.state_dict(), prefix=SERVER_STATE))
         return [Message(RecordDict({**encoded, HEADER: self._header(round, k)}), node, MessageType.EVALUATE)
                 for k, node in sorted(self.nodes.items())]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """The round's accuracy as the simulator computes it; then the round's row is complete."""
-        state = self._round
-        round = state["round"]
-        accuracy = None
-        if self._evaluates(round):
-            if not self.engine.heterogeneous:
-                accuracy = self.engine.evaluate_global()
+        current = self._round
+        assert current is not None
+        accuracy, extra = None, {}
+        if self.side.protocol.evaluates(current.round):
+            if self.side.federated_evaluation:
+                accuracy, per_client = self._pooled_accuracy(list(replies))
             else:
-                accuracy = self._client_side_accuracy(list(replies))
-        record = RoundRecord(round=round, participants=state["participants"], train=state["train"],
-                             server=state["server"], accuracy=accuracy, bytes_up=state["bytes_up"],
-                             bytes_down=state["bytes_down"],
-                             seconds={**state["seconds"], "eval": time.perf_counter() - state["eval_started"]},
-                             dropped=state["dropped"], skipped=state["skipped"])
-        self.engine.history.append(record)
+                accuracy, per_client = self.side.engine.evaluate_clients()
+            extra = {"client_accuracy": per_client, "fairness": fairness_statistics(per_client)}
+        seconds = {"clients": self._times["clients"], "server": self._times["server"],
+                   "eval": time.perf_counter() - self._times["eval_started"]}
+        record = current.record(self._server_metrics, accuracy, seconds, extra)
+        if self.side.engine is not None:
+            self.side.engine.history.append(record)
         self.rows.append(record.to_json())
-        self.timings.append({"round": round, **record.seconds})
+        self.timings.append({"round": current.round, **record.seconds})
         if accuracy is None:
             return None
-        log(INFO, "fedhpro: round %d: test accuracy AVG %.2f%%", round, accuracy["AVG"])
+        log(INFO, "fedhpro: round %d: test accuracy AVG %.2f%%", current.round, accuracy["AVG"])
         return MetricRecord({f"accuracy.{name}": value for name, value in accuracy.items()})
 
-    def _client_side_accuracy(self, replies: list[Message]) -> dict[str, float]:
-        """Per client accuracy -> per test set mean -> mean over test sets: Simulator.evaluate_global's rule."""
-        per_client: dict[int, tuple[str, float]] = {}
+    def _pooled_accuracy(self, replies: list[Message]) -> tuple[dict[str, float], list[float]]:
+        """Every client's test counts, pooled per test set (the simulator's :func:`pool_accuracy`)."""
+        counts: dict[int, TestCount] = {}
         for reply in replies:
             k = self.partition_of[reply.metadata.src_node_id]
             if reply.has_error():
                 raise FedHProError(f"client {k} could not evaluate: {reply.error.reason}")
-            info = reply.content.config_records["fedhpro.eval"]
-            per_client[k] = (str(info["test-set"]), float(reply.content.metric_records["fedhpro.eval-metrics"]["accuracy"]))
-        missing = sorted(set(self.nodes) - set(per_client))
+            info = reply.content.config_records[EVAL_RECORD]
+            counts[k] = TestCount(str(info["test-set"]), int(info["correct"]), int(info["total"]))
+        missing = sorted(set(self.nodes) - set(counts))
         if missing:
             raise FedHProError(f"clients {missing} sent no evaluation before flower.round-timeout")
-        ordered = [per_client[k] for k in sorted(per_client)]
-        test_sets = self.engine.federation.test_sets
-        names = [name for name in test_sets if any(n == name for n, _ in ordered)]
-        accuracy = {name: float(np.mean([a for n, a in ordered if n == name])) for name in names}
-        accuracy["AVG"] = float(np.mean([accuracy[name] for name in names]))
-        return accuracy
+        ordered = [counts[k] for k in sorted(counts)]
+        order = list(self.side.engine.federation.test_sets) if self.side.engine is not None else None
+        accuracy = pool_accuracy(ordered, order)
+        return accuracy, [c.accuracy if c.total else accuracy["AVG"] for c in ordered]
 
 
 def run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, Any] | None = None) -> MethodStrategy:
@@ -272,44 +303,62 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, Any
     def warn(message: str) -> None:
         log(WARNING, "fedhpro: %s", message)
 
-    nodes, clients = discover_nodes(grid, config.run.clients, settings)
-    if config.run.clients is None:
-        config = load_config(config.to_dict(), {"clients": clients})
-    engine = build_engine(config, on_drop=warn)
-    if engine.federation.num_clients != clients:
-        raise ConfigError(f"the federation has {engine.federation.num_clients} clients but {clients} SuperNodes "
-                          f"hold partitions; set clients={engine.federation.num_clients} or run that many SuperNodes")
-    strategy = MethodStrategy(engine, config, nodes)
+    if own_data(config):
+        if config.run.data_dir:
+            raise ConfigError("dataset=clients on Flower: the server holds no data, so data_dir must not be set in "
+                              "the run config; give each SuperNode its own with --node-config \"data-dir=...\"")
+        nodes, infos, classes = discover_own_data(grid, config, settings)
+        config = load_config(config.to_dict(), {"data.classes": classes})
+        side = build_server_side(config, num_classes=len(classes), input_shape=tuple(infos[0].input_shape),
+                                 num_samples=[info.train_size for info in infos], on_drop=warn)
+        partition = {"dataset": "clients", "scheme": "given", "engine": "flower", "num_classes": len(classes),
+                     "classes": classes,
+                     "clients": [{"client": k, "node": nodes[k], **dataclasses.asdict(info)}
+                                 for k, info in enumerate(infos)]}
+        notes = [f"clients: {len(infos)} SuperNodes holding their own data ({infos[0].kind}), {len(classes)} classes"]
+    else:
+        nodes, clients = discover_nodes(grid, config.run.clients, settings)
+        if config.run.clients is None:
+            config = load_config(config.to_dict(), {"clients": clients})
+        side = build_server_side(config, on_drop=warn)
+        federation = side.engine.federation
+        if federation.num_clients != clients:
+            raise ConfigError(f"the federation has {federation.num_clients} clients but {clients} SuperNodes "
+                              f"hold partitions; set clients={federation.num_clients} or run that many SuperNodes")
+        partition, notes = federation.partition, federation.notes
+    strategy = MethodStrategy(side, config, nodes)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         reports.write_yaml(out / "config.yaml", config.to_dict())
-        reports.write_json(out / "partition.json", engine.federation.partition)
-    initial = ArrayRecord({key: records.to_array(v) for key, v in engine.server.global_weights().items()})
+        reports.write_json(out / "partition.json", partition)
+    initial = ArrayRecord({key: records.to_array(v) for key, v in side.server.global_weights().items()})
     strategy.start(grid, initial, num_rounds=config.run.rounds, timeout=settings.round_timeout)
     if out is not None:
-        write_results(out, strategy, time.perf_counter() - started)
+        write_results(out, strategy, time.perf_counter() - started, notes)
     return strategy
 
 
-def write_results(out: Path, strategy: MethodStrategy, seconds: float) -> None:
+def write_results(out: Path, strategy: MethodStrategy, seconds: float, notes: list[str]) -> None:
     """``metrics.jsonl``, ``timing.jsonl``, ``summary.json`` (as ``fedhpro run`` writes them) and the server state."""
-    engine, options = strategy.engine, strategy.config.run
+    side, options = strategy.side, strategy.config.run
     rows = strategy.rows
     last = next(row["accuracy"] for row in reversed(rows) if "accuracy" in row)
+    final = next(row for row in reversed(rows) if "accuracy" in row)
     reports.write_jsonl(out / "metrics.jsonl", rows)
     reports.write_jsonl(out / "timing.jsonl", strategy.timings)
     reports.write_json(out / "summary.json", {
         "method": options.method, "dataset": options.dataset, "seed": options.seed, "rounds": options.rounds,
-        "clients": engine.federation.num_clients, "accuracy": last["AVG"],
+        "clients": len(strategy.nodes), "accuracy": last["AVG"],
         "per_domain": {name: value for name, value in last.items() if name != "AVG"},
         "best_accuracy": max(row["accuracy"]["AVG"] for row in rows if "accuracy" in row),
-        "seconds": seconds, "device": str(engine.device), "engine": "flower",
+        "seconds": seconds, "device": str(side.device), "engine": "flower",
         "bytes_up": sum(row["bytes_up"] for row in rows), "bytes_down": sum(row["bytes_down"] for row in rows),
-        "notes": engine.federation.notes})
+        "fairness": final.get("fairness"), "client_accuracy": final.get("client_accuracy"),
+        "notes": notes})
     # the method's server state (weights, hyper-prototypes, ...), loadable with torch.load(weights_only=True)
     reports.write_atomic_with(out / "server_state.pt",
                               lambda handle: torch.save({"completed_rounds": len(rows),
-                                                         "server": engine.server.state_dict()}, handle))
+                                                         "server": side.server.state_dict()}, handle))
 
 
 def make_server_app(base: Mapping[str, Any] | None = None) -> ServerApp:
