@@ -1,0 +1,180 @@
+"""Flower nodes that hold only their own data (``dataset=clients``), and a server that holds none.
+
+* a real deployment on loopback: a SuperLink and 3 SuperNodes, each pointed
+  at its own folder (written by the test into a folder of its own: no node
+  has another's files, and the ServerApp gets no data directory); the run must
+  finish ``finished:completed`` and give exactly the numbers the in-process
+  simulator gives for ``dataset=clients`` on the same folders and seed
+  (the same code, seeds and bytes on both sides: see test_flower.py);
+* node discovery with mocked replies: nodes ordered by name, the class list
+  resolved over all nodes, one-line errors naming the nodes when they disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pip install -e '.[flower]'")
+
+from flwr.app import ConfigRecord, Message, RecordDict  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from test_flower import CORE_KEYS, REPO, assert_same_state, core, read_rows, reference  # noqa: E402
+from test_flower_deployment import (ENVIRONMENT, RUN_TIMEOUT, Processes, flower_tool, free_port,  # noqa: E402
+                                    wait_healthy)
+
+from fedhpro.config import load_config  # noqa: E402
+from fedhpro.data.clients import ClientInfo  # noqa: E402
+from fedhpro.errors import ConfigError  # noqa: E402
+from fedhpro.flower.server import NODE_RECORD, discover_own_data  # noqa: E402
+from fedhpro.flower.settings import FlowerSettings  # noqa: E402
+
+#: three sites with different classes; two share the domain "clinic" (folder-name prefix), one is "lab"
+SITES = {"clinic-0": ["cat", "dog"], "clinic-1": ["dog", "fox"], "lab-0": ["cat", "fox", "owl"]}
+COLOURS = {"cat": (200, 40, 40), "dog": (40, 200, 40), "fox": (40, 40, 200), "owl": (200, 200, 40)}
+
+
+def write_site(folder: Path, classes: list[str], seed: int, train: int = 8, test: int = 4) -> None:
+    """``folder/{train,test}/<class>/*.png``: 12x12 images, a class colour plus noise (learnable)."""
+    rng = np.random.default_rng(seed)
+    for split, count in (("train", train), ("test", test)):
+        for name in classes:
+            (folder / split / name).mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                pixels = np.clip(np.array(COLOURS[name]) + rng.normal(0, 40, (12, 12, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / split / name / f"{i}.png")
+
+
+def settings(**extra):
+    return {"dataset": "clients", "rounds": 2, "clients": 3, "feature_dim": 16, "local_epochs": 1,
+            "data.image_size": 16, "device": "cpu", "progress": False, "seed": 3, **extra}
+
+
+def test_three_supernodes_with_their_own_folders_equal_the_simulator(tmp_path):
+    everything = tmp_path / "all-sites"  # the simulator's view: one folder of client folders
+    for k, (site, classes) in enumerate(SITES.items()):
+        write_site(everything / site, classes, seed=k)
+    homes = {}
+    for site in SITES:  # each node's own disk: a copy of its site only
+        homes[site] = tmp_path / f"node-{site}" / site
+        shutil.copytree(everything / site, homes[site])
+
+    home, logs, out = tmp_path / "flwr-home", tmp_path / "logs", tmp_path / "out"
+    home.mkdir()
+    logs.mkdir()
+    link_port = free_port()
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\naddress = "127.0.0.1:{link_port}"\n'
+        "insecure = true\n")
+    env = {**ENVIRONMENT, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
+           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("FEDHPRO_DATA_DIR", None)
+    processes = Processes(env, logs)
+    run_config = " ".join(f"{key}={json.dumps(value)}" for key, value in {**settings(), "out": str(out)}.items())
+    try:
+        link = processes.start("superlink", [flower_tool("flower-superlink"), "--insecure", "--host", "127.0.0.1",
+                                             "--port", str(link_port), "--disable-runtime-dependency-installation"])
+        wait_healthy(link_port, link)
+        for site, folder in homes.items():
+            processes.start(f"supernode-{site}", [
+                flower_tool("flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{link_port}",
+                "--host", "127.0.0.1", "--port", str(free_port()),
+                "--node-config", f'data-dir="{folder}" dataset="clients"'])
+        run = subprocess.run([flower_tool("flwr"), "run", str(REPO / "examples" / "flower"), "loopback",
+                              "--run-config", run_config, "--stream"],
+                             env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+        processes.remember_children()
+        (logs / "flwr-run.log").write_text(run.stdout + run.stderr)
+        listing = subprocess.run([flower_tool("flwr"), "ls", "loopback", "--format", "json"], env=env,
+                                 capture_output=True, text=True, timeout=60)
+        runs = json.loads(listing.stdout)["runs"]
+        assert len(runs) == 1 and runs[0]["status"] == "finished:completed", (runs, run.stdout[-3000:])
+    finally:
+        left = processes.stop()
+    assert left == [], f"processes left running: {left}"
+
+    saved = load_config(out / "config.yaml")
+    assert saved.run.data_dir is None  # the server was never given data
+    assert saved.data.classes == ["cat", "dog", "fox", "owl"]  # the union over the nodes, sorted
+    partition = json.loads((out / "partition.json").read_text())
+    assert [c["name"] for c in partition["clients"]] == sorted(SITES)
+    rows = read_rows(out / "metrics.jsonl")
+    expected_rows, expected_state = reference({**settings(), "data_dir": str(everything)}, tmp_path / "reference")
+    assert len(rows) == 2 and all(row["participants"] == [0, 1, 2] for row in rows)
+    assert set(rows[-1]["accuracy"]) == {"clinic", "lab", "AVG"}
+    assert core(rows) == core(expected_rows), CORE_KEYS
+    assert [row["client_accuracy"] for row in rows] == [row["client_accuracy"] for row in expected_rows]
+    assert_same_state(torch.load(out / "server_state.pt", weights_only=True)["server"], expected_state)
+
+
+# --------------------------------------------------------------------------- discovery, with mocked replies
+
+
+class DataGrid:
+    """Just enough of flwr's Grid: each node answers a data query with the ClientInfo it is given."""
+
+    def __init__(self, infos: dict[int, ClientInfo]):
+        self.infos = infos
+
+    def get_node_ids(self):
+        return list(self.infos)
+
+    def send_and_receive(self, messages, timeout=None):
+        return [Message(RecordDict({NODE_RECORD: ConfigRecord(
+            {"info": json.dumps(dataclasses.asdict(self.infos[m.metadata.dst_node_id]))})}), reply_to=m)
+            for m in messages]
+
+
+def info(name, classes=None, declared=None, shape=(3, 16, 16), domain=None, kind="images", max_label=None):
+    return ClientInfo(name=name, domain=domain, kind=kind, class_names=classes, declared_classes=declared,
+                      max_label=max_label, input_shape=list(shape), train_size=10, test_size=4)
+
+
+@pytest.fixture(autouse=True)
+def _inside_a_run(monkeypatch):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)  # outside a run, flwr refuses to address a Message
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+
+
+def discover(infos, **extra):
+    config = load_config(settings(**extra))
+    return discover_own_data(DataGrid(infos), config, FlowerSettings(node_wait=1))
+
+
+def test_nodes_are_ordered_by_name_and_share_one_class_list():
+    nodes, infos, classes = discover({7: info("site-b", ["dog"]), 3: info("site-c", ["cat"]),
+                                      9: info("site-a", ["ant", "dog"])})
+    assert nodes == {0: 9, 1: 7, 2: 3}  # client k = the k-th name, as the simulator orders folders
+    assert [i.name for i in infos] == ["site-a", "site-b", "site-c"]
+    assert classes == ["ant", "cat", "dog"]
+
+
+@pytest.mark.parametrize("infos, words", [
+    ({1: info("a", ["x"], declared=["x", "y"]), 2: info("b", ["z"], declared=["x", "y", "z"])}, ["a", "b"]),
+    ({1: info("a", ["x"]), 2: info("b", ["y"], shape=(3, 8, 8))}, ["a", "b"]),
+    ({1: info("a", ["x"]), 2: info("a", ["y"])}, ["nodes 1 and 2", "'a'"]),
+])
+def test_nodes_that_disagree_are_one_line_naming_them(infos, words):
+    infos = {**infos, 5: info("c", ["x"])}
+    with pytest.raises(ConfigError) as caught:
+        discover(infos)
+    message = str(caught.value)
+    assert "\n" not in message and all(word in message for word in words), message
+
+
+def test_waiting_for_missing_nodes_names_the_fix():
+    with pytest.raises(ConfigError, match="only 1 of clients=3"):
+        discover({1: info("a", ["x"])})
+    with pytest.raises(ConfigError, match="needs clients=K"):
+        discover({1: info("a", ["x"])}, clients=None)
