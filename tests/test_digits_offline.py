@@ -356,3 +356,233 @@ def test_missing_dependency_message(tmp_path, monkeypatch, module, package):
     do._load_optdigits_raw.cache_clear()
     with pytest.raises(RuntimeError, match=f"pip install {package}"):
         build_digits_offline(tmp_path, seed=SEED, syn_size=TINY_SYN)
+
+
+# --------------------------------------------------------------------------- #
+# The federation (fedhpro.data.digits_federation): domain skew, label skew
+# within domains, data.domains. Uses the session's cached small build.
+# --------------------------------------------------------------------------- #
+PAPER_ORDER = ["mnist", "optdigits", "mnistm", "syn"]
+PAPER_COUNTS = {"mnist": 3, "optdigits": 7, "mnistm": 6, "syn": 4}
+
+
+def _federation(data_dir, clients=None, seed=0, partition=None, **data):
+    from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
+
+    from fedhpro.data import get_dataset
+    from fedhpro.data.digits_federation import DigitsOfflineOptions
+
+    options = DigitsOfflineOptions(syn_size=DIGITS_SYN_SIZE, test_fraction=DIGITS_TEST_FRACTION, **data)
+    return get_dataset("digits-offline").build(options, clients, seed, data_dir=data_dir, partition=partition)
+
+
+@pytest.fixture(scope="module")
+def fed_data(digits_data_dir):
+    """The raw domains behind the federations (read from the session's cache)."""
+    from conftest import DIGITS_BUILD_SEED, DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
+
+    return build_digits_offline(digits_data_dir, seed=DIGITS_BUILD_SEED, test_fraction=DIGITS_TEST_FRACTION,
+                                syn_size=DIGITS_SYN_SIZE)
+
+
+def _normalized(x: torch.Tensor) -> torch.Tensor:
+    return x.float() / 127.5 - 1.0
+
+
+def _check_clients_hold_their_rows(fed, raw) -> None:
+    """Every client's tensors are its recorded rows of its domain, and the record's class counts match them."""
+    for k, (client, domain, entry) in enumerate(zip(fed.clients, fed.client_domains, fed.partition["clients"])):
+        index = torch.tensor(entry["indices"], dtype=torch.long)
+        assert entry["client"] == k and entry["domain"] == domain
+        assert torch.equal(client.y, raw[domain].train_y[index])
+        assert torch.allclose(client.x, _normalized(raw[domain].train_x[index]))
+        assert entry["class_counts"] == np.bincount(client.y.numpy(), minlength=10).tolist()
+
+
+@pytest.mark.parametrize("clients, seed, partition_seed", [(None, 4, None), (6, 1, 9)])
+def test_default_domain_partition_is_unchanged(digits_data_dir, fed_data, clients, seed, partition_seed):
+    """The default federation (partition=domains) follows its documented rule, byte for byte in partition.json:
+    per domain in the paper's order one ``rng.permutation``, client j takes block j of ``int(fraction * n)``."""
+    import json
+
+    from fedhpro.data.partition import PartitionOptions
+
+    fraction = 0.05
+    partition = None if partition_seed is None else PartitionOptions(seed=partition_seed)
+    fed = _federation(digits_data_dir, clients, seed, partition, fraction=fraction)
+    if clients is None:
+        layout = dict(PAPER_COUNTS)
+    else:  # round robin in the paper's order
+        layout = {d: len(range(i, clients, 4)) for i, d in enumerate(PAPER_ORDER)}
+    rng = np.random.default_rng(seed if partition_seed is None else partition_seed)
+    records = []
+    for domain in PAPER_ORDER:
+        n = len(fed_data[domain].train_y)
+        size = int(fraction * n)
+        order = rng.permutation(n)
+        for j in range(layout[domain]):
+            index = np.sort(order[j * size:(j + 1) * size])
+            counts = np.bincount(fed_data[domain].train_y.numpy()[index], minlength=10).tolist()
+            records.append({"client": len(records), "domain": domain, "indices": index.tolist(),
+                            "class_counts": counts})
+    expected = {"dataset": "digits-offline", "seed": seed, "scheme": "domains", "layout": layout,
+                "fraction": fraction, "clients": records}
+    assert json.dumps(fed.partition) == json.dumps(expected)
+    assert fed.client_domains == [r["domain"] for r in records]
+    assert list(fed.test_sets) == PAPER_ORDER and fed.notes == []
+    _check_clients_hold_their_rows(fed, fed_data)
+
+
+@pytest.mark.parametrize("scheme", ["dirichlet", "nid2", "iid", "longtail"])
+def test_label_partition_within_every_domain(digits_data_dir, fed_data, scheme):
+    import math
+
+    from fedhpro.data.partition import PartitionOptions
+
+    rho = 10.0
+    fed = _federation(digits_data_dir, None, 2, PartitionOptions(scheme=scheme, rho=rho))
+    expected_domains = [d for d in PAPER_ORDER for _ in range(PAPER_COUNTS[d])]
+    assert fed.client_domains == expected_domains
+    assert fed.partition["scheme"] == scheme and fed.partition["layout"] == PAPER_COUNTS
+    assert list(fed.test_sets) == PAPER_ORDER
+    for domain, (x, y) in fed.test_sets.items():
+        assert torch.equal(y, fed_data[domain].test_y) and torch.allclose(x, _normalized(fed_data[domain].test_x))
+    _check_clients_hold_their_rows(fed, fed_data)
+    for domain in PAPER_ORDER:
+        labels = fed_data[domain].train_y.numpy()
+        mine = [k for k, d in enumerate(fed.client_domains) if d == domain]
+        held = np.concatenate([fed.partition["clients"][k]["indices"] for k in mine])
+        assert np.unique(held).size == held.size, f"{domain}: an index is held by two clients"
+        assert held.min() >= 0 and held.max() < labels.size
+        if scheme != "longtail":  # the whole domain is split
+            assert np.array_equal(np.sort(held), np.arange(labels.size)), domain
+        counts = np.array([fed.partition["clients"][k]["class_counts"] for k in mine])
+        if scheme == "nid2":  # clients 0..K-2 of the domain hold one class each (distinct), the last all ten
+            single = [np.flatnonzero(row) for row in counts[:-1]]
+            assert all(s.size == 1 for s in single)
+            assert len({int(s[0]) for s in single}) == len(single)
+            assert np.count_nonzero(counts[-1]) == 10
+        if scheme == "iid":
+            assert counts.sum(1).max() - counts.sum(1).min() <= 1
+        if scheme == "longtail":  # the head-to-tail rule on the domain's (balanced) classes
+            n_max = int(np.bincount(labels, minlength=10).min())
+            kept = [math.floor(n_max * rho ** (-c / 9)) for c in range(10)]
+            assert counts.sum(0).tolist() == kept, domain
+            assert counts.sum(1).min() >= 10  # min_size
+    if scheme == "longtail":  # optdigits' classes differ in size: trimmed to its smallest class first
+        smallest = int(np.bincount(fed_data["optdigits"].train_y.numpy()).min())
+        assert fed.partition["balanced_per_class"] == {"optdigits": smallest}
+
+
+def test_data_domains_restrict_clients_test_sets_and_partition(digits_data_dir, fed_data):
+    from fedhpro.data.partition import PartitionOptions
+
+    fed = _federation(digits_data_dir, 10, 0, PartitionOptions(scheme="dirichlet", alpha=0.1), domains=["mnist"])
+    assert fed.client_domains == ["mnist"] * 10 and list(fed.test_sets) == ["mnist"]
+    assert fed.partition["layout"] == {"mnist": 10} and set(fed.partition["num_samples"]) == {"mnist"}
+    held = np.concatenate([c["indices"] for c in fed.partition["clients"]])
+    assert np.array_equal(np.sort(held), np.arange(len(fed_data["mnist"].train_y)))
+    # alpha=0.1 is real label skew: most clients miss some class
+    counts = np.array([c["class_counts"] for c in fed.partition["clients"]])
+    assert (counts == 0).sum() > 10
+
+    # given in any order, without clients=K: the paper's counts of the chosen domains, in the paper's order
+    fed = _federation(digits_data_dir, None, 0, PartitionOptions(scheme="iid"), domains=["syn", "mnist"])
+    assert fed.client_domains == ["mnist"] * 3 + ["syn"] * 4 and list(fed.test_sets) == ["mnist", "syn"]
+    # with clients=K: round robin over the chosen domains; the default scheme too
+    fed = _federation(digits_data_dir, 5, 0, None, domains=["optdigits", "syn"], fraction=0.05)
+    assert fed.client_domains == ["optdigits"] * 3 + ["syn"] * 2 and list(fed.test_sets) == ["optdigits", "syn"]
+    assert fed.partition["layout"] == {"optdigits": 3, "syn": 2}
+
+
+def test_unknown_or_empty_domains_are_one_line_config_errors(digits_data_dir):
+    from fedhpro.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"unknown domain\(s\) \['usps'\]; the domains are: mnist, optdigits, "
+                                          r"mnistm, syn") as error:
+        _federation(digits_data_dir, None, 0, None, domains=["mnist", "usps"])
+    assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match="data.domains is empty"):
+        _federation(digits_data_dir, None, 0, None, domains=[])
+    with pytest.raises(ConfigError, match="gives none to data.domains"):
+        _federation(digits_data_dir, None, 0, None, domains=["syn"], clients_per_domain={"mnist": 2})
+
+
+def test_impossible_label_partitions_name_the_domain_and_the_fix(digits_data_dir):
+    from fedhpro.data.partition import PartitionOptions
+    from fedhpro.errors import ConfigError
+
+    cases = [  # (clients, partition): syn has 190 training samples here; clients=5 leaves optdigits 1 client
+        (40, PartitionOptions(scheme="longtail", rho=100.0)),  # 10 syn clients x min_size 10 > 43 kept samples
+        (5, PartitionOptions(scheme="nid2")),
+        (None, PartitionOptions(scheme="dirichlet", min_size=60)),  # 4 syn clients x 60 > 190
+    ]
+    for clients, partition in cases:
+        with pytest.raises(ConfigError) as error:
+            _federation(digits_data_dir, clients, 0, partition)
+        message = str(error.value)
+        assert "\n" not in message and "domain '" in message and "to fix:" in message, message
+    with pytest.raises(ConfigError, match="partition=ag-nid does not apply to digits-offline"):
+        _federation(digits_data_dir, None, 0, PartitionOptions(scheme="ag-nid"))
+
+
+@pytest.mark.parametrize("scheme", ["domains", "dirichlet", "nid2", "longtail"])
+def test_same_seed_same_partition_other_seed_another(digits_data_dir, scheme):
+    from fedhpro.data.partition import PartitionOptions
+
+    def indices(seed, partition_seed=None):
+        fed = _federation(digits_data_dir, None, seed, PartitionOptions(scheme=scheme, seed=partition_seed, rho=10.0),
+                          fraction=0.05)
+        return [c["indices"] for c in fed.partition["clients"]]
+
+    assert indices(0) == indices(0)
+    assert indices(0) != indices(1)
+    assert indices(0, partition_seed=1) == indices(1)  # partition.seed replaces the run seed
+
+
+def test_saved_label_partition_is_reused(digits_data_dir, tmp_path):
+    import json
+
+    from fedhpro.data.partition import PartitionOptions
+    from fedhpro.errors import ConfigError
+
+    first = _federation(digits_data_dir, 6, 3, PartitionOptions(scheme="dirichlet", alpha=0.3),
+                        domains=["mnist", "syn"])
+    path = tmp_path / "partition.json"
+    path.write_text(json.dumps(first.partition))
+    again = _federation(digits_data_dir, None, 8, PartitionOptions(load=str(path)), domains=["mnist", "syn"])
+    assert again.client_domains == first.client_domains and list(again.test_sets) == ["mnist", "syn"]
+    assert [c["indices"] for c in again.partition["clients"]] == [c["indices"] for c in first.partition["clients"]]
+    assert all(torch.equal(a.x, b.x) and torch.equal(a.y, b.y) for a, b in zip(first.clients, again.clients))
+    assert again.partition["scheme"] == "dirichlet" and again.partition["seed"] == 3
+    with pytest.raises(ConfigError, match=r"domain\(s\) \['syn'\], which data.domains=\['mnist'\] leaves out"):
+        _federation(digits_data_dir, None, 8, PartitionOptions(load=str(path)), domains=["mnist"])
+
+
+@pytest.mark.parametrize("extra", [
+    ["data.domains=[mnist]", "partition=dirichlet", "partition.alpha=0.1", "clients=10", "participation=0.2"],
+    ["data.domains=[mnist]", "partition=nid2", "participation=0.34"],
+    ["data.domains=[mnist]", "partition=longtail"],
+    ["partition=dirichlet", "participation=0.2"],
+], ids=["mnist-dirichlet", "mnist-nid2", "mnist-longtail", "all-dirichlet"])
+def test_cli_runs_label_skew_on_digits_offline(digits_data_dir, tmp_path, capsys, extra):
+    import json
+
+    from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
+
+    from fedhpro.cli import main
+
+    out = tmp_path / "run"
+    code = main(["run", "dataset=digits-offline", *extra, f"data.syn_size={DIGITS_SYN_SIZE}",
+                 f"data.test_fraction={DIGITS_TEST_FRACTION}", f"data_dir={digits_data_dir}", "rounds=1",
+                 "local_epochs=1", "feature_dim=16", "batch_size=128", "method=fedavg", "device=cpu",
+                 "progress=false", "checkpoint_every=0", f"out={out}"])
+    assert code == 0, capsys.readouterr().err
+    saved = json.loads((out / "partition.json").read_text())
+    scheme = next(e.split("=")[1] for e in extra if e.startswith("partition="))
+    assert saved["scheme"] == scheme and saved["dataset"] == "digits-offline"
+    domains = ["mnist"] if "data.domains=[mnist]" in extra else PAPER_ORDER
+    assert list(saved["layout"]) == domains and {c["domain"] for c in saved["clients"]} == set(domains)
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["per_domain"]) == domains
+    assert summary["accuracy"] == pytest.approx(sum(summary["per_domain"].values()) / len(domains))

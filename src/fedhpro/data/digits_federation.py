@@ -2,49 +2,129 @@
 
 Clients are assigned to domains as in the paper's Digits setup (Table A3:
 MNIST 3, USPS 7, SVHN 6, SYN 4 clients); here the stand-ins are mnist 3,
-optdigits 7, mnistm 6, syn 4. Each client takes a random ``fraction`` of its
-domain's training set, disjoint from the other clients of that domain.
+optdigits 7, mnistm 6, syn 4. ``data.domains`` keeps any subset of them.
+
+Two ways to split a domain among its clients:
+
+* ``partition=domains`` (the default, domain skew): each client takes a
+  random ``data.fraction`` of its domain's training set, disjoint from the
+  other clients of that domain (per domain in the paper's order:
+  ``rng.permutation`` of the domain, the first ``size`` indices to its first
+  client, the next ``size`` to the second, ...).
+* ``partition=dirichlet|nid2|iid|longtail`` (label or quantity skew on top
+  of the domains): the scheme splits each domain's WHOLE training set among
+  that domain's clients (:func:`fedhpro.data.partition.within_domains`);
+  ``data.fraction`` is not used. With one domain
+  (``data.domains=[mnist]``) this is the plain label partition of that
+  domain. ``longtail`` first trims a domain whose classes differ in size to
+  its smallest class (optdigits: 139-146 per class), so the head-to-tail
+  rule ``n_c = floor(n_max * rho ** (-c / 9))`` applies to every class.
+
+Evaluation stays per domain: one test set per domain that has clients, and
+AVG over those domains.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from fedhpro.data import DatasetSpec
 from fedhpro.data.federation import ClientData, Federation, normalize_images
+from fedhpro.data.partition import Partition, PartitionError, PartitionOptions, within_domains
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.options import option
 
 PAPER_CLIENTS = {"mnist": 3, "optdigits": 7, "mnistm": 6, "syn": 4}
+
+#: ``partition=`` schemes this data set accepts (``auto`` means ``domains``)
+SCHEMES = ("domains", "dirichlet", "nid2", "iid", "longtail")
+
+#: what to change when a label scheme cannot split a domain (appended to the partitioner's message)
+_FIXES = {
+    "dirichlet": "set partition.min_size lower or partition.alpha higher, give the domain fewer clients "
+                 "(clients=K or data.clients_per_domain), or leave it out with data.domains",
+    "longtail": "set partition.rho or partition.min_size lower or partition.alpha higher, give the domain fewer "
+                "clients (clients=K or data.clients_per_domain), or leave it out with data.domains",
+    "nid2": "give every domain at least 2 clients and more than partition.single_class_clients "
+            "(clients=K or data.clients_per_domain), or leave the domain out with data.domains",
+    "iid": "give the domain fewer clients (clients=K or data.clients_per_domain)",
+}
 
 
 def _paper_clients() -> dict[str, int]:
     return dict(PAPER_CLIENTS)
 
 
+def _paper_domains() -> list[str]:
+    return list(PAPER_CLIENTS)
+
+
 @dataclass
 class DigitsOfflineOptions:
+    domains: list[str] = option(
+        default_factory=_paper_domains,
+        help="the domains of the federation (any of mnist, optdigits, mnistm, syn); clients, test sets and AVG "
+             "cover only these")
     clients_per_domain: dict[str, int] = option(
         default_factory=_paper_clients,
         help="clients of each domain (the paper's Digits layout); `clients=K` spreads K evenly instead")
-    fraction: float = option(0.1, gt=0.0, max=1.0, help="share of its domain's training set each client samples")
+    fraction: float = option(0.1, gt=0.0, max=1.0,
+                             help="share of its domain's training set each client samples (partition=domains; "
+                                  "label partitions split the whole domain)")
     test_fraction: float = option(0.2, gt=0.0, max=0.9, help="share of each domain held out for testing")
     syn_size: int = option(5000, min=100, help="number of rendered synthetic digits")
     build_seed: int = option(0, help="seed of the data set itself (images, train/test split); the run seed "
                                      "only changes which samples each client gets")
 
 
+def chosen_domains(names: list[str]) -> list[str]:
+    """``data.domains`` checked and put in the paper's order (mnist, optdigits, mnistm, syn)."""
+    unknown = [d for d in names if d not in PAPER_CLIENTS]
+    if unknown:
+        raise ConfigError(f"data.domains names unknown domain(s) {unknown}; the domains are: "
+                          f"{', '.join(PAPER_CLIENTS)} (e.g. data.domains=[mnist,syn])")
+    if not names:
+        raise ConfigError(f"data.domains is empty; list at least one of: {', '.join(PAPER_CLIENTS)}")
+    return [d for d in PAPER_CLIENTS if d in names]
+
+
+def client_layout(clients_per_domain: dict[str, int], domains: list[str], clients: int | None) -> dict[str, int]:
+    """Domain -> number of clients, domains without a client left out.
+
+    ``clients=K`` spreads K clients round robin over ``domains`` (in the
+    paper's order); otherwise ``clients_per_domain`` restricted to ``domains``
+    (in its own order, as before ``data.domains`` existed).
+    """
+    layout = dict(clients_per_domain)
+    unknown = set(layout) - set(PAPER_CLIENTS)
+    if unknown:
+        raise ConfigError(f"data.clients_per_domain names unknown domains {sorted(unknown)}; "
+                          f"the domains are: {', '.join(PAPER_CLIENTS)}")
+    if clients is not None:
+        layout = {d: 0 for d in domains}
+        for k in range(clients):
+            layout[domains[k % len(domains)]] += 1
+    return {d: n for d, n in layout.items() if n > 0 and d in domains}
+
+
 def build(options: DigitsOfflineOptions, clients: int | None, seed: int, data_dir=None,
           progress: bool = False, partition=None) -> Federation:
-    from fedhpro.data.digits_offline import DOMAINS, build_digits_offline, default_data_dir
+    from fedhpro.data.digits_offline import build_digits_offline, default_data_dir
 
-    if partition is not None and partition.scheme not in ("auto", "domains"):
-        raise ConfigError(f"partition={partition.scheme} does not apply to digits-offline (a domain-skew "
-                          "federation); use partition=domains (the default) or a label-skew benchmark such as "
-                          "dataset=cifar10")
+    scheme = "domains" if partition is None or partition.scheme == "auto" else partition.scheme
+    if scheme not in SCHEMES:
+        raise ConfigError(f"partition={scheme} does not apply to digits-offline; choose one of: domains (the "
+                          f"default, domain skew), {', '.join(SCHEMES[1:])} (label skew within each domain)")
+    chosen = chosen_domains(options.domains)
+    layout = client_layout(options.clients_per_domain, chosen, clients)
+    loading = partition is not None and partition.load
+    if not layout and not loading:
+        raise ConfigError(f"digits-offline needs at least one client and data.clients_per_domain gives none to "
+                          f"data.domains={chosen}; set clients=K or data.clients_per_domain")
 
     try:
         domains = build_digits_offline(data_dir, seed=options.build_seed, test_fraction=options.test_fraction,
@@ -52,24 +132,30 @@ def build(options: DigitsOfflineOptions, clients: int | None, seed: int, data_di
     except OSError as error:
         raise DataError(f"cannot build or cache digits-offline under {data_dir or default_data_dir()!s} "
                         f"({error.strerror or error}); set data_dir= to a writable folder") from None
-    layout = dict(options.clients_per_domain)
-    unknown = set(layout) - set(DOMAINS)
-    if unknown:
-        raise ConfigError(f"data.clients_per_domain names unknown domains {sorted(unknown)}; "
-                          f"the domains are: {', '.join(DOMAINS)}")
-    if clients is not None:
-        # spread K clients over the domains in the paper's order, round robin
-        order = [d for d in PAPER_CLIENTS if d in DOMAINS]
-        layout = {d: 0 for d in order}
-        for k in range(clients):
-            layout[order[k % len(order)]] += 1
-    layout = {d: n for d, n in layout.items() if n > 0}
-    if not layout:
-        raise ConfigError("digits-offline needs at least one client; set clients=K or data.clients_per_domain")
 
-    if partition is not None and partition.load:
-        return _loaded(partition.load, domains, options)
+    if loading:
+        return _loaded(partition.load, domains, options, chosen)
     rng = np.random.default_rng(seed if partition is None or partition.seed is None else partition.seed)
+    if scheme == "domains":
+        return _domain_skew(domains, layout, options, rng, seed)
+    return _label_skew(domains, layout, scheme, partition, rng, seed if partition.seed is None else partition.seed)
+
+
+def _client(data: Any, index: np.ndarray) -> tuple[ClientData, list[int]]:
+    """Client data of the training ``index`` rows of a domain, and its class counts."""
+    index_t = torch.from_numpy(index)
+    y = data.train_y[index_t]
+    return (ClientData(normalize_images(data.train_x[index_t]), y.clone(), 10),
+            torch.bincount(y, minlength=10).tolist())
+
+
+def _test_sets(domains: dict, names) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    return {d: (normalize_images(domains[d].test_x), domains[d].test_y.clone()) for d in names}
+
+
+def _domain_skew(domains: dict, layout: dict[str, int], options: DigitsOfflineOptions, rng: np.random.Generator,
+                 seed: int) -> Federation:
+    """``partition=domains``: per domain (paper order) a permutation; client j takes its j-th block of ``size``."""
     client_data, client_domains, records = [], [], []
     for domain in [d for d in PAPER_CLIENTS if d in layout]:
         data = domains[domain]
@@ -85,48 +171,100 @@ def build(options: DigitsOfflineOptions, clients: int | None, seed: int, data_di
         order = rng.permutation(available)
         for j in range(layout[domain]):
             index = np.sort(order[j * size:(j + 1) * size])
-            index_t = torch.from_numpy(index)
-            y = data.train_y[index_t]
-            client_data.append(ClientData(normalize_images(data.train_x[index_t]), y.clone(), 10))
+            client, counts = _client(data, index)
+            client_data.append(client)
             client_domains.append(domain)
             records.append({"client": len(records), "domain": domain, "indices": index.tolist(),
-                            "class_counts": torch.bincount(y, minlength=10).tolist()})
-    test_sets = {d: (normalize_images(domains[d].test_x), domains[d].test_y.clone()) for d in layout}
+                            "class_counts": counts})
     partition = {"dataset": "digits-offline", "seed": seed, "scheme": "domains",
                  "layout": layout, "fraction": options.fraction, "clients": records}
-    return Federation("digits-offline", 10, (3, 32, 32), client_data, client_domains, test_sets, partition)
+    return Federation("digits-offline", 10, (3, 32, 32), client_data, client_domains, _test_sets(domains, layout),
+                      partition)
 
 
-def _loaded(path: str, domains: dict, options: DigitsOfflineOptions) -> Federation:
+def balanced_subset(labels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Sorted indices keeping ``min_c count_c`` random samples of every class (all of them if already equal).
+
+    ``longtail`` keeps ``floor(n_max * rho ** (-c / 9))`` of class c with
+    ``n_max`` the largest class, so class 0 must be a largest class: on a
+    domain whose classes differ a little (optdigits) the rule is applied to
+    this balanced subset. A balanced domain (mnist) draws nothing from ``rng``.
+    """
+    counts = np.bincount(labels, minlength=10)
+    if counts.min() == counts.max():
+        return np.arange(labels.shape[0], dtype=np.int64)
+    keep = [rng.choice(np.flatnonzero(labels == c), size=int(counts.min()), replace=False) for c in range(10)]
+    return np.sort(np.concatenate(keep)).astype(np.int64)
+
+
+def _label_skew(domains: dict, layout: dict[str, int], scheme: str, options: PartitionOptions,
+                rng: np.random.Generator, seed: int) -> Federation:
+    """``partition=dirichlet|nid2|iid|longtail``: the scheme within each domain, over its whole training set."""
+    layout = {d: layout[d] for d in PAPER_CLIENTS if d in layout}
+    labels = {d: domains[d].train_y.numpy().astype(np.int64) for d in layout}
+    pools = {d: (balanced_subset(y, rng) if scheme == "longtail" else np.arange(y.shape[0], dtype=np.int64))
+             for d, y in labels.items()}
+    try:
+        inner = within_domains({d: labels[d][pools[d]] for d in layout}, layout, scheme, options, rng,
+                               num_classes=10)
+    except PartitionError as error:
+        raise ConfigError(f"digits-offline partition={scheme}: {str(error).rstrip('.')}; "
+                          f"to fix: {_FIXES[scheme]}") from None
+    # back from each domain's pool to its whole training set
+    split = Partition([pools[d][ix] for ix, d in zip(inner.client_indices, inner.client_domains)], scheme,
+                      inner.params, client_domains=inner.client_domains)
+    client_data = [_client(domains[d], ix)[0] for ix, d in zip(split.client_indices, split.client_domains)]
+    record = {"dataset": "digits-offline", "layout": layout, **split.to_json(labels, 10, seed)}
+    notes = [f"digits-offline: {scheme} partition within each domain: "
+             + ", ".join(f"{d} {n} clients" for d, n in layout.items())]
+    trimmed = {d: int(len(pools[d]) // 10) for d in layout if len(pools[d]) < len(labels[d])}
+    if trimmed:
+        record["balanced_per_class"] = trimmed
+        notes.append("longtail: classes first trimmed to the smallest class of their domain ("
+                     + ", ".join(f"{d} {n}" for d, n in trimmed.items()) + " per class)")
+    return Federation("digits-offline", 10, (3, 32, 32), client_data, list(split.client_domains),
+                      _test_sets(domains, layout), record, notes)
+
+
+def _loaded(path: str, domains: dict, options: DigitsOfflineOptions, chosen: list[str]) -> Federation:
     """The federation of a saved ``partition.json`` (``partition.load=PATH``): same clients, same samples."""
+    import json
     from pathlib import Path
 
-    from fedhpro.data.partition import Partition
-
-    if not Path(path).expanduser().is_file():
+    file = Path(path).expanduser()
+    if not file.is_file():
         raise ConfigError(f"partition.load={path!r}: no such file; give the partition.json of an earlier run")
     sizes = {d: int(v.train_y.shape[0]) for d, v in domains.items()}
-    split = Partition.load(Path(path).expanduser(), num_samples=sizes)
+    split = Partition.load(file, num_samples=sizes)
     if split.client_domains is None:
-        raise ConfigError(f"partition.load={path!r} has no client domains; digits-offline needs a domains partition")
+        raise ConfigError(f"partition.load={path!r} has no client domains; digits-offline needs a partition with "
+                          "a domain per client (one saved by a digits-offline run)")
+    left_out = sorted(set(split.client_domains) - set(chosen))
+    if left_out:
+        raise ConfigError(f"partition.load={path!r} has clients of domain(s) {left_out}, which "
+                          f"data.domains={chosen} leaves out; add them to data.domains or load another partition")
     client_data, records = [], []
     for k, (index, domain) in enumerate(zip(split.client_indices, split.client_domains)):
-        index_t = torch.from_numpy(index)
-        y = domains[domain].train_y[index_t]
-        client_data.append(ClientData(normalize_images(domains[domain].train_x[index_t]), y.clone(), 10))
-        records.append({"client": k, "domain": domain, "indices": index.tolist(),
-                        "class_counts": torch.bincount(y, minlength=10).tolist()})
+        client, counts = _client(domains[domain], index)
+        client_data.append(client)
+        records.append({"client": k, "domain": domain, "indices": index.tolist(), "class_counts": counts})
     used = [d for d in PAPER_CLIENTS if d in set(split.client_domains)]
-    test_sets = {d: (normalize_images(domains[d].test_x), domains[d].test_y.clone()) for d in used}
-    record = {"dataset": "digits-offline", "seed": None, "scheme": "domains", "loaded_from": str(path),
-              "layout": {d: split.client_domains.count(d) for d in used}, "fraction": options.fraction,
-              "clients": records}
-    return Federation("digits-offline", 10, (3, 32, 32), client_data, list(split.client_domains), test_sets, record)
+    record: dict[str, Any] = {"dataset": "digits-offline", "seed": json.loads(file.read_text()).get("seed"),
+                              "scheme": split.scheme, "loaded_from": str(path),
+                              "layout": {d: split.client_domains.count(d) for d in used}}
+    if split.scheme == "domains":
+        record["fraction"] = options.fraction
+    else:
+        record["params"] = split.params
+    record["clients"] = records
+    return Federation("digits-offline", 10, (3, 32, 32), client_data, list(split.client_domains),
+                      _test_sets(domains, used), record)
 
 
 DATASET = DatasetSpec(
     name="digits-offline",
     options=DigitsOfflineOptions,
     build=build,
-    description="four digit domains built offline: mnist, optdigits, syn, mnistm (stand-ins for MNIST, USPS, SYN, SVHN)",
+    description="four digit domains built offline: mnist, optdigits, syn, mnistm (stand-ins for MNIST, USPS, SYN, "
+                "SVHN); partition=domains (default) or dirichlet/nid2/iid/longtail within each domain",
 )
