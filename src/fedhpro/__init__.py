@@ -1,12 +1,34 @@
 """fedhpro: FedHPro (Federated Hyper-Prototype Learning via Gradient Matching) and its baselines.
 
 ``fedhpro.run(config)`` runs one federated training; ``fedhpro.functional``
-holds the paper's equations as pure functions.
+holds the paper's equations as pure functions. Your own data, model and
+method plug in from Python: ``fedhpro.run(..., federation=Federation.from_datasets(...),
+model=lambda: fedhpro.models.split(my_net, head="fc"))`` and
+``fedhpro.methods.register(name, spec)`` (or a package's ``fedhpro.methods``
+entry point).
 """
+
+import importlib
+from typing import Any
 
 from fedhpro.errors import ConfigError, DataError, FedHProError, UpdateError
 
 __version__ = "0.1.0"
+
+#: names imported on first use (they pull in torch; ``import fedhpro`` stays light)
+_LAZY = {"Federation": ("fedhpro.data.federation", "Federation"),
+         "register_method": ("fedhpro.methods", "register"),
+         "split": ("fedhpro.models.split", "split")}
+_SUBMODULES = ("api", "config", "data", "methods", "models", "functional", "metrics", "reports", "engines")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"fedhpro.{name}")
+    raise AttributeError(f"module 'fedhpro' has no attribute {name!r}")
 
 
 def run(*args, **kwargs):
@@ -16,4 +38,5 @@ def run(*args, **kwargs):
     return _run(*args, **kwargs)
 
 
-__all__ = ["run", "ConfigError", "DataError", "FedHProError", "UpdateError", "__version__"]
+__all__ = ["run", "Federation", "register_method", "split", "ConfigError", "DataError", "FedHProError",
+           "UpdateError", "__version__"]

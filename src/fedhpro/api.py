@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -16,13 +18,13 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from fedhpro import reports
-from fedhpro.config import Config, load_config, parse_override
+from fedhpro.config import FEDERATION_KEY, PYTHON_PREFIX, Config, is_from_python, load_config, parse_override, read_yaml
 from fedhpro.data import get_dataset
 from fedhpro.engines import checkpoint
 from fedhpro.engines.simulator import Faults, Simulator
 from fedhpro.errors import ConfigError
 from fedhpro.data.federation import Federation
-from fedhpro.methods import METHODS, MethodSpec, TrainSettings
+from fedhpro.methods import MethodSpec, TrainSettings, get_method
 from fedhpro.models import build_model
 from fedhpro.runtime import configure_cpu_runtime
 
@@ -57,7 +59,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
-        overrides: Iterable[str] | Mapping[str, Any] | None = None, *, echo: bool = False, **kwargs: Any) -> RunResult:
+        overrides: Iterable[str] | Mapping[str, Any] | None = None, *, echo: bool = False,
+        federation: Federation | None = None, **kwargs: Any) -> RunResult:
     """Run one federated training and write its results.
 
     Args:
@@ -65,13 +68,36 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
             config keys, or None for the defaults (FedHPro on digits-offline).
         overrides: ``["rounds=5", ...]`` or a mapping, applied after ``config``.
         echo: print the final table (the CLI does).
+        federation: your own data, a :class:`~fedhpro.data.federation.Federation`
+            (``Federation.from_tensors`` / ``Federation.from_datasets``). The
+            config's ``dataset``, ``data.*`` and ``partition.*`` are then not
+            used (the federation is already split into clients); ``clients=``,
+            if set, must equal ``federation.num_clients``. ``config.yaml``
+            records ``federation: python:<name>`` and the summary's
+            ``dataset`` is ``federation.name``. Resuming such a run
+            (``resume=DIR``) needs the same federation passed again.
         **kwargs: more overrides, e.g. ``run(method="fedavg", rounds=5)``;
-            dotted keys as ``run(**{"fedhpro.tau": 0.1})``.
+            dotted keys as ``run(**{"fedhpro.tau": 0.1})``. ``model=`` takes a
+            registered name or, from Python only, a callable returning an
+            ``nn.Module`` with ``features`` (x -> B x d) and ``classifier``
+            (``nn.Linear(d, C)``), e.g. ``fedhpro.models.split(resnet18(), "fc")``;
+            it is called with no arguments, or with those of ``num_classes``,
+            ``input_shape`` and ``feature_dim`` that it names as parameters.
+            ``config.yaml`` records ``model: python:<module>.<name>``;
+            resuming needs the same callable passed again.
 
     Returns:
         A :class:`RunResult`; the same numbers are in ``<out>/summary.json``
         and ``<out>/metrics.jsonl``.
     """
+    if federation is not None:
+        check_federation(federation, None)
+    model_factory = None
+    for source in (config, overrides, kwargs):  # a later one wins, as for any other key
+        if isinstance(source, Mapping) and "model" in source:
+            model_factory = source["model"] if _is_model_callable(source["model"]) else None
+    config, overrides = (_without_model_callable(item) for item in (config, overrides))
+    kwargs = _without_model_callable(kwargs)
     if not isinstance(config, Config):
         merged: dict[str, Any] = {}
         if overrides is not None:
@@ -82,8 +108,11 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
         raise ConfigError("pass overrides with a YAML path or mapping, not with a resolved Config")
     resume_from = None
     if config.run.resume:
-        config, resume_from = _resume_config(config)
+        config, resume_from = _resume_config(config, federation, model_factory)
+    else:
+        config = with_python_objects(config, federation, model_factory)
     options = config.run
+    data_name = federation.name if federation is not None else options.dataset
     if resume_from is None and options.out:
         check_new_run_folder(Path(options.out))  # before the data are built: fail fast
     device = resolve_device(options.device)
@@ -91,7 +120,7 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
         configure_cpu_runtime()  # denormals flushed, freed memory reused (fedhpro.runtime)
     started = time.perf_counter()
 
-    parts = build_experiment(config, device)
+    parts = build_experiment(config, device, federation=federation, model_factory=model_factory)
     federation = parts.federation
 
     def warn(message: str) -> None:
@@ -120,13 +149,14 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
     else:
         # the folder appears only once the config and the data are known to be good
         out = Path(options.out) if options.out else Path("runs") / (
-            f"{options.method}-{options.dataset}-{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}")
+            f"{options.method}-{re.sub(r'[^A-Za-z0-9._-]+', '-', data_name)}-"
+            f"{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}")
         out.mkdir(parents=True, exist_ok=True)
         reports.write_yaml(out / "config.yaml", config.to_dict())
         reports.write_json(out / "partition.json", federation.partition)
 
     board = _tensorboard(out, options.tensorboard, warn)
-    bar = _progress(options.rounds, f"{options.method} on {options.dataset}", options.progress, first_round)
+    bar = _progress(options.rounds, f"{options.method} on {data_name}", options.progress, first_round)
     last_accuracy = next((row["accuracy"] for row in reversed(rows) if "accuracy" in row), None)
     for round_index in range(first_round, options.rounds):
         record = simulator.run_round(round_index)
@@ -154,7 +184,8 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
     seconds = time.perf_counter() - started
     summary = {
         "method": options.method,
-        "dataset": options.dataset,
+        "dataset": data_name,
+        **({"data_source": "python"} if config.federation is not None else {}),
         "seed": options.seed,
         "rounds": options.rounds,
         "clients": federation.num_clients,
@@ -170,11 +201,11 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
     }
     reports.write_json(out / "summary.json", summary)
     if options.tsne:
-        _write_tsne(simulator, out, options.seed, f"{options.method} on {options.dataset} (seed {options.seed})")
+        _write_tsne(simulator, out, options.seed, f"{options.method} on {data_name} (seed {options.seed})")
     reports.plot_accuracy(rows, out / "accuracy.png",
-                          title=f"{options.method} on {options.dataset} (seed {options.seed})")
+                          title=f"{options.method} on {data_name} (seed {options.seed})")
     if echo:
-        print(reports.accuracy_table(last_accuracy, f"{options.method} on {options.dataset}, seed {options.seed}, "
+        print(reports.accuracy_table(last_accuracy, f"{options.method} on {data_name}, seed {options.seed}, "
                                      f"{options.rounds} rounds, {seconds:.0f} s — test accuracy (%):"))
         print(f"results in {out}/ (summary.json, metrics.jsonl, timing.jsonl, accuracy.png, config.yaml)")
     return RunResult(summary=summary, metrics=rows, out=out, config=config)
@@ -193,37 +224,63 @@ class Experiment:
     shared: str  # which weights travel: "all", "classifier" or "none"
 
 
-def build_experiment(config: Config, device: torch.device | str = "cpu") -> Experiment:
+def build_experiment(config: Config, device: torch.device | str = "cpu", federation: Federation | None = None,
+                     model_factory: Callable[..., torch.nn.Module] | None = None) -> Experiment:
     """Build the federation (on ``device``), the model factories and the method of ``config``.
 
     The same seed and config give the same federation and the same initial
     models wherever this is called (the simulator, a Flower node).
+
+    ``federation``: data given from Python, used instead of building the
+    config's ``dataset`` (whose ``data.*`` / ``partition.*`` are then unused);
+    moved to ``device`` in a shallow copy, the caller's object is left as it is.
+    ``model_factory``: a callable building the model instead of the registered
+    ``model=`` (see :func:`run`), checked on its first model and one training input.
     """
     options = config.run
-    method = METHODS[options.method]
-    dataset = get_dataset(options.dataset)
-    federation = dataset.build(config.data, options.clients, options.seed, data_dir=options.data_dir,
-                               progress=options.progress, partition=config.partition)
+    method = get_method(options.method)
+    if federation is None:
+        dataset = get_dataset(options.dataset)
+        federation = dataset.build(config.data, options.clients, options.seed, data_dir=options.data_dir,
+                                   progress=options.progress, partition=config.partition)
+    else:
+        check_federation(federation, options.clients)
+        federation = dataclasses.replace(federation)
     federation.to(torch.device(device))
-    model_factory, architecture_factory, architectures, shared, train = model_factories(
-        config, method, federation.num_classes, federation.input_shape, federation.num_clients)
-    return Experiment(method, federation, model_factory, architecture_factory, architectures, train, shared)
+    global_factory, architecture_factory, architectures, shared, train = model_factories(
+        config, method, federation.num_classes, federation.input_shape, federation.num_clients,
+        user_model=model_factory, sample=federation.clients[0].x[:1])
+    return Experiment(method, federation, global_factory, architecture_factory, architectures, train, shared)
 
 
 def model_factories(config: Config, method: MethodSpec, num_classes: int, input_shape: tuple[int, ...],
-                    num_clients: int) -> tuple[Callable[[], torch.nn.Module], Callable[[str], torch.nn.Module],
-                                               list[str] | None, str, TrainSettings]:
+                    num_clients: int, user_model: Callable[..., torch.nn.Module] | None = None,
+                    sample: torch.Tensor | None = None
+                    ) -> tuple[Callable[[], torch.nn.Module], Callable[[str], torch.nn.Module],
+                               list[str] | None, str, TrainSettings]:
     """``(model_factory, architecture_factory, architectures, shared, train settings)`` of ``config`` for
     ``num_clients`` clients with inputs of ``input_shape`` and ``num_classes`` classes: everything but the
-    data (a Flower server builds exactly this, holding no data)."""
+    data (a Flower server builds exactly this, holding no data).
+
+    ``user_model``: a model callable given from Python, built for ``options.model`` instead of the zoo
+    (:func:`user_model_builder`; its first model is checked, on ``sample``, one training input, if given)."""
     options = config.run
+    build_user_model = None
+    if user_model is not None:
+        if options.heterogeneity != "none":
+            raise ConfigError(f"heterogeneity={options.heterogeneity} builds the zoo's architectures per client, "
+                              "not a model callable; use heterogeneity=none with model=<callable>")
+        build_user_model = user_model_builder(user_model, num_classes, input_shape, options.feature_dim, sample)
 
     def architecture_factory(name: str) -> torch.nn.Module:
-        try:
-            model = build_model(name, num_classes, input_shape, options.feature_dim)
-        except ValueError as error:
-            raise ConfigError(f"model {name!r} does not fit {options.dataset}'s inputs "
-                              f"{tuple(input_shape)}: {error}") from None
+        if build_user_model is not None and name == options.model:
+            model = build_user_model()
+        else:
+            try:
+                model = build_model(name, num_classes, input_shape, options.feature_dim)
+            except ValueError as error:
+                raise ConfigError(f"model {name!r} does not fit the data's inputs "
+                                  f"{tuple(input_shape)}: {error}") from None
         if method.model_wrapper is not None:
             model = method.model_wrapper(model, config.method_options, num_classes)
         return model
@@ -240,6 +297,159 @@ def model_factories(config: Config, method: MethodSpec, num_classes: int, input_
 
         architectures = [architecture_for_client(options.heterogeneity, k) for k in range(num_clients)]
     return model_factory, architecture_factory, architectures, _shared(config), train
+
+
+def python_name(obj: Any) -> str:
+    """``"python:<module>.<qualified name>"``: how config.yaml records a model callable given from Python."""
+    target = getattr(obj, "func", obj)  # functools.partial: the function it wraps
+    module = getattr(target, "__module__", None) or type(target).__module__
+    name = getattr(target, "__qualname__", None) or type(target).__qualname__
+    return f"{PYTHON_PREFIX}{module}.{name}"
+
+
+def _is_model_callable(value: Any) -> bool:
+    """Whether a ``model=`` value is a callable (a Python-only model), not a registered name."""
+    if isinstance(value, torch.nn.Module):
+        raise ConfigError(f"model= takes a callable that builds a new module (e.g. model=lambda: "
+                          f"{type(value).__name__}(...)), not a module instance: every run and client "
+                          "builds its own, seeded copy")
+    return callable(value) and not isinstance(value, str)
+
+
+def _without_model_callable(source: Any) -> Any:
+    """``source`` without a callable ``model`` entry (a mapping is copied; anything else is returned as is)."""
+    if isinstance(source, Mapping) and _is_model_callable(source.get("model")):
+        return {key: value for key, value in source.items() if key != "model"}
+    return source
+
+
+def check_federation(federation: Any, clients: int | None) -> None:
+    """One-line ConfigError unless ``federation`` is a Federation with ``clients`` clients (when set)."""
+    if not isinstance(federation, Federation):
+        raise ConfigError(f"federation= takes a fedhpro.data.federation.Federation (build one with "
+                          f"Federation.from_tensors or Federation.from_datasets), got {type(federation).__name__}")
+    if clients is not None and clients != federation.num_clients:
+        raise ConfigError(f"clients={clients} but the federation given has {federation.num_clients} clients; "
+                          "drop clients= (the federation decides it)")
+
+
+def with_python_objects(config: Config, federation: Federation | None,
+                        model_factory: Callable[..., torch.nn.Module] | None) -> Config:
+    """``config`` recording the Python objects of a new run: ``federation: python:<name>``, its client count,
+    and ``model: python:<name>``; a config that says they came from Python needs them passed."""
+    if federation is None and config.federation is not None:
+        raise ConfigError(f"this config's data came from Python ({FEDERATION_KEY}: {config.federation}); pass "
+                          "that federation again: fedhpro.run(..., federation=...)")
+    if model_factory is None and is_from_python(config.run.model):
+        raise ConfigError(f"this config's model came from Python (model: {config.run.model}); pass that "
+                          "callable again: fedhpro.run(..., model=...)")
+    run_options = config.run
+    recorded = config.federation
+    if federation is not None:
+        check_federation(federation, run_options.clients)
+        run_options = dataclasses.replace(run_options, clients=federation.num_clients)
+        recorded = f"{PYTHON_PREFIX}{federation.name}"
+    if model_factory is not None:
+        run_options = dataclasses.replace(run_options, model=python_name(model_factory))
+    return dataclasses.replace(config, run=run_options, federation=recorded)
+
+
+def user_model_builder(factory: Callable[..., torch.nn.Module], num_classes: int, input_shape: tuple[int, ...],
+                       feature_dim: int, sample: torch.Tensor | None = None) -> Callable[[], torch.nn.Module]:
+    """A zero-argument builder calling ``factory`` with the arguments it names, its first model checked.
+
+    ``factory`` receives those of ``num_classes``, ``input_shape`` and
+    ``feature_dim`` that it names as parameters; a required parameter beyond
+    them is a ConfigError. The first model built is checked by
+    :func:`check_user_model` (on ``sample``, one input, when given).
+    """
+    name = python_name(factory).removeprefix(PYTHON_PREFIX)
+    offered = {"num_classes": num_classes, "input_shape": tuple(input_shape), "feature_dim": feature_dim}
+    try:
+        parameters = dict(inspect.signature(factory).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: call it bare
+        parameters = {}
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    arguments = {key: value for key, value in offered.items()
+                 if key in parameters and parameters[key].kind in named}
+    missing = [p.name for p in parameters.values() if p.default is inspect.Parameter.empty and p.name not in arguments
+               and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    if missing:
+        raise ConfigError(f"model={name} needs the argument(s) {', '.join(missing)}; fedhpro passes only "
+                          "num_classes, input_shape and feature_dim by keyword: give the others defaults")
+    checked = False
+
+    def build() -> torch.nn.Module:
+        nonlocal checked
+        model = factory(**arguments)
+        if not checked:
+            check_user_model(model, num_classes, sample, name)
+            checked = True
+        return model
+
+    return build
+
+
+def check_user_model(model: Any, num_classes: int, sample: torch.Tensor | None, name: str) -> None:
+    """One-line ConfigError naming the fix unless ``model`` has fedhpro's form.
+
+    The form: ``features`` (a module, x -> 1 x d for one input), ``classifier``
+    (an ``nn.Linear(d, num_classes)``) and ``model(x) == classifier(features(x))``;
+    the shapes are checked by a forward pass on ``sample`` when given.
+    """
+    nn = torch.nn
+    split_hint = "or wrap a torchvision-style model: fedhpro.models.split(model, head='fc')"
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model={name} returned a {type(model).__name__}, not an nn.Module; return the model")
+    if not isinstance(getattr(model, "features", None), nn.Module):
+        raise ConfigError(f"model={name} has no `features` module; give it features (x -> B x d) and classifier "
+                          f"(nn.Linear(d, C)), {split_hint}")
+    classifier = getattr(model, "classifier", None)
+    if not isinstance(classifier, nn.Linear):
+        what = "no `classifier`" if classifier is None else f"a `classifier` of type {type(classifier).__name__}"
+        raise ConfigError(f"model={name} has {what}; it needs classifier = nn.Linear(d, C) applied to features(x), "
+                          f"{split_hint}")
+    if classifier.out_features != num_classes:
+        raise ConfigError(f"model={name}'s classifier has {classifier.out_features} outputs but the data have "
+                          f"{num_classes} classes; build it with num_classes outputs (take a num_classes argument)")
+    d = classifier.in_features
+    declared = getattr(model, "feature_dim", None)
+    if isinstance(declared, int) and declared != d:
+        raise ConfigError(f"model={name}.feature_dim is {declared} but classifier.in_features is {d}; make them "
+                          "equal (methods read feature_dim)")
+    if sample is None:
+        return
+    parameter = next(model.parameters(), None)
+    x = sample.to(parameter.device) if parameter is not None else sample.cpu()
+    was_training = model.training
+    model.eval()
+    try:
+        z = _dry_forward(model.features, x, name, "features")
+        if not isinstance(z, torch.Tensor) or tuple(z.shape) != (1, d):
+            shape = tuple(z.shape) if isinstance(z, torch.Tensor) else type(z).__name__
+            raise ConfigError(f"model={name}'s features give {shape} for one input; they must give 1 x d with "
+                              f"d = classifier.in_features = {d} (flatten them, or fix the classifier's in_features)")
+        logits = _dry_forward(model, x, name, "forward")
+        with torch.no_grad():
+            expected = classifier(z)
+    finally:
+        model.train(was_training)
+    if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != (1, num_classes) or not torch.allclose(
+            logits, expected, rtol=1e-4, atol=1e-5):
+        raise ConfigError(f"model={name}(x) is not classifier(features(x)); methods train the two parts, so the "
+                          "forward must be exactly classifier(features(x))")
+
+
+def _dry_forward(module: torch.nn.Module, x: torch.Tensor, name: str, part: str) -> Any:
+    """``module(x)`` without gradients; a failure becomes a one-line ConfigError naming the input shape."""
+    try:
+        with torch.no_grad():
+            return module(x)
+    except Exception as error:  # the user's network on an input it was not built for
+        reason = (str(error).strip().splitlines() or [""])[0]
+        raise ConfigError(f"model={name} ({part}) fails on one training input of shape {tuple(x.shape[1:])} "
+                          f"({type(error).__name__}: {reason}); build it for that input shape "
+                          "(take an input_shape argument)") from None
 
 
 def _shared(config: Config) -> str:
@@ -371,8 +581,14 @@ def run_or_continue(config: Config, folder: str | os.PathLike) -> dict[str, Any]
     return run(dataclasses.replace(config, run=dataclasses.replace(config.run, out=str(folder)))).summary
 
 
-def _resume_config(config: Config) -> tuple[Config, Path]:
-    """The saved config of the run to resume (with the allowed settings of ``config``) and its newest checkpoint."""
+def _resume_config(config: Config, federation: Federation | None = None,
+                   model_factory: Callable[..., torch.nn.Module] | None = None) -> tuple[Config, Path]:
+    """The saved config of the run to resume (with the allowed settings of ``config``) and its newest checkpoint.
+
+    A run whose data or model came from Python (``federation: python:<name>``,
+    ``model: python:<name>`` in its config.yaml) needs the same objects passed
+    again; passing them to a run that did not use them is refused too.
+    """
     run_dir = Path(config.run.resume)
     saved = run_dir / "config.yaml"
     if not saved.is_file():
@@ -384,7 +600,31 @@ def _resume_config(config: Config) -> tuple[Config, Path]:
         raise ConfigError(f"resume takes its settings from {saved}; remove {', '.join(sorted(changed))} "
                           f"(only {', '.join(sorted(_RESUME_SETTINGS - {'resume'}))} may change)")
     keep = {name: getattr(config.run, name) for name in _RESUME_SETTINGS}
-    resumed = load_config(saved, keep)
+    stored = read_yaml(saved)
+    model = stored.pop("model", None) if is_from_python(stored.get("model")) else None
+    resumed = load_config(stored, keep)
+    where = f"resume={str(run_dir)!r}"
+    if resumed.federation is not None:
+        if federation is None:
+            raise ConfigError(f"{where}: that run's data came from Python ({resumed.federation}); pass the same "
+                              "federation again: fedhpro.run(resume=..., federation=...)")
+        if f"{PYTHON_PREFIX}{federation.name}" != resumed.federation or (
+                resumed.run.clients is not None and resumed.run.clients != federation.num_clients):
+            raise ConfigError(f"{where}: that run used {resumed.federation} with {resumed.run.clients} clients, "
+                              f"not python:{federation.name} with {federation.num_clients}; pass the same federation")
+    elif federation is not None:
+        raise ConfigError(f"{where}: that run used dataset={resumed.run.dataset}, not a federation from Python; "
+                          "drop federation= (a resumed run keeps its data)")
+    if model is not None:
+        if model_factory is None:
+            raise ConfigError(f"{where}: that run's model came from Python ({model}); pass the same callable "
+                              "again: fedhpro.run(resume=..., model=...)")
+        if python_name(model_factory) != model:
+            raise ConfigError(f"{where}: that run's model was {model}, this call passes "
+                              f"{python_name(model_factory)}; pass the same callable")
+        resumed = dataclasses.replace(resumed, run=dataclasses.replace(resumed.run, model=model))
+    elif model_factory is not None:
+        raise ConfigError(f"{where}: that run used model={resumed.run.model}, not a callable; drop model=")
     newest = checkpoint.latest(run_dir)
     if newest is None:
         raise ConfigError(f"resume={str(run_dir)!r}: the run has no checkpoint yet; start it again instead")

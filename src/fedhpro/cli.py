@@ -26,13 +26,13 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
     from fedhpro.config import RunOptions, load_config
     from fedhpro.data import get_dataset
-    from fedhpro.methods import METHODS
+    from fedhpro.methods import all_methods
 
     overrides = list(args.settings)
     source = overrides.pop(0) if overrides and "=" not in overrides[0] else None
     config = load_config(source, overrides)
     if args.keys:
-        groups = [("", RunOptions)] + [(f"{n}.", s.options) for n, s in METHODS.items()]
+        groups = [("", RunOptions)] + [(f"{n}.", s.options) for n, s in all_methods().items()]
         groups.append(("data.", get_dataset(config.run.dataset).options))
         from fedhpro.data.partition import PartitionOptions
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from fedhpro.errors import ConfigError
-from fedhpro.methods import METHODS
+from fedhpro.methods import method_names
 from fedhpro.reports import write_atomic
 
 #: the paper's order of Table A3
@@ -48,8 +48,9 @@ def run_settings(config: Mapping[str, Any], method: str) -> dict[str, Any]:
     """
     from fedhpro.config import PRESENTATION_KEYS
 
+    others = set(method_names())
     return {key: value for key, value in config.items()
-            if key not in PRESENTATION_KEYS and (key not in METHODS or key == method)}
+            if key not in PRESENTATION_KEYS and (key not in others or key == method)}
 
 
 def _flat(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -128,9 +129,9 @@ def compare(methods: Sequence[str], seeds: Sequence[int], settings: Mapping[str,
     """Run every method for every seed with the same ``settings`` and write the table; returns it as rows."""
     from fedhpro.config import load_config, parse_override
 
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in method_names()]
     if unknown:
-        raise ConfigError(f"unknown method {unknown[0]!r}; choose from: {', '.join(METHODS)}")
+        raise ConfigError(f"unknown method {unknown[0]!r}; choose from: {', '.join(method_names())}")
     pairs = dict(settings) if isinstance(settings, Mapping) else dict(map(parse_override, settings))
     for forbidden in ("method", "seed", "out", "resume"):
         if forbidden in pairs:

@@ -5,6 +5,11 @@ method's knobs (``fedhpro.tau=0.1``) and the data set's layout
 (``data.fraction=0.1``). YAML files may nest sections or use dotted keys.
 Every bad key or value raises :class:`~fedhpro.errors.ConfigError` with one
 line naming the problem and the valid choices.
+
+The methods (``method=`` choices and the ``<method>.<knob>`` keys) are read
+from :mod:`fedhpro.methods`' registry at each load, not fixed at import: a
+method registered from Python or installed through a ``fedhpro.methods``
+entry point is valid everywhere a config is read.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import difflib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterator, Sequence
 from typing import Any, Iterable, Mapping
 
 import yaml
@@ -23,7 +29,7 @@ from fedhpro import options as opt
 from fedhpro.data import DATASETS, get_dataset
 from fedhpro.data.partition import PartitionOptions
 from fedhpro.errors import ConfigError
-from fedhpro.methods import METHODS
+from fedhpro.methods import METHODS, all_methods, get_method, method_names
 from fedhpro.models import MODELS
 from fedhpro.options import option
 
@@ -31,6 +37,41 @@ DATA_SECTION = "data"
 FAULTS_SECTION = "faults"
 #: ``partition=NAME`` is short for ``partition.scheme=NAME``; ``partition.alpha=0.5`` etc. are its knobs
 PARTITION_SECTION = "partition"
+
+
+#: ``federation: python:<name>`` in a config.yaml: the run's data were a Federation passed from Python
+#: (``fedhpro.run(..., federation=...)``); ``model: python:<module.name>`` likewise for a model callable
+FEDERATION_KEY = "federation"
+PYTHON_PREFIX = "python:"
+
+
+def is_from_python(value: Any) -> bool:
+    """Whether a recorded ``model`` / ``federation`` value says the object came from Python."""
+    return isinstance(value, str) and value.startswith(PYTHON_PREFIX)
+
+
+class MethodChoices(Sequence[str]):
+    """The valid ``method=`` values, read from the registry at each use.
+
+    A method registered or installed after this module was imported
+    (:func:`fedhpro.methods.register`, an entry point) is a valid choice: the
+    names are never frozen into the options class.
+    """
+
+    def __len__(self) -> int:
+        return len(method_names())
+
+    def __getitem__(self, index):
+        return method_names()[index]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(method_names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in METHODS or name in method_names()
+
+    def __repr__(self) -> str:
+        return f"MethodChoices({method_names()})"
 
 
 #: run keys that change where and how a run is shown or stored, never its numbers
@@ -46,7 +87,8 @@ class FaultOptions:
 
 @dataclass
 class RunOptions:
-    method: str = option("fedhpro", choices=tuple(METHODS), help="the federated method")
+    method: str = option("fedhpro", choices=MethodChoices(), help="the federated method (the built-ins, "
+                                                                       "and any registered or installed)")
     dataset: str = option("digits-offline", choices=tuple(DATASETS), help="the federation's data set")
     model: str = option("cnn", choices=tuple(MODELS), help="the model architecture")
     feature_dim: int = option(512, min=1, help="d, the feature dimension")
@@ -99,6 +141,9 @@ class Config:
     data: Any
     faults: FaultOptions = dataclasses.field(default_factory=FaultOptions)
     partition: PartitionOptions = dataclasses.field(default_factory=PartitionOptions)
+    #: ``"python:<name>"`` when the run's data were a Federation passed from Python (``run.dataset`` is
+    #: then unused), else None; written to config.yaml only when set
+    federation: str | None = None
 
     @property
     def method_options(self) -> Any:
@@ -107,6 +152,8 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         """Nested plain dict, as saved to ``config.yaml`` (loadable again by :func:`load_config`)."""
         out = dataclasses.asdict(self.run)
+        if self.federation is not None:
+            out[FEDERATION_KEY] = self.federation
         for name, options in self.methods.items():
             values = dataclasses.asdict(options)
             if values:
@@ -123,7 +170,7 @@ def _run_keys() -> list[str]:
 
 def _all_keys(dataset: str) -> list[str]:
     keys = _run_keys()
-    for name, spec in METHODS.items():
+    for name, spec in all_methods().items():
         keys += [f"{name}.{f.name}" for f in dataclasses.fields(spec.options)]
     keys += [f"{DATA_SECTION}.{f.name}" for f in dataclasses.fields(get_dataset(dataset).options)]
     keys += [f"{FAULTS_SECTION}.{f.name}" for f in dataclasses.fields(FaultOptions)]
@@ -143,7 +190,7 @@ def _flatten(values: Mapping[str, Any], source: str) -> dict[str, Any]:
     if not isinstance(values, Mapping):
         raise ConfigError(f"{source} must hold a mapping of config keys, got {type(values).__name__}")
     flat: dict[str, Any] = {}
-    sections = set(METHODS) | {DATA_SECTION, FAULTS_SECTION, PARTITION_SECTION}
+    sections = set(method_names()) | {DATA_SECTION, FAULTS_SECTION, PARTITION_SECTION}
     for key, value in values.items():
         key = str(key)
         if key == PARTITION_SECTION and value is not None and not isinstance(value, Mapping):
@@ -235,20 +282,31 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
             raise ConfigError(f"'{key}' sets an entry of '{section}.{inner}', which is not a mapping")
         knobs[inner][item] = value
 
+    federation = run_values.pop(FEDERATION_KEY, None)
+    if federation is not None and not is_from_python(federation):
+        raise ConfigError(f"{FEDERATION_KEY}={federation!r} is not a setting; a federation is passed from Python: "
+                          "fedhpro.run(..., federation=Federation.from_tensors(...)); use dataset= here")
     for key in run_values:
         if key not in _run_keys():
             raise _unknown(key, dataset)
+    registry = all_methods()
     for section, knobs in sections.items():
-        if section not in METHODS and section not in (DATA_SECTION, FAULTS_SECTION, PARTITION_SECTION):
+        if section not in registry and section not in (DATA_SECTION, FAULTS_SECTION, PARTITION_SECTION):
             raise _unknown(f"{section}.{next(iter(knobs))}", dataset)
+    if isinstance(run_values.get("method"), str):
+        get_method(run_values["method"])  # an unknown name, or an installed method that failed to load: one line
+    if is_from_python(run_values.get("model")):
+        raise ConfigError(f"model={run_values['model']!r} was a Python callable; pass it again from Python "
+                          "(fedhpro.run(..., model=<callable>)), or give a registered model here: "
+                          f"{', '.join(MODELS)}")
 
     run = _build(RunOptions, run_values, "", dataset)
     methods = {name: _build(spec.options, sections.get(name, {}), f"{name}.", dataset)
-               for name, spec in METHODS.items()}
+               for name, spec in registry.items()}
     data = _build(get_dataset(dataset).options, sections.get(DATA_SECTION, {}), f"{DATA_SECTION}.", dataset)
     faults = _build(FaultOptions, sections.get(FAULTS_SECTION, {}), f"{FAULTS_SECTION}.", dataset)
     partition = _build(PartitionOptions, sections.get(PARTITION_SECTION, {}), f"{PARTITION_SECTION}.", dataset)
-    return Config(run=run, methods=methods, data=data, faults=faults, partition=partition)
+    return Config(run=run, methods=methods, data=data, faults=faults, partition=partition, federation=federation)
 
 
 def _default_of(section: str, name: str, dataset: str) -> Any:
@@ -260,7 +318,7 @@ def _default_of(section: str, name: str, dataset: str) -> Any:
     elif section == PARTITION_SECTION:
         cls = PartitionOptions
     else:
-        cls = getattr(METHODS.get(section), "options", None)
+        cls = getattr(all_methods().get(section), "options", None)
     if cls is None:
         raise _unknown(f"{section}.{name}", dataset)
     defaults = dataclasses.asdict(cls())

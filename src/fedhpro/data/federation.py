@@ -165,6 +165,64 @@ class Federation:
         return cls(name, num_classes, tuple(next(iter(shapes))), clients, domain_list, test_sets, record,
                    list(notes), client_tests=client_tests, client_names=names)
 
+    @classmethod
+    def from_datasets(cls, train: Sequence[Any], test: Sequence[Any] | Mapping[str, Any], *,
+                      domains: Sequence[str | None] | None = None, names: Sequence[str] | None = None,
+                      num_classes: int | None = None, name: str = "custom", batch_size: int = 256) -> "Federation":
+        """A federation from per-client ``torch.utils.data.Dataset`` objects, read once into tensors.
+
+        Each dataset's items are ``(x, y)``: ``x`` a tensor (or array) of the
+        same shape for every item, ``y`` a class index. They are read in order
+        with a ``DataLoader`` of ``batch_size`` items (the dataset's transform
+        runs once, here: a random augmentation is frozen into the data) and
+        the tensors go to :meth:`from_tensors`, which checks them; ``test``,
+        ``domains``, ``names``, ``num_classes`` and ``name`` mean what they
+        mean there. Items that are PIL images raise a one-line DataError asking
+        for a transform such as ``torchvision.transforms.ToTensor()``.
+        """
+        from torch.utils.data import DataLoader
+
+        def materialise(dataset: Any, who: str, split: str) -> tuple[Tensor, Tensor]:
+            xs: list[Tensor] = []
+            ys: list[Tensor] = []
+            for batch in DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=list):
+                for item in batch:
+                    if not isinstance(item, (tuple, list)) or len(item) != 2:
+                        raise DataError(f"{who}: {split} items must be (x, y) pairs, got {type(item).__name__}; "
+                                        "make the dataset return (input, class index)")
+                    x, y = item
+                    if type(x).__module__.startswith("PIL."):
+                        raise DataError(f"{who}: {split} inputs are PIL images; give the dataset a transform that "
+                                        "makes tensors, e.g. transform=torchvision.transforms.ToTensor()")
+                    try:
+                        xs.append(torch.as_tensor(x))
+                        ys.append(torch.as_tensor(y).reshape(()))
+                    except (TypeError, ValueError, RuntimeError):
+                        raise DataError(f"{who}: a {split} item is ({type(x).__name__}, {type(y).__name__}); "
+                                        "x must be a tensor and y one class index") from None
+            if not xs:
+                raise DataError(f"{who}: the {split} dataset is empty; give it samples")
+            shapes = {tuple(x.shape) for x in xs}
+            if len(shapes) != 1:
+                raise DataError(f"{who}: {split} inputs differ in shape ({sorted(shapes)[:3]}); give the dataset a "
+                                "transform that makes them one shape (e.g. Resize, then ToTensor)")
+            return torch.stack(xs), torch.stack(ys)
+
+        train = list(train)
+        labels = [str(n) for n in names] if names is not None else [f"client {k}" for k in range(len(train))]
+        if len(labels) != len(train):
+            raise DataError(f"{len(labels)} client names for {len(train)} clients; give one name per client")
+        train_pairs = [materialise(dataset, labels[k], "training") for k, dataset in enumerate(train)]
+        if isinstance(test, Mapping):
+            tests: Any = {str(n): materialise(dataset, f"test set {str(n)!r}", "test") for n, dataset in test.items()}
+        else:
+            tests = list(test)
+            if len(tests) != len(train):
+                raise DataError(f"{len(tests)} test datasets for {len(train)} clients; give one test dataset per "
+                                "client, or a mapping name -> dataset of shared test sets")
+            tests = [materialise(dataset, labels[k], "test") for k, dataset in enumerate(tests)]
+        return cls.from_tensors(train_pairs, tests, num_classes=num_classes, domains=domains, names=names, name=name)
+
 
 def _checked_pair(pair: Any, who: str, split: str) -> tuple[Tensor, Tensor]:
     """``(x, y)`` as tensors: x float (or integer token ids), y int64 of the same length; else one DataError."""

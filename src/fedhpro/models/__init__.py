@@ -83,3 +83,6 @@ def build_model(name: str, num_classes: int, input_shape: tuple[int, ...], featu
 
 from fedhpro.models.heterogeneity import HTFE, architecture_for_client  # noqa: E402
 from fedhpro.models.summary import describe_models, format_model_table  # noqa: E402
+from fedhpro.models.split import SplitModel, split  # noqa: E402
+
+__all__ += ["split", "SplitModel"]
