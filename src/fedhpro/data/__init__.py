@@ -41,6 +41,13 @@ def _benchmark(name: str) -> Callable[[], DatasetSpec]:
     return factory
 
 
+def _own(module: str) -> DatasetSpec:
+    """The spec of ``fedhpro.data.<module>`` (a data set of the user's own files)."""
+    import importlib
+
+    return importlib.import_module(f"fedhpro.data.{module}").DATASET
+
+
 DATASETS: dict[str, Callable[[], DatasetSpec]] = {
     "digits-offline": _digits_offline,
     # the paper's benchmarks on the real data sets (fedhpro.data.benchmarks; files: fedhpro.data.loaders)
@@ -55,6 +62,10 @@ DATASETS: dict[str, Callable[[], DatasetSpec]] = {
     "tinyimagenet-lt": _benchmark("tinyimagenet-lt"),
     "ag-news": _benchmark("ag-news"),
     "sun397": _benchmark("sun397"),
+    # your own data (fedhpro.data.clients, .imagefolder, .huggingface)
+    "clients": lambda: _own("clients"),
+    "imagefolder": lambda: _own("imagefolder"),
+    "huggingface": lambda: _own("huggingface"),
 }
 
 

@@ -3,7 +3,8 @@ with ``forward(x) == classifier(features(x))`` and attributes ``feature_dim`` / 
 
 Adding a model is one new file plus one line in ``MODELS``. Constructors take
 ``(num_classes, input_shape, feature_dim=512, **options)``; image models take
-``input_shape = (C, H, W)``, ``textcnn`` takes ``(L,)`` (LongTensor token ids).
+``input_shape = (C, H, W)``, ``textcnn`` takes ``(L,)`` (LongTensor token ids), ``mlp`` any float shape
+(flattened; ``(F,)`` for tabular features).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 
 from fedhpro.models._common import check_image_shape, check_token_shape
 from fedhpro.models.cnn import CNN4, FedAvgCNN
+from fedhpro.models.mlp import MLP
 from fedhpro.models.textcnn import TextCNN
 
 #: classes of the modules that need torchvision, imported on first use (keeps ``import fedhpro`` light)
@@ -55,6 +57,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "mobilenetv2": _lazy("mobilenet", "MobileNetV2FE"),
     "googlenet": _lazy("googlenet", "GoogLeNetFE"),
     "textcnn": TextCNN,
+    "mlp": MLP,
 }
 
 
@@ -71,10 +74,11 @@ def build_model(name: str, num_classes: int, input_shape: tuple[int, ...], featu
     except KeyError:
         raise KeyError(f"unknown model {name!r}; choose one of {sorted(MODELS)}") from None
     input_shape = tuple(input_shape)
-    if getattr(constructor, "input_kind", "image") == "tokens":
+    kind = getattr(constructor, "input_kind", "image")
+    if kind == "tokens":
         check_token_shape(name, input_shape)
-    else:
-        check_image_shape(name, input_shape)
+    elif kind == "image":
+        check_image_shape(name, input_shape)  # "any" (mlp): the constructor checks the shape
     try:
         return constructor(num_classes=num_classes, input_shape=input_shape, feature_dim=feature_dim, **options)
     except RuntimeError as error:  # e.g. FedAvgCNN's dry run on an image too small for its convolutions

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-#: the input each model is usually run at (CIFAR-size images; MobileNetV2 at TinyImageNet's 64x64; AG News text)
+#: the input each model is usually run at (CIFAR-size images; MobileNetV2 at TinyImageNet's 64x64; AG News text;
+#: tabular rows for mlp)
 USUAL_INPUT_SHAPES: dict[str, tuple[int, ...]] = {
     "cnn": (3, 32, 32),
     "cnn4": (3, 32, 32),
@@ -21,6 +22,7 @@ USUAL_INPUT_SHAPES: dict[str, tuple[int, ...]] = {
     "googlenet": (3, 32, 32),
     "mobilenetv2": (3, 64, 64),
     "textcnn": (256,),
+    "mlp": (32,),  # 32 tabular features
 }
 DEFAULT_IMAGE_SHAPE = (3, 32, 32)
 

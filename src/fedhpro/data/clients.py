@@ -1,0 +1,434 @@
+"""``dataset=clients data_dir=PATH``: a federation that arrives split, one folder per client, as real sites hold data.
+
+Every non-hidden subfolder of ``PATH`` is a client; clients are ordered by
+folder name. A client folder holds either
+
+* images: ``train/<class>/<image>`` and, optionally, ``test/<class>/<image>``
+  (decoded and normalised by :mod:`fedhpro.data.images` at
+  ``data.image_size``), or
+* tensors: ``train.pt`` or ``train.npz`` and, optionally, ``test.pt`` or
+  ``test.npz``, each holding ``x`` (N x F features, or any N x ...) and ``y``
+  (N integer labels): ``np.savez(path, x=x, y=y)`` or ``torch.save({"x": x,
+  "y": y}, path)``.
+
+A client's domain is the stripped text of ``<client>/domain.txt`` if present,
+else the prefix of a folder named ``<prefix>-<digits>`` or
+``<prefix>_<digits>`` (``mnist-0`` -> ``mnist``), else none. Evaluation is
+federated: each client tests on its own split, pooled per domain.
+
+Labels of image clients: the class names of ``data.classes`` (in label
+order), else the ``classes.txt`` the clients carry (one name a line; all
+that carry one must agree), else the sorted union of every client's class
+folders, so clients with different classes share one label space. Tensor
+clients' labels are the integers in ``y``; ``num_classes`` is
+``data.num_classes``, else the largest label + 1.
+
+The same functions serve a Flower node, which holds only its own folder:
+:func:`scan_client` (cheap, JSON-able with :func:`dataclasses.asdict`), then
+:func:`resolve_classes` over every client's :class:`ClientInfo`, then
+:func:`load_client`, which gives the same tensors as client k of
+:func:`build`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedhpro.data import DatasetSpec
+from fedhpro.data.federation import Federation
+from fedhpro.data.images import CACHE_FOLDER, class_files, decode_files, subfolders, to_float
+from fedhpro.errors import ConfigError, DataError
+from fedhpro.options import option
+
+#: ``<prefix>-<digits>`` or ``<prefix>_<digits>``: the prefix is the client's domain
+_NUMBERED = re.compile(r"^(?P<prefix>.+)[-_]\d+$")
+TENSOR_SUFFIXES = (".pt", ".npz")
+
+
+@dataclass
+class ClientsOptions:
+    """``data.*`` of ``dataset=clients``."""
+
+    image_size: int = option(32, min=1, help="image clients: side of the square images every image is resized to")
+    classes: list[str] | None = option(None, help="class names in label order (default: the clients' classes.txt, "
+                                                  "else the sorted union of their class folders)")
+    num_classes: int | None = option(None, min=1, help="tensor clients: number of classes (default: the largest "
+                                                       "label + 1)")
+    cache: bool = option(True, help="image clients: keep the decoded pixels in data_dir/.fedhpro-cache (keyed by "
+                                    "the files' names, times and sizes), so later runs skip decoding")
+
+
+@dataclass
+class ClientInfo:
+    """What one client folder holds, found without decoding an image; JSON-able with :func:`dataclasses.asdict`."""
+
+    name: str  # the folder's name
+    domain: str | None
+    kind: str  # "images" or "tensors"
+    class_names: list[str] | None  # image clients: the class folders under train/ and test/, sorted
+    declared_classes: list[str] | None  # the folder's classes.txt, if any
+    max_label: int | None  # tensor clients: the largest label in train/test (None if empty)
+    input_shape: list[int]  # images: [3, S, S] with S = data.image_size; tensors: x.shape[1:]
+    train_size: int
+    test_size: int
+
+
+# --------------------------------------------------------------------------- one folder
+
+
+def client_domain(folder: Path) -> str | None:
+    """``domain.txt`` (stripped) if present, else the ``<prefix>`` of ``<prefix>-<digits>``, else None."""
+    declared = folder / "domain.txt"
+    if declared.is_file():
+        return _read_text(declared).strip() or None
+    match = _NUMBERED.match(folder.name)
+    return match.group("prefix") if match else None
+
+
+def scan_client(folder: str | Path, options: ClientsOptions) -> ClientInfo:
+    """What client folder ``folder`` holds (its kind, classes, sizes, shape); decodes no image."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise DataError(f"client folder {folder} does not exist; give the folder that holds the client's "
+                        "train/ images or train.pt/train.npz")
+    kind = _kind(folder)
+    declared = _declared_classes(folder)
+    if kind == "images":
+        splits = _image_splits(folder)
+        names = sorted({name for classes in splits.values() for name in classes})
+        size = int(options.image_size)
+        return ClientInfo(folder.name, client_domain(folder), "images", names, declared, None, [3, size, size],
+                          *(sum(len(files) for files in splits.get(split, {}).values())
+                            for split in ("train", "test")))
+    pairs = {split: _read_tensor_file(path) for split, path in _tensor_files(folder).items()}
+    shapes = {split: list(x.shape[1:]) for split, (x, _) in pairs.items()}
+    if len({tuple(s) for s in shapes.values()}) > 1:
+        raise DataError(f"client folder {folder}: train and test inputs differ in shape ({shapes['train']} vs "
+                        f"{shapes['test']}); give both the same features")
+    labels = [y for _, y in pairs.values() if y.numel()]
+    max_label = max(int(y.max()) for y in labels) if labels else None
+    sizes = [int(pairs[split][1].shape[0]) if split in pairs else 0 for split in ("train", "test")]
+    return ClientInfo(folder.name, client_domain(folder), "tensors", None, declared, max_label, shapes["train"],
+                      *sizes)
+
+
+def resolve_classes(infos: Sequence[ClientInfo], options: ClientsOptions) -> list[str]:
+    """The federation's class names in label order (tensor clients without names: ``"0"`` ... ``"C-1"``).
+
+    Raises a one-line :class:`DataError` naming the clients that disagree:
+    mixed kinds, different input shapes, different ``classes.txt``, a class
+    folder or label outside the declared classes.
+    """
+    if not infos:
+        raise DataError("no client folders; give data_dir= a folder with one subfolder per client")
+    kinds = _group(infos, lambda info: info.kind)
+    if len(kinds) > 1:
+        raise DataError("the clients mix image folders and tensor files (" + _listing(kinds) + "); give every "
+                        "client the same kind of data")
+    shapes = _group(infos, lambda info: str(list(info.input_shape)))
+    if len(shapes) > 1:
+        raise DataError("the clients' inputs differ in shape (" + _listing(shapes) + "); give every client the "
+                        "same features")
+    declared = _group([i for i in infos if i.declared_classes is not None], lambda i: str(i.declared_classes))
+    if len(declared) > 1 and options.classes is None:
+        raise DataError("the clients' classes.txt files differ (" + _listing(declared) + "); give every client the "
+                        "same class list (or set data.classes)")
+    names: list[str] | None = None
+    source = "the class folders"
+    if options.classes is not None:
+        names = [str(c) for c in options.classes]
+        source = "data.classes"
+    elif declared:
+        names = next(i.declared_classes for i in infos if i.declared_classes is not None)
+        source = "classes.txt"
+    if names is not None:
+        repeated = sorted({c for c in names if names.count(c) > 1})
+        if repeated or not names:
+            raise DataError(f"{source} {'repeats the classes ' + str(repeated) if repeated else 'is empty'}; "
+                            "list every class once, in label order")
+    if infos[0].kind == "images":
+        if names is None:
+            names = sorted({c for info in infos for c in info.class_names or []})
+        for info in infos:
+            unknown = sorted(set(info.class_names or []) - set(names))
+            if unknown:
+                raise DataError(f"client {info.name} has class folders {unknown} that {source} does not list; add "
+                                "them to it or rename the folders")
+        if options.num_classes is not None and options.num_classes != len(names):
+            raise ConfigError(f"data.num_classes={options.num_classes} but the image clients have {len(names)} "
+                              f"classes ({', '.join(names)}); leave data.num_classes unset or list the classes in "
+                              "data.classes")
+        return names
+    if names is not None and options.num_classes is not None and options.num_classes != len(names):
+        raise ConfigError(f"data.num_classes={options.num_classes} but {source} names {len(names)} classes; "
+                          "set one of them")
+    num_classes = len(names) if names is not None else options.num_classes
+    found = [i.max_label for i in infos if i.max_label is not None]
+    if num_classes is None:
+        num_classes = max(found) + 1 if found else 1
+    too_large = [i for i in infos if i.max_label is not None and i.max_label >= num_classes]
+    if too_large:
+        limit = source if names is not None else f"data.num_classes={num_classes}"
+        raise DataError("labels out of range: " + ", ".join(f"client {i.name} (its train/test .pt/.npz) has label "
+                                                              f"{i.max_label}" for i in too_large)
+                        + f", but {limit} allows 0..{num_classes - 1}; fix the labels or raise the class count")
+    return names if names is not None else [str(c) for c in range(num_classes)]
+
+
+def load_client(folder: str | Path, options: ClientsOptions,
+                classes: Sequence[str]) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor], ClientInfo]:
+    """``((train_x, train_y), (test_x, test_y), info)`` of one client folder, labels indexing ``classes``.
+
+    Images become float ``N x 3 x S x S`` in ``[-1, 1]``; tensors keep their
+    shape (floats as float32). A client without a test split gets empty test
+    tensors. The same tensors whether a node or :func:`build` calls it.
+    """
+    folder = Path(folder).expanduser()
+    info = scan_client(folder, options)
+    classes = [str(c) for c in classes]
+    if info.kind == "images":
+        return (*_load_images(folder, info, options, classes), info)
+    return (*_load_tensors(folder, info, len(classes)), info)
+
+
+# --------------------------------------------------------------------------- the federation
+
+
+def client_folders(data_dir: str | Path | None) -> list[Path]:
+    """The client folders of ``data_dir``: its non-hidden subfolders, sorted by name."""
+    if not data_dir:
+        raise ConfigError("dataset=clients needs data_dir=PATH, the folder with one subfolder per client")
+    root = Path(data_dir).expanduser()
+    if not root.is_dir():
+        raise DataError(f"data_dir={data_dir}: no such folder; give the folder with one subfolder per client")
+    folders = [f for f in subfolders(root) if f.name != CACHE_FOLDER]
+    if not folders:
+        raise DataError(f"{root} has no client folders; put each client's data in its own subfolder "
+                        f"({root}/<client>/train/<class>/... or {root}/<client>/train.npz)")
+    return folders
+
+
+def build(options: ClientsOptions, clients: int | None, seed: int, data_dir: Any = None, progress: bool = False,
+          partition: Any = None) -> Federation:
+    """The federation of ``data_dir``'s client folders (the :class:`DatasetSpec` build; ``seed`` is unused:
+    the split is the folders')."""
+    if partition is not None and (partition.scheme != "auto" or partition.load):
+        what = f"partition={partition.scheme}" if partition.scheme != "auto" else "partition.load"
+        raise ConfigError(f"{what} does not apply to dataset=clients: the data is already split, one client per "
+                          "folder; leave partition unset (or use dataset=imagefolder to split one data set)")
+    folders = client_folders(data_dir)
+    if clients is not None and clients != len(folders):
+        raise ConfigError(f"clients={clients} but {data_dir} holds {len(folders)} client folders; leave clients "
+                          "unset (each folder is a client)")
+    infos = [scan_client(folder, options) for folder in folders]
+    bound = _label_bound(infos, options)
+    for folder, info in zip(folders, infos):
+        if info.kind == "tensors" and None not in (bound, info.max_label) and info.max_label >= bound:
+            _load_tensors(folder, info, bound)  # raises the DataError that names the file holding the label
+    classes = resolve_classes(infos, options)
+    if not any(info.test_size for info in infos):
+        raise DataError(f"no client in {data_dir} has test data; give at least one client test/<class>/ images "
+                        "or a test.pt/test.npz")
+    train, tests = [], []
+    for folder, info in zip(folders, infos):
+        loaded = (_load_images(folder, info, options, classes) if info.kind == "images"
+                  else _load_tensors(folder, info, len(classes)))
+        train.append(loaded[0])
+        tests.append(loaded[1])
+    num_classes = len(classes)
+    record = {
+        "dataset": "clients", "scheme": "given", "data_dir": str(Path(data_dir).expanduser()),
+        "kind": infos[0].kind, "num_classes": num_classes, "classes": list(classes),
+        "clients": [{"client": k, "name": info.name, "domain": info.domain, "size": info.train_size,
+                     "test_size": info.test_size,
+                     "class_counts": torch.bincount(train[k][1], minlength=num_classes).tolist()}
+                    for k, info in enumerate(infos)],
+    }
+    notes = [f"clients: {len(infos)} client folders of {data_dir} ({infos[0].kind}), {num_classes} classes"]
+    empty = sorted({info.domain or "all" for info in infos} - {info.domain or "all" for info in infos
+                                                               if info.test_size})
+    if empty:
+        notes.append(f"no client of {', '.join(empty)} has test data: no accuracy of its own is measured")
+    return Federation.from_tensors(train, tests, num_classes=num_classes, domains=[i.domain for i in infos],
+                                   names=[i.name for i in infos], name="clients", partition=record, notes=notes)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise DataError(f"cannot read {path} ({error}); save it as UTF-8 text") from None
+
+
+def _declared_classes(folder: Path) -> list[str] | None:
+    path = folder / "classes.txt"
+    if not path.is_file():
+        return None
+    return [line.strip() for line in _read_text(path).splitlines() if line.strip()]
+
+
+def _label_bound(infos: Sequence[ClientInfo], options: ClientsOptions) -> int | None:
+    """The class count that labels must stay below where one is given (data.classes, classes.txt, num_classes)."""
+    if options.classes is not None:
+        return len(options.classes)
+    declared = next((i.declared_classes for i in infos if i.declared_classes is not None), None)
+    return len(declared) if declared is not None else options.num_classes
+
+
+def _tensor_files(folder: Path) -> dict[str, Path]:
+    """``{"train": path, "test": path}`` (test only if present); one of .pt / .npz per split."""
+    found = {}
+    for split in ("train", "test"):
+        present = [folder / f"{split}{suffix}" for suffix in TENSOR_SUFFIXES if (folder / f"{split}{suffix}").is_file()]
+        if len(present) > 1:
+            raise DataError(f"client folder {folder} holds both {split}.pt and {split}.npz; keep one of them")
+        if present:
+            found[split] = present[0]
+    return found
+
+
+def _kind(folder: Path) -> str:
+    """``"images"`` (a ``train/`` folder) or ``"tensors"`` (``train.pt``/``train.npz``); else a DataError."""
+    has_images = (folder / "train").is_dir()
+    tensor_files = _tensor_files(folder)
+    if has_images and tensor_files:
+        names = " and ".join(path.name for path in tensor_files.values())
+        raise DataError(f"client folder {folder} holds both a train/ folder and {names}; give a client either "
+                        "images or tensor files")
+    if has_images:
+        return "images"
+    if "train" in tensor_files:
+        if (folder / "test").is_dir():
+            raise DataError(f"client folder {folder} holds train{tensor_files['train'].suffix} and a test/ folder; "
+                            f"save its test data as test{tensor_files['train'].suffix} instead")
+        return "tensors"
+    raise DataError(f"client folder {folder} has no training data; give it train/<class>/<image> files or "
+                    "train.pt / train.npz (x, y), or move it out of data_dir")
+
+
+def _image_splits(folder: Path) -> dict[str, dict[str, list[Path]]]:
+    """``{"train": {class: files}, "test": {...}}`` of an image client (test only if it has a test/ folder)."""
+    splits = {"train": class_files(folder / "train")}
+    if (folder / "test").is_dir():
+        splits["test"] = class_files(folder / "test")
+    return splits
+
+
+def _read_tensor_file(path: Path) -> tuple[Tensor, Tensor]:
+    """``(x, y)`` of a ``.npz`` or ``.pt`` file, checked: y N integer labels >= 0, x N x ...; else one DataError."""
+    how = (f"np.savez('{path.name}', x=x, y=y)" if path.suffix == ".npz"
+           else f"torch.save({{'x': x, 'y': y}}, '{path.name}')")
+    try:
+        if path.suffix == ".npz":
+            with np.load(path, allow_pickle=False) as archive:
+                content = {key: archive[key] for key in archive.files}
+        else:
+            content = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - numpy and torch raise many types for a bad file; one line for all
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise DataError(f"cannot read {path} ({reason}); save it with {how}") from None
+    if not isinstance(content, dict):
+        raise DataError(f"{path} holds a {type(content).__name__}, not a dict with x and y; save it with {how}")
+    missing = [key for key in ("x", "y") if key not in content]
+    if missing:
+        raise DataError(f"{path} has no {' and no '.join(missing)} (it holds {sorted(map(str, content))}); "
+                        f"save it with {how}")
+    try:
+        x, y = (value if isinstance(value, Tensor) else torch.as_tensor(np.asarray(value))
+                for value in (content["x"], content["y"]))
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise DataError(f"{path}: x and y must be numeric arrays ({error}); save it with {how}") from None
+    if y.dim() != 1 or x.dim() < 2 or x.shape[0] != y.shape[0]:
+        raise DataError(f"{path}: x {tuple(x.shape)} and y {tuple(y.shape)} do not match; give x as N x F "
+                        "inputs and y as N labels")
+    if y.is_floating_point() and bool(torch.all(y == y.round())):
+        y = y.long()
+    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+        raise DataError(f"{path}: y must hold integer class labels, got {y.dtype}")
+    y = y.long()
+    if y.numel() and int(y.min()) < 0:
+        raise DataError(f"{path}: label {int(y.min())} is negative; labels are class indices 0..C-1")
+    if x.is_floating_point():
+        if not bool(torch.isfinite(x).all()):
+            raise DataError(f"{path}: x holds NaN or infinite values; clean the data")
+        x = x.float()
+    elif x.dtype in (torch.bool, torch.uint8) or x.is_complex():
+        raise DataError(f"{path}: x is {x.dtype}; save float features (pixels: x / 127.5 - 1) or integer "
+                        "token ids (int64)")
+    else:
+        x = x.long()
+    return x.contiguous(), y.contiguous()
+
+
+def _load_images(folder: Path, info: ClientInfo, options: ClientsOptions,
+                 classes: Sequence[str]) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    index = {name: label for label, name in enumerate(classes)}
+    unknown = sorted(set(info.class_names or []) - set(index))
+    if unknown:
+        raise DataError(f"client {folder} has class folders {unknown} outside the federation's classes; add them "
+                        "to data.classes / classes.txt or rename the folders")
+    size = int(options.image_size)
+    cache = folder.parent / CACHE_FOLDER if options.cache else None
+    splits = _image_splits(folder)
+    pairs = []
+    for split in ("train", "test"):
+        files, labels = [], []
+        for name, paths in splits.get(split, {}).items():
+            files += paths
+            labels += [index[name]] * len(paths)
+        pixels = decode_files(files, size, cache) if files else np.empty((0, 3, size, size), dtype=np.uint8)
+        pairs.append((to_float(pixels), torch.tensor(labels, dtype=torch.int64)))
+    return pairs[0], pairs[1]
+
+
+def _load_tensors(folder: Path, info: ClientInfo,
+                  num_classes: int) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    files = _tensor_files(folder)
+    pairs = []
+    for split in ("train", "test"):
+        if split not in files:
+            pairs.append((torch.empty((0, *info.input_shape), dtype=torch.float32), torch.empty(0, dtype=torch.int64)))
+            continue
+        x, y = _read_tensor_file(files[split])
+        if y.numel() and int(y.max()) >= num_classes:
+            raise DataError(f"{files[split]}: label {int(y.max())} is out of range for {num_classes} classes; fix "
+                            "the labels or set data.num_classes")
+        pairs.append((x, y))
+    if pairs[1][0].dtype != pairs[0][0].dtype and pairs[1][1].numel():
+        raise DataError(f"client folder {folder}: train x is {pairs[0][0].dtype} but test x is {pairs[1][0].dtype}; "
+                        "save both as floats (or both as token ids)")
+    return pairs[0], (pairs[1][0].to(pairs[0][0].dtype), pairs[1][1])
+
+
+def _group(infos: Sequence[ClientInfo], key: Any) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for info in infos:
+        groups.setdefault(str(key(info)), []).append(info.name)
+    return groups
+
+
+def _listing(groups: dict[str, list[str]]) -> str:
+    return "; ".join(f"{value}: {', '.join(names)}" for value, names in groups.items())
+
+
+DATASET = DatasetSpec(
+    name="clients",
+    options=ClientsOptions,
+    build=build,
+    description="your federation, already split: data_dir=PATH with one folder per client (train/<class>/ images "
+                "or train.npz/.pt tensors, optional test split)",
+)
+
+__all__ = ["ClientInfo", "ClientsOptions", "DATASET", "build", "client_domain", "client_folders", "load_client",
+           "resolve_classes", "scan_client"]
