@@ -574,7 +574,7 @@ def test_digits_offline_reuses_its_saved_partition(digits_data_dir, tmp_path):
     assert again.client_domains == first.client_domains
     assert all(torch.equal(a.x, b.x) and torch.equal(a.y, b.y) for a, b in zip(first.clients, again.clients))
     with pytest.raises(ConfigError, match="does not apply to digits-offline"):
-        spec.build(options, None, 4, data_dir=digits_data_dir, partition=PartitionOptions(scheme="dirichlet"))
+        spec.build(options, None, 4, data_dir=digits_data_dir, partition=PartitionOptions(scheme="ag-nid"))
 
 
 # --------------------------------------------------------------------------- config and command line

@@ -54,7 +54,8 @@ def check_image_shape(name: str, input_shape: Sequence[int], min_size: int = 1) 
     """``input_shape`` as ``(C, H, W)``; ``ValueError`` when it is not an image shape of at least ``min_size``."""
     shape = _int_tuple(input_shape)
     if len(shape) != 3 or not all(isinstance(s, int) and s >= 1 for s in shape):
-        hint = " (a token sequence shape: use 'textcnn')" if len(shape) == 1 else ""
+        hint = (" (a flat shape: use 'mlp' for feature vectors, 'textcnn' for token sequences)"
+                if len(shape) == 1 else "")
         raise ValueError(f"model {name!r} takes images: input_shape must be (channels, height, width) of "
                          f"positive ints, got {shape}{hint}")
     if min(shape[1:]) < min_size:

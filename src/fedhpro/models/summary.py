@@ -88,7 +88,7 @@ def format_model_table(rows: Sequence[dict[str, Any]]) -> str:
     header = ("model", "input", "params (M)", "fwd GFLOPs", "feature dim")
     body = [(row["name"],
              "x".join(str(s) for s in row["input_shape"]) if len(row["input_shape"]) > 1
-             else f"L={row['input_shape'][0]}",
+             else (f"L={row['input_shape'][0]}" if row["name"] == "textcnn" else f"F={row['input_shape'][0]}"),
              f"{row['params'] / 1e6:.3f}",
              f"{row['flops'] / 1e9:.4f}",
              str(row["feature_dim"])) for row in rows]
