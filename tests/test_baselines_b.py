@@ -609,7 +609,7 @@ def test_proto_only_nearest_prototype_accuracy_equals_a_hand_evaluation(method):
     prototypes, mask = nearest_sim.server.broadcast_prototypes()
     per_domain: dict[str, list[float]] = {}
     for k in range(fed.num_clients):
-        model = nearest_sim._client_model(k)
+        model = nearest_sim.models.model_for(k)
         name = fed.client_test_name(k)
         x, y = fed.test_sets[name]
         z = extract_features(model, x)

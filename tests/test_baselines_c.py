@@ -745,7 +745,7 @@ def test_nearest_prototype_inference_uses_fedsa_anchors_and_fedgmkd_prototypes()
         sim = Simulator(spec, options, fed, TinyNet, TRAIN, rounds=1, seed=2, shared="none")
         record = sim.run_round(0)
         assert math.isfinite(record.accuracy["AVG"])
-        model = sim._client_model(0)
+        model = sim.models.model_for(0)
         wrapped = sim.server.inference_model(model)
         assert isinstance(wrapped, NearestPrototypeClassifier) and wrapped.model is model
         if spec is S.METHOD:
