@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from fedhpro import reports
-from fedhpro.config import FEDERATION_KEY, PYTHON_PREFIX, Config, is_from_python, load_config, parse_override, read_yaml
+from fedhpro.config import (FEDERATION_KEY, PYTHON_PREFIX, Config, _flatten, is_from_python, load_config,
+                            parse_override, read_yaml)
 from fedhpro.data import get_dataset
 from fedhpro.engines import checkpoint
 from fedhpro.engines.simulator import Faults, Simulator
@@ -26,7 +27,7 @@ from fedhpro.errors import ConfigError
 from fedhpro.data.federation import Federation
 from fedhpro.methods import MethodSpec, TrainSettings, get_method
 from fedhpro.models import build_model
-from fedhpro.runtime import configure_cpu_runtime
+from fedhpro.runtime import cpu_runtime
 
 
 @dataclass
@@ -86,6 +87,13 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
             ``config.yaml`` records ``model: python:<module>.<name>``;
             resuming needs the same callable passed again.
 
+    On the CPU the run flushes denormal floats to zero and sets glibc's
+    allocator to keep freed memory (:mod:`fedhpro.runtime`). The
+    flush-denormal state of the calling thread is restored when the run
+    returns or raises; the allocator thresholds stay set for the rest of the
+    process (glibc cannot read the previous ones back; set
+    ``FEDHPRO_KEEP_FREED_MEMORY=0`` before the first run to leave them alone).
+
     Returns:
         A :class:`RunResult`; the same numbers are in ``<out>/summary.json``
         and ``<out>/metrics.jsonl``.
@@ -103,21 +111,33 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
         if overrides is not None:
             merged.update(overrides if isinstance(overrides, Mapping) else map(parse_override, overrides))
         merged.update(kwargs)
-        config = load_config(config, merged)
+        resolved = load_config(config, merged)
+        given = _given_settings(config, merged) if resolved.run.resume else None
+        config = resolved
     elif overrides or kwargs:
         raise ConfigError("pass overrides with a YAML path or mapping, not with a resolved Config")
+    else:
+        given = _settings_off_defaults(config) if config.run.resume else None
     resume_from = None
     if config.run.resume:
-        config, resume_from = _resume_config(config, federation, model_factory)
+        config, resume_from = _resume_config(config, federation, model_factory, given)
     else:
         config = with_python_objects(config, federation, model_factory)
     options = config.run
-    data_name = federation.name if federation is not None else options.dataset
     if resume_from is None and options.out:
         check_new_run_folder(Path(options.out))  # before the data are built: fail fast
     device = resolve_device(options.device)
-    if device.type == "cpu":
-        configure_cpu_runtime()  # denormals flushed, freed memory reused (fedhpro.runtime)
+    # on the CPU: denormals flushed (restored afterwards), freed memory reused (fedhpro.runtime)
+    with cpu_runtime(enabled=device.type == "cpu"):
+        return _run_resolved(config, device, federation, model_factory, resume_from, echo)
+
+
+def _run_resolved(config: Config, device: torch.device, federation: Federation | None,
+                  model_factory: Callable[..., torch.nn.Module] | None, resume_from: Path | None,
+                  echo: bool) -> RunResult:
+    """The run of a resolved ``config`` (:func:`run` after its checks): train, write the folder, summarise."""
+    options = config.run
+    data_name = federation.name if federation is not None else options.dataset
     started = time.perf_counter()
 
     parts = build_experiment(config, device, federation=federation, model_factory=model_factory)
@@ -581,9 +601,75 @@ def run_or_continue(config: Config, folder: str | os.PathLike) -> dict[str, Any]
     return run(dataclasses.replace(config, run=dataclasses.replace(config.run, out=str(folder)))).summary
 
 
+def _given_settings(source: str | os.PathLike | Mapping[str, Any] | None,
+                    overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys the user set (``section.knob`` form) and their values: those of ``source`` (a YAML file or a
+    mapping), then ``overrides``; what they did not set is not in it, whatever its value."""
+    given = dict(read_yaml(source) if source is not None and not isinstance(source, Mapping)
+                 else _flatten(source or {}, "config"))
+    given.update(_flatten(overrides, "overrides"))
+    return given
+
+
+def _settings_off_defaults(config: Config) -> dict[str, Any]:
+    """The keys of a resolved ``config`` whose values differ from the defaults (those of its data set, and
+    ``dataset`` itself): which keys were set cannot be known from a resolved Config, so these stand for them."""
+    defaults = load_config({"dataset": config.run.dataset})
+    given = {key: _setting(config, key) for key in _setting_keys(config)
+             if _setting(config, key) != _setting(defaults, key)}
+    if config.run.dataset != load_config(None).run.dataset:
+        given["dataset"] = config.run.dataset
+    return given
+
+
+def _setting_keys(config: Config) -> list[str]:
+    """Every key of ``config`` in ``section.knob`` form (run keys bare)."""
+    sections = {**config.methods, "data": config.data, "faults": config.faults, "partition": config.partition}
+    return [f.name for f in dataclasses.fields(config.run)] + [
+        f"{name}.{f.name}" for name, options in sections.items() for f in dataclasses.fields(options)]
+
+
+def _setting(config: Config, key: str) -> Any:
+    """The value of ``key`` (``rounds``, ``fedhpro.tau``, ``data.clients_per_domain.mnist``) in ``config``;
+    an entry of a mapping is compared as the whole mapping."""
+    section, _, rest = key.partition(".")
+    if not rest:
+        return config.federation if key == FEDERATION_KEY else getattr(config.run, key)
+    sections = {"data": config.data, "faults": config.faults, "partition": config.partition}
+    return getattr(sections.get(section) or config.methods[section], rest.partition(".")[0])
+
+
+def _changed_on_resume(stored: Mapping[str, Any], given: Mapping[str, Any]) -> list[str]:
+    """The keys of ``given`` (bar :data:`_RESUME_SETTINGS`) that would change the saved config ``stored``.
+
+    Each key is resolved against the saved config, as the run would read it
+    (``tau=0.1`` and ``tau=1e-1`` are the same value), and compared with the
+    saved value; a key the saved run cannot take (a data set's knob after a
+    ``dataset=`` change) counts as changed.
+    """
+    saved = load_config(stored)
+    changed = []
+    for key, value in given.items():
+        if key in _RESUME_SETTINGS:
+            continue
+        try:
+            changes = _setting(load_config(stored, {key: value}), key) != _setting(saved, key)
+        except ConfigError:
+            changes = True
+        if changes:
+            changed.append(key)
+    return sorted(changed)
+
+
 def _resume_config(config: Config, federation: Federation | None = None,
-                   model_factory: Callable[..., torch.nn.Module] | None = None) -> tuple[Config, Path]:
+                   model_factory: Callable[..., torch.nn.Module] | None = None,
+                   given: Mapping[str, Any] | None = None) -> tuple[Config, Path]:
     """The saved config of the run to resume (with the allowed settings of ``config``) and its newest checkpoint.
+
+    ``given``: the keys the user set and their values (:func:`_given_settings`;
+    None: those of ``config`` that differ from the defaults). Any of them that
+    differs from the saved config, other than :data:`_RESUME_SETTINGS`, is
+    refused: the resumed run would silently use the saved value instead.
 
     A run whose data or model came from Python (``federation: python:<name>``,
     ``model: python:<name>`` in its config.yaml) needs the same objects passed
@@ -593,15 +679,13 @@ def _resume_config(config: Config, federation: Federation | None = None,
     saved = run_dir / "config.yaml"
     if not saved.is_file():
         raise ConfigError(f"resume={str(run_dir)!r}: no config.yaml there; give the folder of an earlier run")
-    defaults = load_config(None).run
-    changed = [name for name in dataclasses.asdict(config.run)
-               if name not in _RESUME_SETTINGS and getattr(config.run, name) != getattr(defaults, name)]
-    if changed:
-        raise ConfigError(f"resume takes its settings from {saved}; remove {', '.join(sorted(changed))} "
-                          f"(only {', '.join(sorted(_RESUME_SETTINGS - {'resume'}))} may change)")
-    keep = {name: getattr(config.run, name) for name in _RESUME_SETTINGS}
     stored = read_yaml(saved)
     model = stored.pop("model", None) if is_from_python(stored.get("model")) else None
+    changed = _changed_on_resume(stored, _settings_off_defaults(config) if given is None else given)
+    if changed:
+        raise ConfigError(f"resume takes its settings from {saved}; remove {', '.join(changed)} "
+                          f"(only {', '.join(sorted(_RESUME_SETTINGS - {'resume'}))} may change)")
+    keep = {name: getattr(config.run, name) for name in _RESUME_SETTINGS}
     resumed = load_config(stored, keep)
     where = f"resume={str(run_dir)!r}"
     if resumed.federation is not None:

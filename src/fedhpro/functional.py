@@ -91,7 +91,13 @@ def client_margin(prototypes: Tensor, present: Tensor, normalized: bool = False)
         prototypes: ``C x d`` local prototypes (Eq. 2).
         present: ``C`` bool mask of the classes the client holds.
         normalized: compute the distances between L2-normalised prototypes
-            (then ``d_k <= 2``) instead of raw ones.
+            instead of raw ones. Then ``d_k <= sqrt(2) * (C/(C-1))^1.5``:
+            at most 4 (C = 2, two opposite prototypes), 2.598 for C = 3 (three
+            at 120 degrees), falling to sqrt(2) as C grows. The bound
+            is reached by a regular simplex of all C classes (d >= C-1), since
+            over ``m <= C`` unit vectors ``sum_{ordered pairs} ||u_i - u_j||^2
+            = 2m^2 - 2||sum_i u_i||^2 <= 2C^2`` and, by Cauchy-Schwarz, the sum
+            of the ``C(C-1)`` distances is at most ``sqrt(C(C-1) * 2C^2)``.
 
     Returns:
         A 0-dim tensor.
@@ -310,11 +316,22 @@ def match_hyper_prototypes(
     return matched, loss_before, loss_after
 
 
+#: ``_unit``'s clamp of the norm of a row divided by its largest ``|entry|``: such a row has norm 0 (a zero
+#: row) or at least 1, so an eps below 1 leaves every non-zero row's value and gradient exactly as without a
+#: clamp (not 1 itself: at a norm of exactly 1, a one-entry row, the clamp would cut the norm's gradient),
+#: and bounds the gradient at a zero row by ``1/eps`` (F.normalize's default 1e-12 made it ~1e12)
+_UNIT_EPS = 0.5
+
+
 def _unit(x: Tensor, dim: int) -> Tensor:
-    """``x / ||x||`` along ``dim`` without overflow or underflow of the norm (zero rows stay zero)."""
+    """``x / ||x||`` along ``dim`` without overflow or underflow of the norm.
+
+    A zero row stays zero, with a gradient of ``2 * upstream`` there (bounded:
+    a feature extractor without a final ReLU can output an exact zero row).
+    """
     scale = x.detach().abs().amax(dim=dim, keepdim=True)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return F.normalize(x / scale, dim=dim)
+    return F.normalize(x / scale, dim=dim, eps=_UNIT_EPS)
 
 
 #: values derived from a tensor that does not require grad (the hyper-prototypes of a round): local training
@@ -325,14 +342,22 @@ _DERIVED: dict[str, tuple[weakref.ref, int, Tensor]] = {}
 
 
 def _derived(name: str, tensor: Tensor, compute: Callable[[Tensor], Tensor]) -> Tensor:
-    if tensor.requires_grad:  # part of a graph: computed afresh for each call
+    """``compute(tensor)``, reused while ``tensor`` is the same, unmodified object (see ``_DERIVED``).
+
+    Not cached: a tensor that requires grad (part of a graph), an inference
+    tensor (it has no version counter to tell a change) and any value computed
+    under ``torch.inference_mode()`` (an inference tensor, which a later
+    training call could not save for backward).
+    """
+    if tensor.requires_grad or tensor.is_inference():
         return compute(tensor)
     entry = _DERIVED.get(name)
     if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
         return entry[2]
     with torch.no_grad():
         value = compute(tensor)
-    _DERIVED[name] = (weakref.ref(tensor), tensor._version, value)
+    if not torch.is_inference_mode_enabled():
+        _DERIVED[name] = (weakref.ref(tensor), tensor._version, value)
     return value
 
 

@@ -13,14 +13,22 @@ apps, the benchmarks) so that all of them measure and run the same way.
   faster. The cost: the process keeps its peak heap until it exits (the
   peak itself does not change). ``FEDHPRO_KEEP_FREED_MEMORY=0`` turns this
   off; nothing is done where glibc is not the C library.
+
+:func:`configure_cpu_runtime` sets both for the rest of the process (the
+Flower apps, the benchmarks: processes of their own). :func:`cpu_runtime`
+sets them for a block, as ``fedhpro.run`` does inside the caller's process:
+the flush-denormal state is put back as it was after the block; the
+allocator thresholds stay (glibc has no way to read the previous ones back).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -38,6 +46,29 @@ def configure_cpu_runtime() -> None:
     """Flush denormals and let glibc reuse freed memory (see the module docstring); idempotent."""
     torch.set_flush_denormal(True)
     keep_freed_memory()
+
+
+@contextlib.contextmanager
+def cpu_runtime(enabled: bool = True) -> Iterator[None]:
+    """:func:`configure_cpu_runtime` for the block (nothing when not ``enabled``), then the calling thread's
+    flush-denormal state as it was before; glibc's thresholds stay set (they cannot be read back)."""
+    if not enabled:
+        yield
+        return
+    flushed = denormals_flushed()
+    configure_cpu_runtime()
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(flushed)
+
+
+def denormals_flushed() -> bool:
+    """Whether the calling thread flushes denormal floats to zero now (PyTorch has no getter: a probe).
+
+    ``1e-40`` is a float32 denormal; with flushing on, it reads back as 0.
+    """
+    return float(torch.full((1,), 1e-40, dtype=torch.float32).mul_(1.0)[0]) == 0.0
 
 
 def keep_freed_memory() -> bool:
