@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 import sys
 
 from fedhpro.errors import ConfigError, FedHProError
@@ -20,28 +22,53 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shown(value: object) -> str:
+    """A default as it is typed on the command line: ``true``, ``null``, ``0.01``, ``[1, 2]``, ``cnn``."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def key_lines(dataset: str) -> list[str]:
+    """``key [choices]: help (default: value)`` for every config key: the run's, every method's, the data
+    set's (its ``data.*`` keys), ``faults.*`` and ``partition`` / ``partition.*``. Defaults are the
+    values a run of ``dataset`` gets when the key is not set (a data set's own run settings included);
+    an unset (null) default whose help already says what it means is not repeated."""
+    from fedhpro.config import (DATA_SECTION, FAULTS_SECTION, PARTITION_SECTION, FaultOptions, RunOptions,
+                                load_config)
+    from fedhpro.data import get_dataset
+    from fedhpro.data.partition import PartitionOptions
+    from fedhpro.methods import all_methods
+
+    defaults = load_config(None, {"dataset": dataset})
+    groups = [("", RunOptions, defaults.run)]
+    groups += [(f"{name}.", spec.options, defaults.methods[name]) for name, spec in all_methods().items()]
+    groups += [(f"{DATA_SECTION}.", get_dataset(dataset).options, defaults.data),
+               (f"{FAULTS_SECTION}.", FaultOptions, defaults.faults),
+               (f"{PARTITION_SECTION}.", PartitionOptions, defaults.partition)]
+    lines = []
+    for prefix, cls, values in groups:
+        for field in dataclasses.fields(cls):
+            choices = field.metadata.get("choices")
+            extra = f" [{'|'.join(map(str, choices))}]" if choices else ""
+            text, value = field.metadata.get("help", ""), getattr(values, field.name)
+            if not (value is None and "default" in text):  # else the help says what an unset key means
+                text += f" (default: {_shown(value)})"
+            lines.append(f"{prefix}{field.name}{extra}: {text}")
+    lines.append(f"{PARTITION_SECTION}: short for {PARTITION_SECTION}.scheme "
+                 f"(default: {_shown(defaults.partition.scheme)})")
+    return lines
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
-    """Print every key with its default and help (the resolved config if settings are given)."""
+    """Print the resolved config, or (``--keys``) every key with its choices, help and default."""
     import yaml
 
-    from fedhpro.config import RunOptions, load_config
-    from fedhpro.data import get_dataset
-    from fedhpro.methods import all_methods
+    from fedhpro.config import load_config
 
     overrides = list(args.settings)
     source = overrides.pop(0) if overrides and "=" not in overrides[0] else None
     config = load_config(source, overrides)
     if args.keys:
-        groups = [("", RunOptions)] + [(f"{n}.", s.options) for n, s in all_methods().items()]
-        groups.append(("data.", get_dataset(config.run.dataset).options))
-        from fedhpro.data.partition import PartitionOptions
-
-        groups.append(("partition.", PartitionOptions))
-        for prefix, cls in groups:
-            for field in dataclasses.fields(cls):
-                choices = field.metadata.get("choices")
-                extra = f" [{'|'.join(map(str, choices))}]" if choices else ""
-                print(f"{prefix}{field.name}{extra}: {field.metadata.get('help', '')}")
+        print("\n".join(key_lines(config.run.dataset)))
         return 0
     print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
     return 0
@@ -132,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "Settings: an optional CONFIG.yaml, then KEY=VALUE pairs (see `fedhpro config --keys`).")
     config_parser = _settings_command(commands, "config", _cmd_config,
                                       help="print the resolved config (or --keys: every key)")
-    config_parser.add_argument("--keys", action="store_true", help="list every key with its help")
+    config_parser.add_argument("--keys", action="store_true",
+                               help="list every key with its choices, help and default (the data.* keys of "
+                                    "the dataset= given)")
     _settings_command(
         commands, "compare", _cmd_compare,
         help="several methods on the same federation and seeds: a table like the paper's Table A3",
@@ -178,13 +207,27 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return args.handler(args)
+        code = args.handler(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit where it could not be caught
+        return code
     except FedHProError as error:
         print(f"fedhpro: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("fedhpro: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _reader_went_away()
+
+
+def _reader_went_away() -> int:
+    """The reader of stdout closed it (``fedhpro config --keys | head``): stop quietly. As Python's
+    documentation recommends (the note on SIGPIPE in the signal module), stdout is pointed at devnull
+    so that flushing the rest at exit cannot raise again; exit status 1."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 1
 
 
 if __name__ == "__main__":

@@ -82,7 +82,9 @@ PRESENTATION_KEYS = frozenset({"out", "progress", "device", "resume", "tensorboa
 @dataclass
 class FaultOptions:
     dropout: float = option(0.0, min=0.0, max=1.0, help="probability that a sampled client does not answer")
-    corrupt: float = option(0.0, min=0.0, max=1.0, help="probability that a client sends NaN weights")
+    corrupt: float = option(0.0, min=0.0, max=1.0,
+                            help="probability that an answering client's reply arrives with NaN weights (a "
+                                 "transmission fault: it is dropped, the client keeps the state it computed)")
 
 
 @dataclass
@@ -179,10 +181,12 @@ def _all_keys(dataset: str) -> list[str]:
 
 
 def _unknown(key: str, dataset: str) -> ConfigError:
-    keys = _all_keys(dataset)
-    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    return ConfigError(f"unknown config key '{key}'{hint}; valid keys: {', '.join(keys)}")
+    """One short line: the key, up to three close keys (closest first) and where the full list is."""
+    quoted = [f"'{name}'" for name in difflib.get_close_matches(key, _all_keys(dataset), n=3, cutoff=0.6)]
+    choices = ", ".join(quoted[:-1]) + " or " + quoted[-1] if len(quoted) > 1 else "".join(quoted)
+    hint = f" (did you mean {choices}?)" if quoted else ""
+    listing = "fedhpro config --keys" + ("" if dataset == RunOptions.dataset else f" dataset={dataset}")
+    return ConfigError(f"unknown config key '{key}'{hint}; `{listing}` lists every key")
 
 
 def _flatten(values: Mapping[str, Any], source: str) -> dict[str, Any]:

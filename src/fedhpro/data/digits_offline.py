@@ -66,7 +66,6 @@ import functools
 import os
 import sys
 import time
-import uuid
 import warnings
 from pathlib import Path
 from typing import NamedTuple
@@ -76,6 +75,7 @@ import torch
 import torch.nn.functional as F
 
 from fedhpro.errors import DataError
+from fedhpro.files import write_atomic_with
 
 __all__ = [
     "DOMAINS",
@@ -229,23 +229,8 @@ def _save_cache_atomic(path: Path, data: dict[str, DomainData], params: dict) ->
         "params": params,
         "domains": {name: dd._asdict() for name, dd in data.items()},
     }
-    # The temporary file must live in the same folder: os.replace is only
-    # atomic within one file system.  A unique name lets concurrent builders
-    # coexist; open(..., "xb") (unlike tempfile.mkstemp's 0600) honours the
-    # umask, so a shared cache stays readable by others.
-    tmp = path.parent / f".tmp-{path.name}.{os.getpid()}.{uuid.uuid4().hex}"
-    try:
-        with open(tmp, "xb") as fh:
-            torch.save(blob, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    # a unique temporary file beside it, with the umask's mode (a shared cache stays readable by others)
+    write_atomic_with(path, lambda handle: torch.save(blob, handle))
 
 
 # --------------------------------------------------------------------------- #

@@ -27,6 +27,7 @@ from torch import Tensor
 from fedhpro.data.federation import normalize_images
 from fedhpro.data.loaders import IMAGE_EXTENSIONS
 from fedhpro.errors import DataError
+from fedhpro.files import write_atomic_with
 
 CACHE_FOLDER = ".fedhpro-cache"
 
@@ -131,20 +132,12 @@ def _cache_path(files: Sequence[Path], size: int, cache: Path) -> Path | None:
 
 
 def _save_atomic(path: Path, array: np.ndarray) -> None:
-    """Write ``array`` to ``path`` through a temporary file and a rename; give up quietly if it cannot."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp.npy")
+    """Write ``array`` to ``path`` atomically (:func:`fedhpro.files.write_atomic_with`); give up quietly
+    if it cannot."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        np.save(temporary, array, allow_pickle=False)
-        os.replace(temporary, path)
+        write_atomic_with(path, lambda handle: np.save(handle, array, allow_pickle=False))
     except OSError:
         pass  # a read-only data folder: no cache
-    finally:
-        if temporary.exists():
-            try:
-                temporary.unlink()
-            except OSError:
-                pass
 
 
 __all__ = ["CACHE_FOLDER", "class_files", "decode_file", "decode_files", "image_files", "is_image_file",

@@ -38,7 +38,7 @@ import numpy as np
 
 from fedhpro.errors import FedHProError
 from fedhpro.options import option
-from fedhpro.reports import write_atomic
+from fedhpro.files import write_atomic
 
 LabelsLike = Union[np.ndarray, Mapping[str, np.ndarray]]
 
@@ -213,7 +213,7 @@ class Partition:
 
     def save(self, path: str | os.PathLike, labels: LabelsLike | None = None, num_classes: int | None = None,
              seed: int | None = None) -> Path:
-        """Write :meth:`to_json` to ``path`` atomically (a temp file in the same folder, then ``os.replace``)."""
+        """Write :meth:`to_json` to ``path`` atomically (:func:`fedhpro.files.write_atomic`)."""
         path = Path(path)
         write_atomic(path, json.dumps(self.to_json(labels, num_classes, seed)))
         return path

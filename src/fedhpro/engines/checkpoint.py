@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from fedhpro.errors import DataError
-from fedhpro.reports import write_atomic_with
+from fedhpro.files import write_atomic_with
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^round-(\d{6})\.pt$")

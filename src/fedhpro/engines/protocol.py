@@ -25,6 +25,7 @@ numbers whatever ran before and on whichever engine.
 from __future__ import annotations
 
 import contextlib
+import enum
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -89,6 +90,18 @@ class RoundRecord:
         if self.accuracy is not None:
             out["accuracy"] = self.accuracy
         return out
+
+
+class Reception(enum.Enum):
+    """What became of a reply: accepted, or refused because the client's own update was invalid, or
+    because a transmission fault (``faults.corrupt``) spoiled a good one. True only when accepted."""
+
+    ACCEPTED = "accepted"
+    INVALID = "invalid"
+    CORRUPTED = "corrupted"
+
+    def __bool__(self) -> bool:
+        return self is Reception.ACCEPTED
 
 
 def round_half_up(value: float) -> int:
@@ -214,21 +227,30 @@ class OpenRound:
         self.dropped.append({"client": client, "reason": reason})
         self.failures.append(error if error is not None else f"client {client}: {reason}")
 
-    def receive(self, client: int, reply: dict[str, Any], metrics: dict[str, float], num_samples: int) -> bool:
+    def receive(self, client: int, reply: dict[str, Any], metrics: dict[str, float], num_samples: int) -> "Reception":
         """Hand in client ``client``'s reply: injected corruption, the method's validation, then the
-        fold into the round's replies. Returns whether it counts (an invalid one is dropped)."""
+        fold into the round's replies. Returns whether it counts (a :class:`Reception`, true only when
+        accepted) and, when not, whose fault it was: the client's own update (``INVALID``: an engine
+        rolls the client's state back) or a transmission fault (``CORRUPTED``: the client computed a
+        good update, so its state stands)."""
+        reception = Reception.ACCEPTED
         if self._corrupt[client]:
-            reply = corrupted(reply)
+            try:  # the client's own update, before transit: its faults are the client's
+                self.protocol.server.validate_reply(reply)
+            except UpdateError as error:
+                self.dropped.append({"client": client, "reason": f"invalid update: {error}"})
+                return Reception.INVALID
+            reply, reception = corrupted(reply), Reception.CORRUPTED
         try:
             self.protocol.server.validate_reply(reply)
         except UpdateError as error:
             self.dropped.append({"client": client, "reason": f"invalid update: {error}"})
-            return False
+            return Reception.INVALID if reception is Reception.ACCEPTED else reception
         self.bytes_up += payload_bytes(reply)
         self.params_up += payload_parameters(reply)
         self.replies.append(reply)
         self.train_metrics.append((int(num_samples), metrics))
-        return True
+        return Reception.ACCEPTED
 
     def close(self, observe: contextlib.AbstractContextManager | None = None) -> dict[str, float]:
         """After the last reply: report the drops, then aggregate, or skip a round with fewer than

@@ -20,8 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from fedhpro.data.federation import Federation
-from fedhpro.engines.protocol import (FAULT, INIT, SAMPLE, SERVER, TRAIN, Faults, RoundProtocol, RoundRecord,
-                                      TestCount, corrupted, derive_seed, pool_accuracy, round_half_up,
+from fedhpro.engines.protocol import (FAULT, INIT, SAMPLE, SERVER, TRAIN, Faults, Reception, RoundProtocol,
+                                      RoundRecord, TestCount, corrupted, derive_seed, pool_accuracy, round_half_up,
                                       train_generator, weighted_mean)
 from fedhpro.errors import ConfigError
 from fedhpro.methods.base import (MethodContext, MethodSpec, TrainSettings, eval_batch_size, eval_forward,
@@ -339,7 +339,13 @@ class Simulator:
                 self.client_states[k] = state_before
                 current.fail(k, f"raised {type(error).__name__}: {error}", error)
                 continue
-            if not current.receive(k, reply, metrics, len(self.federation.clients[k])):
+            reception = current.receive(k, reply, metrics, len(self.federation.clients[k]))
+            if not reception:
+                # the client's own invalid update rolls its state back, as a raise does (else a MOON client's
+                # NaN previous model would spoil all its later rounds); a transmission fault (faults.corrupt)
+                # spoiled a good update after the client computed it, so the client keeps its new state
+                if reception is Reception.INVALID:
+                    self.client_states[k] = state_before
                 continue
             self.models.keep(k, model)  # a personal model persists to the client's next round
             if self.count_flops:

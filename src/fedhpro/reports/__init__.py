@@ -1,4 +1,5 @@
-"""Result files a person can open: atomic JSON/YAML/JSONL writes, tables and PNG plots.
+"""Result files a person can open: atomic JSON/YAML/JSONL writes (through :mod:`fedhpro.files`), tables
+and PNG plots.
 
 :mod:`.tables` formats Markdown/CSV tables, :mod:`.plots` draws curves, bars, sweeps and t-SNE
 scatters, :mod:`.runs` reads finished runs back and builds ``fedhpro report``.
@@ -8,34 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
-from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable
+from typing import Any, Iterable
 
 import yaml
 
-
-def write_atomic_with(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
-    """Call ``write(handle)`` on a temporary file beside ``path``, then ``os.replace`` it: readers never
-    see half a file, and an interrupted write leaves the previous file in place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
-
-
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path`` atomically."""
-    write_atomic_with(path, lambda handle: handle.write(text.encode("utf-8")))
+from fedhpro.files import write_atomic, write_atomic_with  # the writers, kept importable from here
 
 
 def write_json(path: str | os.PathLike, value: Any) -> None:
@@ -85,8 +63,7 @@ def plot_accuracy(history: list[dict[str, Any]], path: str | os.PathLike, title:
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
     figure.tight_layout()
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.tmp.png")
-    figure.savefig(temporary)
-    plt.close(figure)
-    os.replace(temporary, path)
+    try:
+        write_atomic_with(path, lambda handle: figure.savefig(handle, format="png"))
+    finally:
+        plt.close(figure)

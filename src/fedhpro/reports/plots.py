@@ -1,6 +1,6 @@
 """PNG plots of runs: curves of several runs on one axis, grouped bars, parameter sweeps, t-SNE.
 
-Every function writes its PNG atomically (a temporary file beside it, then ``os.replace``).
+Every function writes its PNG atomically (:func:`fedhpro.files.write_atomic_with`).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
+
+from fedhpro.files import write_atomic_with
 
 #: one marker per domain / test set in the t-SNE plots (Figures 3 and 6: colour = class, marker = domain)
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*", "<", ">"]
@@ -28,14 +30,13 @@ def save_figure(figure, path: str | os.PathLike, tight_layout: bool = True) -> N
     """Save a matplotlib figure to ``path`` atomically and close it (``tight_layout=False`` keeps a
     layout the caller arranged, e.g. room for a figure-level legend)."""
     plt = _pyplot()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp.png")
-    if tight_layout:
-        figure.tight_layout()
-    figure.savefig(temporary)
-    plt.close(figure)
-    os.replace(temporary, path)
+    kind = Path(path).suffix.lstrip(".").lower() or "png"
+    try:
+        if tight_layout:
+            figure.tight_layout()
+        write_atomic_with(path, lambda handle: figure.savefig(handle, format=kind))
+    finally:
+        plt.close(figure)
 
 
 def plot_curves(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], path: str | os.PathLike, *,
