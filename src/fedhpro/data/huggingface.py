@@ -37,7 +37,7 @@ from fedhpro.data import DatasetSpec
 from fedhpro.data.federation import Federation
 from fedhpro.data.images import rgb_pixels, to_float
 from fedhpro.data.loaders import build_vocab, encode, split_indices
-from fedhpro.data.partition import PartitionError, PartitionOptions, label_partition
+from fedhpro.data.partition import PartitionError, PartitionOptions, chosen_scheme, label_partition
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.options import option
 
@@ -196,10 +196,7 @@ def build(options: HuggingFaceOptions, clients: int | None, seed: int, data_dir:
           progress: bool = False, partition: PartitionOptions | None = None) -> Federation:
     """The federation: the training split divided among K clients by a label partition; one shared test set."""
     partition = partition or PartitionOptions()
-    scheme = "dirichlet" if partition.scheme == "auto" else partition.scheme
-    if scheme not in SCHEMES:
-        raise ConfigError(f"partition={scheme} does not apply to dataset=huggingface; choose one of: "
-                          f"{', '.join(SCHEMES)}")
+    scheme = chosen_scheme(partition, "dirichlet", SCHEMES, "dataset=huggingface")
     if partition.load:
         raise ConfigError("partition.load does not apply to dataset=huggingface; set partition.seed to redraw the "
                           "same partition")

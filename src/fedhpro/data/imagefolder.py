@@ -35,7 +35,8 @@ from fedhpro.data import DatasetSpec
 from fedhpro.data.federation import Federation
 from fedhpro.data.images import CACHE_FOLDER, class_files, decode_files, image_files, subfolders, to_float
 from fedhpro.data.loaders import split_indices
-from fedhpro.data.partition import Partition, PartitionError, PartitionOptions, label_partition, within_domains
+from fedhpro.data.partition import (Partition, PartitionError, PartitionOptions, chosen_scheme, label_partition,
+                                    within_domains)
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.options import option
 
@@ -162,10 +163,8 @@ def build(options: ImageFolderOptions, clients: int | None, seed: int, data_dir:
           progress: bool = False, partition: PartitionOptions | None = None) -> Federation:
     """The federation: the training images split among the clients, test sets per domain (or ``all``)."""
     partition = partition or PartitionOptions()
-    scheme = "dirichlet" if partition.scheme == "auto" else partition.scheme
-    if scheme not in SCHEMES:
-        raise ConfigError(f"partition={scheme} does not apply to dataset=imagefolder; choose one of: "
-                          f"{', '.join(SCHEMES)} (several domains: the scheme is applied within each domain)")
+    scheme = chosen_scheme(partition, "dirichlet", SCHEMES, "dataset=imagefolder",
+                           " (several domains: the scheme is applied within each domain)")
     if not data_dir:
         raise ConfigError("dataset=imagefolder needs data_dir=PATH, the folder of class subfolders "
                           "(PATH/<class>/, PATH/train/<class>/ or PATH/<domain>/<class>/)")

@@ -268,6 +268,18 @@ def _check_clients(num_clients: Any, n: int | None = None) -> int:
     return int(num_clients)
 
 
+def _finite_at_least(value: Any, name: str, bound: float, strict: bool = False, what: str = "") -> float:
+    """``value`` as a finite float ``> bound`` (``strict``) or ``>= bound``; else one PartitionError."""
+    relation = ">" if strict else ">="
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise PartitionError(f"{name} must be a number {relation} {bound:g}, got {value!r}") from None
+    if not (math.isfinite(number) and (number > bound if strict else number >= bound)):
+        raise PartitionError(f"{name} must be a finite number {relation} {bound:g}{what}, got {value!r}")
+    return number
+
+
 def _check_rng(rng: Any) -> np.random.Generator:
     if not isinstance(rng, np.random.Generator):
         raise PartitionError("rng must be a numpy.random.Generator (e.g. numpy.random.default_rng(seed)), "
@@ -312,12 +324,7 @@ def dirichlet(labels: np.ndarray, num_clients: int, alpha: float, rng: np.random
     n = int(y.shape[0])
     k = _check_clients(num_clients)
     rng = _check_rng(rng)
-    try:
-        alpha_f = float(alpha)
-    except (TypeError, ValueError):
-        raise PartitionError(f"alpha must be a positive number, got {alpha!r}") from None
-    if not (math.isfinite(alpha_f) and alpha_f > 0):
-        raise PartitionError(f"alpha must be a finite number > 0, got {alpha!r}")
+    alpha_f = _finite_at_least(alpha, "alpha", 0.0, strict=True)
     if isinstance(min_size, bool) or not isinstance(min_size, (int, np.integer)) or min_size < 0:
         raise PartitionError(f"min_size must be an integer >= 0, got {min_size!r}")
     if isinstance(max_retries, bool) or not isinstance(max_retries, (int, np.integer)) or max_retries < 1:
@@ -453,12 +460,7 @@ def longtail(labels: np.ndarray, num_clients: int, rho: float, rng: np.random.Ge
     """
     y = _as_labels(labels)
     rng = _check_rng(rng)
-    try:
-        rho_f = float(rho)
-    except (TypeError, ValueError):
-        raise PartitionError(f"rho must be a number >= 1, got {rho!r}") from None
-    if not (math.isfinite(rho_f) and rho_f >= 1.0):
-        raise PartitionError(f"rho must be a finite number >= 1 (ratio of head to tail class size), got {rho!r}")
+    rho_f = _finite_at_least(rho, "rho", 1.0, what=" (ratio of head to tail class size)")
     if y.size == 0:
         raise PartitionError("longtail needs a non-empty label array")
     c_total = int(y.max()) + 1 if num_classes is None else int(num_classes)
@@ -662,6 +664,18 @@ class PartitionOptions:
     load: str | None = option(None, help="reuse the partition saved in this partition.json instead of drawing one")
 
 
+def chosen_scheme(options: PartitionOptions, default: str, allowed: Sequence[str], name: str,
+                  note: str = "") -> str:
+    """The scheme ``partition=`` asks for (``auto``: the data set's ``default``), checked against the
+    schemes data set ``name`` accepts; one-line ConfigError listing them (and ``note``) otherwise."""
+    from fedhpro.errors import ConfigError
+
+    scheme = default if options.scheme == "auto" else options.scheme
+    if scheme not in allowed:
+        raise ConfigError(f"partition={scheme} does not apply to {name}; choose one of: {', '.join(allowed)}{note}")
+    return scheme
+
+
 def label_partition(options: PartitionOptions, scheme: str, labels: np.ndarray, num_clients: int,
                     rng: np.random.Generator, num_classes: int | None = None) -> Partition:
     """Split ``labels`` with the label-skew ``scheme`` and the parameters of ``options``."""
@@ -712,6 +726,7 @@ def within_domains(labels: Mapping[str, np.ndarray], layout: Mapping[str, int], 
     return Partition(parts, scheme, params, client_domains=owners)
 
 
-__all__ = ["LABEL_SCHEMES", "PARTITIONERS", "Partition", "PartitionError", "PartitionOptions", "ag_nid", "dirichlet",
+__all__ = ["LABEL_SCHEMES", "PARTITIONERS", "Partition", "PartitionError", "PartitionOptions", "ag_nid", "chosen_scheme",
+           "dirichlet",
            "domains", "iid", "label_partition", "longtail", "nid2",
            "within_domains"]
