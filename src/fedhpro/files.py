@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 #: what a new file's mode starts from before the umask, as ``open(path, "w")`` does
 NEW_FILE_MODE = 0o666
@@ -30,10 +31,10 @@ def _temporary_beside(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
-def write_atomic_with(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
-    """Call ``write(handle)`` on a new temporary file beside ``path`` (binary, mode ``0o666`` less the
-    umask), flush it to disk and ``os.replace`` it onto ``path``; on any failure the temporary file is
-    removed and ``path`` keeps its previous content. The folder is created if needed."""
+def write_atomic_with(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:
+    """Call ``write(handle)`` (its return value is ignored) on a new temporary file beside ``path`` (binary,
+    mode ``0o666`` less the umask), flush it to disk and ``os.replace`` it onto ``path``; on any failure the
+    temporary file is removed and ``path`` keeps its previous content. The folder is created if needed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = _temporary_beside(path)

@@ -133,7 +133,8 @@ def build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
     kwargs = {}
     for name, value in values.items():
         if name not in known:
-            raise ConfigError(f"unknown config key '{prefix}{name}'; valid keys: {', '.join(prefix + k for k in known)}")
+            valid = ", ".join(prefix + k for k in known)
+            raise ConfigError(f"unknown config key '{prefix}{name}'; valid keys: {valid}")
         field, tp = known[name]
         kwargs[name] = coerce(prefix + name, value, field, tp)
     return cls(**kwargs)

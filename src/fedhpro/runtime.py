@@ -86,7 +86,8 @@ def _set_malloc_thresholds() -> bool:
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.gnu_get_libc_version  # only glibc has it (musl does not)
+        if not hasattr(libc, "gnu_get_libc_version"):  # only glibc has it (musl does not)
+            return False
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False

@@ -9,8 +9,9 @@ progress=False, partition=None)`` returning a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from fedhpro.data.federation import Federation
 

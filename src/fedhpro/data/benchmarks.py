@@ -28,9 +28,10 @@ SUN397) a seeded per-class split holds out ``data.test_fraction``.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -39,7 +40,7 @@ from torch import Tensor
 
 from fedhpro.data import DatasetSpec
 from fedhpro.data.federation import Augment, ClientData, Federation
-from fedhpro.data.loaders import image_arrays, open_loader, split_indices
+from fedhpro.data.loaders import AGNews, image_arrays, open_loader, split_indices
 from fedhpro.data.partition import Partition, PartitionError, PartitionOptions, domains, label_partition
 from fedhpro.errors import ConfigError
 from fedhpro.options import option
@@ -207,10 +208,11 @@ def _partition_rng(seed: int, options: PartitionOptions) -> np.random.Generator:
     return np.random.default_rng(seed if options.seed is None else options.seed)
 
 
-def _load_partition(options: PartitionOptions, num_samples: int | dict[str, int]) -> Partition:
-    path = Path(options.load).expanduser()
+def _load_partition(load: str, num_samples: int | dict[str, int]) -> Partition:
+    """The partition saved at ``load`` (``partition.load``), its indices checked against ``num_samples``."""
+    path = Path(load).expanduser()
     if not path.is_file():
-        raise ConfigError(f"partition.load={options.load!r}: no such file; give the partition.json of an earlier run")
+        raise ConfigError(f"partition.load={load!r}: no such file; give the partition.json of an earlier run")
     return Partition.load(path, num_samples=num_samples)
 
 
@@ -267,6 +269,8 @@ class LabelSkewBenchmark:
         train = open_loader(self.source, root, True, options.download, **loader_options)
         train_x, train_y = image_arrays(train, size, cache, progress)
         if self.source == "sun397":  # one folder, no official split
+            if test_fraction is None:
+                raise ConfigError(f"{self.name} has no official test set; set data.test_fraction (e.g. 0.2)")
             train_index, test_index = split_indices(train_y, test_fraction, options.split_seed)
             test_x, test_y = train_x, train_y
         else:
@@ -277,7 +281,7 @@ class LabelSkewBenchmark:
 
         k = clients or (7 if scheme == "nid2" else self.clients)
         if partition.load:
-            split = _load_partition(partition, len(labels))
+            split = _load_partition(partition.load, len(labels))
         else:
             split = label_partition(partition, scheme, labels, k, _partition_rng(seed, partition), self.num_classes)
         augment = options.augment if options.augment is not None else self.augment
@@ -313,11 +317,12 @@ class TextBenchmark:
         partition = partition or PartitionOptions()
         scheme = _scheme(partition, self.scheme, self.schemes, self.name)
         root = data_root(data_dir)
-        train = open_loader("ag_news", root, True, max_length=options.max_length, vocab_size=options.vocab_size)
-        test = open_loader("ag_news", root, False, max_length=options.max_length, vocab=train.vocab)
+        train = cast(AGNews, open_loader("ag_news", root, True, max_length=options.max_length,
+                                         vocab_size=options.vocab_size))
+        test = cast(AGNews, open_loader("ag_news", root, False, max_length=options.max_length, vocab=train.vocab))
         labels = train.targets.numpy()
         if partition.load:
-            split = _load_partition(partition, len(labels))
+            split = _load_partition(partition.load, len(labels))
         else:
             split = label_partition(partition, scheme, labels, clients or self.clients,
                                     _partition_rng(seed, partition), self.num_classes)
@@ -380,24 +385,25 @@ class DomainBenchmark:
                                         progress)
         labels = {d: y for d, (_, y) in train.items()}
         if partition.load:
-            split = _load_partition(partition, {d: len(y) for d, y in labels.items()})
-            if split.client_domains is None:
-                raise ConfigError(f"partition.load={partition.load!r} has no client domains; {self.name} needs a "
-                                  "domains partition")
+            split = _load_partition(partition.load, {d: len(y) for d, y in labels.items()})
         else:
             try:
                 split = domains({d: np.arange(len(y)) for d, y in labels.items()},
                                 [(d, n, options.fraction) for d, n in layout.items()], _partition_rng(seed, partition))
             except PartitionError as error:
                 raise ConfigError(f"{self.name}: {error} (data.fraction / data.clients_per_domain)") from None
+        owners = split.client_domains
+        if owners is None:  # only a loaded partition can lack them: domains() records every client's domain
+            raise ConfigError(f"partition.load={partition.load!r} has no client domains; {self.name} needs a "
+                              "domains partition")
         source_of = {d: s for d, s, _ in self.domains}
         client_data = []
-        for ix, domain in zip(split.client_indices, split.client_domains):
+        for ix, domain in zip(split.client_indices, owners):
             preset = PRESETS[source_of[domain]]
             x, y = train[domain]
             client_data.append(ClientData(to_float(x[ix], preset, _size(options.image_size, preset)),
                                           torch.from_numpy(y[ix]).clone(), 10))
-        used = [d for d in names if d in set(split.client_domains)]
+        used = [d for d in names if d in set(owners)]
         test_sets = {}
         for d in used:
             preset = PRESETS[source_of[d]]
@@ -407,8 +413,8 @@ class DomainBenchmark:
         record = _record(split, self.name, {d: labels[d] for d in used}, 10,
                          partition.seed if partition.seed is not None else seed, partition)
         record["fraction"] = options.fraction
-        return Federation(self.name, 10, (3, size, size), client_data, list(split.client_domains), test_sets, record,
-                          [f"{self.name}: " + ", ".join(f"{d} {split.client_domains.count(d)}" for d in used)])
+        return Federation(self.name, 10, (3, size, size), client_data, list(owners), test_sets, record,
+                          [f"{self.name}: " + ", ".join(f"{d} {owners.count(d)}" for d in used)])
 
 
 # --------------------------------------------------------------------------- the benchmarks

@@ -231,7 +231,7 @@ def build(options: ClientsOptions, clients: int | None, seed: int, data_dir: Any
     infos = [scan_client(folder, options) for folder in folders]
     bound = _label_bound(infos, options)
     for folder, info in zip(folders, infos):
-        if info.kind == "tensors" and None not in (bound, info.max_label) and info.max_label >= bound:
+        if info.kind == "tensors" and bound is not None and info.max_label is not None and info.max_label >= bound:
             _load_tensors(folder, info, bound)  # raises the DataError that names the file holding the label
     classes = resolve_classes(infos, options)
     if not any(info.test_size for info in infos):

@@ -156,7 +156,9 @@ def _test_sets(domains: dict, names) -> dict[str, tuple[torch.Tensor, torch.Tens
 def _domain_skew(domains: dict, layout: dict[str, int], options: DigitsOfflineOptions, rng: np.random.Generator,
                  seed: int) -> Federation:
     """``partition=domains``: per domain (paper order) a permutation; client j takes its j-th block of ``size``."""
-    client_data, client_domains, records = [], [], []
+    client_data: list[ClientData] = []
+    client_domains: list[str] = []
+    records: list[dict[str, Any]] = []
     for domain in [d for d in PAPER_CLIENTS if d in layout]:
         data = domains[domain]
         available = int(data.train_y.shape[0])
@@ -210,10 +212,12 @@ def _label_skew(domains: dict, layout: dict[str, int], scheme: str, options: Par
     except PartitionError as error:
         raise ConfigError(f"digits-offline partition={scheme}: {str(error).rstrip('.')}; "
                           f"to fix: {_FIXES[scheme]}") from None
+    owners = inner.client_domains
+    assert owners is not None, "within_domains records every client's domain"
     # back from each domain's pool to its whole training set
-    split = Partition([pools[d][ix] for ix, d in zip(inner.client_indices, inner.client_domains)], scheme,
-                      inner.params, client_domains=inner.client_domains)
-    client_data = [_client(domains[d], ix)[0] for ix, d in zip(split.client_indices, split.client_domains)]
+    split = Partition([pools[d][ix] for ix, d in zip(inner.client_indices, owners)], scheme,
+                      inner.params, client_domains=owners)
+    client_data = [_client(domains[d], ix)[0] for ix, d in zip(split.client_indices, owners)]
     record = {"dataset": "digits-offline", "layout": layout, **split.to_json(labels, 10, seed)}
     notes = [f"digits-offline: {scheme} partition within each domain: "
              + ", ".join(f"{d} {n} clients" for d, n in layout.items())]
@@ -222,7 +226,7 @@ def _label_skew(domains: dict, layout: dict[str, int], scheme: str, options: Par
         record["balanced_per_class"] = trimmed
         notes.append("longtail: classes first trimmed to the smallest class of their domain ("
                      + ", ".join(f"{d} {n}" for d, n in trimmed.items()) + " per class)")
-    return Federation("digits-offline", 10, (3, 32, 32), client_data, list(split.client_domains),
+    return Federation("digits-offline", 10, (3, 32, 32), client_data, list(owners),
                       _test_sets(domains, layout), record, notes)
 
 

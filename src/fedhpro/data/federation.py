@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -27,7 +27,7 @@ class ClientData:
     x: Tensor
     y: Tensor
     num_classes: int
-    augment: Optional[Augment] = None
+    augment: Augment | None = None
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
@@ -59,8 +59,8 @@ class Federation:
     test_sets: dict[str, tuple[Tensor, Tensor]]
     partition: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    client_tests: Optional[list[tuple[Tensor, Tensor]]] = None
-    client_names: Optional[list[str]] = None
+    client_tests: list[tuple[Tensor, Tensor]] | None = None
+    client_names: list[str] | None = None
 
     @property
     def num_clients(self) -> int:
@@ -77,7 +77,7 @@ class Federation:
             return "all"
         return next(iter(self.test_sets))
 
-    def to(self, device: torch.device) -> "Federation":
+    def to(self, device: torch.device) -> Federation:
         """Move every tensor to ``device`` (once, before training: data stays resident)."""
         self.clients = [ClientData(c.x.to(device), c.y.to(device), c.num_classes, c.augment) for c in self.clients]
         self.test_sets = {name: (x.to(device), y.to(device)) for name, (x, y) in self.test_sets.items()}
@@ -90,7 +90,7 @@ class Federation:
                      test: Sequence[tuple[Tensor, Tensor]] | Mapping[str, tuple[Tensor, Tensor]], *,
                      num_classes: int | None = None, domains: Sequence[str | None] | None = None,
                      names: Sequence[str] | None = None, name: str = "custom",
-                     partition: dict[str, Any] | None = None, notes: Sequence[str] = ()) -> "Federation":
+                     partition: dict[str, Any] | None = None, notes: Sequence[str] = ()) -> Federation:
         """A federation from per-client ``(x, y)`` training tensors, checked.
 
         ``test``: one ``(x, y)`` per client (each client's own test split:
@@ -118,11 +118,11 @@ class Federation:
         if len(domain_list) != k_total:
             raise DataError(f"{len(domain_list)} domains for {k_total} clients; give one domain (or None) per client")
         per_client = not isinstance(test, Mapping)
-        tests = list(test) if per_client else []
+        tests = [] if isinstance(test, Mapping) else list(test)
         if per_client and len(tests) != k_total:
             raise DataError(f"{len(tests)} test splits for {k_total} clients; give one (x, y) test pair per client, "
                             "or a mapping name -> (x, y) of shared test sets")
-        shared = {} if per_client else {str(n): pair for n, pair in test.items()}
+        shared = {str(n): pair for n, pair in test.items()} if isinstance(test, Mapping) else {}
         if not per_client and not shared:
             raise DataError("no test set; give one (x, y) per client or a mapping name -> (x, y)")
         labelled = [(names[k], "training", pair) for k, pair in enumerate(train)]
@@ -137,17 +137,18 @@ class Federation:
         if len(shapes) != 1:
             raise DataError(f"the clients' inputs differ in shape {sorted(shapes)}; give every client the same "
                             "input shape (e.g. resize images to one size)")
-        for (who, split), (x, y) in checked.items():
+        for (who, split), (_, y) in checked.items():
             if y.numel() and (int(y.min()) < 0 or int(y.max()) >= num_classes):
                 bad = int(y.max()) if int(y.max()) >= num_classes else int(y.min())
                 raise DataError(f"{who}: {split} label {bad} is out of range for {num_classes} classes; labels must "
                                 f"be 0..{num_classes - 1} (set num_classes or fix the labels)")
-        for k, who in enumerate(names):
+        for who in names:
             if checked[(who, "training")][1].numel() == 0:
                 raise DataError(f"{who} has no training data; give it samples or leave it out of the federation")
         clients = [ClientData(*checked[(who, "training")], num_classes) for who in names]
-        client_tests = [checked[(who, "test")] for who in names] if per_client else None
+        client_tests: list[tuple[Tensor, Tensor]] | None = None
         if per_client:
+            client_tests = [checked[(who, "test")] for who in names]
             groups: dict[str, list[int]] = {}
             for k, domain in enumerate(domain_list):
                 groups.setdefault(domain or "all", []).append(k)
@@ -168,7 +169,7 @@ class Federation:
     @classmethod
     def from_datasets(cls, train: Sequence[Any], test: Sequence[Any] | Mapping[str, Any], *,
                       domains: Sequence[str | None] | None = None, names: Sequence[str] | None = None,
-                      num_classes: int | None = None, name: str = "custom", batch_size: int = 256) -> "Federation":
+                      num_classes: int | None = None, name: str = "custom", batch_size: int = 256) -> Federation:
         """A federation from per-client ``torch.utils.data.Dataset`` objects, read once into tensors.
 
         Each dataset's items are ``(x, y)``: ``x`` a tensor (or array) of the

@@ -35,8 +35,14 @@ from fedhpro.data import DatasetSpec
 from fedhpro.data.federation import Federation
 from fedhpro.data.images import CACHE_FOLDER, class_files, decode_files, image_files, subfolders, to_float
 from fedhpro.data.loaders import split_indices
-from fedhpro.data.partition import (Partition, PartitionError, PartitionOptions, chosen_scheme, label_partition,
-                                    within_domains)
+from fedhpro.data.partition import (
+    Partition,
+    PartitionError,
+    PartitionOptions,
+    chosen_scheme,
+    label_partition,
+    within_domains,
+)
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.options import option
 
@@ -119,7 +125,7 @@ def discover(root: Path, options: ImageFolderOptions) -> tuple[dict[str, DomainI
         return {"": images}, sorted(names)
     candidates = [sub for sub in subfolders(root) if sub.name != CACHE_FOLDER]
     layouts = {sub: _layout(sub) for sub in candidates}
-    domains = [sub for sub, kind in layouts.items() if kind is not None]
+    domains = {sub: kind for sub, kind in layouts.items() if kind is not None}
     if not domains:
         raise DataError(f"{root} has no class subfolders (nor train/ or domain folders); put the images in "
                         f"{root}/<class>/, {root}/train/<class>/ and {root}/test/<class>/, or "
@@ -130,8 +136,8 @@ def discover(root: Path, options: ImageFolderOptions) -> tuple[dict[str, DomainI
                         f"({root}/<domain>/<class>/<image>) or move them out of data_dir")
     found: dict[str, DomainImages] = {}
     classes: set[str] = set()
-    for sub in domains:
-        found[sub.name], names = _domain_images(sub, layouts[sub], options)
+    for sub, kind in domains.items():
+        found[sub.name], names = _domain_images(sub, kind, options)
         classes |= names
     return found, sorted(classes)
 

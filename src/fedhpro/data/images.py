@@ -75,7 +75,7 @@ def rgb_pixels(image: Any, size: int) -> np.ndarray:
 
     image = image.convert("RGB")
     if image.size != (size, size):
-        image = image.resize((size, size), Image.BILINEAR)
+        image = image.resize((size, size), Image.Resampling.BILINEAR)
     return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
 
 

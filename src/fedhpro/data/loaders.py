@@ -43,9 +43,10 @@ import hashlib
 import os
 import re
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -65,6 +66,26 @@ def _pil_rgb(path: str | os.PathLike) -> Any:
 
 def _images_in(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+
+
+class _SVHNLabels(Protocol):
+    """torchvision's SVHN: its pixels in ``data`` and its labels in ``labels`` (not ``targets``)."""
+
+    labels: Sequence[int] | np.ndarray
+
+
+class _SUN397Files(Protocol):
+    """torchvision's SUN397: its image paths and labels, in attributes private to torchvision."""
+
+    _image_files: Sequence[Path]
+    _labels: Sequence[int]
+
+
+class _LabelledFiles(Protocol):
+    """An image-file data set (:class:`_FileImages`): its image paths and their labels."""
+
+    files: Sequence[Path]
+    targets: Sequence[int]
 
 
 class _FileImages(Dataset):
@@ -455,19 +476,21 @@ def image_arrays(dataset: Dataset, size: int | None = None, cache: Path | None =
         array = data.numpy() if isinstance(data, torch.Tensor) else np.asarray(data)
         labels = getattr(dataset, "targets", None)
         if labels is None:
-            labels = dataset.labels  # SVHN
+            labels = cast(_SVHNLabels, dataset).labels
         labels = np.asarray(labels.numpy() if isinstance(labels, torch.Tensor) else labels, dtype=np.int64)
         if array.ndim == 3:  # MNIST, USPS: N x H x W
             array = array[:, None]
         elif array.shape[-1] == 3 and array.shape[1] != 3:  # CIFAR: N x H x W x C
             array = array.transpose(0, 3, 1, 2)
         return np.ascontiguousarray(array, dtype=np.uint8), labels
-    files = getattr(dataset, "files", None)
-    if files is None:  # torchvision's SUN397
-        files = list(dataset._image_files)
-        labels = np.asarray(dataset._labels, dtype=np.int64)
+    if getattr(dataset, "files", None) is None:  # torchvision's SUN397
+        sun397 = cast(_SUN397Files, dataset)
+        files = list(sun397._image_files)
+        labels = np.asarray(sun397._labels, dtype=np.int64)
     else:
-        labels = np.asarray(dataset.targets, dtype=np.int64)
+        listed = cast(_LabelledFiles, dataset)
+        files = list(listed.files)
+        labels = np.asarray(listed.targets, dtype=np.int64)
     if size is None:
         raise ValueError("image_arrays: an image-file data set needs a size")
     if cache is not None:
@@ -498,7 +521,7 @@ def _decode_into(out: np.ndarray, files: Sequence[Path], size: int, progress: bo
     for i, path in enumerate(iterator):
         image = _pil_rgb(path)
         if image.size != (size, size):
-            image = image.resize((size, size), Image.BILINEAR)
+            image = image.resize((size, size), Image.Resampling.BILINEAR)
         out[i] = np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
 
 

@@ -29,18 +29,18 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any
 
 import numpy as np
 
 from fedhpro.errors import FedHProError
-from fedhpro.options import option
 from fedhpro.files import write_atomic
+from fedhpro.options import option
 
-LabelsLike = Union[np.ndarray, Mapping[str, np.ndarray]]
+LabelsLike = np.ndarray | Mapping[str, np.ndarray]
 
 
 class PartitionError(FedHProError, ValueError):
@@ -91,16 +91,18 @@ class Partition:
         """
         counts = np.zeros((self.num_clients, int(num_classes)), dtype=np.int64)
         if isinstance(labels, Mapping):
-            if self.client_domains is None:
+            domains = self.client_domains
+            if domains is None:
                 raise PartitionError("labels given per domain but this partition has no client_domains")
             per_domain = {str(d): _as_labels(v, f"labels[{d!r}]") for d, v in labels.items()}
-            missing = sorted(set(self.client_domains) - set(per_domain))
+            missing = sorted(set(domains) - set(per_domain))
             if missing:
                 raise PartitionError(f"labels given per domain lack the domain(s) {missing}")
+            label_of = [per_domain[d] for d in domains]
         else:
-            flat = _as_labels(labels)
+            label_of = [_as_labels(labels)] * self.num_clients
         for k, ix in enumerate(self.client_indices):
-            y = per_domain[self.client_domains[k]] if isinstance(labels, Mapping) else flat
+            y = label_of[k]
             if ix.size and ix[-1] >= y.shape[0]:
                 raise PartitionError(f"client {k} holds index {int(ix[-1])} but the labels have only {y.shape[0]} "
                                      "entries; is this the partition of another data set?")
@@ -145,7 +147,7 @@ class Partition:
 
     @classmethod
     def from_json(cls, record: Mapping[str, Any], num_samples: int | Mapping[str, int] | None = None,
-                  source: str = "partition record") -> "Partition":
+                  source: str = "partition record") -> Partition:
         """Inverse of :meth:`to_json`.
 
         Indices are checked against ``num_samples`` (argument, else the
@@ -219,7 +221,7 @@ class Partition:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike, num_samples: int | Mapping[str, int] | None = None) -> "Partition":
+    def load(cls, path: str | os.PathLike, num_samples: int | Mapping[str, int] | None = None) -> Partition:
         """Read a file written by :meth:`save`; a malformed file raises :class:`PartitionError` naming it."""
         path = Path(path)
         try:
@@ -695,7 +697,7 @@ def label_partition(options: PartitionOptions, scheme: str, labels: np.ndarray, 
 
 
 def within_domains(labels: Mapping[str, np.ndarray], layout: Mapping[str, int], scheme: str,
-                   options: "PartitionOptions", rng: np.random.Generator,
+                   options: PartitionOptions, rng: np.random.Generator,
                    num_classes: int | None = None) -> Partition:
     """A label-skew ``scheme`` applied separately to each domain's training set among that domain's clients.
 
@@ -726,7 +728,5 @@ def within_domains(labels: Mapping[str, np.ndarray], layout: Mapping[str, int], 
     return Partition(parts, scheme, params, client_domains=owners)
 
 
-__all__ = ["LABEL_SCHEMES", "PARTITIONERS", "Partition", "PartitionError", "PartitionOptions", "ag_nid", "chosen_scheme",
-           "dirichlet",
-           "domains", "iid", "label_partition", "longtail", "nid2",
-           "within_domains"]
+__all__ = ["LABEL_SCHEMES", "PARTITIONERS", "Partition", "PartitionError", "PartitionOptions", "ag_nid",
+           "chosen_scheme", "dirichlet", "domains", "iid", "label_partition", "longtail", "nid2", "within_domains"]

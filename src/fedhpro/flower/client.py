@@ -36,9 +36,9 @@ import dataclasses
 import json
 import logging
 import traceback
-from typing import Any
+from typing import Any, cast
 
-from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
+from flwr.app import ConfigRecord, ConfigRecordValues, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
@@ -83,7 +83,7 @@ def _setup(msg: Message, context: Context) -> tuple[NodeSide, int]:
     """``(node side, round)`` for a message: this node's client of the config the message carries."""
     node_config = dict(context.node_config)
     header = msg.content.config_records[HEADER]
-    client = int(header["client"])
+    client = int(cast(int, header["client"]))
     text = str(header["config"])
     overrides = _node_overrides(node_config)
     config = config_from_text(text, overrides)
@@ -94,8 +94,8 @@ def _setup(msg: Message, context: Context) -> tuple[NodeSide, int]:
             raise ConfigError(f"the server addressed client {client} but this SuperNode holds partition {partition}")
     else:
         node_folder(node_config)
-    node = _nodes.get(text, overrides, client, int(header["num-clients"]))
-    return node, int(header["round"])
+    node = _nodes.get(text, overrides, client, int(cast(int, header["num-clients"])))
+    return node, int(cast(int, header["round"]))
 
 
 def _personal_weights(node: NodeSide, context: Context) -> dict[str, Any] | None:
@@ -122,6 +122,7 @@ def query(msg: Message, context: Context) -> Message:
     try:
         node_config = dict(context.node_config)
         header = msg.content.config_records[HEADER]
+        answer: dict[str, ConfigRecordValues]
         if str(header["query"]) == "data":
             from fedhpro.data.clients import scan_client
 

@@ -20,7 +20,7 @@ separately into the ``MetricRecord`` ``fedhpro.metrics``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -127,7 +127,7 @@ def encode_metrics(metrics: Mapping[str, float]) -> MetricRecord:
 
 def decode_metrics(content: RecordDict) -> dict[str, float]:
     record = content.metric_records.get(METRICS)
-    return {} if record is None else {name: float(value) for name, value in record.items()}
+    return {} if record is None else {name: float(cast(float, value)) for name, value in record.items()}
 
 
 def payload_record_dict(payload: Mapping[str, Any], **extra: Any) -> RecordDict:

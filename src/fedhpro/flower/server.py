@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterable, Mapping
 from logging import INFO, WARNING
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
@@ -72,7 +72,7 @@ def discover_nodes(grid: Grid, clients: int | None, settings: FlowerSettings) ->
     known: dict[int, tuple[int, int]] = {}  # node id -> (partition-id, num-partitions)
     while True:
         for node, info in _ask_new_nodes(grid, known, {"query": "partition"}, deadline).items():
-            known[node] = (int(info["partition-id"]), int(info["num-partitions"]))
+            known[node] = (int(cast(int, info["partition-id"])), int(cast(int, info["num-partitions"])))
         counts = {count for _, count in known.values()}
         if len(counts) > 1:
             raise ConfigError(f"the nodes disagree on num-partitions ({sorted(counts)}); give every SuperNode "
@@ -98,7 +98,8 @@ def discover_nodes(grid: Grid, clients: int | None, settings: FlowerSettings) ->
         time.sleep(0.2)
 
 
-def discover_own_data(grid: Grid, config: Config, settings: FlowerSettings) -> tuple[dict[int, int], list[Any], list[str]]:
+def discover_own_data(grid: Grid, config: Config,
+                      settings: FlowerSettings) -> tuple[dict[int, int], list[Any], list[str]]:
     """Own-data mode: ``({client index: node id}, the nodes' ClientInfo in client order, class names)``.
 
     Asks every node to describe its own folder (nothing but counts, names and
@@ -219,7 +220,7 @@ class MethodStrategy(Strategy):
             if reply is None:
                 current.fail(k, "no reply before flower.round-timeout")
             elif reply.has_error():
-                current.fail(k, reply.error.reason)
+                current.fail(k, reply.error.reason or f"error code {reply.error.code}")
             else:
                 try:
                     payload = records.decode_payload(reply.content, self.side.device)
@@ -259,7 +260,9 @@ class MethodStrategy(Strategy):
             if self.side.federated_evaluation:
                 accuracy, per_client = self._pooled_accuracy(list(replies))
             else:
-                accuracy, per_client = self.side.engine.evaluate_clients()
+                engine = self.side.engine
+                assert engine is not None, "only partition mode (which has the engine) evaluates on the server"
+                accuracy, per_client = engine.evaluate_clients()
             extra = {"client_accuracy": per_client, "fairness": fairness_statistics(per_client)}
         seconds = {"clients": self._times["clients"], "server": self._times["server"],
                    "eval": time.perf_counter() - self._times["eval_started"]}
@@ -281,7 +284,7 @@ class MethodStrategy(Strategy):
             if reply.has_error():
                 raise FedHProError(f"client {k} could not evaluate: {reply.error.reason}")
             info = reply.content.config_records[EVAL_RECORD]
-            counts[k] = TestCount(str(info["test-set"]), int(info["correct"]), int(info["total"]))
+            counts[k] = TestCount(str(info["test-set"]), int(cast(int, info["correct"])), int(cast(int, info["total"])))
         missing = sorted(set(self.nodes) - set(counts))
         if missing:
             raise FedHProError(f"clients {missing} sent no evaluation before flower.round-timeout")
@@ -321,6 +324,7 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, Any
         if config.run.clients is None:
             config = load_config(config.to_dict(), {"clients": clients})
         side = build_server_side(config, on_drop=warn)
+        assert side.engine is not None, "partition mode builds the whole engine"
         federation = side.engine.federation
         if federation.num_clients != clients:
             raise ConfigError(f"the federation has {federation.num_clients} clients but {clients} SuperNodes "

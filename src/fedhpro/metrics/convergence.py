@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
 def rounds_to_accuracy(rows: Iterable[dict[str, Any]], target: float, key: str = "AVG") -> int | None:

@@ -38,7 +38,7 @@ class FlopCounter:
         self._mode = _CountingMode()
         self.total = 0
 
-    def __enter__(self) -> "FlopCounter":
+    def __enter__(self) -> FlopCounter:
         self._mode.__enter__()
         return self
 

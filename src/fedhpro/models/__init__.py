@@ -10,7 +10,8 @@ Adding a model is one new file plus one line in ``MODELS``. Constructors take
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -86,7 +87,7 @@ def build_model(name: str, num_classes: int, input_shape: tuple[int, ...], featu
 
 
 from fedhpro.models.heterogeneity import HTFE, architecture_for_client  # noqa: E402
-from fedhpro.models.summary import describe_models, format_model_table  # noqa: E402
 from fedhpro.models.split import SplitModel, split  # noqa: E402
+from fedhpro.models.summary import describe_models, format_model_table  # noqa: E402
 
 __all__ += ["split", "SplitModel"]

@@ -74,7 +74,8 @@ def _named(arch: str):
         return ResNetFE(num_classes, input_shape, feature_dim, arch=arch, **options)
 
     build.__name__ = build.__qualname__ = arch
-    build.__doc__ = f"{arch}: {ResNetFE.__doc__.splitlines()[0]} (see :class:`ResNetFE`)."
+    summary = (ResNetFE.__doc__ or "A torchvision ResNet trunk as a feature extractor.").splitlines()[0]
+    build.__doc__ = f"{arch}: {summary} (see :class:`ResNetFE`)."
     build.input_kind = "image"  # type: ignore[attr-defined]
     return build
 

@@ -58,12 +58,13 @@ def split(model: nn.Module, head: str = "fc", *, num_classes: int | None = None)
         raise ConfigError(f"split() takes an nn.Module, got {type(model).__name__}")
     body = copy.deepcopy(model)
     *path, last = head.split(".")
-    parent = body
+    parent: nn.Module = body
     for depth, part in enumerate(path):
-        parent = getattr(parent, part, None) if part else None
-        if not isinstance(parent, nn.Module):
+        child = getattr(parent, part, None) if part else None
+        if not isinstance(child, nn.Module):
             raise ConfigError(f"split(head={head!r}): {type(model).__name__} has no module "
                               f"{'.'.join(path[:depth + 1])!r}; name the path to its last Linear layer")
+        parent = child
     layer = getattr(parent, last, None) if last else None
     if not isinstance(layer, nn.Linear):
         found = "nothing" if layer is None else f"a {type(layer).__name__}"

@@ -71,11 +71,13 @@ def describe_models(names: Iterable[str] | None = None, *, num_classes: int = 10
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             model = build_model(name, num_classes, shape, feature_dim)
+        classifier = model.classifier
+        assert isinstance(classifier, nn.Module), f"{name}: every zoo model has a classifier layer"
         rows.append({
             "name": name,
             "input_shape": tuple(shape),
             "params": count_parameters(model),
-            "classifier_params": count_parameters(model.classifier),
+            "classifier_params": count_parameters(classifier),
             "flops": forward_flops(model, example_input(model, shape)),
             "feature_dim": model.feature_dim,
             "num_classes": model.num_classes,
