@@ -55,6 +55,10 @@ logger = logging.getLogger("fedhpro.flower")
 STATE_PREFIX = "state/"  # the method's per-client state
 MODEL_PREFIX = "personal/"  # the personal model (its weights under the key MODEL)
 MODEL = "model"
+#: the client's state and personal model as they were before its latest fit, and that fit's round: restored when
+#: the server refuses that round's reply (as the simulator restores a client whose update it rejects)
+BACKUP_PREFIX = "before/"
+BACKUP_ROUND = "fedhpro.backup"
 
 #: node_config keys a SuperNode may set for itself (where its data is, which device it trains on)
 NODE_OVERRIDES = {"data-dir": "data_dir", "device": "device"}
@@ -95,7 +99,34 @@ def _setup(msg: Message, context: Context) -> tuple[NodeSide, int]:
     else:
         node_folder(node_config)
     node = _nodes.get(text, overrides, client, int(cast(int, header["num-clients"])))
+    _restore_if_refused(context, int(cast(int, header.get("refused-round", -1))))
     return node, int(cast(int, header["round"]))
+
+
+def _held(context: Context, *prefixes: str) -> list[str]:
+    return [name for name in list(context.state.keys()) if name.startswith(prefixes)]
+
+
+def _keep_backup(context: Context, round: int) -> None:
+    """Keep what the client holds now (before ``round``'s fit) beside it, replacing the older backup."""
+    for name in _held(context, BACKUP_PREFIX):
+        del context.state[name]
+    for name in _held(context, STATE_PREFIX, MODEL_PREFIX):
+        context.state[BACKUP_PREFIX + name] = context.state[name]
+    context.state[BACKUP_ROUND] = ConfigRecord({"round": round})
+
+
+def _restore_if_refused(context: Context, refused_round: int) -> None:
+    """The server refused this client's reply of ``refused_round`` (an invalid update): go back to the state
+    and personal model from before that fit, once."""
+    backup = context.state.config_records.get(BACKUP_ROUND)
+    if refused_round < 0 or backup is None or int(cast(int, backup["round"])) != refused_round:
+        return
+    for name in _held(context, STATE_PREFIX, MODEL_PREFIX):
+        del context.state[name]
+    for name in _held(context, BACKUP_PREFIX):
+        context.state[name[len(BACKUP_PREFIX):]] = context.state.pop(name)
+    del context.state[BACKUP_ROUND]
 
 
 def _personal_weights(node: NodeSide, context: Context) -> dict[str, Any] | None:
@@ -153,6 +184,7 @@ def train(msg: Message, context: Context) -> Message:
         content = RecordDict({**records.encode_payload(reply), records.METRICS: records.encode_metrics(metrics)})
     except Exception as error:  # noqa: BLE001 - a crashing client is a dropped client
         return _failure(msg, error)
+    _keep_backup(context, round)
     _save_state(context, state)
     if node.models.personal:  # the personal model persists to the client's next round
         for name, record in records.encode_payload({MODEL: model.state_dict()}, prefix=MODEL_PREFIX).items():

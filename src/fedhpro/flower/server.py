@@ -44,7 +44,7 @@ from flwr.supercore import log
 from fedhpro import reports
 from fedhpro.api import check_new_run_folder
 from fedhpro.config import Config, load_config
-from fedhpro.engines.protocol import OpenRound, TestCount, pool_accuracy, weighted_mean
+from fedhpro.engines.protocol import OpenRound, Reception, TestCount, pool_accuracy, weighted_mean
 from fedhpro.errors import ConfigError, DataError, FedHProError
 from fedhpro.flower import records
 from fedhpro.flower.engine import ServerSide, build_server_side, config_text, own_data
@@ -183,6 +183,7 @@ class MethodStrategy(Strategy):
         self._round: OpenRound | None = None
         self._times: dict[str, float] = {}
         self._server_metrics: dict[str, float] = {}
+        self.refused: dict[int, int] = {}  # client -> the round of its latest reply refused as invalid
 
     @property
     def server(self) -> Any:
@@ -191,8 +192,10 @@ class MethodStrategy(Strategy):
     # ------------------------------------------------------------------ helpers
 
     def _header(self, round: int, client: int) -> ConfigRecord:
+        # refused-round: the round whose reply from this client the server refused as invalid, so that the
+        # node restores its state from before that fit (the simulator's rule); -1: none
         return ConfigRecord({"config": self.text, "round": round, "client": client,
-                             "num-clients": len(self.nodes)})
+                             "num-clients": len(self.nodes), "refused-round": self.refused.get(client, -1)})
 
     def summary(self) -> None:
         log(INFO, "\t├── fedhpro method: %s on %s, %d clients (one per SuperNode)",
@@ -224,10 +227,13 @@ class MethodStrategy(Strategy):
             else:
                 try:
                     payload = records.decode_payload(reply.content, self.side.device)
-                except FedHProError as error:
+                except FedHProError as error:  # a malformed reply: refused like an invalid update
                     current.fail(k, f"invalid update: {error}")
+                    self.refused[k] = current.round
                     continue
-                current.receive(k, payload, records.decode_metrics(reply.content), self.side.num_samples[k])
+                reception = current.receive(k, payload, records.decode_metrics(reply.content), self.side.num_samples[k])
+                if reception is Reception.INVALID:
+                    self.refused[k] = current.round
         client_seconds = time.perf_counter() - current.started
         timer = time.perf_counter()
         self._server_metrics = current.close()
