@@ -103,7 +103,7 @@ def reproduced(targets, tmp_path_factory):
     """Every tiny target reproduced once (the runs are shared); returns (out folder, captured stdout)."""
     out = tmp_path_factory.mktemp("reproduce")
     patch = pytest.MonkeyPatch()
-    patch.setattr(R, "configs_dir", lambda: targets)
+    patch.setattr(R.targets, "configs_dir", lambda: targets)
     buffer = io.StringIO()
     stdout, sys.stdout = sys.stdout, buffer
     try:
@@ -215,6 +215,12 @@ def fake_run(folder: Path, method: str, avg: list[float], **extra) -> "R.RunData
     return load_run(folder)
 
 
+def build_one(target: "R.Target", part: "R.Part", runs: dict, out: Path):
+    """One part's output as reproduce writes it: its Markdown sections, the checks and the figure files drawn."""
+    table = R.build_table(target, [R.PartResult(part, "", runs, ["mnist"])])
+    return [R.section_markdown(s) for s in table.sections], table.checks, R.draw_figures(table.figures, out)
+
+
 def test_scenarios_layout_with_an_average_column_and_a_sweep_plot(tmp_path):
     variants = [R.Variant("FedProto†", "fedproto"), R.Variant("FedHPro", "fedhpro")]
     part = R.Part("Digits", "digits", {}, [R.Scenario("d=64"), R.Scenario("d=256")], [],
@@ -224,9 +230,8 @@ def test_scenarios_layout_with_an_average_column_and_a_sweep_plot(tmp_path):
             ("d=256", "FedProto†"): [fake_run(tmp_path / "b", "fedproto", [50.0, 70.0])],
             ("d=64", "FedHPro"): [fake_run(tmp_path / "c", "fedhpro", [50.0, 65.0])],
             ("d=256", "FedHPro"): [fake_run(tmp_path / "d", "fedhpro", [50.0, 75.0])]}
-    target = R.Target("t", "Table A6: d", "scenarios", [0], {}, variants, [part], [], {})
-    sections, (header, rows), figures, checks = R._build_scenarios(
-        target, [R.PartResult(part, "", runs, ["mnist"])], [0], tmp_path / "out")
+    target = R.Target("t", "Table A6: d", "scenarios", [0], {}, variants, [part], [])
+    sections, checks, figures = build_one(target, part, runs, tmp_path / "out")
     assert "| FedHPro | 65.00 / 80.28 | 75.00 / 83.37 | 70.00 / 81.00 |" in sections[0]
     assert any("d=256" in line and "matches" in line for line in checks)
     assert figures[0].read_bytes()[:8] == PNG_MAGIC
@@ -238,9 +243,8 @@ def test_efficiency_layout_reads_parameters_bytes_flops_and_training_time(tmp_pa
                   {"FedAvg": [10.87, 380.42, 1.02, 23.11], "FedHPro": [10.90, 387.57, 1.35, 35.16]}, {}, variants)
     runs = {("Digits", "FedAvg"): [fake_run(tmp_path / "a", "fedavg", [10.0, 20.0], flops_train=[1e10, 1e10])],
             ("Digits", "FedHPro"): [fake_run(tmp_path / "b", "fedhpro", [10.0, 20.0], flops_train=[2e10, 2e10])]}
-    target = R.Target("t", "Table 4: efficiency", "efficiency", [0], {}, variants, [part], [], {})
-    sections, (header, rows), figures, checks = R._build_efficiency(
-        target, [R.PartResult(part, "", runs, ["mnist"])], [0], tmp_path / "out")
+    target = R.Target("t", "Table 4: efficiency", "efficiency", [0], {}, variants, [part], [])
+    sections, checks, figures = build_one(target, part, runs, tmp_path / "out")
     # 200 parameters up = 2e-5 x 10^7; 4000 bytes = 0.0038 MiB; 2e10 FLOPs = 2 x 10^10; 2 s of training
     assert "| FedHPro | 0.0000 / 10.9 | 0.0038 / 387.57 | 2.0000 / 1.35 | 2.00 / 35.16 |" in sections[0]
     assert any("FLOPs" in line and "matches" in line for line in checks)
@@ -254,9 +258,199 @@ def test_prototype_layout_finds_the_closest_prototypes(tmp_path):
             "clients_mean": {"l2": 2.0, "l2_normalized": 0.5}}
     runs = {("Digits", "FedAvg"): [fake_run(tmp_path / "a", "fedavg", [1.0, 2.0], prototype_distance=[far, far])],
             ("Digits", "FedHPro"): [fake_run(tmp_path / "b", "fedhpro", [1.0, 2.0], prototype_distance=[near, near])]}
-    target = R.Target("t", "Figure 2", "prototypes", [0], {}, variants, [part], [], {})
-    sections, _, figures, checks = R._build_prototypes(target, [R.PartResult(part, "", runs, ["mnist"])], [0],
-                                                       tmp_path / "out")
+    target = R.Target("t", "Figure 2", "prototypes", [0], {}, variants, [part], [])
+    sections, checks, figures = build_one(target, part, runs, tmp_path / "out")
     assert "| FedHPro | server | 1.000 | 0.200 | 3.000 |" in sections[0]
     assert "closest = FedHPro -> matches" in checks[0]
     assert all(f.read_bytes()[:8] == PNG_MAGIC for f in figures)
+
+
+# ----------------------------------------------------------------------------
+# strict target files, the emitter, the data check
+# ----------------------------------------------------------------------------
+
+GOOD_TARGET = {"name": "t", "title": "Table T: t", "layout": "convergence", "seeds": [0],
+               "settings": {"rounds": 2}, "smoke": {"seeds": [0], "settings": {"rounds": 1}},
+               "variants": VARIANTS,
+               "parts": [{"name": "Digits", "benchmark": "digits", "settings": {"dataset": "digits"},
+                          "thresholds": [5, 10], "smoke": {"thresholds": [1]}}]}
+
+
+def _with(path: list, value) -> dict:
+    """GOOD_TARGET with ``value`` set at ``path`` (keys and list indices)."""
+    import copy
+
+    document = copy.deepcopy(GOOD_TARGET)
+    place = document
+    for step in path[:-1]:
+        place = place[step]
+    place[path[-1]] = value
+    return document
+
+
+@pytest.mark.parametrize("path, key, where, valid", [
+    (["treshold"], "treshold", "the top level", "name, title, layout, seeds"),
+    (["smoke", "options"], "options", "smoke", "seeds, settings"),
+    (["parts", 0, "delta"], "delta", "parts[0] (Digits)", "thresholds, speedup_at"),  # a domains key
+    (["parts", 0, "smoke", "columns"], "columns", "parts[0] (Digits) smoke", "settings, scenarios, thresholds"),
+    (["variants", 1, "lable"], "lable", "variants[1]", "label, method, settings"),
+])
+def test_an_unknown_key_in_a_target_is_one_line_naming_file_key_and_valid_keys(tmp_path, monkeypatch, path, key,
+                                                                               where, valid):
+    monkeypatch.setattr(R.targets, "configs_dir", lambda: tmp_path)
+    (tmp_path / "good.yaml").write_text(yaml.safe_dump(GOOD_TARGET))
+    assert R.load_target("good", "smoke").parts[0].extra == {"thresholds": [1]}  # the part's smoke replaces it
+    assert R.load_target("good").parts[0].extra == {"thresholds": [5, 10]}
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(_with(path, 1)))
+    for scale in ("paper", "smoke"):  # a smoke section is checked at paper scale too
+        with pytest.raises(ConfigError) as error:
+            R.load_target("bad", scale)
+        message = str(error.value)
+        assert "\n" not in message and str(tmp_path / "bad.yaml") in message
+        assert f"unknown key {key!r} in {where};" in message and valid in message
+
+
+def test_a_target_whose_benchmark_disagrees_with_its_dataset_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(R.targets, "configs_dir", lambda: tmp_path)
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(_with(["parts", 0, "benchmark"], "cifar10")))
+    with pytest.raises(ConfigError, match=r"parts\[0\] \(Digits\) has benchmark: cifar10 but runs dataset: digits"):
+        R.load_target("bad")
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(_with(["variants", 0], {"label": "FedAvg"})))
+    with pytest.raises(ConfigError, match=r"variants\[0\] has no 'method'"):
+        R.load_target("bad")
+
+
+def _hand_table() -> "R.Table":
+    rows = [["FedAvg", "50.00 / 78.82"], ["FedHPro", "60.00 / –"]]
+    return R.Table(csv_header=["part", "row", "column", "ours_mean", "ours_std", "paper"],
+                   sections=[R.Section("Digits", ["Methods", "AVG"], rows, ["a note"]),
+                             R.Section("CIFAR10", skipped="CIFAR10: no data")],
+                   csv_rows=[["Digits", "FedAvg", "AVG", 50.0, 0.0, 78.82],
+                             ["Digits", "FedHPro", "AVG", 60.0, None, None]],
+                   checks=["Digits (AVG): a check"])
+
+
+def test_the_emitter_writes_the_same_table_for_the_same_rows(tmp_path):
+    import json
+    import time
+
+    target = R.Target("t", "Table T: t", "domains", [0], {}, [], [], ["a target note"])
+    for folder in (tmp_path / "a", tmp_path / "b"):
+        written = R.emit(target, _hand_table(), folder, scale="smoke", seeds=[0], notes=["CIFAR10: no data"],
+                         started=time.perf_counter(), echo=False)
+        assert written == [folder / "table.md", folder / "table.csv"]
+    expected_md = (
+        "# Table T: t\n\nReproduced with `fedhpro reproduce t scale=smoke` (seeds [0]); ours: mean ± std over seeds; "
+        "paper: the published number. Wall time 0 s.\n\n" + R.emitter.SMOKE_WARNING + "\n\n- a target note\n\n"
+        "## Digits\n\n| Methods | AVG |\n|---|---|\n| FedAvg | 50.00 / 78.82 |\n| FedHPro | 60.00 / – |\n\n"
+        "- a note\n\n"
+        "## CIFAR10\n\nnot run: CIFAR10: no data\n\n## Ordering against the paper\n\n- Digits (AVG): a check\n")
+    expected_csv = ("part,row,column,ours_mean,ours_std,paper\r\nDigits,FedAvg,AVG,50,0,78.82\r\n"
+                    "Digits,FedHPro,AVG,60,,\r\n")
+    for folder in (tmp_path / "a", tmp_path / "b"):
+        assert (folder / "table.md").read_text() == expected_md
+        assert (folder / "table.csv").read_bytes().decode() == expected_csv
+        record = json.loads((folder / "reproduce.json").read_text())
+        assert record["checks"] == ["Digits (AVG): a check"] and record["notes"] == ["CIFAR10: no data"]
+        assert record["figures"] == [] and record["seeds"] == [0] and record["target"] == "t"
+
+
+def _no_build(monkeypatch):
+    """Make building any federation, or opening any loader, fail the test."""
+    from fedhpro.data import benchmarks, loaders
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the data check built a federation or opened a loader")
+
+    for cls in (benchmarks.DomainBenchmark, benchmarks.LabelSkewBenchmark, benchmarks.TextBenchmark):
+        monkeypatch.setattr(cls, "build", refuse)
+    monkeypatch.setattr(loaders, "open_loader", refuse)
+    monkeypatch.setattr(benchmarks, "open_loader", refuse)
+
+
+def test_the_data_check_names_the_missing_data_set_without_building_it(tmp_path, monkeypatch):
+    from fedhpro.data.loaders import missing
+
+    _no_build(monkeypatch)
+    digits = {"dataset": "digits", "data_dir": str(tmp_path)}
+    for name in ("MNIST/raw/train-images-idx3-ubyte", "MNIST/raw/train-labels-idx1-ubyte",
+                 "MNIST/raw/t10k-images-idx3-ubyte", "MNIST/raw/t10k-labels-idx1-ubyte", "usps.bz2", "usps.t.bz2"):
+        folder = tmp_path / ("mnist" if name.startswith("MNIST") else "usps")
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(b"")
+    # MNIST and USPS are there: two clients use only them; four need SVHN (the first missing) and SYN
+    assert R.missing_data({**digits, "clients": 2}) is None
+    assert R.missing_data({**digits, "clients": 4}) == str(missing("svhn", tmp_path / "svhn"))
+    assert R.missing_data({**digits, "data.clients_per_domain": {"mnist": 1, "syn": 2}}) == str(
+        missing("syn", tmp_path / "syn"))
+    (tmp_path / "syn" / "train").mkdir(parents=True)
+    (tmp_path / "syn" / "test").mkdir()
+    assert R.missing_data({**digits, "data.clients_per_domain": {"mnist": 1, "syn": 2}}) is None
+    cifar = {"dataset": "cifar10", "data_dir": str(tmp_path)}
+    assert R.missing_data(cifar).startswith("cifar10: data not found in")
+    assert R.missing_data({**cifar, "data.download": True}) is None  # torchvision fetches it when the run starts
+    assert R.missing_data({"dataset": "digits-offline", "data_dir": str(tmp_path)}) is None
+    assert "not registered" in R.missing_data({"dataset": "mnist-9000"})
+    settings, note = R.resolve_data("Digits", {**digits, "data.fraction": 0.5}, "smoke")
+    assert settings["dataset"] == "digits-offline" and "svhn: data not found" in note
+    settings, note = R.resolve_data("Digits", digits, "paper")
+    assert settings is None and note.startswith("Digits: needs data set 'digits', which is not available here: svhn")
+
+
+@pytest.mark.parametrize("name", ["cifar10", "syn", "tinyimagenet", "ag_news", "office-caltech"])
+def test_the_data_check_says_what_the_loader_itself_says_of_an_empty_folder(tmp_path, name):
+    from fedhpro.data.loaders import LOADERS, missing, open_loader
+    from fedhpro.errors import DataError
+
+    options = {"domain": "amazon"} if name == "office-caltech" else {}
+    with pytest.raises(DataError) as error:
+        open_loader(name, tmp_path, True, **options)
+    root = tmp_path / LOADERS[name].folder if LOADERS[name].folder else tmp_path
+    assert str(error.value) == str(missing(name, root))  # the loader's own message is the one the check gives
+    assert not R.availability._present(root, R.availability.LOADER_FILES[name], "amazon")
+
+
+def test_every_loader_and_benchmark_is_known_to_the_data_check():
+    from fedhpro.config import load_config
+    from fedhpro.data.benchmarks import BENCHMARKS
+    from fedhpro.data.loaders import LOADERS
+
+    assert set(R.availability.LOADER_FILES) == set(LOADERS)
+    for dataset in BENCHMARKS:
+        used = R.availability.loaders_used(load_config(None, {"dataset": dataset}))
+        assert used and {name for name, _ in used} <= set(LOADERS), dataset
+
+
+def _tiny_files(name: str, root: Path) -> None:
+    """The least a loader opens without error: one tiny image (or text row) per split."""
+    from PIL import Image
+
+    def image(path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (4, 4)).save(path)
+
+    if name == "syn":
+        for split in ("train", "val"):
+            for digit in range(10):
+                image(root / split / str(digit) / "a.png")
+    elif name == "office-caltech":
+        for k in range(4):
+            image(root / "office_caltech_10" / "amazon" / "mug" / f"{k}.jpg")
+    elif name == "ag_news":
+        root.mkdir(parents=True)
+        for split in ("train", "test"):
+            (root / f"{split}.csv").write_text('"1","a title","a description"\n')
+
+
+@pytest.mark.parametrize("name", ["syn", "office-caltech", "ag_news"])
+def test_the_data_check_finds_what_the_loader_opens(tmp_path, name):
+    from fedhpro.data.loaders import LOADERS, open_loader
+
+    root = tmp_path / LOADERS[name].folder if LOADERS[name].folder else tmp_path
+    _tiny_files(name, root)
+    options = {"domain": "amazon", "test_fraction": 0.5} if name == "office-caltech" else {}
+    for train in (True, False):
+        assert len(open_loader(name, tmp_path, train, **options)) >= 1
+    assert R.availability._present(root, R.availability.LOADER_FILES[name], "amazon")
+    if name == "office-caltech":  # each domain is its own folder
+        assert not R.availability._present(root, R.availability.LOADER_FILES[name], "dslr")

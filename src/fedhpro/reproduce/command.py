@@ -1,0 +1,83 @@
+"""``reproduce()``: a target's runs, table and figures; ``main()``: its command line."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from fedhpro.errors import ConfigError
+from fedhpro.reproduce import targets
+from fedhpro.reproduce.availability import resolve_data
+from fedhpro.reproduce.builders import build_table
+from fedhpro.reproduce.emitter import emit
+from fedhpro.reproduce.running import PartResult, run_part
+
+
+def reproduce(name: str, scale: str = "paper", seeds: Sequence[int] | None = None, out: str | Path | None = None,
+              overrides: dict[str, Any] | None = None, echo: bool = True) -> Path:
+    """Run target ``name`` and write its table (Markdown, CSV) and figures (PNG) to ``out/<name>``; the runs
+    go to ``out/runs`` (default ``out``: ``runs/reproduce/<scale>``)."""
+    target = targets.load_target(name, scale)
+    seeds = list(seeds) if seeds is not None else target.seeds
+    overrides = dict(overrides or {})
+    for forbidden in ("method", "seed", "out", "resume"):
+        if forbidden in overrides:
+            raise ConfigError(f"{forbidden}= is set by reproduce for each run; remove it")
+    root = Path(out) if out else Path("runs") / "reproduce" / scale
+    started = time.perf_counter()
+    if echo:
+        print(f"{target.title} -- scale={scale}, seeds {seeds}", flush=True)
+    results: list[PartResult] = []
+    for part in target.parts:
+        resolved, note = resolve_data(part.name, {**target.settings, **part.settings, **overrides}, scale)
+        if resolved is None:
+            print(f"fedhpro reproduce {target.name}: {note}", flush=True)
+            results.append(PartResult(part, note, {}))
+            continue
+        if note and echo:
+            print(f"  {part.name}: {note}", flush=True)
+        results.append(run_part(part, resolved, note, overrides, seeds, root / "runs", echo))
+    folder = root / target.name
+    emit(target, build_table(target, results), folder, scale=scale, seeds=seeds,
+         notes=[r.note for r in results if r.note], started=started, echo=echo)
+    return folder
+
+
+def _list() -> int:
+    print("reproduce targets (configs/paper/*.yaml):")
+    for name in targets.available_targets():
+        target = targets.load_target(name)
+        data = sorted({p.settings.get("dataset", target.settings.get("dataset", "?")) for p in target.parts})
+        print(f"  {name:10s} {target.title}  [data: {', '.join(data)}]")
+    print("run: fedhpro reproduce NAME [scale=smoke] [seeds=[0,1,2]] [out=DIR] [KEY=VALUE ...]; NAME=all runs all")
+    return 0
+
+
+def main(arguments: Sequence[str]) -> int:
+    """``fedhpro reproduce NAME|all|list [scale=paper|smoke] [seeds=[..]] [out=DIR] [KEY=VALUE ...]``."""
+    from fedhpro.compare import _as_list
+    from fedhpro.config import parse_override
+
+    items = list(arguments)
+    if not items or items[0] in ("list", "--list"):
+        return _list()
+    name = items.pop(0)
+    pairs = dict(map(parse_override, items))
+    scale = str(pairs.pop("scale", "paper"))
+    seeds = None
+    if "seeds" in pairs:
+        raw = _as_list(pairs.pop("seeds"), "seeds")
+        try:
+            seeds = [int(s) for s in raw]
+        except ValueError:
+            raise ConfigError(f"seeds={raw} must be integers, e.g. seeds=[0,1,2]") from None
+    out = pairs.pop("out", None)
+    available = targets.available_targets()
+    if name != "all" and name not in available:
+        raise ConfigError(f"no reproduce target {name!r}; choose one of: {', '.join(available)}, all, list")
+    for target in available if name == "all" else [name]:
+        started = time.perf_counter()
+        reproduce(target, scale, seeds, out, pairs)
+        print(f"fedhpro reproduce {target} scale={scale}: {time.perf_counter() - started:.0f} s", flush=True)
+    return 0

@@ -1,0 +1,90 @@
+"""The runs of a part: every (scenario, row, seed), run or reused through the shared run loop
+(:func:`fedhpro.compare.run_all`, which checks every kept run against its config before the first runs).
+
+A run's folder is named by its method, a hash of the settings that decide its numbers and its seed, so
+runs are shared between targets: Table A3's runs serve Table A4, A7, A8 and Figure 4.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from fedhpro.reports.runs import RunData, load_run
+from fedhpro.reproduce.availability import filter_data_keys
+from fedhpro.reproduce.table import slug
+from fedhpro.reproduce.targets import Part
+
+
+@dataclass
+class PartResult:
+    """A part's runs (none when it did not run: ``note`` says why; otherwise ``note`` is what the table says
+    about its data, e.g. the fallback to digits-offline)."""
+
+    part: Part
+    note: str
+    runs: dict[tuple[str, str], list[RunData]]  # (scenario label, variant label) -> one run per seed
+    domains: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Job:
+    """One run to make: its place in the part, its config and its folder."""
+
+    key: tuple[str, str]  # (scenario label, variant label)
+    label: str  # how the progress line names it
+    seed: int
+    config: Any
+    folder: Path
+
+
+def identity(config) -> str:
+    """A short hash of the settings that decide a run's numbers (every key but the presentational ones)."""
+    from fedhpro.config import PRESENTATION_KEYS
+
+    values = {k: v for k, v in config.to_dict().items() if k not in PRESENTATION_KEYS}
+    return hashlib.sha1(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+def plan(part: Part, resolved: dict[str, Any], overrides: dict[str, Any], seeds: Sequence[int],
+         runs_dir: Path) -> list[Job]:
+    """Every run of ``part``, its config resolved (and so checked) before any of them runs."""
+    from fedhpro.config import load_config
+
+    jobs = []
+    for scenario in part.scenarios:
+        for variant in part.variants:
+            settings = {**resolved, **scenario.settings, **variant.settings, **overrides, "method": variant.method}
+            settings = filter_data_keys(settings, settings.get("dataset", "digits-offline"))[0]
+            label = variant.label if len(part.scenarios) == 1 else f"{scenario.label} / {variant.label}"
+            for seed in seeds:
+                config = load_config(None, {**settings, "seed": seed, "progress": False})
+                folder = runs_dir / f"{slug(config.run.method)}-{identity(config)}-seed{seed}"
+                jobs.append(Job((scenario.label, variant.label), label, seed, config, folder))
+    return jobs
+
+
+def run_part(part: Part, resolved: dict[str, Any], note: str, overrides: dict[str, Any], seeds: Sequence[int],
+             runs_dir: Path, echo: bool) -> PartResult:
+    """Run (or reuse) every run of ``part`` with its data settings ``resolved``; a line per run when ``echo``."""
+    from fedhpro.compare import run_all
+
+    jobs = plan(part, resolved, overrides, seeds, runs_dir)
+    summaries = run_all([(job.config, job.folder) for job in jobs])
+    runs: dict[tuple[str, str], list[RunData]] = {}
+    for job in jobs:
+        reused = (job.folder / "summary.json").is_file()
+        started = time.perf_counter()
+        summary = next(summaries)  # continues an interrupted run from its newest checkpoint
+        if echo and reused:
+            print(f"  {job.label:34s} seed {job.seed}: reused {job.folder}", flush=True)
+        elif echo:
+            print(f"  {job.label:34s} seed {job.seed}: AVG {summary['accuracy']:6.2f}  "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+        runs.setdefault(job.key, []).append(load_run(job.folder))
+    first = next(iter(runs.values()))[0]
+    return PartResult(part, note, runs, [d for d in first.final["accuracy"] if d != "AVG"])
