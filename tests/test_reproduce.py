@@ -178,13 +178,15 @@ def test_report_of_a_folder_that_is_not_a_run_is_one_clear_error(tmp_path):
 
 
 def test_tensorboard_missing_is_one_message_to_pip_install_it(monkeypatch, tmp_path):
-    from fedhpro import api
+    from fedhpro.config import RunOptions
+    from fedhpro.engines.observers import TensorBoardLog, observers_for
 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
     messages = []
-    assert api._tensorboard(tmp_path, True, messages.append) is None
+    chosen = observers_for(RunOptions(tensorboard=True), tmp_path, messages.append, "t")
+    assert not any(isinstance(o, TensorBoardLog) for o in chosen)
     assert len(messages) == 1 and "pip install tensorboard" in messages[0]
-    assert api._tensorboard(tmp_path, False, messages.append) is None and len(messages) == 1
+    assert observers_for(RunOptions(tensorboard=False), tmp_path, messages.append, "t") == [] and len(messages) == 1
 
 
 # ----------------------------------------------------------------------------

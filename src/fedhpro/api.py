@@ -18,10 +18,11 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from fedhpro import reports
-from fedhpro.config import (FEDERATION_KEY, PYTHON_PREFIX, Config, _flatten, is_from_python, load_config,
-                            parse_override, read_yaml)
+from fedhpro.config import (FEDERATION_KEY, PYTHON_PREFIX, Config, RunOptions, _flatten, is_from_python,
+                            load_config, parse_override, read_yaml)
 from fedhpro.data import get_dataset
 from fedhpro.engines import checkpoint
+from fedhpro.engines.observers import RoundObserver, observers_for
 from fedhpro.engines.simulator import Faults, Simulator
 from fedhpro.errors import ConfigError
 from fedhpro.data.federation import Federation
@@ -100,6 +101,26 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
     """
     if federation is not None:
         check_federation(federation, None)
+    config, model_factory, resume_from = _resolve_run_config(config, overrides, kwargs, federation)
+    if resume_from is None and config.run.out:
+        check_new_run_folder(Path(config.run.out))  # before the data are built: fail fast
+    device = resolve_device(config.run.device)
+    # on the CPU: denormals flushed (restored afterwards), freed memory reused (fedhpro.runtime)
+    with cpu_runtime(enabled=device.type == "cpu"):
+        return _run_resolved(config, device, federation, model_factory, resume_from, echo)
+
+
+def _resolve_run_config(config: Config | str | os.PathLike | Mapping[str, Any] | None,
+                        overrides: Iterable[str] | Mapping[str, Any] | None, kwargs: Mapping[str, Any],
+                        federation: Federation | None
+                        ) -> tuple[Config, Callable[..., torch.nn.Module] | None, Path | None]:
+    """``(config, model callable or None, checkpoint to resume from or None)`` of :func:`run`'s arguments.
+
+    A ``model`` callable is taken out of the settings (a later source wins, as
+    for any other key); a resumed run takes its config from the saved one
+    (:func:`_resume_config`), a new one records its Python objects
+    (:func:`with_python_objects`).
+    """
     model_factory = None
     for source in (config, overrides, kwargs):  # a later one wins, as for any other key
         if isinstance(source, Mapping) and "model" in source:
@@ -118,99 +139,175 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
         raise ConfigError("pass overrides with a YAML path or mapping, not with a resolved Config")
     else:
         given = _settings_off_defaults(config) if config.run.resume else None
-    resume_from = None
     if config.run.resume:
-        config, resume_from = _resume_config(config, federation, model_factory, given)
-    else:
-        config = with_python_objects(config, federation, model_factory)
-    options = config.run
-    if resume_from is None and options.out:
-        check_new_run_folder(Path(options.out))  # before the data are built: fail fast
-    device = resolve_device(options.device)
-    # on the CPU: denormals flushed (restored afterwards), freed memory reused (fedhpro.runtime)
-    with cpu_runtime(enabled=device.type == "cpu"):
-        return _run_resolved(config, device, federation, model_factory, resume_from, echo)
+        resumed, resume_from = _resume_config(config, federation, model_factory, given)
+        return resumed, model_factory, resume_from
+    return with_python_objects(config, federation, model_factory), model_factory, None
+
+
+@dataclass
+class RunRows:
+    """A run's rows so far: ``metrics.jsonl``'s, ``timing.jsonl``'s (wall times vary run to run, so they
+    are kept out of metrics.jsonl) and the first round still to run."""
+
+    metrics: list[dict[str, Any]]
+    timings: list[dict[str, Any]]
+    first_round: int = 0
 
 
 def _run_resolved(config: Config, device: torch.device, federation: Federation | None,
                   model_factory: Callable[..., torch.nn.Module] | None, resume_from: Path | None,
                   echo: bool) -> RunResult:
-    """The run of a resolved ``config`` (:func:`run` after its checks): train, write the folder, summarise."""
+    """The run of a resolved ``config`` (:func:`run` after its checks): build, prepare or resume the folder,
+    train with checkpoints, then the summary, the observers' end (t-SNE) and the accuracy plot."""
     options = config.run
     data_name = federation.name if federation is not None else options.dataset
+    title = f"{options.method} on {data_name} (seed {options.seed})"
     started = time.perf_counter()
-
     parts = build_experiment(config, device, federation=federation, model_factory=model_factory)
-    federation = parts.federation
-
-    def warn(message: str) -> None:
-        from tqdm.auto import tqdm
-
-        tqdm.write(f"fedhpro: warning: {message}", file=sys.stderr)
-
-    simulator = Simulator(parts.method, config.method_options, federation, parts.model_factory, parts.train,
-                          rounds=options.rounds, participation=options.participation, seed=options.seed,
-                          eval_every=options.eval_every, device=device, client_architectures=parts.architectures,
-                          architecture_factory=parts.architecture_factory, shared=parts.shared,
-                          faults=Faults(config.faults.dropout, config.faults.corrupt),
-                          min_clients=options.min_clients, on_drop=warn, count_flops=options.flops,
-                          prototype_distance=options.prototype_distance)
-
-    rows: list[dict[str, Any]] = []
-    timings: list[dict[str, Any]] = []  # wall times vary run to run: kept out of metrics.jsonl
-    first_round = 0
+    out = Path(options.resume) if resume_from is not None else _new_run_folder(options, data_name)
+    simulator = _build_simulator(config, parts, device, observers_for(options, out, _warn, title))
     if resume_from is not None:
-        out = Path(options.resume)
-        state = checkpoint.load(resume_from)
-        simulator.load_state_dict(state["simulator"])
-        rows = state["metrics"]
-        first_round = state["completed_rounds"]
-        timings = [row for row in _read_jsonl(out / "timing.jsonl") if row.get("round", 1e9) < first_round]
+        rows = _resume_rows(simulator, out, resume_from)
     else:
-        # the folder appears only once the config and the data are known to be good
-        out = Path(options.out) if options.out else Path("runs") / (
-            f"{options.method}-{re.sub(r'[^A-Za-z0-9._-]+', '-', data_name)}-"
-            f"{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}")
-        out.mkdir(parents=True, exist_ok=True)
-        reports.write_yaml(out / "config.yaml", config.to_dict())
-        reports.write_json(out / "partition.json", federation.partition)
+        rows = _start_run_folder(out, config, parts.federation)
+    _train(simulator, options, out, rows, started, f"{options.method} on {data_name}")
+    seconds = time.perf_counter() - started
+    summary = run_summary(config, parts.federation, data_name, device, rows.metrics, seconds)
+    reports.write_json(out / "summary.json", summary)
+    simulator.end_run()
+    reports.plot_accuracy(rows.metrics, out / "accuracy.png", title=title)
+    if echo:
+        print(reports.accuracy_table(_final_accuracy(rows.metrics),
+                                     f"{options.method} on {data_name}, seed {options.seed}, "
+                                     f"{options.rounds} rounds, {seconds:.0f} s — test accuracy (%):"))
+        print(f"results in {out}/ (summary.json, metrics.jsonl, timing.jsonl, accuracy.png, config.yaml)")
+    return RunResult(summary=summary, metrics=rows.metrics, out=out, config=config)
 
-    board = _tensorboard(out, options.tensorboard, warn)
-    bar = _progress(options.rounds, f"{options.method} on {data_name}", options.progress, first_round)
-    last_accuracy = next((row["accuracy"] for row in reversed(rows) if "accuracy" in row), None)
-    for round_index in range(first_round, options.rounds):
+
+def _warn(message: str) -> None:
+    """One warning line on stderr that leaves the progress bar intact."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"fedhpro: warning: {message}", file=sys.stderr)
+
+
+def _build_simulator(config: Config, parts: "Experiment", device: torch.device,
+                     observers: list[RoundObserver]) -> Simulator:
+    """The in-process simulator of ``config`` on the built ``parts``, watched by ``observers``."""
+    options = config.run
+    return Simulator(parts.method, config.method_options, parts.federation, parts.model_factory, parts.train,
+                     rounds=options.rounds, participation=options.participation, seed=options.seed,
+                     eval_every=options.eval_every, device=device, client_architectures=parts.architectures,
+                     architecture_factory=parts.architecture_factory, shared=parts.shared,
+                     faults=Faults(config.faults.dropout, config.faults.corrupt),
+                     min_clients=options.min_clients, on_drop=_warn, observers=observers)
+
+
+def _new_run_folder(options: RunOptions, data_name: str) -> Path:
+    """``out``, or ``runs/<method>-<data>-<timestamp>`` (the folder is made only once the run starts)."""
+    if options.out:
+        return Path(options.out)
+    return Path("runs") / (f"{options.method}-{re.sub(r'[^A-Za-z0-9._-]+', '-', data_name)}-"
+                           f"{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}")
+
+
+def _start_run_folder(out: Path, config: Config, federation: Federation) -> RunRows:
+    """Make the new run's folder with its ``config.yaml`` and ``partition.json``: no rows yet. It appears only
+    once the config and the data are known to be good."""
+    out.mkdir(parents=True, exist_ok=True)
+    reports.write_yaml(out / "config.yaml", config.to_dict())
+    reports.write_json(out / "partition.json", federation.partition)
+    return RunRows([], [])
+
+
+def _resume_rows(simulator: Simulator, out: Path, newest: Path) -> RunRows:
+    """Load the checkpoint ``newest`` into ``simulator`` (and the RNGs): the rows of its completed rounds."""
+    state = checkpoint.load(newest)
+    simulator.load_state_dict(state["simulator"])
+    first_round = state["completed_rounds"]
+    timings = [row for row in _read_jsonl(out / "timing.jsonl") if row.get("round", 1e9) < first_round]
+    return RunRows(state["metrics"], timings, first_round)
+
+
+def _now() -> float:
+    """Seconds on a monotonic clock (the checkpoint schedule's; tests replace it with a fake one)."""
+    return time.monotonic()
+
+
+class CheckpointSchedule:
+    """When a checkpoint is written after a round: every ``every`` rounds (0: never by count), once at least
+    ``minutes`` minutes passed since the last one or since the run (re)started (0: never by time), and after
+    the last of ``rounds`` rounds. Checkpoints only observe: they change no number."""
+
+    def __init__(self, every: int, minutes: float, rounds: int):
+        self.every, self.minutes, self.rounds = every, minutes, rounds
+        self.last = _now()
+
+    def due(self, completed: int) -> bool:
+        """Whether to write one after ``completed`` rounds."""
+        return (completed == self.rounds or bool(self.every and completed % self.every == 0)
+                or bool(self.minutes > 0 and _now() - self.last >= 60.0 * self.minutes))
+
+    def written(self) -> None:
+        self.last = _now()
+
+
+def _train(simulator: Simulator, options: RunOptions, out: Path, rows: RunRows, started: float,
+           label: str) -> None:
+    """Rounds ``rows.first_round`` to the last: after each, its rows are written (``metrics.jsonl``,
+    ``timing.jsonl``), a checkpoint when one is due, and the progress bar (``label``) moves on."""
+    schedule = CheckpointSchedule(options.checkpoint_every, options.checkpoint_minutes, options.rounds)
+    bar = _progress(options.rounds, label, options.progress, rows.first_round)
+    last_accuracy = next((row["accuracy"] for row in reversed(rows.metrics) if "accuracy" in row), None)
+    for round_index in range(rows.first_round, options.rounds):
         record = simulator.run_round(round_index)
-        rows.append(record.to_json())
-        timings.append({"round": round_index, **record.seconds, "elapsed": time.perf_counter() - started})
-        reports.write_jsonl(out / "metrics.jsonl", rows)
-        reports.write_jsonl(out / "timing.jsonl", timings)
-        if board is not None:
-            _log_scalars(board, rows[-1])
-        completed = round_index + 1
-        if completed == options.rounds or (options.checkpoint_every and completed % options.checkpoint_every == 0):
-            checkpoint.save(out, completed, simulator.state_dict(), rows, keep=options.keep_checkpoints)
+        rows.metrics.append(record.to_json())
+        rows.timings.append({"round": round_index, **record.seconds, "elapsed": time.perf_counter() - started})
+        reports.write_jsonl(out / "metrics.jsonl", rows.metrics)
+        reports.write_jsonl(out / "timing.jsonl", rows.timings)
+        if schedule.due(round_index + 1):
+            checkpoint.save(out, round_index + 1, simulator.state_dict(), rows.metrics, keep=options.keep_checkpoints)
+            schedule.written()
         if record.accuracy is not None:
             last_accuracy = record.accuracy
         if bar is not None:
-            bar.set_postfix_str(f"loss {record.train.get('loss', float('nan')):.3f}  AVG "
-                                + (f"{last_accuracy['AVG']:.2f}%" if last_accuracy else "-"))
+            bar.set_postfix_str(progress_text(record.train, last_accuracy))
             bar.update(1)
     if bar is not None:
         bar.close()
-    if board is not None:
-        board.close()
 
-    assert last_accuracy is not None  # the last round is always evaluated
-    seconds = time.perf_counter() - started
-    summary = {
+
+def progress_text(train: Mapping[str, float], accuracy: Mapping[str, float] | None) -> str:
+    """The progress bar's text after a round: the clients' mean cross-entropy (``ce`` in metrics.jsonl's
+    ``train``) when the method reports it, else its whole training loss, each labelled (the whole loss can
+    hold constant terms, such as HPCL's, that make it climb while training improves); then the last AVG."""
+    shown = next(((label, train[name]) for name, label in (("ce", "train CE"), ("loss", "train loss"))
+                  if name in train), None)
+    loss = f"{shown[0]} {shown[1]:.3f}  " if shown is not None else ""
+    return loss + "AVG " + (f"{accuracy['AVG']:.2f}%" if accuracy else "-")
+
+
+def _final_accuracy(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The accuracy of the last evaluated row (the last round is always evaluated)."""
+    return next(row["accuracy"] for row in reversed(rows) if "accuracy" in row)
+
+
+def run_summary(config: Config, federation: Federation, data_name: str, device: torch.device,
+                rows: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    """``summary.json`` of a finished run: its settings, the final and best AVG, the final per-domain
+    accuracy, the wall time and the totals of the per-round measurements."""
+    options = config.run
+    final = _final_accuracy(rows)
+    return {
         "method": options.method,
         "dataset": data_name,
         **({"data_source": "python"} if config.federation is not None else {}),
         "seed": options.seed,
         "rounds": options.rounds,
         "clients": federation.num_clients,
-        "accuracy": last_accuracy["AVG"],
-        "per_domain": {name: value for name, value in last_accuracy.items() if name != "AVG"},
+        "accuracy": final["AVG"],
+        "per_domain": {name: value for name, value in final.items() if name != "AVG"},
         "best_accuracy": max(row["accuracy"]["AVG"] for row in rows if "accuracy" in row),
         "seconds": seconds,
         "device": str(device),
@@ -219,16 +316,6 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
         "notes": federation.notes,
         **_summary_measurements(rows),
     }
-    reports.write_json(out / "summary.json", summary)
-    if options.tsne:
-        _write_tsne(simulator, out, options.seed, f"{options.method} on {data_name} (seed {options.seed})")
-    reports.plot_accuracy(rows, out / "accuracy.png",
-                          title=f"{options.method} on {data_name} (seed {options.seed})")
-    if echo:
-        print(reports.accuracy_table(last_accuracy, f"{options.method} on {data_name}, seed {options.seed}, "
-                                     f"{options.rounds} rounds, {seconds:.0f} s — test accuracy (%):"))
-        print(f"results in {out}/ (summary.json, metrics.jsonl, timing.jsonl, accuracy.png, config.yaml)")
-    return RunResult(summary=summary, metrics=rows, out=out, config=config)
 
 
 @dataclass
@@ -489,7 +576,8 @@ def _progress(total: int, description: str, enabled: bool, initial: int = 0):
 
 
 #: settings a resumed run may change (how it runs, not what it computes)
-_RESUME_SETTINGS = {"resume", "progress", "device", "checkpoint_every", "keep_checkpoints", "tensorboard", "tsne"}
+_RESUME_SETTINGS = {"resume", "progress", "device", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints",
+                    "tensorboard", "tsne"}
 
 
 def _summary_measurements(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -507,59 +595,6 @@ def _summary_measurements(rows: list[dict[str, Any]]) -> dict[str, Any]:
         out["flops_train"] = sum(row["flops_train"] for row in rows)
         out["flops_server"] = sum(row["flops_server"] for row in rows)
     return out
-
-
-def _tensorboard(out: Path, enabled: bool, warn: Callable[[str], None]):
-    """A TensorBoard ``SummaryWriter`` on ``<out>/tensorboard``, or None (off, or the package is missing)."""
-    if not enabled:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        warn("tensorboard=true but the tensorboard package is not installed; pip install tensorboard "
-             "(this run continues without TensorBoard logs)")
-        return None
-    return SummaryWriter(log_dir=str(out / "tensorboard"))
-
-
-def _log_scalars(board, row: dict[str, Any]) -> None:
-    """Every number of a ``metrics.jsonl`` row as a TensorBoard scalar at step ``round + 1``."""
-    step = row["round"] + 1
-    for group in ("accuracy", "train", "server", "fairness"):
-        for name, value in (row.get(group) or {}).items():
-            if isinstance(value, (int, float)):
-                board.add_scalar(f"{group}/{name}", value, step)
-    for name in ("bytes_up", "bytes_down", "params_up", "params_down", "flops_train", "flops_server"):
-        if name in row:
-            board.add_scalar(f"communication/{name}" if "flops" not in name else f"compute/{name}", row[name], step)
-    board.flush()
-
-
-def _write_tsne(simulator: Simulator, out: Path, seed: int, title: str, per_test_set: int = 200) -> None:
-    """``tsne.png`` and ``tsne.npz``: t-SNE of the global model's test features (colour = class, marker =
-    test set), with the server's prototypes embedded alongside when the method has any (Figures 3, 6)."""
-    import numpy as np
-
-    from fedhpro.metrics.embedding import tsne_embedding
-    from fedhpro.reports.plots import plot_tsne
-
-    features, labels, names = simulator.test_features(per_test_set)
-    held = simulator.server_prototypes()
-    points = features.numpy()
-    prototype_classes = np.zeros(0, dtype=np.int64)
-    kind = ""
-    if held is not None:
-        prototypes, mask, kind = held
-        prototype_classes = mask.nonzero().squeeze(1).numpy()
-        points = np.concatenate([points, prototypes[mask].cpu().numpy()])
-    embedded = tsne_embedding(points, seed=seed)
-    n = features.shape[0]
-    plot_tsne(embedded[:n], labels.numpy(), names, out / "tsne.png", title=f"t-SNE of test features: {title}",
-              prototype_points=embedded[n:], prototype_labels=prototype_classes,
-              prototype_name={"hyper": "hyper-prototypes H", "global": "global prototypes"}.get(kind, "prototypes"))
-    reports.write_atomic_with(out / "tsne.npz", lambda handle: np.savez(
-        handle, points=embedded[:n], labels=labels.numpy(), test_sets=np.asarray(names),
-        prototype_points=embedded[n:], prototype_labels=prototype_classes))
 
 
 #: what a run writes into its folder: a new run never writes where any of it is (the two runs' files would mix)

@@ -129,10 +129,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
     folders = [item for item in args.settings if "=" not in item]
     pairs = dict(parse_override(item) for item in args.settings if "=" in item)
-    unknown = set(pairs) - {"out"}
+    unknown = set(pairs) - {"out", "force"}
     if unknown:
-        raise ConfigError(f"fedhpro report takes run folders and out=DIR only, not {', '.join(sorted(unknown))}")
-    report(folders, pairs.get("out"))
+        raise ConfigError(f"fedhpro report takes run folders, out=DIR and force=true only, not "
+                          f"{', '.join(sorted(unknown))}")
+    force = pairs.get("force", False)
+    if not isinstance(force, bool):
+        raise ConfigError(f"force={force!r} is not a boolean; use force=true to replace an earlier report")
+    report(folders, pairs.get("out"), force=force)
     return 0
 
 
@@ -181,9 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     _settings_command(
         commands, "report", _cmd_report, metavar="RUN_DIR",
         help="tables and plots from finished runs (accuracy curves, L_GM, fairness)",
-        description="fedhpro report RUN_DIR [RUN_DIR ...] [out=DIR]: table.md/table.csv (final accuracy, fairness, "
-                    "communication, FLOPs) and accuracy.png, gm_loss.png, fairness.png, prototype_distance.png "
-                    "(default out=<first run's parent>/report).")
+        description="fedhpro report RUN_DIR [RUN_DIR ...] [out=DIR] [force=true]: table.md/table.csv (final "
+                    "accuracy, fairness, communication, FLOPs) and accuracy.png, gm_loss.png, fairness.png, "
+                    "prototype_distance.png (default out=<first run's parent>/report). A run without summary.json "
+                    "is marked unfinished (4/10 rounds). An out= holding a report of other runs is refused "
+                    "unless force=true; a report of the same runs is refreshed.")
     models_parser = commands.add_parser(
         "models", help="list the model zoo: parameters and forward FLOPs (torch.utils.flop_counter)")
     models_parser.add_argument("names", nargs="*", help="only these models")

@@ -76,7 +76,7 @@ class MethodChoices(Sequence[str]):
 
 #: run keys that change where and how a run is shown or stored, never its numbers
 PRESENTATION_KEYS = frozenset({"out", "progress", "device", "resume", "tensorboard", "checkpoint_every",
-                               "keep_checkpoints"})
+                               "checkpoint_minutes", "keep_checkpoints"})
 
 
 @dataclass
@@ -114,6 +114,9 @@ class RunOptions:
     progress: bool = option(True, help="show a progress bar")
     min_clients: int = option(1, min=1, help="a round with fewer valid client updates is skipped")
     checkpoint_every: int = option(5, min=0, help="write a checkpoint every this many rounds (0: only at the end)")
+    checkpoint_minutes: float = option(5.0, min=0.0, help="also write a checkpoint after a round once this many "
+                                                          "minutes passed since the last one (0: off), so a long "
+                                                          "run killed early can be resumed")
     keep_checkpoints: int = option(2, min=1, help="keep only the newest this many checkpoints")
     resume: str | None = option(None, help="continue the interrupted run in this folder (its config.yaml)")
     amp: str = option("off", choices=("off", "bf16"),

@@ -9,7 +9,6 @@ same seed and config give the same numbers on the CPU, whatever ran before.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
 from dataclasses import dataclass, field
@@ -20,14 +19,14 @@ import torch
 from torch import Tensor, nn
 
 from fedhpro.data.federation import Federation
-from fedhpro.engines.protocol import (FAULT, INIT, SAMPLE, SERVER, TRAIN, Faults, Reception, RoundProtocol,
-                                      RoundRecord, TestCount, corrupted, derive_seed, pool_accuracy, round_half_up,
-                                      train_generator, weighted_mean)
+from fedhpro.engines.observers import RoundObserver, measurements, watching
+from fedhpro.engines.protocol import (FAULT, INIT, SAMPLE, SERVER, TRAIN, Faults, OpenRound, Reception,
+                                      RoundProtocol, RoundRecord, TestCount, corrupted, derive_seed, pool_accuracy,
+                                      round_half_up, train_generator, weighted_mean)
 from fedhpro.errors import ConfigError
 from fedhpro.methods.base import (MethodContext, MethodSpec, TrainSettings, eval_batch_size, eval_forward,
                                   extract_features, load_weights)
-from fedhpro.metrics import (FlopCounter, class_means, fairness_statistics, mean_client_prototypes,
-                             prototype_distance)
+from fedhpro.metrics import class_means, fairness_statistics
 
 
 # the protocol's names, kept importable from here
@@ -160,7 +159,8 @@ class Simulator:
                  device: torch.device | str = "cpu", client_architectures: Sequence[str] | None = None,
                  architecture_factory: Callable[[str], nn.Module] | None = None, shared: str | None = None,
                  faults: Faults | None = None, min_clients: int = 1, on_drop: Callable[[str], None] | None = None,
-                 count_flops: bool = False, prototype_distance: bool = False):
+                 count_flops: bool = False, prototype_distance: bool = False,
+                 observers: Sequence[RoundObserver] = ()):
         """``client_architectures`` (one name per client, built by ``architecture_factory``) switches on
         heterogeneous feature extractors: each client keeps its own model across rounds and only the
         classifier (``classifier.*``) is exchanged and aggregated; evaluation then averages each
@@ -170,9 +170,11 @@ class Simulator:
         (default with ``client_architectures``) or ``"none"`` (prototype-only protocols: every client
         keeps its whole model, evaluated on its own test data).
 
-        Opt-in measurements (each costs compute, none changes the training): ``count_flops`` counts
-        the FLOPs of every client's ``fit`` and of the server step with ``torch.utils.flop_counter``
-        (Table 4); ``prototype_distance`` computes, at each evaluated round, the L2 distance of the
+        ``observers`` (:class:`~fedhpro.engines.observers.RoundObserver`) watch every round: opt-in
+        measurements, each costing compute, none changing the training. ``count_flops`` and
+        ``prototype_distance`` are short for the two that add keys to the round's record (in front
+        of ``observers``): the FLOPs of every client's ``fit`` and of the server step, counted with
+        ``torch.utils.flop_counter`` (Table 4), and, at each evaluated round, the L2 distance of the
         server's prototypes and of the mean of the clients' class means to the centralized
         prototypes, the class means of all training data under the global model (Figure 2)."""
         self.device = torch.device(device)
@@ -180,11 +182,6 @@ class Simulator:
                                    client_architectures=client_architectures,
                                    architecture_factory=architecture_factory, shared=shared)
         self.shared = self.models.shared
-        if prototype_distance and self.shared != "all":
-            raise ConfigError("prototype_distance=true needs one shared global model; it is undefined with "
-                              "heterogeneous models or protocol=proto-only (set prototype_distance=false)")
-        self.count_flops = count_flops
-        self.prototype_distance = prototype_distance
         self.method = method
         self.federation = federation
         self.server, self.client = build_method(method, options, self.models, federation.num_classes, train, seed,
@@ -194,6 +191,9 @@ class Simulator:
                                       on_drop=on_drop)
         self.client_states: list[dict[str, Any]] = [{} for _ in range(federation.num_clients)]
         self.history: list[RoundRecord] = []
+        self.observers = measurements(flops=count_flops, prototype_distance=prototype_distance) + list(observers)
+        for observer in self.observers:
+            observer.attach(self)
 
     # the run's settings, as the protocol holds them
     rounds = property(lambda self: self.protocol.rounds)
@@ -322,78 +322,72 @@ class Simulator:
         return torch.cat(features), torch.cat(labels), names
 
     def run_round(self, round: int) -> RoundRecord:
+        """Round ``round``: the participants' ``fit``, the server step, the evaluation (every
+        ``eval_every`` rounds and the last), each seen by the observers; its record is also kept
+        in :attr:`history`."""
         current = self.protocol.open(round)
         evaluating = self.protocol.evaluates(round)
-        flops_train, local_prototypes = 0, []
+        for observer in self.observers:
+            observer.on_round_start(round, evaluating)
         for k in current.to_ask:
-            model = self.models.model_for(k)
-            state_before = copy.deepcopy(self.client_states[k]) if self.client_states[k] else {}
-            counter = FlopCounter() if self.count_flops else contextlib.nullcontext()
-            try:
-                with counter:  # counting FLOPs only observes the operations
-                    reply, metrics = self.client.fit(model, current.payload, self.federation.clients[k],
-                                                     self.client_states[k], train_generator(self.seed, round, k))
-            except (KeyboardInterrupt, SystemExit, MemoryError):
-                raise
-            except Exception as error:  # a crashing client is a dropped client
-                self.client_states[k] = state_before
-                current.fail(k, f"raised {type(error).__name__}: {error}", error)
-                continue
-            reception = current.receive(k, reply, metrics, len(self.federation.clients[k]))
-            if not reception:
-                # the client's own invalid update rolls its state back, as a raise does (else a MOON client's
-                # NaN previous model would spoil all its later rounds); a transmission fault (faults.corrupt)
-                # spoiled a good update after the client computed it, so the client keeps its new state
-                if reception is Reception.INVALID:
-                    self.client_states[k] = state_before
-                continue
-            self.models.keep(k, model)  # a personal model persists to the client's next round
-            if self.count_flops:
-                flops_train += counter.total
-            if self.prototype_distance and evaluating:  # the client's class means under its trained model
-                data = self.federation.clients[k]
-                local_prototypes.append(class_means(extract_features(model, data.x), data.y,
-                                                    self.federation.num_classes))
+            self._fit_client(current, k)
         client_seconds = time.perf_counter() - current.started
 
         timer = time.perf_counter()
-        counter = FlopCounter() if self.count_flops else None
-        server_metrics = current.close(counter)
+        server_metrics = current.close(watching([o.watch_server for o in self.observers]) if self.observers else None)
         server_seconds = time.perf_counter() - timer
 
         timer = time.perf_counter()
         accuracy = None
         extra: dict[str, Any] = {}
-        if self.count_flops:
-            extra["flops_train"] = flops_train
-            extra["flops_server"] = counter.total if not current.skipped else 0
+        for observer in self.observers:
+            extra.update(observer.training_measurements())
         if evaluating:
             accuracy, per_client = self.evaluate_clients()
             extra["client_accuracy"] = per_client
             extra["fairness"] = fairness_statistics(per_client)
-            if self.prototype_distance:
-                extra["prototype_distance"] = self._prototype_distances(local_prototypes)
+            for observer in self.observers:
+                extra.update(observer.evaluation_measurements())
         eval_seconds = time.perf_counter() - timer
         record = current.record(server_metrics, accuracy,
                                 {"clients": client_seconds, "server": server_seconds, "eval": eval_seconds}, extra)
         self.history.append(record)
+        for observer in self.observers:
+            observer.on_round_end(record)
         return record
 
-    def _prototype_distances(self, local_prototypes: list[tuple[Tensor, Tensor]]) -> dict[str, Any]:
-        """Figure 2: distances to the centralized prototypes of the server's prototypes (if any) and
-        of the unweighted mean (Eq. 4) of this round's clients' class means."""
-        reference, reference_mask = self.centralized_prototypes()
-        out: dict[str, Any] = {"centralized_norm": float(reference[reference_mask].norm(dim=1).mean())}
-        held = self.server_prototypes()
-        if held is not None:
-            prototypes, mask, kind = held
-            out["server"] = {"kind": kind, **prototype_distance(prototypes, mask, reference, reference_mask)}
-        if local_prototypes:
-            stacked = torch.stack([p.cpu() for p, _ in local_prototypes])
-            present = torch.stack([m.cpu() for _, m in local_prototypes])
-            mean, mask = mean_client_prototypes(stacked, present)
-            out["clients_mean"] = prototype_distance(mean, mask, reference, reference_mask)
-        return out
+    def _fit_client(self, current: OpenRound, k: int) -> None:
+        """Client ``k``'s ``fit`` in ``current`` (watched by the observers) and the fate of its reply: a
+        client that raises is dropped; an accepted reply keeps its personal model and is shown to the
+        observers; the client's own invalid update rolls its state back."""
+        model = self.models.model_for(k)
+        state_before = copy.deepcopy(self.client_states[k]) if self.client_states[k] else {}
+        try:
+            with watching([lambda o=o: o.watch_client(k) for o in self.observers]):  # they only observe
+                reply, metrics = self.client.fit(model, current.payload, self.federation.clients[k],
+                                                 self.client_states[k], train_generator(self.seed, current.round, k))
+        except (KeyboardInterrupt, SystemExit, MemoryError):
+            raise
+        except Exception as error:  # a crashing client is a dropped client
+            self.client_states[k] = state_before
+            current.fail(k, f"raised {type(error).__name__}: {error}", error)
+            return
+        reception = current.receive(k, reply, metrics, len(self.federation.clients[k]))
+        if not reception:
+            # the client's own invalid update rolls its state back, as a raise does (else a MOON client's
+            # NaN previous model would spoil all its later rounds); a transmission fault (faults.corrupt)
+            # spoiled a good update after the client computed it, so the client keeps its new state
+            if reception is Reception.INVALID:
+                self.client_states[k] = state_before
+            return
+        self.models.keep(k, model)  # a personal model persists to the client's next round
+        for observer in self.observers:
+            observer.client_trained(k, model)
+
+    def end_run(self) -> None:
+        """The run is over: the observers finish (t-SNE drawn, TensorBoard closed)."""
+        for observer in self.observers:
+            observer.on_run_end()
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a later round depends on (all randomness is derived from seed, round and client)."""

@@ -4,7 +4,10 @@ Written to ``out`` (default: the first run's parent folder, ``report/``): ``tabl
 ``table.csv`` (final accuracy per domain and AVG, best AVG, fairness of Table A8, bytes and
 parameters sent per round, FLOPs if counted), ``accuracy.png`` (AVG per round, one line per
 run), ``gm_loss.png`` (FedHPro's L_GM before and after matching, Figure 4), ``fairness.png``
-(Table A8 as bars) and ``prototype_distance.png`` (Figure 2) when the runs hold those metrics.
+(Table A8 as bars) and ``prototype_distance.png`` (Figure 2) when the runs hold those metrics,
+and ``report.json`` (the runs it was built from). A run without ``summary.json`` (interrupted, or
+still running) is marked in its label ("4/10 rounds, unfinished") and in a note under the table. An
+``out`` that holds a report of other runs is not overwritten unless ``force`` is given.
 """
 
 from __future__ import annotations
@@ -42,6 +45,20 @@ class RunData:
     def final(self) -> dict[str, Any]:
         """The last evaluated row."""
         return self.evaluated[-1]
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run ended (it wrote ``summary.json``)."""
+        return self.summary is not None
+
+    @property
+    def progress(self) -> str:
+        """``"4/10 rounds, unfinished"`` for a run without ``summary.json`` (the planned rounds from its
+        config.yaml, when there), ``""`` for a finished one."""
+        if self.finished:
+            return ""
+        planned = self.config.get("rounds")
+        return f"{len(self.rows)}/{planned if planned is not None else '?'} rounds, unfinished"
 
 
 def load_run(path: str | Path) -> RunData:
@@ -118,15 +135,54 @@ def prototype_series(run: RunData) -> dict[str, tuple[list[int], list[float]]]:
     return out
 
 
-def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: bool = True) -> Path:
-    """Build the table and the plots of ``run_dirs``; returns the output folder."""
-    from fedhpro.reports import write_atomic
+#: the files a report writes (``report.json`` names its runs)
+REPORT_FILES = ("table.md", "table.csv", "accuracy.png", "gm_loss.png", "fairness.png", "prototype_distance.png",
+                "report.json")
+
+
+def _report_sources(runs: Sequence[RunData]) -> list[str]:
+    """The runs of a report as ``report.json`` records them: their resolved folders, sorted."""
+    return sorted(str(run.path.resolve()) for run in runs)
+
+
+def prepare_report_folder(out: Path, runs: Sequence[RunData], force: bool = False) -> None:
+    """Make ``out`` ready for the report of ``runs``: its earlier report files are removed if that report
+    was of the same runs (a refresh) or ``force`` is given; a one-line ConfigError naming the fix if it
+    holds a report of other runs (or one that does not say which), or is a run folder."""
+    if (out / "metrics.jsonl").exists() or (out / "summary.json").exists():
+        raise ConfigError(f"out={out} is a run folder; give the report another out=DIR")
+    held = [name for name in REPORT_FILES if (out / name).exists()]
+    if not held:
+        return
+    record = out / "report.json"
+    try:
+        earlier = sorted(json.loads(record.read_text()).get("runs", [])) if record.is_file() else None
+    except (ValueError, AttributeError):
+        earlier = None
+    if earlier != _report_sources(runs) and not force:
+        what = (f"the report of {', '.join(Path(path).name for path in earlier[:3])}"
+                f"{' and more' if len(earlier) > 3 else ''}" if earlier else f"another report ({held[0]})")
+        raise ConfigError(f"out={out} already holds {what}; give another out=DIR, or force=true to replace it")
+    for name in held:
+        (out / name).unlink()
+
+
+def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: bool = True,
+           force: bool = False) -> Path:
+    """Build the table and the plots of ``run_dirs``; returns the output folder.
+
+    ``out`` (default ``<first run's parent>/report``) may hold an earlier report
+    of the same runs (it is replaced); one of other runs is refused unless
+    ``force`` (:func:`prepare_report_folder`). Unfinished runs are marked.
+    """
+    from fedhpro.reports import write_atomic, write_json
 
     if not run_dirs:
         raise ConfigError("give at least one run folder: fedhpro report RUN_DIR [RUN_DIR ...] [out=DIR]")
     runs = [load_run(path) for path in run_dirs]
-    labels = run_labels(runs)
+    labels = [f"{label} ({run.progress})" if run.progress else label for label, run in zip(run_labels(runs), runs)]
     out = Path(out) if out else runs[0].path.parent / "report"
+    prepare_report_folder(out, runs, force)
     domains = [name for name in runs[0].final["accuracy"] if name != "AVG"]
     header = ["run"] + domains + ["AVG", "best AVG", "rounds", "worst 10%", "best 10%", "client mean",
                                   "variance", "MB up/round", "params up/round", "GFLOPs train/round"]
@@ -144,7 +200,9 @@ def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: 
             (sum(flops) / len(flops) / 1e9) if flops else None])
     caption = (f"Final test accuracy (%) of {len(runs)} run(s); fairness over clients (Table A8) at the last "
                "evaluated round; communication and FLOPs averaged per round.")
-    write_atomic(out / "table.md", markdown_table(header, rows, caption))
+    notes = [f"{label}: no summary.json, the numbers are those of its last evaluated round (round "
+             f"{run.final['round'] + 1})" for label, run in zip(labels, runs) if not run.finished]
+    write_atomic(out / "table.md", markdown_table(header, rows, caption, notes))
     write_atomic(out / "table.csv", csv_text(header, rows))
     written = ["table.md", "table.csv"]
     plot_curves({label: accuracy_series(run) for label, run in zip(labels, runs)}, out / "accuracy.png",
@@ -168,7 +226,9 @@ def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: 
         plot_curves(distances, out / "prototype_distance.png", ylabel="L2 distance",
                     title="distance to the centralized prototypes (Figure 2)")
         written.append("prototype_distance.png")
+    write_json(out / "report.json", {"runs": _report_sources(runs)})
+    written.append("report.json")
     if echo:
-        print(markdown_table(header, rows, caption))
+        print(markdown_table(header, rows, caption, notes))
         print(f"written to {out}/: {', '.join(written)}")
     return out

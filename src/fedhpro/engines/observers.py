@@ -1,0 +1,256 @@
+"""Optional measurements of a run as observers of its rounds.
+
+The simulator trains; what a person may also want to know about that
+training (its FLOPs, how far the prototypes are from the centralized ones,
+TensorBoard curves, a t-SNE of the final features) is measured by observers
+that it calls at fixed points of every round. An observer only looks: none
+changes a weight, a random draw or the order of the training's operations,
+so a run gives the same numbers with any observers or none.
+
+One round, as the simulator calls its observers::
+
+    on_round_start(round, evaluating)
+    for each client asked:  with watch_client(k): fit ...   then, if its update counts: client_trained(k, model)
+    with watch_server(): aggregate ...          (not entered when the round is skipped)
+    training_measurements()                     -> keys of the metrics.jsonl row (FLOPs)
+    [evaluated rounds] accuracy, then evaluation_measurements() -> more keys (prototype distances)
+    on_round_end(record)                        (TensorBoard)
+
+and :func:`fedhpro.api.run` calls ``on_run_end()`` once the summary is written
+(t-SNE). :func:`observers_for` picks them from a run's config, in one place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable
+
+import torch
+from torch import Tensor, nn
+
+from fedhpro.errors import ConfigError
+from fedhpro.metrics import FlopCounter, class_means, mean_client_prototypes, prototype_distance
+
+if TYPE_CHECKING:
+    from fedhpro.engines.protocol import RoundRecord
+    from fedhpro.engines.simulator import Simulator
+
+#: the run keys that switch observers on (measured only by the in-process simulator)
+OBSERVER_KEYS = ("flops", "prototype_distance", "tsne", "tensorboard")
+
+
+class RoundObserver:
+    """Watches a simulator's rounds; every hook does nothing unless overridden.
+
+    ``attach`` is called once, by the simulator's constructor, before any round:
+    the place to refuse a simulator the measurement cannot observe (a ConfigError).
+    """
+
+    simulator: "Simulator"
+
+    def attach(self, simulator: "Simulator") -> None:
+        self.simulator = simulator
+
+    def on_round_start(self, round: int, evaluating: bool) -> None:
+        """A round begins; ``evaluating``: it ends with an evaluation."""
+
+    def watch_client(self, k: int) -> ContextManager[Any]:
+        """A context wrapped around client ``k``'s ``fit`` (it must only observe the operations)."""
+        return contextlib.nullcontext()
+
+    def client_trained(self, k: int, model: nn.Module) -> None:
+        """Client ``k``'s update was accepted; ``model`` holds the weights it trained."""
+
+    def watch_server(self) -> ContextManager[Any]:
+        """A context wrapped around the server's aggregation (entered only when the round is not skipped)."""
+        return contextlib.nullcontext()
+
+    def training_measurements(self) -> dict[str, Any]:
+        """After the server step: keys added to the round's ``metrics.jsonl`` row (before the accuracy's)."""
+        return {}
+
+    def evaluation_measurements(self) -> dict[str, Any]:
+        """At an evaluated round, after the accuracy: keys added to the round's row (after the accuracy's)."""
+        return {}
+
+    def on_round_end(self, record: "RoundRecord") -> None:
+        """The round's record is complete."""
+
+    def on_run_end(self) -> None:
+        """The run is over (its summary written)."""
+
+
+@contextlib.contextmanager
+def watching(contexts: Iterable[Callable[[], ContextManager[Any]]]):
+    """Enter the context each of ``contexts`` makes (when this is entered, in order) around a block."""
+    with contextlib.ExitStack() as stack:
+        for make in contexts:
+            stack.enter_context(make())
+        yield
+
+
+class FlopCount(RoundObserver):
+    """``flops_train`` (every accepted client's ``fit``) and ``flops_server`` (the aggregation; 0 in a
+    skipped round) of each round, counted with ``torch.utils.flop_counter``'s formulas (Table 4)."""
+
+    def on_round_start(self, round: int, evaluating: bool) -> None:
+        self.train = 0
+        self._client: FlopCounter | None = None
+        self._server: FlopCounter | None = None
+
+    def watch_client(self, k: int) -> FlopCounter:
+        self._client = FlopCounter()
+        return self._client
+
+    def client_trained(self, k: int, model: nn.Module) -> None:
+        self.train += self._client.total
+
+    def watch_server(self) -> FlopCounter:
+        self._server = FlopCounter()
+        return self._server
+
+    def training_measurements(self) -> dict[str, Any]:
+        return {"flops_train": self.train, "flops_server": self._server.total if self._server is not None else 0}
+
+
+class PrototypeDistance(RoundObserver):
+    """``prototype_distance`` at each evaluated round (Figure 2): the L2 distance to the centralized
+    prototypes (class means of all training data under the global model) of the server's prototypes,
+    if the method has any, and of the unweighted mean of this round's clients' class means."""
+
+    def attach(self, simulator: "Simulator") -> None:
+        if simulator.shared != "all":
+            raise ConfigError("prototype_distance=true needs one shared global model; it is undefined with "
+                              "heterogeneous models or protocol=proto-only (set prototype_distance=false)")
+        super().attach(simulator)
+
+    def on_round_start(self, round: int, evaluating: bool) -> None:
+        self.evaluating = evaluating
+        self.local: list[tuple[Tensor, Tensor]] = []
+
+    def client_trained(self, k: int, model: nn.Module) -> None:
+        if self.evaluating:  # the client's class means under the model it trained
+            from fedhpro.methods.base import extract_features
+
+            data = self.simulator.federation.clients[k]
+            self.local.append(class_means(extract_features(model, data.x), data.y,
+                                          self.simulator.federation.num_classes))
+
+    def evaluation_measurements(self) -> dict[str, Any]:
+        return {"prototype_distance": self.distances()}
+
+    def distances(self) -> dict[str, Any]:
+        """Figure 2: distances to the centralized prototypes of the server's prototypes (if any) and
+        of the unweighted mean (Eq. 4) of this round's clients' class means."""
+        reference, reference_mask = self.simulator.centralized_prototypes()
+        out: dict[str, Any] = {"centralized_norm": float(reference[reference_mask].norm(dim=1).mean())}
+        held = self.simulator.server_prototypes()
+        if held is not None:
+            prototypes, mask, kind = held
+            out["server"] = {"kind": kind, **prototype_distance(prototypes, mask, reference, reference_mask)}
+        if self.local:
+            stacked = torch.stack([p.cpu() for p, _ in self.local])
+            present = torch.stack([m.cpu() for _, m in self.local])
+            mean, mask = mean_client_prototypes(stacked, present)
+            out["clients_mean"] = prototype_distance(mean, mask, reference, reference_mask)
+        return out
+
+
+class TensorBoardLog(RoundObserver):
+    """Every number of each round's ``metrics.jsonl`` row as a TensorBoard scalar at step ``round + 1``,
+    in ``<out>/tensorboard`` (the writer opens at the first round, so a run refused earlier leaves no folder)."""
+
+    def __init__(self, out: Path, writer_class: Callable[..., Any]):
+        self.out = Path(out)
+        self.writer_class = writer_class
+        self.writer: Any = None
+
+    def on_round_end(self, record: "RoundRecord") -> None:
+        if self.writer is None:
+            self.writer = self.writer_class(log_dir=str(self.out / "tensorboard"))
+        log_scalars(self.writer, record.to_json())
+
+    def on_run_end(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def log_scalars(board: Any, row: dict[str, Any]) -> None:
+    """Every number of a ``metrics.jsonl`` row as a TensorBoard scalar at step ``round + 1``."""
+    step = row["round"] + 1
+    for group in ("accuracy", "train", "server", "fairness"):
+        for name, value in (row.get(group) or {}).items():
+            if isinstance(value, (int, float)):
+                board.add_scalar(f"{group}/{name}", value, step)
+    for name in ("bytes_up", "bytes_down", "params_up", "params_down", "flops_train", "flops_server"):
+        if name in row:
+            board.add_scalar(f"communication/{name}" if "flops" not in name else f"compute/{name}", row[name], step)
+    board.flush()
+
+
+def tensorboard_log(out: Path, warn: Callable[[str], None]) -> TensorBoardLog | None:
+    """A :class:`TensorBoardLog` on ``out``, or None and one warning when the tensorboard package is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        warn("tensorboard=true but the tensorboard package is not installed; pip install tensorboard "
+             "(this run continues without TensorBoard logs)")
+        return None
+    return TensorBoardLog(out, SummaryWriter)
+
+
+class TSNEPlot(RoundObserver):
+    """At the end of the run, ``tsne.png`` and ``tsne.npz`` in ``out`` (Figures 3, 6; :func:`write_tsne`)."""
+
+    def __init__(self, out: Path, seed: int, title: str):
+        self.out, self.seed, self.title = Path(out), seed, title
+
+    def on_run_end(self) -> None:
+        write_tsne(self.simulator, self.out, self.seed, self.title)
+
+
+def write_tsne(simulator: "Simulator", out: Path, seed: int, title: str, per_test_set: int = 200) -> None:
+    """``tsne.png`` and ``tsne.npz``: t-SNE of the global model's test features (colour = class, marker =
+    test set), with the server's prototypes embedded alongside when the method has any (Figures 3, 6)."""
+    import numpy as np
+
+    from fedhpro.files import write_atomic_with
+    from fedhpro.metrics.embedding import tsne_embedding
+    from fedhpro.reports.plots import plot_tsne
+
+    features, labels, names = simulator.test_features(per_test_set)
+    held = simulator.server_prototypes()
+    points = features.numpy()
+    prototype_classes = np.zeros(0, dtype=np.int64)
+    kind = ""
+    if held is not None:
+        prototypes, mask, kind = held
+        prototype_classes = mask.nonzero().squeeze(1).numpy()
+        points = np.concatenate([points, prototypes[mask].cpu().numpy()])
+    embedded = tsne_embedding(points, seed=seed)
+    n = features.shape[0]
+    plot_tsne(embedded[:n], labels.numpy(), names, out / "tsne.png", title=f"t-SNE of test features: {title}",
+              prototype_points=embedded[n:], prototype_labels=prototype_classes,
+              prototype_name={"hyper": "hyper-prototypes H", "global": "global prototypes"}.get(kind, "prototypes"))
+    write_atomic_with(out / "tsne.npz", lambda handle: np.savez(
+        handle, points=embedded[:n], labels=labels.numpy(), test_sets=np.asarray(names),
+        prototype_points=embedded[n:], prototype_labels=prototype_classes))
+
+
+def measurements(flops: bool = False, prototype_distance: bool = False) -> list[RoundObserver]:
+    """The observers that add keys to ``metrics.jsonl``: FLOPs, then prototype distances (the row's key order)."""
+    return ([FlopCount()] if flops else []) + ([PrototypeDistance()] if prototype_distance else [])
+
+
+def observers_for(options: Any, out: Path, warn: Callable[[str], None], title: str) -> list[RoundObserver]:
+    """The observers a run's options (:class:`~fedhpro.config.RunOptions`) switch on (:data:`OBSERVER_KEYS`):
+    ``flops``, ``prototype_distance``, ``tensorboard`` (skipped with one warning if the package is missing)
+    and ``tsne``, writing into ``out``; ``title`` names the run on the t-SNE plot."""
+    chosen = measurements(flops=options.flops, prototype_distance=options.prototype_distance)
+    board = tensorboard_log(out, warn) if options.tensorboard else None
+    if board is not None:
+        chosen.append(board)
+    if options.tsne:
+        chosen.append(TSNEPlot(out, options.seed, title))
+    return chosen
