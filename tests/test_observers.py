@@ -96,9 +96,9 @@ def test_the_flag_shorthands_are_the_flop_and_prototype_observers():
 
 def test_observers_are_picked_from_the_run_keys_in_one_place(tmp_path):
     from fedhpro.config import RunOptions
-    from fedhpro.flower.settings import _SIMULATOR_ONLY
+    from fedhpro.flower.settings import SIMULATOR_ONLY
 
-    assert set(_SIMULATOR_ONLY) == set(OBSERVER_KEYS)  # what Flower refuses is what the observers measure
+    assert set(SIMULATOR_ONLY) == set(OBSERVER_KEYS)  # what Flower refuses is what the observers measure
     assert observers_for(RunOptions(), tmp_path, print, "t") == []
     chosen = observers_for(RunOptions(flops=True, prototype_distance=True, tsne=True), tmp_path, print, "t")
     assert [type(o) for o in chosen] == [FlopCount, PrototypeDistance, TSNEPlot]

@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from fedhpro.config import Config, load_config
+from fedhpro.engines.observers import OBSERVER_KEYS
 from fedhpro.errors import ConfigError
 
 FLOWER_PREFIX = "flower."
@@ -42,7 +43,7 @@ _FLOWER_KEYS = {"flower.node-wait": "node_wait", "flower.round-timeout": "round_
 #: fedhpro keys that make no sense on Flower (the run lives on the SuperLink, not in a resumable folder)
 _UNSUPPORTED = {"resume": "resuming is not supported on Flower; start the run again"}
 #: opt-in measurements that only the in-process simulator takes (they observe its internals)
-_SIMULATOR_ONLY = ("flops", "prototype_distance", "tsne", "tensorboard")
+SIMULATOR_ONLY = OBSERVER_KEYS
 
 
 def _value(raw: Any) -> Any:
@@ -87,7 +88,7 @@ def config_from_run_config(run_config: Mapping[str, Any], base: Mapping[str, Any
     """
     overrides, flower = split_run_config(run_config)
     config = load_config(dict(base or {}), overrides)
-    for name in _SIMULATOR_ONLY:  # getattr: these measurement switches may not exist in every version
+    for name in SIMULATOR_ONLY:
         if getattr(config.run, name, False):
             raise ConfigError(f"{name}=true is measured only by the in-process simulator (fedhpro run); "
                               f"drop it on Flower")
