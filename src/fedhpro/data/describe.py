@@ -64,7 +64,7 @@ def plot_heatmap(federation: Federation, path: str | os.PathLike, title: str | N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fedhpro.reports import write_atomic_with
+    from fedhpro.files import write_atomic_with
 
     counts = class_counts(federation)
     k, c = counts.shape
