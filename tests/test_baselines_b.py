@@ -27,11 +27,11 @@ from fedhpro.methods.fedtgp import (
     FedTGPClient,
     FedTGPOptions,
     FedTGPServer,
-    margin_ce_loss,
     tgp_margin,
 )
 from fedhpro.methods.hyper import HyperPrototypeBank
-from fedhpro.methods.prototypes import derive_seed, prototype_mse, prototype_regularizer
+from fedhpro.methods.prototypes import margin_ce, prototype_mse, prototype_regularizer
+from fedhpro.seeds import derive_seed
 
 TRAIN = TrainSettings(epochs=2, batch_size=8, lr=0.1, momentum=0.9, weight_decay=1e-4)
 METHODS = {"fedproto": (FEDPROTO, FedProtoOptions), "fedtgp": (FEDTGP, FedTGPOptions)}
@@ -340,7 +340,7 @@ def test_tgp_server_margin_uses_unweighted_means_of_the_uploads():
     assert metrics["tgp_margin"] == pytest.approx(min(max(gaps), 100.0), rel=1e-5)
 
 
-def test_margin_ce_loss_matches_hand_computation():
+def test_tgp_margin_ce_matches_hand_computation():
     p = torch.tensor([[0.0, 0.0], [1.0, 2.0]])
     y = torch.tensor([1, 0])
     centers = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0]])
@@ -352,13 +352,13 @@ def test_margin_ce_loss_matches_hand_computation():
             d = math.sqrt(sum((float(p[i, j]) - float(centers[c, j])) ** 2 for j in range(2)))
             logits.append(-(d + (delta if c == int(y[i]) else 0.0)))
         total += -logits[int(y[i])] + math.log(sum(math.exp(v) for v in logits))
-    assert float(margin_ce_loss(p, y, centers, delta)) == pytest.approx(total / 2, rel=1e-6)
+    assert float(margin_ce(p, y, centers, delta)) == pytest.approx(total / 2, rel=1e-6)
 
 
 def test_margin_ce_is_finite_for_identical_prototypes():
     centers = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]], requires_grad=True)
     p = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]], requires_grad=True)  # exactly at their centres
-    loss = margin_ce_loss(p, torch.tensor([0, 1]), centers, 1.0)
+    loss = margin_ce(p, torch.tensor([0, 1]), centers, 1.0)
     loss.backward()
     assert torch.isfinite(loss)
     assert torch.isfinite(centers.grad).all() and torch.isfinite(p.grad).all()

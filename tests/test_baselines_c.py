@@ -26,6 +26,7 @@ from fedhpro.methods.fedavg import FedAvgOptions
 from fedhpro.methods import fedgmkd as G
 from fedhpro.methods import fedsa as S
 from fedhpro.methods.hyper import HyperPrototypeBank, class_statistics
+from fedhpro.methods.prototypes import clamped_distances
 
 TRAIN = TrainSettings(epochs=1, batch_size=8, lr=0.05, momentum=0.9, weight_decay=1e-4)
 STEP = TrainSettings(epochs=1, batch_size=64, lr=0.05, momentum=0.9, weight_decay=1e-3)  # one full-batch step
@@ -531,7 +532,7 @@ def test_sqrt_clamp_gives_finite_gradients_when_a_feature_sits_on_an_anchor():
     loss = S.margin_ce(z, torch.tensor([0, 1]), A, 0.3)
     (grad,) = torch.autograd.grad(loss, z)
     assert bool(torch.isfinite(loss)) and bool(torch.isfinite(grad).all())
-    distances = S.anchor_distances(z.detach(), A)
+    distances = clamped_distances(z.detach(), A)
     assert float(distances[0, 0]) == pytest.approx(1e-6)
 
 
@@ -749,7 +750,7 @@ def test_nearest_prototype_inference_uses_fedsa_anchors_and_fedgmkd_prototypes()
         wrapped = sim.server.inference_model(model)
         assert isinstance(wrapped, NearestPrototypeClassifier) and wrapped.model is model
         if spec is S.METHOD:
-            expected, mask = sim.server.current_anchors(), torch.ones(NUM_CLASSES, dtype=torch.bool)
+            expected, mask = sim.server.anchors, torch.ones(NUM_CLASSES, dtype=torch.bool)
         else:
             expected, mask = sim.server.prototypes, sim.server.prototype_mask
         torch.testing.assert_close(wrapped.prototypes, expected.to(wrapped.prototypes.dtype))

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 __all__ = [
     "local_prototypes",
     "global_prototypes",
+    "mean_client_prototypes",
     "client_margin",
     "class_gradients",
     "aggregate_class_gradients",
@@ -78,6 +79,28 @@ def global_prototypes(prototypes: Tensor, present: Tensor, counts: Tensor) -> tu
     weights = counts / class_totals.clamp(min=1e-12)  # n_k^c / n^c
     summed = torch.einsum("kc,kcd->cd", weights, prototypes)
     return summed / holders.clamp(min=1).unsqueeze(1).to(prototypes.dtype), held
+
+
+def mean_client_prototypes(prototypes: Tensor, present: Tensor) -> tuple[Tensor, Tensor]:
+    """The unweighted mean over the clients holding each class, ``P^c = 1/|A^c| sum_{k in A^c} p_k^c``.
+
+    Eq. 4 without the ``n_k^c / n^c`` weights: FedProto's aggregation (the
+    authors' ``proto_aggregation``), the centre FedTGP's margin and FedSA's
+    anchor update use, and the "mean of the clients' class means" of the
+    prototype diagnostics. Rows of absent classes are never read (a client's
+    zeros or NaN there change nothing).
+
+    Args:
+        prototypes: ``K x C x d`` local prototypes of ``K`` clients.
+        present: ``K x C`` bool, which client holds which class.
+
+    Returns:
+        ``(P, held)``: ``C x d`` (zeros for a class no client holds) and the
+        ``C`` bool mask of classes held by some client.
+    """
+    holders = present.sum(0)
+    summed = torch.where(present.unsqueeze(2), prototypes, torch.zeros((), dtype=prototypes.dtype)).sum(0)
+    return summed / holders.clamp(min=1).unsqueeze(1).to(prototypes.dtype), holders > 0
 
 
 def client_margin(prototypes: Tensor, present: Tensor, normalized: bool = False) -> Tensor:

@@ -36,11 +36,7 @@ import torch
 
 from fedhpro.errors import FedHProError, UpdateError
 from fedhpro.metrics import payload_bytes, payload_parameters
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed from integer parts (independent streams for rounds and clients)."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+from fedhpro.seeds import derive_seed
 
 
 # stream tags: each kind of randomness gets its own stream

@@ -282,16 +282,9 @@ class Simulator:
     def server_prototypes(self) -> tuple[Tensor, Tensor, str] | None:
         """The server's global prototypes ``(C x d, mask C, kind)``: ``kind`` is ``"hyper"`` for the
         averaged hyper-prototypes H (FedHPro, ``prototypes=hyper``) and ``"global"`` for a method's own
-        (FedProto's P, FedSA's anchors); None for a method without any (FedAvg)."""
-        server = self.server
-        if hasattr(server, "broadcast_prototypes"):
-            prototypes, mask = server.broadcast_prototypes()
-            kind = "hyper" if getattr(server, "bank", None) is not None else "global"
-            return prototypes.detach(), mask.bool(), kind
-        bank = getattr(server, "bank", None)
-        if bank is not None and hasattr(bank, "averaged"):
-            return bank.averaged.detach(), torch.ones(self.federation.num_classes, dtype=torch.bool), "hyper"
-        return None
+        (FedProto's P, FedSA's anchors); None for a method without any (FedAvg). What the method
+        exposes (:meth:`~fedhpro.methods.base.Server.exposed_prototypes`)."""
+        return self.server.exposed_prototypes()
 
     def centralized_prototypes(self) -> tuple[Tensor, Tensor]:
         """Class means of all clients' training features under the global model (Figure 2's reference)."""

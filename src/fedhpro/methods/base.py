@@ -5,7 +5,8 @@ model's weights under ``"weights"``). Neither part knows which engine runs it:
 the in-process simulator and the Flower apps call the same four hooks.
 
 Server hooks: ``broadcast(round) -> payload``, ``aggregate(round, replies) ->
-metrics``, ``global_weights()``, ``state_dict()`` / ``load_state_dict()``.
+metrics``, ``global_weights()``, ``state_dict()`` / ``load_state_dict()``, and
+for diagnostics ``exposed_prototypes()`` (None unless the method has prototypes).
 The engines collect a round's replies in ``new_replies()`` (a :class:`Replies`
 that folds each reply's weights into a running weighted sum as it arrives)
 and hand that to ``aggregate``; methods also accept a plain list.
@@ -243,6 +244,12 @@ class Server:
         """What the engine evaluates for ``model`` (loaded with the weights to test): the model itself;
         a method with another inference rule (nearest prototype) returns a module that applies it."""
         return model
+
+    def exposed_prototypes(self) -> tuple[Tensor, Tensor, str] | None:
+        """The server's global prototypes, for diagnostics (prototype distance, t-SNE): ``(C x d, mask C
+        bool, kind)``, ``kind`` ``"hyper"`` for FedHPro's averaged hyper-prototypes H, ``"global"`` for a
+        method's own (FedProto's P, FedSA's anchors). None, the default: the method has none (FedAvg)."""
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         return {"weights": self.weights}

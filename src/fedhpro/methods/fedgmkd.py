@@ -98,38 +98,24 @@ from torch import Tensor, nn
 from fedhpro import functional as HF
 from fedhpro.errors import UpdateError
 from fedhpro.functional import weighted_average
-from fedhpro.methods.base import (
-    Client,
-    ClientData,
-    MethodContext,
-    MethodSpec,
-    Payload,
-    Server,
-    clone_weights,
-    extract_features,
-    load_weights,
-    train_epochs,
-)
-from fedhpro.methods.hyper import HyperPrototypeBank
+from fedhpro.methods.base import ClientData, MethodContext, MethodSpec, Payload, Regularizer, Weights, extract_features
 from fedhpro.methods.prototypes import (
-    check_protocol,
-    check_prototype_reply,
+    PrototypeClient,
+    PrototypeOptions,
+    PrototypeServer,
+    Uploads,
+    check_class_tensor,
+    class_uploads,
     feature_dim_of,
-    hyper_lr_option,
-    match_steps_option,
     merge_prototypes,
-    num_hyper_option,
-    protocol_option,
     prototype_mse,
-    prototype_inference,
-    inference_option,
-    prototypes_option,
+    received_prototypes,
 )
 from fedhpro.options import option
 
 
 @dataclass
-class FedGMKDOptions:
+class FedGMKDOptions(PrototypeOptions):
     lam: float = option(0.6, min=0.0, help="lambda, weight of KL(S^ || softmax(h(P)/T)) (paper C.1: 0.6)")
     gamma: float = option(0.5, min=0.0, help="weight of MSE(z, P_y) (paper C.1: 0.5)")
     temperature: float = option(0.6, gt=0.0, help="T of the soft predictions")
@@ -145,12 +131,6 @@ class FedGMKDOptions:
                                   "(~10x slower at d=512), which only changes the BIC-selected component count")
     dat_a: float = option(0.4, min=0.0, help="DAT discrepancy coefficient a")
     dat_b: float = option(0.2, min=0.0, help="DAT offset b")
-    protocol: str = protocol_option()
-    prototypes: str = prototypes_option()
-    inference: str = inference_option()
-    num_hyper: int = num_hyper_option()
-    match_steps: int = match_steps_option()
-    hyper_lr: float = hyper_lr_option()
 
 
 # ----------------------------------------------------------------------------
@@ -266,21 +246,8 @@ def client_weights_from_dat(counts: Tensor, weights: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------
-# reply checks (check_class_tensor is also used by FedSA)
+# reply check
 # ----------------------------------------------------------------------------
-
-
-def check_class_tensor(reply: Payload, key: str, shape: tuple[int, ...], who: str,
-                       held: Tensor | None = None) -> Tensor:
-    """``reply[key]`` as a tensor of ``shape``, finite on the rows of ``held`` (all rows if None)."""
-    value = reply.get(key)
-    if not isinstance(value, Tensor) or tuple(value.shape) != tuple(shape):
-        raise UpdateError(f"{who}: {key} must be a tensor of shape {tuple(shape)}, "
-                          f"got {tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
-    rows = value if held is None else value[held]
-    if value.is_floating_point() and not bool(torch.isfinite(rows).all()):
-        raise UpdateError(f"{who}: {key} contains NaN/Inf")
-    return value
 
 
 def check_counts(reply: Payload, num_classes: int, who: str) -> Tensor:
@@ -295,112 +262,71 @@ def check_counts(reply: Payload, num_classes: int, who: str) -> Tensor:
 # ----------------------------------------------------------------------------
 
 
-class FedGMKDServer(Server):
-    #: the clients' weights are averaged by the DAT client weights, known once every reply is in
+class FedGMKDServer(PrototypeServer):
+    """DAT's knowledge step (prototypes and soft predictions) on :class:`PrototypeServer`'s round;
+    the weights are averaged by the DAT client weights, so they are not folded as replies arrive."""
+
     folds_weights = False
+    #: the soft predictions and the client weights come from the knowledge step, with hyper-prototypes too
+    steps_with_hyper = True
 
     def __init__(self, context: MethodContext):
-        check_protocol(context)
         super().__init__(context)
-        o = self.options
-        self.feature_dim = feature_dim_of(context.model)
-        c, d = self.num_classes, self.feature_dim
-        self.prototypes = torch.zeros(c, d)
-        self.prototype_mask = torch.zeros(c, dtype=torch.bool)
-        self.soft = torch.zeros(c, c)
-        self.soft_mask = torch.zeros(c, dtype=torch.bool)
-        self.hyper = o.prototypes == "hyper"
-        self.bank = (HyperPrototypeBank(c, d, context.seed, num_hyper=o.num_hyper, match_steps=o.match_steps,
-                                        lr=o.hyper_lr) if self.hyper else None)
-        self.scratch = context.model
-
-    @property
-    def exchanges_weights(self) -> bool:
-        return self.options.protocol == "dagger"
-
-    def broadcast_prototypes(self) -> tuple[Tensor, Tensor]:
-        """``(P C x d, mask C)``: what the clients receive (the hyper-prototypes with ``prototypes=hyper``)."""
-        if self.hyper:
-            return self.bank.averaged, torch.ones(self.num_classes, dtype=torch.bool)
-        return self.prototypes, self.prototype_mask
-
-    def inference_model(self, model: nn.Module) -> nn.Module:
-        return prototype_inference(self.options, model, *self.broadcast_prototypes())
+        self.soft = torch.zeros(self.num_classes, self.num_classes)
+        self.soft_mask = torch.zeros(self.num_classes, dtype=torch.bool)
+        #: the DAT client weights ``w_k`` of the last aggregated round (``dagger``): the weights' average uses them
+        self.client_weights: Tensor | None = None
 
     def broadcast(self, round: int) -> Payload:
-        prototypes, mask = self.broadcast_prototypes()
-        return {"weights": self.weights if self.exchanges_weights else {},
-                "prototypes": prototypes.clone(), "prototype_mask": mask.clone(),
-                "soft_predictions": self.soft.clone(), "soft_mask": self.soft_mask.clone()}
+        return {**super().broadcast(round), "soft_predictions": self.soft.clone(), "soft_mask": self.soft_mask.clone()}
 
     def validate_reply(self, reply: Payload, who: str = "reply") -> None:
         super().validate_reply(reply, who)
-        c, d = self.num_classes, self.feature_dim
-        held = check_prototype_reply(reply, c, d, who)
-        check_counts(reply, c, who)
+        c = self.num_classes
+        held = check_counts(reply, c, who) > 0
         soft = check_class_tensor(reply, "soft_predictions", (c, c), who, held)
         if bool((soft[held] < 0).any()):
             raise UpdateError(f"{who}: soft_predictions must be probabilities (>= 0)")
-        if self.hyper:
-            check_class_tensor(reply, "class_gradients", (c, d), who, held)
 
-    def aggregate(self, round: int, replies: Sequence[Payload]) -> dict[str, float]:
-        # validate everything before changing any state: a rejected round leaves the server as it was
-        self.validate_replies(replies)
-        counts = torch.stack([reply["class_counts"].detach().cpu() for reply in replies])
-        present = counts > 0
-        zero = torch.zeros((), dtype=torch.float64)
+    def prototype_step(self, round: int, uploads: Uploads, replies: Sequence[Payload]) -> dict[str, float]:
+        counts, present = uploads.counts, uploads.present
         # rows of classes a client does not hold are never read (weight 0 and replaced by zeros)
-        def stacked(key: str) -> Tensor:
-            values = torch.stack([reply[key].detach().cpu().double() for reply in replies])
-            return torch.where(present.unsqueeze(2), values, zero)
-
-        soft, prototypes = stacked("soft_predictions"), stacked("prototypes")
-        gradients = self.bank.validate(replies)[0] if self.hyper else None
-
+        soft = torch.where(present.unsqueeze(2),
+                           torch.stack([reply["soft_predictions"].detach().cpu().double() for reply in replies]),
+                           torch.zeros((), dtype=torch.float64))
         weights, discrepancy = dat_weights(counts, soft, self.options.dat_a, self.options.dat_b)
         held = present.any(0)
         # classes nobody held this round keep their previous global knowledge (none before the first holder)
-        self.prototypes, self.prototype_mask = merge_prototypes(
-            self.prototypes, self.prototype_mask, torch.einsum("kc,kcd->cd", weights, prototypes).float(), held)
+        knowledge = torch.einsum("kc,kcd->cd", weights, uploads.prototypes.double()).float()
+        self.prototypes, self.prototype_mask = merge_prototypes(self.prototypes, self.prototype_mask, knowledge, held)
         self.soft, self.soft_mask = merge_prototypes(
             self.soft, self.soft_mask, torch.einsum("kc,kcj->cj", weights, soft).float(), held)
-        metrics = {"classes_held": float(held.sum()),
-                   "discrepancy_mean": float(discrepancy[present].mean()) if bool(present.any()) else 0.0}
+        metrics = {"discrepancy_mean": float(discrepancy[present].mean()) if bool(present.any()) else 0.0}
         if self.exchanges_weights:
-            client_weights = client_weights_from_dat(counts, weights)
-            self.weights = weighted_average([reply["weights"] for reply in replies], client_weights.tolist())
-            metrics["client_weight_min"] = float(client_weights.min())
-            metrics["client_weight_max"] = float(client_weights.max())
-        if self.hyper:
-            load_weights(self.scratch, self.weights)
-            metrics.update(self.bank.update(gradients, present, self.scratch.classifier))
+            self.client_weights = client_weights_from_dat(counts, weights)
+            metrics["client_weight_min"] = float(self.client_weights.min())
+            metrics["client_weight_max"] = float(self.client_weights.max())
         return metrics
 
-    def state_dict(self) -> dict[str, Any]:
-        state = {"weights": self.weights, "prototypes": self.prototypes, "prototype_mask": self.prototype_mask,
-                 "soft_predictions": self.soft, "soft_mask": self.soft_mask}
-        if self.bank is not None:
-            state.update(self.bank.state_dict())
-        return state
+    def aggregate_weights(self, replies: Sequence[Payload]) -> Weights:
+        """The replies' weights averaged by this round's DAT client weights ``w_k``."""
+        return weighted_average([reply["weights"] for reply in replies], self.client_weights.tolist())
 
-    def load_state_dict(self, state) -> None:
-        self.weights = dict(state["weights"])
-        self.prototypes = state["prototypes"].clone()
-        self.prototype_mask = state["prototype_mask"].clone().bool()
+    def method_state(self) -> dict[str, Any]:
+        return {**super().method_state(), "soft_predictions": self.soft, "soft_mask": self.soft_mask}
+
+    def load_method_state(self, state) -> None:
+        super().load_method_state(state)
         self.soft = state["soft_predictions"].clone()
         self.soft_mask = state["soft_mask"].clone().bool()
-        if self.bank is not None:
-            self.bank.load_state_dict(state)
 
 
-class FedGMKDClient(Client):
-    def fit(self, model, payload: Payload, data: ClientData, state: dict, generator: torch.Generator):
+class FedGMKDClient(PrototypeClient):
+    def regularizer(self, model: nn.Module, payload: Payload, data: ClientData,
+                    state: dict) -> tuple[Regularizer, dict[str, float]]:
         o = self.options
-        load_weights(model, payload["weights"])
         device = data.x.device
-        prototypes = payload["prototypes"].to(device)
-        prototype_mask = payload["prototype_mask"].to(device).bool()
+        prototypes, prototype_mask = received_prototypes(payload, self.num_classes, feature_dim_of(model), device)
         soft = payload["soft_predictions"].to(device)
         knowledge_mask = payload["soft_mask"].to(device).bool() & prototype_mask
         use_mse = o.gamma > 0 and bool(prototype_mask.any())
@@ -415,32 +341,30 @@ class FedGMKDClient(Client):
                                                       knowledge_mask, o.temperature, o.kl_reduction)
             return terms
 
-        losses = train_epochs(model, data, self.train, generator, regularizer)
+        return regularizer, {}
 
-        # one eval-mode pass: features, soft predictions (and class gradients for prototypes=hyper)
+    def uploads(self, model: nn.Module, data: ClientData, state: dict,
+                generator: torch.Generator) -> tuple[Payload, dict[str, float]]:
+        """GMM prototypes (class means and class gradients with ``prototypes=hyper``), soft predictions
+        and counts, from one eval-mode pass of the trained model."""
+        o = self.options
         features = extract_features(model, data.x)
         was_training = model.training
         model.eval()
         with torch.no_grad():
             logits = model.classifier(features)
-        reply_soft = soft_predictions(logits, data.y, self.num_classes, o.temperature)
-        counts = torch.bincount(data.y, minlength=self.num_classes)[:self.num_classes]
-        reply = {"weights": clone_weights(model, payload["weights"]), "num_examples": len(data)}
-        if o.prototypes == "hyper":
-            gradients, _ = HF.class_gradients(features, data.y, model.classifier, self.num_classes)
-            local, _ = HF.local_prototypes(features, data.y, self.num_classes)
-            reply["class_gradients"] = gradients.cpu()
-        else:
-            seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=generator))
-            local, present, components = gmm_prototypes(
-                features, data.y, self.num_classes, max_components=o.max_components,
-                max_samples=o.max_samples, covariance=o.covariance, seed=seed)
-            losses["gmm_components"] = float(components[present].double().mean())
         model.train(was_training)
-        reply.update({"prototypes": local.detach().cpu(), "soft_predictions": reply_soft.detach().cpu(),
-                      "class_counts": counts.cpu()})
-        return reply, losses
-
+        soft = soft_predictions(logits, data.y, self.num_classes, o.temperature).detach().cpu()
+        if o.prototypes == "hyper":
+            upload = class_uploads(model.classifier, features, data.y, self.num_classes, with_gradients=True)
+            return {**upload, "soft_predictions": soft}, {}
+        seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=generator))
+        local, present, components = gmm_prototypes(
+            features, data.y, self.num_classes, max_components=o.max_components,
+            max_samples=o.max_samples, covariance=o.covariance, seed=seed)
+        counts = torch.bincount(data.y, minlength=self.num_classes)[:self.num_classes]
+        return ({"prototypes": local.detach().cpu(), "class_counts": counts.cpu(), "soft_predictions": soft},
+                {"gmm_components": float(components[present].double().mean())})
 
 METHOD = MethodSpec(
     name="fedgmkd",

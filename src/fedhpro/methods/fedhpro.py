@@ -86,6 +86,11 @@ class FedHProServer(Server):
     def hyper(self) -> torch.Tensor:
         return self.bank.hyper
 
+    def exposed_prototypes(self) -> tuple[torch.Tensor, torch.Tensor, str]:
+        """The averaged hyper-prototypes H (C x d), every class present (also under the Table 6 ablations,
+        whose global prototypes P only some losses use)."""
+        return self.bank.averaged.detach(), torch.ones(self.num_classes, dtype=torch.bool), "hyper"
+
     def broadcast(self, round: int) -> Payload:
         payload = {"weights": self.weights, "hyper_prototypes": self.bank.hyper}
         if self.uses_global:

@@ -17,40 +17,23 @@ hyper-prototypes instead of ``P`` (Table 3).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from torch import Tensor
-
-from fedhpro.methods.base import MethodSpec
-from fedhpro.methods.prototypes import (
-    PrototypeClient,
-    PrototypeServer,
-    hyper_lr_option,
-    match_steps_option,
-    mean_prototypes,
-    merge_prototypes,
-    num_hyper_option,
-    protocol_option,
-    inference_option,
-    prototypes_option,
-)
+from fedhpro import functional as HF
+from fedhpro.methods.base import MethodSpec, Payload
+from fedhpro.methods.prototypes import PrototypeClient, PrototypeOptions, PrototypeServer, Uploads, merge_prototypes
 from fedhpro.options import option
 
 
 @dataclass
-class FedProtoOptions:
+class FedProtoOptions(PrototypeOptions):
     lam: float = option(1.0, min=0.0, help="lambda of the prototype MSE term")
-    protocol: str = protocol_option()
-    prototypes: str = prototypes_option()
-    inference: str = inference_option()
-    num_hyper: int = num_hyper_option()
-    match_steps: int = match_steps_option()
-    hyper_lr: float = hyper_lr_option()
 
 
 class FedProtoServer(PrototypeServer):
-    def prototype_step(self, round: int, prototypes: Tensor, present: Tensor, counts: Tensor) -> dict[str, float]:
-        new, held = mean_prototypes(prototypes, present)
+    def prototype_step(self, round: int, uploads: Uploads, replies: Sequence[Payload]) -> dict[str, float]:
+        new, held = HF.mean_client_prototypes(uploads.prototypes, uploads.present)
         self.prototypes, self.prototype_mask = merge_prototypes(self.prototypes, self.prototype_mask, new, held)
         return {}
 

@@ -53,51 +53,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedhpro import functional as HF
-from fedhpro.methods.base import (
-    Client,
-    ClientData,
-    MethodContext,
-    MethodSpec,
-    Payload,
-    Server,
-    clone_weights,
-    extract_features,
-    load_weights,
-    train_epochs,
-)
-from fedhpro.methods.fedgmkd import check_class_tensor
-from fedhpro.methods.hyper import HyperPrototypeBank
-from fedhpro.methods.prototypes import (
-    check_protocol,
-    check_prototype_reply,
-    feature_dim_of,
-    hyper_lr_option,
-    match_steps_option,
-    mean_prototypes,
-    num_hyper_option,
-    protocol_option,
-    prototype_inference,
-    inference_option,
-    prototypes_option,
-)
+from fedhpro.methods.base import ClientData, MethodContext, MethodSpec, Payload, Regularizer
+from fedhpro.methods.prototypes import PrototypeClient, PrototypeOptions, PrototypeServer, Uploads, margin_ce
 from fedhpro.options import option
-
-SQRT_CLAMP = 1e-12
 
 
 @dataclass
-class FedSAOptions:
+class FedSAOptions(PrototypeOptions):
     lambda1: float = option(0.1, min=0.0, help="weight of the classifier calibration CE(h(A), [0..C-1])")
     lambda2: float = option(0.9, min=0.0, help="weight of MSE(z, A_y)")
     lambda3: float = option(1.0, min=0.0, help="weight of the margin-enhanced contrastive CE")
     anchor_momentum: float = option(0.9999, min=0.0, max=1.0,
                                     help="m in A <- m A + (1 - m) Pbar after each round")
-    protocol: str = protocol_option()
-    prototypes: str = prototypes_option()
-    inference: str = inference_option()
-    num_hyper: int = num_hyper_option()
-    match_steps: int = match_steps_option()
-    hyper_lr: float = hyper_lr_option()
 
 
 # ----------------------------------------------------------------------------
@@ -139,18 +106,6 @@ def class_gap(vectors: Tensor, present: Tensor | None = None) -> float | None:
     return float(distances.min(1).values.mean())
 
 
-def anchor_distances(z: Tensor, anchors: Tensor) -> Tensor:
-    """``||z_i - A_c||_2`` (B x C), the squared distance clamped at 1e-12 before the square root."""
-    squared = (z.unsqueeze(1) - anchors.unsqueeze(0)).pow(2).sum(2)
-    return squared.clamp(min=SQRT_CLAMP).sqrt()
-
-
-def margin_ce(z: Tensor, y: Tensor, anchors: Tensor, gap: float) -> Tensor:
-    """``CE(-(||z - A_c|| + gap * onehot(y)), y)``, batch mean."""
-    logits = -(anchor_distances(z, anchors) + gap * F.one_hot(y, anchors.shape[0]).to(z.dtype))
-    return F.cross_entropy(logits, y)
-
-
 def calibration_ce(classifier, anchors: Tensor) -> Tensor:
     """``CE(h(A), [0..C-1])``: each anchor must be classified as its class."""
     return F.cross_entropy(classifier(anchors), torch.arange(anchors.shape[0], device=anchors.device))
@@ -167,81 +122,48 @@ def ema_anchors(anchors: Tensor, mean_prototypes: Tensor, held: Tensor, momentum
 # ----------------------------------------------------------------------------
 
 
-class FedSAServer(Server):
-    def __init__(self, context: MethodContext):
-        check_protocol(context)
-        super().__init__(context)
-        o = self.options
-        self.feature_dim = feature_dim_of(context.model)
-        self.anchors = semantic_anchors(self.num_classes, self.feature_dim, context.seed)
-        self.hyper = o.prototypes == "hyper"
-        self.bank = (HyperPrototypeBank(self.num_classes, self.feature_dim, context.seed, num_hyper=o.num_hyper,
-                                        match_steps=o.match_steps, lr=o.hyper_lr) if self.hyper else None)
-        self.scratch = context.model
+class FedSAServer(PrototypeServer):
+    """FedSA's global prototypes are its anchors (``self.prototypes``): every class has one from round 0
+    (the mask is all True); the prototype step moves them towards the clients' mean prototypes."""
 
-    def current_anchors(self) -> Tensor:
-        return self.bank.averaged if self.hyper else self.anchors
+    def __init__(self, context: MethodContext):
+        super().__init__(context)
+        self.prototypes = semantic_anchors(self.num_classes, self.feature_dim, context.seed)
+        self.prototype_mask = torch.ones(self.num_classes, dtype=torch.bool)
 
     @property
-    def exchanges_weights(self) -> bool:
-        return self.options.protocol == "dagger"
-
-    def inference_model(self, model: nn.Module) -> nn.Module:
-        # FedSA's prototypes are its anchors: every class has one from round 0
-        return prototype_inference(self.options, model, self.current_anchors(),
-                                   torch.ones(self.num_classes, dtype=torch.bool))
+    def anchors(self) -> Tensor:
+        """The semantic anchors ``A`` (C x d)."""
+        return self.prototypes
 
     def broadcast(self, round: int) -> Payload:
-        return {"weights": self.weights if self.exchanges_weights else {}, "anchors": self.current_anchors().clone()}
+        return {"weights": self.broadcast_weights(), "anchors": self.broadcast_prototypes()[0].clone()}
 
-    def validate_reply(self, reply: Payload, who: str = "reply") -> None:
-        super().validate_reply(reply, who)
-        c, d = self.num_classes, self.feature_dim
-        held = check_prototype_reply(reply, c, d, who)
-        if self.hyper:
-            check_class_tensor(reply, "class_gradients", (c, d), who, held)
+    def prototype_step(self, round: int, uploads: Uploads, replies: Sequence[Payload]) -> dict[str, float]:
+        # the unweighted mean over the holders of each class, in float64
+        pbar, held = HF.mean_client_prototypes(uploads.prototypes.double(), uploads.present)
+        before = self.prototypes
+        self.prototypes = ema_anchors(before, pbar, held, self.options.anchor_momentum)
+        return {"anchor_shift": float((self.prototypes - before).norm())}
 
     def aggregate(self, round: int, replies: Sequence[Payload]) -> dict[str, float]:
-        self.validate_replies(replies)
-        present = torch.stack([reply["class_counts"].detach().cpu() > 0 for reply in replies])
-        prototypes = torch.where(present.unsqueeze(2),
-                                 torch.stack([reply["prototypes"].detach().cpu().double() for reply in replies]),
-                                 torch.zeros((), dtype=torch.float64))
-        gradients = self.bank.validate(replies)[0] if self.hyper else None
-        pbar, held = mean_prototypes(prototypes, present)  # unweighted mean over the holders of each class
-        metrics = {"classes_held": float(held.sum())}
-        if self.exchanges_weights:
-            self.weights = self.average_weights(replies)
-        if self.hyper:
-            load_weights(self.scratch, self.weights)
-            metrics.update(self.bank.update(gradients, present, self.scratch.classifier))
-        else:
-            before = self.anchors
-            self.anchors = ema_anchors(self.anchors, pbar, held, self.options.anchor_momentum)
-            metrics["anchor_shift"] = float((self.anchors - before).norm())
-        gap = class_gap(self.current_anchors())
+        metrics = super().aggregate(round, replies)
+        gap = class_gap(self.broadcast_prototypes()[0])
         metrics["anchor_gap"] = gap if gap is not None else 0.0
         return metrics
 
-    def state_dict(self) -> dict[str, Any]:
-        state = {"weights": self.weights, "anchors": self.anchors}
-        if self.bank is not None:
-            state.update(self.bank.state_dict())
-        return state
+    def method_state(self) -> dict[str, Any]:
+        return {"anchors": self.prototypes}  # the mask is all True, always
 
-    def load_state_dict(self, state) -> None:
-        self.weights = dict(state["weights"])
-        self.anchors = state["anchors"].clone()
-        if self.bank is not None:
-            self.bank.load_state_dict(state)
+    def load_method_state(self, state) -> None:
+        self.prototypes = state["anchors"].clone()
 
 
-class FedSAClient(Client):
-    def fit(self, model, payload: Payload, data: ClientData, state: dict, generator: torch.Generator):
+class FedSAClient(PrototypeClient):
+    def regularizer(self, model: nn.Module, payload: Payload, data: ClientData,
+                    state: dict) -> tuple[Regularizer, dict[str, float]]:
         o = self.options
-        load_weights(model, payload["weights"])
-        device = data.x.device
-        anchors = payload["anchors"].to(device)
+        anchors = payload["anchors"].to(data.x.device)
         global_gap = class_gap(anchors)
         local_gap = None
         if "last_prototypes" in state:
@@ -260,26 +182,18 @@ class FedSAClient(Client):
                 terms["margin_ce"] = o.lambda3 * margin_ce(z, y, a, gap)
             return terms
 
-        losses = train_epochs(model, data, self.train, generator, regularizer)
-
-        features = extract_features(model, data.x)  # one eval-mode pass
-        prototypes, present = HF.local_prototypes(features, data.y, self.num_classes)
-        counts = torch.bincount(data.y, minlength=self.num_classes)[:self.num_classes]
-        reply = {"weights": clone_weights(model, payload["weights"]), "num_examples": len(data),
-                 "prototypes": prototypes.detach().cpu(), "class_counts": counts.cpu()}
-        if o.prototypes == "hyper":
-            was_training = model.training
-            model.eval()
-            gradients, _ = HF.class_gradients(features, data.y, model.classifier, self.num_classes)
-            model.train(was_training)
-            reply["class_gradients"] = gradients.cpu()
-        state["last_prototypes"] = prototypes.detach().cpu()
-        state["last_present"] = present.cpu()
-        losses["gap"] = float(gap)
-        losses["global_gap"] = float(global_gap) if global_gap is not None else 0.0
+        notes = {"gap": float(gap), "global_gap": float(global_gap) if global_gap is not None else 0.0}
         if local_gap is not None:
-            losses["local_gap"] = float(local_gap)
-        return reply, losses
+            notes["local_gap"] = float(local_gap)
+        return regularizer, notes
+
+    def uploads(self, model: nn.Module, data: ClientData, state: dict,
+                generator: torch.Generator) -> tuple[Payload, dict[str, float]]:
+        """The default uploads, also kept in ``state`` for the local gap of the next participation."""
+        upload, notes = super().uploads(model, data, state, generator)
+        state["last_prototypes"] = upload["prototypes"]
+        state["last_present"] = upload["class_counts"] > 0
+        return upload, notes
 
 
 METHOD = MethodSpec(

@@ -33,7 +33,7 @@ its output would not be used), so FedTGP+hyper and FedProto+hyper are the same a
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,40 +41,29 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedhpro.methods.base import MethodContext, MethodSpec
+from fedhpro import functional as HF
+from fedhpro.methods.base import MethodContext, MethodSpec, Payload
 from fedhpro.methods.prototypes import (
     PrototypeClient,
+    PrototypeOptions,
     PrototypeServer,
-    derive_seed,
-    hyper_lr_option,
-    match_steps_option,
-    mean_prototypes,
+    Uploads,
+    margin_ce,
     nearest_class_gaps,
-    num_hyper_option,
-    protocol_option,
-    inference_option,
-    prototypes_option,
 )
 from fedhpro.options import option
+from fedhpro.seeds import derive_seed
 
 _TGP_INIT, _TGP_SHUFFLE = 41, 42
-#: clamp of the squared distance before the square root (finite gradients for identical vectors)
-SQUARED_DISTANCE_FLOOR = 1e-12
 
 
 @dataclass
-class FedTGPOptions:
+class FedTGPOptions(PrototypeOptions):
     lam: float = option(1.0, min=0.0, help="lambda of the prototype MSE term")
     server_epochs: int = option(100, min=0, help="S, epochs of TGP training per round")
     server_lr: float = option(0.01, gt=0.0, help="SGD step size of TGP training")
     server_batch_size: int = option(10, min=1, help="batch size of TGP training")
     margin_cap: float = option(100.0, min=0.0, help="upper bound of the adaptive margin delta")
-    protocol: str = protocol_option()
-    prototypes: str = prototypes_option()
-    inference: str = inference_option()
-    num_hyper: int = num_hyper_option()
-    match_steps: int = match_steps_option()
-    hyper_lr: float = hyper_lr_option()
 
 
 class TrainableGlobalPrototypes(nn.Module):
@@ -105,24 +94,10 @@ def tgp_margin(mean_prototypes: Tensor, held: Tensor, cap: float) -> float:
     return float(min(float(gaps[held].max()), cap))
 
 
-def margin_ce_loss(prototypes: Tensor, labels: Tensor, centers: Tensor, delta: float) -> Tensor:
-    """``CE(-(sqrt(max(||p_i - P^_c||^2, floor)) + delta * [c = y_i]), y_i)``, mean over the batch.
-
-    Args:
-        prototypes: ``B x d`` uploaded prototypes ``p``.
-        labels: ``B`` their classes.
-        centers: ``C x d`` the TGP's prototypes ``P^``.
-        delta: the margin.
-    """
-    squared = (prototypes.unsqueeze(1) - centers.unsqueeze(0)).pow(2).sum(-1)
-    distances = squared.clamp(min=SQUARED_DISTANCE_FLOOR).sqrt()
-    logits = -(distances + delta * F.one_hot(labels, centers.shape[0]).to(distances.dtype))
-    return F.cross_entropy(logits, labels)
-
-
 def train_tgp(net: TrainableGlobalPrototypes, prototypes: Tensor, labels: Tensor, delta: float, *, epochs: int,
               lr: float, batch_size: int, generator: torch.Generator) -> float:
-    """``epochs`` of SGD on :func:`margin_ce_loss`; returns the mean batch loss of the last epoch (nan if none)."""
+    """``epochs`` of SGD on :func:`~fedhpro.methods.prototypes.margin_ce` with margin ``delta``; returns the
+    mean batch loss of the last epoch (nan if none)."""
     optimizer = torch.optim.SGD(net.parameters(), lr=lr)
     net.train()
     n = prototypes.shape[0]
@@ -132,7 +107,7 @@ def train_tgp(net: TrainableGlobalPrototypes, prototypes: Tensor, labels: Tensor
         total, steps = 0.0, 0
         for start in range(0, n, batch_size):
             index = order[start:start + batch_size]
-            loss = margin_ce_loss(prototypes[index], labels[index], net(), delta)
+            loss = margin_ce(prototypes[index], labels[index], net(), delta)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -149,12 +124,12 @@ class FedTGPServer(PrototypeServer):
         self.tgp = TrainableGlobalPrototypes(self.num_classes, self.feature_dim, generator)
         self.seed = context.seed
 
-    def prototype_step(self, round: int, prototypes: Tensor, present: Tensor, counts: Tensor) -> dict[str, float]:
+    def prototype_step(self, round: int, uploads: Uploads, replies: Sequence[Payload]) -> dict[str, float]:
         o = self.options
-        mean, held = mean_prototypes(prototypes, present)
+        mean, held = HF.mean_client_prototypes(uploads.prototypes, uploads.present)
         delta = tgp_margin(mean, held, o.margin_cap)
-        index = present.nonzero()  # (k, c) pairs, client-major: the order of the uploads
-        pairs = prototypes[index[:, 0], index[:, 1]]
+        index = uploads.present.nonzero()  # (k, c) pairs, client-major: the order of the uploads
+        pairs = uploads.prototypes[index[:, 0], index[:, 1]]
         labels = index[:, 1]
         generator = torch.Generator().manual_seed(derive_seed(self.seed, _TGP_SHUFFLE, round))
         loss = train_tgp(self.tgp, pairs, labels, delta, epochs=o.server_epochs, lr=o.server_lr,
@@ -165,10 +140,12 @@ class FedTGPServer(PrototypeServer):
         self.prototype_mask = self.prototype_mask | held
         return {"tgp_loss": loss, "tgp_margin": delta}
 
-    def extra_state(self) -> dict[str, Any]:
-        return {"tgp": {name: t.detach().clone() for name, t in self.tgp.state_dict().items()}}
+    def method_state(self) -> dict[str, Any]:
+        return {**super().method_state(),
+                "tgp": {name: t.detach().clone() for name, t in self.tgp.state_dict().items()}}
 
-    def load_extra_state(self, state: Mapping[str, Any]) -> None:
+    def load_method_state(self, state: Mapping[str, Any]) -> None:
+        super().load_method_state(state)
         self.tgp.load_state_dict(state["tgp"])
 
 

@@ -7,6 +7,7 @@ FedHPro uses it, and so does any prototype method run with
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ class HyperPrototypeBank:
         """H (C x d), the mean of each class's |I| vectors."""
         return self.hyper.mean(1)
 
-    def validate(self, replies: list[Payload]) -> tuple[Tensor, Tensor]:
+    def validate(self, replies: Sequence[Payload]) -> tuple[Tensor, Tensor]:
         """Stack the replies' ``class_gradients`` (K x C x d) and presence masks (K x C); UpdateError if malformed."""
         return stack_class_gradients(replies, self.num_classes, self.hyper.shape[2])
 
@@ -60,7 +61,7 @@ class HyperPrototypeBank:
         self.initial = state["hyper_initial"].clone()
 
 
-def stack_class_gradients(replies: list[Payload], num_classes: int, feature_dim: int) -> tuple[Tensor, Tensor]:
+def stack_class_gradients(replies: Sequence[Payload], num_classes: int, feature_dim: int) -> tuple[Tensor, Tensor]:
     gradients, present = [], []
     for index, reply in enumerate(replies):
         g = reply.get("class_gradients")
@@ -93,11 +94,18 @@ def class_statistics(model: nn.Module, data: ClientData, num_classes: int,
             rank[where] = torch.arange(where.numel(), device=y.device)
         keep = rank < samples_per_class
         x, y = x[keep], y[keep]
-    features = extract_features(model, x)
-    was_training = model.training
-    model.eval()
-    gradients, _ = HF.class_gradients(features, y, model.classifier, num_classes)
-    model.train(was_training)
-    prototypes, _ = HF.local_prototypes(features, y, num_classes)
+    gradients, prototypes = feature_statistics(model.classifier, extract_features(model, x), y, num_classes)
     counts = torch.bincount(data.y, minlength=num_classes)[:num_classes]
     return gradients, counts, prototypes
+
+
+def feature_statistics(classifier: nn.Module, features: Tensor, labels: Tensor,
+                       num_classes: int) -> tuple[Tensor, Tensor]:
+    """``(g_k^c (Eq. 5), p_k^c (Eq. 2))`` of features already extracted (one eval-mode pass), the
+    gradients through ``classifier`` in eval mode (its previous mode is restored)."""
+    was_training = classifier.training
+    classifier.eval()
+    gradients, _ = HF.class_gradients(features, labels, classifier, num_classes)
+    classifier.train(was_training)
+    prototypes, _ = HF.local_prototypes(features, labels, num_classes)
+    return gradients, prototypes

@@ -1,32 +1,40 @@
-"""Shared parts of the prototype methods (FedProto, FedTGP; readable by FedGMKD and FedSA).
+"""What the prototype methods (FedProto, FedTGP, FedGMKD, FedSA) share, written once.
 
 What lives here:
 
-* validating and stacking the prototypes the clients upload (:func:`stack_prototypes`),
-* the unweighted mean over the clients that hold a class (:func:`mean_prototypes`), and
-  keeping the previous prototype of a class nobody held this round (:func:`merge_prototypes`),
+* their common options, :class:`PrototypeOptions` (the protocol, the prototype source, the
+  inference rule, the hyper-prototype knobs), which each method's options dataclass extends,
+* validating and stacking the prototypes the clients upload (:func:`stack_prototypes`) and
+  keeping the previous prototype of a class nobody held this round (:func:`merge_prototypes`);
+  the unweighted mean over the clients that hold a class is
+  :func:`fedhpro.functional.mean_client_prototypes`,
 * the client regulariser ``lam * MSE(z, P_y)`` that skips samples whose class has no
   global prototype (:func:`prototype_mse`, :func:`prototype_regularizer`),
 * the two protocols of ``baselines.md`` (``dagger``: weights + prototypes; ``proto-only``:
   prototypes only) and the plug-and-play ``prototypes=hyper`` (paper Table 3), as a
-  :class:`PrototypeServer` / :class:`PrototypeClient` pair that FedProto and FedTGP subclass.
+  :class:`PrototypeServer` / :class:`PrototypeClient` pair that the four methods subclass. A
+  method writes its prototype step (server), its regulariser and its uploads (client); the
+  protocols, the hyper-prototypes, the reply checks, the nearest-prototype inference, what the
+  server exposes to diagnostics and the server state are the same code for all four.
 
 Payload keys. Server -> client: ``weights`` (``{}`` in proto-only), ``prototypes`` (C x d,
 always present; zeros where absent) and ``prototype_mask`` (C bool: which rows are real
 prototypes; all False before the first aggregation). Client -> server: ``weights``,
 ``num_examples``, ``prototypes`` (C x d, Eq. 2 under the trained model, zeros for classes
 the client does not hold), ``class_counts`` (C), plus ``class_gradients`` (C x d, Eq. 5)
-with ``prototypes=hyper``.
+with ``prototypes=hyper``. FedGMKD adds soft predictions both ways; FedSA broadcasts its
+``anchors`` in place of ``prototypes`` and ``prototype_mask``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
-import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedhpro import functional as HF
@@ -38,12 +46,13 @@ from fedhpro.methods.base import (
     Payload,
     Regularizer,
     Server,
+    Weights,
     clone_weights,
     extract_features,
     load_weights,
     train_epochs,
 )
-from fedhpro.methods.hyper import HyperPrototypeBank, class_statistics
+from fedhpro.methods.hyper import HyperPrototypeBank, feature_statistics
 from fedhpro.options import option
 
 PROTOCOLS = ("dagger", "proto-only")
@@ -51,45 +60,24 @@ PROTOTYPE_SOURCES = ("local", "hyper")
 INFERENCE = ("head", "nearest-prototype")
 
 
-# ----------------------------------------------------------------------------
-# option fields shared by the prototype methods (each method declares them in its own dataclass)
-# ----------------------------------------------------------------------------
+@dataclass
+class PrototypeOptions:
+    """The options of every prototype method; each method's options dataclass extends this one."""
 
-
-def protocol_option() -> Any:
-    return option("dagger", choices=PROTOCOLS,
-                  help="dagger: exchange model weights (FedAvg) and prototypes (the paper's default); "
-                       "proto-only: exchange prototypes only, every client keeps its own model (Table A7)")
-
-
-def prototypes_option() -> Any:
-    return option("local", choices=PROTOTYPE_SOURCES,
-                  help="local: the method's own global prototypes; hyper: the averaged hyper-prototypes H "
-                       "learned by FedHPro's gradient matching (plug-and-play, Table 3; needs protocol=dagger)")
-
-
-def inference_option() -> Any:
-    return option("head", choices=INFERENCE,
-                  help="how the evaluated models classify: head (the model's own classifier) or "
-                       "nearest-prototype (argmin_c ||f(x) - P_c||_2 over the server's global prototypes, "
-                       "FedProto's inference; useful with protocol=proto-only)")
-
-
-def num_hyper_option() -> Any:
-    return option(5, min=1, help="|I|, hyper-prototypes per class (prototypes=hyper only)")
-
-
-def match_steps_option() -> Any:
-    return option(30, min=0, help="M, gradient-matching steps per round (prototypes=hyper only)")
-
-
-def hyper_lr_option() -> Any:
-    return option(0.1, gt=0.0, help="step size of gradient matching (prototypes=hyper only)")
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed from integer parts (the same construction as the simulator's)."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+    protocol: str = option("dagger", choices=PROTOCOLS,
+                           help="dagger: exchange model weights (FedAvg) and prototypes (the paper's default); "
+                                "proto-only: exchange prototypes only, every client keeps its own model (Table A7)")
+    prototypes: str = option("local", choices=PROTOTYPE_SOURCES,
+                             help="local: the method's own global prototypes; hyper: the averaged hyper-prototypes "
+                                  "H learned by FedHPro's gradient matching (plug-and-play, Table 3; needs "
+                                  "protocol=dagger)")
+    inference: str = option("head", choices=INFERENCE,
+                            help="how the evaluated models classify: head (the model's own classifier) or "
+                                 "nearest-prototype (argmin_c ||f(x) - P_c||_2 over the server's global "
+                                 "prototypes, FedProto's inference; useful with protocol=proto-only)")
+    num_hyper: int = option(5, min=1, help="|I|, hyper-prototypes per class (prototypes=hyper only)")
+    match_steps: int = option(30, min=0, help="M, gradient-matching steps per round (prototypes=hyper only)")
+    hyper_lr: float = option(0.1, gt=0.0, help="step size of gradient matching (prototypes=hyper only)")
 
 
 # ----------------------------------------------------------------------------
@@ -113,8 +101,30 @@ def check_prototype_reply(reply: Payload, num_classes: int, feature_dim: int, wh
     return holds
 
 
-def stack_prototypes(replies: list[Payload], num_classes: int, feature_dim: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``(prototypes K x C x d, present K x C bool, counts K x C)`` from the replies; UpdateError if malformed.
+def check_class_tensor(reply: Payload, key: str, shape: tuple[int, ...], who: str,
+                       held: Tensor | None = None) -> Tensor:
+    """``reply[key]`` as a tensor of ``shape``, finite on the rows of ``held`` (all rows if None);
+    UpdateError naming ``who`` and ``key`` otherwise."""
+    value = reply.get(key)
+    if not isinstance(value, Tensor) or tuple(value.shape) != tuple(shape):
+        raise UpdateError(f"{who}: {key} must be a tensor of shape {tuple(shape)}, "
+                          f"got {tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
+    rows = value if held is None else value[held]
+    if value.is_floating_point() and not bool(torch.isfinite(rows).all()):
+        raise UpdateError(f"{who}: {key} contains NaN/Inf")
+    return value
+
+
+class Uploads(NamedTuple):
+    """One round's uploaded prototypes, stacked over the ``K`` replies in their order."""
+
+    prototypes: Tensor  # K x C x d float32, zeros where the client does not hold the class
+    present: Tensor  # K x C bool: class_counts > 0
+    counts: Tensor  # K x C class counts n_k^c
+
+
+def stack_prototypes(replies: Sequence[Payload], num_classes: int, feature_dim: int) -> Uploads:
+    """The replies' ``prototypes``, presence and ``class_counts`` (:class:`Uploads`); UpdateError if malformed.
 
     A class is present for a client when its ``class_counts`` entry is > 0; the
     prototype rows of absent classes are ignored (replaced by zeros), those of
@@ -129,22 +139,7 @@ def stack_prototypes(replies: list[Payload], num_classes: int, feature_dim: int)
         prototypes.append(torch.where(holds.unsqueeze(1), p, torch.zeros(())))
         present.append(holds)
         counts.append(reply["class_counts"].detach().cpu().clamp(min=0))
-    return torch.stack(prototypes), torch.stack(present), torch.stack(counts)
-
-
-def mean_prototypes(prototypes: Tensor, present: Tensor) -> tuple[Tensor, Tensor]:
-    """FedProto's aggregation: ``P^c = 1/|A^c| sum_{k in A^c} p_k^c`` (unweighted), ``A^c`` the holders of c.
-
-    Args:
-        prototypes: ``K x C x d``.
-        present: ``K x C`` bool.
-
-    Returns:
-        ``(P, held)``: ``C x d`` (zeros for a class nobody holds) and the ``C`` bool mask of held classes.
-    """
-    holders = present.sum(0)
-    summed = torch.where(present.unsqueeze(2), prototypes, torch.zeros((), dtype=prototypes.dtype)).sum(0)
-    return summed / holders.clamp(min=1).unsqueeze(1).to(prototypes.dtype), holders > 0
+    return Uploads(torch.stack(prototypes), torch.stack(present), torch.stack(counts))
 
 
 def merge_prototypes(previous: Tensor, previous_mask: Tensor, new: Tensor, held: Tensor) -> tuple[Tensor, Tensor]:
@@ -168,6 +163,32 @@ def nearest_class_gaps(prototypes: Tensor, present: Tensor) -> Tensor:
     distances.fill_diagonal_(float("inf"))
     gaps[held] = distances.min(1).values
     return gaps
+
+
+#: clamp of a squared distance before its square root (finite gradients where a vector equals its centre)
+SQUARED_DISTANCE_FLOOR = 1e-12
+
+
+def clamped_distances(x: Tensor, centers: Tensor) -> Tensor:
+    """``sqrt(max(||x_i - c_j||_2^2, 1e-12))`` (B x C), from exact differences."""
+    squared = (x.unsqueeze(1) - centers.unsqueeze(0)).pow(2).sum(-1)
+    return squared.clamp(min=SQUARED_DISTANCE_FLOOR).sqrt()
+
+
+def margin_ce(x: Tensor, labels: Tensor, centers: Tensor, margin: float) -> Tensor:
+    """``CE(-(d(x_i, c_j) + margin * [j = y_i]), y_i)``, mean over the batch, ``d`` the
+    :func:`clamped_distances`: FedTGP's server loss (uploaded prototypes against the TGP's) and
+    FedSA's margin-enhanced contrastive term (features against the anchors).
+
+    Args:
+        x: ``B x d`` vectors.
+        labels: ``B`` their classes.
+        centers: ``C x d`` one centre per class.
+        margin: added to the distance of each vector to its own class's centre.
+    """
+    distances = clamped_distances(x, centers)
+    logits = -(distances + margin * F.one_hot(labels, centers.shape[0]).to(distances.dtype))
+    return F.cross_entropy(logits, labels)
 
 
 def prototype_mse(z: Tensor, y: Tensor, prototypes: Tensor, mask: Tensor) -> Tensor:
@@ -213,11 +234,21 @@ def received_prototypes(payload: Payload, num_classes: int, feature_dim: int,
     return p.to(device), mask.to(device=device, dtype=torch.bool)
 
 
-def local_class_prototypes(model: nn.Module, data: ClientData, num_classes: int) -> tuple[Tensor, Tensor]:
-    """``(p_k^c C x d (Eq. 2), n_k^c C)`` from one eval-mode pass of the (trained) model over the data."""
-    prototypes, _ = HF.local_prototypes(extract_features(model, data.x), data.y, num_classes)
-    counts = torch.bincount(data.y, minlength=num_classes)[:num_classes]
-    return prototypes, counts
+def class_uploads(classifier: nn.Module, features: Tensor, labels: Tensor, num_classes: int,
+                  with_gradients: bool) -> Payload:
+    """A client's class statistics from the features of one eval-mode pass of its trained model:
+    ``prototypes`` (``p_k^c``, Eq. 2), ``class_counts`` (``n_k^c``) and, ``with_gradients``
+    (``prototypes=hyper``), ``class_gradients`` (``g_k^c``, Eq. 5, through ``classifier``); on the CPU."""
+    counts = torch.bincount(labels, minlength=num_classes)[:num_classes]
+    upload: Payload = {}
+    if with_gradients:
+        gradients, prototypes = feature_statistics(classifier, features, labels, num_classes)
+        upload["class_gradients"] = gradients.cpu()
+    else:
+        prototypes, _ = HF.local_prototypes(features, labels, num_classes)
+    upload["prototypes"] = prototypes.detach().cpu()
+    upload["class_counts"] = counts.cpu()
+    return upload
 
 
 class NearestPrototypeClassifier(nn.Module):
@@ -238,11 +269,11 @@ class NearestPrototypeClassifier(nn.Module):
         return (-distances).masked_fill(~self.mask.to(z.device), float("-inf"))
 
 
-def prototype_inference(options: Any, model: nn.Module, prototypes: Tensor, mask: Tensor) -> nn.Module:
+def prototype_inference(inference: str, model: nn.Module, prototypes: Tensor, mask: Tensor) -> nn.Module:
     """``model`` itself (``inference=head``), or a :class:`NearestPrototypeClassifier` over ``prototypes``.
 
     Before any class has a prototype (nothing aggregated yet) the model's own head is used."""
-    if getattr(options, "inference", "head") != "nearest-prototype" or not bool(mask.any()):
+    if inference != "nearest-prototype" or not bool(mask.any()):
         return model
     device = next(model.parameters()).device
     return NearestPrototypeClassifier(model, prototypes.to(device), mask.to(device))
@@ -265,8 +296,7 @@ def feature_dim_of(model: nn.Module) -> int:
 def check_protocol(context: MethodContext) -> None:
     """ConfigError for combinations that cannot work (see the messages)."""
     options = context.options
-    protocol = getattr(options, "protocol", "dagger")
-    source = getattr(options, "prototypes", "local")
+    protocol, source = options.protocol, options.prototypes
     if protocol not in PROTOCOLS:
         raise ConfigError(f"protocol={protocol!r} is not valid; choose one of: {', '.join(PROTOCOLS)}")
     if source not in PROTOTYPE_SOURCES:
@@ -282,67 +312,43 @@ def check_protocol(context: MethodContext) -> None:
 class PrototypeServer(Server, ABC):
     """FedAvg on the weights (``dagger``) or none (``proto-only``), plus a prototype step.
 
-    Subclasses implement :meth:`prototype_step` (the method's own global prototypes, from the
-    validated uploads) and may extend :meth:`extra_state` / :meth:`load_extra_state`. With
-    ``prototypes=hyper`` the prototype step is replaced by FedHPro's server step (a
-    :class:`HyperPrototypeBank` matched against the new global classifier) and the broadcast
-    prototypes are ``H = bank.averaged`` with every class present, from round 0 on (as in FedHPro,
-    whose clients use S from the first round).
+    The method's global prototypes are ``self.prototypes`` (C x d) with ``self.prototype_mask`` (C
+    bool), none before the first aggregation. A round (:meth:`aggregate`) validates every reply,
+    stacks the uploads, runs the method's :meth:`prototype_step`, then averages the weights
+    (:meth:`aggregate_weights`, ``dagger`` only).
+
+    With ``prototypes=hyper`` the prototype step is replaced (unless :attr:`steps_with_hyper`) by
+    FedHPro's server step, a :class:`HyperPrototypeBank` matched against the new global
+    classifier, and the broadcast prototypes are ``H = bank.averaged`` with every class present,
+    from round 0 on (as in FedHPro, whose clients use S from the first round).
+
+    Subclasses implement :meth:`prototype_step` and may extend :meth:`method_state` /
+    :meth:`load_method_state` (what else they keep), :meth:`broadcast` and :meth:`validate_reply`.
     """
+
+    #: whether :meth:`prototype_step` also runs with ``prototypes=hyper``: FedGMKD's knowledge step sends
+    #: soft predictions and weights the clients either way; FedProto's and FedTGP's prototypes would go unused
+    steps_with_hyper = False
 
     def __init__(self, context: MethodContext):
         check_protocol(context)
         super().__init__(context)
+        o = self.options
         self.feature_dim = feature_dim_of(context.model)
         self.prototypes = torch.zeros(self.num_classes, self.feature_dim)
         self.prototype_mask = torch.zeros(self.num_classes, dtype=torch.bool)
         self.scratch = context.model
-        self.bank: HyperPrototypeBank | None = None
-        if self.options.prototypes == "hyper":
-            o = self.options
-            self.bank = HyperPrototypeBank(self.num_classes, self.feature_dim, context.seed, num_hyper=o.num_hyper,
-                                           match_steps=o.match_steps, lr=o.hyper_lr)
+        self.bank = (HyperPrototypeBank(self.num_classes, self.feature_dim, context.seed, num_hyper=o.num_hyper,
+                                        match_steps=o.match_steps, lr=o.hyper_lr)
+                     if o.prototypes == "hyper" else None)
 
     @property
     def exchanges_weights(self) -> bool:
         return self.options.protocol == "dagger"
 
-    def broadcast(self, round: int) -> Payload:
-        prototypes, mask = self.broadcast_prototypes()
-        return {"weights": self.weights if self.exchanges_weights else {},
-                "prototypes": prototypes.clone(), "prototype_mask": mask.clone()}
-
-    def validate_reply(self, reply: Payload, who: str = "reply") -> None:
-        """The base checks (weights, ``{}`` in proto-only; num_examples) plus the prototype fields."""
-        super().validate_reply(reply, who)
-        check_prototype_reply(reply, self.num_classes, self.feature_dim, who)
-        if self.bank is not None:
-            try:
-                self.bank.validate([reply])
-            except UpdateError as error:  # its messages name the reply "reply 0"
-                raise UpdateError(str(error).replace("reply 0", who, 1)) from None
-
-    def aggregate(self, round: int, replies: Sequence[Payload]) -> dict[str, float]:
-        # validate everything before changing any state: a rejected round leaves the server as it was
-        self.validate_replies(replies)
-        prototypes, present, counts = stack_prototypes(replies, self.num_classes, self.feature_dim)
-        gradients = None
-        if self.bank is not None:
-            gradients, _ = self.bank.validate(replies)
-        weights = self.average_weights(replies) if self.exchanges_weights else None
-        if weights is not None:
-            self.weights = weights
-        metrics: dict[str, float] = {"classes_held": float(present.any(0).sum())}
-        if self.bank is not None:
-            load_weights(self.scratch, self.weights)
-            metrics.update(self.bank.update(gradients, present, self.scratch.classifier))
-        else:
-            metrics.update(self.prototype_step(round, prototypes, present, counts))
-        return metrics
-
-    def inference_model(self, model: nn.Module) -> nn.Module:
-        prototypes = self.broadcast_prototypes()
-        return prototype_inference(self.options, model, *prototypes)
+    def broadcast_weights(self) -> Weights:
+        """The global weights in ``dagger``; ``{}`` in ``proto-only`` (every client keeps its own model)."""
+        return self.weights if self.exchanges_weights else {}
 
     def broadcast_prototypes(self) -> tuple[Tensor, Tensor]:
         """``(P C x d, mask C)``: what the clients receive (the hyper-prototypes with ``prototypes=hyper``)."""
@@ -350,52 +356,101 @@ class PrototypeServer(Server, ABC):
             return self.bank.averaged, torch.ones(self.num_classes, dtype=torch.bool)
         return self.prototypes, self.prototype_mask
 
+    def broadcast(self, round: int) -> Payload:
+        prototypes, mask = self.broadcast_prototypes()
+        return {"weights": self.broadcast_weights(), "prototypes": prototypes.clone(), "prototype_mask": mask.clone()}
+
+    def exposed_prototypes(self) -> tuple[Tensor, Tensor, str]:
+        """The broadcast prototypes: the hyper-prototypes H (``"hyper"``) with ``prototypes=hyper``, the
+        method's own (``"global"``) otherwise."""
+        prototypes, mask = self.broadcast_prototypes()
+        return prototypes.detach(), mask.bool(), "hyper" if self.bank is not None else "global"
+
+    def inference_model(self, model: nn.Module) -> nn.Module:
+        return prototype_inference(self.options.inference, model, *self.broadcast_prototypes())
+
+    def validate_reply(self, reply: Payload, who: str = "reply") -> None:
+        """The base checks (weights, ``{}`` in proto-only; num_examples), the prototype fields and, with
+        ``prototypes=hyper``, the class gradients."""
+        super().validate_reply(reply, who)
+        held = check_prototype_reply(reply, self.num_classes, self.feature_dim, who)
+        if self.bank is not None:
+            check_class_tensor(reply, "class_gradients", (self.num_classes, self.feature_dim), who, held)
+
+    def aggregate(self, round: int, replies: Sequence[Payload]) -> dict[str, float]:
+        # validate everything before changing any state: a rejected round leaves the server as it was
+        self.validate_replies(replies)
+        uploads = stack_prototypes(replies, self.num_classes, self.feature_dim)
+        gradients = self.bank.validate(replies)[0] if self.bank is not None else None
+        metrics: dict[str, float] = {"classes_held": float(uploads.present.any(0).sum())}
+        if self.bank is None or self.steps_with_hyper:
+            metrics.update(self.prototype_step(round, uploads, replies))
+        if self.exchanges_weights:
+            self.weights = self.aggregate_weights(replies)
+        if self.bank is not None:
+            load_weights(self.scratch, self.weights)
+            metrics.update(self.bank.update(gradients, uploads.present, self.scratch.classifier))
+        return metrics
+
     @abstractmethod
-    def prototype_step(self, round: int, prototypes: Tensor, present: Tensor, counts: Tensor) -> dict[str, float]:
-        """Update ``self.prototypes`` / ``self.prototype_mask`` from this round's uploads; return metrics."""
+    def prototype_step(self, round: int, uploads: Uploads, replies: Sequence[Payload]) -> dict[str, float]:
+        """Update the method's global prototypes from this round's validated uploads; return metrics."""
 
-    def extra_state(self) -> dict[str, Any]:
-        return {}
+    def aggregate_weights(self, replies: Sequence[Payload]) -> Weights:
+        """The new global weights (``dagger``), after :meth:`prototype_step`: FedAvg by ``num_examples``."""
+        return self.average_weights(replies)
 
-    def load_extra_state(self, state: Mapping[str, Any]) -> None:
-        pass
+    def method_state(self) -> dict[str, Any]:
+        """The method's own server state by ``state_dict`` key: its global prototypes and their mask."""
+        return {"prototypes": self.prototypes, "prototype_mask": self.prototype_mask}
+
+    def load_method_state(self, state: Mapping[str, Any]) -> None:
+        self.prototypes = state["prototypes"].clone()
+        self.prototype_mask = state["prototype_mask"].clone().bool()
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"weights": self.weights, "prototypes": self.prototypes, "prototype_mask": self.prototype_mask}
+        state = {"weights": self.weights, **self.method_state()}
         if self.bank is not None:
             state.update(self.bank.state_dict())
-        state.update(self.extra_state())
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.weights = dict(state["weights"])
-        self.prototypes = state["prototypes"].clone()
-        self.prototype_mask = state["prototype_mask"].clone().bool()
+        self.load_method_state(state)
         if self.bank is not None:
             self.bank.load_state_dict(state)
-        self.load_extra_state(state)
 
 
 class PrototypeClient(Client):
-    """Load the received weights (may be ``{}``), train on ``CE + lam * MSE(z, P_y)`` (absent classes
-    skipped), then upload the local prototypes (Eq. 2) and counts; with ``prototypes=hyper`` also the
-    class gradients (Eq. 5), all from one eval-mode pass of the trained model."""
+    """Load the received weights (may be ``{}``), train on CE plus the method's :meth:`regularizer`,
+    then reply the trained weights and the method's :meth:`uploads`.
 
-    def regularizer(self, payload: Payload, data: ClientData, feature_dim: int) -> Regularizer | None:
-        prototypes, mask = received_prototypes(payload, self.num_classes, feature_dim, data.x.device)
-        return prototype_regularizer(prototypes, mask, float(self.options.lam))
+    The defaults are FedProto's: ``lam * MSE(z, P_y)`` (classes without a global prototype
+    skipped), and the local prototypes (Eq. 2) and class counts, with ``prototypes=hyper`` also the
+    class gradients (Eq. 5), all from one eval-mode pass of the trained model.
+    """
+
+    def regularizer(self, model: nn.Module, payload: Payload, data: ClientData,
+                    state: dict[str, Any]) -> tuple[Regularizer | None, dict[str, float]]:
+        """The round's extra loss terms (None: none) and numbers to report with the losses."""
+        prototypes, mask = received_prototypes(payload, self.num_classes, feature_dim_of(model), data.x.device)
+        return prototype_regularizer(prototypes, mask, float(self.options.lam)), {}
+
+    def uploads(self, model: nn.Module, data: ClientData, state: dict[str, Any],
+                generator: torch.Generator) -> tuple[Payload, dict[str, float]]:
+        """What the client sends besides its weights, and numbers to report with the losses."""
+        features = extract_features(model, data.x)
+        return class_uploads(model.classifier, features, data.y, self.num_classes,
+                             with_gradients=self.options.prototypes == "hyper"), {}
 
     def fit(self, model: nn.Module, payload: Payload, data: ClientData, state: dict[str, Any],
             generator: torch.Generator) -> tuple[Payload, dict[str, float]]:
         load_weights(model, payload["weights"])
-        regularizer = self.regularizer(payload, data, feature_dim_of(model))
+        regularizer, notes = self.regularizer(model, payload, data, state)
         losses = train_epochs(model, data, self.train, generator, regularizer)
+        losses.update(notes)
         reply: Payload = {"weights": clone_weights(model, payload["weights"]), "num_examples": len(data)}
-        if self.options.prototypes == "hyper":
-            gradients, counts, prototypes = class_statistics(model, data, self.num_classes)
-            reply["class_gradients"] = gradients.cpu()
-        else:
-            prototypes, counts = local_class_prototypes(model, data, self.num_classes)
-        reply["prototypes"] = prototypes.detach().cpu()
-        reply["class_counts"] = counts.cpu()
+        upload, notes = self.uploads(model, data, state, generator)
+        reply.update(upload)
+        losses.update(notes)
         return reply, losses

@@ -7,28 +7,18 @@ never computes this).
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
+
+from fedhpro.functional import local_prototypes, mean_client_prototypes
+
+__all__ = ["class_means", "mean_client_prototypes", "prototype_distance"]
 
 
 def class_means(features: Tensor, labels: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
-    """``(means C x d, present C)``: the mean feature of each class (Eq. 2); zeros where absent."""
-    features = features.double()
-    sums = torch.zeros(num_classes, features.shape[1], dtype=torch.float64, device=features.device)
-    sums.index_add_(0, labels, features)
-    counts = torch.bincount(labels, minlength=num_classes)[:num_classes].to(features.device)
-    present = counts > 0
-    means = sums / counts.clamp(min=1).unsqueeze(1).double()
+    """``(means C x d float32, present C)``: Eq. 2's class means (:func:`fedhpro.functional.local_prototypes`),
+    summed in float64 so that the diagnostics carry no float32 rounding of the sums; zeros where absent."""
+    means, present = local_prototypes(features.double(), labels, num_classes)
     return means.float(), present
-
-
-def mean_client_prototypes(prototypes: Tensor, present: Tensor) -> tuple[Tensor, Tensor]:
-    """Eq. 4: the unweighted mean over the clients holding class c of their prototypes
-    (``prototypes`` K x C x d, ``present`` K x C bool); returns ``(C x d, held C)``."""
-    weights = present.to(prototypes.dtype).unsqueeze(2)
-    holders = weights.sum(0)
-    held = holders.squeeze(1) > 0
-    return (prototypes * weights).sum(0) / holders.clamp(min=1), held
 
 
 def prototype_distance(prototypes: Tensor, mask: Tensor, reference: Tensor, reference_mask: Tensor) -> dict[str, float]:
