@@ -10,22 +10,32 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
 from fedhpro import reports
-from fedhpro.config import (FEDERATION_KEY, PYTHON_PREFIX, Config, RunOptions, _flatten, is_from_python,
-                            load_config, parse_override, read_yaml)
+from fedhpro.config import (
+    FEDERATION_KEY,
+    PYTHON_PREFIX,
+    Config,
+    RunOptions,
+    flatten_keys,
+    is_from_python,
+    load_config,
+    parse_override,
+    read_yaml,
+)
 from fedhpro.data import get_dataset
+from fedhpro.data.federation import Federation
 from fedhpro.engines import checkpoint
 from fedhpro.engines.observers import RoundObserver, observers_for
 from fedhpro.engines.simulator import Faults, Simulator
 from fedhpro.errors import ConfigError
-from fedhpro.data.federation import Federation
 from fedhpro.methods import MethodSpec, TrainSettings, get_method
 from fedhpro.models import build_model
 from fedhpro.runtime import cpu_runtime
@@ -165,7 +175,11 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
     title = f"{options.method} on {data_name} (seed {options.seed})"
     started = time.perf_counter()
     parts = build_experiment(config, device, federation=federation, model_factory=model_factory)
-    out = Path(options.resume) if resume_from is not None else _new_run_folder(options, data_name)
+    if resume_from is not None:
+        assert options.resume is not None, "a resumed config keeps its resume= folder (_resume_config)"
+        out = Path(options.resume)
+    else:
+        out = _new_run_folder(options, data_name)
     simulator = _build_simulator(config, parts, device, observers_for(options, out, _warn, title))
     if resume_from is not None:
         rows = _resume_rows(simulator, out, resume_from)
@@ -192,7 +206,7 @@ def _warn(message: str) -> None:
     tqdm.write(f"fedhpro: warning: {message}", file=sys.stderr)
 
 
-def _build_simulator(config: Config, parts: "Experiment", device: torch.device,
+def _build_simulator(config: Config, parts: Experiment, device: torch.device,
                      observers: list[RoundObserver]) -> Simulator:
     """The in-process simulator of ``config`` on the built ``parts``, watched by ``observers``."""
     options = config.run
@@ -508,7 +522,8 @@ def check_user_model(model: Any, num_classes: int, sample: torch.Tensor | None, 
     split_hint = "or wrap a torchvision-style model: fedhpro.models.split(model, head='fc')"
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model={name} returned a {type(model).__name__}, not an nn.Module; return the model")
-    if not isinstance(getattr(model, "features", None), nn.Module):
+    features = getattr(model, "features", None)
+    if not isinstance(features, nn.Module):
         raise ConfigError(f"model={name} has no `features` module; give it features (x -> B x d) and classifier "
                           f"(nn.Linear(d, C)), {split_hint}")
     classifier = getattr(model, "classifier", None)
@@ -531,7 +546,7 @@ def check_user_model(model: Any, num_classes: int, sample: torch.Tensor | None, 
     was_training = model.training
     model.eval()
     try:
-        z = _dry_forward(model.features, x, name, "features")
+        z = _dry_forward(features, x, name, "features")
         if not isinstance(z, torch.Tensor) or tuple(z.shape) != (1, d):
             shape = tuple(z.shape) if isinstance(z, torch.Tensor) else type(z).__name__
             raise ConfigError(f"model={name}'s features give {shape} for one input; they must give 1 x d with "
@@ -641,8 +656,8 @@ def _given_settings(source: str | os.PathLike | Mapping[str, Any] | None,
     """The keys the user set (``section.knob`` form) and their values: those of ``source`` (a YAML file or a
     mapping), then ``overrides``; what they did not set is not in it, whatever its value."""
     given = dict(read_yaml(source) if source is not None and not isinstance(source, Mapping)
-                 else _flatten(source or {}, "config"))
-    given.update(_flatten(overrides, "overrides"))
+                 else flatten_keys(source or {}, "config"))
+    given.update(flatten_keys(overrides, "overrides"))
     return given
 
 
@@ -710,6 +725,7 @@ def _resume_config(config: Config, federation: Federation | None = None,
     ``model: python:<name>`` in its config.yaml) needs the same objects passed
     again; passing them to a run that did not use them is refused too.
     """
+    assert config.run.resume is not None, "called only for a run with resume= set"
     run_dir = Path(config.run.resume)
     saved = run_dir / "config.yaml"
     if not saved.is_file():

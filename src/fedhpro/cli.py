@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import sys
+from typing import Any
 
 from fedhpro.errors import ConfigError, FedHProError
 
@@ -32,14 +33,13 @@ def key_lines(dataset: str) -> list[str]:
     set's (its ``data.*`` keys), ``faults.*`` and ``partition`` / ``partition.*``. Defaults are the
     values a run of ``dataset`` gets when the key is not set (a data set's own run settings included);
     an unset (null) default whose help already says what it means is not repeated."""
-    from fedhpro.config import (DATA_SECTION, FAULTS_SECTION, PARTITION_SECTION, FaultOptions, RunOptions,
-                                load_config)
+    from fedhpro.config import DATA_SECTION, FAULTS_SECTION, PARTITION_SECTION, FaultOptions, RunOptions, load_config
     from fedhpro.data import get_dataset
     from fedhpro.data.partition import PartitionOptions
     from fedhpro.methods import all_methods
 
     defaults = load_config(None, {"dataset": dataset})
-    groups = [("", RunOptions, defaults.run)]
+    groups: list[tuple[str, type[Any], Any]] = [("", RunOptions, defaults.run)]
     groups += [(f"{name}.", spec.options, defaults.methods[name]) for name, spec in all_methods().items()]
     groups += [(f"{DATA_SECTION}.", get_dataset(dataset).options, defaults.data),
                (f"{FAULTS_SECTION}.", FaultOptions, defaults.faults),
@@ -76,9 +76,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 def _cmd_models(args: argparse.Namespace) -> int:
     """Print every registered model with its parameter count and forward FLOPs at its usual input size."""
-    from fedhpro.models import describe_models, format_model_table
-
-    from fedhpro.models import MODELS
+    from fedhpro.models import MODELS, describe_models, format_model_table
 
     unknown = [name for name in args.names if name not in MODELS]
     if unknown:
@@ -196,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     models_parser.set_defaults(handler=_cmd_models)
     data_parser = commands.add_parser("data", help="inspect data sets and federations (data describe)")
     data_commands = data_parser.add_subparsers(dest="data_command", metavar="COMMAND")
-    data_parser.set_defaults(handler=lambda _args: data_parser.print_help() or 2)
+    data_parser.set_defaults(handler=lambda _args: _usage(data_parser))
     _settings_command(
         data_commands, "describe", _cmd_data_describe,
         help="per-client table (samples, classes, domain) and a client x class heat map",
@@ -206,12 +204,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _usage(parser: argparse.ArgumentParser) -> int:
+    """Print ``parser``'s help for a command given without its subcommand; exit status 2."""
+    parser.print_help()
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
-        parser.print_help()
-        return 2
+        return _usage(parser)
     try:
         code = args.handler(args)
         sys.stdout.flush()  # a closed pipe shows here, not at exit where it could not be caught

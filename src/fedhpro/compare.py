@@ -18,8 +18,9 @@ import csv
 import io
 import json
 import statistics
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 from fedhpro.errors import ConfigError
 from fedhpro.methods import method_names
@@ -29,7 +30,8 @@ from fedhpro.reports import write_atomic
 PAPER_ORDER = ["fedavg", "fedprox", "moon", "fedproto", "fedtgp", "fedgmkd", "fedrcl", "fedsa", "fedhpro"]
 
 
-def _as_list(value: Any, key: str) -> list[str]:
+def as_list(value: Any, key: str) -> list[str]:
+    """A list-valued ``key=`` setting as strings: ``"a,b"``, ``"[a,b]"`` or a YAML list; a ConfigError if empty."""
     if isinstance(value, str):
         items = [item.strip() for item in value.strip("[]").split(",") if item.strip()]
     elif isinstance(value, (list, tuple)):
@@ -80,7 +82,8 @@ def setting_differences(stored: Mapping[str, Any], wanted: Mapping[str, Any]) ->
 
 
 def check_stored_run(folder: Path, config) -> None:
-    """Raise unless the run kept in ``folder`` (finished, or interrupted after a checkpoint) has ``config``'s settings."""
+    """Raise unless the run kept in ``folder`` (finished, or interrupted after a checkpoint) has
+    ``config``'s settings."""
     import yaml
 
     from fedhpro.engines import checkpoint
@@ -176,12 +179,12 @@ def _table(summaries: dict[str, list[dict[str, Any]]], seeds: Sequence[int]) -> 
     ordered = sorted(summaries, key=lambda m: PAPER_ORDER.index(m) if m in PAPER_ORDER else len(PAPER_ORDER))
     for method in ordered:
         avg = statistics.mean(values(method, "AVG"))
-        delta = "–" if baseline is None or method == "fedavg" else f"{avg - baseline:+.2f}"
+        gain = None if baseline is None or method == "fedavg" else avg - baseline
+        delta = "–" if gain is None else f"{gain:+.2f}"
         lines.append(f"| {method} | " + " | ".join(cell(values(method, c)) for c in columns) + f" | {delta} |")
         means = [statistics.mean(values(method, c)) for c in columns]
         stds = [statistics.stdev(values(method, c)) if len(seeds) > 1 else 0.0 for c in columns]
-        writer.writerow([method] + [f"{v:.4f}" for v in means + stds]
-                        + ["" if delta == "–" else f"{avg - baseline:.4f}"])
+        writer.writerow([method] + [f"{v:.4f}" for v in means + stds] + ["" if gain is None else f"{gain:.4f}"])
     caption = (f"Test accuracy (%) on {first['dataset']}, mean ± std over seeds {list(seeds)}; "
                "Δ = AVG minus FedAvg's AVG.\n\n")
     return {"markdown": caption + "\n".join(lines) + "\n", "csv": buffer.getvalue()}
@@ -194,8 +197,8 @@ def main(arguments: Sequence[str]) -> int:
     items = list(arguments)
     source = items.pop(0) if items and "=" not in items[0] else None
     pairs = dict(map(parse_override, items))
-    methods = _as_list(pairs.pop("methods", ",".join(PAPER_ORDER)), "methods")
-    seeds_raw = _as_list(pairs.pop("seeds", "0,1,2"), "seeds")
+    methods = as_list(pairs.pop("methods", ",".join(PAPER_ORDER)), "methods")
+    seeds_raw = as_list(pairs.pop("seeds", "0,1,2"), "seeds")
     try:
         seeds = [int(s) for s in seeds_raw]
     except ValueError:

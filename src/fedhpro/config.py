@@ -18,10 +18,10 @@ import copy
 import dataclasses
 import difflib
 import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterator, Sequence
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import yaml
 
@@ -192,7 +192,7 @@ def _unknown(key: str, dataset: str) -> ConfigError:
     return ConfigError(f"unknown config key '{key}'{hint}; `{listing}` lists every key")
 
 
-def _flatten(values: Mapping[str, Any], source: str) -> dict[str, Any]:
+def flatten_keys(values: Mapping[str, Any], source: str) -> dict[str, Any]:
     """``{"fedhpro": {"tau": 1}}`` and ``{"fedhpro.tau": 1}`` both become ``{"fedhpro.tau": 1}``."""
     if not isinstance(values, Mapping):
         raise ConfigError(f"{source} must hold a mapping of config keys, got {type(values).__name__}")
@@ -239,7 +239,7 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}; fix its syntax") from None
-    return _flatten(values, f"config file {str(path)!r}")
+    return flatten_keys(values, f"config file {str(path)!r}")
 
 
 def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
@@ -252,12 +252,12 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
     """
     layers: list[dict[str, Any]] = []
     if isinstance(source, Mapping):
-        layers.append(_flatten(source, "config"))
+        layers.append(flatten_keys(source, "config"))
     elif source is not None:
         layers.append(read_yaml(source))
     if overrides is not None:
         pairs = list(overrides.items()) if isinstance(overrides, Mapping) else [parse_override(o) for o in overrides]
-        layers.append(_flatten(dict(pairs), "overrides"))
+        layers.append(flatten_keys(dict(pairs), "overrides"))
     assignments = [(key, copy.deepcopy(value)) for layer in layers for key, value in layer.items()]
 
     dataset = RunOptions.dataset
@@ -318,6 +318,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
 
 def _default_of(section: str, name: str, dataset: str) -> Any:
     """The default value of ``section.name`` (an empty mapping when it has none)."""
+    cls: type[Any] | None
     if section == DATA_SECTION:
         cls = get_dataset(dataset).options
     elif section == FAULTS_SECTION:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from collections.abc import Sequence
 from typing import Any
 
 from fedhpro.errors import ConfigError
@@ -20,7 +21,7 @@ _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
 
 
-def option(default: Any = dataclasses.MISSING, *, help: str = "", choices: tuple | None = None,
+def option(default: Any = dataclasses.MISSING, *, help: str = "", choices: Sequence[Any] | None = None,
            min: float | None = None, max: float | None = None, gt: float | None = None,
            default_factory: Any = dataclasses.MISSING) -> Any:
     """A dataclass field with validation metadata."""
@@ -34,7 +35,7 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _coerce_scalar(key: str, value: Any, tp: Any, choices: tuple | None = None) -> Any:
+def _coerce_scalar(key: str, value: Any, tp: Any, choices: Sequence[Any] | None = None) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value

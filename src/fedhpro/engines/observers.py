@@ -23,8 +23,9 @@ and :func:`fedhpro.api.run` calls ``on_run_end()`` once the summary is written
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -47,22 +48,22 @@ class RoundObserver:
     the place to refuse a simulator the measurement cannot observe (a ConfigError).
     """
 
-    simulator: "Simulator"
+    simulator: Simulator
 
-    def attach(self, simulator: "Simulator") -> None:
+    def attach(self, simulator: Simulator) -> None:
         self.simulator = simulator
 
     def on_round_start(self, round: int, evaluating: bool) -> None:
         """A round begins; ``evaluating``: it ends with an evaluation."""
 
-    def watch_client(self, k: int) -> ContextManager[Any]:
+    def watch_client(self, k: int) -> contextlib.AbstractContextManager[Any]:
         """A context wrapped around client ``k``'s ``fit`` (it must only observe the operations)."""
         return contextlib.nullcontext()
 
     def client_trained(self, k: int, model: nn.Module) -> None:
         """Client ``k``'s update was accepted; ``model`` holds the weights it trained."""
 
-    def watch_server(self) -> ContextManager[Any]:
+    def watch_server(self) -> contextlib.AbstractContextManager[Any]:
         """A context wrapped around the server's aggregation (entered only when the round is not skipped)."""
         return contextlib.nullcontext()
 
@@ -74,7 +75,7 @@ class RoundObserver:
         """At an evaluated round, after the accuracy: keys added to the round's row (after the accuracy's)."""
         return {}
 
-    def on_round_end(self, record: "RoundRecord") -> None:
+    def on_round_end(self, record: RoundRecord) -> None:
         """The round's record is complete."""
 
     def on_run_end(self) -> None:
@@ -82,7 +83,7 @@ class RoundObserver:
 
 
 @contextlib.contextmanager
-def watching(contexts: Iterable[Callable[[], ContextManager[Any]]]):
+def watching(contexts: Iterable[Callable[[], contextlib.AbstractContextManager[Any]]]):
     """Enter the context each of ``contexts`` makes (when this is entered, in order) around a block."""
     with contextlib.ExitStack() as stack:
         for make in contexts:
@@ -104,6 +105,7 @@ class FlopCount(RoundObserver):
         return self._client
 
     def client_trained(self, k: int, model: nn.Module) -> None:
+        assert self._client is not None, "client_trained follows watch_client (the simulator's order)"
         self.train += self._client.total
 
     def watch_server(self) -> FlopCounter:
@@ -119,7 +121,7 @@ class PrototypeDistance(RoundObserver):
     prototypes (class means of all training data under the global model) of the server's prototypes,
     if the method has any, and of the unweighted mean of this round's clients' class means."""
 
-    def attach(self, simulator: "Simulator") -> None:
+    def attach(self, simulator: Simulator) -> None:
         if simulator.shared != "all":
             raise ConfigError("prototype_distance=true needs one shared global model; it is undefined with "
                               "heterogeneous models or protocol=proto-only (set prototype_distance=false)")
@@ -166,7 +168,7 @@ class TensorBoardLog(RoundObserver):
         self.writer_class = writer_class
         self.writer: Any = None
 
-    def on_round_end(self, record: "RoundRecord") -> None:
+    def on_round_end(self, record: RoundRecord) -> None:
         if self.writer is None:
             self.writer = self.writer_class(log_dir=str(self.out / "tensorboard"))
         log_scalars(self.writer, record.to_json())
@@ -210,7 +212,7 @@ class TSNEPlot(RoundObserver):
         write_tsne(self.simulator, self.out, self.seed, self.title)
 
 
-def write_tsne(simulator: "Simulator", out: Path, seed: int, title: str, per_test_set: int = 200) -> None:
+def write_tsne(simulator: Simulator, out: Path, seed: int, title: str, per_test_set: int = 200) -> None:
     """``tsne.png`` and ``tsne.npz``: t-SNE of the global model's test features (colour = class, marker =
     test set), with the server's prototypes embedded alongside when the method has any (Figures 3, 6)."""
     import numpy as np

@@ -6,8 +6,8 @@ Every function writes its PNG atomically (:func:`fedhpro.files.write_atomic_with
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -17,7 +17,8 @@ from fedhpro.files import write_atomic_with
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*", "<", ">"]
 
 
-def _pyplot():
+def pyplot():
+    """``matplotlib.pyplot`` on the non-interactive Agg backend, imported on first use (not at ``import fedhpro``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -29,7 +30,7 @@ def _pyplot():
 def save_figure(figure, path: str | os.PathLike, tight_layout: bool = True) -> None:
     """Save a matplotlib figure to ``path`` atomically and close it (``tight_layout=False`` keeps a
     layout the caller arranged, e.g. room for a figure-level legend)."""
-    plt = _pyplot()
+    plt = pyplot()
     kind = Path(path).suffix.lstrip(".").lower() or "png"
     try:
         if tight_layout:
@@ -43,7 +44,7 @@ def plot_curves(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], p
                 title: str = "", xlabel: str = "round", ylabel: str = "", log_y: bool = False,
                 styles: Mapping[str, dict] | None = None) -> None:
     """One line per entry of ``series`` (label -> (x, y)) on one axis; FedHPro's line drawn thicker."""
-    plt = _pyplot()
+    plt = pyplot()
     import re
 
     figure, axis = plt.subplots(figsize=(6.8, 4.2), dpi=130)
@@ -72,7 +73,7 @@ def plot_curves(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], p
 def plot_bars(groups: Mapping[str, Mapping[str, float]], path: str | os.PathLike, *, title: str = "",
               ylabel: str = "", errors: Mapping[str, Mapping[str, float]] | None = None) -> None:
     """Grouped bars: one group per metric (the inner keys), one bar per entry of ``groups`` (e.g. a method)."""
-    plt = _pyplot()
+    plt = pyplot()
     labels = list(groups)
     metrics = list(next(iter(groups.values()))) if groups else []
     width = 0.8 / max(len(labels), 1)
@@ -96,7 +97,7 @@ def plot_sweep(x: Sequence[float | str], series: Mapping[str, tuple[Sequence[flo
                reference: Mapping[str, Sequence[float | None]] | None = None) -> None:
     """Accuracy against a swept setting: our mean ± std (error bars) per series; the paper's values, where
     given in ``reference`` (label -> values aligned with ``x``), as dashed lines."""
-    plt = _pyplot()
+    plt = pyplot()
     figure, axis = plt.subplots(figsize=(6.0, 4.0), dpi=130)
     positions = np.arange(len(x))
     colours = {}
@@ -117,21 +118,26 @@ def plot_sweep(x: Sequence[float | str], series: Mapping[str, tuple[Sequence[flo
     save_figure(figure, path)
 
 
-def plot_tsne(points: np.ndarray, labels: Sequence[int], domains: Sequence[str], path: str | os.PathLike, *,
-              title: str = "", prototype_points: np.ndarray | None = None,
-              prototype_labels: Sequence[int] | None = None, prototype_name: str = "prototypes") -> None:
-    """t-SNE scatter: colour = class, marker = domain; prototypes (if given) as large black-edged stars."""
-    plt = _pyplot()
-    labels = np.asarray(labels)
-    domains = np.asarray(domains)
-    names = list(dict.fromkeys(domains.tolist()))
+def plot_tsne(points: np.ndarray, labels: Sequence[int] | np.ndarray, domains: Sequence[str] | np.ndarray,
+              path: str | os.PathLike, *, title: str = "", prototype_points: np.ndarray | None = None,
+              prototype_labels: Sequence[int] | np.ndarray | None = None, prototype_name: str = "prototypes") -> None:
+    """t-SNE scatter: colour = class, marker = domain; prototypes (if given) as large black-edged stars,
+    coloured by ``prototype_labels`` (required with ``prototype_points``)."""
+    with_prototypes = prototype_points is not None and len(prototype_points) > 0
+    if with_prototypes and prototype_labels is None:
+        raise ValueError("plot_tsne: prototype_points need prototype_labels (the class of each prototype)")
+    plt = pyplot()
+    label_array = np.asarray(labels)
+    domain_array = np.asarray(domains)
+    names = list(dict.fromkeys(domain_array.tolist()))
     colours = plt.get_cmap("tab10")
     figure, axis = plt.subplots(figsize=(6.4, 5.6), dpi=130)
     for j, name in enumerate(names):
-        where = domains == name
-        axis.scatter(points[where, 0], points[where, 1], c=[colours(int(c) % 10) for c in labels[where]],
+        where = domain_array == name
+        axis.scatter(points[where, 0], points[where, 1], c=[colours(int(c) % 10) for c in label_array[where]],
                      marker=MARKERS[j % len(MARKERS)], s=10, alpha=0.6, linewidths=0)
-    if prototype_points is not None and len(prototype_points):
+    if with_prototypes:
+        assert prototype_points is not None and prototype_labels is not None  # checked above
         axis.scatter(prototype_points[:, 0], prototype_points[:, 1],
                      c=[colours(int(c) % 10) for c in prototype_labels], marker="*", s=260,
                      edgecolors="black", linewidths=1.0, zorder=5)
@@ -140,8 +146,8 @@ def plot_tsne(points: np.ndarray, labels: Sequence[int], domains: Sequence[str],
     handles = [Line2D([], [], marker=MARKERS[j % len(MARKERS)], color="grey", linestyle="", label=name)
                for j, name in enumerate(names)]
     handles += [Line2D([], [], marker="o", color=colours(c % 10), linestyle="", label=f"class {c}")
-                for c in sorted(set(labels.tolist()))]
-    if prototype_points is not None and len(prototype_points):
+                for c in sorted(set(label_array.tolist()))]
+    if with_prototypes:
         handles.append(Line2D([], [], marker="*", color="white", markeredgecolor="black", markersize=12,
                               linestyle="", label=prototype_name))
     axis.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)

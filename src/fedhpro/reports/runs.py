@@ -13,9 +13,10 @@ still running) is marked in its label ("4/10 rounds, unfinished") and in a note 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import yaml
 
@@ -130,7 +131,8 @@ def prototype_series(run: RunData) -> dict[str, tuple[list[int], list[float]]]:
                   for row in rows if source in row["prototype_distance"]]
         if points:
             kind = rows[0]["prototype_distance"].get("server", {}).get("kind", "") if source == "server" else ""
-            name = {"hyper": "hyper-prototypes H", "global": "global prototypes P"}.get(kind, "mean of client class means")
+            name = {"hyper": "hyper-prototypes H",
+                    "global": "global prototypes P"}.get(kind, "mean of client class means")
             out[name] = ([p[0] for p in points], [p[1] for p in points])
     return out
 

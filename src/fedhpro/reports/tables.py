@@ -5,7 +5,8 @@ from __future__ import annotations
 import csv
 import io
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def format_number(value: Any, digits: int = 2) -> str:
@@ -17,7 +18,8 @@ def format_number(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]], caption: str = "", notes: Sequence[str] = ()) -> str:
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]], caption: str = "",
+                   notes: Sequence[str] = ()) -> str:
     """A GitHub-flavoured Markdown table (cells formatted with :func:`format_number`), a caption above
     and notes below."""
     lines = []

@@ -33,8 +33,17 @@ from fedhpro.reproduce.command import main, reproduce
 from fedhpro.reproduce.emitter import draw_figures, emit, markdown, section_markdown
 from fedhpro.reproduce.running import PartResult, run_part
 from fedhpro.reproduce.table import Figure, Section, Table
-from fedhpro.reproduce.targets import (LAYOUTS, SCALES, Part, Scenario, Target, Variant, available_targets,
-                                       configs_dir, load_target)
+from fedhpro.reproduce.targets import (
+    LAYOUTS,
+    SCALES,
+    Part,
+    Scenario,
+    Target,
+    Variant,
+    available_targets,
+    configs_dir,
+    load_target,
+)
 
 __all__ = ["BUILDERS", "FALLBACKS", "LAYOUTS", "SCALES", "Figure", "Part", "PartResult", "RunData", "Scenario",
            "Section", "Table", "Target", "Variant", "available_targets", "build_table", "configs_dir",

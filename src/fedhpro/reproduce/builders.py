@@ -8,15 +8,32 @@ getting the line saying why instead.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fedhpro.metrics import rounds_to_accuracy, speedup
 from fedhpro.reports.runs import RunData, gm_series
 from fedhpro.reports.tables import mean_pm_std, mean_std
 from fedhpro.reproduce.running import PartResult
-from fedhpro.reproduce.table import (CELL_HEADER, MEASURE_HEADER, Figure, Section, Table, best_row_check, cell,
-                                     column_names, difference, fedhpro_row, mean_curve, ordering_check, paper_value,
-                                     part_note, short_title, signed, slug)
+from fedhpro.reproduce.table import (
+    CELL_HEADER,
+    MEASURE_HEADER,
+    Figure,
+    Section,
+    Table,
+    best_row_check,
+    cell,
+    column_names,
+    difference,
+    fedhpro_row,
+    mean_curve,
+    ordering_check,
+    paper_value,
+    part_note,
+    short_title,
+    signed,
+    slug,
+)
 from fedhpro.reproduce.targets import Part, Target
 
 # ---------------------------------------------------------------------------------------------
@@ -24,14 +41,20 @@ from fedhpro.reproduce.targets import Part, Target
 # ---------------------------------------------------------------------------------------------
 
 
-def _pair_checks(part: Part, labels: list[str], ours: list[float], paper: list[float | None]) -> list[str]:
-    """Table 3: for each (without, with) hyper-prototypes pair, whether the sign of the AVG gain matches."""
+def _pair_checks(part: Part, labels: list[str], ours: list[float | None], paper: list[float | None]) -> list[str]:
+    """Table 3: for each (without, with) hyper-prototypes pair, whether the sign of the AVG gain matches
+    (unknown when either row has no AVG of ours)."""
     checks = []
     for without, with_hp in part.extra.get("pairs") or []:
         i, j = labels.index(without), labels.index(with_hp)
-        gain, paper_gain = ours[j] - ours[i], difference(paper[j], paper[i])
-        agree = "matches" if paper_gain is None or (gain > 0) == (paper_gain > 0) else "does NOT match"
-        checks.append(f"{part.name}: {with_hp} vs {without}: AVG {gain:+.2f} (paper {signed(paper_gain)}) "
+        gain, paper_gain = difference(ours[j], ours[i]), difference(paper[j], paper[i])
+        if gain is None:
+            agree = "unknown"
+        elif paper_gain is None or (gain > 0) == (paper_gain > 0):
+            agree = "matches"
+        else:
+            agree = "does NOT match"
+        checks.append(f"{part.name}: {with_hp} vs {without}: AVG {signed(gain)} (paper {signed(paper_gain)}) "
                       f"-> sign {agree}")
     return checks
 
@@ -40,7 +63,9 @@ def build_domains(target: Target, result: PartResult) -> Table:
     part, scenario = result.part, result.part.scenarios[0].label
     columns = column_names(part, result.domains) + ["AVG"]
     delta = bool(part.extra.get("delta", True))
-    rows, csv_rows, ours_avg, paper_avg = [], [], [], []
+    rows, csv_rows = [], []
+    ours_avg: list[float | None] = []
+    paper_avg: list[float | None] = []
     for variant in part.variants:
         runs = result.runs[(scenario, variant.label)]
         row = [variant.label]
@@ -52,7 +77,7 @@ def build_domains(target: Target, result: PartResult) -> Table:
         ours_avg.append(mean_std([run.final["accuracy"]["AVG"] for run in runs])[0])
         paper_avg.append(paper_value(part, variant.label, len(result.domains)))
         if delta:  # the first row's AVG is the reference
-            row.append("–" if len(ours_avg) == 1 else f"{signed(ours_avg[-1] - ours_avg[0])} / "
+            row.append("–" if len(ours_avg) == 1 else f"{signed(difference(ours_avg[-1], ours_avg[0]))} / "
                                                       f"{signed(difference(paper_avg[-1], paper_avg[0]))}")
         rows.append(row)
     notes = ["each cell: ours (mean ± std over seeds) / the paper's published number"]
@@ -82,7 +107,9 @@ def _final_avg(result: PartResult, scenario: str, variant: str) -> list[float]:
 def _scenario_cells(part: Part, result: PartResult, average: bool):
     """Rows and CSV rows of a scenarios table, and ours / the paper's value per column and row."""
     columns = [s.label for s in part.scenarios] + (["AVG"] if average else [])
-    rows, csv_rows, ours, paper = [], [], {c: [] for c in columns}, {c: [] for c in columns}
+    rows, csv_rows = [], []
+    ours: dict[str, list[float | None]] = {c: [] for c in columns}
+    paper: dict[str, list[float | None]] = {c: [] for c in columns}
     for variant in part.variants:
         row, means = [variant.label], []
         for c, scenario in enumerate(part.scenarios):
@@ -95,19 +122,23 @@ def _scenario_cells(part: Part, result: PartResult, average: bool):
             paper[scenario.label].append(published)
             csv_rows.append([part.name, variant.label, scenario.label, mean, std, published])
         if average:
-            mean, published = sum(means) / len(means), paper_value(part, variant.label, len(part.scenarios))
-            row.append(f"{mean:.2f} / " + (f"{published:.2f}" if published is not None else "–"))
-            ours["AVG"].append(mean)
+            present = [m for m in means if m is not None]  # the AVG column needs every scenario's mean
+            average_mean = sum(present) / len(present) if len(present) == len(means) else None
+            published = paper_value(part, variant.label, len(part.scenarios))
+            row.append(("–" if average_mean is None else f"{average_mean:.2f}") + " / "
+                       + (f"{published:.2f}" if published is not None else "–"))
+            ours["AVG"].append(average_mean)
             paper["AVG"].append(published)
-            csv_rows.append([part.name, variant.label, "AVG", mean, None, published])
+            csv_rows.append([part.name, variant.label, "AVG", average_mean, None, published])
         rows.append(row)
     return columns, rows, csv_rows, ours, paper
 
 
-def _delta_rows_note(labels: list[str], columns: list[str], ours: dict[str, list], paper: dict[str, list]) -> str:
+def _delta_rows_note(labels: list[str], columns: list[str], ours: dict[str, list[float | None]],
+                     paper: dict[str, list[float | None]]) -> str:
     """Table 6: each row's difference to the first row, per column, ours / the paper's."""
     return "Δ to the first row, ours / paper: " + "; ".join(
-        f"{labels[i]}: " + ", ".join(f"{c} {signed(ours[c][i] - ours[c][0])} / "
+        f"{labels[i]}: " + ", ".join(f"{c} {signed(difference(ours[c][i], ours[c][0]))} / "
                                      f"{signed(difference(paper[c][i], paper[c][0]))}" for c in columns)
         for i in range(1, len(labels)))
 
@@ -219,7 +250,7 @@ def _fairness_checks(part: Part, means: dict[str, dict[str, Any]]) -> list[str]:
     for c, (key, column, higher) in enumerate(FAIRNESS_COLUMNS):
         ours_better = (means[fed][key] > means[base][key]) == higher
         p_f, p_b = paper_value(part, fed, c), paper_value(part, base, c)
-        paper_better = None if None in (p_f, p_b) else ((p_f > p_b) == higher)
+        paper_better = None if p_f is None or p_b is None else ((p_f > p_b) == higher)
         verdict = "–" if paper_better is None else ("matches" if ours_better == paper_better else "does NOT match")
         checks.append(f"{part.name} {column}: {fed} {'better' if ours_better else 'worse'} than {base} "
                       f"in ours, {'better' if paper_better else 'worse'} in the paper -> {verdict}")
@@ -283,8 +314,9 @@ def _costs(runs: list[RunData]) -> list[list[Any]]:
     """Per column of EFFICIENCY_COLUMNS, one value per run that has it (per round)."""
     upload = [_per_round(r, "params_up") for r in runs]
     flops = [_per_round(r, "flops_train") for r in runs]
+    traffic = [(_per_round(r, "bytes_up"), _per_round(r, "bytes_down")) for r in runs]
     return [[value / 1e7 for value in upload if value is not None],
-            [(_per_round(r, "bytes_up") + _per_round(r, "bytes_down")) / 2 ** 20 for r in runs],
+            [(up + down) / 2 ** 20 for up, down in traffic if up is not None and down is not None],
             [value / 1e10 for value in flops if value is not None],
             [sum(t["clients"] for t in _timing(r)) / max(len(_timing(r)), 1) for r in runs]]
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from fedhpro.errors import ConfigError
 from fedhpro.reproduce import targets
@@ -56,7 +57,7 @@ def _list() -> int:
 
 def main(arguments: Sequence[str]) -> int:
     """``fedhpro reproduce NAME|all|list [scale=paper|smoke] [seeds=[..]] [out=DIR] [KEY=VALUE ...]``."""
-    from fedhpro.compare import _as_list
+    from fedhpro.compare import as_list
     from fedhpro.config import parse_override
 
     items = list(arguments)
@@ -67,7 +68,7 @@ def main(arguments: Sequence[str]) -> int:
     scale = str(pairs.pop("scale", "paper"))
     seeds = None
     if "seeds" in pairs:
-        raw = _as_list(pairs.pop("seeds"), "seeds")
+        raw = as_list(pairs.pop("seeds"), "seeds")
         try:
             seeds = [int(s) for s in raw]
         except ValueError:

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from fedhpro.reports import write_atomic, write_json
 from fedhpro.reports.tables import csv_text, markdown_table
@@ -22,9 +23,9 @@ def plot_tsne_panels(panels: Sequence[tuple[str, Path]], path: Path, *, title: s
     import numpy as np
     from matplotlib.lines import Line2D
 
-    from fedhpro.reports.plots import MARKERS, _pyplot, save_figure
+    from fedhpro.reports.plots import MARKERS, pyplot, save_figure
 
-    plt = _pyplot()
+    plt = pyplot()
     figure, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 5.4), dpi=130, squeeze=False)
     colours = plt.get_cmap("tab10")
     for axis, (label, npz) in zip(axes[0], panels):

@@ -4,6 +4,7 @@ ordering against the paper) and the cells and checks every builder shares."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,7 +81,7 @@ def column_names(part: Part, domains: list[str]) -> list[str]:
     return names
 
 
-def cell(values: list[float | None], paper: float | None) -> str:
+def cell(values: Sequence[float | None], paper: float | None) -> str:
     ours = mean_pm_std(values)
     return f"{ours} / {paper:.2f}" if paper is not None else f"{ours} / –"
 
@@ -137,11 +138,13 @@ def fedhpro_row(labels: list[str]) -> str | None:
 
 def best_row_check(part: str, scores: dict[str, float | None], lowest: bool, claim: str, what: str) -> list[str]:
     """The line saying whether FedHPro's row is the best of ``scores`` (lowest or highest), as the paper's
-    figure ``claim``s; no line without a FedHPro row."""
-    fed = fedhpro_row(list(scores))
+    figure ``claim``s; rows without a score (None: no finite value over the seeds) are not ranked, and
+    there is no line without a scored FedHPro row."""
+    ranked = {label: score for label, score in scores.items() if score is not None}
+    fed = fedhpro_row(list(ranked))
     if not fed:
         return []
-    best = (min if lowest else max)(scores, key=lambda k: scores[k])
+    best = (min if lowest else max)(ranked, key=ranked.__getitem__)
     return [f"{part}: {claim}; ours: {what} = {best} -> " + ("matches" if best == fed else "does NOT match")]
 
 
