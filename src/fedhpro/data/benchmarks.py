@@ -157,38 +157,41 @@ class ImageOptions:
     split_seed: int = option(0, min=0, help="seed of that train/test split (fixed, not the run seed)")
 
 
-def _digits_layout() -> dict[str, int]:
-    return {"mnist": 3, "usps": 7, "svhn": 6, "syn": 4}
+def _layout_option(layout: dict[str, int], paper: str) -> Any:
+    """``data.clients_per_domain`` of a domain-skew benchmark, defaulting to the paper's ``layout``."""
+    return option(default_factory=lambda: dict(layout),
+                  help=f"clients of each domain (the paper: {paper}); `clients=K` spreads K evenly instead")
 
 
-def _office_layout() -> dict[str, int]:
-    return {"caltech": 3, "webcam": 1, "amazon": 2, "dslr": 4}
+def _fraction_option(default: float) -> Any:
+    return option(default, gt=0.0, max=1.0, help="share of its domain's training set each client samples")
+
+
+_IMAGE_SIZE_HELP = "side of the square images (default 32)"
 
 
 @dataclass
 class DigitsOptions:
     """``data.*`` of ``digits``."""
 
-    clients_per_domain: dict[str, int] = option(default_factory=_digits_layout,
-                                                help="clients of each domain (the paper: M:3 U:7 SV:6 SY:4); "
-                                                     "`clients=K` spreads K evenly instead")
-    fraction: float = option(0.01, gt=0.0, max=1.0, help="share of its domain's training set each client samples")
+    clients_per_domain: dict[str, int] = _layout_option({"mnist": 3, "usps": 7, "svhn": 6, "syn": 4},
+                                                        "M:3 U:7 SV:6 SY:4")
+    fraction: float = _fraction_option(0.01)
     download: bool = option(False, help="fetch MNIST, USPS and SVHN with torchvision (SYN has no download)")
-    image_size: int | None = option(None, min=8, help="side of the square images (default 32)")
+    image_size: int | None = option(None, min=8, help=_IMAGE_SIZE_HELP)
 
 
 @dataclass
 class OfficeCaltechOptions:
     """``data.*`` of ``office-caltech``."""
 
-    clients_per_domain: dict[str, int] = option(default_factory=_office_layout,
-                                                help="clients of each domain (the paper: C:3 W:1 A:2 D:4); "
-                                                     "`clients=K` spreads K evenly instead")
-    fraction: float = option(0.2, gt=0.0, max=1.0, help="share of its domain's training set each client samples")
-    test_fraction: float = option(0.3, gt=0.0, max=0.9, help="share of each domain held out for testing "
-                                                               "(there is no official split)")
+    clients_per_domain: dict[str, int] = _layout_option({"caltech": 3, "webcam": 1, "amazon": 2, "dslr": 4},
+                                                        "C:3 W:1 A:2 D:4")
+    fraction: float = _fraction_option(0.2)
+    test_fraction: float = option(0.3, gt=0.0, max=0.9,
+                                  help="share of each domain held out for testing (there is no official split)")
     split_seed: int = option(0, min=0, help="seed of that train/test split (fixed, not the run seed)")
-    image_size: int | None = option(None, min=8, help="side of the square images (default 32)")
+    image_size: int | None = option(None, min=8, help=_IMAGE_SIZE_HELP)
 
 
 @dataclass
