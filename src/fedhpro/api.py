@@ -180,7 +180,7 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
         out = Path(options.resume)
     else:
         out = _new_run_folder(options, data_name)
-    simulator = _build_simulator(config, parts, device, observers_for(options, out, _warn, title))
+    simulator = build_simulator(config, parts, device, observers_for(options, out, _warn, title))
     if resume_from is not None:
         rows = _resume_rows(simulator, out, resume_from)
     else:
@@ -206,16 +206,18 @@ def _warn(message: str) -> None:
     tqdm.write(f"fedhpro: warning: {message}", file=sys.stderr)
 
 
-def _build_simulator(config: Config, parts: Experiment, device: torch.device,
-                     observers: list[RoundObserver]) -> Simulator:
-    """The in-process simulator of ``config`` on the built ``parts``, watched by ``observers``."""
+def build_simulator(config: Config, parts: Experiment, device: torch.device,
+                    observers: list[RoundObserver] | None = None,
+                    on_drop: Callable[[str], None] | None = _warn) -> Simulator:
+    """The in-process simulator of ``config`` on the built ``parts``, watched by ``observers`` (also what a
+    Flower node and server build in partition mode)."""
     options = config.run
     return Simulator(parts.method, config.method_options, parts.federation, parts.model_factory, parts.train,
                      rounds=options.rounds, participation=options.participation, seed=options.seed,
                      eval_every=options.eval_every, device=device, client_architectures=parts.architectures,
                      architecture_factory=parts.architecture_factory, shared=parts.shared,
                      faults=Faults(config.faults.dropout, config.faults.corrupt),
-                     min_clients=options.min_clients, on_drop=_warn, observers=observers)
+                     min_clients=options.min_clients, on_drop=on_drop, observers=observers or [])
 
 
 def _new_run_folder(options: RunOptions, data_name: str) -> Path:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fedhpro.api import build_experiment, model_factories, resolve_device
+from fedhpro.api import build_experiment, build_simulator, model_factories, resolve_device
 from fedhpro.config import Config, load_config
 from fedhpro.data.federation import ClientData, Federation
 from fedhpro.engines.protocol import Faults, RoundProtocol, train_generator
@@ -83,14 +83,7 @@ def build_engine(config: Config, on_drop=None) -> Simulator:
     """The in-process engine of ``config`` (partition mode), built exactly as :func:`fedhpro.api.run` builds it."""
     device = resolve_device(config.run.device)
     prepare_torch(device)
-    parts = build_experiment(config, device)
-    options = config.run
-    return Simulator(parts.method, config.method_options, parts.federation, parts.model_factory, parts.train,
-                     rounds=options.rounds, participation=options.participation, seed=options.seed,
-                     eval_every=options.eval_every, device=device, client_architectures=parts.architectures,
-                     architecture_factory=parts.architecture_factory, shared=parts.shared,
-                     faults=Faults(config.faults.dropout, config.faults.corrupt),
-                     min_clients=options.min_clients, on_drop=on_drop)
+    return build_simulator(config, build_experiment(config, device), device, on_drop=on_drop)
 
 
 @dataclass
