@@ -11,7 +11,8 @@ number of hyper-prototypes per class (the paper's ``|I|``).
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -195,7 +196,7 @@ def aggregate_class_gradients(gradients: Tensor, present: Tensor) -> tuple[Tenso
     return summed / holders.clamp(min=1).unsqueeze(1).to(gradients.dtype), holders > 0
 
 
-def _plain_linear(module: nn.Module) -> bool:
+def _plain_linear(module: nn.Module) -> TypeGuard[nn.Linear]:
     """True for an ``nn.Linear`` whose output is exactly ``F.linear(x, weight, bias)``.
 
     A subclass that overrides ``forward`` (a cosine or normalised head, say) or
@@ -322,7 +323,7 @@ def match_hyper_prototypes(
             return start.clone(), loss_before, loss_before
         variable = start.clone().requires_grad_(True)
         opt = torch.optim.SGD([variable], lr=lr) if optimizer == "sgd" else torch.optim.Adam([variable], lr=lr)
-        first_loss = None
+        first_loss: Tensor | None = None
         for _ in range(steps):
             # with a linear head, hyper_prototype_gradients is closed form: a first-order backward here
             loss = gradient_matching_loss(g_real, hyper_prototype_gradients(variable, classifier), present)
@@ -331,6 +332,7 @@ def match_hyper_prototypes(
             (grad,) = torch.autograd.grad(loss, variable)
             variable.grad = grad
             opt.step()
+        assert first_loss is not None  # steps > 0: the loop ran at least once
         loss_before = float(first_loss)
         matched = variable.detach()
         # absent classes: keep the input bit for bit (Adam's eps could nudge them)

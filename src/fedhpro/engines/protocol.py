@@ -38,7 +38,6 @@ from fedhpro.errors import FedHProError, UpdateError
 from fedhpro.metrics import payload_bytes, payload_parameters
 from fedhpro.seeds import derive_seed
 
-
 # stream tags: each kind of randomness gets its own stream
 INIT, SAMPLE, TRAIN, SERVER, FAULT = 1, 2, 3, 4, 5
 
@@ -184,7 +183,7 @@ class RoundProtocol:
         """Whether ``round`` ends with an evaluation (every ``eval_every`` rounds and the last)."""
         return (round + 1) % self.eval_every == 0 or round + 1 == self.rounds
 
-    def open(self, round: int) -> "OpenRound":
+    def open(self, round: int) -> OpenRound:
         return OpenRound(self, round)
 
 
@@ -223,7 +222,7 @@ class OpenRound:
         self.dropped.append({"client": client, "reason": reason})
         self.failures.append(error if error is not None else f"client {client}: {reason}")
 
-    def receive(self, client: int, reply: dict[str, Any], metrics: dict[str, float], num_samples: int) -> "Reception":
+    def receive(self, client: int, reply: dict[str, Any], metrics: dict[str, float], num_samples: int) -> Reception:
         """Hand in client ``client``'s reply: injected corruption, the method's validation, then the
         fold into the round's replies. Returns whether it counts (a :class:`Reception`, true only when
         accepted) and, when not, whose fault it was: the client's own update (``INVALID``: an engine

@@ -10,24 +10,45 @@ same seed and config give the same numbers on the CPU, whatever ran before.
 from __future__ import annotations
 
 import copy
+import functools
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from fedhpro.data.federation import Federation
 from fedhpro.engines.observers import RoundObserver, measurements, watching
-from fedhpro.engines.protocol import (FAULT, INIT, SAMPLE, SERVER, TRAIN, Faults, OpenRound, Reception,
-                                      RoundProtocol, RoundRecord, TestCount, corrupted, derive_seed, pool_accuracy,
-                                      round_half_up, train_generator, weighted_mean)
-from fedhpro.errors import ConfigError
-from fedhpro.methods.base import (MethodContext, MethodSpec, TrainSettings, eval_batch_size, eval_forward,
-                                  extract_features, load_weights)
+from fedhpro.engines.protocol import (
+    FAULT,
+    INIT,
+    SAMPLE,
+    SERVER,
+    TRAIN,
+    Faults,
+    OpenRound,
+    Reception,
+    RoundProtocol,
+    RoundRecord,
+    TestCount,
+    corrupted,
+    derive_seed,
+    pool_accuracy,
+    train_generator,
+    weighted_mean,
+)
+from fedhpro.errors import ConfigError, DataError
+from fedhpro.methods.base import (
+    MethodContext,
+    MethodSpec,
+    TrainSettings,
+    eval_batch_size,
+    eval_forward,
+    extract_features,
+    load_weights,
+)
 from fedhpro.metrics import class_means, fairness_statistics
-
 
 # the protocol's names, kept importable from here
 _INIT, _SAMPLE, _TRAIN, _SERVER, _FAULT = INIT, SAMPLE, TRAIN, SERVER, FAULT
@@ -89,35 +110,36 @@ class ClientModels:
             architecture_factory = lambda name: model_factory()  # noqa: E731
         self.shared = shared
         self.device = device
-        self.architectures = list(client_architectures) if client_architectures is not None else None
+        architectures = list(client_architectures) if client_architectures is not None else None
+        self.architectures = architectures
         self.shared_keys: list[str] | None = None
-        if self.architectures is None:
+        if architectures is None:
             self.global_model = _seeded(model_factory, derive_seed(seed, INIT), device)
             self.working_model = copy.deepcopy(self.global_model)  # reused by every client
             self.eval_model = copy.deepcopy(self.global_model)
             return
-        if len(self.architectures) != num_clients:
-            raise ValueError(f"{len(self.architectures)} architectures for {num_clients} clients")
+        if len(architectures) != num_clients:
+            raise ValueError(f"{len(architectures)} architectures for {num_clients} clients")
         if architecture_factory is None:
             raise ValueError("client_architectures needs an architecture_factory")
         self.working_models: dict[str, nn.Module] = {}
         self.client_weights: dict[int, dict[str, Tensor]] = {}
         for k in (range(num_clients) if clients is None else clients):
-            name = self.architectures[k]
-            model = _seeded(lambda: architecture_factory(name), derive_seed(seed, INIT, k), device)
+            name = architectures[k]
+            model = _seeded(functools.partial(architecture_factory, name), derive_seed(seed, INIT, k), device)
             self.working_models.setdefault(name, model)
             self.client_weights[k] = {key: v.detach().clone() for key, v in model.state_dict().items()}
         if 0 in self.client_weights:  # client 0's initial model, as built above
-            self.global_model = copy.deepcopy(self.working_models[self.architectures[0]])
+            self.global_model = copy.deepcopy(self.working_models[architectures[0]])
             self.global_model.load_state_dict(self.client_weights[0])
         else:
-            self.global_model = _seeded(lambda: architecture_factory(self.architectures[0]),
+            self.global_model = _seeded(functools.partial(architecture_factory, architectures[0]),
                                         derive_seed(seed, INIT, 0), device)
         self.shared_keys = ([key for key in self.global_model.state_dict() if key.startswith("classifier.")]
                             if shared == "classifier" else [])
         shapes = {name: [tuple(m.state_dict()[key].shape) for key in self.shared_keys]
                   for name, m in self.working_models.items()}
-        shapes[self.architectures[0]] = [tuple(self.global_model.state_dict()[key].shape) for key in self.shared_keys]
+        shapes[architectures[0]] = [tuple(self.global_model.state_dict()[key].shape) for key in self.shared_keys]
         if len({tuple(v) for v in shapes.values()}) != 1:
             raise ConfigError(f"the client models' classifiers differ in shape {shapes}; "
                               "every architecture must produce the same feature_dim")
@@ -130,7 +152,7 @@ class ClientModels:
     def model_for(self, k: int, weights: dict[str, Tensor] | None = None) -> nn.Module:
         """The model client ``k`` trains or is tested with: the shared working model, or its own personal
         model (``weights``, else its stored ones) loaded into its architecture's working model."""
-        if not self.personal:
+        if self.architectures is None:  # one shared working model (not personal)
             return self.working_model
         model = self.working_models[self.architectures[k]]
         model.load_state_dict(weights if weights is not None else self.client_weights[k])
@@ -297,6 +319,8 @@ class Simulator:
             part = means.double().cpu() * n.unsqueeze(1)
             sums = part if sums is None else sums + part
             counts += n
+        if sums is None:
+            raise DataError("centralized prototypes need a federation with at least one client")
         return (sums / counts.clamp(min=1).unsqueeze(1)).float(), counts > 0
 
     @torch.no_grad()
@@ -356,7 +380,7 @@ class Simulator:
         model = self.models.model_for(k)
         state_before = copy.deepcopy(self.client_states[k]) if self.client_states[k] else {}
         try:
-            with watching([lambda o=o: o.watch_client(k) for o in self.observers]):  # they only observe
+            with watching([functools.partial(o.watch_client, k) for o in self.observers]):  # they only observe
                 reply, metrics = self.client.fit(model, current.payload, self.federation.clients[k],
                                                  self.client_states[k], train_generator(self.seed, current.round, k))
         except (KeyboardInterrupt, SystemExit, MemoryError):

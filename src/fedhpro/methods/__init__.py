@@ -24,7 +24,7 @@ import sys
 from collections.abc import Iterable
 
 from fedhpro.errors import ConfigError
-from fedhpro.methods import fedavg, fedgmkd, fedhpro, fedprox, fedproto, fedrcl, fedsa, fedtgp, moon
+from fedhpro.methods import fedavg, fedgmkd, fedhpro, fedproto, fedprox, fedrcl, fedsa, fedtgp, moon
 from fedhpro.methods.base import (
     Client,
     ClientData,

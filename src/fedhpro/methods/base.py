@@ -20,7 +20,7 @@ import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +83,18 @@ class MethodContext:
     shared_keys: list[str] | None = None
 
 
+def features_of(model: nn.Module) -> nn.Module:
+    """``model.features``, the feature extractor every fedhpro model has (:mod:`fedhpro.models`), typed:
+    ``nn.Module``'s attribute access is typed ``Tensor | Module`` by torch."""
+    return cast(nn.Module, model.features)
+
+
+def classifier_of(model: nn.Module) -> nn.Linear:
+    """``model.classifier``, the linear head ``nn.Linear(d, C)`` every fedhpro model has (:mod:`fedhpro.models`),
+    typed: ``nn.Module``'s attribute access is typed ``Tensor | Module`` by torch."""
+    return cast(nn.Linear, model.classifier)
+
+
 def clone_weights(model: nn.Module, keys: Iterable[str] | None = None) -> Weights:
     """A copy of the model's state (only ``keys`` if given), sharing no storage with the model."""
     state = model.state_dict()
@@ -116,10 +128,12 @@ def check_weights(weights: Any, reference: Mapping[str, Tensor], who: str = "cli
     missing = set(reference) - set(weights)
     extra = set(weights) - set(reference)
     if missing or extra:
-        raise UpdateError(f"{who} sent weights with missing keys {sorted(missing)[:3]} / unexpected keys {sorted(extra)[:3]}")
+        raise UpdateError(f"{who} sent weights with missing keys {sorted(missing)[:3]} / "
+                          f"unexpected keys {sorted(extra)[:3]}")
     for name, tensor in weights.items():
         if not isinstance(tensor, Tensor) or tensor.shape != reference[name].shape:
-            raise UpdateError(f"{who} sent '{name}' with shape {getattr(tensor, 'shape', None)}, expected {tuple(reference[name].shape)}")
+            raise UpdateError(f"{who} sent '{name}' with shape {getattr(tensor, 'shape', None)}, "
+                              f"expected {tuple(reference[name].shape)}")
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise UpdateError(f"{who} sent non-finite values in '{name}'; the local training diverged (lower lr?)")
 
@@ -291,7 +305,8 @@ def train_epochs(model: nn.Module, data: ClientData, train: TrainSettings, gener
         model.to(memory_format=torch.channels_last)  # in place, before the optimiser takes the parameters
     optimizer = torch.optim.SGD(model.parameters(), lr=train.lr, momentum=train.momentum,
                                 weight_decay=train.weight_decay)
-    features = compiled_features(model) if train.compile else model.features
+    features = compiled_features(model) if train.compile else features_of(model)
+    classifier = classifier_of(model)
     n = len(data)
     totals: dict[str, Tensor] = {}
     steps = 0
@@ -307,14 +322,15 @@ def train_epochs(model: nn.Module, data: ClientData, train: TrainSettings, gener
             if data.augment is not None:  # off by default: the default path draws nothing more
                 x = data.augment(x, generator)
             if train.fast_path:
-                z, logits = _fast_forward(model, features, x, train)
+                z, logits = _fast_forward(classifier, features, x, train)
             else:  # the default path: exactly these operations, so results stay bit for bit as before
-                z = model.features(x)
-                logits = model.classifier(z)
+                z = features(x)
+                logits = classifier(z)
             terms = {"ce": F.cross_entropy(logits, y)}
             if regularizer is not None:
                 terms.update(regularizer(z, y, logits))
-            loss = sum(terms.values())
+            first, *rest = terms.values()
+            loss = sum(rest, first)  # ce + each regulariser term, in order
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if train.max_grad_norm is not None:
@@ -329,7 +345,7 @@ def train_epochs(model: nn.Module, data: ClientData, train: TrainSettings, gener
     return {name: float(total) / max(steps, 1) for name, total in totals.items()}
 
 
-def _fast_forward(model: nn.Module, features: Callable[[Tensor], Tensor], x: Tensor,
+def _fast_forward(classifier: nn.Module, features: Callable[[Tensor], Tensor], x: Tensor,
                   train: TrainSettings) -> tuple[Tensor, Tensor]:
     """``(z, logits)`` of the opt-in fast path: channels_last input, bf16 autocast, float32 outputs.
 
@@ -341,12 +357,12 @@ def _fast_forward(model: nn.Module, features: Callable[[Tensor], Tensor], x: Ten
         x = x.contiguous(memory_format=torch.channels_last)
     with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=train.amp == "bf16"):
         z = features(x)
-        logits = model.classifier(z)
+        logits = classifier(z)
     return z.float(), logits.float()
 
 
 #: compiled feature extractors, one per working model's ``features`` module (dropped with the module)
-_COMPILED: "weakref.WeakKeyDictionary[nn.Module, Callable[[Tensor], Tensor]]" = weakref.WeakKeyDictionary()
+_COMPILED: weakref.WeakKeyDictionary[nn.Module, Callable[[Tensor], Tensor]] = weakref.WeakKeyDictionary()
 
 
 def compiled_features(model: nn.Module) -> Callable[[Tensor], Tensor]:
@@ -356,7 +372,7 @@ def compiled_features(model: nn.Module) -> Callable[[Tensor], Tensor]:
     every call), so loading new weights into the working model or stepping the
     optimiser needs no recompilation; the state-dict keys do not change.
     """
-    module = model.features
+    module = features_of(model)
     compiled = _COMPILED.get(module)
     if compiled is None:
         compiled = torch.compile(module)
@@ -390,7 +406,7 @@ def eval_layout(batch: Tensor) -> Tensor:
 
 
 #: modules that failed on a channels_last batch (a user's model that ``.view()``s its activations): NCHW for them
-_NCHW_ONLY: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+_NCHW_ONLY: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
 def eval_forward(module: nn.Module, batch: Tensor) -> Tensor:
@@ -416,7 +432,7 @@ def extract_features(model: nn.Module, x: Tensor, batch_size: int | None = None)
     batch_size = batch_size or eval_batch_size(x.device)
     was_training = model.training
     model.eval()
-    features = torch.cat([eval_forward(model.features, x[i:i + batch_size])
+    features = torch.cat([eval_forward(features_of(model), x[i:i + batch_size])
                           for i in range(0, x.shape[0], batch_size)])
     model.train(was_training)
     return features

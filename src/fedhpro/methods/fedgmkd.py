@@ -98,7 +98,16 @@ from torch import Tensor, nn
 from fedhpro import functional as HF
 from fedhpro.errors import UpdateError
 from fedhpro.functional import weighted_average
-from fedhpro.methods.base import ClientData, MethodContext, MethodSpec, Payload, Regularizer, Weights, extract_features
+from fedhpro.methods.base import (
+    ClientData,
+    MethodContext,
+    MethodSpec,
+    Payload,
+    Regularizer,
+    Weights,
+    classifier_of,
+    extract_features,
+)
 from fedhpro.methods.prototypes import (
     PrototypeClient,
     PrototypeOptions,
@@ -310,6 +319,7 @@ class FedGMKDServer(PrototypeServer):
 
     def aggregate_weights(self, replies: Sequence[Payload]) -> Weights:
         """The replies' weights averaged by this round's DAT client weights ``w_k``."""
+        assert self.client_weights is not None  # set by this round's prototype_step, which runs first
         return weighted_average([reply["weights"] for reply in replies], self.client_weights.tolist())
 
     def method_state(self) -> dict[str, Any]:
@@ -337,7 +347,7 @@ class FedGMKDClient(PrototypeClient):
             if use_mse:
                 terms["proto_mse"] = o.gamma * prototype_mse(z, y, prototypes, prototype_mask)
             if use_kl:
-                terms["kd_kl"] = o.lam * knowledge_kl(model.classifier, prototypes.to(z.dtype), soft,
+                terms["kd_kl"] = o.lam * knowledge_kl(classifier_of(model), prototypes.to(z.dtype), soft,
                                                       knowledge_mask, o.temperature, o.kl_reduction)
             return terms
 
@@ -352,11 +362,11 @@ class FedGMKDClient(PrototypeClient):
         was_training = model.training
         model.eval()
         with torch.no_grad():
-            logits = model.classifier(features)
+            logits = classifier_of(model)(features)
         model.train(was_training)
         soft = soft_predictions(logits, data.y, self.num_classes, o.temperature).detach().cpu()
         if o.prototypes == "hyper":
-            upload = class_uploads(model.classifier, features, data.y, self.num_classes, with_gradients=True)
+            upload = class_uploads(classifier_of(model), features, data.y, self.num_classes, with_gradients=True)
             return {**upload, "soft_predictions": soft}, {}
         seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=generator))
         local, present, components = gmm_prototypes(

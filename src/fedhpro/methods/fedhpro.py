@@ -32,13 +32,14 @@ from fedhpro.methods.base import (
     MethodSpec,
     Payload,
     Server,
+    classifier_of,
     clone_weights,
     extract_features,
     load_weights,
     train_epochs,
 )
 from fedhpro.methods.hyper import HyperPrototypeBank, class_statistics
-from fedhpro.methods.prototypes import merge_prototypes, stack_prototypes
+from fedhpro.methods.prototypes import feature_dim_of, merge_prototypes, stack_prototypes
 from fedhpro.options import option
 
 
@@ -73,12 +74,12 @@ class FedHProServer(Server):
     def __init__(self, context: MethodContext):
         super().__init__(context)
         o = self.options
-        self.bank = HyperPrototypeBank(self.num_classes, context.model.classifier.in_features, context.seed,
+        feature_dim = feature_dim_of(context.model)
+        self.bank = HyperPrototypeBank(self.num_classes, feature_dim, context.seed,
                                        num_hyper=o.num_hyper, match_steps=o.match_steps, lr=o.hyper_lr,
                                        optimizer=o.hyper_optimizer)
         self.scratch = context.model
         self.uses_global = o.prototypes != "hyper"
-        feature_dim = context.model.classifier.in_features
         self.global_prototypes = torch.zeros(self.num_classes, feature_dim)
         self.global_mask = torch.zeros(self.num_classes, dtype=torch.bool)
 
@@ -109,7 +110,7 @@ class FedHProServer(Server):
             prototypes, held_by, counts = stack_prototypes(replies, self.num_classes, self.global_prototypes.shape[1])
         self.weights = self.average_weights(replies)
         load_weights(self.scratch, self.weights)
-        metrics = self.bank.update(gradients, present, self.scratch.classifier)
+        metrics = self.bank.update(gradients, present, classifier_of(self.scratch))
         if self.uses_global:
             new, held = HF.global_prototypes(prototypes, held_by, counts)
             self.global_prototypes, self.global_mask = merge_prototypes(self.global_prototypes, self.global_mask,

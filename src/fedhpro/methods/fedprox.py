@@ -19,7 +19,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from fedhpro.methods.base import Client, ClientData, MethodSpec, Payload, Server, clone_weights, load_weights, train_epochs
+from fedhpro.methods.base import (
+    Client,
+    ClientData,
+    MethodSpec,
+    Payload,
+    Server,
+    clone_weights,
+    load_weights,
+    train_epochs,
+)
 from fedhpro.options import option
 
 
@@ -34,7 +43,7 @@ def anchored_parameters(model: nn.Module, anchors: Mapping[str, Tensor]) -> list
     The received tensor is detached and moved to the parameter's device/dtype (no copy when they match;
     it is only read).
     """
-    pairs = []
+    pairs: list[tuple[Tensor, Tensor]] = []
     for name, parameter in model.named_parameters():
         if parameter.requires_grad and name in anchors:
             pairs.append((parameter, anchors[name].detach().to(device=parameter.device, dtype=parameter.dtype)))

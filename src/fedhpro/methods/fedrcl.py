@@ -25,7 +25,8 @@ Client loss: ``CE + mean_l SCL_l + beta * mean_l DIV_l`` (reported as ``rcl`` an
 
 Stages (:func:`stage_modules`): ``model.stage_modules`` when the model provides
 it (a list of modules, or a method returning one): exactly those modules'
-outputs (an empty list, or hooks that never fire in a forward: ``z`` only). Otherwise, for a ``features`` that is an ``nn.Sequential``, a stage ends
+outputs (an empty list, or hooks that never fire in a forward: ``z`` only).
+Otherwise, for a ``features`` that is an ``nn.Sequential``, a stage ends
 at each top-level child before the first ``nn.Flatten`` / global (adaptive)
 pooling child that is
 
@@ -60,13 +61,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedhpro.methods.base import Client, ClientData, MethodSpec, Payload, Server, clone_weights, load_weights, train_epochs
+from fedhpro.methods.base import (
+    Client,
+    ClientData,
+    MethodSpec,
+    Payload,
+    Server,
+    clone_weights,
+    load_weights,
+    train_epochs,
+)
 from fedhpro.options import option
 
 
 @dataclass
 class FedRCLOptions:
-    tau: float = option(0.05, gt=0.0, help="temperature of the relaxed contrastive loss and the penalty (paper C.1: 0.05)")
+    tau: float = option(0.05, gt=0.0,
+                        help="temperature of the relaxed contrastive loss and the penalty (paper C.1: 0.05)")
     beta: float = option(1.0, min=0.0, help="weight beta of the divergence penalty (paper C.1: 1.0)")
     threshold: float = option(0.7, min=-1.0, max=1.0,
                               help="similarity threshold of the penalty: m' = least similar same-class "
@@ -165,7 +176,8 @@ def fedrcl_loss(stages: list[Tensor], labels: Tensor, options: FedRCLOptions) ->
         scl, div = relaxed_contrastive_terms(features, labels, options.tau, options.threshold,
                                              options.num_negatives, with_penalty)
         scls.append(scl)
-        divs.append(div)
+        if div is not None:  # computed only with_penalty
+            divs.append(div)
     terms = {"rcl": torch.stack(scls).mean()}
     if with_penalty:
         terms["div"] = options.beta * torch.stack(divs).mean()

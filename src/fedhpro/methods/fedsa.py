@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedhpro import functional as HF
-from fedhpro.methods.base import ClientData, MethodContext, MethodSpec, Payload, Regularizer
+from fedhpro.methods.base import ClientData, MethodContext, MethodSpec, Payload, Regularizer, classifier_of
 from fedhpro.methods.prototypes import PrototypeClient, PrototypeOptions, PrototypeServer, Uploads, margin_ce
 from fedhpro.options import option
 
@@ -175,7 +175,7 @@ class FedSAClient(PrototypeClient):
             a = anchors.to(z.dtype)
             terms = {}
             if o.lambda1 > 0:
-                terms["calibration"] = o.lambda1 * calibration_ce(model.classifier, a)
+                terms["calibration"] = o.lambda1 * calibration_ce(classifier_of(model), a)
             if o.lambda2 > 0:
                 terms["anchor_mse"] = o.lambda2 * F.mse_loss(z, a[y])
             if o.lambda3 > 0:

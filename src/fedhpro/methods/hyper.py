@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from fedhpro import functional as HF
 from fedhpro.data.federation import ClientData
 from fedhpro.errors import UpdateError
-from fedhpro.methods.base import Payload, extract_features
+from fedhpro.methods.base import Payload, classifier_of, extract_features
 
 
 class HyperPrototypeBank:
@@ -42,7 +42,7 @@ class HyperPrototypeBank:
         """Stack the replies' ``class_gradients`` (K x C x d) and presence masks (K x C); UpdateError if malformed."""
         return stack_class_gradients(replies, self.num_classes, self.hyper.shape[2])
 
-    def update(self, gradients: Tensor, present: Tensor, classifier: nn.Module) -> dict[str, float]:
+    def update(self, gradients: Tensor, present: Tensor, classifier: nn.Linear) -> dict[str, float]:
         """Eq. 6 then Eq. 9 against the (new global) ``classifier``; returns L_GM before/after and the movement."""
         g_real, held = HF.aggregate_class_gradients(gradients, present)
         device = classifier.weight.device
@@ -94,7 +94,7 @@ def class_statistics(model: nn.Module, data: ClientData, num_classes: int,
             rank[where] = torch.arange(where.numel(), device=y.device)
         keep = rank < samples_per_class
         x, y = x[keep], y[keep]
-    gradients, prototypes = feature_statistics(model.classifier, extract_features(model, x), y, num_classes)
+    gradients, prototypes = feature_statistics(classifier_of(model), extract_features(model, x), y, num_classes)
     counts = torch.bincount(data.y, minlength=num_classes)[:num_classes]
     return gradients, counts, prototypes
 

@@ -9,7 +9,8 @@ classifies the projection ``z``); ``base.classifier`` is dropped.
 Client loss (per batch, ``z`` the current model's projection, ``z_glob`` the
 received global model's, ``z_prev`` the client's own previous local model's)::
 
-    CE(h(z), y) + mu * mean_i -log( e^{cos(z_i, z_glob_i)/tau} / (e^{cos(z_i, z_glob_i)/tau} + e^{cos(z_i, z_prev_i)/tau}) )
+    CE(h(z), y) + mu * mean_i -log( e^{cos(z_i, z_glob_i)/tau}
+                                    / (e^{cos(z_i, z_glob_i)/tau} + e^{cos(z_i, z_prev_i)/tau}) )
 
 Decisions:
 
@@ -43,7 +44,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedhpro.methods.base import Client, ClientData, MethodSpec, Payload, Server, clone_weights, load_weights, train_epochs
+from fedhpro.methods.base import (
+    Client,
+    ClientData,
+    MethodSpec,
+    Payload,
+    Server,
+    classifier_of,
+    clone_weights,
+    features_of,
+    load_weights,
+    train_epochs,
+)
 from fedhpro.options import option
 
 
@@ -59,8 +71,8 @@ class MoonNet(nn.Module):
 
     def __init__(self, base: nn.Module, projection_dim: int, num_classes: int):
         super().__init__()
-        width = int(getattr(base, "feature_dim", None) or base.classifier.in_features)
-        self.features = nn.Sequential(base.features, nn.Linear(width, width), nn.ReLU(),
+        width = int(getattr(base, "feature_dim", None) or classifier_of(base).in_features)
+        self.features = nn.Sequential(features_of(base), nn.Linear(width, width), nn.ReLU(),
                                       nn.Linear(width, projection_dim))
         self.classifier = nn.Linear(projection_dim, num_classes)
         self.base_feature_dim = width
@@ -106,14 +118,14 @@ class MoonClient(Client):
             previous_model = frozen_copy(model)
             previous_model.load_state_dict(previous)
             batch: dict[str, Tensor] = {}
-            handle = model.features.register_forward_pre_hook(lambda module, args: batch.__setitem__("x", args[0]))
+            handle = features_of(model).register_forward_pre_hook(lambda module, args: batch.__setitem__("x", args[0]))
             mu, tau = float(options.mu), float(options.tau)
 
             def regularizer(z, y, logits):
                 x = batch.pop("x")
                 with torch.no_grad():
-                    z_glob = global_model.features(x)
-                    z_prev = previous_model.features(x)
+                    z_glob = features_of(global_model)(x)
+                    z_prev = features_of(previous_model)(x)
                 return {"moon": mu * moon_contrastive_loss(z, z_glob, z_prev, tau)}
 
         try:

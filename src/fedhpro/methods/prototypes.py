@@ -47,8 +47,10 @@ from fedhpro.methods.base import (
     Regularizer,
     Server,
     Weights,
+    classifier_of,
     clone_weights,
     extract_features,
+    features_of,
     load_weights,
     train_epochs,
 )
@@ -255,6 +257,10 @@ class NearestPrototypeClassifier(nn.Module):
     """Classify by the nearest global prototype: logits ``-||f(x) - P_c||_2`` (``-inf`` for a class
     without a prototype), so ``argmax`` is FedProto's ``argmin_c ||f(x) - P_c||_2``."""
 
+    #: buffers (registered in ``__init__``): the ``C x d`` prototypes and the ``C`` bool mask of classes with one
+    prototypes: Tensor
+    mask: Tensor
+
     def __init__(self, model: nn.Module, prototypes: Tensor, mask: Tensor):
         super().__init__()
         self.model = model
@@ -262,7 +268,7 @@ class NearestPrototypeClassifier(nn.Module):
         self.register_buffer("mask", mask.detach().clone().bool())
 
     def forward(self, x: Tensor) -> Tensor:
-        z = self.model.features(x).reshape(x.shape[0], -1)
+        z = features_of(self.model)(x).reshape(x.shape[0], -1)
         prototypes = self.prototypes.to(device=z.device, dtype=z.dtype)
         # exact differences, not |a|^2 - 2ab + |b|^2: ties and near-ties stay ordered correctly
         distances = (z.unsqueeze(1) - prototypes.unsqueeze(0)).pow(2).sum(-1).sqrt()
@@ -388,8 +394,9 @@ class PrototypeServer(Server, ABC):
         if self.exchanges_weights:
             self.weights = self.aggregate_weights(replies)
         if self.bank is not None:
+            assert gradients is not None  # stacked and validated above, with the bank
             load_weights(self.scratch, self.weights)
-            metrics.update(self.bank.update(gradients, uploads.present, self.scratch.classifier))
+            metrics.update(self.bank.update(gradients, uploads.present, classifier_of(self.scratch)))
         return metrics
 
     @abstractmethod
@@ -440,7 +447,7 @@ class PrototypeClient(Client):
                 generator: torch.Generator) -> tuple[Payload, dict[str, float]]:
         """What the client sends besides its weights, and numbers to report with the losses."""
         features = extract_features(model, data.x)
-        return class_uploads(model.classifier, features, data.y, self.num_classes,
+        return class_uploads(classifier_of(model), features, data.y, self.num_classes,
                              with_gradients=self.options.prototypes == "hyper"), {}
 
     def fit(self, model: nn.Module, payload: Payload, data: ClientData, state: dict[str, Any],

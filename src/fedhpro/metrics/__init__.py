@@ -7,7 +7,8 @@
 * :mod:`.flops` -- FLOPs of a call with ``torch.utils.flop_counter`` (Table 4's FLOPs).
 * :mod:`.embedding` -- a 2-D t-SNE embedding of features (Figures 3 and 6).
 
-Engines and reports import this package; it imports nothing of ``fedhpro`` above ``errors``.
+Engines and reports import this package; of ``fedhpro`` it imports only :mod:`fedhpro.functional`
+(:mod:`.prototypes` builds on its class means) and :mod:`fedhpro.errors`.
 """
 
 from fedhpro.metrics.communication import payload_bytes, payload_parameters
