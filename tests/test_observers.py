@@ -12,8 +12,8 @@ import yaml
 import fedhpro
 from conftest import FEATURE_DIM, TinyNet, make_federation
 from fedhpro import api
-from fedhpro.engines.observers import (OBSERVER_KEYS, FlopCount, PrototypeDistance, RoundObserver, TensorBoardLog,
-                                       TSNEPlot, observers_for)
+from fedhpro.engines.observers import OBSERVER_KEYS, FlopCount, PrototypeDistance, RoundObserver
+from fedhpro.measurements import TensorBoardLog, TSNEPlot, observers_for
 from fedhpro.engines.simulator import Simulator
 from fedhpro.errors import ConfigError
 from fedhpro.methods import METHODS, TrainSettings

@@ -179,7 +179,7 @@ def test_report_of_a_folder_that_is_not_a_run_is_one_clear_error(tmp_path):
 
 def test_tensorboard_missing_is_one_message_to_pip_install_it(monkeypatch, tmp_path):
     from fedhpro.config import RunOptions
-    from fedhpro.engines.observers import TensorBoardLog, observers_for
+    from fedhpro.measurements import TensorBoardLog, observers_for
 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
     messages = []

@@ -33,9 +33,10 @@ from fedhpro.config import (
 from fedhpro.data import get_dataset
 from fedhpro.data.federation import Federation
 from fedhpro.engines import checkpoint
-from fedhpro.engines.observers import RoundObserver, observers_for
+from fedhpro.engines.observers import RoundObserver
 from fedhpro.engines.simulator import Faults, Simulator
 from fedhpro.errors import ConfigError
+from fedhpro.measurements import observers_for
 from fedhpro.methods import MethodSpec, TrainSettings, get_method
 from fedhpro.models import build_model
 from fedhpro.runtime import cpu_runtime
