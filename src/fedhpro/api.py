@@ -40,6 +40,7 @@ from fedhpro.measurements import observers_for
 from fedhpro.methods import MethodSpec, TrainSettings, get_method
 from fedhpro.models import build_model
 from fedhpro.runtime import cpu_runtime
+from fedhpro.sweeps import resolve_threads, torch_threads
 
 
 @dataclass
@@ -105,6 +106,9 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
     returns or raises; the allocator thresholds stay set for the rest of the
     process (glibc cannot read the previous ones back; set
     ``FEDHPRO_KEEP_FREED_MEMORY=0`` before the first run to leave them alone).
+    The run uses ``threads`` CPU threads (``torch.set_num_threads``; auto:
+    the cores this process may run on, or ``$OMP_NUM_THREADS``), the
+    caller's count is put back afterwards.
 
     Returns:
         A :class:`RunResult`; the same numbers are in ``<out>/summary.json``
@@ -116,8 +120,9 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
     if resume_from is None and config.run.out:
         check_new_run_folder(Path(config.run.out))  # before the data are built: fail fast
     device = resolve_device(config.run.device)
-    # on the CPU: denormals flushed (restored afterwards), freed memory reused (fedhpro.runtime)
-    with cpu_runtime(enabled=device.type == "cpu"):
+    # on the CPU: denormals flushed (restored afterwards), freed memory reused (fedhpro.runtime); the run's
+    # thread count set (threads=, auto: the cores this process may run on), the caller's put back afterwards
+    with cpu_runtime(enabled=device.type == "cpu"), torch_threads(resolve_threads(config.run.threads)):
         return _run_resolved(config, device, federation, model_factory, resume_from, echo)
 
 
@@ -594,8 +599,8 @@ def _progress(total: int, description: str, enabled: bool, initial: int = 0):
 
 
 #: settings a resumed run may change (how it runs, not what it computes)
-_RESUME_SETTINGS = {"resume", "progress", "device", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints",
-                    "tensorboard", "tsne"}
+_RESUME_SETTINGS = {"resume", "progress", "device", "threads", "checkpoint_every", "checkpoint_minutes",
+                    "keep_checkpoints", "tensorboard", "tsne"}
 
 
 def _summary_measurements(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -644,7 +649,8 @@ def run_or_continue(config: Config, folder: str | os.PathLike) -> dict[str, Any]
     if done.is_file():
         return json.loads(done.read_text())
     if (folder / "config.yaml").is_file() and checkpoint.latest(folder) is not None:
-        return run(None, {"resume": str(folder), "progress": config.run.progress}).summary
+        return run(None, {"resume": str(folder), "progress": config.run.progress,
+                          "threads": config.run.threads}).summary
     for name in _RUN_FILES:
         path = folder / name
         if path.is_dir():

@@ -138,6 +138,16 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+#: how compare and reproduce run their runs in parallel (fedhpro.sweeps), in both commands' help
+_SWEEP_HELP = ("Parallel: jobs=N runs N at a time in worker processes here (jobs=4), each pinned to threads=auto "
+               "(this machine's cores / N; or threads=2); results are the same bytes as a sequential sweep with "
+               "that thread count. executor=ray makes each run a Ray task on a local Ray (executor=ray jobs=8) "
+               "or on a cluster (`ray start --head` on one machine, `ray start --address=HEAD:6379` on the "
+               "others, then executor=ray ray.address=HEAD:6379, or ray.address=auto on a cluster node; "
+               'needs pip install "fedhpro[flower]"). A failed run is reported and the others finish; the '
+               "command then exits non-zero listing the failures.")
+
+
 def _settings_command(commands, name: str, handler, *, help: str, description: str | None = None,
                       metavar: str = "[CONFIG.yaml] KEY=VALUE") -> argparse.ArgumentParser:
     """A subcommand that takes free ``settings`` (a YAML path and KEY=VALUE pairs, or names) and a handler."""
@@ -171,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "settings; writes <out>/table.md and table.csv (default out=runs/compare). Finished runs "
                     "in <out> are reused (interrupted ones continue from their checkpoint) if their config.yaml "
                     "holds the same settings; one that does not "
-                    "stops the comparison with the settings that differ.")
+                    "stops the comparison with the settings that differ. " + _SWEEP_HELP)
     _settings_command(
         commands, "reproduce", _cmd_reproduce, metavar="NAME [KEY=VALUE]",
         help="run a table or figure of the paper (configs/paper/NAME.yaml): tables and PNGs",
@@ -179,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "the target's methods x seeds (finished runs are reused) and writes table.md, table.csv and "
                     "PNG figures with the paper's numbers beside ours (default out=runs/reproduce/<scale>). "
                     "NAME=list lists the targets, NAME=all runs them all. scale=smoke runs in minutes on a CPU "
-                    "(Digits tables fall back to digits-offline when the real data are absent).")
+                    "(Digits tables fall back to digits-offline when the real data are absent). " + _SWEEP_HELP)
     _settings_command(
         commands, "report", _cmd_report, metavar="RUN_DIR",
         help="tables and plots from finished runs (accuracy curves, L_GM, fairness)",

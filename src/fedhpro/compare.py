@@ -18,13 +18,14 @@ import csv
 import io
 import json
 import statistics
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from fedhpro.errors import ConfigError
 from fedhpro.methods import method_names
 from fedhpro.reports import write_atomic
+from fedhpro.sweeps import Failure, Sweep, SweepFailed, execute, make_sweep, sweep_options
 
 #: the paper's order of Table A3
 PAPER_ORDER = ["fedavg", "fedprox", "moon", "fedproto", "fedtgp", "fedgmkd", "fedrcl", "fedsa", "fedhpro"]
@@ -127,9 +128,33 @@ def run_all(jobs: Sequence[tuple[Any, Path]]) -> Iterator[dict[str, Any]]:
         yield run_or_continue(config, folder)
 
 
+def run_sweep(jobs: Sequence[tuple[Any, Path]], labels: Sequence[str], sweep: Sweep | None = None,
+              echo: bool = True) -> tuple[list[dict[str, Any] | None], list[Failure]]:
+    """Every ``(config, folder)`` job's summary (None where it failed) and the failures, run as ``sweep`` says.
+
+    Sequential (``jobs=1``, the default): :func:`run_all`, one run after the other here, an error stops the
+    sweep as it always did. Otherwise :func:`fedhpro.sweeps.execute`: the runs in workers, a failed run
+    reported and the others finished. Kept runs are checked against their configs first in both.
+    """
+    sweep = sweep or Sweep()
+    if sweep.sequential:
+        return list(run_all(jobs)), []
+    for config, folder in jobs:
+        check_stored_run(folder, config)
+    return execute(jobs, labels, sweep, echo=echo)
+
+
 def compare(methods: Sequence[str], seeds: Sequence[int], settings: Mapping[str, Any] | Sequence[str],
-            out: str | Path, source: str | None = None, echo: bool = True) -> dict[str, Any]:
-    """Run every method for every seed with the same ``settings`` and write the table; returns it as rows."""
+            out: str | Path, source: str | None = None, echo: bool = True, jobs: int = 1,
+            executor: str = "local", ray_address: str | None = None) -> dict[str, Any]:
+    """Run every method for every seed with the same ``settings`` and write the table; returns it as rows.
+
+    ``jobs`` runs at a time in worker processes, or as Ray tasks with ``executor="ray"`` (``ray_address``:
+    ``"auto"`` or ``"HOST:PORT"`` of a running cluster; None starts a local Ray); see :mod:`fedhpro.sweeps`.
+    When runs fail, the table of those that finished is written and :class:`~fedhpro.sweeps.SweepFailed`
+    lists the failed ones.
+    """
+    sweep = make_sweep(jobs, executor, ray_address)
     from fedhpro.config import load_config, parse_override
 
     unknown = [m for m in methods if m not in method_names()]
@@ -142,19 +167,32 @@ def compare(methods: Sequence[str], seeds: Sequence[int], settings: Mapping[str,
     out = Path(out)
     runs = [(method, seed, out / f"{method}-seed{seed}") for method in methods for seed in seeds]
     # every config is resolved (and so validated) before any run starts
-    jobs = [(load_config(source, {**pairs, "method": method, "seed": seed, "out": str(folder)}), folder)
-            for method, seed, folder in runs]
+    tasks = [(load_config(source, {**pairs, "method": method, "seed": seed, "out": str(folder)}), folder)
+             for method, seed, folder in runs]
+    labels = [f"{method} seed {seed}" for method, seed, _ in runs]
+    if sweep.sequential:  # a line as each run ends, as always
+        results: Iterable[dict[str, Any] | None] = run_all(tasks)
+        failures: list[Failure] = []
+    else:
+        results, failures = run_sweep(tasks, labels, sweep, echo=echo)
     summaries: dict[str, list[dict[str, Any]]] = {}
-    for (method, seed, _), summary in zip(runs, run_all(jobs)):
+    for (method, seed, _), summary in zip(runs, results):
+        if summary is None:
+            continue
         summaries.setdefault(method, []).append(summary)
         if echo:
             print(f"{method:10s} seed {seed}: AVG {summary['accuracy']:.2f}", flush=True)
-    table = _table(summaries, seeds)
-    write_atomic(out / "table.md", table["markdown"])
-    write_atomic(out / "table.csv", table["csv"])
-    if echo:
-        print(table["markdown"])
-        print(f"written: {out / 'table.md'}, {out / 'table.csv'}")
+    table = _table(summaries, seeds) if summaries else {"markdown": "", "csv": ""}
+    if summaries:
+        write_atomic(out / "table.md", table["markdown"])
+        write_atomic(out / "table.csv", table["csv"])
+        if echo:
+            print(table["markdown"])
+            print(f"written: {out / 'table.md'}, {out / 'table.csv'}")
+    if failures:
+        raise SweepFailed(f"{len(failures)} of {len(runs)} runs failed"
+                          + (" (the table holds those that finished)" if summaries else "") + ":\n  "
+                          + "\n  ".join(failure.line() for failure in failures))
     return table
 
 
@@ -183,7 +221,7 @@ def _table(summaries: dict[str, list[dict[str, Any]]], seeds: Sequence[int]) -> 
         delta = "–" if gain is None else f"{gain:+.2f}"
         lines.append(f"| {method} | " + " | ".join(cell(values(method, c)) for c in columns) + f" | {delta} |")
         means = [statistics.mean(values(method, c)) for c in columns]
-        stds = [statistics.stdev(values(method, c)) if len(seeds) > 1 else 0.0 for c in columns]
+        stds = [statistics.stdev(values(method, c)) if len(values(method, c)) > 1 else 0.0 for c in columns]
         writer.writerow([method] + [f"{v:.4f}" for v in means + stds] + ["" if gain is None else f"{gain:.4f}"])
     caption = (f"Test accuracy (%) on {first['dataset']}, mean ± std over seeds {list(seeds)}; "
                "Δ = AVG minus FedAvg's AVG.\n\n")
@@ -191,7 +229,8 @@ def _table(summaries: dict[str, list[dict[str, Any]]], seeds: Sequence[int]) -> 
 
 
 def main(arguments: Sequence[str]) -> int:
-    """CLI: ``fedhpro compare [CONFIG.yaml] methods=[a,b] seeds=[0,1,2] out=DIR KEY=VALUE ...``."""
+    """CLI: ``fedhpro compare [CONFIG.yaml] methods=[a,b] seeds=[0,1,2] out=DIR [jobs=N] [executor=local|ray]
+    [ray.address=auto|HOST:PORT] KEY=VALUE ...``."""
     from fedhpro.config import parse_override
 
     items = list(arguments)
@@ -204,5 +243,7 @@ def main(arguments: Sequence[str]) -> int:
     except ValueError:
         raise ConfigError(f"seeds={seeds_raw} must be integers, e.g. seeds=[0,1,2]") from None
     out = pairs.pop("out", "runs/compare")
-    compare(methods, seeds, pairs, out, source=source)
+    sweep = sweep_options(pairs)
+    compare(methods, seeds, pairs, out, source=source, jobs=sweep.jobs, executor=sweep.executor,
+            ray_address=sweep.ray_address)
     return 0

@@ -75,8 +75,10 @@ class MethodChoices(Sequence[str]):
 
 
 #: run keys that change where and how a run is shown or stored, never its numbers
-PRESENTATION_KEYS = frozenset({"out", "progress", "device", "resume", "tensorboard", "checkpoint_every",
-                               "checkpoint_minutes", "keep_checkpoints"})
+#: (``threads`` too: another thread count changes results only in the last float digits, and the same seed,
+#: config and thread count give the same bytes)
+PRESENTATION_KEYS = frozenset({"out", "progress", "device", "threads", "resume", "tensorboard",
+                               "checkpoint_every", "checkpoint_minutes", "keep_checkpoints"})
 
 
 @dataclass
@@ -107,6 +109,10 @@ class RunOptions:
     weight_decay: float = option(1e-5, min=0.0, help="local SGD weight decay")
     seed: int = option(0, min=0, help="seed of the model init, partition, client sampling and batches")
     device: str = option("auto", help="auto (CUDA if available), cpu, cuda or cuda:N")
+    threads: str = option("auto", help="CPU threads of the run (torch.set_num_threads): a whole number >= 1, or "
+                                       "auto: the cores this process may run on ($OMP_NUM_THREADS if set), "
+                                       "divided among a sweep's jobs; the same seed, config and thread count "
+                                       "give the same bytes, another count differs in the last float digits")
     eval_every: int = option(1, min=1, help="evaluate the global model every this many rounds (and at the end)")
     out: str | None = option(None, help="output folder (default runs/<method>-<dataset>-<timestamp>)")
     data_dir: str | None = option(None, help="where data sets are read and cached, each in its own folder "
@@ -308,12 +314,23 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
                           f"{', '.join(MODELS)}")
 
     run = _build(RunOptions, run_values, "", dataset)
+    run.threads = threads_setting(run.threads)
     methods = {name: _build(spec.options, sections.get(name, {}), f"{name}.", dataset)
                for name, spec in registry.items()}
     data = _build(get_dataset(dataset).options, sections.get(DATA_SECTION, {}), f"{DATA_SECTION}.", dataset)
     faults = _build(FaultOptions, sections.get(FAULTS_SECTION, {}), f"{FAULTS_SECTION}.", dataset)
     partition = _build(PartitionOptions, sections.get(PARTITION_SECTION, {}), f"{PARTITION_SECTION}.", dataset)
     return Config(run=run, methods=methods, data=data, faults=faults, partition=partition, federation=federation)
+
+
+def threads_setting(value: str) -> str:
+    """``threads=``'s value checked: ``"auto"`` or a whole number >= 1 (as text, e.g. ``"4"``)."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"threads={value!r} is not valid; give a whole number >= 1 (e.g. threads=4) or auto")
+    return str(int(text))
 
 
 def _default_of(section: str, name: str, dataset: str) -> Any:

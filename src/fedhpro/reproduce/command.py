@@ -13,12 +13,16 @@ from fedhpro.reproduce.availability import resolve_data
 from fedhpro.reproduce.builders import build_table
 from fedhpro.reproduce.emitter import emit
 from fedhpro.reproduce.running import PartResult, run_part
+from fedhpro.sweeps import make_sweep, sweep_options
 
 
 def reproduce(name: str, scale: str = "paper", seeds: Sequence[int] | None = None, out: str | Path | None = None,
-              overrides: dict[str, Any] | None = None, echo: bool = True) -> Path:
+              overrides: dict[str, Any] | None = None, echo: bool = True, jobs: int = 1, executor: str = "local",
+              ray_address: str | None = None) -> Path:
     """Run target ``name`` and write its table (Markdown, CSV) and figures (PNG) to ``out/<name>``; the runs
-    go to ``out/runs`` (default ``out``: ``runs/reproduce/<scale>``)."""
+    go to ``out/runs`` (default ``out``: ``runs/reproduce/<scale>``). ``jobs`` runs at a time in worker
+    processes, or as Ray tasks with ``executor="ray"`` (:mod:`fedhpro.sweeps`)."""
+    sweep = make_sweep(jobs, executor, ray_address)
     target = targets.load_target(name, scale)
     seeds = list(seeds) if seeds is not None else target.seeds
     overrides = dict(overrides or {})
@@ -38,7 +42,7 @@ def reproduce(name: str, scale: str = "paper", seeds: Sequence[int] | None = Non
             continue
         if note and echo:
             print(f"  {part.name}: {note}", flush=True)
-        results.append(run_part(part, resolved, note, overrides, seeds, root / "runs", echo))
+        results.append(run_part(part, resolved, note, overrides, seeds, root / "runs", echo, sweep))
     folder = root / target.name
     emit(target, build_table(target, results), folder, scale=scale, seeds=seeds,
          notes=[r.note for r in results if r.note], started=started, echo=echo)
@@ -51,12 +55,14 @@ def _list() -> int:
         target = targets.load_target(name)
         data = sorted({p.settings.get("dataset", target.settings.get("dataset", "?")) for p in target.parts})
         print(f"  {name:10s} {target.title}  [data: {', '.join(data)}]")
-    print("run: fedhpro reproduce NAME [scale=smoke] [seeds=[0,1,2]] [out=DIR] [KEY=VALUE ...]; NAME=all runs all")
+    print("run: fedhpro reproduce NAME [scale=smoke] [seeds=[0,1,2]] [out=DIR] [jobs=N] [executor=ray] "
+          "[KEY=VALUE ...]; NAME=all runs all")
     return 0
 
 
 def main(arguments: Sequence[str]) -> int:
-    """``fedhpro reproduce NAME|all|list [scale=paper|smoke] [seeds=[..]] [out=DIR] [KEY=VALUE ...]``."""
+    """``fedhpro reproduce NAME|all|list [scale=paper|smoke] [seeds=[..]] [out=DIR] [jobs=N] [executor=local|ray]
+    [ray.address=auto|HOST:PORT] [KEY=VALUE ...]``."""
     from fedhpro.compare import as_list
     from fedhpro.config import parse_override
 
@@ -74,11 +80,13 @@ def main(arguments: Sequence[str]) -> int:
         except ValueError:
             raise ConfigError(f"seeds={raw} must be integers, e.g. seeds=[0,1,2]") from None
     out = pairs.pop("out", None)
+    sweep = sweep_options(pairs)
     available = targets.available_targets()
     if name != "all" and name not in available:
         raise ConfigError(f"no reproduce target {name!r}; choose one of: {', '.join(available)}, all, list")
     for target in available if name == "all" else [name]:
         started = time.perf_counter()
-        reproduce(target, scale, seeds, out, pairs)
+        reproduce(target, scale, seeds, out, pairs, jobs=sweep.jobs, executor=sweep.executor,
+                  ray_address=sweep.ray_address)
         print(f"fedhpro reproduce {target} scale={scale}: {time.perf_counter() - started:.0f} s", flush=True)
     return 0

@@ -1,5 +1,6 @@
 """The runs of a part: every (scenario, row, seed), run or reused through the shared run loop
-(:func:`fedhpro.compare.run_all`, which checks every kept run against its config before the first runs).
+(:func:`fedhpro.compare.run_all`, or :func:`fedhpro.compare.run_sweep` with ``jobs=N`` / ``executor=ray``;
+both check every kept run against its config before the first runs).
 
 A run's folder is named by its method, a hash of the settings that decide its numbers and its seed, so
 runs are shared between targets: Table A3's runs serve Table A4, A7, A8 and Figure 4.
@@ -19,6 +20,7 @@ from fedhpro.reports.runs import RunData, load_run
 from fedhpro.reproduce.availability import filter_data_keys
 from fedhpro.reproduce.table import slug
 from fedhpro.reproduce.targets import Part
+from fedhpro.sweeps import Sweep, SweepFailed
 
 
 @dataclass
@@ -70,22 +72,41 @@ def plan(part: Part, resolved: dict[str, Any], overrides: dict[str, Any], seeds:
 
 
 def run_part(part: Part, resolved: dict[str, Any], note: str, overrides: dict[str, Any], seeds: Sequence[int],
-             runs_dir: Path, echo: bool) -> PartResult:
-    """Run (or reuse) every run of ``part`` with its data settings ``resolved``; a line per run when ``echo``."""
-    from fedhpro.compare import run_all
+             runs_dir: Path, echo: bool, sweep: Sweep | None = None) -> PartResult:
+    """Run (or reuse) every run of ``part`` with its data settings ``resolved``; a line per run when ``echo``.
+
+    ``sweep`` (default: one run after the other here) spreads the runs over worker processes or Ray
+    (:mod:`fedhpro.sweeps`); a failed run there does not stop the others, and :class:`SweepFailed` lists the
+    failures once all have ended.
+    """
+    from fedhpro.compare import run_all, run_sweep
 
     jobs = plan(part, resolved, overrides, seeds, runs_dir)
-    summaries = run_all([(job.config, job.folder) for job in jobs])
+    sweep = sweep or Sweep()
+    if sweep.sequential:
+        summaries = run_all([(job.config, job.folder) for job in jobs])
+    else:
+        reused = {job.folder for job in jobs if (job.folder / "summary.json").is_file()}
+        results, failures = run_sweep([(job.config, job.folder) for job in jobs],
+                                      [f"{job.label} seed {job.seed}" for job in jobs], sweep, echo=echo)
+        if failures:
+            raise SweepFailed(f"{part.name}: {len(failures)} of {len(jobs)} runs failed:\n  "
+                              + "\n  ".join(failure.line() for failure in failures))
     runs: dict[tuple[str, str], list[RunData]] = {}
-    for job in jobs:
-        reused = (job.folder / "summary.json").is_file()
-        started = time.perf_counter()
-        summary = next(summaries)  # continues an interrupted run from its newest checkpoint
-        if echo and reused:
+    for index, job in enumerate(jobs):
+        summary: dict[str, Any] | None
+        if sweep.sequential:
+            was_reused = (job.folder / "summary.json").is_file()
+            started = time.perf_counter()
+            summary = next(summaries)  # continues an interrupted run from its newest checkpoint
+            took = f"  ({time.perf_counter() - started:.0f} s)"
+        else:
+            was_reused, summary, took = job.folder in reused, results[index], ""
+        assert summary is not None  # a failed run raised above
+        if echo and was_reused:
             print(f"  {job.label:34s} seed {job.seed}: reused {job.folder}", flush=True)
         elif echo:
-            print(f"  {job.label:34s} seed {job.seed}: AVG {summary['accuracy']:6.2f}  "
-                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+            print(f"  {job.label:34s} seed {job.seed}: AVG {summary['accuracy']:6.2f}{took}", flush=True)
         runs.setdefault(job.key, []).append(load_run(job.folder))
     first = next(iter(runs.values()))[0]
     return PartResult(part, note, runs, [d for d in first.final["accuracy"] if d != "AVG"])
