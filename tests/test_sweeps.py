@@ -130,3 +130,11 @@ def test_sweep_settings_are_checked():
                                     (1, "local", "auto")):
         with pytest.raises(ConfigError):
             make_sweep(jobs, executor, address)
+
+
+def test_executor_ray_without_ray_is_one_line_naming_the_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r'executor=ray needs Ray.*pip install "fedhpro\[flower\]"'):
+        make_sweep(2, "ray")

@@ -21,6 +21,7 @@ the caller lists the failures at the end (:class:`SweepFailed`).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import sys
 import time
@@ -78,6 +79,8 @@ def make_sweep(jobs: Any = 1, executor: Any = "local", ray_address: Any = None) 
         raise ConfigError(f"executor={executor!r} is not valid; choose one of: {', '.join(EXECUTORS)}")
     if ray_address is not None and executor != "ray":
         raise ConfigError("ray.address= is used only with executor=ray; add executor=ray")
+    if executor == "ray" and importlib.util.find_spec("ray") is None:  # before any run starts
+        raise ConfigError(f"executor=ray needs Ray, which is not installed; {RAY_INSTALL}")
     return Sweep(int(str(jobs).strip()), str(executor), None if ray_address is None else str(ray_address))
 
 
@@ -243,12 +246,16 @@ def _run_processes(work: list[tuple[int, Any, Path, int]], sweep: Sweep, running
         futures: dict[Future[dict[str, Any]], int] = {
             pool.submit(run_in_worker, config, folder): index for index, config, folder, _ in work}
         waiting = set(futures)
-        while waiting:
-            running(min(sweep.jobs, len(waiting)))
-            done, waiting = wait(waiting, return_when=FIRST_COMPLETED)
-            for future in done:
-                error = future.exception()
-                finished(futures[future], None if error else future.result(), error)
+        try:
+            while waiting:
+                running(min(sweep.jobs, len(waiting)))
+                done, waiting = wait(waiting, return_when=FIRST_COMPLETED)
+                for future in done:
+                    error = future.exception()
+                    finished(futures[future], None if error else future.result(), error)
+        except BaseException:  # Ctrl-C: the queued runs do not start (the running ones keep their checkpoints)
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
         running(0)
 
 
