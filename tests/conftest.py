@@ -7,6 +7,7 @@ in well under a second each on one CPU thread.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -15,7 +16,10 @@ from torch import nn
 
 from fedhpro.data.federation import ClientData, Federation
 
-# keep the test run light: the machine is shared, and tiny tensors gain nothing from threads
+# keep the test run light: the machine is shared, and tiny tensors gain nothing from threads. The variable
+# also makes threads=auto one thread in every run the tests start, here and in subprocesses, so that the
+# simulator and Flower's workers (one thread each) sum in the same order and give the same bits
+os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
 NUM_CLASSES = 4
