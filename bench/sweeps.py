@@ -59,7 +59,7 @@ def main() -> None:
     report_ratio(times, f"jobs={args.jobs}", "jobs=1", f"sweep time jobs={args.jobs} / jobs=1", target=0.6)
     first, second = table(root / "jobs1"), table(root / f"jobs{args.jobs}")
     print(f"  final AVG per run, jobs=1: {[round(a, 2) for a in first]}; jobs={args.jobs}: "
-          f"{[round(a, 2) for a in second]} (the thread counts differ, so the sums' order and the numbers differ a little)")
+          f"{[round(a, 2) for a in second]} (other thread counts: other sum orders, slightly other numbers)")
     print(f"  total {time.perf_counter() - started:.0f} s")
     shutil.rmtree(root)
 
