@@ -140,8 +140,11 @@ def flower_tool(name: str) -> str:
     return str(path) if path.exists() else shutil.which(name) or name
 
 
-def test_superlink_and_two_supernodes_run_fedhpro_like_the_simulator(digits_data_dir, tmp_path):
-    home, logs, out = tmp_path / "flwr-home", tmp_path / "logs", tmp_path / "out"
+def loopback_run(tmp_path: Path, node_configs: list[str], run_config: dict) -> dict:
+    """A SuperLink and one SuperNode per ``--node-config`` string on 127.0.0.1, then ``flwr run
+    examples/flower`` with ``run_config`` (every key through ``--run-config``); every process is stopped
+    and none may be left. Returns the run's record from ``flwr ls --format json`` (its status checked)."""
+    home, logs = tmp_path / "flwr-home", tmp_path / "logs"
     home.mkdir()
     logs.mkdir()
     link_port = free_port()
@@ -150,22 +153,19 @@ def test_superlink_and_two_supernodes_run_fedhpro_like_the_simulator(digits_data
         "insecure = true\n")
     env = {**ENVIRONMENT, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("FEDHPRO_DATA_DIR", None)  # the nodes get their data from their node config only
     processes = Processes(env, logs)
     try:
         link = processes.start("superlink", [flower_tool("flower-superlink"), "--insecure", "--host", "127.0.0.1",
                                              "--port", str(link_port), "--disable-runtime-dependency-installation"])
         wait_healthy(link_port, link)
-        for k in range(2):
+        for k, node_config in enumerate(node_configs):
             processes.start(f"supernode-{k}", [
                 flower_tool("flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{link_port}",
-                "--host", "127.0.0.1", "--port", str(free_port()),
-                "--node-config", f"partition-id={k} num-partitions=2"])
-        # every fedhpro key through --run-config; clients comes from the nodes' num-partitions (2)
-        settings = tiny_config(digits_data_dir)
-        settings.pop("clients")
-        run_config = " ".join(f"{key}={json.dumps(value)}" for key, value in {**settings, "out": str(out)}.items())
+                "--host", "127.0.0.1", "--port", str(free_port()), "--node-config", node_config])
+        text = " ".join(f"{key}={json.dumps(value)}" for key, value in run_config.items())
         run = subprocess.run([flower_tool("flwr"), "run", str(REPO / "examples" / "flower"), "loopback",
-                              "--run-config", run_config, "--stream"],
+                              "--run-config", text, "--stream"],
                              env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
         processes.remember_children()
         (logs / "flwr-run.log").write_text(run.stdout + run.stderr)
@@ -173,10 +173,20 @@ def test_superlink_and_two_supernodes_run_fedhpro_like_the_simulator(digits_data
                                  capture_output=True, text=True, timeout=60)
         runs = json.loads(listing.stdout)["runs"]
         assert len(runs) == 1 and runs[0]["status"] == "finished:completed", (runs, run.stdout[-3000:])
-        assert runs[0]["network-traffic"]["total-bytes"] > 0  # it really went over the network
     finally:
         left = processes.stop()
     assert left == [], f"processes left running: {left}"
+    return runs[0]
+
+
+def test_superlink_and_two_supernodes_run_fedhpro_like_the_simulator(digits_data_dir, tmp_path):
+    out = tmp_path / "out"
+    # every fedhpro key through --run-config; clients comes from the nodes' num-partitions (2)
+    settings = tiny_config(digits_data_dir)
+    settings.pop("clients")
+    record = loopback_run(tmp_path, [f"partition-id={k} num-partitions=2" for k in range(2)],
+                          {**settings, "out": str(out)})
+    assert record["network-traffic"]["total-bytes"] > 0  # it really went over the network
 
     rows = read_rows(out / "metrics.jsonl")
     state = torch.load(out / "server_state.pt", weights_only=True)

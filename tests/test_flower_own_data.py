@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +26,8 @@ pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pi
 from flwr.app import ConfigRecord, Message, RecordDict  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from test_flower import CORE_KEYS, REPO, assert_same_state, core, read_rows, reference  # noqa: E402
-from test_flower_deployment import (ENVIRONMENT, RUN_TIMEOUT, Processes, flower_tool, free_port,  # noqa: E402
-                                    wait_healthy)
+from test_flower import CORE_KEYS, assert_same_state, core, read_rows, reference  # noqa: E402
+from test_flower_deployment import loopback_run  # noqa: E402
 
 from fedhpro.config import load_config  # noqa: E402
 from fedhpro.data.clients import ClientInfo  # noqa: E402
@@ -67,39 +65,9 @@ def test_three_supernodes_with_their_own_folders_equal_the_simulator(tmp_path):
         homes[site] = tmp_path / f"node-{site}" / site
         shutil.copytree(everything / site, homes[site])
 
-    home, logs, out = tmp_path / "flwr-home", tmp_path / "logs", tmp_path / "out"
-    home.mkdir()
-    logs.mkdir()
-    link_port = free_port()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\naddress = "127.0.0.1:{link_port}"\n'
-        "insecure = true\n")
-    env = {**ENVIRONMENT, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
-           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("FEDHPRO_DATA_DIR", None)
-    processes = Processes(env, logs)
-    run_config = " ".join(f"{key}={json.dumps(value)}" for key, value in {**settings(), "out": str(out)}.items())
-    try:
-        link = processes.start("superlink", [flower_tool("flower-superlink"), "--insecure", "--host", "127.0.0.1",
-                                             "--port", str(link_port), "--disable-runtime-dependency-installation"])
-        wait_healthy(link_port, link)
-        for site, folder in homes.items():
-            processes.start(f"supernode-{site}", [
-                flower_tool("flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{link_port}",
-                "--host", "127.0.0.1", "--port", str(free_port()),
-                "--node-config", f'data-dir="{folder}" dataset="clients"'])
-        run = subprocess.run([flower_tool("flwr"), "run", str(REPO / "examples" / "flower"), "loopback",
-                              "--run-config", run_config, "--stream"],
-                             env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
-        processes.remember_children()
-        (logs / "flwr-run.log").write_text(run.stdout + run.stderr)
-        listing = subprocess.run([flower_tool("flwr"), "ls", "loopback", "--format", "json"], env=env,
-                                 capture_output=True, text=True, timeout=60)
-        runs = json.loads(listing.stdout)["runs"]
-        assert len(runs) == 1 and runs[0]["status"] == "finished:completed", (runs, run.stdout[-3000:])
-    finally:
-        left = processes.stop()
-    assert left == [], f"processes left running: {left}"
+    out = tmp_path / "out"
+    loopback_run(tmp_path, [f'data-dir="{folder}" dataset="clients"' for folder in homes.values()],
+                 {**settings(), "out": str(out)})
 
     saved = load_config(out / "config.yaml")
     assert saved.run.data_dir is None  # the server was never given data
