@@ -148,6 +148,19 @@ _SWEEP_HELP = ("Parallel: jobs=N runs N at a time in worker processes here (jobs
                "command then exits non-zero listing the failures.")
 
 
+_COMPARE_DESCRIPTION = (
+    "Run methods=[...] for seeds=[...] (default: all nine methods, seeds 0,1,2) with the same settings; writes "
+    "<out>/table.md and table.csv (default out=runs/compare). Finished runs in <out> are reused (interrupted ones "
+    "continue from their checkpoint) if their config.yaml holds the same settings; one that does not stops the "
+    "comparison with the settings that differ. ")
+_REPRODUCE_DESCRIPTION = (
+    "fedhpro reproduce NAME [scale=paper|smoke] [seeds=[0,1,2]] [out=DIR] [KEY=VALUE ...]: runs the target's "
+    "methods x seeds (finished runs are reused) and writes table.md, table.csv and PNG figures with the paper's "
+    "numbers beside ours (default out=runs/reproduce/<scale>). NAME=list lists the targets, NAME=all runs them "
+    "all. scale=smoke runs in minutes on a CPU (Digits tables fall back to digits-offline when the real data are "
+    "absent). ")
+
+
 def _settings_command(commands, name: str, handler, *, help: str, description: str | None = None,
                       metavar: str = "[CONFIG.yaml] KEY=VALUE") -> argparse.ArgumentParser:
     """A subcommand that takes free ``settings`` (a YAML path and KEY=VALUE pairs, or names) and a handler."""
@@ -174,22 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     config_parser.add_argument("--keys", action="store_true",
                                help="list every key with its choices, help and default (the data.* keys of "
                                     "the dataset= given)")
-    _settings_command(
-        commands, "compare", _cmd_compare,
-        help="several methods on the same federation and seeds: a table like the paper's Table A3",
-        description="Run methods=[...] for seeds=[...] (default: all nine methods, seeds 0,1,2) with the same "
-                    "settings; writes <out>/table.md and table.csv (default out=runs/compare). Finished runs "
-                    "in <out> are reused (interrupted ones continue from their checkpoint) if their config.yaml "
-                    "holds the same settings; one that does not "
-                    "stops the comparison with the settings that differ. " + _SWEEP_HELP)
-    _settings_command(
-        commands, "reproduce", _cmd_reproduce, metavar="NAME [KEY=VALUE]",
-        help="run a table or figure of the paper (configs/paper/NAME.yaml): tables and PNGs",
-        description="fedhpro reproduce NAME [scale=paper|smoke] [seeds=[0,1,2]] [out=DIR] [KEY=VALUE ...]: runs "
-                    "the target's methods x seeds (finished runs are reused) and writes table.md, table.csv and "
-                    "PNG figures with the paper's numbers beside ours (default out=runs/reproduce/<scale>). "
-                    "NAME=list lists the targets, NAME=all runs them all. scale=smoke runs in minutes on a CPU "
-                    "(Digits tables fall back to digits-offline when the real data are absent). " + _SWEEP_HELP)
+    _settings_command(commands, "compare", _cmd_compare, description=_COMPARE_DESCRIPTION + _SWEEP_HELP,
+                      help="several methods on the same federation and seeds: a table like the paper's Table A3")
+    _settings_command(commands, "reproduce", _cmd_reproduce, metavar="NAME [KEY=VALUE]",
+                      help="run a table or figure of the paper (configs/paper/NAME.yaml): tables and PNGs",
+                      description=_REPRODUCE_DESCRIPTION + _SWEEP_HELP)
     _settings_command(
         commands, "report", _cmd_report, metavar="RUN_DIR",
         help="tables and plots from finished runs (accuracy curves, L_GM, fairness)",
