@@ -171,11 +171,9 @@ def build_own_node(config: Config, client: int, num_clients: int) -> NodeSide:
 
     device = resolve_device(config.run.device)
     prepare_torch(device)
-    if not config.run.data_dir:
-        raise ConfigError("this SuperNode has no data-dir; start it with --node-config \"data-dir=/path/to/its/"
-                          "folder\" (the folder holding its train/ and test/ data)")
+    folder = node_folder({"data-dir": config.run.data_dir})
     classes = config.data.classes
-    train, test, info = load_client(config.run.data_dir, config.data, classes)
+    train, test, info = load_client(folder, config.data, classes)
     # the same checks and conversions as the simulator's federation
     own = Federation.from_tensors([train], [test], num_classes=len(classes), domains=[info.domain],
                                   names=[info.name], name=OWN_DATA).to(device)
