@@ -136,7 +136,6 @@ def test_run_config_maps_onto_fedhpro_keys():
     ({"rounds": 0}, "rounds"),
     ({"flower.wait": 3}, "unknown Flower setting"),
     ({"flower.node-wait": -1}, "seconds > 0"),
-    ({"resume": "runs/x"}, "not supported on Flower"),
     pytest.param({"flops": True}, "only by the in-process simulator",
                  marks=pytest.mark.skipif(not hasattr(RunOptions, "flops"), reason="no flops switch in this version")),
 ])

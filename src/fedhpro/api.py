@@ -720,6 +720,14 @@ def _changed_on_resume(stored: Mapping[str, Any], given: Mapping[str, Any]) -> l
     return sorted(changed)
 
 
+def resumed_config(config: Config, source: Mapping[str, Any] | None = None,
+                   overrides: Mapping[str, Any] | None = None) -> tuple[Config, Path]:
+    """The saved config of the run in ``config.run.resume`` and its newest checkpoint, by :func:`run`'s rule:
+    the keys set in ``source`` and ``overrides`` that a resumed run may not change are refused (one line).
+    What the Flower ServerApp resumes with (its base settings and run config)."""
+    return _resume_config(config, given=_given_settings(source, overrides or {}))
+
+
 def _resume_config(config: Config, federation: Federation | None = None,
                    model_factory: Callable[..., torch.nn.Module] | None = None,
                    given: Mapping[str, Any] | None = None) -> tuple[Config, Path]:

@@ -79,6 +79,14 @@ def latest(run_dir: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
+def saved_rounds(run_dir: str | os.PathLike) -> list[int]:
+    """The completed rounds of the checkpoints a run keeps, oldest first (a run can go back to any of them)."""
+    folder = checkpoint_dir(run_dir)
+    if not folder.is_dir():
+        return []
+    return sorted(int(match.group(1)) for match in map(_NAME.match, (p.name for p in folder.iterdir())) if match)
+
+
 def load(path: str | os.PathLike) -> dict[str, Any]:
     """Read a checkpoint (tensors and plain containers only: ``weights_only=True``) and restore the RNGs."""
     try:

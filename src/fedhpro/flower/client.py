@@ -20,6 +20,10 @@ Between rounds the client's state lives in ``Context.state``: the method's
 per-client state (MOON's previous model, FedSA's last prototypes) under
 ``state/...`` records and, with personal models (heterogeneous or
 prototype-only federations), the client's whole model under ``personal/...``.
+It is also kept on the node's disk (:class:`StateStore`), one file per round
+the client trained, so that a restarted SuperNode (empty ``Context.state``)
+and a resumed run (a new Flower run, hence a new ``Context``) go on from the
+state the client had before the round they (re)do.
 
 Handlers: ``query`` (which partition this node holds, or what its folder
 holds: name, domain, classes, input shape, sizes; never the data), ``train``
@@ -35,15 +39,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import re
+import shutil
 import traceback
+from pathlib import Path
 from typing import Any, cast
 
-from flwr.app import ConfigRecord, ConfigRecordValues, Context, Error, Message, RecordDict
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, ConfigRecordValues, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
 from fedhpro.engines.simulator import count_correct
-from fedhpro.errors import ConfigError
+from fedhpro.errors import ConfigError, DataError
+from fedhpro.files import write_atomic_with
 from fedhpro.flower import records
 from fedhpro.flower.engine import NodeCache, NodeSide, check_partition, config_from_text, node_folder, own_data
 from fedhpro.flower.server import EVAL_RECORD, HEADER, NODE_RECORD, SERVER_STATE
@@ -62,6 +72,10 @@ BACKUP_ROUND = "fedhpro.backup"
 
 #: node_config keys a SuperNode may set for itself (where its data is, which device it trains on)
 NODE_OVERRIDES = {"data-dir": "data_dir", "device": "device"}
+#: node_config key of the folder where a node keeps its clients' state on disk (default: :func:`state_root`)
+STATE_DIR = "state-dir"
+#: Context.state record naming the run whose state the context holds (absent: a new context, read from disk)
+LOADED = "fedhpro.loaded"
 
 app = ClientApp()
 _nodes = NodeCache()
@@ -83,8 +97,10 @@ def _check_dataset(node_config: dict[str, Any], dataset: str) -> None:
                           f"with dataset={declared} or the node with --node-config \"dataset={dataset} ...\"")
 
 
-def _setup(msg: Message, context: Context) -> tuple[NodeSide, int]:
-    """``(node side, round)`` for a message: this node's client of the config the message carries."""
+def _setup(msg: Message, context: Context, training: bool) -> tuple[NodeSide, int, StateStore | None]:
+    """``(node side, round, the client's store on disk)`` for a message: this node's client of the config
+    the message carries, its state as the server's protocol counts it (refused replies undone; a new
+    context takes it up from disk). No store: the server sent no run key (nothing is kept on disk)."""
     node_config = dict(context.node_config)
     header = msg.content.config_records[HEADER]
     client = int(cast(int, header["client"]))
@@ -99,8 +115,15 @@ def _setup(msg: Message, context: Context) -> tuple[NodeSide, int]:
     else:
         node_folder(node_config)
     node = _nodes.get(text, overrides, client, int(cast(int, header["num-clients"])))
-    _restore_if_refused(context, int(cast(int, header.get("refused-round", -1))))
-    return node, int(cast(int, header["round"]))
+    round, refused = int(cast(int, header["round"])), int(cast(int, header.get("refused-round", -1)))
+    store = client_store(node_config, header.get("state-key"), client)
+    if store is not None and refused >= 0:
+        store.drop([refused])
+    _restore_if_refused(context, refused)
+    if store is not None:
+        # train r: the state from before round r; evaluate r: the state after round r's fit
+        _take_up(context, store, str(header["state-key"]), round if training else round + 1)
+    return node, round, store
 
 
 def _held(context: Context, *prefixes: str) -> list[str]:
@@ -163,6 +186,9 @@ def query(msg: Message, context: Context) -> Message:
             if node_config.get("name"):
                 info = dataclasses.replace(info, name=str(node_config["name"]))
             answer = {"info": json.dumps(dataclasses.asdict(info))}
+        elif str(header["query"]) == "forget":  # the run is over: its state on this node is of no more use
+            shutil.rmtree(run_folder(node_config, str(header["state-key"])), ignore_errors=True)
+            answer = {"forgotten": True}
         else:
             partition, count = check_partition(node_config)
             answer = {"partition-id": partition, "num-partitions": count}
@@ -175,7 +201,7 @@ def query(msg: Message, context: Context) -> Message:
 def train(msg: Message, context: Context) -> Message:
     """One round of the method's local training on this node's data."""
     try:
-        node, round = _setup(msg, context)
+        node, round, store = _setup(msg, context, training=True)
         payload = records.decode_payload(msg.content, node.device)
         state = _load_state(context, node)
         model = _model(node, context)
@@ -189,6 +215,10 @@ def train(msg: Message, context: Context) -> Message:
     if node.models.personal:  # the personal model persists to the client's next round
         for name, record in records.encode_payload({MODEL: model.state_dict()}, prefix=MODEL_PREFIX).items():
             context.state[name] = record
+    if store is not None and (state or node.models.personal or store.rounds()):
+        store.save(round, _snapshot(context))
+        header = msg.content.config_records[HEADER]
+        store.prune(int(cast(int, header.get("keep-from", round))))
     return Message(content, reply_to=msg)
 
 
@@ -197,7 +227,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     """Correct and total counts on this client's own test data: the global model, or its personal model
     with the global shared part, through the server's inference rule (as the simulator tests client k)."""
     try:
-        node, _ = _setup(msg, context)
+        node, _, _ = _setup(msg, context, training=False)
         shared = records.decode_payload(msg.content, node.device)["weights"]
         # the server's inference rule (nearest prototype) needs the server's state: load it into the node's copy
         node.server.load_state_dict(records.decode_payload(msg.content, node.device, prefix=SERVER_STATE))
@@ -224,3 +254,124 @@ def _load_state(context: Context, node: NodeSide) -> dict[str, Any]:
 def _save_state(context: Context, state: dict[str, Any]) -> None:
     for name, record in records.encode_payload(state, prefix=STATE_PREFIX).items():
         context.state[name] = record
+
+
+# ---------------------------------------------------------------------------- the client's state on disk
+
+#: a run key as the server makes it (:func:`fedhpro.flower.server.run_key`); it names a folder, so nothing else
+_RUN_KEY = re.compile(r"^[0-9a-f]{16}$")
+_ROUND_FILE = re.compile(r"^round-(\d{6})\.pt$")
+
+
+def state_root(node_config: dict[str, Any]) -> Path:
+    """Where this node keeps its clients' state: ``state-dir`` of its node_config, else ``node-state`` under
+    ``$FEDHPRO_DATA_DIR``, else ``~/.cache/fedhpro/node-state``."""
+    folder = node_config.get(STATE_DIR)
+    if folder:
+        return Path(str(folder)).expanduser()
+    from fedhpro.data.digits_offline import default_data_dir
+
+    return default_data_dir() / "node-state"
+
+
+def run_folder(node_config: dict[str, Any], key: str) -> Path:
+    """The folder of one run's state on this node; ConfigError for a key the server cannot have sent."""
+    if not _RUN_KEY.match(key):
+        raise ConfigError(f"state-key {key!r} is not a fedhpro run key (16 hex digits); the ServerApp and this "
+                          "SuperNode must run the same fedhpro version")
+    return state_root(node_config) / key
+
+
+def client_store(node_config: dict[str, Any], key: Any, client: int) -> StateStore | None:
+    """Client ``client``'s store of the run ``key`` on this node, or None when the server sent no key."""
+    if key in (None, ""):
+        return None
+    return StateStore(run_folder(node_config, str(key)) / f"client-{client}")
+
+
+class StateStore:
+    """One client's state on its node's disk, one file per round it trained.
+
+    ``<state root>/<run key>/client-<k>/round-NNNNNN.pt`` holds the client's
+    ``state/...`` and ``personal/...`` records of ``Context.state`` after that
+    round's fit (tensors bit for bit, written atomically). A new context
+    doing round ``r`` (a restarted SuperNode, or a resumed run: a new Flower
+    run) takes up the newest file of a round before ``r``; files of round
+    ``r`` and later belong to rounds the server abandoned (it resumed from an
+    earlier checkpoint) and are dropped first, as is the file of a round
+    whose reply the server refused. Every message names the oldest round the
+    server could go back to (``keep-from``: its oldest kept checkpoint, else
+    the current round); the store keeps the newest file before it and all
+    files after it, and deletes the rest.
+    """
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def rounds(self) -> list[int]:
+        """The rounds whose state is on disk, oldest first."""
+        if not self.folder.is_dir():
+            return []
+        return sorted(int(match.group(1)) for match in map(_ROUND_FILE.match, os.listdir(self.folder)) if match)
+
+    def path(self, round: int) -> Path:
+        return self.folder / f"round-{round:06d}.pt"
+
+    def newest(self, before: int) -> int | None:
+        """The newest round on disk before ``before``, or None."""
+        return max((r for r in self.rounds() if r < before), default=None)
+
+    def load(self, round: int) -> dict[str, Any]:
+        """The snapshot of ``round`` (:func:`_snapshot`); DataError naming the file if it cannot be read."""
+        try:
+            return torch.load(self.path(round), map_location="cpu", weights_only=True)
+        except Exception as error:  # noqa: BLE001 - a truncated or foreign file
+            raise DataError(f"the client state {self.path(round)} cannot be read ({type(error).__name__}); "
+                            "delete it to go on from the round before") from None
+
+    def save(self, round: int, snapshot: dict[str, Any]) -> None:
+        write_atomic_with(self.path(round), lambda handle: torch.save(snapshot, handle))
+
+    def drop(self, rounds: list[int]) -> None:
+        for round in rounds:
+            self.path(round).unlink(missing_ok=True)
+
+    def prune(self, keep_from: int) -> None:
+        """Keep the newest round before ``keep_from`` and every round from ``keep_from`` on."""
+        older = [r for r in self.rounds() if r < keep_from]
+        self.drop(older[:-1])
+
+
+def _take_up(context: Context, store: StateStore, key: str, bound: int) -> None:
+    """A context that does not hold run ``key`` yet (a restarted node, a resumed run) takes up the newest
+    state on disk of a round before ``bound``, after dropping the files of ``bound`` and later (rounds the
+    server abandoned); none on disk: the client starts without state, as in round 0."""
+    loaded = context.state.config_records.get(LOADED)
+    if loaded is not None and loaded["key"] == key:
+        return
+    store.drop([r for r in store.rounds() if r >= bound])
+    newest = store.newest(before=bound)
+    _install(context, store.load(newest) if newest is not None else {})
+    context.state[LOADED] = ConfigRecord({"key": key})
+
+
+def _snapshot(context: Context) -> dict[str, Any]:
+    """The client's ``state/...`` and ``personal/...`` records as tensors and plain values
+    (``torch.load(weights_only=True)`` reads them back; arrays keep dtype, shape and every bit)."""
+    snapshot: dict[str, Any] = {}
+    for name in _held(context, STATE_PREFIX, MODEL_PREFIX):
+        record = context.state[name]
+        if isinstance(record, ArrayRecord):
+            snapshot[name] = {"arrays": {key: torch.from_numpy(array.numpy().copy()) for key, array in record.items()}}
+        else:
+            snapshot[name] = {"config": dict(record)}
+    return snapshot
+
+
+def _install(context: Context, snapshot: dict[str, Any]) -> None:
+    """Replace the client's records in ``Context.state`` (state, personal model, backup) by ``snapshot``."""
+    for name in _held(context, STATE_PREFIX, MODEL_PREFIX, BACKUP_PREFIX, BACKUP_ROUND):
+        del context.state[name]
+    for name, record in snapshot.items():
+        context.state[name] = (ArrayRecord({key: records.to_array(v) for key, v in record["arrays"].items()})
+                               if "arrays" in record else ConfigRecord(record["config"]))

@@ -21,16 +21,24 @@ One run, as the in-process simulator does it (see :mod:`fedhpro.flower.engine`):
    personal model) on its own test data and the server pools the counts per
    test set (:func:`~fedhpro.engines.protocol.pool_accuracy`);
 5. if ``out`` is set, write ``metrics.jsonl`` (same rows as ``fedhpro run``),
-   ``summary.json``, ``config.yaml``, ``partition.json`` and ``server_state.pt``.
+   ``summary.json``, ``config.yaml``, ``partition.json`` and ``server_state.pt``,
+   and after every round its rows and, when one is due, a checkpoint
+   (``checkpoints/round-NNNNNN.pt``, as ``fedhpro run`` writes them):
+   ``resume=<out>`` continues a run whose ServerApp (or SuperLink) was killed.
+   The nodes keep each client's state on their own disk (see
+   :mod:`fedhpro.flower.client`) under a key of the run that the checkpoints
+   keep too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import secrets
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any, cast
@@ -42,13 +50,14 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from fedhpro import reports
-from fedhpro.api import check_new_run_folder
-from fedhpro.config import Config, load_config
+from fedhpro.api import CheckpointSchedule, check_new_run_folder, resumed_config
+from fedhpro.config import PRESENTATION_KEYS, Config, RunOptions, load_config
+from fedhpro.engines import checkpoint
 from fedhpro.engines.protocol import OpenRound, Reception, TestCount, pool_accuracy, weighted_mean
 from fedhpro.errors import ConfigError, DataError, FedHProError
 from fedhpro.flower import records
 from fedhpro.flower.engine import ServerSide, build_server_side, config_text, own_data
-from fedhpro.flower.settings import FlowerSettings, config_from_run_config
+from fedhpro.flower.settings import FlowerSettings, config_from_run_config, split_run_config
 from fedhpro.metrics import fairness_statistics
 
 #: the ConfigRecord every fedhpro message carries: the resolved config (JSON), the round and the client
@@ -172,7 +181,10 @@ class MethodStrategy(Strategy):
     runs unchanged.
     """
 
-    def __init__(self, side: ServerSide, config: Config, nodes: dict[int, int]):
+    def __init__(self, side: ServerSide, config: Config, nodes: dict[int, int], run_key: str | None = None):
+        """``run_key``: the key under which the nodes keep the clients' state on disk (:func:`run_key`;
+        None: they keep none). A resumed run takes its key, rows and round offset from its checkpoint
+        (:meth:`load_state_dict`)."""
         self.side = side
         self.config = config
         self.nodes = nodes  # client index -> Flower node id
@@ -184,6 +196,10 @@ class MethodStrategy(Strategy):
         self._times: dict[str, float] = {}
         self._server_metrics: dict[str, float] = {}
         self.refused: dict[int, int] = {}  # client -> the round of its latest reply refused as invalid
+        self.run_key = run_key
+        self.first_round = 0  # rounds done before this start (a resumed run): Flower's round 1 is this round
+        self.keep_from: int | None = None  # the oldest round the run can go back to (its oldest checkpoint)
+        self.after_round: Callable[[MethodStrategy], None] | None = None  # called once each round's row is in
 
     @property
     def server(self) -> Any:
@@ -194,8 +210,34 @@ class MethodStrategy(Strategy):
     def _header(self, round: int, client: int) -> ConfigRecord:
         # refused-round: the round whose reply from this client the server refused as invalid, so that the
         # node restores its state from before that fit (the simulator's rule); -1: none
+        # state-key, keep-from: where the node keeps the client's state on disk, and the oldest round the
+        # run can go back to (the node keeps the state from before it; fedhpro.flower.client.StateStore)
         return ConfigRecord({"config": self.text, "round": round, "client": client,
-                             "num-clients": len(self.nodes), "refused-round": self.refused.get(client, -1)})
+                             "num-clients": len(self.nodes), "refused-round": self.refused.get(client, -1),
+                             "state-key": self.run_key or "",
+                             "keep-from": round if self.keep_from is None else self.keep_from})
+
+    def round_index(self, server_round: int) -> int:
+        """fedhpro's round (from 0) of Flower's ``server_round`` (from 1 at every start; a resumed run
+        starts after its checkpoint's rounds)."""
+        return self.first_round + server_round - 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs besides the rows: the method's server state, the refused replies (their
+        nodes may not have heard yet) and the key of the clients' state on the nodes."""
+        return {"engine": "flower", "server": self.server.state_dict(), "refused": dict(self.refused),
+                "run_key": self.run_key or ""}
+
+    def load_state_dict(self, state: dict[str, Any], completed_rounds: int, rows: list[dict[str, Any]],
+                        timings: list[dict[str, Any]]) -> None:
+        """Continue after ``completed_rounds`` rounds from a checkpoint's state and rows."""
+        if state.get("engine") != "flower":
+            raise ConfigError(f"resume={self.config.run.resume}: its checkpoint was written by fedhpro run (the "
+                              "in-process simulator); resume it with fedhpro run resume=...")
+        self.server.load_state_dict(state["server"])
+        self.refused = {int(k): int(r) for k, r in state["refused"].items()}
+        self.run_key = state["run_key"] or None
+        self.first_round, self.rows, self.timings = completed_rounds, list(rows), list(timings)
 
     def summary(self) -> None:
         log(INFO, "\t├── fedhpro method: %s on %s, %d clients (one per SuperNode)",
@@ -207,7 +249,7 @@ class MethodStrategy(Strategy):
                         grid: Grid) -> Iterable[Message]:
         """One message per client the protocol asks, each with its own RecordDict (the payload is per round,
         the header per client); a client the fault model drops gets none, as in the simulator."""
-        current = self._round = self.side.protocol.open(server_round - 1)
+        current = self._round = self.side.protocol.open(self.round_index(server_round))
         encoded = records.encode_payload(current.payload)
         return [Message(RecordDict({**encoded, HEADER: self._header(current.round, k)}), self.nodes[k],
                         MessageType.TRAIN) for k in current.to_ask]
@@ -248,7 +290,7 @@ class MethodStrategy(Strategy):
         """Federated evaluation: every node tests on its own data (the global model, or its personal model
         with the global shared part, through the server's inference rule, whose state travels along). A
         global model in partition mode is tested on the server: no messages."""
-        round = server_round - 1
+        round = self.round_index(server_round)
         self._times["eval_started"] = time.perf_counter()
         if not self.side.protocol.evaluates(round) or not self.side.federated_evaluation:
             return []
@@ -277,6 +319,8 @@ class MethodStrategy(Strategy):
             self.side.engine.history.append(record)
         self.rows.append(record.to_json())
         self.timings.append({"round": current.round, **record.seconds})
+        if self.after_round is not None:
+            self.after_round(self)
         if accuracy is None:
             return None
         log(INFO, "fedhpro: round %d: test accuracy AVG %.2f%%", current.round, accuracy["AVG"])
@@ -301,17 +345,25 @@ class MethodStrategy(Strategy):
 
 
 def run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, Any] | None = None) -> MethodStrategy:
-    """Run the experiment that ``base`` + ``run_config`` describe on the nodes of ``grid``; return the strategy."""
+    """Run the experiment that ``base`` + ``run_config`` describe on the nodes of ``grid``; return the strategy.
+
+    With ``resume=<folder>`` it continues the run in that folder from its newest checkpoint instead, with
+    that run's config (``fedhpro run``'s rule: keys that would change what it computes are refused).
+    """
     config, settings = config_from_run_config(run_config, base)
+    resume_from = None
+    if config.run.resume:
+        config, resume_from = resumed_config(config, base, split_run_config(run_config)[0])
     config = load_config(config.to_dict(), {"progress": False})  # no progress bars in a server log
-    out = Path(config.run.out) if config.run.out else None
-    if out is not None:
+    out = Path(config.run.resume) if config.run.resume else Path(config.run.out) if config.run.out else None
+    if out is not None and resume_from is None:
         check_new_run_folder(out)  # before any node is asked: another run's results must not be overwritten
     started = time.perf_counter()
 
     def warn(message: str) -> None:
         log(WARNING, "fedhpro: %s", message)
 
+    nodes: dict[int, int]  # client index -> node id (own data: a NodeMap, which also knows the clients' names)
     if own_data(config):
         if config.run.data_dir:
             raise ConfigError("dataset=clients on Flower: the server holds no data, so data_dir must not be set in "
@@ -336,16 +388,77 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, Any
             raise ConfigError(f"the federation has {federation.num_clients} clients but {clients} SuperNodes "
                               f"hold partitions; set clients={federation.num_clients} or run that many SuperNodes")
         partition, notes = federation.partition, federation.notes
-    strategy = MethodStrategy(side, config, nodes)
-    if out is not None:
+    strategy = MethodStrategy(side, config, nodes, run_key(config, secrets.token_hex(8)))
+    if out is not None and resume_from is not None:
+        resume_strategy(strategy, out, resume_from)
+    elif out is not None:
         out.mkdir(parents=True, exist_ok=True)
         reports.write_yaml(out / "config.yaml", config.to_dict())
         reports.write_json(out / "partition.json", partition)
+    if out is not None:
+        strategy.after_round = RunFolder(out, config.run)
     initial = ArrayRecord({key: records.to_array(v) for key, v in side.server.global_weights().items()})
-    strategy.start(grid, initial, num_rounds=config.run.rounds, timeout=settings.round_timeout)
+    strategy.start(grid, initial, num_rounds=config.run.rounds - strategy.first_round,
+                   timeout=settings.round_timeout)
     if out is not None:
         write_results(out, strategy, time.perf_counter() - started, notes)
+    forget_client_state(grid, strategy, settings)
     return strategy
+
+
+def run_key(config: Config, token: str) -> str:
+    """The key under which the nodes keep a run's client state: 16 hex digits hashing what the run computes
+    (its config without the presentation keys) and ``token``, drawn when the run starts and kept in its
+    checkpoints, so that a resumed run finds its state and a new run of the same config starts clean."""
+    values = {key: value for key, value in config.to_dict().items() if key not in PRESENTATION_KEYS}
+    text = json.dumps(values, sort_keys=True, default=str) + token
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class RunFolder:
+    """What a run writes into ``out`` after every round, as ``fedhpro run`` does: its rows (``metrics.jsonl``,
+    ``timing.jsonl``) and, when one is due (``checkpoint_every``, ``checkpoint_minutes``, the last round),
+    a checkpoint of :meth:`MethodStrategy.state_dict` (the newest ``keep_checkpoints`` are kept)."""
+
+    def __init__(self, out: Path, options: RunOptions):
+        self.out, self.keep = out, options.keep_checkpoints
+        self.schedule = CheckpointSchedule(options.checkpoint_every, options.checkpoint_minutes, options.rounds)
+
+    def __call__(self, strategy: MethodStrategy) -> None:
+        reports.write_jsonl(self.out / "metrics.jsonl", strategy.rows)
+        reports.write_jsonl(self.out / "timing.jsonl", strategy.timings)
+        completed = len(strategy.rows)
+        if self.schedule.due(completed):
+            checkpoint.save(self.out, completed, strategy.state_dict(), strategy.rows, keep=self.keep)
+            self.schedule.written()
+            strategy.keep_from = min(checkpoint.saved_rounds(self.out))
+
+
+def resume_strategy(strategy: MethodStrategy, out: Path, newest: Path) -> None:
+    """Load the checkpoint ``newest`` of the run in ``out`` into ``strategy``: it goes on after its rounds,
+    with its rows (``timing.jsonl``'s of those rounds too) and the nodes' state key."""
+    blob = checkpoint.load(newest)
+    completed = int(blob["completed_rounds"])
+    timing = out / "timing.jsonl"
+    timings = [json.loads(line) for line in (timing.read_text().splitlines() if timing.is_file() else [])
+               if line.strip()]
+    strategy.load_state_dict(blob["simulator"], completed, blob["metrics"],
+                             [row for row in timings if row.get("round", completed) < completed])
+    strategy.keep_from = min(checkpoint.saved_rounds(out))
+    log(INFO, "fedhpro: resuming %s after round %d of %d", out, completed, strategy.config.run.rounds)
+
+
+def forget_client_state(grid: Grid, strategy: MethodStrategy, settings: FlowerSettings) -> None:
+    """The run is over: every node deletes the clients' state it kept for it (best effort: a node that does
+    not answer keeps it, in ``<state-dir>/<run key>``, until deleted by hand)."""
+    if not strategy.run_key:
+        return
+    query = ConfigRecord({"query": "forget", "state-key": strategy.run_key})
+    messages = [Message(RecordDict({HEADER: query}), node, MessageType.QUERY) for node in strategy.nodes.values()]
+    for reply in grid.send_and_receive(messages, timeout=min(60.0, settings.round_timeout)):
+        if reply.has_error():
+            log(WARNING, "fedhpro: node %d kept this run's client state: %s", reply.metadata.src_node_id,
+                reply.error.reason)
 
 
 def write_results(out: Path, strategy: MethodStrategy, seconds: float, notes: list[str]) -> None:

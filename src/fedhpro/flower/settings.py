@@ -2,7 +2,8 @@
 
 Flower's run config is flat, with dotted keys (``fedhpro.tau``) and TOML
 values (int, float, bool, str). Every fedhpro config key is accepted under its
-own name. Values are taken as they come, except:
+own name (``resume=<out folder>`` too: the ServerApp continues that run from
+its newest checkpoint). Values are taken as they come, except:
 
 * strings are read like the CLI's ``KEY=VALUE`` (as YAML): ``"[0, 1]"`` is a list,
   ``"null"`` is None; a string that is not valid YAML is kept as it is;
@@ -40,8 +41,6 @@ class FlowerSettings:
 
 _FLOWER_KEYS = {"flower.node-wait": "node_wait", "flower.round-timeout": "round_timeout"}
 
-#: fedhpro keys that make no sense on Flower (the run lives on the SuperLink, not in a resumable folder)
-_UNSUPPORTED = {"resume": "resuming is not supported on Flower; start the run again"}
 #: opt-in measurements that only the in-process simulator takes (they observe its internals)
 SIMULATOR_ONLY = OBSERVER_KEYS
 
@@ -73,8 +72,6 @@ def split_run_config(run_config: Mapping[str, Any]) -> tuple[dict[str, Any], Flo
         value = _value(raw)
         if value is None:
             continue  # "" = the default
-        if key in _UNSUPPORTED:
-            raise ConfigError(f"{key}={raw!r}: {_UNSUPPORTED[key]}")
         overrides[key] = value
     return overrides, FlowerSettings(**flower)
 

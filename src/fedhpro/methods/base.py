@@ -11,6 +11,19 @@ The engines collect a round's replies in ``new_replies()`` (a :class:`Replies`
 that folds each reply's weights into a running weighted sum as it arrives)
 and hand that to ``aggregate``; methods also accept a plain list.
 Client hook: ``fit(model, payload, data, state, generator) -> (reply, metrics)``.
+
+The reply's layout is a contract. ``Server.reply_layout()`` declares, as plain
+data, every key a client's reply holds and its form: a dict ``{name: (shape,
+dtype)}`` for a model's weights, ``(shape, dtype)`` for one tensor, or a
+scalar type (``int``, ``float``, ``bool``, ``str``). The default declares
+``weights`` (the keys, shapes and dtypes of ``self.weights``) and
+``num_examples`` (``int``); a method whose client uploads more (prototypes,
+counts, soft predictions) extends it. The Flower server compares every reply
+with this declaration before it decodes a single array (no ``np.load`` of a
+reply that does not fit), and drops a reply with an extra or missing key, a
+wrong dtype or shape, or more bytes than its shape needs. A plug-in method
+must therefore declare every key its client uploads: an undeclared key is
+refused with a line naming it and this fix.
 """
 
 from __future__ import annotations
@@ -32,6 +45,21 @@ from fedhpro.functional import WeightedSum, weighted_average
 
 Payload = dict[str, Any]
 Weights = dict[str, Tensor]
+#: one tensor of a reply layout: ``(shape, dtype)``
+TensorLayout = tuple[tuple[int, ...], torch.dtype]
+#: a reply's declared layout (:meth:`Server.reply_layout`): per key, ``{name: (shape, dtype)}`` (a model's
+#: weights), ``(shape, dtype)`` (one tensor) or a scalar type (``int``, ``float``, ``bool``, ``str``)
+ReplyLayout = dict[str, dict[str, TensorLayout] | TensorLayout | type]
+
+
+def tensor_layout(tensor: Tensor) -> TensorLayout:
+    """``(shape, dtype)`` of ``tensor``: its entry in a reply layout."""
+    return tuple(tensor.shape), tensor.dtype
+
+
+def weights_layout(weights: Mapping[str, Tensor]) -> dict[str, TensorLayout]:
+    """``{name: (shape, dtype)}`` of a model's weights, in their order: their entry in a reply layout."""
+    return {name: tensor_layout(tensor) for name, tensor in weights.items()}
 
 
 @dataclass(frozen=True)
@@ -216,6 +244,12 @@ class Server:
     def new_replies(self) -> Replies:
         """The container an engine appends this round's valid replies to (then hands to :meth:`aggregate`)."""
         return Replies(fold_weights=self.folds_weights)
+
+    def reply_layout(self) -> ReplyLayout:
+        """Every key a client's reply holds and its form (see the module doc): here the shared weights (the
+        keys, shapes and dtypes of ``self.weights``) and ``num_examples``. A method whose client uploads more
+        extends it; the Flower server refuses a reply that does not fit before decoding it."""
+        return {"weights": weights_layout(self.weights), "num_examples": int}
 
     def validate_reply(self, reply: Payload, who: str = "reply") -> None:
         """Raise UpdateError naming the problem unless ``reply`` is a well-formed, finite update.

@@ -104,6 +104,7 @@ from fedhpro.methods.base import (
     MethodSpec,
     Payload,
     Regularizer,
+    ReplyLayout,
     Weights,
     classifier_of,
     extract_features,
@@ -288,6 +289,11 @@ class FedGMKDServer(PrototypeServer):
 
     def broadcast(self, round: int) -> Payload:
         return {**super().broadcast(round), "soft_predictions": self.soft.clone(), "soft_mask": self.soft_mask.clone()}
+
+    def reply_layout(self) -> ReplyLayout:
+        """The prototype methods' layout plus ``soft_predictions`` (C x C, the model's dtype)."""
+        c = self.num_classes
+        return {**super().reply_layout(), "soft_predictions": ((c, c), classifier_of(self.scratch).weight.dtype)}
 
     def validate_reply(self, reply: Payload, who: str = "reply") -> None:
         super().validate_reply(reply, who)

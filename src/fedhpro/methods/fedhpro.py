@@ -31,6 +31,7 @@ from fedhpro.methods.base import (
     MethodContext,
     MethodSpec,
     Payload,
+    ReplyLayout,
     Server,
     classifier_of,
     clone_weights,
@@ -98,6 +99,13 @@ class FedHProServer(Server):
             payload["global_prototypes"] = self.global_prototypes.clone()
             payload["global_mask"] = self.global_mask.clone()
         return payload
+
+    def reply_layout(self) -> ReplyLayout:
+        """The base layout plus ``class_counts`` (C, int64), ``class_gradients`` and ``prototypes`` (C x d,
+        the model's dtype), under every option."""
+        rows = ((self.num_classes, self.global_prototypes.shape[1]), classifier_of(self.scratch).weight.dtype)
+        return {**super().reply_layout(), "class_counts": ((self.num_classes,), torch.int64),
+                "class_gradients": rows, "prototypes": rows}
 
     def validate_reply(self, reply: Payload, who: str = "reply") -> None:
         super().validate_reply(reply, who)

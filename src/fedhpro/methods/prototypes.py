@@ -45,6 +45,7 @@ from fedhpro.methods.base import (
     MethodContext,
     Payload,
     Regularizer,
+    ReplyLayout,
     Server,
     Weights,
     classifier_of,
@@ -374,6 +375,15 @@ class PrototypeServer(Server, ABC):
 
     def inference_model(self, model: nn.Module) -> nn.Module:
         return prototype_inference(self.options.inference, model, *self.broadcast_prototypes())
+
+    def reply_layout(self) -> ReplyLayout:
+        """The base layout (weights, ``{}`` in proto-only; num_examples), ``prototypes`` (C x d, the model's
+        dtype), ``class_counts`` (C, int64) and, with ``prototypes=hyper``, ``class_gradients`` (C x d)."""
+        rows = ((self.num_classes, self.feature_dim), classifier_of(self.scratch).weight.dtype)
+        layout = {**super().reply_layout(), "prototypes": rows, "class_counts": ((self.num_classes,), torch.int64)}
+        if self.bank is not None:
+            layout["class_gradients"] = rows
+        return layout
 
     def validate_reply(self, reply: Payload, who: str = "reply") -> None:
         """The base checks (weights, ``{}`` in proto-only; num_examples), the prototype fields and, with
