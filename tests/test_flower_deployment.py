@@ -21,6 +21,7 @@ test (TLS and node authentication, own data, node failures, resume):
         run_id = net.flwr_run({"rounds": 2})               # waits until finished:*; wait=False returns at once
         record = net.assert_completed(run_id)              # the flwr ls record, finished:completed
         net.kill("a", signal.SIGKILL)                      # the node's process tree; restart: start_supernode("a", ...)
+        # (with node auth, first net.wait_supernode_status(net.node_id("a"), "offline"): see that method)
     # leaving the block stops every process it started and checks that none is left
 
 Every wait is on a readiness signal (the SuperLink's ``/health``, a node's
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -225,7 +227,11 @@ class Loopback:
     (``ca.crt``, ``server.pem``, ``server.key``); the SuperLink then serves TLS, nodes and the flwr
     connection trust ``ca.crt``. Without it, everything runs ``--insecure``. The SuperLink keeps its
     port across restarts and each node name its port, so a restarted process is the same address.
-    ``flwr`` calls use the connection ``loopback`` of a temporary ``FLWR_HOME``."""
+    The SuperLink keeps its state (registered keys, runs) in memory unless ``extra_args`` holds
+    ``--database PATH``: restarted without it, it has forgotten both. A node stopped with SIGTERM
+    says goodbye (it is "offline" at once); one killed with SIGKILL stays "online" for 60 s (see
+    :meth:`wait_supernode_status`). ``flwr`` calls use the connection ``loopback`` of a temporary
+    ``FLWR_HOME``."""
 
     CONNECTION = "loopback"
 
@@ -344,6 +350,10 @@ class Loopback:
         for name in names:
             self.wait_log(name, CONNECTED, seconds)
 
+    def node_id(self, name: str) -> int:
+        """The Flower node id SuperNode ``name`` logged when it connected (its latest start)."""
+        return int(re.search(re.escape(CONNECTED) + r"\s*(\d+)", self.wait_log(name, CONNECTED)).group(1))
+
     def wait_exit(self, name: str, seconds: float = EXIT_TIMEOUT) -> int:
         """Until the latest process ``name`` exits; returns its exit code (fails after ``seconds``)."""
         process = self.processes.by_name[name]
@@ -390,6 +400,23 @@ class Loopback:
             return json_object(done.stdout)["nodes"]
         except (ValueError, KeyError):
             self.fail(f"flwr supernode ls failed (exit {done.returncode})")
+
+    def wait_supernode_status(self, node_id: int, status: str, seconds: float = START_TIMEOUT) -> None:
+        """Until ``flwr supernode ls`` shows node ``node_id`` with ``status`` ("online", "offline", ...).
+
+        With ``--enable-supernode-auth`` a node keeps its id (its key), and Flower 1.42 refuses to
+        activate an id that is still "online": a node killed with SIGKILL (no goodbye) can start again
+        only once the SuperLink marked it "offline", 2 heartbeat intervals (60 s) after its last
+        heartbeat; wait for that before restarting it. Without authentication a restarted node gets
+        a fresh key and id, and needs no wait."""
+        deadline = time.monotonic() + seconds
+        while True:
+            statuses = {int(node["node-id"]): node["status"] for node in self.supernodes()}
+            if statuses.get(node_id) == status:
+                return
+            if time.monotonic() > deadline:
+                self.fail(f"node {node_id} is {statuses.get(node_id)!r}, not {status!r}, after {seconds:.0f} s")
+            time.sleep(2)
 
     def flwr_run(self, run_config: dict[str, Any], wait: bool = True, seconds: float = RUN_TIMEOUT) -> int:
         """``flwr run <app> loopback`` with every key of ``run_config`` through ``--run-config`` (values
