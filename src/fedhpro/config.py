@@ -30,6 +30,7 @@ from fedhpro.data import DATASETS, get_dataset
 from fedhpro.data.partition import PartitionOptions
 from fedhpro.errors import ConfigError
 from fedhpro.methods import METHODS, all_methods, get_method, method_names
+from fedhpro.methods.fedhpro import AUTHORS_RECIPE, FedHProOptions
 from fedhpro.models import MODELS
 from fedhpro.options import option
 
@@ -274,6 +275,10 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
         raise ConfigError(f"dataset={dataset!r} is not valid; choose one of: {', '.join(DATASETS)}")
     # a benchmark's own run settings (SUN397's 20% participation) come first: anything the user sets wins
     assignments = list(get_dataset(dataset).run_defaults.items()) + assignments
+    # fedhpro.recipe=authors, whatever the method: the authors' code's settings go first (the benchmark's, which
+    # never overlap them, come next), so every key the user sets still wins
+    if _last_value(assignments, "fedhpro.recipe", FedHProOptions.recipe) == "authors":
+        assignments = list(AUTHORS_RECIPE.items()) + assignments
 
     # applied in order: a later layer beats an earlier one, whether it sets a mapping or one entry of it
     run_values: dict[str, Any] = {}
@@ -321,6 +326,15 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
     faults = _build(FaultOptions, sections.get(FAULTS_SECTION, {}), f"{FAULTS_SECTION}.", dataset)
     partition = _build(PartitionOptions, sections.get(PARTITION_SECTION, {}), f"{PARTITION_SECTION}.", dataset)
     return Config(run=run, methods=methods, data=data, faults=faults, partition=partition, federation=federation)
+
+
+def _last_value(assignments: Iterable[tuple[str, Any]], key: str, default: Any) -> Any:
+    """The value the last assignment of ``key`` gives (``default`` when none does)."""
+    value = default
+    for name, assigned in assignments:
+        if name == key:
+            value = assigned
+    return value
 
 
 def threads_setting(value: str) -> str:

@@ -14,6 +14,11 @@ held yet has no P: its samples get no term from the loss that uses P and it is
 no negative in HPCL; before the first aggregation (round 0) that loss is off,
 as FedProto's prototype term. Classes nobody holds in a later round keep their
 previous P.
+
+The authors' published code differs from the paper in a few settings; each is
+an option here, and ``recipe=authors`` sets all of them at once
+(:data:`AUTHORS_RECIPE`), among them a server step the paper does not
+describe, ``classifier_step=synthetic`` (:class:`~fedhpro.methods.hyper.SyntheticClassifier`).
 """
 
 from __future__ import annotations
@@ -25,13 +30,13 @@ from typing import Any, NamedTuple
 import torch
 
 from fedhpro import functional as HF
+from fedhpro.errors import ConfigError
 from fedhpro.methods.base import (
     Client,
     ClientData,
     MethodContext,
     MethodSpec,
     Payload,
-    ReplyLayout,
     Server,
     classifier_of,
     clone_weights,
@@ -39,7 +44,13 @@ from fedhpro.methods.base import (
     load_weights,
     train_epochs,
 )
-from fedhpro.methods.hyper import HyperPrototypeBank, class_statistics
+from fedhpro.methods.hyper import (
+    HyperPrototypeBank,
+    SyntheticClassifier,
+    class_statistics,
+    feature_statistics,
+    sampled_features,
+)
 from fedhpro.methods.prototypes import feature_dim_of, merge_prototypes, stack_prototypes
 from fedhpro.options import option
 
@@ -48,9 +59,10 @@ from fedhpro.options import option
 class FedHProOptions:
     hpcl_weight: float = option(1.0, min=0.0, help="lambda of L_HPCL (Eq. 12); 0 turns HPCL off (Table 5)")
     hpal_weight: float = option(1.0, min=0.0, help="lambda of L_HPAL (Eq. 13); 0 turns HPAL off (Table 5)")
-    margin: str = option("raw", choices=("raw", "normalized", "off"),
+    margin: str = option("raw", choices=("raw", "normalized", "off", "dot"),
                          help="client margin d_k of Eq. 10: raw feature distances (the paper), "
-                              "distances of L2-normalised prototypes, or off (Figure 7)")
+                              "distances of L2-normalised prototypes, off (Figure 7), or dot: the authors' "
+                              "code's (dot products of the prototypes, added to HPCL's denominator)")
     num_hyper: int = option(5, min=1, help="|I|, hyper-prototypes per class")
     match_steps: int = option(30, min=0, help="M, gradient-matching steps per round (0: frozen random S)")
     tau: float = option(0.05, gt=0.0, help="temperature of HPCL")
@@ -69,6 +81,50 @@ class FedHProOptions:
     gradient_samples_per_class: int = option(0, min=0,
                                              help="use at most this many samples per class for g_k^c (0: all; "
                                                   "the authors' code uses 100)")
+    hpcl_batch_divide: bool = option(False, help="divide HPCL's batch mean once more by the batch size, as the "
+                                                 "authors' code does (in effect a weight of 1/B)")
+    classifier_step: str = option("none", choices=("none", "synthetic"),
+                                  help="none (the paper), or synthetic: the authors' server step that replaces "
+                                       "the global classifier by one trained on synthetic features matched to "
+                                       "the clients' classifier gradients")
+    recipe: str = option("paper", choices=("paper", "authors"),
+                         help="paper: the defaults above; authors: the settings of the authors' published code "
+                              "(AUTHORS_RECIPE in fedhpro.methods.fedhpro; keys you set still win)")
+
+
+#: ``fedhpro.recipe=authors``: every setting in which the authors' published code (mala-lab/FedHPro, the
+#: command of its README) differs from the paper, in one place. ``load_config`` puts these assignments before
+#: the user's, so a key the user sets wins (``fedhpro.recipe=authors lr=0.05`` trains with 0.05). It applies
+#: whenever ``fedhpro.recipe=authors`` is given, whatever the method: the run keys (d, the local optimiser)
+#: are the authors' training setup, which a comparison's baselines then share; the ``fedhpro.*`` keys only
+#: matter to FedHPro. One key per difference:
+#:
+#: - ``feature_dim=256``: their ``--dim`` (the paper: d = 512).
+#: - ``lr=0.1``, ``momentum=0``, ``weight_decay=0``: their local ``SGD(lr=0.1)`` (the paper: 0.01, 0.9, 1e-5).
+#: - ``fedhpro.gradient_timing=before``, ``fedhpro.gradient_samples_per_class=100``: their class gradients
+#:   come from the received model before local training, on at most ``--batch_real`` 100 samples per class
+#:   (Algorithm 1: after training, on all samples).
+#: - ``fedhpro.margin=off``: their margin is behind ``--use_margin``, an argparse ``type=bool`` flag whose
+#:   default is False, and the README's command does not pass it, so the published run has no margin
+#:   (passing any value, even "False", would turn it on: ``bool("False")`` is True). Their margin itself, when
+#:   on, is ``fedhpro.margin=dot``.
+#: - ``fedhpro.hpal_form=normalized``: their HPAL on L2-normalised z and H (already the default; set here so
+#:   the recipe does not depend on it).
+#: - ``fedhpro.hpcl_batch_divide=true``: their HPCL is the batch mean divided once more by the batch size.
+#: - ``fedhpro.classifier_step=synthetic``: their server replaces the aggregated classifier by one trained on
+#:   synthetic features matched to the clients' classifier gradients (:class:`SyntheticClassifier`).
+AUTHORS_RECIPE: dict[str, Any] = {
+    "feature_dim": 256,
+    "lr": 0.1,
+    "momentum": 0.0,
+    "weight_decay": 0.0,
+    "fedhpro.gradient_timing": "before",
+    "fedhpro.gradient_samples_per_class": 100,
+    "fedhpro.margin": "off",
+    "fedhpro.hpal_form": "normalized",
+    "fedhpro.hpcl_batch_divide": True,
+    "fedhpro.classifier_step": "synthetic",
+}
 
 
 class FedHProServer(Server):
@@ -83,6 +139,10 @@ class FedHProServer(Server):
         self.uses_global = o.prototypes != "hyper"
         self.global_prototypes = torch.zeros(self.num_classes, feature_dim)
         self.global_mask = torch.zeros(self.num_classes, dtype=torch.bool)
+        self.synthetic: SyntheticClassifier | None = None
+        if o.classifier_step == "synthetic":
+            self.synthetic = SyntheticClassifier(self.num_classes, feature_dim, context.seed, lr=o.hyper_lr)
+            self.classifier_keys = classifier_keys(context.model, self.weights)
 
     @property
     def hyper(self) -> torch.Tensor:
@@ -100,25 +160,30 @@ class FedHProServer(Server):
             payload["global_mask"] = self.global_mask.clone()
         return payload
 
-    def reply_layout(self) -> ReplyLayout:
-        """The base layout plus ``class_counts`` (C, int64), ``class_gradients`` and ``prototypes`` (C x d,
-        the model's dtype), under every option."""
-        rows = ((self.num_classes, self.global_prototypes.shape[1]), classifier_of(self.scratch).weight.dtype)
-        return {**super().reply_layout(), "class_counts": ((self.num_classes,), torch.int64),
-                "class_gradients": rows, "prototypes": rows}
-
     def validate_reply(self, reply: Payload, who: str = "reply") -> None:
         super().validate_reply(reply, who)
         self.bank.validate([reply])
+        if self.synthetic is not None:
+            self.synthetic.validate([reply])
 
     def aggregate(self, round: int, replies: Sequence[Payload]) -> dict[str, float]:
         # validate everything before changing any state: a rejected round leaves the server as it was
         gradients, present = self.bank.validate(replies)
         if self.uses_global:
             prototypes, held_by, counts = stack_prototypes(replies, self.num_classes, self.global_prototypes.shape[1])
+        metrics: dict[str, float] = {}
+        if self.synthetic is not None:
+            weight_gradients, bias_gradients, held_by_client = self.synthetic.validate(replies)
+            weight_key, bias_key = self.classifier_keys
+            # the head the clients received (and computed their classifier gradients with)
+            sent_weight, sent_bias = self.weights[weight_key], self.weights[bias_key]
         self.weights = self.average_weights(replies)
+        if self.synthetic is not None:
+            weight, bias, metrics = self.synthetic.update(round, weight_gradients, bias_gradients, held_by_client,
+                                                          sent_weight, sent_bias)
+            self.weights[weight_key], self.weights[bias_key] = weight, bias
         load_weights(self.scratch, self.weights)
-        metrics = self.bank.update(gradients, present, classifier_of(self.scratch))
+        metrics.update(self.bank.update(gradients, present, classifier_of(self.scratch)))
         if self.uses_global:
             new, held = HF.global_prototypes(prototypes, held_by, counts)
             self.global_prototypes, self.global_mask = merge_prototypes(self.global_prototypes, self.global_mask,
@@ -129,6 +194,8 @@ class FedHProServer(Server):
         state = {"weights": self.weights, **self.bank.state_dict()}
         if self.uses_global:
             state.update(global_prototypes=self.global_prototypes, global_mask=self.global_mask)
+        if self.synthetic is not None:
+            state.update(self.synthetic.state_dict())
         return state
 
     def load_state_dict(self, state) -> None:
@@ -137,6 +204,20 @@ class FedHProServer(Server):
         if self.uses_global:
             self.global_prototypes = state["global_prototypes"].clone()
             self.global_mask = state["global_mask"].clone().bool()
+        if self.synthetic is not None:
+            self.synthetic.load_state_dict(state)
+
+
+def classifier_keys(model: torch.nn.Module, weights: Payload) -> tuple[str, str]:
+    """The state keys of the model's classifier weight and bias among the shared ``weights``; ConfigError
+    when the classifier has no bias or is not shared (the synthetic classifier step replaces both)."""
+    head = classifier_of(model)
+    prefix = next(name for name, module in model.named_modules() if module is head)
+    keys = (f"{prefix}.weight", f"{prefix}.bias")
+    if head.bias is None or any(key not in weights for key in keys):
+        raise ConfigError("fedhpro.classifier_step=synthetic needs a shared classifier with a bias; "
+                          "set fedhpro.classifier_step=none for this model")
+    return keys
 
 
 class PrototypeTargets(NamedTuple):
@@ -177,8 +258,20 @@ class FedHProClient(Client):
                 hpcl_targets = global_targets
             if options.prototypes in ("global", "global-hpal"):
                 hpal_targets = global_targets
-        if options.gradient_timing == "before":
-            gradients, counts, prototypes = self._class_gradients(model, data)
+        classifier_uploads: Payload = {}
+        if options.gradient_timing == "before" or options.classifier_step == "synthetic":
+            # one eval-mode pass of the received model, on the same samples, serves the class gradients
+            # (timing=before) and the authors' classifier gradients (taken before training in their code)
+            features, labels = sampled_features(model, data, options.gradient_samples_per_class)
+            if options.gradient_timing == "before":
+                gradients, prototypes = feature_statistics(classifier_of(model), features, labels, self.num_classes)
+                counts = torch.bincount(data.y, minlength=self.num_classes)[:self.num_classes]
+            if options.classifier_step == "synthetic":
+                head = classifier_of(model)
+                weight_gradients, bias_gradients = HF.classifier_class_gradients(features, labels, head.weight,
+                                                                                 head.bias, self.num_classes)
+                classifier_uploads = {"classifier_weight_gradients": weight_gradients.cpu(),
+                                      "classifier_bias_gradients": bias_gradients.cpu()}
         margin = torch.zeros((), device=data.x.device)
         if options.margin != "off" and options.hpcl_weight > 0:
             # d_k: from the received model, before training, fixed for the round (Eq. 10)
@@ -189,21 +282,30 @@ class FedHProClient(Client):
             else:
                 margin_prototypes, present = HF.local_prototypes(extract_features(model, data.x), data.y,
                                                                  self.num_classes)
-            margin = HF.client_margin(margin_prototypes, present, normalized=options.margin == "normalized")
+            if options.margin == "dot":
+                margin = HF.dot_product_margin(margin_prototypes, present)
+            else:
+                margin = HF.client_margin(margin_prototypes, present, normalized=options.margin == "normalized")
 
         normalized = options.hpal_form == "normalized"
 
-        both_on_hyper = (options.prototypes == "hyper" and options.hpcl_weight > 0 and options.hpal_weight > 0)
+        both_on_hyper = (options.prototypes == "hyper" and options.hpcl_weight > 0 and options.hpal_weight > 0
+                         and options.margin != "dot")
+        hpcl_of = HF.hpcl_loss_log_margin if options.margin == "dot" else HF.hpcl_loss
+
+        def hpcl_weight(z):
+            # the authors' code divides HPCL's batch mean once more by the batch size
+            return options.hpcl_weight / z.shape[0] if options.hpcl_batch_divide else options.hpcl_weight
 
         def regularizer(z, y, logits):
             if both_on_hyper:  # the method's default: both losses against S, sharing z/||z||
                 hpcl, hpal = HF.hyper_prototype_losses(z, y, hyper, margin, options.tau, normalized=normalized)
-                return {"hpcl": options.hpcl_weight * hpcl, "hpal": options.hpal_weight * hpal}
+                return {"hpcl": hpcl_weight(z) * hpcl, "hpal": options.hpal_weight * hpal}
             terms = {}
             if options.hpcl_weight > 0 and hpcl_targets.usable:
                 kept = hpcl_targets.restrict(z, y)
                 if kept is not None:
-                    terms["hpcl"] = options.hpcl_weight * HF.hpcl_loss(*kept[:2], kept[2], margin, options.tau)
+                    terms["hpcl"] = hpcl_weight(z) * hpcl_of(*kept[:2], kept[2], margin, options.tau)
             if options.hpal_weight > 0 and hpal_targets.usable:
                 kept = hpal_targets.restrict(z, y)
                 if kept is not None:
@@ -220,6 +322,7 @@ class FedHProClient(Client):
             "class_counts": counts.cpu(),
             "class_gradients": gradients.cpu(),
             "prototypes": prototypes.cpu(),
+            **classifier_uploads,
         }
         return reply, losses
 

@@ -17,6 +17,10 @@ from fedhpro import functional as HF
 from fedhpro.data.federation import ClientData
 from fedhpro.errors import UpdateError
 from fedhpro.methods.base import Payload, classifier_of, extract_features
+from fedhpro.seeds import derive_seed
+
+#: seed streams of :class:`SyntheticClassifier`: its features (drawn once) and each round's fresh head
+_SYNTHETIC_FEATURES, _SYNTHETIC_HEAD = 51, 52
 
 
 class HyperPrototypeBank:
@@ -61,6 +65,128 @@ class HyperPrototypeBank:
         self.initial = state["hyper_initial"].clone()
 
 
+class SyntheticClassifier:
+    """The authors' server-side classifier step (the authors' code, not in the paper).
+
+    Their ``Global.set_meta_params`` then ``Global.meta_revised`` (``main_run.py``
+    of mala-lab/FedHPro), run every round after FedAvg and before the
+    hyper-prototypes are matched:
+
+    1. Clients upload, per class ``c`` they hold, the gradient of the mean CE
+       of that class's sampled features (the received model's, detached)
+       w.r.t. the classifier's weight and bias
+       (:func:`~fedhpro.functional.classifier_class_gradients`; their
+       ``compute_gradient``, at most 100 samples per class). Being a mean,
+       each is ``1/n_c`` times the summed per-sample gradients; the
+       distance below is a cosine, blind to that scale up to its ``eps``.
+    2. The server averages them per class over the clients holding it,
+       unweighted (as Eq. 6 averages the feature gradients).
+    3. It keeps a second set of synthetic features, ``C x m x d`` (their
+       ``meta_hp``, ``m = 50``), drawn once from N(0, 1) (seeded) and carried
+       across rounds (in the server's state and checkpoints), each labelled
+       with its class.
+    4. ``match_steps`` (100) steps of plain SGD (step ``lr``, FedHPro's
+       ``hyper_lr``, 0.1 in their code) move the features to minimise, over
+       the classes with real gradients, the layer-wise distance
+       (:func:`~fedhpro.functional.classifier_matching_loss`; their
+       ``distance_wb``: for the ``C x d`` weight the sum over output rows of
+       ``1 - cos``, for the bias one row) between the averaged real gradients
+       and the gradients of ``CE(h(s^c), c)`` (mean over the class's ``m``
+       features) w.r.t. ``(W, b)`` of a linear layer ``h`` loaded with the
+       classifier the clients used (the one broadcast this round); their code
+       differentiates those with ``create_graph``, here they are in closed
+       form (:func:`~fedhpro.functional.synthetic_classifier_gradients`).
+    5. A fresh ``Linear(d, C)`` (seeded per round) is trained on all ``C m``
+       matched features and their labels: ``epochs`` (100) epochs, batches
+       of ``batch_size`` (50), shuffled (seeded), plain SGD with step
+       ``train_lr`` (0.01), mean CE
+       (:func:`~fedhpro.functional.train_linear_classifier`).
+    6. Its weight and bias replace the aggregated global model's classifier;
+       the hyper-prototypes are then matched against this classifier, and
+       it is what the clients receive next round.
+
+    One difference: in their first round the clients' gradients come from
+    a separately initialised random head, not the global model's; here
+    they always come from the classifier the clients received.
+    """
+
+    def __init__(self, num_classes: int, feature_dim: int, seed: int, *, per_class: int = 50,
+                 match_steps: int = 100, lr: float = 0.1, epochs: int = 100, batch_size: int = 50,
+                 train_lr: float = 0.01):
+        generator = torch.Generator().manual_seed(derive_seed(seed, _SYNTHETIC_FEATURES))
+        # drawn on the CPU: the same values on every device
+        self.features = torch.randn(num_classes, per_class, feature_dim, generator=generator)
+        self.num_classes = num_classes
+        self.seed = seed
+        self.match_steps = match_steps
+        self.lr = lr
+        self.epochs = epochs
+        self.batch_size = batch_size
+        self.train_lr = train_lr
+
+    @property
+    def labels(self) -> Tensor:
+        """The ``C m`` labels of the flattened features: ``m`` of class 0, then of class 1, ..."""
+        return torch.arange(self.num_classes).repeat_interleave(self.features.shape[1])
+
+    def validate(self, replies: Sequence[Payload]) -> tuple[Tensor, Tensor, Tensor]:
+        """Stack the replies' classifier gradients (K x C x C x d, K x C x C) and presence masks (K x C);
+        UpdateError if malformed."""
+        return stack_classifier_gradients(replies, self.num_classes, self.features.shape[2])
+
+    def update(self, round: int, weight_gradients: Tensor, bias_gradients: Tensor, present: Tensor,
+               weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor, dict[str, float]]:
+        """Steps 2-5 against the head ``(weight, bias)`` the clients used; returns the new ``(weight, bias)``
+        (on that head's device and dtype) and the matching loss before and after."""
+        device, dtype = weight.device, weight.dtype
+        num_clients, num_classes = present.shape
+        weight_real, held = HF.aggregate_class_gradients(weight_gradients.reshape(num_clients, num_classes, -1),
+                                                         present)
+        bias_real, _ = HF.aggregate_class_gradients(bias_gradients, present)
+        weight_real = weight_real.reshape(num_classes, num_classes, -1)
+        features, before, after = HF.match_classifier_features(
+            self.features.to(device, dtype), weight, bias, weight_real.to(device, dtype),
+            bias_real.to(device, dtype), held.to(device), steps=self.match_steps, lr=self.lr)
+        self.features = features.to(self.features.device, self.features.dtype)
+        generator = torch.Generator().manual_seed(derive_seed(self.seed, _SYNTHETIC_HEAD, round))
+        weight, bias = HF.train_linear_classifier(features.reshape(-1, features.shape[2]), self.labels.to(device),
+                                                  num_classes, generator, epochs=self.epochs,
+                                                  batch_size=self.batch_size, lr=self.train_lr)
+        return weight, bias, {"classifier_match_before": before, "classifier_match_after": after}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"classifier_features": self.features}
+
+    def load_state_dict(self, state) -> None:
+        self.features = state["classifier_features"].clone()
+
+
+def stack_classifier_gradients(replies: Sequence[Payload], num_classes: int,
+                               feature_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    weights, biases, present = [], [], []
+    for index, reply in enumerate(replies):
+        w = _tensor_of_shape(reply, "classifier_weight_gradients", (num_classes, num_classes, feature_dim), index)
+        b = _tensor_of_shape(reply, "classifier_bias_gradients", (num_classes, num_classes), index)
+        counts = reply.get("class_counts")
+        if not isinstance(counts, torch.Tensor) or tuple(counts.shape) != (num_classes,):
+            raise UpdateError(f"reply {index}: class_counts must be a tensor of {num_classes} counts")
+        holds = counts > 0
+        if not (bool(torch.isfinite(w[holds]).all()) and bool(torch.isfinite(b[holds]).all())):
+            raise UpdateError(f"reply {index}: classifier gradients contain NaN/Inf")
+        weights.append(w.float())
+        biases.append(b.float())
+        present.append(holds)
+    return torch.stack(weights), torch.stack(biases), torch.stack(present)
+
+
+def _tensor_of_shape(reply: Payload, name: str, shape: tuple[int, ...], index: int) -> Tensor:
+    value = reply.get(name)
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+        raise UpdateError(f"reply {index}: {name} must be a {' x '.join(map(str, shape))} tensor, "
+                          f"got {getattr(value, 'shape', type(value).__name__)}")
+    return value
+
+
 def stack_class_gradients(replies: Sequence[Payload], num_classes: int, feature_dim: int) -> tuple[Tensor, Tensor]:
     gradients, present = [], []
     for index, reply in enumerate(replies):
@@ -86,6 +212,15 @@ def class_statistics(model: nn.Module, data: ClientData, num_classes: int,
     ``samples_per_class > 0`` uses only the first that many samples of each
     class for the gradients and prototypes (the counts stay the full counts).
     """
+    features, labels = sampled_features(model, data, samples_per_class)
+    gradients, prototypes = feature_statistics(classifier_of(model), features, labels, num_classes)
+    counts = torch.bincount(data.y, minlength=num_classes)[:num_classes]
+    return gradients, counts, prototypes
+
+
+def sampled_features(model: nn.Module, data: ClientData, samples_per_class: int = 0) -> tuple[Tensor, Tensor]:
+    """``(features, labels)`` of the client's samples in one eval-mode pass: all of them, or with
+    ``samples_per_class > 0`` only the first that many of each class."""
     x, y = data.x, data.y
     if samples_per_class > 0:
         rank = torch.zeros_like(y)
@@ -94,9 +229,7 @@ def class_statistics(model: nn.Module, data: ClientData, num_classes: int,
             rank[where] = torch.arange(where.numel(), device=y.device)
         keep = rank < samples_per_class
         x, y = x[keep], y[keep]
-    gradients, prototypes = feature_statistics(classifier_of(model), extract_features(model, x), y, num_classes)
-    counts = torch.bincount(data.y, minlength=num_classes)[:num_classes]
-    return gradients, counts, prototypes
+    return extract_features(model, x), y
 
 
 def feature_statistics(classifier: nn.Module, features: Tensor, labels: Tensor,
