@@ -268,7 +268,8 @@ class MethodStrategy(Strategy):
                 current.fail(k, reply.error.reason or f"error code {reply.error.code}")
             else:
                 try:
-                    payload = records.decode_payload(reply.content, self.side.device)
+                    payload = records.decode_payload(reply.content, self.side.device,
+                                                     expected=self.server.reply_layout())
                 except FedHProError as error:  # a malformed reply: refused like an invalid update
                     current.fail(k, f"invalid update: {error}")
                     self.refused[k] = current.round
