@@ -24,8 +24,9 @@ from fedhpro.methods import fedprox, fedrcl, moon
 from fedhpro.methods.fedprox import FedProxClient, FedProxOptions, anchored_parameters, proximal_term
 from fedhpro.methods.fedrcl import (FedRCLClient, FedRCLOptions, fedrcl_loss, pool_stage, relaxed_contrastive_terms,
                                     select_pairs, stage_modules)
-from fedhpro.methods.moon import MoonClient, MoonNet, MoonOptions, moon_contrastive_loss, wrap_model
+from fedhpro.methods.moon import MoonClient, MoonOptions, moon_contrastive_loss, wrap_model
 from fedhpro.models import build_model
+from fedhpro.models.projection import ProjectionHeadNet
 
 TRAIN = TrainSettings(epochs=2, batch_size=8, lr=0.1, momentum=0.9, weight_decay=1e-4)
 
@@ -146,8 +147,8 @@ def test_fedprox_larger_mu_stays_closer_to_the_global_weights():
 
 
 def test_moon_wrapped_model_shapes():
-    wrapped = wrap_model(TinyNet(), MoonOptions(projection_dim=6), NUM_CLASSES)
-    assert isinstance(wrapped, MoonNet)
+    wrapped = wrap_model(TinyNet(), MoonOptions(projection_head="authors", projection_dim=6), NUM_CLASSES)
+    assert isinstance(wrapped, ProjectionHeadNet)
     assert isinstance(wrapped.classifier, nn.Linear)
     assert (wrapped.classifier.in_features, wrapped.classifier.out_features) == (6, NUM_CLASSES)
     assert (wrapped.feature_dim, wrapped.num_classes, wrapped.base_feature_dim) == (6, NUM_CLASSES, 16)
@@ -159,7 +160,7 @@ def test_moon_wrapped_model_shapes():
     assert wrapped.features(x).shape == (3, 6)
     assert torch.equal(wrapped(x), wrapped.classifier(wrapped.features(x)))
 
-    cnn = wrap_model(build_model("cnn", 10, (3, 32, 32), feature_dim=32), MoonOptions(), 10)
+    cnn = wrap_model(build_model("cnn", 10, (3, 32, 32), feature_dim=32), MoonOptions(projection_head="authors"), 10)
     assert cnn.features(torch.randn(2, 3, 32, 32)).shape == (2, 256)
     assert cnn(torch.randn(2, 3, 32, 32)).shape == (2, 10)
     assert (cnn.classifier.in_features, cnn.feature_dim) == (256, 256)
@@ -177,7 +178,7 @@ def test_moon_contrastive_loss_for_known_cosines():
 
 def wrapped_tiny(seed=0, base=TinyNet, projection_dim=8):
     torch.manual_seed(seed)
-    return wrap_model(base(), MoonOptions(projection_dim=projection_dim), NUM_CLASSES)
+    return wrap_model(base(), MoonOptions(projection_head="authors", projection_dim=projection_dim), NUM_CLASSES)
 
 
 def test_moon_first_participation_equals_fedavg_and_stores_previous_weights():
@@ -418,7 +419,7 @@ def test_one_simulator_round(spec, factory, term):
 
 def test_moon_two_simulator_rounds_use_the_previous_local_models():
     spec = moon.METHOD
-    factory = lambda: spec.model_wrapper(TinyBNNet(), MoonOptions(), NUM_CLASSES)  # noqa: E731
+    factory = lambda: spec.model_wrapper(TinyBNNet(), MoonOptions(projection_head="authors"), NUM_CLASSES)  # noqa: E731
     sim, records, captured = run_rounds(spec, factory, rounds=2)
     assert "moon" not in records[0].train and "moon" in records[1].train
     assert all("previous_weights" in state for state in sim.client_states)

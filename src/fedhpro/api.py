@@ -38,7 +38,7 @@ from fedhpro.engines.simulator import Faults, Simulator
 from fedhpro.errors import ConfigError
 from fedhpro.measurements import observers_for
 from fedhpro.methods import MethodSpec, TrainSettings, get_method
-from fedhpro.models import build_model
+from fedhpro.models import build_model, with_projection_head
 from fedhpro.runtime import cpu_runtime
 from fedhpro.sweeps import resolve_threads, torch_threads
 
@@ -410,6 +410,8 @@ def model_factories(config: Config, method: MethodSpec, num_classes: int, input_
             except ValueError as error:
                 raise ConfigError(f"model {name!r} does not fit the data's inputs "
                                   f"{tuple(input_shape)}: {error}") from None
+        if options.projection_head:  # every method on the MOON authors' network
+            model = with_projection_head(model, num_classes)
         if method.model_wrapper is not None:
             model = method.model_wrapper(model, config.method_options, num_classes)
         return model

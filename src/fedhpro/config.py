@@ -100,6 +100,10 @@ class RunOptions:
     heterogeneity: str = option("none", choices=("none", "htfe2", "htfe3", "htfe5", "htfe8"),
                                 help="model heterogeneity: htfeX gives client k the architecture k mod X of the "
                                      "paper's HtFE_X list; only the classifier is shared")
+    projection_head: bool = option(False, help="give every method's network the MOON authors' projection head: "
+                                               "features -> Linear(d, d) -> ReLU -> Linear(d, 256), the classifier "
+                                               "on the 256-wide projection (their init_nets does so for FedAvg and "
+                                               "FedProx too; the MOON paper's setting)")
     rounds: int = option(10, min=1, help="R, communication rounds (the paper: 100; 10 fits a CPU in minutes)")
     clients: int | None = option(None, min=1, help="K, number of clients (default: the data set's layout)")
     participation: float = option(1.0, gt=0.0, max=1.0, help="fraction of clients sampled each round")

@@ -1,12 +1,21 @@
-"""MOON (Li, He and Song, CVPR 2021): model-contrastive learning on a projection head.
+"""MOON (Li, He and Song, CVPR 2021): model-contrastive learning on the model's representation.
 
-Network (:func:`wrap_model`, the ``model_wrapper``): the engine's model ``base``
-becomes ``features = Sequential(base.features, Linear(d, d), ReLU, Linear(d, P))``
-and ``classifier = Linear(P, C)`` (``P = projection_dim``), so the projection head
-sits in the classification path as in the authors' ``ModelFedCon`` (the head
-classifies the projection ``z``); ``base.classifier`` is dropped.
+Network (``moon.projection_head``, :func:`wrap_model` the ``model_wrapper``):
 
-Client loss (per batch, ``z`` the current model's projection, ``z_glob`` the
+* ``none`` (the default): the common network every other method trains, unchanged;
+  ``z`` is its feature ``features(x)`` and the classifier classifies ``z``, as in
+  PFLlib. The paper states that all methods share one architecture, so this is
+  the setting of a comparison on fedhpro's network.
+* ``authors``: the head of the authors' ``ModelFedCon``
+  (:func:`fedhpro.models.projection.with_projection_head`): ``features`` becomes
+  ``Sequential(base.features, Linear(d, d), ReLU, Linear(d, P))`` and ``classifier``
+  ``Linear(P, C)`` (``P = projection_dim``), so ``z`` is the projection and the
+  classifier classifies it. The authors' ``init_nets`` gives that head to every
+  method they run (FedAvg and FedProx too); to compare on their network give it
+  to every method with the run key ``projection_head=true`` (MOON then has it
+  whatever this option says, and equals ``moon.projection_head=authors``).
+
+Client loss (per batch, ``z`` the current model's ``features(x)``, ``z_glob`` the
 received global model's, ``z_prev`` the client's own previous local model's)::
 
     CE(h(z), y) + mu * mean_i -log( e^{cos(z_i, z_glob_i)/tau}
@@ -21,9 +30,15 @@ Decisions:
 * the previous model is the client's own model right after its last local
   training, kept in ``state["previous_weights"]`` (a full state_dict copy, on the
   model's device, no storage shared with the model); on a client's first
-  participation there is none and **no contrastive term** is used (the spec; the
-  authors' code instead uses the freshly initialised local nets in round 0), so
-  that update equals FedAvg's on the wrapped model;
+  participation there is none and **no contrastive term** is used, so that update
+  equals FedAvg's on the same network. In round 0 the authors' code agrees: its
+  previous-model pool starts empty (the ``load_first_net`` branch copies the
+  initial nets but never adds them to the pool), so the logits hold only the
+  positive column and the term is exactly 0. From round 1 on their pool holds
+  every client's net, a client not yet sampled keeping its own untrained
+  initialisation, so under partial participation a client's first participation
+  after round 0 is contrasted there against its initial net and here against
+  nothing; with full participation the two agree;
 * the global model of the term is the working model right after loading the
   payload: the whole received model in a homogeneous federation (with
   classifier-only exchange it is the client's own extractor plus the received
@@ -44,18 +59,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedhpro.errors import ConfigError
 from fedhpro.methods.base import (
     Client,
     ClientData,
     MethodSpec,
     Payload,
     Server,
-    classifier_of,
     clone_weights,
     features_of,
     load_weights,
     train_epochs,
 )
+from fedhpro.models.projection import ProjectionHeadNet, with_projection_head
 from fedhpro.options import option
 
 
@@ -63,30 +79,30 @@ from fedhpro.options import option
 class MoonOptions:
     mu: float = option(1.0, min=0.0, help="weight mu of the model-contrastive loss (paper C.1: 1.0)")
     tau: float = option(0.5, gt=0.0, help="temperature tau of the model-contrastive loss (paper C.1: 0.5)")
-    projection_dim: int = option(256, min=1, help="output size P of the projection head d -> d -> P")
+    projection_head: str = option("none", choices=("none", "authors"),
+                                  help="none: contrast the feature z of the common network every method trains; "
+                                       "authors: MOON alone gets the authors' head d -> d -> P, classifier on the "
+                                       "projection (projection_head=true gives it to every method)")
+    projection_dim: int = option(256, min=1, help="output size P of the authors' head d -> d -> P "
+                                                  "(moon.projection_head=authors)")
 
 
-class MoonNet(nn.Module):
-    """``base.features`` followed by MOON's 2-layer projection head, classified by ``Linear(P, C)``."""
+def wrap_model(model: nn.Module, options: MoonOptions, num_classes: int) -> nn.Module:
+    """The ``model_wrapper``: ``model`` with the authors' head if ``moon.projection_head=authors``, else as it is.
 
-    def __init__(self, base: nn.Module, projection_dim: int, num_classes: int):
-        super().__init__()
-        width = int(getattr(base, "feature_dim", None) or classifier_of(base).in_features)
-        self.features = nn.Sequential(features_of(base), nn.Linear(width, width), nn.ReLU(),
-                                      nn.Linear(width, projection_dim))
-        self.classifier = nn.Linear(projection_dim, num_classes)
-        self.base_feature_dim = width
-        self.feature_dim = projection_dim
-        self.num_classes = num_classes
-        self.input_kind = getattr(base, "input_kind", "image")
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.classifier(self.features(x))
-
-
-def wrap_model(model: nn.Module, options: MoonOptions, num_classes: int) -> MoonNet:
-    """The ``model_wrapper``: add the projection head (see :class:`MoonNet`)."""
-    return MoonNet(model, int(options.projection_dim), num_classes)
+    A model that already has the head (the run key ``projection_head=true`` gave it to
+    every method) is kept as it is; a ``moon.projection_dim`` other than that head's
+    width is refused, since one network cannot have both.
+    """
+    if isinstance(model, ProjectionHeadNet):
+        if options.projection_dim != model.feature_dim:
+            raise ConfigError(f"moon.projection_dim={options.projection_dim} but projection_head=true gives every "
+                              f"method the authors' {model.feature_dim}-wide head; drop moon.projection_dim, or "
+                              "use moon.projection_head=authors without projection_head=true")
+        return model
+    if options.projection_head == "authors":
+        return with_projection_head(model, num_classes, int(options.projection_dim))
+    return model
 
 
 def moon_contrastive_loss(z: Tensor, z_glob: Tensor, z_prev: Tensor, tau: float) -> Tensor:
@@ -142,6 +158,7 @@ METHOD = MethodSpec(
     options=MoonOptions,
     server=Server,
     client=MoonClient,
-    description="MOON: CE + mu * model-contrastive loss (global vs previous local model) on a projection head",
+    description="MOON: CE + mu * model-contrastive loss (global vs previous local model) on the features "
+                "(moon.projection_head=authors: on the authors' projection head)",
     model_wrapper=wrap_model,
 )

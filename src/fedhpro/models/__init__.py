@@ -1,7 +1,8 @@
 """Model zoo: every model exposes ``features(x) -> z`` (B x d) and ``classifier`` (an ``nn.Linear(d, C)``),
 with ``forward(x) == classifier(features(x))`` and attributes ``feature_dim`` / ``num_classes``.
 
-Adding a model is one new file plus one line in ``MODELS``. Constructors take
+Adding a model is one new file plus one line in ``MODELS``. :func:`with_projection_head` adds the MOON
+authors' projection head to any of them (the run key ``projection_head=true``). Constructors take
 ``(num_classes, input_shape, feature_dim=512, **options)``; image models take
 ``input_shape = (C, H, W)``, ``textcnn`` takes ``(L,)`` (LongTensor token ids), ``mlp`` any float shape
 (flattened; ``(F,)`` for tabular features).
@@ -87,7 +88,8 @@ def build_model(name: str, num_classes: int, input_shape: tuple[int, ...], featu
 
 
 from fedhpro.models.heterogeneity import HTFE, architecture_for_client  # noqa: E402
+from fedhpro.models.projection import ProjectionHeadNet, with_projection_head  # noqa: E402
 from fedhpro.models.split import SplitModel, split  # noqa: E402
 from fedhpro.models.summary import describe_models, format_model_table  # noqa: E402
 
-__all__ += ["split", "SplitModel"]
+__all__ += ["split", "SplitModel", "with_projection_head", "ProjectionHeadNet"]
