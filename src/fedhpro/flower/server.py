@@ -38,13 +38,14 @@ import json
 import secrets
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
@@ -68,6 +69,17 @@ SERVER_STATE = "server-state/"
 NODE_RECORD = "fedhpro.node"
 #: what a node answers to an evaluation: test-set name, correct and total counts
 EVAL_RECORD = "fedhpro.eval"
+#: seconds a round waits for newly connected SuperNodes to say which client they hold (a restarted node)
+REJOIN_WAIT = 120.0
+
+
+class NodeMap(dict[int, int]):
+    """``{client index: Flower node id}``, and in own-data mode each client's ClientInfo (``infos``, in
+    client order): what recognises a restarted node, which connects with a new node id, as its client."""
+
+    def __init__(self, nodes: Mapping[int, int], infos: list[Any] | None = None):
+        super().__init__(nodes)
+        self.infos = infos
 
 
 def discover_nodes(grid: Grid, clients: int | None, settings: FlowerSettings) -> tuple[dict[int, int], int]:
@@ -108,7 +120,7 @@ def discover_nodes(grid: Grid, clients: int | None, settings: FlowerSettings) ->
 
 
 def discover_own_data(grid: Grid, config: Config,
-                      settings: FlowerSettings) -> tuple[dict[int, int], list[Any], list[str]]:
+                      settings: FlowerSettings) -> tuple[NodeMap, list[Any], list[str]]:
     """Own-data mode: ``({client index: node id}, the nodes' ClientInfo in client order, class names)``.
 
     Asks every node to describe its own folder (nothing but counts, names and
@@ -150,24 +162,47 @@ def discover_own_data(grid: Grid, config: Config,
         classes = resolve_classes(infos, config.data)
     except DataError as error:
         raise ConfigError(f"the nodes' data do not fit together: {error}") from None
-    return {k: by_name[name] for k, name in enumerate(names)}, infos, classes
+    return NodeMap({k: by_name[name] for k, name in enumerate(names)}, infos), infos, classes
 
 
-def _ask_new_nodes(grid: Grid, known: Mapping[int, Any], query: dict[str, Any], deadline: float
-                   ) -> dict[int, ConfigRecord]:
-    """Send ``query`` to every connected node not in ``known``; ``{node id: its answer}`` (an error reply
-    is a one-line ConfigError naming the node)."""
+def _ask_new_nodes(grid: Grid, known: Container[int], query: dict[str, Any], deadline: float,
+                   errors: dict[int, str] | None = None) -> dict[int, ConfigRecord]:
+    """Send ``query`` to every connected node not in ``known``; ``{node id: its answer}``.
+
+    An error reply is a one-line ConfigError naming the node, or, when ``errors`` is given (a node
+    rejoining a run that goes on), its reason is put there. Replies are matched to the nodes asked by
+    the message they answer: an error the SuperLink writes for an offline node comes from the SuperLink.
+    """
     new = [node for node in grid.get_node_ids() if node not in known]
     if not new:
         return {}
     messages = [Message(RecordDict({HEADER: ConfigRecord(query)}), node, MessageType.QUERY) for node in new]
+    replies = list(grid.send_and_receive(messages, timeout=max(1.0, deadline - time.monotonic())))
     answers = {}
-    for reply in grid.send_and_receive(messages, timeout=max(1.0, deadline - time.monotonic())):
-        node = reply.metadata.src_node_id
-        if reply.has_error():
+    for node, reply in _match_replies(list(zip(new, messages, strict=True)), replies).items():
+        if not reply.has_error():
+            answers[node] = reply.content.config_records[NODE_RECORD]
+        elif errors is None:
             raise ConfigError(f"node {node} cannot take part: {reply.error.reason}")
-        answers[node] = reply.content.config_records[NODE_RECORD]
+        else:
+            errors[node] = reply.error.reason or f"error code {reply.error.code}"
     return answers
+
+
+def _match_replies(sent: list[tuple[int, Message]], replies: list[Message]) -> dict[int, Message]:
+    """``{key: reply}`` for ``sent``, a list of ``(key, message)`` with unique keys (node ids, clients).
+
+    A reply belongs to the message it answers (its message id, set when the grid pushed it), else to the
+    one sent to the node it came from (replies made without a grid, as in tests). Stray replies (a
+    message of an earlier round answered late) are left out."""
+    by_id = {message.metadata.message_id: key for key, message in sent if message.metadata.message_id}
+    by_node = {message.metadata.dst_node_id: key for key, message in sent}
+    matched = {}
+    for reply in replies:
+        target = by_id.get(reply.metadata.reply_to_message_id, by_node.get(reply.metadata.src_node_id))
+        if target is not None:
+            matched[target] = reply
+    return matched
 
 
 class MethodStrategy(Strategy):
@@ -200,6 +235,8 @@ class MethodStrategy(Strategy):
         self.first_round = 0  # rounds done before this start (a resumed run): Flower's round 1 is this round
         self.keep_from: int | None = None  # the oldest round the run can go back to (its oldest checkpoint)
         self.after_round: Callable[[MethodStrategy], None] | None = None  # called once each round's row is in
+        self.strangers: set[int] = set()  # node ids asked once that hold no client of this run (not asked again)
+        self._sent: list[tuple[int, Message]] = []  # (client, message) of the current train or evaluate step
 
     @property
     def server(self) -> Any:
@@ -239,6 +276,61 @@ class MethodStrategy(Strategy):
         self.run_key = state["run_key"] or None
         self.first_round, self.rows, self.timings = completed_rounds, list(rows), list(timings)
 
+    def _rejoin(self, grid: Grid) -> set[int]:
+        """The node ids the SuperLink lists as online, after mapping any new node back to its client.
+
+        A restarted SuperNode connects with a new node id. Before a round's messages go out, every
+        node not seen before is asked what it holds, as at the start (partition mode: its partition-id;
+        own-data mode: its folder's description, recognised by name), and takes over that client from
+        the old node id. A node that holds no client of this run is warned about once and not asked again;
+        one that does not answer within :data:`REJOIN_WAIT` is asked again before the next step.
+        """
+        online = set(grid.get_node_ids())
+        seen = set(self.partition_of) | self.strangers
+        if online <= seen:
+            return online
+        infos = getattr(self.nodes, "infos", None)
+        query = {"query": "data", "config": self.text} if infos is not None else {"query": "partition"}
+        errors: dict[int, str] = {}
+        answers = _ask_new_nodes(grid, seen, query, time.monotonic() + REJOIN_WAIT, errors)
+        for node, reason in sorted(errors.items()):
+            self._estrange(node, f"it cannot take part: {reason}")
+        for node in sorted(online - seen - set(answers) - set(errors)):  # asked again before the next step
+            log(WARNING, "fedhpro: node %d did not say what it holds within %.0f s", node, REJOIN_WAIT)
+        for node, answer in sorted(answers.items()):
+            k, problem = self._client_held(answer, infos)
+            if k is None:
+                self._estrange(node, problem)
+                continue
+            old = self.nodes[k]
+            log(WARNING, "fedhpro: client %d is now on node %d (node %d left; a restarted SuperNode)", k, node, old)
+            self.strangers.add(old)
+            del self.partition_of[old]
+            self.nodes[k], self.partition_of[node] = node, k
+        return online
+
+    def _client_held(self, answer: ConfigRecord, infos: list[Any] | None) -> tuple[int | None, str]:
+        """``(client index, "")`` for a new node's answer to the rejoin query, or ``(None, why not)``."""
+        if infos is None:
+            partition, count = int(cast(int, answer["partition-id"])), int(cast(int, answer["num-partitions"]))
+            if count != len(self.nodes) or not 0 <= partition < count:
+                return None, f"it holds partition {partition} of {count}, but this run has {len(self.nodes)} clients"
+            return partition, ""
+        from fedhpro.data.clients import ClientInfo
+
+        info = ClientInfo(**json.loads(str(answer["info"])))
+        names = [known.name for known in infos]
+        if info.name not in names:
+            return None, f"it holds a client named {info.name!r}, not one of this run's ({', '.join(names)})"
+        k = names.index(info.name)
+        if info != infos[k]:
+            return None, f"its folder {info.name!r} is not the one client {k} had at the start of the run"
+        return k, ""
+
+    def _estrange(self, node: int, why: str) -> None:
+        log(WARNING, "fedhpro: node %d takes no part in this run: %s", node, why)
+        self.strangers.add(node)
+
     def summary(self) -> None:
         log(INFO, "\t├── fedhpro method: %s on %s, %d clients (one per SuperNode)",
             self.config.run.method, self.config.run.dataset, len(self.nodes))
@@ -248,19 +340,27 @@ class MethodStrategy(Strategy):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         """One message per client the protocol asks, each with its own RecordDict (the payload is per round,
-        the header per client); a client the fault model drops gets none, as in the simulator."""
+        the header per client); a client the fault model drops gets none, as in the simulator, and a client
+        whose node the SuperLink no longer lists is dropped at once (no round-timeout to wait for it)."""
         current = self._round = self.side.protocol.open(self.round_index(server_round))
+        online = self._rejoin(grid)
         encoded = records.encode_payload(current.payload)
-        return [Message(RecordDict({**encoded, HEADER: self._header(current.round, k)}), self.nodes[k],
-                        MessageType.TRAIN) for k in current.to_ask]
+        self._sent = []
+        for k in current.to_ask:
+            if self.nodes[k] in online:
+                self._sent.append((k, Message(RecordDict({**encoded, HEADER: self._header(current.round, k)}),
+                                              self.nodes[k], MessageType.TRAIN)))
+            else:
+                current.fail(k, "node offline")
+        return [message for _, message in self._sent]
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Hand every reply to the protocol in client order (the simulator's order), then close the round."""
         current = self._round
         assert current is not None
-        answers = {self.partition_of[reply.metadata.src_node_id]: reply for reply in list(replies)}  # read once
-        for k in current.to_ask:
+        answers = _match_replies(self._sent, list(replies))  # read once
+        for k, _ in self._sent:
             reply = answers.get(k)
             if reply is None:
                 current.fail(k, "no reply before flower.round-timeout")
@@ -290,15 +390,19 @@ class MethodStrategy(Strategy):
                            grid: Grid) -> Iterable[Message]:
         """Federated evaluation: every node tests on its own data (the global model, or its personal model
         with the global shared part, through the server's inference rule, whose state travels along). A
-        global model in partition mode is tested on the server: no messages."""
+        global model in partition mode is tested on the server: no messages. A node the SuperLink no longer
+        lists gets none (its client is not evaluated this round)."""
         round = self.round_index(server_round)
         self._times["eval_started"] = time.perf_counter()
+        self._sent = []
         if not self.side.protocol.evaluates(round) or not self.side.federated_evaluation:
             return []
+        online = self._rejoin(grid)
         encoded = records.encode_payload({"weights": self.server.global_weights()})
         encoded.update(records.encode_payload(self.server.state_dict(), prefix=SERVER_STATE))
-        return [Message(RecordDict({**encoded, HEADER: self._header(round, k)}), node, MessageType.EVALUATE)
-                for k, node in sorted(self.nodes.items())]
+        self._sent = [(k, Message(RecordDict({**encoded, HEADER: self._header(round, k)}), node, MessageType.EVALUATE))
+                      for k, node in sorted(self.nodes.items()) if node in online]
+        return [message for _, message in self._sent]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """The round's accuracy as the simulator computes it; then the round's row is complete."""
@@ -306,13 +410,17 @@ class MethodStrategy(Strategy):
         assert current is not None
         accuracy, extra = None, {}
         if self.side.protocol.evaluates(current.round):
+            missing: list[int] = []
             if self.side.federated_evaluation:
-                accuracy, per_client = self._pooled_accuracy(list(replies))
+                accuracy, per_client, missing = self._pooled_accuracy(current.round, list(replies))
             else:
                 engine = self.side.engine
                 assert engine is not None, "only partition mode (which has the engine) evaluates on the server"
                 accuracy, per_client = engine.evaluate_clients()
-            extra = {"client_accuracy": per_client, "fairness": fairness_statistics(per_client)}
+            if per_client:
+                extra = {"client_accuracy": per_client, "fairness": fairness_statistics(per_client)}
+            if missing:
+                extra["not_evaluated"] = missing
         seconds = {"clients": self._times["clients"], "server": self._times["server"],
                    "eval": time.perf_counter() - self._times["eval_started"]}
         record = current.record(self._server_metrics, accuracy, seconds, extra)
@@ -327,22 +435,39 @@ class MethodStrategy(Strategy):
         log(INFO, "fedhpro: round %d: test accuracy AVG %.2f%%", current.round, accuracy["AVG"])
         return MetricRecord({f"accuracy.{name}": value for name, value in accuracy.items()})
 
-    def _pooled_accuracy(self, replies: list[Message]) -> tuple[dict[str, float], list[float]]:
-        """Every client's test counts, pooled per test set (the simulator's :func:`pool_accuracy`)."""
+    def _pooled_accuracy(self, round: int, replies: list[Message]
+                         ) -> tuple[dict[str, float] | None, list[float], list[int]]:
+        """``(accuracy, per-client accuracies, clients not evaluated)``: the test counts of the clients that
+        answered, pooled per test set (the simulator's :func:`pool_accuracy`); per-client accuracies in
+        client order, of those clients only. A client whose node is offline, sent no answer before
+        flower.round-timeout or answered with an error is not evaluated; with none evaluated the round has
+        no accuracy. Every node answering with an error of its own (not the SuperLink's "node offline")
+        is a bug or a setting, not a fault: that raises, as a round where every client failed does."""
         counts: dict[int, TestCount] = {}
-        for reply in replies:
-            k = self.partition_of[reply.metadata.src_node_id]
+        reasons: dict[int, str] = {}
+        own_errors = []  # clients whose node raised (not the SuperLink's "node offline")
+        for k, reply in _match_replies(self._sent, replies).items():
             if reply.has_error():
-                raise FedHProError(f"client {k} could not evaluate: {reply.error.reason}")
+                reasons[k] = reply.error.reason or f"error code {reply.error.code}"
+                if reply.error.code != ErrorCode.NODE_UNAVAILABLE:
+                    own_errors.append(k)
+                continue
             info = reply.content.config_records[EVAL_RECORD]
             counts[k] = TestCount(str(info["test-set"]), int(cast(int, info["correct"])), int(cast(int, info["total"])))
+        if self._sent and len(own_errors) == len(self._sent):
+            first = min(own_errors)
+            raise FedHProError(f"round {round}: every client failed to evaluate; client {first}: {reasons[first]}")
         missing = sorted(set(self.nodes) - set(counts))
-        if missing:
-            raise FedHProError(f"clients {missing} sent no evaluation before flower.round-timeout")
+        asked = dict(self._sent)
+        for k in missing:
+            reason = reasons.get(k, "no answer before flower.round-timeout" if k in asked else "node offline")
+            log(WARNING, "fedhpro: round %d: client %d not evaluated: %s", round, k, reason)
+        if not counts:
+            return None, [], missing
         ordered = [counts[k] for k in sorted(counts)]
         order = list(self.side.engine.federation.test_sets) if self.side.engine is not None else None
         accuracy = pool_accuracy(ordered, order)
-        return accuracy, [c.accuracy if c.total else accuracy["AVG"] for c in ordered]
+        return accuracy, [c.accuracy if c.total else accuracy["AVG"] for c in ordered], missing
 
 
 def run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, Any] | None = None) -> MethodStrategy:
