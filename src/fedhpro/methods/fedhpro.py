@@ -37,6 +37,7 @@ from fedhpro.methods.base import (
     MethodContext,
     MethodSpec,
     Payload,
+    ReplyLayout,
     Server,
     classifier_of,
     clone_weights,
@@ -159,6 +160,19 @@ class FedHProServer(Server):
             payload["global_prototypes"] = self.global_prototypes.clone()
             payload["global_mask"] = self.global_mask.clone()
         return payload
+
+    def reply_layout(self) -> ReplyLayout:
+        """The base layout plus ``class_counts`` (C, int64), ``class_gradients`` and ``prototypes`` (C x d,
+        the model's dtype), under every option; with ``classifier_step=synthetic`` also the classifier
+        gradients."""
+        rows = ((self.num_classes, self.global_prototypes.shape[1]), classifier_of(self.scratch).weight.dtype)
+        layout = {**super().reply_layout(), "class_counts": ((self.num_classes,), torch.int64),
+                  "class_gradients": rows, "prototypes": rows}
+        if self.synthetic is not None:  # classifier_step=synthetic: C x C x d and C x C classifier gradients
+            (classes, dim), dtype = rows
+            layout.update(classifier_weight_gradients=((classes, classes, dim), dtype),
+                          classifier_bias_gradients=((classes, classes), dtype))
+        return layout
 
     def validate_reply(self, reply: Payload, who: str = "reply") -> None:
         super().validate_reply(reply, who)
