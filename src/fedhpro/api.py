@@ -34,6 +34,7 @@ from fedhpro.data import get_dataset
 from fedhpro.data.federation import Federation
 from fedhpro.engines import checkpoint
 from fedhpro.engines.observers import RoundObserver
+from fedhpro.engines.protocol import Aggregation
 from fedhpro.engines.simulator import Faults, Simulator
 from fedhpro.errors import ConfigError
 from fedhpro.measurements import observers_for
@@ -217,13 +218,21 @@ def build_simulator(config: Config, parts: Experiment, device: torch.device,
                     on_drop: Callable[[str], None] | None = _warn) -> Simulator:
     """The in-process simulator of ``config`` on the built ``parts``, watched by ``observers`` (also what a
     Flower node and server build in partition mode)."""
-    options = config.run
     return Simulator(parts.method, config.method_options, parts.federation, parts.model_factory, parts.train,
-                     rounds=options.rounds, participation=options.participation, seed=options.seed,
-                     eval_every=options.eval_every, device=device, client_architectures=parts.architectures,
+                     device=device, client_architectures=parts.architectures,
                      architecture_factory=parts.architecture_factory, shared=parts.shared,
-                     faults=Faults(config.faults.dropout, config.faults.corrupt),
-                     min_clients=options.min_clients, on_drop=on_drop, observers=observers or [])
+                     on_drop=on_drop, observers=observers or [], **protocol_settings(config))
+
+
+def protocol_settings(config: Config) -> dict[str, Any]:
+    """The round protocol's settings of ``config``: sampling, evaluation, faults, robust aggregation and
+    ``min_clients``, as keyword arguments that both :class:`Simulator` and
+    :class:`~fedhpro.engines.protocol.RoundProtocol` take. The in-process engine and the Flower
+    ServerApp both build their protocol from this one place, so both run the same rounds."""
+    options = config.run
+    return {"rounds": options.rounds, "participation": options.participation, "seed": options.seed,
+            "eval_every": options.eval_every, "faults": Faults(**dataclasses.asdict(config.faults)),
+            "aggregation": Aggregation(**dataclasses.asdict(config.aggregation)), "min_clients": options.min_clients}
 
 
 def _new_run_folder(options: RunOptions, data_name: str) -> Path:
@@ -685,7 +694,8 @@ def _settings_off_defaults(config: Config) -> dict[str, Any]:
 
 def _setting_keys(config: Config) -> list[str]:
     """Every key of ``config`` in ``section.knob`` form (run keys bare)."""
-    sections = {**config.methods, "data": config.data, "faults": config.faults, "partition": config.partition}
+    sections = {**config.methods, "data": config.data, "faults": config.faults, "partition": config.partition,
+                "aggregation": config.aggregation}
     return [f.name for f in dataclasses.fields(config.run)] + [
         f"{name}.{f.name}" for name, options in sections.items() for f in dataclasses.fields(options)]
 
@@ -696,7 +706,8 @@ def _setting(config: Config, key: str) -> Any:
     section, _, rest = key.partition(".")
     if not rest:
         return config.federation if key == FEDERATION_KEY else getattr(config.run, key)
-    sections = {"data": config.data, "faults": config.faults, "partition": config.partition}
+    sections = {"data": config.data, "faults": config.faults, "partition": config.partition,
+                "aggregation": config.aggregation}
     return getattr(sections.get(section) or config.methods[section], rest.partition(".")[0])
 
 

@@ -30,10 +30,20 @@ def _shown(value: object) -> str:
 
 def key_lines(dataset: str) -> list[str]:
     """``key [choices]: help (default: value)`` for every config key: the run's, every method's, the data
-    set's (its ``data.*`` keys), ``faults.*`` and ``partition`` / ``partition.*``. Defaults are the
+    set's (its ``data.*`` keys), ``faults.*``, ``partition`` / ``partition.*`` and ``aggregation`` /
+    ``aggregation.*``. Defaults are the
     values a run of ``dataset`` gets when the key is not set (a data set's own run settings included);
     an unset (null) default whose help already says what it means is not repeated."""
-    from fedhpro.config import DATA_SECTION, FAULTS_SECTION, PARTITION_SECTION, FaultOptions, RunOptions, load_config
+    from fedhpro.config import (
+        AGGREGATION_SECTION,
+        DATA_SECTION,
+        FAULTS_SECTION,
+        PARTITION_SECTION,
+        AggregationOptions,
+        FaultOptions,
+        RunOptions,
+        load_config,
+    )
     from fedhpro.data import get_dataset
     from fedhpro.data.partition import PartitionOptions
     from fedhpro.methods import all_methods
@@ -43,7 +53,8 @@ def key_lines(dataset: str) -> list[str]:
     groups += [(f"{name}.", spec.options, defaults.methods[name]) for name, spec in all_methods().items()]
     groups += [(f"{DATA_SECTION}.", get_dataset(dataset).options, defaults.data),
                (f"{FAULTS_SECTION}.", FaultOptions, defaults.faults),
-               (f"{PARTITION_SECTION}.", PartitionOptions, defaults.partition)]
+               (f"{PARTITION_SECTION}.", PartitionOptions, defaults.partition),
+               (f"{AGGREGATION_SECTION}.", AggregationOptions, defaults.aggregation)]
     lines = []
     for prefix, cls, values in groups:
         for field in dataclasses.fields(cls):
@@ -55,6 +66,8 @@ def key_lines(dataset: str) -> list[str]:
             lines.append(f"{prefix}{field.name}{extra}: {text}")
     lines.append(f"{PARTITION_SECTION}: short for {PARTITION_SECTION}.scheme "
                  f"(default: {_shown(defaults.partition.scheme)})")
+    lines.append(f"{AGGREGATION_SECTION}: short for {AGGREGATION_SECTION}.rule "
+                 f"(default: {_shown(defaults.aggregation.rule)})")
     return lines
 
 

@@ -28,6 +28,7 @@ import yaml
 from fedhpro import options as opt
 from fedhpro.data import DATASETS, get_dataset
 from fedhpro.data.partition import PartitionOptions
+from fedhpro.engines.protocol import AGGREGATION_RULES
 from fedhpro.errors import ConfigError
 from fedhpro.methods import METHODS, all_methods, get_method, method_names
 from fedhpro.methods.fedhpro import AUTHORS_RECIPE, FedHProOptions
@@ -38,6 +39,10 @@ DATA_SECTION = "data"
 FAULTS_SECTION = "faults"
 #: ``partition=NAME`` is short for ``partition.scheme=NAME``; ``partition.alpha=0.5`` etc. are its knobs
 PARTITION_SECTION = "partition"
+#: ``aggregation=NAME`` is short for ``aggregation.rule=NAME``; ``aggregation.trim=0.1`` etc. are its knobs
+AGGREGATION_SECTION = "aggregation"
+#: the sections whose bare name is short for one of their knobs: ``partition=dirichlet``, ``aggregation=median``
+SHORTHANDS = {PARTITION_SECTION: "scheme", AGGREGATION_SECTION: "rule"}
 
 
 #: ``federation: python:<name>`` in a config.yaml: the run's data were a Federation passed from Python
@@ -88,6 +93,40 @@ class FaultOptions:
     corrupt: float = option(0.0, min=0.0, max=1.0,
                             help="probability that an answering client's reply arrives with NaN weights (a "
                                  "transmission fault: it is dropped, the client keeps the state it computed)")
+    scale: float = option(0.0, min=0.0, max=1.0,
+                          help="probability that an answering client is hostile and sends w_global + "
+                               "scale_factor * Delta (Delta = its update w_k - w_global) and its class tensors "
+                               "(prototypes, class gradients, soft predictions) times scale_factor")
+    scale_factor: float = option(100.0, help="what a hostile client of faults.scale multiplies its update by")
+    sign_flip: float = option(0.0, min=0.0, max=1.0,
+                              help="probability that an answering client is hostile and sends w_global - Delta "
+                                   "and its class tensors negated (faults.scale + faults.sign_flip <= 1)")
+
+    def __post_init__(self) -> None:
+        if self.scale + self.sign_flip > 1.0:
+            raise ConfigError(f"faults.scale={self.scale} + faults.sign_flip={self.sign_flip} exceeds 1 (one draw "
+                              "decides which a client is); lower one of them")
+
+
+@dataclass
+class AggregationOptions:
+    rule: str = option("mean", choices=AGGREGATION_RULES,
+                       help="how the server combines a round's replies before the method aggregates them: mean "
+                            "(the method's own rule), or robustly against hostile clients: median or "
+                            "trimmed-mean (coordinate-wise, of the weights and of each class's rows of the "
+                            "class tensors over its holders), norm-clip (each update's norm clipped)")
+    trim: float = option(0.2, min=0.0, help="trimmed-mean: the fraction dropped at each end, "
+                                            "floor(trim * K) of K values (0 <= trim < 0.5)")
+    max_norm: float = option(0.0, min=0.0, help="norm-clip: the largest L2 norm of an update w_k - w_global "
+                                                "(0: norm_multiple x the round's median update norm)")
+    norm_multiple: float = option(1.0, gt=0.0, help="norm-clip with max_norm=0: updates longer than this many "
+                                                    "times the round's median update norm are clipped to it "
+                                                    "(class tensors: rows farther from the class's median row)")
+
+    def __post_init__(self) -> None:
+        if not self.trim < 0.5:
+            raise ConfigError(f"{AGGREGATION_SECTION}.trim={self.trim} is too large; it must be < 0.5 "
+                              "(the fraction trimmed at EACH end), e.g. aggregation.trim=0.2")
 
 
 @dataclass
@@ -157,6 +196,7 @@ class Config:
     data: Any
     faults: FaultOptions = dataclasses.field(default_factory=FaultOptions)
     partition: PartitionOptions = dataclasses.field(default_factory=PartitionOptions)
+    aggregation: AggregationOptions = dataclasses.field(default_factory=AggregationOptions)
     #: ``"python:<name>"`` when the run's data were a Federation passed from Python (``run.dataset`` is
     #: then unused), else None; written to config.yaml only when set
     federation: str | None = None
@@ -177,6 +217,7 @@ class Config:
         out[DATA_SECTION] = dataclasses.asdict(self.data)
         out[FAULTS_SECTION] = dataclasses.asdict(self.faults)
         out[PARTITION_SECTION] = dataclasses.asdict(self.partition)
+        out[AGGREGATION_SECTION] = dataclasses.asdict(self.aggregation)
         return out
 
 
@@ -191,6 +232,8 @@ def _all_keys(dataset: str) -> list[str]:
     keys += [f"{DATA_SECTION}.{f.name}" for f in dataclasses.fields(get_dataset(dataset).options)]
     keys += [f"{FAULTS_SECTION}.{f.name}" for f in dataclasses.fields(FaultOptions)]
     keys += [PARTITION_SECTION] + [f"{PARTITION_SECTION}.{f.name}" for f in dataclasses.fields(PartitionOptions)]
+    keys += [AGGREGATION_SECTION] + [f"{AGGREGATION_SECTION}.{f.name}"
+                                     for f in dataclasses.fields(AggregationOptions)]
     return keys
 
 
@@ -208,11 +251,11 @@ def flatten_keys(values: Mapping[str, Any], source: str) -> dict[str, Any]:
     if not isinstance(values, Mapping):
         raise ConfigError(f"{source} must hold a mapping of config keys, got {type(values).__name__}")
     flat: dict[str, Any] = {}
-    sections = set(method_names()) | {DATA_SECTION, FAULTS_SECTION, PARTITION_SECTION}
+    sections = set(method_names()) | {DATA_SECTION, FAULTS_SECTION, PARTITION_SECTION, AGGREGATION_SECTION}
     for key, value in values.items():
         key = str(key)
-        if key == PARTITION_SECTION and value is not None and not isinstance(value, Mapping):
-            flat[f"{PARTITION_SECTION}.scheme"] = value  # partition=dirichlet
+        if key in SHORTHANDS and value is not None and not isinstance(value, Mapping):
+            flat[f"{key}.{SHORTHANDS[key]}"] = value  # partition=dirichlet, aggregation=median
         elif key in sections and isinstance(value, Mapping):
             for inner, inner_value in value.items():
                 flat[f"{key}.{inner}"] = inner_value
@@ -313,7 +356,8 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
             raise _unknown(key, dataset)
     registry = all_methods()
     for section, knobs in sections.items():
-        if section not in registry and section not in (DATA_SECTION, FAULTS_SECTION, PARTITION_SECTION):
+        if section not in registry and section not in (DATA_SECTION, FAULTS_SECTION, PARTITION_SECTION,
+                                                        AGGREGATION_SECTION):
             raise _unknown(f"{section}.{next(iter(knobs))}", dataset)
     if isinstance(run_values.get("method"), str):
         get_method(run_values["method"])  # an unknown name, or an installed method that failed to load: one line
@@ -329,7 +373,10 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
     data = _build(get_dataset(dataset).options, sections.get(DATA_SECTION, {}), f"{DATA_SECTION}.", dataset)
     faults = _build(FaultOptions, sections.get(FAULTS_SECTION, {}), f"{FAULTS_SECTION}.", dataset)
     partition = _build(PartitionOptions, sections.get(PARTITION_SECTION, {}), f"{PARTITION_SECTION}.", dataset)
-    return Config(run=run, methods=methods, data=data, faults=faults, partition=partition, federation=federation)
+    aggregation = _build(AggregationOptions, sections.get(AGGREGATION_SECTION, {}), f"{AGGREGATION_SECTION}.",
+                         dataset)
+    return Config(run=run, methods=methods, data=data, faults=faults, partition=partition, aggregation=aggregation,
+                  federation=federation)
 
 
 def _last_value(assignments: Iterable[tuple[str, Any]], key: str, default: Any) -> Any:
@@ -360,6 +407,8 @@ def _default_of(section: str, name: str, dataset: str) -> Any:
         cls = FaultOptions
     elif section == PARTITION_SECTION:
         cls = PartitionOptions
+    elif section == AGGREGATION_SECTION:
+        cls = AggregationOptions
     else:
         cls = getattr(all_methods().get(section), "options", None)
     if cls is None:

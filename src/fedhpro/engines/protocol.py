@@ -20,20 +20,40 @@ One round, as an engine drives it::
 Every random draw comes from a generator derived from ``(seed, stream, round,
 client)`` (:func:`derive_seed`), so the same seed and config give the same
 numbers whatever ran before and on whichever engine.
+
+Hostile clients and robust aggregation live here too, so one code path serves
+every method on both engines. A hostile client (``faults.scale``,
+``faults.sign_flip``) sends a finite but harmful reply: ``receive`` turns the
+client's update ``Delta = w_k - w_global`` into ``factor * Delta`` and
+multiplies its class tensors by the factor (:func:`hostile`). With a robust
+rule (:class:`Aggregation`, ``aggregation=median|trimmed-mean|norm-clip``) the
+round keeps the accepted replies whole until ``close``; there
+:func:`robust_replies` replaces every reply's weights by the coordinate-wise
+median or trimmed mean of all of them (or clips each update's norm), and each
+holder's row of every class tensor likewise over the holders of that class,
+before the replies go to the method's own ``aggregate``, unchanged. The
+method's mean of identical robust values is that value (to float rounding), so
+FedAvg, the prototype means, FedGMKD's DAT weighting and FedHPro's class
+gradients all aggregate robustly without any method knowing; a server step
+that is not a mean (FedTGP's trained prototypes, FedHPro's gradient matching)
+gets robust inputs instead of robust outputs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
+from fedhpro.aggregation import clip_factor, coordinate_median, trimmed_mean, update_norm
 from fedhpro.errors import FedHProError, UpdateError
 from fedhpro.metrics import payload_bytes, payload_parameters
 from fedhpro.seeds import derive_seed
@@ -49,10 +69,60 @@ def train_generator(seed: int, round: int, client: int) -> torch.Generator:
 
 @dataclass(frozen=True)
 class Faults:
-    """Injected client faults, for tests and robustness studies (seeded per round and client)."""
+    """Injected client faults, for tests and robustness studies (seeded per round and client).
+
+    ``scale`` and ``sign_flip`` make an answering client hostile: it sends
+    ``w_global + scale_factor * Delta`` (resp. ``w_global - Delta``) for its
+    update ``Delta = w_k - w_global``, and its class tensors times the same
+    factor (:func:`hostile`). One uniform draw decides: below ``scale`` it
+    scales, in ``[scale, scale + sign_flip)`` it flips, so the two never meet.
+    """
 
     dropout: float = 0.0  # probability that a sampled client does not answer
     corrupt: float = 0.0  # probability that an answering client sends NaN weights
+    scale: float = 0.0  # probability that an answering client sends its update times scale_factor
+    scale_factor: float = 100.0
+    sign_flip: float = 0.0  # probability that an answering client sends its update negated
+
+    def hostile_factor(self, draw: float) -> float | None:
+        """The factor a client with uniform ``draw`` multiplies its update by (None: it is honest)."""
+        if draw < self.scale:
+            return self.scale_factor
+        if draw < self.scale + self.sign_flip:
+            return -1.0
+        return None
+
+
+#: the values of ``aggregation=`` (``aggregation.rule``)
+AGGREGATION_RULES = ("mean", "median", "trimmed-mean", "norm-clip")
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """How the server combines a round's replies before the method aggregates them (``aggregation.*``).
+
+    ``mean`` (the default) hands the replies to the method as they came, so its
+    numbers are those of the method alone. ``median`` and ``trimmed-mean``
+    (``trim`` dropped at each end) replace every reply's weights, and each
+    holder's class-tensor rows, by the coordinate-wise robust aggregate;
+    ``norm-clip`` scales each update ``Delta = w_k - w_global`` down to a norm
+    of at most ``max_norm``, or, with ``max_norm = 0``, ``norm_multiple`` times
+    the round's median update norm (:func:`robust_replies`).
+    """
+
+    rule: str = "mean"
+    trim: float = 0.2
+    max_norm: float = 0.0
+    norm_multiple: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.rule not in AGGREGATION_RULES:
+            raise ValueError(f"aggregation rule must be one of {AGGREGATION_RULES}, got {self.rule!r}")
+
+    @property
+    def robust(self) -> bool:
+        """Whether the replies are changed before the method aggregates them (any rule but ``mean``)."""
+        return self.rule != "mean"
 
 
 @dataclass
@@ -89,11 +159,14 @@ class RoundRecord:
 
 class Reception(enum.Enum):
     """What became of a reply: accepted, or refused because the client's own update was invalid, or
-    because a transmission fault (``faults.corrupt``) spoiled a good one. True only when accepted."""
+    because a transmission fault (``faults.corrupt``) spoiled a good one, or because the injected
+    hostility (``faults.scale`` / ``faults.sign_flip``) made a good one fail the method's checks (the
+    client's own state stands, as for a transmission fault). True only when accepted."""
 
     ACCEPTED = "accepted"
     INVALID = "invalid"
     CORRUPTED = "corrupted"
+    HOSTILE = "hostile"
 
     def __bool__(self) -> bool:
         return self is Reception.ACCEPTED
@@ -108,6 +181,171 @@ def corrupted(reply: dict[str, Any]) -> dict[str, Any]:
     weights = {key: torch.full_like(v, float("nan")) if v.is_floating_point() else v
                for key, v in reply.get("weights", {}).items()}
     return {**reply, "weights": weights}
+
+
+def class_tensor_keys(reply: Mapping[str, Any], num_classes: int | None) -> list[str]:
+    """The reply's class tensors: floating-point tensors other than the weights whose first dimension is
+    ``num_classes`` (prototypes, class gradients, soft predictions); none when ``num_classes`` is unknown."""
+    if num_classes is None:
+        return []
+    return [key for key, value in reply.items()
+            if key != "weights" and isinstance(value, Tensor) and value.is_floating_point() and value.dim() >= 1
+            and value.shape[0] == num_classes]
+
+
+def hostile(reply: dict[str, Any], global_weights: Mapping[str, Tensor], factor: float,
+            num_classes: int | None) -> dict[str, Any]:
+    """The reply a hostile client sends (``faults.scale`` / ``faults.sign_flip``): its update
+    ``Delta = w_k - w_global`` times ``factor`` on top of the global weights, i.e.
+    ``w_global + factor * Delta`` for every floating-point weight the server broadcast, and its class
+    tensors (:func:`class_tensor_keys`) times ``factor``. Finite, so it passes the checks a NaN fails."""
+    out = dict(reply)
+    weights = reply.get("weights")
+    if isinstance(weights, Mapping):
+        scaled = {}
+        for key, value in weights.items():
+            base = global_weights.get(key)
+            if (isinstance(value, Tensor) and value.is_floating_point() and isinstance(base, Tensor)
+                    and base.shape == value.shape):
+                base = base.detach().to(device=value.device, dtype=value.dtype)
+                scaled[key] = base + factor * (value.detach() - base)
+            else:
+                scaled[key] = value
+        out["weights"] = scaled
+    for key in class_tensor_keys(reply, num_classes):
+        out[key] = reply[key] * factor
+    return out
+
+
+def examples_problem(reply: Any, client: int, num_samples: int) -> str | None:
+    """Why the reply's ``num_examples`` cannot be client ``client``'s (it holds ``num_samples`` training
+    samples), or None when it is a whole number in ``[1, num_samples]``. A client's FedAvg weight is
+    what it says it trained on, so an unbounded count would let one reply outweigh all others."""
+    if not isinstance(reply, Mapping):
+        return None  # the method's checks name what the reply is
+    count = reply.get("num_examples")
+    holds = f"client {client} holds {num_samples} training samples"
+    if isinstance(count, bool) or not isinstance(count, (int, float, np.integer, np.floating)):
+        return f"num_examples={count!r} is not a number; {holds}"
+    if not math.isfinite(count) or count != math.floor(count):
+        return f"num_examples={count!r} is not a whole number; {holds}"
+    if count < 1:
+        return f"num_examples={count!r} is below 1; {holds}"
+    if count > num_samples:
+        return f"num_examples={count!r} but {holds}"
+    return None
+
+
+def _median_value(values: Sequence[float]) -> float:
+    """The median of a few numbers (mean of the two middle ones for an even count), as
+    :func:`~fedhpro.aggregation.coordinate_median` takes it."""
+    return float(coordinate_median([torch.tensor(float(v), dtype=torch.float64) for v in values]))
+
+
+def _holders(replies: Sequence[Mapping[str, Any]], num_classes: int) -> Tensor:
+    """``K x C`` bool: which classes each reply holds (``class_counts > 0``; every class without counts)."""
+    rows = []
+    for reply in replies:
+        counts = reply.get("class_counts")
+        if isinstance(counts, Tensor) and tuple(counts.shape) == (num_classes,):
+            rows.append(counts.detach().cpu() > 0)
+        else:
+            rows.append(torch.ones(num_classes, dtype=torch.bool))
+    return torch.stack(rows)
+
+
+def _robust_weights(replies: list[dict[str, Any]], global_weights: Mapping[str, Tensor],
+                    rule: Aggregation) -> dict[str, float]:
+    """The weights part of :func:`robust_replies` (in place on the replies' dicts); its metrics."""
+    first = replies[0].get("weights")
+    if not isinstance(first, Mapping) or not first:
+        return {}
+    if rule.rule in ("median", "trimmed-mean"):
+        combined = {}
+        for key, value in first.items():
+            if value.is_floating_point():
+                tensors = [reply["weights"][key] for reply in replies]
+                combined[key] = (coordinate_median(tensors) if rule.rule == "median"
+                                 else trimmed_mean(tensors, rule.trim))
+        for reply in replies:
+            reply["weights"] = {key: combined.get(key, value) for key, value in reply["weights"].items()}
+        return {}
+    norms = [update_norm(reply["weights"], global_weights) for reply in replies]
+    limit = rule.max_norm if rule.max_norm > 0 else rule.norm_multiple * _median_value(norms)
+    clipped = 0
+    for reply, norm in zip(replies, norms):
+        factor = clip_factor(norm, limit)
+        if factor < 1.0:
+            clipped += 1
+            weights = {}
+            for key, value in reply["weights"].items():
+                if value.is_floating_point():
+                    base = global_weights[key].detach().to(device=value.device, dtype=value.dtype)
+                    weights[key] = base + factor * (value.detach() - base)
+                else:
+                    weights[key] = value
+            reply["weights"] = weights
+    return {"robust_clipped": float(clipped), "robust_clip_norm": float(limit)}
+
+
+def _robust_rows(rows: Tensor, rule: Aggregation) -> tuple[Tensor, int]:
+    """One class's rows over its holders (``H x ...``) made robust: ``(new rows, how many were clipped)``."""
+    if rule.rule == "median":
+        return coordinate_median(list(rows)).expand_as(rows), 0
+    if rule.rule == "trimmed-mean":
+        return trimmed_mean(list(rows), rule.trim).expand_as(rows), 0
+    centre = coordinate_median(list(rows))
+    offsets = rows - centre
+    distances = [float(d) for d in offsets.reshape(rows.shape[0], -1).double().norm(dim=1)]
+    limit = rule.norm_multiple * _median_value(distances)
+    factors = [clip_factor(d, limit) for d in distances]
+    scale = torch.tensor(factors, dtype=rows.dtype, device=rows.device).reshape(-1, *([1] * (rows.dim() - 1)))
+    return centre + scale * offsets, sum(f < 1.0 for f in factors)
+
+
+def robust_replies(replies: Sequence[dict[str, Any]], global_weights: Mapping[str, Tensor], rule: Aggregation,
+                   num_classes: int | None) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """A round's validated replies made robust by ``rule`` (new dicts; the inputs are not changed), and
+    what was done (``robust_*`` server metrics).
+
+    Weights: ``median`` / ``trimmed-mean`` give every reply the coordinate-wise aggregate of all
+    replies' floating-point weights (integer counters stay each reply's own); ``norm-clip`` scales each
+    update ``w_k - w_global`` to at most ``max_norm`` (or ``norm_multiple`` x the median update norm
+    when ``max_norm`` is 0), ``robust_clipped`` counting the clipped replies.
+
+    Class tensors (:func:`class_tensor_keys`), per class over the replies that hold it
+    (``class_counts > 0``; every class for a reply without counts): the holders' rows become their
+    coordinate-wise median or trimmed mean, or, with ``norm-clip``, each holder's row is pulled towards
+    the holders' coordinate-wise median to a distance of at most ``norm_multiple`` x the median
+    distance (``robust_rows_clipped``). Rows of classes a reply does not hold are left as they are.
+
+    The method then aggregates these replies with its own rule: a mean of equal values is that value,
+    so the method's aggregate is the robust one.
+    """
+    out = [dict(reply) for reply in replies]
+    metrics = {"robust_updates": float(len(out))}
+    if not out:
+        return out, metrics
+    metrics.update(_robust_weights(out, global_weights, rule))
+    keys = [key for key in class_tensor_keys(out[0], num_classes)
+            if all(isinstance(r.get(key), Tensor) and r[key].shape == out[0][key].shape for r in out)]
+    if keys:
+        assert num_classes is not None  # class tensors are recognised by their first dimension
+        holders = _holders(out, num_classes)
+        clipped = 0
+        for key in keys:
+            stacked = torch.stack([reply[key].detach() for reply in out])
+            robust = stacked.clone()
+            for c in range(num_classes):
+                held = holders[:, c].to(stacked.device)
+                if bool(held.any()):
+                    robust[held, c], count = _robust_rows(stacked[held, c], rule)
+                    clipped += count
+            for index, reply in enumerate(out):
+                reply[key] = robust[index]
+        if rule.rule == "norm-clip":
+            metrics["robust_rows_clipped"] = float(clipped)
+    return out, metrics
 
 
 def weighted_mean(metrics: Sequence[tuple[int, dict[str, float]]]) -> dict[str, float]:
@@ -155,11 +393,13 @@ class RoundProtocol:
     ``server`` is the method's server part; the protocol calls its
     ``broadcast``, ``new_replies``, ``validate_reply`` and ``aggregate``.
     ``on_drop`` receives one line per dropped client or skipped round.
+    ``aggregation`` (default: the method's own mean) makes the replies robust
+    before the method aggregates them (:func:`robust_replies`).
     """
 
     def __init__(self, server: Any, num_clients: int, *, rounds: int, participation: float = 1.0, seed: int = 0,
                  eval_every: int = 1, faults: Faults | None = None, min_clients: int = 1,
-                 on_drop: Callable[[str], None] | None = None):
+                 on_drop: Callable[[str], None] | None = None, aggregation: Aggregation | None = None):
         self.server = server
         self.num_clients = num_clients
         self.rounds = rounds
@@ -167,6 +407,7 @@ class RoundProtocol:
         self.seed = seed
         self.eval_every = eval_every
         self.faults = faults or Faults()
+        self.aggregation = aggregation or Aggregation()
         self.min_clients = min_clients
         self.on_drop = on_drop
 
@@ -200,17 +441,26 @@ class OpenRound:
         self.params_down = payload_parameters(self.payload) * len(self.participants)
         self.dropped: list[dict[str, Any]] = []
         self._corrupt: dict[int, bool] = {}
+        #: the factor each hostile answering client multiplies its update by (faults.scale / sign_flip)
+        self.hostile: dict[int, float] = {}
         for k in self.participants:
-            draw_dropout, draw_corrupt = np.random.default_rng(derive_seed(protocol.seed, FAULT, round, k)).random(2)
+            rng = np.random.default_rng(derive_seed(protocol.seed, FAULT, round, k))
+            draw_dropout, draw_corrupt = rng.random(2)
+            draw_hostile = float(rng.random())  # after the first two: they stay what they were
             if draw_dropout < protocol.faults.dropout:
                 self.dropped.append({"client": k, "reason": "did not answer (faults.dropout)"})
             else:
                 self._corrupt[k] = bool(draw_corrupt < protocol.faults.corrupt)
+                factor = protocol.faults.hostile_factor(draw_hostile)
+                if factor is not None:
+                    self.hostile[k] = factor
         #: the clients to run or ask, in client order
         self.to_ask = list(self._corrupt)
         # the server's container folds each reply's weights into a running sum as it arrives (one model's
         # memory, not one per client), so uploads are measured as replies arrive
         self.replies = protocol.server.new_replies()
+        #: with a robust rule the accepted replies are kept whole here until close() (they need each other)
+        self._held: list[dict[str, Any]] = []
         self.train_metrics: list[tuple[int, dict[str, float]]] = []
         self.failures: list[Exception | str] = []
         self.bytes_up = 0
@@ -223,19 +473,30 @@ class OpenRound:
         self.failures.append(error if error is not None else f"client {client}: {reason}")
 
     def receive(self, client: int, reply: dict[str, Any], metrics: dict[str, float], num_samples: int) -> Reception:
-        """Hand in client ``client``'s reply: injected corruption, the method's validation, then the
-        fold into the round's replies. Returns whether it counts (a :class:`Reception`, true only when
-        accepted) and, when not, whose fault it was: the client's own update (``INVALID``: an engine
-        rolls the client's state back) or a transmission fault (``CORRUPTED``: the client computed a
-        good update, so its state stands)."""
+        """Hand in client ``client``'s reply (it holds ``num_samples`` training samples): the bound on its
+        ``num_examples``, injected hostility and corruption, the method's validation, then the fold into
+        the round's replies (kept whole until :meth:`close` with a robust rule). Returns whether it counts
+        (a :class:`Reception`, true only when accepted) and, when not, whose fault it was: the client's
+        own update (``INVALID``: an engine rolls the client's state back), a transmission fault
+        (``CORRUPTED``) or the injected hostility (``HOSTILE``): the client computed a good update, so
+        its state stands."""
+        problem = examples_problem(reply, client, num_samples)
+        if problem is not None:
+            self.dropped.append({"client": client, "reason": f"invalid update: {problem}"})
+            return Reception.INVALID
         reception = Reception.ACCEPTED
-        if self._corrupt[client]:
-            try:  # the client's own update, before transit: its faults are the client's
+        factor = self.hostile.get(client)
+        if self._corrupt[client] or factor is not None:
+            try:  # the client's own update, before it is changed: its faults are the client's
                 self.protocol.server.validate_reply(reply)
             except UpdateError as error:
                 self.dropped.append({"client": client, "reason": f"invalid update: {error}"})
                 return Reception.INVALID
-            reply, reception = corrupted(reply), Reception.CORRUPTED
+            if factor is not None:
+                reply = hostile(reply, self.payload.get("weights") or {}, factor, self.num_classes)
+                reception = Reception.HOSTILE
+            if self._corrupt[client]:
+                reply, reception = corrupted(reply), Reception.CORRUPTED
         try:
             self.protocol.server.validate_reply(reply)
         except UpdateError as error:
@@ -243,9 +504,23 @@ class OpenRound:
             return Reception.INVALID if reception is Reception.ACCEPTED else reception
         self.bytes_up += payload_bytes(reply)
         self.params_up += payload_parameters(reply)
-        self.replies.append(reply)
+        if self.protocol.aggregation.robust:
+            self._held.append(reply)
+        else:
+            self.replies.append(reply)
         self.train_metrics.append((int(num_samples), metrics))
         return Reception.ACCEPTED
+
+    @property
+    def num_classes(self) -> int | None:
+        """The method's number of classes (what marks a class tensor), None if its server does not say."""
+        value = getattr(self.protocol.server, "num_classes", None)
+        return value if isinstance(value, int) else None
+
+    @property
+    def accepted(self) -> int:
+        """How many replies count so far."""
+        return len(self.replies) + len(self._held)
 
     def close(self, observe: contextlib.AbstractContextManager | None = None) -> dict[str, float]:
         """After the last reply: report the drops, then aggregate, or skip a round with fewer than
@@ -262,15 +537,22 @@ class OpenRound:
         if protocol.on_drop is not None:
             for item in self.dropped:
                 protocol.on_drop(f"round {self.round}: client {item['client']} dropped: {item['reason']}")
-        self.skipped = len(self.replies) < protocol.min_clients
+        self.skipped = self.accepted < protocol.min_clients
         if self.skipped:
             if protocol.on_drop is not None:
-                protocol.on_drop(f"round {self.round}: only {len(self.replies)} valid updates "
+                protocol.on_drop(f"round {self.round}: only {self.accepted} valid updates "
                                  f"(min_clients={protocol.min_clients}); the round is skipped and the global "
                                  "model kept")
             return {}
         with observe if observe is not None else contextlib.nullcontext():
-            return protocol.server.aggregate(self.round, self.replies)
+            if not protocol.aggregation.robust:
+                return protocol.server.aggregate(self.round, self.replies)
+            robust, robust_metrics = robust_replies(self._held, self.payload.get("weights") or {},
+                                                    protocol.aggregation, self.num_classes)
+            self._held = []
+            for reply in robust:
+                self.replies.append(reply)
+            return {**protocol.server.aggregate(self.round, self.replies), **robust_metrics}
 
     def record(self, server_metrics: dict[str, float], accuracy: dict[str, float] | None,
                seconds: dict[str, float], extra: dict[str, Any] | None = None) -> RoundRecord:

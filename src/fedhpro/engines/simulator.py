@@ -26,6 +26,7 @@ from fedhpro.engines.protocol import (
     SAMPLE,
     SERVER,
     TRAIN,
+    Aggregation,
     Faults,
     OpenRound,
     Reception,
@@ -182,7 +183,7 @@ class Simulator:
                  architecture_factory: Callable[[str], nn.Module] | None = None, shared: str | None = None,
                  faults: Faults | None = None, min_clients: int = 1, on_drop: Callable[[str], None] | None = None,
                  count_flops: bool = False, prototype_distance: bool = False,
-                 observers: Sequence[RoundObserver] = ()):
+                 observers: Sequence[RoundObserver] = (), aggregation: Aggregation | None = None):
         """``client_architectures`` (one name per client, built by ``architecture_factory``) switches on
         heterogeneous feature extractors: each client keeps its own model across rounds and only the
         classifier (``classifier.*``) is exchanged and aggregated; evaluation then averages each
@@ -198,7 +199,10 @@ class Simulator:
         of ``observers``): the FLOPs of every client's ``fit`` and of the server step, counted with
         ``torch.utils.flop_counter`` (Table 4), and, at each evaluated round, the L2 distance of the
         server's prototypes and of the mean of the clients' class means to the centralized
-        prototypes, the class means of all training data under the global model (Figure 2)."""
+        prototypes, the class means of all training data under the global model (Figure 2).
+
+        ``faults`` injects client faults and ``aggregation`` a robust rule before the method's own
+        (:class:`~fedhpro.engines.protocol.RoundProtocol`)."""
         self.device = torch.device(device)
         self.models = ClientModels(model_factory, num_clients=federation.num_clients, seed=seed, device=self.device,
                                    client_architectures=client_architectures,
@@ -210,7 +214,7 @@ class Simulator:
                                                 self.device)
         self.protocol = RoundProtocol(self.server, federation.num_clients, rounds=rounds, participation=participation,
                                       seed=seed, eval_every=eval_every, faults=faults, min_clients=min_clients,
-                                      on_drop=on_drop)
+                                      on_drop=on_drop, aggregation=aggregation)
         self.client_states: list[dict[str, Any]] = [{} for _ in range(federation.num_clients)]
         self.history: list[RoundRecord] = []
         self.observers = measurements(flops=count_flops, prototype_distance=prototype_distance) + list(observers)

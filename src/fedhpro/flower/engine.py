@@ -33,10 +33,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fedhpro.api import build_experiment, build_simulator, model_factories, resolve_device
+from fedhpro.api import build_experiment, build_simulator, model_factories, protocol_settings, resolve_device
 from fedhpro.config import Config, load_config
 from fedhpro.data.federation import ClientData, Federation
-from fedhpro.engines.protocol import Faults, RoundProtocol, train_generator
+from fedhpro.engines.protocol import RoundProtocol, train_generator
 from fedhpro.engines.simulator import ClientModels, Simulator, build_method
 from fedhpro.errors import ConfigError
 from fedhpro.methods import get_method
@@ -71,12 +71,9 @@ def prepare_torch(device: torch.device) -> None:
 
 def protocol_for(config: Config, server: Any, num_clients: int,
                  on_drop: Callable[[str], None] | None = None) -> RoundProtocol:
-    """The run's round protocol (the same settings :func:`fedhpro.api.run` gives the simulator)."""
-    options = config.run
-    return RoundProtocol(server, num_clients, rounds=options.rounds, participation=options.participation,
-                         seed=options.seed, eval_every=options.eval_every,
-                         faults=Faults(config.faults.dropout, config.faults.corrupt),
-                         min_clients=options.min_clients, on_drop=on_drop)
+    """The run's round protocol, from the settings :func:`fedhpro.api.run` gives the simulator
+    (:func:`fedhpro.api.protocol_settings`)."""
+    return RoundProtocol(server, num_clients, on_drop=on_drop, **protocol_settings(config))
 
 
 def build_engine(config: Config, on_drop=None) -> Simulator:
