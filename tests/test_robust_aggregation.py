@@ -158,6 +158,15 @@ def test_both_engines_build_their_protocol_from_the_same_settings():
     assert (protocol.rounds, protocol.min_clients) == (4, 2)
 
 
+def test_a_resumed_run_refuses_another_aggregation_or_hostile_fault():
+    from fedhpro.api import _changed_on_resume, _given_settings
+
+    stored = load_config(None, ["aggregation=median"]).to_dict()
+    assert _changed_on_resume(stored, _given_settings(None, {"aggregation": "trimmed-mean", "faults.sign_flip": 0.1})
+                              ) == ["aggregation.rule", "faults.sign_flip"]
+    assert _changed_on_resume(stored, _given_settings(None, {"aggregation.rule": "median"})) == []
+
+
 def _context():
     from fedhpro.methods import MethodContext
 
