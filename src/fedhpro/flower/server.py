@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
@@ -69,6 +69,9 @@ SERVER_STATE = "server-state/"
 NODE_RECORD = "fedhpro.node"
 #: what a node answers to an evaluation: test-set name, correct and total counts
 EVAL_RECORD = "fedhpro.eval"
+#: why a client is dropped when its node is gone: the SuperLink no longer lists it, or it stopped sending
+#: heartbeats while a message waited for it
+NODE_OFFLINE = "node offline"
 #: seconds a round waits for newly connected SuperNodes to say which client they hold (a restarted node)
 REJOIN_WAIT = 120.0
 
@@ -187,6 +190,14 @@ def _ask_new_nodes(grid: Grid, known: Container[int], query: dict[str, Any], dea
         else:
             errors[node] = reply.error.reason or f"error code {reply.error.code}"
     return answers
+
+
+def _error_reason(error: Error) -> str:
+    """One line for an error reply: the SuperLink's own for a node that stopped sending heartbeats while
+    the message waited, else the node's reason (``raised <Error>: <message>``)."""
+    if error.code == ErrorCode.NODE_UNAVAILABLE:
+        return f"{NODE_OFFLINE} (no heartbeat for 2 intervals)"
+    return error.reason or f"error code {error.code}"
 
 
 def _match_replies(sent: list[tuple[int, Message]], replies: list[Message]) -> dict[int, Message]:
@@ -351,7 +362,7 @@ class MethodStrategy(Strategy):
                 self._sent.append((k, Message(RecordDict({**encoded, HEADER: self._header(current.round, k)}),
                                               self.nodes[k], MessageType.TRAIN)))
             else:
-                current.fail(k, "node offline")
+                current.fail(k, NODE_OFFLINE)
         return [message for _, message in self._sent]
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
@@ -365,7 +376,7 @@ class MethodStrategy(Strategy):
             if reply is None:
                 current.fail(k, "no reply before flower.round-timeout")
             elif reply.has_error():
-                current.fail(k, reply.error.reason or f"error code {reply.error.code}")
+                current.fail(k, _error_reason(reply.error))
             else:
                 try:
                     payload = records.decode_payload(reply.content, self.side.device,
@@ -448,7 +459,7 @@ class MethodStrategy(Strategy):
         own_errors = []  # clients whose node raised (not the SuperLink's "node offline")
         for k, reply in _match_replies(self._sent, replies).items():
             if reply.has_error():
-                reasons[k] = reply.error.reason or f"error code {reply.error.code}"
+                reasons[k] = _error_reason(reply.error)
                 if reply.error.code != ErrorCode.NODE_UNAVAILABLE:
                     own_errors.append(k)
                 continue
@@ -460,7 +471,7 @@ class MethodStrategy(Strategy):
         missing = sorted(set(self.nodes) - set(counts))
         asked = dict(self._sent)
         for k in missing:
-            reason = reasons.get(k, "no answer before flower.round-timeout" if k in asked else "node offline")
+            reason = reasons.get(k, "no answer before flower.round-timeout" if k in asked else NODE_OFFLINE)
             log(WARNING, "fedhpro: round %d: client %d not evaluated: %s", round, k, reason)
         if not counts:
             return None, [], missing
