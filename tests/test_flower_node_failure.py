@@ -230,3 +230,25 @@ def test_federated_evaluation_pools_the_answers_it_has(digits_data_dir, _inside_
     assert list(strategy.configure_evaluate(2, None, None, grid)) == []
     strategy.aggregate_evaluate(2, [])
     assert "accuracy" not in strategy.rows[-1] and strategy.rows[-1]["not_evaluated"] == [0, 1, 2]
+
+
+def test_own_data_a_restarted_node_is_recognised_by_its_name_and_folder(_inside_a_run):
+    from test_flower_own_data import DataGrid, info, settings
+
+    from fedhpro.flower.server import discover_own_data
+    from fedhpro.flower.settings import FlowerSettings
+
+    grid = DataGrid({7: info("site-b", ["dog"]), 3: info("site-c", ["cat"]), 9: info("site-a", ["ant", "dog"])})
+    config = load_config(settings())
+    nodes, infos, classes = discover_own_data(grid, config, FlowerSettings(node_wait=1))
+    config = load_config(config.to_dict(), {"data.classes": classes})
+    side = build_server_side(config, num_classes=len(classes), input_shape=tuple(infos[0].input_shape),
+                             num_samples=[i.train_size for i in infos])
+    strategy = MethodStrategy(side, config, nodes)
+    # site-a (client 0, node 9) restarts as node 20; node 21 claims site-a with another folder; node 22 is
+    # a site this run never had
+    del grid.infos[9]
+    grid.infos.update({20: info("site-a", ["ant", "dog"]), 21: info("site-a", ["ant"]), 22: info("site-d", ["dog"])})
+    assert strategy._rejoin(grid) == {3, 7, 20, 21, 22}
+    assert strategy.nodes == {0: 20, 1: 7, 2: 3} and strategy.partition_of == {20: 0, 7: 1, 3: 2}
+    assert strategy.strangers == {9, 21, 22}
