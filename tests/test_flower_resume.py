@@ -17,6 +17,8 @@ exact array transport). Timing fields are not in ``metrics.jsonl``.
 
 from __future__ import annotations
 
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pi
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict  # noqa: E402
 
 from test_flower import assert_same_state, core, read_rows, reference, tiny_config  # noqa: E402
+from test_flower_deployment import Loopback  # noqa: E402
 
 from fedhpro.config import load_config  # noqa: E402
 from fedhpro.engines import checkpoint  # noqa: E402
@@ -210,6 +213,8 @@ def assert_like_the_simulator(out: Path, settings: dict[str, Any], reference_dir
     rows = read_rows(out / "metrics.jsonl")
     expected_rows, expected_state = reference(settings, reference_dir)
     assert core(rows) == core(expected_rows)
+    # every field: metrics.jsonl holds no timing (timing.jsonl does), so the files are equal byte for byte
+    assert (out / "metrics.jsonl").read_bytes() == (reference_dir / "metrics.jsonl").read_bytes()
     assert_same_state(torch.load(out / "server_state.pt", weights_only=True)["server"], expected_state)
 
 
@@ -251,3 +256,76 @@ def test_resume_refuses_a_changed_experiment_and_a_folder_without_checkpoint(tmp
         run_server(UntouchableGrid(), {"resume": str(tmp_path)})
     with pytest.raises(ConfigError, match="resume takes its settings from .*remove rounds"):
         run_server(UntouchableGrid(), {"resume": str(tmp_path), "rounds": 4})
+
+
+# ---------------------------------------------------------------------------- on loopback: real processes
+
+#: seconds to wait for a checkpoint or a row of a run on the busy 2-core test machine (a tiny round: ~20 s)
+ROUND_WAIT = 300
+
+
+def wait_until(net, what: str, done, seconds: float = ROUND_WAIT) -> None:
+    """Until ``done()`` holds; fails with every log's tail after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not done():
+        net.processes.remember_children()
+        if time.monotonic() > deadline:
+            net.fail(f"no {what} after {seconds:.0f} s")
+        time.sleep(0.5)
+
+
+def rows_written(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return len(read_rows(path)) if path.is_file() else 0
+
+
+def node_config(k: int, state_dir: Path) -> str:
+    return f'partition-id={k} num-partitions=2 state-dir="{state_dir}"'
+
+
+def test_a_killed_superlink_is_restarted_and_resume_finishes_the_run_like_the_simulator(digits_data_dir, tmp_path):
+    out, state_dir = tmp_path / "out", tmp_path / "node-state"
+    settings = tiny_config(digits_data_dir, method="fedsa", rounds=5, checkpoint_every=1)
+    settings.pop("clients")  # 2 SuperNodes
+    # the SuperLink keeps its state in a file: restarted without one it forgets the nodes, whose next call
+    # is then refused as unauthenticated, and they stop (flwr 1.42) instead of reconnecting
+    database = ["--database", str(tmp_path / "superlink.db")]
+    with Loopback(tmp_path) as net:
+        net.start_superlink(database)
+        for k in range(2):
+            net.start_supernode(f"node-{k}", node_config(k, state_dir), wait=False)
+        net.wait_connected("node-0", "node-1")
+        net.flwr_run({**settings, "out": str(out)}, wait=False)
+        wait_until(net, "checkpoint of round 2", lambda: 2 in checkpoint.saved_rounds(out))
+        net.kill("superlink", signal.SIGKILL)  # the SuperLink and the ServerApp it runs: a crashed machine
+        assert not (out / "summary.json").exists()
+        # the same port and database; the SuperNodes reconnect by themselves (flower-supernode retries
+        # without limit unless given --max-retries / --max-wait-time)
+        net.start_superlink(database)
+        resumed = net.flwr_run({"resume": str(out)})
+        net.assert_completed(resumed)
+    assert_like_the_simulator(out, {**settings, "clients": 2}, tmp_path / "reference")
+    assert not any(state_dir.iterdir())  # the finished run's client state was forgotten
+
+
+def test_a_killed_supernode_is_restarted_and_its_client_goes_on_like_the_simulator(digits_data_dir, tmp_path):
+    out, state_dir = tmp_path / "out", tmp_path / "node-state"
+    # one client per round, seed 12: client 1 trains in rounds 0 and 1, sits out 2 and 3, trains in round 4
+    # with MOON's previous model from round 1, which its restarted node must take up from its disk
+    settings = tiny_config(digits_data_dir, method="moon", rounds=5, participation=0.5, seed=12)
+    settings.pop("clients")
+    plan = [[1], [1], [0], [0], [1]]
+    with Loopback(tmp_path) as net:
+        net.start_superlink()
+        for k in range(2):
+            net.start_supernode(f"node-{k}", node_config(k, state_dir), wait=False)
+        net.wait_connected("node-0", "node-1")
+        run_id = net.flwr_run({**settings, "out": str(out)}, wait=False)
+        wait_until(net, "row of round 1", lambda: rows_written(out) >= 2)
+        net.kill("node-1", signal.SIGKILL)  # the SuperNode and its flwr-clientapp processes
+        net.start_supernode("node-1", node_config(1, state_dir))  # a new process, a new Flower node id
+        net.wait_run(run_id)
+        net.assert_completed(run_id)
+    rows = read_rows(out / "metrics.jsonl")
+    assert [row["participants"] for row in rows] == plan and not any(row.get("dropped") for row in rows)
+    assert_like_the_simulator(out, {**settings, "clients": 2}, tmp_path / "reference")
