@@ -434,3 +434,12 @@ def test_fedhpro_run_with_the_authors_recipe(digits_data_dir, tmp_path, capsys):
     for row in rows:
         assert {"classifier_match_before", "classifier_match_after", "gm_loss_before"} <= set(row["server"])
         assert row["train"]["margin"] == 0.0  # the published command runs without a margin
+
+
+def test_reply_layout_declares_the_classifier_gradients():
+    """What the Flower server checks replies against before decoding them."""
+    layout = tiny_server().reply_layout()
+    assert layout["classifier_weight_gradients"] == ((2, 2, 3), torch.float32)
+    assert layout["classifier_bias_gradients"] == ((2, 2), torch.float32)
+    assert "classifier_weight_gradients" not in FedHProServer(
+        MethodContext(model=TinyNet(), num_classes=NUM_CLASSES, options=FedHProOptions(), train=TRAIN)).reply_layout()

@@ -32,6 +32,7 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict  # 
 from test_flower import assert_same_state, core, read_rows, reference, tiny_config  # noqa: E402
 from test_flower_deployment import Loopback  # noqa: E402
 
+from fedhpro.cli import main as cli_main  # noqa: E402
 from fedhpro.config import load_config  # noqa: E402
 from fedhpro.engines import checkpoint  # noqa: E402
 from fedhpro.errors import ConfigError  # noqa: E402
@@ -220,12 +221,17 @@ def assert_like_the_simulator(out: Path, settings: dict[str, Any], reference_dir
 
 @pytest.mark.parametrize("name", list(STATEFUL))
 def test_a_killed_server_resumes_from_its_checkpoint_like_an_uninterrupted_run(name, digits_data_dir, tmp_path,
-                                                                               inside_a_run):
+                                                                               inside_a_run, capsys):
     out, state_dir = tmp_path / "out", tmp_path / "node-state"
     settings = tiny_config(digits_data_dir, rounds=5, checkpoint_every=1, **STATEFUL[name])
     with pytest.raises(Killed):
         run_server(InProcessGrid(node_contexts(state_dir), kill_at=2), {}, {**settings, "out": str(out)})
     assert checkpoint.saved_rounds(out) == [1, 2] and not (out / "summary.json").exists()
+    # the in-process engine cannot continue a Flower checkpoint: one line saying where to resume it
+    capsys.readouterr()
+    assert cli_main(["run", f"resume={out}", "progress=false"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "written by the Flower ServerApp" in error and len(error.splitlines()) == 1, error
     assert len(read_rows(out / "metrics.jsonl")) == 2  # the rows are written after every round
     # a new Flower run: new contexts on the same nodes (their disks), only resume= in the run config
     strategy = run_server(InProcessGrid(node_contexts(state_dir)), {"resume": str(out)})

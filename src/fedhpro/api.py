@@ -255,6 +255,9 @@ def _start_run_folder(out: Path, config: Config, federation: Federation) -> RunR
 def _resume_rows(simulator: Simulator, out: Path, newest: Path) -> RunRows:
     """Load the checkpoint ``newest`` into ``simulator`` (and the RNGs): the rows of its completed rounds."""
     state = checkpoint.load(newest)
+    if isinstance(state["simulator"], Mapping) and state["simulator"].get("engine") == "flower":
+        raise ConfigError(f"resume={out}: its checkpoint was written by the Flower ServerApp; resume it on Flower "
+                          f"(flwr run ... --run-config 'resume=\"{out}\"')")
     simulator.load_state_dict(state["simulator"])
     first_round = state["completed_rounds"]
     timings = [row for row in _read_jsonl(out / "timing.jsonl") if row.get("round", 1e9) < first_round]

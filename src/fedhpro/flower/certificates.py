@@ -164,6 +164,6 @@ def create(folder: str | os.PathLike, hosts: Sequence[str], nodes: int = 0, days
         private, public = node_key_pair()
         private_name, public_name = node_key_names(k)
         contents += [(private_name, private, True), (public_name, public, False)]
-    for name, content, private in contents:
-        write_file(folder / name, content, private)
+    for name, content, secret in contents:
+        write_file(folder / name, content, secret)
     return [folder / name for name, _, _ in contents]

@@ -602,15 +602,16 @@ def write_results(out: Path, strategy: MethodStrategy, seconds: float, notes: li
     """``metrics.jsonl``, ``timing.jsonl``, ``summary.json`` (as ``fedhpro run`` writes them) and the server state."""
     side, options = strategy.side, strategy.config.run
     rows = strategy.rows
-    last = next(row["accuracy"] for row in reversed(rows) if "accuracy" in row)
-    final = next(row for row in reversed(rows) if "accuracy" in row)
+    # a run where no round had an accuracy (every evaluation lost to node failures) still gets its summary
+    final = next((row for row in reversed(rows) if "accuracy" in row), {"accuracy": {"AVG": float("nan")}})
+    last = final["accuracy"]
     reports.write_jsonl(out / "metrics.jsonl", rows)
     reports.write_jsonl(out / "timing.jsonl", strategy.timings)
     reports.write_json(out / "summary.json", {
         "method": options.method, "dataset": options.dataset, "seed": options.seed, "rounds": options.rounds,
         "clients": len(strategy.nodes), "accuracy": last["AVG"],
         "per_domain": {name: value for name, value in last.items() if name != "AVG"},
-        "best_accuracy": max(row["accuracy"]["AVG"] for row in rows if "accuracy" in row),
+        "best_accuracy": max((row["accuracy"]["AVG"] for row in rows if "accuracy" in row), default=float("nan")),
         "seconds": seconds, "device": str(side.device), "engine": "flower",
         "bytes_up": sum(row["bytes_up"] for row in rows), "bytes_down": sum(row["bytes_down"] for row in rows),
         "fairness": final.get("fairness"), "client_accuracy": final.get("client_accuracy"),
