@@ -220,7 +220,12 @@ def test_example_app_declares_every_config_key():
 #: FedProto proto-only 2 rounds (personal models in Context.state, evaluated on the nodes)
 SIMULATED = ([("fedhpro-2-rounds", {"method": "fedhpro", "rounds": 2})]
              + [(name, {"method": name, "rounds": 2 if name in ("moon", "fedsa") else 1}) for name in METHODS]
-             + [("fedproto-proto-only", {"method": "fedproto", "rounds": 2, "fedproto.protocol": "proto-only"})])
+             + [("fedproto-proto-only", {"method": "fedproto", "rounds": 2, "fedproto.protocol": "proto-only"})]
+             # hostile clients and a robust rule: the same protocol code on both engines
+             + [("fedhpro-scaled-median", {"method": "fedhpro", "rounds": 2, "faults.scale": 0.4,
+                                           "aggregation": "median"}),
+                ("fedavg-flipped-norm-clip", {"method": "fedavg", "rounds": 2, "faults.sign_flip": 0.4,
+                                              "aggregation": "norm-clip"})])
 
 
 @pytest.fixture(scope="module")
@@ -290,3 +295,5 @@ def test_every_method_runs_on_flower_simulation(simulated, name, digits_data_dir
     expected_rows, expected_state = reference(tiny_config(digits_data_dir, **extra), tmp_path)
     assert core(rows) == core(expected_rows)
     assert_same_state(state["server"], expected_state)
+    if "aggregation" in extra:
+        assert all(row["server"]["robust_updates"] == 3 for row in rows)
