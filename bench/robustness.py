@@ -34,20 +34,24 @@ RULES = {"mean": [], "median": [], "trimmed-mean": ["aggregation.trim=0.2"],
 ATTACKS = {"clean": [], "scale": ["faults.scale=0.2", "faults.scale_factor=100"], "sign-flip": ["faults.sign_flip=0.2"]}
 
 
-def settings() -> list[tuple[str, str, list[str]]]:
-    """``(attack, rule, keys)``: the clean run with the plain mean and every attack under every rule."""
+def settings(clean_rules: list[str]) -> list[tuple[str, str, list[str]]]:
+    """``(attack, rule, keys)``: the clean run with the plain mean, every attack under every rule, and the
+    ``clean_rules`` without an attack (what a robust rule costs when nobody attacks)."""
     out = [("clean", "mean", [])]
     for attack, keys in ATTACKS.items():
         if attack != "clean":
             out += [(attack, rule, keys + [f"aggregation={rule}"] + extra) for rule, extra in RULES.items()]
+    out += [("clean", rule, [f"aggregation={rule}"] + RULES[rule]) for rule in clean_rules if rule != "mean"]
     return out
 
 
-def accuracies(folder: Path, method: str, seeds: int) -> tuple[list[float], int]:
-    """The final AVG of the runs that finished, and how many of ``seeds`` runs stopped (all clients diverged)."""
-    values = [json.loads((run / "summary.json").read_text())["accuracy"]
-              for run in sorted(folder.glob(f"{method}-seed*")) if (run / "summary.json").is_file()]
-    return values, seeds - len(values)
+def accuracies(folder: Path, method: str) -> tuple[list[float], int]:
+    """The final AVG of the runs that finished, and how many runs started there but stopped (every
+    client diverged); ``([], 0)`` where the setting was not run."""
+    runs = sorted(folder.glob(f"{method}-seed*"))
+    values = [json.loads((run / "summary.json").read_text())["accuracy"] for run in runs
+              if (run / "summary.json").is_file()]
+    return values, len(runs) - len(values)
 
 
 def cell(result: tuple[list[float], int]) -> str:
@@ -69,10 +73,13 @@ def main() -> None:
     # E=1 at the default lr 0.01 reaches ~20% in 10 rounds: a budget where nothing can break; 0.05 reaches ~75%
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--clean-rules", default="median", help="robust rules also run without attackers")
+    parser.add_argument("--table-only", action="store_true", help="only rebuild the table from the run folders")
     args = parser.parse_args()
     methods = args.methods.split(",")
     budget = [f"rounds={args.rounds}", f"local_epochs={args.local_epochs}", f"lr={args.lr}"]
-    for attack, rule, keys in settings():
+    chosen = [] if args.table_only else settings([rule for rule in args.clean_rules.split(",") if rule])
+    for attack, rule, keys in chosen:
         folder = args.out / f"{attack}-{rule}"
         command = [sys.executable, "-m", "fedhpro", "compare", f"methods=[{args.methods}]", f"seeds=[{args.seeds}]",
                    *budget, *keys, f"jobs={args.jobs}", "progress=false", "device=cpu", f"out={folder}"]
@@ -80,13 +87,12 @@ def main() -> None:
         # a run whose every client diverged (NaN after a poisoned mean) stops: compare reports it and goes on
         subprocess.run(command, check=False)
     rows = []
-    count = len(args.seeds.split(","))
     for method in methods:
-        clean = accuracies(args.out / "clean-mean", method, count)
-        for attack in (a for a in ATTACKS if a != "clean"):
-            rows.append([method, attack, cell(clean)] + [
-                cell(accuracies(args.out / f"{attack}-{rule}", method, count)) for rule in RULES])
-    header = ["method", "attack", "clean (mean)"] + [f"attacked, {rule}" for rule in RULES]
+        clean = accuracies(args.out / "clean-mean", method)
+        for attack in ATTACKS:  # "clean": each rule without attackers, where it was run
+            rows.append([method, attack if attack != "clean" else "none", cell(clean)] + [
+                cell(accuracies(args.out / f"{attack}-{rule}", method)) for rule in RULES])
+    header = ["method", "attack", "clean (mean)"] + list(RULES)
     lines = [f"Final AVG (%) on digits-offline, mean ± std over seeds [{args.seeds}]; "
              f"{' '.join(budget)}; 20% of the clients hostile per round; a diverged run is one whose every "
              "client's training went non-finite in some round (the run stops).", "",
