@@ -260,7 +260,7 @@ def _resume_rows(simulator: Simulator, out: Path, newest: Path) -> RunRows:
                           f"(flwr run ... --run-config 'resume=\"{out}\"')")
     simulator.load_state_dict(state["simulator"])
     first_round = state["completed_rounds"]
-    timings = [row for row in _read_jsonl(out / "timing.jsonl") if row.get("round", 1e9) < first_round]
+    timings = [row for row in reports.read_jsonl(out / "timing.jsonl") if row.get("round", 1e9) < first_round]
     return RunRows(state["metrics"], timings, first_round)
 
 
@@ -798,8 +798,3 @@ def _resume_config(config: Config, federation: Federation | None = None,
         raise ConfigError(f"resume={str(run_dir)!r}: the run has no checkpoint yet; start it again instead")
     return resumed, newest
 
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

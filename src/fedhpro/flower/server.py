@@ -576,9 +576,7 @@ def resume_strategy(strategy: MethodStrategy, out: Path, newest: Path) -> None:
     with its rows (``timing.jsonl``'s of those rounds too) and the nodes' state key."""
     blob = checkpoint.load(newest)
     completed = int(blob["completed_rounds"])
-    timing = out / "timing.jsonl"
-    timings = [json.loads(line) for line in (timing.read_text().splitlines() if timing.is_file() else [])
-               if line.strip()]
+    timings = reports.read_jsonl(out / "timing.jsonl")
     strategy.load_state_dict(blob["simulator"], completed, blob["metrics"],
                              [row for row in timings if row.get("round", completed) < completed])
     strategy.keep_from = min(checkpoint.saved_rounds(out))
@@ -599,14 +597,13 @@ def forget_client_state(grid: Grid, strategy: MethodStrategy, settings: FlowerSe
 
 
 def write_results(out: Path, strategy: MethodStrategy, seconds: float, notes: list[str]) -> None:
-    """``metrics.jsonl``, ``timing.jsonl``, ``summary.json`` (as ``fedhpro run`` writes them) and the server state."""
+    """``summary.json`` (as ``fedhpro run`` writes it) and the server state; :class:`RunFolder` has written
+    ``metrics.jsonl`` and ``timing.jsonl`` after every round."""
     side, options = strategy.side, strategy.config.run
     rows = strategy.rows
     # a run where no round had an accuracy (every evaluation lost to node failures) still gets its summary
     final = next((row for row in reversed(rows) if "accuracy" in row), {"accuracy": {"AVG": float("nan")}})
     last = final["accuracy"]
-    reports.write_jsonl(out / "metrics.jsonl", rows)
-    reports.write_jsonl(out / "timing.jsonl", strategy.timings)
     reports.write_json(out / "summary.json", {
         "method": options.method, "dataset": options.dataset, "seed": options.seed, "rounds": options.rounds,
         "clients": len(strategy.nodes), "accuracy": last["AVG"],

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -28,6 +29,14 @@ def write_yaml(path: str | os.PathLike, value: Any) -> None:
 def write_jsonl(path: str | os.PathLike, rows: Iterable[dict[str, Any]]) -> None:
     """The whole file, rewritten atomically (rows are few: one per round)."""
     write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of a ``.jsonl`` file (``[]`` when there is none yet)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def accuracy_table(accuracy: dict[str, float], title: str = "") -> str:
