@@ -230,6 +230,37 @@ def test_runtime_keeps_freed_memory_on_glibc_and_the_switch_turns_it_off():
     assert _runtime_probe("0") == "False"
 
 
+
+def _openmp_probe(code: str, **env_values: str) -> dict:
+    """The OpenMP wait variables a fresh interpreter holds after running ``code`` (none set beforehand
+    except ``env_values``)."""
+    import json
+    import os
+    import subprocess
+
+    env = {key: value for key, value in os.environ.items() if key not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(env_values)
+    probe = code + "; import json, os; print(json.dumps({k: os.environ.get(k) for k in " \
+                   "('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT')}))"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_import_fedhpro_lets_openmp_threads_sleep_unless_the_user_chose_or_torch_is_loaded():
+    from fedhpro.runtime import OPENMP_DEFAULTS
+
+    assert OPENMP_DEFAULTS == {"OMP_WAIT_POLICY": "PASSIVE"}
+    # set before torch loads libgomp (which reads it once), and still there once torch is imported
+    assert _openmp_probe("import fedhpro, torch") == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}
+    assert _openmp_probe("import fedhpro.cli") == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}
+    # the user's choice wins, whichever of the two variables it is
+    assert _openmp_probe("import fedhpro", OMP_WAIT_POLICY="ACTIVE") == {"OMP_WAIT_POLICY": "ACTIVE",
+                                                                          "GOMP_SPINCOUNT": None}
+    assert _openmp_probe("import fedhpro", GOMP_SPINCOUNT="300000") == {"OMP_WAIT_POLICY": None,
+                                                                         "GOMP_SPINCOUNT": "300000"}
+    # torch first: its OpenMP runtime has read the environment already, so nothing is set (it would mislead)
+    assert _openmp_probe("import torch, fedhpro") == {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None}
+
 # --- no-grad passes in channels_last, with a fallback ---------------------------------------------------------
 
 

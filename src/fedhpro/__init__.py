@@ -12,7 +12,10 @@ import importlib
 from typing import Any
 
 from fedhpro.errors import ConfigError, DataError, FedHProError, UpdateError
+from fedhpro.runtime import set_openmp_defaults
 
+# before torch loads its OpenMP runtime, which reads the wait policy once (fedhpro.runtime)
+set_openmp_defaults()
 __version__ = "0.1.0"
 
 #: names imported on first use (they pull in torch; ``import fedhpro`` stays light)

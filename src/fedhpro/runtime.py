@@ -1,6 +1,17 @@
 """Process settings for training on the CPU, applied by every entry point (``fedhpro.run``, the Flower
 apps, the benchmarks) so that all of them measure and run the same way.
 
+* OpenMP's idle threads sleep at once instead of spinning
+  (:data:`OPENMP_DEFAULTS`, ``OMP_WAIT_POLICY=PASSIVE``), set by ``import
+  fedhpro`` when the user set neither ``OMP_WAIT_POLICY`` nor
+  ``GOMP_SPINCOUNT`` and torch is not loaded yet: libgomp reads them once,
+  when torch loads it. libgomp's own default spins 300,000 iterations
+  between parallel regions; beside another busy process that spinning takes
+  the time slice of the thread it waits for: a round of the default 2-thread
+  run took 2.8x as long as on the idle machine, 1.7x with passive waits, at
+  the same idle speed (bench/shared_machine.py, bench/RESULTS.md). The wait
+  policy does not change the numbers: the same thread count splits the same
+  work.
 * Denormal floats are flushed to zero: tiny gradients (HPCL's saturated gate)
   produce denormals, which run ~10x slower on x86.
 * glibc's allocator keeps freed memory for reuse. By default it returns
@@ -30,7 +41,9 @@ import os
 import sys
 from collections.abc import Iterator
 
-import torch
+#: libgomp's settings when the user set none: idle threads sleep at once (see the docstring)
+OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+_OPENMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 #: glibc's ``mallopt`` parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -42,8 +55,19 @@ TRIM_THRESHOLD = 1024 * 1024 * 1024
 _allocator_configured: bool | None = None
 
 
+def set_openmp_defaults() -> bool:
+    """Put :data:`OPENMP_DEFAULTS` in the environment unless the user set a wait variable or torch (and so
+    its OpenMP runtime) is loaded already; True if set. Child processes (sweep workers, Flower's) inherit it."""
+    if "torch" in sys.modules or any(name in os.environ for name in _OPENMP_WAIT_VARIABLES):
+        return False
+    os.environ.update(OPENMP_DEFAULTS)
+    return True
+
+
 def configure_cpu_runtime() -> None:
     """Flush denormals and let glibc reuse freed memory (see the module docstring); idempotent."""
+    import torch
+
     torch.set_flush_denormal(True)
     keep_freed_memory()
 
@@ -55,6 +79,8 @@ def cpu_runtime(enabled: bool = True) -> Iterator[None]:
     if not enabled:
         yield
         return
+    import torch
+
     flushed = denormals_flushed()
     configure_cpu_runtime()
     try:
@@ -68,6 +94,8 @@ def denormals_flushed() -> bool:
 
     ``1e-40`` is a float32 denormal; with flushing on, it reads back as 0.
     """
+    import torch
+
     return float(torch.full((1,), 1e-40, dtype=torch.float32).mul_(1.0)[0]) == 0.0
 
 
