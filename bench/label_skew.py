@@ -29,6 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from harness import add_study_arguments, study_budget
+
 METHODS = ["fedavg", "fedprox", "moon", "fedproto", "fedtgp", "fedgmkd", "fedrcl", "fedsa", "fedhpro"]
 DATA = ["dataset=digits-offline", "data.domains=[mnist]"]
 SCENARIOS: dict[str, list[str]] = {
@@ -90,16 +92,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
-    parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--local-epochs", type=int, default=1)
-    parser.add_argument("--jobs", type=int, default=1)
-    parser.add_argument("--set", nargs="*", default=["lr=0.05"], metavar="KEY=VALUE",
-                        help="more settings for every run (default lr=0.05)")
-    parser.add_argument("--table-only", action="store_true", help="only rebuild the table from the run folders")
+    add_study_arguments(parser)
     args = parser.parse_args()
     methods = args.methods.split(",")
-    budget = [f"rounds={args.rounds}", f"local_epochs={args.local_epochs}", *args.set]
+    budget = study_budget(args)
     for scenario in [] if args.table_only else args.scenarios:
         command = [sys.executable, "-m", "fedhpro", "compare", f"methods=[{args.methods}]", f"seeds=[{args.seeds}]",
                    *DATA, *SCENARIOS[scenario], *budget, f"jobs={args.jobs}", "progress=false", "device=cpu",
