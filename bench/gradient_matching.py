@@ -8,10 +8,10 @@ are reused). The settings are the ones where the paper's argument says
 matching should matter most: strong label skew with classes missing on many
 clients (NID1_0.1), few clients per class (NID2), partial participation, one
 and many hyper-prototypes per class (|I| = 1, 20), Adam as the matching
-optimiser, the authors' server step alone (``fedhpro.classifier_step=synthetic``:
-a classifier retrained on synthetic features matched to the clients'
-classifier gradients) and the authors' whole recipe (``fedhpro.recipe=authors``,
-which includes that step). Data: real MNIST
+optimiser, and the authors' recipe with its server step
+(``fedhpro.recipe=authors``, which includes ``classifier_step=synthetic``: a
+classifier retrained on synthetic features matched to the clients'
+classifier gradients). Data: real MNIST
 (digits-offline's ``mnist`` domain), offline.
 
 Writes ``gradient_matching.md`` / ``.csv`` in ``--out``: per setting and variant,
@@ -20,7 +20,9 @@ matching in the last round (Eq. 8 summed over the classes), how far S moved
 from its initial draw (``||S - S_0|| / ||S_0||``), and Figure 2's measure:
 the L2 distance between the averaged hyper-prototypes H and the centralized
 prototypes (class means of all training data under the global model), raw
-and between unit vectors; each mean ± std over the seeds.
+and between unit vectors, beside the same distance for the mean of the
+clients' own class means (Eq. 4's P, what FedProto averages); each mean ± std
+over the seeds.
 
     python bench/gradient_matching.py --out runs/gradient-matching --jobs 2   # the README's table (~40 min on 2 cores)
     python bench/gradient_matching.py --out /tmp/gm --seeds 0 --rounds 2 --settings NID2
@@ -51,12 +53,11 @@ SETTINGS: dict[str, list[str]] = {
     "NID1_0.1, |I|=1": [*NID1, "fedhpro.num_hyper=1"],
     "NID1_0.1, |I|=20": [*NID1, "fedhpro.num_hyper=20"],
     "NID1_0.1, adam": [*NID1, "fedhpro.hyper_optimizer=adam"],
-    "NID1_0.1, classifier_step=synthetic": [*NID1, "fedhpro.classifier_step=synthetic"],
     "NID1_0.1, recipe=authors": [*NID1, "fedhpro.recipe=authors"],
 }
 VARIANTS = {"learned": ["fedhpro.match_steps=30"], "frozen": ["fedhpro.match_steps=0"]}
 MEASURES = ["accuracy", "accuracy_last3", "gm_loss_before", "gm_loss_after", "hyper_movement", "distance_l2",
-            "distance_unit"]
+            "distance_unit", "clients_mean_unit"]
 
 
 def folder_name(setting: str, variant: str) -> str:
@@ -78,7 +79,8 @@ def run_measures(run: Path) -> dict[str, float] | None:
             "gm_loss_before": server.get("gm_loss_before", float("nan")),
             "gm_loss_after": server.get("gm_loss_after", float("nan")),
             "hyper_movement": server.get("hyper_movement", float("nan")),
-            "distance_l2": hyper.get("l2", float("nan")), "distance_unit": hyper.get("l2_normalized", float("nan"))}
+            "distance_l2": hyper.get("l2", float("nan")), "distance_unit": hyper.get("l2_normalized", float("nan")),
+            "clients_mean_unit": distance.get("clients_mean", {}).get("l2_normalized", float("nan"))}
 
 
 def cell(values: list[float], digits: int) -> str:
@@ -90,7 +92,7 @@ def cell(values: list[float], digits: int) -> str:
 
 def table(out: Path, settings: list[str], budget: list[str], seeds: str) -> list[str]:
     header = ["setting", "hyper-prototypes", "accuracy (%)", "Δ acc", "last 3 rounds", "L_GM before", "L_GM after",
-              "S moved", "‖H − P*‖", "‖Ĥ − P̂*‖"]
+              "S moved", "‖H − P*‖", "‖Ĥ − P̂*‖", "clients' mean ‖P̂ − P̂*‖"]
     rows, csv_rows = [], []
     for setting in settings:
         means: dict[str, float] = {}
@@ -107,7 +109,7 @@ def table(out: Path, settings: list[str], budget: list[str], seeds: str) -> list
                         f"{cell(values['accuracy_last3'], 2)} | "
                         f"{cell(values['gm_loss_before'], 3)} | {cell(values['gm_loss_after'], 3)} | "
                         f"{cell(values['hyper_movement'], 4)} | {cell(values['distance_l2'], 2)} | "
-                        f"{cell(values['distance_unit'], 3)} |")
+                        f"{cell(values['distance_unit'], 3)} | {cell(values['clients_mean_unit'], 3)} |")
             csv_rows += [[setting, variant, m["seed"], *(m[key] for key in MEASURES)]
                          for m in ({**m, "seed": run.name.rsplit("seed", 1)[-1]}
                                    for run, m in zip(runs, map(run_measures, runs)) if m is not None)]
@@ -119,7 +121,8 @@ def table(out: Path, settings: list[str], budget: list[str], seeds: str) -> list
             "swings from round to round under strong label skew). L_GM: Eq. 8 summed over the classes in the last "
             "round, before and after that round's matching; S moved: ||S - S_0|| / ||S_0|| at the end; "
             "‖H − P*‖: mean over classes of the L2 distance of the averaged hyper-prototypes to the centralized "
-            "prototypes (Figure 2), ‖Ĥ − P̂*‖ the same between unit vectors (in [0, 2]).",
+            "prototypes (Figure 2), ‖Ĥ − P̂*‖ the same between unit vectors (in [0, 2]); clients' mean: the same "
+            "unit-vector distance for the unweighted mean of the last round's clients' class means (Eq. 4's P).",
             "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header), *rows]
 
 
