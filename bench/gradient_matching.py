@@ -110,7 +110,8 @@ def table(out: Path, settings: list[str], budget: list[str], seeds: str) -> list
             delta = (f"{means[variant] - means['learned']:+.2f}"
                      if variant != "learned" and variant in means and "learned" in means else "–")
             label = f"{variant} (M={'0' if variant == 'frozen' else '30'})"
-            rows.append(f"| {setting.replace('|', chr(92) + '|')} | {label} | {cell(values['accuracy'], 2)} | {delta} | "
+            name = setting.replace("|", "\\|")  # |I| would split the markdown row
+            rows.append(f"| {name} | {label} | {cell(values['accuracy'], 2)} | {delta} | "
                         f"{cell(values['accuracy_last3'], 2)} | "
                         f"{cell(values['gm_loss_before'], 3)} | {cell(values['gm_loss_after'], 3)} | "
                         f"{cell(values['hyper_movement'], 4)} | {cell(values['distance_l2'], 2)} | "
