@@ -103,7 +103,8 @@ def table(out: Path, settings: list[str], budget: list[str], seeds: str) -> list
         means: dict[str, float] = {}
         for variant in VARIANTS:
             runs = sorted((out / folder_name(setting, variant)).glob("fedhpro-seed*"))
-            found = [m for m in map(run_measures, runs) if m is not None]
+            measured = [(run.name.rsplit("seed", 1)[-1], m) for run in runs if (m := run_measures(run)) is not None]
+            found = [m for _, m in measured]
             values = {key: [m[key] for m in found] for key in MEASURES}
             if values["accuracy"]:
                 means[variant] = statistics.mean(values["accuracy"])
@@ -116,9 +117,7 @@ def table(out: Path, settings: list[str], budget: list[str], seeds: str) -> list
                         f"{cell(values['gm_loss_before'], 3)} | {cell(values['gm_loss_after'], 3)} | "
                         f"{cell(values['hyper_movement'], 4)} | {cell(values['distance_l2'], 2)} | "
                         f"{cell(values['distance_unit'], 3)} | {cell(values['clients_mean_unit'], 3)} |")
-            csv_rows += [[setting, variant, m["seed"], *(m[key] for key in MEASURES)]
-                         for m in ({**m, "seed": run.name.rsplit("seed", 1)[-1]}
-                                   for run, m in zip(runs, map(run_measures, runs)) if m is not None)]
+            csv_rows += [[setting, variant, seed, *(m[key] for key in MEASURES)] for seed, m in measured]
     with open(out / "gradient_matching.csv", "w", newline="") as handle:
         csv.writer(handle).writerows([["setting", "variant", "seed", *MEASURES], *csv_rows])
     return [f"FedHPro with learned (M = 30 matching steps) and frozen random (M = 0) hyper-prototypes on real "
