@@ -62,6 +62,9 @@ class ClientsOptions:
                                                   "else the sorted union of their class folders)")
     num_classes: int | None = option(None, min=1, help="tensor clients: number of classes (default: the largest "
                                                        "label + 1)")
+    max_classes: int = option(100_000, min=1, help="the most classes a federation may have: a label, a class "
+                                                   "list or a node's description naming more is refused (a "
+                                                   "guard against a corrupt or hostile file exhausting memory)")
     cache: bool = option(True, help="image clients: keep the decoded pixels in data_dir/.fedhpro-cache (keyed by "
                                     "the files' names, times and sizes), so later runs skip decoding")
 

@@ -55,6 +55,8 @@ class HuggingFaceOptions:
     image_column: str = option("image", help="the column of the images")
     text_column: str | None = option(None, help="the column of texts; set it for text (model=textcnn)")
     label_column: str = option("label", help="the column of the class labels")
+    max_classes: int = option(100_000, min=1, help="the most classes the data set may have: a larger label is "
+                                                   "refused (a guard against a corrupt file exhausting memory)")
     train_split: str = option("train", help="the training split of a DatasetDict")
     test_split: str = option("test", help="the test split of a DatasetDict (absent: held out of the training split)")
     test_fraction: float = option(0.2, gt=0.0, max=0.9, help="share of each class held out for testing where "
