@@ -10,17 +10,27 @@ The file gets the mode a plain ``open(path, "w")`` gives, ``0o666`` less the
 umask (``tempfile.mkstemp`` would give ``0o600``: results in a shared folder
 would be unreadable to the group).
 
-This module sits below everything else in fedhpro (it imports nothing from
-the package), so data, engines and reports can all use it.
+It also claims a run's folder for the life of the run (:func:`claim_run_folder`):
+two runs writing into one ``out=`` would mix their files.
+
+This module sits below everything else in fedhpro (it imports only
+:mod:`fedhpro.errors`, which imports nothing), so data, engines and reports
+can all use it.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import secrets
+import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
+
+from fedhpro.errors import ConfigError
 
 #: what a new file's mode starts from before the umask, as ``open(path, "w")`` does
 NEW_FILE_MODE = 0o666
@@ -58,3 +68,145 @@ def write_atomic(path: str | os.PathLike, content: str | bytes) -> None:
     """Write ``content`` (text as UTF-8, or bytes) to ``path`` atomically (:func:`write_atomic_with`)."""
     data = content.encode("utf-8") if isinstance(content, str) else bytes(content)
     write_atomic_with(path, lambda handle: handle.write(data))
+
+
+#: the lock file of a claimed run folder; hidden (a leading dot), so listings, reports and resume pass it by
+LOCK_NAME = ".fedhpro.lock"
+
+
+class RunFolderInUse(ConfigError):
+    """The run folder is claimed by another live run (its pid, host and start time are in the message)."""
+
+
+class RunFolderClaim:
+    """An exclusive claim on a run folder, held for the life of a run (:func:`claim_run_folder`).
+
+    The claim is an ``fcntl.flock(LOCK_EX)`` on an open descriptor of the
+    folder's :data:`LOCK_NAME`: the operating system drops it when the process
+    ends, however it ends, so a crashed run never leaves its folder claimed.
+    :meth:`release` (or leaving the ``with`` block) removes the lock file and
+    drops the claim; it may be called more than once.
+    """
+
+    def __init__(self, folder: Path, descriptor: int | None, created: bool):
+        self.folder = folder
+        self.lock_path = folder / LOCK_NAME
+        self._descriptor = descriptor
+        self._created = created
+
+    @property
+    def held(self) -> bool:
+        """Whether this claim still holds the folder."""
+        return self._descriptor is not None
+
+    def release(self) -> None:
+        """Drop the claim: the lock file goes, then the lock; a folder the claim made and nothing else filled
+        goes too (a run that failed before writing anything leaves no empty folder behind)."""
+        descriptor, self._descriptor = self._descriptor, None
+        if descriptor is None:
+            return
+        try:
+            try:
+                if os.path.samestat(os.fstat(descriptor), os.stat(self.lock_path)):
+                    os.unlink(self.lock_path)  # while still locked: nobody holds a claim on this file
+            except OSError:
+                pass
+        finally:
+            os.close(descriptor)  # drops the flock
+        if self._created:
+            try:
+                self.folder.rmdir()  # only if empty
+            except OSError:
+                pass
+
+    def __enter__(self) -> RunFolderClaim:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"RunFolderClaim({str(self.folder)!r}, held={self.held})"
+
+
+def _holder(lock_path: Path) -> str:
+    """``run pid 123 on host h since 2026-12-01 16:05:00 UTC`` from a held lock file (the holder writes it
+    just after locking: read a few times before settling for less)."""
+    for attempt in range(5):
+        try:
+            info = json.loads(lock_path.read_text(encoding="utf-8"))
+            return (f"run pid {int(info['pid'])} on host {info['host']} since "
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(float(info['started'])))}")
+        except (OSError, ValueError, KeyError, TypeError, OverflowError):
+            time.sleep(0.02 * (attempt + 1))
+    return "another run"
+
+
+def claim_run_folder(path: Path, *, setting: str = "out") -> RunFolderClaim:
+    """Claim the run folder ``path`` exclusively for the life of a run: the folder is made if needed and its
+    lock file :data:`LOCK_NAME` (pid, host and start time, for the message another run gets) is locked with
+    ``fcntl.flock(LOCK_EX | LOCK_NB)`` on a descriptor the returned claim keeps open. Use it as a context
+    manager, or call :meth:`RunFolderClaim.release` when the run ends; a process that dies releases it too.
+
+    Raises :class:`RunFolderInUse` (a one-line :class:`~fedhpro.errors.ConfigError`) while another run holds
+    the folder: ``out=X is in use by run pid 123 on host h since ...; wait for it or choose another out=``;
+    and a ConfigError when ``path`` is a file or cannot be written. ``setting`` names the key in messages
+    (``out``, ``resume``). On a file system without locks (some network mounts) the folder is not claimed.
+    """
+    folder = Path(path)
+    where = f"{setting}={folder}"
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{where} is a file, not a folder; give a folder (new or of an earlier run)")
+    created = not folder.exists()
+    lock_path = folder / LOCK_NAME
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        while True:
+            descriptor = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), NEW_FILE_MODE)
+            try:
+                if not _lock(descriptor):
+                    raise RunFolderInUse(f"{where} is in use by {_holder(lock_path)}; wait for it or choose "
+                                         f"another {setting}=")
+                try:
+                    current = os.stat(lock_path)
+                except FileNotFoundError:
+                    current = None
+                if current is None or not os.path.samestat(os.fstat(descriptor), current):
+                    os.close(descriptor)  # its holder released it (and removed it) between our open and lock
+                    continue
+                record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()})
+                os.ftruncate(descriptor, 0)
+                os.pwrite(descriptor, (record + "\n").encode("utf-8"), 0)
+                return RunFolderClaim(folder, descriptor, created)
+            except BaseException:
+                try:
+                    os.close(descriptor)
+                except OSError:
+                    pass
+                raise
+    except FileExistsError:
+        raise ConfigError(f"{where}: a file stands where a folder of that path must be; give another "
+                          f"{setting}=") from None
+    except NotADirectoryError:
+        raise ConfigError(f"{where}: part of that path is a file, not a folder; give another {setting}=") from None
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise ConfigError(f"{where} cannot be written ({reason}); give a folder you can write") from None
+
+
+def _lock(descriptor: int) -> bool:
+    """Take the exclusive lock without waiting: False if another descriptor holds it (True where the file
+    system has no locks: the folder then goes unclaimed)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no claim
+        return True
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        if error.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+            return True
+        raise
+    return True
