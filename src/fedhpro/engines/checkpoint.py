@@ -10,8 +10,10 @@ to produce the numbers an uninterrupted run produces.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import pickle
 import random
 import re
 from pathlib import Path
@@ -25,6 +27,36 @@ from fedhpro.files import write_atomic_with
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^round-(\d{6})\.pt$")
+#: what every checkpoint holds (a file without one of them is damaged or not a fedhpro checkpoint)
+_KEYS = ("format_version", "completed_rounds", "simulator", "metrics", "rng")
+
+
+class CheckpointWriteError(DataError):
+    """A checkpoint could not be written (disk full, file too large, folder not writable): the earlier
+    checkpoints are kept as they were, the message names the newest of them and how to continue."""
+
+    def __init__(self, message: str, path: Path, previous: Path | None, error: OSError):
+        super().__init__(message)
+        self.path, self.previous, self.error = path, previous, error
+
+
+class _RecordingWriter:
+    """The file handle torch.save writes to, keeping the first OSError: torch's zip writer turns it into an
+    opaque RuntimeError ("unexpected pos ..."); :func:`save` raises the disk's own error instead."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as error:
+            self.error = self.error or error
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()
 
 
 def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
@@ -64,10 +96,38 @@ def save(run_dir: str | os.PathLike, completed_rounds: int, simulator_state: dic
         "metrics": json.dumps(metrics),
         "rng": _rng_states(),
     }
-    write_atomic_with(path, lambda handle: torch.save(blob, handle))
+    previous = latest(run_dir)
+
+    def write(handle) -> None:
+        writer = _RecordingWriter(handle)
+        try:
+            torch.save(blob, writer)
+        except RuntimeError:
+            if writer.error is not None:
+                raise writer.error from None
+            raise
+
+    try:
+        write_atomic_with(path, write)
+    except OSError as error:  # write_atomic_with removed its temporary file: the earlier checkpoints stand
+        raise CheckpointWriteError(_write_failed(path, previous, run_dir, error), path, previous, error) from None
     for old in sorted(p for p in folder.iterdir() if _NAME.match(p.name))[:-max(keep, 1)]:
         old.unlink()
     return path
+
+
+def _write_failed(path: Path, previous: Path | None, run_dir: str | os.PathLike, error: OSError) -> str:
+    """One line: which checkpoint could not be written and why, what was kept, how to continue."""
+    reason = error.strerror or str(error) or type(error).__name__
+    hint = {errno.ENOSPC: "free space", errno.EFBIG: "raise the file size limit (ulimit -f)",
+            getattr(errno, "EDQUOT", -1): "free space within your quota", errno.EROFS: "make it writable",
+            errno.EACCES: "make it writable", errno.EPERM: "make it writable"}.get(error.errno, "fix the disk")
+    if previous is None:
+        kept = "no earlier checkpoint exists; once fixed, delete the folder and start the run again"
+    else:
+        kept = (f"the newest good checkpoint, {previous} (round {int(_NAME.match(previous.name).group(1))}), "
+                f"is kept: {hint}, then continue with resume={run_dir}")
+    return f"could not write checkpoint {path} ({reason}); the run stopped; {kept}"
 
 
 def latest(run_dir: str | os.PathLike) -> Path | None:
@@ -88,14 +148,72 @@ def saved_rounds(run_dir: str | os.PathLike) -> list[int]:
 
 
 def load(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a checkpoint (tensors and plain containers only: ``weights_only=True``) and restore the RNGs."""
+    """Read a checkpoint (tensors and plain containers only: ``weights_only=True``, never arbitrary pickled
+    objects) and restore the RNGs. A file that cannot be read, holds other objects, or lacks a fedhpro
+    checkpoint's keys raises a one-line DataError naming the earlier checkpoints to resume from instead."""
+    path = Path(path)
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # a truncated or foreign file
-        raise DataError(f"checkpoint {str(path)!r} cannot be read ({type(error).__name__}); "
-                        "delete it to resume from the one before") from None
-    if not isinstance(blob, dict) or blob.get("format_version") != FORMAT_VERSION:
-        raise DataError(f"checkpoint {str(path)!r} is not a fedhpro checkpoint of format {FORMAT_VERSION}")
-    _restore_rng(blob["rng"])
-    blob["metrics"] = json.loads(blob["metrics"])
+    except pickle.UnpicklingError:  # weights_only refused a global: code or objects other than tensors
+        raise DataError(_not_loadable(path, "it holds objects other than tensors, which are never unpickled")) \
+            from None
+    except OSError as error:
+        raise DataError(_not_loadable(path, f"it cannot be read: {error.strerror or type(error).__name__}")) \
+            from None
+    except Exception as error:  # truncated, or not a torch file at all
+        raise DataError(_not_loadable(path, f"it is truncated or not a torch file: {type(error).__name__}")) \
+            from None
+    if not isinstance(blob, dict):
+        raise DataError(_not_a_checkpoint(path, f"it holds a {type(blob).__name__}, not a dict"))
+    missing = [key for key in _KEYS if key not in blob]
+    if missing:
+        raise DataError(_not_a_checkpoint(path, f"no {missing[0]!r}"))
+    if blob["format_version"] != FORMAT_VERSION:
+        raise DataError(_not_a_checkpoint(path, f"format {blob['format_version']!r}, not {FORMAT_VERSION}"))
+    if not isinstance(blob["completed_rounds"], int) or blob["completed_rounds"] < 0:
+        raise DataError(_not_a_checkpoint(path, f"completed_rounds is {blob['completed_rounds']!r}"))
+    damaged = (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError, OverflowError)
+    try:
+        metrics = json.loads(blob["metrics"])
+    except damaged:
+        metrics = None
+    if not isinstance(metrics, list):
+        raise DataError(_not_a_checkpoint(path, "its 'metrics' entry is damaged"))
+    try:
+        rng = _checked_rng(blob["rng"])
+    except damaged:
+        raise DataError(_not_a_checkpoint(path, "its 'rng' entry is damaged")) from None
+    _restore_rng(rng)
+    blob["metrics"] = metrics
     return blob
+
+
+def _checked_rng(states: Any) -> dict[str, Any]:
+    """``states`` if it restores all three generators (tried on copies: nothing is changed here)."""
+    python, numpy_state = states["python"], states["numpy"]
+    random.Random().setstate((python["version"], tuple(python["state"]), python["gauss"]))
+    np.random.RandomState().set_state((numpy_state["name"], numpy_state["keys"].numpy().astype(np.uint32),
+                                       numpy_state["pos"], numpy_state["has_gauss"], numpy_state["cached"]))
+    generator = torch.Generator()
+    generator.set_state(states["torch"])
+    return states
+
+
+def _earlier(path: Path) -> str:
+    """How to resume from the checkpoint before ``path`` (or that there is none)."""
+    folder = path.parent
+    others = sorted(p for p in folder.iterdir() if _NAME.match(p.name) and p.name < path.name) \
+        if folder.is_dir() else []
+    if not others:
+        return "no earlier checkpoint is kept; start the run again"
+    return (f"resume from an earlier one: move {path.name} out of {folder} and resume again "
+            f"(the one before is {others[-1].name})")
+
+
+def _not_a_checkpoint(path: Path, reason: str) -> str:
+    return f"{path} is not a fedhpro checkpoint ({reason}); it may be from another version or damaged; " \
+           + _earlier(path)
+
+
+def _not_loadable(path: Path, reason: str) -> str:
+    return f"checkpoint {path} cannot be loaded ({reason}); " + _earlier(path)
