@@ -131,6 +131,9 @@ class AutoAugmentBatch:
 
 # --------------------------------------------------------------------------- options
 
+#: the loaders whose files are checked against torchvision's published md5 (``data.verify``)
+VERIFIED = ("cifar10", "cifar100", "svhn")
+
 
 def data_root(data_dir: str | Path | None) -> Path:
     """Where real data sets live: ``data_dir`` if given, else ``$FEDHPRO_DATA_DIR`` or ``~/.cache/fedhpro``."""
@@ -155,6 +158,9 @@ class ImageOptions:
                                          help="held-out share where there is no official test set (ham10000 "
                                               "default 0.11, sun397 0.2); ignored otherwise")
     split_seed: int = option(0, min=0, help="seed of that train/test split (fixed, not the run seed)")
+    verify: bool = option(True, help="check CIFAR-10/100 and SVHN files against torchvision's published md5 "
+                                     "before reading them (false: a copy you made yourself; its pickles are "
+                                     "still read without running code)")
 
 
 def _layout_option(layout: dict[str, int], paper: str) -> Any:
@@ -178,6 +184,9 @@ class DigitsOptions:
                                                         "M:3 U:7 SV:6 SY:4")
     fraction: float = _fraction_option(0.01)
     download: bool = option(False, help="fetch MNIST, USPS and SVHN with torchvision (SYN has no download)")
+    verify: bool = option(True, help="check CIFAR-10/100 and SVHN files against torchvision's published md5 "
+                                     "before reading them (false: a copy you made yourself; its pickles are "
+                                     "still read without running code)")
     image_size: int | None = option(None, min=8, help=_IMAGE_SIZE_HELP)
 
 
@@ -269,6 +278,8 @@ class LabelSkewBenchmark:
         loader_options: dict[str, Any] = {}
         if self.source == "ham10000":
             loader_options = {"test_fraction": test_fraction, "split_seed": options.split_seed}
+        if self.source in VERIFIED:
+            loader_options = {"verify": options.verify}
         train = open_loader(self.source, root, True, options.download, **loader_options)
         train_x, train_y = image_arrays(train, size, cache, progress)
         if self.source == "sun397":  # one folder, no official split
@@ -380,6 +391,8 @@ class DomainBenchmark:
             loader_options = dict(extra)
             if source == "office-caltech":
                 loader_options.update(test_fraction=options.test_fraction, split_seed=options.split_seed)
+            if source in VERIFIED:
+                loader_options["verify"] = getattr(options, "verify", True)
             download = getattr(options, "download", False)
             cache = root / ".fedhpro-cache" / f"{source}-{domain}"
             train[domain] = image_arrays(open_loader(source, root, True, download, **loader_options), size, cache,

@@ -66,7 +66,7 @@ class ClientsOptions:
                                                    "list or a node's description naming more is refused (a "
                                                    "guard against a corrupt or hostile file exhausting memory)")
     cache: bool = option(True, help="image clients: keep the decoded pixels in data_dir/.fedhpro-cache (keyed by "
-                                    "the files' names, times and sizes), so later runs skip decoding")
+                                    "the files' names, sizes, mtimes, inodes and ctimes), so later runs skip decoding")
 
 
 @dataclass

@@ -63,7 +63,7 @@ class ImageFolderOptions:
                                                 help="several domains: clients of each domain (default: clients=K, "
                                                      "else 10, spread round robin over the sorted domains)")
     cache: bool = option(True, help="keep the decoded pixels in data_dir/.fedhpro-cache (keyed by the files' "
-                                    "names, times and sizes), so later runs skip decoding")
+                                    "names, sizes, mtimes, inodes and ctimes), so later runs skip decoding")
 
 
 @dataclass

@@ -7,15 +7,17 @@ machine) and :func:`~fedhpro.data.federation.normalize_images` maps the
 ``uint8`` pixels to ``[-1, 1]``.
 
 Decoded ``uint8`` arrays can be cached in a ``.fedhpro-cache`` folder beside
-the data, keyed by the files' paths, modification times and sizes and the
-image size: a changed, added or removed file gives a new key, so a cache is
-never stale; a folder that cannot be written is simply not cached.
+the data, keyed by the image size and every file's path, size, mtime, inode
+and ctime: a changed, added, removed or replaced file gives a new key. The
+ctime is what closes the gap of a same-size rewrite whose mtime was put back
+with ``os.utime``: the kernel sets the ctime to now on every write, rename
+and ``utime``, and no call sets it back. (Only a clock turned back, or a
+file system without ctime, could defeat it; delete the cache folder then.)
+A folder that cannot be written is simply not cached.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ import torch
 from torch import Tensor
 
 from fedhpro.data.federation import normalize_images
-from fedhpro.data.loaders import IMAGE_EXTENSIONS
+from fedhpro.data.loaders import IMAGE_EXTENSIONS, files_key
 from fedhpro.errors import DataError
 from fedhpro.files import write_atomic_with
 
@@ -120,15 +122,10 @@ def to_float(pixels: np.ndarray) -> Tensor:
 
 
 def _cache_path(files: Sequence[Path], size: int, cache: Path) -> Path | None:
-    """The cache file of these files at this size: a hash of every path, mtime and byte size."""
-    digest = hashlib.sha1(f"rgb bilinear {size}\n".encode())
-    for file in files:
-        try:
-            stat = os.stat(file)
-        except OSError:
-            return None  # decoding will name the file
-        digest.update(f"{Path(file).resolve()}\t{stat.st_mtime_ns}\t{stat.st_size}\n".encode())
-    return cache / f"{digest.hexdigest()[:16]}-{size}px.npy"
+    """The cache file of these files at this size: a key of every path, size, mtime, inode and ctime
+    (:func:`fedhpro.data.loaders.files_key`)."""
+    key = files_key(files, f"rgb bilinear {size}\n")
+    return cache / f"{key}-{size}px.npy" if key is not None else None
 
 
 def _save_atomic(path: Path, array: np.ndarray) -> None:

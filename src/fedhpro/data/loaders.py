@@ -25,8 +25,14 @@ name                files under ``root`` (``root`` = ``<data_dir>/<folder>``)
 ``ag_news``         ``train.csv``, ``test.csv`` (class 1-4, title, description; no header)
 ==================  ==========================================================================
 
-Torchvision's checksum is verified when it downloads; files already on disk
-are only checked for presence (so a copied or re-packed data set loads).
+The files already on disk are checked against torchvision's published md5
+where it lists one for the files read (CIFAR-10/100's batches and meta,
+SVHN's ``.mat``); a mismatch is a one-line DataError naming the file.
+``data.verify=false`` skips that check for a copy you made yourself (a
+re-packed or subsampled set). Either way no data file is unpickled with
+``pickle.load``: CIFAR's pickles are read by an unpickler that builds only
+numpy arrays, lists, strings and numbers, so a tampered file cannot run
+code; MNIST, USPS and SUN397 hold no pickles.
 A missing data set raises :class:`~fedhpro.errors.DataError` with one line
 naming the folder and how to get the data.
 
@@ -34,6 +40,8 @@ naming the folder and how to get the data.
 the torchvision sets hold their pixels in memory already; image-file sets are
 decoded once, at one size, into a memory-mapped ``.npy`` cache beside the data
 (``<root>/.fedhpro-cache/``), so later runs read only the samples they use.
+The cache key covers every file's path, size, mtime, inode and ctime
+(:func:`files_key`): a replaced or rewritten image gives a new key.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import os
+import pickle
 import re
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -328,8 +337,157 @@ def split_indices(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[
 # --------------------------------------------------------------------------- torchvision's classes
 
 
-def _torchvision(name: str) -> Callable[..., Dataset]:
-    """torchvision's class for ``name``; files on disk are checked for presence, not checksums."""
+#: the globals a CIFAR pickle may name: numpy's array reconstruction, nothing else. The official files
+#: (Python 2 pickles, protocol 2) name ``numpy.core.multiarray._reconstruct``, ``numpy.ndarray`` and
+#: ``numpy.dtype``; a copy pickled again under numpy 2 names ``numpy._core.multiarray._reconstruct``, and
+#: one pickled with protocol 5 names ``numpy._core.numeric._frombuffer`` (``numpy.core`` before numpy 2).
+_PICKLE_GLOBALS = {
+    ("numpy.core.multiarray", "_reconstruct"): ("multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"): ("multiarray", "_reconstruct"),
+    ("numpy.core.numeric", "_frombuffer"): ("numeric", "_frombuffer"),
+    ("numpy._core.numeric", "_frombuffer"): ("numeric", "_frombuffer"),
+    ("numpy", "ndarray"): (None, "ndarray"),
+    ("numpy", "dtype"): (None, "dtype"),
+}
+
+
+def _numpy_global(module: str, name: str) -> Any:
+    """The numpy function or class ``_PICKLE_GLOBALS`` admits, from where this numpy keeps it."""
+    import importlib
+
+    where, attribute = _PICKLE_GLOBALS[(module, name)]
+    if where is None:
+        return getattr(np, attribute)
+    for package in ("numpy._core", "numpy.core"):  # numpy >= 2, then numpy 1
+        try:
+            return getattr(importlib.import_module(f"{package}.{where}"), attribute)
+        except (ImportError, AttributeError):
+            continue
+    raise pickle.UnpicklingError(f"this numpy has no {module}.{name}")
+
+
+class _ArrayUnpickler(pickle.Unpickler):
+    """An unpickler that builds only dicts, lists, strings, numbers and numpy arrays (:data:`_PICKLE_GLOBALS`).
+
+    Any other global (``os.system``, ``builtins.eval``, ``subprocess.Popen``,
+    ...) is refused before it is looked up: a tampered file cannot run code.
+    """
+
+    def __init__(self, handle: Any, path: str, what: str):
+        super().__init__(handle, encoding="latin1")
+        self.path, self.what = path, what
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _PICKLE_GLOBALS:
+            return _numpy_global(module, name)
+        raise DataError(f"{self.what}: {self.path} is not a data file: its pickle calls {module}.{name}, which a "
+                        "data set never needs (refused, nothing was run); delete the folder and download again")
+
+
+def read_pickle(path: str | os.PathLike, what: str) -> Any:
+    """The object pickled in ``path``, read by :class:`_ArrayUnpickler`; any failure is one DataError."""
+    try:
+        with open(path, "rb") as handle:
+            return _ArrayUnpickler(handle, str(path), what).load()
+    except DataError:
+        raise
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a truncated or malformed pickle raises many types; one line
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise DataError(f"{what}: cannot read {path} ({type(error).__name__}: {reason}); delete the folder and "
+                        "download again") from None
+
+
+def file_md5(path: str | os.PathLike) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_file(path: str | os.PathLike, md5: str, what: str) -> None:
+    """Raise a one-line DataError when ``path`` does not have torchvision's published ``md5``."""
+    if file_md5(path) != md5:
+        raise DataError(f"{what}: file {path} does not match torchvision's published checksum; delete the folder "
+                        "and download again (data.download=true), or set data.verify=false for a copy you "
+                        "made yourself")
+
+
+class _CIFAR(Dataset):
+    """CIFAR-10/100 from torchvision's ``cifar-10-batches-py`` / ``cifar-100-python`` folder, read safely.
+
+    torchvision's file list, checksums and download are used; its
+    ``pickle.load`` is not. With ``verify`` (the default) every file read
+    must match torchvision's published md5 before it is opened; every pickle
+    is then read by :class:`_ArrayUnpickler` (numpy arrays, lists, strings
+    only), so even an unverified copy (``data.verify=false``) cannot run
+    code. ``data``, ``targets``, ``classes`` and item access are torchvision's.
+    """
+
+    def __init__(self, parent: Any, name: str, root: str, train: bool = True, transform: Callable | None = None,
+                 download: bool = False, verify: bool = True):
+        self.root, self.train, self.transform, self.name = root, train, transform, name
+        folder = os.path.join(root, parent.base_folder)
+        files = [(n, md5) for n, md5 in (parent.train_list if train else parent.test_list)]
+        meta = (parent.meta["filename"], parent.meta["md5"])
+        every = [(n, md5) for n, md5 in parent.train_list + parent.test_list] + [meta]
+        if download and not all(self._intact(folder, n, md5, verify) for n, md5 in every):
+            from torchvision.datasets import cifar
+
+            cifar.download_and_extract_archive(parent.url, root, filename=parent.filename, md5=parent.tgz_md5)
+        if not all(os.path.isfile(os.path.join(folder, n)) for n, _ in files + [meta]):
+            raise RuntimeError("Dataset not found")
+        if verify:
+            for n, md5 in files + [meta]:
+                verify_file(os.path.join(folder, n), md5, name)
+        data, targets = [], []
+        for n, _ in files:
+            path = os.path.join(folder, n)
+            entry = read_pickle(path, name)
+            key = "labels" if isinstance(entry, dict) and "labels" in entry else "fine_labels"
+            if not isinstance(entry, dict) or "data" not in entry or key not in entry:
+                raise DataError(f"{name}: {path} holds no 'data' and '{key}'; delete the folder and download again")
+            pixels, labels = np.asarray(entry["data"]), entry[key]
+            if (pixels.dtype != np.uint8 or pixels.ndim != 2 or pixels.shape[1] != 3 * 32 * 32
+                    or not isinstance(labels, list) or len(labels) != pixels.shape[0]
+                    or not all(type(v) is int and 0 <= v < (100 if "100" in name else 10) for v in labels)):
+                raise DataError(f"{name}: {path} does not hold N x 3072 uint8 pixels and N labels in range; delete "
+                                "the folder and download again")
+            data.append(pixels)
+            targets.extend(labels)
+        self.data = np.vstack(data).reshape(-1, 3, 32, 32).transpose((0, 2, 3, 1))  # N x H x W x C, as torchvision
+        self.targets = targets
+        path = os.path.join(folder, meta[0])
+        classes = read_pickle(path, name)
+        classes = classes.get(parent.meta["key"]) if isinstance(classes, dict) else None
+        if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+            raise DataError(f"{name}: {path} holds no list of class names; delete the folder and download again")
+        self.classes = classes
+        self.class_to_idx = {c: i for i, c in enumerate(classes)}
+
+    @staticmethod
+    def _intact(folder: str, name: str, md5: str, verify: bool) -> bool:
+        path = os.path.join(folder, name)
+        return os.path.isfile(path) and (not verify or file_md5(path) == md5)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        from PIL import Image
+
+        image = Image.fromarray(self.data[index])
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, self.targets[index]
+
+
+def _torchvision(name: str, verify: bool = True) -> Callable[..., Dataset]:
+    """torchvision's class (or, for CIFAR, :class:`_CIFAR`) for ``name``; with ``verify`` the CIFAR and SVHN
+    files must match torchvision's published md5 (MNIST, USPS and SUN397 hold no pickles: read as torchvision
+    reads them)."""
     from torchvision import datasets
 
     if name == "mnist":
@@ -342,32 +500,22 @@ def _torchvision(name: str) -> Callable[..., Dataset]:
         return lambda root, train=True, transform=None, download=False: datasets.SUN397(
             root, transform=transform, download=download)
 
-    def present(self: Any) -> bool:
-        base = os.path.join(self.root, getattr(self, "base_folder", ""))
-        lists = getattr(self, "train_list", None)  # CIFAR: the batches; SVHN: its one .mat file
-        names = [n for n, _ in lists + self.test_list] if lists is not None else [self.filename]
-        return all(os.path.isfile(os.path.join(base, n)) for n in names)
-
     if name == "svhn":
-        svhn = type("SVHN", (datasets.SVHN,), {"_check_integrity": present})
+        def checked(self: Any) -> bool:  # scipy's loadmat reads the .mat (no pickle); the checksum is ours
+            path = os.path.join(self.root, self.filename)
+            if not os.path.isfile(path):
+                return False
+            if verify:
+                verify_file(path, self.split_list[self.split][2], "svhn")
+            return True
+
+        svhn = type("SVHN", (datasets.SVHN,), {"_check_integrity": checked})
         return lambda root, train=True, transform=None, download=False: svhn(
             root, split="train" if train else "test", transform=transform, download=download)
 
     parent = datasets.CIFAR10 if name == "cifar10" else datasets.CIFAR100
-
-    def load_meta(self: Any) -> None:  # torchvision's, without the checksum
-        import pickle
-
-        path = os.path.join(self.root, self.base_folder, self.meta["filename"])
-        if not os.path.isfile(path):
-            raise RuntimeError("Dataset metadata file not found")
-        with open(path, "rb") as handle:
-            self.classes = pickle.load(handle, encoding="latin1")[self.meta["key"]]
-        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
-
-    cifar = type(parent.__name__, (parent,), {"_check_integrity": present, "_load_meta": load_meta})
-    return lambda root, train=True, transform=None, download=False: cifar(
-        root, train=train, transform=transform, download=download)
+    return lambda root, train=True, transform=None, download=False: _CIFAR(
+        parent, name, root, train=train, transform=transform, download=download, verify=verify)
 
 
 # --------------------------------------------------------------------------- the registry
@@ -387,8 +535,8 @@ class LoaderSpec:
 
 def _lazy_torchvision(name: str) -> Callable[..., Dataset]:
     def open_(root: str | os.PathLike, train: bool = True, transform: Callable | None = None,
-              download: bool = False) -> Dataset:
-        return _torchvision(name)(str(root), train=train, transform=transform, download=download)
+              download: bool = False, verify: bool = True) -> Dataset:
+        return _torchvision(name, verify)(str(root), train=train, transform=transform, download=download)
 
     return open_
 
@@ -493,15 +641,18 @@ def image_arrays(dataset: Dataset, size: int | None = None, cache: Path | None =
         labels = np.asarray(listed.targets, dtype=np.int64)
     if size is None:
         raise ValueError("image_arrays: an image-file data set needs a size")
-    if cache is not None:
-        key = hashlib.sha1("\n".join(map(str, files)).encode()).hexdigest()[:12]
-        path = cache / f"{key}-{size}px.npy"
-        if path.is_file():
-            array = np.load(path, mmap_mode="r")
-            if array.shape == (len(files), 3, size, size):
-                return array, labels
+    key = files_key(files) if cache is not None else None
+    path = cache / f"{key}-{size}px.npy" if cache is not None and key is not None else None
+    if path is not None and path.is_file():
         try:
-            cache.mkdir(parents=True, exist_ok=True)
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+            if array.shape == (len(files), 3, size, size) and array.dtype == np.uint8:
+                return array, labels
+        except (OSError, ValueError):
+            pass  # an unreadable cache file: decode again (and replace it)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             return _decode_to(path, files, size, progress), labels
         except OSError:
             pass  # a read-only data folder: decode into memory instead
@@ -536,8 +687,31 @@ def _decode_to(path: Path, files: Sequence[Path], size: int, progress: bool) -> 
     finally:
         if temporary.exists():
             temporary.unlink()
-    return np.load(path, mmap_mode="r")
+    return np.load(path, mmap_mode="r", allow_pickle=False)
+
+
+def file_identity(path: str | os.PathLike) -> str:
+    """What changes whenever a file's bytes do: its resolved path, size, mtime, inode and ctime (ns).
+
+    ``os.utime`` can put an mtime back but not the ctime (the kernel sets it
+    to now on every write, rename and ``utime``), and a file replaced by
+    another has a new inode: a rewritten image never keeps its key.
+    """
+    stat = os.stat(path)
+    return f"{Path(path).resolve()}\t{stat.st_size}\t{stat.st_mtime_ns}\t{stat.st_ino}\t{stat.st_ctime_ns}"
+
+
+def files_key(files: Sequence[str | os.PathLike], salt: str = "") -> str | None:
+    """A 16-hex-digit key of ``files`` (in order) by :func:`file_identity`; None when one cannot be read."""
+    digest = hashlib.sha1(salt.encode())
+    for file in files:
+        try:
+            digest.update(f"{file_identity(file)}\n".encode())
+        except OSError:
+            return None  # decoding will name the file
+    return digest.hexdigest()[:16]
 
 
 __all__ = ["AGNews", "HAM10000", "LOADERS", "LoaderSpec", "OfficeCaltech", "SynDigits", "TinyImageNet",
-           "build_vocab", "encode", "image_arrays", "missing", "open_loader", "split_indices", "tokenize"]
+           "build_vocab", "encode", "file_identity", "files_key", "image_arrays", "missing", "open_loader",
+           "read_pickle", "split_indices", "tokenize", "verify_file"]
