@@ -17,6 +17,16 @@ creates their inputs (with the ``cryptography`` package, a Flower dependency):
   (``supernode-K.pub``, given to ``flwr supernode register``), which is what
   ``ssh-keygen -t ecdsa -b 384`` writes and what Flower parses.
 
+- **the gate** (:mod:`fedhpro.flower.gate`, nginx with mutual TLS in front of
+  the SuperLink), with ``gate=True``: one client certificate per party, its
+  role in the subject's OU (``operator.crt``/``operator.key``: ``OU=operator``,
+  may use the Control API; ``supernode-K.crt``/``supernode-K-tls.key``:
+  ``OU=node``, may use the Fleet API only), EKU clientAuth for the gate and
+  serverAuth with subjectAltName 127.0.0.1 for the party's own local forwarder
+  (Flower's clients cannot present a client certificate, so each party talks
+  TLS to a forwarder on 127.0.0.1 that opens the mutual-TLS connection).
+  :func:`issue_client` adds one more later (it needs ``ca.key``).
+
 Private keys are written unencrypted with mode 0600 (readable by their owner
 only), every file with fedhpro's atomic writer; existing files are never
 replaced, since a new CA would silently invalidate the certificates and keys
@@ -28,6 +38,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
@@ -42,6 +53,10 @@ from fedhpro.files import write_atomic_with
 
 CA_CERT, CA_KEY = "ca.crt", "ca.key"
 SERVER_CERT, SERVER_KEY = "server.pem", "server.key"
+OPERATOR = "operator"
+ROLES = ("operator", "node")
+#: what a client certificate's name may hold (it goes into the subject and file names unescaped)
+CLIENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 #: the curve of the TLS keys (P-256: every TLS stack speaks it) and of the node keys (P-384, as Flower's guide)
 TLS_CURVE, NODE_CURVE = ec.SECP256R1, ec.SECP384R1
 PRIVATE_MODE = 0o600
@@ -50,6 +65,11 @@ PRIVATE_MODE = 0o600
 def node_key_names(k: int) -> tuple[str, str]:
     """The private and public key file names of node ``k`` (1-based)."""
     return f"supernode-{k}.key", f"supernode-{k}.pub"
+
+
+def client_names(name: str) -> tuple[str, str]:
+    """The certificate and TLS private key file names of a gate client (``operator`` or ``supernode-K``)."""
+    return f"{name}.crt", (f"{name}.key" if name == OPERATOR else f"{name}-tls.key")
 
 
 def subject_alternative_name(host: str) -> x509.GeneralName:
@@ -73,7 +93,7 @@ def _validity(builder: x509.CertificateBuilder, days: int) -> x509.CertificateBu
 
 
 def certificate_authority(days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
-    """A new CA key and its self-signed certificate (may sign server certificates only)."""
+    """A new CA key and its self-signed certificate (pathlen 0: it signs leaf certificates only)."""
     key = ec.generate_private_key(TLS_CURVE())
     public = key.public_key()
     builder = (_validity(x509.CertificateBuilder(), days)
@@ -110,6 +130,38 @@ def server_certificate(hosts: Sequence[str], ca_key: ec.EllipticCurvePrivateKey,
     return key, builder.sign(ca_key, hashes.SHA256())
 
 
+def client_certificate(name: str, role: str, ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate,
+                       days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A gate client's key and certificate: ``O=fedhpro, OU=<role>, CN=<name>``, clientAuth (for the gate)
+    and serverAuth for 127.0.0.1 (the party's local forwarder listens with it)."""
+    if role not in ROLES:
+        raise ConfigError(f"role {role!r} unknown; use one of {', '.join(ROLES)}")
+    if not CLIENT_NAME.fullmatch(name):
+        raise ConfigError(f"client name {name!r} not allowed; use letters, digits, '.', '_' and '-' "
+                          "(at most 63, starting with a letter or digit)")
+    key = ec.generate_private_key(TLS_CURVE())
+    public = key.public_key()
+    subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fedhpro"),
+                         x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),
+                         x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    builder = (_validity(x509.CertificateBuilder(), days)
+               .subject_name(subject).issuer_name(ca_cert.subject)
+               .public_key(public).serial_number(x509.random_serial_number())
+               .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                              critical=False)
+               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+               .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False,
+                                            key_encipherment=False, data_encipherment=False, key_agreement=True,
+                                            key_cert_sign=False, crl_sign=False, encipher_only=False,
+                                            decipher_only=False), critical=True)
+               .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH,
+                                                     ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+               .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
+               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+                              critical=False))
+    return key, builder.sign(ca_key, hashes.SHA256())
+
+
 def node_key_pair() -> tuple[bytes, bytes]:
     """A new SuperNode key pair: the private key in OpenSSH format, the public key as one OpenSSH line."""
     key = ec.generate_private_key(NODE_CURVE())
@@ -133,37 +185,75 @@ def write_file(path: Path, content: bytes, private: bool) -> None:
     write_atomic_with(path, write)
 
 
-def planned_files(nodes: int) -> list[str]:
-    """The names :func:`create` writes for ``nodes`` SuperNode key pairs."""
+def planned_files(nodes: int, gate: bool = False) -> list[str]:
+    """The names :func:`create` writes for ``nodes`` SuperNode key pairs (and, with ``gate``, client certificates)."""
     names = [CA_CERT, CA_KEY, SERVER_CERT, SERVER_KEY]
+    if gate:
+        names.extend(client_names(OPERATOR))
     for k in range(1, nodes + 1):
         names.extend(node_key_names(k))
+        if gate:
+            names.extend(client_names(f"supernode-{k}"))
     return names
 
 
-def create(folder: str | os.PathLike, hosts: Sequence[str], nodes: int = 0, days: int = 365) -> list[Path]:
+def _client_contents(name: str, role: str, ca_key, ca_cert, days: int) -> list[tuple[str, bytes, bool]]:
+    key, cert = client_certificate(name, role, ca_key, ca_cert, days)
+    cert_name, key_name = client_names(name)
+    return [(cert_name, cert.public_bytes(serialization.Encoding.PEM), False), (key_name, _pem_key(key), True)]
+
+
+def issue_client(folder: str | os.PathLike, name: str, role: str, days: int = 365) -> list[Path]:
+    """One more gate client certificate (``<name>.crt`` and its key) signed by ``folder``'s ``ca.key``."""
+    folder = Path(folder)
+    cert_name, key_name = client_names(name)
+    existing = [n for n in (cert_name, key_name) if (folder / n).exists()]
+    if existing:
+        raise ConfigError(f"{folder / existing[0]} already exists; pick another name (files are never replaced)")
+    try:
+        ca_key = serialization.load_pem_private_key((folder / CA_KEY).read_bytes(), password=None)
+        ca_cert = x509.load_pem_x509_certificate((folder / CA_CERT).read_bytes())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"cannot read the CA in {folder} ({error}); it needs {CA_CERT} and {CA_KEY}") from None
+    contents = _client_contents(name, role, ca_key, ca_cert, days)
+    for file_name, content, secret in contents:
+        write_file(folder / file_name, content, secret)
+    return [folder / file_name for file_name, _, _ in contents]
+
+
+def create(folder: str | os.PathLike, hosts: Sequence[str], nodes: int = 0, days: int = 365,
+           gate: bool = False) -> list[Path]:
     """Write a CA, a SuperLink certificate for ``hosts`` and ``nodes`` SuperNode key pairs into ``folder``;
-    returns the paths written. Refuses (ConfigError) without hosts, with a bad count, or when a file exists."""
+    with ``gate``, also the operator's and each node's client certificate for the gate (and 127.0.0.1 among
+    the server certificate's names: the gate reaches the SuperLink there). Returns the paths written.
+    Refuses (ConfigError) without hosts, with a bad count, or when a file exists."""
     if not hosts:
         raise ConfigError("no --host given; name every address the nodes use to reach the SuperLink, "
                           "e.g. --host 127.0.0.1 --host superlink.example.org")
     if nodes < 0 or days < 1:
         raise ConfigError(f"--nodes {nodes} / --days {days} out of range; use --nodes 0 or more and --days 1 or more")
     folder = Path(folder)
-    existing = [name for name in planned_files(nodes) if (folder / name).exists()]
+    hosts = list(hosts)
+    if gate and "127.0.0.1" not in hosts:
+        hosts.append("127.0.0.1")
+    existing = [name for name in planned_files(nodes, gate) if (folder / name).exists()]
     if existing:
         raise ConfigError(f"{folder / existing[0]} already exists; choose an empty folder (a new CA would "
                           "invalidate the certificates and keys already handed out)")
     ca_key, ca_cert = certificate_authority(days)
-    server_key, server_cert = server_certificate(list(hosts), ca_key, ca_cert, days)
+    server_key, server_cert = server_certificate(hosts, ca_key, ca_cert, days)
     contents = [(CA_CERT, ca_cert.public_bytes(serialization.Encoding.PEM), False),
                 (CA_KEY, _pem_key(ca_key), True),
                 (SERVER_CERT, server_cert.public_bytes(serialization.Encoding.PEM), False),
                 (SERVER_KEY, _pem_key(server_key), True)]
+    if gate:
+        contents += _client_contents(OPERATOR, "operator", ca_key, ca_cert, days)
     for k in range(1, nodes + 1):
         private, public = node_key_pair()
         private_name, public_name = node_key_names(k)
         contents += [(private_name, private, True), (public_name, public, False)]
+        if gate:
+            contents += _client_contents(f"supernode-{k}", "node", ca_key, ca_cert, days)
     for name, content, secret in contents:
         write_file(folder / name, content, secret)
     return [folder / name for name, _, _ in contents]

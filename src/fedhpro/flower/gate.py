@@ -1,0 +1,251 @@
+"""An access layer for a Flower 1.42 deployment: nginx with mutual TLS and roles, written as config files.
+
+Flower 1.42's SuperLink serves every API on one HTTP(S) port: ``/health``,
+``/v1/control/*`` (the ``flwr`` CLI: submit, list and stop runs, register
+nodes; its authentication is a no-op in open-source Flower), ``/v1/fleet/*``
+(the SuperNodes) and ``/v1/runtime/*`` (the ServerApp process on the same
+host). Anyone who reaches that port and trusts its CA could use all of them.
+The gate puts nginx (a Debian package, no code of ours on the wire) in front:
+
+- **gate server** (the SuperLink's host): listens on the public address with
+  TLS and demands a client certificate signed by the CA (no certificate, or
+  one from another CA: the handshake fails). The certificate's subject decides
+  the role: ``OU=operator`` may use ``/v1/control/*``, ``OU=node`` only
+  ``/v1/fleet/*``; both may read ``/health``; everything else (``/v1/runtime``,
+  ``/docs``, ...) is refused with 403. Requests go on to the SuperLink on
+  127.0.0.1 over the SuperLink's own TLS (checked against the CA), where
+  ``--enable-supernode-auth`` still checks each node's signature: two
+  independent checks.
+- **gate forward** (every party's machine): Flower's clients (``flwr``,
+  ``flower-supernode``) cannot present a client certificate, so they talk TLS
+  to a forwarder on 127.0.0.1 (listening with the party's own certificate,
+  which is valid for 127.0.0.1) that opens the mutual-TLS connection to the
+  gate with that certificate.
+
+nginx runs in the foreground as a child (``nginx -p PREFIX -c nginx.conf -e
+error.log -g 'daemon off;'``) with its pid file, logs and temporary paths in
+its own folder, as root or not. Request bodies are streamed to the upstream
+(no temporary files; ``client_max_body_size`` :data:`MAX_BODY`), responses are
+not buffered (``flwr run --stream`` / ``flwr log`` stream for the whole run)
+and read timeouts are long (:data:`READ_TIMEOUT`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedhpro.errors import ConfigError
+from fedhpro.flower import certificates
+
+#: the largest request nginx passes on (a model upload by a node: a few MB for fedhpro's models; 1 GB of room)
+MAX_BODY = "1024m"
+#: how long nginx waits for the SuperLink to answer or stream (a run's log stream lasts the whole run)
+READ_TIMEOUT = "86400s"
+CONFIG_NAME = "nginx.conf"
+#: the paths a role may use on the gate (the raw request line must match exactly: no ``..``, no escapes)
+ROLE_PATHS = {"operator": "/v1/control/", "node": "/v1/fleet/"}
+
+
+def nginx_binary() -> str:
+    """The nginx executable (PATH, then /usr/sbin: Debian puts it there, outside a normal user's PATH)."""
+    found = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin:/sbin")
+    if found is None:
+        raise ConfigError("nginx is not installed; install it (Debian/Ubuntu: apt-get install nginx-light)")
+    return found
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` for IPv6) -> (host, port); a one-line ConfigError otherwise."""
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"address {address!r} is not host:port (e.g. 127.0.0.1:18000 or superlink.example.org:443)")
+    return host, int(port)
+
+
+def nginx_address(host: str, port: int) -> str:
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            return f"[{host}]:{port}"
+    except ValueError:
+        pass
+    return f"{host}:{port}"
+
+
+def _q(path: Path | str) -> str:
+    """A path as an nginx string (quoted; nginx configs take no other escaping we need)."""
+    text = str(path)
+    if any(c in text for c in '"\\;{}\n$'):
+        raise ConfigError(f"path {text!r} holds a character nginx configs cannot take here; use a plainer path")
+    return f'"{text}"'
+
+
+def _common(prefix: Path) -> str:
+    """The top of every config: one worker, everything of nginx's own in ``prefix``."""
+    temp = prefix / "temp"
+    return f"""# written by python -m fedhpro.flower gate
+# run: nginx -p {prefix} -c {CONFIG_NAME} -e error.log -g 'daemon off;'
+worker_processes 1;
+pid {_q(prefix / "nginx.pid")};
+error_log {_q(prefix / "error.log")} warn;
+events {{ worker_connections 1024; }}
+http {{
+    client_body_temp_path {_q(temp / "body")};
+    proxy_temp_path {_q(temp / "proxy")};
+    fastcgi_temp_path {_q(temp / "fastcgi")};
+    uwsgi_temp_path {_q(temp / "uwsgi")};
+    scgi_temp_path {_q(temp / "scgi")};
+    default_type application/octet-stream;
+    server_tokens off;
+    underscores_in_headers on;
+    ignore_invalid_headers off;
+    client_max_body_size {MAX_BODY};
+    client_body_buffer_size 1m;
+    proxy_http_version 1.1;
+    proxy_set_header Connection "";
+    proxy_buffering off;
+    proxy_request_buffering off;
+    proxy_read_timeout {READ_TIMEOUT};
+    proxy_send_timeout {READ_TIMEOUT};
+    proxy_connect_timeout 20s;
+    client_body_timeout 3600s;
+    keepalive_timeout 75s;
+    ssl_protocols TLSv1.2 TLSv1.3;
+    ssl_session_cache shared:fedhpro_tls:1m;
+"""
+
+
+@dataclass(frozen=True)
+class Gate:
+    """The gate in front of a SuperLink: nginx's config in ``prefix`` and the command that runs it."""
+
+    prefix: Path
+    config: Path
+
+    def command(self) -> list[str]:
+        return [nginx_binary(), "-p", str(self.prefix), "-c", str(self.config), "-e", str(self.prefix / "error.log"),
+                "-g", "daemon off;"]
+
+
+def _prepare(prefix: str | os.PathLike) -> Path:
+    prefix = Path(prefix).resolve()
+    for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (prefix / "temp" / sub).mkdir(parents=True, exist_ok=True)
+    return prefix
+
+
+def _need(*paths: Path) -> None:
+    for path in paths:
+        if not path.is_file():
+            raise ConfigError(f"{path} does not exist; make it with python -m fedhpro.flower certificates ... --gate")
+
+
+def server_config(prefix: str | os.PathLike, certs: str | os.PathLike, listen: str, superlink: str) -> Gate:
+    """Write the gate's config into ``prefix``: listen on ``listen`` (``host:port``, the address the others
+    reach; mutual TLS with ``certs``' ``server.pem``/``server.key`` and ``ca.crt``) and pass each role's paths
+    on to the SuperLink at ``superlink`` (its TLS checked against ``ca.crt`` for the name 127.0.0.1)."""
+    prefix, certs = _prepare(prefix), Path(certs).resolve()
+    ca, cert, key = certs / certificates.CA_CERT, certs / certificates.SERVER_CERT, certs / certificates.SERVER_KEY
+    _need(ca, cert, key)
+    host, port = split_address(listen)
+    link_host, link_port = split_address(superlink)
+    roles = "\n".join(f'        "~(^|,)OU={role}(,|$)" {role};' for role in ROLE_PATHS)
+    locations = "".join(f"""
+        location {path} {{
+            if ($fedhpro_role != {role}) {{ return 403; }}
+            if ($request_uri !~ "^{path}[a-z0-9-]+$") {{ return 403; }}
+            limit_except POST {{ deny all; }}
+            proxy_pass https://superlink;
+        }}""" for role, path in ROLE_PATHS.items())
+    text = _common(prefix) + f"""    # a client certificate's role (nginx checked it is signed by the CA) is the OU of its subject
+    map $ssl_client_s_dn $fedhpro_role {{
+        default "";
+{roles}
+    }}
+    log_format fedhpro '$remote_addr [$time_local] "$request" $status $body_bytes_sent role=$fedhpro_role '
+                       'client="$ssl_client_s_dn" $request_time';
+    access_log {_q(prefix / "access.log")} fedhpro;
+    upstream superlink {{
+        server {nginx_address(link_host, link_port)};
+        keepalive 16;
+    }}
+    server {{
+        listen {nginx_address(host, port)} ssl;
+        ssl_certificate {_q(cert)};
+        ssl_certificate_key {_q(key)};
+        ssl_client_certificate {_q(ca)};
+        ssl_verify_client on;
+        ssl_verify_depth 1;
+        proxy_ssl_trusted_certificate {_q(ca)};
+        proxy_ssl_verify on;
+        proxy_ssl_verify_depth 1;
+        proxy_ssl_name 127.0.0.1;
+        proxy_ssl_session_reuse on;
+        location = /health {{
+            if ($request_uri != "/health") {{ return 403; }}
+            limit_except GET {{ deny all; }}
+            proxy_pass https://superlink;
+        }}{locations}
+        location / {{ return 403; }}
+    }}
+}}
+"""
+    config = prefix / CONFIG_NAME
+    config.write_text(text)
+    return Gate(prefix, config)
+
+
+def forward_config(prefix: str | os.PathLike, certs: str | os.PathLike, name: str, gate: str,
+                   listen: str = "127.0.0.1:18001", gate_name: str | None = None) -> Gate:
+    """Write a local forwarder's config into ``prefix``: listen with TLS on ``listen`` (a loopback address;
+    certificate ``<name>.crt``, valid for 127.0.0.1) and open a mutual-TLS connection to the gate at ``gate``
+    with the same certificate, checking the gate's certificate against ``ca.crt`` for ``gate_name`` (default:
+    the gate's host)."""
+    prefix, certs = _prepare(prefix), Path(certs).resolve()
+    cert_name, key_name = certificates.client_names(name)
+    ca, cert, key = certs / certificates.CA_CERT, certs / cert_name, certs / key_name
+    _need(ca, cert, key)
+    host, port = split_address(listen)
+    try:
+        if not ipaddress.ip_address(host).is_loopback:
+            raise ConfigError(f"--listen {listen}: a forwarder listens on a loopback address only "
+                              "(anyone who reaches it acts with its certificate)")
+    except ValueError:
+        raise ConfigError(f"--listen {listen}: give a loopback IP address, e.g. 127.0.0.1:18001") from None
+    gate_host, gate_port = split_address(gate)
+    check_name = gate_name or gate_host
+    try:
+        ipaddress.ip_address(check_name)
+        sni = "off"  # SNI carries host names only
+    except ValueError:
+        sni = "on"
+    text = _common(prefix) + f"""    access_log {_q(prefix / "access.log")};
+    upstream gate {{
+        server {nginx_address(gate_host, gate_port)};
+        keepalive 16;
+    }}
+    server {{
+        listen {nginx_address(host, port)} ssl;
+        ssl_certificate {_q(cert)};
+        ssl_certificate_key {_q(key)};
+        proxy_ssl_certificate {_q(cert)};
+        proxy_ssl_certificate_key {_q(key)};
+        proxy_ssl_trusted_certificate {_q(ca)};
+        proxy_ssl_verify on;
+        proxy_ssl_verify_depth 1;
+        proxy_ssl_name {check_name};
+        proxy_ssl_server_name {sni};
+        proxy_ssl_session_reuse on;
+        location / {{
+            proxy_pass https://gate;
+        }}
+    }}
+}}
+"""
+    config = prefix / CONFIG_NAME
+    config.write_text(text)
+    return Gate(prefix, config)

@@ -1,0 +1,582 @@
+"""``python -m fedhpro.flower up SITES_DIR``: a secured Flower deployment on loopback, supervised.
+
+One SuperNode per site folder of ``SITES_DIR`` (own-data mode: the node's
+``data-dir`` is the site folder), behind the gate of :mod:`fedhpro.flower.gate`:
+
+- certificates and keys (``certificates.create(..., gate=True)``) in
+  ``STATE/certs`` on the first start, reused afterwards;
+- the SuperLink with TLS, ``--enable-supernode-auth`` and ``--database
+  STATE/superlink.db`` (a restart keeps the registered keys), on 127.0.0.1 only;
+- nginx as the gate (mutual TLS, roles) and one nginx forwarder per party
+  (the operator's, each node's), every listener on 127.0.0.1;
+- the node keys registered through the operator's forwarder (once; the ids are
+  kept in ``STATE/nodes.json``), and a flwr connection written into
+  ``$FLWR_HOME/config.toml`` next to the connections already there;
+- a supervisor: every process in its own process group, its pid in
+  ``STATE/run/<name>.pid``; a process that dies is restarted (its group and
+  every process it had started are killed first, so no ``flwr-clientapp`` of a
+  dead node keeps knocking on its successor); a SuperNode refused because its
+  previous session is still "online" (exit 305 for up to ~60 s after a kill -9)
+  is retried with backoff, and a process that keeps failing for
+  :data:`GIVE_UP` seconds is left down with one line naming its log.
+
+Ctrl-C or SIGTERM (``up --stop STATE``) stops everything: nodes first (they
+say goodbye to the SuperLink), then forwarders, gate and SuperLink.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fedhpro.errors import ConfigError
+from fedhpro.flower import certificates, gate
+
+#: seconds a process may keep failing (each start living less than STABLE) before the supervisor gives up
+GIVE_UP = 180.0
+STABLE = 60.0
+BACKOFF = (2.0, 4.0, 8.0, 15.0, 30.0)
+REFUSED_EXIT = 305  # flower-supernode: the SuperLink refused to activate it (Flower 1.42)
+FLOWER_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def flower_tool(name: str) -> str:
+    """A console script of flwr: next to this interpreter (a venv's bin), else on PATH."""
+    path = Path(sys.executable).parent / name
+    return str(path) if path.exists() else shutil.which(name) or name
+
+
+def flwr_home(env: dict[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
+    return Path(env.get("FLWR_HOME") or Path.home() / ".flwr")
+
+
+def sites_of(sites_dir: Path) -> list[Path]:
+    """The site folders (every visible sub-folder), sorted by name."""
+    if not sites_dir.is_dir():
+        raise ConfigError(f"{sites_dir} is not a folder; give a folder holding one folder per site")
+    sites = sorted(p.resolve() for p in sites_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not sites:
+        raise ConfigError(f"{sites_dir} holds no site folder (one sub-folder per site, each with train/ and test/)")
+    for site in sites:
+        if any(c in str(site) for c in '"\\'):
+            raise ConfigError(f"site path {site} holds a quote or backslash; rename it")
+    return sites
+
+
+@dataclass(frozen=True)
+class Ports:
+    """Every port of a deployment, from one base: the gate, the SuperLink, the operator's forwarder,
+    then each node's forwarder and each node's own ClientApp API."""
+
+    base: int
+    nodes: int
+
+    @property
+    def gate(self) -> int:
+        return self.base
+
+    @property
+    def superlink(self) -> int:
+        return self.base + 1
+
+    @property
+    def operator(self) -> int:
+        return self.base + 2
+
+    def forwarder(self, k: int) -> int:  # k: 1-based node index
+        return self.base + 2 + k
+
+    def node_api(self, k: int) -> int:
+        return self.base + 2 + self.nodes + k
+
+    def all(self) -> list[int]:
+        return list(range(self.base, self.base + 3 + 2 * self.nodes))
+
+
+def connection_block(name: str, address: str, ca: Path) -> str:
+    return f'[superlink.{name}]\naddress = "{address}"\nroot-certificates = "{ca}"\n'
+
+
+def write_connection(home: Path, name: str, address: str, ca: Path, env: dict[str, str]) -> Path:
+    """Add (or update) the table ``[superlink.<name>]`` in ``home/config.toml``, keeping every other
+    connection (``local`` included: a missing file is first made by flwr itself, with its defaults)."""
+    path = home / "config.toml"
+    if not path.exists():
+        subprocess.run([flower_tool("flwr"), "config", "list"], env=env, capture_output=True, timeout=120)
+    text = path.read_text() if path.exists() else ""
+    try:
+        tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path} is not valid TOML ({error}); fix it, then start again") from None
+    header = f"[superlink.{name}]"
+    lines, kept, skipping = text.splitlines(), [], False
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith("["):
+            skipping = stripped == header
+        if not skipping:
+            kept.append(line)
+    body = "\n".join(kept).rstrip("\n")
+    new = (body + "\n\n" if body else "") + connection_block(name, address, ca)
+    parsed = tomllib.loads(new)["superlink"][name]
+    assert parsed["address"] == address
+    if new != text:
+        tmp = path.with_suffix(".toml.tmp")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(new)
+        os.replace(tmp, path)
+    return path
+
+
+def descendants_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    return children
+
+
+def below(pid: int, children: dict[int, list[int]]) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill_all(pids: set[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def become_subreaper() -> bool:
+    """Orphans of our children (a killed node's ``flwr-clientapp``) become ours: we can end and reap them."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+@dataclass
+class Child:
+    """A supervised process: its command, log, and restart bookkeeping."""
+
+    name: str
+    args: list[str]
+    log: Path
+    ready: object = None  # a callable returning True once the process serves (None: at once)
+    process: subprocess.Popen | None = None
+    seen: set[int] = field(default_factory=set)  # every process it started, remembered while it lived
+    started_at: float = 0.0
+    failing_since: float | None = None
+    failures: int = 0
+    next_start: float | None = None
+    given_up: bool = False
+    said_refused: bool = False
+
+
+class Deployment:
+    """See the module docstring. ``base_port``: the gate; the others follow (:class:`Ports`)."""
+
+    def __init__(self, sites_dir: str | os.PathLike, state: str | os.PathLike, base_port: int = 18000,
+                 connection: str = "fedhpro-up", install_dependencies: bool = False,
+                 out=sys.stdout):
+        self.sites = sites_of(Path(sites_dir))
+        self.state = Path(state).resolve()
+        self.certs = self.state / "certs"
+        self.ports = Ports(base_port, len(self.sites))
+        self.connection = connection
+        self.install_dependencies = install_dependencies
+        self.out = out
+        self.env = {**os.environ, **FLOWER_ENV}
+        self.home = flwr_home(self.env)
+        self.children: dict[str, Child] = {}
+        self.stopping = False
+
+    # ------------------------------------------------------------------ output
+    def say(self, text: str) -> None:
+        print(f"fedhpro up: {text}", file=self.out, flush=True)
+
+    # ------------------------------------------------------------------ files
+    def node_names(self) -> dict[str, int]:
+        """site name -> node index (1-based), fixed in STATE/sites.json at the first start."""
+        record = self.state / "sites.json"
+        names = [site.name for site in self.sites]
+        if record.exists():
+            saved = json.loads(record.read_text())
+            if saved["sites"] != names:
+                raise ConfigError(f"{self.state} was made for the sites {saved['sites']}, not {names}; "
+                                  "use another --state folder for another set of sites")
+        else:
+            record.write_text(json.dumps({"sites": names, "base_port": self.ports.base}, indent=1) + "\n")
+        return {name: k for k, name in enumerate(names, 1)}
+
+    def prepare(self) -> None:
+        self.state.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.state, 0o700)
+        for folder in ("run", "logs"):
+            (self.state / folder).mkdir(exist_ok=True)
+        if len(set(site.name for site in self.sites)) != len(self.sites):
+            raise ConfigError("two site folders share a name")
+        if not (self.certs / certificates.CA_CERT).exists():
+            certificates.create(self.certs, ["127.0.0.1"], nodes=len(self.sites), gate=True)
+        self.index = self.node_names()
+        busy = [port for port in self.ports.all() if not port_free(port)]
+        if busy:
+            raise ConfigError(f"port(s) {busy} on 127.0.0.1 are in use (a deployment already up?); stop it, "
+                              f"or choose another --port (this one needs {self.ports.base}-{self.ports.all()[-1]})")
+
+    # ------------------------------------------------------------------ processes
+    def add(self, name: str, args: list[str], ready=None) -> Child:
+        child = Child(name, args, self.state / "logs" / f"{name}.log", ready)
+        self.children[name] = child
+        return child
+
+    def launch(self, child: Child) -> None:
+        with open(child.log, "ab") as log:
+            log.write(f"--- fedhpro up: starting {' '.join(child.args)}\n".encode())
+            log.flush()
+            child.process = subprocess.Popen(child.args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, start_new_session=True)
+        child.started_at, child.next_start, child.seen = time.monotonic(), None, set()
+        (self.state / "run" / f"{child.name}.pid").write_text(f"{child.process.pid}\n")
+
+    def end(self, child: Child, sig: int = signal.SIGKILL) -> None:
+        """``sig`` to the child's process group and to everything it started."""
+        if child.process is not None:
+            child.seen |= below(child.process.pid, descendants_map())
+            try:
+                os.killpg(child.process.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        kill_all(child.seen, sig)
+
+    def wait_ready(self, child: Child, seconds: float = 300) -> None:
+        deadline = time.monotonic() + seconds
+        while child.ready is not None and not child.ready():
+            if child.process.poll() is not None:
+                raise ConfigError(f"{child.name} exited with code {child.process.returncode} while starting; "
+                                  f"see {child.log}")
+            if time.monotonic() > deadline or self.stopping:
+                raise ConfigError(f"{child.name} is not ready after {seconds:.0f} s; see {child.log}")
+            time.sleep(0.5)
+
+    def health(self, port: int) -> bool:
+        context = ssl.create_default_context(cafile=str(self.certs / certificates.CA_CERT))
+        try:
+            with urllib.request.urlopen(f"https://127.0.0.1:{port}/health", timeout=3, context=context) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def flwr(self, *args: str) -> dict:
+        done = subprocess.run([flower_tool("flwr"), *args, "--format", "json"], env=self.env,
+                              capture_output=True, text=True, timeout=180)
+        try:
+            reply = json.loads(done.stdout[done.stdout.index("{"):])
+        except ValueError:
+            reply = {"success": False, "error-message": (done.stdout + done.stderr).strip()[-500:]}
+        if not reply.get("success", False):
+            raise ConfigError(f"flwr {' '.join(args)} failed: {reply.get('error-message', reply)}")
+        return reply
+
+    def define(self) -> None:
+        c = self.certs
+        ca, server_cert, server_key = (str(c / certificates.CA_CERT), str(c / certificates.SERVER_CERT),
+                                       str(c / certificates.SERVER_KEY))
+        p = self.ports
+        link = ["--ssl-ca-certfile", ca, "--ssl-certfile", server_cert, "--ssl-keyfile", server_key]
+        self.add("superlink", [flower_tool("flower-superlink"), *link, "--enable-supernode-auth",
+                               "--host", "127.0.0.1", "--port", str(p.superlink),
+                               "--database", str(self.state / "superlink.db"),
+                               *([] if self.install_dependencies else ["--disable-runtime-dependency-installation"])],
+                 ready=lambda: self.health(p.superlink))
+        server = gate.server_config(self.state / "gate", c, f"127.0.0.1:{p.gate}", f"127.0.0.1:{p.superlink}")
+        self.add("gate", server.command(), ready=lambda: not port_free(p.gate))
+        operator = gate.forward_config(self.state / "operator-forward", c, certificates.OPERATOR,
+                                       f"127.0.0.1:{p.gate}", f"127.0.0.1:{p.operator}")
+        self.add("operator-forward", operator.command(), ready=lambda: self.health(p.operator))
+        for site in self.sites:
+            k = self.index[site.name]
+            prefix = self.state / "nodes" / site.name
+            forward = gate.forward_config(prefix / "forward", c, f"supernode-{k}", f"127.0.0.1:{p.gate}",
+                                          f"127.0.0.1:{p.forwarder(k)}")
+            port = p.forwarder(k)
+            self.add(f"{site.name}-forward", forward.command(), ready=lambda port=port: self.health(port))
+            node_state = prefix / "node-state"
+            node_state.mkdir(parents=True, exist_ok=True)
+            private_key = c / certificates.node_key_names(k)[0]
+            self.add(site.name, [flower_tool("flower-supernode"), "--root-certificates", ca,
+                                 "--auth-supernode-private-key", str(private_key),
+                                 "--superlink", f"127.0.0.1:{p.forwarder(k)}",
+                                 "--host", "127.0.0.1", "--port", str(p.node_api(k)),
+                                 "--node-config", f'data-dir="{site}" state-dir="{node_state}"'])
+
+    def register(self) -> dict[str, int]:
+        """Register each site's node key once (ids kept in STATE/nodes.json; the database keeps the keys)."""
+        record = self.state / "nodes.json"
+        ids = json.loads(record.read_text()) if record.exists() else {}
+        nodes = self.flwr("supernode", "ls", self.connection)["nodes"]
+        listed = {int(node["node-id"]): node["status"] for node in nodes}
+        for site in self.sites:
+            known = ids.get(site.name)
+            if known is not None and listed.get(known, "unregistered") != "unregistered":
+                continue
+            public = self.certs / certificates.node_key_names(self.index[site.name])[1]
+            ids[site.name] = int(self.flwr("supernode", "register", str(public), self.connection)["node-id"])
+            record.write_text(json.dumps(ids, indent=1) + "\n")
+        return ids
+
+    def start(self) -> None:
+        """Everything up, in order; raises ConfigError (after stopping what started) on a failure."""
+        self.prepare()
+        become_subreaper()
+        (self.state / "up.pid").write_text(f"{os.getpid()}\n")
+        self.define()
+        try:
+            for name in ("superlink", "gate", "operator-forward"):
+                self.launch(self.children[name])
+                self.wait_ready(self.children[name])
+            write_connection(self.home, self.connection, f"127.0.0.1:{self.ports.operator}",
+                             self.certs / certificates.CA_CERT, self.env)
+            ids = self.register()
+            for site in self.sites:
+                self.launch(self.children[f"{site.name}-forward"])
+            for site in self.sites:
+                self.wait_ready(self.children[f"{site.name}-forward"])
+                self.launch(self.children[site.name])
+        except BaseException:
+            self.stop()
+            raise
+        nodes = ", ".join(f"{site.name} (node {ids[site.name]})" for site in self.sites)
+        self.say(f"SuperLink on 127.0.0.1:{self.ports.superlink} (database {self.state / 'superlink.db'}), "
+                 f"gate https://127.0.0.1:{self.ports.gate} (mutual TLS), SuperNodes: {nodes}")
+        self.say(f'flwr connection "{self.connection}" (the operator\'s forwarder, 127.0.0.1:{self.ports.operator}) '
+                 f"in {self.home / 'config.toml'}; logs in {self.state / 'logs'}, pids in {self.state / 'run'}")
+        self.say(f"submit: python -m fedhpro.flower run examples/flower {self.connection} --run-config "
+                 f"'dataset=\"clients\" clients={len(self.sites)} rounds=2 local_epochs=1 checkpoint_every=1 "
+                 f"out=\"/abs/out\"'")
+        self.say(f"stop: Ctrl-C, or python -m fedhpro.flower up --stop {self.state}")
+
+    # ------------------------------------------------------------------ supervision
+    def reap_orphans(self, children: dict[int, list[int]]) -> None:
+        """End and reap the processes adopted as subreaper (not ours: left by a child that died)."""
+        ours = {c.process.pid for c in self.children.values() if c.process is not None}
+        for pid in children.get(os.getpid(), []):
+            if pid not in ours:
+                kill_all({pid} | below(pid, children), signal.SIGKILL)
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+
+    def check(self) -> None:
+        """One supervision step: remember descendants, restart what died (with backoff)."""
+        children = descendants_map()
+        now = time.monotonic()
+        for child in self.children.values():
+            if child.process is None or child.given_up:
+                continue
+            code = child.process.poll()
+            if code is None:
+                child.seen |= below(child.process.pid, children)
+                if child.failing_since is not None and now - child.started_at > STABLE:
+                    child.failing_since, child.failures, child.said_refused = None, 0, False
+                continue
+            if child.next_start is None:  # it just died
+                self.end(child)
+                if now - child.started_at > STABLE:
+                    child.failing_since, child.failures = None, 0
+                child.failing_since = child.failing_since or now
+                delay = BACKOFF[min(child.failures, len(BACKOFF) - 1)]
+                child.failures += 1
+                if now - child.failing_since > GIVE_UP:
+                    child.given_up = True
+                    self.say(f"{child.name} keeps failing (exit code {code}, {child.failures} starts in "
+                             f"{now - child.failing_since:.0f} s); left down, see {child.log}")
+                    continue
+                if code == REFUSED_EXIT and not child.said_refused:
+                    self.say(f"{child.name} refused (exit {code}): the SuperLink still has its previous session "
+                             "online (up to ~60 s after a kill -9); retrying")
+                    child.said_refused = True
+                elif code != REFUSED_EXIT:
+                    self.say(f"{child.name} exited with code {code}; restarting in {delay:.0f} s")
+                child.next_start = now + delay
+            elif now >= child.next_start:
+                self.launch(child)
+        self.reap_orphans(children)
+
+    def supervise(self) -> None:
+        while not self.stopping:
+            self.check()
+            time.sleep(1.0)
+
+    def stop(self) -> None:
+        """Nodes first (SIGTERM: they say goodbye), then forwarders, gate, SuperLink; SIGKILL after 15 s."""
+        self.stopping = True
+        order = ([c for c in self.children.values() if c.name in {s.name for s in self.sites}],
+                 [c for c in self.children.values() if c.name.endswith("-forward")],
+                 [self.children.get("gate")], [self.children.get("superlink")])
+        for group in order:
+            group = [c for c in group if c is not None and c.process is not None]
+            for child in group:
+                self.end(child, signal.SIGTERM)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and any(
+                    child.process.poll() is None or any(alive(p) for p in child.seen) for child in group):
+                time.sleep(0.2)
+            for child in group:
+                self.end(child, signal.SIGKILL)
+                try:
+                    child.process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+        self.reap_orphans(descendants_map())
+        for name in list(self.children):
+            (self.state / "run" / f"{name}.pid").unlink(missing_ok=True)
+        pid_file = self.state / "up.pid"
+        if pid_file.exists() and pid_file.read_text().strip() == str(os.getpid()):
+            pid_file.unlink()
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def stop_running(state: str | os.PathLike, seconds: float = 90) -> int:
+    """``up --stop STATE``: SIGTERM to the ``up`` process of ``STATE`` and wait until it ended."""
+    pid_file = Path(state) / "up.pid"
+    if not pid_file.exists():
+        print(f"fedhpro up: nothing runs from {state} (no up.pid)", file=sys.stderr)
+        return 1
+    pid = int(pid_file.read_text())
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pid_file.unlink(missing_ok=True)
+        print(f"fedhpro up: process {pid} of {state} was not running", file=sys.stderr)
+        return 1
+    deadline = time.monotonic() + seconds
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    if alive(pid):
+        print(f"fedhpro up: process {pid} still runs after {seconds:.0f} s", file=sys.stderr)
+        return 1
+    print(f"fedhpro up: stopped (pid {pid})")
+    return 0
+
+
+def run_up(sites_dir: str, state: str, base_port: int, connection: str, install_dependencies: bool) -> int:
+    deployment = Deployment(sites_dir, state, base_port, connection, install_dependencies)
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        deployment.stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    deployment.start()
+    try:
+        deployment.supervise()
+    finally:
+        deployment.say("stopping")
+        deployment.stop()
+        deployment.say("stopped")
+    return 0
+
+
+def _flwr_json(args: list[str], env: dict[str, str]) -> dict:
+    done = subprocess.run([flower_tool("flwr"), *args, "--format", "json"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    try:
+        return json.loads(done.stdout[done.stdout.index("{"):])
+    except ValueError:
+        return {"success": False, "error-message": (done.stdout + done.stderr).strip()[-500:]}
+
+
+def submit(app: str, connection: str, run_config: str | None = None, federation_config: str | None = None,
+           stream: bool = True, poll: float = 5.0) -> int:
+    """``python -m fedhpro.flower run``: ``flwr run`` (the run id), stream its log with ``flwr log``, then
+    read its status from ``flwr ls``: 0 for ``finished:completed``, 1 with one line otherwise (``flwr run
+    --stream`` itself exits 0 even when the ServerApp failed)."""
+    env = {**os.environ, **FLOWER_ENV}
+    args = ["run", app, connection]
+    if run_config:
+        args += ["--run-config", run_config]
+    if federation_config:
+        args += ["--federation-config", federation_config]
+    reply = _flwr_json(args, env)
+    if not reply.get("success") or "run-id" not in reply:
+        message = " ".join(str(reply.get("error-message", reply)).split())
+        print(f"fedhpro run: flwr run was refused: {message}", file=sys.stderr)
+        return 2
+    run_id = str(reply["run-id"])
+    print(f"fedhpro run: run {run_id} submitted to {connection}", flush=True)
+    unreachable = 0
+    while True:
+        if stream:
+            try:
+                subprocess.run([flower_tool("flwr"), "log", run_id, connection, "--stream"], env=env)
+            except KeyboardInterrupt:
+                print(f"fedhpro run: stopped following run {run_id}; it goes on (flwr stop {run_id} {connection} "
+                      "ends it)", file=sys.stderr)
+                return 130
+        deadline = time.monotonic() + 60
+        while True:
+            listed = _flwr_json(["ls", connection, "--run-id", run_id], env)
+            runs = listed.get("runs") if listed.get("success") else None
+            if not runs:
+                unreachable += 1
+                if unreachable >= 5:
+                    message = " ".join(str(listed.get("error-message", listed)).split())
+                    print(f"fedhpro run: cannot read the status of run {run_id}: {message}", file=sys.stderr)
+                    return 1
+            else:
+                unreachable = 0
+                status = runs[0]["status"]
+                if status == "finished:completed":
+                    print(f"fedhpro run: run {run_id} {status}")
+                    return 0
+                if status.startswith("finished"):
+                    print(f"fedhpro run: run {run_id} ended {status} (its log: flwr log {run_id} {connection} "
+                          "--show)", file=sys.stderr)
+                    return 1
+            if stream and time.monotonic() > deadline:
+                break  # the log stream ended early (a SuperLink restart?): follow it again
+            time.sleep(poll)
