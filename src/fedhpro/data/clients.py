@@ -111,7 +111,8 @@ def scan_client(folder: str | Path, options: ClientsOptions) -> ClientInfo:
         return ClientInfo(folder.name, client_domain(folder), "images", names, declared, None, [3, size, size],
                           *(sum(len(files) for files in splits.get(split, {}).values())
                             for split in ("train", "test")))
-    pairs = {split: _read_tensor_file(path) for split, path in _tensor_files(folder).items()}
+    pairs = {split: _read_tensor_file(path, options.max_classes)
+             for split, path in _tensor_files(folder).items()}
     shapes = {split: list(x.shape[1:]) for split, (x, _) in pairs.items()}
     if len({tuple(s) for s in shapes.values()}) > 1:
         raise DataError(f"client folder {folder}: train and test inputs differ in shape ({shapes['train']} vs "
@@ -132,6 +133,7 @@ def resolve_classes(infos: Sequence[ClientInfo], options: ClientsOptions) -> lis
     """
     if not infos:
         raise DataError("no client folders; give data_dir= a folder with one subfolder per client")
+    _check_bounds(infos, options)
     kinds = _group(infos, lambda info: info.kind)
     if len(kinds) > 1:
         raise DataError("the clients mix image folders and tensor files (" + _listing(kinds) + "); give every "
@@ -186,6 +188,35 @@ def resolve_classes(infos: Sequence[ClientInfo], options: ClientsOptions) -> lis
     return names if names is not None else [str(c) for c in range(num_classes)]
 
 
+def _check_bounds(infos: Sequence[ClientInfo], options: ClientsOptions) -> None:
+    """Refuse, before anything of that size is built, a class count above ``data.max_classes``: a label, a
+    class list, ``data.num_classes`` or ``data.classes`` (a node's description may come from anywhere)."""
+    limit = int(options.max_classes)
+    fix = ("fix the labels, or, if the data really has that many classes, raise data.max_classes (and set "
+           "data.num_classes)")
+    if options.num_classes is not None and options.num_classes > limit:
+        raise ConfigError(f"data.num_classes={options.num_classes} is above data.max_classes={limit}; raise "
+                          "data.max_classes too if the data really has that many classes")
+    if options.classes is not None and len(options.classes) > limit:
+        raise ConfigError(f"data.classes lists {len(options.classes)} classes, above data.max_classes={limit}; "
+                          "raise data.max_classes if the data really has that many classes")
+    for info in infos:
+        label = info.max_label
+        if label is not None and (type(label) is not int or not 0 <= label < limit):
+            what = (f"label {label}" if type(label) is int else f"a label of type {type(label).__name__}")
+            raise DataError(f"client {info.name}: its train/test .pt/.npz has {what}, outside 0..{limit - 1} "
+                            f"(data.max_classes={limit}); {fix}")
+        for kind, names in (("class folders", info.class_names), ("classes.txt", info.declared_classes)):
+            if names is not None and len(names) > limit:
+                raise DataError(f"client {info.name}: its {kind} name {len(names)} classes, above "
+                                f"data.max_classes={limit}; raise data.max_classes if the data really has that many "
+                                "classes")
+    union = {c for info in infos for c in info.class_names or []}
+    if len(union) > limit:
+        raise DataError(f"the clients' class folders name {len(union)} classes together, above "
+                        f"data.max_classes={limit}; raise data.max_classes if the data really has that many classes")
+
+
 def load_client(folder: str | Path, options: ClientsOptions,
                 classes: Sequence[str]) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor], ClientInfo]:
     """``((train_x, train_y), (test_x, test_y), info)`` of one client folder, labels indexing ``classes``.
@@ -199,7 +230,7 @@ def load_client(folder: str | Path, options: ClientsOptions,
     classes = [str(c) for c in classes]
     if info.kind == "images":
         return (*_load_images(folder, info, options, classes), info)
-    return (*_load_tensors(folder, info, len(classes)), info)
+    return (*_load_tensors(folder, info, len(classes), options.max_classes), info)
 
 
 # --------------------------------------------------------------------------- the federation
@@ -235,7 +266,7 @@ def build(options: ClientsOptions, clients: int | None, seed: int, data_dir: Any
     bound = _label_bound(infos, options)
     for folder, info in zip(folders, infos):
         if info.kind == "tensors" and bound is not None and info.max_label is not None and info.max_label >= bound:
-            _load_tensors(folder, info, bound)  # raises the DataError that names the file holding the label
+            _load_tensors(folder, info, bound, options.max_classes)  # the DataError naming the file with the label
     classes = resolve_classes(infos, options)
     if not any(info.test_size for info in infos):
         raise DataError(f"no client in {data_dir} has test data; give at least one client test/<class>/ images "
@@ -243,9 +274,10 @@ def build(options: ClientsOptions, clients: int | None, seed: int, data_dir: Any
     train, tests = [], []
     for folder, info in zip(folders, infos):
         loaded = (_load_images(folder, info, options, classes) if info.kind == "images"
-                  else _load_tensors(folder, info, len(classes)))
+                  else _load_tensors(folder, info, len(classes), options.max_classes))
         train.append(loaded[0])
         tests.append(loaded[1])
+    converted = _features_as_floats(folders, infos, train, tests)
     num_classes = len(classes)
     record = {
         "dataset": "clients", "scheme": "given", "data_dir": str(Path(data_dir).expanduser()),
@@ -256,12 +288,31 @@ def build(options: ClientsOptions, clients: int | None, seed: int, data_dir: Any
                     for k, info in enumerate(infos)],
     }
     notes = [f"clients: {len(infos)} client folders of {data_dir} ({infos[0].kind}), {num_classes} classes"]
+    if converted:
+        notes.append(f"clients: the integer x of {', '.join(converted)} converted to float32 (exactly), as the other "
+                     "clients hold float features")
     empty = sorted({info.domain or "all" for info in infos} - {info.domain or "all" for info in infos
                                                                if info.test_size})
     if empty:
         notes.append(f"no client of {', '.join(empty)} has test data: no accuracy of its own is measured")
     return Federation.from_tensors(train, tests, num_classes=num_classes, domains=[i.domain for i in infos],
                                    names=[i.name for i in infos], name="clients", partition=record, notes=notes)
+
+
+def _features_as_floats(folders: Sequence[Path], infos: Sequence[ClientInfo], train: list[tuple[Tensor, Tensor]],
+                        tests: list[tuple[Tensor, Tensor]]) -> list[str]:
+    """Where some tensor clients hold float x and others integer x, the integer ones become float32 (exactly,
+    else a DataError naming the file): the names of the clients converted."""
+    if infos[0].kind != "tensors" or not any(x.is_floating_point() for x, _ in train):
+        return []
+    converted = []
+    for k, folder in enumerate(folders):
+        if not train[k][0].is_floating_point():
+            path = _tensor_files(folder)["train"]
+            train[k] = (as_float(train[k][0], path), train[k][1])
+            tests[k] = (as_float(tests[k][0], _tensor_files(folder).get("test", path)), tests[k][1])
+            converted.append(infos[k].name)
+    return converted
 
 
 # --------------------------------------------------------------------------- helpers
@@ -328,8 +379,71 @@ def _image_splits(folder: Path) -> dict[str, dict[str, list[Path]]]:
     return splits
 
 
-def _read_tensor_file(path: Path) -> tuple[Tensor, Tensor]:
-    """``(x, y)`` of a ``.npz`` or ``.pt`` file, checked: y N integer labels >= 0, x N x ...; else one DataError."""
+#: the most elements a sparse or expanded (stride-0) x or y may densify to: 2**28 (1 GiB of float32)
+MAX_DENSE = 1 << 28
+#: integers a float32 holds exactly: integer x mixed with float x is converted only within this range
+EXACT_FLOAT32 = 1 << 24
+_FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INT_TYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
+_UNSIGNED_TYPES = (torch.uint16, torch.uint32, torch.uint64)
+
+
+def _as_tensor(value: Any, name: str, path: Path, how: str) -> Tensor:
+    """``x`` or ``y`` of a tensor file as a plain CPU tensor (a tensor, an array or a list of numbers)."""
+    if isinstance(value, Tensor):
+        if value.device.type != "cpu":
+            raise DataError(f"{path}: {name} is a {value.device.type} tensor without data; save it with {how}")
+        return value.detach()
+    if isinstance(value, (np.ndarray, list, tuple)):
+        try:
+            array = np.asarray(value)
+        except (TypeError, ValueError, OverflowError) as error:
+            raise DataError(f"{path}: {name} must be a numeric array ({str(error).splitlines()[0]}); save it with "
+                            f"{how}") from None
+        if array.dtype.kind not in "biuf":
+            raise DataError(f"{path}: {name} holds {array.dtype} values, not numbers; save it with {how}")
+        return torch.from_numpy(np.ascontiguousarray(array))
+    raise DataError(f"{path}: {name} is a {type(value).__name__}, not an array; save it with {how}")
+
+
+def _dense(value: Tensor, name: str, path: Path) -> Tensor:
+    """A sparse tensor densified, an expanded (stride-0) view copied: both only up to :data:`MAX_DENSE`
+    elements, so a small file cannot ask for more memory than the machine has."""
+    sparse = value.layout != torch.strided
+    expanded = not sparse and value.numel() * value.element_size() > value.untyped_storage().nbytes()
+    if not (sparse or expanded):
+        return value
+    if value.numel() > MAX_DENSE:
+        shape = " x ".join(map(str, value.shape))
+        what = "a sparse" if sparse else "an expanded (stride-0)"
+        raise DataError(f"{path}: {name} is {what} {shape} tensor; densified it would hold {value.numel():,} values "
+                        f"(more than {MAX_DENSE:,}); save the dense array of the samples you use")
+    try:
+        return value.to_dense() if sparse else value.contiguous()
+    except (RuntimeError, ValueError) as error:
+        raise DataError(f"{path}: {name} is a malformed sparse tensor ({str(error).splitlines()[0]}); save a dense "
+                        "array") from None
+
+
+def _unsigned_to_int64(value: Tensor, name: str, path: Path) -> Tensor:
+    array = value.numpy()
+    if array.size and int(array.max()) > np.iinfo(np.int64).max:
+        raise DataError(f"{path}: {name} holds {int(array.max())}, beyond int64; save smaller integers")
+    return torch.from_numpy(array.astype(np.int64))
+
+
+def _read_tensor_file(path: Path, max_classes: int = 100_000) -> tuple[Tensor, Tensor]:
+    """``(x, y)`` of a ``.npz`` or ``.pt`` file, checked; anything else is one DataError naming the file.
+
+    ``y``: N integer labels in ``0 .. max_classes - 1`` (floats that are
+    whole numbers are taken as integers). ``x``: N x ... float features
+    (any float type -> float32; NaN, infinities and values beyond float32 are
+    refused) or integer token ids (-> int64). Sparse ``x``/``y`` are
+    densified (up to :data:`MAX_DENSE` elements). ``.npz`` files are read
+    with ``allow_pickle=False`` and ``.pt`` files with ``weights_only=True``:
+    no file runs code.
+    """
+    client = f"client {path.parent.name}: {path}"
     how = (f"np.savez('{path.name}', x=x, y=y)" if path.suffix == ".npz"
            else f"torch.save({{'x': x, 'y': y}}, '{path.name}')")
     try:
@@ -340,38 +454,59 @@ def _read_tensor_file(path: Path) -> tuple[Tensor, Tensor]:
             content = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - numpy and torch raise many types for a bad file; one line for all
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise DataError(f"cannot read {path} ({reason}); save it with {how}") from None
+        raise DataError(f"cannot read {path} ({reason[:300]}); save it with {how}") from None
     if not isinstance(content, dict):
         raise DataError(f"{path} holds a {type(content).__name__}, not a dict with x and y; save it with {how}")
     missing = [key for key in ("x", "y") if key not in content]
     if missing:
-        raise DataError(f"{path} has no {' and no '.join(missing)} (it holds {sorted(map(str, content))}); "
-                        f"save it with {how}")
-    try:
-        x, y = (value if isinstance(value, Tensor) else torch.as_tensor(np.asarray(value))
-                for value in (content["x"], content["y"]))
-    except (TypeError, ValueError, RuntimeError) as error:
-        raise DataError(f"{path}: x and y must be numeric arrays ({error}); save it with {how}") from None
+        held = sorted(map(str, content))
+        listed = str(held[:20])[:-1] + (", ...]" if len(held) > 20 else "]")
+        raise DataError(f"{path} has no {' and no '.join(missing)} (it holds {listed[:300]}); save it with {how}")
+    x = _dense(_as_tensor(content["x"], "x", path, how), "x", path)
+    y = _dense(_as_tensor(content["y"], "y", path, how), "y", path)
     if y.dim() != 1 or x.dim() < 2 or x.shape[0] != y.shape[0]:
         raise DataError(f"{path}: x {tuple(x.shape)} and y {tuple(y.shape)} do not match; give x as N x F "
                         "inputs and y as N labels")
-    if y.is_floating_point() and bool(torch.all(y == y.round())):
-        y = y.long()
-    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
-        raise DataError(f"{path}: y must hold integer class labels, got {y.dtype}")
-    y = y.long()
-    if y.numel() and int(y.min()) < 0:
-        raise DataError(f"{path}: label {int(y.min())} is negative; labels are class indices 0..C-1")
-    if x.is_floating_point():
-        if not bool(torch.isfinite(x).all()):
-            raise DataError(f"{path}: x holds NaN or infinite values; clean the data")
+    if 0 in x.shape[1:]:
+        raise DataError(f"{path}: x {tuple(x.shape)} has an empty feature dimension; give x as N x F inputs, F >= 1")
+    y = _labels(y, path, client, max_classes)
+    if x.dtype in _FLOAT_TYPES:
         x = x.float()
-    elif x.dtype in (torch.bool, torch.uint8) or x.is_complex():
+        if not bool(torch.isfinite(x).all()):
+            raise DataError(f"{client}: x holds NaN or infinite values (or values beyond float32's range); clean "
+                            "the data")
+    elif x.dtype in _INT_TYPES:
+        x = x.long()
+    elif x.dtype in _UNSIGNED_TYPES:
+        x = _unsigned_to_int64(x, "x", path)
+    else:
         raise DataError(f"{path}: x is {x.dtype}; save float features (pixels: x / 127.5 - 1) or integer "
                         "token ids (int64)")
-    else:
-        x = x.long()
     return x.contiguous(), y.contiguous()
+
+
+def _labels(y: Tensor, path: Path, client: str, max_classes: int) -> Tensor:
+    """``y`` as int64 class indices, each in ``0 .. max_classes - 1``; else one DataError naming the file."""
+    if y.dtype in _FLOAT_TYPES:
+        y64 = y.double()
+        if not bool(torch.isfinite(y64).all()) or not bool(torch.all(y64 == y64.round())):
+            raise DataError(f"{client}: y holds labels that are not whole numbers; labels are class indices 0..C-1")
+    elif y.dtype in _UNSIGNED_TYPES:
+        y64 = _unsigned_to_int64(y, "y", path)
+    elif y.dtype in _INT_TYPES:
+        y64 = y.long()
+    else:
+        raise DataError(f"{path}: y must hold integer class labels, got {y.dtype}")
+    if not y64.numel():
+        return y64.long()
+    low, high = y64.min().item(), y64.max().item()
+    if low < 0:
+        raise DataError(f"{path}: label {int(low)} is negative; labels are class indices 0..C-1")
+    if high >= max_classes:
+        raise DataError(f"{client}: label {int(high)} is not below data.max_classes={max_classes}; fix the label, "
+                        "or, if the data really has that many classes, raise data.max_classes (and set "
+                        "data.num_classes)")
+    return y64.long()
 
 
 def _load_images(folder: Path, info: ClientInfo, options: ClientsOptions,
@@ -395,23 +530,35 @@ def _load_images(folder: Path, info: ClientInfo, options: ClientsOptions,
     return pairs[0], pairs[1]
 
 
-def _load_tensors(folder: Path, info: ClientInfo,
-                  num_classes: int) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+def _load_tensors(folder: Path, info: ClientInfo, num_classes: int,
+                  max_classes: int = 100_000) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
     files = _tensor_files(folder)
     pairs = []
     for split in ("train", "test"):
         if split not in files:
             pairs.append((torch.empty((0, *info.input_shape), dtype=torch.float32), torch.empty(0, dtype=torch.int64)))
             continue
-        x, y = _read_tensor_file(files[split])
+        x, y = _read_tensor_file(files[split], max_classes)
         if y.numel() and int(y.max()) >= num_classes:
             raise DataError(f"{files[split]}: label {int(y.max())} is out of range for {num_classes} classes; fix "
                             "the labels or set data.num_classes")
         pairs.append((x, y))
-    if pairs[1][0].dtype != pairs[0][0].dtype and pairs[1][1].numel():
-        raise DataError(f"client folder {folder}: train x is {pairs[0][0].dtype} but test x is {pairs[1][0].dtype}; "
-                        "save both as floats (or both as token ids)")
+    if pairs[1][0].dtype != pairs[0][0].dtype and pairs[1][1].numel():  # int64 and float32: features as floats
+        return (as_float(pairs[0][0], files["train"]), pairs[0][1]), (as_float(pairs[1][0], files["test"]),
+                                                                      pairs[1][1])
     return pairs[0], (pairs[1][0].to(pairs[0][0].dtype), pairs[1][1])
+
+
+def as_float(x: Tensor, path: Path) -> Tensor:
+    """Integer features as float32 (beside float features of another split or client); exact, else refused."""
+    if x.is_floating_point():
+        return x
+    largest = max(-int(x.min()), int(x.max())) if x.numel() else 0
+    if largest > EXACT_FLOAT32:
+        raise DataError(f"client {path.parent.name}: {path} holds integer x of magnitude {largest}, which "
+                        "float32 cannot hold exactly, while other x are floats; save every x as float32 (features) "
+                        "or every x as int64 (token ids)")
+    return x.float()
 
 
 def _group(infos: Sequence[ClientInfo], key: Any) -> dict[str, list[str]]:

@@ -128,29 +128,45 @@ def _label_names(dataset: Any, options: HuggingFaceOptions) -> list[str] | None:
 
 def _labels(raw_train: list[Any], raw_test: list[Any], names: list[str] | None,
             options: HuggingFaceOptions) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """Integer labels of both splits and the class names (see the module docstring)."""
+    """Integer labels of both splits and the class names (see the module docstring).
+
+    Every bound is checked on the values before an array of that size is
+    made: at most ``data.max_classes`` classes (a label, ClassLabel names or
+    distinct names), no negative, empty or non-integer label.
+    """
+    limit = int(options.max_classes)
+    where = f"{options.path}: the {options.label_column!r} column"
+    fix = "fix the labels, or raise data.max_classes if the data really has that many classes"
     values = raw_train + raw_test
     if any(v is None for v in values):
-        raise DataError(f"{options.path}: the {options.label_column!r} column has empty labels; drop those rows")
-    if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
+        raise DataError(f"{where} has empty labels; drop those rows")
+    if names is not None and len(names) > limit:
+        raise DataError(f"{where} is a ClassLabel of {len(names)} names, above data.max_classes={limit}; raise "
+                        "data.max_classes if the data really has that many classes")
+    if all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in values):
+        low, high = (int(min(values)), int(max(values))) if values else (0, 0)
+        if low < 0:
+            raise DataError(f"{where} has label {low}, which is negative; labels are class indices 0..C-1 (an "
+                            "unlabelled test split: set data.test_split to a labelled one)")
+        if high >= limit:
+            raise DataError(f"{where} has label {high}, not below data.max_classes={limit}; {fix}")
+        count = len(names) if names else high + 1
+        if high >= count:
+            raise DataError(f"{where} has label {high}, out of range for its {count} class names; fix the labels or "
+                            "the ClassLabel names")
         train, test = np.asarray(raw_train, dtype=np.int64), np.asarray(raw_test, dtype=np.int64)
-        if len(values) and min(values) < 0:
-            raise DataError(f"{options.path}: label {min(values)} in column {options.label_column!r} is negative; "
-                            "labels are class indices 0..C-1 (an unlabelled test split: set data.test_split to a "
-                            "labelled one)")
-        count = len(names) if names else max(values) + 1
-        if max(values) >= count:
-            raise DataError(f"{options.path}: label {max(values)} in column {options.label_column!r} is out of "
-                            f"range for its {count} class names; fix the labels or the ClassLabel names")
         return train, test, names or [str(c) for c in range(count)]
     if all(isinstance(v, str) for v in values):
         classes = sorted(set(values))
+        if len(classes) > limit:
+            raise DataError(f"{where} holds {len(classes)} distinct class names, above data.max_classes={limit}; "
+                            f"{fix}")
         index = {name: i for i, name in enumerate(classes)}
         return (np.asarray([index[v] for v in raw_train], dtype=np.int64),
                 np.asarray([index[v] for v in raw_test], dtype=np.int64), classes)
     kinds = sorted({type(v).__name__ for v in values})
-    raise DataError(f"{options.path}: the {options.label_column!r} column holds {kinds}; labels must be integers or "
-                    "class names")
+    raise DataError(f"{where} holds {kinds}; labels must be integers or class names (whole numbers as int, not "
+                    "float)")
 
 
 def _image_pixels(value: Any, size: int, row: int, options: HuggingFaceOptions) -> np.ndarray:

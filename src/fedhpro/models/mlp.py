@@ -5,9 +5,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from torch import nn
+from torch import Tensor, nn
 
+from fedhpro.errors import DataError
 from fedhpro.models._common import ZooModel, _int_tuple, check_dims
+
+
+def _float_features(module: nn.Module, args: tuple) -> None:
+    if args and isinstance(args[0], Tensor) and not args[0].is_floating_point():
+        raise DataError(f"model=mlp takes float features, but the inputs are {args[0].dtype} (integer x in tensor "
+                        "files are token ids, for model=textcnn); save x as floats, e.g. x.astype('float32')")
 
 
 class MLP(ZooModel):
@@ -35,3 +42,4 @@ class MLP(ZooModel):
         self.features = nn.Sequential(nn.Flatten(), nn.Linear(self.in_features, int(hidden)), nn.ReLU(inplace=True),
                                       nn.Linear(int(hidden), feature_dim), nn.ReLU(inplace=True))
         self._finish(num_classes, feature_dim)
+        self.features.register_forward_pre_hook(_float_features)  # integer x: one line, not a matmul traceback
