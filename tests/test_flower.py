@@ -29,17 +29,26 @@ pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pi
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # silences a Ray FutureWarning
+# Ray on 127.0.0.1 only (before ray is imported: fedhpro.flower.engine.RAY_LOOPBACK_ENV)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
+from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION  # noqa: E402
 from flwr.app import ConfigRecord, Message, RecordDict  # noqa: E402
 
 import fedhpro  # noqa: E402
-from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION  # noqa: E402
 from fedhpro.config import RunOptions, load_config  # noqa: E402
 from fedhpro.engines import checkpoint  # noqa: E402
 from fedhpro.errors import ConfigError, UpdateError  # noqa: E402
 from fedhpro.flower import records  # noqa: E402
+from fedhpro.flower.engine import RAY_LOOPBACK_INIT_ARGS  # noqa: E402
 from fedhpro.flower.server import discover_nodes  # noqa: E402
-from fedhpro.flower.settings import FlowerSettings, app_pyproject_toml, config_from_run_config, split_run_config  # noqa: E402
+from fedhpro.flower.settings import (  # noqa: E402
+    FLOWER_CHECKPOINT_EVERY,
+    FlowerSettings,
+    app_pyproject_toml,
+    config_from_run_config,
+    split_run_config,
+)
 from fedhpro.methods import METHODS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,6 +138,12 @@ def test_run_config_maps_onto_fedhpro_keys():
     # an empty run_config (as run_simulation passes) gives the defaults, then the app's base settings
     config, _ = config_from_run_config({}, {"method": "fedavg"})
     assert config.run.method == "fedavg" and config.run.rounds == load_config(None).run.rounds
+    # Flower's own checkpoint default: after every round unless the run sets checkpoint_every
+    assert config.run.checkpoint_every == FLOWER_CHECKPOINT_EVERY == 1
+    assert config_from_run_config({"checkpoint_every": 5})[0].run.checkpoint_every == 5
+    assert config_from_run_config({}, {"checkpoint_every": 0})[0].run.checkpoint_every == 0
+    assert config_from_run_config({"checkpoint_every": ""})[0].run.checkpoint_every == 1  # "" = the default
+    assert config_from_run_config({"flower.node-auth": True})[1].node_auth
 
 
 @pytest.mark.parametrize("run_config, words", [
@@ -136,6 +151,7 @@ def test_run_config_maps_onto_fedhpro_keys():
     ({"rounds": 0}, "rounds"),
     ({"flower.wait": 3}, "unknown Flower setting"),
     ({"flower.node-wait": -1}, "seconds > 0"),
+    ({"flower.node-auth": 1}, "true or false"),
     pytest.param({"flops": True}, "only by the in-process simulator",
                  marks=pytest.mark.skipif(not hasattr(RunOptions, "flops"), reason="no flops switch in this version")),
 ])
@@ -209,7 +225,8 @@ def test_example_app_declares_every_config_key():
     config = declared["config"]
     assert {"method", "rounds", "clients", "seed", "fedhpro.tau", "moon.mu", "data.fraction"} <= set(config)
     # the declared table alone (all "" = defaults) resolves to the defaults
-    assert config_from_run_config(config)[0].to_dict() == load_config(None).to_dict()
+    assert config_from_run_config(config)[0].to_dict() == load_config(
+        None, {"checkpoint_every": FLOWER_CHECKPOINT_EVERY}).to_dict()
 
 
 # ---------------------------------------------------------------------------- Flower's simulation engine
@@ -245,6 +262,7 @@ def simulated(digits_data_dir, tmp_path_factory):
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
         assert dict(context.run_config) == {}  # what run_simulation passes: the apps must cope
+        outcomes["listening"] = listening_addresses(os.getpid())  # Ray is up: what do its processes listen on?
         for name, extra in SIMULATED:
             try:
                 run_server(grid, context.run_config, tiny_config(digits_data_dir, out=str(root / name), **extra))
@@ -258,13 +276,39 @@ def simulated(digits_data_dir, tmp_path_factory):
     try:
         run_simulation(server_app=server_app, client_app=client_app, num_supernodes=3,
                        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                       "init_args": {"num_cpus": 1, "include_dashboard": False}})
+                                       "init_args": {"num_cpus": 1, **RAY_LOOPBACK_INIT_ARGS}})
     finally:
         if pythonpath is None:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = pythonpath
     return outcomes, root
+
+
+def listening_addresses(root: int) -> list[str]:
+    """The local addresses of the TCP sockets that process ``root`` and its descendants listen on (``ss``)."""
+    import subprocess
+
+    children: dict[int, list[int]] = {}
+    for line in subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.splitlines():
+        pid, parent = map(int, line.split())
+        children.setdefault(parent, []).append(pid)
+    tree, stack = set(), [root]
+    while stack:
+        pid = stack.pop()
+        tree.add(pid)
+        stack += children.get(pid, [])
+    listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
+    return [line.split()[3] for line in listening if any(f"pid={pid}," in line for pid in tree)]
+
+
+def test_ray_listens_on_loopback_only(simulated):
+    outcomes, _ = simulated
+    listening = outcomes["listening"]
+    assert listening, "no listening socket of Ray found (is ss installed?)"
+    outside = [address for address in listening
+               if not address.startswith(("127.", "[::ffff:127.", "[::1]", "localhost"))]
+    assert not outside, f"Ray listens outside 127.0.0.0/8: {outside} (all: {listening})"
 
 
 def flower_result(simulated, name):

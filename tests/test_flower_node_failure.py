@@ -219,7 +219,7 @@ def test_federated_evaluation_pools_the_answers_it_has(digits_data_dir, _inside_
         pooled = expected.setdefault(str(count["test-set"]), [0, 0])
         pooled[0] += int(count["correct"])
         pooled[1] += int(count["total"])
-    assert row["not_evaluated"] == [2] and len(row["client_accuracy"]) == 2
+    assert row["not_evaluated"] == [{"client": 2, "reason": "node offline"}] and len(row["client_accuracy"]) == 2
     for name, (correct, total) in expected.items():
         assert row["accuracy"][name] == pytest.approx(100.0 * correct / total, abs=1e-12)
     assert set(row["accuracy"]) == set(expected) | {"AVG"}
@@ -229,7 +229,8 @@ def test_federated_evaluation_pools_the_answers_it_has(digits_data_dir, _inside_
     grid.offline = {10, 11, 12}  # all gone after training: nobody evaluates, the round has no accuracy
     assert list(strategy.configure_evaluate(2, None, None, grid)) == []
     strategy.aggregate_evaluate(2, [])
-    assert "accuracy" not in strategy.rows[-1] and strategy.rows[-1]["not_evaluated"] == [0, 1, 2]
+    assert "accuracy" not in strategy.rows[-1]
+    assert strategy.rows[-1]["not_evaluated"] == [{"client": k, "reason": "node offline"} for k in range(3)]
 
 
 def test_own_data_a_restarted_node_is_recognised_by_its_name_and_folder(_inside_a_run):

@@ -236,6 +236,35 @@ def examples_problem(reply: Any, client: int, num_samples: int) -> str | None:
     return None
 
 
+def counts_problem(reply: Any, num_classes: int | None) -> str | None:
+    """Why the reply's ``class_counts`` cannot be what its client holds, or None when they are ``C`` (the
+    method's number of classes, when known) whole numbers >= 0 summing to its ``num_examples`` (checked
+    first by :func:`examples_problem`), or the reply has none. Methods weight a client's class statistics
+    (prototypes, class gradients, soft predictions) by these counts, so unbounded counts would let one
+    reply outweigh all others, as an unbounded ``num_examples`` would in FedAvg."""
+    if not isinstance(reply, Mapping) or "class_counts" not in reply:
+        return None
+    counts, total = reply["class_counts"], reply.get("num_examples")
+    if not isinstance(counts, Tensor):
+        return f"class_counts is a {type(counts).__name__}, not a tensor of counts"
+    if counts.dim() != 1 or (num_classes is not None and counts.shape[0] != num_classes):
+        return f"class_counts has shape {tuple(counts.shape)}, not ({num_classes if num_classes is not None else 'C'},)"
+    if counts.dtype == torch.bool or counts.is_complex():
+        return f"class_counts is {counts.dtype}, not whole numbers"
+    values = counts.detach().cpu()
+    if values.is_floating_point():
+        if not bool(torch.isfinite(values).all()) or not bool((values == values.floor()).all()):
+            return "class_counts holds values that are not whole numbers (NaN, Inf or fractions)"
+    if bool((values < 0).any()):
+        return f"class_counts holds a negative count ({values.min().item():g})"
+    if values.numel() and float(values.max()) > float(total):  # each count <= num_examples: the sum cannot overflow
+        return f"class_counts holds a count of {values.max().item():g} but num_examples={total}"
+    held = int(values.to(torch.float64).sum().item()) if values.is_floating_point() else int(values.sum().item())
+    if held != int(total):
+        return f"class_counts sum to {held} but num_examples={total}"
+    return None
+
+
 def _median_value(values: Sequence[float]) -> float:
     """The median of a few numbers (mean of the two middle ones for an even count), as
     :func:`~fedhpro.aggregation.coordinate_median` takes it."""
@@ -473,14 +502,16 @@ class OpenRound:
         self.failures.append(error if error is not None else f"client {client}: {reason}")
 
     def receive(self, client: int, reply: dict[str, Any], metrics: dict[str, float], num_samples: int) -> Reception:
-        """Hand in client ``client``'s reply (it holds ``num_samples`` training samples): the bound on its
-        ``num_examples``, injected hostility and corruption, the method's validation, then the fold into
-        the round's replies (kept whole until :meth:`close` with a robust rule). Returns whether it counts
-        (a :class:`Reception`, true only when accepted) and, when not, whose fault it was: the client's
-        own update (``INVALID``: an engine rolls the client's state back), a transmission fault
-        (``CORRUPTED``) or the injected hostility (``HOSTILE``): the client computed a good update, so
-        its state stands."""
+        """Hand in client ``client``'s reply (it holds ``num_samples`` training samples): the bounds on its
+        ``num_examples`` and ``class_counts`` (:func:`counts_problem`), injected hostility and corruption,
+        the method's validation, then the fold into the round's replies (kept whole until :meth:`close`
+        with a robust rule). Returns whether it counts (a :class:`Reception`, true only when accepted) and,
+        when not, whose fault it was: the client's own update (``INVALID``: an engine rolls the client's
+        state back), a transmission fault (``CORRUPTED``) or the injected hostility (``HOSTILE``): the
+        client computed a good update, so its state stands."""
         problem = examples_problem(reply, client, num_samples)
+        if problem is None:
+            problem = counts_problem(reply, self.num_classes)
         if problem is not None:
             self.dropped.append({"client": client, "reason": f"invalid update: {problem}"})
             return Reception.INVALID

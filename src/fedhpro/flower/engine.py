@@ -45,6 +45,14 @@ from fedhpro.runtime import configure_cpu_runtime
 #: the data set whose nodes hold their own data (own-data mode)
 OWN_DATA = "clients"
 
+#: the environment under which a local Ray (Flower's simulation engine) binds every service to 127.0.0.1:
+#: ray 2.55 on Linux resolves ``_node_ip_address="127.0.0.1"`` (``init_args``) to the machine's own address
+#: and listens on all interfaces unless it is told it is no cluster. It must be set before ray is imported
+#: (``flwr.simulation`` imports it), e.g. in the shell that starts ``flwr run ... local`` or the SuperLink.
+RAY_LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+#: ``backend_config["init_args"]`` for ``flwr.simulation.run_simulation`` on one machine (with RAY_LOOPBACK_ENV)
+RAY_LOOPBACK_INIT_ARGS = {"_node_ip_address": "127.0.0.1", "include_dashboard": False}
+
 
 def own_data(config: Config) -> bool:
     """Whether the nodes of this run hold their own data (``dataset=clients``) rather than a partition."""

@@ -35,13 +35,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import secrets
 import sys
 import time
 from collections.abc import Callable, Container, Iterable, Mapping
-from logging import INFO, WARNING
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
@@ -55,7 +56,7 @@ from fedhpro.api import CheckpointSchedule, check_new_run_folder, resumed_config
 from fedhpro.config import PRESENTATION_KEYS, Config, RunOptions, load_config
 from fedhpro.engines import checkpoint
 from fedhpro.engines.protocol import OpenRound, Reception, TestCount, pool_accuracy, weighted_mean
-from fedhpro.errors import ConfigError, DataError, FedHProError
+from fedhpro.errors import ConfigError, DataError, FedHProError, UpdateError
 from fedhpro.flower import records
 from fedhpro.flower.engine import ServerSide, build_server_side, config_text, own_data
 from fedhpro.flower.settings import FlowerSettings, config_from_run_config, split_run_config
@@ -76,13 +77,153 @@ NODE_OFFLINE = "node offline"
 REJOIN_WAIT = 120.0
 
 
+#: bounds on what a node may say about itself (a node's answer is refused beyond them: see :func:`client_info`)
+MAX_NAME = 128  # characters of a client's name or domain
+MAX_CLASS_NAME = 256  # characters of one class name
+MAX_INPUT_DIMS = 4  # dimensions of one input (images: 3 x S x S)
+MAX_INPUT_VALUES = 2 ** 28  # values in one input
+MAX_SAMPLES = 10 ** 9  # training or test samples of one client
+MAX_CLIENTS = 100_000  # num-partitions a node may name
+MAX_INFO_CHARS = 16 * 2 ** 20  # characters of a node's JSON description (read before it is parsed)
+#: what a node holding its own data may be: image folders or tensor files (fedhpro.data.clients)
+CLIENT_KINDS = ("images", "tensors")
+
+
 class NodeMap(dict[int, int]):
     """``{client index: Flower node id}``, and in own-data mode each client's ClientInfo (``infos``, in
-    client order): what recognises a restarted node, which connects with a new node id, as its client."""
+    client order): what recognises a restarted node, which connects with a new node id, as its client.
+    ``client_keys``: each client's node's public key as the SuperLink listed it at discovery (empty: none)."""
 
-    def __init__(self, nodes: Mapping[int, int], infos: list[Any] | None = None):
+    def __init__(self, nodes: Mapping[int, int], infos: list[Any] | None = None,
+                 keys: Mapping[int, bytes] | None = None):
         super().__init__(nodes)
         self.infos = infos
+        self.client_keys = dict(keys or {})
+
+
+def _integer(value: Any, what: str, least: int, most: int) -> int:
+    """``value`` as an int in ``[least, most]`` (a whole-number float passes, a bool does not); UpdateError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UpdateError(f"{what} is a {type(value).__name__}, not a whole number")
+    if isinstance(value, float) and (not math.isfinite(value) or value != math.floor(value)):
+        raise UpdateError(f"{what}={value!r} is not a whole number")
+    if not least <= value <= most:
+        raise UpdateError(f"{what}={int(value)} is not in [{least}, {most}]")
+    return int(value)
+
+
+def _text(value: Any, what: str, most: int) -> str:
+    """``value`` as a short printable string without path separators; UpdateError otherwise."""
+    if not isinstance(value, str):
+        raise UpdateError(f"{what} is a {type(value).__name__}, not a string")
+    if not 1 <= len(value) <= most:
+        raise UpdateError(f"{what} has {len(value)} characters, not 1 to {most}")
+    if not value.isprintable() or "/" in value or "\\" in value or value in (".", ".."):
+        raise UpdateError(f"{what} {value[:40]!r} holds a character that is not printable or a path separator")
+    return value
+
+
+def _names(value: Any, what: str, most: int) -> list[str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise UpdateError(f"{what} is a {type(value).__name__}, not a list of class names")
+    if len(value) > most:
+        raise UpdateError(f"{what} names {len(value)} classes, more than data.max_classes={most}")
+    return [_text(name, f"a class name in {what}", MAX_CLASS_NAME) for name in value]
+
+
+def _answer(record: ConfigRecord | None, keys: tuple[str, ...]) -> ConfigRecord:
+    """The node's answer record holding exactly ``keys``; UpdateError naming what is wrong."""
+    if record is None:
+        raise UpdateError(f"its reply holds no ConfigRecord '{NODE_RECORD}'")
+    if set(record) != set(keys):
+        extra = sorted(set(record) - set(keys))
+        missing = sorted(set(keys) - set(record))
+        raise UpdateError(f"its answer holds {sorted(record)[:8]}, not {list(keys)}"
+                          f"{f' (unknown: {extra[:4]})' if extra else ''}{f' (missing: {missing})' if missing else ''}")
+    return record
+
+
+def partition_answer(record: ConfigRecord | None) -> tuple[int, int]:
+    """``(partition-id, num-partitions)`` from a node's answer to the partition query; UpdateError (one
+    line) unless it holds exactly those two whole numbers with ``0 <= partition-id < num-partitions``."""
+    answer = _answer(record, ("partition-id", "num-partitions"))
+    count = _integer(answer["num-partitions"], "num-partitions", 1, MAX_CLIENTS)
+    return _integer(answer["partition-id"], "partition-id", 0, count - 1), count
+
+
+def client_info(record: ConfigRecord | None, max_classes: int) -> Any:
+    """The :class:`~fedhpro.data.clients.ClientInfo` a node's answer to the data query describes; UpdateError
+    (one line) unless it is a JSON object of at most :data:`MAX_INFO_CHARS` characters holding exactly the
+    ClientInfo fields, each of its type and within its bounds: a short printable name and domain, a known
+    kind, at most ``max_classes`` class names (each at most :data:`MAX_CLASS_NAME` characters), ``max_label``
+    below ``max_classes``, an input shape of 1 to :data:`MAX_INPUT_DIMS` positive sizes and sizes up to
+    :data:`MAX_SAMPLES`. Nothing of it is used before it passed."""
+    from fedhpro.data.clients import ClientInfo
+
+    text = _answer(record, ("info",))["info"]
+    if not isinstance(text, str):
+        raise UpdateError(f"its description is a {type(text).__name__}, not JSON text")
+    if len(text) > MAX_INFO_CHARS:
+        raise UpdateError(f"its description has {len(text)} characters, more than {MAX_INFO_CHARS}")
+    try:
+        values = json.loads(text)
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, a number too long to convert, deep nesting
+        raise UpdateError(f"its description is not valid JSON ({type(error).__name__})") from None
+    fields = [field.name for field in dataclasses.fields(ClientInfo)]
+    if not isinstance(values, dict) or set(values) != set(fields):
+        held = sorted(map(str, values))[:8] if isinstance(values, dict) else type(values).__name__
+        raise UpdateError(f"its description holds {held}, not the fields {fields}")
+    if values["kind"] not in CLIENT_KINDS:
+        raise UpdateError(f"its kind {str(values['kind'])[:40]!r} is not one of {list(CLIENT_KINDS)}")
+    shape = values["input_shape"]
+    if not isinstance(shape, list) or not 1 <= len(shape) <= MAX_INPUT_DIMS:
+        raise UpdateError(f"its input_shape is not a list of 1 to {MAX_INPUT_DIMS} sizes")
+    shape = [_integer(side, "an input_shape size", 1, MAX_INPUT_VALUES) for side in shape]
+    if math.prod(shape) > MAX_INPUT_VALUES:
+        raise UpdateError(f"its input_shape {shape} holds more than {MAX_INPUT_VALUES} values")
+    return ClientInfo(
+        name=_text(values["name"], "its name", MAX_NAME),
+        domain=None if values["domain"] is None else _text(values["domain"], "its domain", MAX_NAME),
+        kind=values["kind"],
+        class_names=_names(values["class_names"], "class_names", max_classes),
+        declared_classes=_names(values["declared_classes"], "declared_classes", max_classes),
+        max_label=None if values["max_label"] is None else _integer(values["max_label"], "max_label", 0,
+                                                                    max_classes - 1),
+        input_shape=shape,
+        train_size=_integer(values["train_size"], "train_size", 0, MAX_SAMPLES),
+        test_size=_integer(values["test_size"], "test_size", 0, MAX_SAMPLES))
+
+
+def max_classes(config: Config) -> int:
+    """``data.max_classes`` of the run (the most classes a federation may have)."""
+    return int(getattr(config.data, "max_classes", 100_000))
+
+
+def eval_count(record: ConfigRecord | None, expected: tuple[str, int]) -> TestCount:
+    """A node's evaluation answer as a :class:`TestCount`; UpdateError (one line) unless it holds exactly
+    ``test-set``, ``correct`` and ``total`` with the test set and size ``expected`` for its client (what it
+    declared at discovery, or the server's own copy in partition mode) and ``0 <= correct <= total``."""
+    if record is None:
+        raise UpdateError(f"its reply holds no ConfigRecord '{EVAL_RECORD}'")
+    keys = ("test-set", "correct", "total")
+    if set(record) != set(keys):
+        raise UpdateError(f"its answer holds {sorted(record)[:8]}, not {list(keys)}")
+    name, size = expected
+    if record["test-set"] != name:
+        raise UpdateError(f"it names the test set {str(record['test-set'])[:40]!r}, not its own {name!r}")
+    total = _integer(record["total"], "total", size, size)
+    return TestCount(name, _integer(record["correct"], "correct", 0, total), total)
+
+
+def node_keys(grid: Grid) -> dict[int, bytes]:
+    """``{node id: public key}`` of the nodes the SuperLink lists (``Grid.get_nodes()``: flwr 1.42's
+    ``NodeInfo.public_key``); empty where the grid gives none."""
+    get_nodes = getattr(grid, "get_nodes", None)
+    if get_nodes is None:
+        return {}
+    return {int(info.node_id): bytes(info.public_key) for info in get_nodes() if info.public_key}
 
 
 def discover_nodes(grid: Grid, clients: int | None, settings: FlowerSettings) -> tuple[dict[int, int], int]:
@@ -94,9 +235,13 @@ def discover_nodes(grid: Grid, clients: int | None, settings: FlowerSettings) ->
     """
     deadline = time.monotonic() + settings.node_wait
     known: dict[int, tuple[int, int]] = {}  # node id -> (partition-id, num-partitions)
+    ignored: set[int] = set()  # nodes whose answer was malformed: warned about once, not asked again
     while True:
-        for node, info in _ask_new_nodes(grid, known, {"query": "partition"}, deadline).items():
-            known[node] = (int(cast(int, info["partition-id"])), int(cast(int, info["num-partitions"])))
+        for node, answer in _ask_new_nodes(grid, set(known) | ignored, {"query": "partition"}, deadline).items():
+            try:
+                known[node] = partition_answer(answer)
+            except UpdateError as error:
+                _ignore(node, error, ignored)
         counts = {count for _, count in known.values()}
         if len(counts) > 1:
             raise ConfigError(f"the nodes disagree on num-partitions ({sorted(counts)}); give every SuperNode "
@@ -140,11 +285,15 @@ def discover_own_data(grid: Grid, config: Config,
         raise ConfigError("dataset=clients on Flower needs clients=K, the number of SuperNodes that hold data "
                           "(the server waits for that many)")
     deadline = time.monotonic() + settings.node_wait
-    known: dict[int, Any] = {}  # node id -> ClientInfo
+    known: dict[int, ClientInfo] = {}  # node id -> what it holds
+    ignored: set[int] = set()  # nodes whose answer was malformed: warned about once, not asked again
     query = {"query": "data", "config": config_text(config)}
     while len(known) < expected:
-        for node, info in _ask_new_nodes(grid, known, query, deadline).items():
-            known[node] = ClientInfo(**json.loads(str(info["info"])))
+        for node, answer in _ask_new_nodes(grid, set(known) | ignored, query, deadline).items():
+            try:
+                known[node] = client_info(answer, max_classes(config))
+            except UpdateError as error:
+                _ignore(node, error, ignored)
         if len(known) > expected:
             raise ConfigError(f"{len(known)} SuperNodes hold data but clients={expected}; set clients={len(known)}")
         if len(known) < expected and time.monotonic() > deadline:
@@ -165,12 +314,22 @@ def discover_own_data(grid: Grid, config: Config,
         classes = resolve_classes(infos, config.data)
     except DataError as error:
         raise ConfigError(f"the nodes' data do not fit together: {error}") from None
+    if len(classes) > max_classes(config):
+        raise ConfigError(f"the nodes hold {len(classes)} classes together, more than data.max_classes="
+                          f"{max_classes(config)}; raise data.max_classes if that many is right")
     return NodeMap({k: by_name[name] for k, name in enumerate(names)}, infos), infos, classes
 
 
+def _ignore(node: int, error: Exception, ignored: set[int]) -> None:
+    """A node whose answer to the query is malformed takes no part: one warning, and it is not asked again."""
+    log(WARNING, "fedhpro: node %d is ignored: its answer to the query is malformed: %s", node, error)
+    ignored.add(node)
+
+
 def _ask_new_nodes(grid: Grid, known: Container[int], query: dict[str, Any], deadline: float,
-                   errors: dict[int, str] | None = None) -> dict[int, ConfigRecord]:
-    """Send ``query`` to every connected node not in ``known``; ``{node id: its answer}``.
+                   errors: dict[int, str] | None = None) -> dict[int, ConfigRecord | None]:
+    """Send ``query`` to every connected node not in ``known``; ``{node id: its answer}`` (its
+    ``fedhpro.node`` ConfigRecord, None if its reply holds none: the caller validates the answer).
 
     An error reply is a one-line ConfigError naming the node, or, when ``errors`` is given (a node
     rejoining a run that goes on), its reason is put there. Replies are matched to the nodes asked by
@@ -184,12 +343,18 @@ def _ask_new_nodes(grid: Grid, known: Container[int], query: dict[str, Any], dea
     answers = {}
     for node, reply in _match_replies(list(zip(new, messages, strict=True)), replies).items():
         if not reply.has_error():
-            answers[node] = reply.content.config_records[NODE_RECORD]
+            answers[node] = reply.content.config_records.get(NODE_RECORD)
         elif errors is None:
-            raise ConfigError(f"node {node} cannot take part: {reply.error.reason}")
+            raise ConfigError(f"node {node} cannot take part: {_first_line(reply.error.reason)}")
         else:
-            errors[node] = reply.error.reason or f"error code {reply.error.code}"
+            errors[node] = _first_line(reply.error.reason) or f"error code {reply.error.code}"
     return answers
+
+
+def _first_line(text: Any, most: int = 500) -> str:
+    """The first line of a node's text (an error reason), at most ``most`` characters: it goes into a log."""
+    line = (str(text or "").strip().splitlines() or [""])[0]
+    return line if len(line) <= most else line[:most] + "..."
 
 
 def _error_reason(error: Error) -> str:
@@ -197,7 +362,7 @@ def _error_reason(error: Error) -> str:
     the message waited, else the node's reason (``raised <Error>: <message>``)."""
     if error.code == ErrorCode.NODE_UNAVAILABLE:
         return f"{NODE_OFFLINE} (no heartbeat for 2 intervals)"
-    return error.reason or f"error code {error.code}"
+    return _first_line(error.reason) or f"error code {error.code}"
 
 
 def _match_replies(sent: list[tuple[int, Message]], replies: list[Message]) -> dict[int, Message]:
@@ -227,10 +392,13 @@ class MethodStrategy(Strategy):
     runs unchanged.
     """
 
-    def __init__(self, side: ServerSide, config: Config, nodes: dict[int, int], run_key: str | None = None):
+    def __init__(self, side: ServerSide, config: Config, nodes: dict[int, int], run_key: str | None = None,
+                 node_auth: bool = False):
         """``run_key``: the key under which the nodes keep the clients' state on disk (:func:`run_key`;
         None: they keep none). A resumed run takes its key, rows and round offset from its checkpoint
-        (:meth:`load_state_dict`)."""
+        (:meth:`load_state_dict`). ``node_auth`` (``flower.node-auth``): the SuperLink authenticates its
+        SuperNodes, so a node that comes back with a new node id must show the key its client's node had
+        at discovery (``nodes.client_keys``)."""
         self.side = side
         self.config = config
         self.nodes = nodes  # client index -> Flower node id
@@ -247,6 +415,12 @@ class MethodStrategy(Strategy):
         self.keep_from: int | None = None  # the oldest round the run can go back to (its oldest checkpoint)
         self.after_round: Callable[[MethodStrategy], None] | None = None  # called once each round's row is in
         self.strangers: set[int] = set()  # node ids asked once that hold no client of this run (not asked again)
+        self.node_auth = node_auth
+        #: client -> its node's public key at discovery
+        self.keys: dict[int, bytes] = dict(getattr(nodes, "client_keys", {}))
+        #: new node id -> the client it claims, whose node was still online: it takes over once that node is gone
+        self.waiting: dict[int, int] = {}
+        self._tests: dict[int, tuple[str, int]] | None = None  # client -> (its test set, its size)
         self._sent: list[tuple[int, Message]] = []  # (client, message) of the current train or evaluate step
 
     @property
@@ -292,12 +466,21 @@ class MethodStrategy(Strategy):
 
         A restarted SuperNode connects with a new node id. Before a round's messages go out, every
         node not seen before is asked what it holds, as at the start (partition mode: its partition-id;
-        own-data mode: its folder's description, recognised by name), and takes over that client from
-        the old node id. A node that holds no client of this run is warned about once and not asked again;
-        one that does not answer within :data:`REJOIN_WAIT` is asked again before the next step.
+        own-data mode: its folder's description, recognised by name and folder), and its answer is
+        validated as at discovery. It takes over that client from the old node id only once the old node
+        is no longer listed online (until then it waits; one warning), and, with ``flower.node-auth``,
+        only with the public key the client's node had at discovery. A node that holds no client of this
+        run, or answers malformed, or shows another key, is warned about once and not asked again; one that
+        does not answer within :data:`REJOIN_WAIT` is asked again before the next step.
         """
         online = set(grid.get_node_ids())
-        seen = set(self.partition_of) | self.strangers
+        for node, k in sorted(self.waiting.items()):  # claims that waited for their client's node to leave
+            if node not in online:
+                del self.waiting[node]
+            elif self.nodes[k] not in online:
+                del self.waiting[node]
+                self._hand_over(k, node)
+        seen = set(self.partition_of) | self.strangers | set(self.waiting)
         if online <= seen:
             return online
         infos = getattr(self.nodes, "infos", None)
@@ -308,31 +491,48 @@ class MethodStrategy(Strategy):
             self._estrange(node, f"it cannot take part: {reason}")
         for node in sorted(online - seen - set(answers) - set(errors)):  # asked again before the next step
             log(WARNING, "fedhpro: node %d did not say what it holds within %.0f s", node, REJOIN_WAIT)
+        keys = node_keys(grid) if answers and self.node_auth else {}
         for node, answer in sorted(answers.items()):
             k, problem = self._client_held(answer, infos)
             if k is None:
                 self._estrange(node, problem)
-                continue
-            old = self.nodes[k]
-            log(WARNING, "fedhpro: client %d is now on node %d (node %d left; a restarted SuperNode)", k, node, old)
-            self.strangers.add(old)
-            del self.partition_of[old]
-            self.nodes[k], self.partition_of[node] = node, k
+            elif self.node_auth and (not keys.get(node) or keys.get(node) != self.keys.get(k)):
+                self._estrange(node, f"it claims client {k} but its public key is not the one client {k}'s node "
+                                     "had at the start of the run (flower.node-auth)")
+            elif any(claimed == k for claimed in self.waiting.values()) or self.nodes[k] in online:
+                holder = self.nodes[k]
+                log(WARNING, "fedhpro: node %d claims client %d, whose node %d is still online (or claimed first): "
+                    "it takes the client over only once that node is gone", node, k, holder)
+                self.waiting[node] = k
+            else:
+                self._hand_over(k, node)
         return online
 
-    def _client_held(self, answer: ConfigRecord, infos: list[Any] | None) -> tuple[int | None, str]:
+    def _hand_over(self, k: int, node: int) -> None:
+        old = self.nodes[k]
+        log(WARNING, "fedhpro: client %d is now on node %d (node %d left; a restarted SuperNode)", k, node, old)
+        self.strangers.add(old)
+        del self.partition_of[old]
+        self.nodes[k], self.partition_of[node] = node, k
+
+    def _client_held(self, answer: ConfigRecord | None, infos: list[Any] | None) -> tuple[int | None, str]:
         """``(client index, "")`` for a new node's answer to the rejoin query, or ``(None, why not)``."""
         if infos is None:
-            partition, count = int(cast(int, answer["partition-id"])), int(cast(int, answer["num-partitions"]))
-            if count != len(self.nodes) or not 0 <= partition < count:
+            try:
+                partition, count = partition_answer(answer)
+            except UpdateError as error:
+                return None, f"its answer to the query is malformed: {error}"
+            if count != len(self.nodes):
                 return None, f"it holds partition {partition} of {count}, but this run has {len(self.nodes)} clients"
             return partition, ""
-        from fedhpro.data.clients import ClientInfo
-
-        info = ClientInfo(**json.loads(str(answer["info"])))
+        try:
+            info = client_info(answer, max_classes(self.config))
+        except UpdateError as error:
+            return None, f"its answer to the query is malformed: {error}"
         names = [known.name for known in infos]
         if info.name not in names:
-            return None, f"it holds a client named {info.name!r}, not one of this run's ({', '.join(names)})"
+            shown = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
+            return None, f"it holds a client named {info.name!r}, not one of this run's ({shown})"
         k = names.index(info.name)
         if info != infos[k]:
             return None, f"its folder {info.name!r} is not the one client {k} had at the start of the run"
@@ -421,7 +621,7 @@ class MethodStrategy(Strategy):
         assert current is not None
         accuracy, extra = None, {}
         if self.side.protocol.evaluates(current.round):
-            missing: list[int] = []
+            missing: list[dict[str, Any]] = []
             if self.side.federated_evaluation:
                 accuracy, per_client, missing = self._pooled_accuracy(current.round, list(replies))
             else:
@@ -446,14 +646,30 @@ class MethodStrategy(Strategy):
         log(INFO, "fedhpro: round %d: test accuracy AVG %.2f%%", current.round, accuracy["AVG"])
         return MetricRecord({f"accuracy.{name}": value for name, value in accuracy.items()})
 
+    def client_test(self, k: int) -> tuple[str, int]:
+        """``(test-set name, size)`` client ``k`` is tested on: in partition mode the server's copy of it
+        (the simulator's :meth:`~fedhpro.engines.simulator.Simulator.client_test`), with its own data what
+        its node declared at discovery (its domain, else ``all``, as the node's federation names it)."""
+        if self._tests is None:
+            engine, infos = self.side.engine, getattr(self.nodes, "infos", None)
+            if engine is not None:
+                tests = {k: engine.client_test(k) for k in self.nodes}
+                self._tests = {k: (name, int(y.shape[0])) for k, (name, (_, y)) in tests.items()}
+            else:
+                assert infos is not None, "own-data mode: the nodes described their data at discovery"
+                self._tests = {k: (info.domain or "all", int(info.test_size)) for k, info in enumerate(infos)}
+        return self._tests[k]
+
     def _pooled_accuracy(self, round: int, replies: list[Message]
-                         ) -> tuple[dict[str, float] | None, list[float], list[int]]:
-        """``(accuracy, per-client accuracies, clients not evaluated)``: the test counts of the clients that
-        answered, pooled per test set (the simulator's :func:`pool_accuracy`); per-client accuracies in
-        client order, of those clients only. A client whose node is offline, sent no answer before
-        flower.round-timeout or answered with an error is not evaluated; with none evaluated the round has
-        no accuracy. Every node answering with an error of its own (not the SuperLink's "node offline")
-        is a bug or a setting, not a fault: that raises, as a round where every client failed does."""
+                         ) -> tuple[dict[str, float] | None, list[float], list[dict[str, Any]]]:
+        """``(accuracy, per-client accuracies, clients not evaluated with the reason)``: the test counts of
+        the clients that answered, pooled per test set (the simulator's :func:`pool_accuracy`); per-client
+        accuracies in client order, of those clients only. A client whose node is offline, sent no answer
+        before flower.round-timeout, answered with an error or with counts it cannot have (:func:`eval_count`:
+        another test set, another size, ``correct`` outside ``[0, total]``) is not evaluated; with none
+        evaluated the round has no accuracy. Every node answering with an error of its own (not the
+        SuperLink's "node offline") is a bug or a setting, not a fault: that raises, as a round where every
+        client failed does."""
         counts: dict[int, TestCount] = {}
         reasons: dict[int, str] = {}
         own_errors = []  # clients whose node raised (not the SuperLink's "node offline")
@@ -463,16 +679,19 @@ class MethodStrategy(Strategy):
                 if reply.error.code != ErrorCode.NODE_UNAVAILABLE:
                     own_errors.append(k)
                 continue
-            info = reply.content.config_records[EVAL_RECORD]
-            counts[k] = TestCount(str(info["test-set"]), int(cast(int, info["correct"])), int(cast(int, info["total"])))
+            try:
+                counts[k] = eval_count(reply.content.config_records.get(EVAL_RECORD), self.client_test(k))
+            except UpdateError as error:  # counts it cannot have: not pooled
+                reasons[k] = f"invalid evaluation: {error}"
         if self._sent and len(own_errors) == len(self._sent):
             first = min(own_errors)
             raise FedHProError(f"round {round}: every client failed to evaluate; client {first}: {reasons[first]}")
-        missing = sorted(set(self.nodes) - set(counts))
         asked = dict(self._sent)
-        for k in missing:
+        missing = []
+        for k in sorted(set(self.nodes) - set(counts)):
             reason = reasons.get(k, "no answer before flower.round-timeout" if k in asked else NODE_OFFLINE)
             log(WARNING, "fedhpro: round %d: client %d not evaluated: %s", round, k, reason)
+            missing.append({"client": k, "reason": reason})
         if not counts:
             return None, [], missing
         ordered = [counts[k] for k in sorted(counts)]
@@ -525,7 +744,8 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, Any
             raise ConfigError(f"the federation has {federation.num_clients} clients but {clients} SuperNodes "
                               f"hold partitions; set clients={federation.num_clients} or run that many SuperNodes")
         partition, notes = federation.partition, federation.notes
-    strategy = MethodStrategy(side, config, nodes, run_key(config, secrets.token_hex(8)))
+    nodes = NodeMap(nodes, getattr(nodes, "infos", None), _client_keys(grid, nodes, settings))
+    strategy = MethodStrategy(side, config, nodes, run_key(config, secrets.token_hex(8)), settings.node_auth)
     if out is not None and resume_from is not None:
         resume_strategy(strategy, out, resume_from)
     elif out is not None:
@@ -541,6 +761,30 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, Any
         write_results(out, strategy, time.perf_counter() - started, notes)
     forget_client_state(grid, strategy, settings)
     return strategy
+
+
+def _client_keys(grid: Grid, nodes: Mapping[int, int], settings: FlowerSettings) -> dict[int, bytes]:
+    """Each client's node's public key as the SuperLink lists it now, and one line saying what a client's
+    identity rests on. ``flower.node-auth=true`` (the SuperLink runs with ``--enable-supernode-auth``):
+    on those keys, so every node must have one. Otherwise on its partition-id, or its name and folder:
+    without authentication a SuperNode draws a new key pair at every start (flwr 1.42 registers it with
+    that key), so a key says nothing about who restarted."""
+    keys = node_keys(grid)
+    by_client = {k: keys[node] for k, node in nodes.items() if node in keys}
+    if settings.node_auth:
+        keyless = sorted(node for node in nodes.values() if node not in keys)
+        if keyless:
+            raise ConfigError(f"flower.node-auth=true but the SuperLink lists no public key for node(s) "
+                              f"{', '.join(map(str, keyless[:10]))}; start the SuperLink with "
+                              "--enable-supernode-auth, or set flower.node-auth=false")
+        log(INFO, "fedhpro: node keys recorded (flower.node-auth): a SuperNode that comes back with a new node "
+            "id takes its client back only with the same key, once the client's node is offline")
+    else:
+        log(WARNING, "fedhpro: node keys are not checked (flower.node-auth=false): a client's identity rests on "
+            "the partition-id (own data: the name and folder description) its node reports; a node reporting "
+            "those of a client whose node is offline takes that client over. With --enable-supernode-auth on "
+            "the SuperLink, set flower.node-auth=true")
+    return by_client
 
 
 def run_key(config: Config, token: str) -> str:
@@ -633,9 +877,11 @@ def make_server_app(base: Mapping[str, Any] | None = None) -> ServerApp:
         try:
             run_server(grid, context.run_config, base)
         except FedHProError as error:  # one line in the log, as the CLI prints it
-            log(WARNING, "fedhpro: error: %s", error)
+            log(ERROR, "fedhpro: error: %s", error)
             print(f"fedhpro: error: {error}", file=sys.stderr)
-            raise
+            # raised again from here, without the frames below (Flower logs the exception it gets with its
+            # traceback, and marks the run finished:failed with "ServerApp failed with exception: <line>")
+            raise error.with_traceback(None) from None
 
     return server_app
 

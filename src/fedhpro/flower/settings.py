@@ -11,8 +11,18 @@ its newest checkpoint). Values are taken as they come, except:
   ``pyproject.toml`` declares ``clients = ""`` etc. for keys whose default is None).
 
 Keys under ``flower.`` configure the Flower layer itself, not the experiment:
-``flower.node-wait`` (seconds the ServerApp waits for the nodes to connect) and
-``flower.round-timeout`` (seconds it waits for the replies of one round).
+``flower.node-wait`` (seconds the ServerApp waits for the nodes to connect),
+``flower.round-timeout`` (seconds it waits for the replies of one round) and
+``flower.node-auth`` (true: the SuperLink authenticates its SuperNodes,
+``--enable-supernode-auth``, so a node's public key is its identity: a node
+that comes back with a new node id takes its client back only with the key
+that client's node had at the start).
+
+One default differs from ``fedhpro run``'s: unless the run sets
+``checkpoint_every``, a Flower run writes a checkpoint after every round
+(:data:`FLOWER_CHECKPOINT_EVERY`): a SuperLink or ServerApp killed mid-run
+is then resumed from the last completed round. The run's ``config.yaml``
+records the value used.
 """
 
 from __future__ import annotations
@@ -37,9 +47,15 @@ class FlowerSettings:
 
     node_wait: float = 600.0  # seconds until every partition's node must have connected (Ray + torch start slowly)
     round_timeout: float = 3600.0  # seconds to wait for one round's replies
+    node_auth: bool = False  # the SuperLink authenticates SuperNodes: a returning node must show its client's key
 
 
-_FLOWER_KEYS = {"flower.node-wait": "node_wait", "flower.round-timeout": "round_timeout"}
+_FLOWER_KEYS = {"flower.node-wait": "node_wait", "flower.round-timeout": "round_timeout",
+                "flower.node-auth": "node_auth"}
+#: ``checkpoint_every`` of a Flower run that does not set it: a checkpoint after every round, so that a run
+#: whose SuperLink or ServerApp dies can be resumed (``fedhpro run``'s default, 5, would lose up to 4 rounds
+#: and leave nothing to resume before round 5)
+FLOWER_CHECKPOINT_EVERY = 1
 
 #: opt-in measurements that only the in-process simulator takes (they observe its internals)
 SIMULATOR_ONLY = OBSERVER_KEYS
@@ -59,12 +75,17 @@ def _value(raw: Any) -> Any:
 def split_run_config(run_config: Mapping[str, Any]) -> tuple[dict[str, Any], FlowerSettings]:
     """``(fedhpro overrides, FlowerSettings)`` from a Flower run config; raises ConfigError on a bad value."""
     overrides: dict[str, Any] = {}
-    flower: dict[str, float] = {}
+    flower: dict[str, Any] = {}
     for key, raw in run_config.items():
         if key.startswith(FLOWER_PREFIX):
             if key not in _FLOWER_KEYS:
                 raise ConfigError(f"unknown Flower setting '{key}'; valid: {', '.join(_FLOWER_KEYS)}")
             value = _value(raw)
+            if key == "flower.node-auth":
+                if not isinstance(value, bool):
+                    raise ConfigError(f"{key}={raw!r} must be true or false")
+                flower["node_auth"] = value
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"{key}={raw!r} must be a number of seconds > 0")
             flower[_FLOWER_KEYS[key]] = float(value)
@@ -81,9 +102,12 @@ def config_from_run_config(run_config: Mapping[str, Any], base: Mapping[str, Any
     """The fedhpro Config of a run: the defaults, then ``base`` (the app's own settings), then ``run_config``.
 
     An empty ``run_config`` (as ``flwr.simulation.run_simulation`` passes) gives
-    the defaults plus ``base``. Every key error is a one-line ConfigError.
+    the defaults plus ``base`` (and :data:`FLOWER_CHECKPOINT_EVERY` unless either sets
+    ``checkpoint_every``). Every key error is a one-line ConfigError.
     """
     overrides, flower = split_run_config(run_config)
+    if "checkpoint_every" not in (base or {}) and "checkpoint_every" not in overrides:
+        overrides["checkpoint_every"] = FLOWER_CHECKPOINT_EVERY  # Flower's own default (see the module doc)
     config = load_config(dict(base or {}), overrides)
     for name in SIMULATOR_ONLY:
         if getattr(config.run, name, False):
@@ -106,6 +130,7 @@ def default_app_config_toml() -> str:
     from fedhpro.data import DATASETS, get_dataset
 
     defaults: dict[str, Any] = dict(dataclasses.asdict(load_config(None).run))
+    defaults["checkpoint_every"] = FLOWER_CHECKPOINT_EVERY  # what "" gives on Flower
     for section, values in load_config(None).to_dict().items():
         if isinstance(values, Mapping) and section not in ("data",):
             defaults.update({f"{section}.{knob}": value for knob, value in values.items()})
@@ -121,6 +146,7 @@ def default_app_config_toml() -> str:
             lines += [f'"{key}.{item}" = ""  # {_comment(inner)}' for item, inner in value.items()]
     lines.append(f'"flower.node-wait" = {FlowerSettings.node_wait!r}  # seconds to wait for the SuperNodes')
     lines.append(f'"flower.round-timeout" = {FlowerSettings.round_timeout!r}  # seconds to wait for a round\'s replies')
+    lines.append('"flower.node-auth" = false  # true: the SuperLink runs with --enable-supernode-auth (keys checked)')
     return "\n".join(lines) + "\n"
 
 
