@@ -150,8 +150,8 @@ def test_an_interrupted_run_continues_from_its_checkpoint_one_without_starts_aga
     folder = out / "fedavg-seed0"
     reference = json.loads((folder / "summary.json").read_text())
     calls = []
-    real_run = fedhpro.api.run
-    monkeypatch.setattr(fedhpro.api, "run", lambda *a, **k: calls.append(a) or real_run(*a, **k))
+    real_run = fedhpro.api._run  # run_or_continue's run, under the claim it holds on the folder
+    monkeypatch.setattr(fedhpro.api, "_run", lambda *a, **k: calls.append(a) or real_run(*a, **k))
 
     # killed after round 1's checkpoint: continued from it, to the same numbers
     (folder / "summary.json").unlink()

@@ -10,7 +10,8 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -36,7 +37,8 @@ from fedhpro.engines import checkpoint
 from fedhpro.engines.observers import RoundObserver
 from fedhpro.engines.protocol import Aggregation
 from fedhpro.engines.simulator import Faults, Simulator
-from fedhpro.errors import ConfigError
+from fedhpro.errors import ConfigError, DataError
+from fedhpro.files import RunFolderClaim, claim_run_folder
 from fedhpro.measurements import observers_for
 from fedhpro.methods import MethodSpec, TrainSettings, get_method
 from fedhpro.models import build_model, with_projection_head
@@ -117,26 +119,58 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
     """
     if federation is not None:
         check_federation(federation, None)
-    config, model_factory, resume_from = _resolve_run_config(config, overrides, kwargs, federation)
-    if resume_from is None and config.run.out:
-        check_new_run_folder(Path(config.run.out))  # before the data are built: fail fast
-    device = resolve_device(config.run.device)
-    # on the CPU: denormals flushed (restored afterwards), freed memory reused (fedhpro.runtime); the run's
-    # thread count set (threads=, auto: the cores this process may run on), the caller's put back afterwards
-    with cpu_runtime(enabled=device.type == "cpu"), torch_threads(resolve_threads(config.run.threads)):
-        return _run_resolved(config, device, federation, model_factory, resume_from, echo)
+    return _run(config, overrides, kwargs, federation, echo)
+
+
+def _run(config: Config | str | os.PathLike | Mapping[str, Any] | None,
+         overrides: Iterable[str] | Mapping[str, Any] | None, kwargs: Mapping[str, Any],
+         federation: Federation | None, echo: bool, claim: RunFolderClaim | None = None) -> RunResult:
+    """:func:`run` once its arguments are checked: the run's folder is claimed (:func:`claim_run_folder`)
+    for the whole run, new or resumed, unless the caller holds its ``claim`` already (:func:`run_or_continue`)."""
+    config, model_factory, given = _resolve_run_config(config, overrides, kwargs, federation)
+    folder, setting = _run_folder(config, federation)
+    with _claimed(folder, setting, claim):
+        if config.run.resume:  # read under the claim: the folder holds no other live run
+            config, resume_from = _resume_config(config, federation, model_factory, given)
+        else:
+            config, resume_from = with_python_objects(config, federation, model_factory), None
+            check_new_run_folder(folder)  # before the data are built: fail fast
+        device = resolve_device(config.run.device)
+        # on the CPU: denormals flushed (restored afterwards), freed memory reused (fedhpro.runtime); the run's
+        # thread count set (threads=, auto: the cores this process may run on), the caller's put back afterwards
+        with cpu_runtime(enabled=device.type == "cpu"), torch_threads(resolve_threads(config.run.threads)):
+            return _run_resolved(config, device, federation, model_factory, resume_from, echo, folder)
+
+
+def _run_folder(config: Config, federation: Federation | None) -> tuple[Path, str]:
+    """The folder the run writes and the key that named it: ``resume=``'s, ``out=``'s or a new
+    ``runs/<method>-<data>-<timestamp>``."""
+    if config.run.resume:
+        return Path(config.run.resume), "resume"
+    data_name = federation.name if federation is not None else config.run.dataset
+    return _new_run_folder(config.run, data_name), "out"
+
+
+@contextmanager
+def _claimed(folder: Path, setting: str, held: RunFolderClaim | None) -> Iterator[None]:
+    """``folder`` claimed for the block (:func:`fedhpro.files.claim_run_folder`), or ``held`` already. A
+    ``resume=`` folder that is not there is left to :func:`_resume_config`'s message (nothing to claim)."""
+    if held is not None or (setting == "resume" and not folder.is_dir()):
+        yield
+        return
+    with claim_run_folder(folder, setting=setting):
+        yield
 
 
 def _resolve_run_config(config: Config | str | os.PathLike | Mapping[str, Any] | None,
                         overrides: Iterable[str] | Mapping[str, Any] | None, kwargs: Mapping[str, Any],
                         federation: Federation | None
-                        ) -> tuple[Config, Callable[..., torch.nn.Module] | None, Path | None]:
-    """``(config, model callable or None, checkpoint to resume from or None)`` of :func:`run`'s arguments.
+                        ) -> tuple[Config, Callable[..., torch.nn.Module] | None, dict[str, Any] | None]:
+    """``(config, model callable or None, the keys the user set)`` of :func:`run`'s arguments (the keys
+    only for a resumed run, whose saved config :func:`_resume_config` reads under the folder's claim).
 
     A ``model`` callable is taken out of the settings (a later source wins, as
-    for any other key); a resumed run takes its config from the saved one
-    (:func:`_resume_config`), a new one records its Python objects
-    (:func:`with_python_objects`).
+    for any other key).
     """
     model_factory = None
     for source in (config, overrides, kwargs):  # a later one wins, as for any other key
@@ -156,10 +190,7 @@ def _resolve_run_config(config: Config | str | os.PathLike | Mapping[str, Any] |
         raise ConfigError("pass overrides with a YAML path or mapping, not with a resolved Config")
     else:
         given = _settings_off_defaults(config) if config.run.resume else None
-    if config.run.resume:
-        resumed, resume_from = _resume_config(config, federation, model_factory, given)
-        return resumed, model_factory, resume_from
-    return with_python_objects(config, federation, model_factory), model_factory, None
+    return config, model_factory, given
 
 
 @dataclass
@@ -174,7 +205,7 @@ class RunRows:
 
 def _run_resolved(config: Config, device: torch.device, federation: Federation | None,
                   model_factory: Callable[..., torch.nn.Module] | None, resume_from: Path | None,
-                  echo: bool) -> RunResult:
+                  echo: bool, out: Path) -> RunResult:
     """The run of a resolved ``config`` (:func:`run` after its checks): build, prepare or resume the folder,
     train with checkpoints, then the summary, the observers' end (t-SNE) and the accuracy plot."""
     options = config.run
@@ -182,11 +213,6 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
     title = f"{options.method} on {data_name} (seed {options.seed})"
     started = time.perf_counter()
     parts = build_experiment(config, device, federation=federation, model_factory=model_factory)
-    if resume_from is not None:
-        assert options.resume is not None, "a resumed config keeps its resume= folder (_resume_config)"
-        out = Path(options.resume)
-    else:
-        out = _new_run_folder(options, data_name)
     simulator = build_simulator(config, parts, device, observers_for(options, out, _warn, title))
     if resume_from is not None:
         rows = _resume_rows(simulator, out, resume_from)
@@ -195,9 +221,11 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
     _train(simulator, options, out, rows, started, f"{options.method} on {data_name}")
     seconds = time.perf_counter() - started
     summary = run_summary(config, parts.federation, data_name, device, rows.metrics, seconds)
-    reports.write_json(out / "summary.json", summary)
+    with _stop_on_write_error(out, out / "summary.json"):
+        reports.write_json(out / "summary.json", summary)
     simulator.end_run()
-    reports.plot_accuracy(rows.metrics, out / "accuracy.png", title=title)
+    with _stop_on_write_error(out, out / "accuracy.png"):
+        reports.plot_accuracy(rows.metrics, out / "accuracy.png", title=title)
     if echo:
         print(reports.accuracy_table(_final_accuracy(rows.metrics),
                                      f"{options.method} on {data_name}, seed {options.seed}, "
@@ -247,9 +275,25 @@ def _start_run_folder(out: Path, config: Config, federation: Federation) -> RunR
     """Make the new run's folder with its ``config.yaml`` and ``partition.json``: no rows yet. It appears only
     once the config and the data are known to be good."""
     out.mkdir(parents=True, exist_ok=True)
-    reports.write_yaml(out / "config.yaml", config.to_dict())
-    reports.write_json(out / "partition.json", federation.partition)
+    with _stop_on_write_error(out, out / "config.yaml"):
+        reports.write_yaml(out / "config.yaml", config.to_dict())
+        reports.write_json(out / "partition.json", federation.partition)
     return RunRows([], [])
+
+
+@contextmanager
+def _stop_on_write_error(out: Path, path: Path) -> Iterator[None]:
+    """A run's file that cannot be written (disk full, file too large, folder no longer writable) stops the
+    run with one line: the file, the disk's reason, the newest good checkpoint and how to continue from it.
+    The run's files are each written whole or not at all (:mod:`fedhpro.files`), so what is there stands."""
+    try:
+        yield
+    except OSError as error:
+        reason = error.strerror or str(error) or type(error).__name__
+        newest = checkpoint.latest(out)
+        kept = (f"its newest good checkpoint is {newest}: fix the disk, then continue with resume={out}"
+                if newest is not None else "it has no checkpoint yet: fix the disk, then start it again")
+        raise DataError(f"could not write {path} ({reason}); the run stopped; {kept}") from None
 
 
 def _resume_rows(simulator: Simulator, out: Path, newest: Path) -> RunRows:
@@ -258,7 +302,12 @@ def _resume_rows(simulator: Simulator, out: Path, newest: Path) -> RunRows:
     if isinstance(state["simulator"], Mapping) and state["simulator"].get("engine") == "flower":
         raise ConfigError(f"resume={out}: its checkpoint was written by the Flower ServerApp; resume it on Flower "
                           f"(flwr run ... --run-config 'resume=\"{out}\"')")
-    simulator.load_state_dict(state["simulator"])
+    try:
+        simulator.load_state_dict(state["simulator"])
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as error:
+        raise DataError(f"checkpoint {newest} does not fit the run saved in {out} ({type(error).__name__}: "
+                        f"{(str(error).strip().splitlines() or [''])[0][:200]}); it may be from another version "
+                        "or damaged; move it out of the checkpoints folder to resume from the one before") from None
     first_round = state["completed_rounds"]
     timings = [row for row in reports.read_jsonl(out / "timing.jsonl") if row.get("round", 1e9) < first_round]
     return RunRows(state["metrics"], timings, first_round)
@@ -294,22 +343,29 @@ def _train(simulator: Simulator, options: RunOptions, out: Path, rows: RunRows, 
     schedule = CheckpointSchedule(options.checkpoint_every, options.checkpoint_minutes, options.rounds)
     bar = _progress(options.rounds, label, options.progress, rows.first_round)
     last_accuracy = next((row["accuracy"] for row in reversed(rows.metrics) if "accuracy" in row), None)
-    for round_index in range(rows.first_round, options.rounds):
-        record = simulator.run_round(round_index)
-        rows.metrics.append(record.to_json())
-        rows.timings.append({"round": round_index, **record.seconds, "elapsed": time.perf_counter() - started})
-        reports.write_jsonl(out / "metrics.jsonl", rows.metrics)
-        reports.write_jsonl(out / "timing.jsonl", rows.timings)
-        if schedule.due(round_index + 1):
-            checkpoint.save(out, round_index + 1, simulator.state_dict(), rows.metrics, keep=options.keep_checkpoints)
-            schedule.written()
-        if record.accuracy is not None:
-            last_accuracy = record.accuracy
+    try:
+        for round_index in range(rows.first_round, options.rounds):
+            record = simulator.run_round(round_index)
+            rows.metrics.append(record.to_json())
+            rows.timings.append({"round": round_index, **record.seconds, "elapsed": time.perf_counter() - started})
+            with _stop_on_write_error(out, out / "metrics.jsonl"):
+                reports.write_jsonl(out / "metrics.jsonl", rows.metrics)
+            with _stop_on_write_error(out, out / "timing.jsonl"):
+                reports.write_jsonl(out / "timing.jsonl", rows.timings)
+            if schedule.due(round_index + 1):
+                # a checkpoint that cannot be written stops the run (checkpoint.CheckpointWriteError, one line
+                # naming the newest good checkpoint, which is kept): a failing disk fails the results too
+                checkpoint.save(out, round_index + 1, simulator.state_dict(), rows.metrics,
+                                keep=options.keep_checkpoints)
+                schedule.written()
+            if record.accuracy is not None:
+                last_accuracy = record.accuracy
+            if bar is not None:
+                bar.set_postfix_str(progress_text(record.train, last_accuracy))
+                bar.update(1)
+    finally:  # a run stopped by an error leaves the bar on its own line, the error below it
         if bar is not None:
-            bar.set_postfix_str(progress_text(record.train, last_accuracy))
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+            bar.close()
 
 
 def progress_text(train: Mapping[str, float], accuracy: Mapping[str, float] | None) -> str:
@@ -659,19 +715,21 @@ def run_or_continue(config: Config, folder: str | os.PathLike) -> dict[str, Any]
     sure that the folder's ``config.yaml``, if any, is ``config``'s.
     """
     folder = Path(folder)
-    done = folder / "summary.json"
-    if done.is_file():
-        return json.loads(done.read_text())
-    if (folder / "config.yaml").is_file() and checkpoint.latest(folder) is not None:
-        return run(None, {"resume": str(folder), "progress": config.run.progress,
-                          "threads": config.run.threads}).summary
-    for name in _RUN_FILES:
-        path = folder / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
-    return run(dataclasses.replace(config, run=dataclasses.replace(config.run, out=str(folder)))).summary
+    with claim_run_folder(folder) as claim:  # read, cleared and run by this one process
+        done = folder / "summary.json"
+        if done.is_file():
+            return json.loads(done.read_text())
+        if (folder / "config.yaml").is_file() and checkpoint.latest(folder) is not None:
+            return _run(None, {"resume": str(folder), "progress": config.run.progress,
+                               "threads": config.run.threads}, {}, None, False, claim).summary
+        for name in _RUN_FILES:
+            path = folder / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+        config = dataclasses.replace(config, run=dataclasses.replace(config.run, out=str(folder)))
+        return _run(config, None, {}, None, False, claim).summary
 
 
 def _given_settings(source: str | os.PathLike | Mapping[str, Any] | None,

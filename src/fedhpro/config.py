@@ -253,12 +253,13 @@ def flatten_keys(values: Mapping[str, Any], source: str) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     sections = set(method_names()) | {DATA_SECTION, FAULTS_SECTION, PARTITION_SECTION, AGGREGATION_SECTION}
     for key, value in values.items():
-        key = str(key)
+        key = check_key(str(key) if isinstance(key, (int, float)) and not isinstance(key, bool) else key,
+                        source)
         if key in SHORTHANDS and value is not None and not isinstance(value, Mapping):
             flat[f"{key}.{SHORTHANDS[key]}"] = value  # partition=dirichlet, aggregation=median
         elif key in sections and isinstance(value, Mapping):
             for inner, inner_value in value.items():
-                flat[f"{key}.{inner}"] = inner_value
+                flat[f"{key}.{check_key(inner if isinstance(inner, str) else str(inner), source)}"] = inner_value
         elif key in sections and value is None:
             continue
         else:
@@ -266,34 +267,105 @@ def flatten_keys(values: Mapping[str, Any], source: str) -> dict[str, Any]:
     return flat
 
 
+#: the largest whole number a setting may hold (a seed, a count): larger ones overflow torch and NumPy
+LARGEST_INTEGER = 2**63 - 1
+#: how much of a value a message shows (a value can be any length; a message stays one short line)
+_SHOWN = 60
+#: what YAML raises besides YAMLError on text it cannot build values from: a whole number of more than
+#: 4300 digits (Python's int limit), a date that is not one, nesting deeper than the recursion limit
+_YAML_VALUE_ERRORS = (yaml.YAMLError, ValueError, OverflowError, RecursionError, TypeError)
+
+
+def shown(value: Any) -> str:
+    """``value`` as a message shows it: its repr on one line, cut to a few dozen characters (a number of
+    thousands of digits by its length)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > LARGEST_INTEGER:
+        return f"<a whole number of {len(str(abs(value))) if abs(value) < 10**4000 else 'over 4000'} digits>"
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # an int past Python's digit limit inside a container, a deep nest
+        text = f"<a {type(value).__name__}>"
+    return text if len(text) <= _SHOWN else text[:_SHOWN - 3] + "..."
+
+
 def parse_override(text: str) -> tuple[str, Any]:
-    """``"fedhpro.tau=0.1"`` -> ``("fedhpro.tau", 0.1)``; the value is read as YAML."""
+    """``"fedhpro.tau=0.1"`` -> ``("fedhpro.tau", 0.1)``; the value is read as YAML (text YAML cannot read is
+    kept as text). Anything else, a key that is not one line of printable text included, is one ConfigError."""
+    if not isinstance(text, str):
+        raise ConfigError(f"{shown(text)} is not KEY=VALUE text (e.g. rounds=10)")
     if "=" not in text:
-        raise ConfigError(f"'{text}' is not KEY=VALUE (e.g. rounds=10) nor an existing .yaml file")
+        raise ConfigError(f"{shown(text)} is not KEY=VALUE (e.g. rounds=10) nor an existing .yaml file")
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key:
-        raise ConfigError(f"'{text}' has no key before '='")
+        raise ConfigError(f"{shown(text)} has no key before '='")
+    check_key(key, "the command line")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+    except _YAML_VALUE_ERRORS:
+        if raw.strip().lstrip("+-").isdigit():  # past Python's 4300-digit limit
+            raise ConfigError(f"{key}=<a whole number of {len(raw.strip())} digits> is too large for any "
+                              f"setting (at most {LARGEST_INTEGER})") from None
         value = raw
     return key, value
 
 
+def check_key(key: Any, source: str) -> str:
+    """``key`` if it can name a setting (printable text on one line), else a one-line ConfigError."""
+    if not isinstance(key, str) or not key or not key.isprintable():
+        raise ConfigError(f"{source} has the key {shown(key)}, which is no config key; "
+                          "`fedhpro config --keys` lists every key")
+    return key
+
+
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """The settings of a YAML config file, flattened (:func:`flatten_keys`). A file that is missing or
+    unreadable, not UTF-8 text, not YAML, or not a mapping of settings is one ConfigError naming the fix."""
     path = Path(path)
-    if not path.is_file():
-        if path.suffix not in (".yaml", ".yml"):
-            raise ConfigError(f"'{path}' is not KEY=VALUE (e.g. rounds=10) nor an existing .yaml config file")
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+    where = f"config file {str(path)!r}"
     try:
-        values = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}; fix its syntax") from None
-    return flatten_keys(values, f"config file {str(path)!r}")
+        is_file = path.is_file()
+    except (OSError, ValueError):  # a name too long, a NUL byte
+        is_file = False
+    if not is_file:
+        if path.suffix not in (".yaml", ".yml"):
+            raise ConfigError(f"{shown(str(path))} is not KEY=VALUE (e.g. rounds=10) nor an existing .yaml "
+                              "config file")
+        raise ConfigError(f"{where} does not exist")
+    try:
+        raw = path.read_bytes()
+    except OSError as error:
+        raise ConfigError(f"{where} cannot be read ({error.strerror or type(error).__name__})") from None
+    return parse_yaml(raw, where)
+
+
+def parse_yaml(raw: bytes | str, where: str) -> dict[str, Any]:
+    """The flattened settings in the YAML text ``raw`` (bytes must be UTF-8); ``where`` names it in errors."""
+    if isinstance(raw, bytes):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"{where} is not UTF-8 text (byte 0x{raw[error.start]:02x} at offset {error.start}); "
+                              "save it as UTF-8") from None
+    else:
+        text = raw
+    try:
+        values = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = f" ({error.problem})" if error.problem else ""
+        raise ConfigError(f"{where} is not valid YAML{at}{problem}; fix its syntax".replace("\n", " ")) from None
+    except _YAML_VALUE_ERRORS as error:
+        reason = "nested too deeply" if isinstance(error, RecursionError) else \
+            (str(error).strip().splitlines() or [type(error).__name__])[0][:80]
+        raise ConfigError(f"{where} is not valid YAML ({reason}); fix its syntax") from None
+    if values is None:  # an empty file, or only comments
+        return {}
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{where} holds a YAML {type(values).__name__}, not a mapping of settings; write one "
+                          "'key: value' per line (e.g. rounds: 10)")
+    return flatten_keys(values, where)
 
 
 def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
@@ -312,20 +384,21 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
     if overrides is not None:
         pairs = list(overrides.items()) if isinstance(overrides, Mapping) else [parse_override(o) for o in overrides]
         layers.append(flatten_keys(dict(pairs), "overrides"))
-    assignments = [(key, copy.deepcopy(value)) for layer in layers for key, value in layer.items()]
+    # copies throughout: nothing the caller passed, and no default or recipe of the package, is ever changed
+    assignments = [(key, _checked_value(key, value)) for layer in layers for key, value in layer.items()]
 
     dataset = RunOptions.dataset
     for key, value in assignments:
         if key == "dataset":
             dataset = value
-    if dataset not in DATASETS:
-        raise ConfigError(f"dataset={dataset!r} is not valid; choose one of: {', '.join(DATASETS)}")
+    if not isinstance(dataset, str) or dataset not in DATASETS:
+        raise ConfigError(f"dataset={shown(dataset)} is not valid; choose one of: {', '.join(DATASETS)}")
     # a benchmark's own run settings (SUN397's 20% participation) come first: anything the user sets wins
-    assignments = list(get_dataset(dataset).run_defaults.items()) + assignments
+    assignments = copy.deepcopy(list(get_dataset(dataset).run_defaults.items())) + assignments
     # fedhpro.recipe=authors, whatever the method: the authors' code's settings go first (the benchmark's, which
     # never overlap them, come next), so every key the user sets still wins
     if _last_value(assignments, "fedhpro.recipe", FedHProOptions.recipe) == "authors":
-        assignments = list(AUTHORS_RECIPE.items()) + assignments
+        assignments = copy.deepcopy(list(AUTHORS_RECIPE.items())) + assignments
 
     # applied in order: a later layer beats an earlier one, whether it sets a mapping or one entry of it
     run_values: dict[str, Any] = {}
@@ -377,6 +450,27 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
                          dataset)
     return Config(run=run, methods=methods, data=data, faults=faults, partition=partition, aggregation=aggregation,
                   federation=federation)
+
+
+def _checked_value(key: str, value: Any) -> Any:
+    """A copy of ``value`` for ``key``, refused in one line where no setting can hold it: a whole number
+    past :data:`LARGEST_INTEGER` (anywhere in it), or nesting deeper than Python can copy."""
+    def too_large(item: Any, depth: int = 0) -> bool:
+        if isinstance(item, int) and not isinstance(item, bool):
+            return abs(item) > LARGEST_INTEGER
+        if depth < 50 and isinstance(item, Mapping):
+            return any(too_large(inner, depth + 1) for pair in item.items() for inner in pair)
+        if depth < 50 and isinstance(item, (list, tuple, set, frozenset)):
+            return any(too_large(inner, depth + 1) for inner in item)
+        return False
+
+    try:
+        if too_large(value):
+            raise ConfigError(f"{key}={shown(value)} holds a number too large for any setting "
+                              f"(at most {LARGEST_INTEGER})")
+        return copy.deepcopy(value)
+    except RecursionError:
+        raise ConfigError(f"{key}= is nested too deeply to be a setting") from None
 
 
 def _last_value(assignments: Iterable[tuple[str, Any]], key: str, default: Any) -> Any:
