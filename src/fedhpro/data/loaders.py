@@ -51,6 +51,7 @@ import hashlib
 import os
 import pickle
 import re
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -340,7 +341,8 @@ def split_indices(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[
 #: the globals a CIFAR pickle may name: numpy's array reconstruction, nothing else. The official files
 #: (Python 2 pickles, protocol 2) name ``numpy.core.multiarray._reconstruct``, ``numpy.ndarray`` and
 #: ``numpy.dtype``; a copy pickled again under numpy 2 names ``numpy._core.multiarray._reconstruct``, and
-#: one pickled with protocol 5 names ``numpy._core.numeric._frombuffer`` (``numpy.core`` before numpy 2).
+#: one pickled with protocol 5 names ``numpy._core.numeric._frombuffer`` (``numpy.core`` before numpy 2), and
+#: Python 3's protocol 2 spells bytes as ``_codecs.encode(text, "latin1")`` (admitted for latin-1 only).
 _PICKLE_GLOBALS = {
     ("numpy.core.multiarray", "_reconstruct"): ("multiarray", "_reconstruct"),
     ("numpy._core.multiarray", "_reconstruct"): ("multiarray", "_reconstruct"),
@@ -348,7 +350,15 @@ _PICKLE_GLOBALS = {
     ("numpy._core.numeric", "_frombuffer"): ("numeric", "_frombuffer"),
     ("numpy", "ndarray"): (None, "ndarray"),
     ("numpy", "dtype"): (None, "dtype"),
+    ("_codecs", "encode"): ("codecs", "encode"),  # Python 3's protocol 2 writes bytes as encode(text, "latin1")
 }
+
+
+def _latin1(text: str, encoding: str = "latin1") -> bytes:
+    """``_codecs.encode`` as protocol-2 pickles use it (text to latin-1 bytes); any other codec is refused."""
+    if not isinstance(text, str) or encoding != "latin1":
+        raise pickle.UnpicklingError(f"_codecs.encode with {encoding!r}")
+    return text.encode("latin1")
 
 
 def _numpy_global(module: str, name: str) -> Any:
@@ -356,6 +366,8 @@ def _numpy_global(module: str, name: str) -> Any:
     import importlib
 
     where, attribute = _PICKLE_GLOBALS[(module, name)]
+    if where == "codecs":
+        return _latin1
     if where is None:
         return getattr(np, attribute)
     for package in ("numpy._core", "numpy.core"):  # numpy >= 2, then numpy 1
@@ -690,23 +702,37 @@ def _decode_to(path: Path, files: Sequence[Path], size: int, progress: bool) -> 
     return np.load(path, mmap_mode="r", allow_pickle=False)
 
 
-def file_identity(path: str | os.PathLike) -> str:
-    """What changes whenever a file's bytes do: its resolved path, size, mtime, inode and ctime (ns).
+#: a file whose ctime is this close to now (ns) is keyed by its bytes too: file systems stamp times from a
+#: coarse clock (a few ms), so two writes within one tick could otherwise leave every time unchanged
+RECENT_NS = 2_000_000_000
+
+
+def file_identity(path: str | os.PathLike, now_ns: int | None = None) -> str:
+    """What changes whenever a file's bytes do: its path, size, mtime, inode and ctime (ns).
 
     ``os.utime`` can put an mtime back but not the ctime (the kernel sets it
     to now on every write, rename and ``utime``), and a file replaced by
-    another has a new inode: a rewritten image never keeps its key.
+    another has a new inode: a rewritten image never keeps its key. A file
+    changed within :data:`RECENT_NS` of ``now_ns`` is keyed by a hash of its
+    bytes as well, which closes the one gap left (a second write within the
+    same tick of the file system's clock).
     """
     stat = os.stat(path)
-    return f"{Path(path).resolve()}\t{stat.st_size}\t{stat.st_mtime_ns}\t{stat.st_ino}\t{stat.st_ctime_ns}"
+    identity = f"{os.path.abspath(path)}\t{stat.st_size}\t{stat.st_mtime_ns}\t{stat.st_ino}\t{stat.st_ctime_ns}"
+    now = time.time_ns() if now_ns is None else now_ns
+    if now - stat.st_ctime_ns < RECENT_NS:
+        with open(path, "rb") as handle:
+            identity += "\t" + hashlib.sha1(handle.read(), usedforsecurity=False).hexdigest()
+    return identity
 
 
 def files_key(files: Sequence[str | os.PathLike], salt: str = "") -> str | None:
     """A 16-hex-digit key of ``files`` (in order) by :func:`file_identity`; None when one cannot be read."""
-    digest = hashlib.sha1(salt.encode())
+    digest = hashlib.sha1(salt.encode(), usedforsecurity=False)
+    now = time.time_ns()
     for file in files:
         try:
-            digest.update(f"{file_identity(file)}\n".encode())
+            digest.update(f"{file_identity(file, now)}\n".encode())
         except OSError:
             return None  # decoding will name the file
     return digest.hexdigest()[:16]
