@@ -28,7 +28,6 @@ import torch
 pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pip install -e '.[flower]'")
 
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict  # noqa: E402
-
 from test_flower import assert_same_state, core, read_rows, reference, tiny_config  # noqa: E402
 from test_flower_deployment import Loopback  # noqa: E402
 
@@ -264,7 +263,68 @@ def test_resume_refuses_a_changed_experiment_and_a_folder_without_checkpoint(tmp
         run_server(UntouchableGrid(), {"resume": str(tmp_path), "rounds": 4})
 
 
+def test_a_run_killed_with_the_default_checkpoints_resumes(digits_data_dir, tmp_path, inside_a_run):
+    """No checkpoint_every in the run config (the README's flags): on Flower a checkpoint follows every round,
+    so a ServerApp killed in round 2 resumes after round 1 (fedhpro run's default, 5, left nothing)."""
+    out, state_dir = tmp_path / "out", tmp_path / "node-state"
+    settings = tiny_config(digits_data_dir, rounds=3, method="moon")
+    with pytest.raises(Killed):
+        run_server(InProcessGrid(node_contexts(state_dir), kill_at=1), {}, {**settings, "out": str(out)})
+    assert checkpoint.saved_rounds(out) == [1]
+    assert load_config(out / "config.yaml").run.checkpoint_every == 1  # the value used is on record
+    strategy = run_server(InProcessGrid(node_contexts(state_dir)), {"resume": str(out)})
+    assert strategy.first_round == 1 and len(strategy.rows) == 3
+    assert_like_the_simulator(out, settings, tmp_path / "reference")
+
+
+def nothing_to_resume(folder: Path) -> Path:
+    """A run folder with its config.yaml and no checkpoint (a run killed before its first one)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.yaml").write_text("method: moon\nrounds: 3\n")
+    return folder
+
+
+def test_resume_with_nothing_to_resume_ends_the_serverapp_with_one_line(tmp_path, inside_a_run, monkeypatch, capsys):
+    from fedhpro.flower import server as server_module
+    from fedhpro.flower.server import make_server_app
+
+    logged: list[tuple[int, str]] = []
+    monkeypatch.setattr(server_module, "log", lambda level, message, *args: logged.append((level, message % args)))
+    folder = nothing_to_resume(tmp_path / "out")
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={"resume": str(folder)})
+
+    class UntouchableGrid:
+        def __getattr__(self, name):
+            raise AssertionError(f"the grid was used ({name}) before the resume was checked")
+
+    with pytest.raises(ConfigError) as caught:
+        make_server_app()(UntouchableGrid(), context)
+    message = str(caught.value)
+    assert "no checkpoint yet" in message and "\n" not in message
+    import logging
+    import traceback
+
+    assert logged == [(logging.ERROR, f"fedhpro: error: {message}")]
+    assert capsys.readouterr().err.strip() == f"fedhpro: error: {message}"
+    # raised from the ServerApp's main (what Flower logs and puts in the run's details), not from deep inside
+    frames = traceback.extract_tb(caught.value.__traceback__)
+    assert not any(frame.filename.endswith(("api.py", "settings.py")) for frame in frames), frames
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__
+
+
 # ---------------------------------------------------------------------------- on loopback: real processes
+
+
+def test_resume_with_nothing_to_resume_is_finished_failed_in_flwr_ls(tmp_path):
+    folder = nothing_to_resume(tmp_path / "out")
+    with Loopback(tmp_path) as net:
+        net.start_superlink()
+        run_id = net.flwr_run({"resume": str(folder)})  # no SuperNode needed: it fails before asking any
+        record = net.run_record(run_id)
+        server_log = (net.logs / f"run-{run_id}.log").read_text()
+    assert record["status"] == "finished:failed", record
+    lines = [line for line in server_log.splitlines() if "fedhpro: error:" in line]
+    assert lines and all("no checkpoint yet" in line for line in lines), server_log
 
 #: seconds to wait for a checkpoint or a row of a run on the busy 2-core test machine (a tiny round: ~20 s)
 ROUND_WAIT = 300
