@@ -4,23 +4,41 @@ The certificates and node keys come from ``python -m fedhpro.flower
 certificates`` (:mod:`fedhpro.flower.certificates`); the unit tests check
 them with an independent tool (``openssl``/``ssh-keygen`` where installed, else
 the ``cryptography`` checks those tools make), the deployment test with
-Flower itself: one SuperLink with TLS and ``--enable-supernode-auth`` on
-127.0.0.1 serves three checks at once, to keep the wall time low:
+Flower itself, on the README's secured setup: ``python -m fedhpro.flower up``
+(a SuperLink with TLS, ``--enable-supernode-auth`` and ``--database`` on
+127.0.0.1, nginx as a mutual-TLS gate with roles, each party's forwarder, 3
+SuperNodes with their own folders). One deployment serves every check, to
+keep the wall time low:
 
-- two SuperNodes whose public keys were registered with ``flwr supernode
-  register`` run 2 rounds of fedhpro, with the simulator's numbers;
-- a SuperNode with a valid but unregistered key is refused by the SuperLink
-  (it exits, the SuperLink logs the refusal, it never gets a node id or a
-  message, and no client beyond the two registered ones takes part);
-- a SuperNode that does not trust the CA (no ``--root-certificates``, not
-  ``--insecure``) fails the TLS handshake and exits.
+- the attack of the issue, refused at each step: a stranger holding only
+  ``ca.crt`` (or a client certificate of another CA) cannot register a node,
+  list runs or submit a run; a node's certificate cannot either (it may use
+  the Fleet API only), and nothing reaches ``/v1/runtime``;
+- the 3 registered nodes run 2 rounds of fedhpro on their own data, submitted
+  with ``python -m fedhpro.flower run`` (exit 0 = ``finished:completed``), with
+  the simulator's numbers;
+- a SuperNode with a valid but unregistered key, through a node's forwarder,
+  is refused by the SuperLink (Flower's exit code 305, never a node id);
+- a SuperNode that does not trust the CA fails the TLS handshake and exits;
+- nothing listens outside 127.0.0.0/8, and ``up --stop`` leaves no process.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
+import os
+import random
+import re
 import shutil
+import signal
+import ssl
 import stat
 import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,12 +48,14 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pip install -e '.[flower]'")
 
-from test_flower import CORE_KEYS, assert_same_state, core, read_rows, reference, tiny_config  # noqa: E402
-from test_flower_deployment import Loopback  # noqa: E402
+from test_flower import CORE_KEYS, REPO, assert_same_state, core, read_rows, reference  # noqa: E402
+from test_flower_deployment import ENVIRONMENT, alive, descendants, flower_tool  # noqa: E402
+from test_flower_own_data import SITES, settings, write_site  # noqa: E402
 
 from fedhpro.errors import ConfigError  # noqa: E402
 from fedhpro.flower import certificates  # noqa: E402
 from fedhpro.flower.__main__ import main  # noqa: E402
+from fedhpro.flower.up import Ports, port_free  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- the files
@@ -113,49 +133,270 @@ def test_existing_files_are_never_replaced(tmp_path, capsys):
     assert (tmp_path / "ca.key").read_bytes() == before and not (tmp_path / "supernode-1.key").exists()
 
 
-# ---------------------------------------------------------------------------- a deployment
-def test_tls_and_registered_supernodes_run_fedhpro_and_refuse_the_others(digits_data_dir, tmp_path):
-    keys = tmp_path / "certs"
-    certificates.create(keys, ["127.0.0.1"], nodes=3)
-    out = tmp_path / "out"
-    settings = tiny_config(digits_data_dir)
-    settings.pop("clients")
-    with Loopback(tmp_path, certificates=keys) as net:
-        net.start_superlink(["--enable-supernode-auth"])
-        registered = {net.register(keys / f"supernode-{k}.pub") for k in (1, 2)}
-        for k in range(2):
-            net.start_supernode(f"node-{k}", f"partition-id={k} num-partitions=2",
-                                ["--auth-supernode-private-key", str(keys / f"supernode-{k + 1}.key")], wait=False)
-        # supernode-3's key is valid but was never registered: the SuperLink must refuse it
-        net.start_supernode("intruder", "partition-id=0 num-partitions=2",
-                            ["--auth-supernode-private-key", str(keys / "supernode-3.key")], wait=False)
-        # a node that does not trust our CA must not even complete the TLS handshake
-        net.start_supernode("untrusting", "partition-id=1 num-partitions=2",
-                            ["--auth-supernode-private-key", str(keys / "supernode-3.key")], wait=False,
-                            trust_ca=False)
-        net.wait_connected("node-0", "node-1")
+# ---------------------------------------------------------------------------- the secured deployment
+UP_TIMEOUT = 300  # seconds for `up` to have everything running (about 20 s on an idle machine)
+RUN_TIMEOUT = 600  # seconds for the 2-round run (about 90 s on a busy 2-core machine)
+NGINX_PAGE = b"<center>nginx</center>"  # nginx's own error page: the request went no further than the gate
 
-        if net.wait_exit("intruder") == 0:
-            net.fail("the unregistered SuperNode exited with code 0")
-        intruder_log = net.processes.latest_log("intruder")
-        if "Failed to activate SuperNode" not in intruder_log or "SuperNode ID" in intruder_log:
-            net.fail("the unregistered SuperNode was not refused at activation")
-        if "No SuperNode found with the given public key" not in net.processes.latest_log("superlink"):
-            net.fail("the SuperLink did not log the refusal of the unregistered key")
-        if net.wait_exit("untrusting") == 0:
-            net.fail("the SuperNode without the CA certificate exited with code 0")
-        if "CERTIFICATE_VERIFY_FAILED" not in net.processes.latest_log("untrusting"):
-            net.fail("the SuperNode without the CA certificate did not fail on the certificate")
 
-        nodes = {int(node["node-id"]): node["status"] for node in net.supernodes()}
-        if nodes != {node_id: "online" for node_id in registered}:
-            net.fail(f"flwr supernode ls should list the two registered nodes online, not {nodes}")
+def listening_addresses(pids: set[int]) -> list[str]:
+    """The local addresses of every TCP socket in LISTEN state held by ``pids`` (from /proc/net/tcp, tcp6)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word little-endian
+            found.append(f"{ipaddress_text(raw)}:{int(port, 16)}")
+    return found
 
-        record = net.assert_completed(net.flwr_run({**settings, "out": str(out)}))
-        assert record["network-traffic"]["total-bytes"] > 0
 
-    rows = read_rows(out / "metrics.jsonl")
-    assert len(rows) == 2 and all(row["participants"] == [0, 1] for row in rows)
-    expected_rows, expected_state = reference({**settings, "clients": 2}, tmp_path / "reference")
+def ipaddress_text(raw: bytes) -> str:
+    import ipaddress
+
+    address = ipaddress.ip_address(raw)
+    if address.version == 6 and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(address)
+
+
+def outside_loopback(addresses: list[str]) -> list[str]:
+    import ipaddress
+
+    return [a for a in addresses if not ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback]
+
+
+def free_base(nodes: int) -> int:
+    """A base port whose whole range (:class:`fedhpro.flower.up.Ports`) is free on 127.0.0.1."""
+    for _ in range(100):
+        base = random.randrange(20000, 50000)
+        if all(port_free(port) for port in Ports(base, nodes).all()):
+            return base
+    raise AssertionError("no free port range found")
+
+
+def post(port: int, path: str, ca: Path, cert: Path | None = None, key: Path | None = None) -> tuple[Any, bytes]:
+    """``POST path`` to 127.0.0.1:port over TLS (with a client certificate when given): (status, body), or
+    (the error's name, b"") when the connection itself failed."""
+    context = ssl.create_default_context(cafile=str(ca))
+    if cert is not None:
+        context.load_cert_chain(str(cert), str(key))
+    connection = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=60)
+    try:
+        connection.request("POST", path, body=b"", headers={"content-type": "application/protobuf"})
+        response = connection.getresponse()
+        return response.status, response.read()
+    except (ssl.SSLError, OSError) as error:
+        return type(error).__name__, b""
+    finally:
+        connection.close()
+
+
+class Deployment:
+    """``python -m fedhpro.flower up`` in a process group of its own, and everything else a test starts."""
+
+    def __init__(self, tmp_path: Path, sites: Path):
+        self.root = tmp_path
+        self.home, self.state, self.logs = tmp_path / "flwr-home", tmp_path / "state", tmp_path / "logs"
+        self.home.mkdir()
+        self.logs.mkdir()
+        self.ports = Ports(free_base(len(SITES)), len(SITES))
+        self.env = {**ENVIRONMENT, "FLWR_HOME": str(self.home), "FLWR_TELEMETRY_ENABLED": "0",
+                    "FLWR_DISABLE_UPDATE_CHECK": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.env.pop("FEDHPRO_DATA_DIR", None)
+        self.sites = sites
+        self.started: dict[str, subprocess.Popen] = {}
+        self.seen: set[int] = set()
+
+    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+        with open(self.logs / f"{name}.log", "ab") as log:
+            process = subprocess.Popen(args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.root)
+        self.started[name] = process
+        return process
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def remember(self) -> set[int]:
+        for process in self.started.values():
+            if process.poll() is None:
+                self.seen |= {process.pid} | descendants(process.pid)
+        return self.seen
+
+    def tails(self) -> str:
+        paths = sorted(self.logs.glob("*.log")) + sorted((self.state / "logs").glob("*.log"))
+        return "\n".join(f"----- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:])
+                         for p in paths)
+
+    def check(self, condition: bool, message: str) -> None:
+        if not condition:
+            raise AssertionError(f"{message}\n{self.tails()}")
+
+    def up(self) -> None:
+        self.start("up", [sys.executable, "-m", "fedhpro.flower", "up", str(self.sites), "--state", str(self.state),
+                          "--port", str(self.ports.base), "--connection", "secure"])
+        deadline = time.monotonic() + UP_TIMEOUT
+        while "stop: Ctrl-C" not in self.log("up"):
+            self.remember()
+            self.check(self.started["up"].poll() is None, "fedhpro up exited while starting")
+            self.check(time.monotonic() < deadline, f"fedhpro up not ready after {UP_TIMEOUT} s")
+            time.sleep(0.5)
+
+    def connect(self, name: str, port: int, ca: Path) -> None:
+        with open(self.home / "config.toml", "a") as config:
+            config.write(f'\n[superlink.{name}]\naddress = "127.0.0.1:{port}"\nroot-certificates = "{ca}"\n')
+
+    def flwr(self, *args: str) -> dict:
+        done = subprocess.run([flower_tool("flwr"), *args, "--format", "json"], env=self.env, capture_output=True,
+                              text=True, timeout=180, cwd=self.root)
+        with open(self.logs / "flwr.log", "a") as log:
+            log.write(f"$ flwr {' '.join(args)} (exit {done.returncode})\n{done.stdout}{done.stderr}\n")
+        return json.loads(done.stdout[done.stdout.index("{"):])
+
+    def wait(self, name: str, seconds: float) -> int:
+        process = self.started[name]
+        deadline = time.monotonic() + seconds
+        while process.poll() is None:
+            self.remember()
+            self.check(time.monotonic() < deadline, f"{name} still runs after {seconds:.0f} s")
+            time.sleep(1)
+        return process.returncode
+
+    def stop_everything(self) -> list[int]:
+        pids = self.remember()
+        for process in self.started.values():
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+            time.sleep(0.3)
+        for pid in pids:
+            if alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for process in self.started.values():
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        time.sleep(0.5)
+        return sorted(pid for pid in pids if alive(pid))
+
+
+@pytest.mark.skipif(shutil.which("nginx") is None and not Path("/usr/sbin/nginx").exists(),
+                    reason="nginx is not installed (apt-get install nginx-light)")
+def test_secured_deployment_refuses_strangers_and_nodes_and_runs_fedhpro_like_the_simulator(tmp_path):
+    sites = tmp_path / "sites"
+    for k, (site, classes) in enumerate(SITES.items()):
+        write_site(sites / site, classes, seed=k)
+    config = {**settings(), "checkpoint_every": 1, "out": str(tmp_path / "out")}
+    net = Deployment(tmp_path, sites)
+    try:
+        net.up()
+        certs, ports = net.state / "certs", net.ports
+        ca = certs / "ca.crt"
+        addresses = listening_addresses(net.remember())
+        net.check(len(addresses) >= 4, f"expected the gate, SuperLink and forwarders to listen: {addresses}")
+        net.check(not outside_loopback(addresses), f"listening outside 127.0.0.0/8: {addresses}")
+
+        # --- a stranger with ca.crt only, straight to the gate: the real flwr commands of the attack
+        net.connect("stranger", ports.gate, ca)
+        evil = tmp_path / "evil"
+        evil.mkdir()
+        evil_private, evil_public = certificates.node_key_pair()
+        certificates.write_file(evil / "evil.key", evil_private, True)
+        (evil / "evil.pub").write_bytes(evil_public)
+        # --- a node's certificate, through that node's own forwarder
+        net.connect("as-node", ports.forwarder(1), ca)
+        for connection, status in (("stranger", "400"), ("as-node", "403")):
+            for args in (("supernode", "register", str(evil / "evil.pub"), connection), ("ls", connection),
+                         ("run", str(REPO / "examples" / "flower"), connection)):
+                reply = net.flwr(*args)
+                net.check(not reply["success"] and status in reply.get("error-message", ""),
+                          f"flwr {' '.join(args)} was not refused with {status}: {reply}")
+        # --- the same endpoints with a client certificate of another CA, and with a node's certificate
+        other = tmp_path / "other-ca"
+        certificates.create(other, ["127.0.0.1"], nodes=1, gate=True)
+        node_cert, node_key = certs / "supernode-1.crt", certs / "supernode-1-tls.key"
+        operator_cert, operator_key = certs / "operator.crt", certs / "operator.key"
+        for path in ("/v1/control/register-node", "/v1/control/list-runs", "/v1/control/start-run"):
+            for cert, key, expected in ((None, None, 400), (other / "operator.crt", other / "operator.key", 400),
+                                        (other / "supernode-1.crt", other / "supernode-1-tls.key", 400),
+                                        (node_cert, node_key, 403)):
+                status, body = post(ports.gate, path, ca, cert, key)
+                net.check(status == expected and NGINX_PAGE in body, f"{path} with {cert}: {status} {body[:200]}")
+        for path in ("/v1/runtime/pull-messages", "/v1/fleet/../control/list-runs", "/docs", "/openapi.json"):
+            for cert, key in ((operator_cert, operator_key), (node_cert, node_key)):
+                status, body = post(ports.gate, path, ca, cert, key)
+                net.check(status == 403 and NGINX_PAGE in body, f"{path} with {cert.name}: {status} {body[:200]}")
+        status, _ = post(ports.gate, "/v1/fleet/get-run", ca, operator_cert, operator_key)
+        net.check(status == 403, f"the operator's certificate reached the Fleet API: {status}")
+        registered = {int(node_id) for node_id in json.loads((net.state / "nodes.json").read_text()).values()}
+        nodes = net.flwr("supernode", "ls", "secure")["nodes"]
+        net.check({int(node["node-id"]) for node in nodes} == registered, f"a node was added: {nodes}")
+        net.check(net.flwr("ls", "secure")["runs"] == [], "a run was submitted by someone")
+
+        # --- an unregistered key behind a valid node certificate, and a node that does not trust the CA
+        net.start("intruder", [flower_tool("flower-supernode"), "--root-certificates", str(ca),
+                               "--auth-supernode-private-key", str(evil / "evil.key"),
+                               "--superlink", f"127.0.0.1:{ports.forwarder(1)}", "--host", "127.0.0.1",
+                               "--port", str(free_base(0)), "--node-config", f'data-dir="{sites / "lab-0"}"'])
+        net.start("untrusting", [flower_tool("flower-supernode"),
+                                 "--auth-supernode-private-key", str(certs / "supernode-1.key"),
+                                 "--superlink", f"127.0.0.1:{ports.forwarder(1)}", "--host", "127.0.0.1",
+                                 "--port", str(free_base(0))])
+        # --- the operator's run, as the README submits it
+        run_config = " ".join(f"{key}={json.dumps(value)}" for key, value in config.items())
+        net.start("run", [sys.executable, "-m", "fedhpro.flower", "run", str(REPO / "examples" / "flower"), "secure",
+                          "--run-config", run_config])
+        net.check(net.wait("intruder", 180) != 0, "the unregistered SuperNode exited with code 0")
+        intruder = net.log("intruder")
+        net.check("Exit Code: 305" in intruder and "SuperNode ID" not in intruder,
+                  "the unregistered SuperNode was not refused at activation")
+        net.check(net.wait("untrusting", 180) != 0, "the SuperNode without the CA exited with code 0")
+        net.check("CERTIFICATE_VERIFY_FAILED" in net.log("untrusting"), "the untrusting node did not fail on TLS")
+        addresses = listening_addresses(net.remember())
+        net.check(not outside_loopback(addresses), f"listening outside 127.0.0.0/8 during the run: {addresses}")
+
+        net.check(net.wait("run", RUN_TIMEOUT) == 0, "python -m fedhpro.flower run did not exit 0")
+        net.check(re.search(r"run \d+ finished:completed", net.log("run")) is not None, "no finished:completed")
+        runs = net.flwr("ls", "secure")["runs"]
+        net.check(len(runs) == 1 and runs[0]["network-traffic"]["total-bytes"] > 0, f"runs: {runs}")
+        nodes = {int(node["node-id"]): node["status"] for node in net.flwr("supernode", "ls", "secure")["nodes"]}
+        net.check(nodes == {node_id: "online" for node_id in registered}, f"nodes: {nodes}")
+
+        pids = net.remember()
+        stopped = subprocess.run([sys.executable, "-m", "fedhpro.flower", "up", "--stop", str(net.state)],
+                                 env=net.env, capture_output=True, text=True, timeout=120)
+        net.check(stopped.returncode == 0, f"up --stop failed: {stopped.stdout}{stopped.stderr}")
+        net.wait("up", 60)
+        time.sleep(0.5)
+        net.check(not [pid for pid in pids if alive(pid)], f"left running: {[p for p in pids if alive(p)]}")
+    finally:
+        left = net.stop_everything()
+    assert left == [], f"processes left running: {left}"
+
+    rows = read_rows(tmp_path / "out" / "metrics.jsonl")
+    expected = {key: value for key, value in config.items() if key != "out"}
+    expected_rows, expected_state = reference({**expected, "data_dir": str(sites)}, tmp_path / "reference")
+    assert len(rows) == 2 and all(row["participants"] == [0, 1, 2] for row in rows)
     assert core(rows) == core(expected_rows), CORE_KEYS
-    assert_same_state(torch.load(out / "server_state.pt", weights_only=True)["server"], expected_state)
+    assert [row["client_accuracy"] for row in rows] == [row["client_accuracy"] for row in expected_rows]
+    assert_same_state(torch.load(tmp_path / "out" / "server_state.pt", weights_only=True)["server"], expected_state)

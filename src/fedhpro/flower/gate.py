@@ -161,7 +161,7 @@ def server_config(prefix: str | os.PathLike, certs: str | os.PathLike, listen: s
             limit_except POST {{ deny all; }}
             proxy_pass https://superlink;
         }}""" for role, path in ROLE_PATHS.items())
-    text = _common(prefix) + f"""    # a client certificate's role (nginx checked it is signed by the CA) is the OU of its subject
+    text = _common(prefix) + f"""    # a client certificate's role: the OU of its subject (signed by the CA)
     map $ssl_client_s_dn $fedhpro_role {{
         default "";
 {roles}

@@ -204,6 +204,7 @@ class Child:
     next_start: float | None = None
     given_up: bool = False
     said_refused: bool = False
+    log_start: int = 0  # where the latest start's output begins in the log
 
 
 class Deployment:
@@ -265,6 +266,7 @@ class Deployment:
 
     def launch(self, child: Child) -> None:
         with open(child.log, "ab") as log:
+            child.log_start = log.tell()
             log.write(f"--- fedhpro up: starting {' '.join(child.args)}\n".encode())
             log.flush()
             child.process = subprocess.Popen(child.args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
@@ -281,6 +283,13 @@ class Deployment:
             except (ProcessLookupError, PermissionError):
                 pass
         kill_all(child.seen, sig)
+
+    def refused(self, child: Child) -> bool:
+        """Whether the latest start of a SuperNode ended with Flower's exit code 305 (activation refused;
+        the process itself exits with 1)."""
+        with open(child.log, "rb") as handle:
+            handle.seek(child.log_start)
+            return f"Exit Code: {REFUSED_EXIT}".encode() in handle.read()
 
     def wait_ready(self, child: Child, seconds: float = 300) -> None:
         deadline = time.monotonic() + seconds
@@ -426,11 +435,12 @@ class Deployment:
                     self.say(f"{child.name} keeps failing (exit code {code}, {child.failures} starts in "
                              f"{now - child.failing_since:.0f} s); left down, see {child.log}")
                     continue
-                if code == REFUSED_EXIT and not child.said_refused:
-                    self.say(f"{child.name} refused (exit {code}): the SuperLink still has its previous session "
-                             "online (up to ~60 s after a kill -9); retrying")
+                refused = self.refused(child)
+                if refused and not child.said_refused:
+                    self.say(f"{child.name} refused (Flower exit code {REFUSED_EXIT}): the SuperLink still has its "
+                             "previous session online (up to ~60 s after a kill -9); retrying with backoff")
                     child.said_refused = True
-                elif code != REFUSED_EXIT:
+                elif not refused:
                     self.say(f"{child.name} exited with code {code}; restarting in {delay:.0f} s")
                 child.next_start = now + delay
             elif now >= child.next_start:
