@@ -1,0 +1,124 @@
+"""The pieces of the secured deployment that need no running Flower: client certificates, nginx configs,
+the flwr connection written by ``up``, and ``python -m fedhpro.flower run``'s exit code.
+
+The deployment itself (the gate refusing strangers and nodes, a secured run) is in test_flower_secure.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+import stat
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from fedhpro.errors import ConfigError
+from fedhpro.flower import certificates, gate, up
+from fedhpro.flower.__main__ import main
+
+NGINX = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
+
+
+def test_gate_certificates_carry_the_role_and_serve_both_ends(tmp_path, capsys):
+    folder = tmp_path / "certs"
+    assert main(["certificates", str(folder), "--host", "superlink.example.org", "--nodes", "2", "--gate"]) == 0
+    assert "gate forward" in capsys.readouterr().out
+    ca = x509.load_pem_x509_certificate((folder / "ca.crt").read_bytes())
+    server = x509.load_pem_x509_certificate((folder / "server.pem").read_bytes())
+    sans = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]  # the gate's upstream
+    for name, key, role in (("operator", "operator.key", "operator"), ("supernode-1", "supernode-1-tls.key", "node"),
+                            ("supernode-2", "supernode-2-tls.key", "node")):
+        cert = x509.load_pem_x509_certificate((folder / f"{name}.crt").read_bytes())
+        cert.verify_directly_issued_by(ca)
+        assert cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)[0].value == role
+        assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == name
+        usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        assert set(usages) == {ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH}
+        assert stat.S_IMODE((folder / key).stat().st_mode) == 0o600
+        if shutil.which("openssl"):
+            for purpose in (["-purpose", "sslclient"], ["-purpose", "sslserver", "-verify_ip", "127.0.0.1"]):
+                subprocess.run(["openssl", "verify", "-CAfile", str(folder / "ca.crt"), *purpose,
+                                str(folder / f"{name}.crt")], check=True, capture_output=True)
+
+
+def test_one_more_client_certificate_never_replaces_a_file(tmp_path, capsys):
+    certificates.create(tmp_path, ["127.0.0.1"], gate=True)
+    assert main(["certificates", str(tmp_path), "--client", "supernode-9"]) == 0
+    cert = x509.load_pem_x509_certificate((tmp_path / "supernode-9.crt").read_bytes())
+    assert cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)[0].value == "node"
+    before = (tmp_path / "operator.key").read_bytes()
+    assert main(["certificates", str(tmp_path), "--client", "operator", "--role", "operator"]) == 2
+    assert "already exists" in capsys.readouterr().err and (tmp_path / "operator.key").read_bytes() == before
+    with pytest.raises(ConfigError, match="not allowed"):
+        certificates.issue_client(tmp_path, "a,OU=operator", "node")
+
+
+@pytest.mark.skipif(NGINX is None, reason="nginx is not installed (apt-get install nginx-light)")
+def test_nginx_accepts_the_configs(tmp_path):
+    certificates.create(tmp_path / "certs", ["gate.example.org"], nodes=1, gate=True)
+    server = gate.server_config(tmp_path / "gate", tmp_path / "certs", "127.0.0.1:18000", "127.0.0.1:18001")
+    # nginx resolves the gate's host name when it starts (localhost: /etc/hosts); the certificate's name may differ
+    forward = gate.forward_config(tmp_path / "fwd", tmp_path / "certs", "supernode-1", "localhost:18000",
+                                  "127.0.0.1:18003", gate_name="gate.example.org")
+    text = server.config.read_text()
+    for needed in ("ssl_verify_client on;", "underscores_in_headers on;", "proxy_buffering off;",
+                   f"client_max_body_size {gate.MAX_BODY};", 'location / { return 403; }'):
+        assert needed in text
+    assert "proxy_ssl_server_name on;" in forward.config.read_text()  # SNI for a host name
+    for written in (server, forward):
+        command = written.command()
+        test = subprocess.run([*command[:-2], "-t"], capture_output=True, text=True)
+        assert test.returncode == 0, test.stderr
+    with pytest.raises(ConfigError, match="loopback"):
+        gate.forward_config(tmp_path / "f2", tmp_path / "certs", "operator", "gate.example.org:1", "0.0.0.0:18001")
+
+
+def test_the_connection_is_added_next_to_the_others(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "config.toml").write_text('[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = ":local:"\n\n'
+                                      '[superlink.mine]\naddress = "10.0.0.1:9093"\ninsecure = true\n')
+    ca = tmp_path / "ca.crt"
+    up.write_connection(home, "secure", "127.0.0.1:18002", ca, {})
+    up.write_connection(home, "secure", "127.0.0.1:18102", ca, {})  # again, another port: replaced, not doubled
+    config = tomllib.loads((home / "config.toml").read_text())["superlink"]
+    assert config["default"] == "local" and config["local"]["address"] == ":local:"
+    assert config["mine"] == {"address": "10.0.0.1:9093", "insecure": True}
+    assert config["secure"] == {"address": "127.0.0.1:18102", "root-certificates": str(ca)}
+    assert (home / "config.toml").read_text().count("[superlink.secure]") == 1
+
+
+FAKE_FLWR = """#!{python}
+import json, sys
+args = sys.argv[1:]
+if args[0] == "run":
+    print(json.dumps({{"success": True, "run-id": 7}}))
+elif args[0] == "log":
+    print("a log line")
+elif args[0] == "ls":
+    print(json.dumps({{"success": True, "runs": [{{"run-id": "7", "status": "{status}"}}]}}))
+"""
+
+
+@pytest.mark.parametrize("status, code", [("finished:completed", 0), ("finished:failed", 1)])
+def test_run_exits_with_the_status_of_the_run(tmp_path, monkeypatch, capsys, status, code):
+    fake = tmp_path / "flwr"
+    fake.write_text(FAKE_FLWR.format(python=sys.executable, status=status))
+    fake.chmod(0o755)
+    monkeypatch.setattr(up, "flower_tool", lambda name: str(fake))
+    assert main(["run", "app", "secure", "--run-config", "rounds=1"]) == code
+    captured = capsys.readouterr()
+    assert ("finished:completed" in captured.out) if code == 0 else ("ended finished:failed" in captured.err)
+
+
+def test_up_refuses_a_folder_without_sites(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="holds no site folder"):
+        up.Deployment(tmp_path / "empty", tmp_path / "state")
+    assert Path(tmp_path / "state").exists() is False
