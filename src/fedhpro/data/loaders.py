@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import os
 import pickle
 import re
@@ -399,8 +400,9 @@ class _ArrayUnpickler(pickle.Unpickler):
 def read_pickle(path: str | os.PathLike, what: str) -> Any:
     """The object pickled in ``path``, read by :class:`_ArrayUnpickler`; any failure is one DataError."""
     try:
-        with open(path, "rb") as handle:
-            return _ArrayUnpickler(handle, str(path), what).load()
+        with open(path, "rb") as handle:  # read whole: a corrupt length cannot make the unpickler allocate it
+            data = handle.read()
+        return _ArrayUnpickler(io.BytesIO(data), str(path), what).load()
     except DataError:
         raise
     except FileNotFoundError:
