@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fedhpro.errors import ConfigError
+from fedhpro.files import claim_run_folder
 from fedhpro.methods import method_names
 from fedhpro.reports import write_atomic
 from fedhpro.sweeps import Failure, Sweep, SweepFailed, execute, make_sweep, sweep_options
@@ -170,6 +171,15 @@ def compare(methods: Sequence[str], seeds: Sequence[int], settings: Mapping[str,
     tasks = [(load_config(source, {**pairs, "method": method, "seed": seed, "out": str(folder)}), folder)
              for method, seed, folder in runs]
     labels = [f"{method} seed {seed}" for method, seed, _ in runs]
+    # the comparison's folder is this comparison's until it ends (its table is written there); each run's
+    # own folder is claimed by the process that runs it (fedhpro.api.run_or_continue)
+    with claim_run_folder(out):
+        return _compare_claimed(runs, seeds, tasks, labels, sweep, out, echo)
+
+
+def _compare_claimed(runs: list[tuple[str, int, Path]], seeds: Sequence[int], tasks: list[tuple[Any, Path]],
+                     labels: list[str], sweep: Sweep, out: Path, echo: bool) -> dict[str, Any]:
+    """:func:`compare`'s runs and table, once ``out`` is claimed."""
     if sweep.sequential:  # a line as each run ends, as always
         results: Iterable[dict[str, Any] | None] = run_all(tasks)
         failures: list[Failure] = []

@@ -154,9 +154,11 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:  # weights_only refused a global: code or objects other than tensors
-        raise DataError(_not_loadable(path, "it holds objects other than tensors, which are never unpickled")) \
-            from None
+    except pickle.UnpicklingError as error:
+        if "global" in str(error).lower():  # weights_only refused a global: code, objects other than tensors
+            raise DataError(_not_loadable(path, "it holds objects other than tensors, which are never "
+                                                "unpickled")) from None
+        raise DataError(_not_loadable(path, "it is truncated or not a torch file: UnpicklingError")) from None
     except OSError as error:
         raise DataError(_not_loadable(path, f"it cannot be read: {error.strerror or type(error).__name__}")) \
             from None
