@@ -234,6 +234,38 @@ def test_yaml_file_errors_name_the_key(tmp_path):
         load_config(path)
 
 
+YAML_FILE_ERRORS = [
+    (b"rounds: 3\n# caf\xe9 au lait\n", "is not UTF-8 text (byte 0xe9 at offset 15); save it as UTF-8"),
+    ("rounds: 3\n".encode("utf-16"), "is not UTF-8 text (byte 0xff at offset 0); save it as UTF-8"),
+    (b"- rounds\n- 3\n", "holds a YAML list, not a mapping of settings; write one 'key: value' per line"),
+    (b"just text\n", "holds a YAML str, not a mapping of settings"),
+    (b"rounds: 3\nfedhpro: [1, 2\n", "is not valid YAML at line 3, column 1 (expected ',' or ']'"),
+    (b"rounds: 3\n\tlr: 1\n", "is not valid YAML at line 2, column 1 (found character '\\t'"),
+    (b"a: b: c\n", "is not valid YAML at line 1, column 5 (mapping values are not allowed here)"),
+    (b"seed: " + b"7" * 5000 + b"\n", "is not valid YAML (a whole number of more than 4300 digits)"),
+    (b"rounds: 3\n1: 2\n", "unknown config key '1'"),
+    (b"rounds: 3\n? [a, b]\n: 2\n", "is not valid YAML at line 2"),
+]
+
+
+@pytest.mark.parametrize("content, words", YAML_FILE_ERRORS,
+                         ids=["latin-1", "utf-16", "list", "scalar", "unclosed", "tab", "mapping-in-value",
+                              "huge-int", "int-key", "list-key"])
+def test_every_bad_config_file_is_one_line_naming_the_file(content, words, tmp_path, capsys):
+    from fedhpro.cli import main as cli_main
+
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(content)
+    for command in (["config", str(path)], ["run", str(path), f"out={tmp_path / 'out'}"]):
+        assert cli_main(command) == 2
+        captured = capsys.readouterr()
+        lines = [line for line in captured.err.splitlines() if line.strip()]
+        assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+        assert lines[0].startswith(f"fedhpro: error: config file {str(path)!r} ") or "unknown config key" in lines[0]
+        assert words in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
+
+
 # ----------------------------------------------------------------------------
 # command line (subprocess)
 # ----------------------------------------------------------------------------

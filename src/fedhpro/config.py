@@ -357,8 +357,9 @@ def parse_yaml(raw: bytes | str, where: str) -> dict[str, Any]:
         problem = f" ({error.problem})" if error.problem else ""
         raise ConfigError(f"{where} is not valid YAML{at}{problem}; fix its syntax".replace("\n", " ")) from None
     except _YAML_VALUE_ERRORS as error:
-        reason = "nested too deeply" if isinstance(error, RecursionError) else \
-            (str(error).strip().splitlines() or [type(error).__name__])[0][:80]
+        text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        reason = ("nested too deeply" if isinstance(error, RecursionError)
+                  else "a whole number of more than 4300 digits" if "digits" in text else text[:80])
         raise ConfigError(f"{where} is not valid YAML ({reason}); fix its syntax") from None
     if values is None:  # an empty file, or only comments
         return {}
