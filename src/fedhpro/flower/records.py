@@ -32,7 +32,7 @@ import functools
 import io
 import math
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -261,8 +261,17 @@ def encode_metrics(metrics: Mapping[str, float]) -> MetricRecord:
 
 
 def decode_metrics(content: RecordDict) -> dict[str, float]:
+    """A client's training metrics (``fedhpro.metrics``; none: ``{}``); UpdateError (one line) for a metric
+    that is not one number (a MetricRecord may also hold lists)."""
     record = content.metric_records.get(METRICS)
-    return {} if record is None else {name: float(cast(float, value)) for name, value in record.items()}
+    if record is None:
+        return {}
+    metrics = {}
+    for name, value in record.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UpdateError(f"training metric '{name[:40]}' is a {type(value).__name__}, not a number")
+        metrics[name] = float(value)
+    return metrics
 
 
 def payload_record_dict(payload: Mapping[str, Any], **extra: Any) -> RecordDict:

@@ -581,11 +581,12 @@ class MethodStrategy(Strategy):
                 try:
                     payload = records.decode_payload(reply.content, self.side.device,
                                                      expected=self.server.reply_layout())
+                    metrics = records.decode_metrics(reply.content)
                 except FedHProError as error:  # a malformed reply: refused like an invalid update
                     current.fail(k, f"invalid update: {error}")
                     self.refused[k] = current.round
                     continue
-                reception = current.receive(k, payload, records.decode_metrics(reply.content), self.side.num_samples[k])
+                reception = current.receive(k, payload, metrics, self.side.num_samples[k])
                 if reception is Reception.INVALID:
                     self.refused[k] = current.round
         client_seconds = time.perf_counter() - current.started
