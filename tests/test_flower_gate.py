@@ -122,3 +122,51 @@ def test_up_refuses_a_folder_without_sites(tmp_path):
     with pytest.raises(ConfigError, match="holds no site folder"):
         up.Deployment(tmp_path / "empty", tmp_path / "state")
     assert Path(tmp_path / "state").exists() is False
+
+
+def test_the_supervisor_ends_a_dead_node_s_processes_and_restarts_it(tmp_path, monkeypatch):
+    """A child killed with SIGKILL: what it had started (in a session of its own, as flower-supernode starts
+    flwr-clientapp) is ended, the child starts again after the backoff; a SuperNode refused with Flower's
+    exit code 305 is reported once as such and retried."""
+    import os
+    import signal
+    import time
+
+    (tmp_path / "sites" / "site-a").mkdir(parents=True)
+    deployment = up.Deployment(tmp_path / "sites", tmp_path / "state", out=open(os.devnull, "w"))  # noqa: SIM115
+    (tmp_path / "state" / "run").mkdir(parents=True)
+    (tmp_path / "state" / "logs").mkdir()
+    monkeypatch.setattr(up, "BACKOFF", (0.5,))
+    said: list[str] = []
+    monkeypatch.setattr(deployment, "say", said.append)
+    node = deployment.add("node", ["bash", "-c", "setsid sleep 300 & echo $! > grandchild; exec sleep 300"])
+    refused = deployment.add("refused", ["bash", "-c", "echo 'ERROR: Exit Code: 305'; exit 1"])
+    try:
+        old_cwd = os.getcwd()
+        os.chdir(tmp_path)
+        try:
+            for child in (node, refused):
+                deployment.launch(child)
+            deadline = time.monotonic() + 30
+            while not (tmp_path / "grandchild").exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(0.3)
+            deployment.check()  # remembers the grandchild
+            grandchild = int((tmp_path / "grandchild").read_text())
+            first = node.process.pid
+            os.kill(first, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while (node.process.pid == first or refused.failures < 2) and time.monotonic() < deadline:
+                deployment.check()
+                time.sleep(0.2)
+        finally:
+            os.chdir(old_cwd)
+        assert node.process.pid != first and node.process.poll() is None  # restarted
+        time.sleep(0.3)
+        assert not up.alive(grandchild)  # the dead node's own-session child was ended
+        assert sum("refused (Flower exit code 305)" in line for line in said) == 1
+        assert any("node exited with code -9" in line for line in said)
+        assert (tmp_path / "state" / "run" / "node.pid").read_text().strip() == str(node.process.pid)
+    finally:
+        deployment.stop()
+    assert node.process.poll() is not None

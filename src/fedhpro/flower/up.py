@@ -455,7 +455,8 @@ class Deployment:
     def stop(self) -> None:
         """Nodes first (SIGTERM: they say goodbye), then forwarders, gate, SuperLink; SIGKILL after 15 s."""
         self.stopping = True
-        order = ([c for c in self.children.values() if c.name in {s.name for s in self.sites}],
+        infrastructure = {"gate", "superlink"} | {n for n in self.children if n.endswith("-forward")}
+        order = ([c for c in self.children.values() if c.name not in infrastructure],
                  [c for c in self.children.values() if c.name.endswith("-forward")],
                  [self.children.get("gate")], [self.children.get("superlink")])
         for group in order:
