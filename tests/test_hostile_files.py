@@ -337,3 +337,13 @@ def test_nan_or_infinite_x_is_one_line_naming_the_client_and_file(tmp_path, valu
     folder = _tensor_client(tmp_path, "site-7", x, torch.tensor([0, 1, 0, 1]))
     with pytest.raises(DataError, match=r"client site-7: .*site-7/train.pt: x holds NaN or infinite values"):
         scan_client(folder, ClientsOptions())
+
+
+def test_a_corrupt_image_in_a_builtin_image_set_is_one_line(tmp_path):
+    for digit in range(10):
+        (tmp_path / "syn" / "train" / str(digit)).mkdir(parents=True)
+        _bmp(tmp_path / "syn" / "train" / str(digit) / "a.bmp", (digit, 0, 0))
+    (tmp_path / "syn" / "train" / "3" / "b.png").write_bytes(b"not an image")
+    with pytest.raises(DataError, match=r"cannot decode the image .*3/b.png .*replace or remove the file"):
+        image_arrays(open_loader("syn", tmp_path, True), 6, tmp_path / ".fedhpro-cache")
+    assert not any((tmp_path / ".fedhpro-cache").iterdir())  # no half-written cache is left

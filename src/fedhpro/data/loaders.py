@@ -684,7 +684,11 @@ def _decode_into(out: np.ndarray, files: Sequence[Path], size: int, progress: bo
 
         iterator = tqdm(files, desc=f"decoding images to {size}px", unit="img", leave=False)
     for i, path in enumerate(iterator):
-        image = _pil_rgb(path)
+        try:
+            image = _pil_rgb(path)
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise DataError(f"cannot decode the image {path} ({reason}); replace or remove the file") from None
         if image.size != (size, size):
             image = image.resize((size, size), Image.Resampling.BILINEAR)
         out[i] = np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
