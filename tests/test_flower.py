@@ -258,17 +258,19 @@ def simulated(digits_data_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("flower-sim")
     outcomes: dict[str, Any] = {}
     server_app = ServerApp()
+    this_process = os.getpid()  # Ray's processes descend from it (the ServerApp may run in another one)
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
         assert dict(context.run_config) == {}  # what run_simulation passes: the apps must cope
-        outcomes["listening"] = listening_addresses(os.getpid())  # Ray is up: what do its processes listen on?
         for name, extra in SIMULATED:
             try:
                 run_server(grid, context.run_config, tiny_config(digits_data_dir, out=str(root / name), **extra))
                 outcomes[name] = root / name
             except Exception as error:  # keep going: each method's test reports its own failure
                 outcomes[name] = error
+            if "listening" not in outcomes:  # a run went through Ray: what do its processes listen on?
+                outcomes["listening"] = listening_addresses(this_process)
 
     # Flower's Ray backend sets os.environ["PYTHONPATH"] to this process's whole sys.path and leaves it
     # set: restore it, or every subprocess later tests start inherits pytest's import path
