@@ -145,6 +145,36 @@ def test_two_runs_started_together_on_one_out_folder_one_is_refused_and_nothing_
     assert not (out / LOCK_NAME).exists()
 
 
+def test_a_run_started_while_another_builds_its_data_is_refused_and_nothing_mixes(digits_data_dir, tmp_path,
+                                                                                    capsys, monkeypatch):
+    """The race made certain: the second run starts while the first builds its data (before it wrote any file).
+    Without the claim both passed the 'no run files here' check and both finished: the second run's
+    config, metrics and round-3 checkpoint were left beside the first run's."""
+    import fedhpro.api
+
+    out = tmp_path / "shared"
+    real_build = fedhpro.api.build_experiment
+    started, second = [], []
+
+    def build_while_another_run_starts(*args, **kwargs):
+        if not started:  # the first run's build: the second run starts here, once
+            started.append(True)
+            second.append(cli_main(["run", *tiny_settings(digits_data_dir, out, rounds=3, seed=5)]))
+            second.append(capsys.readouterr().err)
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(fedhpro.api, "build_experiment", build_while_another_run_starts)
+    assert cli_main(["run", *tiny_settings(digits_data_dir, out, rounds=2)]) == 0
+    code, err = second
+    assert code == 2, "both runs finished in one folder"
+    line = one_error_line(err)
+    assert code == 2 and f"out={out} is in use by run pid {os.getpid()} on host {socket.gethostname()}" in line
+    import yaml
+    assert yaml.safe_load((out / "config.yaml").read_text())["seed"] == 4
+    assert [row["round"] for row in rows(out / "metrics.jsonl")] == [0, 1]
+    assert sorted(path.name for path in (out / "checkpoints").iterdir()) == ["round-000001.pt", "round-000002.pt"]
+
+
 def test_a_live_run_holds_its_folder_and_a_resume_works_after_it_ends(digits_data_dir, tmp_path, capsys):
     out = tmp_path / "run"
     first = subprocess.Popen([sys.executable, "-m", "fedhpro", "run", *tiny_settings(digits_data_dir, out, rounds=4)],
