@@ -174,3 +174,12 @@ def test_an_interrupted_run_continues_from_its_checkpoint_one_without_starts_aga
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert [row["round"] for row in rows] == [0, 1] and "partial" not in rows[0]
     assert yaml.safe_load((folder / "config.yaml").read_text())["lr"] == 0.02
+
+
+def test_a_comparison_folder_in_use_is_refused_before_any_run(digits_data_dir, tmp_path):
+    from fedhpro.files import RunFolderInUse, claim_run_folder
+
+    out = tmp_path / "cmp"
+    with claim_run_folder(out), pytest.raises(RunFolderInUse, match=f"out={out} is in use by run pid"):
+        compare(["fedavg"], [0], settings(digits_data_dir, rounds=1), out, echo=False)
+    assert not out.exists()  # nothing ran, nothing was left

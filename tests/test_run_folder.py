@@ -115,6 +115,13 @@ def test_a_file_or_an_unusable_path_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^out=.*afile/below: part of that path is a file"):
         claim_run_folder(afile / "below")
     assert afile.read_text() == "not a folder"
+    # the folders a claim made go with it when nothing else filled them
+    with claim_run_folder(tmp_path / "a" / "b" / "c"):
+        (tmp_path / "a" / "keep.txt").write_text("x")
+    assert sorted(path.name for path in (tmp_path / "a").iterdir()) == ["keep.txt"]
+    with claim_run_folder(tmp_path / "d" / "e"):
+        pass
+    assert not (tmp_path / "d").exists()
 
 
 # ---------------------------------------------------------------------------- two runs, one out=

@@ -88,11 +88,11 @@ class RunFolderClaim:
     drops the claim; it may be called more than once.
     """
 
-    def __init__(self, folder: Path, descriptor: int | None, created: bool):
+    def __init__(self, folder: Path, descriptor: int | None, created: list[Path]):
         self.folder = folder
         self.lock_path = folder / LOCK_NAME
         self._descriptor = descriptor
-        self._created = created
+        self._created = created  # the folders the claim made, innermost first
 
     @property
     def held(self) -> bool:
@@ -100,8 +100,8 @@ class RunFolderClaim:
         return self._descriptor is not None
 
     def release(self) -> None:
-        """Drop the claim: the lock file goes, then the lock; a folder the claim made and nothing else filled
-        goes too (a run that failed before writing anything leaves no empty folder behind)."""
+        """Drop the claim: the lock file goes, then the lock; the folders the claim made that nothing else
+        filled go too (a run that failed before writing anything leaves no empty folder behind)."""
         descriptor, self._descriptor = self._descriptor, None
         if descriptor is None:
             return
@@ -113,11 +113,11 @@ class RunFolderClaim:
                 pass
         finally:
             os.close(descriptor)  # drops the flock
-        if self._created:
+        for made in self._created:
             try:
-                self.folder.rmdir()  # only if empty
+                made.rmdir()  # only if empty
             except OSError:
-                pass
+                break
 
     def __enter__(self) -> RunFolderClaim:
         return self
@@ -157,7 +157,7 @@ def claim_run_folder(path: Path, *, setting: str = "out") -> RunFolderClaim:
     where = f"{setting}={folder}"
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"{where} is a file, not a folder; give a folder (new or of an earlier run)")
-    created = not folder.exists()
+    created = [parent for parent in (folder, *folder.parents) if not parent.exists()]
     lock_path = folder / LOCK_NAME
     try:
         folder.mkdir(parents=True, exist_ok=True)
