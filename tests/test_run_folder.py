@@ -356,3 +356,13 @@ def test_report_and_resume_pass_a_stale_lock_file_by(digits_data_dir, tmp_path, 
     assert cli_main(["report", str(out), f"out={tmp_path / 'report'}"]) == 0
     assert (tmp_path / "report" / "table.md").is_file()
     assert not (out / LOCK_NAME).exists()
+
+
+def test_a_resume_removes_what_a_killed_write_left_half_written(interrupted, capsys):
+    partial = interrupted / "checkpoints" / ".round-000003.pt.4242.0badf00d.tmp"
+    partial.write_bytes(b"half a checkpoint")
+    (interrupted / ".metrics.jsonl.4242.0badf00d.tmp").write_text('{"round": 0')
+    assert cli_main(["run", f"resume={interrupted}", "progress=false"]) == 0
+    assert not partial.exists() and not (interrupted / ".metrics.jsonl.4242.0badf00d.tmp").exists()
+    assert sorted(path.name for path in (interrupted / "checkpoints").iterdir()) == [
+        "round-000002.pt", "round-000003.pt"]  # keep_checkpoints=2 (the resumed run's; it may change)

@@ -38,7 +38,7 @@ from fedhpro.engines.observers import RoundObserver
 from fedhpro.engines.protocol import Aggregation
 from fedhpro.engines.simulator import Faults, Simulator
 from fedhpro.errors import ConfigError, DataError
-from fedhpro.files import RunFolderClaim, claim_run_folder
+from fedhpro.files import RunFolderClaim, claim_run_folder, remove_partial_writes
 from fedhpro.measurements import observers_for
 from fedhpro.methods import MethodSpec, TrainSettings, get_method
 from fedhpro.models import build_model, with_projection_head
@@ -130,6 +130,8 @@ def _run(config: Config | str | os.PathLike | Mapping[str, Any] | None,
     config, model_factory, given = _resolve_run_config(config, overrides, kwargs, federation)
     folder, setting = _run_folder(config, federation)
     with _claimed(folder, setting, claim):
+        for where in (folder, checkpoint.checkpoint_dir(folder)):  # what a killed run left half-written
+            remove_partial_writes(where)
         if config.run.resume:  # read under the claim: the folder holds no other live run
             config, resume_from = _resume_config(config, federation, model_factory, given)
         else:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import secrets
 import socket
 import time
@@ -39,6 +40,29 @@ NEW_FILE_MODE = 0o666
 def _temporary_beside(path: Path) -> Path:
     """A name beside ``path`` that no other writer (process or thread) picks: hidden, marked ``.tmp``."""
     return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+#: the names :func:`_temporary_beside` gives
+_TEMPORARY = re.compile(r"^\..+\.\d+\.[0-9a-f]{8}\.tmp$")
+
+
+def remove_partial_writes(folder: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files that writers killed mid-write (SIGKILL, power loss) left in ``folder``
+    (not below it); the removed paths. Only for a folder no other process writes: a claimed run folder."""
+    folder = Path(folder)
+    removed = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return removed
+    for path in entries:
+        if _TEMPORARY.match(path.name) and path.is_file():
+            try:
+                path.unlink()
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
 
 
 def write_atomic_with(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:
