@@ -113,6 +113,13 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
     the cores this process may run on, or ``$OMP_NUM_THREADS``), the
     caller's count is put back afterwards.
 
+    The run's folder (``out``, ``resume`` or the default) is claimed for the
+    whole run (:func:`fedhpro.files.claim_run_folder`): another run on the
+    same folder, in this process or another, is refused in one line naming
+    this run's pid and host. A file the run cannot write (disk full) stops it
+    with one :class:`~fedhpro.errors.DataError` line naming the newest good
+    checkpoint, which is kept, and ``resume=``.
+
     Returns:
         A :class:`RunResult`; the same numbers are in ``<out>/summary.json``
         and ``<out>/metrics.jsonl``.
