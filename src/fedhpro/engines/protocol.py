@@ -245,6 +245,8 @@ def counts_problem(reply: Any, num_classes: int | None) -> str | None:
     if not isinstance(reply, Mapping) or "class_counts" not in reply:
         return None
     counts, total = reply["class_counts"], reply.get("num_examples")
+    if isinstance(total, bool) or not isinstance(total, (int, float, np.integer, np.floating)):
+        return f"num_examples={total!r} is not a number"  # examples_problem says more
     if not isinstance(counts, Tensor):
         return f"class_counts is a {type(counts).__name__}, not a tensor of counts"
     if counts.dim() != 1 or (num_classes is not None and counts.shape[0] != num_classes):

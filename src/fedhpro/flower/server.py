@@ -474,12 +474,12 @@ class MethodStrategy(Strategy):
         does not answer within :data:`REJOIN_WAIT` is asked again before the next step.
         """
         online = set(grid.get_node_ids())
-        for node, k in sorted(self.waiting.items()):  # claims that waited for their client's node to leave
+        for node, claimed in sorted(self.waiting.items()):  # claims that waited for their client's node to leave
             if node not in online:
                 del self.waiting[node]
-            elif self.nodes[k] not in online:
+            elif self.nodes[claimed] not in online:
                 del self.waiting[node]
-                self._hand_over(k, node)
+                self._hand_over(claimed, node)
         seen = set(self.partition_of) | self.strangers | set(self.waiting)
         if online <= seen:
             return online
