@@ -184,11 +184,12 @@ def test_a_run_started_while_another_builds_its_data_is_refused_and_nothing_mixe
 
 def test_a_live_run_holds_its_folder_and_a_resume_works_after_it_ends(digits_data_dir, tmp_path, capsys):
     out = tmp_path / "run"
-    first = subprocess.Popen([sys.executable, "-m", "fedhpro", "run", *tiny_settings(digits_data_dir, out, rounds=4)],
+    first = subprocess.Popen([sys.executable, "-m", "fedhpro", "run", *tiny_settings(digits_data_dir, out, rounds=6)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
     try:
         wait_for(out / "checkpoints" / "round-000001.pt", first)
         first.send_signal(signal.SIGSTOP)  # alive and holding its claim, for as long as the test needs
+        assert first.poll() is None, "the first run ended before it could be stopped"
         before = (out / "config.yaml").read_bytes()
         host = socket.gethostname()
         assert cli_main(["run", *tiny_settings(digits_data_dir, out, seed=9)]) == 2
@@ -204,7 +205,7 @@ def test_a_live_run_holds_its_folder_and_a_resume_works_after_it_ends(digits_dat
         first.wait()
     assert not (out / "summary.json").exists()
     assert cli_main(["run", f"resume={out}", "progress=false"]) == 0
-    assert [row["round"] for row in rows(out / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert [row["round"] for row in rows(out / "metrics.jsonl")] == [0, 1, 2, 3, 4, 5]
     assert json.loads((out / "summary.json").read_text())["seed"] == 4
     assert not (out / LOCK_NAME).exists()
 
