@@ -71,6 +71,11 @@ def test_nginx_accepts_the_configs(tmp_path):
                    f"client_max_body_size {gate.MAX_BODY};", 'location / { return 403; }'):
         assert needed in text
     assert "proxy_ssl_server_name on;" in forward.config.read_text()  # SNI for a host name
+    # nginx checks the SuperLink's certificate by DNS name (or CN), never by IP address: the gate names its DNS name
+    assert "proxy_ssl_name gate.example.org;" in text
+    assert gate.check_name(tmp_path / "certs" / "server.pem") == "gate.example.org"
+    certificates.create(tmp_path / "ip-only", ["10.0.0.5"])
+    assert gate.check_name(tmp_path / "ip-only" / "server.pem") == "10.0.0.5"  # no DNS name: the CN
     for written in (server, forward):
         command = written.command()
         test = subprocess.run([*command[:-2], "-t"], capture_output=True, text=True)

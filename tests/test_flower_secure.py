@@ -307,6 +307,7 @@ def test_secured_deployment_refuses_strangers_and_nodes_and_runs_fedhpro_like_th
     for k, (site, classes) in enumerate(SITES.items()):
         write_site(sites / site, classes, seed=k)
     config = {**settings(), "checkpoint_every": 1, "out": str(tmp_path / "out")}
+    flower_keys = {"flower.node-auth": True}  # the SuperLink authenticates the nodes: tie clients to their keys
     net = Deployment(tmp_path, sites)
     try:
         net.up()
@@ -363,7 +364,7 @@ def test_secured_deployment_refuses_strangers_and_nodes_and_runs_fedhpro_like_th
                                  "--superlink", f"127.0.0.1:{ports.forwarder(1)}", "--host", "127.0.0.1",
                                  "--port", str(free_base(0))])
         # --- the operator's run, as the README submits it
-        run_config = " ".join(f"{key}={json.dumps(value)}" for key, value in config.items())
+        run_config = " ".join(f"{key}={json.dumps(value)}" for key, value in {**config, **flower_keys}.items())
         net.start("run", [sys.executable, "-m", "fedhpro.flower", "run", str(REPO / "examples" / "flower"), "secure",
                           "--run-config", run_config])
         net.check(net.wait("intruder", 180) != 0, "the unregistered SuperNode exited with code 0")

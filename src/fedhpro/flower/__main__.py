@@ -131,7 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     forward.add_argument("--certs", required=True, help="folder with ca.crt and NAME.crt and its key")
     forward.add_argument("--name", required=True, help="operator or supernode-K (the certificate's file name)")
     forward.add_argument("--gate", required=True, help="the gate's host:port")
-    forward.add_argument("--gate-name", help="the name the gate's certificate must hold (default: --gate's host)")
+    forward.add_argument("--gate-name",
+                         help="the name the gate's certificate must hold (default: --gate's host). nginx checks DNS "
+                              "names (or the CN) only: for a gate reached by IP address give its DNS name here")
     forward.add_argument("--listen", default="127.0.0.1:18001", help="loopback host:port (default 127.0.0.1:18001)")
     for sub in (server, forward):
         sub.add_argument("--start", action="store_true", help="then run nginx in the foreground")

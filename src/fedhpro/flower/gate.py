@@ -138,6 +138,29 @@ def _prepare(prefix: str | os.PathLike) -> Path:
     return prefix
 
 
+def check_name(certificate: Path) -> str:
+    """The name nginx must check ``certificate`` against: its first DNS subjectAltName, else its CN.
+
+    nginx 1.22 matches ``proxy_ssl_name`` with OpenSSL's host-name check only: DNS names (or the CN when the
+    certificate has no DNS name), never IP addresses; an IP literal fails against a certificate that also
+    holds DNS names."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    cert = x509.load_pem_x509_certificate(certificate.read_bytes())
+    try:
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        dns = names.get_values_for_type(x509.DNSName)
+    except x509.ExtensionNotFound:
+        dns = []
+    if dns:
+        return dns[0]
+    common = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    if not common:
+        raise ConfigError(f"{certificate} holds no DNS name and no CN; nginx cannot check it")
+    return str(common[0].value)
+
+
 def _need(*paths: Path) -> None:
     for path in paths:
         if not path.is_file():
@@ -147,7 +170,8 @@ def _need(*paths: Path) -> None:
 def server_config(prefix: str | os.PathLike, certs: str | os.PathLike, listen: str, superlink: str) -> Gate:
     """Write the gate's config into ``prefix``: listen on ``listen`` (``host:port``, the address the others
     reach; mutual TLS with ``certs``' ``server.pem``/``server.key`` and ``ca.crt``) and pass each role's paths
-    on to the SuperLink at ``superlink`` (its TLS checked against ``ca.crt`` for the name 127.0.0.1)."""
+    on to the SuperLink at ``superlink`` (its TLS checked against ``ca.crt`` for server.pem's own name: the
+    SuperLink serves the same certificate)."""
     prefix, certs = _prepare(prefix), Path(certs).resolve()
     ca, cert, key = certs / certificates.CA_CERT, certs / certificates.SERVER_CERT, certs / certificates.SERVER_KEY
     _need(ca, cert, key)
@@ -183,7 +207,7 @@ def server_config(prefix: str | os.PathLike, certs: str | os.PathLike, listen: s
         proxy_ssl_trusted_certificate {_q(ca)};
         proxy_ssl_verify on;
         proxy_ssl_verify_depth 1;
-        proxy_ssl_name 127.0.0.1;
+        proxy_ssl_name {check_name(cert)};
         proxy_ssl_session_reuse on;
         location = /health {{
             if ($request_uri != "/health") {{ return 403; }}
@@ -204,7 +228,7 @@ def forward_config(prefix: str | os.PathLike, certs: str | os.PathLike, name: st
     """Write a local forwarder's config into ``prefix``: listen with TLS on ``listen`` (a loopback address;
     certificate ``<name>.crt``, valid for 127.0.0.1) and open a mutual-TLS connection to the gate at ``gate``
     with the same certificate, checking the gate's certificate against ``ca.crt`` for ``gate_name`` (default:
-    the gate's host)."""
+    the gate's host; nginx checks DNS names or the CN only, not IP addresses: see :func:`check_name`)."""
     prefix, certs = _prepare(prefix), Path(certs).resolve()
     cert_name, key_name = certificates.client_names(name)
     ca, cert, key = certs / certificates.CA_CERT, certs / cert_name, certs / key_name
@@ -217,9 +241,9 @@ def forward_config(prefix: str | os.PathLike, certs: str | os.PathLike, name: st
     except ValueError:
         raise ConfigError(f"--listen {listen}: give a loopback IP address, e.g. 127.0.0.1:18001") from None
     gate_host, gate_port = split_address(gate)
-    check_name = gate_name or gate_host
+    expected = gate_name or gate_host
     try:
-        ipaddress.ip_address(check_name)
+        ipaddress.ip_address(expected)
         sni = "off"  # SNI carries host names only
     except ValueError:
         sni = "on"
@@ -237,7 +261,7 @@ def forward_config(prefix: str | os.PathLike, certs: str | os.PathLike, name: st
         proxy_ssl_trusted_certificate {_q(ca)};
         proxy_ssl_verify on;
         proxy_ssl_verify_depth 1;
-        proxy_ssl_name {check_name};
+        proxy_ssl_name {expected};
         proxy_ssl_server_name {sni};
         proxy_ssl_session_reuse on;
         location / {{

@@ -251,7 +251,8 @@ class Deployment:
         if len(set(site.name for site in self.sites)) != len(self.sites):
             raise ConfigError("two site folders share a name")
         if not (self.certs / certificates.CA_CERT).exists():
-            certificates.create(self.certs, ["127.0.0.1"], nodes=len(self.sites), gate=True)
+            # "localhost" first: the certificate's DNS name and CN, which nginx checks (it checks no IP address)
+            certificates.create(self.certs, ["localhost", "127.0.0.1"], nodes=len(self.sites), gate=True)
         self.index = self.node_names()
         busy = [port for port in self.ports.all() if not port_free(port)]
         if busy:
@@ -333,14 +334,15 @@ class Deployment:
                  ready=lambda: self.health(p.superlink))
         server = gate.server_config(self.state / "gate", c, f"127.0.0.1:{p.gate}", f"127.0.0.1:{p.superlink}")
         self.add("gate", server.command(), ready=lambda: not port_free(p.gate))
+        self.gate_name = gate.check_name(c / certificates.SERVER_CERT)
         operator = gate.forward_config(self.state / "operator-forward", c, certificates.OPERATOR,
-                                       f"127.0.0.1:{p.gate}", f"127.0.0.1:{p.operator}")
+                                       f"127.0.0.1:{p.gate}", f"127.0.0.1:{p.operator}", gate_name=self.gate_name)
         self.add("operator-forward", operator.command(), ready=lambda: self.health(p.operator))
         for site in self.sites:
             k = self.index[site.name]
             prefix = self.state / "nodes" / site.name
             forward = gate.forward_config(prefix / "forward", c, f"supernode-{k}", f"127.0.0.1:{p.gate}",
-                                          f"127.0.0.1:{p.forwarder(k)}")
+                                          f"127.0.0.1:{p.forwarder(k)}", gate_name=self.gate_name)
             port = p.forwarder(k)
             self.add(f"{site.name}-forward", forward.command(), ready=lambda port=port: self.health(port))
             node_state = prefix / "node-state"
@@ -395,7 +397,7 @@ class Deployment:
                  f"in {self.home / 'config.toml'}; logs in {self.state / 'logs'}, pids in {self.state / 'run'}")
         self.say(f"submit: python -m fedhpro.flower run examples/flower {self.connection} --run-config "
                  f"'dataset=\"clients\" clients={len(self.sites)} rounds=2 local_epochs=1 checkpoint_every=1 "
-                 f"out=\"/abs/out\"'")
+                 f"flower.node-auth=true out=\"/abs/out\"'")
         self.say(f"stop: Ctrl-C, or python -m fedhpro.flower up --stop {self.state}")
 
     # ------------------------------------------------------------------ supervision
