@@ -50,7 +50,7 @@ def remove_partial_writes(folder: str | os.PathLike) -> list[Path]:
     """Remove the temporary files that writers killed mid-write (SIGKILL, power loss) left in ``folder``
     (not below it); the removed paths. Only for a folder no other process writes: a claimed run folder."""
     folder = Path(folder)
-    removed = []
+    removed: list[Path] = []
     try:
         entries = list(folder.iterdir())
     except OSError:

@@ -17,7 +17,7 @@ import pickle
 import random
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import numpy as np
 import torch
@@ -44,11 +44,11 @@ class _RecordingWriter:
     """The file handle torch.save writes to, keeping the first OSError: torch's zip writer turns it into an
     opaque RuntimeError ("unexpected pos ..."); :func:`save` raises the disk's own error instead."""
 
-    def __init__(self, handle):
+    def __init__(self, handle: BinaryIO):
         self.handle = handle
         self.error: OSError | None = None
 
-    def write(self, data) -> int:
+    def write(self, data: Any) -> int:
         try:
             return self.handle.write(data)
         except OSError as error:
@@ -98,10 +98,10 @@ def save(run_dir: str | os.PathLike, completed_rounds: int, simulator_state: dic
     }
     previous = latest(run_dir)
 
-    def write(handle) -> None:
+    def write(handle: BinaryIO) -> None:
         writer = _RecordingWriter(handle)
         try:
-            torch.save(blob, writer)
+            torch.save(blob, cast(BinaryIO, writer))  # it only writes and flushes
         except RuntimeError:
             if writer.error is not None:
                 raise writer.error from None
@@ -125,7 +125,8 @@ def _write_failed(path: Path, previous: Path | None, run_dir: str | os.PathLike,
     if previous is None:
         kept = "no earlier checkpoint exists; once fixed, delete the folder and start the run again"
     else:
-        kept = (f"the newest good checkpoint, {previous} (round {int(_NAME.match(previous.name).group(1))}), "
+        round_of = _NAME.match(previous.name)
+        kept = (f"the newest good checkpoint, {previous} (round {int(round_of.group(1)) if round_of else '?'}), "
                 f"is kept: {hint}, then continue with resume={run_dir}")
     return f"could not write checkpoint {path} ({reason}); the run stopped; {kept}"
 
