@@ -250,6 +250,9 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_previous_one_stops_in_one_line_an
     assert sorted(path.name for path in folder.iterdir()) == ["round-000001.pt"]  # no temporary file left
     assert checkpoint.load(folder / "round-000001.pt")["completed_rounds"] == 1
     assert not (out / "summary.json").exists() and not (out / LOCK_NAME).exists()
+    # the rows written are the uninterrupted run's (round 1's too, past the kept checkpoint: resume redoes
+    # it to the same bytes)
+    assert rows(out / "metrics.jsonl") == rows(reference / "metrics.jsonl")[:2]
 
     monkeypatch.undo()
     assert cli_main(["run", f"resume={out}", "progress=false"]) == 0
