@@ -175,3 +175,18 @@ def test_the_supervisor_ends_a_dead_node_s_processes_and_restarts_it(tmp_path, m
     finally:
         deployment.stop()
     assert node.process.poll() is not None
+
+
+def test_stop_ends_what_a_killed_up_left_behind(tmp_path, capsys):
+    """``up --stop`` after ``up`` itself was killed with SIGKILL: the process groups in STATE/run are ended."""
+    (tmp_path / "run").mkdir()
+    left = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    (tmp_path / "run" / "node.pid").write_text(f"{left.pid}\n")
+    (tmp_path / "up.pid").write_text("999999999\n")  # no such process
+    try:
+        assert main(["up", "--stop", str(tmp_path)]) == 1
+        assert left.wait(timeout=20) is not None
+        assert f"ended the process groups it had left: [{left.pid}]" in capsys.readouterr().err
+    finally:
+        left.kill()
+        left.wait()

@@ -493,6 +493,30 @@ def port_free(port: int) -> bool:
     return True
 
 
+def end_left_behind(state: Path) -> list[int]:
+    """SIGTERM, then SIGKILL, to the process group of every pid in ``STATE/run`` (an ``up`` killed with
+    SIGKILL could not stop its children); returns those that were running."""
+    groups = []
+    for pid_file in sorted((state / "run").glob("*.pid")):
+        pid = int(pid_file.read_text())
+        try:
+            if alive(pid) and os.getpgid(pid) == pid:  # still the group leader up started, not a reused pid
+                groups.append(pid)
+        except ProcessLookupError:
+            pass
+        pid_file.unlink()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in groups:
+            try:
+                os.killpg(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 15
+        while sig == signal.SIGTERM and time.monotonic() < deadline and any(alive(p) for p in groups):
+            time.sleep(0.3)
+    return groups
+
+
 def stop_running(state: str | os.PathLike, seconds: float = 90) -> int:
     """``up --stop STATE``: SIGTERM to the ``up`` process of ``STATE`` and wait until it ended."""
     pid_file = Path(state) / "up.pid"
@@ -504,7 +528,9 @@ def stop_running(state: str | os.PathLike, seconds: float = 90) -> int:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         pid_file.unlink(missing_ok=True)
-        print(f"fedhpro up: process {pid} of {state} was not running", file=sys.stderr)
+        left = end_left_behind(Path(state))
+        print(f"fedhpro up: process {pid} of {state} was not running"
+              + (f"; ended the process groups it had left: {left}" if left else ""), file=sys.stderr)
         return 1
     deadline = time.monotonic() + seconds
     while alive(pid) and time.monotonic() < deadline:
