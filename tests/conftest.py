@@ -21,6 +21,12 @@ from fedhpro.data.federation import ClientData, Federation
 # simulator and Flower's workers (one thread each) sum in the same order and give the same bits
 os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
+# no listening socket outside 127.0.0.0/8 and no call home in any test: Ray (Flower's simulation engine,
+# executor=ray) binds to 127.0.0.1 only with this set before ray is imported (ray 2.55 reads it at import);
+# flwr's telemetry and update check stay off in every process the tests start
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
 NUM_CLASSES = 4
 IMAGE_SHAPE = (3, 8, 8)

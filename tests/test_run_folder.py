@@ -370,3 +370,25 @@ def test_a_resume_removes_what_a_killed_write_left_half_written(interrupted, cap
     assert not partial.exists() and not (interrupted / ".metrics.jsonl.4242.0badf00d.tmp").exists()
     assert sorted(path.name for path in (interrupted / "checkpoints").iterdir()) == [
         "round-000002.pt", "round-000003.pt"]  # keep_checkpoints=2 (the resumed run's; it may change)
+
+
+def test_the_flower_serverapp_claims_its_out_folder_before_asking_any_node(tmp_path):
+    """A second Flower run on a live run's out= is refused in one line before a node is asked; once that
+    run's claim ends the folder is free again (checked by a grid that fails the test if it is used)."""
+    pytest.importorskip("flwr")
+    from fedhpro.flower.server import run_server
+
+    class UntouchableGrid:
+        def __getattr__(self, name):
+            raise AssertionError(f"the grid was used ({name}) although out= is in use")
+
+    out = tmp_path / "flower-out"
+    with claim_run_folder(out):
+        with pytest.raises(RunFolderInUse, match=f"^out={out} is in use by run pid {os.getpid()} "):
+            run_server(UntouchableGrid(), {"out": str(out), "rounds": 1})
+        with pytest.raises(RunFolderInUse, match=f"^resume={out} is in use by run pid {os.getpid()} "):
+            run_server(UntouchableGrid(), {"resume": str(out)})
+    with pytest.raises(ConfigError, match="resume=") as free:  # claimed now, and refused for having no checkpoint
+        run_server(UntouchableGrid(), {"resume": str(out)})
+    assert not isinstance(free.value, RunFolderInUse)
+    assert not (out / LOCK_NAME).exists()

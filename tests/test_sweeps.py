@@ -68,7 +68,7 @@ def test_finished_runs_are_reused_with_jobs_2_no_worker_starts(parallel, digits_
 
 def test_ray_tasks_give_the_sequential_sweeps_bytes(sequential, digits_data_dir, tmp_path):
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     try:
         compare(METHODS, SEEDS, settings(digits_data_dir), tmp_path, echo=False, executor="ray")
     finally:

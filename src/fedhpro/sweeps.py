@@ -259,16 +259,27 @@ def _run_processes(work: list[tuple[int, Any, Path, int]], sweep: Sweep, running
         running(0)
 
 
+#: set to "0" before ray is imported, a local Ray binds to 127.0.0.1 only (ray_constants.ENABLE_RAY_CLUSTER)
+RAY_LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
 def _run_ray(work: list[tuple[int, Any, Path, int]], sweep: Sweep, running: Running, finished: Finished) -> None:
     """One Ray task per run with ``num_cpus`` = its threads; a local Ray is started (and stopped) unless one is
-    running in this process or ``sweep.ray_address`` names a cluster."""
+    running in this process or ``sweep.ray_address`` names a cluster.
+
+    A local Ray listens on 127.0.0.1 only: ray 2.55 binds its services to the machine's network address
+    (on every interface) unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is set before it is imported, which is
+    done here unless the user set that variable (a process that imported ray before keeps what it had)."""
+    if sweep.ray_address is None:
+        os.environ.setdefault(RAY_LOCAL_ONLY, "0")
     try:
         import ray
     except ImportError:
         raise ConfigError(f"executor=ray needs Ray, which is not installed; {RAY_INSTALL}") from None
     ours = not ray.is_initialized()
     if ours:
-        ray.init(address=sweep.ray_address, include_dashboard=False, log_to_driver=False)
+        local: dict[str, Any] = {"_node_ip_address": "127.0.0.1"} if sweep.ray_address is None else {}
+        ray.init(address=sweep.ray_address, include_dashboard=False, log_to_driver=False, **local)
     try:
         task = ray.remote(run_in_worker)
         refs = {task.options(num_cpus=threads).remote(_absolute(config, folder), folder.resolve()): index

@@ -32,6 +32,7 @@ One run, as the in-process simulator does it (see :mod:`fedhpro.flower.engine`):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -57,6 +58,7 @@ from fedhpro.config import PRESENTATION_KEYS, Config, RunOptions, load_config
 from fedhpro.engines import checkpoint
 from fedhpro.engines.protocol import OpenRound, Reception, TestCount, pool_accuracy, weighted_mean
 from fedhpro.errors import ConfigError, DataError, FedHProError, UpdateError
+from fedhpro.files import claim_run_folder, remove_partial_writes
 from fedhpro.flower import records
 from fedhpro.flower.engine import ServerSide, build_server_side, config_text, own_data
 from fedhpro.flower.settings import FlowerSettings, config_from_run_config, split_run_config
@@ -708,11 +710,25 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, Any
     that run's config (``fedhpro run``'s rule: keys that would change what it computes are refused).
     """
     config, settings = config_from_run_config(run_config, base)
+    folder = config.run.resume or config.run.out
+    # the out folder is this ServerApp's until it ends (fedhpro run's rule): a second run on it is refused in
+    # one line; claimed before the folder is read, so a resume reads no files a live run is writing
+    with claim_run_folder(Path(folder), setting="resume" if config.run.resume else "out") if folder \
+            else contextlib.nullcontext():
+        return _run_server(grid, run_config, base, config, settings)
+
+
+def _run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, Any] | None, config: Config,
+                settings: FlowerSettings) -> MethodStrategy:
+    """:func:`run_server` once its out folder (if any) is claimed."""
     resume_from = None
     if config.run.resume:
         config, resume_from = resumed_config(config, base, split_run_config(run_config)[0])
     config = load_config(config.to_dict(), {"progress": False})  # no progress bars in a server log
     out = Path(config.run.resume) if config.run.resume else Path(config.run.out) if config.run.out else None
+    if out is not None:
+        for where in (out, checkpoint.checkpoint_dir(out)):  # what a killed ServerApp left half-written
+            remove_partial_writes(where)
     if out is not None and resume_from is None:
         check_new_run_folder(out)  # before any node is asked: another run's results must not be overwritten
     started = time.perf_counter()
