@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from fedhpro.errors import ConfigError
+from fedhpro.files import claim_run_folder
 from fedhpro.reproduce import targets
 from fedhpro.reproduce.availability import resolve_data
 from fedhpro.reproduce.builders import build_table
@@ -33,19 +34,20 @@ def reproduce(name: str, scale: str = "paper", seeds: Sequence[int] | None = Non
     started = time.perf_counter()
     if echo:
         print(f"{target.title} -- scale={scale}, seeds {seeds}", flush=True)
-    results: list[PartResult] = []
-    for part in target.parts:
-        resolved, note = resolve_data(part.name, {**target.settings, **part.settings, **overrides}, scale)
-        if resolved is None:
-            print(f"fedhpro reproduce {target.name}: {note}", flush=True)
-            results.append(PartResult(part, note, {}))
-            continue
-        if note and echo:
-            print(f"  {part.name}: {note}", flush=True)
-        results.append(run_part(part, resolved, note, overrides, seeds, root / "runs", echo, sweep))
     folder = root / target.name
-    emit(target, build_table(target, results), folder, scale=scale, seeds=seeds,
-         notes=[r.note for r in results if r.note], started=started, echo=echo)
+    with claim_run_folder(folder):  # its table and figures are this reproduce's until it ends
+        results: list[PartResult] = []
+        for part in target.parts:
+            resolved, note = resolve_data(part.name, {**target.settings, **part.settings, **overrides}, scale)
+            if resolved is None:
+                print(f"fedhpro reproduce {target.name}: {note}", flush=True)
+                results.append(PartResult(part, note, {}))
+                continue
+            if note and echo:
+                print(f"  {part.name}: {note}", flush=True)
+            results.append(run_part(part, resolved, note, overrides, seeds, root / "runs", echo, sweep))
+        emit(target, build_table(target, results), folder, scale=scale, seeds=seeds,
+             notes=[r.note for r in results if r.note], started=started, echo=echo)
     return folder
 
 
