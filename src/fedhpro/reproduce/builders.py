@@ -15,6 +15,7 @@ from fedhpro.metrics import rounds_to_accuracy, speedup
 from fedhpro.reports.runs import RunData, gm_series
 from fedhpro.reports.tables import mean_pm_std, mean_std
 from fedhpro.reproduce.running import PartResult
+from fedhpro.reproduce.studies import build_faithfulness, build_gradient_matching, build_label_skew, build_robustness
 from fedhpro.reproduce.table import (
     CELL_HEADER,
     MEASURE_HEADER,
@@ -487,6 +488,11 @@ BUILDERS: dict[str, tuple[Callable[[Target, PartResult], Table], tuple[str, ...]
     "prototypes": (build_prototypes, MEASURE_HEADER),
     "gm_loss": (build_gm_loss, ("part", "scenario", "round", "gm_loss_before", "gm_loss_after")),
     "tsne": (build_tsne, MEASURE_HEADER),
+    # the studies set their own CSV columns (they depend on the scenarios or the data's domains)
+    "label_skew": (build_label_skew, ()),
+    "gradient_matching": (build_gradient_matching, ()),
+    "robustness": (build_robustness, ()),
+    "faithfulness": (build_faithfulness, ()),
 }
 
 
@@ -497,7 +503,9 @@ def build_table(target: Target, results: list[PartResult]) -> Table:
     table = Table(csv_header=list(header))
     for result in results:
         if result.runs:
-            table.extend(build(target, result))
+            part_table = build(target, result)
+            table.extend(part_table)
+            table.csv_header = part_table.csv_header or table.csv_header
         else:
             table.sections.append(Section(result.part.name, skipped=result.note))
     return table

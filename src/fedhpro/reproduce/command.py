@@ -45,7 +45,8 @@ def reproduce(name: str, scale: str = "paper", seeds: Sequence[int] | None = Non
                 continue
             if note and echo:
                 print(f"  {part.name}: {note}", flush=True)
-            results.append(run_part(part, resolved, note, overrides, seeds, root / "runs", echo, sweep))
+            results.append(run_part(part, resolved, note, overrides, seeds, root / "runs", echo, sweep,
+                                    tolerate_diverged=target.layout in targets.TOLERATE_DIVERGED))
         emit(target, build_table(target, results), folder, scale=scale, seeds=seeds,
              notes=[r.note for r in results if r.note], started=started, echo=echo)
     return folder

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedhpro.errors import ConfigError, UpdateError
 from fedhpro.reports.runs import RunData, load_run
 from fedhpro.reproduce.availability import filter_data_keys
 from fedhpro.reproduce.table import slug
@@ -71,25 +72,52 @@ def plan(part: Part, resolved: dict[str, Any], overrides: dict[str, Any], seeds:
     return jobs
 
 
+def stopped_run(folder: Path) -> RunData:
+    """A run that stopped without ``summary.json`` (its training diverged), read back as far as it got: its
+    rows when it evaluated a round, else none (``finished`` is False either way)."""
+    try:
+        return load_run(folder)
+    except ConfigError:  # no metrics.jsonl or no evaluated round yet
+        return RunData(folder, {}, [], None)
+
+
+def _run_tolerant(jobs: list[Job]):
+    """Each job's summary in order, None for a run whose local training diverged (UpdateError) instead of
+    stopping: the robustness study's attacked runs may stop that way, and the table counts them."""
+    from fedhpro.api import run_or_continue
+    from fedhpro.compare import check_stored_run
+
+    for job in jobs:
+        check_stored_run(job.folder, job.config)
+    for job in jobs:
+        try:
+            yield run_or_continue(job.config, job.folder)
+        except UpdateError as error:
+            print(f"  {job.label:34s} seed {job.seed}: diverged ({error})", flush=True)
+            yield None
+
+
 def run_part(part: Part, resolved: dict[str, Any], note: str, overrides: dict[str, Any], seeds: Sequence[int],
-             runs_dir: Path, echo: bool, sweep: Sweep | None = None) -> PartResult:
+             runs_dir: Path, echo: bool, sweep: Sweep | None = None, tolerate_diverged: bool = False) -> PartResult:
     """Run (or reuse) every run of ``part`` with its data settings ``resolved``; a line per run when ``echo``.
 
     ``sweep`` (default: one run after the other here) spreads the runs over worker processes or Ray
     (:mod:`fedhpro.sweeps`); a failed run there does not stop the others, and :class:`SweepFailed` lists the
-    failures once all have ended.
+    failures once all have ended. With ``tolerate_diverged`` a run whose training diverged is kept as it
+    stopped (:func:`stopped_run`, not finished) and the others go on.
     """
     from fedhpro.compare import run_all, run_sweep
 
     jobs = plan(part, resolved, overrides, seeds, runs_dir)
     sweep = sweep or Sweep()
     if sweep.sequential:
-        summaries = run_all([(job.config, job.folder) for job in jobs])
+        summaries = (_run_tolerant(jobs) if tolerate_diverged
+                     else run_all([(job.config, job.folder) for job in jobs]))
     else:
         reused = {job.folder for job in jobs if (job.folder / "summary.json").is_file()}
         results, failures = run_sweep([(job.config, job.folder) for job in jobs],
                                       [f"{job.label} seed {job.seed}" for job in jobs], sweep, echo=echo)
-        if failures:
+        if failures and not tolerate_diverged:
             raise SweepFailed(f"{part.name}: {len(failures)} of {len(jobs)} runs failed:\n  "
                               + "\n  ".join(failure.line() for failure in failures))
     runs: dict[tuple[str, str], list[RunData]] = {}
@@ -102,11 +130,14 @@ def run_part(part: Part, resolved: dict[str, Any], note: str, overrides: dict[st
             took = f"  ({time.perf_counter() - started:.0f} s)"
         else:
             was_reused, summary, took = job.folder in reused, results[index], ""
-        assert summary is not None  # a failed run raised above
+        if summary is None:  # diverged (tolerate_diverged; any other failure raised above)
+            runs.setdefault(job.key, []).append(stopped_run(job.folder))
+            continue
         if echo and was_reused:
             print(f"  {job.label:34s} seed {job.seed}: reused {job.folder}", flush=True)
         elif echo:
             print(f"  {job.label:34s} seed {job.seed}: AVG {summary['accuracy']:6.2f}{took}", flush=True)
         runs.setdefault(job.key, []).append(load_run(job.folder))
-    first = next(iter(runs.values()))[0]
-    return PartResult(part, note, runs, [d for d in first.final["accuracy"] if d != "AVG"])
+    first = next((run for values in runs.values() for run in values if run.evaluated), None)
+    domains = [d for d in first.final["accuracy"] if d != "AVG"] if first else []
+    return PartResult(part, note, runs, domains)

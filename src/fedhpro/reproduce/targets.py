@@ -32,7 +32,15 @@ LAYOUT_KEYS: dict[str, tuple[str, ...]] = {
     "gm_loss": (),
     "tsne": (),
     "sweep": ("average_column", "delta_rows", "xlabel"),
+    # the CPU-scale studies (once bench/ scripts): their own tables, the paper's numbers (if any) per column
+    "label_skew": (),
+    "gradient_matching": (),
+    "robustness": ("attacks", "rules"),
+    "faithfulness": (),
 }
+#: layouts whose runs may stop with a diverged client update (the robustness study's scaled attack): such a
+#: run is kept unfinished and counted as diverged instead of stopping the reproduction
+TOLERATE_DIVERGED = ("robustness",)
 LAYOUTS = tuple(LAYOUT_KEYS)
 
 TARGET_KEYS = ("name", "title", "layout", "seeds", "settings", "smoke", "variants", "parts", "notes")
