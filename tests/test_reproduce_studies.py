@@ -1,0 +1,86 @@
+"""The CPU-scale studies as ``fedhpro reproduce`` targets (once scripts in ``bench/``): ``label_skew``,
+``gradient_matching``, ``robustness`` and ``faithfulness``, each reproduced at ``scale=smoke`` on the tests'
+small digits-offline build, checking their tables and CSV columns; and a robustness run that diverges counted
+as diverged instead of stopping the reproduction."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+import pytest
+
+from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
+from fedhpro import reproduce as R
+from fedhpro.reproduce.studies import robustness_cell
+
+STUDIES = ("label_skew", "gradient_matching", "robustness", "faithfulness")
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("studies")
+
+
+def smoke(name: str, out: Path, data_dir: Path) -> tuple[str, list[dict[str, str]], list[str]]:
+    """Reproduce ``name`` at scale=smoke on the tests' digits build: its table.md, table.csv rows and header."""
+    overrides = {"data_dir": str(data_dir), "data.syn_size": DIGITS_SYN_SIZE,
+                 "data.test_fraction": DIGITS_TEST_FRACTION}
+    folder = R.reproduce(name, "smoke", out=out, overrides=overrides, echo=False)
+    text = (folder / "table.csv").read_text()
+    return (folder / "table.md").read_text(), list(csv.DictReader(io.StringIO(text))), text.splitlines()[0].split(",")
+
+
+def test_the_studies_are_targets_with_their_paper_numbers_as_data():
+    assert set(STUDIES) <= set(R.available_targets())
+    paper = R.load_target("label_skew").parts[0].paper
+    assert paper["fedhpro"] == [85.98, 89.56, 79.70, 64.75] and len(paper) == 9
+    assert len(R.load_target("label_skew", "smoke").parts[0].scenarios) < 4  # smoke: fewer scenarios
+    assert [s.label for s in R.load_target("robustness").parts[0].scenarios][0] == "clean-mean"
+
+
+def test_label_skew_table_and_csv(out, digits_data_dir):
+    table, rows, header = smoke("label_skew", out, digits_data_dir)
+    assert "| Methods | NID1_0.2 (Δ) | paper Δ | NID2 (Δ) | paper Δ |" in table
+    assert "| fedhpro | " in table and "+5.39" in table  # FedHPro's published Δ at NID1_0.2 (85.98 - 80.59)
+    assert header == ["method", "NID1_0.2 mean", "NID1_0.2 std", "NID1_0.2 runs", "NID2 mean", "NID2 std",
+                      "NID2 runs"]
+    assert [r["method"] for r in rows][:2] == ["fedavg", "fedprox"] and len(rows) == 9
+    assert all(0.0 <= float(r["NID2 mean"]) <= 100.0 and r["NID2 runs"] == "1" for r in rows)
+
+
+def test_gradient_matching_table_and_csv(out, digits_data_dir):
+    table, rows, header = smoke("gradient_matching", out, digits_data_dir)
+    assert header == ["setting", "variant", "seed", "accuracy", "accuracy_last3", "gm_loss_before", "gm_loss_after",
+                      "hyper_movement", "distance_l2", "distance_unit", "clients_mean_unit"]
+    assert "| NID1_0.1 | learned (M=30) |" in table and "| NID1_0.1, adam | frozen (M=0) |" in table
+    frozen = [r for r in rows if r["variant"] == "frozen"]
+    assert len(rows) == 4 and float(frozen[0]["hyper_movement"]) == 0.0
+    assert frozen[0]["accuracy"] == frozen[1]["accuracy"]  # adam's frozen runs are NID1_0.1's (same folder)
+    assert len(list((out / "runs").glob("fedhpro-*-seed0"))) >= 3
+
+
+def test_robustness_table_and_csv(out, digits_data_dir):
+    table, rows, header = smoke("robustness", out, digits_data_dir)
+    assert header == ["method", "attack", "clean (mean)", "mean", "median", "trimmed-mean", "norm-clip"]
+    assert [(r["method"], r["attack"]) for r in rows] == [(m, a) for m in ("fedavg", "fedhpro")
+                                                          for a in ("none", "scale", "sign-flip")]
+    scale = rows[1]
+    assert scale["mean"] == "–" and "±" in scale["median"] and "±" in scale["clean (mean)"]
+    assert "| fedhpro | sign-flip |" in table
+
+
+def test_faithfulness_table_and_csv(out, digits_data_dir):
+    table, rows, header = smoke("faithfulness", out, digits_data_dir)
+    assert header == ["variant", "seed", "mnist", "optdigits", "mnistm", "syn", "AVG", "seconds"]
+    assert "| variant | mnist | optdigits | mnistm | syn | AVG | seconds/run |" in table
+    assert len(rows) == 9 and rows[-1]["variant"] == "fedavg recipe=authors"
+
+
+def test_a_diverged_robustness_run_is_counted_not_fatal():
+    finished = R.RunData(Path("a"), {"seed": 0}, [], {"accuracy": 50.0})
+    stopped = R.RunData(Path("b"), {"seed": 1}, [], None)
+    assert robustness_cell([finished, finished, stopped]) == "50.00 ± 0.00 (1 of 3 diverged)"
+    assert robustness_cell([stopped, stopped]) == "diverged (2/2)"
+    assert robustness_cell(None) == "–"
