@@ -22,9 +22,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
+import harness
 import torch
 
-import harness
 from fedhpro import functional as HF
 from fedhpro.data.federation import ClientData
 from fedhpro.methods.base import TrainSettings, extract_features, train_epochs

@@ -33,12 +33,11 @@ import dataclasses
 import statistics
 from unittest import mock
 
+import harness
 import torch
 
-import harness
 from fedhpro.engines.simulator import Simulator
-from fedhpro.methods import METHODS, TrainSettings
-from fedhpro.methods import base
+from fedhpro.methods import METHODS, TrainSettings, base
 from fedhpro.methods.base import extract_features, load_weights
 from fedhpro.methods.fedhpro import FedHProClient
 

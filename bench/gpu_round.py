@@ -26,9 +26,9 @@ import dataclasses
 import statistics
 import time
 
+import harness
 import torch
 
-import harness
 from fedhpro.config import load_config
 from fedhpro.data import get_dataset
 from fedhpro.data.federation import ClientData, Federation

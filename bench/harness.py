@@ -138,7 +138,8 @@ def prepare_torch(threads: int | None) -> None:
 
 def add_digits_arguments(parser: argparse.ArgumentParser, clients: int, epochs: int, repeats: int) -> None:
     """``--clients --epochs --repeats --threads --data-dir`` of the benchmarks that train on digits-offline."""
-    parser.add_argument("--clients", type=int, default=clients, help="use the first N clients of digits-offline (20 in all)")
+    parser.add_argument("--clients", type=int, default=clients,
+                        help="use the first N clients of digits-offline (20 in all)")
     parser.add_argument("--epochs", type=int, default=epochs, help="E, local epochs")
     parser.add_argument("--repeats", type=int, default=repeats, help="counted repeats (after one warm-up)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -153,19 +154,3 @@ def cnn_factory(federation) -> Callable[[], torch.nn.Module]:
         return build_model("cnn", federation.num_classes, federation.input_shape, 512)
 
     return factory
-
-
-def add_study_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--seeds --rounds --local-epochs --jobs --set --table-only`` of the accuracy studies that run
-    ``fedhpro compare`` sweeps (label_skew.py, gradient_matching.py): the same budget for every run."""
-    parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--local-epochs", type=int, default=2)
-    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (fedhpro compare jobs=)")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more settings for every run")
-    parser.add_argument("--table-only", action="store_true", help="only rebuild the table from the run folders")
-
-
-def study_budget(args: argparse.Namespace) -> list[str]:
-    """The settings every run of a study gets, as ``key=value`` strings (also printed above its table)."""
-    return [f"rounds={args.rounds}", f"local_epochs={args.local_epochs}", *args.set]

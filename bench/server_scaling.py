@@ -27,9 +27,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
+import harness
 import torch
 
-import harness
 from fedhpro.methods.hyper import HyperPrototypeBank
 
 

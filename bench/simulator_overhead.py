@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 
+import harness
 import torch
 import torch.nn.functional as F
 
-import harness
 from fedhpro.engines.simulator import Simulator
 from fedhpro.methods import METHODS, TrainSettings
 
