@@ -38,6 +38,7 @@ import sys
 import time
 import tomllib
 import urllib.request
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,9 +60,9 @@ def flower_tool(name: str) -> str:
     return str(path) if path.exists() else shutil.which(name) or name
 
 
-def flwr_home(env: dict[str, str] | None = None) -> Path:
-    env = os.environ if env is None else env
-    return Path(env.get("FLWR_HOME") or Path.home() / ".flwr")
+def flwr_home(env: Mapping[str, str] | None = None) -> Path:
+    variables: Mapping[str, str] = os.environ if env is None else env
+    return Path(variables.get("FLWR_HOME") or Path.home() / ".flwr")
 
 
 def sites_of(sites_dir: Path) -> list[Path]:
@@ -195,7 +196,7 @@ class Child:
     name: str
     args: list[str]
     log: Path
-    ready: object = None  # a callable returning True once the process serves (None: at once)
+    ready: Callable[[], bool] | None = None  # a callable returning True once the process serves (None: at once)
     process: subprocess.Popen | None = None
     seen: set[int] = field(default_factory=set)  # every process it started, remembered while it lived
     started_at: float = 0.0
@@ -294,9 +295,11 @@ class Deployment:
 
     def wait_ready(self, child: Child, seconds: float = 300) -> None:
         deadline = time.monotonic() + seconds
+        process = child.process
+        assert process is not None, child.name
         while child.ready is not None and not child.ready():
-            if child.process.poll() is not None:
-                raise ConfigError(f"{child.name} exited with code {child.process.returncode} while starting; "
+            if process.poll() is not None:
+                raise ConfigError(f"{child.name} exited with code {process.returncode} while starting; "
                                   f"see {child.log}")
             if time.monotonic() > deadline or self.stopping:
                 raise ConfigError(f"{child.name} is not ready after {seconds:.0f} s; see {child.log}")
@@ -461,18 +464,18 @@ class Deployment:
         order = ([c for c in self.children.values() if c.name not in infrastructure],
                  [c for c in self.children.values() if c.name.endswith("-forward")],
                  [self.children.get("gate")], [self.children.get("superlink")])
-        for group in order:
-            group = [c for c in group if c is not None and c.process is not None]
-            for child in group:
+        for candidates in order:
+            group = [(c, c.process) for c in candidates if c is not None and c.process is not None]
+            for child, _ in group:
                 self.end(child, signal.SIGTERM)
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and any(
-                    child.process.poll() is None or any(alive(p) for p in child.seen) for child in group):
+                    process.poll() is None or any(alive(p) for p in child.seen) for child, process in group):
                 time.sleep(0.2)
-            for child in group:
+            for child, process in group:
                 self.end(child, signal.SIGKILL)
                 try:
-                    child.process.wait(timeout=10)
+                    process.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     pass
         self.reap_orphans(descendants_map())
