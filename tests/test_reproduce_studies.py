@@ -71,6 +71,23 @@ def test_robustness_table_and_csv(out, digits_data_dir):
     assert "| fedhpro | sign-flip |" in table
 
 
+def test_a_study_table_is_rebuilt_from_its_run_folders(out, digits_data_dir, tmp_path, capsys):
+    """Reproducing again reuses every run and writes the same CSV; ``fedhpro report`` reads the same folders."""
+    from fedhpro.reports.runs import report
+
+    first = smoke("robustness", out, digits_data_dir)
+    capsys.readouterr()
+    overrides = {"data_dir": str(digits_data_dir), "data.syn_size": DIGITS_SYN_SIZE,
+                 "data.test_fraction": DIGITS_TEST_FRACTION}
+    folder = R.reproduce("robustness", "smoke", out=out, overrides=overrides)
+    printed = capsys.readouterr().out
+    assert printed.count("reused") == 6 and "AVG" not in printed.split("# Robustness")[0]
+    assert list(csv.DictReader(io.StringIO((folder / "table.csv").read_text()))) == first[1]
+    runs = sorted(str(p) for p in (out / "runs").glob("fedavg-*-seed0"))
+    written = report(runs, tmp_path / "report", echo=False)
+    assert (written / "table.md").is_file() and (written / "table.csv").is_file()
+
+
 def test_faithfulness_table_and_csv(out, digits_data_dir):
     table, rows, header = smoke("faithfulness", out, digits_data_dir)
     assert header == ["variant", "seed", "mnist", "optdigits", "mnistm", "syn", "AVG", "seconds"]
