@@ -19,7 +19,9 @@ The modules, in the order of a reproduction:
 - :mod:`.targets` reads a target file strictly (an unknown key is an error naming it);
 - :mod:`.availability` checks a part's data files without building its federation;
 - :mod:`.running` runs (or reuses) its runs;
-- :mod:`.builders` turns them into rows, one builder per layout (:mod:`.table`: what they produce);
+- :mod:`.builders` turns them into rows, one builder per layout (:mod:`.table`: what they produce;
+  :mod:`.studies`: the CPU-scale studies ``label_skew``, ``gradient_matching``, ``robustness`` and
+  ``faithfulness``, with their own tables and CSV columns);
 - :mod:`.emitter` writes the figures, ``table.md``, ``table.csv`` and ``reproduce.json``;
 - :mod:`.command` ties them together (:func:`reproduce`) and reads the command line (:func:`main`).
 """
