@@ -8,6 +8,7 @@ restores it (the ``registry`` fixture), so later tests see the built-ins only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import json
@@ -35,19 +36,30 @@ from fedhpro.options import option
 @pytest.fixture
 def registry(monkeypatch):
     """The method registry, restored after the test (entries, entry-point state, load errors)."""
-    saved = dict(methods.METHODS)
-    monkeypatch.setattr(methods, "_entry_points_loaded", methods._entry_points_loaded)
-    monkeypatch.setattr(methods, "_broken", dict(methods._broken))
-    yield methods
-    methods.METHODS.clear()
-    methods.METHODS.update(saved)
+    with restored(methods.REGISTRY, monkeypatch):
+        yield methods
 
 
-def fake_entry_points(monkeypatch, *entries: tuple[str, str]) -> None:
-    """Entry points ``(name, "module:attr")`` in the ``fedhpro.methods`` group, loaded afresh on next use."""
-    points = [importlib.metadata.EntryPoint(name, value, methods.ENTRY_POINT_GROUP) for name, value in entries]
-    monkeypatch.setattr(methods, "_entry_points", lambda: points)
-    monkeypatch.setattr(methods, "_entry_points_loaded", False)
+@contextlib.contextmanager
+def restored(registry, monkeypatch):
+    """``registry`` (a fedhpro.registry.Registry) as it was, after the block: entries, entry-point state."""
+    saved = dict(registry.entries)
+    monkeypatch.setattr(registry, "_loaded", registry._loaded)
+    monkeypatch.setattr(registry, "_broken", dict(registry._broken))
+    try:
+        yield registry
+    finally:
+        registry.entries.clear()
+        registry.entries.update(saved)
+
+
+def fake_entry_points(monkeypatch, *entries: tuple[str, str], registry=None) -> None:
+    """Entry points ``(name, "module:attr")`` in the group of ``registry`` (the methods'), loaded afresh on next
+    use."""
+    registry = registry or methods.REGISTRY
+    points = [importlib.metadata.EntryPoint(name, value, registry.group) for name, value in entries]
+    monkeypatch.setattr(registry, "_entry_points", lambda: points)
+    monkeypatch.setattr(registry, "_loaded", False)
 
 
 @dataclasses.dataclass
@@ -418,3 +430,143 @@ def test_a_split_torchvision_model_trains_in_a_run(tmp_path):
                          **tiny_settings(tmp_path / "run", rounds=1, **{"fedhpro.match_steps": 2}))
     resnet_parameters = sum(p.numel() for p in factory(NUM_CLASSES).parameters())
     assert 0.0 <= result.accuracy <= 100.0 and result.metrics[0]["params_up"] >= 2 * resnet_parameters
+
+
+# ----------------------------------------------------------------------------
+# a data set and a partitioner from an installed package (examples/own_dataset)
+# ----------------------------------------------------------------------------
+
+OWN_DATASET = Path(__file__).resolve().parent.parent / "examples" / "own_dataset"
+
+
+def write_plugin_dist_info(root: Path, package: str, groups: dict[str, dict[str, str]]) -> None:
+    """What ``pip install`` leaves for importlib.metadata: METADATA and entry_points.txt of every group."""
+    folder = root / f"{package.replace('-', '_')}-0.1.0.dist-info"
+    folder.mkdir(parents=True)
+    (folder / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 0.1.0\n")
+    text = "".join(f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in entries.items()) + "\n"
+                   for group, entries in groups.items())
+    (folder / "entry_points.txt").write_text(text)
+
+
+def test_an_installed_data_set_and_partitioner_are_config_keys_and_run_from_the_cli(tmp_path):
+    from test_examples import run_python
+
+    write_plugin_dist_info(tmp_path / "site", "fedhpro-blobs", {
+        "fedhpro.datasets": {"blobs": "fedhpro_blobs:DATASET"},
+        "fedhpro.partitioners": {"shards": "fedhpro_blobs:PARTITIONER"}})
+    pythonpath = [tmp_path / "site", OWN_DATASET]
+    keys = run_python(["-m", "fedhpro", "config", "--keys", "dataset=blobs"], tmp_path, pythonpath)
+    assert keys.returncode == 0, keys.stderr
+    lines = keys.stdout.splitlines()
+    dataset_line = next(line for line in lines if line.startswith("dataset ["))
+    assert "|blobs]" in dataset_line and "(default: blobs)" in dataset_line
+    assert any(line.startswith("data.features: dimension of every sample") for line in lines)
+    assert "|shards]" in next(line for line in lines if line.startswith("partition.scheme ["))
+    assert any(line.startswith("partition.shards_per_client: shards:") for line in lines)
+    assert "model [" in keys.stdout and any(line.startswith("model [") and "(default: mlp)" in line
+                                            for line in lines)  # the data set's run_defaults
+
+    out = tmp_path / "run"
+    settings = ["dataset=blobs", "partition=shards", "partition.shards_per_client=1", "rounds=1", "local_epochs=1",
+                "feature_dim=16", "batch_size=16", "progress=false", "device=cpu", f"out={out}"]
+    result = run_python(["-m", "fedhpro", "run", *settings], tmp_path, pythonpath)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dataset"] == "blobs" and summary["rounds"] == 1 and summary["clients"] == 4
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert config["model"] == "mlp" and config["partition"]["scheme"] == "shards"
+    assert config["partition"]["shards_per_client"] == 1 and config["data"]["features"] == 16
+    partition = json.loads((out / "partition.json").read_text())
+    assert partition["scheme"] == "shards"
+    # one shard each of a label-sorted training set: every client holds one class (4 classes, 4 clients)
+    assert all(sum(1 for count in client["class_counts"] if count) == 1 for client in partition["clients"])
+
+    # the plug-in partitioner splits a built-in label-skew data set too; a domain data set refuses it
+    wrong = run_python(["-m", "fedhpro", "run", "dataset=blobs", "partition=shard", f"out={tmp_path / 'x'}"],
+                       tmp_path, pythonpath)
+    assert wrong.returncode == 2 and "did you mean 'shards'" in wrong.stderr
+
+
+@pytest.fixture
+def data_registries(monkeypatch):
+    """The data set, partitioner and model registries, restored after the test."""
+    from fedhpro import data, models
+    from fedhpro.data import partition
+
+    with restored(data.REGISTRY, monkeypatch), restored(partition.REGISTRY, monkeypatch), \
+            restored(models.REGISTRY, monkeypatch):
+        yield data.REGISTRY, partition.REGISTRY, models.REGISTRY
+
+
+def test_a_data_set_and_partitioner_registered_from_python_are_valid_config_values(data_registries, monkeypatch,
+                                                                                   capsys):
+    from fedhpro.cli import main
+
+    monkeypatch.syspath_prepend(str(OWN_DATASET))
+    import fedhpro_blobs
+
+    datasets, partitioners, _ = data_registries
+    fedhpro.data.register("blobs", fedhpro_blobs.DATASET)
+    fedhpro.data.partition.register("shards", fedhpro_blobs.PARTITIONER)
+    config = load_config(None, {"dataset": "blobs", "partition": "shards", "partition.shards_per_client": 3,
+                                "data.features": 8})
+    assert config.run.model == "mlp" and config.data == fedhpro_blobs.BlobsOptions(features=8)
+    assert config.partition.scheme == "shards" and config.partition.shards_per_client == 3
+    assert load_config(config.to_dict()).to_dict() == config.to_dict()  # config.yaml reads back
+    assert main(["config", "--keys", "dataset=blobs"]) == 0
+    printed = capsys.readouterr().out
+    assert "data.spread:" in printed and "partition.shards_per_client:" in printed
+    with pytest.raises(ConfigError, match="partition=shards does not apply to digits"):
+        from fedhpro.data import get_dataset
+        get_dataset("digits").build(get_dataset("digits").options(), None, 0,
+                                    partition=load_config(None, {"partition": "shards"}).partition)
+    with pytest.raises(ConfigError, match="already registered"):
+        fedhpro.data.register("blobs", fedhpro_blobs.DATASET)
+    with pytest.raises(ConfigError, match="partition.alpha is already a partition key"):
+        fedhpro.data.partition.register("alpha", dataclasses.replace(
+            fedhpro_blobs.PARTITIONER, options=dataclasses.make_dataclass("A", [("alpha", float, 1.0)])))
+
+
+def test_an_installed_data_set_that_fails_to_load_is_one_line_naming_its_entry_point(data_registries,
+                                                                                     monkeypatch):
+    datasets, _, _ = data_registries
+    fake_entry_points(monkeypatch, ("broken-data", "no_such_module_for_fedhpro_tests:DATASET"), registry=datasets)
+    with pytest.raises(ConfigError) as error:
+        load_config(None, {"dataset": "broken-data"})
+    message = one_line(error)
+    assert message.startswith("data set 'broken-data' of package no_such_module_for_fedhpro_tests failed to load")
+    assert "'fedhpro.datasets'" in message and "ModuleNotFoundError" in message
+    assert load_config(None, {"dataset": "cifar10"}).run.dataset == "cifar10"
+
+
+def test_an_installed_model_is_a_valid_model(data_registries, monkeypatch):
+    _, _, models = data_registries
+    plugin_module(monkeypatch, build=TinyNet)
+    fake_entry_points(monkeypatch, ("tiny", "plugin_module_for_tests:build"), registry=models)
+    assert load_config(None, {"model": "tiny"}).run.model == "tiny"
+    assert "tiny" in fedhpro.models.MODELS
+    with pytest.raises(ConfigError, match=r"model='tinny' is not valid \(did you mean 'tiny'\?\)"):
+        load_config(None, {"model": "tinny"})
+
+
+def test_the_authors_recipe_is_declared_with_the_method(registry):
+    from fedhpro.methods.fedhpro import AUTHORS_RECIPE
+
+    assert registry.recipes_of("fedhpro") == {"authors": AUTHORS_RECIPE}
+    assert registry.recipes_of("fedavg") == {}
+    recipe = load_config(None, {"method": "fedavg", "fedhpro.recipe": "authors", "lr": 0.05})
+    for key, value in AUTHORS_RECIPE.items():
+        if key != "lr" and "." not in key:
+            assert getattr(recipe.run, key) == value
+    assert recipe.run.lr == 0.05  # the user's key wins
+
+    @dataclasses.dataclass
+    class WithRecipe:
+        recipe: str = option("plain", choices=("plain", "fast"), help="a recipe")
+
+    registry.register("counting", dataclasses.replace(COUNTING, options=WithRecipe),
+                      recipes={"fast": {"rounds": 3, "local_epochs": 2}})
+    assert load_config(None, {"counting.recipe": "fast"}).run.rounds == 3
+    assert load_config(None, {"counting.recipe": "fast", "rounds": 4}).run.rounds == 4
+    assert load_config(None, {}).run.rounds == 10

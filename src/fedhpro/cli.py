@@ -34,27 +34,14 @@ def key_lines(dataset: str) -> list[str]:
     ``aggregation.*``. Defaults are the
     values a run of ``dataset`` gets when the key is not set (a data set's own run settings included);
     an unset (null) default whose help already says what it means is not repeated."""
-    from fedhpro.config import (
-        AGGREGATION_SECTION,
-        DATA_SECTION,
-        FAULTS_SECTION,
-        PARTITION_SECTION,
-        AggregationOptions,
-        FaultOptions,
-        RunOptions,
-        load_config,
-    )
-    from fedhpro.data import get_dataset
-    from fedhpro.data.partition import PartitionOptions
+    from fedhpro.config import SECTIONS, RunOptions, load_config
     from fedhpro.methods import all_methods
 
     defaults = load_config(None, {"dataset": dataset})
     groups: list[tuple[str, type[Any], Any]] = [("", RunOptions, defaults.run)]
     groups += [(f"{name}.", spec.options, defaults.methods[name]) for name, spec in all_methods().items()]
-    groups += [(f"{DATA_SECTION}.", get_dataset(dataset).options, defaults.data),
-               (f"{FAULTS_SECTION}.", FaultOptions, defaults.faults),
-               (f"{PARTITION_SECTION}.", PartitionOptions, defaults.partition),
-               (f"{AGGREGATION_SECTION}.", AggregationOptions, defaults.aggregation)]
+    groups += [(f"{section.name}.", section.options_for(dataset), getattr(defaults, section.name))
+               for section in SECTIONS]
     lines = []
     for prefix, cls, values in groups:
         for field in dataclasses.fields(cls):
@@ -64,10 +51,10 @@ def key_lines(dataset: str) -> list[str]:
             if not (value is None and "default" in text):  # else the help says what an unset key means
                 text += f" (default: {_shown(value)})"
             lines.append(f"{prefix}{field.name}{extra}: {text}")
-    lines.append(f"{PARTITION_SECTION}: short for {PARTITION_SECTION}.scheme "
-                 f"(default: {_shown(defaults.partition.scheme)})")
-    lines.append(f"{AGGREGATION_SECTION}: short for {AGGREGATION_SECTION}.rule "
-                 f"(default: {_shown(defaults.aggregation.rule)})")
+    for section in SECTIONS:
+        if section.shorthand:
+            value = getattr(getattr(defaults, section.name), section.shorthand)
+            lines.append(f"{section.name}: short for {section.name}.{section.shorthand} (default: {_shown(value)})")
     return lines
 
 

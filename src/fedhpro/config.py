@@ -6,10 +6,15 @@ method's knobs (``fedhpro.tau=0.1``) and the data set's layout
 Every bad key or value raises :class:`~fedhpro.errors.ConfigError` with one
 line naming the problem and the valid choices.
 
-The methods (``method=`` choices and the ``<method>.<knob>`` keys) are read
-from :mod:`fedhpro.methods`' registry at each load, not fixed at import: a
-method registered from Python or installed through a ``fedhpro.methods``
-entry point is valid everywhere a config is read.
+The methods (``method=`` choices and the ``<method>.<knob>`` keys), data sets
+(``dataset=`` and its ``data.*`` keys), models (``model=``) and partitioners
+(``partition=`` and their ``partition.*`` knobs) are read from their
+registries (:mod:`fedhpro.registry`) at each load, not fixed at import: one
+registered from Python or installed through an entry point (``fedhpro.methods``,
+``fedhpro.datasets``, ``fedhpro.models``, ``fedhpro.partitioners``) is valid
+everywhere a config is read. The config sections besides the methods' are one
+table, :data:`SECTIONS`; what a run key is (presentation, resumable, observer)
+is declared with the key (``option(..., tags=...)``).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import copy
 import dataclasses
 import difflib
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,13 +32,13 @@ import yaml
 
 from fedhpro import options as opt
 from fedhpro.data import DATASETS, get_dataset
-from fedhpro.data.partition import PartitionOptions
+from fedhpro.data.partition import PartitionOptions, partition_options_class
 from fedhpro.engines.protocol import AGGREGATION_RULES
 from fedhpro.errors import ConfigError
-from fedhpro.methods import METHODS, all_methods, get_method, method_names
-from fedhpro.methods.fedhpro import AUTHORS_RECIPE, FedHProOptions
+from fedhpro.methods import METHODS, all_methods, get_method, method_names, recipes_of
 from fedhpro.models import MODELS
-from fedhpro.options import option
+from fedhpro.options import option, tagged
+from fedhpro.registry import LiveChoices
 
 DATA_SECTION = "data"
 FAULTS_SECTION = "faults"
@@ -41,8 +46,6 @@ FAULTS_SECTION = "faults"
 PARTITION_SECTION = "partition"
 #: ``aggregation=NAME`` is short for ``aggregation.rule=NAME``; ``aggregation.trim=0.1`` etc. are its knobs
 AGGREGATION_SECTION = "aggregation"
-#: the sections whose bare name is short for one of their knobs: ``partition=dirichlet``, ``aggregation=median``
-SHORTHANDS = {PARTITION_SECTION: "scheme", AGGREGATION_SECTION: "rule"}
 
 
 #: ``federation: python:<name>`` in a config.yaml: the run's data were a Federation passed from Python
@@ -56,7 +59,7 @@ def is_from_python(value: Any) -> bool:
     return isinstance(value, str) and value.startswith(PYTHON_PREFIX)
 
 
-class MethodChoices(Sequence[str]):
+class MethodChoices(LiveChoices):
     """The valid ``method=`` values, read from the registry at each use.
 
     A method registered or installed after this module was imported
@@ -64,27 +67,8 @@ class MethodChoices(Sequence[str]):
     names are never frozen into the options class.
     """
 
-    def __len__(self) -> int:
-        return len(method_names())
-
-    def __getitem__(self, index):
-        return method_names()[index]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(method_names())
-
-    def __contains__(self, name: object) -> bool:
-        return name in METHODS or name in method_names()
-
-    def __repr__(self) -> str:
-        return f"MethodChoices({method_names()})"
-
-
-#: run keys that change where and how a run is shown or stored, never its numbers
-#: (``threads`` too: another thread count changes results only in the last float digits, and the same seed,
-#: config and thread count give the same bytes)
-PRESENTATION_KEYS = frozenset({"out", "progress", "device", "threads", "resume", "tensorboard",
-                               "checkpoint_every", "checkpoint_minutes", "keep_checkpoints"})
+    def __init__(self) -> None:
+        super().__init__(method_names)
 
 
 @dataclass
@@ -133,8 +117,8 @@ class AggregationOptions:
 class RunOptions:
     method: str = option("fedhpro", choices=MethodChoices(), help="the federated method (the built-ins, "
                                                                        "and any registered or installed)")
-    dataset: str = option("digits-offline", choices=tuple(DATASETS), help="the federation's data set")
-    model: str = option("cnn", choices=tuple(MODELS), help="the model architecture")
+    dataset: str = option("digits-offline", choices=DATASETS.choices, help="the federation's data set")
+    model: str = option("cnn", choices=MODELS.choices, help="the model architecture")
     feature_dim: int = option(512, min=1, help="d, the feature dimension")
     heterogeneity: str = option("none", choices=("none", "htfe2", "htfe3", "htfe5", "htfe8"),
                                 help="model heterogeneity: htfeX gives client k the architecture k mod X of the "
@@ -152,23 +136,30 @@ class RunOptions:
     momentum: float = option(0.9, min=0.0, max=1.0, help="local SGD momentum")
     weight_decay: float = option(1e-5, min=0.0, help="local SGD weight decay")
     seed: int = option(0, min=0, help="seed of the model init, partition, client sampling and batches")
-    device: str = option("auto", help="auto (CUDA if available), cpu, cuda or cuda:N")
+    device: str = option("auto", help="auto (CUDA if available), cpu, cuda or cuda:N",
+                         tags=("presentation", "resumable"))
     threads: str = option("auto", help="CPU threads of the run (torch.set_num_threads): a whole number >= 1, or "
                                        "auto: the cores this process may run on ($OMP_NUM_THREADS if set), "
                                        "divided among a sweep's jobs; the same seed, config and thread count "
-                                       "give the same bytes, another count differs in the last float digits")
+                                       "give the same bytes, another count differs in the last float digits",
+                          tags=("presentation", "resumable"))
     eval_every: int = option(1, min=1, help="evaluate the global model every this many rounds (and at the end)")
-    out: str | None = option(None, help="output folder (default runs/<method>-<dataset>-<timestamp>)")
+    out: str | None = option(None, help="output folder (default runs/<method>-<dataset>-<timestamp>)",
+                             tags=("presentation",))
     data_dir: str | None = option(None, help="where data sets are read and cached, each in its own folder "
                                              "(default $FEDHPRO_DATA_DIR, else ~/.cache/fedhpro)")
-    progress: bool = option(True, help="show a progress bar")
+    progress: bool = option(True, help="show a progress bar", tags=("presentation", "resumable"))
     min_clients: int = option(1, min=1, help="a round with fewer valid client updates is skipped")
-    checkpoint_every: int = option(5, min=0, help="write a checkpoint every this many rounds (0: only at the end)")
+    checkpoint_every: int = option(5, min=0, help="write a checkpoint every this many rounds (0: only at the end)",
+                                   tags=("presentation", "resumable"))
     checkpoint_minutes: float = option(5.0, min=0.0, help="also write a checkpoint after a round once this many "
                                                           "minutes passed since the last one (0: off), so a long "
-                                                          "run killed early can be resumed")
-    keep_checkpoints: int = option(2, min=1, help="keep only the newest this many checkpoints")
-    resume: str | None = option(None, help="continue the interrupted run in this folder (its config.yaml)")
+                                                          "run killed early can be resumed",
+                                       tags=("presentation", "resumable"))
+    keep_checkpoints: int = option(2, min=1, help="keep only the newest this many checkpoints",
+                                   tags=("presentation", "resumable"))
+    resume: str | None = option(None, help="continue the interrupted run in this folder (its config.yaml)",
+                                tags=("presentation", "resumable"))
     amp: str = option("off", choices=("off", "bf16"),
                       help="mixed precision of local training: off (float32) or bf16 (forward under bfloat16 "
                            "autocast, losses and weights float32; for GPUs, see bench/RESULTS.md)")
@@ -177,14 +168,49 @@ class RunOptions:
     compile: bool = option(False, help="torch.compile the feature extractor once (the first round pays the "
                                        "compilation; needs a C++ compiler on the CPU)")
     flops: bool = option(False, help="count training FLOPs of every client and the server step with "
-                                     "torch.utils.flop_counter into metrics.jsonl (Table 4; slows training a little)")
+                                     "torch.utils.flop_counter into metrics.jsonl (Table 4; slows training a little)",
+                         tags=("observer",))
     prototype_distance: bool = option(False, help="each evaluated round, the L2 distance of the method's prototypes "
                                                   "to the centralized prototypes (Figure 2; one extra pass over "
-                                                  "all training data)")
+                                                  "all training data)", tags=("observer",))
     tsne: bool = option(False, help="at the end, a t-SNE of the global model's test features: tsne.png "
-                                    "(Figures 3 and 6; needs scikit-learn)")
+                                    "(Figures 3 and 6; needs scikit-learn)", tags=("resumable", "observer"))
     tensorboard: bool = option(False, help="also write TensorBoard logs to <out>/tensorboard (needs the "
-                                           "tensorboard package: pip install tensorboard)")
+                                           "tensorboard package: pip install tensorboard)",
+                               tags=("presentation", "resumable", "observer"))
+
+
+#: run keys that change where and how a run is shown or stored, never its numbers
+#: (``threads`` too: another thread count changes results only in the last float digits, and the same seed,
+#: config and thread count give the same bytes); tagged "presentation" in :class:`RunOptions`
+PRESENTATION_KEYS = tagged(RunOptions, "presentation")
+#: run keys a resumed run may set to other values than the run it continues (tagged "resumable")
+RESUMABLE_KEYS = tagged(RunOptions, "resumable")
+#: run keys that switch observers on (tagged "observer"; measured only by the in-process simulator)
+OBSERVER_KEYS = tuple(f.name for f in dataclasses.fields(RunOptions) if "observer" in f.metadata["tags"])
+
+
+@dataclass(frozen=True)
+class Section:
+    """A config section besides the methods': its keys are ``<name>.<knob>``, the fields of its options class
+    (which may depend on the data set: ``data``); ``shorthand``: the knob ``<name>=VALUE`` sets."""
+
+    name: str
+    options_for: Callable[[str], type]
+    shorthand: str | None = None
+
+
+#: the config sections besides the methods', in the order config.yaml and ``fedhpro config --keys`` list
+#: them; each is an attribute of :class:`Config` of the same name
+SECTIONS: tuple[Section, ...] = (
+    Section(DATA_SECTION, lambda dataset: get_dataset(dataset).options),
+    Section(FAULTS_SECTION, lambda dataset: FaultOptions),
+    Section(PARTITION_SECTION, lambda dataset: partition_options_class(), shorthand="scheme"),
+    Section(AGGREGATION_SECTION, lambda dataset: AggregationOptions, shorthand="rule"),
+)
+SECTION_NAMES = tuple(section.name for section in SECTIONS)
+#: the sections whose bare name is short for one of their knobs: ``partition=dirichlet``, ``aggregation=median``
+SHORTHANDS = {section.name: section.shorthand for section in SECTIONS if section.shorthand}
 
 
 @dataclass
@@ -205,6 +231,10 @@ class Config:
     def method_options(self) -> Any:
         return self.methods[self.run.method]
 
+    def sections(self) -> dict[str, Any]:
+        """Every section's options, by name: the methods' (``<method>.*``), then :data:`SECTIONS`'."""
+        return {**self.methods, **{section.name: getattr(self, section.name) for section in SECTIONS}}
+
     def to_dict(self) -> dict[str, Any]:
         """Nested plain dict, as saved to ``config.yaml`` (loadable again by :func:`load_config`)."""
         out = dataclasses.asdict(self.run)
@@ -214,10 +244,8 @@ class Config:
             values = dataclasses.asdict(options)
             if values:
                 out[name] = values
-        out[DATA_SECTION] = dataclasses.asdict(self.data)
-        out[FAULTS_SECTION] = dataclasses.asdict(self.faults)
-        out[PARTITION_SECTION] = dataclasses.asdict(self.partition)
-        out[AGGREGATION_SECTION] = dataclasses.asdict(self.aggregation)
+        for section in SECTIONS:
+            out[section.name] = dataclasses.asdict(getattr(self, section.name))
         return out
 
 
@@ -229,11 +257,9 @@ def _all_keys(dataset: str) -> list[str]:
     keys = _run_keys()
     for name, spec in all_methods().items():
         keys += [f"{name}.{f.name}" for f in dataclasses.fields(spec.options)]
-    keys += [f"{DATA_SECTION}.{f.name}" for f in dataclasses.fields(get_dataset(dataset).options)]
-    keys += [f"{FAULTS_SECTION}.{f.name}" for f in dataclasses.fields(FaultOptions)]
-    keys += [PARTITION_SECTION] + [f"{PARTITION_SECTION}.{f.name}" for f in dataclasses.fields(PartitionOptions)]
-    keys += [AGGREGATION_SECTION] + [f"{AGGREGATION_SECTION}.{f.name}"
-                                     for f in dataclasses.fields(AggregationOptions)]
+    for section in SECTIONS:
+        keys += [section.name] if section.shorthand else []
+        keys += [f"{section.name}.{f.name}" for f in dataclasses.fields(section.options_for(dataset))]
     return keys
 
 
@@ -251,7 +277,7 @@ def flatten_keys(values: Mapping[str, Any], source: str) -> dict[str, Any]:
     if not isinstance(values, Mapping):
         raise ConfigError(f"{source} must hold a mapping of config keys, got {type(values).__name__}")
     flat: dict[str, Any] = {}
-    sections = set(method_names()) | {DATA_SECTION, FAULTS_SECTION, PARTITION_SECTION, AGGREGATION_SECTION}
+    sections = set(method_names()) | set(SECTION_NAMES)
     for key, value in values.items():
         key = check_key(str(key) if isinstance(key, (int, float)) and not isinstance(key, bool) else key,
                         source)
@@ -392,14 +418,13 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
     for key, value in assignments:
         if key == "dataset":
             dataset = value
-    if not isinstance(dataset, str) or dataset not in DATASETS:
+    if not isinstance(dataset, str):
         raise ConfigError(f"dataset={shown(dataset)} is not valid; choose one of: {', '.join(DATASETS)}")
     # a benchmark's own run settings (SUN397's 20% participation) come first: anything the user sets wins
     assignments = copy.deepcopy(list(get_dataset(dataset).run_defaults.items())) + assignments
-    # fedhpro.recipe=authors, whatever the method: the authors' code's settings go first (the benchmark's, which
-    # never overlap them, come next), so every key the user sets still wins
-    if _last_value(assignments, "fedhpro.recipe", FedHProOptions.recipe) == "authors":
-        assignments = copy.deepcopy(list(AUTHORS_RECIPE.items())) + assignments
+    # a method's recipe (fedhpro.recipe=authors), whatever the method run: its settings go first (the
+    # benchmark's, which never overlap them, come next), so every key the user sets still wins
+    assignments = _recipe_settings(assignments) + assignments
 
     # applied in order: a later layer beats an earlier one, whether it sets a mapping or one entry of it
     run_values: dict[str, Any] = {}
@@ -430,8 +455,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
             raise _unknown(key, dataset)
     registry = all_methods()
     for section, knobs in sections.items():
-        if section not in registry and section not in (DATA_SECTION, FAULTS_SECTION, PARTITION_SECTION,
-                                                        AGGREGATION_SECTION):
+        if section not in registry and section not in SECTION_NAMES:
             raise _unknown(f"{section}.{next(iter(knobs))}", dataset)
     if isinstance(run_values.get("method"), str):
         get_method(run_values["method"])  # an unknown name, or an installed method that failed to load: one line
@@ -444,13 +468,9 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
     run.threads = threads_setting(run.threads)
     methods = {name: _build(spec.options, sections.get(name, {}), f"{name}.", dataset)
                for name, spec in registry.items()}
-    data = _build(get_dataset(dataset).options, sections.get(DATA_SECTION, {}), f"{DATA_SECTION}.", dataset)
-    faults = _build(FaultOptions, sections.get(FAULTS_SECTION, {}), f"{FAULTS_SECTION}.", dataset)
-    partition = _build(PartitionOptions, sections.get(PARTITION_SECTION, {}), f"{PARTITION_SECTION}.", dataset)
-    aggregation = _build(AggregationOptions, sections.get(AGGREGATION_SECTION, {}), f"{AGGREGATION_SECTION}.",
-                         dataset)
-    return Config(run=run, methods=methods, data=data, faults=faults, partition=partition, aggregation=aggregation,
-                  federation=federation)
+    built = {section.name: _build(section.options_for(dataset), sections.get(section.name, {}),
+                                  f"{section.name}.", dataset) for section in SECTIONS}
+    return Config(run=run, methods=methods, **built, federation=federation)
 
 
 def _checked_value(key: str, value: Any) -> Any:
@@ -472,6 +492,21 @@ def _checked_value(key: str, value: Any) -> Any:
         return copy.deepcopy(value)
     except RecursionError:
         raise ConfigError(f"{key}= is nested too deeply to be a setting") from None
+
+
+def _recipe_settings(assignments: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """The settings of every recipe chosen by ``<method>.recipe=<name>`` among ``assignments`` (copies), in
+    the methods' order: each method declares its recipes with its registration (:func:`recipes_of`)."""
+    settings: list[tuple[str, Any]] = []
+    for name in method_names():
+        recipes = recipes_of(name)
+        if not recipes:
+            continue
+        default = next((f.default for f in dataclasses.fields(METHODS[name].options) if f.name == "recipe"), None)
+        chosen = _last_value(assignments, f"{name}.recipe", default)
+        if isinstance(chosen, str) and chosen in recipes:
+            settings += copy.deepcopy(list(recipes[chosen].items()))
+    return settings
 
 
 def _last_value(assignments: Iterable[tuple[str, Any]], key: str, default: Any) -> Any:
@@ -496,14 +531,9 @@ def threads_setting(value: str) -> str:
 def _default_of(section: str, name: str, dataset: str) -> Any:
     """The default value of ``section.name`` (an empty mapping when it has none)."""
     cls: type[Any] | None
-    if section == DATA_SECTION:
-        cls = get_dataset(dataset).options
-    elif section == FAULTS_SECTION:
-        cls = FaultOptions
-    elif section == PARTITION_SECTION:
-        cls = PartitionOptions
-    elif section == AGGREGATION_SECTION:
-        cls = AggregationOptions
+    table = {entry.name: entry for entry in SECTIONS}
+    if section in table:
+        cls = table[section].options_for(dataset)
     else:
         cls = getattr(all_methods().get(section), "options", None)
     if cls is None:

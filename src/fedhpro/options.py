@@ -16,16 +16,29 @@ from collections.abc import Sequence
 from typing import Any
 
 from fedhpro.errors import ConfigError
+from fedhpro.registry import did_you_mean
 
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
 
 
+#: what a key's ``tags`` may say about it (key metadata declared once, with the key)
+TAGS = frozenset({
+    "presentation",  # changes where and how a run is shown or stored, never its numbers
+    "resumable",  # a resumed run may set it to another value than the interrupted run had
+    "observer",  # switches a measurement on (an observer of the in-process simulator)
+})
+
+
 def option(default: Any = dataclasses.MISSING, *, help: str = "", choices: Sequence[Any] | None = None,
            min: float | None = None, max: float | None = None, gt: float | None = None,
-           default_factory: Any = dataclasses.MISSING) -> Any:
-    """A dataclass field with validation metadata."""
-    metadata = {"help": help, "choices": choices, "min": min, "max": max, "gt": gt}
+           default_factory: Any = dataclasses.MISSING, tags: Sequence[str] = ()) -> Any:
+    """A dataclass field with validation metadata. ``choices`` may be a live sequence (read at each use:
+    :class:`fedhpro.registry.LiveChoices`); ``tags`` (of :data:`TAGS`) say what kind of key it is."""
+    unknown = set(tags) - TAGS
+    if unknown:
+        raise ValueError(f"unknown option tags {sorted(unknown)}; choose from {sorted(TAGS)}")
+    metadata = {"help": help, "choices": choices, "min": min, "max": max, "gt": gt, "tags": frozenset(tags)}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -111,7 +124,9 @@ def coerce(key: str, value: Any, field: dataclasses.Field, tp: Any) -> Any:
     meta = field.metadata
     value = _coerce_scalar(key, value, tp, meta.get("choices"))
     if meta.get("choices") is not None and value not in meta["choices"]:
-        raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, meta['choices']))}")
+        choices = [str(choice) for choice in meta["choices"]]
+        raise ConfigError(f"{key}={value!r} is not valid{did_you_mean(value, choices)}; choose one of: "
+                          f"{', '.join(choices)}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if meta.get("min") is not None and value < meta["min"]:
             raise ConfigError(f"{key}={value!r} is too small; it must be >= {meta['min']}")
@@ -120,6 +135,11 @@ def coerce(key: str, value: Any, field: dataclasses.Field, tp: Any) -> Any:
         if meta.get("gt") is not None and value <= meta["gt"]:
             raise ConfigError(f"{key}={value!r} is too small; it must be > {meta['gt']}")
     return value
+
+
+def tagged(cls: type, tag: str) -> frozenset[str]:
+    """The names of the fields of options ``cls`` that carry ``tag`` (:data:`TAGS`)."""
+    return frozenset(f.name for f in dataclasses.fields(cls) if tag in f.metadata.get("tags", ()))
 
 
 def fields_of(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:

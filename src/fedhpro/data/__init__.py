@@ -1,4 +1,8 @@
-"""Data sets and federations by name. Adding one is one new module plus one line in ``DATASETS``.
+"""Data sets and federations by name. Adding one is one new module plus one ``REGISTRY.builtin`` line here,
+or, without editing the package, ``fedhpro.data.register(name, spec)`` from Python or an installed package's
+entry point in the group ``fedhpro.datasets`` (``mine = "my_package:DATASET"``, a :class:`DatasetSpec` or a
+zero-argument callable returning one). ``dataset=<name>`` then works everywhere a config is read, and its
+options dataclass gives the ``data.*`` keys (``fedhpro config --keys dataset=<name>``).
 
 A data set entry is a :class:`DatasetSpec`: an options dataclass (the
 ``data.*`` config keys) and ``build(options, clients, seed, data_dir=None,
@@ -9,11 +13,14 @@ progress=False, partition=None)`` returning a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fedhpro.data.federation import Federation
+from fedhpro.errors import ConfigError
+from fedhpro.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -49,29 +56,70 @@ def _own(module: str) -> DatasetSpec:
     return importlib.import_module(f"fedhpro.data.{module}").DATASET
 
 
-DATASETS: dict[str, Callable[[], DatasetSpec]] = {
-    "digits-offline": _digits_offline,
-    # the paper's benchmarks on the real data sets (fedhpro.data.benchmarks; files: fedhpro.data.loaders)
-    "digits": _benchmark("digits"),
-    "office-caltech": _benchmark("office-caltech"),
-    "cifar10": _benchmark("cifar10"),
-    "cifar100": _benchmark("cifar100"),
-    "ham10000": _benchmark("ham10000"),
-    "tinyimagenet": _benchmark("tinyimagenet"),
-    "cifar10-lt": _benchmark("cifar10-lt"),
-    "cifar100-lt": _benchmark("cifar100-lt"),
-    "tinyimagenet-lt": _benchmark("tinyimagenet-lt"),
-    "ag-news": _benchmark("ag-news"),
-    "sun397": _benchmark("sun397"),
-    # your own data (fedhpro.data.clients, .imagefolder, .huggingface)
-    "clients": lambda: _own("clients"),
-    "imagefolder": lambda: _own("imagefolder"),
-    "huggingface": lambda: _own("huggingface"),
-}
+def _checked(name: str, loaded: object, where: str) -> Callable[[], DatasetSpec]:
+    """A data set entry (a factory of its spec) from a :class:`DatasetSpec` or a zero-argument callable
+    returning one; a one-line ConfigError saying what a data set must be otherwise."""
+    spec = loaded() if callable(loaded) and not isinstance(loaded, DatasetSpec) else loaded
+    if not isinstance(spec, DatasetSpec):
+        raise ConfigError(f"{where} gives a {type(spec).__name__}, not a fedhpro.data.DatasetSpec; give "
+                          "DatasetSpec(name, options, build) (see fedhpro.data.digits_federation)")
+    if not dataclasses.is_dataclass(spec.options) or not isinstance(spec.options, type):
+        raise ConfigError(f"{where}: DatasetSpec.options must be a dataclass class (the data.* keys), "
+                          f"got {spec.options!r}")
+    try:
+        spec.options()
+    except TypeError:
+        raise ConfigError(f"{where}: every field of {spec.options.__name__} needs a default") from None
+    if not callable(spec.build):
+        raise ConfigError(f"{where}: DatasetSpec.build must be callable (options, clients, seed, ...) -> Federation")
+    spec = spec if spec.name == name else dataclasses.replace(spec, name=name)
+    return lambda: spec
+
+
+#: the entry-point group through which installed packages add data sets
+ENTRY_POINT_GROUP = "fedhpro.datasets"
+
+#: name -> factory of its spec (imported lazily: building one data set never imports another's code)
+REGISTRY: Registry[Callable[[], DatasetSpec]] = Registry(
+    "data set", ENTRY_POINT_GROUP, key="dataset", check=_checked,
+    hint=f" (or add one with fedhpro.data.register or a package's {ENTRY_POINT_GROUP!r} entry point)")
+
+REGISTRY.builtin("digits-offline", _digits_offline)
+# the paper's benchmarks on the real data sets (fedhpro.data.benchmarks; files: fedhpro.data.loaders)
+REGISTRY.builtin("digits", _benchmark("digits"))
+REGISTRY.builtin("office-caltech", _benchmark("office-caltech"))
+REGISTRY.builtin("cifar10", _benchmark("cifar10"))
+REGISTRY.builtin("cifar100", _benchmark("cifar100"))
+REGISTRY.builtin("ham10000", _benchmark("ham10000"))
+REGISTRY.builtin("tinyimagenet", _benchmark("tinyimagenet"))
+REGISTRY.builtin("cifar10-lt", _benchmark("cifar10-lt"))
+REGISTRY.builtin("cifar100-lt", _benchmark("cifar100-lt"))
+REGISTRY.builtin("tinyimagenet-lt", _benchmark("tinyimagenet-lt"))
+REGISTRY.builtin("ag-news", _benchmark("ag-news"))
+REGISTRY.builtin("sun397", _benchmark("sun397"))
+# your own data (fedhpro.data.clients, .imagefolder, .huggingface)
+REGISTRY.builtin("clients", lambda: _own("clients"))
+REGISTRY.builtin("imagefolder", lambda: _own("imagefolder"))
+REGISTRY.builtin("huggingface", lambda: _own("huggingface"))
+
+#: the data sets as a live mapping name -> factory of its spec (the built-ins, registered, installed)
+DATASETS: Registry[Callable[[], DatasetSpec]] = REGISTRY
+
+
+def register(name: str, spec: DatasetSpec | Callable[[], DatasetSpec], *, replace: bool = False) -> DatasetSpec:
+    """Add ``spec`` (or a zero-argument callable returning one) as ``dataset=name``; returns the spec."""
+    return REGISTRY.register(name, spec, replace=replace)()
 
 
 def get_dataset(name: str) -> DatasetSpec:
-    return DATASETS[name]()
+    """The spec of data set ``name``; a one-line ConfigError for an unknown one (with the closest names)."""
+    return REGISTRY.lookup(name)()
 
 
-__all__ = ["DATASETS", "DatasetSpec", "Federation", "get_dataset"]
+def dataset_names() -> list[str]:
+    """Every data set's name: the built-ins first, then those registered or installed."""
+    return REGISTRY.names()
+
+
+__all__ = ["DATASETS", "DatasetSpec", "ENTRY_POINT_GROUP", "Federation", "REGISTRY", "dataset_names", "get_dataset",
+           "register"]

@@ -41,7 +41,15 @@ from torch import Tensor
 from fedhpro.data import DatasetSpec
 from fedhpro.data.federation import Augment, ClientData, Federation
 from fedhpro.data.loaders import AGNews, image_arrays, open_loader, split_indices
-from fedhpro.data.partition import Partition, PartitionError, PartitionOptions, domains, label_partition
+from fedhpro.data.partition import (
+    LABEL_SCHEMES,
+    Partition,
+    PartitionError,
+    PartitionOptions,
+    chosen_scheme,
+    domains,
+    label_partition,
+)
 from fedhpro.errors import ConfigError
 from fedhpro.options import option
 
@@ -239,6 +247,10 @@ def _record(partition: Partition, name: str, labels: Any, num_classes: int, seed
 
 
 def _scheme(options: PartitionOptions, default: str, allowed: tuple[str, ...], name: str) -> str:
+    """The scheme ``partition=`` asks for, checked against ``allowed``; a label-skew benchmark (one whose
+    schemes are all label schemes) also takes every registered or installed label-skew partitioner."""
+    if all(scheme in LABEL_SCHEMES for scheme in allowed):
+        return chosen_scheme(options, default, allowed, name)
     scheme = default if options.scheme == "auto" else options.scheme
     if scheme not in allowed:
         raise ConfigError(f"partition={scheme} does not apply to {name}; choose one of: {', '.join(allowed)}")

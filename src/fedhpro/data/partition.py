@@ -26,10 +26,12 @@ assign every training index. Errors are :class:`PartitionError`, a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+import typing
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,7 @@ import numpy as np
 from fedhpro.errors import FedHProError
 from fedhpro.files import write_atomic
 from fedhpro.options import option
+from fedhpro.registry import LiveChoices, Registry
 
 LabelsLike = np.ndarray | Mapping[str, np.ndarray]
 
@@ -629,17 +632,127 @@ def ag_nid(labels: np.ndarray, num_clients: int, rng: np.random.Generator,
     return Partition([np.concatenate(p) for p in parts], "ag-nid", params)
 
 
-#: scheme name -> partitioner
-PARTITIONERS: dict[str, Callable[..., Partition]] = {
-    "iid": iid,
-    "dirichlet": dirichlet,
-    "nid2": nid2,
-    "longtail": longtail,
-    "domains": domains,
-    "ag-nid": ag_nid,
-}
+# --------------------------------------------------------------------------- the registry
 
-#: the schemes a label-skew benchmark accepts as ``partition=NAME`` (``domains`` needs a domain layout)
+
+@dataclass(frozen=True)
+class PartitionerSpec:
+    """A registered partitioner: ``partition=<name>`` (``partition.scheme=<name>``).
+
+    ``split(options, labels, num_clients, rng, num_classes)`` returns the :class:`Partition` of the label
+    array ``labels`` among ``num_clients`` clients, its parameters read from ``options`` (the ``partition``
+    section: :class:`PartitionOptions` plus the fields of every installed partitioner's ``options``).
+    ``options``: an optional dataclass of the partitioner's own knobs, each a ``partition.<knob>`` key
+    (defaults only; a name :class:`PartitionOptions` already has is refused). ``labels=True``: a label-skew
+    scheme, which every label-skew data set accepts. ``function``: the plain partitioner, if any
+    (:data:`PARTITIONERS` maps names to it).
+    """
+
+    name: str
+    split: Callable[..., Partition] | None
+    options: type | None = None
+    description: str = ""
+    labels: bool = True
+    function: Callable[..., Partition] | None = None
+
+
+def _label_spec(name: str, function: Callable[..., Partition], split: Callable[..., Partition]) -> PartitionerSpec:
+    return PartitionerSpec(name, split, function=function, description=(function.__doc__ or "").split("\n")[0])
+
+
+def _checked_partitioner(name: str, loaded: object, where: str) -> PartitionerSpec:
+    from fedhpro.errors import ConfigError
+
+    spec = loaded() if callable(loaded) and not isinstance(loaded, PartitionerSpec) else loaded
+    if not isinstance(spec, PartitionerSpec):
+        raise ConfigError(f"{where} gives a {type(spec).__name__}, not a fedhpro.data.partition.PartitionerSpec; "
+                          "give PartitionerSpec(name, split) with split(options, labels, num_clients, rng, "
+                          "num_classes) -> Partition")
+    if spec.labels and not callable(spec.split):
+        raise ConfigError(f"{where}: PartitionerSpec.split must be callable (options, labels, num_clients, rng, "
+                          "num_classes) -> Partition")
+    if spec.options is not None:
+        if not dataclasses.is_dataclass(spec.options) or not isinstance(spec.options, type):
+            raise ConfigError(f"{where}: PartitionerSpec.options must be a dataclass class (partition.* keys), "
+                              f"got {spec.options!r}")
+        try:
+            spec.options()
+        except TypeError:
+            raise ConfigError(f"{where}: every field of {spec.options.__name__} needs a default") from None
+        taken = {f.name for f in dataclasses.fields(PartitionOptions)} & {f.name for f in
+                                                                          dataclasses.fields(spec.options)}
+        if taken:
+            raise ConfigError(f"{where}: partition.{sorted(taken)[0]} is already a partition key; name the "
+                              "partitioner's own knobs differently (it may read the existing ones)")
+    return spec if spec.name == name else dataclasses.replace(spec, name=name)
+
+
+#: the entry-point group through which installed packages add partitioners
+ENTRY_POINT_GROUP = "fedhpro.partitioners"
+
+#: name -> :class:`PartitionerSpec`, a live mapping: the built-ins (one line each), then those registered
+#: (:func:`register`) or installed (entry points of ``fedhpro.partitioners``)
+REGISTRY: Registry[PartitionerSpec] = Registry(
+    "partitioner", ENTRY_POINT_GROUP, key="partition", check=_checked_partitioner,
+    hint=f" (or add one with fedhpro.data.partition.register or a package's {ENTRY_POINT_GROUP!r} entry point)")
+REGISTRY.builtin("iid", _label_spec("iid", iid, lambda o, y, k, rng, c: iid(y, k, rng)))
+REGISTRY.builtin("dirichlet", _label_spec(
+    "dirichlet", dirichlet,
+    lambda o, y, k, rng, c: dirichlet(y, k, o.alpha, rng, min_size=o.min_size, max_retries=o.max_retries)))
+REGISTRY.builtin("nid2", _label_spec(
+    "nid2", nid2, lambda o, y, k, rng, c: nid2(y, k, rng, single_class_clients=o.single_class_clients)))
+REGISTRY.builtin("longtail", _label_spec(
+    "longtail", longtail,
+    lambda o, y, k, rng, c: longtail(y, k, o.rho, rng, alpha=o.alpha, min_size=o.min_size,
+                                     max_retries=o.max_retries, num_classes=c)))
+REGISTRY.builtin("domains", PartitionerSpec("domains", None, labels=False, function=domains,
+                                            description="domain skew: (domain, clients, fraction) layout"))
+REGISTRY.builtin("ag-nid", _label_spec(
+    "ag-nid", ag_nid, lambda o, y, k, rng, c: ag_nid(y, k, rng, two_class_fraction=o.two_class_fraction)))
+
+
+def register(name: str, spec: PartitionerSpec, *, replace: bool = False) -> PartitionerSpec:
+    """Add ``spec`` as ``partition=name`` for this process; returns the registered spec."""
+    return REGISTRY.register(name, spec, replace=replace)
+
+
+def partitioner_names() -> list[str]:
+    """Every partitioner's name: the built-ins first, then those registered or installed."""
+    return REGISTRY.names()
+
+
+def label_schemes() -> list[str]:
+    """Every label-skew scheme (what ``partition=`` may be for a label-skew data set), live."""
+    return [name for name in REGISTRY.names() if REGISTRY.entries[name].labels]
+
+
+def added_label_schemes() -> list[str]:
+    """The label-skew schemes registered or installed (not built in): every label-skew data set accepts them."""
+    return [name for name in label_schemes() if not REGISTRY.is_builtin(name)]
+
+
+class _Functions(Mapping[str, Callable[..., Partition]]):
+    """:data:`PARTITIONERS`: scheme name -> plain partitioner function (the registry's, live)."""
+
+    def __getitem__(self, name: str) -> Callable[..., Partition]:
+        spec = REGISTRY[name]
+        function = spec.function or spec.split
+        if function is None:
+            raise KeyError(name)
+        return function
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(REGISTRY.names())
+
+    def __len__(self) -> int:
+        return len(REGISTRY.names())
+
+
+#: scheme name -> partitioner
+PARTITIONERS: Mapping[str, Callable[..., Partition]] = _Functions()
+
+#: the built-in schemes a label-skew benchmark accepts as ``partition=NAME`` (``domains`` needs a domain
+#: layout); :func:`label_schemes` adds those registered or installed
 LABEL_SCHEMES = ("iid", "dirichlet", "nid2", "longtail", "ag-nid")
 
 
@@ -652,7 +765,7 @@ class PartitionOptions:
     benchmark's own scheme (the one its paper table uses).
     """
 
-    scheme: str = option("auto", choices=("auto",) + tuple(PARTITIONERS),
+    scheme: str = option("auto", choices=LiveChoices(partitioner_names, first=("auto",)),
                          help="auto (the benchmark's scheme) or one of the partitioners")
     alpha: float = option(0.5, gt=0.0, help="dirichlet/longtail: Dirichlet concentration (NID1_alpha)")
     min_size: int = option(10, min=0, help="dirichlet/longtail: fewest samples any client may get")
@@ -666,6 +779,32 @@ class PartitionOptions:
     load: str | None = option(None, help="reuse the partition saved in this partition.json instead of drawing one")
 
 
+_merged: dict[tuple[tuple[str, type], ...], type] = {}
+
+
+def partition_options_class() -> type:
+    """The ``partition`` section's options class: :class:`PartitionOptions`, plus (in a subclass) the knobs
+    of every registered or installed partitioner that declares ``options`` (each a ``partition.<knob>``)."""
+    extra: tuple[tuple[str, type], ...] = tuple(
+        (name, options) for name in REGISTRY.names() if (options := REGISTRY.entries[name].options) is not None)
+    if not extra:
+        return PartitionOptions
+    if extra not in _merged:
+        fields: list[tuple[str, Any, Any]] = []
+        for _, cls in extra:
+            hints = typing.get_type_hints(cls)
+            for item in dataclasses.fields(cls):
+                if any(item.name == known[0] for known in fields):
+                    continue  # two partitioners sharing a knob: the first one's declaration
+                default = (dataclasses.field(default=item.default, metadata=item.metadata)
+                           if item.default is not dataclasses.MISSING else
+                           dataclasses.field(default_factory=item.default_factory, metadata=item.metadata))
+                fields.append((item.name, hints[item.name], default))
+        _merged[extra] = dataclasses.make_dataclass("PartitionOptions", fields, bases=(PartitionOptions,),
+                                                    namespace={"__module__": __name__})
+    return _merged[extra]
+
+
 def chosen_scheme(options: PartitionOptions, default: str, allowed: Sequence[str], name: str,
                   note: str = "") -> str:
     """The scheme ``partition=`` asks for (``auto``: the data set's ``default``), checked against the
@@ -673,6 +812,7 @@ def chosen_scheme(options: PartitionOptions, default: str, allowed: Sequence[str
     from fedhpro.errors import ConfigError
 
     scheme = default if options.scheme == "auto" else options.scheme
+    allowed = [*allowed, *(added for added in added_label_schemes() if added not in allowed)]
     if scheme not in allowed:
         raise ConfigError(f"partition={scheme} does not apply to {name}; choose one of: {', '.join(allowed)}{note}")
     return scheme
@@ -681,19 +821,11 @@ def chosen_scheme(options: PartitionOptions, default: str, allowed: Sequence[str
 def label_partition(options: PartitionOptions, scheme: str, labels: np.ndarray, num_clients: int,
                     rng: np.random.Generator, num_classes: int | None = None) -> Partition:
     """Split ``labels`` with the label-skew ``scheme`` and the parameters of ``options``."""
-    if scheme == "iid":
-        return iid(labels, num_clients, rng)
-    if scheme == "dirichlet":
-        return dirichlet(labels, num_clients, options.alpha, rng, min_size=options.min_size,
-                         max_retries=options.max_retries)
-    if scheme == "nid2":
-        return nid2(labels, num_clients, rng, single_class_clients=options.single_class_clients)
-    if scheme == "longtail":
-        return longtail(labels, num_clients, options.rho, rng, alpha=options.alpha, min_size=options.min_size,
-                        max_retries=options.max_retries, num_classes=num_classes)
-    if scheme == "ag-nid":
-        return ag_nid(labels, num_clients, rng, two_class_fraction=options.two_class_fraction)
-    raise PartitionError(f"partition={scheme!r} does not split by label; choose one of: {', '.join(LABEL_SCHEMES)}")
+    spec = REGISTRY.get(scheme) if isinstance(scheme, str) else None
+    if spec is None or not spec.labels or spec.split is None:
+        raise PartitionError(f"partition={scheme!r} does not split by label; choose one of: "
+                             f"{', '.join(label_schemes())}")
+    return spec.split(options, labels, num_clients, rng, num_classes)
 
 
 def within_domains(labels: Mapping[str, np.ndarray], layout: Mapping[str, int], scheme: str,
@@ -728,5 +860,7 @@ def within_domains(labels: Mapping[str, np.ndarray], layout: Mapping[str, int], 
     return Partition(parts, scheme, params, client_domains=owners)
 
 
-__all__ = ["LABEL_SCHEMES", "PARTITIONERS", "Partition", "PartitionError", "PartitionOptions", "ag_nid",
+__all__ = ["ENTRY_POINT_GROUP", "LABEL_SCHEMES", "PARTITIONERS", "Partition", "PartitionError", "PartitionOptions",
+           "PartitionerSpec", "REGISTRY", "ag_nid", "added_label_schemes", "label_schemes", "partition_options_class",
+           "partitioner_names", "register",
            "chosen_scheme", "dirichlet", "domains", "iid", "label_partition", "longtail", "nid2", "within_domains"]

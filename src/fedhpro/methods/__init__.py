@@ -1,6 +1,6 @@
 """Federated learning methods, by name.
 
-A built-in method is one module plus one line in ``BUILTIN_METHODS``. Others
+A built-in method is one module plus one ``REGISTRY.builtin`` line below. Others
 join at run time, without editing the package:
 
 * from Python, ``fedhpro.methods.register("fedavgm", METHOD)``;
@@ -18,10 +18,8 @@ lookup of a name that is not registered, or when the methods are listed.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
-import re
-import sys
-from collections.abc import Iterable
+from collections.abc import Mapping
+from typing import Any
 
 from fedhpro.errors import ConfigError
 from fedhpro.methods import fedavg, fedgmkd, fedhpro, fedproto, fedprox, fedrcl, fedsa, fedtgp, moon
@@ -34,52 +32,64 @@ from fedhpro.methods.base import (
     Server,
     TrainSettings,
 )
+from fedhpro.registry import Registry, spec_or_factory
 
 #: the entry-point group through which installed packages add methods
 ENTRY_POINT_GROUP = "fedhpro.methods"
 
-BUILTIN_METHODS: dict[str, MethodSpec] = {
-    "fedavg": fedavg.METHOD,
-    "fedhpro": fedhpro.METHOD,
-    "fedprox": fedprox.METHOD,
-    "moon": moon.METHOD,
-    "fedrcl": fedrcl.METHOD,
-    "fedproto": fedproto.METHOD,
-    "fedtgp": fedtgp.METHOD,
-    "fedgmkd": fedgmkd.METHOD,
-    "fedsa": fedsa.METHOD,
+#: config sections a method's name would shadow (its knobs are the ``<name>.<knob>`` keys)
+RESERVED_NAMES = frozenset({"data", "faults", "partition", "flower", "federation", "aggregation"})
+
+
+def _check(name: str, loaded: object, where: str) -> MethodSpec:
+    return _checked_spec(name, spec_or_factory(loaded, MethodSpec), where)
+
+
+#: the registry of methods (:class:`fedhpro.registry.Registry`); ``method=<name>`` chooses one
+REGISTRY: Registry[MethodSpec] = Registry(
+    "method", ENTRY_POINT_GROUP, key="method", check=_check, reserved=RESERVED_NAMES,
+    hint=f" (or add one with fedhpro.methods.register or a package's {ENTRY_POINT_GROUP!r} entry point)")
+
+# the built-in methods: one line each
+REGISTRY.builtin("fedavg", fedavg.METHOD)
+REGISTRY.builtin("fedhpro", fedhpro.METHOD)
+REGISTRY.builtin("fedprox", fedprox.METHOD)
+REGISTRY.builtin("moon", moon.METHOD)
+REGISTRY.builtin("fedrcl", fedrcl.METHOD)
+REGISTRY.builtin("fedproto", fedproto.METHOD)
+REGISTRY.builtin("fedtgp", fedtgp.METHOD)
+REGISTRY.builtin("fedgmkd", fedgmkd.METHOD)
+REGISTRY.builtin("fedsa", fedsa.METHOD)
+
+#: the built-in methods, name -> spec
+BUILTIN_METHODS: dict[str, MethodSpec] = REGISTRY.builtins
+
+#: the live registry's entries: the built-ins, then what :func:`register` and the entry points added. Look
+#: methods up with :func:`get_method` and list them with :func:`method_names`, which load the entry points first.
+METHODS: dict[str, MethodSpec] = REGISTRY.entries
+
+#: a method's named recipes: method -> recipe name -> the settings it applies before the user's
+#: (``<method>.recipe=<name>``). Declared with the method (:func:`register`'s ``recipes=``, or a
+#: ``recipes`` attribute of its MethodSpec); config.py applies whatever recipe a method declares.
+RECIPES: dict[str, dict[str, dict[str, Any]]] = {
+    "fedhpro": {"authors": fedhpro.AUTHORS_RECIPE},
 }
 
-#: the live registry: the built-ins, then what :func:`register` and the entry points added. Look methods up
-#: with :func:`get_method` and list them with :func:`method_names`, which load the entry points first.
-METHODS: dict[str, MethodSpec] = dict(BUILTIN_METHODS)
 
-#: config sections a method's name would shadow (its knobs are the ``<name>.<knob>`` keys)
-RESERVED_NAMES = frozenset({"data", "faults", "partition", "flower", "federation"})
-
-_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
-
-_entry_points_loaded = False
-#: name -> the one-line error of an entry point that failed to load (raised when that name is asked for)
-_broken: dict[str, str] = {}
-
-
-def register(name: str, spec: MethodSpec, *, replace: bool = False) -> MethodSpec:
+def register(name: str, spec: MethodSpec, *, replace: bool = False,
+             recipes: Mapping[str, Mapping[str, Any]] | None = None) -> MethodSpec:
     """Add ``spec`` as ``method=name`` for this process; returns the registered spec (named ``name``).
 
     Raises a one-line ConfigError for a name that is not a plain word, a spec
     that is not a :class:`MethodSpec` with a defaults-only options dataclass,
     or a name already taken (a built-in, or registered before) unless
-    ``replace=True``.
+    ``replace=True``. ``recipes``: recipe name -> settings that
+    ``<name>.recipe=<recipe>`` applies first (the method's options need a ``recipe`` field).
     """
-    spec = _checked_spec(name, spec, f"register({name!r}, ...)")
-    load_entry_points()  # an entry point of the same name must not silently replace this one later
-    if name in METHODS and not replace:
-        kind = "a built-in method" if METHODS[name] is BUILTIN_METHODS.get(name) else "already registered"
-        raise ConfigError(f"method {name!r} is {kind}; choose another name or pass replace=True to replace it")
-    METHODS[name] = spec
-    _broken.pop(name, None)
-    return spec
+    registered = REGISTRY.register(name, spec, replace=replace)
+    if recipes is not None:
+        RECIPES[name] = {recipe: dict(values) for recipe, values in recipes.items()}
+    return registered
 
 
 def get_method(name: str) -> MethodSpec:
@@ -88,26 +98,24 @@ def get_method(name: str) -> MethodSpec:
     Raises a one-line ConfigError for an unknown name (listing the valid ones)
     or for an entry point that failed to load (naming its package).
     """
-    if name not in METHODS:
-        load_entry_points()
-    if name in METHODS:
-        return METHODS[name]
-    if name in _broken:
-        raise ConfigError(_broken[name])
-    raise ConfigError(f"method={name!r} is not valid; choose one of: {', '.join(METHODS)} (or add one with "
-                      f"fedhpro.methods.register or a package's {ENTRY_POINT_GROUP!r} entry point)")
+    return REGISTRY.lookup(name)
 
 
 def method_names() -> list[str]:
     """Every method's name: the built-ins first, then those registered or installed."""
-    load_entry_points()
-    return list(METHODS)
+    return REGISTRY.names()
 
 
 def all_methods() -> dict[str, MethodSpec]:
     """A copy of the registry after loading the entry points: name -> spec."""
-    load_entry_points()
+    REGISTRY.load_entry_points()
     return dict(METHODS)
+
+
+def recipes_of(name: str) -> dict[str, dict[str, Any]]:
+    """The recipes method ``name`` declares: recipe name -> settings (empty when none)."""
+    declared = getattr(METHODS.get(name), "recipes", None) or {}
+    return {**declared, **RECIPES.get(name, {})}
 
 
 def load_entry_points() -> None:
@@ -118,48 +126,11 @@ def load_entry_points() -> None:
     fails to load is remembered: asking for its name raises a one-line
     ConfigError naming the package; the other methods work as before.
     """
-    global _entry_points_loaded
-    if _entry_points_loaded:
-        return
-    _entry_points_loaded = True
-    for entry in _entry_points():
-        package = _package_of(entry)
-        if entry.name in METHODS:
-            owner = "the built-in method" if entry.name in BUILTIN_METHODS else "a method registered before"
-            print(f"fedhpro: warning: the method {entry.name!r} of package {package} is ignored: {owner} "
-                  f"has that name (rename the entry point in {package})", file=sys.stderr)
-            continue
-        try:
-            loaded = entry.load()
-            spec = loaded if isinstance(loaded, MethodSpec) or not callable(loaded) else loaded()
-            spec = _checked_spec(entry.name, spec, f"entry point {entry.value!r}")
-        except Exception as error:  # any failure of a third-party import is reported, never fatal for others
-            reason = (str(error).strip().splitlines() or [""])[0]
-            _broken[entry.name] = (f"method {entry.name!r} of package {package} failed to load "
-                                   f"({type(error).__name__}: {reason}); fix or reinstall {package} "
-                                   f"(entry point {entry.name} = {entry.value!r}), or pip uninstall {package}")
-            continue
-        METHODS[entry.name] = spec
-
-
-def _entry_points() -> Iterable[importlib.metadata.EntryPoint]:
-    return importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-
-
-def _package_of(entry: importlib.metadata.EntryPoint) -> str:
-    """The distribution that declares ``entry`` (its module's name when unknown)."""
-    dist = getattr(entry, "dist", None)
-    name = getattr(dist, "name", None) if dist is not None else None
-    return name or entry.value.split(":")[0].split(".")[0]
+    REGISTRY.load_entry_points()
 
 
 def _checked_spec(name: str, spec: object, where: str) -> MethodSpec:
     """``spec`` named ``name``, or a ConfigError saying what a method must be."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ConfigError(f"method name {name!r} is not a plain word; use letters, digits, '_' or '-', "
-                          "starting with a letter (it becomes method=<name> and the <name>.<knob> keys)")
-    if name in RESERVED_NAMES:
-        raise ConfigError(f"method name {name!r} is a config section of its own; choose another name")
     if not isinstance(spec, MethodSpec):
         raise ConfigError(f"{where} gives a {type(spec).__name__}, not a fedhpro.methods.MethodSpec; "
                           "give MethodSpec(name, options, server, client) (see fedhpro.methods.fedavg)")
@@ -178,5 +149,5 @@ def _checked_spec(name: str, spec: object, where: str) -> MethodSpec:
 
 
 __all__ = ["METHODS", "BUILTIN_METHODS", "ENTRY_POINT_GROUP", "Client", "ClientData", "MethodContext", "MethodSpec",
-           "Replies", "Server", "TrainSettings", "all_methods", "get_method", "load_entry_points", "method_names",
-           "register"]
+           "RECIPES", "REGISTRY", "Replies", "Server", "TrainSettings", "all_methods", "get_method",
+           "load_entry_points", "method_names", "recipes_of", "register"]

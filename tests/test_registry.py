@@ -1,0 +1,154 @@
+"""fedhpro.registry.Registry: register by name (call and decorator), live names, entry points loaded lazily
+once, one-line errors (unknown name with the closest ones, a name taken twice, a plug-in that fails to load)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+import types
+
+import pytest
+
+from fedhpro.errors import ConfigError
+from fedhpro.options import option
+from fedhpro.registry import LiveChoices, Registry
+
+
+def make(entries=(), check=None) -> Registry:
+    registry: Registry = Registry("widget", "fedhpro.tests.widgets", key="widget", check=check, reserved={"data"})
+    for name, value in entries:
+        registry.builtin(name, value)
+    registry._entry_points = lambda: []  # no installed packages unless a test gives some
+    return registry
+
+
+def entry_points(registry: Registry, monkeypatch, **points: str) -> list[str]:
+    calls: list[str] = []
+
+    def listed():
+        calls.append("listed")
+        return [importlib.metadata.EntryPoint(name, value, registry.group) for name, value in points.items()]
+
+    registry._entry_points = listed
+    registry._loaded = False
+    return calls
+
+
+def test_register_by_call_and_by_decorator_and_names_are_live():
+    registry = make([("a", 1)])
+    choices = registry.choices
+    assert list(choices) == ["a"]
+    registry.register("b", 2)
+
+    @registry.register("c")
+    def c():
+        return 3
+
+    assert registry.names() == ["a", "b", "c"] and list(choices) == ["a", "b", "c"]  # the same object, live
+    assert "c" in choices and registry.lookup("c") is c and registry["b"] == 2
+    assert registry.is_builtin("a") and not registry.is_builtin("b")
+
+
+def test_an_unknown_name_is_one_line_with_the_closest_names():
+    registry = make([("alpha", 1), ("alpine", 2), ("beta", 3)])
+    with pytest.raises(ConfigError) as error:
+        registry.lookup("alpin")
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("widget='alpin' is not valid (did you mean 'alpine' or 'alpha'?); choose one of: ")
+    with pytest.raises(ConfigError, match=r"widget='zzz' is not valid; choose one of: alpha, alpine, beta$"):
+        registry.lookup("zzz")
+    with pytest.raises(ConfigError, match="is not valid"):
+        registry.lookup(["not", "a", "name"])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name,words", [("a", "is a built-in widget"), ("b", "already registered"),
+                                        ("two words", "not a plain word"), ("data", "config section")])
+def test_a_name_taken_twice_or_not_a_name_is_refused(name, words):
+    registry = make([("a", 1)])
+    registry.register("b", 2)
+    with pytest.raises(ConfigError, match=words):
+        registry.register(name, 5)
+    registry.register("b", 6, replace=True)
+    assert registry["b"] == 6
+
+
+def test_entry_points_load_lazily_once_and_never_replace_a_name(monkeypatch, capsys):
+    module = types.ModuleType("widgets_for_tests")
+    module.W = 10
+    module.a = 11
+    monkeypatch.setitem(sys.modules, "widgets_for_tests", module)
+    registry = make([("a", 1)])
+    calls = entry_points(registry, monkeypatch, w="widgets_for_tests:W", a="widgets_for_tests:a")
+    assert registry.lookup("a") == 1 and calls == []  # a registered name: nothing loaded
+    assert registry.lookup("w") == 10
+    registry.names()
+    assert "zzz" not in registry
+    assert calls == ["listed"]  # once
+    assert registry["a"] == 1 and "the widget 'a' of package widgets_for_tests is ignored" in capsys.readouterr().err
+
+
+def test_a_plug_in_that_fails_to_import_is_one_line_naming_its_entry_point(monkeypatch):
+    def check(name, value, where):
+        if value < 0:
+            raise ConfigError(f"{where} gives a negative widget")
+        return value
+
+    module = types.ModuleType("widgets_for_tests")
+    module.NEGATIVE = -1
+    monkeypatch.setitem(sys.modules, "widgets_for_tests", module)
+    registry = make([("a", 1)], check=check)
+    entry_points(registry, monkeypatch, gone="no_such_module_for_fedhpro_tests:W",
+                 negative="widgets_for_tests:NEGATIVE")
+    with pytest.raises(ConfigError) as error:
+        registry.lookup("gone")
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("widget 'gone' of package no_such_module_for_fedhpro_tests failed to load "
+                              "(ModuleNotFoundError:")
+    assert "entry point gone = 'no_such_module_for_fedhpro_tests:W' in group 'fedhpro.tests.widgets'" in message
+    with pytest.raises(ConfigError, match="negative widget"):
+        registry.lookup("negative")
+    assert registry.names() == ["a"] and set(registry.broken()) == {"gone", "negative"}
+    assert registry.lookup("a") == 1
+
+
+def test_live_choices_validate_options_at_each_use():
+    import dataclasses
+
+    from fedhpro.options import build
+
+    registry = make([("a", 1)])
+
+    @dataclasses.dataclass
+    class Options:
+        widget: str = option("a", choices=LiveChoices(registry.names, first=("auto",)))
+
+    with pytest.raises(ConfigError, match=r"widget='b' is not valid; choose one of: auto, a$"):
+        build(Options, {"widget": "b"})
+    registry.register("b", 2)
+    assert build(Options, {"widget": "b"}).widget == "b"
+    assert list(dataclasses.fields(Options)[0].metadata["choices"]) == ["auto", "a", "b"]
+
+
+def test_the_packages_registries_share_the_generic_registry():
+    import fedhpro.data
+    import fedhpro.data.partition
+    import fedhpro.methods
+    import fedhpro.models
+
+    groups = {registry.group for registry in (fedhpro.methods.REGISTRY, fedhpro.data.REGISTRY,
+                                              fedhpro.data.partition.REGISTRY, fedhpro.models.REGISTRY)}
+    assert groups == {"fedhpro.methods", "fedhpro.datasets", "fedhpro.partitioners", "fedhpro.models"}
+    assert fedhpro.methods.METHODS is fedhpro.methods.REGISTRY.entries  # the public names are aliases
+    assert fedhpro.data.DATASETS is fedhpro.data.REGISTRY and fedhpro.models.MODELS is fedhpro.models.REGISTRY
+    assert fedhpro.data.partition.PARTITIONERS["ag-nid"] is fedhpro.data.partition.ag_nid
+
+
+def test_key_kinds_are_declared_with_the_keys():
+    from fedhpro.config import OBSERVER_KEYS, PRESENTATION_KEYS, RESUMABLE_KEYS
+
+    assert PRESENTATION_KEYS == {"out", "progress", "device", "threads", "resume", "tensorboard",
+                                 "checkpoint_every", "checkpoint_minutes", "keep_checkpoints"}
+    assert RESUMABLE_KEYS == PRESENTATION_KEYS - {"out"} | {"tsne"}
+    assert OBSERVER_KEYS == ("flops", "prototype_distance", "tsne", "tensorboard")
