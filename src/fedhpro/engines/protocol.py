@@ -55,6 +55,7 @@ from torch import Tensor
 
 from fedhpro.aggregation import clip_factor, coordinate_median, trimmed_mean, update_norm
 from fedhpro.errors import FedHProError, UpdateError
+from fedhpro.methods.base import ClassRows
 from fedhpro.metrics import payload_bytes, payload_parameters
 from fedhpro.seeds import derive_seed
 
@@ -183,9 +184,16 @@ def corrupted(reply: dict[str, Any]) -> dict[str, Any]:
     return {**reply, "weights": weights}
 
 
-def class_tensor_keys(reply: Mapping[str, Any], num_classes: int | None) -> list[str]:
-    """The reply's class tensors: floating-point tensors other than the weights whose first dimension is
-    ``num_classes`` (prototypes, class gradients, soft predictions); none when ``num_classes`` is unknown."""
+def class_tensor_keys(reply: Mapping[str, Any], num_classes: int | None,
+                      declared: Sequence[str] | None = None) -> list[str]:
+    """The reply's class tensors: floating-point tensors whose rows are per class (prototypes, class
+    gradients, soft predictions). ``declared``: the keys the method's reply layout declares per class
+    (:func:`declared_class_keys`), the engines' source; without it (a direct call on bare replies) the
+    floating-point tensors other than the weights whose first dimension is ``num_classes`` (none when
+    ``num_classes`` is unknown)."""
+    if declared is not None:
+        return [key for key in declared if isinstance(reply.get(key), Tensor) and reply[key].is_floating_point()
+                and reply[key].dim() >= 1]
     if num_classes is None:
         return []
     return [key for key, value in reply.items()
@@ -193,8 +201,18 @@ def class_tensor_keys(reply: Mapping[str, Any], num_classes: int | None) -> list
             and value.shape[0] == num_classes]
 
 
+def declared_class_keys(server: Any) -> list[str]:
+    """The per-class keys of ``server.reply_layout()`` (:class:`~fedhpro.methods.base.ClassRows` entries,
+    floating point: the integer class counts are never scaled or averaged), in the layout's order; none
+    for a server without a layout."""
+    layout = getattr(server, "reply_layout", None)
+    if layout is None:
+        return []
+    return [key for key, entry in layout().items() if isinstance(entry, ClassRows) and entry.dtype.is_floating_point]
+
+
 def hostile(reply: dict[str, Any], global_weights: Mapping[str, Tensor], factor: float,
-            num_classes: int | None) -> dict[str, Any]:
+            num_classes: int | None, class_keys: Sequence[str] | None = None) -> dict[str, Any]:
     """The reply a hostile client sends (``faults.scale`` / ``faults.sign_flip``): its update
     ``Delta = w_k - w_global`` times ``factor`` on top of the global weights, i.e.
     ``w_global + factor * Delta`` for every floating-point weight the server broadcast, and its class
@@ -212,7 +230,7 @@ def hostile(reply: dict[str, Any], global_weights: Mapping[str, Tensor], factor:
             else:
                 scaled[key] = value
         out["weights"] = scaled
-    for key in class_tensor_keys(reply, num_classes):
+    for key in class_tensor_keys(reply, num_classes, class_keys):
         out[key] = reply[key] * factor
     return out
 
@@ -335,7 +353,8 @@ def _robust_rows(rows: Tensor, rule: Aggregation) -> tuple[Tensor, int]:
 
 
 def robust_replies(replies: Sequence[dict[str, Any]], global_weights: Mapping[str, Tensor], rule: Aggregation,
-                   num_classes: int | None) -> tuple[list[dict[str, Any]], dict[str, float]]:
+                   num_classes: int | None, class_keys: Sequence[str] | None = None
+                   ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """A round's validated replies made robust by ``rule`` (new dicts; the inputs are not changed), and
     what was done (``robust_*`` server metrics).
 
@@ -358,16 +377,16 @@ def robust_replies(replies: Sequence[dict[str, Any]], global_weights: Mapping[st
     if not out:
         return out, metrics
     metrics.update(_robust_weights(out, global_weights, rule))
-    keys = [key for key in class_tensor_keys(out[0], num_classes)
+    keys = [key for key in class_tensor_keys(out[0], num_classes, class_keys)
             if all(isinstance(r.get(key), Tensor) and r[key].shape == out[0][key].shape for r in out)]
     if keys:
-        assert num_classes is not None  # class tensors are recognised by their first dimension
-        holders = _holders(out, num_classes)
+        classes = num_classes if num_classes is not None else out[0][keys[0]].shape[0]
+        holders = _holders(out, classes)
         clipped = 0
         for key in keys:
             stacked = torch.stack([reply[key].detach() for reply in out])
             robust = stacked.clone()
-            for c in range(num_classes):
+            for c in range(classes):
                 held = holders[:, c].to(stacked.device)
                 if bool(held.any()):
                     robust[held, c], count = _robust_rows(stacked[held, c], rule)
@@ -526,7 +545,8 @@ class OpenRound:
                 self.dropped.append({"client": client, "reason": f"invalid update: {error}"})
                 return Reception.INVALID
             if factor is not None:
-                reply = hostile(reply, self.payload.get("weights") or {}, factor, self.num_classes)
+                reply = hostile(reply, self.payload.get("weights") or {}, factor, self.num_classes,
+                                declared_class_keys(self.protocol.server))
                 reception = Reception.HOSTILE
             if self._corrupt[client]:
                 reply, reception = corrupted(reply), Reception.CORRUPTED
@@ -546,7 +566,7 @@ class OpenRound:
 
     @property
     def num_classes(self) -> int | None:
-        """The method's number of classes (what marks a class tensor), None if its server does not say."""
+        """The method's number of classes (the length of class_counts), None if its server does not say."""
         value = getattr(self.protocol.server, "num_classes", None)
         return value if isinstance(value, int) else None
 
@@ -581,7 +601,8 @@ class OpenRound:
             if not protocol.aggregation.robust:
                 return protocol.server.aggregate(self.round, self.replies)
             robust, robust_metrics = robust_replies(self._held, self.payload.get("weights") or {},
-                                                    protocol.aggregation, self.num_classes)
+                                                    protocol.aggregation, self.num_classes,
+                                                    declared_class_keys(protocol.server))
             self._held = []
             for reply in robust:
                 self.replies.append(reply)

@@ -10,7 +10,11 @@ for diagnostics ``exposed_prototypes()`` (None unless the method has prototypes)
 The engines collect a round's replies in ``new_replies()`` (a :class:`Replies`
 that folds each reply's weights into a running weighted sum as it arrives)
 and hand that to ``aggregate``; methods also accept a plain list.
-Client hook: ``fit(model, payload, data, state, generator) -> (reply, metrics)``.
+Client: ``fit(model, payload, data, state, generator) -> (reply, metrics)``, one fixed sequence for
+every method (load the payload's weights, :meth:`Client.prepare`, the shared training loop
+:func:`train_epochs` on CE plus :meth:`Client.loss_terms`, the reply of the trained weights plus
+:meth:`Client.upload`). A method fills in those hooks (and :meth:`Client.activation_modules`,
+:meth:`Client.train_settings`), never a loop of its own; they share one :class:`LocalRound`.
 
 The reply's layout is a contract. ``Server.reply_layout()`` declares, as plain
 data, every key a client's reply holds and its form: a dict ``{name: (shape,
@@ -23,7 +27,9 @@ with this declaration before it decodes a single array (no ``np.load`` of a
 reply that does not fit), and drops a reply with an extra or missing key, a
 wrong dtype or shape, or more bytes than its shape needs. A plug-in method
 must therefore declare every key its client uploads: an undeclared key is
-refused with a line naming it and this fix.
+refused with a line naming it and this fix. A tensor whose rows are per class (prototypes, class
+gradients, counts) is declared as :class:`ClassRows` (still a ``(shape, dtype)``): the engines act on
+per-class tensors (injected hostility, the robust rules) by that declaration alone.
 """
 
 from __future__ import annotations
@@ -32,8 +38,8 @@ import dataclasses
 import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, cast, overload
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, cast, final, overload
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +53,18 @@ Payload = dict[str, Any]
 Weights = dict[str, Tensor]
 #: one tensor of a reply layout: ``(shape, dtype)``
 TensorLayout = tuple[tuple[int, ...], torch.dtype]
+
+
+class ClassRows(NamedTuple):
+    """A tensor of a reply layout whose rows are per class (``shape[0]`` is the number of classes:
+    prototypes, class gradients, soft predictions, class counts). It is a ``(shape, dtype)`` like any
+    :data:`TensorLayout`; the engines read the per-class keys from it (:func:`class_keys`: injected
+    hostility and the robust rules act on such tensors row by row), never from a reply's shapes."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
 #: a reply's declared layout (:meth:`Server.reply_layout`): per key, ``{name: (shape, dtype)}`` (a model's
 #: weights), ``(shape, dtype)`` (one tensor) or a scalar type (``int``, ``float``, ``bool``, ``str``)
 ReplyLayout = dict[str, dict[str, TensorLayout] | TensorLayout | type]
@@ -55,6 +73,11 @@ ReplyLayout = dict[str, dict[str, TensorLayout] | TensorLayout | type]
 def tensor_layout(tensor: Tensor) -> TensorLayout:
     """``(shape, dtype)`` of ``tensor``: its entry in a reply layout."""
     return tuple(tensor.shape), tensor.dtype
+
+
+def class_keys(layout: Mapping[str, Any]) -> list[str]:
+    """The keys a reply layout declares per class (:class:`ClassRows`), in the layout's order."""
+    return [key for key, entry in layout.items() if isinstance(entry, ClassRows)]
 
 
 def weights_layout(weights: Mapping[str, Tensor]) -> dict[str, TensorLayout]:
@@ -306,11 +329,58 @@ class Server:
         self.weights = dict(state["weights"])
 
 
+#: the old form of a method's extra loss, ``(z, y, logits) -> {name: term}``; :func:`train_epochs` still takes it
+#: (scripts, benchmarks), the methods write :data:`LossTerms`
 Regularizer = Callable[[Tensor, Tensor, Tensor], dict[str, Tensor]]
 
 
+@dataclass
+class Batch:
+    """One training batch as the shared loop hands it to a method's loss terms (:data:`LossTerms`)."""
+
+    x: Tensor  # the inputs the feature extractor ran on (after augmentation)
+    y: Tensor  # the labels
+    z: Tensor  # the features ``features(x)``
+    logits: Tensor  # ``classifier(z)``
+    #: the outputs of the modules the method declared (:meth:`Client.activation_modules`), in the order the
+    #: forward pass produced them (a module that did not run in this forward gives none)
+    activations: list[Tensor] = field(default_factory=list)
+
+
+#: a method's extra loss: ``Batch -> {name: term}``; the loop minimises CE plus the sum of the terms and reports
+#: each term's mean under its name
+LossTerms = Callable[[Batch], dict[str, Tensor]]
+
+
+@dataclass
+class LocalRound:
+    """One client's local round, as :meth:`Client.fit` hands it to the method's hooks."""
+
+    model: nn.Module  # the working model, loaded with the payload's weights
+    payload: Payload  # what the server broadcast
+    data: ClientData  # the client's training data
+    state: dict[str, Any]  # the client's own state, kept between its rounds
+    generator: torch.Generator  # the round's random draws (batch order, then the hooks' draws)
+    #: numbers reported with the losses, after them, in the order the hooks write them
+    notes: dict[str, float] = field(default_factory=dict)
+    #: what :meth:`Client.prepare` computed for the loss terms and the upload (the method's own keys)
+    scratch: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.x.device
+
+
 class Client:
-    """Client part. The default is FedAvg: load the global weights, run E epochs of SGD on CE."""
+    """Client part. The default is FedAvg: load the global weights, run E epochs of SGD on CE.
+
+    :meth:`fit` is the same sequence for every method (it is ``final``): load the payload's weights,
+    :meth:`prepare`, train with the shared loop (:func:`train_epochs`, CE plus :meth:`loss_terms`, the
+    settings of :meth:`train_settings`, the activations of :meth:`activation_modules`), then reply the
+    trained shared weights, ``num_examples`` and :meth:`upload`. A method overrides those hooks; they
+    share one :class:`LocalRound` (the hooks' numbers go to ``round.notes``, what ``prepare`` computed
+    for the others to ``round.scratch``).
+    """
 
     def __init__(self, context: MethodContext):
         self.context = context
@@ -318,22 +388,75 @@ class Client:
         self.num_classes = context.num_classes
         self.train = context.train
 
+    def prepare(self, round: LocalRound) -> None:
+        """Before training, on the received model: per-round state (frozen copies, class statistics,
+        margins) in ``round.scratch``. The default does nothing."""
+
+    def loss_terms(self, round: LocalRound) -> LossTerms | None:
+        """The round's extra loss, ``Batch -> {name: term}``, built once after :meth:`prepare`; None (the
+        default): CE only."""
+        return None
+
+    def activation_modules(self, round: LocalRound) -> Sequence[nn.Module]:
+        """Modules of the model whose outputs the loss terms read (``Batch.activations``); none by default."""
+        return ()
+
+    def train_settings(self, round: LocalRound) -> TrainSettings:
+        """The local optimisation settings of this round: the run's by default."""
+        return self.train
+
+    def upload(self, round: LocalRound) -> Payload:
+        """After training: what the reply holds besides ``weights`` and ``num_examples`` (declared in the
+        server's :meth:`Server.reply_layout`); none by default."""
+        return {}
+
+    @final
     def fit(self, model: nn.Module, payload: Payload, data: ClientData, state: dict[str, Any],
             generator: torch.Generator) -> tuple[Payload, dict[str, float]]:
         load_weights(model, payload["weights"])
-        losses = train_epochs(model, data, self.train, generator)
+        round = LocalRound(model, payload, data, state, generator)
+        self.prepare(round)
+        losses = train_epochs(model, data, self.train_settings(round), generator, loss_terms=self.loss_terms(round),
+                              activations=self.activation_modules(round))
         # reply exactly the keys received: the shared part of the model
-        return {"weights": clone_weights(model, payload["weights"]), "num_examples": len(data)}, losses
+        reply: Payload = {"weights": clone_weights(model, payload["weights"]), "num_examples": len(data)}
+        reply.update(self.upload(round))
+        losses.update(round.notes)
+        return reply, losses
 
 
 def train_epochs(model: nn.Module, data: ClientData, train: TrainSettings, generator: torch.Generator,
-                 regularizer: Regularizer | None = None) -> dict[str, float]:
-    """E epochs of mini-batch SGD on ``CE + sum(regularizer terms)``; returns the mean of each term.
+                 regularizer: Regularizer | None = None, *, loss_terms: LossTerms | None = None,
+                 activations: Sequence[nn.Module] = ()) -> dict[str, float]:
+    """E epochs of mini-batch SGD on ``CE + sum(loss terms)``; returns the mean of each term.
 
+    ``loss_terms`` gets each :class:`Batch`, with the outputs of ``activations`` (modules of ``model``)
+    recorded during its forward pass; ``regularizer`` is the older ``(z, y, logits)`` form (not both).
     Batches are index slices of the resident tensors, in an order drawn from
     ``generator`` (on the CPU, so the order is the same on every device). A
     trailing batch of one sample is skipped (BatchNorm cannot train on it).
     """
+    if regularizer is not None:
+        if loss_terms is not None:
+            raise ValueError("give train_epochs a regularizer or loss_terms, not both")
+        loss_terms = regularizer_terms(regularizer)
+    recorded: list[Tensor] = []
+    handles = [module.register_forward_hook(lambda module, args, output: recorded.append(output))
+               for module in activations]
+    try:
+        return _train_loop(model, data, train, generator, loss_terms, recorded)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def regularizer_terms(regularizer: Regularizer) -> LossTerms:
+    """The :data:`LossTerms` of an old-form ``(z, y, logits)`` regulariser."""
+    return lambda batch: regularizer(batch.z, batch.y, batch.logits)
+
+
+def _train_loop(model: nn.Module, data: ClientData, train: TrainSettings, generator: torch.Generator,
+                loss_terms: LossTerms | None, recorded: list[Tensor]) -> dict[str, float]:
     model.train()
     if train.channels_last:
         model.to(memory_format=torch.channels_last)  # in place, before the optimiser takes the parameters
@@ -355,16 +478,18 @@ def train_epochs(model: nn.Module, data: ClientData, train: TrainSettings, gener
             x, y = data.x[index], data.y[index]
             if data.augment is not None:  # off by default: the default path draws nothing more
                 x = data.augment(x, generator)
+            recorded.clear()
             if train.fast_path:
-                z, logits = _fast_forward(classifier, features, x, train)
+                x, z, logits = _fast_forward(classifier, features, x, train)
             else:  # the default path: exactly these operations, so results stay bit for bit as before
                 z = features(x)
                 logits = classifier(z)
             terms = {"ce": F.cross_entropy(logits, y)}
-            if regularizer is not None:
-                terms.update(regularizer(z, y, logits))
+            if loss_terms is not None:
+                terms.update(loss_terms(Batch(x, y, z, logits, list(recorded))))
+            recorded.clear()
             first, *rest = terms.values()
-            loss = sum(rest, first)  # ce + each regulariser term, in order
+            loss = sum(rest, first)  # ce + each extra term, in order
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if train.max_grad_norm is not None:
@@ -380,11 +505,12 @@ def train_epochs(model: nn.Module, data: ClientData, train: TrainSettings, gener
 
 
 def _fast_forward(classifier: nn.Module, features: Callable[[Tensor], Tensor], x: Tensor,
-                  train: TrainSettings) -> tuple[Tensor, Tensor]:
-    """``(z, logits)`` of the opt-in fast path: channels_last input, bf16 autocast, float32 outputs.
+                  train: TrainSettings) -> tuple[Tensor, Tensor, Tensor]:
+    """``(x, z, logits)`` of the opt-in fast path: channels_last input (the ``x`` returned), bf16 autocast,
+    float32 outputs.
 
     The outputs are cast back to float32 so the losses (softmax, HPCL's
-    logsumexp, HPAL's Huber) and the method's regularisers run in full
+    logsumexp, HPAL's Huber) and the method's loss terms run in full
     precision whatever ran the network.
     """
     if train.channels_last and x.dim() == 4:
@@ -392,7 +518,7 @@ def _fast_forward(classifier: nn.Module, features: Callable[[Tensor], Tensor], x
     with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=train.amp == "bf16"):
         z = features(x)
         logits = classifier(z)
-    return z.float(), logits.float()
+    return x, z.float(), logits.float()
 
 
 #: compiled feature extractors, one per working model's ``features`` module (dropped with the module)

@@ -99,11 +99,13 @@ from fedhpro import functional as HF
 from fedhpro.errors import UpdateError
 from fedhpro.functional import weighted_average
 from fedhpro.methods.base import (
-    ClientData,
+    Batch,
+    ClassRows,
+    LocalRound,
+    LossTerms,
     MethodContext,
     MethodSpec,
     Payload,
-    Regularizer,
     ReplyLayout,
     Weights,
     classifier_of,
@@ -291,9 +293,10 @@ class FedGMKDServer(PrototypeServer):
         return {**super().broadcast(round), "soft_predictions": self.soft.clone(), "soft_mask": self.soft_mask.clone()}
 
     def reply_layout(self) -> ReplyLayout:
-        """The prototype methods' layout plus ``soft_predictions`` (C x C, the model's dtype)."""
+        """The prototype methods' layout plus ``soft_predictions`` (C x C, the model's dtype, per class)."""
         c = self.num_classes
-        return {**super().reply_layout(), "soft_predictions": ((c, c), classifier_of(self.scratch).weight.dtype)}
+        dtype = classifier_of(self.scratch).weight.dtype
+        return {**super().reply_layout(), "soft_predictions": ClassRows((c, c), dtype)}
 
     def validate_reply(self, reply: Payload, who: str = "reply") -> None:
         super().validate_reply(reply, who)
@@ -338,32 +341,31 @@ class FedGMKDServer(PrototypeServer):
 
 
 class FedGMKDClient(PrototypeClient):
-    def regularizer(self, model: nn.Module, payload: Payload, data: ClientData,
-                    state: dict) -> tuple[Regularizer, dict[str, float]]:
-        o = self.options
-        device = data.x.device
-        prototypes, prototype_mask = received_prototypes(payload, self.num_classes, feature_dim_of(model), device)
-        soft = payload["soft_predictions"].to(device)
-        knowledge_mask = payload["soft_mask"].to(device).bool() & prototype_mask
+    def loss_terms(self, round: LocalRound) -> LossTerms:
+        o, model, device = self.options, round.model, round.device
+        prototypes, prototype_mask = received_prototypes(round.payload, self.num_classes, feature_dim_of(model),
+                                                         device)
+        soft = round.payload["soft_predictions"].to(device)
+        knowledge_mask = round.payload["soft_mask"].to(device).bool() & prototype_mask
         use_mse = o.gamma > 0 and bool(prototype_mask.any())
         use_kl = o.lam > 0 and bool(knowledge_mask.any())
 
-        def regularizer(z, y, logits):
-            terms = {}
+        def terms(batch: Batch) -> dict[str, Tensor]:
+            z, y = batch.z, batch.y
+            out = {}
             if use_mse:
-                terms["proto_mse"] = o.gamma * prototype_mse(z, y, prototypes, prototype_mask)
+                out["proto_mse"] = o.gamma * prototype_mse(z, y, prototypes, prototype_mask)
             if use_kl:
-                terms["kd_kl"] = o.lam * knowledge_kl(classifier_of(model), prototypes.to(z.dtype), soft,
-                                                      knowledge_mask, o.temperature, o.kl_reduction)
-            return terms
+                out["kd_kl"] = o.lam * knowledge_kl(classifier_of(model), prototypes.to(z.dtype), soft,
+                                                    knowledge_mask, o.temperature, o.kl_reduction)
+            return out
 
-        return regularizer, {}
+        return terms
 
-    def uploads(self, model: nn.Module, data: ClientData, state: dict,
-                generator: torch.Generator) -> tuple[Payload, dict[str, float]]:
+    def upload(self, round: LocalRound) -> Payload:
         """GMM prototypes (class means and class gradients with ``prototypes=hyper``), soft predictions
-        and counts, from one eval-mode pass of the trained model."""
-        o = self.options
+        and counts, from one eval-mode pass of the trained model; the mean GMM component count as a note."""
+        o, model, data = self.options, round.model, round.data
         features = extract_features(model, data.x)
         was_training = model.training
         model.eval()
@@ -373,14 +375,15 @@ class FedGMKDClient(PrototypeClient):
         soft = soft_predictions(logits, data.y, self.num_classes, o.temperature).detach().cpu()
         if o.prototypes == "hyper":
             upload = class_uploads(classifier_of(model), features, data.y, self.num_classes, with_gradients=True)
-            return {**upload, "soft_predictions": soft}, {}
-        seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=generator))
+            return {**upload, "soft_predictions": soft}
+        seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=round.generator))
         local, present, components = gmm_prototypes(
             features, data.y, self.num_classes, max_components=o.max_components,
             max_samples=o.max_samples, covariance=o.covariance, seed=seed)
         counts = torch.bincount(data.y, minlength=self.num_classes)[:self.num_classes]
-        return ({"prototypes": local.detach().cpu(), "class_counts": counts.cpu(), "soft_predictions": soft},
-                {"gmm_components": float(components[present].double().mean())})
+        round.notes["gmm_components"] = float(components[present].double().mean())
+        return {"prototypes": local.detach().cpu(), "class_counts": counts.cpu(), "soft_predictions": soft}
+
 
 METHOD = MethodSpec(
     name="fedgmkd",

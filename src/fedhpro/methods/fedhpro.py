@@ -32,18 +32,20 @@ import torch
 from fedhpro import functional as HF
 from fedhpro.errors import ConfigError
 from fedhpro.methods.base import (
+    Batch,
+    ClassRows,
     Client,
     ClientData,
+    LocalRound,
+    LossTerms,
     MethodContext,
     MethodSpec,
     Payload,
     ReplyLayout,
     Server,
     classifier_of,
-    clone_weights,
     extract_features,
     load_weights,
-    train_epochs,
 )
 from fedhpro.methods.hyper import (
     HyperPrototypeBank,
@@ -164,14 +166,14 @@ class FedHProServer(Server):
     def reply_layout(self) -> ReplyLayout:
         """The base layout plus ``class_counts`` (C, int64), ``class_gradients`` and ``prototypes`` (C x d,
         the model's dtype), under every option; with ``classifier_step=synthetic`` also the classifier
-        gradients."""
-        rows = ((self.num_classes, self.global_prototypes.shape[1]), classifier_of(self.scratch).weight.dtype)
-        layout = {**super().reply_layout(), "class_counts": ((self.num_classes,), torch.int64),
-                  "class_gradients": rows, "prototypes": rows}
+        gradients; all of them per class (:class:`ClassRows`)."""
+        rows = ClassRows((self.num_classes, self.global_prototypes.shape[1]), classifier_of(self.scratch).weight.dtype)
+        layout: ReplyLayout = {**super().reply_layout(), "class_counts": ClassRows((self.num_classes,), torch.int64),
+                               "class_gradients": rows, "prototypes": rows}
         if self.synthetic is not None:  # classifier_step=synthetic: C x C x d and C x C classifier gradients
             (classes, dim), dtype = rows
-            layout.update(classifier_weight_gradients=((classes, classes, dim), dtype),
-                          classifier_bias_gradients=((classes, classes), dtype))
+            layout.update(classifier_weight_gradients=ClassRows((classes, classes, dim), dtype),
+                          classifier_bias_gradients=ClassRows((classes, classes), dtype))
         return layout
 
     def validate_reply(self, reply: Payload, who: str = "reply") -> None:
@@ -259,20 +261,22 @@ class PrototypeTargets(NamedTuple):
 
 
 class FedHProClient(Client):
-    def fit(self, model, payload: Payload, data: ClientData, state: dict, generator: torch.Generator):
-        options = self.options
-        load_weights(model, payload["weights"])
-        hyper = payload["hyper_prototypes"].to(data.x.device)
-        hpcl_targets = hpal_targets = PrototypeTargets(hyper, None)
+    def prepare(self, round: LocalRound) -> None:
+        """On the received model: the loss targets, the margin d_k (Eq. 10) and, with
+        ``gradient_timing=before`` or ``classifier_step=synthetic``, the class and classifier gradients."""
+        options, model, data, device = self.options, round.model, round.data, round.device
+        scratch = round.scratch
+        hyper = scratch["hyper"] = round.payload["hyper_prototypes"].to(device)
+        scratch["hpcl_targets"] = scratch["hpal_targets"] = PrototypeTargets(hyper, None)
         if options.prototypes != "hyper":
             # Table 6: P (C x 1 x d) with its mask in place of S in one or both losses
-            global_targets = PrototypeTargets(payload["global_prototypes"].to(data.x.device).unsqueeze(1),
-                                              payload["global_mask"].to(data.x.device).bool())
+            global_targets = PrototypeTargets(round.payload["global_prototypes"].to(device).unsqueeze(1),
+                                              round.payload["global_mask"].to(device).bool())
             if options.prototypes in ("global", "global-hpcl"):
-                hpcl_targets = global_targets
+                scratch["hpcl_targets"] = global_targets
             if options.prototypes in ("global", "global-hpal"):
-                hpal_targets = global_targets
-        classifier_uploads: Payload = {}
+                scratch["hpal_targets"] = global_targets
+        scratch["classifier_uploads"] = {}
         if options.gradient_timing == "before" or options.classifier_step == "synthetic":
             # one eval-mode pass of the received model, on the same samples, serves the class gradients
             # (timing=before) and the authors' classifier gradients (taken before training in their code)
@@ -280,13 +284,14 @@ class FedHProClient(Client):
             if options.gradient_timing == "before":
                 gradients, prototypes = feature_statistics(classifier_of(model), features, labels, self.num_classes)
                 counts = torch.bincount(data.y, minlength=self.num_classes)[:self.num_classes]
+                scratch["statistics"] = gradients, counts, prototypes
             if options.classifier_step == "synthetic":
                 head = classifier_of(model)
                 weight_gradients, bias_gradients = HF.classifier_class_gradients(features, labels, head.weight,
                                                                                  head.bias, self.num_classes)
-                classifier_uploads = {"classifier_weight_gradients": weight_gradients.cpu(),
-                                      "classifier_bias_gradients": bias_gradients.cpu()}
-        margin = torch.zeros((), device=data.x.device)
+                scratch["classifier_uploads"] = {"classifier_weight_gradients": weight_gradients.cpu(),
+                                                 "classifier_bias_gradients": bias_gradients.cpu()}
+        margin = torch.zeros((), device=device)
         if options.margin != "off" and options.hpcl_weight > 0:
             # d_k: from the received model, before training, fixed for the round (Eq. 10)
             if options.gradient_timing == "before" and options.gradient_samples_per_class == 0:
@@ -300,9 +305,14 @@ class FedHProClient(Client):
                 margin = HF.dot_product_margin(margin_prototypes, present)
             else:
                 margin = HF.client_margin(margin_prototypes, present, normalized=options.margin == "normalized")
+        scratch["margin"] = margin
 
+    def loss_terms(self, round: LocalRound) -> LossTerms:
+        """HPCL (Eq. 11-12) and HPAL (Eq. 13) against the prepared targets."""
+        options = self.options
+        hyper, margin = round.scratch["hyper"], round.scratch["margin"]
+        hpcl_targets, hpal_targets = round.scratch["hpcl_targets"], round.scratch["hpal_targets"]
         normalized = options.hpal_form == "normalized"
-
         both_on_hyper = (options.prototypes == "hyper" and options.hpcl_weight > 0 and options.hpal_weight > 0
                          and options.margin != "dot")
         hpcl_of = HF.hpcl_loss_log_margin if options.margin == "dot" else HF.hpcl_loss
@@ -311,34 +321,36 @@ class FedHProClient(Client):
             # the authors' code divides HPCL's batch mean once more by the batch size
             return options.hpcl_weight / z.shape[0] if options.hpcl_batch_divide else options.hpcl_weight
 
-        def regularizer(z, y, logits):
+        def terms(batch: Batch) -> dict[str, torch.Tensor]:
+            z, y = batch.z, batch.y
             if both_on_hyper:  # the method's default: both losses against S, sharing z/||z||
                 hpcl, hpal = HF.hyper_prototype_losses(z, y, hyper, margin, options.tau, normalized=normalized)
                 return {"hpcl": hpcl_weight(z) * hpcl, "hpal": options.hpal_weight * hpal}
-            terms = {}
+            out = {}
             if options.hpcl_weight > 0 and hpcl_targets.usable:
                 kept = hpcl_targets.restrict(z, y)
                 if kept is not None:
-                    terms["hpcl"] = hpcl_weight(z) * hpcl_of(*kept[:2], kept[2], margin, options.tau)
+                    kept_z, kept_y, targets = kept
+                    out["hpcl"] = hpcl_weight(z) * hpcl_of(kept_z, kept_y, targets, margin, options.tau)
             if options.hpal_weight > 0 and hpal_targets.usable:
                 kept = hpal_targets.restrict(z, y)
                 if kept is not None:
-                    terms["hpal"] = options.hpal_weight * HF.hpal_loss(*kept, normalized=normalized)
-            return terms
+                    kept_z, kept_y, targets = kept
+                    out["hpal"] = options.hpal_weight * HF.hpal_loss(kept_z, kept_y, targets, normalized=normalized)
+            return out
 
-        losses = train_epochs(model, data, self.train, generator, regularizer)
-        if options.gradient_timing == "after":
-            gradients, counts, prototypes = self._class_gradients(model, data)
-        losses["margin"] = float(margin)
-        reply = {
-            "weights": clone_weights(model, payload["weights"]),
-            "num_examples": len(data),
-            "class_counts": counts.cpu(),
-            "class_gradients": gradients.cpu(),
-            "prototypes": prototypes.cpu(),
-            **classifier_uploads,
-        }
-        return reply, losses
+        return terms
+
+    def upload(self, round: LocalRound) -> Payload:
+        """The class counts, gradients g_k^c (Eq. 5; after training unless ``gradient_timing=before``) and
+        prototypes, and the classifier gradients of ``classifier_step=synthetic``; the margin as a note."""
+        if self.options.gradient_timing == "after":
+            gradients, counts, prototypes = self._class_gradients(round.model, round.data)
+        else:
+            gradients, counts, prototypes = round.scratch["statistics"]
+        round.notes["margin"] = float(round.scratch["margin"])
+        return {"class_counts": counts.cpu(), "class_gradients": gradients.cpu(), "prototypes": prototypes.cpu(),
+                **round.scratch["classifier_uploads"]}
 
     def _class_gradients(self, model, data: ClientData):
         return class_statistics(model, data, self.num_classes, self.options.gradient_samples_per_class)

@@ -19,16 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from fedhpro.methods.base import (
-    Client,
-    ClientData,
-    MethodSpec,
-    Payload,
-    Server,
-    clone_weights,
-    load_weights,
-    train_epochs,
-)
+from fedhpro.methods.base import Client, LocalRound, LossTerms, MethodSpec, Server
 from fedhpro.options import option
 
 
@@ -59,18 +50,12 @@ def proximal_term(pairs: list[tuple[Tensor, Tensor]], mu: float) -> Tensor:
 
 
 class FedProxClient(Client):
-    def fit(self, model: nn.Module, payload: Payload, data: ClientData, state: dict, generator: torch.Generator):
-        load_weights(model, payload["weights"])
+    def loss_terms(self, round: LocalRound) -> LossTerms | None:
         mu = float(self.options.mu)
-        regularizer = None
-        if mu > 0:
-            pairs = anchored_parameters(model, payload["weights"])
-
-            def regularizer(z, y, logits):
-                return {"prox": proximal_term(pairs, mu)}
-
-        losses = train_epochs(model, data, self.train, generator, regularizer)
-        return {"weights": clone_weights(model, payload["weights"]), "num_examples": len(data)}, losses
+        if mu == 0:
+            return None
+        pairs = anchored_parameters(round.model, round.payload["weights"])
+        return lambda batch: {"prox": proximal_term(pairs, mu)}
 
 
 METHOD = MethodSpec(

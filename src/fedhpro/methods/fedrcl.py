@@ -25,7 +25,7 @@ Client loss: ``CE + mean_l SCL_l + beta * mean_l DIV_l`` (reported as ``rcl`` an
 
 Stages (:func:`stage_modules`): ``model.stage_modules`` when the model provides
 it (a list of modules, or a method returning one): exactly those modules'
-outputs (an empty list, or hooks that never fire in a forward: ``z`` only).
+outputs (an empty list, or modules that never run in a forward: ``z`` only).
 Otherwise, for a ``features`` that is an ``nn.Sequential``, a stage ends
 at each top-level child before the first ``nn.Flatten`` / global (adaptive)
 pooling child that is
@@ -61,16 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedhpro.methods.base import (
-    Client,
-    ClientData,
-    MethodSpec,
-    Payload,
-    Server,
-    clone_weights,
-    load_weights,
-    train_epochs,
-)
+from fedhpro.methods.base import Batch, Client, LocalRound, LossTerms, MethodSpec, Server, TrainSettings
 from fedhpro.options import option
 
 
@@ -185,28 +176,23 @@ def fedrcl_loss(stages: list[Tensor], labels: Tensor, options: FedRCLOptions) ->
 
 
 class FedRCLClient(Client):
-    def fit(self, model: nn.Module, payload: Payload, data: ClientData, state: dict, generator: torch.Generator):
-        load_weights(model, payload["weights"])
-        modules, include_z = stage_modules(model)
-        captured: list[Tensor] = []
-        handles = [module.register_forward_hook(lambda module, args, output: captured.append(pool_stage(output)))
-                   for module in modules]
+    def activation_modules(self, round: LocalRound) -> list[nn.Module]:
+        return stage_modules(round.model)[0]
+
+    def loss_terms(self, round: LocalRound) -> LossTerms:
+        include_z = stage_modules(round.model)[1]
         options = self.options
 
-        def regularizer(z, y, logits):
-            stages = list(captured)
-            captured.clear()
+        def terms(batch: Batch) -> dict[str, Tensor]:
+            stages = [pool_stage(output) for output in batch.activations]
             if include_z or not stages:
-                stages.append(z)
-            return fedrcl_loss(stages, y, options)
+                stages.append(batch.z)
+            return fedrcl_loss(stages, batch.y, options)
 
-        train = dataclasses.replace(self.train, max_grad_norm=float(options.max_grad_norm) or None)
-        try:
-            losses = train_epochs(model, data, train, generator, regularizer)
-        finally:
-            for handle in handles:
-                handle.remove()
-        return {"weights": clone_weights(model, payload["weights"]), "num_examples": len(data)}, losses
+        return terms
+
+    def train_settings(self, round: LocalRound) -> TrainSettings:
+        return dataclasses.replace(self.train, max_grad_norm=float(self.options.max_grad_norm) or None)
 
 
 METHOD = MethodSpec(

@@ -50,10 +50,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from fedhpro import functional as HF
-from fedhpro.methods.base import ClientData, MethodContext, MethodSpec, Payload, Regularizer, classifier_of
+from fedhpro.methods.base import Batch, LocalRound, LossTerms, MethodContext, MethodSpec, Payload, classifier_of
 from fedhpro.methods.prototypes import PrototypeClient, PrototypeOptions, PrototypeServer, Uploads, margin_ce
 from fedhpro.options import option
 
@@ -160,10 +160,10 @@ class FedSAServer(PrototypeServer):
 
 
 class FedSAClient(PrototypeClient):
-    def regularizer(self, model: nn.Module, payload: Payload, data: ClientData,
-                    state: dict) -> tuple[Regularizer, dict[str, float]]:
-        o = self.options
-        anchors = payload["anchors"].to(data.x.device)
+    def loss_terms(self, round: LocalRound) -> LossTerms:
+        """Calibration, anchor MSE and margin CE; the gap of the margin (global vs local) goes to the notes."""
+        o, model, state = self.options, round.model, round.state
+        anchors = round.payload["anchors"].to(round.device)
         global_gap = class_gap(anchors)
         local_gap = None
         if "last_prototypes" in state:
@@ -171,29 +171,29 @@ class FedSAClient(PrototypeClient):
         gaps = [g for g in (global_gap, local_gap) if g is not None]
         gap = max(gaps) if gaps else 0.0
 
-        def regularizer(z, y, logits):
+        def terms(batch: Batch) -> dict[str, Tensor]:
+            z, y = batch.z, batch.y
             a = anchors.to(z.dtype)
-            terms = {}
+            out = {}
             if o.lambda1 > 0:
-                terms["calibration"] = o.lambda1 * calibration_ce(classifier_of(model), a)
+                out["calibration"] = o.lambda1 * calibration_ce(classifier_of(model), a)
             if o.lambda2 > 0:
-                terms["anchor_mse"] = o.lambda2 * F.mse_loss(z, a[y])
+                out["anchor_mse"] = o.lambda2 * F.mse_loss(z, a[y])
             if o.lambda3 > 0:
-                terms["margin_ce"] = o.lambda3 * margin_ce(z, y, a, gap)
-            return terms
+                out["margin_ce"] = o.lambda3 * margin_ce(z, y, a, gap)
+            return out
 
-        notes = {"gap": float(gap), "global_gap": float(global_gap) if global_gap is not None else 0.0}
+        round.notes.update(gap=float(gap), global_gap=float(global_gap) if global_gap is not None else 0.0)
         if local_gap is not None:
-            notes["local_gap"] = float(local_gap)
-        return regularizer, notes
+            round.notes["local_gap"] = float(local_gap)
+        return terms
 
-    def uploads(self, model: nn.Module, data: ClientData, state: dict,
-                generator: torch.Generator) -> tuple[Payload, dict[str, float]]:
+    def upload(self, round: LocalRound) -> Payload:
         """The default uploads, also kept in ``state`` for the local gap of the next participation."""
-        upload, notes = super().uploads(model, data, state, generator)
-        state["last_prototypes"] = upload["prototypes"]
-        state["last_present"] = upload["class_counts"] > 0
-        return upload, notes
+        upload = super().upload(round)
+        round.state["last_prototypes"] = upload["prototypes"]
+        round.state["last_present"] = upload["class_counts"] > 0
+        return upload
 
 
 METHOD = MethodSpec(

@@ -43,9 +43,8 @@ Decisions:
   payload: the whole received model in a homogeneous federation (with
   classifier-only exchange it is the client's own extractor plus the received
   classifier);
-* the batch's inputs reach the frozen models through a forward pre-hook on
-  ``model.features`` (the shared ``train_epochs`` hands the regulariser only
-  ``z, y, logits``), removed when ``fit`` ends.
+* the frozen models run on the batch's inputs ``Batch.x`` (those the current
+  model's feature extractor ran on), built in ``prepare`` before training.
 
 Server: FedAvg.
 """
@@ -61,15 +60,15 @@ from torch import Tensor, nn
 
 from fedhpro.errors import ConfigError
 from fedhpro.methods.base import (
+    Batch,
     Client,
-    ClientData,
+    LocalRound,
+    LossTerms,
     MethodSpec,
     Payload,
     Server,
     clone_weights,
     features_of,
-    load_weights,
-    train_epochs,
 )
 from fedhpro.models.projection import ProjectionHeadNet, with_projection_head
 from fedhpro.options import option
@@ -123,34 +122,33 @@ def frozen_copy(model: nn.Module) -> nn.Module:
 
 
 class MoonClient(Client):
-    def fit(self, model: nn.Module, payload: Payload, data: ClientData, state: dict, generator: torch.Generator):
-        options = self.options
-        load_weights(model, payload["weights"])
-        previous = state.get("previous_weights")
-        regularizer = None
-        handle = None
-        if previous is not None and options.mu > 0:
-            global_model = frozen_copy(model)
-            previous_model = frozen_copy(model)
+    def prepare(self, round: LocalRound) -> None:
+        """Frozen copies of the received (global) model and of this client's previous model, when it has one."""
+        previous = round.state.get("previous_weights")
+        if previous is not None and self.options.mu > 0:
+            round.scratch["global_model"] = frozen_copy(round.model)
+            previous_model = round.scratch["previous_model"] = frozen_copy(round.model)
             previous_model.load_state_dict(previous)
-            batch: dict[str, Tensor] = {}
-            handle = features_of(model).register_forward_pre_hook(lambda module, args: batch.__setitem__("x", args[0]))
-            mu, tau = float(options.mu), float(options.tau)
 
-            def regularizer(z, y, logits):
-                x = batch.pop("x")
-                with torch.no_grad():
-                    z_glob = features_of(global_model)(x)
-                    z_prev = features_of(previous_model)(x)
-                return {"moon": mu * moon_contrastive_loss(z, z_glob, z_prev, tau)}
+    def loss_terms(self, round: LocalRound) -> LossTerms | None:
+        if "global_model" not in round.scratch:
+            return None  # first participation (or mu = 0): FedAvg's update
+        global_features = features_of(round.scratch["global_model"])
+        previous_features = features_of(round.scratch["previous_model"])
+        mu, tau = float(self.options.mu), float(self.options.tau)
 
-        try:
-            losses = train_epochs(model, data, self.train, generator, regularizer)
-        finally:
-            if handle is not None:
-                handle.remove()
-        state["previous_weights"] = clone_weights(model)
-        return {"weights": clone_weights(model, payload["weights"]), "num_examples": len(data)}, losses
+        def terms(batch: Batch) -> dict[str, Tensor]:
+            with torch.no_grad():
+                z_glob = global_features(batch.x)
+                z_prev = previous_features(batch.x)
+            return {"moon": mu * moon_contrastive_loss(batch.z, z_glob, z_prev, tau)}
+
+        return terms
+
+    def upload(self, round: LocalRound) -> Payload:
+        """Nothing beyond the weights; keeps the trained model as the next round's previous model."""
+        round.state["previous_weights"] = clone_weights(round.model)
+        return {}
 
 
 METHOD = MethodSpec(

@@ -8,12 +8,12 @@ What lives here:
   keeping the previous prototype of a class nobody held this round (:func:`merge_prototypes`);
   the unweighted mean over the clients that hold a class is
   :func:`fedhpro.functional.mean_client_prototypes`,
-* the client regulariser ``lam * MSE(z, P_y)`` that skips samples whose class has no
+* the client loss term ``lam * MSE(z, P_y)`` that skips samples whose class has no
   global prototype (:func:`prototype_mse`, :func:`prototype_regularizer`),
 * the two protocols of ``baselines.md`` (``dagger``: weights + prototypes; ``proto-only``:
   prototypes only) and the plug-and-play ``prototypes=hyper`` (paper Table 3), as a
   :class:`PrototypeServer` / :class:`PrototypeClient` pair that the four methods subclass. A
-  method writes its prototype step (server), its regulariser and its uploads (client); the
+  method writes its prototype step (server), its loss terms and its upload (client hooks); the
   protocols, the hyper-prototypes, the reply checks, the nearest-prototype inference, what the
   server exposes to diagnostics and the server state are the same code for all four.
 
@@ -38,10 +38,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedhpro import functional as HF
-from fedhpro.data.federation import ClientData
 from fedhpro.errors import ConfigError, UpdateError
 from fedhpro.methods.base import (
+    ClassRows,
     Client,
+    LocalRound,
+    LossTerms,
     MethodContext,
     Payload,
     Regularizer,
@@ -49,11 +51,10 @@ from fedhpro.methods.base import (
     Server,
     Weights,
     classifier_of,
-    clone_weights,
     extract_features,
     features_of,
     load_weights,
-    train_epochs,
+    regularizer_terms,
 )
 from fedhpro.methods.hyper import HyperPrototypeBank, feature_statistics
 from fedhpro.options import option
@@ -378,9 +379,11 @@ class PrototypeServer(Server, ABC):
 
     def reply_layout(self) -> ReplyLayout:
         """The base layout (weights, ``{}`` in proto-only; num_examples), ``prototypes`` (C x d, the model's
-        dtype), ``class_counts`` (C, int64) and, with ``prototypes=hyper``, ``class_gradients`` (C x d)."""
-        rows = ((self.num_classes, self.feature_dim), classifier_of(self.scratch).weight.dtype)
-        layout = {**super().reply_layout(), "prototypes": rows, "class_counts": ((self.num_classes,), torch.int64)}
+        dtype), ``class_counts`` (C, int64) and, with ``prototypes=hyper``, ``class_gradients`` (C x d); all
+        but the weights per class (:class:`ClassRows`)."""
+        rows = ClassRows((self.num_classes, self.feature_dim), classifier_of(self.scratch).weight.dtype)
+        layout: ReplyLayout = {**super().reply_layout(), "prototypes": rows,
+                               "class_counts": ClassRows((self.num_classes,), torch.int64)}
         if self.bank is not None:
             layout["class_gradients"] = rows
         return layout
@@ -439,35 +442,21 @@ class PrototypeServer(Server, ABC):
 
 
 class PrototypeClient(Client):
-    """Load the received weights (may be ``{}``), train on CE plus the method's :meth:`regularizer`,
-    then reply the trained weights and the method's :meth:`uploads`.
+    """Load the received weights (may be ``{}``), train on CE plus the method's :meth:`loss_terms`,
+    then reply the trained weights and the method's :meth:`upload` (the hooks of :class:`Client`).
 
     The defaults are FedProto's: ``lam * MSE(z, P_y)`` (classes without a global prototype
     skipped), and the local prototypes (Eq. 2) and class counts, with ``prototypes=hyper`` also the
     class gradients (Eq. 5), all from one eval-mode pass of the trained model.
     """
 
-    def regularizer(self, model: nn.Module, payload: Payload, data: ClientData,
-                    state: dict[str, Any]) -> tuple[Regularizer | None, dict[str, float]]:
-        """The round's extra loss terms (None: none) and numbers to report with the losses."""
-        prototypes, mask = received_prototypes(payload, self.num_classes, feature_dim_of(model), data.x.device)
-        return prototype_regularizer(prototypes, mask, float(self.options.lam)), {}
+    def loss_terms(self, round: LocalRound) -> LossTerms | None:
+        prototypes, mask = received_prototypes(round.payload, self.num_classes, feature_dim_of(round.model),
+                                               round.device)
+        regularizer = prototype_regularizer(prototypes, mask, float(self.options.lam))
+        return None if regularizer is None else regularizer_terms(regularizer)
 
-    def uploads(self, model: nn.Module, data: ClientData, state: dict[str, Any],
-                generator: torch.Generator) -> tuple[Payload, dict[str, float]]:
-        """What the client sends besides its weights, and numbers to report with the losses."""
-        features = extract_features(model, data.x)
-        return class_uploads(classifier_of(model), features, data.y, self.num_classes,
-                             with_gradients=self.options.prototypes == "hyper"), {}
-
-    def fit(self, model: nn.Module, payload: Payload, data: ClientData, state: dict[str, Any],
-            generator: torch.Generator) -> tuple[Payload, dict[str, float]]:
-        load_weights(model, payload["weights"])
-        regularizer, notes = self.regularizer(model, payload, data, state)
-        losses = train_epochs(model, data, self.train, generator, regularizer)
-        losses.update(notes)
-        reply: Payload = {"weights": clone_weights(model, payload["weights"]), "num_examples": len(data)}
-        upload, notes = self.uploads(model, data, state, generator)
-        reply.update(upload)
-        losses.update(notes)
-        return reply, losses
+    def upload(self, round: LocalRound) -> Payload:
+        features = extract_features(round.model, round.data.x)
+        return class_uploads(classifier_of(round.model), features, round.data.y, self.num_classes,
+                             with_gradients=self.options.prototypes == "hyper")
