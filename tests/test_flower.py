@@ -329,8 +329,17 @@ def test_fedhpro_on_flower_simulation_equals_the_simulator(simulated, digits_dat
     assert [row["accuracy"]["AVG"] for row in rows] == [row["accuracy"]["AVG"] for row in expected_rows]
     assert torch.equal(state["server"]["hyper_prototypes"], expected_state["hyper_prototypes"])
     assert_same_state(state["server"], expected_state)
-    summary = json.loads((simulated[1] / "fedhpro-2-rounds" / "summary.json").read_text())
-    assert summary["engine"] == "flower" and summary["accuracy"] == expected_rows[-1]["accuracy"]["AVG"]
+    # the whole run folder as the simulator writes it (one run driver): metrics.jsonl to the byte, summary.json
+    # but for the wall time and the engine's name (params_up/down, fairness, ... included), config, partition
+    flower_out = simulated[1] / "fedhpro-2-rounds"
+    assert (flower_out / "metrics.jsonl").read_bytes() == (tmp_path / "metrics.jsonl").read_bytes()
+    summary, expected = (json.loads((where / "summary.json").read_text()) for where in (flower_out, tmp_path))
+    assert summary.pop("engine") == "flower" and summary.pop("seconds") > 0 and expected.pop("seconds") > 0
+    assert list(summary.items()) == list(expected.items())
+    assert {"params_up", "params_down", "fairness", "client_accuracy"} <= set(summary)
+    for name in ("partition.json", "accuracy.png", "timing.jsonl"):
+        assert (flower_out / name).is_file(), name
+    assert (flower_out / "partition.json").read_bytes() == (tmp_path / "partition.json").read_bytes()
 
 
 @pytest.mark.parametrize("name", [name for name, _ in SIMULATED[1:]])

@@ -8,14 +8,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import FEATURE_DIM, TinyNet, make_federation
 
 import fedhpro
-from conftest import FEATURE_DIM, TinyNet, make_federation
 from fedhpro import api
+from fedhpro.engines import driver
 from fedhpro.engines.observers import OBSERVER_KEYS, FlopCount, PrototypeDistance, RoundObserver
-from fedhpro.measurements import TensorBoardLog, TSNEPlot, observers_for
 from fedhpro.engines.simulator import Simulator
 from fedhpro.errors import ConfigError
+from fedhpro.measurements import TensorBoardLog, TSNEPlot, observers_for
 from fedhpro.methods import METHODS, TrainSettings
 
 TRAIN = TrainSettings(epochs=1, batch_size=8, lr=0.05, momentum=0.0, weight_decay=0.0)
@@ -107,7 +108,7 @@ def test_observers_are_picked_from_the_run_keys_in_one_place(tmp_path):
 class FakeWriter:
     """A SummaryWriter that keeps what it is given."""
 
-    made: list["FakeWriter"] = []
+    made: list[FakeWriter] = []
 
     def __init__(self, log_dir):
         self.log_dir, self.scalars, self.closed = log_dir, [], False
@@ -159,7 +160,7 @@ def rounds_take(monkeypatch, minutes: float, killed_at: int | None = None) -> Fa
     """Make the checkpoint schedule read a fake clock on which every round takes ``minutes`` minutes (and
     round ``killed_at``, if given, is interrupted as by Ctrl-C)."""
     clock = FakeClock()
-    monkeypatch.setattr(api, "_now", clock)
+    monkeypatch.setattr(driver, "_now", clock)
     real_round = Simulator.run_round
 
     def timed_round(self, round):
@@ -175,8 +176,8 @@ def rounds_take(monkeypatch, minutes: float, killed_at: int | None = None) -> Fa
 
 def test_schedule_is_due_by_count_by_time_and_at_the_end(monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr(api, "_now", clock)
-    schedule = api.CheckpointSchedule(every=3, minutes=5, rounds=10)
+    monkeypatch.setattr(driver, "_now", clock)
+    schedule = driver.CheckpointSchedule(every=3, minutes=5, rounds=10)
     assert not schedule.due(1)
     clock.now += 4 * 60
     assert not schedule.due(2)
@@ -187,7 +188,7 @@ def test_schedule_is_due_by_count_by_time_and_at_the_end(monkeypatch):
     schedule.written()
     assert not schedule.due(5) and schedule.due(10)
     clock.now += 60 * 60
-    assert not api.CheckpointSchedule(every=0, minutes=0, rounds=10).due(7)
+    assert not driver.CheckpointSchedule(every=0, minutes=0, rounds=10).due(7)
 
 
 def checkpoints(folder: Path) -> list[str]:

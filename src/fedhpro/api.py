@@ -33,17 +33,23 @@ from fedhpro.config import (
 )
 from fedhpro.data import get_dataset
 from fedhpro.data.federation import Federation
-from fedhpro.engines import checkpoint
+from fedhpro.engines import checkpoint, driver
+from fedhpro.engines.driver import (  # noqa: F401 (kept importable from here)
+    CheckpointSchedule,
+    RunRows,
+    check_new_run_folder,
+    progress_text,
+    run_summary,
+)
 from fedhpro.engines.observers import RoundObserver
 from fedhpro.engines.protocol import Aggregation
 from fedhpro.engines.simulator import Faults, Simulator
-from fedhpro.errors import ConfigError, DataError
+from fedhpro.errors import ConfigError
 from fedhpro.files import RunFolderClaim, claim_run_folder, remove_partial_writes
 from fedhpro.measurements import observers_for
 from fedhpro.methods import MethodSpec, TrainSettings, get_method
 from fedhpro.models import build_model, with_projection_head
-from fedhpro.runtime import cpu_runtime
-from fedhpro.sweeps import resolve_threads, torch_threads
+from fedhpro.runtime import cpu_runtime, resolve_threads, torch_threads
 
 
 @dataclass
@@ -202,16 +208,6 @@ def _resolve_run_config(config: Config | str | os.PathLike | Mapping[str, Any] |
     return config, model_factory, given
 
 
-@dataclass
-class RunRows:
-    """A run's rows so far: ``metrics.jsonl``'s, ``timing.jsonl``'s (wall times vary run to run, so they
-    are kept out of metrics.jsonl) and the first round still to run."""
-
-    metrics: list[dict[str, Any]]
-    timings: list[dict[str, Any]]
-    first_round: int = 0
-
-
 def _run_resolved(config: Config, device: torch.device, federation: Federation | None,
                   model_factory: Callable[..., torch.nn.Module] | None, resume_from: Path | None,
                   echo: bool, out: Path) -> RunResult:
@@ -223,20 +219,21 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
     started = time.perf_counter()
     parts = build_experiment(config, device, federation=federation, model_factory=model_factory)
     simulator = build_simulator(config, parts, device, observers_for(options, out, _warn, title))
+    folder = driver.RunFolder(out, options, started=started)
     if resume_from is not None:
-        rows = _resume_rows(simulator, out, resume_from)
+        folder.resume(resume_from, simulator.load_state_dict)
     else:
-        rows = _start_run_folder(out, config, parts.federation)
-    _train(simulator, options, out, rows, started, f"{options.method} on {data_name}")
+        folder.start(config.to_dict(), parts.federation.partition)
+    driver.train(simulator, folder, f"{options.method} on {data_name}", options.progress)
+    rows = folder.rows
     seconds = time.perf_counter() - started
-    summary = run_summary(config, parts.federation, data_name, device, rows.metrics, seconds)
-    with _stop_on_write_error(out, out / "summary.json"):
-        reports.write_json(out / "summary.json", summary)
+    summary = driver.run_summary(options, data_name, parts.federation.num_clients, device, rows.metrics, seconds,
+                                 parts.federation.notes, from_python=config.federation is not None)
+    folder.finish(summary, simulator.server.state_dict())
     simulator.end_run()
-    with _stop_on_write_error(out, out / "accuracy.png"):
-        reports.plot_accuracy(rows.metrics, out / "accuracy.png", title=title)
+    folder.plot(title)
     if echo:
-        print(reports.accuracy_table(_final_accuracy(rows.metrics),
+        print(reports.accuracy_table(driver.final_accuracy(rows.metrics),
                                      f"{options.method} on {data_name}, seed {options.seed}, "
                                      f"{options.rounds} rounds, {seconds:.0f} s — test accuracy (%):"))
         print(f"results in {out}/ (summary.json, metrics.jsonl, timing.jsonl, accuracy.png, config.yaml)")
@@ -278,143 +275,6 @@ def _new_run_folder(options: RunOptions, data_name: str) -> Path:
         return Path(options.out)
     return Path("runs") / (f"{options.method}-{re.sub(r'[^A-Za-z0-9._-]+', '-', data_name)}-"
                            f"{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}")
-
-
-def _start_run_folder(out: Path, config: Config, federation: Federation) -> RunRows:
-    """Make the new run's folder with its ``config.yaml`` and ``partition.json``: no rows yet. It appears only
-    once the config and the data are known to be good."""
-    out.mkdir(parents=True, exist_ok=True)
-    with _stop_on_write_error(out, out / "config.yaml"):
-        reports.write_yaml(out / "config.yaml", config.to_dict())
-        reports.write_json(out / "partition.json", federation.partition)
-    return RunRows([], [])
-
-
-@contextmanager
-def _stop_on_write_error(out: Path, path: Path) -> Iterator[None]:
-    """A run's file that cannot be written (disk full, file too large, folder no longer writable) stops the
-    run with one line: the file, the disk's reason, the newest good checkpoint and how to continue from it.
-    The run's files are each written whole or not at all (:mod:`fedhpro.files`), so what is there stands."""
-    try:
-        yield
-    except OSError as error:
-        reason = error.strerror or str(error) or type(error).__name__
-        newest = checkpoint.latest(out)
-        kept = (f"its newest good checkpoint is {newest}: fix the disk, then continue with resume={out}"
-                if newest is not None else "it has no checkpoint yet: fix the disk, then start it again")
-        raise DataError(f"could not write {path} ({reason}); the run stopped; {kept}") from None
-
-
-def _resume_rows(simulator: Simulator, out: Path, newest: Path) -> RunRows:
-    """Load the checkpoint ``newest`` into ``simulator`` (and the RNGs): the rows of its completed rounds."""
-    state = checkpoint.load(newest)
-    if isinstance(state["simulator"], Mapping) and state["simulator"].get("engine") == "flower":
-        raise ConfigError(f"resume={out}: its checkpoint was written by the Flower ServerApp; resume it on Flower "
-                          f"(flwr run ... --run-config 'resume=\"{out}\"')")
-    try:
-        simulator.load_state_dict(state["simulator"])
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as error:
-        raise DataError(f"checkpoint {newest} does not fit the run saved in {out} ({type(error).__name__}: "
-                        f"{(str(error).strip().splitlines() or [''])[0][:200]}); it may be from another version "
-                        "or damaged; move it out of the checkpoints folder to resume from the one before") from None
-    first_round = state["completed_rounds"]
-    timings = [row for row in reports.read_jsonl(out / "timing.jsonl") if row.get("round", 1e9) < first_round]
-    return RunRows(state["metrics"], timings, first_round)
-
-
-def _now() -> float:
-    """Seconds on a monotonic clock (the checkpoint schedule's; tests replace it with a fake one)."""
-    return time.monotonic()
-
-
-class CheckpointSchedule:
-    """When a checkpoint is written after a round: every ``every`` rounds (0: never by count), once at least
-    ``minutes`` minutes passed since the last one or since the run (re)started (0: never by time), and after
-    the last of ``rounds`` rounds. Checkpoints only observe: they change no number."""
-
-    def __init__(self, every: int, minutes: float, rounds: int):
-        self.every, self.minutes, self.rounds = every, minutes, rounds
-        self.last = _now()
-
-    def due(self, completed: int) -> bool:
-        """Whether to write one after ``completed`` rounds."""
-        return (completed == self.rounds or bool(self.every and completed % self.every == 0)
-                or bool(self.minutes > 0 and _now() - self.last >= 60.0 * self.minutes))
-
-    def written(self) -> None:
-        self.last = _now()
-
-
-def _train(simulator: Simulator, options: RunOptions, out: Path, rows: RunRows, started: float,
-           label: str) -> None:
-    """Rounds ``rows.first_round`` to the last: after each, its rows are written (``metrics.jsonl``,
-    ``timing.jsonl``), a checkpoint when one is due, and the progress bar (``label``) moves on."""
-    schedule = CheckpointSchedule(options.checkpoint_every, options.checkpoint_minutes, options.rounds)
-    bar = _progress(options.rounds, label, options.progress, rows.first_round)
-    last_accuracy = next((row["accuracy"] for row in reversed(rows.metrics) if "accuracy" in row), None)
-    try:
-        for round_index in range(rows.first_round, options.rounds):
-            record = simulator.run_round(round_index)
-            rows.metrics.append(record.to_json())
-            rows.timings.append({"round": round_index, **record.seconds, "elapsed": time.perf_counter() - started})
-            with _stop_on_write_error(out, out / "metrics.jsonl"):
-                reports.write_jsonl(out / "metrics.jsonl", rows.metrics)
-            with _stop_on_write_error(out, out / "timing.jsonl"):
-                reports.write_jsonl(out / "timing.jsonl", rows.timings)
-            if schedule.due(round_index + 1):
-                # a checkpoint that cannot be written stops the run (checkpoint.CheckpointWriteError, one line
-                # naming the newest good checkpoint, which is kept): a failing disk fails the results too
-                checkpoint.save(out, round_index + 1, simulator.state_dict(), rows.metrics,
-                                keep=options.keep_checkpoints)
-                schedule.written()
-            if record.accuracy is not None:
-                last_accuracy = record.accuracy
-            if bar is not None:
-                bar.set_postfix_str(progress_text(record.train, last_accuracy))
-                bar.update(1)
-    finally:  # a run stopped by an error leaves the bar on its own line, the error below it
-        if bar is not None:
-            bar.close()
-
-
-def progress_text(train: Mapping[str, float], accuracy: Mapping[str, float] | None) -> str:
-    """The progress bar's text after a round: the clients' mean cross-entropy (``ce`` in metrics.jsonl's
-    ``train``) when the method reports it, else its whole training loss, each labelled (the whole loss can
-    hold constant terms, such as HPCL's, that make it climb while training improves); then the last AVG."""
-    shown = next(((label, train[name]) for name, label in (("ce", "train CE"), ("loss", "train loss"))
-                  if name in train), None)
-    loss = f"{shown[0]} {shown[1]:.3f}  " if shown is not None else ""
-    return loss + "AVG " + (f"{accuracy['AVG']:.2f}%" if accuracy else "-")
-
-
-def _final_accuracy(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """The accuracy of the last evaluated row (the last round is always evaluated)."""
-    return next(row["accuracy"] for row in reversed(rows) if "accuracy" in row)
-
-
-def run_summary(config: Config, federation: Federation, data_name: str, device: torch.device,
-                rows: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
-    """``summary.json`` of a finished run: its settings, the final and best AVG, the final per-domain
-    accuracy, the wall time and the totals of the per-round measurements."""
-    options = config.run
-    final = _final_accuracy(rows)
-    return {
-        "method": options.method,
-        "dataset": data_name,
-        **({"data_source": "python"} if config.federation is not None else {}),
-        "seed": options.seed,
-        "rounds": options.rounds,
-        "clients": federation.num_clients,
-        "accuracy": final["AVG"],
-        "per_domain": {name: value for name, value in final.items() if name != "AVG"},
-        "best_accuracy": max(row["accuracy"]["AVG"] for row in rows if "accuracy" in row),
-        "seconds": seconds,
-        "device": str(device),
-        "bytes_up": sum(row["bytes_up"] for row in rows),
-        "bytes_down": sum(row["bytes_down"] for row in rows),
-        "notes": federation.notes,
-        **_summary_measurements(rows),
-    }
 
 
 @dataclass
@@ -668,52 +528,9 @@ def _shared(config: Config) -> str:
     return "classifier" if config.run.heterogeneity != "none" else "all"
 
 
-def _progress(total: int, description: str, enabled: bool, initial: int = 0):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, desc=description, unit="round", file=sys.stderr, dynamic_ncols=True,
-                bar_format="{desc}: round {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining}{postfix}")
-
-
 #: settings a resumed run may change (how it runs, not what it computes)
 _RESUME_SETTINGS = {"resume", "progress", "device", "threads", "checkpoint_every", "checkpoint_minutes",
                     "keep_checkpoints", "tensorboard", "tsne"}
-
-
-def _summary_measurements(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The summary's share of the per-round measurements: final fairness (Table A8), parameters
-    sent (Table 4's Upload) and, when counted, training FLOPs (Table 4)."""
-    final = next(row for row in reversed(rows) if "accuracy" in row)
-    out: dict[str, Any] = {}
-    if "fairness" in final:
-        out["fairness"] = final["fairness"]
-        out["client_accuracy"] = final["client_accuracy"]
-    if all("params_up" in row for row in rows):
-        out["params_up"] = sum(row["params_up"] for row in rows)
-        out["params_down"] = sum(row["params_down"] for row in rows)
-    if all("flops_train" in row for row in rows):
-        out["flops_train"] = sum(row["flops_train"] for row in rows)
-        out["flops_server"] = sum(row["flops_server"] for row in rows)
-    return out
-
-
-#: what a run writes into its folder: a new run never writes where any of it is (the two runs' files would mix)
-_RUN_FILES = ("summary.json", "config.yaml", "metrics.jsonl", "timing.jsonl", "partition.json", "accuracy.png",
-              "tsne.png", "tsne.npz", "tensorboard", "checkpoints", "server_state.pt")
-
-
-def check_new_run_folder(out: Path) -> None:
-    """Raise a one-line ConfigError if ``out`` holds another run's files (used by run and the Flower server)."""
-    held = [name for name in _RUN_FILES if (out / name).exists()]
-    if not held:
-        return
-    if (out / "summary.json").is_file():
-        raise ConfigError(f"out={out} already holds a finished run; give another out= or delete that folder")
-    resume = f"continue it with resume={out}, " if checkpoint.latest(out) is not None else ""
-    raise ConfigError(f"out={out} already holds an unfinished run ({held[0]}); {resume}"
-                      "give another out= or delete that folder")
 
 
 def run_or_continue(config: Config, folder: str | os.PathLike) -> dict[str, Any]:
@@ -731,7 +548,7 @@ def run_or_continue(config: Config, folder: str | os.PathLike) -> dict[str, Any]
         if (folder / "config.yaml").is_file() and checkpoint.latest(folder) is not None:
             return _run(None, {"resume": str(folder), "progress": config.run.progress,
                                "threads": config.run.threads}, {}, None, False, claim).summary
-        for name in _RUN_FILES:
+        for name in driver.RUN_FILES:
             path = folder / name
             if path.is_dir():
                 shutil.rmtree(path)

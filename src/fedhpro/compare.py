@@ -142,7 +142,9 @@ def run_sweep(jobs: Sequence[tuple[Any, Path]], labels: Sequence[str], sweep: Sw
         return list(run_all(jobs)), []
     for config, folder in jobs:
         check_stored_run(folder, config)
-    return execute(jobs, labels, sweep, echo=echo)
+    from fedhpro.api import run_or_continue
+
+    return execute(jobs, labels, sweep, run_or_continue, echo=echo)
 
 
 def compare(methods: Sequence[str], seeds: Sequence[int], settings: Mapping[str, Any] | Sequence[str],

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 from fedhpro.engines.observers import RoundObserver, measurements
 
 if TYPE_CHECKING:
+    from fedhpro.engines.driver import Engine
     from fedhpro.engines.protocol import RoundRecord
-    from fedhpro.engines.simulator import Simulator
 
 
 class TensorBoardLog(RoundObserver):
@@ -72,7 +72,7 @@ class TSNEPlot(RoundObserver):
         write_tsne(self.simulator, self.out, self.seed, self.title)
 
 
-def write_tsne(simulator: Simulator, out: Path, seed: int, title: str, per_test_set: int = 200) -> None:
+def write_tsne(simulator: Engine, out: Path, seed: int, title: str, per_test_set: int = 200) -> None:
     """``tsne.png`` and ``tsne.npz``: t-SNE of the global model's test features (colour = class, marker =
     test set), with the server's prototypes embedded alongside when the method has any (Figures 3, 6)."""
     import numpy as np

@@ -122,3 +122,39 @@ def _set_malloc_thresholds() -> bool:
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity; the machine's count where that is unknown)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def auto_threads(jobs: int = 1) -> int:
+    """``threads=auto``: ``$OMP_NUM_THREADS`` if set (as torch's own default), else :func:`available_cores`,
+    divided among ``jobs`` runs at a time (at least 1)."""
+    given = os.environ.get("OMP_NUM_THREADS", "").strip()
+    cores = int(given) if given.isdigit() and int(given) >= 1 else available_cores()
+    return max(1, cores // max(1, jobs))
+
+
+def resolve_threads(setting: str | int, jobs: int = 1) -> int:
+    """The thread count of a run's ``threads=`` setting (``"auto"`` or a whole number) in a sweep of ``jobs``."""
+    return auto_threads(jobs) if str(setting) == "auto" else int(setting)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """``torch.set_num_threads(count)`` for the block (the inter-op threads too while none has started yet,
+    which torch allows once per process); the previous intra-op count is put back afterwards."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    with contextlib.suppress(RuntimeError):  # inter-op threads already started: they stay as they are
+        torch.set_num_interop_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

@@ -9,7 +9,7 @@
   threads, on a local Ray started for the sweep (default) or on a running
   cluster (``ray.address=auto`` or ``HOST:PORT``).
 
-A worker runs :func:`fedhpro.api.run_or_continue` on its run's folder, so
+A worker runs :func:`fedhpro.api.run_or_continue` (the job the caller gives) on its run's folder, so
 reuse and continuing from a checkpoint stay per run, and its progress bar is
 off; the parent shows one line over the whole sweep instead. Each run is
 pinned to its thread count (``threads=``, auto: this machine's cores divided
@@ -20,17 +20,17 @@ the caller lists the failures at the end (:class:`SweepFailed`).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from fedhpro.errors import ConfigError, FedHProError
+from fedhpro.runtime import auto_threads, available_cores, resolve_threads, torch_threads  # noqa: F401 (kept importable)
 
 EXECUTORS = ("local", "ray")
 RAY_INSTALL = 'pip install "fedhpro[flower]"'
@@ -84,53 +84,16 @@ def make_sweep(jobs: Any = 1, executor: Any = "local", ray_address: Any = None) 
     return Sweep(int(str(jobs).strip()), str(executor), None if ray_address is None else str(ray_address))
 
 
-def available_cores() -> int:
-    """The cores this process may run on (its CPU affinity; the machine's count where that is unknown)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def auto_threads(jobs: int = 1) -> int:
-    """``threads=auto``: ``$OMP_NUM_THREADS`` if set (as torch's own default), else :func:`available_cores`,
-    divided among ``jobs`` runs at a time (at least 1)."""
-    given = os.environ.get("OMP_NUM_THREADS", "").strip()
-    cores = int(given) if given.isdigit() and int(given) >= 1 else available_cores()
-    return max(1, cores // max(1, jobs))
-
-
-def resolve_threads(setting: str | int, jobs: int = 1) -> int:
-    """The thread count of a run's ``threads=`` setting (``"auto"`` or a whole number) in a sweep of ``jobs``."""
-    return auto_threads(jobs) if str(setting) == "auto" else int(setting)
-
-
-@contextlib.contextmanager
-def torch_threads(count: int) -> Iterator[None]:
-    """``torch.set_num_threads(count)`` for the block (the inter-op threads too while none has started yet,
-    which torch allows once per process); the previous intra-op count is put back afterwards."""
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    with contextlib.suppress(RuntimeError):  # inter-op threads already started: they stay as they are
-        torch.set_num_interop_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 def worker_config(config: Any, jobs: int) -> Any:
     """``config`` as a worker runs it: its thread count fixed (auto divided among ``jobs``), no progress bar."""
     threads = str(resolve_threads(config.run.threads, jobs))
     return replace(config, run=replace(config.run, threads=threads, progress=False))
 
 
-def run_in_worker(config: Any, folder: Path) -> dict[str, Any]:
-    """A worker's job: the summary of ``config`` in ``folder``, read back, continued or run."""
-    from fedhpro.api import run_or_continue
-
-    return run_or_continue(config, folder)
+#: a worker's job: the summary of ``config`` in ``folder``, read back, continued or run; a module-level function
+#: (pickled by name), in practice :func:`fedhpro.api.run_or_continue`, given by the caller (this module is below
+#: the API and imports nothing of it)
+Job = Callable[[Any, Path], "dict[str, Any]"]
 
 
 def error_line(error: BaseException) -> str:
@@ -183,9 +146,10 @@ def _clock(seconds: float) -> str:
     return f"{hours}:{minute:02d}:{second:02d}" if hours else f"{minute:02d}:{second:02d}"
 
 
-def execute(tasks: Sequence[tuple[Any, Path]], labels: Sequence[str], sweep: Sweep,
+def execute(tasks: Sequence[tuple[Any, Path]], labels: Sequence[str], sweep: Sweep, job: Job,
             echo: bool = True) -> tuple[list[dict[str, Any] | None], list[Failure]]:
-    """Every task's summary (None where it failed) and the failures, the runs spread as ``sweep`` says.
+    """Every task's summary (None where it failed) and the failures, the runs spread as ``sweep`` says, each
+    run by ``job`` in a worker (:data:`Job`).
 
     A finished run (its ``summary.json``) is read back here without a worker; the others go to the workers.
     """
@@ -224,7 +188,7 @@ def execute(tasks: Sequence[tuple[Any, Path]], labels: Sequence[str], sweep: Swe
 
     try:
         run([(index, configs[index], Path(tasks[index][1]), threads[index]) for index in pending], sweep,
-            running, finished)
+            running, finished, job)
     finally:
         display.close()
     failures.sort(key=lambda failure: labels.index(failure.label))
@@ -236,7 +200,7 @@ Finished = Callable[[int, "dict[str, Any] | None", "BaseException | None"], None
 
 
 def _run_processes(work: list[tuple[int, Any, Path, int]], sweep: Sweep, running: Running,
-                   finished: Finished) -> None:
+                   finished: Finished, job: Job) -> None:
     """``sweep.jobs`` spawned worker processes, each run pinned to its threads by its config."""
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -244,7 +208,7 @@ def _run_processes(work: list[tuple[int, Any, Path, int]], sweep: Sweep, running
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(sweep.jobs, len(work)), mp_context=context) as pool:
         futures: dict[Future[dict[str, Any]], int] = {
-            pool.submit(run_in_worker, config, folder): index for index, config, folder, _ in work}
+            pool.submit(job, config, folder): index for index, config, folder, _ in work}
         waiting = set(futures)
         try:
             while waiting:
@@ -263,7 +227,8 @@ def _run_processes(work: list[tuple[int, Any, Path, int]], sweep: Sweep, running
 RAY_LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
-def _run_ray(work: list[tuple[int, Any, Path, int]], sweep: Sweep, running: Running, finished: Finished) -> None:
+def _run_ray(work: list[tuple[int, Any, Path, int]], sweep: Sweep, running: Running, finished: Finished,
+             job: Job) -> None:
     """One Ray task per run with ``num_cpus`` = its threads; a local Ray is started (and stopped) unless one is
     running in this process or ``sweep.ray_address`` names a cluster.
 
@@ -281,7 +246,7 @@ def _run_ray(work: list[tuple[int, Any, Path, int]], sweep: Sweep, running: Runn
         local: dict[str, Any] = {"_node_ip_address": "127.0.0.1"} if sweep.ray_address is None else {}
         ray.init(address=sweep.ray_address, include_dashboard=False, log_to_driver=False, **local)
     try:
-        task = ray.remote(run_in_worker)
+        task = ray.remote(job)
         refs = {task.options(num_cpus=threads).remote(_absolute(config, folder), folder.resolve()): index
                 for index, config, folder, threads in work}
         waiting = list(refs)

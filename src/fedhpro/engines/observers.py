@@ -16,7 +16,7 @@ One round, as the simulator calls its observers::
     [evaluated rounds] accuracy, then evaluation_measurements() -> more keys (prototype distances)
     on_round_end(record)                        (TensorBoard)
 
-and :func:`fedhpro.api.run` calls ``on_run_end()`` once the summary is written
+and the engine's ``end_run()`` calls ``on_run_end()`` once the summary is written
 (t-SNE). The observers that measure (FLOPs, prototype distances) live here;
 those that write files through :mod:`fedhpro.reports` (TensorBoard, t-SNE),
 and :func:`fedhpro.measurements.observers_for`, which picks them from a run's
@@ -37,23 +37,24 @@ from fedhpro.errors import ConfigError
 from fedhpro.metrics import FlopCounter, class_means, mean_client_prototypes, prototype_distance
 
 if TYPE_CHECKING:
+    from fedhpro.engines.driver import Engine
     from fedhpro.engines.protocol import RoundRecord
-    from fedhpro.engines.simulator import Simulator
 
 #: the run keys that switch observers on (measured only by the in-process simulator)
 OBSERVER_KEYS = ("flops", "prototype_distance", "tsne", "tensorboard")
 
 
 class RoundObserver:
-    """Watches a simulator's rounds; every hook does nothing unless overridden.
+    """Watches an engine's rounds (:class:`~fedhpro.engines.driver.Engine`); every hook does nothing unless
+    overridden.
 
-    ``attach`` is called once, by the simulator's constructor, before any round:
-    the place to refuse a simulator the measurement cannot observe (a ConfigError).
+    ``attach`` is called once, by the engine's constructor, before any round:
+    the place to refuse an engine the measurement cannot observe (a ConfigError).
     """
 
-    simulator: Simulator
+    simulator: Engine  # the engine watched (named for the in-process simulator, the first engine)
 
-    def attach(self, simulator: Simulator) -> None:
+    def attach(self, simulator: Engine) -> None:
         self.simulator = simulator
 
     def on_round_start(self, round: int, evaluating: bool) -> None:
@@ -124,7 +125,7 @@ class PrototypeDistance(RoundObserver):
     prototypes (class means of all training data under the global model) of the server's prototypes,
     if the method has any, and of the unweighted mean of this round's clients' class means."""
 
-    def attach(self, simulator: Simulator) -> None:
+    def attach(self, simulator: Engine) -> None:
         if simulator.shared != "all":
             raise ConfigError("prototype_distance=true needs one shared global model; it is undefined with "
                               "heterogeneous models or protocol=proto-only (set prototype_distance=false)")

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from fedhpro.data.federation import Federation
+from fedhpro.engines.driver import count_correct, round_extra, test_client
 from fedhpro.engines.observers import RoundObserver, measurements, watching
 from fedhpro.engines.protocol import (
     FAULT,
@@ -44,28 +45,13 @@ from fedhpro.methods.base import (
     MethodContext,
     MethodSpec,
     TrainSettings,
-    eval_batch_size,
-    eval_forward,
     extract_features,
-    load_weights,
 )
-from fedhpro.metrics import class_means, fairness_statistics
+from fedhpro.metrics import class_means
 
 # the protocol's names, kept importable from here
 _INIT, _SAMPLE, _TRAIN, _SERVER, _FAULT = INIT, SAMPLE, TRAIN, SERVER, FAULT
 _corrupted, _weighted_mean = corrupted, weighted_mean
-
-
-@torch.no_grad()
-def count_correct(model: nn.Module, x: Tensor, y: Tensor, batch_size: int | None = None) -> int:
-    """How many of ``x`` the model classifies as ``y`` (eval mode, batches of ``eval_batch_size``)."""
-    model.eval()
-    batch_size = batch_size or eval_batch_size(x.device)
-    correct = 0
-    for start in range(0, x.shape[0], batch_size):
-        logits = eval_forward(model, x[start:start + batch_size])
-        correct += int((logits.argmax(1) == y[start:start + batch_size]).sum())
-    return correct
 
 
 def evaluate(model: nn.Module, test_sets: dict[str, tuple[Tensor, Tensor]],
@@ -275,15 +261,12 @@ class Simulator:
         """Client ``k``'s test count: the global model (one shared model), or its personal model with the
         global shared part, through the server's inference rule, on :meth:`client_test`. A Flower node
         computes the same with its own model and data."""
+        shared = None
         if model is None:
-            if self.heterogeneous:
-                model = self.models.model_for(k)
-                load_weights(model, self.server.global_weights())
-            else:
-                model = self.eval_model
-                model.load_state_dict(self.server.global_weights())
-        name, (x, y) = self.client_test(k)
-        return TestCount(name, count_correct(self.server.inference_model(model), x, y), int(y.shape[0]))
+            model = self.models.model_for(k) if self.heterogeneous else self.eval_model
+            shared = self.server.global_weights()
+        name, test = self.client_test(k)
+        return test_client(self.server, model, name, test, shared, personal=self.heterogeneous)
 
     def evaluate_clients(self) -> tuple[dict[str, float], list[float]]:
         """``(accuracy per test set and AVG, accuracy of each client on its own test distribution)``.
@@ -359,16 +342,16 @@ class Simulator:
         server_seconds = time.perf_counter() - timer
 
         timer = time.perf_counter()
-        accuracy = None
-        extra: dict[str, Any] = {}
+        accuracy, per_client = None, None
+        measured: dict[str, Any] = {}
+        evaluated: dict[str, Any] = {}
         for observer in self.observers:
-            extra.update(observer.training_measurements())
+            measured.update(observer.training_measurements())
         if evaluating:
             accuracy, per_client = self.evaluate_clients()
-            extra["client_accuracy"] = per_client
-            extra["fairness"] = fairness_statistics(per_client)
             for observer in self.observers:
-                extra.update(observer.evaluation_measurements())
+                evaluated.update(observer.evaluation_measurements())
+        extra = round_extra(measured, per_client, evaluated)
         eval_seconds = time.perf_counter() - timer
         record = current.record(server_metrics, accuracy,
                                 {"clients": client_seconds, "server": server_seconds, "eval": eval_seconds}, extra)

@@ -51,13 +51,12 @@ from flwr.app import ArrayRecord, ConfigRecord, ConfigRecordValues, Context, Err
 from flwr.clientapp import ClientApp
 from torch import nn
 
-from fedhpro.engines.simulator import count_correct
+from fedhpro.engines.driver import test_client
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.files import write_atomic_with
 from fedhpro.flower import records
 from fedhpro.flower.engine import NodeCache, NodeSide, check_partition, config_from_text, node_folder, own_data
 from fedhpro.flower.server import EVAL_RECORD, HEADER, NODE_RECORD, SERVER_STATE
-from fedhpro.methods.base import load_weights
 
 logger = logging.getLogger("fedhpro.flower")
 
@@ -231,18 +230,12 @@ def evaluate(msg: Message, context: Context) -> Message:
         shared = records.decode_payload(msg.content, node.device)["weights"]
         # the server's inference rule (nearest prototype) needs the server's state: load it into the node's copy
         node.server.load_state_dict(records.decode_payload(msg.content, node.device, prefix=SERVER_STATE))
-        if node.models.personal:
-            model = _model(node, context)
-            load_weights(model, shared)
-        else:
-            model = node.models.eval_model
-            model.load_state_dict(shared)
-        x, y = node.test
-        correct = count_correct(node.server.inference_model(model), x, y)
+        model = _model(node, context) if node.models.personal else node.models.eval_model
+        count = test_client(node.server, model, node.test_name, node.test, shared, personal=node.models.personal)
     except Exception as error:  # noqa: BLE001
         return _failure(msg, error)
-    return Message(RecordDict({EVAL_RECORD: ConfigRecord({"test-set": node.test_name, "correct": correct,
-                                                          "total": int(y.shape[0])})}), reply_to=msg)
+    return Message(RecordDict({EVAL_RECORD: ConfigRecord({"test-set": count.name, "correct": count.correct,
+                                                          "total": count.total})}), reply_to=msg)
 
 
 def _load_state(context: Context, node: NodeSide) -> dict[str, Any]:

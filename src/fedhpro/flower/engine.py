@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from fedhpro.api import build_experiment, build_simulator, model_factories, protocol_settings, resolve_device
 from fedhpro.config import Config, load_config
 from fedhpro.data.federation import ClientData, Federation
+from fedhpro.engines.driver import Engine
 from fedhpro.engines.protocol import RoundProtocol, train_generator
 from fedhpro.engines.simulator import ClientModels, Simulator, build_method
 from fedhpro.errors import ConfigError
@@ -102,7 +103,7 @@ class ServerSide:
     models: ClientModels
     device: torch.device
     num_samples: list[int]  # each client's training-set size (weights of its training metrics)
-    engine: Simulator | None = None  # partition mode: the whole federation, as the simulator has it
+    engine: Engine | None = None  # partition mode: the whole federation, as the simulator has it
 
     @property
     def personal(self) -> bool:

@@ -45,24 +45,22 @@ from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
 
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
-from fedhpro import reports
-from fedhpro.api import CheckpointSchedule, check_new_run_folder, resumed_config
-from fedhpro.config import PRESENTATION_KEYS, Config, RunOptions, load_config
-from fedhpro.engines import checkpoint
+from fedhpro.api import resumed_config
+from fedhpro.config import PRESENTATION_KEYS, Config, load_config
+from fedhpro.engines import checkpoint, driver
+from fedhpro.engines.driver import RunRows, check_new_run_folder, round_extra
 from fedhpro.engines.protocol import OpenRound, Reception, TestCount, pool_accuracy, weighted_mean
 from fedhpro.errors import ConfigError, DataError, FedHProError, UpdateError
 from fedhpro.files import claim_run_folder, remove_partial_writes
 from fedhpro.flower import records
 from fedhpro.flower.engine import ServerSide, build_server_side, config_text, own_data
 from fedhpro.flower.settings import FlowerSettings, config_from_run_config, split_run_config
-from fedhpro.metrics import fairness_statistics
 
 #: the ConfigRecord every fedhpro message carries: the resolved config (JSON), the round and the client
 HEADER = "fedhpro.header"
@@ -406,14 +404,13 @@ class MethodStrategy(Strategy):
         self.nodes = nodes  # client index -> Flower node id
         self.partition_of = {node: k for k, node in nodes.items()}
         self.text = config_text(config)
-        self.rows: list[dict[str, Any]] = []
-        self.timings: list[dict[str, Any]] = []
+        self.run = RunRows()  # metrics.jsonl's and timing.jsonl's rows, the first round of this start
+        self.started = time.perf_counter()
         self._round: OpenRound | None = None
         self._times: dict[str, float] = {}
         self._server_metrics: dict[str, float] = {}
         self.refused: dict[int, int] = {}  # client -> the round of its latest reply refused as invalid
         self.run_key = run_key
-        self.first_round = 0  # rounds done before this start (a resumed run): Flower's round 1 is this round
         self.keep_from: int | None = None  # the oldest round the run can go back to (its oldest checkpoint)
         self.after_round: Callable[[MethodStrategy], None] | None = None  # called once each round's row is in
         self.strangers: set[int] = set()  # node ids asked once that hold no client of this run (not asked again)
@@ -441,6 +438,11 @@ class MethodStrategy(Strategy):
                              "state-key": self.run_key or "",
                              "keep-from": round if self.keep_from is None else self.keep_from})
 
+    # the rows so far; first_round: rounds done before this start (a resumed run): Flower's round 1 is this round
+    rows = property(lambda self: self.run.metrics)
+    timings = property(lambda self: self.run.timings)
+    first_round = property(lambda self: self.run.first_round)
+
     def round_index(self, server_round: int) -> int:
         """fedhpro's round (from 0) of Flower's ``server_round`` (from 1 at every start; a resumed run
         starts after its checkpoint's rounds)."""
@@ -452,16 +454,11 @@ class MethodStrategy(Strategy):
         return {"engine": "flower", "server": self.server.state_dict(), "refused": dict(self.refused),
                 "run_key": self.run_key or ""}
 
-    def load_state_dict(self, state: dict[str, Any], completed_rounds: int, rows: list[dict[str, Any]],
-                        timings: list[dict[str, Any]]) -> None:
-        """Continue after ``completed_rounds`` rounds from a checkpoint's state and rows."""
-        if state.get("engine") != "flower":
-            raise ConfigError(f"resume={self.config.run.resume}: its checkpoint was written by fedhpro run (the "
-                              "in-process simulator); resume it with fedhpro run resume=...")
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's state (its rows and round: :meth:`driver.RunFolder.resume`)."""
         self.server.load_state_dict(state["server"])
         self.refused = {int(k): int(r) for k, r in state["refused"].items()}
         self.run_key = state["run_key"] or None
-        self.first_round, self.rows, self.timings = completed_rounds, list(rows), list(timings)
 
     def _rejoin(self, grid: Grid) -> set[int]:
         """The node ids the SuperLink lists as online, after mapping any new node back to its client.
@@ -631,17 +628,13 @@ class MethodStrategy(Strategy):
                 engine = self.side.engine
                 assert engine is not None, "only partition mode (which has the engine) evaluates on the server"
                 accuracy, per_client = engine.evaluate_clients()
-            if per_client:
-                extra = {"client_accuracy": per_client, "fairness": fairness_statistics(per_client)}
-            if missing:
-                extra["not_evaluated"] = missing
+            extra = round_extra(None, per_client, None, missing)
         seconds = {"clients": self._times["clients"], "server": self._times["server"],
                    "eval": time.perf_counter() - self._times["eval_started"]}
         record = current.record(self._server_metrics, accuracy, seconds, extra)
         if self.side.engine is not None:
             self.side.engine.history.append(record)
-        self.rows.append(record.to_json())
-        self.timings.append({"round": current.round, **record.seconds})
+        self.run.add(record, time.perf_counter() - self.started)
         if self.after_round is not None:
             self.after_round(self)
         if accuracy is None:
@@ -763,19 +756,18 @@ def _run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, An
         partition, notes = federation.partition, federation.notes
     nodes = NodeMap(nodes, getattr(nodes, "infos", None), _client_keys(grid, nodes, settings))
     strategy = MethodStrategy(side, config, nodes, run_key(config, secrets.token_hex(8)), settings.node_auth)
-    if out is not None and resume_from is not None:
-        resume_strategy(strategy, out, resume_from)
-    elif out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        reports.write_yaml(out / "config.yaml", config.to_dict())
-        reports.write_json(out / "partition.json", partition)
-    if out is not None:
-        strategy.after_round = RunFolder(out, config.run)
+    folder = driver.RunFolder(out, config.run, strategy.run, started) if out is not None else None
+    if folder is not None and resume_from is not None:
+        resume_strategy(strategy, folder, resume_from)
+    elif folder is not None:
+        folder.start(config.to_dict(), partition)
+    if folder is not None:
+        strategy.after_round = after_round(folder)
     initial = ArrayRecord({key: records.to_array(v) for key, v in side.server.global_weights().items()})
     strategy.start(grid, initial, num_rounds=config.run.rounds - strategy.first_round,
                    timeout=settings.round_timeout)
-    if out is not None:
-        write_results(out, strategy, time.perf_counter() - started, notes)
+    if folder is not None:
+        write_results(folder, strategy, time.perf_counter() - started, notes)
     forget_client_state(grid, strategy, settings)
     return strategy
 
@@ -813,35 +805,25 @@ def run_key(config: Config, token: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-class RunFolder:
-    """What a run writes into ``out`` after every round, as ``fedhpro run`` does: its rows (``metrics.jsonl``,
-    ``timing.jsonl``) and, when one is due (``checkpoint_every``, ``checkpoint_minutes``, the last round),
-    a checkpoint of :meth:`MethodStrategy.state_dict` (the newest ``keep_checkpoints`` are kept)."""
+def after_round(folder: driver.RunFolder) -> Callable[[MethodStrategy], None]:
+    """What a run writes into its folder after every round, as ``fedhpro run`` does
+    (:meth:`driver.RunFolder.after_round`): its rows and, when one is due, a checkpoint of
+    :meth:`MethodStrategy.state_dict`; the nodes may then forget what is older than the oldest kept."""
 
-    def __init__(self, out: Path, options: RunOptions):
-        self.out, self.keep = out, options.keep_checkpoints
-        self.schedule = CheckpointSchedule(options.checkpoint_every, options.checkpoint_minutes, options.rounds)
+    def written(strategy: MethodStrategy) -> None:
+        if folder.after_round(strategy.state_dict):
+            strategy.keep_from = min(checkpoint.saved_rounds(folder.out))
 
-    def __call__(self, strategy: MethodStrategy) -> None:
-        reports.write_jsonl(self.out / "metrics.jsonl", strategy.rows)
-        reports.write_jsonl(self.out / "timing.jsonl", strategy.timings)
-        completed = len(strategy.rows)
-        if self.schedule.due(completed):
-            checkpoint.save(self.out, completed, strategy.state_dict(), strategy.rows, keep=self.keep)
-            self.schedule.written()
-            strategy.keep_from = min(checkpoint.saved_rounds(self.out))
+    return written
 
 
-def resume_strategy(strategy: MethodStrategy, out: Path, newest: Path) -> None:
-    """Load the checkpoint ``newest`` of the run in ``out`` into ``strategy``: it goes on after its rounds,
+def resume_strategy(strategy: MethodStrategy, folder: driver.RunFolder, newest: Path) -> None:
+    """Load the checkpoint ``newest`` of the run in ``folder`` into ``strategy``: it goes on after its rounds,
     with its rows (``timing.jsonl``'s of those rounds too) and the nodes' state key."""
-    blob = checkpoint.load(newest)
-    completed = int(blob["completed_rounds"])
-    timings = reports.read_jsonl(out / "timing.jsonl")
-    strategy.load_state_dict(blob["simulator"], completed, blob["metrics"],
-                             [row for row in timings if row.get("round", completed) < completed])
-    strategy.keep_from = min(checkpoint.saved_rounds(out))
-    log(INFO, "fedhpro: resuming %s after round %d of %d", out, completed, strategy.config.run.rounds)
+    folder.resume(newest, strategy.load_state_dict, engine="flower", where=f"resume={strategy.config.run.resume}")
+    strategy.keep_from = min(checkpoint.saved_rounds(folder.out))
+    log(INFO, "fedhpro: resuming %s after round %d of %d", folder.out, strategy.first_round,
+        strategy.config.run.rounds)
 
 
 def forget_client_state(grid: Grid, strategy: MethodStrategy, settings: FlowerSettings) -> None:
@@ -857,27 +839,18 @@ def forget_client_state(grid: Grid, strategy: MethodStrategy, settings: FlowerSe
                 reply.error.reason)
 
 
-def write_results(out: Path, strategy: MethodStrategy, seconds: float, notes: list[str]) -> None:
-    """``summary.json`` (as ``fedhpro run`` writes it) and the server state; :class:`RunFolder` has written
-    ``metrics.jsonl`` and ``timing.jsonl`` after every round."""
-    side, options = strategy.side, strategy.config.run
-    rows = strategy.rows
-    # a run where no round had an accuracy (every evaluation lost to node failures) still gets its summary
-    final = next((row for row in reversed(rows) if "accuracy" in row), {"accuracy": {"AVG": float("nan")}})
-    last = final["accuracy"]
-    reports.write_json(out / "summary.json", {
-        "method": options.method, "dataset": options.dataset, "seed": options.seed, "rounds": options.rounds,
-        "clients": len(strategy.nodes), "accuracy": last["AVG"],
-        "per_domain": {name: value for name, value in last.items() if name != "AVG"},
-        "best_accuracy": max((row["accuracy"]["AVG"] for row in rows if "accuracy" in row), default=float("nan")),
-        "seconds": seconds, "device": str(side.device), "engine": "flower",
-        "bytes_up": sum(row["bytes_up"] for row in rows), "bytes_down": sum(row["bytes_down"] for row in rows),
-        "fairness": final.get("fairness"), "client_accuracy": final.get("client_accuracy"),
-        "notes": notes})
-    # the method's server state (weights, hyper-prototypes, ...), loadable with torch.load(weights_only=True)
-    reports.write_atomic_with(out / "server_state.pt",
-                              lambda handle: torch.save({"completed_rounds": len(rows),
-                                                         "server": side.server.state_dict()}, handle))
+def write_results(folder: driver.RunFolder, strategy: MethodStrategy, seconds: float, notes: list[str]) -> None:
+    """``summary.json`` (:func:`driver.run_summary`, as ``fedhpro run`` writes it, with ``engine: flower``),
+    the method's server state (``server_state.pt``) and ``accuracy.png``; the rows are written after every
+    round. A run where no round had an accuracy (every evaluation lost to node failures) still gets its
+    summary (NaN accuracy) but no plot."""
+    config, side = strategy.config, strategy.side
+    options = config.run
+    summary = driver.run_summary(options, options.dataset, len(strategy.nodes), side.device, strategy.rows, seconds,
+                                 notes, from_python=config.federation is not None, engine="flower")
+    folder.finish(summary, side.server.state_dict())
+    if any("accuracy" in row for row in strategy.rows):
+        folder.plot(f"{options.method} on {options.dataset} (seed {options.seed})")
 
 
 def make_server_app(base: Mapping[str, Any] | None = None) -> ServerApp:

@@ -1,0 +1,380 @@
+"""The run around the rounds, written once for every engine.
+
+An engine only moves messages: the in-process simulator calls its clients in
+turn, the Flower ServerApp sends them to SuperNodes. What a run does around
+its rounds is the same on both and lives here:
+
+* a round's row: :func:`round_extra` (the keys an engine adds to the round's
+  record: the observers' measurements, each client's accuracy, fairness, the
+  clients not evaluated) and :meth:`RunRows.add` (``metrics.jsonl``'s and
+  ``timing.jsonl``'s rows);
+* evaluating one client: :func:`test_client` (the global model, or a personal
+  model with the global shared part, through the server's inference rule);
+* the run folder: :class:`RunFolder` writes ``config.yaml`` and
+  ``partition.json`` (a new run) or loads the newest checkpoint (a resumed
+  one), the rows and a checkpoint when one is due (:class:`CheckpointSchedule`)
+  after every round, and ``summary.json`` (:func:`run_summary`),
+  ``server_state.pt`` and ``accuracy.png`` at the end; a file that cannot be
+  written stops the run with one line (:func:`stop_on_write_error`);
+* :func:`train`, the loop of an engine that runs its rounds itself
+  (:class:`Engine`); Flower calls :meth:`RunFolder.after_round` from its
+  strategy instead.
+
+:class:`Engine` is what the run, the observers
+(:mod:`fedhpro.engines.observers`) and Flower's partition mode need of an
+engine; :class:`~fedhpro.engines.simulator.Simulator` is one, and so is the
+sequential engine of ``tests/sequential_engine.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from fedhpro import reports
+from fedhpro.engines import checkpoint
+from fedhpro.engines.protocol import RoundRecord, TestCount
+from fedhpro.errors import ConfigError, DataError
+from fedhpro.methods.base import eval_batch_size, eval_forward, load_weights
+from fedhpro.metrics import fairness_statistics
+
+if TYPE_CHECKING:
+    from fedhpro.data.federation import Federation
+
+
+class Engine(Protocol):
+    """What the run (:func:`train`, :class:`RunFolder`), the observers and Flower's partition mode use of an
+    engine: its federation and device, its rounds, its evaluation, its state and its end."""
+
+    federation: Federation
+    device: torch.device
+    history: list[RoundRecord]
+
+    @property
+    def shared(self) -> str:
+        """Which weights travel: ``"all"``, ``"classifier"`` or ``"none"``."""
+        ...
+
+    def run_round(self, round: int) -> RoundRecord:
+        """Round ``round`` (from 0), its record (also appended to :attr:`history`)."""
+        ...
+
+    def evaluate_clients(self) -> tuple[dict[str, float], list[float]]:
+        """``(accuracy per test set and AVG, accuracy of each client)``."""
+        ...
+
+    def client_test(self, k: int) -> tuple[str, tuple[Tensor, Tensor]]:
+        """``(test-set name, (x, y))`` client ``k`` is tested on."""
+        ...
+
+    def server_prototypes(self) -> tuple[Tensor, Tensor, str] | None: ...
+
+    def centralized_prototypes(self) -> tuple[Tensor, Tensor]: ...
+
+    def test_features(self, per_test_set: int = 300) -> tuple[Tensor, Tensor, list[str]]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def end_run(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------- one client, one round
+
+
+@torch.no_grad()
+def count_correct(model: nn.Module, x: Tensor, y: Tensor, batch_size: int | None = None) -> int:
+    """How many of ``x`` the model classifies as ``y`` (eval mode, batches of ``eval_batch_size``)."""
+    model.eval()
+    batch_size = batch_size or eval_batch_size(x.device)
+    correct = 0
+    for start in range(0, x.shape[0], batch_size):
+        logits = eval_forward(model, x[start:start + batch_size])
+        correct += int((logits.argmax(1) == y[start:start + batch_size]).sum())
+    return correct
+
+
+def test_client(server: Any, model: nn.Module, name: str, test: tuple[Tensor, Tensor],
+                shared: Mapping[str, Tensor] | None = None, personal: bool = False) -> TestCount:
+    """One client's test count on its ``test`` set ``name``: ``model`` (with the global ``shared`` weights
+    loaded first when given: into its shared part for a ``personal`` model, else the whole model) through
+    the server's inference rule. What the simulator and a Flower node compute for a client."""
+    if shared is not None:
+        if personal:
+            load_weights(model, dict(shared))
+        else:
+            model.load_state_dict(shared)
+    x, y = test
+    return TestCount(name, count_correct(server.inference_model(model), x, y), int(y.shape[0]))
+
+
+def round_extra(measured: Mapping[str, Any] | None = None, per_client: Sequence[float] | None = None,
+                evaluated: Mapping[str, Any] | None = None,
+                missing: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """The keys an engine adds to a round's record (:meth:`OpenRound.record`), in the row's order: the
+    observers' training measurements (FLOPs), each client's accuracy and their fairness (at an evaluated
+    round), the observers' evaluation measurements (prototype distances), the clients not evaluated."""
+    extra = dict(measured or {})
+    if per_client:
+        extra["client_accuracy"] = list(per_client)
+        extra["fairness"] = fairness_statistics(list(per_client))
+    extra.update(evaluated or {})
+    if missing:
+        extra["not_evaluated"] = list(missing)
+    return extra
+
+
+@dataclass
+class RunRows:
+    """A run's rows so far: ``metrics.jsonl``'s, ``timing.jsonl``'s (wall times vary run to run, so they
+    are kept out of metrics.jsonl) and the first round still to run."""
+
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    timings: list[dict[str, Any]] = field(default_factory=list)
+    first_round: int = 0
+
+    def add(self, record: RoundRecord, elapsed: float | None = None) -> None:
+        """A finished round's rows (``elapsed``: seconds since the run started, in its timing row)."""
+        self.metrics.append(record.to_json())
+        self.timings.append({"round": record.round, **record.seconds,
+                             **({"elapsed": elapsed} if elapsed is not None else {})})
+
+
+# ---------------------------------------------------------------------------- the run folder
+
+
+#: what a run writes into its folder: a new run never writes where any of it is (the two runs' files would mix)
+RUN_FILES = ("summary.json", "config.yaml", "metrics.jsonl", "timing.jsonl", "partition.json", "accuracy.png",
+             "tsne.png", "tsne.npz", "tensorboard", "checkpoints", "server_state.pt")
+
+#: how to resume a run whose checkpoint another engine wrote (keyed by the engine that wrote it)
+_OTHER_ENGINE = {
+    "flower": "{where}: its checkpoint was written by the Flower ServerApp; resume it on Flower "
+              "(flwr run ... --run-config 'resume=\"{out}\"')",
+    "simulator": "{where}: its checkpoint was written by fedhpro run (the in-process simulator); resume it with "
+                 "fedhpro run resume=...",
+}
+
+
+def check_new_run_folder(out: Path) -> None:
+    """Raise a one-line ConfigError if ``out`` holds another run's files (used by run and the Flower server)."""
+    held = [name for name in RUN_FILES if (out / name).exists()]
+    if not held:
+        return
+    if (out / "summary.json").is_file():
+        raise ConfigError(f"out={out} already holds a finished run; give another out= or delete that folder")
+    resume = f"continue it with resume={out}, " if checkpoint.latest(out) is not None else ""
+    raise ConfigError(f"out={out} already holds an unfinished run ({held[0]}); {resume}"
+                      "give another out= or delete that folder")
+
+
+@contextmanager
+def stop_on_write_error(out: Path, path: Path) -> Iterator[None]:
+    """A run's file that cannot be written (disk full, file too large, folder no longer writable) stops the
+    run with one line: the file, the disk's reason, the newest good checkpoint and how to continue from it.
+    The run's files are each written whole or not at all (:mod:`fedhpro.files`), so what is there stands."""
+    try:
+        yield
+    except OSError as error:
+        reason = error.strerror or str(error) or type(error).__name__
+        newest = checkpoint.latest(out)
+        kept = (f"its newest good checkpoint is {newest}: fix the disk, then continue with resume={out}"
+                if newest is not None else "it has no checkpoint yet: fix the disk, then start it again")
+        raise DataError(f"could not write {path} ({reason}); the run stopped; {kept}") from None
+
+
+def _now() -> float:
+    """Seconds on a monotonic clock (the checkpoint schedule's; tests replace it with a fake one)."""
+    return time.monotonic()
+
+
+class CheckpointSchedule:
+    """When a checkpoint is written after a round: every ``every`` rounds (0: never by count), once at least
+    ``minutes`` minutes passed since the last one or since the run (re)started (0: never by time), and after
+    the last of ``rounds`` rounds. Checkpoints only observe: they change no number."""
+
+    def __init__(self, every: int, minutes: float, rounds: int):
+        self.every, self.minutes, self.rounds = every, minutes, rounds
+        self.last = _now()
+
+    def due(self, completed: int) -> bool:
+        """Whether to write one after ``completed`` rounds."""
+        return (completed == self.rounds or bool(self.every and completed % self.every == 0)
+                or bool(self.minutes > 0 and _now() - self.last >= 60.0 * self.minutes))
+
+    def written(self) -> None:
+        self.last = _now()
+
+
+class RunFolder:
+    """A run's folder ``out`` over the run, for any engine: started or resumed, its rows and checkpoints after
+    every round (:meth:`after_round`), its results at the end (:meth:`finish`). ``options``: the run's
+    :class:`~fedhpro.config.RunOptions` (rounds, checkpoint_every, checkpoint_minutes, keep_checkpoints)."""
+
+    def __init__(self, out: Path, options: Any, rows: RunRows | None = None, started: float | None = None):
+        self.out, self.options = Path(out), options
+        self.rows = rows if rows is not None else RunRows()
+        self.started = time.perf_counter() if started is None else started
+        self.schedule = CheckpointSchedule(options.checkpoint_every, options.checkpoint_minutes, options.rounds)
+
+    def start(self, config: Mapping[str, Any], partition: Any) -> None:
+        """Make the new run's folder with its ``config.yaml`` and ``partition.json``: no rows yet."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        with stop_on_write_error(self.out, self.out / "config.yaml"):
+            reports.write_yaml(self.out / "config.yaml", dict(config))
+            reports.write_json(self.out / "partition.json", partition)
+
+    def resume(self, newest: Path, load: Callable[[dict[str, Any]], None], engine: str = "simulator",
+               where: str | None = None) -> dict[str, Any]:
+        """Load the checkpoint ``newest`` (and the RNGs) through ``load`` (the engine's state); the rows of
+        its completed rounds (``timing.jsonl``'s of those rounds too) become this run's. A checkpoint of
+        another engine is refused (one line), one that does not fit is a one-line DataError. Returns it."""
+        blob = checkpoint.load(newest)
+        state = blob["simulator"]
+        written_by = state.get("engine", "simulator") if isinstance(state, Mapping) else "simulator"
+        if written_by != engine:
+            raise ConfigError(_OTHER_ENGINE[written_by if written_by in _OTHER_ENGINE else "simulator"].format(
+                where=where or f"resume={self.out}", out=self.out))
+        try:
+            load(state)
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as error:
+            raise DataError(f"checkpoint {newest} does not fit the run saved in {self.out} "
+                            f"({type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}); it may "
+                            "be from another version or damaged; move it out of the checkpoints folder to resume "
+                            "from the one before") from None
+        first = int(blob["completed_rounds"])
+        timings = [row for row in reports.read_jsonl(self.out / "timing.jsonl") if row.get("round", 1e9) < first]
+        self.rows.metrics[:], self.rows.timings[:], self.rows.first_round = list(blob["metrics"]), timings, first
+        return blob
+
+    def after_round(self, state: Callable[[], dict[str, Any]]) -> bool:
+        """A round's rows are in :attr:`rows`: write them, and a checkpoint of ``state()`` when one is due
+        (a checkpoint that cannot be written stops the run: :class:`checkpoint.CheckpointWriteError`, one line
+        naming the newest good one, which is kept). Whether a checkpoint was written."""
+        with stop_on_write_error(self.out, self.out / "metrics.jsonl"):
+            reports.write_jsonl(self.out / "metrics.jsonl", self.rows.metrics)
+        with stop_on_write_error(self.out, self.out / "timing.jsonl"):
+            reports.write_jsonl(self.out / "timing.jsonl", self.rows.timings)
+        completed = len(self.rows.metrics)
+        if not self.schedule.due(completed):
+            return False
+        checkpoint.save(self.out, completed, state(), self.rows.metrics, keep=self.options.keep_checkpoints)
+        self.schedule.written()
+        return True
+
+    def finish(self, summary: dict[str, Any], server_state: dict[str, Any] | None) -> None:
+        """``summary.json`` and ``server_state.pt`` (the method's server state, loadable with
+        ``torch.load(weights_only=True)``)."""
+        with stop_on_write_error(self.out, self.out / "summary.json"):
+            reports.write_json(self.out / "summary.json", summary)
+        if server_state is not None:
+            completed = len(self.rows.metrics)
+            with stop_on_write_error(self.out, self.out / "server_state.pt"):
+                reports.write_atomic_with(self.out / "server_state.pt", lambda handle: torch.save(
+                    {"completed_rounds": completed, "server": server_state}, handle))
+
+    def plot(self, title: str) -> None:
+        """``accuracy.png`` of the rows (after the observers' end, as a run always drew it)."""
+        with stop_on_write_error(self.out, self.out / "accuracy.png"):
+            reports.plot_accuracy(self.rows.metrics, self.out / "accuracy.png", title=title)
+
+
+def train(engine: Engine, folder: RunFolder, label: str, progress: bool) -> None:
+    """Rounds ``folder.rows.first_round`` to the last of an engine that runs its own rounds: after each, its
+    rows and, when due, a checkpoint (:meth:`RunFolder.after_round`), and the progress bar (``label``)."""
+    rows, rounds = folder.rows, folder.options.rounds
+    bar = _progress(rounds, label, progress, rows.first_round)
+    last_accuracy = next((row["accuracy"] for row in reversed(rows.metrics) if "accuracy" in row), None)
+    try:
+        for round_index in range(rows.first_round, rounds):
+            record = engine.run_round(round_index)
+            rows.add(record, time.perf_counter() - folder.started)
+            folder.after_round(engine.state_dict)
+            if record.accuracy is not None:
+                last_accuracy = record.accuracy
+            if bar is not None:
+                bar.set_postfix_str(progress_text(record.train, last_accuracy))
+                bar.update(1)
+    finally:  # a run stopped by an error leaves the bar on its own line, the error below it
+        if bar is not None:
+            bar.close()
+
+
+def _progress(total: int, description: str, enabled: bool, initial: int = 0) -> Any:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=description, unit="round", file=sys.stderr, dynamic_ncols=True,
+                bar_format="{desc}: round {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining}{postfix}")
+
+
+def progress_text(train: Mapping[str, float], accuracy: Mapping[str, float] | None) -> str:
+    """The progress bar's text after a round: the clients' mean cross-entropy (``ce`` in metrics.jsonl's
+    ``train``) when the method reports it, else its whole training loss, each labelled (the whole loss can
+    hold constant terms, such as HPCL's, that make it climb while training improves); then the last AVG."""
+    shown = next(((label, train[name]) for name, label in (("ce", "train CE"), ("loss", "train loss"))
+                  if name in train), None)
+    loss = f"{shown[0]} {shown[1]:.3f}  " if shown is not None else ""
+    return loss + "AVG " + (f"{accuracy['AVG']:.2f}%" if accuracy else "-")
+
+
+# ---------------------------------------------------------------------------- the summary
+
+
+def final_accuracy(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The accuracy of the last evaluated row (NaN when no round had one: every evaluation lost)."""
+    return next((row["accuracy"] for row in reversed(rows) if "accuracy" in row), {"AVG": float("nan")})
+
+
+def summary_measurements(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary's share of the per-round measurements: final fairness (Table A8), parameters
+    sent (Table 4's Upload) and, when counted, training FLOPs (Table 4)."""
+    final: dict[str, Any] = next((row for row in reversed(rows) if "accuracy" in row), {})
+    out: dict[str, Any] = {}
+    if "fairness" in final:
+        out["fairness"] = final["fairness"]
+        out["client_accuracy"] = final["client_accuracy"]
+    if all("params_up" in row for row in rows):
+        out["params_up"] = sum(row["params_up"] for row in rows)
+        out["params_down"] = sum(row["params_down"] for row in rows)
+    if all("flops_train" in row for row in rows):
+        out["flops_train"] = sum(row["flops_train"] for row in rows)
+        out["flops_server"] = sum(row["flops_server"] for row in rows)
+    return out
+
+
+def run_summary(options: Any, data_name: str, clients: int, device: torch.device | str, rows: list[dict[str, Any]],
+                seconds: float, notes: list[str], from_python: bool = False,
+                engine: str | None = None) -> dict[str, Any]:
+    """``summary.json`` of a finished run (``options``: its RunOptions): its settings, the final and best AVG,
+    the final per-domain accuracy, the wall time and the totals of the per-round measurements; ``engine``
+    names an engine other than the simulator, ``from_python`` data given from Python."""
+    final = final_accuracy(rows)
+    return {
+        "method": options.method,
+        "dataset": data_name,
+        **({"data_source": "python"} if from_python else {}),
+        "seed": options.seed,
+        "rounds": options.rounds,
+        "clients": clients,
+        "accuracy": final["AVG"],
+        "per_domain": {name: value for name, value in final.items() if name != "AVG"},
+        "best_accuracy": max((row["accuracy"]["AVG"] for row in rows if "accuracy" in row), default=float("nan")),
+        "seconds": seconds,
+        "device": str(device),
+        **({"engine": engine} if engine is not None else {}),
+        "bytes_up": sum(row["bytes_up"] for row in rows),
+        "bytes_down": sum(row["bytes_down"] for row in rows),
+        "notes": notes,
+        **summary_measurements(rows),
+    }

@@ -1,0 +1,116 @@
+"""The import layers of fedhpro (read from the source with ``ast``, every import, at any depth of a module,
+type-checking ones too): nothing imports upward, and no two modules import each other, directly or around a
+circle. The layers, from the bottom:
+
+0. the utilities, data and models: errors, files, seeds, runtime, options, registry, functional, aggregation,
+   metrics, reports, data, models;
+1. methods;
+2. engines (the simulator, the round protocol, the run driver) and the config (which names the methods);
+3. what runs engines: the API and the modules split out of it, measurements (observers that write files),
+   sweeps, compare, the CLI, reproduce, bench and the Flower apps; within it, sweeps and measurements are
+   below the API (they are given what they run).
+
+A package's ``__init__`` and its own submodules may import each other (a registry filling itself); any other
+circle is an error.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SOURCE = Path(__file__).resolve().parents[1] / "src" / "fedhpro"
+
+LAYERS = {
+    0: ("errors", "files", "seeds", "runtime", "options", "registry", "functional", "aggregation", "metrics",
+        "reports", "data", "models"),
+    1: ("methods",),
+    2: ("engines", "config"),
+    # below the API: modules that drive runs they are given
+    3: ("sweeps", "measurements"),
+    4: ("api", "experiment", "runfolder", "resume", "user_models", "compare", "cli", "reproduce", "bench",
+        "flower", "__main__", ""),
+}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in SOURCE.rglob("*.py"):
+        parts = path.relative_to(SOURCE.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.add(full if full in known else base)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {module for module in found if module in known and module != name}
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def layer(module: str) -> int:
+    top = module.split(".")[1] if "." in module else ""
+    for rank, names in LAYERS.items():
+        if top in names:
+            return rank
+    raise AssertionError(f"{module} is in no layer; add its top-level name to LAYERS")
+
+
+def test_nothing_imports_upward():
+    upward = sorted(f"{name} ({layer(name)}) imports {other} ({layer(other)})"
+                    for name, targets in graph().items() for other in targets if layer(other) > layer(name))
+    assert not upward, "\n".join(upward)
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in edges[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                other = stack.pop()
+                component.append(other)
+                if other == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in edges:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circles():
+    def own_package(component: list[str]) -> bool:  # a package's __init__ and its own submodules
+        return any(all(m == root or m.startswith(root + ".") for m in component) for root in component)
+
+    assert [c for c in circles(graph()) if not own_package(c)] == []
