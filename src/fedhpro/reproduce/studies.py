@@ -13,7 +13,7 @@ from typing import Any
 
 from fedhpro.reports.runs import RunData
 from fedhpro.reproduce.running import PartResult
-from fedhpro.reproduce.table import Section, Table, part_note
+from fedhpro.reproduce.table import Section, Table, difference, paper_value, part_note, signed
 from fedhpro.reproduce.targets import Part, Target
 
 
@@ -78,10 +78,9 @@ def build_label_skew(target: Target, result: PartResult) -> Table:
             delta = ("–" if variant.label == reference or not base[scenario]
                      else f"{mean - statistics.mean(base[scenario]):+.2f}")
             column = _paper_column(part, scenario)
-            ours_paper = part.paper.get(variant.label)
-            ref_paper = part.paper.get(reference)
-            paper = ("–" if variant.label == reference or column is None or not ours_paper or not ref_paper
-                     else f"{ours_paper[column] - ref_paper[column]:+.2f}")
+            published = [paper_value(part, label, column) if column is not None else None
+                         for label in (variant.label, reference)]
+            paper = "–" if variant.label == reference else signed(difference(*published))
             cells += [f"{mean:.2f} ± {spread:.2f} ({delta})", paper]
             csv_row += [f"{mean:.4f}", f"{spread:.4f}", str(len(values))]
         rows.append(cells)
@@ -110,8 +109,9 @@ def run_measures(run: RunData) -> dict[str, float]:
     """A finished run's final accuracy, the mean of its last three evaluated rounds, and its last row's server
     values (L_GM before / after matching, how far S moved) and prototype distances (Figure 2's measure)."""
     nan = float("nan")
-    server = next((row["server"] for row in reversed(run.rows) if row.get("server")), {})
-    distance = next((row["prototype_distance"] for row in reversed(run.rows) if row.get("prototype_distance")), {})
+    server: dict[str, Any] = next((row["server"] for row in reversed(run.rows) if row.get("server")), {})
+    distance: dict[str, Any] = next((row["prototype_distance"] for row in reversed(run.rows)
+                                     if row.get("prototype_distance")), {})
     hyper = distance.get("server", {})
     evaluated = [row["accuracy"]["AVG"] for row in run.evaluated]
     assert run.summary is not None
