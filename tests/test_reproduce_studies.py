@@ -95,6 +95,34 @@ def test_faithfulness_table_and_csv(out, digits_data_dir):
     assert len(rows) == 9 and rows[-1]["variant"] == "fedavg recipe=authors"
 
 
+def test_a_run_that_diverges_is_kept_and_counted_and_a_bad_setting_still_stops(out, digits_data_dir, monkeypatch):
+    """run_part(tolerate_diverged=True): "every client failed" stops that run only; a ConfigError stops all."""
+    import fedhpro.api
+    from fedhpro.errors import ConfigError, FedHProError
+
+    real = fedhpro.api.run_or_continue
+
+    def scaled_runs_diverge(config, folder):
+        if config.to_dict().get("faults", {}).get("scale"):
+            raise FedHProError("round 0: every client failed; client 1 sent non-finite values")
+        return real(config, folder)
+
+    monkeypatch.setattr(fedhpro.api, "run_or_continue", scaled_runs_diverge)
+    target = R.load_target("robustness", "smoke")
+    part = target.parts[0]
+    part.scenarios = part.scenarios[:2]  # clean-mean and scale-median
+    settings = {**target.settings, **part.settings, "data_dir": str(digits_data_dir),
+                "data.syn_size": DIGITS_SYN_SIZE, "data.test_fraction": DIGITS_TEST_FRACTION}
+    result = R.run_part(part, settings, "", {}, [0], out / "diverging", echo=False, tolerate_diverged=True)
+    table = R.build_table(target, [result])
+    assert table.csv_rows[1][:4] == ["fedavg", "scale", table.csv_rows[0][2], "–"]
+    assert table.csv_rows[1][4] == "diverged (1/1)"
+    monkeypatch.setattr(fedhpro.api, "run_or_continue", lambda config, folder: (_ for _ in ()).throw(
+        ConfigError("bad setting")))
+    with pytest.raises(ConfigError, match="bad setting"):
+        R.run_part(part, settings, "", {}, [1], out / "diverging", echo=False, tolerate_diverged=True)
+
+
 def test_a_diverged_robustness_run_is_counted_not_fatal():
     finished = R.RunData(Path("a"), {"seed": 0}, [], {"accuracy": 50.0})
     stopped = R.RunData(Path("b"), {"seed": 1}, [], None)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedhpro.errors import ConfigError, UpdateError
+from fedhpro.errors import ConfigError, DataError, FedHProError
 from fedhpro.reports.runs import RunData, load_run
 from fedhpro.reproduce.availability import filter_data_keys
 from fedhpro.reproduce.table import slug
@@ -82,8 +82,9 @@ def stopped_run(folder: Path) -> RunData:
 
 
 def _run_tolerant(jobs: list[Job]):
-    """Each job's summary in order, None for a run whose local training diverged (UpdateError) instead of
-    stopping: the robustness study's attacked runs may stop that way, and the table counts them."""
+    """Each job's summary in order, None for a run that stopped because its training diverged (every client
+    failed in a round) instead of stopping the reproduction: the robustness study's attacked runs may stop
+    that way, and the table counts them. A ConfigError or DataError still stops everything."""
     from fedhpro.api import run_or_continue
     from fedhpro.compare import check_stored_run
 
@@ -91,10 +92,14 @@ def _run_tolerant(jobs: list[Job]):
         check_stored_run(job.folder, job.config)
     for job in jobs:
         try:
-            yield run_or_continue(job.config, job.folder)
-        except UpdateError as error:
+            summary = run_or_continue(job.config, job.folder)
+        except (ConfigError, DataError):
+            raise  # a bad setting or data set stops the reproduction as anywhere else
+        except FedHProError as error:  # "round N: every client failed; ..." (or one client's UpdateError)
             print(f"  {job.label:34s} seed {job.seed}: diverged ({error})", flush=True)
             yield None
+        else:
+            yield summary
 
 
 def run_part(part: Part, resolved: dict[str, Any], note: str, overrides: dict[str, Any], seeds: Sequence[int],
