@@ -1,8 +1,9 @@
-"""Data sets and federations by name. Adding one is one new module plus one ``REGISTRY.builtin`` line here,
-or, without editing the package, ``fedhpro.data.register(name, spec)`` from Python or an installed package's
-entry point in the group ``fedhpro.datasets`` (``mine = "my_package:DATASET"``, a :class:`DatasetSpec` or a
-zero-argument callable returning one). ``dataset=<name>`` then works everywhere a config is read, and its
-options dataclass gives the ``data.*`` keys (``fedhpro config --keys dataset=<name>``).
+"""Data sets and federations by name. Adding one is one new module plus one ``REGISTRY.builtin`` line here
+(a paper benchmark: one line in :data:`fedhpro.data.benchmarks.BENCHMARKS`), or, without editing the
+package, ``fedhpro.data.register(name, spec)`` from Python or an installed package's entry point in the group
+``fedhpro.datasets`` (``mine = "my_package:DATASET"``, a :class:`DatasetSpec` or a zero-argument callable
+returning one). ``dataset=<name>`` then works everywhere a config is read, and its options dataclass gives
+the ``data.*`` keys (``fedhpro config --keys dataset=<name>``).
 
 A data set entry is a :class:`DatasetSpec`: an options dataclass (the
 ``data.*`` config keys) and ``build(options, clients, seed, data_dir=None,
@@ -85,18 +86,12 @@ REGISTRY: Registry[Callable[[], DatasetSpec]] = Registry(
     hint=f" (or add one with fedhpro.data.register or a package's {ENTRY_POINT_GROUP!r} entry point)")
 
 REGISTRY.builtin("digits-offline", _digits_offline)
-# the paper's benchmarks on the real data sets (fedhpro.data.benchmarks; files: fedhpro.data.loaders)
-REGISTRY.builtin("digits", _benchmark("digits"))
-REGISTRY.builtin("office-caltech", _benchmark("office-caltech"))
-REGISTRY.builtin("cifar10", _benchmark("cifar10"))
-REGISTRY.builtin("cifar100", _benchmark("cifar100"))
-REGISTRY.builtin("ham10000", _benchmark("ham10000"))
-REGISTRY.builtin("tinyimagenet", _benchmark("tinyimagenet"))
-REGISTRY.builtin("cifar10-lt", _benchmark("cifar10-lt"))
-REGISTRY.builtin("cifar100-lt", _benchmark("cifar100-lt"))
-REGISTRY.builtin("tinyimagenet-lt", _benchmark("tinyimagenet-lt"))
-REGISTRY.builtin("ag-news", _benchmark("ag-news"))
-REGISTRY.builtin("sun397", _benchmark("sun397"))
+# the paper's benchmarks on the real data sets: every entry of fedhpro.data.benchmarks.BENCHMARKS (files:
+# fedhpro.data.loaders); their specs are built on first use
+from fedhpro.data.benchmarks import BENCHMARKS  # noqa: E402 (needs DatasetSpec above)
+
+for _name in BENCHMARKS:
+    REGISTRY.builtin(_name, _benchmark(_name))
 # your own data (fedhpro.data.clients, .imagefolder, .huggingface)
 REGISTRY.builtin("clients", lambda: _own("clients"))
 REGISTRY.builtin("imagefolder", lambda: _own("imagefolder"))

@@ -40,7 +40,17 @@ from torch import Tensor
 
 from fedhpro.data import DatasetSpec
 from fedhpro.data.federation import Augment, ClientData, Federation
-from fedhpro.data.loaders import AGNews, image_arrays, open_loader, split_indices
+from fedhpro.data.loaders import (  # noqa: F401 (HALF, IMAGENET_*: kept importable here)
+    HALF,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    LOADERS,
+    AGNews,
+    Preset,
+    image_arrays,
+    open_loader,
+    split_indices,
+)
 from fedhpro.data.partition import (
     LABEL_SCHEMES,
     Partition,
@@ -56,33 +66,9 @@ from fedhpro.options import option
 # --------------------------------------------------------------------------- transforms
 
 
-@dataclass(frozen=True)
-class Preset:
-    """A source's transform as the paper applies it: square ``size``, 3 channels, per-channel normalisation."""
-
-    size: int
-    mean: tuple[float, float, float]
-    std: tuple[float, float, float]
-
-
-HALF = (0.5, 0.5, 0.5)
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-
-#: per source: the paper's image size; the usual per-data-set channel statistics
-PRESETS: dict[str, Preset] = {
-    # Digits: 32 x 32 RGB in [-1, 1], as the Digits domain-skew code (and digits-offline)
-    "mnist": Preset(32, HALF, HALF),
-    "usps": Preset(32, HALF, HALF),
-    "svhn": Preset(32, HALF, HALF),
-    "syn": Preset(32, HALF, HALF),
-    "office-caltech": Preset(32, IMAGENET_MEAN, IMAGENET_STD),
-    "cifar10": Preset(32, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-    "cifar100": Preset(32, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
-    "tinyimagenet": Preset(64, (0.4802, 0.4481, 0.3975), (0.2302, 0.2265, 0.2262)),
-    "ham10000": Preset(224, IMAGENET_MEAN, IMAGENET_STD),
-    # the paper does not give SUN397's size; 64 px keeps 108k images in a few GB (data.image_size=224 for more)
-    "sun397": Preset(64, IMAGENET_MEAN, IMAGENET_STD),
-}
+#: per image source: the paper's image size and the usual per-data-set channel statistics (declared with the
+#: source's loader, :data:`fedhpro.data.loaders.LOADERS`)
+PRESETS: dict[str, Preset] = {name: spec.preset for name, spec in LOADERS.items() if spec.preset is not None}
 
 
 def to_float(images: np.ndarray, preset: Preset, size: int, chunk: int = 2048) -> Tensor:
@@ -459,6 +445,8 @@ def _label(name: str, source: str, classes: int, **kwargs: Any) -> LabelSkewBenc
 
 _LT = dict(scheme="longtail", schemes=("longtail",))
 
+#: name -> factory of its spec; ``fedhpro.data`` registers every one as ``dataset=<name>`` (a new benchmark is
+#: one line here, plus its source's line in :data:`fedhpro.data.loaders.LOADERS` when the source is new)
 BENCHMARKS: dict[str, Callable[[], DatasetSpec]] = {
     "digits": lambda: _spec(
         DomainBenchmark("digits", (("mnist", "mnist", {}), ("usps", "usps", {}), ("svhn", "svhn", {}),

@@ -536,8 +536,21 @@ def _torchvision(name: str, verify: bool = True) -> Callable[..., Dataset]:
 
 
 @dataclass(frozen=True)
+class Preset:
+    """A source's transform as the paper applies it: square ``size``, 3 channels, per-channel normalisation."""
+
+    size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+
+HALF = (0.5, 0.5, 0.5)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+@dataclass(frozen=True)
 class LoaderSpec:
-    """A registered loader: where its files go, what they look like, and how to get them."""
+    """A registered loader: where its files go, what they look like, how to get them, and (images) its preset."""
 
     name: str
     open: Callable[..., Dataset]  # (root, train=True, transform=None, download=False, **options) -> Dataset
@@ -545,6 +558,8 @@ class LoaderSpec:
     layout: str  # the files expected under <data_dir>/<folder>
     source: str  # where to get it
     download: bool = False  # torchvision can fetch it (data.download=true)
+    #: an image source's size and channel statistics (fedhpro.data.benchmarks.PRESETS); None for text
+    preset: Preset | None = None
 
 
 def _lazy_torchvision(name: str) -> Callable[..., Dataset]:
@@ -555,23 +570,34 @@ def _lazy_torchvision(name: str) -> Callable[..., Dataset]:
     return open_
 
 
+#: a new source is one line here (with its preset: the paper's image size and the usual channel statistics)
 LOADERS: dict[str, LoaderSpec] = {spec.name: spec for spec in (
-    LoaderSpec("mnist", _lazy_torchvision("mnist"), "mnist", "MNIST/raw/*-ubyte", "torchvision", True),
-    LoaderSpec("usps", _lazy_torchvision("usps"), "usps", "usps.bz2 and usps.t.bz2", "torchvision", True),
-    LoaderSpec("svhn", _lazy_torchvision("svhn"), "svhn", "train_32x32.mat and test_32x32.mat", "torchvision", True),
-    LoaderSpec("cifar10", _lazy_torchvision("cifar10"), "cifar10", "cifar-10-batches-py/", "torchvision", True),
-    LoaderSpec("cifar100", _lazy_torchvision("cifar100"), "cifar100", "cifar-100-python/", "torchvision", True),
+    # Digits: 32 x 32 RGB in [-1, 1], as the Digits domain-skew code (and digits-offline)
+    LoaderSpec("mnist", _lazy_torchvision("mnist"), "mnist", "MNIST/raw/*-ubyte", "torchvision", True,
+               Preset(32, HALF, HALF)),
+    LoaderSpec("usps", _lazy_torchvision("usps"), "usps", "usps.bz2 and usps.t.bz2", "torchvision", True,
+               Preset(32, HALF, HALF)),
+    LoaderSpec("svhn", _lazy_torchvision("svhn"), "svhn", "train_32x32.mat and test_32x32.mat", "torchvision", True,
+               Preset(32, HALF, HALF)),
+    LoaderSpec("cifar10", _lazy_torchvision("cifar10"), "cifar10", "cifar-10-batches-py/", "torchvision", True,
+               Preset(32, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))),
+    LoaderSpec("cifar100", _lazy_torchvision("cifar100"), "cifar100", "cifar-100-python/", "torchvision", True,
+               Preset(32, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762))),
+    # the paper does not give SUN397's size; 64 px keeps 108k images in a few GB (data.image_size=224 for more)
     LoaderSpec("sun397", _lazy_torchvision("sun397"), "sun397", "SUN397/ClassName.txt and SUN397/<letter>/<class>/",
-               "torchvision (37 GB)", True),
+               "torchvision (37 GB)", True, Preset(64, IMAGENET_MEAN, IMAGENET_STD)),
     LoaderSpec("syn", SynDigits, "syn", "train/<0-9>/*.png and val/<0-9>/*.png",
-               "the SynDigits images of the FedBN/FPL Digits release (e.g. its syn/ folder)"),
+               "the SynDigits images of the FedBN/FPL Digits release (e.g. its syn/ folder)",
+               preset=Preset(32, HALF, HALF)),
     LoaderSpec("office-caltech", OfficeCaltech, "", "office_caltech_10/{amazon,caltech,dslr,webcam}/<class>/*.jpg",
-               "the Office-Caltech-10 release (Gong et al., 2012)"),
+               "the Office-Caltech-10 release (Gong et al., 2012)", preset=Preset(32, IMAGENET_MEAN, IMAGENET_STD)),
     LoaderSpec("tinyimagenet", TinyImageNet, "tiny-imagenet-200",
                "wnids.txt, train/<wnid>/images/, val/images/ and val/val_annotations.txt",
-               "http://cs231n.stanford.edu/tiny-imagenet-200.zip (unzip into the data folder)"),
+               "http://cs231n.stanford.edu/tiny-imagenet-200.zip (unzip into the data folder)",
+               preset=Preset(64, (0.4802, 0.4481, 0.3975), (0.2302, 0.2265, 0.2262))),
     LoaderSpec("ham10000", HAM10000, "ham10000", "HAM10000_metadata.csv and the <image_id>.jpg files",
-               "https://doi.org/10.7910/DVN/DBW86T (Harvard Dataverse)"),
+               "https://doi.org/10.7910/DVN/DBW86T (Harvard Dataverse)",
+               preset=Preset(224, IMAGENET_MEAN, IMAGENET_STD)),
     LoaderSpec("ag_news", AGNews, "ag_news", "train.csv and test.csv (class, title, description)",
                "the ag_news_csv release of Zhang et al. (2015), e.g. from the fastText/torchtext mirrors"),
 )}
@@ -744,6 +770,6 @@ def files_key(files: Sequence[str | os.PathLike], salt: str = "") -> str | None:
     return digest.hexdigest()[:16]
 
 
-__all__ = ["AGNews", "HAM10000", "LOADERS", "LoaderSpec", "OfficeCaltech", "SynDigits", "TinyImageNet",
+__all__ = ["AGNews", "HAM10000", "LOADERS", "LoaderSpec", "OfficeCaltech", "Preset", "SynDigits", "TinyImageNet",
            "build_vocab", "encode", "file_identity", "files_key", "image_arrays", "missing", "open_loader",
            "read_pickle", "split_indices", "tokenize", "verify_file"]
