@@ -382,3 +382,35 @@ def test_same_seed_runs_give_identical_metrics_jsonl(two_runs):
     summary_a = {k: v for k, v in first.summary.items() if k not in TIMING}
     summary_b = {k: v for k, v in second.summary.items() if k not in TIMING}
     assert summary_a == summary_b
+
+
+# ----------------------------------------------------------------------------
+# the sections table and the key kinds: declared once, used everywhere
+# ----------------------------------------------------------------------------
+
+
+def test_the_sections_table_orders_config_yaml_keys_and_shorthands():
+    from fedhpro.cli import key_lines
+    from fedhpro.config import SECTIONS, SHORTHANDS
+
+    assert [section.name for section in SECTIONS] == ["data", "faults", "partition", "aggregation"]
+    assert SHORTHANDS == {"partition": "scheme", "aggregation": "rule"}
+    config = load_config(None, ["partition=iid", "aggregation=median"])
+    assert list(config.to_dict())[-4:] == ["data", "faults", "partition", "aggregation"]
+    assert (config.partition.scheme, config.aggregation.rule) == ("iid", "median")
+    assert list(config.sections())[:len(METHODS)] == list(METHODS)
+    assert list(config.sections())[len(METHODS):] == ["data", "faults", "partition", "aggregation"]
+    lines = key_lines("digits-offline")
+    assert lines[-2:] == ["partition: short for partition.scheme (default: auto)",
+                          "aggregation: short for aggregation.rule (default: mean)"]
+    for section in SECTIONS:
+        assert any(line.startswith(f"{section.name}.") for line in lines)
+
+
+def test_a_close_choice_is_suggested_in_one_line():
+    with pytest.raises(ConfigError, match=r"dataset='cifar' is not valid \(did you mean 'cifar10'"):
+        load_config(None, {"dataset": "cifar"})
+    with pytest.raises(ConfigError, match=r"partition.scheme='dirichlett' is not valid \(did you mean 'dirichlet'"):
+        load_config(None, {"partition": "dirichlett"})
+    with pytest.raises(ConfigError, match=r"method='fedavgg' is not valid \(did you mean 'fedavg'"):
+        load_config(None, {"method": "fedavgg"})
