@@ -751,9 +751,9 @@ class _Functions(Mapping[str, Callable[..., Partition]]):
 #: scheme name -> partitioner
 PARTITIONERS: Mapping[str, Callable[..., Partition]] = _Functions()
 
-#: the built-in schemes a label-skew benchmark accepts as ``partition=NAME`` (``domains`` needs a domain
-#: layout); :func:`label_schemes` adds those registered or installed
-LABEL_SCHEMES = ("iid", "dirichlet", "nid2", "longtail", "ag-nid")
+#: the built-in label-skew schemes (every built-in partitioner but ``domains``, which needs a domain layout);
+#: :func:`label_schemes` adds those registered or installed
+LABEL_SCHEMES = tuple(name for name, spec in REGISTRY.builtins.items() if spec.labels)
 
 
 @dataclass
