@@ -34,7 +34,13 @@ import torch
 
 from fedhpro.data import DatasetSpec
 from fedhpro.data.federation import ClientData, Federation, normalize_images
-from fedhpro.data.partition import Partition, PartitionError, PartitionOptions, within_domains
+from fedhpro.data.partition import (
+    Partition,
+    PartitionError,
+    PartitionOptions,
+    added_label_schemes,
+    within_domains,
+)
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.options import option
 
@@ -116,9 +122,10 @@ def build(options: DigitsOfflineOptions, clients: int | None, seed: int, data_di
     from fedhpro.data.digits_offline import build_digits_offline, default_data_dir
 
     scheme = "domains" if partition is None or partition.scheme == "auto" else partition.scheme
-    if scheme not in SCHEMES:
+    allowed = (*SCHEMES, *added_label_schemes())  # and every registered or installed label-skew partitioner
+    if scheme not in allowed:
         raise ConfigError(f"partition={scheme} does not apply to digits-offline; choose one of: domains (the "
-                          f"default, domain skew), {', '.join(SCHEMES[1:])} (label skew within each domain)")
+                          f"default, domain skew), {', '.join(allowed[1:])} (label skew within each domain)")
     chosen = chosen_domains(options.domains)
     layout = client_layout(options.clients_per_domain, chosen, clients)
     loading = partition is not None and partition.load

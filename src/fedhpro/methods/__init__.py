@@ -68,12 +68,11 @@ BUILTIN_METHODS: dict[str, MethodSpec] = REGISTRY.builtins
 #: methods up with :func:`get_method` and list them with :func:`method_names`, which load the entry points first.
 METHODS: dict[str, MethodSpec] = REGISTRY.entries
 
-#: a method's named recipes: method -> recipe name -> the settings it applies before the user's
-#: (``<method>.recipe=<name>``). Declared with the method (:func:`register`'s ``recipes=``, or a
-#: ``recipes`` attribute of its MethodSpec); config.py applies whatever recipe a method declares.
-RECIPES: dict[str, dict[str, dict[str, Any]]] = {
-    "fedhpro": {"authors": fedhpro.AUTHORS_RECIPE},
-}
+#: recipes given to :func:`register`'s ``recipes=`` for a spec that does not declare them itself:
+#: method -> recipe name -> the settings ``<method>.recipe=<name>`` applies before the user's. A built-in
+#: declares its recipes in its MethodSpec (``recipes=``, e.g. FedHPro's authors' recipe); config.py applies
+#: whatever recipe a method declares.
+RECIPES: dict[str, dict[str, dict[str, Any]]] = {}
 
 
 def register(name: str, spec: MethodSpec, *, replace: bool = False,

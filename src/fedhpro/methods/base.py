@@ -610,3 +610,6 @@ class MethodSpec:
     #: optional ``(model, options, num_classes) -> model``: a method that changes the network (MOON's
     #: projection head) wraps the engine's model here; the result keeps ``features``/``classifier``
     model_wrapper: Callable[[nn.Module, Any, int], nn.Module] | None = None
+    #: named recipes: recipe name -> the settings ``<name>.recipe=<recipe>`` applies before the user's (the
+    #: options need a ``recipe`` field); fedhpro.config applies whatever recipe a method declares
+    recipes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)

@@ -362,4 +362,5 @@ METHOD = MethodSpec(
     server=FedHProServer,
     client=FedHProClient,
     description="FedHPro: hyper-prototypes by gradient matching, HPCL + HPAL",
+    recipes={"authors": AUTHORS_RECIPE},
 )
