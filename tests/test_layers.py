@@ -6,9 +6,9 @@ circle. The layers, from the bottom:
    metrics, reports, data, models;
 1. methods;
 2. engines (the simulator, the round protocol, the run driver) and the config (which names the methods);
-3. what runs engines: the API and the modules split out of it, measurements (observers that write files),
-   sweeps, compare, the CLI, reproduce, bench and the Flower apps; within it, sweeps and measurements are
-   below the API (they are given what they run).
+3. what builds and drives runs for the API: experiment (building one), resume, user_models (models and data
+   given from Python), measurements (observers that write files) and sweeps (given the job they run);
+4. the API, compare, the CLI, reproduce, bench and the Flower apps.
 
 A package's ``__init__`` and its own submodules may import each other (a registry filling itself); any other
 circle is an error.
@@ -27,8 +27,8 @@ LAYERS = {
     1: ("methods",),
     2: ("engines", "config"),
     # below the API: modules that drive runs they are given
-    3: ("sweeps", "measurements"),
-    4: ("api", "experiment", "runfolder", "resume", "user_models", "compare", "cli", "reproduce", "bench",
+    3: ("sweeps", "measurements", "experiment", "resume", "user_models"),
+    4: ("api", "compare", "cli", "reproduce", "bench",
         "flower", "__main__", ""),
 }
 

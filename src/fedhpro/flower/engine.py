@@ -33,13 +33,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fedhpro.api import build_experiment, build_simulator, model_factories, protocol_settings, resolve_device
 from fedhpro.config import Config, load_config
 from fedhpro.data.federation import ClientData, Federation
 from fedhpro.engines.driver import Engine
 from fedhpro.engines.protocol import RoundProtocol, train_generator
 from fedhpro.engines.simulator import ClientModels, Simulator, build_method
 from fedhpro.errors import ConfigError
+from fedhpro.experiment import build_experiment, build_simulator, model_factories, protocol_settings, resolve_device
 from fedhpro.methods import get_method
 from fedhpro.runtime import configure_cpu_runtime
 

@@ -51,7 +51,6 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
-from fedhpro.api import resumed_config
 from fedhpro.config import PRESENTATION_KEYS, Config, load_config
 from fedhpro.engines import checkpoint, driver
 from fedhpro.engines.driver import RunRows, check_new_run_folder, round_extra
@@ -61,6 +60,7 @@ from fedhpro.files import claim_run_folder, remove_partial_writes
 from fedhpro.flower import records
 from fedhpro.flower.engine import ServerSide, build_server_side, config_text, own_data
 from fedhpro.flower.settings import FlowerSettings, config_from_run_config, split_run_config
+from fedhpro.resume import resumed_config
 
 #: the ConfigRecord every fedhpro message carries: the resolved config (JSON), the round and the client
 HEADER = "fedhpro.header"

@@ -1,0 +1,163 @@
+"""Building an experiment: the federation, the model factories, the method and the round protocol's settings
+of a config, the same for the in-process simulator and the Flower apps."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fedhpro.config import Config
+from fedhpro.data import get_dataset
+from fedhpro.data.federation import Federation
+from fedhpro.engines.observers import RoundObserver
+from fedhpro.engines.protocol import Aggregation
+from fedhpro.engines.simulator import Faults, Simulator
+from fedhpro.errors import ConfigError
+from fedhpro.methods import MethodSpec, TrainSettings, get_method
+from fedhpro.models import build_model, with_projection_head
+from fedhpro.user_models import check_federation, user_model_builder
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"device={name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} but CUDA is not available here; use device=cpu or device=auto")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device={name!r} is not supported; use auto, cpu, cuda or cuda:N")
+    return device
+
+
+def _warn(message: str) -> None:
+    """One warning line on stderr that leaves the progress bar intact."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"fedhpro: warning: {message}", file=sys.stderr)
+
+
+def build_simulator(config: Config, parts: Experiment, device: torch.device,
+                    observers: list[RoundObserver] | None = None,
+                    on_drop: Callable[[str], None] | None = _warn) -> Simulator:
+    """The in-process simulator of ``config`` on the built ``parts``, watched by ``observers`` (also what a
+    Flower node and server build in partition mode)."""
+    return Simulator(parts.method, config.method_options, parts.federation, parts.model_factory, parts.train,
+                     device=device, client_architectures=parts.architectures,
+                     architecture_factory=parts.architecture_factory, shared=parts.shared,
+                     on_drop=on_drop, observers=observers or [], **protocol_settings(config))
+
+
+def protocol_settings(config: Config) -> dict[str, Any]:
+    """The round protocol's settings of ``config``: sampling, evaluation, faults, robust aggregation and
+    ``min_clients``, as keyword arguments that both :class:`Simulator` and
+    :class:`~fedhpro.engines.protocol.RoundProtocol` take. The in-process engine and the Flower
+    ServerApp both build their protocol from this one place, so both run the same rounds."""
+    options = config.run
+    return {"rounds": options.rounds, "participation": options.participation, "seed": options.seed,
+            "eval_every": options.eval_every, "faults": Faults(**dataclasses.asdict(config.faults)),
+            "aggregation": Aggregation(**dataclasses.asdict(config.aggregation)), "min_clients": options.min_clients}
+
+
+@dataclass
+class Experiment:
+    """Everything an engine needs to run ``config``: built the same way for the simulator and Flower."""
+
+    method: MethodSpec
+    federation: Federation
+    model_factory: Callable[[], torch.nn.Module]  # the global model (``model=``), wrapped by the method if it wraps
+    architecture_factory: Callable[[str], torch.nn.Module]  # any zoo name, wrapped likewise
+    architectures: list[str] | None  # per-client architecture names under model heterogeneity, else None
+    train: TrainSettings
+    shared: str  # which weights travel: "all", "classifier" or "none"
+
+
+def build_experiment(config: Config, device: torch.device | str = "cpu", federation: Federation | None = None,
+                     model_factory: Callable[..., torch.nn.Module] | None = None) -> Experiment:
+    """Build the federation (on ``device``), the model factories and the method of ``config``.
+
+    The same seed and config give the same federation and the same initial
+    models wherever this is called (the simulator, a Flower node).
+
+    ``federation``: data given from Python, used instead of building the
+    config's ``dataset`` (whose ``data.*`` / ``partition.*`` are then unused);
+    moved to ``device`` in a shallow copy, the caller's object is left as it is.
+    ``model_factory``: a callable building the model instead of the registered
+    ``model=`` (see :func:`run`), checked on its first model and one training input.
+    """
+    options = config.run
+    method = get_method(options.method)
+    if federation is None:
+        dataset = get_dataset(options.dataset)
+        federation = dataset.build(config.data, options.clients, options.seed, data_dir=options.data_dir,
+                                   progress=options.progress, partition=config.partition)
+    else:
+        check_federation(federation, options.clients)
+        federation = dataclasses.replace(federation)
+    federation.to(torch.device(device))
+    global_factory, architecture_factory, architectures, shared, train = model_factories(
+        config, method, federation.num_classes, federation.input_shape, federation.num_clients,
+        user_model=model_factory, sample=federation.clients[0].x[:1])
+    return Experiment(method, federation, global_factory, architecture_factory, architectures, train, shared)
+
+
+def model_factories(config: Config, method: MethodSpec, num_classes: int, input_shape: tuple[int, ...],
+                    num_clients: int, user_model: Callable[..., torch.nn.Module] | None = None,
+                    sample: torch.Tensor | None = None
+                    ) -> tuple[Callable[[], torch.nn.Module], Callable[[str], torch.nn.Module],
+                               list[str] | None, str, TrainSettings]:
+    """``(model_factory, architecture_factory, architectures, shared, train settings)`` of ``config`` for
+    ``num_clients`` clients with inputs of ``input_shape`` and ``num_classes`` classes: everything but the
+    data (a Flower server builds exactly this, holding no data).
+
+    ``user_model``: a model callable given from Python, built for ``options.model`` instead of the zoo
+    (:func:`user_model_builder`; its first model is checked, on ``sample``, one training input, if given)."""
+    options = config.run
+    build_user_model = None
+    if user_model is not None:
+        if options.heterogeneity != "none":
+            raise ConfigError(f"heterogeneity={options.heterogeneity} builds the zoo's architectures per client, "
+                              "not a model callable; use heterogeneity=none with model=<callable>")
+        build_user_model = user_model_builder(user_model, num_classes, input_shape, options.feature_dim, sample)
+
+    def architecture_factory(name: str) -> torch.nn.Module:
+        if build_user_model is not None and name == options.model:
+            model = build_user_model()
+        else:
+            try:
+                model = build_model(name, num_classes, input_shape, options.feature_dim)
+            except ValueError as error:
+                raise ConfigError(f"model {name!r} does not fit the data's inputs "
+                                  f"{tuple(input_shape)}: {error}") from None
+        if options.projection_head:  # every method on the MOON authors' network
+            model = with_projection_head(model, num_classes)
+        if method.model_wrapper is not None:
+            model = method.model_wrapper(model, config.method_options, num_classes)
+        return model
+
+    def model_factory() -> torch.nn.Module:
+        return architecture_factory(options.model)
+
+    train = TrainSettings(epochs=options.local_epochs, batch_size=options.batch_size, lr=options.lr,
+                          momentum=options.momentum, weight_decay=options.weight_decay, amp=options.amp,
+                          channels_last=options.channels_last, compile=options.compile)
+    architectures = None
+    if options.heterogeneity != "none":
+        from fedhpro.models.heterogeneity import architecture_for_client
+
+        architectures = [architecture_for_client(options.heterogeneity, k) for k in range(num_clients)]
+    return model_factory, architecture_factory, architectures, _shared(config), train
+
+
+def _shared(config: Config) -> str:
+    """Which weights travel: prototype-only protocols send none; heterogeneous models the classifier."""
+    if getattr(config.method_options, "protocol", "dagger") == "proto-only":
+        return "none"
+    return "classifier" if config.run.heterogeneity != "none" else "all"
