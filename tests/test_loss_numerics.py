@@ -1,6 +1,6 @@
-"""Regression tests for the review findings: resume refuses every changed key, the losses work under
-``torch.inference_mode()``, the normalized margin's true bound and a bounded ``_unit`` gradient at a
-zero row, and ``fedhpro.run`` leaving the caller's flush-denormal state as it found it."""
+"""The losses of hyper-prototypes under ``torch.inference_mode()``, the normalized margin's true bound, a
+bounded ``_unit`` gradient at a zero row, and ``fedhpro.run`` leaving the caller's flush-denormal state as it
+found it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import torch.nn.functional as F
 import fedhpro
 import fedhpro.functional as HF
 from conftest import FEATURE_DIM, TinyNet, make_federation
-from fedhpro.errors import ConfigError
 
 
 def tiny_settings(out: Path, **extra) -> dict:
@@ -22,51 +21,7 @@ def tiny_settings(out: Path, **extra) -> dict:
             "feature_dim": FEATURE_DIM, **extra}
 
 
-# ---------------------------------------------------------------------------- 1. resume refuses changed keys
-
-
-@pytest.fixture(scope="module")
-def saved_run(tmp_path_factory):
-    """A finished 2-round FedHPro run with a non-default tau (0.1; the default is 0.05), and its federation."""
-    federation = make_federation([10, 12])
-    out = tmp_path_factory.mktemp("resume") / "run"
-    fedhpro.run(method="fedhpro", federation=federation, model=TinyNet,
-                **tiny_settings(out, checkpoint_every=1, **{"fedhpro.tau": 0.1}))
-    return out, federation
-
-
-@pytest.mark.parametrize("given, named", [
-    (["fedhpro.tau=0.5"], "fedhpro.tau"),
-    (["fedhpro.tau=0.05"], "fedhpro.tau"),  # the default, but not the saved value: still a change
-    (["fedhpro.match_steps=3"], "fedhpro.match_steps"),
-    (["data.fraction=0.5"], "data.fraction"),
-    (["data.clients_per_domain.mnist=2"], "data.clients_per_domain.mnist"),
-    (["partition.alpha=0.3"], "partition.alpha"),
-    (["partition=dirichlet"], "partition.scheme"),
-    (["faults.dropout=0.2"], "faults.dropout"),
-    (["lr=0.5"], "lr"),
-    ({"fedhpro": {"tau": 0.5}}, "fedhpro.tau"),  # a nested mapping, as a YAML section
-])
-def test_resume_refuses_any_key_that_differs_from_the_saved_config(saved_run, given, named):
-    out, federation = saved_run
-    overrides = given if isinstance(given, dict) else [f"resume={out}", *given]
-    extra = {"resume": str(out)} if isinstance(given, dict) else {}
-    with pytest.raises(ConfigError) as error:
-        fedhpro.run(None, overrides, federation=federation, model=TinyNet, **extra)
-    message = str(error.value)
-    assert "\n" not in message
-    assert f"resume takes its settings from {out / 'config.yaml'}; remove {named} (" in message
-
-
-def test_resume_accepts_given_keys_equal_to_the_saved_ones_and_the_run_settings(saved_run):
-    out, federation = saved_run
-    # rounds=2 and tau=0.1 are the saved values (neither is the default): nothing changes, so resume runs
-    result = fedhpro.run(None, [f"resume={out}", "rounds=2", "fedhpro.tau=0.1", "progress=false", "device=cpu",
-                                "tensorboard=false"], federation=federation, model=TinyNet)
-    assert result.config.method_options.tau == 0.1 and result.config.run.rounds == 2
-
-
-# ---------------------------------------------------------------------------- 2. the losses under inference_mode
+# ---------------------------------------------------------------------------- 1. the losses under inference_mode
 
 
 def loss_values(z, y, hyper):
@@ -103,7 +58,7 @@ def test_a_value_computed_under_inference_mode_is_not_reused_by_training():
     assert loss.item() == validation and torch.isfinite(trained.grad).all()
 
 
-# ---------------------------------------------------------------------------- 3. the normalized margin's bound
+# ---------------------------------------------------------------------------- 2. the normalized margin's bound
 
 
 def margin_bound(num_classes: int) -> float:
@@ -180,7 +135,7 @@ def test_unit_of_nonzero_rows_is_bit_identical_to_before(dtype):
     assert torch.allclose(gradients[0][0][3:], unit)
 
 
-# ---------------------------------------------------------------------------- 4. the caller's flush-denormal state
+# ---------------------------------------------------------------------------- 3. the caller's flush-denormal state
 
 
 def denormals_flushed() -> bool:
