@@ -38,7 +38,7 @@ import torch
 
 from fedhpro.engines.simulator import Simulator
 from fedhpro.methods import METHODS, TrainSettings, base
-from fedhpro.methods.base import extract_features, load_weights
+from fedhpro.methods.base import extract_features
 from fedhpro.methods.fedhpro import FedHProClient
 
 TARGET = 1.15
@@ -60,11 +60,10 @@ class TwoPassClient(FedHProClient):
     """FedHPro's client as it was before the margin reused the class-statistics pass: one more eval
     pass over the local data (its result discarded; the margin comes out the same either way)."""
 
-    def fit(self, model, payload, data, state, generator):
+    def prepare(self, round):
         if self.options.margin != "off" and self.options.hpcl_weight > 0:
-            load_weights(model, payload["weights"])
-            extract_features(model, data.x)
-        return super().fit(model, payload, data, state, generator)
+            extract_features(round.model, round.data.x)  # fit has loaded the weights already
+        super().prepare(round)
 
 
 METHOD_SPECS = {**METHODS, "fedhpro-two-passes": dataclasses.replace(METHODS["fedhpro"], client=TwoPassClient)}

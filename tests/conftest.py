@@ -28,6 +28,18 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
+
+
+@pytest.fixture(autouse=True)
+def _denormals_as_by_default():
+    """Every test starts with denormal floats kept, the process default: a Flower app run in this process
+    (run_simulation) flushes them for the rest of its process (fedhpro.runtime.configure_cpu_runtime, as a
+    Flower node or ServerApp process should), which would change later tests' floats and break hypothesis'
+    float draws (it refuses to run where subnormals cannot be represented)."""
+    yield
+    torch.set_flush_denormal(False)
+
+
 NUM_CLASSES = 4
 IMAGE_SHAPE = (3, 8, 8)
 FEATURE_DIM = 16

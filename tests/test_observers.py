@@ -12,8 +12,9 @@ from conftest import FEATURE_DIM, TinyNet, make_federation
 
 import fedhpro
 from fedhpro import api
+from fedhpro.config import OBSERVER_KEYS
 from fedhpro.engines import driver
-from fedhpro.engines.observers import OBSERVER_KEYS, FlopCount, PrototypeDistance, RoundObserver
+from fedhpro.engines.observers import FlopCount, PrototypeDistance, RoundObserver
 from fedhpro.engines.simulator import Simulator
 from fedhpro.errors import ConfigError
 from fedhpro.measurements import TensorBoardLog, TSNEPlot, observers_for

@@ -101,9 +101,10 @@ def write_tsne(simulator: Engine, out: Path, seed: int, title: str, per_test_set
 
 
 def observers_for(options: Any, out: Path, warn: Callable[[str], None], title: str) -> list[RoundObserver]:
-    """The observers a run's options (:class:`~fedhpro.config.RunOptions`) switch on (:data:`OBSERVER_KEYS`):
-    ``flops``, ``prototype_distance``, ``tensorboard`` (skipped with one warning if the package is missing)
-    and ``tsne``, writing into ``out``; ``title`` names the run on the t-SNE plot."""
+    """The observers a run's options (:class:`~fedhpro.config.RunOptions`) switch on
+    (:data:`fedhpro.config.OBSERVER_KEYS`): ``flops``, ``prototype_distance``, ``tensorboard`` (skipped
+    with one warning if the package is missing) and ``tsne``, writing into ``out``; ``title`` names the run
+    on the t-SNE plot."""
     chosen = measurements(flops=options.flops, prototype_distance=options.prototype_distance)
     board = tensorboard_log(out, warn) if options.tensorboard else None
     if board is not None:

@@ -14,6 +14,7 @@ import torch
 from fedhpro.config import (
     FEDERATION_KEY,
     PYTHON_PREFIX,
+    RESUMABLE_KEYS,
     Config,
     flatten_keys,
     is_from_python,
@@ -26,8 +27,8 @@ from fedhpro.errors import ConfigError
 from fedhpro.user_models import python_name
 
 #: settings a resumed run may change (how it runs, not what it computes)
-_RESUME_SETTINGS = {"resume", "progress", "device", "threads", "checkpoint_every", "checkpoint_minutes",
-                    "keep_checkpoints", "tensorboard", "tsne"}
+#: the run keys a resumed run may change: those tagged "resumable" in RunOptions
+_RESUME_SETTINGS = RESUMABLE_KEYS
 
 
 def _given_settings(source: str | os.PathLike | Mapping[str, Any] | None,
@@ -53,10 +54,8 @@ def _settings_off_defaults(config: Config) -> dict[str, Any]:
 
 def _setting_keys(config: Config) -> list[str]:
     """Every key of ``config`` in ``section.knob`` form (run keys bare)."""
-    sections = {**config.methods, "data": config.data, "faults": config.faults, "partition": config.partition,
-                "aggregation": config.aggregation}
     return [f.name for f in dataclasses.fields(config.run)] + [
-        f"{name}.{f.name}" for name, options in sections.items() for f in dataclasses.fields(options)]
+        f"{name}.{f.name}" for name, options in config.sections().items() for f in dataclasses.fields(options)]
 
 
 def _setting(config: Config, key: str) -> Any:
@@ -65,9 +64,7 @@ def _setting(config: Config, key: str) -> Any:
     section, _, rest = key.partition(".")
     if not rest:
         return config.federation if key == FEDERATION_KEY else getattr(config.run, key)
-    sections = {"data": config.data, "faults": config.faults, "partition": config.partition,
-                "aggregation": config.aggregation}
-    return getattr(sections.get(section) or config.methods[section], rest.partition(".")[0])
+    return getattr(config.sections()[section], rest.partition(".")[0])
 
 
 def _changed_on_resume(stored: Mapping[str, Any], given: Mapping[str, Any]) -> list[str]:

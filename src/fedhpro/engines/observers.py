@@ -40,9 +40,6 @@ if TYPE_CHECKING:
     from fedhpro.engines.driver import Engine
     from fedhpro.engines.protocol import RoundRecord
 
-#: the run keys that switch observers on (measured only by the in-process simulator)
-OBSERVER_KEYS = ("flops", "prototype_distance", "tsne", "tensorboard")
-
 
 class RoundObserver:
     """Watches an engine's rounds (:class:`~fedhpro.engines.driver.Engine`); every hook does nothing unless

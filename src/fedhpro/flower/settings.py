@@ -34,8 +34,7 @@ from typing import Any
 
 import yaml
 
-from fedhpro.config import Config, load_config
-from fedhpro.engines.observers import OBSERVER_KEYS
+from fedhpro.config import OBSERVER_KEYS, Config, load_config
 from fedhpro.errors import ConfigError
 
 FLOWER_PREFIX = "flower."

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedhpro.errors import ConfigError
+from fedhpro.files import write_atomic
 from fedhpro.flower import certificates, gate
 
 #: seconds a process may keep failing (each start living less than STABLE) before the supervisor gives up
@@ -136,10 +137,8 @@ def write_connection(home: Path, name: str, address: str, ca: Path, env: dict[st
     parsed = tomllib.loads(new)["superlink"][name]
     assert parsed["address"] == address
     if new != text:
-        tmp = path.with_suffix(".toml.tmp")
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(new)
-        os.replace(tmp, path)
+        write_atomic(path, new)  # the project's one atomic writer (a temporary file beside it, then a rename)
     return path
 
 
