@@ -570,3 +570,31 @@ def test_the_authors_recipe_is_declared_with_the_method(registry):
     assert load_config(None, {"counting.recipe": "fast"}).run.rounds == 3
     assert load_config(None, {"counting.recipe": "fast", "rounds": 4}).run.rounds == 4
     assert load_config(None, {}).run.rounds == 10
+
+
+def test_which_weights_travel_is_declared_by_the_method(registry):
+    """The engines read which weights travel from the method's spec (MethodSpec.weights_travel), never from
+    an option's name: proto-only keeps every model local, a method declaring "none" likewise, an option
+    merely called ``protocol`` changes nothing, and differing architectures share only the classifier."""
+    import dataclasses
+
+    from fedhpro import methods
+    from fedhpro.config import load_config
+    from fedhpro.experiment import _shared
+    from fedhpro.options import option
+
+    @dataclasses.dataclass
+    class Options:
+        protocol: str = option("proto-only", help="a knob that only shares the prototype methods' name")
+
+    fedavg = methods.get_method("fedavg")
+    methods.register("keepsown", dataclasses.replace(fedavg, options=Options, weights_travel=lambda o: "none"))
+    methods.register("sharesall", dataclasses.replace(fedavg, options=Options))
+    shared = {case: _shared(load_config(dict(case))) for case in [
+        (("method", "fedproto"), ("fedproto.protocol", "proto-only")),
+        (("method", "fedproto"),),
+        (("method", "fedgmkd"), ("fedgmkd.protocol", "proto-only"), ("heterogeneity", "htfe2")),
+        (("method", "fedavg"), ("heterogeneity", "htfe2")),
+        (("method", "keepsown"),),
+        (("method", "sharesall"),)]}
+    assert list(shared.values()) == ["none", "all", "none", "classifier", "none", "all"]

@@ -157,7 +157,9 @@ def model_factories(config: Config, method: MethodSpec, num_classes: int, input_
 
 
 def _shared(config: Config) -> str:
-    """Which weights travel: prototype-only protocols send none; heterogeneous models the classifier."""
-    if getattr(config.method_options, "protocol", "dagger") == "proto-only":
+    """Which weights travel: what the method declares for its options (MethodSpec.weights_travel; e.g. none
+    under the prototype methods' protocol=proto-only), else all, or the classifier when models differ."""
+    declared = get_method(config.run.method).weights_travel
+    if declared is not None and declared(config.method_options) == "none":
         return "none"
     return "classifier" if config.run.heterogeneity != "none" else "all"

@@ -613,3 +613,8 @@ class MethodSpec:
     #: named recipes: recipe name -> the settings ``<name>.recipe=<recipe>`` applies before the user's (the
     #: options need a ``recipe`` field); fedhpro.config applies whatever recipe a method declares
     recipes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: optional ``options -> "all" | "none"``: which model weights travel between server and clients under
+    #: these options ("none": every client keeps its own model and only the method's other payloads travel,
+    #: e.g. the prototype methods' protocol=proto-only); without it, "all". The engines send the classifier
+    #: only when the clients' architectures differ (heterogeneity=), whatever the method declares.
+    weights_travel: Callable[[Any], str] | None = None

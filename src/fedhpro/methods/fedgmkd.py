@@ -122,6 +122,7 @@ from fedhpro.methods.prototypes import (
     merge_prototypes,
     prototype_mse,
     received_prototypes,
+    weights_travel,
 )
 from fedhpro.options import option
 
@@ -391,4 +392,5 @@ METHOD = MethodSpec(
     server=FedGMKDServer,
     client=FedGMKDClient,
     description="FedGMKD: GMM prototypes + soft-label distillation, discrepancy-aware (DAT) aggregation",
+    weights_travel=weights_travel,
 )

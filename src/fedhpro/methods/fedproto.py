@@ -22,7 +22,14 @@ from dataclasses import dataclass
 
 from fedhpro import functional as HF
 from fedhpro.methods.base import MethodSpec, Payload
-from fedhpro.methods.prototypes import PrototypeClient, PrototypeOptions, PrototypeServer, Uploads, merge_prototypes
+from fedhpro.methods.prototypes import (
+    PrototypeClient,
+    PrototypeOptions,
+    PrototypeServer,
+    Uploads,
+    merge_prototypes,
+    weights_travel,
+)
 from fedhpro.options import option
 
 
@@ -48,4 +55,5 @@ METHOD = MethodSpec(
     server=FedProtoServer,
     client=FedProtoClient,
     description="FedProto: CE + lam * MSE to the unweighted mean of the clients' class prototypes",
+    weights_travel=weights_travel,
 )

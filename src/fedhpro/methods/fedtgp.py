@@ -50,6 +50,7 @@ from fedhpro.methods.prototypes import (
     Uploads,
     margin_ce,
     nearest_class_gaps,
+    weights_travel,
 )
 from fedhpro.options import option
 from fedhpro.seeds import derive_seed
@@ -159,4 +160,5 @@ METHOD = MethodSpec(
     server=FedTGPServer,
     client=FedTGPClient,
     description="FedTGP: CE + lam * MSE to trainable global prototypes learned with an adaptive-margin CE",
+    weights_travel=weights_travel,
 )

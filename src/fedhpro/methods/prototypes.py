@@ -301,6 +301,12 @@ def feature_dim_of(model: nn.Module) -> int:
 # ----------------------------------------------------------------------------
 
 
+def weights_travel(options: PrototypeOptions) -> str:
+    """:attr:`~fedhpro.methods.base.MethodSpec.weights_travel` of the prototype methods: proto-only sends
+    prototypes only (every client keeps its own model), dagger the weights too."""
+    return "none" if options.protocol == "proto-only" else "all"
+
+
 def check_protocol(context: MethodContext) -> None:
     """ConfigError for combinations that cannot work (see the messages)."""
     options = context.options
