@@ -17,10 +17,15 @@ from fedhpro.models import (
     FedAvgCNN,
     architecture_for_client,
     build_model,
-    describe_models,
-    format_model_table,
 )
-from fedhpro.models.summary import USUAL_INPUT_SHAPES, count_parameters, example_input, forward_flops
+from fedhpro.models.summary import (
+    USUAL_INPUT_SHAPES,
+    count_parameters,
+    describe_models,
+    example_input,
+    format_model_table,
+    forward_flops,
+)
 
 C = 10
 BATCH = 2

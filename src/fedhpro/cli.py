@@ -76,7 +76,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 def _cmd_models(args: argparse.Namespace) -> int:
     """Print every registered model with its parameter count and forward FLOPs at its usual input size."""
-    from fedhpro.models import MODELS, describe_models, format_model_table
+    from fedhpro.models import MODELS
+    from fedhpro.models.summary import describe_models, format_model_table
 
     unknown = [name for name in args.names if name not in MODELS]
     if unknown:

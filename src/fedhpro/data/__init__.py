@@ -16,28 +16,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 from fedhpro.data.federation import Federation
+from fedhpro.data.spec import DatasetSpec
 from fedhpro.errors import ConfigError
 from fedhpro.registry import Registry
 
 
-@dataclass(frozen=True)
-class DatasetSpec:
-    name: str
-    options: type
-    build: Callable[..., Federation]
-    description: str = ""
-    #: run settings this benchmark changes from the defaults (SUN397: participation 0.2); the user's win
-    run_defaults: dict[str, Any] = field(default_factory=dict)
-
-
 def _digits_offline() -> DatasetSpec:
-    from fedhpro.data import digits_federation
+    from fedhpro.data.digits_federation import DATASET
 
-    return digits_federation.DATASET
+    return DATASET
 
 
 #: name -> factory of its spec (imported lazily: building one data set never imports another's code)
@@ -88,7 +77,7 @@ REGISTRY: Registry[Callable[[], DatasetSpec]] = Registry(
 REGISTRY.builtin("digits-offline", _digits_offline)
 # the paper's benchmarks on the real data sets: every entry of fedhpro.data.benchmarks.BENCHMARKS (files:
 # fedhpro.data.loaders); their specs are built on first use
-from fedhpro.data.benchmarks import BENCHMARKS  # noqa: E402 (needs DatasetSpec above)
+from fedhpro.data.benchmarks import BENCHMARKS  # noqa: E402 (after the registry it fills)
 
 for _name in BENCHMARKS:
     REGISTRY.builtin(_name, _benchmark(_name))

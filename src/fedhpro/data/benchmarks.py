@@ -38,7 +38,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fedhpro.data import DatasetSpec
 from fedhpro.data.federation import Augment, ClientData, Federation
 from fedhpro.data.loaders import (  # noqa: F401 (HALF, IMAGENET_*: kept importable here)
     HALF,
@@ -60,6 +59,7 @@ from fedhpro.data.partition import (
     domains,
     label_partition,
 )
+from fedhpro.data.spec import DatasetSpec
 from fedhpro.errors import ConfigError
 from fedhpro.options import option
 

@@ -42,9 +42,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedhpro.data import DatasetSpec
 from fedhpro.data.federation import Federation
 from fedhpro.data.images import CACHE_FOLDER, class_files, decode_files, subfolders, to_float
+from fedhpro.data.spec import DatasetSpec
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.options import option
 

@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedhpro.data import DatasetSpec
 from fedhpro.data.federation import ClientData, Federation, normalize_images
 from fedhpro.data.partition import (
     Partition,
@@ -41,6 +40,7 @@ from fedhpro.data.partition import (
     added_label_schemes,
     within_domains,
 )
+from fedhpro.data.spec import DatasetSpec
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.options import option
 

@@ -33,11 +33,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedhpro.data import DatasetSpec
 from fedhpro.data.federation import Federation
 from fedhpro.data.images import rgb_pixels, to_float
 from fedhpro.data.loaders import build_vocab, encode, split_indices
 from fedhpro.data.partition import PartitionError, PartitionOptions, chosen_scheme, label_partition
+from fedhpro.data.spec import DatasetSpec
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.options import option
 

@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedhpro.data import DatasetSpec
 from fedhpro.data.federation import Federation
 from fedhpro.data.images import CACHE_FOLDER, class_files, decode_files, image_files, subfolders, to_float
 from fedhpro.data.loaders import split_indices
@@ -43,6 +42,7 @@ from fedhpro.data.partition import (
     label_partition,
     within_domains,
 )
+from fedhpro.data.spec import DatasetSpec
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.options import option
 

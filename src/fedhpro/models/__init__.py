@@ -51,7 +51,7 @@ def _lazy(module: str, attr: str) -> Callable[..., nn.Module]:
 
 __all__ = ["ENTRY_POINT_GROUP", "MODELS", "REGISTRY", "build_model", "model_names", "register", "FedAvgCNN",
            "CNN4", "ResNetFE", "MobileNetV2FE", "GoogLeNetFE", "TextCNN",
-           "describe_models", "format_model_table", "HTFE", "architecture_for_client"]
+           "HTFE", "architecture_for_client"]
 
 def _checked(name: str, loaded: object, where: str) -> Callable[..., nn.Module]:
     if not callable(loaded):
@@ -118,6 +118,5 @@ def build_model(name: str, num_classes: int, input_shape: tuple[int, ...], featu
 from fedhpro.models.heterogeneity import HTFE, architecture_for_client  # noqa: E402
 from fedhpro.models.projection import ProjectionHeadNet, with_projection_head  # noqa: E402
 from fedhpro.models.split import SplitModel, split  # noqa: E402
-from fedhpro.models.summary import describe_models, format_model_table  # noqa: E402
 
 __all__ += ["split", "SplitModel", "with_projection_head", "ProjectionHeadNet"]
