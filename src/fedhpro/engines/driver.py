@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from fedhpro import reports
 from fedhpro.engines import checkpoint
-from fedhpro.engines.protocol import RoundRecord, TestCount
+from fedhpro.engines.protocol import RoundProtocol, RoundRecord, TestCount
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.methods.base import eval_batch_size, eval_forward, load_weights
 from fedhpro.metrics import fairness_statistics
@@ -52,11 +52,17 @@ if TYPE_CHECKING:
 
 class Engine(Protocol):
     """What the run (:func:`train`, :class:`RunFolder`), the observers and Flower's partition mode use of an
-    engine: its federation and device, its rounds, its evaluation, its state and its end."""
+    engine: its federation and device, its method's parts and models, its round protocol, its rounds, its
+    evaluation, its state and its end."""
 
     federation: Federation
     device: torch.device
     history: list[RoundRecord]
+    seed: int
+    models: Any  # the clients' models (engines.simulator.ClientModels: the working model, personal ones)
+    server: Any  # the method's server part
+    client: Any  # the method's client part
+    protocol: RoundProtocol
 
     @property
     def shared(self) -> str:

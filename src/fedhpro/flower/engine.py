@@ -37,7 +37,7 @@ from fedhpro.config import Config, load_config
 from fedhpro.data.federation import ClientData, Federation
 from fedhpro.engines.driver import Engine
 from fedhpro.engines.protocol import RoundProtocol, train_generator
-from fedhpro.engines.simulator import ClientModels, Simulator, build_method
+from fedhpro.engines.simulator import ClientModels, build_method
 from fedhpro.errors import ConfigError
 from fedhpro.experiment import build_experiment, build_simulator, model_factories, protocol_settings, resolve_device
 from fedhpro.methods import get_method
@@ -85,7 +85,7 @@ def protocol_for(config: Config, server: Any, num_clients: int,
     return RoundProtocol(server, num_clients, on_drop=on_drop, **protocol_settings(config))
 
 
-def build_engine(config: Config, on_drop=None) -> Simulator:
+def build_engine(config: Config, on_drop=None) -> Engine:
     """The in-process engine of ``config`` (partition mode), built exactly as :func:`fedhpro.api.run` builds it."""
     device = resolve_device(config.run.device)
     prepare_torch(device)
@@ -163,7 +163,7 @@ class NodeSide:
         return self.models.model_for(self.client, personal_weights)
 
 
-def node_from_engine(engine: Simulator, client: int) -> NodeSide:
+def node_from_engine(engine: Engine, client: int) -> NodeSide:
     """Partition mode: client ``client`` of the whole engine this node built."""
     name, test = engine.client_test(client)
     return NodeSide(client, engine.seed, engine.device, engine.models, engine.server, engine.client,
