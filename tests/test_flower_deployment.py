@@ -55,6 +55,8 @@ pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pi
 
 from test_flower import CORE_KEYS, REPO, assert_same_state, core, read_rows, reference, tiny_config  # noqa: E402
 
+from fedhpro.flower.up import alive, below, descendants_map, kill_all  # noqa: E402
+
 RUN_TIMEOUT = 600  # seconds for the whole flwr run (2 tiny rounds took 90 s on a busy 2-core machine)
 START_TIMEOUT = 300  # seconds for a SuperLink to be healthy or a SuperNode to connect (a few on an idle machine)
 EXIT_TIMEOUT = 120  # seconds for a process to exit after a signal, or a refused node to give up
@@ -73,38 +75,7 @@ def free_port() -> int:
 
 def descendants(pid: int) -> set[int]:
     """Every live process below ``pid`` (SuperLink and SuperNode start helpers in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie left for init to reap is not running)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def signal_pids(pids: set[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
+    return below(pid, descendants_map())
 
 
 class Processes:
@@ -156,7 +127,7 @@ class Processes:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
             pass
-        signal_pids(below, sig)
+        kill_all(below, sig)
 
     def stop(self) -> list[int]:
         """SIGTERM, then SIGKILL after 15 s; returns the pids still running afterwards (should be none)."""
@@ -167,11 +138,11 @@ class Processes:
                 os.killpg(process.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        signal_pids(self.seen, signal.SIGTERM)
+        kill_all(self.seen, signal.SIGTERM)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and any(alive(pid) for pid in pids):
             time.sleep(0.2)
-        signal_pids({pid for pid in pids if alive(pid)}, signal.SIGKILL)
+        kill_all({pid for pid in pids if alive(pid)}, signal.SIGKILL)
         for process in self.started:
             try:
                 process.wait(timeout=10)
