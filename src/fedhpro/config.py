@@ -46,6 +46,10 @@ FAULTS_SECTION = "faults"
 PARTITION_SECTION = "partition"
 #: ``aggregation=NAME`` is short for ``aggregation.rule=NAME``; ``aggregation.trim=0.1`` etc. are its knobs
 AGGREGATION_SECTION = "aggregation"
+#: ``privacy=MODE`` is short for ``privacy.mode=MODE``; ``privacy.clip=1.0`` etc. are its knobs
+PRIVACY_SECTION = "privacy"
+#: the values of ``privacy=`` (``privacy.mode``)
+PRIVACY_MODES = ("none", "client", "sample")
 
 
 #: ``federation: python:<name>`` in a config.yaml: the run's data were a Federation passed from Python
@@ -111,6 +115,31 @@ class AggregationOptions:
         if not self.trim < 0.5:
             raise ConfigError(f"{AGGREGATION_SECTION}.trim={self.trim} is too large; it must be < 0.5 "
                               "(the fraction trimmed at EACH end), e.g. aggregation.trim=0.2")
+
+
+@dataclass
+class PrivacyOptions:
+    mode: str = option("none", choices=PRIVACY_MODES,
+                       help="differential privacy: none; client (client-level DP: every participating client's "
+                            "whole upload clipped to privacy.clip, Gaussian noise added centrally or locally); "
+                            "sample (sample-level DP-SGD with Opacus, and everything else a client computes from "
+                            "its data privatized too; needs pip install fedhpro[privacy])")
+    clip: float = option(1.0, gt=0.0, help="the L2 bound C: of each client's upload (privacy=client), of each "
+                                           "sample's gradient and feature (privacy=sample)")
+    clipping: str = option("joint", choices=("joint", "per-group"),
+                           help="privacy=client: clip the whole upload (weight update and every class tensor) "
+                                "to clip jointly, or each tensor group to clip/sqrt(groups) (the same joint bound)")
+    noise: str = option("central", choices=("central", "local"),
+                        help="privacy=client: the server noises the sum of the clipped uploads (central), or each "
+                             "client noises its own upload so the server never sees a clean one (local)")
+    noise_multiplier: float = option(1.0, min=0.0, help="sigma: the Gaussian noise's std is sigma x clip (unused "
+                                                        "when target_epsilon is set)")
+    target_epsilon: float = option(0.0, min=0.0, help="calibrate noise_multiplier so that the planned rounds end at "
+                                                      "this epsilon (0: use noise_multiplier as given)")
+    delta: float = option(0.0, min=0.0, max=1.0, help="the DP delta (0: 1 / n^1.1, n the number of clients "
+                                                      "(client) or of a client's samples (sample))")
+    max_epsilon: float = option(0.0, min=0.0, help="stop the run with a clear line before a round would take "
+                                                   "epsilon above this (0: no limit)")
 
 
 @dataclass
@@ -207,6 +236,7 @@ SECTIONS: tuple[Section, ...] = (
     Section(FAULTS_SECTION, lambda dataset: FaultOptions),
     Section(PARTITION_SECTION, lambda dataset: partition_options_class(), shorthand="scheme"),
     Section(AGGREGATION_SECTION, lambda dataset: AggregationOptions, shorthand="rule"),
+    Section(PRIVACY_SECTION, lambda dataset: PrivacyOptions, shorthand="mode"),
 )
 SECTION_NAMES = tuple(section.name for section in SECTIONS)
 #: the sections whose bare name is short for one of their knobs: ``partition=dirichlet``, ``aggregation=median``
@@ -223,6 +253,7 @@ class Config:
     faults: FaultOptions = dataclasses.field(default_factory=FaultOptions)
     partition: PartitionOptions = dataclasses.field(default_factory=PartitionOptions)
     aggregation: AggregationOptions = dataclasses.field(default_factory=AggregationOptions)
+    privacy: PrivacyOptions = dataclasses.field(default_factory=PrivacyOptions)
     #: ``"python:<name>"`` when the run's data were a Federation passed from Python (``run.dataset`` is
     #: then unused), else None; written to config.yaml only when set
     federation: str | None = None
@@ -245,6 +276,8 @@ class Config:
             if values:
                 out[name] = values
         for section in SECTIONS:
+            if section.name == PRIVACY_SECTION and self.privacy == PrivacyOptions():
+                continue  # privacy off: config.yaml (and all a run writes) stays as before privacy existed
             out[section.name] = dataclasses.asdict(getattr(self, section.name))
         return out
 
