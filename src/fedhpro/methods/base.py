@@ -105,6 +105,12 @@ class TrainSettings:
     #: ``torch.compile`` the feature extractor once per working model (the compiled graph is reused by every
     #: client, as the working model is)
     compile: bool = False
+    #: ``privacy=sample`` (DP-SGD): each sample's gradient (and feature, for what a method uploads) is
+    #: clipped to this L2 norm; None: no sample-level DP. Set from ``privacy.*`` by :mod:`fedhpro.privacy`.
+    dp_clip: float | None = None
+    #: ``privacy=sample``: the Gaussian noise's std is ``dp_noise_multiplier x dp_clip`` (calibrated by the
+    #: privacy ledger when ``privacy.target_epsilon`` is set)
+    dp_noise_multiplier: float = 0.0
 
     def __post_init__(self) -> None:
         if self.amp not in AMP_CHOICES:
