@@ -1,6 +1,8 @@
 """fedhpro: FedHPro (Federated Hyper-Prototype Learning via Gradient Matching) and its baselines.
 
-``fedhpro.run(config)`` runs one federated training; ``fedhpro.functional``
+``fedhpro.run(config)`` runs one federated training and returns its result, the trained model included
+(``RunResult.model``); ``fedhpro.load_model(run_folder)`` rebuilds that model from the run's folder alone and
+``fedhpro.predict(run_folder, paths)`` classifies new images or tensors with it. ``fedhpro.functional``
 holds the paper's equations as pure functions. Your own data, model and
 method plug in from Python: ``fedhpro.run(..., federation=Federation.from_datasets(...),
 model=lambda: fedhpro.models.split(my_net, head="fc"))`` and
@@ -21,8 +23,11 @@ __version__ = "0.1.0"
 #: names imported on first use (they pull in torch; ``import fedhpro`` stays light)
 _LAZY = {"Federation": ("fedhpro.data.federation", "Federation"),
          "register_method": ("fedhpro.methods", "register"),
-         "split": ("fedhpro.models.split", "split")}
-_SUBMODULES = ("api", "config", "data", "methods", "models", "functional", "metrics", "reports", "engines")
+         "split": ("fedhpro.models.split", "split"),
+         "load_model": ("fedhpro.trained", "load_model"),
+         "predict": ("fedhpro.trained", "predict")}
+_SUBMODULES = ("api", "config", "data", "methods", "models", "functional", "metrics", "reports", "engines",
+               "trained")
 
 
 def __getattr__(name: str) -> Any:
@@ -41,5 +46,5 @@ def run(*args, **kwargs):
     return _run(*args, **kwargs)
 
 
-__all__ = ["run", "Federation", "register_method", "split", "ConfigError", "DataError", "FedHProError",
-           "UpdateError", "__version__"]
+__all__ = ["run", "load_model", "predict", "Federation", "register_method", "split", "ConfigError", "DataError",
+           "FedHProError", "UpdateError", "__version__"]

@@ -17,7 +17,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,7 @@ from fedhpro.resume import (  # noqa: F401 (kept importable from here)
     resumed_config,
 )
 from fedhpro.runtime import cpu_runtime, resolve_threads, torch_threads
+from fedhpro.trained import MODEL_FILE, TrainedModels, load_model, simulator_models, write_models
 from fedhpro.user_models import (  # noqa: F401 (kept importable from here)
     _dry_forward,
     _is_model_callable,
@@ -78,17 +79,36 @@ from fedhpro.user_models import (  # noqa: F401 (kept importable from here)
 
 @dataclass
 class RunResult:
-    """What a run produced: the summary (as in ``summary.json``), every round's metrics and the folder."""
+    """What a run produced: the summary (as in ``summary.json``), every round's metrics, the folder and the
+    trained model (:attr:`model`; the same is in ``<out>/model.pt``, see :func:`fedhpro.load_model`)."""
 
     summary: dict[str, Any]
     metrics: list[dict[str, Any]]
     out: Path
     config: Config
+    #: the run's final models in memory (None: read them back from ``out``)
+    trained: TrainedModels | None = field(default=None, repr=False, compare=False)
 
     @property
     def accuracy(self) -> float:
         """Final AVG accuracy in percent."""
         return self.summary["accuracy"]
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The final global model as an ``nn.Module`` (eval mode, on the CPU): the module the run was tested
+        with (a prototype method's ``inference=nearest-prototype`` included); logits = ``model(x)``. A run whose
+        clients keep their own models has none (one ConfigError line): see :meth:`client_model`."""
+        if self.trained is None:
+            return load_model(self.out)
+        return self.trained.model(f"the run in {self.out}")
+
+    def client_model(self, k: int) -> torch.nn.Module:
+        """Client ``k``'s personal model (runs whose clients keep their own models: ``heterogeneity=``,
+        ``protocol=proto-only``), as the run tested it."""
+        if self.trained is None:
+            return load_model(self.out, client=k)
+        return self.trained.client_model(k, f"the run in {self.out}")
 
 
 def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
@@ -239,6 +259,9 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
     seconds = time.perf_counter() - started
     summary = driver.run_summary(options, data_name, parts.federation.num_clients, device, rows.metrics, seconds,
                                  parts.federation.notes, from_python=config.federation is not None)
+    trained = simulator_models(config, simulator, parts.federation)
+    with driver.stop_on_write_error(out, out / MODEL_FILE):  # before summary.json, which marks the run finished
+        write_models(out, trained)
     folder.finish(summary, simulator.server.state_dict())
     simulator.end_run()
     folder.plot(title)
@@ -246,8 +269,10 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
         print(reports.accuracy_table(driver.final_accuracy(rows.metrics),
                                      f"{options.method} on {data_name}, seed {options.seed}, "
                                      f"{options.rounds} rounds, {seconds:.0f} s — test accuracy (%):"))
-        print(f"results in {out}/ (summary.json, metrics.jsonl, timing.jsonl, accuracy.png, config.yaml)")
-    return RunResult(summary=summary, metrics=rows.metrics, out=out, config=config)
+        saved = MODEL_FILE if trained.global_model is not None else "models/client_<k>.pt"
+        print(f"results in {out}/ (summary.json, metrics.jsonl, timing.jsonl, accuracy.png, config.yaml); "
+              f"trained model: {saved} (fedhpro.load_model, fedhpro predict)")
+    return RunResult(summary=summary, metrics=rows.metrics, out=out, config=config, trained=trained)
 
 
 def _new_run_folder(options: RunOptions, data_name: str) -> Path:

@@ -1,0 +1,585 @@
+"""The trained model in the user's hands: written at the end of every run, rebuilt from the run folder alone,
+and used to classify new inputs (``fedhpro predict``).
+
+A finished run's folder holds
+
+* ``model.pt``: the final global model, a plain state dict (tensors only, ``torch.save``; read with
+  ``torch.load(path, weights_only=True)``), of the module the run was tested with: the network itself, or,
+  with a prototype method's ``inference=nearest-prototype``, the network inside the nearest-prototype
+  classifier (keys ``model.*``, ``prototypes``, ``mask``);
+* ``models/client_<k>.pt``: when the clients keep their own models (``heterogeneity=``, a prototype
+  method's ``protocol=proto-only``), each client's personal model as it was tested: its own weights with
+  the global shared part (the classifier under ``heterogeneity=``) loaded. There is then no global model
+  and no ``model.pt``;
+* ``model.json``: what rebuilds them beside ``config.yaml`` (the run's settings): the model's name, the
+  number and names of the classes, the input shape, the inference rule, the files and how an image becomes
+  an input (the run's data set's preprocessing).
+
+:func:`load_model` rebuilds the module from ``config.yaml`` + ``model.json`` (the same model factory the run
+used) and loads the weights with ``weights_only=True`` after checking every key and shape: nothing is ever
+unpickled. :func:`predict` classifies image files, folders of images or a ``.pt`` tensor file.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from fedhpro.config import Config, is_from_python, load_config
+from fedhpro.errors import ConfigError, DataError
+from fedhpro.files import write_atomic, write_atomic_with
+
+#: the final global model's file in a run folder
+MODEL_FILE = "model.pt"
+#: what rebuilds the models, beside config.yaml
+MODEL_INFO = "model.json"
+#: the folder of the clients' personal models
+PERSONAL_FOLDER = "models"
+#: model.json's ``format``: a later layout gets a new one
+FORMAT = "fedhpro-model/1"
+#: the inference rules a saved module may carry (a prototype method's ``inference=``)
+HEAD, NEAREST_PROTOTYPE = "head", "nearest-prototype"
+#: the data sets whose images are resized to ``data.image_size`` (any size is taken, as when training)
+RESIZING_DATASETS = ("imagefolder", "clients", "huggingface")
+
+
+class ModelFileError(DataError):
+    """A model file that is missing, damaged or does not fit the model its run folder describes."""
+
+
+def client_file(k: int) -> str:
+    """``models/client_<k>.pt``: client ``k``'s personal model, relative to the run folder."""
+    return f"{PERSONAL_FOLDER}/client_{k}.pt"
+
+
+# ---------------------------------------------------------------------------- what a run hands over
+
+
+@dataclass
+class TrainedModels:
+    """A finished run's models in memory (on the CPU, eval mode): the global one, or each client's own."""
+
+    info: dict[str, Any]
+    global_model: nn.Module | None = None
+    personal: dict[int, nn.Module] = field(default_factory=dict)
+
+    def model(self, where: str = "this run") -> nn.Module:
+        """The global model; a one-line ConfigError for a run whose clients keep their own models."""
+        if self.global_model is None:
+            raise ConfigError(personal_message(self.info, where))
+        return self.global_model
+
+    def client_model(self, k: int, where: str = "this run") -> nn.Module:
+        """Client ``k``'s personal model; a one-line ConfigError if the run has none for ``k``."""
+        if k not in self.personal:
+            raise ConfigError(_no_client_message(self.info, k, where))
+        return self.personal[k]
+
+
+def personal_message(info: Mapping[str, Any], where: str) -> str:
+    clients = sorted(int(k) for k in info.get("personal", {}))
+    span = f"client=0..{clients[-1]}" if clients else "client=K"
+    return (f"{where} has no global model: its clients keep their own models ({info.get('why_personal', '')}); "
+            f"take one with fedhpro.load_model(folder, {span}) or RunResult.client_model(k)")
+
+
+def _no_client_message(info: Mapping[str, Any], k: int, where: str) -> str:
+    clients = sorted(int(c) for c in info.get("personal", {}))
+    if not clients:
+        return f"{where} has one global model and no personal models; leave out client={k}"
+    return f"{where} has no personal model of client {k}; its clients are 0..{clients[-1]}"
+
+
+def input_description(config: Config, input_shape: Sequence[int], dtype: torch.dtype,
+                      partition: Mapping[str, Any] | None) -> dict[str, Any]:
+    """How a new input becomes what the model takes, as the run's data set made its inputs.
+
+    ``{"kind": "image", "size": S, "resize": bool, "mean": [...], "std": [...], "normalize": "half" | "preset"}``
+    for a data set of images (``resize``: any size is resized as in training; else only S x S images fit), or
+    ``{"kind": "tensor", "shape": [...], "dtype": "float32" | "int64"}`` (tabular, tokens, data from Python)."""
+    shape = [int(n) for n in input_shape]
+    tensor = {"kind": "tensor", "shape": shape, "dtype": str(dtype).removeprefix("torch.")}
+    dataset = config.run.dataset
+    if config.federation is not None or len(shape) != 3 or shape[0] != 3 or shape[1] != shape[2]:
+        return tensor
+    size = shape[1]
+    half = {"kind": "image", "size": size, "mean": [0.5] * 3, "std": [0.5] * 3, "normalize": "half"}
+    if dataset in RESIZING_DATASETS:
+        kind = (partition or {}).get("kind")
+        if dataset == "clients" and kind != "images":
+            return tensor
+        if dataset == "huggingface" and getattr(config.data, "text_column", None):
+            return tensor
+        return {**half, "resize": True, "dataset": dataset}
+    if dataset == "digits-offline":
+        return {**half, "resize": False, "dataset": dataset}
+    preset = _benchmark_preset(dataset)
+    if preset is None:
+        return tensor
+    return {"kind": "image", "size": size, "resize": False, "mean": list(preset.mean), "std": list(preset.std),
+            "normalize": "preset", "dataset": dataset}
+
+
+def _benchmark_preset(dataset: str) -> Any:
+    """The channel statistics a paper benchmark normalises with (one for all its domains), or None."""
+    from fedhpro.data.benchmarks import BENCHMARKS, PRESETS
+
+    if dataset not in BENCHMARKS:
+        return None
+    benchmark = getattr(BENCHMARKS[dataset]().build, "__self__", None)  # the benchmark whose build it is
+    sources = ([source for _, source, _ in benchmark.domains] if hasattr(benchmark, "domains")
+               else [getattr(benchmark, "source", None)])
+    presets = {(PRESETS[s].mean, PRESETS[s].std) for s in sources if s in PRESETS}
+    if len(presets) != 1:
+        return None
+    return PRESETS[next(s for s in sources if s in PRESETS)]
+
+
+def model_info(config: Config, num_classes: int, input_shape: Sequence[int], classes: Sequence[str] | None,
+               inputs: Mapping[str, Any], inference: str, personal: Mapping[int, str] | None,
+               why_personal: str = "") -> dict[str, Any]:
+    """model.json: everything that rebuilds the run's models together with its config.yaml."""
+    names = [str(c) for c in classes] if classes is not None and len(classes) == num_classes else \
+        [str(c) for c in range(num_classes)]
+    info: dict[str, Any] = {
+        "format": FORMAT,
+        "method": config.run.method,
+        "model": config.run.model,
+        "num_classes": int(num_classes),
+        "classes": names,
+        "input_shape": [int(n) for n in input_shape],
+        "feature_dim": config.run.feature_dim,
+        "inference": inference,
+        "global": None if personal else MODEL_FILE,
+        "personal": {str(k): {"file": client_file(k), "architecture": arch} for k, arch in (personal or {}).items()},
+        "input": dict(inputs),
+        "config": "config.yaml",
+    }
+    if personal:
+        info["why_personal"] = why_personal
+    return info
+
+
+def inference_of(module: nn.Module, network: nn.Module) -> str:
+    """The rule ``module`` (what the method's server tests ``network`` through) applies: ``head`` when it is
+    the network itself, ``nearest-prototype`` for the prototype methods' nearest-prototype classifier."""
+    from fedhpro.methods.prototypes import NearestPrototypeClassifier
+
+    if module is network:
+        return HEAD
+    if isinstance(module, NearestPrototypeClassifier):
+        return NEAREST_PROTOTYPE
+    raise ConfigError(f"the method tests its model through a {type(module).__name__}, which fedhpro cannot save "
+                      "and rebuild; return the model itself or a NearestPrototypeClassifier from inference_model")
+
+
+def tested_module(server: Any, network: nn.Module) -> tuple[nn.Module, str]:
+    """``network`` (moved to the CPU, eval mode) through the server's inference rule, and that rule's name."""
+    network = network.cpu().eval()
+    module = server.inference_model(network)
+    return module.cpu().eval(), inference_of(module, network)
+
+
+def tensors_only(module: nn.Module) -> dict[str, Tensor]:
+    """The module's state dict as plain CPU tensors sharing no storage with it (what ``model.pt`` holds)."""
+    return {name: tensor.detach().cpu().clone().contiguous() for name, tensor in module.state_dict().items()}
+
+
+def save_state(path: Path, module: nn.Module) -> None:
+    """``module``'s state dict to ``path``, atomically (:func:`fedhpro.files.write_atomic_with`)."""
+    state = tensors_only(module)
+    write_atomic_with(path, lambda handle: torch.save(state, handle))
+
+
+def write_models(out: str | os.PathLike, models: TrainedModels) -> None:
+    """``model.pt`` (or ``models/client_<k>.pt``) and ``model.json`` of ``models`` into the run folder ``out``;
+    each file atomically, model.json last (it names the files, which are then all there)."""
+    out = Path(out)
+    if models.global_model is not None:
+        save_state(out / MODEL_FILE, models.global_model)
+    for k, module in sorted(models.personal.items()):
+        save_state(out / client_file(k), module)
+    write_atomic(out / MODEL_INFO, json.dumps(models.info, indent=2) + "\n")
+
+
+def _why_personal(config: Config) -> str:
+    if config.run.heterogeneity != "none":
+        return f"heterogeneity={config.run.heterogeneity}: each client has its own feature extractor"
+    return f"{config.run.method}.protocol=proto-only: no weights travel"
+
+
+def _classes(partition: Mapping[str, Any] | None) -> list[str] | None:
+    classes = (partition or {}).get("classes")
+    return [str(c) for c in classes] if isinstance(classes, list) else None
+
+
+def simulator_models(config: Config, simulator: Any, federation: Any) -> TrainedModels:
+    """The final models of an in-process run (:class:`~fedhpro.engines.simulator.Simulator`), on the CPU: the
+    global model loaded with the server's global weights, or each client's personal model with the global
+    shared part, as the run tested them. The simulator's own models are left untouched."""
+    models, server = simulator.models, simulator.server
+    inputs = input_description(config, federation.input_shape, federation.clients[0].x.dtype,
+                               federation.partition)
+    classes = _classes(federation.partition)
+    if not models.personal:
+        network = copy.deepcopy(models.global_model)
+        network.load_state_dict(server.global_weights())
+        module, inference = tested_module(server, network)
+        info = model_info(config, federation.num_classes, federation.input_shape, classes, inputs, inference, None)
+        return TrainedModels(info, global_model=module)
+    personal: dict[int, nn.Module] = {}
+    inference = HEAD
+    for k in range(federation.num_clients):
+        personal[k], inference = personal_module(models, server, k, models.client_weights[k])
+    names = {k: _architecture(config, models.architectures, k) for k in personal}
+    info = model_info(config, federation.num_classes, federation.input_shape, classes, inputs, inference, names,
+                      _why_personal(config))
+    return TrainedModels(info, personal=personal)
+
+
+def personal_module(models: Any, server: Any, k: int, weights: Mapping[str, Tensor]) -> tuple[nn.Module, str]:
+    """Client ``k``'s personal model (``weights``) with the server's global shared part loaded, through the
+    server's inference rule: what the run tests client ``k`` with. A copy; ``models`` is not changed."""
+    from fedhpro.methods.base import load_weights
+
+    network = copy.deepcopy(models.working_models[models.architectures[k]])
+    network.load_state_dict(dict(weights))
+    load_weights(network, server.global_weights())
+    return tested_module(server, network)
+
+
+def write_server_model(out: str | os.PathLike, side: Any, num_classes: int, input_shape: Sequence[int],
+                       partition: Mapping[str, Any] | None, input_dtype: torch.dtype = torch.float32) -> None:
+    """Flower ServerApp: the final global model of ``side`` (:class:`fedhpro.flower.engine.ServerSide`) into
+    its run folder ``out`` (model.pt and model.json), as :func:`simulator_models` writes it. With personal
+    models the server holds none: model.json then names the clients' files, which each node writes on its
+    own disk (:func:`write_node_model`)."""
+    config = side.config
+    inputs = input_description(config, input_shape, input_dtype, partition)
+    classes = _classes(partition)
+    if not side.models.personal:
+        network = copy.deepcopy(side.models.global_model)
+        network.load_state_dict(side.server.global_weights())
+        module, inference = tested_module(side.server, network)
+        write_models(out, TrainedModels(model_info(config, num_classes, input_shape, classes, inputs, inference,
+                                                   None), global_model=module))
+        return
+    count = len(side.num_samples)
+    info = model_info(config, num_classes, input_shape, classes, inputs, _inference_option(config),
+                      {k: _architecture(config, side.models.architectures, k) for k in range(count)},
+                      _why_personal(config))
+    info["on_nodes"] = True  # each node wrote its clients' files on its own disk
+    write_atomic(Path(out) / MODEL_INFO, json.dumps(info, indent=2) + "\n")
+
+
+def _architecture(config: Config, architectures: Sequence[str] | None, k: int) -> str:
+    """Client ``k``'s architecture name (the zoo's under ``heterogeneity=``, else the run's ``model=``; the
+    engines name a personal model of the run's own architecture just "model")."""
+    if config.run.heterogeneity != "none" and architectures is not None:
+        return str(architectures[k])
+    return str(config.run.model)
+
+
+def _inference_option(config: Config) -> str:
+    return str(getattr(config.method_options, "inference", HEAD))
+
+
+def write_node_model(folder: str | os.PathLike, config: Config, node: Any, model: nn.Module,
+                     partition: Mapping[str, Any] | None = None) -> Path:
+    """Flower node: client ``node.client``'s personal model (``model``, the node's model after its evaluation
+    loaded the global shared part) into ``folder`` on the node's own disk, with the run's config.yaml and a
+    model.json, so that ``fedhpro.load_model(folder, client=k)`` rebuilds it there. Returns the model file."""
+    from fedhpro.reports import write_yaml
+
+    folder = Path(folder)
+    k = int(node.client)
+    module, inference = tested_module(node.server, copy.deepcopy(model))
+    x = node.data.x
+    inputs = input_description(config, tuple(x.shape[1:]), x.dtype, partition)
+    classes = list(config.data.classes) if getattr(config.data, "classes", None) else _classes(partition)
+    info = model_info(config, int(node.data.num_classes), tuple(x.shape[1:]), classes, inputs, inference,
+                      {k: _architecture(config, node.models.architectures, k)}, _why_personal(config))
+    save_state(folder / client_file(k), module)
+    write_yaml(folder / "config.yaml", config.to_dict())
+    write_atomic(folder / MODEL_INFO, json.dumps(info, indent=2) + "\n")
+    return folder / client_file(k)
+
+
+# ---------------------------------------------------------------------------- rebuilding from the folder
+
+
+def read_info(folder: Path) -> dict[str, Any]:
+    """model.json of the run folder ``folder``; a one-line ModelFileError when it is not there or not ours."""
+    path = folder / MODEL_INFO
+    if not folder.is_dir():
+        raise ModelFileError(f"{folder}: no such folder; give the folder of a finished run (its out=)")
+    if not path.is_file():
+        finished = (folder / "summary.json").is_file()
+        why = ("it finished before fedhpro wrote models (run it again to get model.pt)" if finished
+               else "it is not a finished run folder (no summary.json)")
+        raise ModelFileError(f"{folder} has no {MODEL_INFO}: {why}")
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ModelFileError(f"{path} cannot be read ({type(error).__name__}); it is damaged: run again") from None
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise ModelFileError(f"{path} is not a fedhpro model description ({FORMAT}); it may be from another "
+                             "version")
+    return info
+
+
+def _model_factory_of(config: Config, info: Mapping[str, Any], model: Callable[..., nn.Module] | None,
+                      folder: Path) -> Callable[[str], nn.Module]:
+    """The run's architecture factory (name -> module), rebuilt from its config and model.json."""
+    from fedhpro.experiment import model_factories
+    from fedhpro.methods import get_method
+
+    if is_from_python(config.run.model) and model is None:
+        name = str(config.run.model).removeprefix("python:")
+        raise ConfigError(f"{folder}'s model came from Python ({name}); pass the same callable: "
+                          f"fedhpro.load_model({str(folder)!r}, model={name.rsplit('.', 1)[-1]})")
+    if model is not None and not is_from_python(config.run.model):
+        raise ConfigError(f"{folder}'s model is the registered {config.run.model!r}; leave out model=")
+    clients = max(int(config.run.clients or 0), len(info.get("personal", {})), 1)
+    _, architecture_factory, _, _, _ = model_factories(
+        config, get_method(config.run.method), int(info["num_classes"]), tuple(info["input_shape"]), clients,
+        user_model=model)
+    return architecture_factory
+
+
+def _empty_module(config: Config, info: Mapping[str, Any], architecture: str,
+                  model: Callable[..., nn.Module] | None, folder: Path) -> nn.Module:
+    """The module the saved state dict belongs to, freshly built (the caller's RNG left as it was)."""
+    from fedhpro.methods.prototypes import NearestPrototypeClassifier
+
+    factory = _model_factory_of(config, info, model, folder)
+    with torch.random.fork_rng(devices=[]):
+        network = factory(architecture)
+    inference = info.get("inference", HEAD)
+    if inference == HEAD:
+        return network
+    if inference == NEAREST_PROTOTYPE:
+        classes, dim = int(info["num_classes"]), int(network.classifier.in_features)  # type: ignore[union-attr]
+        return NearestPrototypeClassifier(network, torch.zeros(classes, dim), torch.zeros(classes, dtype=torch.bool))
+    raise ModelFileError(f"{folder / MODEL_INFO} names the inference rule {inference!r}, which this fedhpro does not "
+                         f"know ({HEAD} or {NEAREST_PROTOTYPE})")
+
+
+def read_state(path: Path) -> dict[str, Tensor]:
+    """A saved state dict, read with ``weights_only=True`` (never unpickled); one line when it is not one."""
+    if not path.is_file():
+        raise ModelFileError(f"{path} is missing; the run folder is incomplete (run it again)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - anything torch.load raises is a damaged or foreign file
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+        raise ModelFileError(f"{path} is not a state dict fedhpro can read ({reason}); it is damaged or was not "
+                             "written by fedhpro") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in state.items()):
+        raise ModelFileError(f"{path} holds a {type(state).__name__}, not a state dict of tensors; it was not "
+                             "written by fedhpro")
+    return state
+
+
+def check_state(state: Mapping[str, Tensor], module: nn.Module, path: Path, what: str) -> None:
+    """One ModelFileError line unless ``state`` has exactly ``module``'s keys with its shapes."""
+    expected = module.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    shapes = [f"{k} {tuple(state[k].shape)} instead of {tuple(v.shape)}" for k, v in expected.items()
+              if k in state and tuple(state[k].shape) != tuple(v.shape)]
+    problems = ([f"missing {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else "")] if missing else []) + \
+        ([f"unexpected {', '.join(unexpected[:3])}" + (" ..." if len(unexpected) > 3 else "")] if unexpected else [])
+    problems += [f"shape of {shapes[0]}" + (f" (and {len(shapes) - 1} more)" if len(shapes) > 1 else "")] \
+        if shapes else []
+    if problems:
+        raise ModelFileError(f"{path} does not fit {what} ({'; '.join(problems)}); it was written by another run "
+                             "or version: give the run folder it belongs to")
+
+
+def load_model(run_folder: str | os.PathLike, *, client: int | None = None,
+               model: Callable[..., nn.Module] | None = None, device: str | torch.device = "cpu") -> nn.Module:
+    """The trained model of a finished run, rebuilt from its folder alone (eval mode, on ``device``).
+
+    The folder's ``config.yaml`` and ``model.json`` rebuild the module the run tested (the same model
+    factory as the run: the registered ``model=``, the method's wrapper, a projection head, the
+    nearest-prototype rule); ``model.pt`` is read with ``torch.load(weights_only=True)`` and every key
+    and shape is checked first (one :class:`ModelFileError` line otherwise).
+
+    Args:
+        run_folder: the run's folder (its ``out=``).
+        client: a client's personal model (runs whose clients keep their own models:
+            ``heterogeneity=``, ``protocol=proto-only``); those runs have no global model.
+        model: the model callable, for a run whose model came from Python (``model: python:...`` in
+            its config.yaml): the same callable passed to :func:`fedhpro.run`.
+        device: where the module is put (default the CPU).
+    """
+    folder = Path(run_folder)
+    info = read_info(folder)
+    config = load_config(folder / str(info.get("config", "config.yaml")))
+    if client is None:
+        if not info.get("global"):
+            raise ConfigError(personal_message(info, str(folder)))
+        path, architecture = folder / str(info["global"]), config.run.model
+    else:
+        entry = info.get("personal", {}).get(str(int(client)))
+        if entry is None:
+            raise ConfigError(_no_client_message(info, int(client), str(folder)))
+        path, architecture = folder / str(entry["file"]), str(entry["architecture"])
+    module = _empty_module(config, info, architecture, model, folder)
+    state = read_state(path)
+    what = (f"the model {folder / MODEL_INFO} describes ({architecture}, {info['num_classes']} classes, inputs "
+            f"{tuple(info['input_shape'])})")
+    check_state(state, module, path, what)
+    module.load_state_dict(state)
+    return module.eval().to(torch.device(device))
+
+
+# ---------------------------------------------------------------------------- predicting
+
+
+def _image_files(folder: Path) -> list[Path]:
+    """The image files in ``folder`` and below (hidden ones skipped), sorted by path."""
+    from fedhpro.data.loaders import IMAGE_EXTENSIONS
+
+    found = [p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
+             and not any(part.startswith(".") for part in p.relative_to(folder).parts)]
+    return sorted(found)
+
+
+def _image_input(path: Path, inputs: Mapping[str, Any]) -> Tensor:
+    """One image file as the run's data set made its inputs: decoded to RGB (grey replicated, alpha dropped)
+    by :func:`fedhpro.data.images.decode_file`, resized to S x S where the data set resizes (else an image of
+    another size is refused), normalised as the data set normalises. ``3 x S x S`` float32."""
+    from PIL import Image
+
+    from fedhpro.data.images import decode_file, to_float
+
+    size = int(inputs["size"])
+    if not inputs.get("resize", False):
+        try:
+            with Image.open(path) as image:
+                width, height = image.size
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
+            reason = (str(error).splitlines() or [type(error).__name__])[0]
+            raise DataError(f"cannot decode the image {path} ({reason}); give PNG/JPEG images") from None
+        if (width, height) != (size, size):
+            raise DataError(f"{path} is {width}x{height} pixels; this run's model takes {size}x{size} images "
+                            f"({inputs.get('dataset', 'its data set')} does not resize): resize it to {size}x{size}")
+    pixels = decode_file(path, size)[None]
+    if inputs.get("normalize") == "preset":
+        from fedhpro.data.benchmarks import to_float as preset_float
+        from fedhpro.data.loaders import Preset
+
+        preset = Preset(size, tuple(inputs["mean"]), tuple(inputs["std"]))  # type: ignore[arg-type]
+        return preset_float(pixels, preset, size)[0]
+    return to_float(pixels)[0]
+
+
+def _tensor_inputs(path: Path, inputs: Mapping[str, Any], model_shape: Sequence[int]) -> Tensor:
+    """The N inputs of a ``.pt`` tensor file (read with ``weights_only=True``): N x the model's input shape."""
+    try:
+        value = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - a damaged or foreign file
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+        raise DataError(f"{path} is not a tensor file fedhpro can read ({reason}); save one with "
+                        "torch.save(x, path), x an N x ... tensor") from None
+    shape = tuple(int(n) for n in model_shape)
+    if not isinstance(value, Tensor):
+        raise DataError(f"{path} holds a {type(value).__name__}; save one tensor, N x {' x '.join(map(str, shape))}")
+    if tuple(value.shape) == shape:
+        value = value.unsqueeze(0)
+    if value.dim() != len(shape) + 1 or tuple(value.shape[1:]) != shape:
+        raise DataError(f"{path} holds a tensor of shape {tuple(value.shape)}; this run's model takes N x "
+                        f"{' x '.join(map(str, shape))} inputs (check the channels and the size)")
+    wants_integers = inputs.get("kind") == "tensor" and not str(inputs.get("dtype", "float32")).startswith("float")
+    if wants_integers:
+        if value.is_floating_point() and not bool(torch.all(value == value.round())):
+            raise DataError(f"{path} holds {value.dtype} values; this run's model takes integer token ids")
+        return value.long()
+    if not (value.is_floating_point() or value.dtype in (torch.int32, torch.int64)) or value.dtype == torch.uint8:
+        raise DataError(f"{path} holds {value.dtype} values; give float inputs, preprocessed as the run's data "
+                        "(uint8 pixels: save images as PNG files instead)")
+    value = value.float()
+    if not bool(torch.isfinite(value).all()):
+        raise DataError(f"{path} holds NaN or infinite values; clean the inputs")
+    return value
+
+
+def gather_inputs(paths: Iterable[str | os.PathLike], info: Mapping[str, Any]) -> tuple[list[str], Tensor]:
+    """``(names, inputs)``: every image file given (or found in a given folder) and every row of a given
+    ``.pt`` tensor file (named ``file.pt[i]``), as the model's inputs; one DataError line for a wrong path."""
+    inputs, shape = info.get("input", {}), info["input_shape"]
+    names: list[str] = []
+    rows: list[Tensor] = []
+    given = [Path(p) for p in paths]
+    if not given:
+        raise ConfigError("give at least one input: image files, folders of images or a .pt tensor file")
+    for path in given:
+        if not path.exists():
+            raise DataError(f"{path}: no such file or folder; give image files, folders of images or a .pt tensor "
+                            "file")
+        if path.is_file() and path.suffix.lower() == ".pt":
+            batch = _tensor_inputs(path, inputs, shape)
+            names += [f"{path}[{i}]" for i in range(batch.shape[0])]
+            rows += list(batch)
+            continue
+        files = _image_files(path) if path.is_dir() else [path]
+        if path.is_dir() and not files:
+            raise DataError(f"{path} holds no image files (.png, .jpg, ...); give a folder of images")
+        if inputs.get("kind") != "image":
+            raise DataError(f"{path}: this run's model takes tensors of shape {tuple(shape)}, not images; give a "
+                            ".pt file of an N x ... tensor, preprocessed as the run's data")
+        from fedhpro.data.loaders import IMAGE_EXTENSIONS
+
+        for file in files:
+            if file.suffix.lower() not in IMAGE_EXTENSIONS:
+                raise DataError(f"{file} is not an image file ({', '.join(IMAGE_EXTENSIONS)}) or a .pt tensor file")
+            names.append(str(file))
+            rows.append(_image_input(file, inputs))
+    return names, torch.stack(rows)
+
+
+@torch.no_grad()
+def class_probabilities(module: nn.Module, inputs: Tensor, batch_size: int = 256) -> Tensor:
+    """Softmax of the module's logits (float64 for the CSV), in batches."""
+    parts = [torch.softmax(module(inputs[i:i + batch_size]).double(), dim=1) for i in range(0, len(inputs), batch_size)]
+    return torch.cat(parts)
+
+
+def predict(run_folder: str | os.PathLike, paths: Iterable[str | os.PathLike], out: str | os.PathLike | None = None,
+            *, client: int | None = None, model: Callable[..., nn.Module] | None = None,
+            batch_size: int = 256) -> str:
+    """Classify image files, folders of images or ``.pt`` tensor files with a run's trained model; returns
+    the CSV text (and writes it to ``out`` atomically when given): ``path, predicted, p_<class>...``, the
+    predicted class's name and the probability of every class (softmax of the model's logits)."""
+    folder = Path(run_folder)
+    info = read_info(folder)
+    module = load_model(folder, client=client, model=model)
+    names, inputs = gather_inputs(paths, info)
+    probabilities = class_probabilities(module, inputs, batch_size)
+    classes = list(info["classes"])
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["path", "predicted"] + [f"p_{name}" for name in classes])
+    for name, row in zip(names, probabilities):
+        writer.writerow([name, classes[int(row.argmax())]] + [f"{float(p):.6g}" for p in row])
+    text = buffer.getvalue()
+    if out is not None:
+        write_atomic(out, text)
+    return text
+
+
+__all__ = ["MODEL_FILE", "MODEL_INFO", "ModelFileError", "PERSONAL_FOLDER", "TrainedModels", "client_file",
+           "input_description", "load_model", "predict", "read_state", "simulator_models", "write_models",
+           "write_node_model", "write_server_model"]
