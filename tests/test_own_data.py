@@ -406,7 +406,7 @@ def test_imagefolder_partition_load_gives_the_same_clients(data, tmp_path):
 
 def test_imagefolder_clients_per_domain(data):
     federation = _build("imagefolder", f"data_dir={data['imagefolder']}", "data.image_size=4", "partition=iid",
-                        "data.clients_per_domain={sketches: 3}")
+                        "data.clients_per_domain={sketches: 3, photos: 0}")  # 0 leaves a domain out
     assert federation.client_domains == ["sketches"] * 3 and list(federation.test_sets) == ["sketches"]
     with pytest.raises(ConfigError, match="unknown domains \\['paintings'\\].*photos, sketches"):
         _build("imagefolder", f"data_dir={data['imagefolder']}", "data.clients_per_domain={paintings: 1}")

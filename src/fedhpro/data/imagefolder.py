@@ -2,29 +2,44 @@
 
 ``PATH`` holds one of
 
-* ``train/<class>/<image>`` and ``test/<class>/<image>`` (``val/`` is taken
-  for ``test/``; without either, ``data.test_fraction`` of ``train/`` is held
-  out);
+* ``train/<class>/<image>`` and ``test/<class>/<image>``. Split folders are
+  matched without regard to case, in the usual spellings: ``train``/
+  ``training``, ``test``/``testing``, ``val``/``valid``/``validation``
+  (``Train/`` + ``Test/`` is a split, not two domains). ``val/`` is the test
+  split where there is no ``test/``; beside a ``test/`` it is not used (and
+  the run says so). Without either, ``data.test_fraction`` of ``train/`` is
+  held out;
 * ``<class>/<image>``: one folder of class subfolders, with a seeded
   per-class held-out ``data.test_fraction`` as the test set;
 * ``<domain>/...``: several domains, each subfolder one of the two layouts
-  above (domain skew). Clients are spread over the domains:
-  ``data.clients_per_domain`` (``{photos: 3, sketches: 2}``), else
-  ``clients=K`` (default 10) round robin in sorted domain order; the label
-  partition is applied within each domain's clients, and every domain keeps
-  its own test set, so a run reports each domain's accuracy and their AVG.
+  above (domain skew); a folder is read as domains when none of its
+  subfolders holds an image directly. Clients are spread over the domains:
+  a domain named in ``data.clients_per_domain`` (``{photos: 3}``) gets that
+  many clients (0 leaves it out); every other domain keeps what it gets
+  without that setting: ``clients=K`` (default 10) less the named domains'
+  clients, spread round robin over the unnamed domains in sorted order. The
+  label partition is applied within each domain's clients, and every domain
+  keeps its own test set, so a run reports each domain's accuracy and AVG.
+
+A class's images are found at any depth below its folder
+(``seven/batch2/*.png``), as torchvision's ``ImageFolder`` finds them. A class
+folder without any image is no class (left out, with a note); classes
+without test images, or with test images but no training image, are named in
+the federation's ``notes``, and its first note says which folders became
+which split and which domain.
 
 The training images are split by ``partition=dirichlet`` (the default),
 ``nid2``, ``iid`` or ``longtail`` with the ``partition.*`` knobs (e.g.
 ``partition.alpha``). Class labels index the sorted union of the class
-folder names of every domain and split. Images are decoded, resized to
-``data.image_size`` and normalised to ``[-1, 1]`` by
-:mod:`fedhpro.data.images` (cached in ``PATH/.fedhpro-cache``).
+folder names (with images) of every domain and split. Images are decoded,
+scaled by their bit depth, resized to ``data.image_size`` and normalised to
+``[-1, 1]`` by :mod:`fedhpro.data.images` (cached in ``PATH/.fedhpro-cache``,
+the one thing a run writes into ``PATH``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +47,16 @@ import numpy as np
 import torch
 
 from fedhpro.data.federation import Federation
-from fedhpro.data.images import CACHE_FOLDER, class_files, decode_files, image_files, subfolders, to_float
+from fedhpro.data.images import (
+    CACHE_FOLDER,
+    class_files,
+    decode_files,
+    image_files,
+    images_below,
+    split_folders,
+    subfolders,
+    to_float,
+)
 from fedhpro.data.loaders import split_indices
 from fedhpro.data.partition import (
     Partition,
@@ -60,8 +84,9 @@ class ImageFolderOptions:
                                                              "folder has no test/ split")
     split_seed: int = option(0, min=0, help="seed of that held-out split (fixed, not the run seed)")
     clients_per_domain: dict[str, int] = option(default_factory=dict,
-                                                help="several domains: clients of each domain (default: clients=K, "
-                                                     "else 10, spread round robin over the sorted domains)")
+                                                help="several domains: clients of the domains named (0 leaves one "
+                                                     "out); the others share clients=K (else 10) less these, round "
+                                                     "robin in sorted order")
     cache: bool = option(True, help="keep the decoded pixels in data_dir/.fedhpro-cache (keyed by the files' "
                                     "names, sizes, mtimes, inodes and ctimes), so later runs skip decoding")
 
@@ -75,16 +100,28 @@ class DomainImages:
     test_files: list[Path]
     test_classes: list[str]
     held_out: bool  # the test files were held out of one folder with data.test_fraction
+    #: which folders became which split, e.g. ``Train/ -> training, Test/ -> test`` (the start line says it)
+    splits: str = ""
+    #: what else the run should tell about this domain's folders (an unused validation/ folder, ...)
+    notes: list[str] = field(default_factory=list)
+    #: class folders without any image (in any split of this domain)
+    empty: set[str] = field(default_factory=set)
 
 
 # --------------------------------------------------------------------------- the layout
 
 
 def _layout(folder: Path) -> str | None:
-    """``"split"`` (``train/``), ``"classes"`` (subfolders with images) or None (neither)."""
-    if (folder / "train").is_dir():
+    """``"split"`` (a ``train/`` folder, any spelling of :data:`SPLIT_NAMES`), ``"classes"`` (subfolders
+    holding images directly) or None (neither: domain folders, or nothing)."""
+    splits = split_folders(folder)
+    if "train" in splits:
         return "split"
-    if any(image_files(sub) for sub in subfolders(folder)):
+    if splits:
+        found = ", ".join(f"{path.name}/" for path in splits.values())
+        raise DataError(f"{folder} has {found} but no train/ folder; put the training images in "
+                        f"{folder}/train/<class>/ (or train/, training/ in any case)")
+    if any(image_files(sub) for sub in subfolders(folder) if sub.name != CACHE_FOLDER):
         return "classes"
     return None
 
@@ -97,69 +134,116 @@ def _flatten(classes: dict[str, list[Path]]) -> tuple[list[Path], list[str]]:
     return files, names
 
 
-def _domain_images(folder: Path, layout: str, options: ImageFolderOptions) -> tuple[DomainImages, set[str]]:
-    """A domain's files (held-out split where it has no test folder) and every class folder name it has."""
+def _shown(path: Path, root: Path) -> str:
+    """``path`` as the start line names it: below ``root`` (``photos/Train/``), or its name."""
+    try:
+        relative = path.relative_to(root)
+    except ValueError:
+        relative = Path(path.name)
+    return f"{relative.as_posix()}/" if relative.parts else f"{root.name}/"
+
+
+def _domain_images(folder: Path, layout: str, options: ImageFolderOptions, root: Path) -> DomainImages:
+    """A domain's files (held-out split where it has no test folder); how its folders became splits."""
+    notes: list[str] = []
     if layout == "split":
-        train = class_files(folder / "train")
-        test_folder = next((folder / s for s in ("test", "val") if (folder / s).is_dir()), None)
+        splits = split_folders(folder)
+        train = class_files(splits["train"])
+        test_folder = splits.get("test", splits.get("val"))
         test = class_files(test_folder) if test_folder is not None else None
+        if "test" in splits and "val" in splits:
+            notes.append(f"{_shown(splits['val'], root)} is not used: {_shown(splits['test'], root)} is the test split "
+                         "(validation images are neither trained nor tested on; move them into the training folder "
+                         "to train on them)")
+        others = [sub for sub in subfolders(folder) if sub not in splits.values() and sub.name != CACHE_FOLDER]
+        if others:
+            notes.append(f"{', '.join(_shown(sub, root) for sub in others)} ignored: beside "
+                         f"{_shown(splits['train'], root)} only test/ and val/ folders are read")
+        described = f"{_shown(splits['train'], root)} -> training, " + (
+            f"{_shown(test_folder, root)} -> test" if test_folder is not None
+            else f"{options.test_fraction:g} of each class held out -> test")
     else:
         train, test = class_files(folder), None
-    names = set(train) | set(test or {})
+        described = (f"{_shown(folder, root)}<class>/ -> training, {options.test_fraction:g} of each class held out "
+                     "-> test")
+    empty = {name for name, files in train.items() if not files} | {name for name, files in (test or {}).items()
+                                                                      if not files}
+    empty -= {name for name, files in [*train.items(), *(test or {}).items()] if files}
     if test is not None:
-        return DomainImages(*_flatten(train), *_flatten(test), held_out=False), names
+        return DomainImages(*_flatten(train), *_flatten(test), held_out=False, splits=described, notes=notes,
+                            empty=empty)
     files, labels = _flatten(train)
-    order = {name: i for i, name in enumerate(sorted(names))}
+    order = {name: i for i, name in enumerate(sorted(set(labels)))}
     keep, held = split_indices(np.array([order[n] for n in labels], dtype=np.int64), options.test_fraction,
                                options.split_seed)
     return DomainImages([files[i] for i in keep], [labels[i] for i in keep], [files[i] for i in held],
-                        [labels[i] for i in held], held_out=True), names
+                        [labels[i] for i in held], held_out=True, splits=described, notes=notes, empty=empty)
 
 
 def discover(root: Path, options: ImageFolderOptions) -> tuple[dict[str, DomainImages], list[str]]:
     """``({domain: files}, classes)``: the domains of ``root`` (``""`` when it is one data set) and the sorted
-    union of their class names; a folder that fits no layout is a one-line DataError."""
+    union of their classes that hold images (a class folder without any image is no class); a folder that
+    fits no layout is a one-line DataError."""
     layout = _layout(root)
     if layout is not None:
-        images, names = _domain_images(root, layout, options)
-        return {"": images}, sorted(names)
-    candidates = [sub for sub in subfolders(root) if sub.name != CACHE_FOLDER]
-    layouts = {sub: _layout(sub) for sub in candidates}
-    domains = {sub: kind for sub, kind in layouts.items() if kind is not None}
-    if not domains:
-        raise DataError(f"{root} has no class subfolders (nor train/ or domain folders); put the images in "
-                        f"{root}/<class>/, {root}/train/<class>/ and {root}/test/<class>/, or "
-                        f"{root}/<domain>/<class>/")
-    strays = [sub.name for sub, kind in layouts.items() if kind is None]
-    if strays:
-        raise DataError(f"{root}: the domain folders {strays} hold no class subfolders with images; fill them "
-                        f"({root}/<domain>/<class>/<image>) or move them out of data_dir")
-    found: dict[str, DomainImages] = {}
-    classes: set[str] = set()
-    for sub, kind in domains.items():
-        found[sub.name], names = _domain_images(sub, kind, options)
-        classes |= names
+        found = {"": _domain_images(root, layout, options, root)}
+    else:
+        candidates = [sub for sub in subfolders(root) if sub.name != CACHE_FOLDER]
+        layouts = {sub: _layout(sub) for sub in candidates}
+        domains = {sub: kind for sub, kind in layouts.items() if kind is not None}
+        if not domains:
+            nested = " (images in nested folders count only below a class folder: <class>/<any>/<image>)" if any(
+                images_below(sub) for sub in candidates) else ""
+            raise DataError(f"{root} has no class subfolders (nor train/ or domain folders){nested}; put the images "
+                            f"in {root}/<class>/, {root}/train/<class>/ and {root}/test/<class>/, or "
+                            f"{root}/<domain>/<class>/")
+        strays = [sub.name for sub, kind in layouts.items() if kind is None]
+        if strays:
+            raise DataError(f"{root}: the domain folders {strays} hold no class subfolders with images; fill them "
+                            f"({root}/<domain>/<class>/<image>) or move them out of data_dir")
+        found = {sub.name: _domain_images(sub, kind, options, root) for sub, kind in domains.items()}
+    classes = {name for images in found.values() for name in (*images.train_classes, *images.test_classes)}
     return found, sorted(classes)
 
 
 def _clients_layout(domains: list[str], clients: int | None, options: ImageFolderOptions) -> dict[str, int]:
-    """Clients per domain: ``clients=K`` (or the default 10) round robin, else ``data.clients_per_domain``."""
-    if clients is None and options.clients_per_domain:
-        unknown = sorted(set(options.clients_per_domain) - set(domains))
-        if unknown:
-            raise ConfigError(f"data.clients_per_domain names unknown domains {unknown}; the domains are: "
-                              f"{', '.join(domains)}")
-        layout = {d: int(options.clients_per_domain.get(d, 0)) for d in domains}
-        if any(n < 0 for n in layout.values()):
-            raise ConfigError(f"data.clients_per_domain={dict(options.clients_per_domain)} has a negative count")
+    """Clients per domain: a domain ``data.clients_per_domain`` names gets its count;
+    the others get what they get without it: ``clients=K`` less the named domains' clients (else
+    :data:`DEFAULT_CLIENTS`) spread round robin over them, in sorted order."""
+    given = dict(options.clients_per_domain)
+    unknown = sorted(set(given) - set(domains))
+    if unknown:
+        raise ConfigError(f"data.clients_per_domain names unknown domains {unknown}; the domains are: "
+                          f"{', '.join(domains)}")
+    if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in given.values()):
+        raise ConfigError(f"data.clients_per_domain={given} must give each domain a whole number >= 0 of clients "
+                          "(0 leaves a domain out)")
+    rest = [d for d in domains if d not in given]
+    named = sum(given.values())
+    if clients is None:
+        spread = _round_robin(domains, DEFAULT_CLIENTS)
+        layout = {d: given[d] if d in given else spread[d] for d in domains}
+    elif not rest:
+        if clients != named:
+            raise ConfigError(f"clients={clients} but data.clients_per_domain gives every domain its clients, "
+                              f"{named} in all; leave clients unset or make them agree")
+        layout = dict(given)
     else:
-        layout = {d: 0 for d in domains}
-        for k in range(clients if clients is not None else DEFAULT_CLIENTS):
-            layout[domains[k % len(domains)]] += 1
-    layout = {d: n for d, n in layout.items() if n > 0}
+        left = clients - named
+        if left < len(rest):
+            raise ConfigError(f"clients={clients} leaves {max(left, 0)} client(s) for the {len(rest)} domain(s) "
+                              f"data.clients_per_domain does not name ({', '.join(rest)}); raise clients, or give "
+                              "those domains their counts too (0 leaves a domain out)")
+        layout = {**given, **_round_robin(rest, left)}
+    layout = {d: int(layout[d]) for d in domains if layout[d] > 0}
     if not layout:
         raise ConfigError("dataset=imagefolder needs at least one client; set clients=K or data.clients_per_domain")
     return layout
+
+
+def _round_robin(domains: list[str], clients: int) -> dict[str, int]:
+    """``clients`` spread over ``domains`` round robin: the first ``clients mod len(domains)`` get one more."""
+    return {d: clients // len(domains) + (1 if i < clients % len(domains) else 0) for i, d in enumerate(domains)}
 
 
 # --------------------------------------------------------------------------- the federation
@@ -181,6 +265,9 @@ def build(options: ImageFolderOptions, clients: int | None, seed: int, data_dir:
     index = {name: label for label, name in enumerate(classes)}
     num_classes = len(classes)
     multi = "" not in found
+    if not multi and options.clients_per_domain:
+        raise ConfigError(f"data.clients_per_domain applies to several domains, but {root} is one data set (no "
+                          "domain folders); set clients=K instead")
     layout = _clients_layout(sorted(found), clients, options) if multi else {
         "": clients if clients is not None else DEFAULT_CLIENTS}
     size = int(options.image_size)
@@ -206,15 +293,47 @@ def build(options: ImageFolderOptions, clients: int | None, seed: int, data_dir:
     if partition.load:
         record["loaded_from"] = str(partition.load)
     where = ", ".join(f"{d} {n}" for d, n in layout.items()) if multi else f"{layout['']}"
-    notes = [f"imagefolder: {split.scheme} partition over {split.num_clients} clients ({where}), {num_classes} "
+    notes = [_start_line(root, found, used),
+             f"imagefolder: {split.scheme} partition over {split.num_clients} clients ({where}), {num_classes} "
              f"classes, {size}x{size} images"]
     held = [d or "all" for d in used if found[d].held_out]
     if held:
         notes.append(f"test sets held out ({options.test_fraction:g} of each class, split_seed "
                      f"{options.split_seed}): {', '.join(held)}")
+    notes += _class_notes(found, used, classes)
     domains = split.client_domains if split.client_domains is not None else None
     return Federation.from_tensors(train, tests, num_classes=num_classes, domains=domains, name="imagefolder",
                                    partition=record, notes=notes)
+
+
+def _start_line(root: Path, found: dict[str, DomainImages], used: list[str]) -> str:
+    """The one line that says which folders became which split and which domain."""
+    if "" in found:
+        return f"imagefolder: {root}: {found[''].splits}; one data set, no domains"
+    parts = [f"{d} ({found[d].splits})" if d in used else f"{d} (no clients: left out)" for d in sorted(found)]
+    return f"imagefolder: {root}: {len(found)} domains: " + "; ".join(parts)
+
+
+def _class_notes(found: dict[str, DomainImages], used: list[str], classes: list[str]) -> list[str]:
+    """What the run must tell about the classes: class folders without images (no class), classes without
+    test images (their accuracy is not measured) or without training images (never learned), and every
+    folder note of the domains (an unused validation/ folder, ignored folders)."""
+    notes = [f"imagefolder: {note}" for d in sorted(found) for note in found[d].notes]
+    empty = sorted(set().union(*(found[d].empty for d in found)) - set(classes))
+    if empty:
+        notes.append(f"imagefolder: class folders without images left out (no class): {', '.join(empty)}")
+    untested = {d or "all": sorted(set(found[d].train_classes) - set(found[d].test_classes)) for d in used}
+    untested = {d: names for d, names in untested.items() if names}
+    if untested:
+        listed = "; ".join(f"{d}: {', '.join(n)}" if len(untested) > 1 or d != "all" else ", ".join(n)
+                           for d, n in untested.items())
+        notes.append(f"imagefolder: classes without test images (their accuracy is not measured): {listed}")
+    trained = {name for d in used for name in found[d].train_classes}
+    never = sorted({name for d in used for name in found[d].test_classes} - trained)
+    if never:
+        notes.append(f"imagefolder: classes with test images but no training image (never learned): "
+                     f"{', '.join(never)}")
+    return notes
 
 
 def _check_tests(found: dict[str, DomainImages], domains: Any, data_dir: Any, options: ImageFolderOptions) -> None:

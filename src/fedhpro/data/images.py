@@ -4,7 +4,17 @@ One decoding rule for all of them: PIL decodes the image, converts it to RGB
 (grey replicated, alpha dropped), resizes it to ``size x size`` with PIL's
 bilinear filter (deterministic: the same file gives the same pixels on every
 machine) and :func:`~fedhpro.data.federation.normalize_images` maps the
-``uint8`` pixels to ``[-1, 1]``.
+``uint8`` pixels to ``[-1, 1]``. Images of more than 8 bits are scaled by
+their bit depth, never clipped (:func:`eight_bit`): 16-bit ones (PIL's
+``I;16`` modes, and ``I`` holding 0..65535) by 255/65535, float ones (``F``)
+holding 0..1 by 255; float pixels outside 0..1 and 32-bit integers beyond
+65535 are refused in one line (their range is not known).
+
+Class folders are read as torchvision's ``ImageFolder`` reads them: every
+image below a class folder, in nested subfolders too (:func:`class_files`).
+Split folders are matched by name without regard to case
+(:data:`SPLIT_NAMES`: ``train``/``training``, ``test``/``testing``,
+``val``/``valid``/``validation``; :func:`split_folders`).
 
 Decoded ``uint8`` arrays can be cached in a ``.fedhpro-cache`` folder beside
 the data, keyed by the image size and every file's path, size, mtime, inode
@@ -18,6 +28,7 @@ A folder that cannot be written is simply not cached.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +59,39 @@ def image_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if is_image_file(p))
 
 
+def images_below(folder: Path) -> list[Path]:
+    """Every image file in ``folder`` and its non-hidden subfolders, at any depth (as torchvision's
+    ``ImageFolder`` finds them, symbolic links followed), sorted by the path below ``folder``."""
+    found = []
+    for current, dirs, files in os.walk(folder, followlinks=True):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found += [Path(current) / name for name in files
+                  if not name.startswith(".") and Path(name).suffix.lower() in IMAGE_EXTENSIONS]
+    return sorted(found, key=lambda path: path.relative_to(folder).parts)
+
+
+#: the split folders' names (matched without regard to case): split -> the spellings taken for it
+SPLIT_NAMES = {"train": ("train", "training"), "test": ("test", "testing"), "val": ("val", "valid", "validation")}
+
+
+def split_folders(folder: Path) -> dict[str, Path]:
+    """``{"train": path, "test": path, "val": path}``: the split folders of ``folder`` found (any of
+    :data:`SPLIT_NAMES`, any case: ``Train/``, ``Testing/``, ``validation/``); two folders for one split
+    (``train/`` and ``Training/``) are a one-line DataError."""
+    spelling = {name: split for split, names in SPLIT_NAMES.items() for name in names}
+    found: dict[str, list[Path]] = {}
+    for sub in subfolders(folder):
+        split = spelling.get(sub.name.lower())
+        if split is not None:
+            found.setdefault(split, []).append(sub)
+    for split, paths in found.items():
+        if len(paths) > 1:
+            raise DataError(f"{folder} holds {' and '.join(p.name + '/' for p in paths)}, both taken for the {split} "
+                            "split; merge them into one folder")
+    return {split: paths[0] for split, paths in sorted(found.items(), key=lambda item: list(SPLIT_NAMES).index(
+        item[0]))}
+
+
 def subfolders(folder: Path) -> list[Path]:
     """The non-hidden subfolders of ``folder``, sorted by name."""
     return sorted(p for p in folder.iterdir() if p.is_dir() and visible(p))
@@ -56,11 +100,13 @@ def subfolders(folder: Path) -> list[Path]:
 def class_files(root: Path) -> dict[str, list[Path]]:
     """ImageFolder layout ``root/<class>/<image>``: class name -> its image files (both sorted by name).
 
-    Every non-hidden subfolder is a class, also one without images (it still
-    names a label). Raises a one-line :class:`DataError` when ``root`` has no
-    class subfolder or they hold no image.
+    Every non-hidden subfolder is a class; its images are found at any depth
+    below it (``seven/batch2/*.png``, as torchvision's ``ImageFolder``). A
+    class folder without any image keeps its entry with no files: the callers
+    leave such classes out and say so. Raises a one-line :class:`DataError`
+    when ``root`` has no class subfolder or they hold no image.
     """
-    classes = {folder.name: image_files(folder) for folder in subfolders(root)}
+    classes = {folder.name: images_below(folder) for folder in subfolders(root) if folder.name != CACHE_FOLDER}
     if not classes:
         loose = " (the images lie directly in it)" if image_files(root) else ""
         raise DataError(f"{root} has no class subfolders{loose}; put each class's images in its own folder, "
@@ -71,11 +117,42 @@ def class_files(root: Path) -> dict[str, list[Path]]:
     return classes
 
 
-def rgb_pixels(image: Any, size: int) -> np.ndarray:
-    """A PIL image -> ``uint8`` ``3 x size x size``: RGB, resized bilinearly when its size differs."""
+#: the largest value of a 16-bit pixel: 16-bit images are scaled by 255 / this
+MAX_16_BIT = 65535
+
+
+def eight_bit(image: Any, where: str = "the image") -> Any:
+    """A PIL image of more than 8 bits a channel scaled to 8 bits by its bit depth (16-bit: x * 255 / 65535,
+    rounded; float 0..1: x * 255), as an ``L`` image; other images as they are. Clipping them, what PIL's
+    ``convert`` does, would make a 16-bit image all but white. Float pixels outside 0..1 and 32-bit integers
+    beyond 0..65535 are a one-line DataError: their range is not known."""
     from PIL import Image
 
-    image = image.convert("RGB")
+    mode = image.mode
+    if not (mode.startswith("I") or mode == "F"):
+        return image
+    values = np.asarray(image)
+    if mode == "F":
+        values = values.astype(np.float64)
+        if values.size and not (np.isfinite(values).all() and values.min() >= 0.0 and values.max() <= 1.0):
+            raise DataError(f"{where} holds float pixels outside 0..1 ({float(np.nanmin(values)):g} to "
+                            f"{float(np.nanmax(values)):g}); save it scaled to 0..1, or as an 8- or 16-bit image")
+        scaled = values * 255.0
+    else:
+        values = values.astype(np.int64)
+        if values.size and (values.min() < 0 or values.max() > MAX_16_BIT):
+            raise DataError(f"{where} holds 32-bit integer pixels beyond 0..{MAX_16_BIT} ({int(values.min())} to "
+                            f"{int(values.max())}); save it as an 8- or 16-bit image")
+        scaled = values * (255.0 / MAX_16_BIT)
+    return Image.fromarray(np.rint(scaled).astype(np.uint8))
+
+
+def rgb_pixels(image: Any, size: int, where: str = "the image") -> np.ndarray:
+    """A PIL image -> ``uint8`` ``3 x size x size``: scaled to 8 bits by its bit depth (:func:`eight_bit`),
+    RGB, resized bilinearly when its size differs."""
+    from PIL import Image
+
+    image = eight_bit(image, where).convert("RGB")
     if image.size != (size, size):
         image = image.resize((size, size), Image.Resampling.BILINEAR)
     return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
@@ -87,7 +164,7 @@ def decode_file(path: Path, size: int) -> np.ndarray:
 
     try:
         with Image.open(path) as image:
-            return rgb_pixels(image, size)
+            return rgb_pixels(image, size, str(path))
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise DataError(f"cannot decode the image {path} ({reason}); replace or remove the file") from None
@@ -124,7 +201,7 @@ def to_float(pixels: np.ndarray) -> Tensor:
 def _cache_path(files: Sequence[Path], size: int, cache: Path) -> Path | None:
     """The cache file of these files at this size: a key of every path, size, mtime, inode and ctime
     (:func:`fedhpro.data.loaders.files_key`)."""
-    key = files_key(files, f"rgb bilinear {size}\n")
+    key = files_key(files, f"rgb bilinear bit-depth-scaled {size}\n")
     return cache / f"{key}-{size}px.npy" if key is not None else None
 
 
@@ -137,5 +214,6 @@ def _save_atomic(path: Path, array: np.ndarray) -> None:
         pass  # a read-only data folder: no cache
 
 
-__all__ = ["CACHE_FOLDER", "class_files", "decode_file", "decode_files", "image_files", "is_image_file",
-           "rgb_pixels", "subfolders", "to_float", "visible"]
+__all__ = ["CACHE_FOLDER", "MAX_16_BIT", "SPLIT_NAMES", "class_files", "decode_file", "decode_files", "eight_bit",
+           "image_files", "images_below", "is_image_file", "rgb_pixels", "split_folders", "subfolders", "to_float",
+           "visible"]
