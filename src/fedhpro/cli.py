@@ -110,6 +110,21 @@ def _cmd_data_describe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_predict(args: argparse.Namespace) -> int:
+    """Classify images or tensors with a finished run's model; the CSV to --out or stdout."""
+    from fedhpro.trained import predict
+
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size {args.batch_size} must be at least 1")
+    text = predict(args.run_folder, args.paths, args.out, client=args.client, batch_size=args.batch_size)
+    if args.out is None:
+        print(text, end="")
+    else:
+        rows = text.count("\n") - 1
+        print(f"{rows} prediction{'s' if rows != 1 else ''} written to {args.out}")
+    return 0
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     from fedhpro.compare import main as compare_main
 
@@ -201,6 +216,22 @@ def build_parser() -> argparse.ArgumentParser:
                     "prototype_distance.png (default out=<first run's parent>/report). A run without summary.json "
                     "is marked unfinished (4/10 rounds). An out= holding a report of other runs is refused "
                     "unless force=true; a report of the same runs is refreshed.")
+    predict_parser = commands.add_parser(
+        "predict", help="classify images or tensors with a finished run's trained model: a CSV",
+        description="fedhpro predict RUN_FOLDER PATH... [--out FILE.csv]: the run's trained model (model.pt, "
+                    "rebuilt from the folder) classifies image files, folders of images (read recursively) and "
+                    ".pt files of an N x ... tensor (the model's inputs, preprocessed as the run's data). Images "
+                    "are preprocessed as the run's data set does (RGB, size, normalisation). The CSV has one row "
+                    "per input: path, predicted class, then p_<class> for every class (softmax of the logits); "
+                    "it goes to stdout unless --out is given.")
+    predict_parser.add_argument("run_folder", metavar="RUN_FOLDER", help="the folder of a finished run (its out=)")
+    predict_parser.add_argument("paths", nargs="+", metavar="PATH", help="image files, folders of images, .pt files")
+    predict_parser.add_argument("--out", metavar="FILE.csv", help="write the CSV here (atomically) instead of stdout")
+    predict_parser.add_argument("--client", type=int, metavar="K",
+                                help="client K's personal model (runs whose clients keep their own models)")
+    predict_parser.add_argument("--batch-size", type=int, default=256, metavar="N",
+                                help="inputs per forward pass (default 256)")
+    predict_parser.set_defaults(handler=_cmd_predict)
     models_parser = commands.add_parser(
         "models", help="list the model zoo: parameters and forward FLOPs (torch.utils.flop_counter)")
     models_parser.add_argument("names", nargs="*", help="only these models")

@@ -90,7 +90,8 @@ def personal_message(info: Mapping[str, Any], where: str) -> str:
     clients = sorted(int(k) for k in info.get("personal", {}))
     span = f"client=0..{clients[-1]}" if clients else "client=K"
     return (f"{where} has no global model: its clients keep their own models ({info.get('why_personal', '')}); "
-            f"take one with fedhpro.load_model(folder, {span}) or RunResult.client_model(k)")
+            f"choose one with {span}: fedhpro.load_model(folder, client=K), RunResult.client_model(K), "
+            "fedhpro predict --client K")
 
 
 def _no_client_message(info: Mapping[str, Any], k: int, where: str) -> str:

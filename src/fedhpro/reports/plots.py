@@ -40,27 +40,54 @@ def save_figure(figure, path: str | os.PathLike, tight_layout: bool = True) -> N
         plt.close(figure)
 
 
+#: line styles that tell curves apart without colour too (grey print, colour blindness): cycled with the colours
+LINE_STYLES = ["-", "--", "-.", ":"]
+#: markers on the curves, cycled likewise (a marker shows where a round was evaluated)
+LINE_MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
+
+
+def line_style(index: int) -> dict:
+    """The ``index``-th curve's colour (tab10), line style and marker: no two of the first 10 curves share a
+    colour, and neighbours in the legend differ in line style and marker too."""
+    plt = pyplot()
+    return {"color": plt.get_cmap("tab10")(index % 10), "linestyle": LINE_STYLES[index % len(LINE_STYLES)],
+            "marker": LINE_MARKERS[index % len(LINE_MARKERS)]}
+
+
+def integer_ticks(axis, which: str = "x") -> None:
+    """Only whole numbers as ticks on ``which`` axis (rounds: a 2-round run gets 1 and 2, never 1.25)."""
+    from matplotlib.ticker import MaxNLocator
+
+    (axis.xaxis if which == "x" else axis.yaxis).set_major_locator(MaxNLocator(integer=True))
+
+
 def plot_curves(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], path: str | os.PathLike, *,
                 title: str = "", xlabel: str = "round", ylabel: str = "", log_y: bool = False,
-                styles: Mapping[str, dict] | None = None) -> None:
-    """One line per entry of ``series`` (label -> (x, y)) on one axis; FedHPro's line drawn thicker."""
+                styles: Mapping[str, dict] | None = None):
+    """One line per entry of ``series`` (label -> (x, y)) on one axis, each in its own colour, line style and
+    marker (:func:`line_style`); FedHPro's line drawn thicker; "... before" / "... after" pairs share a colour
+    and marker, "after" dashed. Rounds (``xlabel="round"``) get whole-number ticks. Returns the figure
+    (closed, written to ``path``), whose axes a caller may inspect."""
     plt = pyplot()
     import re
 
     figure, axis = plt.subplots(figsize=(6.8, 4.2), dpi=130)
     highlight = not all("fedhpro" in label.lower() for label in series)  # FedHPro thicker among others
-    colours: dict[str, str] = {}
+    pairs: dict[str, int] = {}
     for label, (x, y) in series.items():
-        style = dict(linewidth=2.6 if highlight and "fedhpro" in label.lower() else 1.6, marker="o", markersize=3)
-        # "<run>: ... before" / "... after" pairs share a colour; "after" is dashed
+        # "<run>: ... before" / "... after" pairs share a colour and marker; "after" is dashed
         pair = re.sub(r"(before|after)( matching)?$", "", label)
-        if pair != label and pair in colours:
-            style.update(color=colours[pair], linestyle="--")
+        index = pairs.setdefault(pair, len(pairs))
+        style = dict(line_style(index), linewidth=2.6 if highlight and "fedhpro" in label.lower() else 1.6,
+                     markersize=4)
+        if pair != label:
+            style["linestyle"] = "--" if label.rstrip().endswith(("after", "after matching")) else "-"
         style.update((styles or {}).get(label, {}))
-        line, = axis.plot(list(x), list(y), label=label, **style)
-        colours.setdefault(pair, line.get_color())
+        axis.plot(list(x), list(y), label=label, **style)
     if log_y:
         axis.set_yscale("log")
+    if xlabel == "round":
+        integer_ticks(axis)
     axis.set_xlabel(xlabel)
     axis.set_ylabel(ylabel)
     axis.set_title(title, fontsize=10)
@@ -68,6 +95,47 @@ def plot_curves(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], p
     if series:
         axis.legend(fontsize=8)
     save_figure(figure, path)
+    return figure
+
+
+def plot_mean_curves(groups: Mapping[str, Sequence[tuple[Sequence[float], Sequence[float]]]],
+                     path: str | os.PathLike, *, title: str = "", xlabel: str = "round", ylabel: str = ""):
+    """Per group (label -> one ``(x, y)`` curve per seed): the mean curve over its curves, with a shaded band
+    from their minimum to their maximum, at the x every curve has. Each group in its own colour, line style
+    and marker (:func:`line_style`); whole-number round ticks. Returns the figure (closed, written to ``path``)."""
+    plt = pyplot()
+    figure, axis = plt.subplots(figsize=(6.8, 4.2), dpi=130)
+    for index, (label, curves) in enumerate(groups.items()):
+        x, mean, low, high = mean_band(curves)
+        if not x:
+            continue
+        style = line_style(index)
+        seeds = len(curves)
+        axis.plot(x, mean, label=f"{label} (mean of {seeds})" if seeds > 1 else label, linewidth=1.8, markersize=4,
+                  **style)
+        if seeds > 1:
+            axis.fill_between(x, low, high, color=style["color"], alpha=0.18, linewidth=0)
+    if xlabel == "round":
+        integer_ticks(axis)
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
+    axis.set_title(title, fontsize=10)
+    axis.grid(alpha=0.3)
+    if groups:
+        axis.legend(fontsize=8, title="shaded: min to max over seeds", title_fontsize=7)
+    save_figure(figure, path)
+    return figure
+
+
+def mean_band(curves: Sequence[tuple[Sequence[float], Sequence[float]]]
+              ) -> tuple[list[float], list[float], list[float], list[float]]:
+    """``(x, mean, min, max)`` of several ``(x, y)`` curves at the x values all of them have, in order."""
+    points = [dict(zip(map(float, x), map(float, y))) for x, y in curves]
+    if not points:
+        return [], [], [], []
+    shared = sorted(set(points[0]).intersection(*points[1:]))
+    values = [[curve[at] for curve in points] for at in shared]
+    return (shared, [sum(v) / len(v) for v in values], [min(v) for v in values], [max(v) for v in values])
 
 
 def plot_bars(groups: Mapping[str, Mapping[str, float]], path: str | os.PathLike, *, title: str = "",

@@ -1,4 +1,5 @@
-"""``fedhpro report RUN_DIR...``: tables and plots from finished runs (their ``metrics.jsonl``).
+"""``fedhpro report RUN_DIR...``: tables and plots from finished runs (their ``metrics.jsonl``), or from the folder
+of a comparison (``fedhpro compare``'s ``out``, a folder of run folders): see :func:`report_seeds`.
 
 Written to ``out`` (default: the first run's parent folder, ``report/``): ``table.md`` and
 ``table.csv`` (final accuracy per domain and AVG, best AVG, fairness of Table A8, bytes and
@@ -21,8 +22,8 @@ from typing import Any
 import yaml
 
 from fedhpro.errors import ConfigError
-from fedhpro.reports.plots import plot_bars, plot_curves
-from fedhpro.reports.tables import csv_text, markdown_table
+from fedhpro.reports.plots import mean_band, plot_bars, plot_curves, plot_mean_curves
+from fedhpro.reports.tables import csv_text, markdown_table, mean_pm_std, mean_std
 
 
 @dataclass
@@ -68,7 +69,7 @@ def load_run(path: str | Path) -> RunData:
     metrics = path / "metrics.jsonl"
     if not metrics.is_file():
         raise ConfigError(f"{str(path)!r} is not a run folder (no metrics.jsonl); give folders written by "
-                          "`fedhpro run` or `fedhpro compare`")
+                          "`fedhpro run` (out=) or the out= folder of `fedhpro compare`")
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     if not any("accuracy" in row for row in rows):
         raise ConfigError(f"{str(path)!r} has no evaluated round yet; wait for its first evaluation")
@@ -169,19 +170,53 @@ def prepare_report_folder(out: Path, runs: Sequence[RunData], force: bool = Fals
         (out / name).unlink()
 
 
+def is_run_folder(path: Path) -> bool:
+    """Whether ``path`` is a run's folder (it has ``metrics.jsonl``)."""
+    return (path / "metrics.jsonl").is_file()
+
+
+def runs_in(folder: Path) -> list[Path]:
+    """The run folders directly in ``folder`` (a comparison's ``out``: ``<method>-seed<seed>/``), sorted by name;
+    hidden folders and others (``report/``) are passed by."""
+    if not folder.is_dir() or is_run_folder(folder):
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".") and is_run_folder(p))
+
+
 def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: bool = True,
            force: bool = False) -> Path:
     """Build the table and the plots of ``run_dirs``; returns the output folder.
 
-    ``out`` (default ``<first run's parent>/report``) may hold an earlier report
-    of the same runs (it is replaced); one of other runs is refused unless
+    A folder of run folders (``fedhpro compare``'s ``out``) among ``run_dirs`` gives the report over seeds
+    (:func:`report_seeds`) of all the runs given; run folders alone, one line per run.
+
+    ``out`` (default ``<first run's parent>/report``, or ``<comparison folder>/report``) may hold an earlier
+    report of the same runs (it is replaced); one of other runs is refused unless
     ``force`` (:func:`prepare_report_folder`). Unfinished runs are marked.
     """
-    from fedhpro.reports import write_atomic, write_json
-
     if not run_dirs:
         raise ConfigError("give at least one run folder: fedhpro report RUN_DIR [RUN_DIR ...] [out=DIR]")
-    runs = [load_run(path) for path in run_dirs]
+    folders: list[Path] = []
+    groups: list[Path] = []
+    for given in map(Path, run_dirs):
+        inside = runs_in(given)
+        if inside:
+            groups.append(given)
+            folders += inside
+        else:
+            folders.append(given)  # load_run says what is wrong with a folder that is not a run's
+    runs = [load_run(path) for path in folders]
+    if groups:
+        first = Path(run_dirs[0])
+        return report_seeds(runs, Path(out) if out else (first if first in groups else first.parent) / "report",
+                            echo=echo, force=force)
+    return _report_runs(runs, out, echo, force)
+
+
+def _report_runs(runs: list[RunData], out: str | Path | None, echo: bool, force: bool) -> Path:
+    """:func:`report` of run folders: one table row and one curve per run."""
+    from fedhpro.reports import write_atomic, write_json
+
     labels = [f"{label} ({run.progress})" if run.progress else label for label, run in zip(run_labels(runs), runs)]
     out = Path(out) if out else runs[0].path.parent / "report"
     prepare_report_folder(out, runs, force)
@@ -233,4 +268,88 @@ def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: 
     if echo:
         print(markdown_table(header, rows, caption, notes))
         print(f"written to {out}/: {', '.join(written)}")
+    return out
+
+
+#: run settings that do not tell two runs of a comparison apart (each seed's run differs in them only)
+_NOT_A_SETTING = {"seed", "out", "resume", "progress", "threads", "device", "tensorboard", "checkpoint_every",
+                  "checkpoint_minutes", "keep_checkpoints"}
+
+
+def seed_groups(runs: Sequence[RunData]) -> dict[str, list[RunData]]:
+    """The runs grouped by their settings but the seed (and the presentational keys), in the order of their
+    first run; each group labelled by :func:`run_labels` of one run per group (the method, or the method and
+    the settings that differ between the groups)."""
+    keyed: dict[str, list[RunData]] = {}
+    for run in runs:
+        flat = {k: v for k, v in _flatten(run.config).items() if k not in _NOT_A_SETTING}
+        keyed.setdefault(json.dumps(flat, sort_keys=True, default=str), []).append(run)
+    firsts = [RunData(members[0].path, {k: v for k, v in members[0].config.items() if k not in _NOT_A_SETTING},
+                      members[0].rows, members[0].summary) for members in keyed.values()]
+    return dict(zip(run_labels(firsts), keyed.values()))
+
+
+def seed_table(groups: dict[str, list[RunData]]) -> tuple[list[str], list[list[Any]], list[list[Any]]]:
+    """``(header, markdown rows, csv rows)`` of a report over seeds: per group its seeds, then per final
+    accuracy (each domain, AVG), best AVG and worst 10% the mean ± sample std over its runs (their last
+    evaluated round: summary.json's numbers for a finished run)."""
+    first = next(iter(groups.values()))[0]
+    domains = [name for name in first.final["accuracy"] if name != "AVG"]
+    columns = domains + ["AVG", "best AVG", "worst 10%"]
+
+    def values(run: RunData, column: str) -> float | None:
+        if column == "best AVG":
+            return max(row["accuracy"]["AVG"] for row in run.evaluated)
+        if column == "worst 10%":
+            return run.final.get("fairness", {}).get("worst_10")
+        return run.final["accuracy"].get(column)
+
+    header = ["method", "seeds"] + columns + ["rounds"]
+    markdown, table = [], []
+    for label, members in groups.items():
+        seeds = ",".join(str(run.config.get("seed", "?")) for run in members)
+        numbers = {column: [values(run, column) for run in members] for column in columns}
+        rounds = sorted({len(run.rows) for run in members})
+        shown_rounds = str(rounds[0]) if len(rounds) == 1 else f"{rounds[0]}-{rounds[-1]}"
+        markdown.append([label, seeds] + [mean_pm_std(numbers[c]) for c in columns] + [shown_rounds])
+        stats = [mean_std(numbers[c]) for c in columns]
+        table.append([label, seeds] + [m for m, _ in stats] + [s for _, s in stats] + [shown_rounds])
+    return header, markdown, table
+
+
+def report_seeds(runs: Sequence[RunData], out: Path, echo: bool = True, force: bool = False) -> Path:
+    """The report over seeds (a comparison: ``fedhpro report <compare out>``): the runs grouped by their
+    settings but the seed (:func:`seed_groups`), written to ``out``:
+
+    * ``table.md`` / ``table.csv``: per group (method) its seeds and the mean ± sample standard deviation over
+      them of the final accuracy per domain and AVG, the best AVG and the worst 10% of clients;
+    * ``accuracy.png``: per group the mean AVG curve over its seeds with a shaded band from the lowest to the
+      highest seed (min-max), each group in its own colour, line style and marker, whole-number round ticks;
+    * ``report.json``: the runs it was built from.
+    """
+    from fedhpro.reports import write_atomic, write_json
+
+    runs = list(runs)
+    prepare_report_folder(out, runs, force)
+    groups = seed_groups(runs)
+    header, markdown, table = seed_table(groups)
+    columns = header[2:-1]
+    csv_header = ["method", "seeds"] + [f"{c}_mean" for c in columns] + [f"{c}_std" for c in columns] + ["rounds"]
+    caption = (f"Final test accuracy (%) of {len(runs)} runs in {len(groups)} groups: mean ± sample std over the "
+               "seeds (one seed: its value); worst 10% of clients at the last evaluated round.")
+    notes = [f"{label}: {run.path.name} is unfinished ({run.progress}), its numbers are those of its last "
+             f"evaluated round" for label, members in groups.items() for run in members if not run.finished]
+    curves = {label: [accuracy_series(run) for run in members] for label, members in groups.items()}
+    cut = [label for label, series in curves.items()
+           if len(mean_band(series)[0]) < max(len(x) for x, _ in series)]
+    if cut:
+        notes.append(f"{', '.join(cut)}: the curve ends at the last round every seed evaluated")
+    write_atomic(out / "table.md", markdown_table(header, markdown, caption, notes))
+    write_atomic(out / "table.csv", csv_text(csv_header, table))
+    plot_mean_curves(curves, out / "accuracy.png", ylabel="test accuracy (%)",
+                     title="test accuracy (AVG over domains): mean over seeds, band min-max")
+    write_json(out / "report.json", {"runs": _report_sources(runs)})
+    if echo:
+        print(markdown_table(header, markdown, caption, notes))
+        print(f"written to {out}/: table.md, table.csv, accuracy.png, report.json")
     return out
