@@ -46,8 +46,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedhpro.data.federation import ClientData
-from fedhpro.errors import UpdateError
+from fedhpro.errors import ConfigError, UpdateError
 from fedhpro.functional import WeightedSum, weighted_average
+from fedhpro.methods import sample_dp
 
 Payload = dict[str, Any]
 Weights = dict[str, Tensor]
@@ -124,6 +125,9 @@ class TrainSettings:
 
 #: the values of ``TrainSettings.amp``
 AMP_CHOICES = ("off", "bf16")
+
+#: ``LocalRound.scratch`` key of the round's released statistics (``privacy=sample``)
+RELEASED = "released_statistics"
 
 
 @dataclass
@@ -388,11 +392,53 @@ class Client:
     for the others to ``round.scratch``).
     """
 
+    #: ``privacy=sample``: the names of the loss terms (:meth:`loss_terms`) that do not depend on the batch's
+    #: samples, only on the parameters and on what the server sent (FedProx's proximal term, FedSA's calibration
+    #: on the anchors): DP-SGD adds their gradient after the per-sample clipping and noise (post-processing).
+    #: Every other term must be a mean over the batch of per-sample terms (each sample's term depends on that
+    #: sample alone), as the cross-entropy is.
+    public_loss_terms: frozenset[str] = frozenset()
+
     def __init__(self, context: MethodContext):
         self.context = context
         self.options = context.options
         self.num_classes = context.num_classes
         self.train = context.train
+        if self.train.dp_clip is not None:
+            self.check_sample_privacy(context.model)
+
+    @property
+    def sample_private(self) -> bool:
+        """Whether this run trains with DP-SGD (``privacy=sample``: :attr:`TrainSettings.dp_clip` is set)."""
+        return self.train.dp_clip is not None
+
+    def sample_privacy_problem(self) -> str | None:
+        """Why this method, under its options, cannot run with ``privacy=sample`` (a loss that couples the samples
+        of a batch, an upload whose sensitivity is not bounded by the clip), or None: it can."""
+        return None
+
+    def check_sample_privacy(self, model: nn.Module) -> None:
+        """ConfigError (one line) unless DP-SGD can train ``model`` with this method, options and settings."""
+        sample_dp.opacus()
+        problem = (self.sample_privacy_problem() or sample_dp.model_problem(model)
+                   or sample_dp.settings_problem(self.train.amp, self.train.channels_last, self.train.compile))
+        if problem is not None:
+            raise ConfigError(problem)
+
+    def release_statistics(self, round: LocalRound, labels: Tensor, parts: Mapping[str, Tensor],
+                           num_classes: int | None = None) -> sample_dp.Released:
+        """``privacy=sample``: the round's one release of the client's class statistics
+        (:func:`~fedhpro.methods.sample_dp.release_class_statistics`: noisy counts and, per part, noisy class means
+        of the per-sample rows ``parts``, each ``len(labels) x ...``), noise from the round's generator. A second
+        release in a round is refused: the accountant charges one per round."""
+        if RELEASED in round.scratch:
+            raise RuntimeError("a client released its statistics twice in one round; the accountant charges one")
+        assert self.train.dp_clip is not None
+        released = sample_dp.release_class_statistics(
+            labels, self.num_classes if num_classes is None else num_classes, parts, float(self.train.dp_clip),
+            float(self.train.dp_noise_multiplier), round.generator, len(round.data))
+        round.scratch[RELEASED] = released
+        return released
 
     def prepare(self, round: LocalRound) -> None:
         """Before training, on the received model: per-round state (frozen copies, class statistics,
@@ -422,13 +468,49 @@ class Client:
         load_weights(model, payload["weights"])
         round = LocalRound(model, payload, data, state, generator)
         self.prepare(round)
-        losses = train_epochs(model, data, self.train_settings(round), generator, loss_terms=self.loss_terms(round),
-                              activations=self.activation_modules(round))
+        if self.sample_private:
+            losses = self._train_private(round)
+        else:
+            losses = train_epochs(model, data, self.train_settings(round), generator,
+                                  loss_terms=self.loss_terms(round), activations=self.activation_modules(round))
         # reply exactly the keys received: the shared part of the model
         reply: Payload = {"weights": clone_weights(model, payload["weights"]), "num_examples": len(data)}
         reply.update(self.upload(round))
+        if self.sample_private:
+            # num_examples from the round's release (a count-only release when the method uploads no statistics)
+            released = round.scratch.get(RELEASED)
+            if released is None:
+                released = self.release_statistics(round, torch.zeros(len(data), dtype=torch.long), {}, num_classes=1)
+            reply["num_examples"] = max(1, released.total)
         losses.update(round.notes)
         return reply, losses
+
+    def _train_private(self, round: LocalRound) -> dict[str, float]:
+        """DP-SGD (:func:`~fedhpro.methods.sample_dp.train_private`) on CE plus the method's loss terms."""
+        model = round.model
+        settings = self.train_settings(round)
+        self.check_sample_privacy(model)
+        loss_terms = self.loss_terms(round)
+        recorded: list[Tensor] = []
+        handles = [module.register_forward_hook(lambda module, args, output: recorded.append(output))
+                   for module in self.activation_modules(round)]
+        features = features_of(model)
+
+        def forward(x: Tensor) -> Tensor:
+            recorded.clear()
+            return features(x)
+
+        def batch_terms(x: Tensor, y: Tensor, z: Tensor, logits: Tensor) -> dict[str, Tensor]:
+            assert loss_terms is not None
+            return loss_terms(Batch(x, y, z, logits, list(recorded)))
+
+        try:
+            return sample_dp.train_private(model, forward, classifier_of(model), round.data, settings,
+                                           round.generator, batch_terms if loss_terms is not None else None,
+                                           self.public_loss_terms)
+        finally:
+            for handle in handles:
+                handle.remove()
 
 
 def train_epochs(model: nn.Module, data: ClientData, train: TrainSettings, generator: torch.Generator,

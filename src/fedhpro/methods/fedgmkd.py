@@ -120,6 +120,7 @@ from fedhpro.methods.prototypes import (
     class_uploads,
     feature_dim_of,
     merge_prototypes,
+    private_class_uploads,
     prototype_mse,
     received_prototypes,
     weights_travel,
@@ -342,6 +343,10 @@ class FedGMKDServer(PrototypeServer):
 
 
 class FedGMKDClient(PrototypeClient):
+    #: the knowledge KL runs the head on the received prototypes against the received soft predictions, not on
+    #: samples: under privacy=sample its gradient is added after DP-SGD's clipping and noise
+    public_loss_terms = frozenset({"kd_kl"})
+
     def loss_terms(self, round: LocalRound) -> LossTerms:
         o, model, device = self.options, round.model, round.device
         prototypes, prototype_mask = received_prototypes(round.payload, self.num_classes, feature_dim_of(model),
@@ -373,6 +378,11 @@ class FedGMKDClient(PrototypeClient):
         with torch.no_grad():
             logits = classifier_of(model)(features)
         model.train(was_training)
+        if self.sample_private:
+            # one release: noisy class means of the features (the GMM's mixture mean is the class mean, see the
+            # module doc; no GMM is fitted) and of the soft predictions, noisy counts (+ class gradients)
+            return private_class_uploads(self, round, classifier_of(model), features, data.y,
+                                         with_gradients=o.prototypes == "hyper", temperature=o.temperature)
         soft = soft_predictions(logits, data.y, self.num_classes, o.temperature).detach().cpu()
         if o.prototypes == "hyper":
             upload = class_uploads(classifier_of(model), features, data.y, self.num_classes, with_gradients=True)

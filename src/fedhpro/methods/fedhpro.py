@@ -54,7 +54,7 @@ from fedhpro.methods.hyper import (
     feature_statistics,
     sampled_features,
 )
-from fedhpro.methods.prototypes import feature_dim_of, merge_prototypes, stack_prototypes
+from fedhpro.methods.prototypes import feature_dim_of, merge_prototypes, private_class_uploads, stack_prototypes
 from fedhpro.options import option
 
 
@@ -261,10 +261,32 @@ class PrototypeTargets(NamedTuple):
 
 
 class FedHProClient(Client):
+    def sample_privacy_problem(self) -> str | None:
+        """``privacy=sample`` needs per-sample losses and uploads whose every sample moves them by at most the clip;
+        these options break one or the other."""
+        o = self.options
+        if o.prototypes != "hyper":
+            return (f"fedhpro.prototypes={o.prototypes} averages its losses over the batch's samples whose class has "
+                    "a global prototype, a count that couples the samples: use fedhpro.prototypes=hyper with "
+                    "privacy=sample")
+        if o.hpcl_batch_divide:
+            return ("fedhpro.hpcl_batch_divide=true scales each sample's HPCL by 1/(batch size), which couples the "
+                    "samples of a batch: set fedhpro.hpcl_batch_divide=false with privacy=sample")
+        if o.gradient_samples_per_class > 0:
+            return ("fedhpro.gradient_samples_per_class keeps the first samples of each class, so removing one brings "
+                    "in another (twice the clip): set fedhpro.gradient_samples_per_class=0 with privacy=sample")
+        if o.classifier_step == "synthetic":
+            return ("fedhpro.classifier_step=synthetic uploads classifier gradients that privacy=sample does not "
+                    "privatize: set fedhpro.classifier_step=none with privacy=sample")
+        return None
+
     def prepare(self, round: LocalRound) -> None:
         """On the received model: the loss targets, the margin d_k (Eq. 10) and, with
         ``gradient_timing=before`` or ``classifier_step=synthetic``, the class and classifier gradients."""
-        options, model, data, device = self.options, round.model, round.data, round.device
+        if self.sample_private:
+            self._prepare_private(round)
+            return
+        options, device = self.options, round.device
         scratch = round.scratch
         hyper = scratch["hyper"] = round.payload["hyper_prototypes"].to(device)
         scratch["hpcl_targets"] = scratch["hpal_targets"] = PrototypeTargets(hyper, None)
@@ -307,6 +329,43 @@ class FedHProClient(Client):
                 margin = HF.client_margin(margin_prototypes, present, normalized=options.margin == "normalized")
         scratch["margin"] = margin
 
+    def _prepare_private(self, round: LocalRound) -> None:
+        """``privacy=sample``'s :meth:`prepare` (``prototypes=hyper``; :meth:`sample_privacy_problem` refuses the
+        rest): with ``gradient_timing=before`` the round's one release (class gradients, prototypes, counts) of
+        the received model; the margin d_k from released prototypes only, so that it is post-processing and
+        every sample's loss stays its own: this round's (``before``) or those of the client's previous release
+        (``after``; none on a first participation: d_k = 0)."""
+        options, device = self.options, round.device
+        scratch = round.scratch
+        hyper = scratch["hyper"] = round.payload["hyper_prototypes"].to(device)
+        scratch["hpcl_targets"] = scratch["hpal_targets"] = PrototypeTargets(hyper, None)
+        scratch["classifier_uploads"] = {}
+        released = None
+        if options.gradient_timing == "before":
+            released = self._release(round)
+            scratch["statistics"] = (released["class_gradients"], released["class_counts"], released["prototypes"])
+        elif "released_prototypes" in round.state:
+            released = {"prototypes": round.state["released_prototypes"],
+                        "class_counts": round.state["released_counts"]}
+        margin = torch.zeros((), device=device)
+        if released is not None and options.margin != "off" and options.hpcl_weight > 0:
+            prototypes, present = released["prototypes"].to(device), released["class_counts"].to(device) > 0
+            if options.margin == "dot":
+                margin = HF.dot_product_margin(prototypes, present)
+            else:
+                margin = HF.client_margin(prototypes, present, normalized=options.margin == "normalized")
+        scratch["margin"] = margin
+
+    def _release(self, round: LocalRound) -> Payload:
+        """The round's one release of the class statistics of the working model as it is now (eval mode);
+        its prototypes and counts are kept for the next participation's margin."""
+        features = extract_features(round.model, round.data.x)
+        released = private_class_uploads(self, round, classifier_of(round.model), features, round.data.y,
+                                         with_gradients=True)
+        round.state["released_prototypes"] = released["prototypes"]
+        round.state["released_counts"] = released["class_counts"]
+        return released
+
     def loss_terms(self, round: LocalRound) -> LossTerms:
         """HPCL (Eq. 11-12) and HPAL (Eq. 13) against the prepared targets."""
         options = self.options
@@ -344,7 +403,11 @@ class FedHProClient(Client):
     def upload(self, round: LocalRound) -> Payload:
         """The class counts, gradients g_k^c (Eq. 5; after training unless ``gradient_timing=before``) and
         prototypes, and the classifier gradients of ``classifier_step=synthetic``; the margin as a note."""
-        if self.options.gradient_timing == "after":
+        if self.sample_private and self.options.gradient_timing == "after":
+            released = self._release(round)
+            gradients, counts, prototypes = (released["class_gradients"], released["class_counts"],
+                                             released["prototypes"])
+        elif self.options.gradient_timing == "after":
             gradients, counts, prototypes = self._class_gradients(round.model, round.data)
         else:
             gradients, counts, prototypes = round.scratch["statistics"]

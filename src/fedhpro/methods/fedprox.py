@@ -50,6 +50,10 @@ def proximal_term(pairs: list[tuple[Tensor, Tensor]], mu: float) -> Tensor:
 
 
 class FedProxClient(Client):
+    #: the proximal term depends on the parameters and the received weights only: under privacy=sample its
+    #: gradient is added after DP-SGD's clipping and noise
+    public_loss_terms = frozenset({"prox"})
+
     def loss_terms(self, round: LocalRound) -> LossTerms | None:
         mu = float(self.options.mu)
         if mu == 0:

@@ -176,6 +176,10 @@ def fedrcl_loss(stages: list[Tensor], labels: Tensor, options: FedRCLOptions) ->
 
 
 class FedRCLClient(Client):
+    def sample_privacy_problem(self) -> str | None:
+        return ("fedrcl's relaxed contrastive loss compares each sample with its batch-mates (hardest positive and "
+                "negatives within the batch), so it has no per-sample gradient: privacy=sample refuses fedrcl")
+
     def activation_modules(self, round: LocalRound) -> list[nn.Module]:
         return stage_modules(round.model)[0]
 

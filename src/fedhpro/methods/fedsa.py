@@ -160,6 +160,10 @@ class FedSAServer(PrototypeServer):
 
 
 class FedSAClient(PrototypeClient):
+    #: the calibration CE(h(A), [0..C-1]) runs the head on the received anchors, not on samples: under
+    #: privacy=sample its gradient is added after DP-SGD's clipping and noise
+    public_loss_terms = frozenset({"calibration"})
+
     def loss_terms(self, round: LocalRound) -> LossTerms:
         """Calibration, anchor MSE and margin CE; the gap of the margin (global vs local) goes to the notes."""
         o, model, state = self.options, round.model, round.state

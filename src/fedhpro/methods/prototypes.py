@@ -255,6 +255,38 @@ def class_uploads(classifier: nn.Module, features: Tensor, labels: Tensor, num_c
     return upload
 
 
+def private_class_uploads(client: Client, round: LocalRound, classifier: nn.Module, features: Tensor,
+                          labels: Tensor, with_gradients: bool, temperature: float | None = None) -> Payload:
+    """``privacy=sample``: what :func:`class_uploads` sends, from the round's one release
+    (:meth:`~fedhpro.methods.base.Client.release_statistics`): ``prototypes`` (noisy means of the per-sample
+    features), ``class_counts`` (noisy, rounded), with ``with_gradients`` ``class_gradients`` (noisy means of the
+    per-sample ``d CE(h(z_i), y_i) / d z_i``) and with a ``temperature`` ``soft_predictions`` (noisy means of
+    ``softmax(h(z_i) / T)``); every row of a class the release does not count is zero. On the CPU."""
+    features = features.reshape(features.shape[0], -1).detach()
+    parts: dict[str, Tensor] = {"prototypes": features}
+    was_training = classifier.training
+    classifier.eval()
+    try:
+        if with_gradients:
+            with torch.enable_grad():  # the per-sample terms of Eq. 5's class means
+                parts["class_gradients"] = HF._per_sample_input_gradients(features, labels, classifier,
+                                                                          create_graph=False).detach()
+        if temperature is not None:
+            with torch.no_grad():
+                parts["soft_predictions"] = torch.softmax(classifier(features) / temperature, dim=1)
+    finally:
+        classifier.train(was_training)
+    released = client.release_statistics(round, labels, parts)
+    upload: Payload = {**released.means, "class_counts": released.counts}
+    if temperature is not None:  # post-processing: each held class's noisy mean back onto the simplex
+        soft = upload["soft_predictions"].clamp(min=0)
+        total = soft.sum(1, keepdim=True)
+        uniform = torch.full_like(soft, 1.0 / soft.shape[1])
+        soft = torch.where(total > 0, soft / total.clamp(min=torch.finfo(soft.dtype).tiny), uniform)
+        upload["soft_predictions"] = torch.where(released.counts.unsqueeze(1) > 0, soft, torch.zeros_like(soft))
+    return upload
+
+
 class NearestPrototypeClassifier(nn.Module):
     """Classify by the nearest global prototype: logits ``-||f(x) - P_c||_2`` (``-inf`` for a class
     without a prototype), so ``argmax`` is FedProto's ``argmin_c ||f(x) - P_c||_2``."""
@@ -464,5 +496,8 @@ class PrototypeClient(Client):
 
     def upload(self, round: LocalRound) -> Payload:
         features = extract_features(round.model, round.data.x)
+        if self.sample_private:
+            return private_class_uploads(self, round, classifier_of(round.model), features, round.data.y,
+                                         with_gradients=self.options.prototypes == "hyper")
         return class_uploads(classifier_of(round.model), features, round.data.y, self.num_classes,
                              with_gradients=self.options.prototypes == "hyper")
