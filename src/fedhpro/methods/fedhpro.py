@@ -286,7 +286,7 @@ class FedHProClient(Client):
         if self.sample_private:
             self._prepare_private(round)
             return
-        options, device = self.options, round.device
+        options, model, data, device = self.options, round.model, round.data, round.device
         scratch = round.scratch
         hyper = scratch["hyper"] = round.payload["hyper_prototypes"].to(device)
         scratch["hpcl_targets"] = scratch["hpal_targets"] = PrototypeTargets(hyper, None)

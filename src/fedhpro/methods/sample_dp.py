@@ -297,7 +297,8 @@ def release_class_statistics(labels: Tensor, num_classes: int, parts: Mapping[st
     means = {}
     for name, total in noisy.items():
         shape = (-1, *([1] * (total.dim() - 1)))
-        mean = torch.where(counts.reshape(shape) > 0, total / divisor.reshape(shape), torch.zeros((), dtype=total.dtype))
+        mean = torch.where(counts.reshape(shape) > 0, total / divisor.reshape(shape),
+                           torch.zeros((), dtype=total.dtype))
         means[name] = mean.to(parts[name].dtype)
     return Released(counts, means)
 
