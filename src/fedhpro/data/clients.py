@@ -4,12 +4,23 @@ Every non-hidden subfolder of ``PATH`` is a client; clients are ordered by
 folder name. A client folder holds either
 
 * images: ``train/<class>/<image>`` and, optionally, ``test/<class>/<image>``
-  (decoded and normalised by :mod:`fedhpro.data.images` at
-  ``data.image_size``), or
+  (split folders in any case and the usual spellings: ``Train/``,
+  ``training/``; ``val/``/``validation/`` is the test split where there is
+  no ``test/``; images found at any depth below a class folder; decoded and
+  normalised by :mod:`fedhpro.data.images` at ``data.image_size``), or
 * tensors: ``train.pt`` or ``train.npz`` and, optionally, ``test.pt`` or
   ``test.npz``, each holding ``x`` (N x F features, or any N x ...) and ``y``
   (N integer labels): ``np.savez(path, x=x, y=y)`` or ``torch.save({"x": x,
-  "y": y}, path)``.
+  "y": y}, path)``. Float ``N x F`` features are standardised by default
+  (``data.standardize=client``): each client scales every feature by its own
+  training mean and std, the statistics a site may compute without sharing
+  anything, and applies the same map to its test data;
+  ``data.standardize=none`` keeps them as saved.
+
+A client without a test split is not tested: it has no accuracy of its own
+and is named in the federation's ``notes`` (:func:`client_notes`); so are
+class folders without images (no class) and classes no client has a test
+image of.
 
 A client's domain is the stripped text of ``<client>/domain.txt`` if present,
 else the prefix of a folder named ``<prefix>-<digits>`` or
@@ -43,7 +54,7 @@ import torch
 from torch import Tensor
 
 from fedhpro.data.federation import Federation
-from fedhpro.data.images import CACHE_FOLDER, class_files, decode_files, subfolders, to_float
+from fedhpro.data.images import CACHE_FOLDER, class_files, decode_files, split_folders, subfolders, to_float
 from fedhpro.data.spec import DatasetSpec
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.options import option
@@ -51,6 +62,8 @@ from fedhpro.options import option
 #: ``<prefix>-<digits>`` or ``<prefix>_<digits>``: the prefix is the client's domain
 _NUMBERED = re.compile(r"^(?P<prefix>.+)[-_]\d+$")
 TENSOR_SUFFIXES = (".pt", ".npz")
+#: ``data.standardize``: each client's own feature statistics, or the features as saved
+STANDARDIZE_CHOICES = ("client", "none")
 
 
 @dataclass
@@ -67,6 +80,10 @@ class ClientsOptions:
                                                    "guard against a corrupt or hostile file exhausting memory)")
     cache: bool = option(True, help="image clients: keep the decoded pixels in data_dir/.fedhpro-cache (keyed by "
                                     "the files' names, sizes, mtimes, inodes and ctimes), so later runs skip decoding")
+    standardize: str = option("client", choices=STANDARDIZE_CHOICES,
+                              help="tensor clients with float N x F features: client (each feature scaled to mean 0, "
+                                   "std 1 by the client's own training mean and std, applied to its training and "
+                                   "test data: what a site can compute without sharing anything) or none (as saved)")
 
 
 @dataclass
@@ -106,7 +123,7 @@ def scan_client(folder: str | Path, options: ClientsOptions) -> ClientInfo:
     declared = _declared_classes(folder)
     if kind == "images":
         splits = _image_splits(folder)
-        names = sorted({name for classes in splits.values() for name in classes})
+        names = sorted({name for classes in splits.values() for name, files in classes.items() if files})
         size = int(options.image_size)
         return ClientInfo(folder.name, client_domain(folder), "images", names, declared, None, [3, size, size],
                           *(sum(len(files) for files in splits.get(split, {}).values())
@@ -230,7 +247,8 @@ def load_client(folder: str | Path, options: ClientsOptions,
     classes = [str(c) for c in classes]
     if info.kind == "images":
         return (*_load_images(folder, info, options, classes), info)
-    return (*_load_tensors(folder, info, len(classes), options.max_classes), info)
+    train, test = _load_tensors(folder, info, len(classes), options.max_classes)
+    return (*standardized(train, test, options.standardize), info)
 
 
 # --------------------------------------------------------------------------- the federation
@@ -278,6 +296,11 @@ def build(options: ClientsOptions, clients: int | None, seed: int, data_dir: Any
         train.append(loaded[0])
         tests.append(loaded[1])
     converted = _features_as_floats(folders, infos, train, tests)
+    scaled = []
+    for k in range(len(train)):
+        before = train[k][0]
+        train[k], tests[k] = standardized(train[k], tests[k], options.standardize)
+        scaled += [infos[k].name] if train[k][0] is not before else []
     num_classes = len(classes)
     record = {
         "dataset": "clients", "scheme": "given", "data_dir": str(Path(data_dir).expanduser()),
@@ -291,10 +314,13 @@ def build(options: ClientsOptions, clients: int | None, seed: int, data_dir: Any
     if converted:
         notes.append(f"clients: the integer x of {', '.join(converted)} converted to float32 (exactly), as the other "
                      "clients hold float features")
-    empty = sorted({info.domain or "all" for info in infos} - {info.domain or "all" for info in infos
-                                                               if info.test_size})
-    if empty:
-        notes.append(f"no client of {', '.join(empty)} has test data: no accuracy of its own is measured")
+    if scaled:
+        notes.append(f"clients: features standardised with each client's own training mean and std "
+                     f"(data.standardize=client; data.standardize=none keeps them as saved): {', '.join(scaled)}")
+    notes += client_notes(infos)
+    notes += _class_folder_notes(folders, infos, classes, tests)
+    if infos[0].kind == "tensors":
+        record["standardize"] = options.standardize
     return Federation.from_tensors(train, tests, num_classes=num_classes, domains=[i.domain for i in infos],
                                    names=[i.name for i in infos], name="clients", partition=record, notes=notes)
 
@@ -354,7 +380,8 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
 
 def _kind(folder: Path) -> str:
     """``"images"`` (a ``train/`` folder) or ``"tensors"`` (``train.pt``/``train.npz``); else a DataError."""
-    has_images = (folder / "train").is_dir()
+    splits = split_folders(folder)
+    has_images = "train" in splits
     tensor_files = _tensor_files(folder)
     if has_images and tensor_files:
         names = " and ".join(path.name for path in tensor_files.values())
@@ -363,20 +390,80 @@ def _kind(folder: Path) -> str:
     if has_images:
         return "images"
     if "train" in tensor_files:
-        if (folder / "test").is_dir():
-            raise DataError(f"client folder {folder} holds train{tensor_files['train'].suffix} and a test/ folder; "
-                            f"save its test data as test{tensor_files['train'].suffix} instead")
+        if "test" in splits or "val" in splits:
+            name = splits.get("test", splits.get("val"))
+            raise DataError(f"client folder {folder} holds train{tensor_files['train'].suffix} and a {name.name}/ "
+                            f"folder; save its test data as test{tensor_files['train'].suffix} instead")
         return "tensors"
     raise DataError(f"client folder {folder} has no training data; give it train/<class>/<image> files or "
                     "train.pt / train.npz (x, y), or move it out of data_dir")
 
 
 def _image_splits(folder: Path) -> dict[str, dict[str, list[Path]]]:
-    """``{"train": {class: files}, "test": {...}}`` of an image client (test only if it has a test/ folder)."""
-    splits = {"train": class_files(folder / "train")}
-    if (folder / "test").is_dir():
-        splits["test"] = class_files(folder / "test")
+    """``{"train": {class: files}, "test": {...}}`` of an image client: its split folders in any case and the
+    usual spellings (:func:`~fedhpro.data.images.split_folders`); test is ``test/``, else ``val/``, else none."""
+    found = split_folders(folder)
+    splits = {"train": class_files(found["train"])}
+    test = found.get("test", found.get("val"))
+    if test is not None:
+        splits["test"] = class_files(test)
     return splits
+
+
+def client_notes(infos: Sequence[ClientInfo]) -> list[str]:
+    """What a run must say about the clients' test splits, from their :class:`ClientInfo` alone (a Flower
+    server has nothing else): the clients without a test split (not tested: no accuracy of their own, left
+    out of the fairness statistics) and the domains none of whose clients is tested."""
+    notes = []
+    untested = [info.name for info in infos if not info.test_size]
+    if untested:
+        notes.append(f"clients without a test split, not tested (no accuracy of their own, left out of the "
+                     f"fairness statistics): {', '.join(untested)}")
+    empty = sorted({info.domain or "all" for info in infos} - {info.domain or "all" for info in infos
+                                                               if info.test_size})
+    if empty:
+        notes.append(f"no client of {', '.join(empty)} has test data: no accuracy of its own is measured")
+    return notes
+
+
+def _class_folder_notes(folders: Sequence[Path], infos: Sequence[ClientInfo], classes: Sequence[str],
+                        tests: Sequence[tuple[Tensor, Tensor]]) -> list[str]:
+    """Image clients: class folders without any image (left out), and the classes no tested client has a
+    test image of (their accuracy is not measured)."""
+    if infos[0].kind != "images":
+        return []
+    notes = []
+    empty = []
+    for folder, info in zip(folders, infos):
+        for split, found in _image_splits(folder).items():
+            empty += [f"{info.name}/{split}/{name}" for name, files in found.items() if not files]
+    if empty:
+        notes.append(f"clients: class folders without images left out: {', '.join(empty)}")
+    tested = {int(c) for _, y in tests for c in torch.unique(y).tolist()}
+    untested = [name for c, name in enumerate(classes) if c not in tested]
+    if untested and any(y.numel() for _, y in tests):
+        notes.append(f"clients: classes without test images (their accuracy is not measured): {', '.join(untested)}")
+    return notes
+
+
+def standardized(train: tuple[Tensor, Tensor], test: tuple[Tensor, Tensor],
+                 mode: str) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """``data.standardize=client``: float ``N x F`` features scaled to mean 0 and std 1 per feature by the
+    client's own training mean and (population) std, the same map applied to its test data; a feature
+    that is constant in training is only centred. Other inputs (images, integer token ids), and
+    ``mode="none"``, are returned as they are (the same objects)."""
+    x, y = train
+    if mode == "none" or x.dim() != 2 or not x.is_floating_point() or not x.shape[0]:
+        return train, test
+    column = x.double()
+    mean = column.mean(dim=0)
+    std = column.std(dim=0, unbiased=False)
+    std = torch.where(std > 0, std, torch.ones_like(std))
+
+    def scale(values: Tensor) -> Tensor:
+        return ((values.double() - mean) / std).float()
+
+    return (scale(x), y), (scale(test[0]), test[1])
 
 
 #: the most elements a sparse or expanded (stride-0) x or y may densify to: 2**28 (1 GiB of float32)
@@ -523,8 +610,9 @@ def _load_images(folder: Path, info: ClientInfo, options: ClientsOptions,
     for split in ("train", "test"):
         files, labels = [], []
         for name, paths in splits.get(split, {}).items():
-            files += paths
-            labels += [index[name]] * len(paths)
+            if paths:  # a class folder without images is no class (the run notes it)
+                files += paths
+                labels += [index[name]] * len(paths)
         pixels = decode_files(files, size, cache) if files else np.empty((0, 3, size, size), dtype=np.uint8)
         pairs.append((to_float(pixels), torch.tensor(labels, dtype=torch.int64)))
     return pairs[0], pairs[1]
@@ -580,5 +668,5 @@ DATASET = DatasetSpec(
                 "or train.npz/.pt tensors, optional test split)",
 )
 
-__all__ = ["ClientInfo", "ClientsOptions", "DATASET", "build", "client_domain", "client_folders", "load_client",
-           "resolve_classes", "scan_client"]
+__all__ = ["ClientInfo", "ClientsOptions", "DATASET", "STANDARDIZE_CHOICES", "build", "client_domain", "client_folders",
+           "client_notes", "load_client", "resolve_classes", "scan_client", "standardized"]
