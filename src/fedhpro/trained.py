@@ -345,12 +345,6 @@ def _model_factory_of(config: Config, info: Mapping[str, Any], model: Callable[.
     from fedhpro.experiment import model_factories
     from fedhpro.methods import get_method
 
-    if is_from_python(config.run.model) and model is None:
-        name = str(config.run.model).removeprefix("python:")
-        raise ConfigError(f"{folder}'s model came from Python ({name}); pass the same callable: "
-                          f"fedhpro.load_model({str(folder)!r}, model={name.rsplit('.', 1)[-1]})")
-    if model is not None and not is_from_python(config.run.model):
-        raise ConfigError(f"{folder}'s model is the registered {config.run.model!r}; leave out model=")
     clients = max(int(config.run.clients or 0), len(info.get("personal", {})), 1)
     _, architecture_factory, _, _, _ = model_factories(
         config, get_method(config.run.method), int(info["num_classes"]), tuple(info["input_shape"]), clients,
@@ -408,6 +402,35 @@ def check_state(state: Mapping[str, Tensor], module: nn.Module, path: Path, what
                              "or version: give the run folder it belongs to")
 
 
+def run_config(folder: Path, info: Mapping[str, Any], model: Callable[..., nn.Module] | None) -> Config:
+    """The run's config (its config.yaml); a model that came from Python (``model: python:<name>``) must be
+    passed again as ``model`` (the same callable, by name), and only then."""
+    import dataclasses
+
+    from fedhpro.config import read_yaml
+    from fedhpro.user_models import python_name
+
+    path = folder / str(info.get("config", "config.yaml"))
+    if not path.is_file():
+        raise ModelFileError(f"{folder} has no config.yaml; the run folder is incomplete")
+    stored = read_yaml(path)
+    recorded = stored.pop("model", None) if is_from_python(stored.get("model")) else None
+    config = load_config(stored)
+    if recorded is None:
+        if model is not None:
+            raise ConfigError(f"{folder}'s model is the registered {config.run.model!r}, not a callable; leave out "
+                              "model=")
+        return config
+    name = str(recorded).removeprefix("python:")
+    if model is None:
+        raise ConfigError(f"{folder}'s model came from Python ({name}); pass the same callable: "
+                          f"fedhpro.load_model({str(folder)!r}, model={name.rsplit('.', 1)[-1]})")
+    if python_name(model) != recorded:
+        raise ConfigError(f"{folder}'s model was {name}, this call passes {python_name(model).removeprefix('python:')}"
+                          "; pass the same callable")
+    return dataclasses.replace(config, run=dataclasses.replace(config.run, model=recorded))
+
+
 def load_model(run_folder: str | os.PathLike, *, client: int | None = None,
                model: Callable[..., nn.Module] | None = None, device: str | torch.device = "cpu") -> nn.Module:
     """The trained model of a finished run, rebuilt from its folder alone (eval mode, on ``device``).
@@ -427,7 +450,7 @@ def load_model(run_folder: str | os.PathLike, *, client: int | None = None,
     """
     folder = Path(run_folder)
     info = read_info(folder)
-    config = load_config(folder / str(info.get("config", "config.yaml")))
+    config = run_config(folder, info, model)
     if client is None:
         if not info.get("global"):
             raise ConfigError(personal_message(info, str(folder)))

@@ -1,0 +1,219 @@
+"""The trained model in the user's hands (issue 26, stumble 10): model.pt / models/client_<k>.pt with model.json,
+``RunResult.model``, ``fedhpro.load_model`` and ``fedhpro predict``.
+
+The references are independent of the code under test: the run's own evaluation (summary.json's accuracy, which
+the engine measured on its own modules) for the rebuilt models, and a forward pass of the model on tensors this
+test builds from the same pixels for the predictions read from PNG files."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import pickle
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import fedhpro
+from fedhpro.cli import main as cli_main
+from fedhpro.data import get_dataset
+from fedhpro.data.federation import normalize_images
+from fedhpro.errors import ConfigError, DataError
+from fedhpro.models import build_model
+from fedhpro.trained import ModelFileError
+from tests.conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
+
+
+def tiny(data_dir: Path, out: Path, **extra) -> dict:
+    return {"rounds": 1, "clients": 3, "local_epochs": 1, "feature_dim": 16, "progress": False, "threads": 1,
+            "device": "cpu", "seed": 1, "data_dir": str(data_dir), "out": str(out), "data.fraction": 0.02,
+            "data.syn_size": DIGITS_SYN_SIZE, "data.test_fraction": DIGITS_TEST_FRACTION, **extra}
+
+
+@pytest.fixture(scope="module")
+def global_run(digits_data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained") / "run"
+    return fedhpro.run(**tiny(digits_data_dir, out, method="fedavg"))
+
+
+def federation_of(result):
+    config = result.config
+    return get_dataset(config.run.dataset).build(config.data, config.run.clients, config.run.seed,
+                                                 data_dir=config.run.data_dir, partition=config.partition)
+
+
+@torch.no_grad()
+def accuracy(module, x, y) -> float:
+    return 100.0 * float((module(x).argmax(1) == y).double().mean())
+
+
+def test_model_pt_is_a_plain_state_dict_and_load_model_gives_the_same_logits(global_run):
+    folder = global_run.out
+    state = torch.load(folder / "model.pt", weights_only=True)
+    assert isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values())
+    info = json.loads((folder / "model.json").read_text())
+    assert info["model"] == "cnn" and info["num_classes"] == 10 and info["input_shape"] == [3, 32, 32]
+    assert info["global"] == "model.pt" and info["personal"] == {} and info["classes"] == [str(c) for c in range(10)]
+    rebuilt = fedhpro.load_model(folder)
+    assert not rebuilt.training and not global_run.model.training
+    x = federation_of(global_run).test_sets["mnist"][0][:16]
+    assert torch.equal(rebuilt(x), global_run.model(x))
+    assert set(rebuilt.state_dict()) == set(state)
+
+
+def test_the_rebuilt_model_scores_what_the_run_reported(global_run):
+    """Independent reference: the engine's own evaluation, in summary.json, per test set."""
+    model = fedhpro.load_model(global_run.out)
+    federation = federation_of(global_run)
+    for name, (x, y) in federation.test_sets.items():
+        assert accuracy(model, x, y) == pytest.approx(global_run.summary["per_domain"][name], abs=1e-9)
+
+
+def test_personal_models_are_written_per_client_and_score_what_the_run_reported(digits_data_dir, tmp_path):
+    result = fedhpro.run(**tiny(digits_data_dir, tmp_path / "run", method="fedproto",
+                                **{"fedproto.protocol": "proto-only", "fedproto.inference": "nearest-prototype"}))
+    assert not (result.out / "model.pt").exists()
+    assert sorted(p.name for p in (result.out / "models").iterdir()) == ["client_0.pt", "client_1.pt", "client_2.pt"]
+    with pytest.raises(ConfigError, match="no global model.*client=0..2") as error:
+        fedhpro.load_model(result.out)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match="no global model"):
+        result.model  # noqa: B018
+    federation = federation_of(result)
+    correct: dict[str, int] = {}
+    total: dict[str, int] = {}
+    for k in range(3):
+        model = fedhpro.load_model(result.out, client=k)
+        x, y = federation.test_sets[federation.client_domains[k]]
+        assert torch.equal(model(x[:8]), result.client_model(k)(x[:8]))
+        with torch.no_grad():
+            hits = int((model(x).argmax(1) == y).sum())
+        domain = federation.client_domains[k]
+        correct[domain] = correct.get(domain, 0) + hits
+        total[domain] = total.get(domain, 0) + int(y.shape[0])
+    for domain in correct:  # the run pools each client's test counts per domain
+        assert 100.0 * correct[domain] / total[domain] == pytest.approx(result.summary["per_domain"][domain], abs=1e-9)
+    with pytest.raises(ConfigError, match="no personal model of client 7"):
+        fedhpro.load_model(result.out, client=7)
+
+
+def test_damaged_or_foreign_model_files_are_one_line_and_never_unpickled(global_run, tmp_path):
+    import shutil
+
+    folder = tmp_path / "copy"
+    shutil.copytree(global_run.out, folder)
+    state = torch.load(folder / "model.pt", weights_only=True)
+    key = next(k for k in state if k.endswith("weight"))
+    torch.save({**state, key: torch.zeros(2, 2)}, folder / "model.pt")
+    with pytest.raises(ModelFileError, match=f"does not fit.*shape of {key}") as error:
+        fedhpro.load_model(folder)
+    assert "\n" not in str(error.value)
+    torch.save({k: v for k, v in state.items() if k != key}, folder / "model.pt")
+    with pytest.raises(ModelFileError, match=f"missing {key}"):
+        fedhpro.load_model(folder)
+    marker = tmp_path / "unpickled"
+    (folder / "model.pt").write_bytes(pickle.dumps(Touch(str(marker)), protocol=2))
+    with pytest.raises(ModelFileError, match="not a state dict fedhpro can read"):
+        fedhpro.load_model(folder)
+    assert not marker.exists()  # weights_only refused the object before it ran
+    (folder / "model.json").unlink()
+    with pytest.raises(ModelFileError, match="has no model.json"):
+        fedhpro.load_model(folder)
+    with pytest.raises(ModelFileError, match="no such folder"):
+        fedhpro.load_model(tmp_path / "nowhere")
+
+
+class Touch:
+    """Unpickling this creates a file: proof that a loader unpickled it."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+def tiny_mlp(num_classes, input_shape, feature_dim):
+    return build_model("mlp", num_classes, input_shape, feature_dim)
+
+
+def test_a_model_from_python_needs_the_callable_again(digits_data_dir, tmp_path):
+    result = fedhpro.run(**tiny(digits_data_dir, tmp_path / "run", method="fedavg"), model=tiny_mlp)
+    with pytest.raises(ConfigError, match="came from Python.*model=tiny_mlp") as error:
+        fedhpro.load_model(result.out)
+    assert "\n" not in str(error.value)
+    x = torch.randn(4, 3, 32, 32)
+    assert torch.equal(fedhpro.load_model(result.out, model=tiny_mlp)(x), result.model(x))
+
+
+def digit_pixels(count: int) -> np.ndarray:
+    """``uint8`` count x 3 x 32 x 32: scikit-learn's real 8x8 digits (0..16) scaled to 0..255, upsampled
+    bilinearly by Pillow and made RGB (the digits-offline format)."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    images = load_digits().images[:count]
+    out = []
+    for image in images:
+        grey = Image.fromarray((image * 255.0 / 16.0).round().astype(np.uint8)).resize((32, 32),
+                                                                                     Image.Resampling.BILINEAR)
+        out.append(np.asarray(grey.convert("RGB")).transpose(2, 0, 1))
+    return np.stack(out)
+
+
+def read_csv(text: str) -> list[dict]:
+    return list(csv.DictReader(io.StringIO(text)))
+
+
+def test_predict_on_a_folder_of_pngs_matches_the_model_on_the_same_pixels(global_run, tmp_path, capsys):
+    from PIL import Image
+
+    pixels = digit_pixels(12)
+    images = tmp_path / "digits"
+    images.mkdir()
+    for i, array in enumerate(pixels):
+        Image.fromarray(array.transpose(1, 2, 0)).save(images / f"digit_{i:02d}.png")
+    with torch.no_grad():
+        expected = torch.softmax(global_run.model(normalize_images(torch.from_numpy(pixels))).double(), dim=1)
+    out = tmp_path / "predictions.csv"
+    assert cli_main(["predict", str(global_run.out), str(images), "--out", str(out)]) == 0
+    rows = read_csv(out.read_text())
+    assert [Path(row["path"]).name for row in rows] == [f"digit_{i:02d}.png" for i in range(12)]
+    for row, probabilities in zip(rows, expected):
+        got = [float(row[f"p_{c}"]) for c in range(10)]
+        assert got == pytest.approx(probabilities.tolist(), rel=1e-5, abs=1e-7)
+        assert row["predicted"] == str(int(probabilities.argmax()))
+    # a tensor file of the same inputs gives the same rows; stdout without --out
+    tensors = tmp_path / "inputs.pt"
+    torch.save(normalize_images(torch.from_numpy(pixels)), tensors)
+    capsys.readouterr()
+    assert cli_main(["predict", str(global_run.out), str(tensors)]) == 0
+    from_tensors = read_csv(capsys.readouterr().out)
+    assert [row["predicted"] for row in from_tensors] == [row["predicted"] for row in rows]
+    assert from_tensors[3]["path"] == f"{tensors}[3]"
+
+
+def test_predict_refuses_wrong_inputs_in_one_line(global_run, tmp_path, capsys):
+    from PIL import Image
+
+    small = tmp_path / "small.png"
+    Image.fromarray(np.zeros((8, 8), dtype=np.uint8)).save(small)
+    wrong = tmp_path / "wrong.pt"
+    torch.save(torch.zeros(2, 1, 32, 32), wrong)
+    cases = [([str(tmp_path / "missing.png")], "no such file or folder"),
+             ([str(small)], "8x8 pixels; this run's model takes 32x32 images"),
+             ([str(wrong)], r"shape \(2, 1, 32, 32\); this run's model takes N x 3 x 32 x 32"),
+             ([str(tmp_path / "empty")], "holds no image files")]
+    (tmp_path / "empty").mkdir()
+    for paths, message in cases:
+        capsys.readouterr()
+        assert cli_main(["predict", str(global_run.out), *paths]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("fedhpro: error:"), err
+        assert re.search(message, err), err
+    with pytest.raises(DataError):
+        fedhpro.predict(global_run.out, [str(small)])
