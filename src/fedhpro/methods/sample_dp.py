@@ -178,6 +178,7 @@ def train_private(model: nn.Module, features: Callable[[Tensor], Tensor], classi
                     private.pre_step()  # clip each sample's gradient, sum, add the noise, divide by q n
                     for parameter, gradient in zip(parameters, public):
                         if gradient is not None:
+                            assert parameter.grad is not None  # pre_step set every noisy mean
                             parameter.grad = parameter.grad + gradient
                     if train.max_grad_norm is not None:  # post-processing of the noisy gradient
                         torch.nn.utils.clip_grad_norm_(parameters, train.max_grad_norm)
@@ -247,15 +248,14 @@ def _private_backward(hooks: Any, parameters: Sequence[nn.Parameter], features: 
 
 
 def class_sums(labels: Tensor, num_classes: int, parts: Mapping[str, Tensor], clip: float) -> dict[str, Tensor]:
-    """The noiseless per-class sums of the release: ``"counts"`` (C, each sample adds ``clip / sqrt(m)``) and,
+    """The noiseless per-class sums of the release: ``"counts"`` (C float64, each sample adds ``clip / sqrt(m)``) and,
     per part (``B x ...``), the sum over the class's samples of the rows clipped to ``clip / sqrt(m)``, with ``m``
     the number of parts counting the counts. Each sample's whole contribution has L2 norm ``<= clip``."""
     bound = clip / math.sqrt(len(parts) + 1)
     labels = labels.reshape(-1)
-    dtype = next(iter(parts.values())).dtype if parts else torch.float32
     device = labels.device
-    ones = torch.full((labels.shape[0],), bound, dtype=dtype, device=device)
-    sums = {"counts": torch.zeros(num_classes, dtype=dtype, device=device).index_add_(0, labels, ones)}
+    ones = torch.full((labels.shape[0],), bound, dtype=torch.float64, device=device)
+    sums = {"counts": torch.zeros(num_classes, dtype=torch.float64, device=device).index_add_(0, labels, ones)}
     for name, rows in parts.items():
         clipped = clip_rows(rows.detach(), bound)
         sums[name] = rows.new_zeros((num_classes, *rows.shape[1:])).index_add_(0, labels, clipped)
@@ -291,7 +291,8 @@ def release_class_statistics(labels: Tensor, num_classes: int, parts: Mapping[st
         noisy[name] = total + noise
     estimated = noisy.pop("counts") / bound
     threshold = max(1.0, COUNT_THRESHOLD_STDS * std / bound)
-    counts = torch.where(estimated >= threshold, estimated.round(), torch.zeros((), dtype=torch.float64))
+    rounded = estimated.round()
+    counts = torch.where(rounded >= threshold, rounded, torch.zeros((), dtype=torch.float64))
     counts = _at_most(counts.to(torch.int64), num_samples)
     divisor = counts.clamp(min=1).double()
     means = {}
