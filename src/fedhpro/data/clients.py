@@ -53,7 +53,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedhpro.data.federation import Federation
+from fedhpro.data.federation import Federation, untested_note
 from fedhpro.data.images import CACHE_FOLDER, class_files, decode_files, split_folders, subfolders, to_float
 from fedhpro.data.spec import DatasetSpec
 from fedhpro.errors import ConfigError, DataError
@@ -417,8 +417,7 @@ def client_notes(infos: Sequence[ClientInfo]) -> list[str]:
     notes = []
     untested = [info.name for info in infos if not info.test_size]
     if untested:
-        notes.append(f"clients without a test split, not tested (no accuracy of their own, left out of the "
-                     f"fairness statistics): {', '.join(untested)}")
+        notes.append(untested_note(untested))
     empty = sorted({info.domain or "all" for info in infos} - {info.domain or "all" for info in infos
                                                                if info.test_size})
     if empty:

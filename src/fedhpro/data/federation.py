@@ -66,6 +66,14 @@ class Federation:
     def num_clients(self) -> int:
         return len(self.clients)
 
+    @property
+    def untested_clients(self) -> list[int]:
+        """The clients whose own test split is empty (a federation that arrives split: ``client_tests``): they
+        are not tested, so they have no accuracy of their own and stay out of the fairness statistics."""
+        if self.client_tests is None:
+            return []
+        return [k for k, (_, y) in enumerate(self.client_tests) if not y.numel()]
+
     def client_test_name(self, k: int) -> str:
         """The test set of client ``k``'s own distribution: its domain's, else the only/``all`` one."""
         domain = self.client_domains[k] if self.client_domains else None
@@ -157,6 +165,10 @@ class Federation:
                          for group, members in groups.items()}
         else:
             test_sets = {n: checked[(f"test set {n!r}", "test")] for n in shared}
+        notes = list(notes)
+        untested = [names[k] for k, (_, y) in enumerate(client_tests or []) if not y.numel()]
+        if untested and untested_note(untested) not in notes:
+            notes.append(untested_note(untested))
         record = partition if partition is not None else {
             "dataset": name, "scheme": "given",
             "clients": [{"client": k, "name": names[k], "domain": domain_list[k] or None,
@@ -164,7 +176,7 @@ class Federation:
                          "class_counts": torch.bincount(clients[k].y, minlength=num_classes).tolist()}
                         for k in range(k_total)]}
         return cls(name, num_classes, tuple(next(iter(shapes))), clients, domain_list, test_sets, record,
-                   list(notes), client_tests=client_tests, client_names=names)
+                   notes, client_tests=client_tests, client_names=names)
 
     @classmethod
     def from_datasets(cls, train: Sequence[Any], test: Sequence[Any] | Mapping[str, Any], *,
@@ -180,6 +192,15 @@ class Federation:
         ``domains``, ``names``, ``num_classes`` and ``name`` mean what they
         mean there. Items that are PIL images raise a one-line DataError asking
         for a transform such as ``torchvision.transforms.ToTensor()``.
+
+        Classes are matched by name across the datasets: where they carry
+        their class names (torchvision's ``.class_to_idx`` or ``.classes``,
+        also through a ``Subset``'s ``.dataset``) and number them differently
+        (one ``ImageFolder`` per site, each numbering its own class folders),
+        every label is mapped to the sorted union of the names, and the
+        federation's ``notes`` say so. Datasets of which some carry names and
+        others do not are a one-line DataError (their numberings cannot be
+        matched).
         """
         from torch.utils.data import DataLoader
 
@@ -213,16 +234,107 @@ class Federation:
         labels = [str(n) for n in names] if names is not None else [f"client {k}" for k in range(len(train))]
         if len(labels) != len(train):
             raise DataError(f"{len(labels)} client names for {len(train)} clients; give one name per client")
-        train_pairs = [materialise(dataset, labels[k], "training") for k, dataset in enumerate(train)]
-        if isinstance(test, Mapping):
-            tests: Any = {str(n): materialise(dataset, f"test set {str(n)!r}", "test") for n, dataset in test.items()}
-        else:
-            tests = list(test)
-            if len(tests) != len(train):
-                raise DataError(f"{len(tests)} test datasets for {len(train)} clients; give one test dataset per "
-                                "client, or a mapping name -> dataset of shared test sets")
-            tests = [materialise(dataset, labels[k], "test") for k, dataset in enumerate(tests)]
-        return cls.from_tensors(train_pairs, tests, num_classes=num_classes, domains=domains, names=names, name=name)
+        if not isinstance(test, Mapping) and len(list(test)) != len(train):
+            raise DataError(f"{len(list(test))} test datasets for {len(train)} clients; give one test dataset per "
+                            "client, or a mapping name -> dataset of shared test sets")
+        sources = [(labels[k], "training", dataset) for k, dataset in enumerate(train)]
+        sources += ([(f"test set {str(n)!r}", "test", dataset) for n, dataset in test.items()]
+                    if isinstance(test, Mapping) else [(labels[k], "test", d) for k, d in enumerate(test)])
+        mapping = _class_mapping(sources, num_classes)
+        pairs = []
+        for (who, split, dataset), lookup in zip(sources, mapping.lookups if mapping else [None] * len(sources)):
+            x, y = materialise(dataset, who, split)
+            pairs.append((x, _renumbered(y, lookup, who, split) if lookup is not None else y))
+        train_pairs = pairs[:len(train)]
+        tests: Any = (dict(zip((str(n) for n in test), pairs[len(train):])) if isinstance(test, Mapping)
+                      else pairs[len(train):])
+        notes = mapping.notes if mapping else []
+        federation = cls.from_tensors(train_pairs, tests, num_classes=num_classes if mapping is None else
+                                      len(mapping.classes), domains=domains, names=names, name=name, notes=notes)
+        if mapping is not None:
+            federation.partition["classes"] = list(mapping.classes)
+        return federation
+
+
+def untested_note(names: Sequence[str]) -> str:
+    """The note naming the clients without a test split (one wording wherever a federation is made)."""
+    return (f"clients without a test split, not tested (no accuracy of their own, left out of the fairness "
+            f"statistics): {', '.join(names)}")
+
+
+@dataclass
+class ClassMapping:
+    """How :meth:`Federation.from_datasets` numbers the classes: ``classes`` in label order; per dataset
+    (training ones first, then the tests) the lookup from its own index to the federation's label, or
+    None where its numbering is kept."""
+
+    classes: list[str]
+    lookups: list[dict[int, int] | None]
+    notes: list[str]
+
+
+def class_names_of(dataset: Any) -> dict[int, str] | None:
+    """A dataset's own numbering of its classes, index -> name: torchvision's ``.class_to_idx``, else
+    ``.classes`` (looked for through a ``Subset``'s ``.dataset`` too); None when it carries neither."""
+    seen, depth = dataset, 0
+    while seen is not None and depth < 8:
+        mapping = getattr(seen, "class_to_idx", None)
+        if isinstance(mapping, Mapping) and mapping:
+            inverse = {int(index): str(name) for name, index in mapping.items()}
+            if len(inverse) != len(mapping):
+                raise DataError(f"{type(seen).__name__}.class_to_idx gives two classes one index ({dict(mapping)}); "
+                                "give every class its own index")
+            return inverse
+        classes = getattr(seen, "classes", None)
+        if isinstance(classes, (list, tuple)) and classes:
+            return {i: str(name) for i, name in enumerate(classes)}
+        seen, depth = getattr(seen, "dataset", None), depth + 1
+    return None
+
+
+def _class_mapping(sources: Sequence[tuple[str, str, Any]], num_classes: int | None) -> ClassMapping | None:
+    """The federation's classes of ``(who, split, dataset)`` sources that carry class names (None when none
+    does): their own numbering where every dataset numbers the classes alike, else the sorted union of the
+    names; a one-line DataError where only some carry names, or ``num_classes`` disagrees."""
+    found = [(who, split, class_names_of(dataset)) for who, split, dataset in sources]
+    named = [(who, split) for who, split, names in found if names is not None]
+    if not named:
+        return None
+    bare = [(who, split) for who, split, names in found if names is None]
+    if bare:
+        raise DataError(f"{named[0][0]}'s {named[0][1]} dataset names its classes (.classes / .class_to_idx) but "
+                        f"{bare[0][0]}'s {bare[0][1]} dataset does not, so their numberings cannot be matched; give "
+                        "every dataset its class names (e.g. torchvision's ImageFolder), or none")
+    numberings = [names for _, _, names in found if names is not None]
+    same = all(names == numberings[0] for names in numberings)
+    if same:
+        first = numberings[0]
+        classes = [first[i] for i in sorted(first)]
+        lookups: list[dict[int, int] | None] = [None] * len(found)
+        notes = []
+    else:
+        classes = sorted({name for names in numberings for name in names.values()})
+        index = {name: label for label, name in enumerate(classes)}
+        lookups = [{own: index[name] for own, name in names.items()} for names in numberings]
+        notes = [f"from_datasets: the datasets number their classes differently; labels matched by name to the "
+                 f"sorted union of their class names: {', '.join(classes)}"]
+    if num_classes is not None and int(num_classes) != len(classes):
+        raise DataError(f"num_classes={num_classes} but the datasets name {len(classes)} classes "
+                        f"({', '.join(classes[:10])}{', ...' if len(classes) > 10 else ''}); leave num_classes unset")
+    return ClassMapping(classes, lookups, notes)
+
+
+def _renumbered(y: Tensor, lookup: dict[int, int], who: str, split: str) -> Tensor:
+    """``y`` (a dataset's own class indices) as the federation's labels; an index the dataset does not name
+    is a one-line DataError."""
+    unknown = sorted({int(v) for v in y.reshape(-1).tolist()} - set(lookup))
+    if unknown:
+        raise DataError(f"{who}: {split} label {unknown[0]} is not among the dataset's class indices "
+                        f"({sorted(lookup)}); fix its labels or its .classes / .class_to_idx")
+    table = torch.full((max(lookup) + 1,), -1, dtype=torch.int64)
+    for own, label in lookup.items():
+        table[own] = label
+    return table[y.long()]
 
 
 def _checked_pair(pair: Any, who: str, split: str) -> tuple[Tensor, Tensor]:

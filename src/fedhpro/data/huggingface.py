@@ -7,9 +7,16 @@ its ``data.train_split`` and ``data.test_split``; a single ``Dataset`` (or a
 dict without the test split) is split per class with a seeded
 ``data.test_fraction``.
 
+The columns are found from their feature types: the images are the one
+column of type ``datasets.Image``, the labels the one ``datasets.ClassLabel``
+column (else the columns ``image`` and ``label``; several of a type, or
+none, is a one-line error asking for ``data.image_column`` /
+``data.label_column``, which always win); a note says which were taken.
+
 Inputs are ``data.image_column`` (PIL images or ``uint8`` H x W (x C)
-arrays, decoded, resized to ``data.image_size`` and normalised to ``[-1, 1]``
-as :mod:`fedhpro.data.images` does for files), or, when
+arrays, decoded, scaled by their bit depth, resized to ``data.image_size``
+and normalised to ``[-1, 1]`` as :mod:`fedhpro.data.images` does for
+files), or, when
 ``data.text_column`` is set, texts tokenised as AG News is
 (:func:`~fedhpro.data.loaders.tokenize`, a vocabulary of the training split,
 ``data.max_length`` token ids; use ``model=textcnn``). Labels come from
@@ -24,6 +31,7 @@ set is split by ``partition=dirichlet`` (default), ``nid2``, ``iid`` or
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,9 +60,11 @@ class HuggingFaceOptions:
 
     path: str | None = option(None, help="a folder saved with save_to_disk, or a hub name (needs the network)")
     config_name: str | None = option(None, help="hub data sets: the configuration (load_dataset's name=)")
-    image_column: str = option("image", help="the column of the images")
+    image_column: str | None = option(None, help="the column of the images (default: the one column whose "
+                                                  "feature type is datasets.Image, else the column 'image')")
     text_column: str | None = option(None, help="the column of texts; set it for text (model=textcnn)")
-    label_column: str = option("label", help="the column of the class labels")
+    label_column: str | None = option(None, help="the column of the class labels (default: the one column whose "
+                                                  "feature type is datasets.ClassLabel, else the column 'label')")
     max_classes: int = option(100_000, min=1, help="the most classes the data set may have: a larger label is "
                                                    "refused (a guard against a corrupt file exhausting memory)")
     train_split: str = option("train", help="the training split of a DatasetDict")
@@ -108,6 +118,33 @@ def _splits(data: Any, options: HuggingFaceOptions) -> tuple[Any, Any | None]:
         raise ConfigError(f"data.train_split={options.train_split!r} is not a split of {options.path}; its "
                           f"splits are: {', '.join(splits)}")
     return data[options.train_split], data[options.test_split] if options.test_split in splits else None
+
+
+def _typed_columns(dataset: Any, kind: str) -> list[str]:
+    """The columns of ``dataset`` whose feature type is ``datasets.<kind>`` (``Image``, ``ClassLabel``)."""
+    import datasets
+
+    feature = getattr(datasets, kind)
+    return [name for name, value in (getattr(dataset, "features", None) or {}).items() if isinstance(value, feature)]
+
+
+def _detected(dataset: Any, given: str | None, kind: str, fallback: str, what: str,
+              options: HuggingFaceOptions) -> tuple[str, str | None]:
+    """``(column, how it was found)`` for ``data.<what>_column``: the one given, else the one column of
+    feature type ``datasets.<kind>``, else ``fallback``; several such columns and none given, or no column
+    at all, is a one-line ConfigError naming ``data.<what>_column``."""
+    if given is not None:
+        return given, None
+    typed = _typed_columns(dataset, kind)
+    if len(typed) > 1:
+        raise ConfigError(f"{options.path} has several {kind} columns ({', '.join(typed)}); say which holds the "
+                          f"{what}s with data.{what}_column")
+    if typed:
+        return typed[0], f"its {kind} feature"
+    if fallback in dataset.column_names:
+        return fallback, None
+    raise ConfigError(f"{options.path} has no {kind} column and no column {fallback!r} for the {what}s; its columns "
+                      f"are: {', '.join(dataset.column_names)} (set data.{what}_column)")
 
 
 def _column(dataset: Any, name: str, what: str, options: HuggingFaceOptions) -> None:
@@ -219,11 +256,15 @@ def build(options: HuggingFaceOptions, clients: int | None, seed: int, data_dir:
         raise ConfigError("partition.load does not apply to dataset=huggingface; set partition.seed to redraw the "
                           "same partition")
     train, test = _splits(open_dataset(options), options)
-    _column(train, options.label_column, "label", options)
-    inputs = options.text_column or options.image_column
+    label_column, label_how = _detected(train, options.label_column, "ClassLabel", "label", "label", options)
+    image_column, image_how = (options.image_column, None) if options.text_column else _detected(
+        train, options.image_column, "Image", "image", "image", options)
+    options = dataclasses.replace(options, label_column=label_column, image_column=image_column)
+    _column(train, label_column, "label", options)
+    inputs = options.text_column or image_column or "image"
     _column(train, inputs, "text" if options.text_column else "image", options)
     if test is not None:
-        for name in (options.label_column, inputs):
+        for name in (label_column, inputs):
             if name not in test.column_names:
                 raise ConfigError(f"the {options.test_split!r} split of {options.path} has no column {name!r}")
     if len(train) == 0:
@@ -240,7 +281,8 @@ def build(options: HuggingFaceOptions, clients: int | None, seed: int, data_dir:
         train, test = train.select(keep.tolist()), train.select(held.tolist())
         train_y, test_y = train_y[keep], train_y[held]
 
-    notes = []
+    notes = [f"huggingface: {what}s from the column {column!r} ({how})" for what, column, how in
+             (("image", image_column, image_how), ("label", label_column, label_how)) if how is not None]
     if options.text_column:
         train_texts = [str(t) for t in _values(train, options.text_column)]
         vocab = build_vocab(train_texts, options.vocab_size)
