@@ -499,11 +499,34 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
 
     run = _build(RunOptions, run_values, "", dataset)
     run.threads = threads_setting(run.threads)
+    if "dataset" not in run_values and run.data_dir:
+        refuse_data_dir_without_dataset(run.data_dir)
     methods = {name: _build(spec.options, sections.get(name, {}), f"{name}.", dataset)
                for name, spec in registry.items()}
     built = {section.name: _build(section.options_for(dataset), sections.get(section.name, {}),
                                   f"{section.name}.", dataset) for section in SECTIONS}
     return Config(run=run, methods=methods, **built, federation=federation)
+
+
+#: what the default data set keeps in a ``data_dir=`` folder (its cache): the only thing it may hold then
+DEFAULT_DATASET_FOLDER = "digits-offline"
+
+
+def refuse_data_dir_without_dataset(data_dir: str) -> None:
+    """``data_dir=`` given without ``dataset=``: the default data set would build its own digits there, so a
+    folder that holds anything but their cache (``digits-offline/``) is the user's data, meant for another
+    data set. One ConfigError then, before anything is written into it."""
+    root = Path(data_dir).expanduser()
+    try:
+        held = sorted(p.name for p in root.iterdir()
+                      if not p.name.startswith(".") and p.name != DEFAULT_DATASET_FOLDER) if root.is_dir() else []
+    except OSError:
+        return  # unreadable: the data set's own check names the folder
+    if held:
+        shown_names = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise ConfigError(f"data_dir={data_dir} holds your data ({shown_names}) but no dataset= is given; did you mean "
+                          "dataset=imagefolder? (dataset=clients for one folder per client; the default, "
+                          f"dataset={RunOptions.dataset}, would build its own digits in it)")
 
 
 def _checked_value(key: str, value: Any) -> Any:
