@@ -20,6 +20,7 @@ from fedhpro.engines.simulator import Faults, Simulator
 from fedhpro.errors import ConfigError
 from fedhpro.methods import MethodSpec, TrainSettings, get_method
 from fedhpro.models import build_model, with_projection_head
+from fedhpro.privacy import Ledger, check_combinations, ledger_for
 from fedhpro.user_models import check_federation, user_model_builder
 
 
@@ -52,18 +53,21 @@ def build_simulator(config: Config, parts: Experiment, device: torch.device,
     return Simulator(parts.method, config.method_options, parts.federation, parts.model_factory, parts.train,
                      device=device, client_architectures=parts.architectures,
                      architecture_factory=parts.architecture_factory, shared=parts.shared,
-                     on_drop=on_drop, observers=observers or [], **protocol_settings(config))
+                     on_drop=on_drop, observers=observers or [], ledger=parts.ledger, **protocol_settings(config))
 
 
 def protocol_settings(config: Config) -> dict[str, Any]:
-    """The round protocol's settings of ``config``: sampling, evaluation, faults, robust aggregation and
-    ``min_clients``, as keyword arguments that both :class:`Simulator` and
+    """The round protocol's settings of ``config``: sampling, evaluation, faults, robust aggregation,
+    ``min_clients`` and the privacy options, as keyword arguments that both :class:`Simulator` and
     :class:`~fedhpro.engines.protocol.RoundProtocol` take. The in-process engine and the Flower
-    ServerApp both build their protocol from this one place, so both run the same rounds."""
+    ServerApp both build their protocol from this one place, so both run the same rounds. Settings that
+    cannot go with ``privacy=client`` are refused here, in one line (:func:`fedhpro.privacy.check_combinations`)."""
     options = config.run
+    check_combinations(config)
     return {"rounds": options.rounds, "participation": options.participation, "seed": options.seed,
             "eval_every": options.eval_every, "faults": Faults(**dataclasses.asdict(config.faults)),
-            "aggregation": Aggregation(**dataclasses.asdict(config.aggregation)), "min_clients": options.min_clients}
+            "aggregation": Aggregation(**dataclasses.asdict(config.aggregation)), "min_clients": options.min_clients,
+            "privacy": config.privacy}
 
 
 @dataclass
@@ -77,6 +81,9 @@ class Experiment:
     architectures: list[str] | None  # per-client architecture names under model heterogeneity, else None
     train: TrainSettings
     shared: str  # which weights travel: "all", "classifier" or "none"
+    #: the privacy ledger of privacy=sample (its sigma is in ``train``); privacy=client's is built by the round
+    #: protocol (it depends on the method's per-class tensors); None otherwise
+    ledger: Ledger | None = None
 
 
 def build_experiment(config: Config, device: torch.device | str = "cpu", federation: Federation | None = None,
@@ -105,7 +112,14 @@ def build_experiment(config: Config, device: torch.device | str = "cpu", federat
     global_factory, architecture_factory, architectures, shared, train = model_factories(
         config, method, federation.num_classes, federation.input_shape, federation.num_clients,
         user_model=model_factory, sample=federation.clients[0].x[:1])
-    return Experiment(method, federation, global_factory, architecture_factory, architectures, train, shared)
+    ledger = None
+    if config.privacy.mode == "sample":  # DP-SGD's sigma (as given or calibrated) reaches the clients' loop
+        ledger = ledger_for(config, [len(data) for data in federation.clients], train)
+        assert ledger is not None
+        train = dataclasses.replace(train, dp_clip=float(config.privacy.clip),
+                                    dp_noise_multiplier=float(ledger.noise_multiplier))
+    return Experiment(method, federation, global_factory, architecture_factory, architectures, train, shared,
+                      ledger)
 
 
 def model_factories(config: Config, method: MethodSpec, num_classes: int, input_shape: tuple[int, ...],

@@ -231,6 +231,9 @@ class RunFolder:
         self.rows = rows if rows is not None else RunRows()
         self.started = time.perf_counter() if started is None else started
         self.schedule = CheckpointSchedule(options.checkpoint_every, options.checkpoint_minutes, options.rounds)
+        #: the privacy ledger's settings (``RoundProtocol.privacy_summary``; None: privacy off), and the line that
+        #: stopped the run at ``privacy.max_epsilon`` under ``"stopped"``: summary.json's ``privacy``
+        self.privacy: dict[str, Any] | None = None
 
     def start(self, config: Mapping[str, Any], partition: Any) -> None:
         """Make the new run's folder with its ``config.yaml`` and ``partition.json``: no rows yet."""
@@ -279,7 +282,10 @@ class RunFolder:
 
     def finish(self, summary: dict[str, Any], server_state: dict[str, Any] | None) -> None:
         """``summary.json`` and ``server_state.pt`` (the method's server state, loadable with
-        ``torch.load(weights_only=True)``)."""
+        ``torch.load(weights_only=True)``). With privacy on, ``summary`` gains ``privacy`` (in place): the
+        ledger's settings, the final epsilon and delta and, when ``privacy.max_epsilon`` stopped it, the line."""
+        if self.privacy is not None:
+            summary["privacy"] = privacy_summary(self.privacy, self.rows.metrics)
         with stop_on_write_error(self.out, self.out / "summary.json"):
             reports.write_json(self.out / "summary.json", summary)
         if server_state is not None:
@@ -298,21 +304,52 @@ def train(engine: Engine, folder: RunFolder, label: str, progress: bool) -> None
     """Rounds ``folder.rows.first_round`` to the last of an engine that runs its own rounds: after each, its
     rows and, when due, a checkpoint (:meth:`RunFolder.after_round`), and the progress bar (``label``)."""
     rows, rounds = folder.rows, folder.options.rounds
+    protocol = engine.protocol
+    folder.privacy = protocol.privacy_summary()
     bar = _progress(rounds, label, progress, rows.first_round)
     last_accuracy = next((row["accuracy"] for row in reversed(rows.metrics) if "accuracy" in row), None)
     try:
         for round_index in range(rows.first_round, rounds):
+            stop = protocol.budget_stop(round_index)
+            if stop is not None:  # privacy.max_epsilon: a normal end, its rows and summary kept
+                privacy_stopped(folder, stop, bar)
+                break
             record = engine.run_round(round_index)
             rows.add(record, time.perf_counter() - folder.started)
             folder.after_round(engine.state_dict)
             if record.accuracy is not None:
                 last_accuracy = record.accuracy
             if bar is not None:
-                bar.set_postfix_str(progress_text(record.train, last_accuracy))
+                bar.set_postfix_str(progress_text(record.train, last_accuracy, record.extra.get("privacy")))
                 bar.update(1)
     finally:  # a run stopped by an error leaves the bar on its own line, the error below it
         if bar is not None:
             bar.close()
+
+
+def privacy_stopped(folder: RunFolder, line: str, bar: Any = None) -> None:
+    """The run stops at ``privacy.max_epsilon`` (``line``, from ``RoundProtocol.budget_stop``): the line on
+    stderr (below the progress bar) and in summary.json's ``privacy.stopped``. What an engine's loop calls
+    before breaking off; the run then ends as usual (its summary, state and plot written)."""
+    if folder.privacy is not None:
+        folder.privacy["stopped"] = line
+    message = f"fedhpro: {line}"
+    if bar is not None:
+        bar.write(message, file=sys.stderr)
+    else:
+        print(message, file=sys.stderr)
+
+
+def privacy_summary(settings: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """summary.json's ``privacy``: the ledger's ``settings`` and the epsilon and delta of the last row (0 before
+    any round)."""
+    last = next((row["privacy"] for row in reversed(rows) if "privacy" in row), None)
+    out = dict(settings)
+    out["epsilon"] = float(last["epsilon"]) if last is not None else 0.0
+    if last is not None:
+        out["delta"] = float(last["delta"])
+    out["rounds_run"] = len(rows)
+    return out
 
 
 def _progress(total: int, description: str, enabled: bool, initial: int = 0) -> Any:
@@ -324,14 +361,19 @@ def _progress(total: int, description: str, enabled: bool, initial: int = 0) -> 
                 bar_format="{desc}: round {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining}{postfix}")
 
 
-def progress_text(train: Mapping[str, float], accuracy: Mapping[str, float] | None) -> str:
+def progress_text(train: Mapping[str, float], accuracy: Mapping[str, float] | None,
+                  privacy: Mapping[str, float] | None = None) -> str:
     """The progress bar's text after a round: the clients' mean cross-entropy (``ce`` in metrics.jsonl's
     ``train``) when the method reports it, else its whole training loss, each labelled (the whole loss can
-    hold constant terms, such as HPCL's, that make it climb while training improves); then the last AVG."""
+    hold constant terms, such as HPCL's, that make it climb while training improves); then the last AVG;
+    with privacy on, the (epsilon, delta) spent so far."""
     shown = next(((label, train[name]) for name, label in (("ce", "train CE"), ("loss", "train loss"))
                   if name in train), None)
     loss = f"{shown[0]} {shown[1]:.3f}  " if shown is not None else ""
-    return loss + "AVG " + (f"{accuracy['AVG']:.2f}%" if accuracy else "-")
+    text = loss + "AVG " + (f"{accuracy['AVG']:.2f}%" if accuracy else "-")
+    if privacy is not None:
+        text += f"  eps {privacy['epsilon']:.3g} (delta {privacy['delta']:.2g})"
+    return text
 
 
 # ---------------------------------------------------------------------------- the summary

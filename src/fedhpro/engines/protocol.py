@@ -37,6 +37,17 @@ FedAvg, the prototype means, FedGMKD's DAT weighting and FedHPro's class
 gradients all aggregate robustly without any method knowing; a server step
 that is not a mean (FedTGP's trained prototypes, FedHPro's gradient matching)
 gets robust inputs instead of robust outputs.
+
+Client-level differential privacy (``privacy=client``, :mod:`fedhpro.privacy`) lives here too, for the
+same reason. The participants are then a Poisson draw (each client with probability ``participation``,
+from the SAMPLE stream: the accountant's sampling rate is the real one); each reply arrives privatized
+(the engine ran :func:`~fedhpro.privacy.client.privatize_upload` on the client's side) and is folded into
+a :class:`~fedhpro.privacy.client.PrivateSum` instead of the method's replies; ``close`` releases the
+noised sum with public denominators and hands the method ONE reply carrying the privatized values
+(:func:`~fedhpro.privacy.client.private_reply`), so every method's mean is the privatized value and
+its other server steps get privatized inputs. The clients' training metrics are not collected then
+(they are computed from the clients' data), a round is never skipped for too few replies (that count is
+not released), and every round's row carries ``privacy: {epsilon, delta}`` from the run's ledger.
 """
 
 from __future__ import annotations
@@ -57,10 +68,21 @@ from fedhpro.aggregation import clip_factor, coordinate_median, trimmed_mean, up
 from fedhpro.errors import FedHProError, UpdateError
 from fedhpro.methods.base import ClassRows
 from fedhpro.metrics import payload_bytes, payload_parameters
+from fedhpro.privacy.accounting import ClientLedger
+from fedhpro.privacy.client import (
+    HOLDERS_KEY,
+    ClientPrivacy,
+    PrivateSum,
+    client_privacy,
+    noise_generator,
+    poisson_participants,
+    private_reply,
+)
 from fedhpro.seeds import derive_seed
 
 # stream tags: each kind of randomness gets its own stream
 INIT, SAMPLE, TRAIN, SERVER, FAULT = 1, 2, 3, 4, 5
+# (6, PRIVACY: the privacy noise's stream, is fedhpro.privacy.client's)
 
 
 def train_generator(seed: int, round: int, client: int) -> torch.Generator:
@@ -398,6 +420,11 @@ def robust_replies(replies: Sequence[dict[str, Any]], global_weights: Mapping[st
     return out, metrics
 
 
+def _method_view(reply: Mapping[str, Any]) -> dict[str, Any]:
+    """A privatized upload as the method's checks see it: without the privacy's own holder vector."""
+    return {key: value for key, value in reply.items() if key != HOLDERS_KEY}
+
+
 def weighted_mean(metrics: Sequence[tuple[int, dict[str, float]]]) -> dict[str, float]:
     """Mean of each client metric, weighted by the clients' sample counts."""
     total = sum(n for n, _ in metrics) or 1
@@ -445,11 +472,15 @@ class RoundProtocol:
     ``on_drop`` receives one line per dropped client or skipped round.
     ``aggregation`` (default: the method's own mean) makes the replies robust
     before the method aggregates them (:func:`robust_replies`).
+    ``privacy``: the run's ``privacy.*`` options (:class:`~fedhpro.config.PrivacyOptions`; None or
+    ``mode=none``: off); ``ledger``: its privacy ledger (:func:`fedhpro.privacy.ledger_for`; built here for
+    ``privacy=client`` when not given, needed for ``privacy=sample``).
     """
 
     def __init__(self, server: Any, num_clients: int, *, rounds: int, participation: float = 1.0, seed: int = 0,
                  eval_every: int = 1, faults: Faults | None = None, min_clients: int = 1,
-                 on_drop: Callable[[str], None] | None = None, aggregation: Aggregation | None = None):
+                 on_drop: Callable[[str], None] | None = None, aggregation: Aggregation | None = None,
+                 privacy: Any = None, ledger: Any = None):
         self.server = server
         self.num_clients = num_clients
         self.rounds = rounds
@@ -460,10 +491,31 @@ class RoundProtocol:
         self.aggregation = aggregation or Aggregation()
         self.min_clients = min_clients
         self.on_drop = on_drop
+        mode = getattr(privacy, "mode", "none") if privacy is not None else "none"
+        #: the privacy.* options when privacy is on (None: off, every number as without privacy)
+        self.privacy = privacy if mode != "none" else None
+        #: client-level DP's settings (privacy=client), else None
+        self.client_privacy: ClientPrivacy | None = None
+        #: the run's privacy ledger (None: privacy off)
+        self.ledger = ledger
+        if mode == "client":
+            if self.aggregation.robust:
+                raise FedHProError(f"privacy=client cannot go with aggregation={self.aggregation.rule}: it needs "
+                                   "each client's own update; use aggregation=mean")
+            if ledger is None:
+                self.ledger = ClientLedger(privacy, num_clients, rounds, participation,
+                                           bool(declared_class_keys(server)))
+            self.client_privacy = client_privacy(privacy, self.ledger.noise_multiplier)
+        elif mode != "none" and ledger is None:
+            raise FedHProError(f"privacy={mode} needs the run's privacy ledger (fedhpro.privacy.ledger_for) given to "
+                               "the round protocol as ledger=")
 
     def sample_clients(self, round: int) -> list[int]:
-        """The participants of ``round``: a seeded draw without replacement, sorted."""
+        """The participants of ``round``: a seeded draw without replacement, sorted; under ``privacy=client`` a
+        Poisson draw (each client with probability ``participation``: the accountant's sampling rate)."""
         total = self.num_clients
+        if self.client_privacy is not None:
+            return poisson_participants(derive_seed(self.seed, SAMPLE, round), total, self.participation)
         count = max(1, int(round_half_up(self.participation * total)))
         if count >= total:
             return list(range(total))
@@ -471,8 +523,43 @@ class RoundProtocol:
         return sorted(int(k) for k in rng.choice(total, size=count, replace=False))
 
     def evaluates(self, round: int) -> bool:
-        """Whether ``round`` ends with an evaluation (every ``eval_every`` rounds and the last)."""
-        return (round + 1) % self.eval_every == 0 or round + 1 == self.rounds
+        """Whether ``round`` ends with an evaluation (every ``eval_every`` rounds and the last, and the last
+        one ``privacy.max_epsilon`` lets run)."""
+        return ((round + 1) % self.eval_every == 0 or round + 1 == self.rounds
+                or (round + 1 < self.rounds and self.budget_stop(round + 1) is not None))
+
+    def participations(self, rounds_done: int) -> dict[int, int]:
+        """How many of the first ``rounds_done`` rounds each client was sampled in (the seeded draws, so a
+        resumed run counts the same)."""
+        counts: dict[int, int] = {}
+        for round in range(rounds_done):
+            for k in self.sample_clients(round):
+                counts[k] = counts.get(k, 0) + 1
+        return counts
+
+    def epsilon_after(self, round: int) -> float | None:
+        """The privacy ledger's epsilon once ``round`` (from 0) is complete; None without privacy."""
+        if self.ledger is None:
+            return None
+        return float(self.ledger.epsilon(self.participations(round + 1), round + 1))
+
+    def budget_stop(self, round: int) -> str | None:
+        """The line that stops the run before ``round`` when completing it would take epsilon above
+        ``privacy.max_epsilon``; None when it may run (or there is no limit)."""
+        limit = float(getattr(self.privacy, "max_epsilon", 0.0) or 0.0) if self.privacy is not None else 0.0
+        if limit <= 0:
+            return None
+        epsilon = self.epsilon_after(round)
+        if epsilon is None or epsilon <= limit:
+            return None
+        spent = self.epsilon_after(round - 1) if round > 0 else 0.0
+        return (f"privacy budget: stopped before round {round} of {self.rounds}: it would take epsilon to "
+                f"{epsilon:.4g} > privacy.max_epsilon={limit:g} (delta={self.ledger.delta:.3g}); the {round} "
+                f"rounds run (epsilon {spent:.4g}) are kept")
+
+    def privacy_summary(self) -> dict[str, Any] | None:
+        """The privacy ledger's settings for ``summary.json`` (None without privacy)."""
+        return None if self.ledger is None else dict(self.ledger.describe())
 
     def open(self, round: int) -> OpenRound:
         return OpenRound(self, round)
@@ -516,6 +603,13 @@ class OpenRound:
         self.bytes_up = 0
         self.params_up = 0
         self.skipped = False
+        #: privacy=client: the privatized uploads' running sum (what the server releases at close)
+        self.private: PrivateSum | None = None
+        if protocol.client_privacy is not None:
+            num_classes = self.num_classes
+            self.private = PrivateSum(protocol.client_privacy, self.payload.get("weights") or {},
+                                      protocol.server.reply_layout(), num_classes if num_classes is not None else 0,
+                                      protocol.participation * protocol.num_clients)
 
     def fail(self, client: int, reason: str, error: Exception | None = None) -> None:
         """Client ``client`` gave no usable reply (it raised, or none came in time): it is dropped."""
@@ -529,7 +623,10 @@ class OpenRound:
         with a robust rule). Returns whether it counts (a :class:`Reception`, true only when accepted) and,
         when not, whose fault it was: the client's own update (``INVALID``: an engine rolls the client's
         state back), a transmission fault (``CORRUPTED``) or the injected hostility (``HOSTILE``): the
-        client computed a good update, so its state stands."""
+        client computed a good update, so its state stands. Under ``privacy=client`` the reply is the
+        client's privatized upload (:meth:`receive_private`)."""
+        if self.private is not None:
+            return self.receive_private(client, reply)
         problem = examples_problem(reply, client, num_samples)
         if problem is None:
             problem = counts_problem(reply, self.num_classes)
@@ -564,6 +661,43 @@ class OpenRound:
         self.train_metrics.append((int(num_samples), metrics))
         return Reception.ACCEPTED
 
+    def receive_private(self, client: int, reply: dict[str, Any]) -> Reception:
+        """``privacy=client``: hand in client ``client``'s privatized upload
+        (:func:`~fedhpro.privacy.client.privatize_upload`: its ``weights`` are the clipped update, its counts
+        public constants). Injected hostility multiplies the update and the per-class rows by its factor,
+        corruption makes the update NaN; the method's checks and the privacy checks (finite, the right
+        shapes, the holder vector) decide; an accepted upload goes into the round's private sum. The
+        clients' training metrics are not kept (computed from their data, they would leave unprotected)."""
+        assert self.private is not None
+        reception = Reception.ACCEPTED
+        factor = self.hostile.get(client)
+        if self._corrupt[client] or factor is not None:
+            try:  # the client's own upload, before it is changed: its faults are the client's
+                self.protocol.server.validate_reply(_method_view(reply))
+            except UpdateError as error:
+                self.dropped.append({"client": client, "reason": f"invalid update: {error}"})
+                return Reception.INVALID
+            if factor is not None:
+                zero = {key: torch.zeros_like(value) for key, value in (reply.get("weights") or {}).items()
+                        if isinstance(value, Tensor)}
+                reply = hostile(reply, zero, factor, self.num_classes, declared_class_keys(self.protocol.server))
+                reception = Reception.HOSTILE
+            if self._corrupt[client]:
+                reply, reception = corrupted(reply), Reception.CORRUPTED
+        try:
+            self.protocol.server.validate_reply(_method_view(reply))
+        except UpdateError as error:
+            self.dropped.append({"client": client, "reason": f"invalid update: {error}"})
+            return Reception.INVALID if reception is Reception.ACCEPTED else reception
+        problem = self.private.problem(reply)
+        if problem is not None:
+            self.dropped.append({"client": client, "reason": f"invalid privatized update: {problem}"})
+            return Reception.INVALID if reception is Reception.ACCEPTED else reception
+        self.bytes_up += payload_bytes(reply)
+        self.params_up += payload_parameters(reply)
+        self.private.add(reply)
+        return Reception.ACCEPTED
+
     @property
     def num_classes(self) -> int | None:
         """The method's number of classes (the length of class_counts), None if its server does not say."""
@@ -573,7 +707,7 @@ class OpenRound:
     @property
     def accepted(self) -> int:
         """How many replies count so far."""
-        return len(self.replies) + len(self._held)
+        return len(self.replies) + len(self._held) + (self.private.count if self.private is not None else 0)
 
     def close(self, observe: contextlib.AbstractContextManager | None = None) -> dict[str, float]:
         """After the last reply: report the drops, then aggregate, or skip a round with fewer than
@@ -590,6 +724,8 @@ class OpenRound:
         if protocol.on_drop is not None:
             for item in self.dropped:
                 protocol.on_drop(f"round {self.round}: client {item['client']} dropped: {item['reason']}")
+        if self.private is not None:
+            return self._close_private(observe)
         self.skipped = self.accepted < protocol.min_clients
         if self.skipped:
             if protocol.on_drop is not None:
@@ -608,9 +744,27 @@ class OpenRound:
                 self.replies.append(reply)
             return {**protocol.server.aggregate(self.round, self.replies), **robust_metrics}
 
+    def _close_private(self, observe: contextlib.AbstractContextManager | None) -> dict[str, float]:
+        """``privacy=client``: release the round's private sum (noised centrally, from the server's noise
+        stream) and let the method aggregate the one reply that carries it. Every round is released, even
+        one with no upload (noise only)."""
+        assert self.private is not None
+        protocol = self.protocol
+        settings = protocol.client_privacy
+        assert settings is not None
+        with observe if observe is not None else contextlib.nullcontext():
+            release = self.private.release(noise_generator(settings, protocol.seed, self.round))
+            self.replies.append(private_reply(release, self.payload.get("weights") or {},
+                                              protocol.server.reply_layout()))
+            return protocol.server.aggregate(self.round, self.replies)
+
     def record(self, server_metrics: dict[str, float], accuracy: dict[str, float] | None,
                seconds: dict[str, float], extra: dict[str, Any] | None = None) -> RoundRecord:
-        """The round's row: what the protocol measured plus the engine's accuracy, times and extras."""
+        """The round's row: what the protocol measured plus the engine's accuracy, times and extras (and,
+        with privacy on, ``privacy: {epsilon, delta}`` after this round)."""
+        epsilon = self.protocol.epsilon_after(self.round)
+        if epsilon is not None:
+            extra = {**(extra or {}), "privacy": {"epsilon": epsilon, "delta": float(self.protocol.ledger.delta)}}
         return RoundRecord(round=self.round, participants=self.participants, train=weighted_mean(self.train_metrics),
                            server=server_metrics, accuracy=accuracy, bytes_up=self.bytes_up,
                            bytes_down=self.bytes_down, seconds=seconds, dropped=self.dropped, skipped=self.skipped,

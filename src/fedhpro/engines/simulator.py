@@ -35,6 +35,7 @@ from fedhpro.engines.protocol import (
     RoundRecord,
     TestCount,
     corrupted,
+    declared_class_keys,
     derive_seed,
     pool_accuracy,
     train_generator,
@@ -48,6 +49,7 @@ from fedhpro.methods.base import (
     extract_features,
 )
 from fedhpro.metrics import class_means
+from fedhpro.privacy.client import noise_generator, privatize_upload
 
 # the protocol's names, kept importable from here
 _INIT, _SAMPLE, _TRAIN, _SERVER, _FAULT = INIT, SAMPLE, TRAIN, SERVER, FAULT
@@ -169,7 +171,8 @@ class Simulator:
                  architecture_factory: Callable[[str], nn.Module] | None = None, shared: str | None = None,
                  faults: Faults | None = None, min_clients: int = 1, on_drop: Callable[[str], None] | None = None,
                  count_flops: bool = False, prototype_distance: bool = False,
-                 observers: Sequence[RoundObserver] = (), aggregation: Aggregation | None = None):
+                 observers: Sequence[RoundObserver] = (), aggregation: Aggregation | None = None,
+                 privacy: Any = None, ledger: Any = None):
         """``client_architectures`` (one name per client, built by ``architecture_factory``) switches on
         heterogeneous feature extractors: each client keeps its own model across rounds and only the
         classifier (``classifier.*``) is exchanged and aggregated; evaluation then averages each
@@ -188,7 +191,9 @@ class Simulator:
         prototypes, the class means of all training data under the global model (Figure 2).
 
         ``faults`` injects client faults and ``aggregation`` a robust rule before the method's own
-        (:class:`~fedhpro.engines.protocol.RoundProtocol`)."""
+        (:class:`~fedhpro.engines.protocol.RoundProtocol`); ``privacy`` (the ``privacy.*`` options) and
+        ``ledger`` (its privacy ledger) switch differential privacy on: under ``privacy=client`` each
+        client's reply is privatized on the client's side, right after its ``fit``."""
         self.device = torch.device(device)
         self.models = ClientModels(model_factory, num_clients=federation.num_clients, seed=seed, device=self.device,
                                    client_architectures=client_architectures,
@@ -200,7 +205,7 @@ class Simulator:
                                                 self.device)
         self.protocol = RoundProtocol(self.server, federation.num_clients, rounds=rounds, participation=participation,
                                       seed=seed, eval_every=eval_every, faults=faults, min_clients=min_clients,
-                                      on_drop=on_drop, aggregation=aggregation)
+                                      on_drop=on_drop, aggregation=aggregation, privacy=privacy, ledger=ledger)
         self.client_states: list[dict[str, Any]] = [{} for _ in range(federation.num_clients)]
         self.history: list[RoundRecord] = []
         self.observers = measurements(flops=count_flops, prototype_distance=prototype_distance) + list(observers)
@@ -376,6 +381,11 @@ class Simulator:
             self.client_states[k] = state_before
             current.fail(k, f"raised {type(error).__name__}: {error}", error)
             return
+        settings = self.protocol.client_privacy
+        if settings is not None:  # privacy=client: what leaves the client is its privatized upload
+            reply = privatize_upload(reply, current.payload.get("weights") or {}, declared_class_keys(self.server),
+                                     settings, noise_generator(settings, self.seed, current.round, k),
+                                     self.federation.num_classes)
         reception = current.receive(k, reply, metrics, len(self.federation.clients[k]))
         if not reception:
             # the client's own invalid update rolls its state back, as a raise does (else a MOON client's

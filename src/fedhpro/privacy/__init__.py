@@ -1,0 +1,95 @@
+"""Differential privacy of a run (``privacy=none|client|sample``) and its privacy ledger.
+
+* ``privacy=client`` (:mod:`fedhpro.privacy.client`, :mod:`fedhpro.privacy.accounting`): client-level DP
+  for every method, on both engines: each participating client's whole upload is clipped, Gaussian noise
+  is added to the sum (central) or by each client (local), and the server aggregates with public
+  denominators. The round protocol (:mod:`fedhpro.engines.protocol`) runs the server side, an engine
+  calls :func:`~fedhpro.privacy.client.privatize_upload` on each client's reply before it leaves.
+* ``privacy=sample`` (``fedhpro.privacy.sample``, optional): sample-level DP-SGD in every client's local
+  training.
+
+Either way a :class:`Ledger` tracks (epsilon, delta): after every round in ``metrics.jsonl``, on the
+progress bar and in ``summary.json``; :func:`ledger_for` builds the one of a config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from fedhpro.errors import ConfigError
+from fedhpro.privacy.accounting import ClientLedger
+from fedhpro.privacy.client import (
+    HOLDERS_KEY,
+    ClientPrivacy,
+    PrivacyError,
+    PrivateSum,
+    client_privacy,
+    noise_generator,
+    privatize_upload,
+    privatized_layout,
+)
+
+#: the aggregation rules that need each client's own values, refused with privacy=client
+INDIVIDUAL_RULES = ("median", "trimmed-mean", "norm-clip")
+
+
+@runtime_checkable
+class Ledger(Protocol):
+    """What the run asks of a privacy ledger (``privacy=client`` or ``sample``).
+
+    ``noise_multiplier``: sigma, as given or calibrated to ``privacy.target_epsilon``; ``delta``: the DP
+    delta (``privacy.delta``, or the mode's default); :meth:`epsilon`: the guarantee after ``rounds_done``
+    rounds in which client ``k`` took part ``participations[k]`` times (clients that never did may be
+    missing); :meth:`describe`: the ledger's settings for ``summary.json`` (mode, clip, sigma, sampling
+    rate, delta, accountant). An implementation need not inherit from this class (and must not import
+    this package's ``__init__`` if this package imports it: no import circle).
+    """
+
+    noise_multiplier: float
+    delta: float
+
+    def epsilon(self, participations: Mapping[int, int], rounds_done: int) -> float: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+def ledger_for(config: Any, client_sizes: Sequence[int], train_settings: Any, *,
+               class_tensors: bool = True) -> Ledger | None:
+    """The privacy ledger of ``config`` (a :class:`~fedhpro.config.Config`) for clients holding
+    ``client_sizes`` training samples: None with ``privacy=none``; ``privacy=client``: a
+    :class:`~fedhpro.privacy.accounting.ClientLedger` (``class_tensors``: whether the method uploads
+    per-class tensors, whose holder counts are then privatized too: ``bool(declared_class_keys(server))``);
+    ``privacy=sample``: ``fedhpro.privacy.sample.SampleLedger`` (needs ``pip install fedhpro[privacy]``)."""
+    options = config.privacy
+    run = config.run
+    if options.mode == "none":
+        return None
+    if options.mode == "client":
+        return ClientLedger(options, len(client_sizes), run.rounds, run.participation, class_tensors)
+    if options.mode == "sample":
+        from fedhpro.privacy.sample import SampleLedger
+
+        return SampleLedger(options, client_sizes, train_settings, run.rounds, run.participation)
+    raise ConfigError(f"privacy={options.mode!r} is not a privacy mode; use none, client or sample")
+
+
+def check_combinations(config: Any) -> None:
+    """One-line ConfigError for settings that cannot go with ``privacy=client``: robust aggregation rules and
+    ``min_clients > 1`` read or count individual replies, which client-level DP hides from the server."""
+    if config.privacy.mode != "client":
+        return
+    rule = config.aggregation.rule
+    if rule in INDIVIDUAL_RULES:
+        raise ConfigError(f"privacy=client cannot go with aggregation={rule}: {rule} needs each client's own update, "
+                          "but under client-level DP the server only releases their noised sum (clipping already "
+                          "bounds any one client's influence); use aggregation=mean")
+    if config.run.min_clients > 1:
+        raise ConfigError(f"privacy=client cannot go with min_clients={config.run.min_clients}: skipping a round "
+                          "on the number of valid replies would release that count without noise; the server "
+                          "releases the noised sum of every round instead; use min_clients=1")
+
+
+__all__ = ["HOLDERS_KEY", "INDIVIDUAL_RULES", "ClientLedger", "ClientPrivacy", "Ledger", "PrivacyError",
+           "PrivateSum", "check_combinations", "client_privacy", "ledger_for", "noise_generator",
+           "privatize_upload", "privatized_layout"]
