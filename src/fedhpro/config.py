@@ -140,6 +140,10 @@ class PrivacyOptions:
                                                       "(client) or of a client's samples (sample))")
     max_epsilon: float = option(0.0, min=0.0, help="stop the run with a clear line before a round would take "
                                                    "epsilon above this (0: no limit)")
+    secure_noise: bool = option(False, help="privacy=client: draw the noise from the operating system's randomness "
+                                            "instead of the run's seed (anyone who knows the seed can redraw "
+                                            "seeded noise; a deployment needs this, a run is then not "
+                                            "reproducible)")
 
 
 @dataclass
