@@ -335,3 +335,15 @@ def test_the_working_model_is_left_clean():
     plain = client_of("fedavg", TrainSettings(epochs=1, batch_size=8),
                       model=lambda: FedAvgCNN(NUM_CLASSES, (1, 16, 16), 8))
     plain.fit(model, {"weights": clone_weights(model)}, data, {}, torch.Generator().manual_seed(0))
+
+
+def test_a_client_whose_counts_drown_in_the_noise_is_dropped_with_one_line():
+    """4 samples under sigma = 1 (the threshold is 3 count-noise stds): nothing is kept, the fit says why; the
+    empty Poisson batches of q = 1/4 train without error."""
+    from fedhpro.errors import UpdateError
+
+    data = make_client(4, [0, 1], seed=1)
+    model = TinyNet()
+    client = client_of("fedproto", private_train(epochs=3, batch_size=1, dp_noise_multiplier=1.0))
+    with pytest.raises(UpdateError, match="below the noise threshold"):
+        client.fit(model, {"weights": clone_weights(model)}, data, {}, torch.Generator().manual_seed(0))

@@ -481,7 +481,10 @@ class Client:
             released = round.scratch.get(RELEASED)
             if released is None:
                 released = self.release_statistics(round, torch.zeros(len(data), dtype=torch.long), {}, num_classes=1)
-            reply["num_examples"] = max(1, released.total)
+            if released.total == 0:
+                raise UpdateError(f"privacy=sample: every released class count of this client ({len(data)} samples) "
+                                  "is below the noise threshold, so it has nothing to send this round")
+            reply["num_examples"] = released.total
         losses.update(round.notes)
         return reply, losses
 
