@@ -46,6 +46,7 @@ import traceback
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, ConfigRecordValues, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -54,9 +55,10 @@ from torch import nn
 from fedhpro.engines.driver import test_client
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.files import write_atomic_with
-from fedhpro.flower import records
+from fedhpro.flower import records, secagg
 from fedhpro.flower.engine import NodeCache, NodeSide, check_partition, config_from_text, node_folder, own_data
 from fedhpro.flower.server import EVAL_RECORD, HEADER, NODE_RECORD, SERVER_STATE
+from fedhpro.seeds import derive_seed
 
 logger = logging.getLogger("fedhpro.flower")
 
@@ -196,9 +198,11 @@ def query(msg: Message, context: Context) -> Message:
     return Message(RecordDict({NODE_RECORD: ConfigRecord(answer)}), reply_to=msg)
 
 
-@app.train()
+@app.train(mods=[secagg.node_mod])
 def train(msg: Message, context: Context) -> Message:
-    """One round of the method's local training on this node's data."""
+    """One round of the method's local training on this node's data. In a SecAgg+ round (the header holds
+    its scale; :mod:`fedhpro.flower.secagg`) the reply is the vector SecAgg+ masks and sums, not the payload:
+    ``secagg.node_mod`` (Flower's ``secaggplus_mod``) calls this handler in its collect stage."""
     try:
         node, round, store = _setup(msg, context, training=True)
         payload = records.decode_payload(msg.content, node.device)
@@ -206,7 +210,11 @@ def train(msg: Message, context: Context) -> Message:
         model = _model(node, context)
         # fit mutates ``state``, a copy decoded from Context.state: a failing fit leaves the stored state as it was
         reply, metrics = node.method_client.fit(model, payload, node.data, state, node.generator(round))
-        content = RecordDict({**records.encode_payload(reply), records.METRICS: records.encode_metrics(metrics)})
+        header = msg.content.config_records[HEADER]
+        if secagg.SCALE in header:
+            content = _secure_content(node, header, payload, reply, metrics, round)
+        else:
+            content = RecordDict({**records.encode_payload(reply), records.METRICS: records.encode_metrics(metrics)})
     except Exception as error:  # noqa: BLE001 - a crashing client is a dropped client
         return _failure(msg, error)
     _keep_backup(context, round)
@@ -219,6 +227,19 @@ def train(msg: Message, context: Context) -> Message:
         header = msg.content.config_records[HEADER]
         store.prune(int(cast(int, header.get("keep-from", round))))
     return Message(content, reply_to=msg)
+
+
+def _secure_content(node: NodeSide, header: ConfigRecord, payload: dict[str, Any], reply: dict[str, Any],
+                    metrics: dict[str, float], round: int) -> RecordDict:
+    """A SecAgg+ round's reply: the client's reply checked and packed as one vector (the layout every node
+    and the server build from the method), in the form ``secaggplus_mod`` masks. Its stochastic rounding
+    draws from numpy's global generator: seeded here from (seed, round, client), so runs repeat."""
+    method = config_from_text(str(header["config"])).run.method
+    layout = secagg.SecureLayout(node.server, method)
+    vector = secagg.client_vector(layout, node.server, reply, payload.get("weights") or {}, metrics, len(node.data),
+                                  float(cast(float, header[secagg.SCALE])), float(cast(float, header[secagg.CLIP])))
+    np.random.seed(derive_seed(node.seed, secagg.QUANTIZATION, round, node.client) % 2 ** 32)
+    return secagg.client_content(vector, list(metrics))
 
 
 @app.evaluate()

@@ -57,9 +57,9 @@ from fedhpro.engines.driver import RunRows, check_new_run_folder, round_extra
 from fedhpro.engines.protocol import OpenRound, Reception, TestCount, pool_accuracy, weighted_mean
 from fedhpro.errors import ConfigError, DataError, FedHProError, UpdateError
 from fedhpro.files import claim_run_folder, remove_partial_writes
-from fedhpro.flower import records
+from fedhpro.flower import records, secagg
 from fedhpro.flower.engine import ServerSide, build_server_side, config_text, own_data
-from fedhpro.flower.settings import FlowerSettings, config_from_run_config, split_run_config
+from fedhpro.flower.settings import FlowerSettings, SecureSettings, config_from_run_config, split_run_config
 from fedhpro.resume import resumed_config
 
 #: the ConfigRecord every fedhpro message carries: the resolved config (JSON), the round and the client
@@ -381,6 +381,27 @@ def _match_replies(sent: list[tuple[int, Message]], replies: list[Message]) -> d
     return matched
 
 
+@dataclasses.dataclass(frozen=True)
+class Secure:
+    """A run under ``flower.secure-aggregation=secagg+``: the vector layout, SecAgg+'s settings, the scale of
+    the summed values (the largest training-set size) and each SecAgg+ stage's timeout."""
+
+    layout: secagg.SecureLayout
+    settings: SecureSettings
+    scale: float
+    timeout: float
+
+
+def secure_for(config: Config, side: ServerSide, settings: FlowerSettings) -> Secure | None:
+    """The run's :class:`Secure`, None without secure aggregation; ConfigError (one line) for what SecAgg+
+    cannot do (:func:`fedhpro.flower.secagg.check_secure_run`)."""
+    if settings.secure_aggregation != "secagg+":
+        return None
+    participants = len(side.protocol.sample_clients(0))
+    layout = secagg.check_secure_run(config, side.server, participants, settings.secagg)
+    return Secure(layout, settings.secagg, float(max(side.num_samples)), settings.round_timeout)
+
+
 class MethodStrategy(Strategy):
     """A Flower Strategy running one fedhpro method through the shared round protocol.
 
@@ -393,13 +414,18 @@ class MethodStrategy(Strategy):
     """
 
     def __init__(self, side: ServerSide, config: Config, nodes: dict[int, int], run_key: str | None = None,
-                 node_auth: bool = False):
+                 node_auth: bool = False, secure: Secure | None = None):
         """``run_key``: the key under which the nodes keep the clients' state on disk (:func:`run_key`;
         None: they keep none). A resumed run takes its key, rows and round offset from its checkpoint
         (:meth:`load_state_dict`). ``node_auth`` (``flower.node-auth``): the SuperLink authenticates its
         SuperNodes, so a node that comes back with a new node id must show the key its client's node had
-        at discovery (``nodes.client_keys``)."""
+        at discovery (``nodes.client_keys``). ``secure`` (``flower.secure-aggregation=secagg+``): the uploads
+        are summed by Flower's SecAgg+ and the protocol gets replies rebuilt from the sum
+        (:mod:`fedhpro.flower.secagg`)."""
         self.side = side
+        self.secure = secure
+        self._outcome: secagg.SecureOutcome | None = None
+        self._asked: dict[int, int] = {}  # node id -> client, of the current SecAgg+ round
         self.config = config
         self.nodes = nodes  # client index -> Flower node id
         self.partition_of = {node: k for k, node in nodes.items()}
@@ -433,10 +459,14 @@ class MethodStrategy(Strategy):
         # node restores its state from before that fit (the simulator's rule); -1: none
         # state-key, keep-from: where the node keeps the client's state on disk, and the oldest round the
         # run can go back to (the node keeps the state from before it; fedhpro.flower.client.StateStore)
-        return ConfigRecord({"config": self.text, "round": round, "client": client,
-                             "num-clients": len(self.nodes), "refused-round": self.refused.get(client, -1),
-                             "state-key": self.run_key or "",
-                             "keep-from": round if self.keep_from is None else self.keep_from})
+        header = ConfigRecord({"config": self.text, "round": round, "client": client,
+                               "num-clients": len(self.nodes), "refused-round": self.refused.get(client, -1),
+                               "state-key": self.run_key or "",
+                               "keep-from": round if self.keep_from is None else self.keep_from})
+        if self.secure is not None:  # the node packs its reply for SecAgg+ (fedhpro.flower.secagg.client_vector)
+            header[secagg.SCALE] = self.secure.scale
+            header[secagg.CLIP] = self.secure.settings.clipping_range
+        return header
 
     # the rows so far; first_round: rounds done before this start (a resumed run): Flower's round 1 is this round
     rows = property(lambda self: self.run.metrics)
@@ -556,6 +586,9 @@ class MethodStrategy(Strategy):
         online = self._rejoin(grid)
         encoded = records.encode_payload(current.payload)
         self._sent = []
+        if self.secure is not None:
+            self._secure_round(grid, current, encoded, online)
+            return []  # the SecAgg+ stages have run: nothing more to send this step
         for k in current.to_ask:
             if self.nodes[k] in online:
                 self._sent.append((k, Message(RecordDict({**encoded, HEADER: self._header(current.round, k)}),
@@ -569,6 +602,8 @@ class MethodStrategy(Strategy):
         """Hand every reply to the protocol in client order (the simulator's order), then close the round."""
         current = self._round
         assert current is not None
+        if self.secure is not None:
+            self._receive_secure(current)
         answers = _match_replies(self._sent, list(replies))  # read once
         for k, _ in self._sent:
             reply = answers.get(k)
@@ -594,6 +629,63 @@ class MethodStrategy(Strategy):
         self._times = {"clients": client_seconds, "server": time.perf_counter() - timer}
         arrays = ArrayRecord({key: records.to_array(v) for key, v in self.server.global_weights().items()})
         return arrays, records.encode_metrics(weighted_mean(current.train_metrics))
+
+    # ------------------------------------------------------------------ secure aggregation
+
+    def _secure_round(self, grid: Grid, current: OpenRound, encoded: Mapping[str, Any], online: set[int]) -> None:
+        """Run the round's SecAgg+ stages (Flower's workflow) over the participants whose node is online:
+        each gets the round's payload and its header in the stage where it trains."""
+        assert self.secure is not None
+        contents: dict[int, RecordDict] = {}
+        self._asked = {}
+        for k in current.to_ask:
+            if self.nodes[k] in online:
+                contents[self.nodes[k]] = RecordDict({**encoded, HEADER: self._header(current.round, k)})
+                self._asked[self.nodes[k]] = k
+            else:
+                current.fail(k, NODE_OFFLINE)
+        self._outcome = None
+        if len(contents) < 2:
+            for k in self._asked.values():
+                current.fail(k, "not asked: secure aggregation needs at least 2 answering participants")
+            self._asked = {}
+            return
+        self._outcome = secagg.run_round(grid, current.round, contents, self.secure.settings, self.secure.layout.size,
+                                         self.secure.timeout, _error_reason)
+
+    def _receive_secure(self, current: OpenRound) -> None:
+        """Hand the protocol one reply per summed client, rebuilt from the secure sum (all carrying the
+        aggregate); the clients SecAgg+ dropped fail with its reason. A dropped client whose node trained
+        goes back to its state from before the round (marked refused: its update was not used)."""
+        assert self.secure is not None
+        outcome, asked = self._outcome, self._asked
+        summed = [] if outcome is None else outcome.summed
+        for node, k in sorted(asked.items(), key=lambda item: item[1]):
+            if node in summed:
+                continue
+            assert outcome is not None
+            reason = outcome.failures.get(node) or (
+                f"SecAgg+ stopped in stage {outcome.halted}: fewer nodes left than its threshold"
+                if outcome.halted else "dropped in SecAgg+")
+            current.fail(k, reason)
+            self.refused[k] = current.round
+        if outcome is None or not summed or outcome.total is None:
+            return
+        clients = sorted(asked[node] for node in summed)
+        names = sorted({name for node in summed for name in outcome.metric_names.get(node, [])})
+        num_samples = [self.side.num_samples[k] for k in clients]
+        try:
+            replies, metrics = secagg.rebuild_replies(self.secure.layout, outcome.total,
+                                                      current.payload.get("weights") or {}, num_samples,
+                                                      self.secure.scale, self.secure.settings.step, names)
+        except UpdateError as error:  # the sum cannot come from these clients: none of it is used
+            for k in clients:
+                current.fail(k, f"invalid secure sum: {error}")
+                self.refused[k] = current.round
+            return
+        for k, reply in zip(clients, replies, strict=True):
+            if current.receive(k, reply, dict(metrics), self.side.num_samples[k]) is Reception.INVALID:
+                self.refused[k] = current.round
 
     # ------------------------------------------------------------------ evaluation
 
@@ -718,6 +810,8 @@ def _run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, An
     if config.run.resume:
         config, resume_from = resumed_config(config, base, split_run_config(run_config)[0])
     config = load_config(config.to_dict(), {"progress": False})  # no progress bars in a server log
+    if settings.secure_aggregation == "secagg+":
+        secagg.check_secure_config(config)  # before any node is asked
     out = Path(config.run.resume) if config.run.resume else Path(config.run.out) if config.run.out else None
     if out is not None:
         for where in (out, checkpoint.checkpoint_dir(out)):  # what a killed ServerApp left half-written
@@ -755,7 +849,8 @@ def _run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, An
                               f"hold partitions; set clients={federation.num_clients} or run that many SuperNodes")
         partition, notes = federation.partition, federation.notes
     nodes = NodeMap(nodes, getattr(nodes, "infos", None), _client_keys(grid, nodes, settings))
-    strategy = MethodStrategy(side, config, nodes, run_key(config, secrets.token_hex(8)), settings.node_auth)
+    strategy = MethodStrategy(side, config, nodes, run_key(config, secrets.token_hex(8)), settings.node_auth,
+                              secure_for(config, side, settings))
     folder = driver.RunFolder(out, config.run, strategy.run, started) if out is not None else None
     if folder is not None and resume_from is not None:
         resume_strategy(strategy, folder, resume_from)

@@ -18,6 +18,12 @@ Keys under ``flower.`` configure the Flower layer itself, not the experiment:
 that comes back with a new node id takes its client back only with the key
 that client's node had at the start).
 
+``flower.secure-aggregation=secagg+`` sums the clients' uploads with Flower's SecAgg+ (the server
+learns only the sum; :mod:`fedhpro.flower.secagg`), tuned by ``flower.secagg-clipping-range`` (every
+summed value must lie within it), ``flower.secagg-quantization-range`` (integers each value is
+quantized to), ``flower.secagg-shares`` (the share of the other participants a node shares its keys
+with) and ``flower.secagg-threshold`` (the share of those needed to recover a node that dropped out).
+
 One default differs from ``fedhpro run``'s: unless the run sets
 ``checkpoint_every``, a Flower run writes a checkpoint after every round
 (:data:`FLOWER_CHECKPOINT_EVERY`): a SuperLink or ServerApp killed mid-run
@@ -28,6 +34,7 @@ records the value used.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +47,31 @@ from fedhpro.errors import ConfigError
 FLOWER_PREFIX = "flower."
 
 
+#: the values of ``flower.secure-aggregation``
+SECURE_AGGREGATION = ("none", "secagg+")
+
+
+@dataclass(frozen=True)
+class SecureSettings:
+    """SecAgg+'s knobs (``flower.secagg-*``): the clipping range ``r`` and quantization range ``Q`` of every
+    summed value, the share of the other participants each node shares its keys with, and the share of
+    those needed to rebuild a dropped node's masks (SecAgg+'s threshold, at least 2 nodes)."""
+
+    clipping_range: float = 64.0
+    quantization_range: int = 2 ** 30
+    shares: float = 1.0
+    threshold: float = 0.5
+
+    @property
+    def step(self) -> float:
+        """The quantization step ``2r / Q``: each client's value is off by less than this in the sum."""
+        return 2.0 * self.clipping_range / self.quantization_range
+
+    def modulus(self, participants: int) -> int:
+        """The mask modulus: a power of two above ``participants * Q`` (the sum must not wrap)."""
+        return 2 ** max(32, (participants * self.quantization_range).bit_length())
+
+
 @dataclass(frozen=True)
 class FlowerSettings:
     """How the ServerApp talks to the nodes (not part of what the experiment computes)."""
@@ -47,10 +79,16 @@ class FlowerSettings:
     node_wait: float = 600.0  # seconds until every partition's node must have connected (Ray + torch start slowly)
     round_timeout: float = 3600.0  # seconds to wait for one round's replies
     node_auth: bool = False  # the SuperLink authenticates SuperNodes: a returning node must show its client's key
+    secure_aggregation: str = "none"  # "secagg+": the server learns only the sum of the uploads
+    secagg: SecureSettings = SecureSettings()
 
 
 _FLOWER_KEYS = {"flower.node-wait": "node_wait", "flower.round-timeout": "round_timeout",
-                "flower.node-auth": "node_auth"}
+                "flower.node-auth": "node_auth", "flower.secure-aggregation": "secure_aggregation",
+                "flower.secagg-clipping-range": "clipping_range", "flower.secagg-quantization-range":
+                "quantization_range", "flower.secagg-shares": "shares", "flower.secagg-threshold": "threshold"}
+#: the largest flower.secagg-quantization-range: SecAgg+ quantizes to 32-bit integers
+MAX_QUANTIZATION_RANGE = 2 ** 31 - 1
 #: ``checkpoint_every`` of a Flower run that does not set it: a checkpoint after every round, so that a run
 #: whose SuperLink or ServerApp dies can be resumed (``fedhpro run``'s default, 5, would lose up to 4 rounds
 #: and leave nothing to resume before round 5)
@@ -75,6 +113,7 @@ def split_run_config(run_config: Mapping[str, Any]) -> tuple[dict[str, Any], Flo
     """``(fedhpro overrides, FlowerSettings)`` from a Flower run config; raises ConfigError on a bad value."""
     overrides: dict[str, Any] = {}
     flower: dict[str, Any] = {}
+    secure: dict[str, Any] = {}
     for key, raw in run_config.items():
         if key.startswith(FLOWER_PREFIX):
             if key not in _FLOWER_KEYS:
@@ -85,6 +124,14 @@ def split_run_config(run_config: Mapping[str, Any]) -> tuple[dict[str, Any], Flo
                     raise ConfigError(f"{key}={raw!r} must be true or false")
                 flower["node_auth"] = value
                 continue
+            if key == "flower.secure-aggregation":
+                if value not in SECURE_AGGREGATION:
+                    raise ConfigError(f"{key}={raw!r} must be one of {', '.join(SECURE_AGGREGATION)}")
+                flower["secure_aggregation"] = value
+                continue
+            if key.startswith("flower.secagg-"):
+                secure[_FLOWER_KEYS[key]] = _secagg_value(key, raw, value)
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"{key}={raw!r} must be a number of seconds > 0")
             flower[_FLOWER_KEYS[key]] = float(value)
@@ -93,7 +140,24 @@ def split_run_config(run_config: Mapping[str, Any]) -> tuple[dict[str, Any], Flo
         if value is None:
             continue  # "" = the default
         overrides[key] = value
-    return overrides, FlowerSettings(**flower)
+    return overrides, FlowerSettings(**flower, secagg=SecureSettings(**secure))
+
+
+def _secagg_value(key: str, raw: Any, value: Any) -> float | int:
+    """A ``flower.secagg-*`` value within its bounds; ConfigError (one line) otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{key}={raw!r} must be a number")
+    if key == "flower.secagg-quantization-range":
+        if value != int(value) or not 2 ** 8 <= value <= MAX_QUANTIZATION_RANGE:
+            raise ConfigError(f"{key}={raw!r} must be a whole number in [256, {MAX_QUANTIZATION_RANGE}]")
+        return int(value)
+    if key == "flower.secagg-clipping-range":
+        if value <= 0:
+            raise ConfigError(f"{key}={raw!r} must be > 0")
+        return float(value)
+    if not 0 < value <= 1:
+        raise ConfigError(f"{key}={raw!r} must be a share in (0, 1]")
+    return float(value)
 
 
 def config_from_run_config(run_config: Mapping[str, Any], base: Mapping[str, Any] | None = None
@@ -146,6 +210,12 @@ def default_app_config_toml() -> str:
     lines.append(f'"flower.node-wait" = {FlowerSettings.node_wait!r}  # seconds to wait for the SuperNodes')
     lines.append(f'"flower.round-timeout" = {FlowerSettings.round_timeout!r}  # seconds to wait for a round\'s replies')
     lines.append('"flower.node-auth" = false  # true: the SuperLink runs with --enable-supernode-auth (keys checked)')
+    secure = SecureSettings()
+    lines.append('"flower.secure-aggregation" = "none"  # "secagg+": Flower\'s SecAgg+, the server learns only sums')
+    lines.append(f'"flower.secagg-clipping-range" = {secure.clipping_range!r}  # every summed value lies within it')
+    lines.append(f'"flower.secagg-quantization-range" = {secure.quantization_range!r}  # integers per summed value')
+    lines.append(f'"flower.secagg-shares" = {secure.shares!r}  # share of the participants a node shares keys with')
+    lines.append(f'"flower.secagg-threshold" = {secure.threshold!r}  # share of those needed to recover a dropout')
     return "\n".join(lines) + "\n"
 
 
