@@ -87,7 +87,7 @@ def model_problem(model: nn.Module) -> str | None:
                      and any(p.requires_grad for p in module.parameters(recurse=False))})
     if mixing:
         return (f"the model has {', '.join(mixing)} layers, whose batch statistics mix the samples of a batch "
-                "(no per-sample gradient); privacy=sample refuses them: use model=cnn, mlp or textcnn")
+                "(no per-sample gradient); privacy=sample refuses them: use model=cnn, cnn4, mlp or textcnn")
     return None
 
 
