@@ -347,3 +347,21 @@ def test_a_client_whose_counts_drown_in_the_noise_is_dropped_with_one_line():
     client = client_of("fedproto", private_train(epochs=3, batch_size=1, dp_noise_multiplier=1.0))
     with pytest.raises(UpdateError, match="below the noise threshold"):
         client.fit(model, {"weights": clone_weights(model)}, data, {}, torch.Generator().manual_seed(0))
+
+
+def test_a_term_declared_public_that_reads_the_batch_is_refused():
+    """A public term's gradient joins unclipped: one that depends on the samples' features would leak."""
+    from fedhpro.methods.base import Client
+
+    class LeakyClient(Client):
+        public_loss_terms = frozenset({"leak"})
+
+        def loss_terms(self, round):
+            return lambda batch: {"leak": batch.z.pow(2).mean()}
+
+    data = make_client(10, [0, 1], seed=1)
+    model = TinyNet()
+    client = LeakyClient(MethodContext(model=TinyNet(), num_classes=NUM_CLASSES,
+                                       options=METHODS["fedavg"].options(), train=private_train(), seed=0))
+    with pytest.raises(ConfigError, match="declared public"):
+        client.fit(model, {"weights": clone_weights(model)}, data, {}, torch.Generator().manual_seed(0))

@@ -233,6 +233,11 @@ def _private_backward(hooks: Any, parameters: Sequence[nn.Parameter], features: 
         try:
             first, *rest = shared
             total = sum(rest, first)
+            if total.requires_grad and any(g is not None for g in torch.autograd.grad(
+                    total, [z, logits], retain_graph=True, allow_unused=True)):
+                names = sorted(name for name in terms if name in public_terms)
+                raise ConfigError(f"the loss terms {names} are declared public (public_loss_terms) but depend on "
+                                  "the batch's features: under privacy=sample they must not (or leave them out)")
             if total.requires_grad:
                 public = list(torch.autograd.grad(total, parameters, allow_unused=True))
         finally:
