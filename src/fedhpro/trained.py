@@ -137,7 +137,7 @@ def _benchmark_preset(dataset: str) -> Any:
 
     if dataset not in BENCHMARKS:
         return None
-    benchmark = getattr(BENCHMARKS[dataset]().build, "__self__", None)  # the benchmark whose build it is
+    benchmark: Any = getattr(BENCHMARKS[dataset]().build, "__self__", None)  # the benchmark whose build it is
     sources = ([source for _, source, _ in benchmark.domains] if hasattr(benchmark, "domains")
                else [getattr(benchmark, "source", None)])
     presets = {(PRESETS[s].mean, PRESETS[s].std) for s in sources if s in PRESETS}
@@ -364,7 +364,9 @@ def _empty_module(config: Config, info: Mapping[str, Any], architecture: str,
     if inference == HEAD:
         return network
     if inference == NEAREST_PROTOTYPE:
-        classes, dim = int(info["num_classes"]), int(network.classifier.in_features)  # type: ignore[union-attr]
+        from fedhpro.methods.base import classifier_of
+
+        classes, dim = int(info["num_classes"]), classifier_of(network).in_features
         return NearestPrototypeClassifier(network, torch.zeros(classes, dim), torch.zeros(classes, dtype=torch.bool))
     raise ModelFileError(f"{folder / MODEL_INFO} names the inference rule {inference!r}, which this fedhpro does not "
                          f"know ({HEAD} or {NEAREST_PROTOTYPE})")
@@ -460,6 +462,10 @@ def load_model(run_folder: str | os.PathLike, *, client: int | None = None,
         if entry is None:
             raise ConfigError(_no_client_message(info, int(client), str(folder)))
         path, architecture = folder / str(entry["file"]), str(entry["architecture"])
+        if info.get("on_nodes") and not path.is_file():
+            raise ModelFileError(f"{folder} is a Flower run whose clients keep their own models: client {client}'s "
+                                 "was written on its node's own disk; load it there, "
+                                 f"fedhpro.load_model(<that node's model folder>, client={client})")
     module = _empty_module(config, info, architecture, model, folder)
     state = read_state(path)
     what = (f"the model {folder / MODEL_INFO} describes ({architecture}, {info['num_classes']} classes, inputs "
