@@ -109,7 +109,11 @@ def input_description(config: Config, input_shape: Sequence[int], dtype: torch.d
     for a data set of images (``resize``: any size is resized as in training; else only S x S images fit), or
     ``{"kind": "tensor", "shape": [...], "dtype": "float32" | "int64"}`` (tabular, tokens, data from Python)."""
     shape = [int(n) for n in input_shape]
-    tensor = {"kind": "tensor", "shape": shape, "dtype": str(dtype).removeprefix("torch.")}
+    tensor: dict[str, Any] = {"kind": "tensor", "shape": shape, "dtype": str(dtype).removeprefix("torch.")}
+    standardize = getattr(config.data, "standardize", "none")
+    if standardize != "none" and len(shape) == 1 and dtype.is_floating_point:
+        # each client scaled its features by its own statistics: a new input has no one map, the user scales it
+        tensor["standardize"] = standardize
     dataset = config.run.dataset
     if config.federation is not None or len(shape) != 3 or shape[0] != 3 or shape[1] != shape[2]:
         return tensor
@@ -259,15 +263,23 @@ def personal_module(models: Any, server: Any, k: int, weights: Mapping[str, Tens
     return tested_module(server, network)
 
 
-def write_server_model(out: str | os.PathLike, side: Any, num_classes: int, input_shape: Sequence[int],
-                       partition: Mapping[str, Any] | None, input_dtype: torch.dtype = torch.float32) -> None:
+def write_server_model(out: str | os.PathLike, side: Any, partition: Mapping[str, Any] | None) -> None:
     """Flower ServerApp: the final global model of ``side`` (:class:`fedhpro.flower.engine.ServerSide`) into
-    its run folder ``out`` (model.pt and model.json), as :func:`simulator_models` writes it. With personal
-    models the server holds none: model.json then names the clients' files, which each node writes on its
-    own disk (:func:`write_node_model`)."""
+    its run folder ``out`` (model.pt and model.json), as :func:`simulator_models` writes it; ``partition`` is
+    the run's partition record (partition.json's). The classes and input shape come from the engine's
+    federation (partition mode) or from what the nodes reported (own data: ``partition["clients"]``). With
+    personal models the server holds none: model.json then names the clients' files, which each node writes
+    on its own disk (:func:`write_node_model`). Call it once the last round is done, before summary.json."""
     config = side.config
-    inputs = input_description(config, input_shape, input_dtype, partition)
-    classes = _classes(partition)
+    num_classes = int(side.server.num_classes)
+    if side.engine is not None:
+        federation = side.engine.federation
+        input_shape, dtype = tuple(federation.input_shape), federation.clients[0].x.dtype
+    else:
+        reported = (partition or {}).get("clients") or [{}]
+        input_shape, dtype = tuple(int(n) for n in reported[0].get("input_shape", ())), torch.float32
+    inputs = input_description(config, input_shape, dtype, partition)
+    classes = list(config.data.classes) if getattr(config.data, "classes", None) else _classes(partition)
     if not side.models.personal:
         network = copy.deepcopy(side.models.global_model)
         network.load_state_dict(side.server.global_weights())
