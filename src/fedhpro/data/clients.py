@@ -390,10 +390,11 @@ def _kind(folder: Path) -> str:
     if has_images:
         return "images"
     if "train" in tensor_files:
-        if "test" in splits or "val" in splits:
-            name = splits.get("test", splits.get("val"))
-            raise DataError(f"client folder {folder} holds train{tensor_files['train'].suffix} and a {name.name}/ "
-                            f"folder; save its test data as test{tensor_files['train'].suffix} instead")
+        test_folder = splits.get("test", splits.get("val"))
+        if test_folder is not None:
+            suffix = tensor_files["train"].suffix
+            raise DataError(f"client folder {folder} holds train{suffix} and a {test_folder.name}/ folder; save its "
+                            f"test data as test{suffix} instead")
         return "tensors"
     raise DataError(f"client folder {folder} has no training data; give it train/<class>/<image> files or "
                     "train.pt / train.npz (x, y), or move it out of data_dir")

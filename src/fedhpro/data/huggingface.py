@@ -269,8 +269,8 @@ def build(options: HuggingFaceOptions, clients: int | None, seed: int, data_dir:
                 raise ConfigError(f"the {options.test_split!r} split of {options.path} has no column {name!r}")
     if len(train) == 0:
         raise DataError(f"the {options.train_split!r} split of {options.path} is empty; give it samples")
-    train_y, test_y, classes = _labels(_values(train, options.label_column),
-                                       _values(test, options.label_column) if test is not None else [],
+    train_y, test_y, classes = _labels(_values(train, label_column),
+                                       _values(test, label_column) if test is not None else [],
                                        _label_names(train, options), options)
     held_out = test is None
     if held_out:
