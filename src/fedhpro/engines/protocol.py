@@ -82,7 +82,7 @@ from fedhpro.seeds import derive_seed
 
 # stream tags: each kind of randomness gets its own stream
 INIT, SAMPLE, TRAIN, SERVER, FAULT = 1, 2, 3, 4, 5
-# (6, PRIVACY: the privacy noise's stream, is fedhpro.privacy.client's)
+# (6 and 7, the privacy noise's streams, are fedhpro.privacy.client's PRIVACY and CENTRAL_NOISE)
 
 
 def train_generator(seed: int, round: int, client: int) -> torch.Generator:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -83,13 +83,15 @@ def round_event(noise_multiplier: float, sampling_rate: float, class_tensors: bo
     return dpa.PoissonSampledDpEvent(sampling_rate, event)
 
 
-def event_epsilon(event: dp_accounting.DpEvent, count: int, delta: float, local: bool) -> float:
-    """Epsilon at ``delta`` of ``event`` composed ``count`` times (0 for none; inf without noise)."""
+def event_epsilon(event: dp_accounting.DpEvent, count: int, delta: float, local: bool,
+                  orders: Sequence[float] | None = None) -> float:
+    """Epsilon at ``delta`` of ``event`` composed ``count`` times (0 for none; inf without noise), over the RDP
+    ``orders`` (default: dp-accounting's)."""
     if count <= 0:
         return 0.0
     dpa = _dp_accounting()
     relation = dpa.NeighboringRelation.REPLACE_ONE if local else dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
-    accountant = dpa.rdp.RdpAccountant(neighboring_relation=relation)
+    accountant = dpa.rdp.RdpAccountant(orders=orders, neighboring_relation=relation)
     with _quiet_absl():
         accountant.compose(event, count)
         return float(accountant.get_epsilon(delta))
@@ -129,12 +131,15 @@ class ClientLedger:
         participation: ``q``, the Poisson sampling rate of each client in each round.
         class_tensors: whether the method uploads per-class tensors (then the holder counts are a second
             Gaussian mechanism every round).
+        orders: the RDP orders (default: dp-accounting's, fractional ones included).
     """
 
     accountant = ACCOUNTANT
 
-    def __init__(self, options: Any, num_clients: int, rounds: int, participation: float, class_tensors: bool):
+    def __init__(self, options: Any, num_clients: int, rounds: int, participation: float, class_tensors: bool,
+                 orders: Sequence[float] | None = None):
         self.options = options
+        self.orders = list(orders) if orders is not None else None
         self.num_clients = int(num_clients)
         self.rounds = int(rounds)
         self.sampling_rate = float(min(max(participation, 0.0), 1.0))
@@ -160,7 +165,7 @@ class ClientLedger:
         key = (sigma, count)
         if key not in self._cache:
             event = round_event(sigma, self.sampling_rate, self.class_tensors, self.local)
-            self._cache[key] = event_epsilon(event, count, self.delta, self.local)
+            self._cache[key] = event_epsilon(event, count, self.delta, self.local, self.orders)
         return self._cache[key]
 
     def epsilon(self, participations: Mapping[int, int], rounds_done: int) -> float:

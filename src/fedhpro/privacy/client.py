@@ -44,8 +44,10 @@ from fedhpro.errors import FedHProError
 from fedhpro.methods.base import ClassRows
 from fedhpro.seeds import derive_seed
 
-#: the seed stream of the privacy noise (the round protocol's streams are 1-5: fedhpro.engines.protocol)
-PRIVACY = 6
+#: the seed streams of the privacy noise: a client's local noise (PRIVACY, round, client) and the server's
+#: central noise (CENTRAL_NOISE, round); two tags, as NumPy's seed sequences read (.., round) and
+#: (.., round, 0) alike (the round protocol's streams are 1-5: fedhpro.engines.protocol)
+PRIVACY, CENTRAL_NOISE = 6, 7
 #: the reply key of a client's (noised, under local noise) 0/1 vector of the classes it holds
 HOLDERS_KEY = "dp_holders"
 #: the reply keys the privatization replaces by public constants: they only weight the clients
@@ -98,11 +100,12 @@ def client_privacy(options: Any, noise_multiplier: float) -> ClientPrivacy:
 
 def noise_generator(settings: ClientPrivacy, seed: int, round: int, client: int | None = None) -> torch.Generator:
     """The generator of a round's noise: client ``client``'s local noise, or (``client=None``) the server's
-    central noise. Seeded from ``(seed, PRIVACY, round[, client])`` (reproducible, the same on every
-    engine), or from the operating system's randomness with ``settings.secure_noise``."""
+    central noise. Seeded from ``(seed, PRIVACY, round, client)``, resp. ``(seed, CENTRAL_NOISE, round)``
+    (reproducible, the same on every engine), or from the operating system's randomness with
+    ``settings.secure_noise``."""
     if settings.secure_noise:
         return torch.Generator().manual_seed(secrets.randbits(63))
-    parts = (seed, PRIVACY, round) if client is None else (seed, PRIVACY, round, client)
+    parts = (seed, CENTRAL_NOISE, round) if client is None else (seed, PRIVACY, round, client)
     return torch.Generator().manual_seed(derive_seed(*parts))
 
 
