@@ -210,12 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
                       description=_REPRODUCE_DESCRIPTION + _SWEEP_HELP)
     _settings_command(
         commands, "report", _cmd_report, metavar="RUN_DIR",
-        help="tables and plots from finished runs (accuracy curves, L_GM, fairness)",
+        help="tables and plots from finished runs or a comparison (accuracy curves, L_GM, fairness)",
         description="fedhpro report RUN_DIR [RUN_DIR ...] [out=DIR] [force=true]: table.md/table.csv (final "
                     "accuracy, fairness, communication, FLOPs) and accuracy.png, gm_loss.png, fairness.png, "
-                    "prototype_distance.png (default out=<first run's parent>/report). A run without summary.json "
-                    "is marked unfinished (4/10 rounds). An out= holding a report of other runs is refused "
-                    "unless force=true; a report of the same runs is refreshed.")
+                    "prototype_distance.png (default out=<first run's parent>/report). The out= folder of "
+                    "`fedhpro compare` gives the report over seeds instead: per method the mean ± std table and "
+                    "the mean accuracy curve with a min-max band over the seeds (default out=<that folder>/report). "
+                    "A run without summary.json is marked unfinished (4/10 rounds). An out= holding a report of "
+                    "other runs is refused unless force=true; a report of the same runs is refreshed.")
     predict_parser = commands.add_parser(
         "predict", help="classify images or tensors with a finished run's trained model: a CSV",
         description="fedhpro predict RUN_FOLDER PATH... [--out FILE.csv]: the run's trained model (model.pt, "
