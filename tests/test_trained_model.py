@@ -251,3 +251,32 @@ def test_the_flower_writers_give_what_load_model_rebuilds(digits_data_dir, tmp_p
     written = write_node_model(tmp_path / "node", personal, node, model, side.engine.federation.partition)
     assert written == tmp_path / "node" / "models" / "client_1.pt"
     assert torch.equal(fedhpro.load_model(tmp_path / "node", client=1)(x), model.eval()(x))
+
+
+def test_predict_resizes_as_an_image_folder_run_did_and_names_its_classes(tmp_path):
+    """dataset=imagefolder resizes every image to data.image_size: predict does too. Reference: Pillow's
+    RGB conversion and bilinear resize, and the [-1, 1] scaling, written out here."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    for name, digit in (("one", 1), ("seven", 7)):
+        (tmp_path / "images" / name).mkdir(parents=True)
+        for i, image in enumerate(digits.images[digits.target == digit][:20]):
+            size = 12 if i % 2 else 20
+            pixels = Image.fromarray((image * 255 / 16).astype(np.uint8)).resize((size, size))
+            pixels.save(tmp_path / "images" / name / f"{i}.png")
+    result = fedhpro.run(dataset="imagefolder", data_dir=str(tmp_path / "images"), out=str(tmp_path / "run"),
+                         rounds=1, clients=2, local_epochs=1, feature_dim=16, progress=False, threads=1,
+                         device="cpu", **{"data.image_size": 16})
+    new = tmp_path / "new.png"
+    grey = Image.fromarray((digits.images[digits.target == 7][30] * 255 / 16).astype(np.uint8)).resize((24, 24))
+    grey.save(new)
+    expected_pixels = np.asarray(grey.convert("RGB").resize((16, 16), Image.Resampling.BILINEAR), dtype=np.float32)
+    x = torch.from_numpy(expected_pixels.transpose(2, 0, 1).copy()).unsqueeze(0) / 127.5 - 1.0
+    with torch.no_grad():
+        expected = torch.softmax(result.model(x).double(), dim=1)[0]
+    rows = read_csv(fedhpro.predict(result.out, [new]))
+    assert list(rows[0]) == ["path", "predicted", "p_one", "p_seven"]
+    assert [float(rows[0]["p_one"]), float(rows[0]["p_seven"])] == pytest.approx(expected.tolist(), rel=1e-5)
+    assert rows[0]["predicted"] == ["one", "seven"][int(expected.argmax())]
