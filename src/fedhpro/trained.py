@@ -120,7 +120,9 @@ def input_description(config: Config, input_shape: Sequence[int], dtype: torch.d
     size = shape[1]
     half = {"kind": "image", "size": size, "mean": [0.5] * 3, "std": [0.5] * 3, "normalize": "half"}
     if dataset in RESIZING_DATASETS:
-        kind = (partition or {}).get("kind")
+        record = partition or {}
+        reported = record.get("clients") or [{}]  # Flower's own-data record: the kind each node reported
+        kind = record.get("kind", reported[0].get("kind") if isinstance(reported[0], Mapping) else None)
         if dataset == "clients" and kind != "images":
             return tensor
         if dataset == "huggingface" and getattr(config.data, "text_column", None):
