@@ -280,3 +280,35 @@ def test_predict_resizes_as_an_image_folder_run_did_and_names_its_classes(tmp_pa
     assert list(rows[0]) == ["path", "predicted", "p_one", "p_seven"]
     assert [float(rows[0]["p_one"]), float(rows[0]["p_seven"])] == pytest.approx(expected.tolist(), rel=1e-5)
     assert rows[0]["predicted"] == ["one", "seven"][int(expected.argmax())]
+
+
+class ScaledLogits(torch.nn.Module):
+    """A plug-in method's own inference rule: the model's logits doubled (argmax unchanged)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return 2.0 * self.model(x)
+
+
+def test_a_plug_in_inference_rule_is_not_saved_and_says_so(digits_data_dir, tmp_path, capsys):
+    import dataclasses
+
+    from fedhpro.methods import register
+    from fedhpro.methods.base import Server
+    from fedhpro.methods.fedavg import METHOD
+
+    class ScalingServer(Server):
+        def inference_model(self, model):
+            return ScaledLogits(model)
+
+    register("fedavg-scaled-logits", dataclasses.replace(METHOD, server=ScalingServer), replace=True)
+    result = fedhpro.run(**tiny(digits_data_dir, tmp_path / "run", method="fedavg-scaled-logits"))
+    info = json.loads((result.out / "model.json").read_text())
+    assert info["inference"] == "head" and "ScaledLogits" in info["note"]
+    assert "ScaledLogits" in capsys.readouterr().err  # the user is warned; the run finished
+    x = torch.randn(3, 3, 32, 32)
+    model = fedhpro.load_model(result.out)
+    assert not isinstance(model, ScaledLogits) and torch.equal(model(x), result.model(x))

@@ -154,7 +154,7 @@ def _benchmark_preset(dataset: str) -> Any:
 
 def model_info(config: Config, num_classes: int, input_shape: Sequence[int], classes: Sequence[str] | None,
                inputs: Mapping[str, Any], inference: str, personal: Mapping[int, str] | None,
-               why_personal: str = "") -> dict[str, Any]:
+               why_personal: str = "", note: str | None = None) -> dict[str, Any]:
     """model.json: everything that rebuilds the run's models together with its config.yaml."""
     names = [str(c) for c in classes] if classes is not None and len(classes) == num_classes else \
         [str(c) for c in range(num_classes)]
@@ -174,27 +174,40 @@ def model_info(config: Config, num_classes: int, input_shape: Sequence[int], cla
     }
     if personal:
         info["why_personal"] = why_personal
+    if note:
+        info["note"] = note
     return info
 
 
-def inference_of(module: nn.Module, network: nn.Module) -> str:
+def inference_of(module: nn.Module, network: nn.Module) -> str | None:
     """The rule ``module`` (what the method's server tests ``network`` through) applies: ``head`` when it is
-    the network itself, ``nearest-prototype`` for the prototype methods' nearest-prototype classifier."""
+    the network itself, ``nearest-prototype`` for the prototype methods' nearest-prototype classifier, None
+    for another module (a plug-in method's own rule, which fedhpro cannot rebuild from a folder)."""
     from fedhpro.methods.prototypes import NearestPrototypeClassifier
 
     if module is network:
         return HEAD
     if isinstance(module, NearestPrototypeClassifier):
         return NEAREST_PROTOTYPE
-    raise ConfigError(f"the method tests its model through a {type(module).__name__}, which fedhpro cannot save "
-                      "and rebuild; return the model itself or a NearestPrototypeClassifier from inference_model")
+    return None
 
 
-def tested_module(server: Any, network: nn.Module) -> tuple[nn.Module, str]:
-    """``network`` (moved to the CPU, eval mode) through the server's inference rule, and that rule's name."""
+def tested_module(server: Any, network: nn.Module) -> tuple[nn.Module, str, str | None]:
+    """``(module, rule, note)``: ``network`` (moved to the CPU, eval mode) through the server's inference rule
+    and that rule's name. A rule fedhpro cannot rebuild (a plug-in method's own module) leaves the network
+    with its own classifier, and a note saying so (the run is not stopped for it; the user is warned)."""
     network = network.cpu().eval()
     module = server.inference_model(network)
-    return module.cpu().eval(), inference_of(module, network)
+    inference = inference_of(module, network)
+    if inference is not None:
+        return module.cpu().eval(), inference, None
+    note = (f"the method tests its model through a {type(module).__name__} (its own inference rule), which "
+            "fedhpro cannot rebuild from a folder: this is the network with its own classifier, whose logits "
+            "may differ from those the run was tested with")
+    from fedhpro.experiment import _warn
+
+    _warn(note)
+    return network, HEAD, note
 
 
 def tensors_only(module: nn.Module) -> dict[str, Tensor]:
@@ -241,20 +254,22 @@ def simulator_models(config: Config, simulator: Any, federation: Any) -> Trained
     if not models.personal:
         network = copy.deepcopy(models.global_model)
         network.load_state_dict(server.global_weights())
-        module, inference = tested_module(server, network)
-        info = model_info(config, federation.num_classes, federation.input_shape, classes, inputs, inference, None)
+        module, inference, note = tested_module(server, network)
+        info = model_info(config, federation.num_classes, federation.input_shape, classes, inputs, inference, None,
+                          note=note)
         return TrainedModels(info, global_model=module)
     personal: dict[int, nn.Module] = {}
-    inference = HEAD
+    inference, note = HEAD, None
     for k in range(federation.num_clients):
-        personal[k], inference = personal_module(models, server, k, models.client_weights[k])
+        personal[k], inference, note = personal_module(models, server, k, models.client_weights[k])
     names = {k: _architecture(config, models.architectures, k) for k in personal}
     info = model_info(config, federation.num_classes, federation.input_shape, classes, inputs, inference, names,
-                      _why_personal(config))
+                      _why_personal(config), note=note)
     return TrainedModels(info, personal=personal)
 
 
-def personal_module(models: Any, server: Any, k: int, weights: Mapping[str, Tensor]) -> tuple[nn.Module, str]:
+def personal_module(models: Any, server: Any, k: int,
+                    weights: Mapping[str, Tensor]) -> tuple[nn.Module, str, str | None]:
     """Client ``k``'s personal model (``weights``) with the server's global shared part loaded, through the
     server's inference rule: what the run tests client ``k`` with. A copy; ``models`` is not changed."""
     from fedhpro.methods.base import load_weights
@@ -285,9 +300,9 @@ def write_server_model(out: str | os.PathLike, side: Any, partition: Mapping[str
     if not side.models.personal:
         network = copy.deepcopy(side.models.global_model)
         network.load_state_dict(side.server.global_weights())
-        module, inference = tested_module(side.server, network)
+        module, inference, note = tested_module(side.server, network)
         write_models(out, TrainedModels(model_info(config, num_classes, input_shape, classes, inputs, inference,
-                                                   None), global_model=module))
+                                                   None, note=note), global_model=module))
         return
     count = len(side.num_samples)
     info = model_info(config, num_classes, input_shape, classes, inputs, _inference_option(config),
@@ -318,12 +333,12 @@ def write_node_model(folder: str | os.PathLike, config: Config, node: Any, model
 
     folder = Path(folder)
     k = int(node.client)
-    module, inference = tested_module(node.server, copy.deepcopy(model))
+    module, inference, note = tested_module(node.server, copy.deepcopy(model))
     x = node.data.x
     inputs = input_description(config, tuple(x.shape[1:]), x.dtype, partition)
     classes = list(config.data.classes) if getattr(config.data, "classes", None) else _classes(partition)
     info = model_info(config, int(node.data.num_classes), tuple(x.shape[1:]), classes, inputs, inference,
-                      {k: _architecture(config, node.models.architectures, k)}, _why_personal(config))
+                      {k: _architecture(config, node.models.architectures, k)}, _why_personal(config), note=note)
     save_state(folder / client_file(k), module)
     write_yaml(folder / "config.yaml", config.to_dict())
     write_atomic(folder / MODEL_INFO, json.dumps(info, indent=2) + "\n")
