@@ -354,6 +354,7 @@ class UntouchableGrid:
     ({"faults.corrupt": 0.2}, "faults.corrupt changes one client's reply"),
     ({"method": "fedtgp"}, "method=fedtgp cannot run .* trains the global prototypes on every client's own"),
     ({"method": "fedgmkd"}, "method=fedgmkd cannot run .* discrepancy"),
+    ({"privacy": "client"}, "privacy=client cannot go with flower.secure-aggregation=secagg"),
 ])
 def test_what_needs_each_update_is_refused_before_any_node_is_asked(extra, words, digits_data_dir, tmp_path):
     settings = tiny_config(digits_data_dir, **extra)
@@ -374,3 +375,31 @@ def test_a_plug_in_method_beyond_fedavg_is_refused(digits_data_dir):
     with pytest.raises(ConfigError, match="method=my-proto cannot run under .* known to need nothing but sums"):
         secagg.SecureLayout(engine.server, "my-proto")
     assert math.isfinite(secagg.SecureLayout(engine.server, "fedproto").size)
+
+
+# ---------------------------------------------------------------------------- privacy=client on Flower
+
+
+@pytest.mark.parametrize("extra", [
+    {"method": "fedproto", "privacy": "client", "privacy.noise": "local", "privacy.clip": 0.5},
+    {"method": "fedhpro", "privacy": "client", "privacy.noise": "central", "privacy.noise_multiplier": 0.3},
+])
+def test_client_level_dp_on_flower_equals_the_simulator(extra, digits_data_dir, tmp_path, inside_a_run):
+    """The node privatizes its reply where the simulator's client does (fedhpro.privacy.client.privatize_upload,
+    the same seeded noise streams), the ServerApp's round protocol releases the sum: the same rows (epsilon
+    included) and the same server state as ``fedhpro.run``, to the last bit."""
+    from test_flower import assert_same_state, core, reference
+
+    settings = tiny_config(digits_data_dir, rounds=2, **extra)
+    grid = WireGrid()
+    strategy, state = run_in_process(settings, {}, grid, tmp_path / "flower")
+    expected_rows, expected_state = reference(settings, tmp_path / "simulator")
+    assert core(strategy.rows) == core(expected_rows)
+    assert [row["privacy"] for row in strategy.rows] == [row["privacy"] for row in expected_rows]
+    assert_same_state(state, expected_state)
+    # what the nodes sent: privatized replies (public counts, the privacy's holder vector), no training metrics
+    replies = [reply for stage, reply in grid.received if stage == "train"]
+    assert len(replies) == 6
+    for reply in replies:
+        assert reply.content.config_records["fedhpro.scalars"]["num_examples"] == 1
+        assert dict(reply.content.metric_records["fedhpro.metrics"]) == {}

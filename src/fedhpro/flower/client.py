@@ -53,11 +53,13 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from fedhpro.engines.driver import test_client
+from fedhpro.engines.protocol import declared_class_keys
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.files import write_atomic_with
 from fedhpro.flower import records, secagg
 from fedhpro.flower.engine import NodeCache, NodeSide, check_partition, config_from_text, node_folder, own_data
-from fedhpro.flower.server import EVAL_RECORD, HEADER, NODE_RECORD, SERVER_STATE
+from fedhpro.flower.server import EVAL_RECORD, HEADER, NODE_RECORD, PRIVACY, SERVER_STATE
+from fedhpro.privacy.client import ClientPrivacy, noise_generator, privatize_upload
 from fedhpro.seeds import derive_seed
 
 logger = logging.getLogger("fedhpro.flower")
@@ -211,6 +213,8 @@ def train(msg: Message, context: Context) -> Message:
         # fit mutates ``state``, a copy decoded from Context.state: a failing fit leaves the stored state as it was
         reply, metrics = node.method_client.fit(model, payload, node.data, state, node.generator(round))
         header = msg.content.config_records[HEADER]
+        if PRIVACY in header:  # privacy=client: the reply leaves privatized, as the simulator's client sends it
+            reply, metrics = _privatized(node, header, payload, reply, round), {}
         if secagg.SCALE in header:
             content = _secure_content(node, header, payload, reply, metrics, round)
         else:
@@ -227,6 +231,17 @@ def train(msg: Message, context: Context) -> Message:
         header = msg.content.config_records[HEADER]
         store.prune(int(cast(int, header.get("keep-from", round))))
     return Message(content, reply_to=msg)
+
+
+def _privatized(node: NodeSide, header: ConfigRecord, payload: dict[str, Any], reply: dict[str, Any],
+                round: int) -> dict[str, Any]:
+    """``privacy=client``: the reply clipped (and under ``privacy.noise=local`` noised from this client's noise
+    stream) by :func:`fedhpro.privacy.client.privatize_upload`, with the settings the server's round protocol
+    uses (its header: sigma may be calibrated there). The training metrics stay on the node (the simulator
+    does not keep them either: computed from the data, they would leave unprotected)."""
+    settings = ClientPrivacy(**json.loads(str(header[PRIVACY])))
+    return privatize_upload(reply, payload.get("weights") or {}, declared_class_keys(node.server), settings,
+                            noise_generator(settings, node.seed, round, node.client), int(node.server.num_classes))
 
 
 def _secure_content(node: NodeSide, header: ConfigRecord, payload: dict[str, Any], reply: dict[str, Any],

@@ -248,6 +248,9 @@ def check_secure_config(config: Any) -> None:
         if float(getattr(faults, name, 0.0)) > 0:
             raise ConfigError(f"faults.{name} changes one client's reply on the server, which never sees one "
                               "under flower.secure-aggregation=secagg+; set it to 0 (faults.dropout works)")
+    if getattr(config.privacy, "mode", "none") == "client":
+        raise ConfigError("privacy=client cannot go with flower.secure-aggregation=secagg+ yet: the round protocol "
+                          "checks and sums each privatized upload itself; use one of them")
     method = config.run.method
     if method in NEEDS_EACH_UPLOAD:
         raise ConfigError(f"method={method} cannot run under flower.secure-aggregation=secagg+: "

@@ -60,6 +60,7 @@ from fedhpro.files import claim_run_folder, remove_partial_writes
 from fedhpro.flower import records, secagg
 from fedhpro.flower.engine import ServerSide, build_server_side, config_text, own_data
 from fedhpro.flower.settings import FlowerSettings, SecureSettings, config_from_run_config, split_run_config
+from fedhpro.privacy.client import privatized_layout
 from fedhpro.resume import resumed_config
 
 #: the ConfigRecord every fedhpro message carries: the resolved config (JSON), the round and the client
@@ -73,6 +74,8 @@ EVAL_RECORD = "fedhpro.eval"
 #: why a client is dropped when its node is gone: the SuperLink no longer lists it, or it stopped sending
 #: heartbeats while a message waited for it
 NODE_OFFLINE = "node offline"
+#: header entry under ``privacy=client``: the round protocol's ClientPrivacy (JSON), which the node privatizes with
+PRIVACY = "privacy"
 #: seconds a round waits for newly connected SuperNodes to say which client they hold (a restarted node)
 REJOIN_WAIT = 120.0
 
@@ -463,6 +466,8 @@ class MethodStrategy(Strategy):
                                "num-clients": len(self.nodes), "refused-round": self.refused.get(client, -1),
                                "state-key": self.run_key or "",
                                "keep-from": round if self.keep_from is None else self.keep_from})
+        if self.side.protocol.client_privacy is not None:  # privacy=client: the node privatizes its reply
+            header[PRIVACY] = json.dumps(dataclasses.asdict(self.side.protocol.client_privacy))
         if self.secure is not None:  # the node packs its reply for SecAgg+ (fedhpro.flower.secagg.client_vector)
             header[secagg.SCALE] = self.secure.scale
             header[secagg.CLIP] = self.secure.settings.clipping_range
@@ -613,8 +618,7 @@ class MethodStrategy(Strategy):
                 current.fail(k, _error_reason(reply.error))
             else:
                 try:
-                    payload = records.decode_payload(reply.content, self.side.device,
-                                                     expected=self.server.reply_layout())
+                    payload = records.decode_payload(reply.content, self.side.device, expected=self._reply_layout())
                     metrics = records.decode_metrics(reply.content)
                 except FedHProError as error:  # a malformed reply: refused like an invalid update
                     current.fail(k, f"invalid update: {error}")
@@ -629,6 +633,14 @@ class MethodStrategy(Strategy):
         self._times = {"clients": client_seconds, "server": time.perf_counter() - timer}
         arrays = ArrayRecord({key: records.to_array(v) for key, v in self.server.global_weights().items()})
         return arrays, records.encode_metrics(weighted_mean(current.train_metrics))
+
+    def _reply_layout(self) -> dict[str, Any]:
+        """What a client's reply must hold: the method's layout, under ``privacy=client`` with the privacy's
+        holder vector (:func:`fedhpro.privacy.client.privatized_layout`)."""
+        layout = self.server.reply_layout()
+        if self.side.protocol.client_privacy is not None:
+            return privatized_layout(layout, int(self.server.num_classes))
+        return layout
 
     # ------------------------------------------------------------------ secure aggregation
 
