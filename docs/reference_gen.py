@@ -74,7 +74,7 @@ def config_keys_markdown() -> str:
     for dataset in DATASETS.names():
         groups.setdefault(get_dataset(dataset).options, []).append(dataset)
     for cls, datasets in groups.items():
-        values = getattr(load_config(None, {"dataset": datasets[0]}), "data")
+        values = load_config(None, {"dataset": datasets[0]}).data
         out += [f"### {', '.join(f'`{d}`' for d in datasets)}", ""]
         out += _table("data.", cls, values) if dataclasses.fields(cls) else ["No `data.*` keys."]
         out.append("")
