@@ -296,7 +296,7 @@ def test_integer_and_float_x_across_clients_become_float32(tmp_path, capsys):
     _tensor_client(tmp_path / "fed", "site-1", torch.randn(8, 4), torch.arange(8) % 2)
     code, err = _run_clients(tmp_path, capsys, "model=mlp")
     assert code == 0, err
-    config = load_config(None, ["dataset=clients", f"data_dir={tmp_path / 'fed'}"])
+    config = load_config(None, ["dataset=clients", f"data_dir={tmp_path / 'fed'}", "data.standardize=none"])
     fed = get_dataset("clients").build(config.data, None, 0, data_dir=config.run.data_dir)
     assert fed.clients[0].x.dtype == torch.float32 and torch.equal(fed.clients[0].x, ints.float())
     assert any("integer x of site-0 converted to float32" in note for note in fed.notes)
@@ -315,7 +315,7 @@ def test_sparse_x_is_densified_and_a_huge_one_refused(tmp_path, capsys):
                    (dense[:4].to_sparse_csr(), torch.arange(4) % 2))
     code, err = _run_clients(tmp_path, capsys, "model=mlp")
     assert code == 0, err
-    (x, _), (test_x, _), _ = load_client(tmp_path / "fed" / "site-0", ClientsOptions(), ["0", "1"])
+    (x, _), (test_x, _), _ = load_client(tmp_path / "fed" / "site-0", ClientsOptions(standardize="none"), ["0", "1"])
     assert torch.equal(x, dense) and torch.equal(test_x, dense[:4]) and x.layout == torch.strided
     huge = torch.sparse_coo_tensor(torch.tensor([[0, 1], [0, 0]]), torch.tensor([1.0, 2.0]), (2, 2**30))
     folder = _tensor_client(tmp_path / "huge", "site-0", huge, torch.tensor([0, 1]))
