@@ -328,3 +328,30 @@ def test_a_privacy_client_run_writes_epsilon_rows_and_a_summary(method, digits_d
     assert privacy["sampling_rate"] == 1.0 and privacy["epsilon"] == rows[-1]["privacy"]["epsilon"]
     assert "RdpAccountant" in privacy["accountant"] and privacy["rounds_run"] == 2
     assert "privacy" in (out / "config.yaml").read_text()
+
+
+def test_under_central_noise_the_server_clips_again_so_a_hostile_upload_weighs_at_most_C():
+    settings = ClientPrivacy(clip=0.5, noise_multiplier=1.0)
+    layout = {"weights": {"w": ((3,), torch.float32)}, "rows": ClassRows((2, 2), torch.float32)}
+    honest = privatize_upload({"weights": {"w": torch.tensor([3.0, 0.0, 4.0])}, "rows": torch.ones(2, 2),
+                               "class_counts": torch.tensor([1, 1])}, {"w": torch.zeros(3)}, ["rows"], settings)
+    scaled = {**honest, "weights": {"w": 100 * honest["weights"]["w"]}, "rows": 100 * honest["rows"],
+              HOLDERS_KEY: torch.tensor([100.0, -3.0])}
+    private = PrivateSum(settings, {"w": torch.zeros(3)}, layout, 2, 1.0)
+    private.add(scaled)
+    assert float(private.flat_sum().norm()) == pytest.approx(0.5, rel=1e-9)
+    assert private.holder_sum.tolist() == [1.0, 0.0]  # projected into [0, 1]
+    local = PrivateSum(dataclasses.replace(settings, noise="local"), {"w": torch.zeros(3)}, layout, 2, 1.0)
+    local.add(scaled)  # a noised upload cannot be re-clipped: local noise rests on the clients' honesty
+    assert float(local.flat_sum().norm()) == pytest.approx(50.0, rel=1e-6)
+
+
+def test_a_round_nobody_takes_part_in_releases_noise_only():
+    privacy = PrivacyOptions(mode="client", clip=0.5, noise_multiplier=1.0)
+    sim = _simulator("fedproto", {}, privacy, participation=0.05)
+    empty = next(r for r in range(200) if not sim.protocol.sample_clients(r))
+    before = {key: value.clone() for key, value in sim.server.weights.items()}
+    record = sim.run_round(empty)
+    assert record.participants == [] and not record.skipped and record.bytes_up == 0
+    assert any(not torch.equal(before[key], value) for key, value in sim.server.weights.items())  # the noise
+    assert record.to_json()["privacy"]["epsilon"] >= 0.0  # (with 4 clients' delta of 0.22, possibly 0)
