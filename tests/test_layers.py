@@ -4,10 +4,11 @@ circle. The layers, from the bottom:
 
 0. the utilities, data and models: errors, files, seeds, runtime, options, registry, functional, aggregation,
    metrics, reports, data, models;
-1. methods;
+1. methods, and privacy (the clipping, noise and accountants the shared client loop and the round protocol use);
 2. engines (the simulator, the round protocol, the run driver) and the config (which names the methods);
 3. what builds and drives runs for the API: experiment (building one), resume, user_models (models and data
-   given from Python), measurements (observers that write files) and sweeps (given the job they run);
+   given from Python), measurements (observers that write files), sweeps (given the job they run) and trained (the model
+   files a run writes, loaded back);
 4. the API, compare, the CLI, reproduce, bench and the Flower apps.
 
 No circle at all, not even between a package's ``__init__`` and its own submodules (a registry imports the
@@ -24,10 +25,10 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / "fedhpro"
 LAYERS = {
     0: ("errors", "files", "seeds", "runtime", "options", "registry", "functional", "aggregation", "metrics",
         "reports", "data", "models"),
-    1: ("methods",),
+    1: ("methods", "privacy"),
     2: ("engines", "config"),
     # below the API: modules that drive runs they are given
-    3: ("sweeps", "measurements", "experiment", "resume", "user_models"),
+    3: ("sweeps", "measurements", "experiment", "resume", "user_models", "trained"),
     4: ("api", "compare", "cli", "reproduce", "bench",
         "flower", "__main__", ""),
 }
