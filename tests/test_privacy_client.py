@@ -164,6 +164,9 @@ def test_the_privatized_reply_keeps_the_methods_layout_with_public_counts():
     norm = math.sqrt(sum(float(v.double().pow(2).sum()) for v in upload["weights"].values())
                      + sum(float(upload[k].double().pow(2).sum()) for k in declared_class_keys(sim.server)))
     assert norm == pytest.approx(0.5, rel=1e-6)  # the raw update is longer: clipped to exactly C
+    private = PrivateSum(settings, payload["weights"], sim.server.reply_layout(), 4, 4.0)
+    assert private.problem(upload) is None
+    assert "not privatized" in private.problem(reply)  # a raw reply: its weights are a model, not an update
     with pytest.raises(PrivacyError, match="'secret'"):
         privatize_upload({**reply, "secret": torch.ones(3)}, payload["weights"], declared_class_keys(sim.server),
                          settings)

@@ -71,6 +71,7 @@ from fedhpro.metrics import payload_bytes, payload_parameters
 from fedhpro.privacy.accounting import ClientLedger
 from fedhpro.privacy.client import (
     HOLDERS_KEY,
+    PRIVATIZED_KEY,
     ClientPrivacy,
     PrivateSum,
     client_privacy,
@@ -421,8 +422,8 @@ def robust_replies(replies: Sequence[dict[str, Any]], global_weights: Mapping[st
 
 
 def _method_view(reply: Mapping[str, Any]) -> dict[str, Any]:
-    """A privatized upload as the method's checks see it: without the privacy's own holder vector."""
-    return {key: value for key, value in reply.items() if key != HOLDERS_KEY}
+    """A privatized upload as the method's checks see it: without the privacy's own keys."""
+    return {key: value for key, value in reply.items() if key not in (HOLDERS_KEY, PRIVATIZED_KEY)}
 
 
 def weighted_mean(metrics: Sequence[tuple[int, dict[str, float]]]) -> dict[str, float]:

@@ -21,6 +21,7 @@ from fedhpro.errors import ConfigError
 from fedhpro.privacy.accounting import ClientLedger
 from fedhpro.privacy.client import (
     HOLDERS_KEY,
+    PRIVATIZED_KEY,
     ClientPrivacy,
     PrivacyError,
     PrivateSum,
@@ -90,6 +91,6 @@ def check_combinations(config: Any) -> None:
                           "releases the noised sum of every round instead; use min_clients=1")
 
 
-__all__ = ["HOLDERS_KEY", "INDIVIDUAL_RULES", "ClientLedger", "ClientPrivacy", "Ledger", "PrivacyError",
-           "PrivateSum", "check_combinations", "client_privacy", "ledger_for", "noise_generator",
+__all__ = ["HOLDERS_KEY", "INDIVIDUAL_RULES", "PRIVATIZED_KEY", "ClientLedger", "ClientPrivacy", "Ledger",
+           "PrivacyError", "PrivateSum", "check_combinations", "client_privacy", "ledger_for", "noise_generator",
            "privatize_upload", "privatized_layout"]

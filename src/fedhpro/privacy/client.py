@@ -50,6 +50,9 @@ from fedhpro.seeds import derive_seed
 PRIVACY, CENTRAL_NOISE = 6, 7
 #: the reply key of a client's (noised, under local noise) 0/1 vector of the classes it holds
 HOLDERS_KEY = "dp_holders"
+#: the reply key that marks a privatized upload (True): the server refuses a reply without it, so an engine that
+#: forgot to privatize is told, instead of having a model's weights read as an update
+PRIVATIZED_KEY = "dp_privatized"
 #: the reply keys the privatization replaces by public constants: they only weight the clients
 COUNT_KEYS = ("num_examples", "class_counts")
 #: per-class tensors whose rows are probability vectors (FedGMKD's soft predictions): the released rows are
@@ -177,7 +180,8 @@ def privatize_upload(reply: Mapping[str, Any], broadcast: Mapping[str, Tensor], 
     under local noise, noised) update ``Delta`` of each floating-point weight (zeros for integer counters:
     they are not sent), each per-class tensor its clipped rows (zero for classes the client does not
     hold, before noise), ``num_examples`` is 1, ``class_counts`` zeros, :data:`HOLDERS_KEY` the float 0/1
-    vector of the held classes (noised under local noise; only when the method has per-class tensors).
+    vector of the held classes (noised under local noise; only when the method has per-class tensors),
+    :data:`PRIVATIZED_KEY` True.
 
     Raises :class:`PrivacyError` for a reply key that is none of these (it would leave unprotected).
     """
@@ -240,14 +244,16 @@ def privatize_upload(reply: Mapping[str, Any], broadcast: Mapping[str, Tensor], 
             assert generator is not None
             holders = holders + _gaussian_like(holders, settings.noise_multiplier * math.sqrt(classes), generator)
         out[HOLDERS_KEY] = holders.to(torch.float32)
+    out[PRIVATIZED_KEY] = True
     return out
 
 
 def privatized_layout(layout: Mapping[str, Any], num_classes: int) -> dict[str, Any]:
     """A method's reply layout (``server.reply_layout()``) as the replies look under ``privacy=client``: the
-    same, plus :data:`HOLDERS_KEY` (``ClassRows((C,), float32)``) when the method has per-class tensors. What
-    the Flower server checks a reply's form against before decoding it."""
+    same, plus :data:`PRIVATIZED_KEY` (``bool``) and :data:`HOLDERS_KEY` (``ClassRows((C,), float32)``) when the
+    method has per-class tensors. What the Flower server checks a reply's form against before decoding it."""
     out = dict(layout)
+    out[PRIVATIZED_KEY] = bool
     if any(isinstance(entry, ClassRows) and entry.dtype.is_floating_point for entry in layout.values()):
         out[HOLDERS_KEY] = ClassRows((num_classes,), torch.float32)
     return out
@@ -302,6 +308,9 @@ class PrivateSum:
     def problem(self, reply: Mapping[str, Any]) -> str | None:
         """Why ``reply`` cannot be summed (a privatized upload: finite update, finite rows, holders of
         shape ``(C,)``), or None."""
+        if reply.get(PRIVATIZED_KEY) is not True:
+            return ("it was not privatized on the client (privacy=client: the engine must send "
+                    "fedhpro.privacy.privatize_upload's reply)")
         weights = reply.get("weights")
         if not isinstance(weights, Mapping):
             return "its weights are not a dict of tensors"
