@@ -8,6 +8,7 @@ pixel formula of a bit depth, the mean and standard deviation of the features.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -219,6 +220,7 @@ def test_5_empty_class_folders_nested_images_and_classes_missing_from_test(tmp_p
     for i in range(3):  # read as torchvision's ImageFolder reads them: at any depth below the class folder
         _png(root / "train" / "seven" / "batch2" / f"{i}.png", COLOURS["seven"], rng)
     _png(root / "train" / "seven" / "batch3" / "deeper" / "x.png", COLOURS["seven"], rng)
+    os.symlink(root / "train" / "seven", root / "train" / "seven" / "batch3" / "loop")  # read once, not forever
     _folder(root / "test", {"cat": 1, "dog": 2}, rng)
     federation = _build("imagefolder", f"data_dir={root}", "clients=1", "partition=iid")
     classes = federation.partition["classes"]

@@ -61,9 +61,15 @@ def image_files(folder: Path) -> list[Path]:
 
 def images_below(folder: Path) -> list[Path]:
     """Every image file in ``folder`` and its non-hidden subfolders, at any depth (as torchvision's
-    ``ImageFolder`` finds them, symbolic links followed), sorted by the path below ``folder``."""
+    ``ImageFolder`` finds them, symbolic links followed, each folder once), sorted by the path below ``folder``."""
     found = []
+    seen = set()
     for current, dirs, files in os.walk(folder, followlinks=True):
+        real = os.path.realpath(current)
+        if real in seen:  # a link back up the tree: read each folder once
+            dirs[:] = []
+            continue
+        seen.add(real)
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         found += [Path(current) / name for name in files
                   if not name.startswith(".") and Path(name).suffix.lower() in IMAGE_EXTENSIONS]
