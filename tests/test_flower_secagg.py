@@ -377,6 +377,48 @@ def test_a_plug_in_method_beyond_fedavg_is_refused(digits_data_dir):
     assert math.isfinite(secagg.SecureLayout(engine.server, "fedproto").size)
 
 
+def test_secagg_on_flowers_simulation_engine(digits_data_dir, tmp_path):
+    """Flower's own simulation engine (Ray: each node's messages cross processes), 3 SuperNodes, FedHPro for
+    2 rounds under SecAgg+: the simulator's accuracies, and its server state within the quantization bound."""
+    import os
+
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+    from test_flower import reference
+
+    from fedhpro.flower.engine import RAY_LOOPBACK_INIT_ARGS
+
+    settings = tiny_config(digits_data_dir, method="fedhpro", rounds=2)
+    outcome: dict[str, Any] = {}
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        try:
+            outcome["strategy"] = run_server(grid, SECURE, {**settings, "out": str(tmp_path / "flower")})
+        except Exception as error:  # noqa: BLE001 - reported below, in the test's process
+            outcome["error"] = error
+
+    pythonpath = os.environ.get("PYTHONPATH")  # Flower's Ray backend sets it and leaves it set (test_flower.py)
+    try:
+        run_simulation(server_app=server_app, client_app=client_app.app, num_supernodes=3,
+                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                       "init_args": {"num_cpus": 1, **RAY_LOOPBACK_INIT_ARGS}})
+    finally:
+        if pythonpath is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = pythonpath
+    if "error" in outcome:
+        raise outcome["error"]
+    rows = outcome["strategy"].rows
+    expected_rows, expected_state = reference(settings, tmp_path / "simulator")
+    assert [r["participants"] for r in rows] == [[0, 1, 2]] * 2 and not any(r.get("dropped") for r in rows)
+    assert [r["accuracy"]["AVG"] for r in rows] == [r["accuracy"]["AVG"] for r in expected_rows]
+    state = torch.load(tmp_path / "flower" / "server_state.pt", weights_only=True)["server"]
+    assert 0 < max_difference(state, expected_state) < 1e-4
+
+
 # ---------------------------------------------------------------------------- privacy=client on Flower
 
 

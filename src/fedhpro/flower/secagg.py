@@ -475,7 +475,7 @@ class CheckingGrid:
         if (not isinstance(values, list) or len(values) > MAX_METRICS
                 or not all(isinstance(v, str) and 0 < len(v) <= MAX_METRIC_NAME for v in values)):
             return f"'{NAMES_RECORD}' does not name at most {MAX_METRICS} training metrics"
-        self.metric_names[node] = list(values)
+        self.metric_names[node] = [str(value) for value in values]
         return None
 
 
@@ -601,15 +601,15 @@ def rebuild_replies(layout: SecureLayout, total: np.ndarray, global_weights: Map
             raise UpdateError(f"the secure sum's class counts add up to {int(counts.sum())}, its num_examples to "
                               f"{total_examples}")
         matrix = holder_counts(holders.tolist(), list(num_samples))
-        rows = {}
+        rows: dict[str, Tensor] = {}
         for key, mode in layout.weighting.items():
             shape, dtype = layout.row_forms[key]
             # holder-mean: sum of held rows / holders; count-weighted: sum of (n_k^c/s) rows / sum of n_k^c/s (a
             # method dividing that by the holders, Eq. 4, gets it right: the rebuilt replies have as many holders)
             denominator = holders.astype(np.float64) if mode == HOLDERS else parts["class_counts"]
             denominator = np.where(holders > 0, denominator, 1.0).reshape(-1, *([1] * (len(shape) - 1)))
-            mean = np.where((holders > 0).reshape(denominator.shape), parts[f"rows/{key}"] / denominator, 0.0)
-            rows[key] = torch.from_numpy(np.ascontiguousarray(mean)).to(dtype)
+            means = np.where((holders > 0).reshape(denominator.shape), parts[f"rows/{key}"] / denominator, 0.0)
+            rows[key] = torch.from_numpy(np.ascontiguousarray(means)).to(dtype)
         replies = []
         for k in range(summed):
             reply: dict[str, Any] = {"weights": dict(weights), "num_examples": int(matrix[k].sum()),
