@@ -1,0 +1,275 @@
+"""Why FedSA beats FedHPro under label skew and long tail (issue 27): runs, per-class accuracy, geometry.
+
+Two settings of ``configs/paper/label_skew.yaml`` (real MNIST from digits-offline, the cnn with d = 512,
+SGD 0.01 / 0.9 / 1e-5, batch 64, E = 2): ``skew`` (NID1_0.2: Dirichlet 0.2 over K = 10) and ``longtail``
+(rho = 100, then Dirichlet 0.5 over K = 10, balanced test set). Every variant is one ``fedhpro compare``
+folder under ``--root`` (``<root>/<setting>/<variant>``), so ``fedhpro report <that folder>`` rebuilds its
+mean ± std table and curves, and running this script again reuses every finished run.
+
+    python bench/fedsa_vs_fedhpro.py run --part main          # fedavg, fedsa, fedhpro, 3 seeds, both settings
+    python bench/fedsa_vs_fedhpro.py run --part ablations     # one switch at a time (see VARIANTS)
+    python bench/fedsa_vs_fedhpro.py run --part curves        # R = 30, seed 0
+    python bench/fedsa_vs_fedhpro.py analyze                  # tables (markdown) from the finished runs
+
+``analyze`` reloads each finished run's global model (``fedhpro.load_model``), rebuilds its federation
+from its config (same seed: same data) and measures on the test set: per-class accuracy (head = the
+three largest classes of the federation's training data, tail = the three smallest), the norms and the
+inter-class cosines of the class-mean features, and from ``server_state.pt`` the geometry of FedHPro's
+hyper-prototypes and of FedSA's anchors (:mod:`fedhpro.metrics.geometry`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+BASE = ["dataset=digits-offline", "data.domains=[mnist]", "model=cnn", "feature_dim=512", "local_epochs=2",
+        "lr=0.01", "momentum=0.9", "weight_decay=1e-05", "batch_size=64", "device=cpu", "progress=false",
+        "threads=1", "checkpoint_every=0", "jobs=1"]
+SETTINGS = {
+    "skew": ["partition=dirichlet", "partition.alpha=0.2", "clients=10"],
+    "longtail": ["partition=longtail", "partition.rho=100", "clients=10"],
+}
+# variant -> (method, extra keys); each is one switch away from the method's default
+MAIN = {
+    "fedavg": ("fedavg", []),
+    "fedsa": ("fedsa", []),
+    "fedhpro": ("fedhpro", []),
+}
+VARIANTS = {
+    # FedSA's components, one at a time
+    "fedsa-no-calibration": ("fedsa", ["fedsa.lambda1=0"]),
+    "fedsa-no-mse": ("fedsa", ["fedsa.lambda2=0"]),
+    "fedsa-no-margin-ce": ("fedsa", ["fedsa.lambda3=0"]),
+    # FedHPro's
+    "fedhpro-hpcl-only": ("fedhpro", ["fedhpro.hpal_weight=0"]),
+    "fedhpro-hpal-only": ("fedhpro", ["fedhpro.hpcl_weight=0"]),
+    "fedhpro-margin-normalized": ("fedhpro", ["fedhpro.margin=normalized"]),
+    "fedhpro-margin-off": ("fedhpro", ["fedhpro.margin=off"]),
+    "fedhpro-tau-0.5": ("fedhpro", ["fedhpro.tau=0.5"]),
+    "fedhpro-hyper-1": ("fedhpro", ["fedhpro.num_hyper=1"]),
+    "fedhpro-frozen-random": ("fedhpro", ["fedhpro.match_steps=0"]),
+    "fedhpro-synthetic-classifier": ("fedhpro", ["fedhpro.classifier_step=synthetic"]),
+    "fedhpro-authors": ("fedhpro", ["fedhpro.recipe=authors"]),
+}
+CURVES = {"fedavg": ("fedavg", []), "fedsa": ("fedsa", []), "fedhpro": ("fedhpro", [])}
+
+
+def compare_command(out: Path, method: str, keys: Sequence[str], setting: str, seeds: Sequence[int],
+                    rounds: int) -> list[str]:
+    seed_list = "[" + ",".join(str(s) for s in seeds) + "]"
+    return (["fedhpro", "compare", f"methods=[{method}]", f"seeds={seed_list}", f"rounds={rounds}", *BASE,
+             *SETTINGS[setting], *keys, f"out={out}"])
+
+
+def plan(part: str, root: Path, seeds: Sequence[int], rounds: int, settings: Sequence[str],
+         only: Sequence[str]) -> list[tuple[Path, list[str]]]:
+    jobs = []
+    table = {"main": MAIN, "ablations": VARIANTS, "curves": CURVES}[part]
+    for setting in settings:
+        for label, (method, keys) in table.items():
+            if only and label not in only:
+                continue
+            folder = root / (f"curves-{setting}" if part == "curves" else setting) / label
+            jobs.append((folder, compare_command(folder, method, keys, setting, seeds, rounds)))
+    return jobs
+
+
+def run_all(jobs: list[tuple[Path, list[str]]], parallel: int) -> int:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def one(job: tuple[Path, list[str]]) -> int:
+        folder, command = job
+        folder.mkdir(parents=True, exist_ok=True)
+        start = time.time()
+        with open(folder / "compare.log", "a") as log:
+            log.write(" ".join(command) + "\n")
+            log.flush()
+            code = subprocess.call(["nice", "-n", "10", *command], stdout=log, stderr=subprocess.STDOUT, env=env)
+        print(f"{folder}: exit {code}, {time.time() - start:.0f} s", flush=True)
+        return code
+
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        codes = list(pool.map(one, jobs))
+    return max(codes, default=0)
+
+
+# ---------------------------------------------------------------------------- analysis
+
+
+def finished_runs(folder: Path) -> list[Path]:
+    return sorted(p.parent for p in folder.glob("*/summary.json"))
+
+
+def measure_run(run: Path) -> dict[str, object]:
+    """Per-class accuracy and feature geometry of one finished run's global model on its test set."""
+    import torch
+
+    from fedhpro.config import load_config
+    from fedhpro.data import get_dataset
+    from fedhpro.methods.base import classifier_of, extract_features
+    from fedhpro.metrics import geometry
+    from fedhpro.metrics.prototypes import class_means
+    from fedhpro.trained import load_model
+
+    torch.set_num_threads(1)
+    config = load_config(run / "config.yaml")
+    options = config.run
+    federation = get_dataset(options.dataset).build(config.data, options.clients, options.seed,
+                                                    data_dir=options.data_dir, progress=False,
+                                                    partition=config.partition)
+    (x, y), = federation.test_sets.values()
+    model = load_model(run)
+    with torch.no_grad():
+        features = extract_features(model, x)
+        logits = classifier_of(model)(features)
+    num_classes = federation.num_classes
+    train_counts = sum(torch.bincount(c.y.cpu(), minlength=num_classes) for c in federation.clients)
+    per_class = geometry.per_class_accuracy(logits.argmax(1), y, num_classes)
+    order = torch.argsort(train_counts, descending=True, stable=True)
+    head, tail = order[:3], order[-3:]
+    means, _ = class_means(features, y, num_classes)
+    means = means.double()
+    head_layer = classifier_of(model)
+    out: dict[str, object] = {
+        "run": run.name,
+        "accuracy": float((logits.argmax(1) == y).double().mean() * 100),
+        "per_class": [float(v) for v in per_class],
+        "train_counts": [int(v) for v in train_counts],
+        "head_acc": float(per_class[head].mean()),
+        "tail_acc": float(per_class[tail].mean()),
+        "balanced_acc": float(per_class.mean()),
+        "feature_norm": float(features.norm(dim=1).mean()),
+        "class_mean_cosine": geometry.mean_offdiagonal_cosine(means),
+        "within_class_cosine": geometry.within_class_cosine(features, y, num_classes),
+        "classifier_bias_head_minus_tail": float(head_layer.bias[head].mean() - head_layer.bias[tail].mean())
+        if head_layer.bias is not None else 0.0,
+        "classifier_norm_head_over_tail": float(head_layer.weight[head].norm(dim=1).mean()
+                                                / head_layer.weight[tail].norm(dim=1).mean()),
+        "predicted_share_head": float(torch.isin(logits.argmax(1), head).double().mean()),
+    }
+    state_path = run / "server_state.pt"
+    if state_path.is_file():
+        state = torch.load(state_path, weights_only=True, map_location="cpu")
+        state = state.get("method", state) if isinstance(state, dict) else state
+        targets = find_targets(state)
+        if targets is not None:
+            name, tensor = targets
+            vectors = tensor.double()
+            if vectors.dim() == 3:
+                vectors = vectors.mean(1)  # H^c, the averaged hyper-prototypes
+            out["targets"] = name
+            out["target_cosine"] = geometry.mean_offdiagonal_cosine(vectors)
+            out["target_min_angle_cosine"] = geometry.max_offdiagonal_cosine(vectors)
+            out["target_nonnegative_share"] = float((vectors >= 0).double().mean())
+            out["feature_target_cosine"] = geometry.matched_cosine(means, vectors.to(means.dtype))
+    return out
+
+
+def find_targets(state: object) -> tuple[str, object] | None:
+    """The hyper-prototypes (C x I x d) or the anchors (C x d) somewhere in a server state."""
+    if not isinstance(state, dict):
+        return None
+    for key in ("hyper", "hyper_prototypes", "anchors"):
+        if key in state:
+            return key, state[key]
+    for value in state.values():
+        found = find_targets(value)
+        if found is not None:
+            return found
+    return None
+
+
+def mean_std(values: Sequence[float]) -> str:
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
+
+
+def analyze(root: Path, out: Path | None) -> str:
+    cache_path = root / "measurements.json"
+    cache: dict[str, dict[str, object]] = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+    lines = []
+    for setting_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        rows = []
+        for variant_dir in sorted(p for p in setting_dir.iterdir() if p.is_dir()):
+            measured = []
+            for run in finished_runs(variant_dir):
+                key = str(run.relative_to(root))
+                if key not in cache:
+                    cache[key] = measure_run(run)
+                    from fedhpro.files import atomic_write_text
+                    atomic_write_text(cache_path, json.dumps(cache, indent=1, sort_keys=True))
+                measured.append(cache[key])
+            if not measured:
+                continue
+            rows.append((variant_dir.name, measured))
+        if not rows:
+            continue
+        lines += [f"### {setting_dir.name}", "",
+                  "| variant | seeds | accuracy | head 3 | tail 3 | head share of predictions | "
+                  "bias head-tail | feature norm | class-mean cosine | within-class cosine | "
+                  "target cosine | feature-target cosine |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for label, measured in rows:
+            def col(name: str, scale: float = 1.0, measured: list = measured) -> str:
+                return mean_std([float(m[name]) * scale for m in measured if name in m])
+            lines.append(f"| {label} | {len(measured)} | {col('accuracy')} | {col('head_acc')} | {col('tail_acc')} | "
+                         f"{col('predicted_share_head', 100)} | {col('classifier_bias_head_minus_tail')} | "
+                         f"{col('feature_norm')} | {col('class_mean_cosine')} | {col('within_class_cosine')} | "
+                         f"{col('target_cosine')} | {col('feature_target_cosine')} |")
+        lines.append("")
+    text = "\n".join(lines)
+    if out is not None:
+        from fedhpro.files import atomic_write_text
+        atomic_write_text(out, text + "\n")
+    return text
+
+
+def curves(root: Path) -> str:
+    """Mean accuracy per round (from metrics.jsonl) of the curve folders, every 5th round."""
+    lines = []
+    for setting_dir in sorted(root.glob("curves-*")):
+        for variant_dir in sorted(p for p in setting_dir.iterdir() if p.is_dir()):
+            for run in finished_runs(variant_dir):
+                accuracies = [json.loads(line)["accuracy"]["AVG"]
+                              for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+                shown = ", ".join(f"R{i + 1} {a:.1f}" for i, a in enumerate(accuracies)
+                                  if (i + 1) % 5 == 0 or i == 0)
+                lines.append(f"- {setting_dir.name} {variant_dir.name} ({run.name}): {shown}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("action", choices=("run", "analyze"))
+    parser.add_argument("--root", type=Path, default=Path("runs/fedsa_vs_fedhpro"))
+    parser.add_argument("--part", choices=("main", "ablations", "curves"), default="main")
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--only", nargs="*", default=[], help="variant labels to run (default: all of the part)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--parallel", type=int, default=2, help="compare folders run at a time")
+    parser.add_argument("--out", type=Path, default=None, help="analyze: also write the tables here")
+    args = parser.parse_args(argv)
+    if args.action == "run":
+        rounds = 30 if args.part == "curves" and args.rounds == 10 else args.rounds
+        seeds = [0] if args.part == "curves" and args.seeds == [0, 1, 2] else args.seeds
+        return run_all(plan(args.part, args.root, seeds, rounds, args.settings, args.only), args.parallel)
+    print(analyze(args.root, args.out))
+    print(curves(args.root))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
