@@ -721,8 +721,10 @@ def classifier_matching_loss(weight_real: Tensor, bias_real: Tensor, weight_synt
     not in the paper: their ``match_meta`` summed over the classes).
 
     Args:
-        weight_real, bias_real: ``C x C x d`` and ``C x C`` averaged client gradients.
-        weight_synthetic, bias_synthetic: the same for the synthetic features.
+        weight_real: ``C x C x d`` averaged client gradients of the head's weight.
+        bias_real: ``C x C`` averaged client gradients of the head's bias.
+        weight_synthetic: the same as ``weight_real`` for the synthetic features.
+        bias_synthetic: the same as ``bias_real`` for the synthetic features.
         present: ``C`` bool mask of the classes with real gradients.
 
     Returns:
@@ -746,8 +748,10 @@ def match_classifier_features(features: Tensor, weight: Tensor, bias: Tensor, we
 
     Args:
         features: ``C x m x d`` synthetic features (not modified).
-        weight, bias: the head the clients computed their gradients with.
-        weight_real, bias_real: ``C x C x d``, ``C x C`` averaged client gradients.
+        weight: the weight of the head the clients computed their gradients with.
+        bias: that head's bias.
+        weight_real: ``C x C x d`` averaged client gradients of the head's weight.
+        bias_real: ``C x C`` averaged client gradients of the head's bias.
         present: ``C`` bool mask of the classes with real gradients.
         steps: number of SGD steps (0 returns the input).
         lr: the step size.
