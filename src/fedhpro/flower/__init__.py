@@ -8,7 +8,7 @@
 * :mod:`fedhpro.flower.settings`: Flower's ``run_config`` -> a fedhpro Config.
 
 The same seed and config give the numbers ``fedhpro run`` gives. Needs the
-``flower`` extra: ``pip install "fedhpro[flower]"``. See README, section Flower.
+``flower`` extra: ``pip install "fedhpro[flower]"``. See docs/how-to/flower.md.
 """
 
 from __future__ import annotations

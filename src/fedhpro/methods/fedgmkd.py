@@ -20,7 +20,7 @@ Client, after loading the global weights, trains E epochs on::
   ``mean_c KL_c``. lam = 0.6 was tuned by the authors with the first, so the
   second makes the same lam C times stronger: on digits-offline (seed 0,
   R = 10, E = 5) it cost FedGMKD 2.5 points of AVG against FedAvg (the KL
-  term alone: 7.3), while ``mean`` matches FedAvg (see README).
+  term alone: 7.3), while ``mean`` matches FedAvg (see docs/reproducing.md).
   Only the head ``h`` receives gradients from this term (``P`` and ``S^`` are
   constants).
 * no global knowledge for a class (round 0, or no client has held it yet):
