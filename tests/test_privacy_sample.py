@@ -365,3 +365,14 @@ def test_a_term_declared_public_that_reads_the_batch_is_refused():
                                        options=METHODS["fedavg"].options(), train=private_train(), seed=0))
     with pytest.raises(ConfigError, match="declared public"):
         client.fit(model, {"weights": clone_weights(model)}, data, {}, torch.Generator().manual_seed(0))
+
+
+def test_a_batchnorm_architecture_of_model_heterogeneity_is_refused_before_the_run(tmp_path):
+    """Under heterogeneity=htfe5 some clients train googlenet (BatchNorm): refused at build, in one line, not a
+    client dropped every round."""
+    import fedhpro
+    from fedhpro.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"privacy=sample: model googlenet \(heterogeneity=htfe5 gives clients it\)"):
+        fedhpro.run(rounds=1, clients=3, **{"data.fraction": 0.02}, feature_dim=16, local_epochs=1, progress=False,
+                    heterogeneity="htfe5", privacy="sample", out=str(tmp_path / "run"))

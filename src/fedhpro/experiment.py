@@ -114,6 +114,14 @@ def build_experiment(config: Config, device: torch.device | str = "cpu", federat
         user_model=model_factory, sample=federation.clients[0].x[:1])
     ledger = None
     if config.privacy.mode == "sample":  # DP-SGD's sigma (as given or calibrated) reaches the clients' loop
+        # every architecture a client trains, refused here in one line rather than a client dropped every round
+        from fedhpro.methods.sample_dp import model_problem
+
+        for name in sorted(set(architectures or [options.model])):
+            problem = model_problem(architecture_factory(name))
+            if problem is not None:
+                given = f" (heterogeneity={options.heterogeneity} gives clients it)" if architectures else ""
+                raise ConfigError(f"privacy=sample: model {name}{given}: {problem}")
         ledger = ledger_for(config, [len(data) for data in federation.clients], train)
         assert ledger is not None
         train = dataclasses.replace(train, dp_clip=float(config.privacy.clip),
