@@ -327,6 +327,24 @@ def test_a_node_dropping_while_unmasking_still_counts(digits_data_dir, tmp_path,
     assert 0 < max_difference(secure_state, plain_state) < 1e-5
 
 
+def test_the_same_seed_gives_the_same_sums(digits_data_dir, tmp_path, inside_a_run):
+    """The masks come from the operating system but cancel exactly; the stochastic rounding is seeded per
+    (seed, round, client): two runs give the same server state to the last bit."""
+    settings = tiny_config(digits_data_dir, method="fedproto", rounds=1)
+    _, first = run_in_process(settings, SECURE, WireGrid(), tmp_path / "first")
+    _, second = run_in_process(settings, SECURE, WireGrid(), tmp_path / "second")
+    assert max_difference(first, second) == 0.0
+
+
+def test_flower_settings_can_come_with_the_apps_base_config():
+    """make_server_app(base) and run_simulation (an empty run config): base may hold flower.* settings."""
+    from fedhpro.flower.settings import config_from_run_config
+
+    config, settings = config_from_run_config({}, {"method": "fedavg", **SECURE})
+    assert config.run.method == "fedavg" and settings.secure_aggregation == "secagg+"
+    assert config_from_run_config({"flower.secure-aggregation": "none"}, SECURE)[1].secure_aggregation == "none"
+
+
 def test_too_many_dropouts_stop_the_run_in_one_line(digits_data_dir, tmp_path, inside_a_run):
     settings = tiny_config(digits_data_dir, method="fedavg", rounds=1)
     grid = WireGrid(fail={(0, 101, Stage.SHARE_KEYS), (0, 102, Stage.SHARE_KEYS)})

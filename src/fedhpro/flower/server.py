@@ -59,7 +59,13 @@ from fedhpro.errors import ConfigError, DataError, FedHProError, UpdateError
 from fedhpro.files import claim_run_folder, remove_partial_writes
 from fedhpro.flower import records, secagg
 from fedhpro.flower.engine import ServerSide, build_server_side, config_text, own_data
-from fedhpro.flower.settings import FlowerSettings, SecureSettings, config_from_run_config, split_run_config
+from fedhpro.flower.settings import (
+    FlowerSettings,
+    SecureSettings,
+    config_from_run_config,
+    experiment_keys,
+    split_run_config,
+)
 from fedhpro.privacy.client import privatized_layout
 from fedhpro.resume import resumed_config
 
@@ -807,6 +813,7 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, Any
     that run's config (``fedhpro run``'s rule: keys that would change what it computes are refused).
     """
     config, settings = config_from_run_config(run_config, base)
+    base = experiment_keys(base)  # its flower.* settings are in `settings`
     folder = config.run.resume or config.run.out
     # the out folder is this ServerApp's until it ends (fedhpro run's rule): a second run on it is refused in
     # one line; claimed before the folder is read, so a resume reads no files a live run is writing

@@ -160,18 +160,26 @@ def _secagg_value(key: str, raw: Any, value: Any) -> float | int:
     return float(value)
 
 
+def experiment_keys(settings: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``settings`` without the ``flower.*`` keys (what configures the experiment itself)."""
+    return {key: value for key, value in (settings or {}).items() if not key.startswith(FLOWER_PREFIX)}
+
+
 def config_from_run_config(run_config: Mapping[str, Any], base: Mapping[str, Any] | None = None
                            ) -> tuple[Config, FlowerSettings]:
     """The fedhpro Config of a run: the defaults, then ``base`` (the app's own settings), then ``run_config``.
 
     An empty ``run_config`` (as ``flwr.simulation.run_simulation`` passes) gives
     the defaults plus ``base`` (and :data:`FLOWER_CHECKPOINT_EVERY` unless either sets
-    ``checkpoint_every``). Every key error is a one-line ConfigError.
+    ``checkpoint_every``). ``base`` may hold ``flower.*`` settings too (``run_config``'s win).
+    Every key error is a one-line ConfigError.
     """
-    overrides, flower = split_run_config(run_config)
-    if "checkpoint_every" not in (base or {}) and "checkpoint_every" not in overrides:
+    base, flower_base = experiment_keys(base), {key: value for key, value in (base or {}).items()
+                                                 if key.startswith(FLOWER_PREFIX)}
+    overrides, flower = split_run_config({**flower_base, **run_config})
+    if "checkpoint_every" not in base and "checkpoint_every" not in overrides:
         overrides["checkpoint_every"] = FLOWER_CHECKPOINT_EVERY  # Flower's own default (see the module doc)
-    config = load_config(dict(base or {}), overrides)
+    config = load_config(base, overrides)
     for name in SIMULATOR_ONLY:
         if getattr(config.run, name, False):
             raise ConfigError(f"{name}=true is measured only by the in-process simulator (fedhpro run); "
