@@ -45,20 +45,21 @@ MAIN = {
     "fedhpro": ("fedhpro", []),
 }
 VARIANTS = {
-    # FedSA's components, one at a time
+    # FedSA's components, one at a time, and FedSA's losses on FedHPro's hyper-prototypes (Table 3's plug-in)
     "fedsa-no-calibration": ("fedsa", ["fedsa.lambda1=0"]),
+    "fedsa-on-hyper": ("fedsa", ["fedsa.prototypes=hyper"]),
     "fedsa-no-mse": ("fedsa", ["fedsa.lambda2=0"]),
     "fedsa-no-margin-ce": ("fedsa", ["fedsa.lambda3=0"]),
     # FedHPro's
+    "fedhpro-synthetic-classifier": ("fedhpro", ["fedhpro.classifier_step=synthetic"]),
+    "fedhpro-margin-off": ("fedhpro", ["fedhpro.margin=off"]),
     "fedhpro-hpcl-only": ("fedhpro", ["fedhpro.hpal_weight=0"]),
     "fedhpro-hpal-only": ("fedhpro", ["fedhpro.hpcl_weight=0"]),
+    "fedhpro-frozen-random": ("fedhpro", ["fedhpro.match_steps=0"]),
     "fedhpro-margin-normalized": ("fedhpro", ["fedhpro.margin=normalized"]),
-    "fedhpro-margin-off": ("fedhpro", ["fedhpro.margin=off"]),
     "fedhpro-tau-0.5": ("fedhpro", ["fedhpro.tau=0.5"]),
     "fedhpro-hyper-1": ("fedhpro", ["fedhpro.num_hyper=1"]),
-    "fedhpro-frozen-random": ("fedhpro", ["fedhpro.match_steps=0"]),
-    "fedhpro-synthetic-classifier": ("fedhpro", ["fedhpro.classifier_step=synthetic"]),
-    "fedhpro-authors": ("fedhpro", ["fedhpro.recipe=authors"]),
+    "fedhpro-authors-options": ("fedhpro", ["fedhpro.recipe=authors"]),  # lr, d set above still win
 }
 CURVES = {"fedavg": ("fedavg", []), "fedsa": ("fedsa", []), "fedhpro": ("fedhpro", [])}
 
@@ -135,25 +136,26 @@ def measure_run(run: Path) -> dict[str, object]:
     train_counts = sum(torch.bincount(c.y.cpu(), minlength=num_classes) for c in federation.clients)
     per_class = geometry.per_class_accuracy(logits.argmax(1), y, num_classes)
     order = torch.argsort(train_counts, descending=True, stable=True)
-    head, tail = order[:3], order[-3:]
+    head, middle, tail = order[:3], order[3:-3], order[-3:]
     means, _ = class_means(features, y, num_classes)
     means = means.double()
     head_layer = classifier_of(model)
+    weight = head_layer.weight.detach()
+    bias = head_layer.bias.detach() if head_layer.bias is not None else None
     out: dict[str, object] = {
         "run": run.name,
         "accuracy": float((logits.argmax(1) == y).double().mean() * 100),
         "per_class": [float(v) for v in per_class],
         "train_counts": [int(v) for v in train_counts],
         "head_acc": float(per_class[head].mean()),
+        "middle_acc": float(per_class[middle].mean()),
         "tail_acc": float(per_class[tail].mean()),
         "balanced_acc": float(per_class.mean()),
         "feature_norm": float(features.norm(dim=1).mean()),
         "class_mean_cosine": geometry.mean_offdiagonal_cosine(means),
         "within_class_cosine": geometry.within_class_cosine(features, y, num_classes),
-        "classifier_bias_head_minus_tail": float(head_layer.bias[head].mean() - head_layer.bias[tail].mean())
-        if head_layer.bias is not None else 0.0,
-        "classifier_norm_head_over_tail": float(head_layer.weight[head].norm(dim=1).mean()
-                                                / head_layer.weight[tail].norm(dim=1).mean()),
+        "classifier_bias_head_minus_tail": float(bias[head].mean() - bias[tail].mean()) if bias is not None else 0.0,
+        "classifier_norm_head_over_tail": float(weight[head].norm(dim=1).mean() / weight[tail].norm(dim=1).mean()),
         "predicted_share_head": float(torch.isin(logits.argmax(1), head).double().mean()),
     }
     state_path = run / "server_state.pt"
@@ -196,7 +198,7 @@ def mean_std(values: Sequence[float]) -> str:
     return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
 
 
-def analyze(root: Path, out: Path | None) -> str:
+def analyze(root: Path, out: Path | None = None) -> str:
     cache_path = root / "measurements.json"
     cache: dict[str, dict[str, object]] = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
     lines = []
@@ -208,8 +210,8 @@ def analyze(root: Path, out: Path | None) -> str:
                 key = str(run.relative_to(root))
                 if key not in cache:
                     cache[key] = measure_run(run)
-                    from fedhpro.files import atomic_write_text
-                    atomic_write_text(cache_path, json.dumps(cache, indent=1, sort_keys=True))
+                    from fedhpro.files import write_atomic
+                    write_atomic(cache_path, json.dumps(cache, indent=1, sort_keys=True))
                 measured.append(cache[key])
             if not measured:
                 continue
@@ -217,36 +219,66 @@ def analyze(root: Path, out: Path | None) -> str:
         if not rows:
             continue
         lines += [f"### {setting_dir.name}", "",
-                  "| variant | seeds | accuracy | head 3 | tail 3 | head share of predictions | "
+                  "| variant | seeds | accuracy | head 3 | middle 4 | tail 3 | head share of predictions | "
                   "bias head-tail | feature norm | class-mean cosine | within-class cosine | "
                   "target cosine | feature-target cosine |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for label, measured in rows:
             def col(name: str, scale: float = 1.0, measured: list = measured) -> str:
                 return mean_std([float(m[name]) * scale for m in measured if name in m])
-            lines.append(f"| {label} | {len(measured)} | {col('accuracy')} | {col('head_acc')} | {col('tail_acc')} | "
+            lines.append(f"| {label} | {len(measured)} | {col('accuracy')} | {col('head_acc')} | {col('middle_acc')} | "
+                         f"{col('tail_acc')} | "
                          f"{col('predicted_share_head', 100)} | {col('classifier_bias_head_minus_tail')} | "
                          f"{col('feature_norm')} | {col('class_mean_cosine')} | {col('within_class_cosine')} | "
                          f"{col('target_cosine')} | {col('feature_target_cosine')} |")
         lines.append("")
+        counts = rows[0][1][0]["train_counts"]
+        classes = range(len(counts))  # type: ignore[arg-type]
+        lines += [f"Per-class test accuracy (%, mean over seeds), {setting_dir.name}; the first row gives each class's "
+                  "training images (summed over clients):", "",
+                  "| variant | " + " | ".join(f"{c}" for c in classes) + " |",
+                  "|---|" + "---|" * len(counts), # type: ignore[arg-type]
+                  "| training images | " + " | ".join(str(n) for n in counts) + " |"]  # type: ignore[union-attr]
+        for label, measured in rows:
+            per_class = [statistics.mean(float(m["per_class"][c]) for m in measured)  # type: ignore[index]
+                         for c in classes]
+            lines.append(f"| {label} | " + " | ".join(f"{v:.1f}" for v in per_class) + " |")
+        lines.append("")
     text = "\n".join(lines)
     if out is not None:
-        from fedhpro.files import atomic_write_text
-        atomic_write_text(out, text + "\n")
+        from fedhpro.files import write_atomic
+        write_atomic(out, text + "\n")
     return text
 
 
-def curves(root: Path) -> str:
-    """Mean accuracy per round (from metrics.jsonl) of the curve folders, every 5th round."""
+def round_accuracies(run: Path) -> list[float]:
+    return [json.loads(line)["accuracy"]["AVG"] for line in (run / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+
+
+def curves(root: Path, every: int = 2) -> str:
+    """Learning curves: per variant, the mean over its seeds of the test accuracy after every ``every``-th
+    round (from each run's metrics.jsonl)."""
     lines = []
-    for setting_dir in sorted(root.glob("curves-*")):
+    for setting_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        rows = []
         for variant_dir in sorted(p for p in setting_dir.iterdir() if p.is_dir()):
-            for run in finished_runs(variant_dir):
-                accuracies = [json.loads(line)["accuracy"]["AVG"]
-                              for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-                shown = ", ".join(f"R{i + 1} {a:.1f}" for i, a in enumerate(accuracies)
-                                  if (i + 1) % 5 == 0 or i == 0)
-                lines.append(f"- {setting_dir.name} {variant_dir.name} ({run.name}): {shown}")
+            runs = [round_accuracies(run) for run in finished_runs(variant_dir)]
+            if runs:
+                length = min(len(r) for r in runs)
+                rows.append((variant_dir.name, len(runs), [statistics.mean(r[i] for r in runs) for i in range(length)]))
+        if not rows:
+            continue
+        length = max(len(r[2]) for r in rows)
+        step = every if length <= 10 else 5
+        shown = [i for i in range(length) if (i + 1) % step == 0]
+        lines += [f"### learning curves, {setting_dir.name} (mean test accuracy % over seeds)", "",
+                  "| variant | seeds | " + " | ".join(f"R{i + 1}" for i in shown) + " |",
+                  "|---|---|" + "---|" * len(shown)]
+        for label, seeds, curve in rows:
+            lines.append(f"| {label} | {seeds} | " + " | ".join(f"{curve[i]:.1f}" if i < len(curve) else "–"
+                                                             for i in shown) + " |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -266,8 +298,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         rounds = 30 if args.part == "curves" and args.rounds == 10 else args.rounds
         seeds = [0] if args.part == "curves" and args.seeds == [0, 1, 2] else args.seeds
         return run_all(plan(args.part, args.root, seeds, rounds, args.settings, args.only), args.parallel)
-    print(analyze(args.root, args.out))
-    print(curves(args.root))
+    text = analyze(args.root, None) + "\n" + curves(args.root)
+    if args.out is not None:
+        from fedhpro.files import write_atomic
+        write_atomic(args.out, text + "\n")
+    print(text)
     return 0
 
 

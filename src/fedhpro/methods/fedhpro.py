@@ -48,6 +48,7 @@ from fedhpro.methods.base import (
     load_weights,
 )
 from fedhpro.methods.hyper import (
+    HYPER_INITS,
     HyperPrototypeBank,
     SyntheticClassifier,
     class_statistics,
@@ -71,6 +72,11 @@ class FedHProOptions:
     tau: float = option(0.05, gt=0.0, help="temperature of HPCL")
     hyper_lr: float = option(0.1, gt=0.0, help="step size of gradient matching")
     hyper_optimizer: str = option("sgd", choices=("sgd", "adam"), help="optimiser of gradient matching")
+    hyper_init: str = option("gaussian", choices=HYPER_INITS,
+                             help="starting hyper-prototypes: gaussian N(0, 1) (the paper), simplex (equiangular "
+                                  "classes, cosine -1/(C-1)) or orthogonal-nonnegative (orthogonal classes on "
+                                  "disjoint coordinate blocks, reachable by features after a ReLU); only gaussian is "
+                                  "the paper's (docs/explanation/fedhpro-vs-fedsa.md)")
     hpal_form: str = option("normalized", choices=("normalized", "paper"),
                             help="HPAL on L2-normalised z and H, mean-reduced (the authors' code, default), "
                                  "or Eq. 13 as printed (sum over d)")
@@ -137,7 +143,7 @@ class FedHProServer(Server):
         feature_dim = feature_dim_of(context.model)
         self.bank = HyperPrototypeBank(self.num_classes, feature_dim, context.seed,
                                        num_hyper=o.num_hyper, match_steps=o.match_steps, lr=o.hyper_lr,
-                                       optimizer=o.hyper_optimizer)
+                                       optimizer=o.hyper_optimizer, init=o.hyper_init)
         self.scratch = context.model
         self.uses_global = o.prototypes != "hyper"
         self.global_prototypes = torch.zeros(self.num_classes, feature_dim)

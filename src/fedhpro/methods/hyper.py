@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from fedhpro import functional as HF
 from fedhpro.data.federation import ClientData
-from fedhpro.errors import UpdateError
+from fedhpro.errors import ConfigError, UpdateError
 from fedhpro.methods.base import Payload, classifier_of, extract_features
 from fedhpro.seeds import derive_seed
 
@@ -23,14 +23,53 @@ from fedhpro.seeds import derive_seed
 _SYNTHETIC_FEATURES, _SYNTHETIC_HEAD = 51, 52
 
 
+#: ``init`` of :func:`initial_hyper_prototypes`: the paper's N(0, 1), then two geometries that are not the paper's
+HYPER_INITS = ("gaussian", "simplex", "orthogonal-nonnegative")
+
+
+def initial_hyper_prototypes(num_classes: int, num_hyper: int, feature_dim: int, generator: torch.Generator,
+                             init: str = "gaussian") -> Tensor:
+    """The starting hyper-prototypes S (C x |I| x d, float32, drawn from ``generator`` on the CPU).
+
+    - ``gaussian`` (the paper): every entry N(0, 1).
+    - ``simplex``: the |I| vectors of class c are ``sqrt(d) u_c`` plus N(0, 0.1^2) noise, with ``u_1..u_C`` the
+      unit vertices of a regular simplex (pairwise cosine ``-1/(C-1)``, the most separated C directions) in a
+      random C-dimensional subspace.
+    - ``orthogonal-nonnegative``: class c's vectors are |N(0, 1)| * sqrt(C) on its own block of about d/C
+      coordinates and 0 elsewhere: pairwise orthogonal classes (cosine 0) with no negative entry, a direction
+      that features after a ReLU can reach exactly (those of the other two cannot: a non-negative ``z`` has a
+      cosine of at most about 0.71 with a Gaussian vector).
+
+    The two last need ``d >= C``.
+    """
+    if init == "gaussian":
+        return torch.randn(num_classes, num_hyper, feature_dim, generator=generator)
+    if init not in HYPER_INITS:
+        raise ConfigError(f"unknown hyper-prototype init {init!r}: use one of {', '.join(HYPER_INITS)}")
+    if feature_dim < num_classes:
+        raise ConfigError(f"hyper_init={init} needs feature_dim >= the number of classes ({feature_dim} < "
+                          f"{num_classes}): raise feature_dim or use hyper_init=gaussian")
+    if init == "simplex":
+        basis, _ = torch.linalg.qr(torch.randn(feature_dim, num_classes, generator=generator, dtype=torch.float64))
+        vertices = torch.eye(num_classes, dtype=torch.float64) - 1.0 / num_classes
+        directions = torch.nn.functional.normalize(vertices @ basis.T, dim=1)  # C x d, unit
+        noise = 0.1 * torch.randn(num_classes, num_hyper, feature_dim, generator=generator, dtype=torch.float64)
+        return (feature_dim ** 0.5 * directions.unsqueeze(1) + noise).float()
+    blocks = torch.arange(feature_dim) * num_classes // feature_dim  # coordinate -> its class's block
+    own = (blocks.unsqueeze(0) == torch.arange(num_classes).unsqueeze(1)).float()  # C x d
+    magnitudes = torch.randn(num_classes, num_hyper, feature_dim, generator=generator).abs()
+    return magnitudes * own.unsqueeze(1) * num_classes ** 0.5
+
+
 class HyperPrototypeBank:
-    """The server's hyper-prototypes S (C x |I| x d): N(0, 1) at the start, matched every round (Eq. 6-9)."""
+    """The server's hyper-prototypes S (C x |I| x d): N(0, 1) at the start (or another ``init``, see
+    :func:`initial_hyper_prototypes`), matched every round (Eq. 6-9)."""
 
     def __init__(self, num_classes: int, feature_dim: int, seed: int, *, num_hyper: int = 5,
-                 match_steps: int = 30, lr: float = 0.1, optimizer: str = "sgd"):
+                 match_steps: int = 30, lr: float = 0.1, optimizer: str = "sgd", init: str = "gaussian"):
         generator = torch.Generator().manual_seed(seed)
         # drawn on the CPU: the same values on every device
-        self.hyper = torch.randn(num_classes, num_hyper, feature_dim, generator=generator)
+        self.hyper = initial_hyper_prototypes(num_classes, num_hyper, feature_dim, generator, init)
         self.initial = self.hyper.clone()
         self.num_classes = num_classes
         self.match_steps = match_steps
