@@ -372,3 +372,23 @@ def test_9_huggingface_columns_are_found_from_their_feature_types(tmp_path):
     given = _build("huggingface", f"data.path={tmp_path / 'two'}", "data.label_column=mood", "clients=2",
                    "partition=iid", "data.image_size=4")
     assert given.partition["classes"] == ["calm", "wild"]
+
+
+def test_8_a_site_without_a_test_split_has_no_accuracy_of_its_own_in_the_run(tmp_path, capsys):
+    """The run's rows and summary: the untested site's accuracy is None (not the pooled AVG), the fairness
+    statistics are those of the tested sites alone, and the CLI-style echo names it before training."""
+    import fedhpro
+    from fedhpro.metrics import fairness_statistics
+
+    rng = np.random.default_rng(80)
+    for site in ("clinic-0", "clinic-1", "lab-0"):
+        _folder(tmp_path / "data" / site / "train", {"cat": 3, "dog": 3}, rng)
+        if site != "clinic-1":
+            _folder(tmp_path / "data" / site / "test", {"cat": 2, "dog": 2}, rng)
+    result = fedhpro.run(dataset="clients", data_dir=str(tmp_path / "data"), method="fedavg", rounds=1,
+                         local_epochs=1, feature_dim=8, progress=False, threads=1, echo=True,
+                         out=str(tmp_path / "run"))
+    accuracies = result.summary["client_accuracy"]
+    assert accuracies[1] is None and None not in (accuracies[0], accuracies[2])
+    assert result.summary["fairness"] == fairness_statistics([accuracies[0], accuracies[2]])
+    assert "note: clients without a test split, not tested" in capsys.readouterr().out

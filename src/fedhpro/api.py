@@ -248,6 +248,9 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
     title = f"{options.method} on {data_name} (seed {options.seed})"
     started = time.perf_counter()
     parts = build_experiment(config, device, federation=federation, model_factory=model_factory)
+    if echo:  # how the data were read (split folders, empty or untested classes and sites), before training
+        for note in parts.federation.notes:
+            print(f"note: {note}")
     simulator = build_simulator(config, parts, device, observers_for(options, out, _warn, title))
     folder = driver.RunFolder(out, options, started=started)
     if resume_from is not None:

@@ -123,16 +123,19 @@ def test_client(server: Any, model: nn.Module, name: str, test: tuple[Tensor, Te
     return TestCount(name, count_correct(server.inference_model(model), x, y), int(y.shape[0]))
 
 
-def round_extra(measured: Mapping[str, Any] | None = None, per_client: Sequence[float] | None = None,
+def round_extra(measured: Mapping[str, Any] | None = None, per_client: Sequence[float | None] | None = None,
                 evaluated: Mapping[str, Any] | None = None,
                 missing: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
     """The keys an engine adds to a round's record (:meth:`OpenRound.record`), in the row's order: the
     observers' training measurements (FLOPs), each client's accuracy and their fairness (at an evaluated
-    round), the observers' evaluation measurements (prototype distances), the clients not evaluated."""
+    round), the observers' evaluation measurements (prototype distances), the clients not evaluated. A client
+    without a test split has accuracy None (not tested) and is left out of the fairness statistics."""
     extra = dict(measured or {})
     if per_client:
         extra["client_accuracy"] = list(per_client)
-        extra["fairness"] = fairness_statistics(list(per_client))
+        tested = [accuracy for accuracy in per_client if accuracy is not None]
+        if tested:
+            extra["fairness"] = fairness_statistics(tested)
     extra.update(evaluated or {})
     if missing:
         extra["not_evaluated"] = list(missing)

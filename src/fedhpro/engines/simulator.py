@@ -273,25 +273,26 @@ class Simulator:
         name, test = self.client_test(k)
         return test_client(self.server, model, name, test, shared, personal=self.heterogeneous)
 
-    def evaluate_clients(self) -> tuple[dict[str, float], list[float]]:
+    def evaluate_clients(self) -> tuple[dict[str, float], list[float | None]]:
         """``(accuracy per test set and AVG, accuracy of each client on its own test distribution)``.
 
         Personal models, or a federation that arrives split (``client_tests``): every client is tested
         (:meth:`evaluate_client`) and the counts pooled per test set (:func:`pool_accuracy`). One global
         model on shared test sets: the global model on each test set; a client's accuracy is then its
-        test set's (clients of one domain share it). A client without test data is scored by the AVG."""
+        test set's (clients of one domain share it). A client without test data is not tested: None (left out of
+        the fairness statistics, never given another client's accuracy)."""
         order = list(self.federation.test_sets)
         if not self.heterogeneous and self.federation.client_tests is None:
             self.eval_model.load_state_dict(self.server.global_weights())
             accuracy = evaluate(self.server.inference_model(self.eval_model), self.federation.test_sets)
-            return accuracy, [accuracy.get(self.federation.client_test_name(k), accuracy["AVG"])
+            return accuracy, [accuracy.get(self.federation.client_test_name(k))
                               for k in range(self.federation.num_clients)]
         if not self.heterogeneous:
             self.eval_model.load_state_dict(self.server.global_weights())
         counts = [self.evaluate_client(k, None if self.heterogeneous else self.eval_model)
                   for k in range(self.federation.num_clients)]
         accuracy = pool_accuracy(counts, order)
-        return accuracy, [c.accuracy if c.total else accuracy["AVG"] for c in counts]
+        return accuracy, [c.accuracy if c.total else None for c in counts]
 
     def server_prototypes(self) -> tuple[Tensor, Tensor, str] | None:
         """The server's global prototypes ``(C x d, mask C, kind)``: ``kind`` is ``"hyper"`` for the
