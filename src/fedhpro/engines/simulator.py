@@ -279,13 +279,14 @@ class Simulator:
         Personal models, or a federation that arrives split (``client_tests``): every client is tested
         (:meth:`evaluate_client`) and the counts pooled per test set (:func:`pool_accuracy`). One global
         model on shared test sets: the global model on each test set; a client's accuracy is then its
-        test set's (clients of one domain share it). A client without test data is not tested: None (left out of
-        the fairness statistics, never given another client's accuracy)."""
+        test set's (clients of one domain share it; a client whose domain names no test set is scored by the AVG
+        over the test sets). A client of a split federation without test data of its own is not tested: None
+        (left out of the fairness statistics, never given the pooled accuracy)."""
         order = list(self.federation.test_sets)
         if not self.heterogeneous and self.federation.client_tests is None:
             self.eval_model.load_state_dict(self.server.global_weights())
             accuracy = evaluate(self.server.inference_model(self.eval_model), self.federation.test_sets)
-            return accuracy, [accuracy.get(self.federation.client_test_name(k))
+            return accuracy, [accuracy.get(self.federation.client_test_name(k), accuracy["AVG"])
                               for k in range(self.federation.num_clients)]
         if not self.heterogeneous:
             self.eval_model.load_state_dict(self.server.global_weights())
