@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from fedhpro import functional as HF
 from fedhpro.config import load_config
 from fedhpro.engines.observers import RoundObserver
+from fedhpro.errors import FedHProError
 from fedhpro.experiment import build_experiment, build_simulator
 from fedhpro.files import write_atomic
 from fedhpro.methods.base import classifier_of, extract_features
@@ -248,18 +249,23 @@ def run_one(method: str, setting: str, seed: int, base: Sequence[str]) -> dict[s
     capture = Capture()
     sim = build_simulator(config, parts, torch.device("cpu"), observers=[capture], on_drop=None)
     started = time.perf_counter()
-    record = None
+    record, stopped = None, None
     for round in range(config.run.rounds):
-        record = sim.run_round(round)
-    assert record is not None
-    last = config.run.rounds - 1
-    channels = audit_round(sim, capture, last, noise_std_of(sim))
-    row = {"method": method, "privacy": setting, "seed": seed, "accuracy": (record.accuracy or {}).get("AVG"),
-           "epsilon": (record.extra.get("privacy") or {}).get("epsilon") if isinstance(record.extra, dict) else None,
+        try:
+            record = sim.run_round(round)
+        except FedHProError as error:  # every client failed (noise made local training diverge): audit the last
+            stopped = f"round {round}: {str(error).splitlines()[0]}"  # round that closed
+            break
+    done = [round for round in capture.replies if record is not None and round <= record.round]
+    last = max(done) if done else None
+    channels = audit_round(sim, capture, last, noise_std_of(sim)) if last is not None else {}
+    row = {"method": method, "privacy": setting, "seed": seed, "audited_round": last, "stopped": stopped,
+           "accuracy": (record.accuracy or {}).get("AVG") if record is not None else None,
+           "epsilon": (record.extra.get("privacy") or {}).get("epsilon") if record is not None else None,
            "seconds": round_to(time.perf_counter() - started, 1), "command": "fedhpro run " + " ".join(overrides),
            "channels": {name: {key: _mean(values) for key, values in scores.items()}
                         for name, scores in channels.items()},
-           "clients_audited": len(capture.replies[last])}
+           "clients_audited": len(capture.replies[last]) if last is not None else 0}
     return row
 
 
@@ -276,8 +282,11 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             "| MI adv | MI AUC | MI adv (global) |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for row in rows:
-        for channel, scores in row["channels"].items():
-            cells = [row["method"], row["privacy"],
+        setting = row["privacy"]
+        if row.get("stopped"):
+            setting += f" (diverged; round {row['audited_round']} audited)"
+        for channel, scores in (row["channels"] or {"(none)": {}}).items():
+            cells = [row["method"], setting,
                      "-" if row["epsilon"] is None else f"{row['epsilon']:.2f}",
                      "-" if row["accuracy"] is None else f"{row['accuracy']:.1f}", channel]
             cells += ["" if key not in scores or math.isnan(scores[key]) else f"{scores[key]:.3f}" for key in COLUMNS]
@@ -296,6 +305,24 @@ def csv_text(rows: Sequence[dict[str, Any]]) -> str:
     return buffer.getvalue()
 
 
+def chance_reference(base: Sequence[str], seed: int) -> str:
+    """The scores of guesses that read nothing, on the audit's federation: every class held (label accuracy
+    and F1) and the uniform distribution (TV), as one Markdown line."""
+    config = load_config(None, [*base, f"seed={seed}"])
+    federation = build_experiment(config, "cpu").federation
+    accuracy, f1, tv = [], [], []
+    for data in federation.clients:
+        counts = torch.bincount(data.y.cpu(), minlength=federation.num_classes)[:federation.num_classes]
+        everything = torch.ones(federation.num_classes, dtype=torch.bool)
+        score = label_set_score(everything, counts)
+        accuracy.append(score.accuracy)
+        f1.append(score.f1)
+        tv.append(total_variation(everything.double(), counts))
+    return (f"Reference without reading any upload (seed {seed}): guessing every class held gives label accuracy "
+            f"{_mean(accuracy):.3f} and F1 {_mean(f1):.3f}; the uniform distribution has TV {_mean(tv):.3f}; a "
+            "coin flip per class has accuracy 0.5.\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for audit.json / audit.csv / audit.md")
@@ -308,11 +335,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="only merge the audit.json of these folders into --out's tables")
     args = parser.parse_args(argv)
     if args.collect:
-        rows = [row for folder in args.collect for row in json.loads((folder / "audit.json").read_text())["rows"]]
+        stored = [json.loads((folder / "audit.json").read_text()) for folder in args.collect]
+        rows = [row for part in stored for row in part["rows"]]
         args.out.mkdir(parents=True, exist_ok=True)
+        write_atomic(args.out / "audit.json", json.dumps({"rows": rows, "base": stored[0]["base"]}, indent=1) + "\n")
         write_atomic(args.out / "audit.csv", csv_text(rows))
-        write_atomic(args.out / "audit.md", table(rows))
-        print(table(rows))
+        text = table(rows) + "\n" + chance_reference(stored[0]["base"], args.seed)
+        write_atomic(args.out / "audit.md", text)
+        print(text)
         return 0
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
