@@ -51,6 +51,10 @@ VARIANTS = {
     "fedsa-no-mse": ("fedsa", ["fedsa.lambda2=0"]),
     "fedsa-no-margin-ce": ("fedsa", ["fedsa.lambda3=0"]),
     # FedHPro's
+    "fedhpro-init-orthogonal-nonnegative": ("fedhpro", ["fedhpro.hyper_init=orthogonal-nonnegative"]),
+    "fedhpro-init-simplex": ("fedhpro", ["fedhpro.hyper_init=simplex"]),
+    "fedhpro-init-orthogonal-nonnegative-margin-off": ("fedhpro", ["fedhpro.hyper_init=orthogonal-nonnegative",
+                                                                    "fedhpro.margin=off"]),
     "fedhpro-synthetic-classifier": ("fedhpro", ["fedhpro.classifier_step=synthetic"]),
     "fedhpro-margin-off": ("fedhpro", ["fedhpro.margin=off"]),
     "fedhpro-hpcl-only": ("fedhpro", ["fedhpro.hpal_weight=0"]),
@@ -61,7 +65,8 @@ VARIANTS = {
     "fedhpro-hyper-1": ("fedhpro", ["fedhpro.num_hyper=1"]),
     "fedhpro-authors-options": ("fedhpro", ["fedhpro.recipe=authors"]),  # lr, d set above still win
 }
-CURVES = {"fedavg": ("fedavg", []), "fedsa": ("fedsa", []), "fedhpro": ("fedhpro", [])}
+CURVES = {"fedavg": ("fedavg", []), "fedsa": ("fedsa", []), "fedhpro": ("fedhpro", []),
+          "fedhpro-init-orthogonal-nonnegative": VARIANTS["fedhpro-init-orthogonal-nonnegative"]}
 
 
 def compare_command(out: Path, method: str, keys: Sequence[str], setting: str, seeds: Sequence[int],
@@ -190,6 +195,60 @@ def find_targets(state: object) -> tuple[str, object] | None:
     return None
 
 
+def federation_table(run: Path) -> str:
+    """Per class: its training images, how many clients hold it and their smallest / largest share, from the
+    run's partition.json: the inputs of Eq. 6's unweighted mean over holders."""
+    partition = json.loads((run / "partition.json").read_text())
+    counts = [client["class_counts"] for client in partition["clients"]]
+    num_classes = len(counts[0])
+    lines = [f"Federation of {run.parent.parent.name} (seed {run.name.rsplit('seed', 1)[-1]}): Eq. 6 gives every "
+             "holder of a class the same weight", "",
+             "| class | images | holders | fewest / most images of a holder | clients holding <= 2 classes among "
+             "its holders |", "|---|---|---|---|---|"]
+    held_classes = [sum(1 for n in client if n > 0) for client in counts]
+    for c in range(num_classes):
+        holders = [k for k, client in enumerate(counts) if client[c] > 0]
+        sizes = [counts[k][c] for k in holders]
+        few = sum(1 for k in holders if held_classes[k] <= 2)
+        lines.append(f"| {c} | {sum(sizes)} | {len(holders)} | {min(sizes, default=0)} / {max(sizes, default=0)} | "
+                     f"{few} |")
+    lines += ["", "Classes held per client: " + ", ".join(str(n) for n in held_classes), ""]
+    return "\n".join(lines)
+
+
+def client_margins(run: Path) -> str:
+    """Eq. 10's d_k of every client under the run's final global model (raw and on L2-normalised prototypes),
+    beside the number of classes the client holds: how the margin scales under label skew."""
+    import torch
+
+    from fedhpro import functional as HF
+    from fedhpro.config import load_config
+    from fedhpro.data import get_dataset
+    from fedhpro.methods.base import extract_features
+    from fedhpro.trained import load_model
+
+    config = load_config(run / "config.yaml")
+    options = config.run
+    federation = get_dataset(options.dataset).build(config.data, options.clients, options.seed,
+                                                    data_dir=options.data_dir, progress=False,
+                                                    partition=config.partition)
+    model = load_model(run)
+    rows = []
+    with torch.no_grad():
+        for k, client in enumerate(federation.clients):
+            prototypes, present = HF.local_prototypes(extract_features(model, client.x), client.y,
+                                                      federation.num_classes)
+            raw = float(HF.client_margin(prototypes, present))
+            normalized = float(HF.client_margin(prototypes, present, normalized=True))
+            rows.append((int(present.sum()), len(client.y), raw, normalized, k))
+    lines = [f"d_k per client, {run.parent.parent.name}/{run.parent.name}/{run.name} (final global model)", "",
+             "| client | classes held | images | d_k raw | d_k / tau | d_k normalized |", "|---|---|---|---|---|---|"]
+    tau = float(config.methods["fedhpro"].tau)
+    for held, size, raw, normalized, k in sorted(rows):
+        lines.append(f"| {k} | {held} | {size} | {raw:.3f} | {raw / tau:.1f} | {normalized:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 def mean_std(values: Sequence[float]) -> str:
     if not values:
         return "–"
@@ -299,6 +358,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         seeds = [0] if args.part == "curves" and args.seeds == [0, 1, 2] else args.seeds
         return run_all(plan(args.part, args.root, seeds, rounds, args.settings, args.only), args.parallel)
     text = analyze(args.root, None) + "\n" + curves(args.root)
+    for setting in SETTINGS:
+        seed0 = args.root / setting / "fedhpro" / "fedhpro-seed0"
+        if (seed0 / "summary.json").is_file():
+            text += "\n" + federation_table(seed0) + "\n" + client_margins(seed0)
     if args.out is not None:
         from fedhpro.files import write_atomic
         write_atomic(args.out, text + "\n")
