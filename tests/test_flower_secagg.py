@@ -295,8 +295,8 @@ def test_the_server_sees_only_masked_vectors_and_the_sum(digits_data_dir, tmp_pa
     assert [r["participants"] for r in rows] == [[0, 1, 2]] * 2 and not any(r.get("dropped") for r in rows)
     assert [r["accuracy"]["AVG"] for r in rows] == [r["accuracy"]["AVG"] for r in plain_rows]
     assert [r["bytes_up"] for r in rows] == [r["bytes_up"] for r in plain_rows]
-    for row, plain_row in zip(rows, plain_rows):
-        assert row["train"] == pytest.approx(plain_row["train"], abs=1e-5)
+    for row, plain_row in zip(rows, plain_rows):  # metrics are summed / METRIC_SCALE: K x 1024 x 2r/Q
+        assert row["train"] == pytest.approx(plain_row["train"], abs=3 * secagg.METRIC_SCALE * SecureSettings().step)
     assert 0 < max_difference(secure_state, plain_state) < 1e-4
 
 
