@@ -340,6 +340,15 @@ def test_fedhpro_on_flower_simulation_equals_the_simulator(simulated, digits_dat
     for name in ("partition.json", "accuracy.png", "timing.jsonl"):
         assert (flower_out / name).is_file(), name
     assert (flower_out / "partition.json").read_bytes() == (tmp_path / "partition.json").read_bytes()
+    # the trained model: the ServerApp writes the same model.pt as the simulator, and load_model rebuilds it
+    import fedhpro
+
+    flower_model = torch.load(flower_out / "model.pt", weights_only=True)
+    simulator_model = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert flower_model.keys() == simulator_model.keys()
+    assert all(torch.equal(flower_model[key], simulator_model[key]) for key in flower_model)
+    x = torch.zeros(2, *json.loads((flower_out / "model.json").read_text())["input_shape"])
+    assert torch.equal(fedhpro.load_model(flower_out)(x), fedhpro.load_model(tmp_path)(x))
 
 
 @pytest.mark.parametrize("name", [name for name, _ in SIMULATED[1:]])

@@ -73,8 +73,8 @@ class Engine(Protocol):
         """Round ``round`` (from 0), its record (also appended to :attr:`history`)."""
         ...
 
-    def evaluate_clients(self) -> tuple[dict[str, float], list[float]]:
-        """``(accuracy per test set and AVG, accuracy of each client)``."""
+    def evaluate_clients(self) -> tuple[dict[str, float], list[float | None]]:
+        """``(accuracy per test set and AVG, accuracy of each client; None: a client not tested)``."""
         ...
 
     def client_test(self, k: int) -> tuple[str, tuple[Tensor, Tensor]]:

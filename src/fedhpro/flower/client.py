@@ -262,16 +262,41 @@ def evaluate(msg: Message, context: Context) -> Message:
     """Correct and total counts on this client's own test data: the global model, or its personal model
     with the global shared part, through the server's inference rule (as the simulator tests client k)."""
     try:
-        node, _, _ = _setup(msg, context, training=False)
+        node, round, _ = _setup(msg, context, training=False)
         shared = records.decode_payload(msg.content, node.device)["weights"]
         # the server's inference rule (nearest prototype) needs the server's state: load it into the node's copy
         node.server.load_state_dict(records.decode_payload(msg.content, node.device, prefix=SERVER_STATE))
         model = _model(node, context) if node.models.personal else node.models.eval_model
         count = test_client(node.server, model, node.test_name, node.test, shared, personal=node.models.personal)
+        if node.models.personal:
+            _write_personal_model(msg, context, node, model, round)
     except Exception as error:  # noqa: BLE001
         return _failure(msg, error)
     return Message(RecordDict({EVAL_RECORD: ConfigRecord({"test-set": count.name, "correct": count.correct,
                                                           "total": count.total})}), reply_to=msg)
+
+
+def personal_model_folder(node_config: dict[str, Any], state_key: str) -> Path:
+    """Where a node writes its clients' final personal models of run ``state_key``: ``models/<state key>``
+    under :func:`state_root` (beside the clients' state, outside what ``forget`` deletes)."""
+    if not _RUN_KEY.match(state_key):
+        raise ValueError(f"not a run key: {state_key!r}")
+    return state_root(node_config) / "models" / state_key
+
+
+def _write_personal_model(msg: Message, context: Context, node: NodeSide, model: Any, round: int) -> None:
+    """After the last round's evaluation, the client's personal model (with the global shared part just
+    loaded) on this node's own disk, loadable with ``fedhpro.load_model(folder, client=k)``; its path logged."""
+    header = msg.content.config_records[HEADER]
+    node_config = dict(context.node_config)
+    config = config_from_text(str(header["config"]), _node_overrides(node_config))
+    key = header.get("state-key")
+    if round != config.run.rounds - 1 or not isinstance(key, str) or not _RUN_KEY.match(key):
+        return
+    from fedhpro.trained import write_node_model
+
+    written = write_node_model(personal_model_folder(node_config, key), config, node, model)
+    logger.info("fedhpro: client %d's personal model written to %s", int(node.client), written)
 
 
 def _load_state(context: Context, node: NodeSide) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from fedhpro.engines.simulator import ClientModels, build_method
 from fedhpro.errors import ConfigError
 from fedhpro.experiment import build_experiment, build_simulator, model_factories, protocol_settings, resolve_device
 from fedhpro.methods import get_method
+from fedhpro.privacy import ledger_for
 from fedhpro.runtime import configure_cpu_runtime
 
 #: the data set whose nodes hold their own data (own-data mode)
@@ -79,10 +80,10 @@ def prepare_torch(device: torch.device) -> None:
 
 
 def protocol_for(config: Config, server: Any, num_clients: int,
-                 on_drop: Callable[[str], None] | None = None) -> RoundProtocol:
+                 on_drop: Callable[[str], None] | None = None, ledger: Any = None) -> RoundProtocol:
     """The run's round protocol, from the settings :func:`fedhpro.api.run` gives the simulator
-    (:func:`fedhpro.api.protocol_settings`)."""
-    return RoundProtocol(server, num_clients, on_drop=on_drop, **protocol_settings(config))
+    (:func:`fedhpro.api.protocol_settings`); ``ledger``: privacy=sample's (built from the clients' sizes)."""
+    return RoundProtocol(server, num_clients, on_drop=on_drop, ledger=ledger, **protocol_settings(config))
 
 
 def build_engine(config: Config, on_drop=None) -> Engine:
@@ -133,8 +134,15 @@ def build_server_side(config: Config, *, num_classes: int | None = None, input_s
                           client_architectures=architectures, architecture_factory=architecture_factory,
                           shared=shared, clients=[])
     server, _ = build_method(method, config.method_options, models, num_classes, train, options.seed, device)
-    return ServerSide(config, server, protocol_for(config, server, len(num_samples), on_drop), models, device,
-                      list(num_samples))
+    ledger = None
+    if config.privacy.mode == "sample":
+        if config.privacy.target_epsilon > 0:  # each node would calibrate sigma on its own size alone
+            raise ConfigError("privacy=sample with privacy.target_epsilon on Flower's own-data mode: the nodes "
+                              "cannot calibrate one sigma without every client's size; give "
+                              "privacy.noise_multiplier instead (the run reports the epsilon it reaches)")
+        ledger = ledger_for(config, list(num_samples), train)
+    return ServerSide(config, server, protocol_for(config, server, len(num_samples), on_drop, ledger), models,
+                      device, list(num_samples))
 
 
 @dataclass

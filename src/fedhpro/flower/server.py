@@ -767,7 +767,7 @@ class MethodStrategy(Strategy):
         return self._tests[k]
 
     def _pooled_accuracy(self, round: int, replies: list[Message]
-                         ) -> tuple[dict[str, float] | None, list[float], list[dict[str, Any]]]:
+                         ) -> tuple[dict[str, float] | None, list[float | None], list[dict[str, Any]]]:
         """``(accuracy, per-client accuracies, clients not evaluated with the reason)``: the test counts of
         the clients that answered, pooled per test set (the simulator's :func:`pool_accuracy`); per-client
         accuracies in client order, of those clients only. A client whose node is offline, sent no answer
@@ -803,7 +803,8 @@ class MethodStrategy(Strategy):
         ordered = [counts[k] for k in sorted(counts)]
         order = list(self.side.engine.federation.test_sets) if self.side.engine is not None else None
         accuracy = pool_accuracy(ordered, order)
-        return accuracy, [c.accuracy if c.total else accuracy["AVG"] for c in ordered], missing
+        # a client without test data of its own is not tested (None: no accuracy, out of the fairness statistics)
+        return accuracy, [c.accuracy if c.total else None for c in ordered], missing
 
 
 def run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, Any] | None = None) -> MethodStrategy:
@@ -856,6 +857,9 @@ def _run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, An
                      "clients": [{"client": k, "node": nodes[k], **dataclasses.asdict(info)}
                                  for k, info in enumerate(infos)]}
         notes = [f"clients: {len(infos)} SuperNodes holding their own data ({infos[0].kind}), {len(classes)} classes"]
+        from fedhpro.data.clients import client_notes
+
+        notes += client_notes(infos)  # clients without a test split, domains nobody tests
     else:
         nodes, clients = discover_nodes(grid, config.run.clients, settings)
         if config.run.clients is None:
@@ -881,6 +885,10 @@ def _run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, An
     strategy.start(grid, initial, num_rounds=config.run.rounds - strategy.first_round,
                    timeout=settings.round_timeout)
     if folder is not None:
+        from fedhpro.trained import MODEL_FILE, write_server_model
+
+        with driver.stop_on_write_error(folder.out, folder.out / MODEL_FILE):  # before summary.json
+            write_server_model(folder.out, side, partition)
         write_results(folder, strategy, time.perf_counter() - started, notes)
     forget_client_state(grid, strategy, settings)
     return strategy
