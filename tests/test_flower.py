@@ -16,6 +16,7 @@ losses, server metrics, the hyper-prototypes and the global weights.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tomllib
@@ -224,6 +225,12 @@ def test_example_app_declares_every_config_key():
                                       "clientapp": "fedhpro.flower.client:app"}
     config = declared["config"]
     assert {"method", "rounds", "clients", "seed", "fedhpro.tau", "moon.mu", "data.fraction"} <= set(config)
+    # every config section's knobs, privacy's too (config.yaml omits that section while privacy is off)
+    from fedhpro.config import SECTIONS
+
+    for section in SECTIONS:
+        knobs = {f"{section.name}.{field.name}" for field in dataclasses.fields(section.options_for("digits-offline"))}
+        assert knobs <= set(config), f"the app lacks {sorted(knobs - set(config))}"
     # the declared table alone (all "" = defaults) resolves to the defaults
     assert config_from_run_config(config)[0].to_dict() == load_config(
         None, {"checkpoint_every": FLOWER_CHECKPOINT_EVERY}).to_dict()
