@@ -74,12 +74,13 @@ def _code_names(code) -> set[str]:
 
 
 def _module_shares_fixtures(item: pytest.Item) -> bool:
-    """Whether the item's module defines a fixture of a wider scope than a test (module, class, package):
-    its tests then share what it built (or changed), and each worker would build it again."""
+    """Whether the item uses a module-, class- or package-scoped fixture of its own module: the tests using it
+    share what it built (or changed), and each worker would build it again. (A session-scoped one is built
+    once per worker anyway: its users stay free, so that e.g. test_docs' pages spread over the workers.)"""
     module_id = item.nodeid.split("::")[0]
     for definitions in item._fixtureinfo.name2fixturedefs.values():
         for definition in definitions:
-            if definition.baseid == module_id and definition.scope != "function":
+            if definition.baseid == module_id and definition.scope in ("module", "class", "package"):
                 return True
     return False
 
