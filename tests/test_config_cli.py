@@ -393,16 +393,22 @@ def test_the_sections_table_orders_config_yaml_keys_and_shorthands():
     from fedhpro.cli import key_lines
     from fedhpro.config import SECTIONS, SHORTHANDS
 
-    assert [section.name for section in SECTIONS] == ["data", "faults", "partition", "aggregation"]
-    assert SHORTHANDS == {"partition": "scheme", "aggregation": "rule"}
+    assert [section.name for section in SECTIONS] == ["data", "faults", "partition", "aggregation", "privacy"]
+    assert SHORTHANDS == {"partition": "scheme", "aggregation": "rule", "privacy": "mode"}
     config = load_config(None, ["partition=iid", "aggregation=median"])
+    # privacy off: config.yaml has no privacy section (runs from before privacy existed write the same file)
     assert list(config.to_dict())[-4:] == ["data", "faults", "partition", "aggregation"]
     assert (config.partition.scheme, config.aggregation.rule) == ("iid", "median")
+    private = load_config(None, ["privacy=client", "privacy.clip=0.5"])
+    assert list(private.to_dict())[-5:] == ["data", "faults", "partition", "aggregation", "privacy"]
+    assert private.to_dict()["privacy"]["clip"] == 0.5 and private.privacy.mode == "client"
+    assert load_config(private.to_dict()).to_dict() == private.to_dict()  # config.yaml loads back
     assert list(config.sections())[:len(METHODS)] == list(METHODS)
-    assert list(config.sections())[len(METHODS):] == ["data", "faults", "partition", "aggregation"]
+    assert list(config.sections())[len(METHODS):] == ["data", "faults", "partition", "aggregation", "privacy"]
     lines = key_lines("digits-offline")
-    assert lines[-2:] == ["partition: short for partition.scheme (default: auto)",
-                          "aggregation: short for aggregation.rule (default: mean)"]
+    assert lines[-3:] == ["partition: short for partition.scheme (default: auto)",
+                          "aggregation: short for aggregation.rule (default: mean)",
+                          "privacy: short for privacy.mode (default: none)"]
     for section in SECTIONS:
         assert any(line.startswith(f"{section.name}.") for line in lines)
 

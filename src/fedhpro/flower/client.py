@@ -276,12 +276,13 @@ def evaluate(msg: Message, context: Context) -> Message:
                                                           "total": count.total})}), reply_to=msg)
 
 
-def personal_model_folder(node_config: dict[str, Any], state_key: str) -> Path:
-    """Where a node writes its clients' final personal models of run ``state_key``: ``models/<state key>``
-    under :func:`state_root` (beside the clients' state, outside what ``forget`` deletes)."""
+def personal_model_folder(node_config: dict[str, Any], state_key: str, client: int) -> Path:
+    """Where a node writes client ``client``'s final personal model of run ``state_key``:
+    ``models/<state key>/client-<k>`` under :func:`state_root` (beside the clients' state, outside what
+    ``forget`` deletes; one folder per client, as nodes may share a disk)."""
     if not _RUN_KEY.match(state_key):
         raise ValueError(f"not a run key: {state_key!r}")
-    return state_root(node_config) / "models" / state_key
+    return state_root(node_config) / "models" / state_key / f"client-{int(client)}"
 
 
 def _write_personal_model(msg: Message, context: Context, node: NodeSide, model: Any, round: int) -> None:
@@ -295,7 +296,7 @@ def _write_personal_model(msg: Message, context: Context, node: NodeSide, model:
         return
     from fedhpro.trained import write_node_model
 
-    written = write_node_model(personal_model_folder(node_config, key), config, node, model)
+    written = write_node_model(personal_model_folder(node_config, key, int(node.client)), config, node, model)
     logger.info("fedhpro: client %d's personal model written to %s", int(node.client), written)
 
 
