@@ -204,7 +204,8 @@ def default_app_config_toml() -> str:
     defaults["checkpoint_every"] = FLOWER_CHECKPOINT_EVERY  # what "" gives on Flower
     defaults_config = load_config(None)
     # every section, privacy too (config.yaml leaves it out while it is off, the app must still declare it)
-    for section, values in {**defaults_config.to_dict(), "privacy": dataclasses.asdict(defaults_config.privacy)}.items():
+    sections = {**defaults_config.to_dict(), "privacy": dataclasses.asdict(defaults_config.privacy)}
+    for section, values in sections.items():
         if isinstance(values, Mapping) and section not in ("data",):
             defaults.update({f"{section}.{knob}": value for knob, value in values.items()})
     for name in DATASETS:  # every data set's layout options (a run uses those of its dataset=)
