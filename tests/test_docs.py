@@ -234,9 +234,15 @@ def test_home_page_in_a_browser_shows_the_navigation(built_site: Path, tmp_path:
         pytest.skip("chromium is not installed (Debian: apt-get install -y chromium; .ci/run installs it)")
     env = _environment(tmp_path, tmp_path)
     env["HOME"] = str(tmp_path)  # its profile and crash reports stay in this test's folder
-    status, dom = _run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                        f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom",
-                        (built_site / "index.html").as_uri()], tmp_path, env, 120)
+    # --no-zygote / --disable-dev-shm-usage: fewer processes and no /dev/shm, so that a busy CI machine (Ray and
+    # Flower tests on the other worker) does not abort the browser's start; an abort at start is retried twice
+    for attempt in range(3):
+        status, dom = _run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                            "--no-zygote", "--disable-dev-shm-usage",
+                            f"--user-data-dir={tmp_path / f'profile-{attempt}'}", "--dump-dom",
+                            (built_site / "index.html").as_uri()], tmp_path, env, 120)
+        if status == 0 or "<html" in dom:
+            break
     assert status == 0, f"chromium failed:\n{dom[-4000:]}"
     assert "<html" in dom and "md-nav" in dom, dom[-2000:]
     parser = _Links()
