@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,22 +228,22 @@ class _Links(html.parser.HTMLParser):
             self.links.append((href, " ".join("".join(texts).split())))
 
 
-def test_home_page_in_a_browser_shows_the_navigation(built_site: Path, tmp_path: Path):
+def test_home_page_in_a_browser_shows_the_navigation(built_site: Path):
     """Headless Chromium renders the built home page; its DOM links every nav entry under its title."""
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
         pytest.skip("chromium is not installed (Debian: apt-get install -y chromium; .ci/run installs it)")
-    env = _environment(tmp_path, tmp_path)
-    env["HOME"] = str(tmp_path)  # its profile and crash reports stay in this test's folder
-    # --no-zygote / --disable-dev-shm-usage: fewer processes and no /dev/shm, so that a busy CI machine (Ray and
-    # Flower tests on the other worker) does not abort the browser's start; an abort at start is retried twice
-    for attempt in range(3):
+    # Chromium puts Unix sockets under TMPDIR and its profile, and aborts at start (status -6) when their path
+    # exceeds the 108 bytes a socket path may have: an xdist worker's tmp_path is too deep, so a short folder
+    short = Path(tempfile.mkdtemp(prefix="chromium-", dir="/tmp"))
+    try:
+        env = _environment(short, short)
+        env["HOME"] = str(short)  # its profile and crash reports stay in this folder
         status, dom = _run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                            "--no-zygote", "--disable-dev-shm-usage",
-                            f"--user-data-dir={tmp_path / f'profile-{attempt}'}", "--dump-dom",
-                            (built_site / "index.html").as_uri()], tmp_path, env, 120)
-        if status == 0 or "<html" in dom:
-            break
+                            f"--user-data-dir={short / 'profile'}", "--dump-dom",
+                            (built_site / "index.html").as_uri()], short, env, 120)
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
     assert status == 0, f"chromium failed:\n{dom[-4000:]}"
     assert "<html" in dom and "md-nav" in dom, dom[-2000:]
     parser = _Links()
