@@ -8,7 +8,7 @@ mean ± std table and curves, and running this script again reuses every finishe
 
     python bench/fedsa_vs_fedhpro.py run --part main          # fedavg, fedsa, fedhpro, 3 seeds, both settings
     python bench/fedsa_vs_fedhpro.py run --part ablations     # one switch at a time (see VARIANTS)
-    python bench/fedsa_vs_fedhpro.py run --part curves        # R = 30, seed 0
+    python bench/fedsa_vs_fedhpro.py run --part curves        # R = 50, 3 seeds
     python bench/fedsa_vs_fedhpro.py analyze                  # tables (markdown) from the finished runs
 
 ``analyze`` reloads each finished run's global model (``fedhpro.load_model``), rebuilds its federation
@@ -60,6 +60,9 @@ VARIANTS = {
     "fedhpro-hpcl-only": ("fedhpro", ["fedhpro.hpal_weight=0"]),
     "fedhpro-hpal-only": ("fedhpro", ["fedhpro.hpcl_weight=0"]),
     "fedhpro-frozen-random": ("fedhpro", ["fedhpro.match_steps=0"]),
+    "fedhpro-frozen-simplex": ("fedhpro", ["fedhpro.hyper_init=simplex", "fedhpro.match_steps=0"]),
+    "fedhpro-frozen-orthogonal-nonnegative": ("fedhpro", ["fedhpro.hyper_init=orthogonal-nonnegative",
+                                                          "fedhpro.match_steps=0"]),
     "fedhpro-margin-normalized": ("fedhpro", ["fedhpro.margin=normalized"]),
     "fedhpro-tau-0.5": ("fedhpro", ["fedhpro.tau=0.5"]),
     "fedhpro-hyper-1": ("fedhpro", ["fedhpro.num_hyper=1"]),
@@ -84,7 +87,7 @@ def plan(part: str, root: Path, seeds: Sequence[int], rounds: int, settings: Seq
         for label, (method, keys) in table.items():
             if only and label not in only:
                 continue
-            folder = root / (f"curves-{setting}" if part == "curves" else setting) / label
+            folder = root / (f"curves{rounds}-{setting}" if part == "curves" else setting) / label
             jobs.append((folder, compare_command(folder, method, keys, setting, seeds, rounds)))
     return jobs
 
@@ -354,9 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="analyze: also write the tables here")
     args = parser.parse_args(argv)
     if args.action == "run":
-        rounds = 30 if args.part == "curves" and args.rounds == 10 else args.rounds
-        seeds = [0] if args.part == "curves" and args.seeds == [0, 1, 2] else args.seeds
-        return run_all(plan(args.part, args.root, seeds, rounds, args.settings, args.only), args.parallel)
+        rounds = 50 if args.part == "curves" and args.rounds == 10 else args.rounds
+        return run_all(plan(args.part, args.root, args.seeds, rounds, args.settings, args.only), args.parallel)
     text = analyze(args.root, None) + "\n" + curves(args.root)
     for setting in SETTINGS:
         seed0 = args.root / setting / "fedhpro" / "fedhpro-seed0"

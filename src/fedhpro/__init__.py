@@ -25,7 +25,8 @@ _LAZY = {"Federation": ("fedhpro.data.federation", "Federation"),
          "register_method": ("fedhpro.methods", "register"),
          "split": ("fedhpro.models.split", "split"),
          "load_model": ("fedhpro.trained", "load_model"),
-         "predict": ("fedhpro.trained", "predict")}
+         "predict": ("fedhpro.trained", "predict"),
+         "class_accuracy": ("fedhpro.trained", "class_accuracy")}
 _SUBMODULES = ("api", "config", "data", "methods", "models", "functional", "metrics", "reports", "engines",
                "trained")
 
@@ -46,5 +47,5 @@ def run(*args, **kwargs):
     return _run(*args, **kwargs)
 
 
-__all__ = ["run", "load_model", "predict", "Federation", "register_method", "split", "ConfigError", "DataError",
+__all__ = ["run", "load_model", "predict", "class_accuracy", "Federation", "register_method", "split", "ConfigError", "DataError",
            "FedHProError", "UpdateError", "__version__"]

@@ -143,14 +143,19 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
     folders = [item for item in args.settings if "=" not in item]
     pairs = dict(parse_override(item) for item in args.settings if "=" in item)
-    unknown = set(pairs) - {"out", "force"}
+    unknown = set(pairs) - {"out", "force", "per_class"}
     if unknown:
-        raise ConfigError(f"fedhpro report takes run folders, out=DIR and force=true only, not "
+        raise ConfigError(f"fedhpro report takes run folders, out=DIR, force=true and per_class=true only, not "
                           f"{', '.join(sorted(unknown))}")
-    force = pairs.get("force", False)
-    if not isinstance(force, bool):
-        raise ConfigError(f"force={force!r} is not a boolean; use force=true to replace an earlier report")
-    report(folders, pairs.get("out"), force=force)
+    flags = {}
+    for name, why in (("force", "to replace an earlier report"), ("per_class", "to add per-class accuracy")):
+        flags[name] = pairs.get(name, False)
+        if not isinstance(flags[name], bool):
+            raise ConfigError(f"{name}={flags[name]!r} is not a boolean; use {name}=true {why}")
+    class_accuracy = None
+    if flags["per_class"]:
+        from fedhpro.trained import class_accuracy
+    report(folders, pairs.get("out"), force=flags["force"], class_accuracy=class_accuracy)
     return 0
 
 
@@ -211,13 +216,17 @@ def build_parser() -> argparse.ArgumentParser:
     _settings_command(
         commands, "report", _cmd_report, metavar="RUN_DIR",
         help="tables and plots from finished runs or a comparison (accuracy curves, L_GM, fairness)",
-        description="fedhpro report RUN_DIR [RUN_DIR ...] [out=DIR] [force=true]: table.md/table.csv (final "
+        description="fedhpro report RUN_DIR [RUN_DIR ...] [out=DIR] [force=true] [per_class=true]: table.md/table.csv "
+                    "(final "
                     "accuracy, fairness, communication, FLOPs) and accuracy.png, gm_loss.png, fairness.png, "
                     "prototype_distance.png (default out=<first run's parent>/report). The out= folder of "
                     "`fedhpro compare` gives the report over seeds instead: per method the mean ± std table and "
                     "the mean accuracy curve with a min-max band over the seeds (default out=<that folder>/report). "
                     "A run without summary.json is marked unfinished (4/10 rounds). An out= holding a report of "
-                    "other runs is refused unless force=true; a report of the same runs is refreshed.")
+                    "other runs is refused unless force=true; a report of the same runs is refreshed. per_class=true "
+                    "re-tests each run's saved model on its rebuilt test sets and adds per_class.md/.csv/.png: the "
+                    "balanced accuracy, the head / middle / tail classes (ranked by training images) and every "
+                    "class's accuracy.")
     predict_parser = commands.add_parser(
         "predict", help="classify images or tensors with a finished run's trained model: a CSV",
         description="fedhpro predict RUN_FOLDER PATH... [--out FILE.csv]: the run's trained model (model.pt, "

@@ -642,3 +642,84 @@ def predict(run_folder: str | os.PathLike, paths: Iterable[str | os.PathLike], o
 __all__ = ["MODEL_FILE", "MODEL_INFO", "ModelFileError", "PERSONAL_FOLDER", "TrainedModels", "client_file",
            "input_description", "load_model", "predict", "read_state", "simulator_models", "write_models",
            "write_node_model", "write_server_model"]
+
+
+# ---------------------------------------------------------------------------- per-class accuracy
+
+
+@torch.no_grad()
+def _class_counts(module: nn.Module, x: Tensor, y: Tensor, num_classes: int,
+                  batch_size: int = 256) -> tuple[Tensor, Tensor]:
+    """``(correct, total)`` per true class (two length-C int64 vectors) of ``module``'s argmax on ``(x, y)``."""
+    correct = torch.zeros(num_classes, dtype=torch.int64)
+    for i in range(0, len(y), batch_size):
+        labels = y[i:i + batch_size].cpu()
+        hits = module(x[i:i + batch_size]).argmax(1).cpu() == labels
+        correct += torch.bincount(labels[hits], minlength=num_classes)[:num_classes]
+    return correct, torch.bincount(y.cpu(), minlength=num_classes)[:num_classes]
+
+
+def class_accuracy(run_folder: str | os.PathLike, *, model: Callable[..., nn.Module] | None = None,
+                   batch_size: int = 256) -> dict[str, Any]:
+    """Per-class test accuracy of a finished run's trained model(s), recomputed from its folder alone.
+
+    The data are rebuilt from the run's ``config.yaml`` (same data set, seed and partition: the same
+    federation) and the model(s) from ``model.pt`` / ``models/`` (:func:`load_model`), and tested as the run
+    tested them: one global model on each test set; personal models (or a federation that arrived split into
+    per-client test sets) client by client, the counts pooled per test set.
+
+    Returns a JSON-ready dict: ``classes`` (names, or None), ``train_counts`` (training images per class summed
+    over the clients), ``test_sets`` (per test set ``correct`` and ``total`` per class), ``accuracy`` (per test
+    set and ``AVG``, their unweighted mean: the run's own accuracy, recomputed) and ``reported`` (summary.json's
+    final accuracy, None if absent). ``reported`` differing from ``accuracy["AVG"]`` means the data or the
+    model files changed since the run.
+    """
+    from fedhpro.data import get_dataset
+
+    folder = Path(run_folder)
+    info = read_info(folder)
+    config = run_config(folder, info, model)
+    options = config.run
+    if config.federation is not None:
+        raise ConfigError(f"{folder}'s data came from Python ({config.federation}); its per-class accuracy cannot "
+                          "be rebuilt from the folder: test the model yourself, fedhpro.load_model(folder)")
+    federation = get_dataset(options.dataset).build(config.data, options.clients, options.seed,
+                                                    data_dir=options.data_dir, progress=False,
+                                                    partition=config.partition)
+    num_classes = federation.num_classes
+    counts: dict[str, list[Tensor]] = {name: [torch.zeros(num_classes, dtype=torch.int64),
+                                              torch.zeros(num_classes, dtype=torch.int64)]
+                                       for name in federation.test_sets}
+
+    def add(name: str, module: nn.Module, x: Tensor, y: Tensor) -> None:
+        correct, total = _class_counts(module, x, y, num_classes, batch_size)
+        pooled = counts.setdefault(name, [torch.zeros_like(correct), torch.zeros_like(total)])
+        pooled[0] += correct
+        pooled[1] += total
+
+    personal = not info.get("global")
+    if not personal and federation.client_tests is None:
+        module = load_model(folder, model=model)
+        for name, (x, y) in federation.test_sets.items():
+            add(name, module, x, y)
+    else:
+        module = None if personal else load_model(folder, model=model)
+        for k in range(federation.num_clients):
+            name = federation.client_test_name(k)
+            x, y = federation.client_tests[k] if federation.client_tests is not None else federation.test_sets[name]
+            if len(y):
+                add(name, load_model(folder, client=k, model=model) if module is None else module, x, y)
+    tested = {name: pair for name, pair in counts.items() if int(pair[1].sum())}
+    accuracy = {name: float(pair[0].sum()) / float(pair[1].sum()) * 100 for name, pair in tested.items()}
+    accuracy["AVG"] = sum(accuracy.values()) / len(accuracy) if accuracy else 0.0
+    summary_path = folder / "summary.json"
+    reported = None
+    if summary_path.is_file():
+        reported = json.loads(summary_path.read_text(encoding="utf-8")).get("accuracy")
+    train_counts = sum((torch.bincount(client.y.cpu(), minlength=num_classes)[:num_classes]
+                        for client in federation.clients), torch.zeros(num_classes, dtype=torch.int64))
+    return {"classes": info.get("classes"),
+            "train_counts": [int(v) for v in train_counts],
+            "test_sets": {name: {"correct": [int(v) for v in pair[0]], "total": [int(v) for v in pair[1]]}
+                          for name, pair in tested.items()},
+            "accuracy": accuracy, "reported": reported}

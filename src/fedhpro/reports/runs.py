@@ -14,7 +14,7 @@ still running) is marked in its label ("4/10 rounds, unfinished") and in a note 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from fedhpro.errors import ConfigError
+from fedhpro.reports.classes import CLASS_FILES, write_class_report
 from fedhpro.reports.plots import mean_band, plot_bars, plot_curves, plot_mean_curves
 from fedhpro.reports.tables import csv_text, markdown_table, mean_pm_std, mean_std
 
@@ -140,7 +141,7 @@ def prototype_series(run: RunData) -> dict[str, tuple[list[int], list[float]]]:
 
 #: the files a report writes (``report.json`` names its runs)
 REPORT_FILES = ("table.md", "table.csv", "accuracy.png", "gm_loss.png", "fairness.png", "prototype_distance.png",
-                "report.json")
+                "report.json", *CLASS_FILES)
 
 
 def _report_sources(runs: Sequence[RunData]) -> list[str]:
@@ -184,7 +185,7 @@ def runs_in(folder: Path) -> list[Path]:
 
 
 def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: bool = True,
-           force: bool = False) -> Path:
+           force: bool = False, class_accuracy: Callable[[Path], Mapping[str, Any]] | None = None) -> Path:
     """Build the table and the plots of ``run_dirs``; returns the output folder.
 
     A folder of run folders (``fedhpro compare``'s ``out``) among ``run_dirs`` gives the report over seeds
@@ -193,6 +194,10 @@ def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: 
     ``out`` (default ``<first run's parent>/report``, or ``<comparison folder>/report``) may hold an earlier
     report of the same runs (it is replaced); one of other runs is refused unless
     ``force`` (:func:`prepare_report_folder`). Unfinished runs are marked.
+
+    ``class_accuracy`` (``fedhpro report ... per_class=true`` passes :func:`fedhpro.trained.class_accuracy`):
+    each run's per-class test counts, from its folder; with it the report adds ``per_class.md``, ``.csv`` and
+    ``.png`` (:func:`fedhpro.reports.classes.write_class_report`): head / middle / tail and per-class accuracy.
     """
     if not run_dirs:
         raise ConfigError("give at least one run folder: fedhpro report RUN_DIR [RUN_DIR ...] [out=DIR]")
@@ -206,11 +211,21 @@ def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: 
         else:
             folders.append(given)  # load_run says what is wrong with a folder that is not a run's
     runs = [load_run(path) for path in folders]
+    measured = {run.path: class_accuracy(run.path) for run in runs} if class_accuracy is not None else None
     if groups:
         first = Path(run_dirs[0])
-        return report_seeds(runs, Path(out) if out else (first if first in groups else first.parent) / "report",
-                            echo=echo, force=force)
-    return _report_runs(runs, out, echo, force)
+        written = report_seeds(runs, Path(out) if out else (first if first in groups else first.parent) / "report",
+                               echo=echo, force=force)
+        by_label = seed_groups(runs)
+    else:
+        written = _report_runs(runs, out, echo, force)
+        by_label = {label: [run] for label, run in zip(run_labels(runs), runs)}
+    if measured is not None:
+        write_class_report(written, {label: [(run.path, measured[run.path]) for run in members]
+                                     for label, members in by_label.items()}, echo=echo)
+        if echo:
+            print(f"written to {written}/: {', '.join(CLASS_FILES)}")
+    return written
 
 
 def _report_runs(runs: list[RunData], out: str | Path | None, echo: bool, force: bool) -> Path:

@@ -1,0 +1,128 @@
+"""Per-class accuracy tables of finished runs (``fedhpro report ... per_class=true``).
+
+The counts come from :func:`fedhpro.trained.class_accuracy` (each run's model re-tested on its rebuilt test
+sets); this module only turns them into ``per_class.md``, ``per_class.csv`` and ``per_class.png``. Classes
+are ranked by their training images summed over the clients: the head is the largest third, the tail the
+smallest third, the middle the rest (3 / 4 / 3 of 10 classes), as in long-tail studies. When every class has
+as many training images as every other, there is no head or tail and the tables say so.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from fedhpro.reports.plots import plot_bars
+from fedhpro.reports.tables import csv_text, format_number, markdown_table, mean_pm_std, mean_std
+
+#: the files this report adds beside a run report's
+CLASS_FILES = ("per_class.md", "per_class.csv", "per_class.png")
+
+
+def class_split(train_counts: Sequence[int]) -> tuple[list[int], list[int], list[int]] | None:
+    """``(head, middle, tail)`` class indices by training images, largest first (ties by index); the head and
+    the tail are ``max(1, C // 3)`` classes each. None when all classes have the same count (or C < 3)."""
+    num_classes = len(train_counts)
+    if num_classes < 3 or len(set(train_counts)) == 1:
+        return None
+    order = sorted(range(num_classes), key=lambda c: (-train_counts[c], c))
+    third = max(1, num_classes // 3)
+    return order[:third], order[third:num_classes - third], order[num_classes - third:]
+
+
+def per_class_accuracy(measured: Mapping[str, Any]) -> list[float | None]:
+    """Accuracy (%) per class: over the test sets holding that class, the unweighted mean of its accuracy
+    in each (the paper's AVG, taken per class); None for a class no test set holds."""
+    sets = list(measured["test_sets"].values())
+    out: list[float | None] = []
+    for c in range(len(measured["train_counts"])):
+        values = [s["correct"][c] / s["total"][c] * 100 for s in sets if s["total"][c]]
+        out.append(sum(values) / len(values) if values else None)
+    return out
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def summarize(measured: Mapping[str, Any]) -> dict[str, float | None]:
+    """One run's balanced accuracy (mean over classes) and its head / middle / tail means (None without a
+    split)."""
+    accuracy = per_class_accuracy(measured)
+    split = class_split(measured["train_counts"])
+    out: dict[str, float | None] = {"balanced": _mean(accuracy)}
+    for name, classes in zip(("head", "middle", "tail"), split or ((), (), ())):
+        out[name] = _mean([accuracy[c] for c in classes]) if split else None
+    return out
+
+
+def write_class_report(out: str | os.PathLike, groups: Mapping[str, Sequence[tuple[Path, Mapping[str, Any]]]],
+                       echo: bool = True) -> list[str]:
+    """Write ``per_class.md`` / ``.csv`` / ``.png`` for ``groups`` (label -> its runs' ``(folder, counts)``,
+    one run per group or a group's seeds); returns the names written."""
+    from fedhpro.reports import write_atomic
+
+    out = Path(out)
+    first = next(iter(groups.values()))[0][1]
+    counts = first["train_counts"]
+    num_classes = len(counts)
+    split = class_split(counts)
+    names = first.get("classes") or [str(c) for c in range(num_classes)]
+    notes = []
+    if any(list(m["train_counts"]) != list(counts) for runs in groups.values() for _, m in runs):
+        notes.append("the runs' training images per class differ (other data or partitions): head and tail are "
+                     "taken per run, the training images shown are the first run's")
+    for runs in groups.values():
+        for folder, m in runs:
+            reported = m.get("reported")
+            if reported is not None and abs(float(reported) - float(m["accuracy"]["AVG"])) > 1e-6:
+                notes.append(f"{folder.name}: re-tested at {m['accuracy']['AVG']:.2f} %, its summary says "
+                             f"{float(reported):.2f} %: the data or the model files changed since the run")
+    if split is None:
+        notes.append("every class has as many training images as every other: no head or tail")
+    head, middle, tail = (len(part) for part in split) if split else (0, 0, 0)
+    header = ["method", "seeds", "balanced", f"head {head}", f"middle {middle}", f"tail {tail}"]
+    keys = ("balanced", "head", "middle", "tail")
+    markdown, table, bars, spread = [], [], {}, {}
+    for label, runs in groups.items():
+        parts = [summarize(m) for _, m in runs]
+        seeds = ",".join(folder.name.rsplit("seed", 1)[-1] if "seed" in folder.name else folder.name
+                         for folder, _ in runs)
+        stats = {key: mean_std([p[key] for p in parts]) for key in keys}
+        markdown.append([label, seeds] + [mean_pm_std([p[key] for p in parts]) for key in keys])
+        table.append([label, seeds] + [stats[key][0] for key in keys] + [stats[key][1] for key in keys])
+        if split:
+            bars[label] = {f"{key} {n}": stats[key][0] for key, n in zip(keys[1:], (head, middle, tail))}
+            spread[label] = {f"{key} {n}": stats[key][1] or 0.0 for key, n in zip(keys[1:], (head, middle, tail))}
+        else:
+            bars[label] = {names[c]: _mean([per_class_accuracy(m)[c] for _, m in runs]) for c in range(num_classes)}
+    ranked = sorted(range(num_classes), key=lambda c: (-counts[c], c))
+    class_header = ["method"] + [names[c] for c in ranked]
+    class_rows: list[list[Any]] = [["training images"] + [counts[c] for c in ranked]]
+    for label, runs in groups.items():
+        accuracy = [per_class_accuracy(m) for _, m in runs]
+        class_rows.append([label] + [_mean([a[c] for a in accuracy]) for c in ranked])
+    caption = ("Test accuracy (%) by class of each run's final model, re-tested on its rebuilt test sets: "
+               "mean ± sample std over seeds of the balanced accuracy (mean over classes) and of the head, middle "
+               "and tail classes (ranked by training images summed over the clients).")
+    text = (markdown_table(header, markdown, caption, notes) + "\n"
+            + markdown_table(class_header, [[format_number(v, 1) if isinstance(v, float) else v for v in row]
+                                            for row in class_rows],
+                             "Per class (mean over seeds), classes ordered by training images."))
+    write_atomic(out / "per_class.md", text)
+    csv_header = (["method", "seeds"] + [f"{k}_mean" for k in keys] + [f"{k}_std" for k in keys]
+                  + [f"class_{names[c]}" for c in range(num_classes)])
+    class_means = [[_mean([per_class_accuracy(m)[c] for _, m in runs]) for c in range(num_classes)]
+                   for runs in groups.values()]
+    write_atomic(out / "per_class.csv", csv_text(csv_header, [row + means for row, means in zip(table, class_means)]))
+    bars = {label: {name: float("nan") if value is None else value for name, value in values.items()}
+            for label, values in bars.items()}
+    plot_bars(bars, out / "per_class.png", errors=spread if split else None, ylabel="test accuracy (%)",
+              title="test accuracy of the head, middle and tail classes (mean over seeds, bar: std)" if split
+              else "test accuracy per class (mean over seeds)")
+    if echo:
+        print(text)
+    return list(CLASS_FILES)
