@@ -47,5 +47,5 @@ def run(*args, **kwargs):
     return _run(*args, **kwargs)
 
 
-__all__ = ["run", "load_model", "predict", "class_accuracy", "Federation", "register_method", "split", "ConfigError", "DataError",
-           "FedHProError", "UpdateError", "__version__"]
+__all__ = ["run", "load_model", "predict", "class_accuracy", "Federation", "register_method", "split", "ConfigError",
+           "DataError", "FedHProError", "UpdateError", "__version__"]

@@ -152,10 +152,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
         flags[name] = pairs.get(name, False)
         if not isinstance(flags[name], bool):
             raise ConfigError(f"{name}={flags[name]!r} is not a boolean; use {name}=true {why}")
-    class_accuracy = None
-    if flags["per_class"]:
-        from fedhpro.trained import class_accuracy
-    report(folders, pairs.get("out"), force=flags["force"], class_accuracy=class_accuracy)
+    from fedhpro.trained import class_accuracy
+
+    report(folders, pairs.get("out"), force=flags["force"],
+           class_accuracy=class_accuracy if flags["per_class"] else None)
     return 0
 
 

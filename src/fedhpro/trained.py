@@ -697,18 +697,17 @@ def class_accuracy(run_folder: str | os.PathLike, *, model: Callable[..., nn.Mod
         pooled[0] += correct
         pooled[1] += total
 
-    personal = not info.get("global")
-    if not personal and federation.client_tests is None:
-        module = load_model(folder, model=model)
+    global_model = None if not info.get("global") else load_model(folder, model=model)
+    if global_model is not None and federation.client_tests is None:
         for name, (x, y) in federation.test_sets.items():
-            add(name, module, x, y)
+            add(name, global_model, x, y)
     else:
-        module = None if personal else load_model(folder, model=model)
         for k in range(federation.num_clients):
             name = federation.client_test_name(k)
             x, y = federation.client_tests[k] if federation.client_tests is not None else federation.test_sets[name]
             if len(y):
-                add(name, load_model(folder, client=k, model=model) if module is None else module, x, y)
+                add(name, global_model if global_model is not None else load_model(folder, client=k, model=model),
+                    x, y)
     tested = {name: pair for name, pair in counts.items() if int(pair[1].sum())}
     accuracy = {name: float(pair[0].sum()) / float(pair[1].sum()) * 100 for name, pair in tested.items()}
     accuracy["AVG"] = sum(accuracy.values()) / len(accuracy) if accuracy else 0.0

@@ -86,7 +86,9 @@ def write_class_report(out: str | os.PathLike, groups: Mapping[str, Sequence[tup
     head, middle, tail = (len(part) for part in split) if split else (0, 0, 0)
     header = ["method", "seeds", "balanced", f"head {head}", f"middle {middle}", f"tail {tail}"]
     keys = ("balanced", "head", "middle", "tail")
-    markdown, table, bars, spread = [], [], {}, {}
+    markdown, table = [], []
+    bars: dict[str, dict[str, float | None]] = {}
+    spread: dict[str, dict[str, float]] = {}
     for label, runs in groups.items():
         parts = [summarize(m) for _, m in runs]
         seeds = ",".join(folder.name.rsplit("seed", 1)[-1] if "seed" in folder.name else folder.name
@@ -118,9 +120,9 @@ def write_class_report(out: str | os.PathLike, groups: Mapping[str, Sequence[tup
     class_means = [[_mean([per_class_accuracy(m)[c] for _, m in runs]) for c in range(num_classes)]
                    for runs in groups.values()]
     write_atomic(out / "per_class.csv", csv_text(csv_header, [row + means for row, means in zip(table, class_means)]))
-    bars = {label: {name: float("nan") if value is None else value for name, value in values.items()}
-            for label, values in bars.items()}
-    plot_bars(bars, out / "per_class.png", errors=spread if split else None, ylabel="test accuracy (%)",
+    shown = {label: {name: float("nan") if value is None else value for name, value in values.items()}
+             for label, values in bars.items()}
+    plot_bars(shown, out / "per_class.png", errors=spread if split else None, ylabel="test accuracy (%)",
               title="test accuracy of the head, middle and tail classes (mean over seeds, bar: std)" if split
               else "test accuracy per class (mean over seeds)")
     if echo:
