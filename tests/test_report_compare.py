@@ -133,3 +133,22 @@ def test_a_folder_without_runs_is_still_one_clear_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="not a run folder.*out= folder of `fedhpro compare`"):
         report([tmp_path / "empty"], echo=False)
+
+
+def test_ablation_groups_are_labelled_by_what_each_changes():
+    """Among variants of one method, the value most of them share is the unchanged one: left out of the labels;
+    a tie (two variants) shows the setting on both; runs of distinct methods are labelled by the method alone."""
+    from fedhpro.reports.runs import RunData, run_labels
+
+    def run(name: str, method: str, **options) -> RunData:
+        base = {"hpal_weight": 1.0, "match_steps": 30, "hyper_init": "gaussian"}
+        own = {"lambda1": 0.1} if method == "fedsa" else {**base, **options}
+        return RunData(Path(name), {"method": method, "lr": 0.01, method: own, "out": name}, [], None)
+
+    runs = [run("a", "fedavg"), run("b", "fedhpro"), run("c", "fedhpro", match_steps=0),
+            run("d", "fedhpro", hpal_weight=0.0), run("e", "fedhpro", hyper_init="simplex"),
+            run("f", "fedsa")]
+    assert run_labels(runs) == ["fedavg", "fedhpro", "fedhpro match_steps=0", "fedhpro hpal_weight=0.0",
+                                "fedhpro hyper_init=simplex", "fedsa"]
+    assert run_labels(runs[1:3]) == ["fedhpro match_steps=30", "fedhpro match_steps=0"]
+    assert run_labels([runs[0], runs[5]]) == ["fedavg", "fedsa"]

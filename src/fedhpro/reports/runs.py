@@ -91,19 +91,31 @@ def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def _strict_mode(values: Sequence[str]) -> str | None:
+    """The value more of ``values`` hold than any other; None on a tie."""
+    ranked = sorted(((values.count(v), v) for v in set(values)), reverse=True)
+    return ranked[0][1] if len(ranked) == 1 or ranked[0][0] > ranked[1][0] else None
+
+
 def run_labels(runs: Sequence[RunData]) -> list[str]:
     """The method names if they tell the runs apart, else the method plus the settings that differ
-    between the runs (``fedhpro hpal_weight=0.0``); the folder names as the last resort."""
+    between the runs (``fedhpro hpal_weight=0.0``); the folder names as the last resort.
+
+    A setting's value held by most runs of the same method (more than any other value: among an
+    ablation's variants, the unchanged one) is left out of their labels, so each variant is labelled by what
+    it changes (``fedhpro``, ``fedhpro match_steps=0``); on a tie every run shows it."""
     methods = [run.method for run in runs]
     if len(set(methods)) == len(methods):
         return methods
     flats = [_flatten(run.config) for run in runs]
     keys = sorted({key for flat in flats for key in flat})
-    differing = [key for key in keys if key not in ("method", "out")
-                 and len({json.dumps(flat.get(key), default=str) for flat in flats}) > 1]
+    shown = [{key: json.dumps(flat.get(key), default=str) for key in keys} for flat in flats]
+    differing = [key for key in keys if key not in ("method", "out") and len({values[key] for values in shown}) > 1]
     labels = []
-    for run, flat in zip(runs, flats):
-        own = [key for key in differing if "." not in key or key.split(".")[0] in (run.method, "data", "partition")]
+    for run, flat, values in zip(runs, flats, shown):
+        peers = [other for other, peer in zip(shown, runs) if peer.method == run.method]
+        own = [key for key in differing if ("." not in key or key.split(".")[0] in (run.method, "data", "partition"))
+               and values[key] != _strict_mode([peer[key] for peer in peers])]
         labels.append(" ".join([run.method] + [f"{key.split('.', 1)[-1] if key.startswith(run.method + '.') else key}"
                                                f"={flat.get(key)}" for key in own]))
     return labels if len(set(labels)) == len(labels) else [run.path.name for run in runs]
