@@ -64,6 +64,7 @@ VARIANTS = {
     "fedhpro-frozen-orthogonal-nonnegative": ("fedhpro", ["fedhpro.hyper_init=orthogonal-nonnegative",
                                                           "fedhpro.match_steps=0"]),
     "fedhpro-margin-normalized": ("fedhpro", ["fedhpro.margin=normalized"]),
+    "fedhpro-match-adam": ("fedhpro", ["fedhpro.hyper_optimizer=adam"]),  # matching that does move S
     "fedhpro-tau-0.5": ("fedhpro", ["fedhpro.tau=0.5"]),
     "fedhpro-hyper-1": ("fedhpro", ["fedhpro.num_hyper=1"]),
     "fedhpro-authors-options": ("fedhpro", ["fedhpro.recipe=authors"]),  # lr, d set above still win
