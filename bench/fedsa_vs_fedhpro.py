@@ -70,7 +70,8 @@ VARIANTS = {
     "fedhpro-authors-options": ("fedhpro", ["fedhpro.recipe=authors"]),  # lr, d set above still win
 }
 CURVES = {"fedavg": ("fedavg", []), "fedsa": ("fedsa", []), "fedhpro": ("fedhpro", []),
-          "fedhpro-init-orthogonal-nonnegative": VARIANTS["fedhpro-init-orthogonal-nonnegative"]}
+          "fedhpro-init-orthogonal-nonnegative": VARIANTS["fedhpro-init-orthogonal-nonnegative"],
+          "fedhpro-init-simplex": VARIANTS["fedhpro-init-simplex"]}
 
 
 def compare_command(out: Path, method: str, keys: Sequence[str], setting: str, seeds: Sequence[int],
