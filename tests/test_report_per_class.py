@@ -132,3 +132,14 @@ def test_a_run_without_its_model_files_is_refused_in_one_line(compare_folder, tm
     with pytest.raises(FedHProError) as error:
         report([run], out=tmp_path / "report", echo=False, class_accuracy=class_accuracy)
     assert "model.json" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_an_unfinished_run_is_left_out_of_the_per_class_tables_and_named(compare_folder, tmp_path):
+    import shutil
+
+    folder = tmp_path / "compare"
+    shutil.copytree(compare_folder, folder, ignore=shutil.ignore_patterns("report"))
+    (folder / "fedavg-seed2" / "summary.json").unlink()  # as a run still training looks
+    report([folder], out=tmp_path / "report", echo=False, class_accuracy=class_accuracy)
+    text = (tmp_path / "report" / "per_class.md").read_text()
+    assert "left out, unfinished (no saved model yet): fedavg-seed2" in text and "| fedavg | 1 |" in text

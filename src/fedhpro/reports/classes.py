@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedhpro.errors import ConfigError
 from fedhpro.reports.plots import plot_bars
 from fedhpro.reports.tables import csv_text, format_number, markdown_table, mean_pm_std, mean_std
 
@@ -60,18 +61,20 @@ def summarize(measured: Mapping[str, Any]) -> dict[str, float | None]:
 
 
 def write_class_report(out: str | os.PathLike, groups: Mapping[str, Sequence[tuple[Path, Mapping[str, Any]]]],
-                       echo: bool = True) -> list[str]:
+                       echo: bool = True, notes: Sequence[str] = ()) -> list[str]:
     """Write ``per_class.md`` / ``.csv`` / ``.png`` for ``groups`` (label -> its runs' ``(folder, counts)``,
-    one run per group or a group's seeds); returns the names written."""
+    one run per group or a group's seeds; ``notes`` go under the first table); returns the names written."""
     from fedhpro.reports import write_atomic
 
     out = Path(out)
+    notes = list(notes)
+    if not groups:
+        raise ConfigError("no finished run to test per class: per_class=true needs runs that wrote their model")
     first = next(iter(groups.values()))[0][1]
     counts = first["train_counts"]
     num_classes = len(counts)
     split = class_split(counts)
     names = first.get("classes") or [str(c) for c in range(num_classes)]
-    notes = []
     if any(list(m["train_counts"]) != list(counts) for runs in groups.values() for _, m in runs):
         notes.append("the runs' training images per class differ (other data or partitions): head and tail are "
                      "taken per run, the training images shown are the first run's")

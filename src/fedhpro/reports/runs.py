@@ -223,7 +223,9 @@ def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: 
         else:
             folders.append(given)  # load_run says what is wrong with a folder that is not a run's
     runs = [load_run(path) for path in folders]
-    measured = {run.path: class_accuracy(run.path) for run in runs} if class_accuracy is not None else None
+    # an unfinished run has no saved model yet: left out of the per-class tables (and named there)
+    measured = ({run.path: class_accuracy(run.path) for run in runs if run.finished}
+                if class_accuracy is not None else None)
     if groups:
         first = Path(run_dirs[0])
         written = report_seeds(runs, Path(out) if out else (first if first in groups else first.parent) / "report",
@@ -233,8 +235,12 @@ def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: 
         written = _report_runs(runs, out, echo, force)
         by_label = {label: [run] for label, run in zip(run_labels(runs), runs)}
     if measured is not None:
-        write_class_report(written, {label: [(run.path, measured[run.path]) for run in members]
-                                     for label, members in by_label.items()}, echo=echo)
+        left_out = [run.path.name for run in runs if run.path not in measured]
+        groups = {label: [(run.path, measured[run.path]) for run in members if run.path in measured]
+                  for label, members in by_label.items()}
+        write_class_report(written, {label: members for label, members in groups.items() if members}, echo=echo,
+                           notes=[f"left out, unfinished (no saved model yet): {', '.join(left_out)}"]
+                           if left_out else [])
         if echo:
             print(f"written to {written}/: {', '.join(CLASS_FILES)}")
     return written
