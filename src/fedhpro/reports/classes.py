@@ -87,8 +87,8 @@ def write_class_report(out: str | os.PathLike, groups: Mapping[str, Sequence[tup
     if split is None:
         notes.append("every class has as many training images as every other: no head or tail")
     head, middle, tail = (len(part) for part in split) if split else (0, 0, 0)
-    header = ["method", "seeds", "balanced", f"head {head}", f"middle {middle}", f"tail {tail}"]
-    keys = ("balanced", "head", "middle", "tail")
+    header = ["method", "seeds", "balanced"] + ([f"head {head}", f"middle {middle}", f"tail {tail}"] if split else [])
+    keys = ("balanced", "head", "middle", "tail") if split else ("balanced",)
     markdown, table = [], []
     bars: dict[str, dict[str, float | None]] = {}
     spread: dict[str, dict[str, float]] = {}

@@ -236,9 +236,9 @@ def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: 
         by_label = {label: [run] for label, run in zip(run_labels(runs), runs)}
     if measured is not None:
         left_out = [run.path.name for run in runs if run.path not in measured]
-        groups = {label: [(run.path, measured[run.path]) for run in members if run.path in measured]
+        tested = {label: [(run.path, measured[run.path]) for run in members if run.path in measured]
                   for label, members in by_label.items()}
-        write_class_report(written, {label: members for label, members in groups.items() if members}, echo=echo,
+        write_class_report(written, {label: members for label, members in tested.items() if members}, echo=echo,
                            notes=[f"left out, unfinished (no saved model yet): {', '.join(left_out)}"]
                            if left_out else [])
         if echo:
