@@ -66,6 +66,8 @@ VARIANTS = {
     "fedhpro-margin-normalized": ("fedhpro", ["fedhpro.margin=normalized"]),
     "fedhpro-match-adam": ("fedhpro", ["fedhpro.hyper_optimizer=adam"]),  # matching that does move S
     "fedhpro-tau-0.5": ("fedhpro", ["fedhpro.tau=0.5"]),
+    # 0.05 x 0.45: Gaussian |I| = 5 similarities span +-0.45, so this gives them the logit range of |I| = 1
+    "fedhpro-tau-0.0225": ("fedhpro", ["fedhpro.tau=0.0225"]),
     "fedhpro-hyper-1": ("fedhpro", ["fedhpro.num_hyper=1"]),
     "fedhpro-authors-options": ("fedhpro", ["fedhpro.recipe=authors"]),  # lr, d set above still win
 }
