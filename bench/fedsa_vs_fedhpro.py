@@ -69,7 +69,6 @@ VARIANTS = {
     # 0.05 x 0.45: Gaussian |I| = 5 similarities span +-0.45, so this gives them the logit range of |I| = 1
     "fedhpro-tau-0.0225": ("fedhpro", ["fedhpro.tau=0.0225"]),
     "fedhpro-hyper-1": ("fedhpro", ["fedhpro.num_hyper=1"]),
-    "fedhpro-authors-options": ("fedhpro", ["fedhpro.recipe=authors"]),  # lr, d set above still win
 }
 CURVES = {"fedavg": ("fedavg", []), "fedsa": ("fedsa", []), "fedhpro": ("fedhpro", []),
           "fedhpro-init-orthogonal-nonnegative": VARIANTS["fedhpro-init-orthogonal-nonnegative"],
