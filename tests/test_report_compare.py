@@ -152,3 +152,22 @@ def test_ablation_groups_are_labelled_by_what_each_changes():
                                 "fedhpro hyper_init=simplex", "fedsa"]
     assert run_labels(runs[1:3]) == ["fedhpro match_steps=30", "fedhpro match_steps=0"]
     assert run_labels([runs[0], runs[5]]) == ["fedavg", "fedsa"]
+
+
+def test_the_seed_table_shows_how_far_matching_moved_the_hyper_prototypes():
+    """FedHPro's last logged hyper_movement, in percent, mean ± std over seeds (hand values); "–" for a method
+    without one; no such column when no run logged it."""
+    from fedhpro.reports.runs import MOVEMENT, RunData, seed_table
+
+    def run(method: str, seed: int, moved: list[float] | None) -> RunData:
+        rows = [{"round": r, "accuracy": {"AVG": 50.0 + r}, "server": {} if moved is None else
+                 {"hyper_movement": moved[r]}} for r in range(2)]
+        return RunData(Path(f"{method}-seed{seed}"), {"method": method, "seed": seed}, rows, {})
+
+    groups = {"fedhpro": [run("fedhpro", 0, [0.001, 0.004]), run("fedhpro", 1, [0.002, 0.006])],
+              "fedavg": [run("fedavg", 0, None), run("fedavg", 1, None)]}
+    header, markdown, table = seed_table(groups)
+    assert header[-2] == MOVEMENT
+    assert markdown[0][-2] == f"{0.5:.2f} ± {statistics.stdev([0.4, 0.6]):.2f}" and markdown[1][-2] == "–"
+    header, _, _ = seed_table({"fedavg": groups["fedavg"]})
+    assert MOVEMENT not in header

@@ -322,19 +322,35 @@ def seed_groups(runs: Sequence[RunData]) -> dict[str, list[RunData]]:
     return dict(zip(run_labels(firsts), keyed.values()))
 
 
+#: the seed table's column of FedHPro's hyper-prototype movement (shown when a run logged it)
+MOVEMENT = "S moved %"
+
+
+def hyper_movement(run: RunData) -> float | None:
+    """FedHPro's ``||S_r - S_0|| / ||S_0||`` in percent at the last round that logged it (gradient matching's
+    total movement of the hyper-prototypes); None for a run without it (other methods)."""
+    moved = [row["server"]["hyper_movement"] for row in run.rows if "hyper_movement" in row.get("server", {})]
+    return float(moved[-1]) * 100 if moved else None
+
+
 def seed_table(groups: dict[str, list[RunData]]) -> tuple[list[str], list[list[Any]], list[list[Any]]]:
     """``(header, markdown rows, csv rows)`` of a report over seeds: per group its seeds, then per final
     accuracy (each domain, AVG), best AVG and worst 10% the mean ± sample std over its runs (their last
-    evaluated round: summary.json's numbers for a finished run)."""
+    evaluated round: summary.json's numbers for a finished run); when some run logged it, also how far
+    gradient matching moved FedHPro's hyper-prototypes (:func:`hyper_movement`, "–" for other methods)."""
     first = next(iter(groups.values()))[0]
     domains = [name for name in first.final["accuracy"] if name != "AVG"]
     columns = domains + ["AVG", "best AVG", "worst 10%"]
+    if any(hyper_movement(run) is not None for members in groups.values() for run in members):
+        columns.append(MOVEMENT)
 
     def values(run: RunData, column: str) -> float | None:
         if column == "best AVG":
             return max(row["accuracy"]["AVG"] for row in run.evaluated)
         if column == "worst 10%":
             return run.final.get("fairness", {}).get("worst_10")
+        if column == MOVEMENT:
+            return hyper_movement(run)
         return run.final["accuracy"].get(column)
 
     header = ["method", "seeds"] + columns + ["rounds"]
