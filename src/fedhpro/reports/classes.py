@@ -89,6 +89,9 @@ def write_class_report(out: str | os.PathLike, groups: Mapping[str, Sequence[tup
     head, middle, tail = (len(part) for part in split) if split else (0, 0, 0)
     header = ["method", "seeds", "balanced"] + ([f"head {head}", f"middle {middle}", f"tail {tail}"] if split else [])
     keys = ("balanced", "head", "middle", "tail") if split else ("balanced",)
+    # each group's per-class accuracy, mean over its runs: computed once, used by every table and the plot
+    class_means = {label: [_mean(values) for values in zip(*(per_class_accuracy(m) for _, m in runs))]
+                   for label, runs in groups.items()}
     markdown, table = [], []
     bars: dict[str, dict[str, float | None]] = {}
     spread: dict[str, dict[str, float]] = {}
@@ -103,13 +106,12 @@ def write_class_report(out: str | os.PathLike, groups: Mapping[str, Sequence[tup
             bars[label] = {f"{key} {n}": stats[key][0] for key, n in zip(keys[1:], (head, middle, tail))}
             spread[label] = {f"{key} {n}": stats[key][1] or 0.0 for key, n in zip(keys[1:], (head, middle, tail))}
         else:
-            bars[label] = {names[c]: _mean([per_class_accuracy(m)[c] for _, m in runs]) for c in range(num_classes)}
+            bars[label] = {names[c]: class_means[label][c] for c in range(num_classes)}
     ranked = sorted(range(num_classes), key=lambda c: (-counts[c], c))
     class_header = ["method"] + [names[c] for c in ranked]
     class_rows: list[list[Any]] = [["training images"] + [counts[c] for c in ranked]]
-    for label, runs in groups.items():
-        accuracy = [per_class_accuracy(m) for _, m in runs]
-        class_rows.append([label] + [_mean([a[c] for a in accuracy]) for c in ranked])
+    for label, means in class_means.items():
+        class_rows.append([label] + [means[c] for c in ranked])
     caption = ("Test accuracy (%) by class of each run's final model, re-tested on its rebuilt test sets: "
                "mean ± sample std over seeds of the balanced accuracy (mean over classes) and of the head, middle "
                "and tail classes (ranked by training images summed over the clients).")
@@ -120,9 +122,8 @@ def write_class_report(out: str | os.PathLike, groups: Mapping[str, Sequence[tup
     write_atomic(out / "per_class.md", text)
     csv_header = (["method", "seeds"] + [f"{k}_mean" for k in keys] + [f"{k}_std" for k in keys]
                   + [f"class_{names[c]}" for c in range(num_classes)])
-    class_means = [[_mean([per_class_accuracy(m)[c] for _, m in runs]) for c in range(num_classes)]
-                   for runs in groups.values()]
-    write_atomic(out / "per_class.csv", csv_text(csv_header, [row + means for row, means in zip(table, class_means)]))
+    rows = [[*row, *means] for row, means in zip(table, class_means.values())]
+    write_atomic(out / "per_class.csv", csv_text(csv_header, rows))
     shown = {label: {name: float("nan") if value is None else value for name, value in values.items()}
              for label, values in bars.items()}
     plot_bars(shown, out / "per_class.png", errors=spread if split else None, ylabel="test accuracy (%)",
