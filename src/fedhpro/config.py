@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 
 from fedhpro import options as opt
+from fedhpro.bounded import load_yaml
 from fedhpro.data import DATASETS, get_dataset
 from fedhpro.data.partition import PartitionOptions, partition_options_class
 from fedhpro.engines.protocol import AGGREGATION_RULES
@@ -110,6 +111,12 @@ class AggregationOptions:
     norm_multiple: float = option(1.0, gt=0.0, help="norm-clip with max_norm=0: updates longer than this many "
                                                     "times the round's median update norm are clipped to it "
                                                     "(class tensors: rows farther from the class's median row)")
+    max_share: float = option(0.5, gt=0.0, max=1.0,
+                              help="the largest share of a round's total aggregation weight one client may hold: "
+                                   "each participant's weight (its num_examples, and its class counts in "
+                                   "proportion) is capped so that none exceeds max_share of the participants' "
+                                   "declared sizes (water-filling); sizes are claims, so one client cannot buy "
+                                   "the model by claiming a huge data set (1: no cap)")
 
     def __post_init__(self) -> None:
         if not self.trim < 0.5:
@@ -140,10 +147,13 @@ class PrivacyOptions:
                                                       "(client) or of a client's samples (sample))")
     max_epsilon: float = option(0.0, min=0.0, help="stop the run with a clear line before a round would take "
                                                    "epsilon above this (0: no limit)")
-    secure_noise: bool = option(False, help="privacy=client: draw the noise from the operating system's randomness "
-                                            "instead of the run's seed (anyone who knows the seed can redraw "
-                                            "seeded noise; a deployment needs this, a run is then not "
-                                            "reproducible)")
+    secure_noise: bool | None = option(None, help="draw the privacy noise from the operating system's randomness "
+                                                  "instead of the run's seed (anyone who knows the seed can redraw "
+                                                  "seeded noise; a run is then not reproducible); unset: true on "
+                                                  "Flower, false in the simulator (reproducible)")
+    accountant: str = option("rdp", choices=("rdp", "pld"),
+                             help="the privacy accountant: rdp (Renyi DP) or pld (privacy loss distributions, "
+                                  "tighter: a smaller epsilon for the same noise)")
 
 
 @dataclass
@@ -364,7 +374,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"{shown(text)} has no key before '='")
     check_key(key, "the command line")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw) if raw.strip() else ""
     except _YAML_VALUE_ERRORS:
         if raw.strip().lstrip("+-").isdigit():  # past Python's 4300-digit limit
             raise ConfigError(f"{key}=<a whole number of {len(raw.strip())} digits> is too large for any "
@@ -413,7 +423,7 @@ def parse_yaml(raw: bytes | str, where: str) -> dict[str, Any]:
     else:
         text = raw
     try:
-        values = yaml.safe_load(text)
+        values = load_yaml(text)
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
