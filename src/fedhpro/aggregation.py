@@ -12,8 +12,12 @@ The rules here bound what one client can do:
 * :func:`clip_factor` / :func:`clip_update`: the update ``Delta = w_k - w_global``
   of one client, over all its floating-point tensors together, scaled down to a
   global L2 norm of at most ``max_norm`` (``min(1, max_norm / ||Delta||)``).
+* :func:`share_cap`: the largest weight one client may hold so that no client
+  holds more than ``max_share`` of the total (``aggregation.max_share``): what a
+  client *says* it holds (its sample and test counts) is a claim, and this
+  bounds what a claim can buy under every rule, the plain mean included.
 
-All three weight the clients equally (a client's ``num_examples`` is what it
+The first three weight the clients equally (a client's ``num_examples`` is what it
 says it has, so a hostile client could claim a large weight); integer tensors
 (BatchNorm's ``num_batches_tracked``) are counters, not parameters, and are
 left to the caller. :mod:`fedhpro.engines.protocol` applies them to a round's
@@ -105,3 +109,29 @@ def clip_update(weights: Mapping[str, Tensor], reference: Mapping[str, Tensor],
         else:
             clipped[name] = value
     return clipped, factor
+
+
+def share_cap(sizes: Sequence[float], max_share: float) -> float:
+    """The cap ``c`` of water-filling: the largest weight such that, with every size replaced by
+    ``min(size, c)``, no capped size exceeds ``max_share`` of their sum, i.e. the solution of
+    ``c = max_share * sum_k min(n_k, c)``; ``inf`` when no size needs a cap (the largest is at most
+    ``max_share`` of the total, or ``max_share >= 1``).
+
+    When ``max_share * K <= 1`` no positive cap can keep every share at ``max_share`` (``K`` equal
+    weights are ``1/K`` each); the cap is then the smallest size: every client weighs the same.
+    Sizes <= 0 hold no weight and are left out."""
+    values = sorted((float(n) for n in sizes if n > 0), reverse=True)
+    if not values or max_share >= 1.0:
+        return math.inf
+    total = sum(values)
+    if values[0] <= max_share * total:
+        return math.inf
+    if max_share * len(values) <= 1.0:
+        return values[-1]
+    rest = total
+    for capped, largest in enumerate(values[:-1], start=1):
+        rest -= largest  # the sizes below the ``capped`` largest, which keep their own weight
+        cap = max_share * rest / (1.0 - capped * max_share) if capped * max_share < 1.0 else math.inf
+        if values[capped] <= cap <= largest:
+            return cap
+    return values[-1]  # not reached for max_share * K > 1 (the last step gives a cap >= the smallest)

@@ -64,7 +64,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedhpro.aggregation import clip_factor, coordinate_median, trimmed_mean, update_norm
+from fedhpro.aggregation import clip_factor, coordinate_median, share_cap, trimmed_mean, update_norm
 from fedhpro.errors import FedHProError, UpdateError
 from fedhpro.methods.base import ClassRows
 from fedhpro.metrics import payload_bytes, payload_parameters
@@ -138,10 +138,14 @@ class Aggregation:
     trim: float = 0.2
     max_norm: float = 0.0
     norm_multiple: float = 1.0
+    #: the largest share of a round's total weight one client may hold (:func:`capped_reply`; 1: no cap)
+    max_share: float = 0.5
 
     def __post_init__(self) -> None:
         if self.rule not in AGGREGATION_RULES:
             raise ValueError(f"aggregation rule must be one of {AGGREGATION_RULES}, got {self.rule!r}")
+        if not 0.0 < self.max_share <= 1.0:
+            raise ValueError(f"aggregation max_share must be in (0, 1], got {self.max_share!r}")
 
     @property
     def robust(self) -> bool:
@@ -275,6 +279,23 @@ def examples_problem(reply: Any, client: int, num_samples: int) -> str | None:
     if count > num_samples:
         return f"num_examples={count!r} but {holds}"
     return None
+
+
+def capped_reply(reply: dict[str, Any], weight: int) -> dict[str, Any]:
+    """The reply with its aggregation weight lowered to ``weight`` (:func:`~fedhpro.aggregation.share_cap`):
+    ``num_examples = weight`` and its ``class_counts`` (the weights of its class statistics) scaled by the
+    same factor, rounded down but kept at least 1 for a class it holds (which classes it holds is not
+    changed). A new dict; the tensors of the reply are not changed."""
+    out = dict(reply)
+    factor = weight / float(reply["num_examples"])
+    out["num_examples"] = int(weight)
+    counts = reply.get("class_counts")
+    if isinstance(counts, Tensor) and counts.numel():
+        held = counts > 0
+        scaled = torch.floor(counts.detach().to(torch.float64) * factor)
+        scaled = torch.where(held, scaled.clamp(min=1.0), torch.zeros_like(scaled))
+        out["class_counts"] = scaled.to(counts.dtype)
+    return out
 
 
 def counts_problem(reply: Any, num_classes: int | None) -> str | None:
@@ -446,19 +467,30 @@ class TestCount:
         return 100.0 * self.correct / max(self.total, 1)
 
 
-def pool_accuracy(counts: Sequence[TestCount], order: Sequence[str] | None = None) -> dict[str, float]:
+def pool_accuracy(counts: Sequence[TestCount], order: Sequence[str] | None = None,
+                  max_share: float = 1.0) -> dict[str, float]:
     """Accuracy in percent per test set, pooling the counts of every client tested on it
     (``100 * sum correct / sum total``, i.e. weighted by test samples), plus ``AVG``: the
     unweighted mean over test sets (the paper's AVG over domains).
 
     ``order``: the test sets' order in the result (default: first appearance);
-    test sets without any counted sample are left out.
+    test sets without any counted sample are left out. ``max_share`` (``aggregation.max_share``): a
+    client's test count is a claim too, so no client weighs more than this share of all the clients'
+    test counts together (:func:`~fedhpro.aggregation.share_cap` over ``counts``, one count a client): a
+    client above the cap counts with its own accuracy at the cap's weight. Where no cap binds the result
+    is the plain pooled ratio, to the bit.
     """
-    correct: dict[str, int] = {}
-    total: dict[str, int] = {}
+    correct: dict[str, float] = {}
+    total: dict[str, float] = {}
+    cap = share_cap([c.total for c in counts], max_share)
     for count in counts:
-        correct[count.name] = correct.get(count.name, 0) + int(count.correct)
-        total[count.name] = total.get(count.name, 0) + int(count.total)
+        if count.total > cap:  # the client's own accuracy, at the capped weight
+            weight = float(math.floor(cap)) or 1.0
+            hits, size = count.correct * weight / count.total, weight
+        else:
+            hits, size = int(count.correct), int(count.total)
+        correct[count.name] = correct.get(count.name, 0) + hits
+        total[count.name] = total.get(count.name, 0) + size
     names = [name for name in (order if order is not None else correct) if total.get(name, 0) > 0]
     accuracy = {name: 100.0 * correct[name] / total[name] for name in names}
     accuracy["AVG"] = float(np.mean([accuracy[name] for name in names])) if names else float("nan")
@@ -481,9 +513,12 @@ class RoundProtocol:
     def __init__(self, server: Any, num_clients: int, *, rounds: int, participation: float = 1.0, seed: int = 0,
                  eval_every: int = 1, faults: Faults | None = None, min_clients: int = 1,
                  on_drop: Callable[[str], None] | None = None, aggregation: Aggregation | None = None,
-                 privacy: Any = None, ledger: Any = None):
+                 privacy: Any = None, ledger: Any = None, client_sizes: Sequence[int] | None = None):
         self.server = server
         self.num_clients = num_clients
+        #: each client's training-set size as the engine knows it (in own-data Flower: what its node
+        #: declared), from which a round's weight cap is drawn (:meth:`weight_cap`); None: no cap
+        self.client_sizes = list(client_sizes) if client_sizes is not None else None
         self.rounds = rounds
         self.participation = participation
         self.seed = seed
@@ -522,6 +557,17 @@ class RoundProtocol:
             return list(range(total))
         rng = np.random.default_rng(derive_seed(self.seed, SAMPLE, round))
         return sorted(int(k) for k in rng.choice(total, size=count, replace=False))
+
+    def weight_cap(self) -> float:
+        """The most aggregation weight one client may hold: the water-filling cap
+        (:func:`~fedhpro.aggregation.share_cap`) of every client's declared size at
+        ``aggregation.max_share``, so that no client stands for more than that share of the federation's
+        total weight (of the federation's, not of a round's: a round of few participants would cap honest
+        clients). inf when nothing binds, the sizes are unknown, or under ``privacy=client`` (its
+        denominators are public constants, not the clients' counts)."""
+        if self.client_sizes is None or self.client_privacy is not None or self.aggregation.max_share >= 1.0:
+            return math.inf
+        return share_cap(self.client_sizes, self.aggregation.max_share)
 
     def evaluates(self, round: int) -> bool:
         """Whether ``round`` ends with an evaluation (every ``eval_every`` rounds and the last, and the last
@@ -594,6 +640,9 @@ class OpenRound:
                     self.hostile[k] = factor
         #: the clients to run or ask, in client order
         self.to_ask = list(self._corrupt)
+        #: the most weight one reply may carry this round (aggregation.max_share), and the replies it capped
+        self.cap = protocol.weight_cap()
+        self.capped: list[dict[str, Any]] = []
         # the server's container folds each reply's weights into a running sum as it arrives (one model's
         # memory, not one per client), so uploads are measured as replies arrive
         self.replies = protocol.server.new_replies()
@@ -655,11 +704,16 @@ class OpenRound:
             return Reception.INVALID if reception is Reception.ACCEPTED else reception
         self.bytes_up += payload_bytes(reply)
         self.params_up += payload_parameters(reply)
+        weight = int(num_samples)
+        if int(reply["num_examples"]) > self.cap:  # a size is a claim: it buys at most the round's cap
+            weight = max(1, math.floor(self.cap))
+            self.capped.append({"client": client, "claimed": int(reply["num_examples"]), "weight": weight})
+            reply = capped_reply(reply, weight)
         if self.protocol.aggregation.robust:
             self._held.append(reply)
         else:
             self.replies.append(reply)
-        self.train_metrics.append((int(num_samples), metrics))
+        self.train_metrics.append((min(int(num_samples), weight), metrics))
         return Reception.ACCEPTED
 
     def receive_private(self, client: int, reply: dict[str, Any]) -> Reception:
@@ -766,6 +820,8 @@ class OpenRound:
         epsilon = self.protocol.epsilon_after(self.round)
         if epsilon is not None:
             extra = {**(extra or {}), "privacy": {"epsilon": epsilon, "delta": float(self.protocol.ledger.delta)}}
+        if self.capped:  # the weights a cap changed (every other reply weighed its num_examples)
+            extra = {**(extra or {}), "capped": self.capped}
         return RoundRecord(round=self.round, participants=self.participants, train=weighted_mean(self.train_metrics),
                            server=server_metrics, accuracy=accuracy, bytes_up=self.bytes_up,
                            bytes_down=self.bytes_down, seconds=seconds, dropped=self.dropped, skipped=self.skipped,

@@ -59,6 +59,7 @@ from fedhpro.errors import ConfigError, DataError, FedHProError, UpdateError
 from fedhpro.files import claim_run_folder, remove_partial_writes
 from fedhpro.flower import records, secagg
 from fedhpro.flower.engine import ServerSide, build_server_side, config_text, own_data
+from fedhpro.flower.roster import load_roster
 from fedhpro.flower.settings import (
     FlowerSettings,
     SecureSettings,
@@ -281,42 +282,69 @@ def discover_own_data(grid: Grid, config: Config,
     """Own-data mode: ``({client index: node id}, the nodes' ClientInfo in client order, class names)``.
 
     Asks every node to describe its own folder (nothing but counts, names and
-    shapes leaves it), waits until ``clients`` nodes have answered, orders them
+    shapes leaves it), waits until ``clients`` nodes have answered (with a
+    roster, ``flower.roster``: until every site of the roster has), orders them
     by name (the simulator's order of client folders) and resolves the class
-    list over all of them. One-line errors name the nodes: a node that cannot
-    read its folder, two nodes with one name, nodes that disagree on the
-    classes or the input shape.
+    list over all of them.
+
+    One participant cannot deny the run: a node that answers with an error or a
+    malformed description, that the roster does not know (another name, sizes
+    beyond its tolerance, another key than the one it pins), that answers with
+    a name another node already holds (an impostor: the first to answer keeps
+    the name; a roster that pins keys decides instead), or that answers once the
+    run has its ``clients`` nodes (a surplus node) is refused with a warning and
+    never asked again; the others go on. One-line errors name the nodes that do
+    not fit together (classes, input shape).
     """
     from fedhpro.data.clients import ClientInfo, resolve_classes
 
+    roster = load_roster(settings.roster) if settings.roster else None
     expected = config.run.clients
+    if roster is not None:
+        if expected is not None and expected != len(roster.sites):
+            raise ConfigError(f"clients={expected} but flower.roster names {len(roster.sites)} sites; set "
+                              f"clients={len(roster.sites)} or leave clients unset")
+        expected = len(roster.sites)
     if expected is None:
         raise ConfigError("dataset=clients on Flower needs clients=K, the number of SuperNodes that hold data "
-                          "(the server waits for that many)")
+                          "(the server waits for that many), or flower.roster=<file> naming the sites")
     deadline = time.monotonic() + settings.node_wait
-    known: dict[int, ClientInfo] = {}  # node id -> what it holds
-    ignored: set[int] = set()  # nodes whose answer was malformed: warned about once, not asked again
+    known: dict[int, ClientInfo] = {}  # node id -> what it holds (admitted)
+    by_name: dict[str, int] = {}
+    ignored: dict[int, str] = {}  # node id -> why it takes no part: warned about once, not asked again
     query = {"query": "data", "config": config_text(config)}
+    keys = node_keys(grid) if roster is not None and any(site.key for site in roster.sites.values()) else {}
     while len(known) < expected:
-        for node, answer in _ask_new_nodes(grid, set(known) | ignored, query, deadline).items():
+        errors: dict[int, str] = {}
+        answers = _ask_new_nodes(grid, set(known) | set(ignored), query, deadline, errors)
+        for node, reason in sorted(errors.items()):
+            _refuse(node, f"it answered with an error: {reason}", ignored)
+        if roster is not None and any(site.key for site in roster.sites.values()) and set(answers) - set(keys):
+            keys = node_keys(grid)  # nodes that connected since
+        for node, answer in sorted(answers.items()):
             try:
-                known[node] = client_info(answer, max_classes(config))
+                info = client_info(answer, max_classes(config))
             except UpdateError as error:
-                _ignore(node, error, ignored)
-        if len(known) > expected:
-            raise ConfigError(f"{len(known)} SuperNodes hold data but clients={expected}; set clients={len(known)}")
+                _refuse(node, f"its answer to the query is malformed: {error}", ignored)
+                continue
+            problem = roster.problem(info.name, info.train_size, info.test_size, keys.get(node)) \
+                if roster is not None else None
+            if problem is None and info.name in by_name:
+                problem = f"node {by_name[info.name]} already holds the client named {info.name!r} (an impostor?)"
+            if problem is None and len(known) >= expected:
+                problem = f"the run already has its {expected} data-holding SuperNodes (a surplus node)"
+            if problem is not None:
+                _refuse(node, problem, ignored)
+                continue
+            known[node], by_name[info.name] = info, node
         if len(known) < expected and time.monotonic() > deadline:
-            raise ConfigError(f"after {settings.node_wait:.0f} s only {len(known)} of clients={expected} SuperNodes "
-                              f"answered ({', '.join(sorted(i.name for i in known.values())) or 'none'}); start the "
-                              "missing SuperNodes, set clients= to the number running, or raise flower.node-wait")
+            refused = "; ".join(f"node {node}: {why}" for node, why in sorted(ignored.items())[:5])
+            raise ConfigError(f"after {settings.node_wait:.0f} s only {len(known)} of {expected} data-holding "
+                              f"SuperNodes answered ({', '.join(sorted(by_name)) or 'none'})"
+                              f"{f'; refused: {refused}' if refused else ''}; start the missing SuperNodes, set "
+                              "clients= to the number running, or raise flower.node-wait")
         if len(known) < expected:
             time.sleep(0.2)
-    by_name: dict[str, int] = {}
-    for node, info in sorted(known.items()):
-        if info.name in by_name:
-            raise ConfigError(f"nodes {by_name[info.name]} and {node} both hold a client named {info.name!r}; give "
-                              "every node its own folder name (or --node-config name=...)")
-        by_name[info.name] = node
     names = sorted(by_name)
     infos = [known[by_name[name]] for name in names]
     try:
@@ -327,6 +355,12 @@ def discover_own_data(grid: Grid, config: Config,
         raise ConfigError(f"the nodes hold {len(classes)} classes together, more than data.max_classes="
                           f"{max_classes(config)}; raise data.max_classes if that many is right")
     return NodeMap({k: by_name[name] for k, name in enumerate(names)}, infos), infos, classes
+
+
+def _refuse(node: int, why: str, ignored: dict[int, str]) -> None:
+    """A node that takes no part in the run: one warning naming it and why; it is not asked again."""
+    log(WARNING, "fedhpro: node %d is refused: %s", node, why)
+    ignored[node] = why
 
 
 def _ignore(node: int, error: Exception, ignored: set[int]) -> None:
@@ -802,7 +836,7 @@ class MethodStrategy(Strategy):
             return None, [], missing
         ordered = [counts[k] for k in sorted(counts)]
         order = list(self.side.engine.federation.test_sets) if self.side.engine is not None else None
-        accuracy = pool_accuracy(ordered, order)
+        accuracy = pool_accuracy(ordered, order, self.side.protocol.aggregation.max_share)
         # a client without test data of its own is not tested (None: no accuracy, out of the fairness statistics)
         return accuracy, [c.accuracy if c.total else None for c in ordered], missing
 
@@ -830,6 +864,10 @@ def _run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, An
     if config.run.resume:
         config, resume_from = resumed_config(config, base, split_run_config(run_config)[0])
     config = load_config(config.to_dict(), {"progress": False})  # no progress bars in a server log
+    if config.privacy.mode != "none" and config.privacy.secure_noise is None:
+        # a deployment's noise must not be redrawable from the config: the OS's randomness unless the run
+        # asks for seeded noise (privacy.secure_noise=false, e.g. to compare with the simulator)
+        config = load_config(config.to_dict(), {"privacy.secure_noise": True})
     if settings.secure_aggregation == "secagg+":
         secagg.check_secure_config(config)  # before any node is asked
     out = Path(config.run.resume) if config.run.resume else Path(config.run.out) if config.run.out else None
@@ -871,6 +909,8 @@ def _run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, An
             raise ConfigError(f"the federation has {federation.num_clients} clients but {clients} SuperNodes "
                               f"hold partitions; set clients={federation.num_clients} or run that many SuperNodes")
         partition, notes = federation.partition, federation.notes
+    # sizes are claims (own data: what each node declared): a round's weights are capped by them
+    side.protocol.client_sizes = list(side.num_samples)
     nodes = NodeMap(nodes, getattr(nodes, "infos", None), _client_keys(grid, nodes, settings))
     strategy = MethodStrategy(side, config, nodes, run_key(config, secrets.token_hex(8)), settings.node_auth,
                               secure_for(config, side, settings))

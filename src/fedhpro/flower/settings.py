@@ -16,7 +16,10 @@ Keys under ``flower.`` configure the Flower layer itself, not the experiment:
 ``flower.node-auth`` (true: the SuperLink authenticates its SuperNodes,
 ``--enable-supernode-auth``, so a node's public key is its identity: a node
 that comes back with a new node id takes its client back only with the key
-that client's node had at the start).
+that client's node had at the start). ``flower.roster`` (own-data runs): the
+path, on the SuperLink host, of the operator's roster of sites
+(:mod:`fedhpro.flower.roster`): only nodes whose name, sizes and key agree
+with it take part.
 
 ``flower.secure-aggregation=secagg+`` sums the clients' uploads with Flower's SecAgg+ (the server
 learns only the sum; :mod:`fedhpro.flower.secagg`), tuned by ``flower.secagg-clipping-range`` (every
@@ -41,6 +44,7 @@ from typing import Any
 
 import yaml
 
+from fedhpro.bounded import load_yaml
 from fedhpro.config import OBSERVER_KEYS, Config, load_config
 from fedhpro.errors import ConfigError
 
@@ -81,12 +85,14 @@ class FlowerSettings:
     node_auth: bool = False  # the SuperLink authenticates SuperNodes: a returning node must show its client's key
     secure_aggregation: str = "none"  # "secagg+": the server learns only the sum of the uploads
     secagg: SecureSettings = SecureSettings()
+    roster: str | None = None  # own data: the operator's roster file of sites (fedhpro.flower.roster)
 
 
 _FLOWER_KEYS = {"flower.node-wait": "node_wait", "flower.round-timeout": "round_timeout",
                 "flower.node-auth": "node_auth", "flower.secure-aggregation": "secure_aggregation",
                 "flower.secagg-clipping-range": "clipping_range", "flower.secagg-quantization-range":
-                "quantization_range", "flower.secagg-shares": "shares", "flower.secagg-threshold": "threshold"}
+                "quantization_range", "flower.secagg-shares": "shares", "flower.secagg-threshold": "threshold",
+                "flower.roster": "roster"}
 #: the largest flower.secagg-quantization-range: SecAgg+ quantizes to 32-bit integers
 MAX_QUANTIZATION_RANGE = 2 ** 31 - 1
 #: ``checkpoint_every`` of a Flower run that does not set it: a checkpoint after every round, so that a run
@@ -103,7 +109,7 @@ def _value(raw: Any) -> Any:
         if raw == "":
             return None
         try:
-            return yaml.safe_load(raw)
+            return load_yaml(raw)
         except yaml.YAMLError:
             return raw
     return raw
@@ -128,6 +134,11 @@ def split_run_config(run_config: Mapping[str, Any]) -> tuple[dict[str, Any], Flo
                 if value not in SECURE_AGGREGATION:
                     raise ConfigError(f"{key}={raw!r} must be one of {', '.join(SECURE_AGGREGATION)}")
                 flower["secure_aggregation"] = value
+                continue
+            if key == "flower.roster":
+                if value is not None and (not isinstance(value, str) or not value.strip()):
+                    raise ConfigError(f"{key}={raw!r} must be the path of the roster file on the SuperLink host")
+                flower["roster"] = value
                 continue
             if key.startswith("flower.secagg-"):
                 secure[_FLOWER_KEYS[key]] = _secagg_value(key, raw, value)
@@ -221,6 +232,7 @@ def default_app_config_toml() -> str:
     lines.append(f'"flower.node-wait" = {FlowerSettings.node_wait!r}  # seconds to wait for the SuperNodes')
     lines.append(f'"flower.round-timeout" = {FlowerSettings.round_timeout!r}  # seconds to wait for a round\'s replies')
     lines.append('"flower.node-auth" = false  # true: the SuperLink runs with --enable-supernode-auth (keys checked)')
+    lines.append('"flower.roster" = ""  # own data: the operator\'s roster file of sites (names, sizes, keys)')
     secure = SecureSettings()
     lines.append('"flower.secure-aggregation" = "none"  # "secagg+": Flower\'s SecAgg+, the server learns only sums')
     lines.append(f'"flower.secagg-clipping-range" = {secure.clipping_range!r}  # every summed value lies within it')

@@ -1,0 +1,378 @@
+"""Sizes are claims: what one participant can buy by declaring them (``aggregation.max_share``, the roster).
+
+The attack, as found on a secured own-data deployment: a third node declares 10^9 training and test samples,
+sends all-zero weights and forges its evaluation (``correct = total = 10^9``). Without a bound it zeroes the
+global model and reports 99.99999 %; here the global model moves no further than an honest node of the
+capped size could move it, and the headline accuracy is not the forged one. On both engines:
+
+* Flower: ``run_server`` (the real ServerApp code) over an in-process grid whose nodes run the real ClientApp
+  on their own site folders; the hostile node is that ClientApp with its answers rewritten on the way out;
+* the simulator: a client that holds far more samples than the others and sends zeros.
+
+The references are independent of the code under test: a closed-form water-filling cap, a bisection for it,
+the FedAvg mean written out by hand, and a run where the hostile node honestly holds the capped size.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import TinyNet, make_federation
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedhpro.aggregation import share_cap
+from fedhpro.engines.protocol import Aggregation, capped_reply, pool_accuracy
+from fedhpro.engines.protocol import TestCount as Count
+from fedhpro.engines.simulator import Simulator
+from fedhpro.methods import METHODS, TrainSettings
+
+TRAIN = TrainSettings(epochs=1, batch_size=8, lr=0.05, momentum=0.9, weight_decay=0.0)
+CLAIM = 10 ** 9
+
+
+# ---------------------------------------------------------------------------- the cap, against references
+
+
+def bisected_cap(sizes: list[float], share: float) -> float:
+    """The water-filling cap found by bisection on ``c = share * sum(min(n, c))`` (an independent reading)."""
+    positive = [n for n in sizes if n > 0]
+    if not positive or share >= 1 or max(positive) <= share * sum(positive):
+        return math.inf
+    if share * len(positive) <= 1:
+        return min(positive)
+    low, high = 0.0, max(positive)  # f(c) = share * sum(min(n, c)) - c: > 0 below the cap, < 0 above it
+    for _ in range(200):
+        middle = (low + high) / 2
+        if share * sum(min(n, middle) for n in positive) - middle > 0:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
+
+
+@pytest.mark.parametrize(("sizes", "share", "cap"), [
+    ([100, 100, CLAIM], 0.5, 200.0),  # the attack: the liar weighs as much as the two others together
+    ([10, 10, 10, 70], 0.5, 30.0),  # c = 0.5 * (30 + c)
+    ([1, 1, 1, 1000], 0.3, 0.9 / 0.7),  # c = 0.3 * (3 + c)
+    ([100, 200, 300], 0.5, math.inf),  # 300 / 600 is not above half: nothing to cap
+    ([5, 50], 0.4, 5.0),  # 0.4 * 2 < 1: no cap keeps both below 40 %, so both weigh the same
+    ([7, 7, 7], 0.2, 7.0),
+    ([3, 0, 9], 1.0, math.inf),
+])
+def test_share_cap_hand_values(sizes, share, cap):
+    assert share_cap(sizes, share) == pytest.approx(cap)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 10 ** 12), min_size=1, max_size=12), st.floats(0.05, 1.0))
+def test_share_cap_of_hostile_claims_matches_bisection_and_bounds_every_share(sizes, share):
+    """Well-formed but hostile claims (up to 10^12, zeros, one giant among small ones): the cap equals the
+    bisection's, and with it no client holds more than ``share`` of the total (when that can be kept)."""
+    cap = share_cap(sizes, share)
+    reference = bisected_cap(sizes, share)
+    if math.isinf(reference):
+        assert math.isinf(cap)
+        return
+    assert cap == pytest.approx(reference, rel=1e-9)
+    weights = [min(n, cap) for n in sizes if n > 0]
+    if share * len(weights) > 1:
+        assert max(weights) <= share * sum(weights) * (1 + 1e-9)
+    else:
+        assert len(set(weights)) == 1
+
+
+def test_a_capped_reply_keeps_which_classes_it_holds():
+    reply = {"weights": {}, "num_examples": 1000, "class_counts": torch.tensor([990, 9, 0, 1])}
+    capped = capped_reply(reply, 100)
+    assert capped["num_examples"] == 100
+    assert capped["class_counts"].tolist() == [99, 1, 0, 1]  # floor(count / 10), a held class stays >= 1
+    assert capped["class_counts"].dtype == torch.int64
+    assert reply["num_examples"] == 1000 and reply["class_counts"].tolist() == [990, 9, 0, 1]  # not changed
+
+
+def test_a_forged_test_count_buys_no_more_than_the_cap():
+    honest = [Count("all", 33, 100), Count("all", 33, 100)]
+    forged = pool_accuracy([*honest, Count("all", CLAIM, CLAIM)], max_share=0.5)
+    assert pool_accuracy([*honest, Count("all", CLAIM, CLAIM)], max_share=1.0)["AVG"] > 99.99  # the attack
+    # the same as an honest site of the capped size (200) that got everything right: (33 + 33 + 200) / 400
+    assert forged == pool_accuracy([*honest, Count("all", 200, 200)]) == {"all": 66.5, "AVG": 66.5}
+    # nothing binds: the plain pooled ratio, to the bit
+    plain = [Count("a", 7, 9), Count("a", 5, 8), Count("b", 3, 11)]
+    assert pool_accuracy(plain, max_share=0.5) == {"a": 100 * 12 / 17, "b": 100 * 3 / 11,
+                                                   "AVG": (100 * 12 / 17 + 100 * 3 / 11) / 2}
+
+
+# ---------------------------------------------------------------------------- the simulator
+
+
+def zeros_from(sim: Simulator, hostile: int) -> None:
+    """Client ``hostile`` trains as usual and then sends all-zero weights (a well-formed, harmful reply)."""
+    original = sim.client.fit
+
+    def fit(model, payload, data, state, generator):
+        reply, metrics = original(model, payload, data, state, generator)
+        if data is sim.federation.clients[hostile]:
+            reply = {**reply, "weights": {k: torch.zeros_like(v) for k, v in reply["weights"].items()}}
+        return reply, metrics
+
+    sim.client.fit = fit
+
+
+def first_round(sizes: list[int], max_share: float) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    federation = make_federation(sizes, seed=1)
+    sim = Simulator(METHODS["fedavg"], METHODS["fedavg"].options(), federation, TinyNet, TRAIN, rounds=1, seed=0,
+                    aggregation=Aggregation(max_share=max_share))
+    zeros_from(sim, hostile=2)
+    before = {k: v.clone() for k, v in sim.server.global_weights().items()}
+    row = sim.run_round(0).to_json()
+    assert before  # the model had weights to lose
+    return sim.server.global_weights(), row
+
+
+def test_simulator_a_client_of_many_samples_sending_zeros_moves_the_model_as_far_as_the_capped_size():
+    capped, row = first_round([24, 24, 480], 0.5)
+    honest_size, _ = first_round([24, 24, 48], 1.0)  # the hostile client honestly holding the cap: 48
+    uncapped, _ = first_round([24, 24, 480], 1.0)
+    assert row["capped"] == [{"client": 2, "claimed": 480, "weight": 48}]
+    for key in capped:
+        if capped[key].is_floating_point():
+            assert torch.equal(capped[key], honest_size[key]), key
+    # by hand: (24 w0 + 24 w1 + 48 * 0) / 96 = half the honest mean, where 480 samples leave 48/528 of it
+    norm = sum(float(v.double().norm() ** 2) for v in capped.values() if v.is_floating_point()) ** 0.5
+    norm_uncapped = sum(float(v.double().norm() ** 2) for v in uncapped.values() if v.is_floating_point()) ** 0.5
+    assert norm_uncapped == pytest.approx(norm * (48 / 528) / 0.5, rel=1e-5)
+
+
+def test_simulator_without_a_dominant_client_is_unchanged_to_the_bit():
+    a, row_a = first_round([24, 32, 40], 0.5)
+    b, row_b = first_round([24, 32, 40], 1.0)
+    assert "capped" not in row_a and row_a == row_b
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------------------- Flower
+
+
+pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pip install -e '.[flower]'")
+
+from flwr.app import ConfigRecord, Context, Error, Message, MessageType, RecordDict  # noqa: E402
+from test_flower_own_data import write_site  # noqa: E402
+
+from fedhpro.errors import ConfigError  # noqa: E402
+from fedhpro.flower import client as client_app  # noqa: E402
+from fedhpro.flower import records  # noqa: E402
+from fedhpro.flower.server import EVAL_RECORD, HEADER, NODE_RECORD, run_server  # noqa: E402
+
+SITES = {"clinic-0": ["cat", "dog"], "clinic-1": ["cat", "dog"], "clinic-2": ["cat", "dog"]}
+
+
+@dataclasses.dataclass
+class NodeInfo:
+    node_id: int
+    public_key: bytes
+
+
+class SiteGrid:
+    """Flower's Grid for ``run_server``: one node per site folder, each running the real ClientApp in this
+    process (messages and replies deep-copied, as if they crossed the wire). ``forge``: ``{node id:
+    function(message type, header, reply) -> reply}``, a hostile node rewriting its own answers; ``keys``:
+    each node's public key as the SuperLink would list it."""
+
+    def __init__(self, folders: dict[int, Path], state: Path, forge: dict[int, Any] | None = None,
+                 keys: dict[int, bytes] | None = None):
+        self.contexts = {node: Context(run_id=1, node_id=node, state=RecordDict(), run_config={},
+                                       node_config={"data-dir": str(folder), "state-dir": str(state / str(node))})
+                         for node, folder in folders.items()}
+        self.forge = forge or {}
+        self.keys = keys or {}
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.contexts)
+
+    def get_nodes(self) -> list[NodeInfo]:
+        return [NodeInfo(node, key) for node, key in self.keys.items()]
+
+    def send_and_receive(self, messages, timeout=None) -> list[Message]:
+        replies = []
+        for message in messages:
+            node = message.metadata.dst_node_id
+            try:
+                reply = client_app.app(copy.deepcopy(message), self.contexts[node])
+            except Exception as error:  # noqa: BLE001 - Flower answers a raising ClientApp with an error
+                reply = Message(Error(code=2, reason=f"{type(error).__name__}: {error}"), reply_to=message)
+            if node in self.forge and not reply.has_error():
+                header = message.content.config_records.get(HEADER)
+                reply = self.forge[node](message.metadata.message_type, header, reply, message)
+            replies.append(copy.deepcopy(reply))
+        return replies
+
+
+def liar(train: int, test: int, correct: int):
+    """The hostile node: declares ``train`` / ``test`` samples, sends all-zero weights with
+    ``num_examples = train`` and answers every evaluation with ``correct`` of ``test``."""
+
+    def forge(kind, header, reply, message):
+        if kind == MessageType.QUERY and str(header["query"]) == "data":
+            info = json.loads(str(reply.content.config_records[NODE_RECORD]["info"]))
+            info.update(train_size=train, test_size=test)
+            return Message(RecordDict({NODE_RECORD: ConfigRecord({"info": json.dumps(info)})}), reply_to=message)
+        if kind == MessageType.TRAIN:
+            payload = records.decode_payload(reply.content)
+            payload["weights"] = {k: torch.zeros_like(v) for k, v in payload["weights"].items()}
+            payload["num_examples"] = train
+            metrics = records.METRICS
+            content = RecordDict({**records.encode_payload(payload), metrics: reply.content[metrics]})
+            return Message(content, reply_to=message)
+        if kind == MessageType.EVALUATE:
+            record = reply.content.config_records[EVAL_RECORD]
+            return Message(RecordDict({EVAL_RECORD: ConfigRecord(
+                {"test-set": record["test-set"], "correct": correct, "total": test})}), reply_to=message)
+        return reply
+
+    return forge
+
+
+@pytest.fixture(autouse=True)
+def _inside_a_run(monkeypatch):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)  # outside a run, flwr refuses to address a Message
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+
+
+@pytest.fixture(scope="module")
+def sites(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sites")
+    for k, (site, classes) in enumerate(SITES.items()):
+        write_site(root / site, classes, seed=k, train=12, test=6)  # 24 training, 12 test images each
+    return {site: root / site for site in SITES}
+
+
+def own_run(sites: dict[str, Path], tmp: Path, forge=None, keys=None, extra_nodes=None, **config) -> Path:
+    folders = {100 + k: folder for k, folder in enumerate(sites.values())}
+    folders.update(extra_nodes or {})
+    out = tmp / "out"
+    grid = SiteGrid(folders, tmp / "state", forge, keys)
+    settings = {"dataset": "clients", "method": "fedavg", "rounds": 2, "clients": 3, "feature_dim": 8,
+                "local_epochs": 1, "batch_size": 8, "data.image_size": 16, "device": "cpu", "progress": False,
+                "seed": 3, "flower.node-wait": 2, "out": str(out), **config}
+    run_server(grid, settings)
+    return out
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def model_norm(out: Path) -> float:
+    state = torch.load(out / "model.pt", weights_only=True)
+    weights = state.get("weights", state) if isinstance(state, dict) else state
+    tensors = [v for v in weights.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    return sum(float(t.double().norm() ** 2) for t in tensors) ** 0.5
+
+
+def model_weights(out: Path) -> dict[str, torch.Tensor]:
+    state = torch.load(out / "model.pt", weights_only=True)
+    return state.get("weights", state)
+
+
+def test_flower_a_node_claiming_a_billion_samples_buys_only_the_capped_weight(sites, tmp_path):
+    """The attack as found: node clinic-2 declares 10^9 train and test samples, sends zeros, forges its
+    evaluation. Unbounded (max_share=1) it owns the model and the accuracy; at the default cap the run equals
+    one where that node honestly holds the cap (48 training samples: the two others' 24 + 24; 24 test samples)
+    and answers as well as it can (all of its 24 right)."""
+    hostile = 102
+    owned = own_run(sites, tmp_path / "unbounded", {hostile: liar(CLAIM, CLAIM, CLAIM)},
+                    **{"aggregation.max_share": 1.0})
+    summary = read_json(owned / "summary.json")
+    assert summary["accuracy"] > 99.99 and model_norm(owned) < 1e-6  # what the attacker bought before
+
+    capped = own_run(sites, tmp_path / "capped", {hostile: liar(CLAIM, CLAIM, CLAIM)})
+    reference = own_run(sites, tmp_path / "reference", {hostile: liar(48, 24, 24)},
+                        **{"aggregation.max_share": 1.0})
+    rows = [json.loads(line) for line in (capped / "metrics.jsonl").read_text().splitlines()]
+    assert [row["capped"] for row in rows] == [[{"client": 2, "claimed": CLAIM, "weight": 48}]] * 2
+    expected = model_weights(reference)
+    for key, value in model_weights(capped).items():
+        if value.is_floating_point():
+            assert torch.equal(value, expected[key]), key
+    headline = read_json(capped / "summary.json")["accuracy"]
+    assert headline == read_json(reference / "summary.json")["accuracy"]
+    assert headline < 99.0 and model_norm(capped) > 0.4 * model_norm(tmp_path / "unbounded" / "out")
+
+
+def test_flower_a_roster_refuses_the_lying_node_and_the_honest_run_goes_on(sites, tmp_path, caplog):
+    roster = tmp_path / "roster.yaml"
+    roster.write_text("tolerance: 0.1\nsites:\n  clinic-0: {train: 24, test: 12}\n"
+                      "  clinic-1: {train: 24, test: 12}\n")
+    with caplog.at_level(logging.WARNING):
+        out = own_run(sites, tmp_path, {102: liar(CLAIM, CLAIM, CLAIM)}, clients=None,
+                      **{"flower.roster": str(roster)})
+    partition = read_json(out / "partition.json")
+    assert [c["name"] for c in partition["clients"]] == ["clinic-0", "clinic-1"]
+    assert "node 102 is refused: its name 'clinic-2' is not in the roster" in caplog.text
+    # the roster's sizes bind the liar even under the name of a real site
+    roster.write_text("tolerance: 0.1\nsites:\n  clinic-0: {train: 24, test: 12}\n"
+                      "  clinic-1: {train: 24, test: 12}\n  clinic-2: {train: 24, test: 12}\n")
+    with pytest.raises(ConfigError, match="refused: node 102: it declares 1000000000 train samples but the roster "
+                                          "expects 24 for site 'clinic-2'"):
+        own_run(sites, tmp_path / "again", {102: liar(CLAIM, CLAIM, CLAIM)}, clients=None,
+                **{"flower.roster": str(roster)})
+
+
+def ec_key() -> tuple[bytes, bytes]:
+    """A node key pair's public half, as the SuperLink lists it (PEM) and as ``up`` writes it (OpenSSH)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    public = ec.generate_private_key(ec.SECP384R1()).public_key()
+    return (public.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo),
+            public.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
+
+
+def test_flower_an_impostor_or_a_surplus_node_cannot_deny_the_run(sites, tmp_path, caplog):
+    impostor = {50: sites["clinic-0"]}  # a node answering first (lower id) with clinic-0's name and sizes
+    with caplog.at_level(logging.WARNING):
+        out = own_run(sites, tmp_path / "first-come", extra_nodes=impostor)
+    assert len(read_json(out / "partition.json")["clients"]) == 3
+    assert "already holds the client named 'clinic-0'" in caplog.text
+    # a roster that pins clinic-0's key: the impostor is refused whatever it answers, the real node takes part
+    keys = {node: ec_key() for node in (50, 100, 101, 102)}
+    (tmp_path / "clinic-0.pub").write_bytes(keys[100][1])
+    roster = tmp_path / "roster.yaml"
+    roster.write_text("sites:\n  clinic-0: {train: 24, test: 12, key: clinic-0.pub}\n"
+                      "  clinic-1: {train: 24, test: 12}\n  clinic-2: {train: 24, test: 12}\n")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        out = own_run(sites, tmp_path / "pinned", extra_nodes=impostor, clients=None,
+                      keys={node: pair[0] for node, pair in keys.items()}, **{"flower.roster": str(roster)})
+    assert read_json(out / "partition.json")["clients"][0]["node"] == 100
+    assert "node 50 is refused: its public key is not the one the roster pins for site 'clinic-0'" in caplog.text
+    # one data-holding node too many: refused with a warning, the run goes on with clients=2
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        out = own_run(sites, tmp_path / "surplus", clients=2)
+    assert [c["name"] for c in read_json(out / "partition.json")["clients"]] == ["clinic-0", "clinic-1"]
+    assert "node 102 is refused: the run already has its 2 data-holding SuperNodes" in caplog.text
+
+
+def test_flower_a_bad_roster_is_one_line(sites, tmp_path):
+    roster = tmp_path / "roster.yaml"
+    for text, words in [("sites: []\n", "must hold 'sites:'"),
+                        ("sites:\n  a: {train: -1, test: 2}\n", "train must be a whole number"),
+                        ("sites:\n  a: {train: 1, test: 2}\nextra: 1\n", "unknown keys"),
+                        ("sites:\n  a: {train: 1, test: 2, key: nothing.pub}\n", "cannot be read")]:
+        roster.write_text(text)
+        with pytest.raises(ConfigError, match=words) as error:
+            own_run(sites, tmp_path / "bad", clients=None, **{"flower.roster": str(roster)})
+        assert "\n" not in str(error.value)
