@@ -55,3 +55,55 @@ def test_a_sequential_engine_through_the_driver_gives_the_simulators_bytes(metho
     assert ours["completed_rounds"] == theirs["completed_rounds"] == 3
     assert all(torch.equal(ours["server"]["weights"][key], value)
                for key, value in theirs["server"]["weights"].items())
+
+
+# ---------------------------------------------------------------------------- the summary's per-client figures
+
+
+def test_site_accuracy_is_the_unweighted_mean_and_median_of_the_last_evaluated_rounds_clients():
+    # the hostile case of a 3-site run: site 2 forged correct = total = 10^9, so the pooled figure is
+    # 100 * (300 + 0 + 10^9) / (300 + 300 + 10^9) ~ 99.99994 %; every site weighs alike here
+    rows = [{"round": 0, "accuracy": {"all": 50.0, "AVG": 50.0}, "client_accuracy": [10.0, 20.0, 30.0]},
+            {"round": 1, "accuracy": {"all": 99.99994, "AVG": 99.99994}, "client_accuracy": [100.0, 0.0, 100.0]},
+            {"round": 2}]  # not evaluated: the figures are round 1's
+    site = driver.site_accuracy(rows)
+    assert site["mean"] == pytest.approx(200.0 / 3) and site["median"] == 100.0
+    assert site["tested"] == 3 and site["per_client"] == [100.0, 0.0, 100.0]
+    # an untested client (None) is left out of both; an even count's median is the mean of the middle two
+    site = driver.site_accuracy([{"accuracy": {"AVG": 1.0}, "client_accuracy": [90.0, None, 10.0, 40.0, 20.0]}])
+    assert (site["mean"], site["median"], site["tested"]) == (pytest.approx(40.0), 30.0, 4)
+    assert driver.site_accuracy_line(site, 5) == "per client (unweighted, 4 of 5 tested): mean 40.0, median 30.0"
+    # no evaluated round: None, which summary.json writes as null
+    assert driver.site_accuracy([{"round": 0}]) == {"mean": None, "median": None, "tested": 0, "per_client": []}
+
+
+def test_no_evaluated_round_gives_none_not_nan():
+    assert driver.final_accuracy([{"round": 0}, {"round": 1}]) == {"AVG": None}
+
+
+@pytest.mark.parametrize("sizes, max_share, warned", [
+    # the forged claim: 10^9 of 10^9 + 600 samples, 99.99994 %
+    ([("all", 300), ("all", 300), ("all", 10 ** 9)], 0.5, {2: ("1000000000 of the 1000000600", "(100.0%)")}),
+    # 60 of 100 on "a"; "b" is tested on by one client only: nothing pooled, no warning
+    ([("a", 60), ("a", 40), ("b", 10)], 0.5, {0: ("60 of the 100", "(60.0%)")}),
+    ([("a", 60), ("a", 40), ("b", 10)], 0.6, {}),  # 60 % is not more than 0.6
+    ([("a", 50), ("a", 50)], 0.5, {}),  # exactly half each
+    ([("a", 3), ("a", 1), ("a", 0)], 0.7, {0: ("3 of the 4", "(75.0%)")}),
+    ([("a", 100), ("a", 0)], 0.5, {}),  # the other client is not tested: one client, nothing pooled
+    ([("a", 900), ("a", 100)], 1.0, {}),  # max_share=1: no cap, never a warning
+    ([], 0.5, {}),  # one global model on shared test sets: no client's count is pooled
+])
+def test_pooled_share_warnings_name_each_client_above_max_share(sizes, max_share, warned):
+    lines = driver.pooled_share_warnings(sizes, max_share)
+    assert len(lines) == len(warned)
+    for line, (k, words) in zip(lines, sorted(warned.items())):
+        assert line.startswith(f"client {k} holds {words[0]} test samples of test set '{sizes[k][0]}' {words[1]}")
+        assert f"aggregation.max_share={max_share:g}" in line and "site_accuracy" in line and "\n" not in line
+
+
+def test_the_privacy_line_carries_epsilon_delta_and_the_stop():
+    privacy = {"mode": "client", "delta": 3 ** -1.1, "epsilon": 1.23456, "rounds_run": 2}
+    assert driver.privacy_line(privacy) == "privacy (client): (epsilon, delta) = (1.235, 0.299) after 2 rounds"
+    stopped = {**privacy, "epsilon": 0.0, "rounds_run": 0, "stopped": "privacy budget: stopped before round 0"}
+    assert driver.privacy_line(stopped) == ("privacy (client): (epsilon, delta) = (0, 0.299) after 0 rounds; "
+                                            "stopped at privacy.max_epsilon")

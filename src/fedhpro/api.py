@@ -90,8 +90,8 @@ class RunResult:
     trained: TrainedModels | None = field(default=None, repr=False, compare=False)
 
     @property
-    def accuracy(self) -> float:
-        """Final AVG accuracy in percent."""
+    def accuracy(self) -> float | None:
+        """Final AVG accuracy in percent (None: no round was evaluated)."""
         return self.summary["accuracy"]
 
     @property
@@ -252,6 +252,9 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
         for note in parts.federation.notes:
             print(f"note: {note}")
     simulator = build_simulator(config, parts, device, observers_for(options, out, _warn, title))
+    warnings = run_warnings(config, simulator)
+    for line in warnings:  # before training, and kept in summary.json's notes
+        _warn(line)
     folder = driver.RunFolder(out, options, started=started)
     if resume_from is not None:
         folder.resume(resume_from, simulator.load_state_dict)
@@ -261,7 +264,7 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
     rows = folder.rows
     seconds = time.perf_counter() - started
     summary = driver.run_summary(options, data_name, parts.federation.num_clients, device, rows.metrics, seconds,
-                                 parts.federation.notes, from_python=config.federation is not None)
+                                 [*parts.federation.notes, *warnings], from_python=config.federation is not None)
     trained = simulator_models(config, simulator, parts.federation)
     with driver.stop_on_write_error(out, out / MODEL_FILE):  # before summary.json, which marks the run finished
         write_models(out, trained)
@@ -269,13 +272,35 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
     simulator.end_run()
     folder.plot(title)
     if echo:
-        print(reports.accuracy_table(driver.final_accuracy(rows.metrics),
-                                     f"{options.method} on {data_name}, seed {options.seed}, "
-                                     f"{options.rounds} rounds, {seconds:.0f} s — test accuracy (%):"))
+        print(final_printout(summary, f"{options.method} on {data_name}, seed {options.seed}, "
+                                      f"{options.rounds} rounds, {seconds:.0f} s — test accuracy (%):"))
         saved = MODEL_FILE if trained.global_model is not None else "models/client_<k>.pt"
         print(f"results in {out}/ (summary.json, metrics.jsonl, timing.jsonl, accuracy.png, config.yaml); "
               f"trained model: {saved} (fedhpro.load_model, fedhpro predict)")
     return RunResult(summary=summary, metrics=rows.metrics, out=out, config=config, trained=trained)
+
+
+def run_warnings(config: Config, simulator: Any) -> list[str]:
+    """The run's warning lines, said before its first round and kept in summary.json's ``notes``: a client
+    holding more than ``aggregation.max_share`` of the test samples pooled for its test set
+    (:func:`driver.pooled_share_warnings`)."""
+    max_share = float(getattr(config.aggregation, "max_share", 1.0))
+    return driver.pooled_share_warnings(simulator.pooled_test_sizes(), max_share)
+
+
+def final_printout(summary: Mapping[str, Any], title: str) -> str:
+    """What ``fedhpro run`` prints at the end of a run (``summary``: its summary.json): ``title``, the pooled
+    accuracy per test set and AVG (or that no round was evaluated), the clients' own accuracies' unweighted
+    mean and median and, with privacy on, the (epsilon, delta) spent."""
+    if summary["accuracy"] is None:
+        lines = [f"{title} no round evaluated"]
+    else:
+        lines = [reports.accuracy_table({**summary["per_domain"], "AVG": summary["accuracy"]}, title)]
+        if "site_accuracy" in summary:
+            lines.append(driver.site_accuracy_line(summary["site_accuracy"], summary["clients"]))
+    if "privacy" in summary:
+        lines.append(driver.privacy_line(summary["privacy"]))
+    return "\n".join(lines)
 
 
 def _new_run_folder(options: RunOptions, data_name: str) -> Path:

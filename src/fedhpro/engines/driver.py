@@ -28,6 +28,7 @@ sequential engine of ``tests/sequential_engine.py``.
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -383,9 +384,69 @@ def progress_text(train: Mapping[str, float], accuracy: Mapping[str, float] | No
 # ---------------------------------------------------------------------------- the summary
 
 
-def final_accuracy(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """The accuracy of the last evaluated row (NaN when no round had one: every evaluation lost)."""
-    return next((row["accuracy"] for row in reversed(rows) if "accuracy" in row), {"AVG": float("nan")})
+def final_accuracy(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The accuracy of the last evaluated row; ``{"AVG": None}`` when no round had one (every evaluation lost,
+    or ``privacy.max_epsilon`` stopped the run before its first round): summary.json stays strict JSON, which
+    has no NaN."""
+    return next((row["accuracy"] for row in reversed(rows) if "accuracy" in row), {"AVG": None})
+
+
+def site_accuracy(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """summary.json's ``site_accuracy``: the last evaluated round's ``client_accuracy`` (each client's accuracy
+    on its own test distribution, in percent; None: a client not tested) as ``per_client``, and the unweighted
+    ``mean`` and ``median`` over the ``tested`` clients (None when none was). The pooled ``accuracy`` weights
+    every client by its test-set size, a size a client declares; these weight every tested client alike, so
+    one client claiming a huge test set cannot carry them."""
+    final: Mapping[str, Any] = next((row for row in reversed(rows) if "accuracy" in row), {})
+    per_client = list(final.get("client_accuracy") or [])
+    tested = [float(value) for value in per_client if value is not None]
+    return {"mean": statistics.fmean(tested) if tested else None,
+            "median": float(statistics.median(tested)) if tested else None,
+            "tested": len(tested), "per_client": per_client}
+
+
+def site_accuracy_line(site: Mapping[str, Any], clients: int) -> str:
+    """The printout's line of :func:`site_accuracy` for a run of ``clients`` clients."""
+    tested = site["tested"]
+    counted = f"{tested} tested" if tested == clients else f"{tested} of {clients} tested"
+    if site["mean"] is None:
+        return f"per client (unweighted): no client tested ({counted})"
+    return f"per client (unweighted, {counted}): mean {site['mean']:.1f}, median {site['median']:.1f}"
+
+
+def privacy_line(privacy: Mapping[str, Any]) -> str:
+    """The printout's line of summary.json's ``privacy``: the (epsilon, delta) the run spent, and whether
+    ``privacy.max_epsilon`` stopped it (printed whatever ``progress`` is: the progress bar is not a record)."""
+    delta = privacy.get("delta")
+    rounds = privacy.get("rounds_run")
+    text = (f"privacy ({privacy.get('mode', 'on')}): (epsilon, delta) = ({float(privacy['epsilon']):.4g}, "
+            + (f"{float(delta):.3g}" if delta is not None else "-") + ")"
+            + (f" after {rounds} round{'s' if rounds != 1 else ''}" if rounds is not None else ""))
+    if privacy.get("stopped"):
+        text += "; stopped at privacy.max_epsilon"
+    return text
+
+
+def pooled_share_warnings(test_sizes: Sequence[tuple[str, int]], max_share: float) -> list[str]:
+    """One warning line per client holding more than ``max_share`` (``aggregation.max_share``) of the test
+    samples pooled for its test set, whose accuracy (and so AVG) is then mostly that client's own.
+    ``test_sizes[k]``: client ``k``'s ``(test-set name, size)``, for the clients whose test counts are pooled
+    (a test size is what a client declares). A test set only one client is tested on pools nothing: left out."""
+    totals: dict[str, int] = {}
+    holders: dict[str, int] = {}
+    for name, size in test_sizes:
+        totals[name] = totals.get(name, 0) + int(size)
+        holders[name] = holders.get(name, 0) + (int(size) > 0)
+    lines = []
+    for k, (name, size) in enumerate(test_sizes):
+        total = totals[name]
+        if holders[name] < 2 or int(size) <= max_share * total:
+            continue
+        lines.append(f"client {k} holds {int(size)} of the {total} test samples of test set {name!r} "
+                     f"({100.0 * int(size) / total:.1f}%), more than aggregation.max_share={max_share:g}: that test "
+                     f"set's pooled accuracy is mostly client {k}'s own; see summary.json's site_accuracy (each "
+                     "client's accuracy, their unweighted mean and median)")
+    return lines
 
 
 def summary_measurements(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -408,9 +469,11 @@ def summary_measurements(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def run_summary(options: Any, data_name: str, clients: int, device: torch.device | str, rows: list[dict[str, Any]],
                 seconds: float, notes: list[str], from_python: bool = False,
                 engine: str | None = None) -> dict[str, Any]:
-    """``summary.json`` of a finished run (``options``: its RunOptions): its settings, the final and best AVG,
-    the final per-domain accuracy, the wall time and the totals of the per-round measurements; ``engine``
-    names an engine other than the simulator, ``from_python`` data given from Python."""
+    """``summary.json`` of a finished run (``options``: its RunOptions): its settings, the final and best AVG
+    (None when no round was evaluated), the final per-domain accuracy, the final per-client accuracies with
+    their unweighted mean and median (:func:`site_accuracy`), the wall time and the totals of the per-round
+    measurements; ``engine`` names an engine other than the simulator, ``from_python`` data given from
+    Python."""
     final = final_accuracy(rows)
     return {
         "method": options.method,
@@ -421,7 +484,8 @@ def run_summary(options: Any, data_name: str, clients: int, device: torch.device
         "clients": clients,
         "accuracy": final["AVG"],
         "per_domain": {name: value for name, value in final.items() if name != "AVG"},
-        "best_accuracy": max((row["accuracy"]["AVG"] for row in rows if "accuracy" in row), default=float("nan")),
+        "best_accuracy": max((row["accuracy"]["AVG"] for row in rows if "accuracy" in row), default=None),
+        "site_accuracy": site_accuracy(rows),
         "seconds": seconds,
         "device": str(device),
         **({"engine": engine} if engine is not None else {}),

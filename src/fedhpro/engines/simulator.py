@@ -262,6 +262,15 @@ class Simulator:
             return name, self.federation.client_tests[k]
         return name, self.federation.test_sets[name]
 
+    def pooled_test_sizes(self) -> list[tuple[str, int]]:
+        """Each client's ``(test-set name, size)`` when :meth:`evaluate_clients` pools the clients' test counts
+        (personal models, or a federation that arrives split); ``[]`` for one global model on shared test sets,
+        which is tested once per test set (no client's count is pooled). What
+        :func:`~fedhpro.engines.driver.pooled_share_warnings` reads."""
+        if not self.heterogeneous and self.federation.client_tests is None:
+            return []
+        return [(name, int(y.shape[0])) for name, (_, y) in map(self.client_test, range(self.federation.num_clients))]
+
     def evaluate_client(self, k: int, model: nn.Module | None = None) -> TestCount:
         """Client ``k``'s test count: the global model (one shared model), or its personal model with the
         global shared part, through the server's inference rule, on :meth:`client_test`. A Flower node
