@@ -139,21 +139,21 @@ def first_round(sizes: list[int], max_share: float) -> tuple[dict[str, torch.Ten
 
 
 def test_simulator_a_client_of_many_samples_sending_zeros_moves_the_model_as_far_as_the_capped_size():
-    capped, row = first_round([24, 24, 480], 0.5)
-    honest_size, _ = first_round([24, 24, 48], 1.0)  # the hostile client honestly holding the cap: 48
+    capped, row = first_round([24, 24, 480], 0.75)  # the default: c = 0.75 * (48 + c) = 144
+    honest_size, _ = first_round([24, 24, 144], 1.0)  # the hostile client honestly holding the cap
     uncapped, _ = first_round([24, 24, 480], 1.0)
-    assert row["capped"] == [{"client": 2, "claimed": 480, "weight": 48}]
+    assert row["capped"] == [{"client": 2, "claimed": 480, "weight": 144}]
     for key in capped:
         if capped[key].is_floating_point():
             assert torch.equal(capped[key], honest_size[key]), key
-    # by hand: (24 w0 + 24 w1 + 48 * 0) / 96 = half the honest mean, where 480 samples leave 48/528 of it
+    # by hand: (24 w0 + 24 w1 + 144 * 0) / 192 = a quarter of the honest mean; 480 samples leave 48/528 of it
     norm = sum(float(v.double().norm() ** 2) for v in capped.values() if v.is_floating_point()) ** 0.5
     norm_uncapped = sum(float(v.double().norm() ** 2) for v in uncapped.values() if v.is_floating_point()) ** 0.5
-    assert norm_uncapped == pytest.approx(norm * (48 / 528) / 0.5, rel=1e-5)
+    assert norm_uncapped == pytest.approx(norm * (48 / 528) / (48 / 192), rel=1e-5)
 
 
 def test_simulator_without_a_dominant_client_is_unchanged_to_the_bit():
-    a, row_a = first_round([24, 32, 40], 0.5)
+    a, row_a = first_round([24, 32, 40], 0.4)
     b, row_b = first_round([24, 32, 40], 1.0)
     assert "capped" not in row_a and row_a == row_b
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -288,9 +288,9 @@ def model_weights(out: Path) -> dict[str, torch.Tensor]:
 
 def test_flower_a_node_claiming_a_billion_samples_buys_only_the_capped_weight(sites, tmp_path):
     """The attack as found: node clinic-2 declares 10^9 train and test samples, sends zeros, forges its
-    evaluation. Unbounded (max_share=1) it owns the model and the accuracy; at the default cap the run equals
-    one where that node honestly holds the cap (48 training samples: the two others' 24 + 24; 24 test samples)
-    and answers as well as it can (all of its 24 right)."""
+    evaluation. Unbounded (max_share=1) it owns the model and the accuracy; at the default cap (0.75) the run
+    equals one where that node honestly holds the cap (144 training samples: c = 0.75 * (24 + 24 + c); 72 test
+    samples: c = 0.75 * (12 + 12 + c)) and answers as well as it can (all of its 72 right)."""
     hostile = 102
     owned = own_run(sites, tmp_path / "unbounded", {hostile: liar(CLAIM, CLAIM, CLAIM)},
                     **{"aggregation.max_share": 1.0})
@@ -298,10 +298,10 @@ def test_flower_a_node_claiming_a_billion_samples_buys_only_the_capped_weight(si
     assert summary["accuracy"] > 99.99 and model_norm(owned) < 1e-6  # what the attacker bought before
 
     capped = own_run(sites, tmp_path / "capped", {hostile: liar(CLAIM, CLAIM, CLAIM)})
-    reference = own_run(sites, tmp_path / "reference", {hostile: liar(48, 24, 24)},
+    reference = own_run(sites, tmp_path / "reference", {hostile: liar(144, 72, 72)},
                         **{"aggregation.max_share": 1.0})
     rows = [json.loads(line) for line in (capped / "metrics.jsonl").read_text().splitlines()]
-    assert [row["capped"] for row in rows] == [[{"client": 2, "claimed": CLAIM, "weight": 48}]] * 2
+    assert [row["capped"] for row in rows] == [[{"client": 2, "claimed": CLAIM, "weight": 144}]] * 2
     expected = model_weights(reference)
     for key, value in model_weights(capped).items():
         if value.is_floating_point():

@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from fedhpro import options as opt
-from fedhpro.bounded import load_yaml
+from fedhpro.bounded import MAX_YAML_CHARS, LimitError, load_yaml
 from fedhpro.data import DATASETS, get_dataset
 from fedhpro.data.partition import PartitionOptions, partition_options_class
 from fedhpro.engines.protocol import AGGREGATION_RULES
@@ -111,12 +111,13 @@ class AggregationOptions:
     norm_multiple: float = option(1.0, gt=0.0, help="norm-clip with max_norm=0: updates longer than this many "
                                                     "times the round's median update norm are clipped to it "
                                                     "(class tensors: rows farther from the class's median row)")
-    max_share: float = option(0.5, gt=0.0, max=1.0,
-                              help="the largest share of a round's total aggregation weight one client may hold: "
-                                   "each participant's weight (its num_examples, and its class counts in "
-                                   "proportion) is capped so that none exceeds max_share of the participants' "
-                                   "declared sizes (water-filling); sizes are claims, so one client cannot buy "
-                                   "the model by claiming a huge data set (1: no cap)")
+    max_share: float = option(0.75, gt=0.0, max=1.0,
+                              help="the largest share of the federation's total aggregation weight one client "
+                                   "may hold: a client's weight (its num_examples, and its class counts in "
+                                   "proportion) and its test count in the pooled accuracy are capped so that "
+                                   "none exceeds max_share of all clients' sizes (water-filling); sizes are "
+                                   "claims, so one client cannot buy the model or the accuracy by claiming a "
+                                   "huge data set (1: no cap)")
 
     def __post_init__(self) -> None:
         if not self.trim < 0.5:
@@ -374,7 +375,9 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"{shown(text)} has no key before '='")
     check_key(key, "the command line")
     try:
-        value = load_yaml(raw) if raw.strip() else ""
+        value = load_yaml(raw, f"the value of {key}=") if raw.strip() else ""
+    except LimitError:
+        raise  # text past a bound is refused, not taken as a string: it is no setting either way
     except _YAML_VALUE_ERRORS:
         if raw.strip().lstrip("+-").isdigit():  # past Python's 4300-digit limit
             raise ConfigError(f"{key}=<a whole number of {len(raw.strip())} digits> is too large for any "
@@ -406,6 +409,10 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
                               "config file")
         raise ConfigError(f"{where} does not exist")
     try:
+        size = path.stat().st_size
+        if size > 4 * MAX_YAML_CHARS:  # refused before reading: 4 is the most bytes a UTF-8 character takes
+            raise ConfigError(f"{where} is {size:,} bytes, over fedhpro's limit of {MAX_YAML_CHARS:,} characters "
+                              "of YAML; give a config file of settings")
         raw = path.read_bytes()
     except OSError as error:
         raise ConfigError(f"{where} cannot be read ({error.strerror or type(error).__name__})") from None
@@ -423,7 +430,9 @@ def parse_yaml(raw: bytes | str, where: str) -> dict[str, Any]:
     else:
         text = raw
     try:
-        values = load_yaml(text)
+        values = load_yaml(text, where)
+    except LimitError:
+        raise
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -139,7 +139,7 @@ class Aggregation:
     max_norm: float = 0.0
     norm_multiple: float = 1.0
     #: the largest share of a round's total weight one client may hold (:func:`capped_reply`; 1: no cap)
-    max_share: float = 0.5
+    max_share: float = 0.75
 
     def __post_init__(self) -> None:
         if self.rule not in AGGREGATION_RULES:
@@ -519,6 +519,7 @@ class RoundProtocol:
         #: each client's training-set size as the engine knows it (in own-data Flower: what its node
         #: declared), from which a round's weight cap is drawn (:meth:`weight_cap`); None: no cap
         self.client_sizes = list(client_sizes) if client_sizes is not None else None
+        self.warned_caps: set[int] = set()  # clients whose capped weight was reported (once each)
         self.rounds = rounds
         self.participation = participation
         self.seed = seed
@@ -708,6 +709,14 @@ class OpenRound:
         if int(reply["num_examples"]) > self.cap:  # a size is a claim: it buys at most the round's cap
             weight = max(1, math.floor(self.cap))
             self.capped.append({"client": client, "claimed": int(reply["num_examples"]), "weight": weight})
+            if client not in self.protocol.warned_caps and self.protocol.on_drop is not None:
+                self.protocol.warned_caps.add(client)
+                self.protocol.on_drop(
+                    f"round {self.round}: client {client}'s weight is capped at {weight} (it reports "
+                    f"{int(reply['num_examples'])} training samples, more than aggregation.max_share="
+                    f"{self.protocol.aggregation.max_share:g} of the federation's "
+                    f"{sum(self.protocol.client_sizes or [])}); if that size is right, raise aggregation.max_share "
+                    "(1: no cap)")
             reply = capped_reply(reply, weight)
         if self.protocol.aggregation.robust:
             self._held.append(reply)

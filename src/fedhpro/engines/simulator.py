@@ -205,7 +205,8 @@ class Simulator:
                                                 self.device)
         self.protocol = RoundProtocol(self.server, federation.num_clients, rounds=rounds, participation=participation,
                                       seed=seed, eval_every=eval_every, faults=faults, min_clients=min_clients,
-                                      on_drop=on_drop, aggregation=aggregation, privacy=privacy, ledger=ledger)
+                                      on_drop=on_drop, aggregation=aggregation, privacy=privacy, ledger=ledger,
+                                      client_sizes=[len(data) for data in federation.clients])
         self.client_states: list[dict[str, Any]] = [{} for _ in range(federation.num_clients)]
         self.history: list[RoundRecord] = []
         self.observers = measurements(flops=count_flops, prototype_distance=prototype_distance) + list(observers)
@@ -301,7 +302,7 @@ class Simulator:
             self.eval_model.load_state_dict(self.server.global_weights())
         counts = [self.evaluate_client(k, None if self.heterogeneous else self.eval_model)
                   for k in range(self.federation.num_clients)]
-        accuracy = pool_accuracy(counts, order)
+        accuracy = pool_accuracy(counts, order, self.protocol.aggregation.max_share)
         return accuracy, [c.accuracy if c.total else None for c in counts]
 
     def server_prototypes(self) -> tuple[Tensor, Tensor, str] | None:
