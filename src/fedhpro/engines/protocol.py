@@ -475,15 +475,17 @@ def pool_accuracy(counts: Sequence[TestCount], order: Sequence[str] | None = Non
 
     ``order``: the test sets' order in the result (default: first appearance);
     test sets without any counted sample are left out. ``max_share`` (``aggregation.max_share``): a
-    client's test count is a claim too, so no client weighs more than this share of all the clients'
-    test counts together (:func:`~fedhpro.aggregation.share_cap` over ``counts``, one count a client): a
+    client's test count is a claim too, so within a test set no client weighs more than this share of
+    the pooled count (:func:`~fedhpro.aggregation.share_cap` over the test set's counts, one a client): a
     client above the cap counts with its own accuracy at the cap's weight. Where no cap binds the result
     is the plain pooled ratio, to the bit.
     """
     correct: dict[str, float] = {}
     total: dict[str, float] = {}
-    cap = share_cap([c.total for c in counts], max_share)
+    caps = {name: share_cap([c.total for c in counts if c.name == name], max_share)
+            for name in {c.name for c in counts}} if max_share < 1.0 else {}
     for count in counts:
+        cap = caps.get(count.name, math.inf)
         if count.total > cap:  # the client's own accuracy, at the capped weight
             weight = float(math.floor(cap)) or 1.0
             hits, size = count.correct * weight / count.total, weight

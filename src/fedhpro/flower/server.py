@@ -911,6 +911,11 @@ def _run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, An
         partition, notes = federation.partition, federation.notes
     # sizes are claims (own data: what each node declared): a round's weights are capped by them
     side.protocol.client_sizes = list(side.num_samples)
+    pooled = ([(info.domain or "all", int(info.test_size)) for info in infos] if own_data(config)
+              else getattr(side.engine, "pooled_test_sizes", list)())
+    for line in driver.pooled_share_warnings(pooled, config.aggregation.max_share):
+        warn(line)
+        notes.append(line)
     nodes = NodeMap(nodes, getattr(nodes, "infos", None), _client_keys(grid, nodes, settings))
     strategy = MethodStrategy(side, config, nodes, run_key(config, secrets.token_hex(8)), settings.node_auth,
                               secure_for(config, side, settings))
