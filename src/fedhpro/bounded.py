@@ -1,22 +1,280 @@
 """Bounded parsing of untrusted YAML and JSON text (config values, config files, every file of a run folder).
 
-Every YAML and JSON read of fedhpro goes through :func:`load_yaml` / :func:`load_json`, so that text from
-a user, a run folder or the network cannot hang or exhaust the process.
+Every YAML and JSON read of fedhpro goes through :func:`load_yaml` / :func:`load_json` (or the file readers
+:func:`read_yaml_file`, :func:`read_json_file`, :func:`read_jsonl_file`), so that text from a user, a run
+folder or the network cannot hang or exhaust the process:
+
+* the text is at most :data:`MAX_YAML_CHARS` / :data:`MAX_JSON_CHARS` characters (a file's size is checked
+  before it is read);
+* YAML is composed with PyYAML's ``SafeLoader`` (no Python objects, no code) by :class:`BoundedLoader`, which
+  counts while it composes: at most :data:`MAX_ALIASES` aliases, at most :data:`MAX_NODES` nodes *as a tree*
+  (an alias counts the whole subtree it stands for, so ten levels of ten aliases, a "billion laughs", are
+  refused after a few dozen nodes instead of being walked a billion times by whatever reads the value),
+  at most :data:`MAX_DEPTH` levels of nesting, and no alias to a node that contains it (a recursive value,
+  which every later walk of it would follow forever);
+* JSON is at most :data:`MAX_DEPTH` levels deep (Python's own parser stops only at its recursion limit, and
+  every later walk of the value would hit it again).
+
+A bound exceeded is a :class:`LimitError`: a one-line :class:`~fedhpro.errors.ConfigError` naming the text,
+the bound and the fix. :func:`load_yaml` / :func:`load_json` otherwise raise what ``yaml.safe_load`` /
+``json.loads`` raise on text that is not YAML / JSON; the file readers turn every failure into one line of
+the caller's error class.
+
+This module imports only :mod:`fedhpro.errors`, so every other module can use it.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+from pathlib import Path
 from typing import Any
 
 import yaml
 
+from fedhpro.errors import ConfigError, FedHProError
 
-def load_yaml(text: str | bytes) -> Any:
-    """``yaml.safe_load`` of ``text`` within fedhpro's bounds."""
-    return yaml.safe_load(text)
+#: the most characters of YAML text read: configs, run settings, reproduce targets are a few KB; PyYAML is
+#: pure Python (about a MB a second), so this also bounds the time a valid file takes
+MAX_YAML_CHARS = 8 * 2**20
+#: the most characters of JSON text read: a partition of millions of samples is tens of MB
+MAX_JSON_CHARS = 256 * 2**20
+#: the most aliases (``*name``) in one YAML text: fedhpro's own config.yaml holds a few at most
+MAX_ALIASES = 1000
+#: the most nodes of one YAML text counted as a tree (each alias as the subtree it stands for): what every
+#: walk of the value (validation, copies, reports) visits; a config of 100,000 class names fits
+MAX_NODES = 1_000_000
+#: the deepest nesting of lists and mappings in one YAML or JSON text (fedhpro's files nest a few levels)
+MAX_DEPTH = 100
 
 
-def load_json(text: str | bytes) -> Any:
-    """``json.loads`` of ``text`` within fedhpro's bounds."""
-    return json.loads(text)
+class LimitError(ConfigError):
+    """YAML or JSON text beyond one of fedhpro's bounds (size, aliases, nodes, depth): one line."""
+
+
+def _name(where: str | None, kind: str) -> str:
+    return where or f"the {kind} text"
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """PyYAML's ``SafeLoader`` that counts, while it composes the node graph, the aliases, the nodes as a
+    tree (an alias adds the size of the subtree it refers to) and the nesting depth, and stops with a
+    :class:`LimitError` at the first bound exceeded: nothing is ever expanded."""
+
+    def __init__(self, stream: str, where: str | None = None, *, max_aliases: int = MAX_ALIASES,
+                 max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH):
+        super().__init__(stream)
+        self.where = _name(where, "YAML")
+        self.max_aliases, self.max_nodes, self.max_depth = max_aliases, max_nodes, max_depth
+        self.aliases = 0
+        self.nodes = 0  # counted as a tree: what a walk of the constructed value visits
+        self.depth = 0
+        #: id(node) -> its size as a tree, for every node fully composed (an alias adds it again)
+        self.sizes: dict[int, int] = {}
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            node = super().compose_node(parent, index)  # the anchored node (PyYAML refuses an unknown name)
+            self.aliases += 1
+            if self.aliases > self.max_aliases:
+                raise LimitError(f"{self.where} holds more than {self.max_aliases} YAML aliases (*name); write "
+                                 "the values out, or use fewer aliases")
+            size = self.sizes.get(id(node))
+            if size is None:  # its anchor's node is still being composed: the alias is inside it
+                raise LimitError(f"{self.where} has an alias inside the value it refers to (line "
+                                 f"{mark.line + 1}), a value that contains itself; write the value out")
+            self._add(size)
+            return node
+        self.depth += 1
+        if self.depth > self.max_depth:
+            raise LimitError(f"{self.where} nests lists and mappings more than {self.max_depth} levels deep; "
+                             "flatten it")
+        before = self.nodes
+        node = super().compose_node(parent, index)
+        self.depth -= 1
+        self._add(1)
+        self.sizes[id(node)] = self.nodes - before
+        return node
+
+    def _add(self, count: int) -> None:
+        self.nodes += count
+        if self.nodes > self.max_nodes:
+            raise LimitError(f"{self.where} holds more than {self.max_nodes:,} values once its YAML aliases "
+                             "(*name) are expanded; write it without aliases of aliases")
+
+
+def _text(text: str | bytes, where: str | None, kind: str, limit: int) -> str:
+    """``text`` as a str within ``limit`` characters (bytes decoded as UTF-8, refused in one line if not)."""
+    if len(text) > limit:
+        raise LimitError(f"{_name(where, kind)} is {len(text):,} characters long, over fedhpro's limit of "
+                         f"{limit:,}; shorten it")
+    if isinstance(text, bytes):
+        try:
+            return text.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise LimitError(f"{_name(where, kind)} is not UTF-8 text (byte 0x{text[error.start]:02x} at offset "
+                             f"{error.start}); save it as UTF-8") from None
+    return text
+
+
+def load_yaml(text: str | bytes, where: str | None = None, *, max_chars: int = MAX_YAML_CHARS,
+              max_aliases: int = MAX_ALIASES, max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH) -> Any:
+    """``yaml.safe_load`` of ``text`` within fedhpro's bounds (:class:`BoundedLoader`); ``where`` names the
+    text in messages. A bound exceeded is a one-line :class:`LimitError`; text that is not YAML raises what
+    ``yaml.safe_load`` raises (``yaml.YAMLError``, ``ValueError`` for a number past Python's digit limit)."""
+    text = _text(text, where, "YAML", max_chars)
+    loader = BoundedLoader(text, where, max_aliases=max_aliases, max_nodes=max_nodes, max_depth=max_depth)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """How deep lists and mappings nest in ``value`` (a scalar: 0), counted up to ``limit + 1`` (a value
+    nested deeper is not walked further). Iterative: any depth is measured without recursion."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        depth += 1
+        if depth > deepest:
+            deepest = depth
+            if deepest > limit:
+                return deepest
+        stack.extend((child, depth) for child in children if isinstance(child, (dict, list)))
+    return deepest
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def load_json(text: str | bytes, where: str | None = None, *, max_chars: int = MAX_JSON_CHARS,
+              max_depth: int = MAX_DEPTH, allow_nan: bool = True) -> Any:
+    """``json.loads`` of ``text`` within fedhpro's bounds (at most ``max_chars`` characters and ``max_depth``
+    levels of nesting); ``where`` names the text in messages. A bound exceeded is a one-line
+    :class:`LimitError`; text that is not JSON raises ``ValueError`` as ``json.loads`` does (with
+    ``allow_nan=False`` also for ``NaN``, ``Infinity`` and ``-Infinity``, which strict JSON does not have)."""
+    text = _text(text, where, "JSON", max_chars)
+    try:
+        value = json.loads(text) if allow_nan else json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:
+        value = None
+        deep = True
+    else:
+        deep = json_depth(value, max_depth) > max_depth
+    if deep:
+        raise LimitError(f"{_name(where, 'JSON')} nests lists and objects more than {max_depth} levels deep; "
+                         "flatten it")
+    return value
+
+
+# ---------------------------------------------------------------------------- files, every failure one line
+
+
+def _first_line(error: BaseException) -> str:
+    return ((str(error).strip().splitlines() or [type(error).__name__])[0])[:160]
+
+
+def read_bounded(path: str | os.PathLike, limit: int, error: type[FedHProError] = ConfigError,
+                 what: str | None = None) -> str:
+    """The UTF-8 text of the file ``path``, its size checked against ``limit`` (characters; a UTF-8 file
+    holds at least one byte per character, so the bytes are checked, before reading). Missing, unreadable,
+    too large or not UTF-8: one line of ``error``."""
+    path = Path(path)
+    name = what or str(path)
+    try:
+        size = path.stat().st_size
+        if size > 4 * limit:  # 4: the most bytes a UTF-8 character takes
+            raise error(f"{name} is {size:,} bytes, over fedhpro's limit of {limit:,} characters; it is not a "
+                        "file fedhpro wrote: replace it")
+        with open(path, "rb") as handle:
+            raw = handle.read(4 * limit + 1)
+    except OSError as problem:
+        raise error(f"{name} cannot be read ({problem.strerror or type(problem).__name__})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as problem:
+        raise error(f"{name} is not UTF-8 text (byte 0x{raw[problem.start]:02x} at offset {problem.start}); it "
+                    "is damaged: replace it") from None
+    if len(text) > limit:
+        raise error(f"{name} is {len(text):,} characters long, over fedhpro's limit of {limit:,}; it is not a "
+                    "file fedhpro wrote: replace it")
+    return text
+
+
+def read_yaml_file(path: str | os.PathLike, error: type[FedHProError] = ConfigError,
+                   what: str | None = None) -> Any:
+    """The value of the YAML file ``path`` (:func:`load_yaml`); every failure is one line of ``error``
+    naming the file (``what``, default its path)."""
+    name = what or str(path)
+    text = read_bounded(path, MAX_YAML_CHARS, error, name)
+    try:
+        return load_yaml(text, name)
+    except LimitError as problem:
+        raise error(str(problem)) from None
+    except yaml.MarkedYAMLError as problem:
+        mark = problem.problem_mark or problem.context_mark
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        reason = f" ({problem.problem})" if problem.problem else ""
+        raise error(f"{name} is not valid YAML{at}{reason}; fix or replace it".replace("\n", " ")) from None
+    except (yaml.YAMLError, ValueError, OverflowError, TypeError, RecursionError) as problem:
+        raise error(f"{name} is not valid YAML ({_first_line(problem)}); fix or replace it") from None
+
+
+def read_json_file(path: str | os.PathLike, error: type[FedHProError] = ConfigError,
+                   what: str | None = None) -> Any:
+    """The value of the JSON file ``path`` (:func:`load_json`); every failure is one line of ``error``
+    naming the file (``what``, default its path)."""
+    name = what or str(path)
+    return parse_json(read_bounded(path, MAX_JSON_CHARS, error, name), name, error)
+
+
+def parse_json(text: str | bytes, where: str, error: type[FedHProError] = ConfigError) -> Any:
+    """:func:`load_json` of ``text`` with every failure one line of ``error`` naming ``where``."""
+    try:
+        return load_json(text, where)
+    except LimitError as problem:
+        raise error(str(problem)) from None
+    except ValueError as problem:  # json.JSONDecodeError, a number past Python's digit limit
+        raise error(f"{where} is not valid JSON ({_first_line(problem)}); it is damaged: replace it") from None
+
+
+def read_jsonl_file(path: str | os.PathLike, error: type[FedHProError] = ConfigError,
+                    what: str | None = None) -> list[dict[str, Any]]:
+    """The rows of the JSON-lines file ``path`` (one JSON object a line, blank lines skipped); every failure
+    (a line that is not a JSON object included) is one line of ``error`` naming the file and the line."""
+    name = what or str(path)
+    rows: list[dict[str, Any]] = []
+    for number, line in enumerate(read_bounded(path, MAX_JSON_CHARS, error, name).splitlines(), 1):
+        if not line.strip():
+            continue
+        row = parse_json(line, f"{name} line {number}", error)
+        if not isinstance(row, dict):
+            raise error(f"{name} line {number} holds a JSON {type(row).__name__}, not an object; it is damaged: "
+                        "replace it")
+        rows.append(row)
+    return rows
+
+
+def finite_or_none(value: Any) -> Any:
+    """``value`` with every float that is NaN or infinite (in lists, tuples and dict values, at any depth)
+    replaced by None: what a strict JSON writer writes for a measurement that has no finite value."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(item) for item in value]
+    return value
+
+
+__all__ = ["MAX_ALIASES", "MAX_DEPTH", "MAX_JSON_CHARS", "MAX_NODES", "MAX_YAML_CHARS", "BoundedLoader", "LimitError",
+           "finite_or_none", "json_depth", "load_json", "load_yaml", "parse_json", "read_bounded", "read_json_file",
+           "read_jsonl_file", "read_yaml_file"]
