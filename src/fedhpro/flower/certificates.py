@@ -25,7 +25,11 @@ creates their inputs (with the ``cryptography`` package, a Flower dependency):
   serverAuth with subjectAltName 127.0.0.1 for the party's own local forwarder
   (Flower's clients cannot present a client certificate, so each party talks
   TLS to a forwarder on 127.0.0.1 that opens the mutual-TLS connection).
-  :func:`issue_client` adds one more later (it needs ``ca.key``).
+  :func:`issue_client` adds one more later (it needs ``ca.key``). The gate
+  gives a role only to a subject of exactly this form, so names are refused
+  here unless they hold letters, digits, ``.``, ``_`` and ``-`` only
+  (:data:`CLIENT_NAME`): a ``,``, ``=``, ``+``, ``/``, ``\\``, quote or control
+  character could make another attribute appear in the printed subject.
 
 Private keys are written unencrypted with mode 0600 (readable by their owner
 only), every file with fedhpro's atomic writer; existing files are never
@@ -55,8 +59,12 @@ CA_CERT, CA_KEY = "ca.crt", "ca.key"
 SERVER_CERT, SERVER_KEY = "server.pem", "server.key"
 OPERATOR = "operator"
 ROLES = ("operator", "node")
-#: what a client certificate's name may hold (it goes into the subject and file names unescaped)
+#: what a client certificate's name may hold (it goes into the subject and file names unescaped; the gate's
+#: role rules, :func:`fedhpro.flower.gate.role_rules`, accept exactly this)
 CLIENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+#: a DNS name for the SuperLink's certificate: labels of letters, digits and '-', joined by '.'
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+HOST_NAME = re.compile(rf"(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*")
 #: the curve of the TLS keys (P-256: every TLS stack speaks it) and of the node keys (P-384, as Flower's guide)
 TLS_CURVE, NODE_CURVE = ec.SECP256R1, ec.SECP384R1
 PRIVATE_MODE = 0o600
@@ -73,11 +81,16 @@ def client_names(name: str) -> tuple[str, str]:
 
 
 def subject_alternative_name(host: str) -> x509.GeneralName:
-    """An IP address entry for an IPv4/IPv6 literal, a DNS name entry otherwise."""
+    """An IP address entry for an IPv4/IPv6 literal, a DNS name entry for a DNS name; a ConfigError otherwise
+    (the first host is also the certificate's CN, where a ``,`` or ``=`` would forge attributes)."""
     try:
         return x509.IPAddress(ipaddress.ip_address(host))
     except ValueError:
-        return x509.DNSName(host)
+        pass
+    if not HOST_NAME.fullmatch(host):
+        raise ConfigError(f"--host {host!r} is neither an IP address nor a DNS name; use letters, digits, '-' "
+                          "and '.' (e.g. superlink.example.org)")
+    return x509.DNSName(host)
 
 
 def _name(common_name: str) -> x509.Name:
@@ -130,15 +143,21 @@ def server_certificate(hosts: Sequence[str], ca_key: ec.EllipticCurvePrivateKey,
     return key, builder.sign(ca_key, hashes.SHA256())
 
 
+def check_client(name: str, role: str) -> None:
+    """A one-line ConfigError unless ``role`` is a role and ``name`` a :data:`CLIENT_NAME`."""
+    if role not in ROLES:
+        raise ConfigError(f"role {role!r} unknown; use one of {', '.join(ROLES)}")
+    if not isinstance(name, str) or not CLIENT_NAME.fullmatch(name):
+        raise ConfigError(f"client name {name!r} not allowed; use letters, digits, '.', '_' and '-' "
+                          "(at most 63, starting with a letter or digit: the gate reads the role from the name's "
+                          "certificate subject)")
+
+
 def client_certificate(name: str, role: str, ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate,
                        days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     """A gate client's key and certificate: ``O=fedhpro, OU=<role>, CN=<name>``, clientAuth (for the gate)
     and serverAuth for 127.0.0.1 (the party's local forwarder listens with it)."""
-    if role not in ROLES:
-        raise ConfigError(f"role {role!r} unknown; use one of {', '.join(ROLES)}")
-    if not CLIENT_NAME.fullmatch(name):
-        raise ConfigError(f"client name {name!r} not allowed; use letters, digits, '.', '_' and '-' "
-                          "(at most 63, starting with a letter or digit)")
+    check_client(name, role)
     key = ec.generate_private_key(TLS_CURVE())
     public = key.public_key()
     subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fedhpro"),
@@ -206,6 +225,7 @@ def _client_contents(name: str, role: str, ca_key, ca_cert, days: int) -> list[t
 def issue_client(folder: str | os.PathLike, name: str, role: str, days: int = 365) -> list[Path]:
     """One more gate client certificate (``<name>.crt`` and its key) signed by ``folder``'s ``ca.key``."""
     folder = Path(folder)
+    check_client(name, role)
     cert_name, key_name = client_names(name)
     existing = [n for n in (cert_name, key_name) if (folder / n).exists()]
     if existing:
@@ -234,6 +254,8 @@ def create(folder: str | os.PathLike, hosts: Sequence[str], nodes: int = 0, days
         raise ConfigError(f"--nodes {nodes} / --days {days} out of range; use --nodes 0 or more and --days 1 or more")
     folder = Path(folder)
     hosts = list(hosts)
+    for host in hosts:
+        subject_alternative_name(host)  # refuses a name that is neither an IP address nor a DNS name
     if gate and "127.0.0.1" not in hosts:
         hosts.append("127.0.0.1")
     existing = [name for name in planned_files(nodes, gate) if (folder / name).exists()]

@@ -10,12 +10,22 @@ The gate puts nginx (a Debian package, no code of ours on the wire) in front:
 - **gate server** (the SuperLink's host): listens on the public address with
   TLS and demands a client certificate signed by the CA (no certificate, or
   one from another CA: the handshake fails). The certificate's subject decides
-  the role: ``OU=operator`` may use ``/v1/control/*``, ``OU=node`` only
-  ``/v1/fleet/*``; both may read ``/health``; everything else (``/v1/runtime``,
-  ``/docs``, ...) is refused with 403. Requests go on to the SuperLink on
-  127.0.0.1 over the SuperLink's own TLS (checked against the CA), where
-  ``--enable-supernode-auth`` still checks each node's signature: two
-  independent checks.
+  the role, and only a subject of exactly the form the CA issues,
+  ``CN=<name>,OU=<role>,O=fedhpro`` in nginx's RFC 2253 form with ``<name>``
+  of :data:`fedhpro.flower.certificates.CLIENT_NAME` (no escaped character,
+  no further attribute: :func:`role_rules`), gets one: ``OU=operator`` may use
+  ``/v1/control/*``, ``OU=node`` only ``/v1/fleet/*``; both may read
+  ``/health``; everything else (``/v1/runtime``, ``/docs``, ...) is refused
+  with 403. Requests go on to the SuperLink (on 127.0.0.1 over its own TLS,
+  checked against the CA, or through a **bridge** on an owner-only Unix
+  socket, ``--superlink unix:/path``), where ``--enable-supernode-auth`` still
+  checks each node's signature: two independent checks.
+- **gate bridge** (the SuperLink's host): Flower 1.42's SuperLink listens on
+  TCP only (``--host``/``--port``), so it runs in a private network
+  namespace with this nginx beside it: it listens on a Unix socket (in a
+  folder only its owner may enter) and passes everything on to the
+  SuperLink's TLS port in that namespace. Local users of the host then reach
+  the gate only.
 - **gate forward** (every party's machine): Flower's clients (``flwr``,
   ``flower-supernode``) cannot present a client certificate, so they talk TLS
   to a forwarder on 127.0.0.1 (listening with the party's own certificate,
@@ -24,7 +34,10 @@ The gate puts nginx (a Debian package, no code of ours on the wire) in front:
 
 nginx runs in the foreground as a child (``nginx -p PREFIX -c nginx.conf -e
 error.log -g 'daemon off;'``) with its pid file, logs and temporary paths in
-its own folder, as root or not. Request bodies are streamed to the upstream
+its own folder, as root or not (as root its workers run as root too: they must
+reach the owner-only Unix sockets). A forwarder may demand a secret token
+(``Authorization: Bearer``, what Flower's ``flwr`` CLI sends from its
+credential store): then a local process without the token is refused there. Request bodies are streamed to the upstream
 (no temporary files; ``client_max_body_size`` :data:`MAX_BODY`), responses are
 not buffered (``flwr run --stream`` / ``flwr log`` stream for the whole run)
 and read timeouts are long (:data:`READ_TIMEOUT`).
@@ -58,6 +71,24 @@ def nginx_binary() -> str:
     return found
 
 
+def unix_path(address: str) -> Path | None:
+    """The socket path of a ``unix:/abs/path`` address (None for ``host:port``)."""
+    if not address.startswith("unix:"):
+        return None
+    path = Path(address[len("unix:"):])
+    if not path.is_absolute():
+        raise ConfigError(f"address {address!r}: give an absolute path, e.g. unix:/srv/fedhpro/s/link.sock")
+    if len(str(path).encode()) > 100:  # sun_path holds 108 bytes
+        raise ConfigError(f"Unix socket path {path} is longer than 100 bytes; use a shorter folder")
+    return path
+
+
+def upstream_server(address: str) -> str:
+    """An nginx ``server`` value for ``host:port`` or ``unix:/path``."""
+    path = unix_path(address)
+    return _q(f"unix:{path}") if path is not None else nginx_address(*split_address(address))
+
+
 def split_address(address: str) -> tuple[str, int]:
     """``host:port`` (``[v6]:port`` for IPv6) -> (host, port); a one-line ConfigError otherwise."""
     host, sep, port = address.rpartition(":")
@@ -85,11 +116,13 @@ def _q(path: Path | str) -> str:
 
 
 def _common(prefix: Path) -> str:
-    """The top of every config: one worker, everything of nginx's own in ``prefix``."""
+    """The top of every config: one worker, everything of nginx's own in ``prefix``; as root, the worker
+    stays root (nginx would switch it to ``nobody``, who could not reach the owner-only Unix sockets)."""
     temp = prefix / "temp"
+    user = "user root;\n" if os.geteuid() == 0 else ""
     return f"""# written by python -m fedhpro.flower gate
 # run: nginx -p {prefix} -c {CONFIG_NAME} -e error.log -g 'daemon off;'
-worker_processes 1;
+{user}worker_processes 1;
 pid {_q(prefix / "nginx.pid")};
 error_log {_q(prefix / "error.log")} warn;
 events {{ worker_connections 1024; }}
@@ -167,25 +200,53 @@ def _need(*paths: Path) -> None:
             raise ConfigError(f"{path} does not exist; make it with python -m fedhpro.flower certificates ... --gate")
 
 
-def server_config(prefix: str | os.PathLike, certs: str | os.PathLike, listen: str, superlink: str) -> Gate:
+def role_rules() -> dict[str, str]:
+    """role -> the regular expression nginx matches ``$ssl_client_s_dn`` against for it (anchored).
+
+    nginx prints the subject in RFC 2253 form, last attribute first, a ``,`` or ``+`` inside a value escaped
+    as ``\\,``/``\\+``. A rule that looks for ``OU=operator`` anywhere also matches inside an escaped value
+    (``CN=site9\\,OU=operator,OU=node,...``), so the whole subject must be exactly what
+    :func:`fedhpro.flower.certificates.client_certificate` issues: ``CN=<name>,OU=<role>,O=fedhpro`` with a
+    name of :data:`~fedhpro.flower.certificates.CLIENT_NAME` (no backslash, comma, ``+`` or ``=`` can occur
+    in it, so no escaped character and no further attribute passes)."""
+    name = certificates.CLIENT_NAME.pattern
+    return {role: f"^CN={name},OU={role},O=fedhpro$" for role in ROLE_PATHS}
+
+
+def server_config(prefix: str | os.PathLike, certs: str | os.PathLike, listen: str, superlink: str,
+                  local: str | None = None) -> Gate:
     """Write the gate's config into ``prefix``: listen on ``listen`` (``host:port``, the address the others
-    reach; mutual TLS with ``certs``' ``server.pem``/``server.key`` and ``ca.crt``) and pass each role's paths
-    on to the SuperLink at ``superlink`` (its TLS checked against ``ca.crt`` for server.pem's own name: the
-    SuperLink serves the same certificate)."""
+    reach; mutual TLS with ``certs``' ``server.pem``/``server.key`` and ``ca.crt``) and, with ``local``
+    (``unix:/path``), on that socket too (the same checks, for forwarders in private network namespaces), and
+    pass each role's paths on to the SuperLink at ``superlink``: ``host:port`` (its TLS checked against
+    ``ca.crt`` for server.pem's own name: the SuperLink serves the same certificate) or ``unix:/path`` (a
+    :func:`bridge_config` socket, plain HTTP: only its owner can open it)."""
     prefix, certs = _prepare(prefix), Path(certs).resolve()
     ca, cert, key = certs / certificates.CA_CERT, certs / certificates.SERVER_CERT, certs / certificates.SERVER_KEY
     _need(ca, cert, key)
     host, port = split_address(listen)
-    link_host, link_port = split_address(superlink)
-    roles = "\n".join(f'        "~(^|,)OU={role}(,|$)" {role};' for role in ROLE_PATHS)
+    local_path = unix_path(local) if local else None
+    if local and local_path is None:
+        raise ConfigError(f"--local {local}: give unix:/abs/path (the gate's socket for local forwarders)")
+    bridged = unix_path(superlink) is not None
+    upstream = upstream_server(superlink)
+    scheme = "http" if bridged else "https"
+    link_tls = "" if bridged else f"""
+        proxy_ssl_trusted_certificate {_q(ca)};
+        proxy_ssl_verify on;
+        proxy_ssl_verify_depth 1;
+        proxy_ssl_name {check_name(cert)};
+        proxy_ssl_session_reuse on;"""
+    roles = "\n".join(f'        "~{rule}" {role};' for role, rule in role_rules().items())
     locations = "".join(f"""
         location {path} {{
             if ($fedhpro_role != {role}) {{ return 403; }}
             if ($request_uri !~ "^{path}[a-z0-9-]+$") {{ return 403; }}
             limit_except POST {{ deny all; }}
-            proxy_pass https://superlink;
+            proxy_pass {scheme}://superlink;
         }}""" for role, path in ROLE_PATHS.items())
-    text = _common(prefix) + f"""    # a client certificate's role: the OU of its subject (signed by the CA)
+    also = f"\n        listen {_q(f'unix:{local_path}')} ssl;" if local_path is not None else ""
+    text = _common(prefix) + f"""    # a certificate's role: its whole subject, exactly as the CA issues it (role_rules)
     map $ssl_client_s_dn $fedhpro_role {{
         default "";
 {roles}
@@ -194,25 +255,20 @@ def server_config(prefix: str | os.PathLike, certs: str | os.PathLike, listen: s
                        'client="$ssl_client_s_dn" $request_time';
     access_log {_q(prefix / "access.log")} fedhpro;
     upstream superlink {{
-        server {nginx_address(link_host, link_port)};
+        server {upstream};
         keepalive 16;
     }}
     server {{
-        listen {nginx_address(host, port)} ssl;
+        listen {nginx_address(host, port)} ssl;{also}
         ssl_certificate {_q(cert)};
         ssl_certificate_key {_q(key)};
         ssl_client_certificate {_q(ca)};
         ssl_verify_client on;
-        ssl_verify_depth 1;
-        proxy_ssl_trusted_certificate {_q(ca)};
-        proxy_ssl_verify on;
-        proxy_ssl_verify_depth 1;
-        proxy_ssl_name {check_name(cert)};
-        proxy_ssl_session_reuse on;
+        ssl_verify_depth 1;{link_tls}
         location = /health {{
             if ($request_uri != "/health") {{ return 403; }}
             limit_except GET {{ deny all; }}
-            proxy_pass https://superlink;
+            proxy_pass {scheme}://superlink;
         }}{locations}
         location / {{ return 403; }}
     }}
@@ -223,12 +279,49 @@ def server_config(prefix: str | os.PathLike, certs: str | os.PathLike, listen: s
     return Gate(prefix, config)
 
 
+def bridge_config(prefix: str | os.PathLike, certs: str | os.PathLike, listen: str, superlink: str) -> Gate:
+    """Write the bridge's config into ``prefix``: listen on the Unix socket ``listen`` (``unix:/path``; put it in
+    a folder only its owner may enter) and pass every request on to the SuperLink at ``superlink``
+    (``host:port`` in the bridge's network namespace, its TLS checked against ``ca.crt`` for server.pem's
+    name). It checks no role: only the gate (the socket's owner) reaches it."""
+    prefix, certs = _prepare(prefix), Path(certs).resolve()
+    ca, cert = certs / certificates.CA_CERT, certs / certificates.SERVER_CERT
+    _need(ca, cert)
+    path = unix_path(listen)
+    if path is None:
+        raise ConfigError(f"--listen {listen}: the bridge listens on a Unix socket only, e.g. unix:/srv/fedhpro/s/l")
+    link_host, link_port = split_address(superlink)
+    text = _common(prefix) + f"""    access_log {_q(prefix / "access.log")};
+    upstream superlink {{
+        server {nginx_address(link_host, link_port)};
+        keepalive 16;
+    }}
+    server {{
+        listen {_q(f"unix:{path}")};
+        proxy_ssl_trusted_certificate {_q(ca)};
+        proxy_ssl_verify on;
+        proxy_ssl_verify_depth 1;
+        proxy_ssl_name {check_name(cert)};
+        proxy_ssl_session_reuse on;
+        location / {{
+            proxy_pass https://superlink;
+        }}
+    }}
+}}
+"""
+    config = prefix / CONFIG_NAME
+    config.write_text(text)
+    return Gate(prefix, config)
+
+
 def forward_config(prefix: str | os.PathLike, certs: str | os.PathLike, name: str, gate: str,
-                   listen: str = "127.0.0.1:18001", gate_name: str | None = None) -> Gate:
+                   listen: str = "127.0.0.1:18001", gate_name: str | None = None, token: str | None = None) -> Gate:
     """Write a local forwarder's config into ``prefix``: listen with TLS on ``listen`` (a loopback address;
     certificate ``<name>.crt``, valid for 127.0.0.1) and open a mutual-TLS connection to the gate at ``gate``
-    with the same certificate, checking the gate's certificate against ``ca.crt`` for ``gate_name`` (default:
-    the gate's host; nginx checks DNS names or the CN only, not IP addresses: see :func:`check_name`)."""
+    (``host:port``, or ``unix:/path`` for a gate on the same host) with the same certificate, checking the
+    gate's certificate against ``ca.crt`` for ``gate_name`` (default: the gate's host; nginx checks DNS names
+    or the CN only, not IP addresses: see :func:`check_name`). With ``token``, a request passes only with the
+    header ``Authorization: Bearer <token>`` (removed before the gate); the config is then made 0600."""
     prefix, certs = _prepare(prefix), Path(certs).resolve()
     cert_name, key_name = certificates.client_names(name)
     ca, cert, key = certs / certificates.CA_CERT, certs / cert_name, certs / key_name
@@ -240,16 +333,26 @@ def forward_config(prefix: str | os.PathLike, certs: str | os.PathLike, name: st
                               "(anyone who reaches it acts with its certificate)")
     except ValueError:
         raise ConfigError(f"--listen {listen}: give a loopback IP address, e.g. 127.0.0.1:18001") from None
-    gate_host, gate_port = split_address(gate)
-    expected = gate_name or gate_host
+    if token is not None and not token.isalnum():
+        raise ConfigError("the forwarder's token may hold letters and digits only")
+    if unix_path(gate) is not None:
+        if gate_name is None:
+            raise ConfigError(f"--gate {gate}: give --gate-name too (the name the gate's certificate holds)")
+        expected = gate_name
+    else:
+        expected = gate_name or split_address(gate)[0]
     try:
         ipaddress.ip_address(expected)
         sni = "off"  # SNI carries host names only
     except ValueError:
         sni = "on"
+    # a constant-time compare is not needed: nginx answers both cases alike and the token is 256 random bits
+    check = ("" if token is None else f"""
+            if ($http_authorization != "Bearer {token}") {{ return 403; }}
+            proxy_set_header Authorization "";""")
     text = _common(prefix) + f"""    access_log {_q(prefix / "access.log")};
     upstream gate {{
-        server {nginx_address(gate_host, gate_port)};
+        server {upstream_server(gate)};
         keepalive 16;
     }}
     server {{
@@ -264,12 +367,19 @@ def forward_config(prefix: str | os.PathLike, certs: str | os.PathLike, name: st
         proxy_ssl_name {expected};
         proxy_ssl_server_name {sni};
         proxy_ssl_session_reuse on;
-        location / {{
+        location / {{{check}
             proxy_pass https://gate;
         }}
     }}
 }}
 """
     config = prefix / CONFIG_NAME
-    config.write_text(text)
+    if token is not None:
+        # the token is a secret: the file is made owner-only before it is written
+        fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+    else:
+        config.write_text(text)
     return Gate(prefix, config)
