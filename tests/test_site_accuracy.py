@@ -52,13 +52,13 @@ def labelled(n: int, label: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.randn(n, *SHAPE, generator=torch.Generator().manual_seed(seed)), torch.full((n,), label)
 
 
-def sites(tests: list[tuple[int, int]]) -> Federation:
+def sites(tests: list[tuple[int, int]], domains: list[str] | None = None) -> Federation:
     """One client per ``(test size, test label)``, each with its own test split (federated evaluation, pooled
-    in one test set ``all``) and 8 training samples of every class."""
+    per domain, or in one test set ``all``) and 8 training samples of every class."""
     train = [(torch.randn(8, *SHAPE, generator=torch.Generator().manual_seed(k)), torch.arange(8) % 4)
              for k in range(len(tests))]
     return Federation.from_tensors(train, [labelled(n, label, 100 + k) for k, (n, label) in enumerate(tests)],
-                                   num_classes=4)
+                                   num_classes=4, domains=domains)
 
 
 def run(federation: Federation, out: Path, **settings) -> fedhpro.RunResult:
@@ -71,21 +71,25 @@ def strict_json(text: str):
     return json.loads(text, parse_constant=lambda constant: (_ for _ in ()).throw(ValueError(constant)))
 
 
-def test_one_site_holding_most_test_samples_carries_the_pooled_accuracy_not_the_per_site_figures(tmp_path,
-                                                                                                 capsys):
-    # sites 0 and 1: 10 samples of class 0 each (0 % right); site 2: 80 samples of class 2 (100 % right)
-    result = run(sites([(10, 0), (10, 0), (80, 2)]), tmp_path / "run")
+def test_one_site_holding_most_of_its_test_set_carries_the_pooled_accuracy_not_the_per_site_figures(tmp_path,
+                                                                                                   capsys):
+    # test set a: site 0 has 10 samples of class 0 (0 % right), site 1 70 of class 2 (100 %); test set b:
+    # site 2, 70 of class 0 (0 %)
+    result = run(sites([(10, 0), (70, 2), (70, 0)], domains=["a", "a", "b"]), tmp_path / "run")
     summary = strict_json((tmp_path / "run" / "summary.json").read_text())
-    assert summary["accuracy"] == pytest.approx(80.0)  # 100 * (0 + 0 + 80) / 100: site 2's
+    # a's pooled figure is site 1's: 100 * 70 / 80 = 87.5 plain, 75 with site 1's count capped at
+    # aggregation.max_share=0.75 of a's (the size caps are tested with them)
+    assert summary["per_domain"]["b"] == 0.0 and 75.0 - 1e-9 <= summary["per_domain"]["a"] <= 87.5 + 1e-9
+    assert summary["accuracy"] == pytest.approx(summary["per_domain"]["a"] / 2)
     site = summary["site_accuracy"]
-    assert site["per_client"] == [0.0, 0.0, 100.0] and site["tested"] == 3
+    assert site["per_client"] == [0.0, 100.0, 0.0] and site["tested"] == 3
     assert site["mean"] == pytest.approx(100.0 / 3) and site["median"] == 0.0
     assert result.summary == summary
     out, err = capsys.readouterr()
     assert "per client (unweighted, 3 tested): mean 33.3, median 0.0" in out.splitlines()
-    # site 2 holds 80 of the 100 pooled test samples, more than aggregation.max_share's default 0.5
-    warning = ("client 2 holds 80 of the 100 test samples of test set 'all' (80.0%), more than "
-               "aggregation.max_share=0.5")
+    # site 1 holds 70 of the 80 test samples of a (87.5 %), more than aggregation.max_share's default 0.75;
+    # b is tested on by site 2 alone: nothing pooled there
+    warning = "client 1 holds 70 of the 80 test samples of test set 'a' (87.5%), more than aggregation.max_share=0.75"
     assert [line for line in err.splitlines() if "test samples of test set" in line] == [
         line for line in err.splitlines() if line.startswith(f"fedhpro: warning: {warning}")]
     assert len([line for line in err.splitlines() if warning in line]) == 1

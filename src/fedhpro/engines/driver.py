@@ -443,8 +443,8 @@ def pooled_share_warnings(test_sizes: Sequence[tuple[str, int]], max_share: floa
         if holders[name] < 2 or int(size) <= max_share * total:
             continue
         lines.append(f"client {k} holds {int(size)} of the {total} test samples of test set {name!r} "
-                     f"({100.0 * int(size) / total:.1f}%), more than aggregation.max_share={max_share:g}: that test "
-                     f"set's pooled accuracy is mostly client {k}'s own; see summary.json's site_accuracy (each "
+                     f"({100.0 * int(size) / total:.1f}%), more than aggregation.max_share={max_share:g}: the pooled "
+                     f"accuracy of {name!r} leans on that one client; compare summary.json's site_accuracy (each "
                      "client's accuracy, their unweighted mean and median)")
     return lines
 
