@@ -446,8 +446,10 @@ def test_secagg_on_flowers_simulation_engine(digits_data_dir, tmp_path):
 ])
 def test_client_level_dp_on_flower_equals_the_simulator(extra, digits_data_dir, tmp_path, inside_a_run):
     """The node privatizes its reply where the simulator's client does (fedhpro.privacy.client.privatize_upload,
-    the same seeded noise streams), the ServerApp's round protocol releases the sum: the same rows (epsilon
-    included) and the same server state as ``fedhpro.run``, to the last bit."""
+    the same seeded noise streams, asked for with privacy.secure_noise=false), the ServerApp's round protocol
+    releases the sum: the same rows (epsilon included) and the same server state as ``fedhpro.run``, to the
+    last bit."""
+    extra = {**extra, "privacy.secure_noise": False}
     from test_flower import assert_same_state, core, reference
 
     settings = tiny_config(digits_data_dir, rounds=2, **extra)
@@ -463,3 +465,19 @@ def test_client_level_dp_on_flower_equals_the_simulator(extra, digits_data_dir, 
     for reply in replies:
         assert reply.content.config_records["fedhpro.scalars"]["num_examples"] == 1
         assert dict(reply.content.metric_records["fedhpro.metrics"]) == {}
+
+
+def test_flower_draws_privacy_noise_from_the_os_unless_told_otherwise(digits_data_dir, tmp_path, inside_a_run):
+    """privacy.secure_noise unset: seeded noise in the simulator (reproducible), the operating system's on Flower
+    (anyone who knows the config could redraw seeded noise): two Flower runs of one config differ from each
+    other and from the simulator, and the run's config.yaml records the choice."""
+    from test_flower import reference
+
+    settings = tiny_config(digits_data_dir, rounds=1, method="fedavg", privacy="client",
+                           **{"privacy.noise_multiplier": 0.5})
+    first, state_a = run_in_process(settings, {}, WireGrid(), tmp_path / "a")
+    _, state_b = run_in_process(settings, {}, WireGrid(), tmp_path / "b")
+    _, expected = reference(settings, tmp_path / "simulator")
+    assert first.config.privacy.secure_noise is True
+    assert load_config(tmp_path / "a" / "config.yaml").privacy.secure_noise is True
+    assert max_difference(state_a, state_b) > 0 and max_difference(state_a, expected) > 0

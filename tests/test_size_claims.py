@@ -381,3 +381,25 @@ def test_flower_a_bad_roster_is_one_line(sites, tmp_path):
         with pytest.raises(ConfigError, match=words) as error:
             own_run(sites, tmp_path / "bad", clients=None, **{"flower.roster": str(roster)})
         assert "\n" not in str(error.value)
+
+
+def test_secagg_a_node_packs_at_most_the_capped_weight(digits_data_dir):
+    """Under SecAgg+ the server sees only the sum, so the cap travels as the scale a node packs its update with:
+    a reply claiming more samples than the scale packs exactly as one of the scale's size."""
+    from test_flower import tiny_config
+
+    from fedhpro.config import load_config
+    from fedhpro.flower import secagg
+    from fedhpro.flower.engine import build_engine
+
+    engine = build_engine(load_config(tiny_config(digits_data_dir, method="fedproto")))
+    layout = secagg.SecureLayout(engine.server, "fedproto")
+    base = engine.server.global_weights()
+    classes = engine.server.num_classes
+    rows = {key: torch.ones(classes, *shape[1:]) for key, (shape, _) in layout.row_forms.items()}
+    reply = {"weights": {k: v + 1 for k, v in base.items()}, "num_examples": 1000,
+             "class_counts": torch.tensor([1000 - classes + 1] + [1] * (classes - 1)), **rows}
+    packed = layout.pack(reply, base, {}, 1000, scale=100.0)
+    honest = layout.pack(capped_reply(reply, 100), base, {}, 1000, scale=100.0)
+    assert (packed == honest).all()
+    assert layout.unpack(packed)["num_examples"][0] == 1.0  # a share of the scale, never above it

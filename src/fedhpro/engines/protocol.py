@@ -572,6 +572,12 @@ class RoundProtocol:
             return math.inf
         return share_cap(self.client_sizes, self.aggregation.max_share)
 
+    def capped_sizes(self, sizes: Sequence[int]) -> list[int]:
+        """``sizes`` (clients' training-set sizes) as the weights they can buy: each at most the
+        :meth:`weight_cap` (what a client's update is weighted by when only a sum is seen, as in SecAgg+)."""
+        cap = self.weight_cap()
+        return [int(n) if n <= cap else max(1, math.floor(cap)) for n in sizes]
+
     def evaluates(self, round: int) -> bool:
         """Whether ``round`` ends with an evaluation (every ``eval_every`` rounds and the last, and the last
         one ``privacy.max_epsilon`` lets run)."""

@@ -81,7 +81,7 @@ from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
 from torch import Tensor
 
-from fedhpro.engines.protocol import counts_problem, examples_problem
+from fedhpro.engines.protocol import capped_reply, counts_problem, examples_problem
 from fedhpro.errors import ConfigError, FedHProError, UpdateError
 from fedhpro.flower.settings import SecureSettings
 from fedhpro.methods.base import ClassRows, Server
@@ -182,6 +182,8 @@ class SecureLayout:
         """The vector of one client's ``reply`` (checked by the caller), its training ``metrics`` and its
         training-set size ``num_samples`` (what the server weights its metrics by); ``scale``: the run's
         largest training-set size."""
+        if float(reply["num_examples"]) > scale:  # above the cap the server sent (aggregation.max_share)
+            reply = capped_reply(dict(reply), max(1, math.floor(scale)))
         count = float(reply["num_examples"])
         share = count / scale
         parts: list[Tensor] = []

@@ -442,7 +442,9 @@ def secure_for(config: Config, side: ServerSide, settings: FlowerSettings) -> Se
         return None
     participants = len(side.protocol.sample_clients(0))
     layout = secagg.check_secure_run(config, side.server, participants, settings.secagg)
-    return Secure(layout, settings.secagg, float(max(side.num_samples)), settings.round_timeout)
+    # the scale (the largest weight a client may pack) is the capped size: a client's share stays <= 1
+    return Secure(layout, settings.secagg, float(max(side.protocol.capped_sizes(side.num_samples))),
+                  settings.round_timeout)
 
 
 class MethodStrategy(Strategy):
@@ -725,7 +727,8 @@ class MethodStrategy(Strategy):
             return
         clients = sorted(asked[node] for node in summed)
         names = sorted({name for node in summed for name in outcome.metric_names.get(node, [])})
-        num_samples = [self.side.num_samples[k] for k in clients]
+        # what the sum may hold: each client's weight at most the cap (aggregation.max_share)
+        num_samples = self.side.protocol.capped_sizes([self.side.num_samples[k] for k in clients])
         try:
             replies, metrics = secagg.rebuild_replies(self.secure.layout, outcome.total,
                                                       current.payload.get("weights") or {}, num_samples,
