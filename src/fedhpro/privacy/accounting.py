@@ -21,6 +21,11 @@ their sensitivity, so the round is their composition (one Gaussian of multiplier
 bisection so that the planned ``rounds`` end at the target (within 1 %, from below): for central noise
 after ``rounds`` rounds, for local noise after ``rounds`` participations (a client sampled in every
 round; with ``participation < 1`` the clients' real epsilons are then lower).
+
+``privacy.accountant`` picks how the events compose: ``rdp`` (Renyi DP, the default) or ``pld`` (privacy loss
+distributions, dp-accounting's ``PLDAccountant`` with its pessimistic discretisation: an upper bound, typically
+5-20 % below RDP's). The helpers here (:func:`event_epsilon`, :func:`calibrate`) are also
+``privacy=sample``'s (:mod:`fedhpro.privacy.sample`).
 """
 
 from __future__ import annotations
@@ -38,21 +43,42 @@ if TYPE_CHECKING:
 
 #: the name summary.json gives the accountant
 ACCOUNTANT = "dp-accounting RdpAccountant (Renyi DP, Mironov 2017; Poisson subsampling, Mironov et al. 2019)"
+#: the name summary.json gives the PLD accountant (``privacy.accountant=pld``)
+PLD_ACCOUNTANT = ("dp-accounting PLDAccountant (privacy loss distributions, pessimistic estimate at a "
+                  "discretisation of 1e-4; Poisson subsampling)")
+#: the values of ``privacy.accountant``
+ACCOUNTANTS = ("rdp", "pld")
+#: the sigma search of the target_epsilon calibration (both modes): no sigma outside it is tried
+SIGMA_RANGE = (1e-3, 1e6)
+#: the bisection steps at most (far more than a 1 % tolerance needs over SIGMA_RANGE)
+CALIBRATION_STEPS = 100
 
 #: the relative tolerance of the calibration: the planned rounds end within [target * (1 - 1e-2), target]
 CALIBRATION_TOLERANCE = 0.005
 
 
-def _dp_accounting() -> Any:
+#: the one line shown when dp-accounting is missing (privacy=client; privacy=sample names Opacus too)
+INSTALL_HINT = ("privacy=client accounts with Google's dp-accounting, which is not installed; "
+                "pip install 'fedhpro[privacy]'")
+
+
+def _dp_accounting(hint: str = INSTALL_HINT) -> Any:
     """The ``dp_accounting`` package (the optional extra ``fedhpro[privacy]``), imported when first needed, so
-    runs without privacy never load it; a one-line ConfigError naming the fix when it is not installed."""
+    runs without privacy never load it; a one-line ConfigError (``hint``) naming the fix when it is not installed."""
     try:
         import dp_accounting
+        import dp_accounting.pld  # noqa: F401 - PLDAccountant
         import dp_accounting.rdp  # noqa: F401 - RdpAccountant
     except ImportError:
-        raise ConfigError("privacy=client accounts with Google's dp-accounting, which is not installed; "
-                          "pip install 'fedhpro[privacy]'") from None
+        raise ConfigError(hint) from None
     return dp_accounting
+
+
+def check_accountant(name: str) -> str:
+    """``name`` if it is one of :data:`ACCOUNTANTS`, else a one-line ConfigError naming the choices."""
+    if name not in ACCOUNTANTS:
+        raise ConfigError(f"privacy.accountant={name!r} is not an accountant; use rdp or pld")
+    return name
 
 
 @contextmanager
@@ -83,32 +109,62 @@ def round_event(noise_multiplier: float, sampling_rate: float, class_tensors: bo
     return dpa.PoissonSampledDpEvent(sampling_rate, event)
 
 
+def _pld_event(event: Any) -> Any:
+    """``event`` in the form dp-accounting's PLD accountant composes: a Poisson-sampled composition of Gaussians
+    (one round of privacy=client with per-class tensors) becomes the Poisson-sampled single Gaussian of multiplier
+    ``(sum sigma_i^-2)^-1/2``, the same mechanism (Gaussians released together compose exactly into one; the RDP
+    accountant makes the same reduction)."""
+    dpa = _dp_accounting()
+    if isinstance(event, dpa.PoissonSampledDpEvent) and isinstance(event.event, dpa.ComposedDpEvent):
+        inner = event.event.events
+        if inner and all(isinstance(part, dpa.GaussianDpEvent) for part in inner):
+            if any(part.noise_multiplier == 0 for part in inner):
+                return dpa.PoissonSampledDpEvent(event.sampling_probability, dpa.GaussianDpEvent(0.0))
+            sigma = sum(part.noise_multiplier ** -2 for part in inner) ** -0.5
+            return dpa.PoissonSampledDpEvent(event.sampling_probability, dpa.GaussianDpEvent(sigma))
+    if isinstance(event, dpa.ComposedDpEvent):
+        return dpa.ComposedDpEvent([_pld_event(part) for part in event.events])
+    if isinstance(event, dpa.SelfComposedDpEvent):
+        return dpa.SelfComposedDpEvent(_pld_event(event.event), event.count)
+    return event
+
+
 def event_epsilon(event: dp_accounting.DpEvent, count: int, delta: float, local: bool,
-                  orders: Sequence[float] | None = None) -> float:
-    """Epsilon at ``delta`` of ``event`` composed ``count`` times (0 for none; inf without noise), over the RDP
-    ``orders`` (default: dp-accounting's)."""
+                  orders: Sequence[float] | None = None, accountant: str = "rdp", hint: str = INSTALL_HINT) -> float:
+    """Epsilon at ``delta`` of ``event`` composed ``count`` times (0 for none; inf without noise), by the
+    ``accountant`` (``rdp``: over the RDP ``orders``, default dp-accounting's; ``pld``: privacy loss
+    distributions), for replacing one element (``local``) or adding/removing one."""
     if count <= 0:
         return 0.0
-    dpa = _dp_accounting()
+    dpa = _dp_accounting(hint)
     relation = dpa.NeighboringRelation.REPLACE_ONE if local else dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
-    accountant = dpa.rdp.RdpAccountant(orders=orders, neighboring_relation=relation)
+    if check_accountant(accountant) == "pld":
+        # the local events (never sampled) already carry the replace-one sensitivity in their multipliers
+        # (sigma / 2 for the update's 2C), as the RDP accountant reads an unsampled Gaussian under either
+        # relation; the PLD accountant's REPLACE_ONE would double that sensitivity again, so add/remove here
+        book: Any = dpa.pld.PLDAccountant(neighboring_relation=dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        event = _pld_event(event)
+    else:
+        book = dpa.rdp.RdpAccountant(orders=orders, neighboring_relation=relation)
     with _quiet_absl():
-        accountant.compose(event, count)
-        return float(accountant.get_epsilon(delta))
+        book.compose(event, count)
+        return float(book.get_epsilon(delta))
 
 
-def calibrate(epsilon_of_sigma: Callable[[float], float], target: float, what: str) -> float:
+def calibrate(epsilon_of_sigma: Callable[[float], float], target: float, what: str,
+              fix: str = "lower rounds/participation") -> float:
     """The sigma whose ``epsilon_of_sigma(sigma)`` lies in ``[target (1 - 2 tol), target]`` (epsilon falls as
-    sigma grows), by bisection on ``log sigma``; ConfigError when no sigma in ``[1e-3, 1e6]`` reaches it."""
-    low, high = 1e-3, 1.0
+    sigma grows), by bisection on ``log sigma`` over :data:`SIGMA_RANGE`; the one search of both privacy modes.
+    ConfigError when no sigma in the range reaches the target (``fix``: what else the user can lower)."""
+    low, high = SIGMA_RANGE[0], 1.0
     while epsilon_of_sigma(high) > target:
         low, high = high, high * 4.0
-        if high > 1e6:
-            raise ConfigError(f"privacy.target_epsilon={target} cannot be reached for {what} with any noise "
-                              "multiplier up to 1e6; raise the target or lower rounds/participation")
+        if high > SIGMA_RANGE[1]:
+            raise ConfigError(f"privacy.target_epsilon={target:g} cannot be reached for {what} with any noise "
+                              f"multiplier up to {SIGMA_RANGE[1]:g}; raise the target or {fix}")
     if epsilon_of_sigma(low) <= target:
         return low  # even a tiny sigma meets the target
-    for _ in range(100):
+    for _ in range(CALIBRATION_STEPS):
         middle = math.sqrt(low * high)
         value = epsilon_of_sigma(middle)
         if value > target:
@@ -131,10 +187,8 @@ class ClientLedger:
         participation: ``q``, the Poisson sampling rate of each client in each round.
         class_tensors: whether the method uploads per-class tensors (then the holder counts are a second
             Gaussian mechanism every round).
-        orders: the RDP orders (default: dp-accounting's, fractional ones included).
+        orders: the RDP orders (default: dp-accounting's, fractional ones included; unused by pld).
     """
-
-    accountant = ACCOUNTANT
 
     def __init__(self, options: Any, num_clients: int, rounds: int, participation: float, class_tensors: bool,
                  orders: Sequence[float] | None = None):
@@ -145,6 +199,8 @@ class ClientLedger:
         self.sampling_rate = float(min(max(participation, 0.0), 1.0))
         self.class_tensors = bool(class_tensors)
         self.local = options.noise == "local"
+        self.kind = check_accountant(getattr(options, "accountant", "rdp"))
+        self.accountant = PLD_ACCOUNTANT if self.kind == "pld" else ACCOUNTANT
         self.delta = float(options.delta) if options.delta > 0 else 1.0 / self.num_clients ** 1.1
         if not 0.0 < self.delta < 1.0:
             raise ConfigError(f"privacy.delta={self.delta:g} must be in (0, 1); with {self.num_clients} client(s) the "
@@ -165,7 +221,7 @@ class ClientLedger:
         key = (sigma, count)
         if key not in self._cache:
             event = round_event(sigma, self.sampling_rate, self.class_tensors, self.local)
-            self._cache[key] = event_epsilon(event, count, self.delta, self.local, self.orders)
+            self._cache[key] = event_epsilon(event, count, self.delta, self.local, self.orders, self.kind)
         return self._cache[key]
 
     def epsilon(self, participations: Mapping[int, int], rounds_done: int) -> float:

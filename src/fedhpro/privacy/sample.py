@@ -17,92 +17,39 @@ sampling amplifies nothing here.
 
 ``delta`` defaults to ``1 / n^1.1`` with ``n`` the smallest client's sample count. ``privacy.target_epsilon``
 calibrates sigma by bisection so that a client taking part in every planned round ends within 1 % below the
-target (with ``participation < 1`` the clients' real epsilons are then lower).
+target (with ``participation < 1`` the clients' real epsilons are then lower), by the one sigma search of both
+modes (:func:`fedhpro.privacy.accounting.calibrate`). ``privacy.accountant=pld`` composes the same events with
+privacy loss distributions instead of Renyi DP.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fedhpro.errors import ConfigError
 from fedhpro.methods.base import TrainSettings
 from fedhpro.methods.sample_dp import INSTALL_HINT, poisson_plan
+from fedhpro.privacy import accounting
+from fedhpro.privacy.accounting import PLD_ACCOUNTANT, calibrate, check_accountant
 
-#: the name summary.json gives the accountant
+#: the name summary.json gives the accountant (``privacy.accountant=rdp``; pld: :data:`PLD_ACCOUNTANT`)
 ACCOUNTANT = "dp-accounting RdpAccountant (Renyi DP; Poisson-subsampled Gaussian, Mironov et al. 2019)"
-
-#: the calibrated sigma's epsilon lies in [target (1 - TOLERANCE), target] at the planned rounds
-TOLERANCE = 0.01
-
-
-def _dp_accounting() -> Any:
-    """``dp_accounting``, imported when first needed; the one install line when it is missing."""
-    try:
-        import dp_accounting
-        import dp_accounting.rdp  # noqa: F401 - RdpAccountant
-    except ImportError:
-        raise ConfigError(INSTALL_HINT) from None
-    return dp_accounting
-
-
-@contextmanager
-def _quiet_absl() -> Iterator[None]:
-    """dp-accounting warns for each fractional RDP order whose series does not converge (that order is then
-    left out, which can only raise epsilon): kept off the run's output."""
-    logger = logging.getLogger("absl")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def round_event(noise_multiplier: float, sampling_rate: float, steps: int) -> Any:
     """One client's DP event of one round: ``steps`` DP-SGD steps at Poisson rate ``sampling_rate``, then the
     statistics release."""
-    dpa = _dp_accounting()
+    dpa = accounting._dp_accounting(INSTALL_HINT)
     sgd = dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(sampling_rate, dpa.GaussianDpEvent(noise_multiplier)),
                                   steps)
     return dpa.ComposedDpEvent([sgd, dpa.GaussianDpEvent(noise_multiplier)])
 
 
-def event_epsilon(event: Any, count: int, delta: float) -> float:
-    """Epsilon at ``delta`` of ``event`` composed ``count`` times (0 for none), adding or removing one sample."""
-    if count <= 0:
-        return 0.0
-    dpa = _dp_accounting()
-    accountant = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
-    with _quiet_absl():
-        accountant.compose(event, count)
-        return float(accountant.get_epsilon(delta))
-
-
-def calibrate(epsilon_of_sigma: Callable[[float], float], target: float, what: str) -> float:
-    """The sigma whose epsilon lies in ``[target (1 - TOLERANCE), target]`` (epsilon falls as sigma grows), by
-    bisection on ``log sigma``; ConfigError when no sigma in ``[1e-2, 1e4]`` reaches it."""
-    low, high = 1e-2, 1.0
-    while epsilon_of_sigma(high) > target:
-        low, high = high, high * 4.0
-        if high > 1e4:
-            raise ConfigError(f"privacy.target_epsilon={target:g} cannot be reached for {what} with any noise "
-                              "multiplier up to 1e4; raise the target or lower rounds or local_epochs")
-    if epsilon_of_sigma(low) <= target:
-        return low
-    for _ in range(200):
-        middle = math.sqrt(low * high)
-        value = epsilon_of_sigma(middle)
-        if value > target:
-            low = middle
-        else:
-            high = middle
-            if value >= target * (1.0 - TOLERANCE):
-                break
-    return high
+def event_epsilon(event: Any, count: int, delta: float, accountant: str = "rdp") -> float:
+    """Epsilon at ``delta`` of ``event`` composed ``count`` times (0 for none), adding or removing one sample, by
+    the ``accountant`` (rdp or pld; :func:`fedhpro.privacy.accounting.event_epsilon`)."""
+    return accounting.event_epsilon(event, count, delta, False, accountant=accountant, hint=INSTALL_HINT)
 
 
 class SampleLedger:
@@ -116,8 +63,6 @@ class SampleLedger:
         participation: the fraction of clients sampled per round (reported; it amplifies nothing here).
     """
 
-    accountant = ACCOUNTANT
-
     def __init__(self, options: Any, client_sizes: Sequence[int], train: TrainSettings, rounds: int,
                  participation: float):
         self.options = options
@@ -129,6 +74,8 @@ class SampleLedger:
         self.rounds = int(rounds)
         self.participation = float(participation)
         self.clip = float(options.clip)
+        self.kind = check_accountant(getattr(options, "accountant", "rdp"))
+        self.accountant = PLD_ACCOUNTANT if self.kind == "pld" else ACCOUNTANT
         smallest = min(self.client_sizes)
         self.delta = float(options.delta) if options.delta > 0 else 1.0 / smallest ** 1.1
         if not 0.0 < self.delta < 1.0:
@@ -140,7 +87,8 @@ class SampleLedger:
         if options.target_epsilon > 0:
             self.noise_multiplier = calibrate(lambda sigma: self._worst(sigma, self.rounds),
                                               float(options.target_epsilon),
-                                              f"{self.rounds} rounds of {self.epochs} local epoch(s)")
+                                              f"{self.rounds} rounds of {self.epochs} local epoch(s)",
+                                              "lower rounds or local_epochs")
         else:
             self.noise_multiplier = float(options.noise_multiplier)
         if not self.noise_multiplier > 0:
@@ -154,7 +102,7 @@ class SampleLedger:
         key = (sigma, steps_per_epoch, int(participations))
         if key not in self._cache:
             event = round_event(sigma, 1.0 / steps_per_epoch, self.epochs * steps_per_epoch)
-            self._cache[key] = event_epsilon(event, int(participations), self.delta)
+            self._cache[key] = event_epsilon(event, int(participations), self.delta, self.kind)
         return self._cache[key]
 
     def _worst(self, sigma: float, participations: int) -> float:
