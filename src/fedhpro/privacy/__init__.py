@@ -9,11 +9,15 @@
   training.
 
 Either way a :class:`Ledger` tracks (epsilon, delta): after every round in ``metrics.jsonl``, on the
-progress bar and in ``summary.json``; :func:`ledger_for` builds the one of a config.
+progress bar and in ``summary.json``; :func:`ledger_for` builds the one of a config (``privacy.accountant``:
+``rdp`` or ``pld``), :func:`privacy_warnings` the lines a run says before its first round (a delta too large for
+its population), :func:`private_train_settings` the local training settings of ``privacy=sample``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -33,6 +37,9 @@ from fedhpro.privacy.client import (
 
 #: the aggregation rules that need each client's own values, refused with privacy=client
 INDIVIDUAL_RULES = ("median", "trimmed-mean", "norm-clip")
+#: a delta at or above this is warned about whatever the population: the guarantee may fail outright with
+#: that probability (the default ``1 / N^1.1`` reaches it with 8 clients or samples or fewer)
+VACUOUS_DELTA = 0.1
 
 
 @runtime_checkable
@@ -75,6 +82,51 @@ def ledger_for(config: Any, client_sizes: Sequence[int], train_settings: Any, *,
     raise ConfigError(f"privacy={options.mode!r} is not a privacy mode; use none, client or sample")
 
 
+def privacy_warnings(options: Any, num_clients: int, client_sizes: Sequence[int]) -> list[str]:
+    """The run's warning lines about its delta (one line each, naming the fix; ``[]`` when there is none):
+    ``privacy.delta`` (or the mode's default ``1 / N^1.1``) at least ``1 / N`` or at least :data:`VACUOUS_DELTA`,
+    a near-vacuous guarantee (a mechanism that publishes one of the ``N`` records outright with probability
+    delta meets it). ``N``: ``num_clients`` under ``privacy=client``; each client's ``client_sizes[k]`` (its
+    training samples) under ``privacy=sample``, where one line names the clients concerned (the default delta
+    ``1 / n^1.1`` of the smallest client can be above ``1 / n`` of a larger one). ``options``:
+    ``config.privacy``. A delta the ledger refuses (not in (0, 1)) is left to its one-line error."""
+    if options.mode == "client":
+        populations = {"the federation": int(num_clients)}
+        unit, fix = "clients", "use more clients"
+    elif options.mode == "sample":
+        populations = {f"client {k}": int(n) for k, n in enumerate(client_sizes)}
+        unit, fix = "samples", "give the clients more samples"
+    else:
+        return []
+    if not populations or min(populations.values()) < 1:
+        return []
+    smallest = min(populations.values())
+    given = float(options.delta) > 0
+    delta = float(options.delta) if given else 1.0 / smallest ** 1.1
+    if not 0.0 < delta < 1.0:
+        return []
+    weak = [name for name, n in populations.items() if delta >= min(1.0 / n, VACUOUS_DELTA)]
+    if not weak:
+        return []
+    n = max(populations[name] for name in weak)  # the population delta falls shortest for
+    suggested = 10.0 ** (math.floor(math.log10(min(1.0 / max(populations.values()), VACUOUS_DELTA))) - 1)
+    where = (f"{n} {unit}" if options.mode == "client"
+             else f"{len(weak)} of {len(populations)} client(s), the largest with {n} {unit}")
+    why = f"at least 1/N = {1.0 / n:.4g}" if delta >= 1.0 / n else f"at least {VACUOUS_DELTA:g}"
+    return [f"privacy.delta={delta:.4g} ({'as set' if given else 'the default 1/N^1.1'}) is {why} for {where}: "
+            f"a near-vacuous guarantee (publishing one of the N records outright with probability delta meets it); "
+            f"{fix} or set privacy.delta={suggested:g}"]
+
+
+def private_train_settings(config: Any, train: Any, ledger: Ledger) -> Any:
+    """``privacy=sample``: the local training settings ``train`` (a :class:`~fedhpro.methods.base.TrainSettings`)
+    with DP-SGD on: ``dp_clip`` (``privacy.clip``), ``dp_noise_multiplier`` (the ledger's sigma, as given or
+    calibrated) and ``dp_secure_noise`` (``privacy.secure_noise``; unset counts as false: seeded noise)."""
+    return dataclasses.replace(train, dp_clip=float(config.privacy.clip),
+                               dp_noise_multiplier=float(ledger.noise_multiplier),
+                               dp_secure_noise=bool(config.privacy.secure_noise))
+
+
 def check_combinations(config: Any) -> None:
     """One-line ConfigError for settings that cannot go with ``privacy=client``: robust aggregation rules and
     ``min_clients > 1`` read or count individual replies, which client-level DP hides from the server."""
@@ -91,6 +143,6 @@ def check_combinations(config: Any) -> None:
                           "releases the noised sum of every round instead; use min_clients=1")
 
 
-__all__ = ["HOLDERS_KEY", "INDIVIDUAL_RULES", "PRIVATIZED_KEY", "ClientLedger", "ClientPrivacy", "Ledger",
-           "PrivacyError", "PrivateSum", "check_combinations", "client_privacy", "ledger_for", "noise_generator",
-           "privatize_upload", "privatized_layout"]
+__all__ = ["HOLDERS_KEY", "INDIVIDUAL_RULES", "PRIVATIZED_KEY", "VACUOUS_DELTA", "ClientLedger", "ClientPrivacy",
+           "Ledger", "PrivacyError", "PrivateSum", "check_combinations", "client_privacy", "ledger_for",
+           "noise_generator", "privacy_warnings", "private_train_settings", "privatize_upload", "privatized_layout"]
