@@ -33,6 +33,7 @@ from fedhpro.privacy import (
     ClientPrivacy,
     PrivacyError,
     PrivateSum,
+    client_privacy,
     noise_generator,
     privatize_upload,
     privatized_layout,
@@ -358,3 +359,27 @@ def test_a_round_nobody_takes_part_in_releases_noise_only():
     assert record.participants == [] and not record.skipped and record.bytes_up == 0
     assert any(not torch.equal(before[key], value) for key, value in sim.server.weights.items())  # the noise
     assert record.to_json()["privacy"]["epsilon"] >= 0.0  # (with 4 clients' delta of 0.22, possibly 0)
+
+
+@pytest.mark.parametrize("noise", ["central", "local"])
+def test_secure_noise_unset_or_false_is_the_seeded_noise_true_the_operating_systems(noise):
+    """privacy.secure_noise unset (None: the simulator's default) draws the same noise as false, from the run's
+    seed; true draws a different noise each time, central (the server's) and local (a client's) alike."""
+    reply = {"weights": {"w": torch.tensor([3.0, 4.0])}, "num_examples": 5}
+    broadcast = {"w": torch.zeros(2)}
+
+    def draw(secure_noise):
+        options = PrivacyOptions(mode="client", noise=noise, secure_noise=secure_noise)
+        settings = client_privacy(options, 1.0)
+        client = None if noise == "central" else 3
+        generator = noise_generator(settings, 11, 4, client)
+        if noise == "local":
+            return privatize_upload(reply, broadcast, [], settings, generator)["weights"]["w"]
+        private = PrivateSum(settings, broadcast, {"weights": {}}, 0, 1.0)
+        private.add(privatize_upload(reply, broadcast, [], settings))
+        return private.release(generator).update["w"]
+
+    assert PrivacyOptions().secure_noise is None
+    unset, false = draw(None), draw(False)
+    assert torch.equal(unset, false) and torch.equal(unset, draw(None))
+    assert not torch.equal(draw(True), draw(True)) and not torch.equal(draw(True), unset)

@@ -112,6 +112,10 @@ class TrainSettings:
     #: ``privacy=sample``: the Gaussian noise's std is ``dp_noise_multiplier x dp_clip`` (calibrated by the
     #: privacy ledger when ``privacy.target_epsilon`` is set)
     dp_noise_multiplier: float = 0.0
+    #: ``privacy=sample`` with ``privacy.secure_noise=true``: DP-SGD's noise and Poisson batches and the statistics
+    #: release's noise come from the operating system's randomness, not the round's seeded generator (anyone who
+    #: knows the seed could redraw seeded noise); False (unset or false): seeded, the run repeats
+    dp_secure_noise: bool = False
 
     def __post_init__(self) -> None:
         if self.amp not in AMP_CHOICES:
@@ -429,14 +433,16 @@ class Client:
                            num_classes: int | None = None) -> sample_dp.Released:
         """``privacy=sample``: the round's one release of the client's class statistics
         (:func:`~fedhpro.methods.sample_dp.release_class_statistics`: noisy counts and, per part, noisy class means
-        of the per-sample rows ``parts``, each ``len(labels) x ...``), noise from the round's generator. A second
+        of the per-sample rows ``parts``, each ``len(labels) x ...``), noise from the round's generator (the operating
+        system's under :attr:`TrainSettings.dp_secure_noise`). A second
         release in a round is refused: the accountant charges one per round."""
         if RELEASED in round.scratch:
             raise RuntimeError("a client released its statistics twice in one round; the accountant charges one")
         assert self.train.dp_clip is not None
+        noise = sample_dp.os_generator() if self.train.dp_secure_noise else round.generator
         released = sample_dp.release_class_statistics(
             labels, self.num_classes if num_classes is None else num_classes, parts, float(self.train.dp_clip),
-            float(self.train.dp_noise_multiplier), round.generator, len(round.data))
+            float(self.train.dp_noise_multiplier), noise, len(round.data))
         round.scratch[RELEASED] = released
         return released
 

@@ -8,7 +8,9 @@ computes from that data leaves it:
   gradient of the per-sample loss clipped to ``dp_clip`` in L2 over all parameters, the clipped gradients summed,
   ``N(0, (dp_noise_multiplier x dp_clip)^2)`` added to every coordinate, divided by the expected batch size
   ``q n``. Opacus computes the per-sample gradients (``GradSampleHooks``) and does the clip, noise and scale
-  (``DPOptimizer``); the noise comes from a generator seeded from the round's generator, so runs repeat.
+  (``DPOptimizer``); the noise comes from a generator seeded from the round's generator, so runs repeat
+  (with :attr:`~fedhpro.methods.base.TrainSettings.dp_secure_noise`, the noise and the batches come from the
+  operating system's randomness instead, and Opacus's ``secure_mode`` draws the noise).
   Loss terms a method declares public (:attr:`~fedhpro.methods.base.Client.public_loss_terms`: functions of the
   parameters and of what the server sent only, e.g. FedProx's proximal term) are differentiated apart and
   their gradient added after the noise: post-processing, outside the clipping.
@@ -26,6 +28,7 @@ Adjacency: adding or removing one sample (Opacus's and the RDP accountant's).
 from __future__ import annotations
 
 import math
+import secrets
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
@@ -79,15 +82,47 @@ def poisson_plan(num_samples: int, batch_size: int) -> PoissonPlan:
 
 
 def model_problem(model: nn.Module) -> str | None:
-    """Why DP-SGD cannot train ``model`` (a layer with buffers, e.g. BatchNorm, whose batch statistics mix the
-    samples of a batch), or None. Refused rather than converted: a converted model (BatchNorm -> GroupNorm) would
-    no longer be the architecture the run's other parts (server, checkpoints) were built with."""
-    mixing = sorted({type(module).__name__ for module in model.modules()
-                     if any(True for _ in module.buffers(recurse=False))
-                     and any(p.requires_grad for p in module.parameters(recurse=False))})
-    if mixing:
-        return (f"the model has {', '.join(mixing)} layers, whose batch statistics mix the samples of a batch "
-                "(no per-sample gradient); privacy=sample refuses them: use model=cnn, cnn4, mlp or textcnn")
+    """Why DP-SGD cannot train ``model``, in one line naming the first module at fault and the fix, or None.
+
+    Refused (at least everything Opacus's ``ModuleValidator.validate(model, strict=False)`` flags on a model in
+    training mode, and more):
+
+    * every BatchNorm (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``, the lazy ones), affine or not, tracking running
+      statistics or not: in training it normalises each sample with its batch's statistics, coupling the samples
+      the per-sample bound treats as independent (Opacus flags only the affine ones);
+    * ``InstanceNorm`` with ``track_running_stats=True``: running statistics of the raw data;
+    * any module Opacus's validators refuse (``LSTM``, ``GRU``, ``MultiheadAttention``: no per-sample gradient);
+    * any other module with a registered buffer: state outside the noised gradients, which would reach the
+      server and ``model.pt`` unprivatized if training updates it (running statistics); which buffers training
+      updates cannot be told from the model alone, so every one is refused.
+
+    Refused rather than converted: a converted model (BatchNorm -> GroupNorm) would no longer be the architecture
+    the run's other parts (server, checkpoints) were built with.
+    """
+    opacus()
+    from opacus.validators import ModuleValidator
+
+    for name, module in model.named_modules():
+        what = f"module {name or '(the model)'!r} ({type(module).__name__})"
+        if isinstance(module, nn.modules.batchnorm._NormBase) and not isinstance(
+                module, nn.modules.instancenorm._InstanceNorm):
+            return (f"{what} normalises each sample with its batch's statistics (coupling the samples DP-SGD bounds "
+                    "one by one) and keeps running statistics of the raw data; privacy=sample refuses every "
+                    "BatchNorm, affine or not: use GroupNorm or LayerNorm instead, or model=cnn, cnn4, mlp or textcnn")
+        if isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
+            return (f"{what} tracks running statistics of the raw data, which would reach the server without noise; "
+                    "privacy=sample refuses them: set track_running_stats=False")
+        validator = ModuleValidator.VALIDATORS.get(type(module))
+        trainable = any(p.requires_grad for p in module.parameters(recurse=False))
+        if validator is not None and trainable and validator(module):
+            return (f"{what} has no per-sample gradient in Opacus (its ModuleValidator refuses it); privacy=sample "
+                    "refuses it: use Opacus's drop-in replacement (opacus.layers: DPLSTM, DPGRU, "
+                    "DPMultiheadAttention)")
+        buffers = [key for key, _ in module.named_buffers(recurse=False)]
+        if buffers:
+            return (f"{what} holds the buffer {buffers[0]!r}, state outside DP-SGD's noised gradients that would "
+                    "reach the server unprivatized if training updates it (running statistics); privacy=sample "
+                    "refuses every buffer: remove it, or hold a constant as nn.Parameter(..., requires_grad=False)")
     return None
 
 
@@ -126,9 +161,19 @@ def _not_inplace(model: nn.Module):
             module.inplace = True  # type: ignore[assignment]
 
 
-def noise_generator(generator: torch.Generator, device: torch.device) -> torch.Generator:
-    """A generator on ``device`` seeded from one draw of ``generator`` (the round's CPU generator)."""
+def os_generator(device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on ``device`` seeded from the operating system's randomness (``secrets``): not reproducible,
+    and no seed anyone could know (``privacy.secure_noise``)."""
+    return torch.Generator(device=device).manual_seed(secrets.randbits(62))
+
+
+def noise_generator(generator: torch.Generator, device: torch.device, secure: bool = False) -> torch.Generator:
+    """DP-SGD's noise generator on ``device``: seeded from one draw of ``generator`` (the round's CPU generator), or
+    with ``secure`` from the operating system (:func:`os_generator`; the draw is made all the same, so the round's
+    other draws do not move)."""
     seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator))
+    if secure:
+        return os_generator(device)
     return torch.Generator(device=device).manual_seed(seed)
 
 
@@ -155,6 +200,9 @@ def train_private(model: nn.Module, features: Callable[[Tensor], Tensor], classi
     n = len(data)
     plan = poisson_plan(n, train.batch_size)
     device = data.x.device
+    secure = bool(getattr(train, "dp_secure_noise", False))
+    # which samples a batch holds is part of the mechanism (amplification by sampling assumes it is secret)
+    batches = os_generator() if secure else generator
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=train.lr, momentum=train.momentum,
                                 weight_decay=train.weight_decay)
@@ -166,12 +214,13 @@ def train_private(model: nn.Module, features: Callable[[Tensor], Tensor], classi
         hooks = GradSampleHooks(model, batch_first=True, loss_reduction="mean", strict=True)
         private = DPOptimizer(optimizer, noise_multiplier=float(train.dp_noise_multiplier),
                               max_grad_norm=float(train.dp_clip), expected_batch_size=plan.expected_batch(n),
-                              loss_reduction="mean", generator=noise_generator(generator, device))
+                              loss_reduction="mean", generator=noise_generator(generator, device, secure),
+                              secure_mode=secure)  # secure: Opacus's noise robust to floating-point attacks
         try:
             for _ in range(train.epochs):
                 for _ in range(plan.steps_per_epoch):
                     # the batch: every sample in with probability q, drawn on the CPU (the same on every device)
-                    index = (torch.rand(n, generator=generator) < plan.rate).nonzero().squeeze(1).to(device)
+                    index = (torch.rand(n, generator=batches) < plan.rate).nonzero().squeeze(1).to(device)
                     private.zero_grad(set_to_none=True)
                     public = _private_backward(hooks, parameters, features, classifier, data, index, generator,
                                                batch_terms, public_terms)
