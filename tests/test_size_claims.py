@@ -403,3 +403,33 @@ def test_secagg_a_node_packs_at_most_the_capped_weight(digits_data_dir):
     honest = layout.pack(capped_reply(reply, 100), base, {}, 1000, scale=100.0)
     assert (packed == honest).all()
     assert layout.unpack(packed)["num_examples"][0] == 1.0  # a share of the scale, never above it
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=6), st.integers(1, 10 ** 12), st.floats(0.1, 1.0))
+def test_no_claim_buys_more_than_the_share_of_the_aggregate(honest, claim, share):
+    """The round protocol with FedAvg's server: honest clients send their model unchanged, one client claims
+    ``claim`` samples (well-formed: its node declared that size) and sends the model + 1. The aggregate's
+    shift is exactly that client's share of the weight, which never exceeds ``max_share`` (when a share that
+    small can be kept: K * max_share > 1; else every client weighs alike)."""
+    sizes = [*honest, claim]
+    federation = make_federation([4] * len(sizes), seed=1)
+    sim = Simulator(METHODS["fedavg"], METHODS["fedavg"].options(), federation, TinyNet, TRAIN, rounds=1, seed=0,
+                    aggregation=Aggregation(max_share=share), on_drop=lambda line: None)
+    sim.protocol.client_sizes = sizes
+    current = sim.protocol.open(0)
+    base = current.payload["weights"]
+    for k, size in enumerate(sizes):
+        shift = 1.0 if k == len(sizes) - 1 else 0.0
+        weights = {key: value + shift if value.is_floating_point() else value for key, value in base.items()}
+        assert current.receive(k, {"weights": weights, "num_examples": size}, {}, size)
+    current.close()
+    key = next(k for k, v in base.items() if v.is_floating_point())
+    moved = float((sim.server.global_weights()[key].double() - base[key].double()).mean())
+    cap = share_cap(sizes, share)
+    weights = [n if n <= cap else max(1, math.floor(cap)) for n in sizes]
+    assert moved == pytest.approx(weights[-1] / sum(weights), rel=1e-5, abs=1e-6)
+    if share * len(sizes) > 1:
+        assert moved <= share * (1 + 1e-5)
+    elif share < 1:
+        assert moved == pytest.approx(1 / len(sizes), rel=1e-5)
