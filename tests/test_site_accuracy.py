@@ -4,7 +4,8 @@
   median) and the printout's ``per client`` line, next to the pooled accuracy, which weights every client by
   the size of its test set: a client holding most of the pooled test samples carries the pooled figure, not
   these; it is also named in one warning line (``aggregation.max_share``), printed and kept in the notes.
-* with privacy on, the final printout carries (epsilon, delta) also with ``progress=false``.
+* with privacy on, the final printout carries (epsilon, delta) also with ``progress=false``; a near-vacuous
+  delta is one warning line (:func:`fedhpro.privacy.privacy_warnings`), printed and kept in the notes.
 * a run that ``privacy.max_epsilon`` stops before its first round writes strict JSON (null, not NaN).
 
 The runs use a model that predicts class 2 whatever it is given and whatever training does (features
@@ -116,9 +117,18 @@ def test_privacy_prints_epsilon_and_delta_without_a_progress_bar(tmp_path, capsy
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     epsilon = rows[-1]["privacy"]["epsilon"]
     assert rows[-1]["privacy"]["delta"] == pytest.approx(3 ** -1.1)  # the default delta, 1 / n^1.1 for n = 3
-    out = capsys.readouterr().out.splitlines()
-    assert f"privacy (client): (epsilon, delta) = ({epsilon:.4g}, 0.299) after 2 rounds" in out
+    out, err = capsys.readouterr()
+    assert f"privacy (client): (epsilon, delta) = ({epsilon:.4g}, 0.299) after 2 rounds" in out.splitlines()
     assert result.summary["privacy"]["epsilon"] == epsilon
+    # 3^-1.1 = 0.2987 is at least 0.1, a near-vacuous delta for 3 clients: one warning, said and kept
+    warning = "privacy.delta=0.2987 (the default 1/N^1.1) is at least 0.1 for 3 clients"
+    assert len([line for line in err.splitlines() if line.startswith(f"fedhpro: warning: {warning}")]) == 1
+    assert len([note for note in result.summary["notes"] if note.startswith(warning)]) == 1
+    # a small delta: no such line
+    result = run(sites([(10, 2), (10, 0), (10, 2)]), tmp_path / "small", privacy="client",
+                 **{"privacy.delta": 1e-5})
+    assert "privacy.delta" not in capsys.readouterr().err
+    assert not any("privacy.delta" in note for note in result.summary["notes"])
 
 
 def test_a_privacy_stop_before_the_first_round_writes_strict_json_with_null_accuracy(tmp_path, capsys):

@@ -53,6 +53,7 @@ from fedhpro.experiment import (  # noqa: F401 (kept importable from here)
 )
 from fedhpro.files import RunFolderClaim, claim_run_folder, remove_partial_writes
 from fedhpro.measurements import observers_for
+from fedhpro.privacy import privacy_warnings
 from fedhpro.resume import (  # noqa: F401 (kept importable from here)
     _RESUME_SETTINGS,
     _changed_on_resume,
@@ -283,9 +284,11 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
 def run_warnings(config: Config, simulator: Any) -> list[str]:
     """The run's warning lines, said before its first round and kept in summary.json's ``notes``: a client
     holding more than ``aggregation.max_share`` of the test samples pooled for its test set
-    (:func:`driver.pooled_share_warnings`)."""
+    (:func:`driver.pooled_share_warnings`), a near-vacuous privacy delta (:func:`fedhpro.privacy.privacy_warnings`)."""
     max_share = float(getattr(config.aggregation, "max_share", 1.0))
-    return driver.pooled_share_warnings(simulator.pooled_test_sizes(), max_share)
+    federation = simulator.federation
+    return (driver.pooled_share_warnings(simulator.pooled_test_sizes(), max_share)
+            + privacy_warnings(config.privacy, federation.num_clients, [len(data) for data in federation.clients]))
 
 
 def final_printout(summary: Mapping[str, Any], title: str) -> str:
