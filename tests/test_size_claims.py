@@ -433,3 +433,13 @@ def test_no_claim_buys_more_than_the_share_of_the_aggregate(honest, claim, share
         assert moved <= share * (1 + 1e-5)
     elif share < 1:
         assert moved == pytest.approx(1 / len(sizes), rel=1e-5)
+
+
+def test_flower_warns_of_a_near_vacuous_delta(sites, tmp_path, caplog):
+    """privacy=client with the default delta 1/N^1.1 of N = 3 sites (0.30, above 1/N): one warning line in the
+    log and the run's notes, on Flower as in the simulator."""
+    with caplog.at_level(logging.WARNING):
+        out = own_run(sites, tmp_path, rounds=1, privacy="client", **{"privacy.noise_multiplier": 0.5})
+    notes = read_json(out / "summary.json")["notes"]
+    assert any("delta" in note and "1/N" in note.replace(" ", "") for note in notes), notes
+    assert "delta" in caplog.text

@@ -67,6 +67,7 @@ from fedhpro.flower.settings import (
     experiment_keys,
     split_run_config,
 )
+from fedhpro.privacy import privacy_warnings
 from fedhpro.privacy.client import privatized_layout
 from fedhpro.resume import resumed_config
 
@@ -916,7 +917,8 @@ def _run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, An
     side.protocol.client_sizes = list(side.num_samples)
     pooled = ([(info.domain or "all", int(info.test_size)) for info in infos] if own_data(config)
               else getattr(side.engine, "pooled_test_sizes", list)())
-    for line in driver.pooled_share_warnings(pooled, config.aggregation.max_share):
+    for line in (driver.pooled_share_warnings(pooled, config.aggregation.max_share)
+                 + privacy_warnings(config.privacy, len(side.num_samples), side.num_samples)):
         warn(line)
         notes.append(line)
     nodes = NodeMap(nodes, getattr(nodes, "infos", None), _client_keys(grid, nodes, settings))
