@@ -107,3 +107,19 @@ def test_the_privacy_line_carries_epsilon_delta_and_the_stop():
     stopped = {**privacy, "epsilon": 0.0, "rounds_run": 0, "stopped": "privacy budget: stopped before round 0"}
     assert driver.privacy_line(stopped) == ("privacy (client): (epsilon, delta) = (0, 0.299) after 0 rounds; "
                                             "stopped at privacy.max_epsilon")
+
+
+def test_a_summary_holds_null_where_no_round_has_a_finite_accuracy():
+    from types import SimpleNamespace
+
+    options = SimpleNamespace(method="fedavg", seed=0, rounds=3)
+    row = {"bytes_up": 1, "bytes_down": 2}
+    rows = [{"round": 0, **row}, {"round": 1, **row, "accuracy": {"AVG": float("nan")}},  # every client untested
+            {"round": 2, **row}]
+    summary = driver.run_summary(options, "d", 2, "cpu", rows, 1.0, [])
+    assert (summary["accuracy"], summary["best_accuracy"]) == (None, None)
+    text = json.dumps(summary, allow_nan=False)  # strict JSON: NaN would raise here
+    assert json.loads(text)["accuracy"] is None
+    rows[2]["accuracy"] = {"a": 40.0, "AVG": 40.0}
+    summary = driver.run_summary(options, "d", 2, "cpu", rows, 1.0, [])
+    assert (summary["accuracy"], summary["best_accuracy"], summary["per_domain"]) == (40.0, 40.0, {"a": 40.0})

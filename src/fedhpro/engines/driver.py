@@ -28,6 +28,7 @@ sequential engine of ``tests/sequential_engine.py``.
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -391,6 +392,12 @@ def final_accuracy(rows: list[dict[str, Any]]) -> dict[str, float | None]:
     return next((row["accuracy"] for row in reversed(rows) if "accuracy" in row), {"AVG": None})
 
 
+def _finite(value: float | None) -> float | None:
+    """``value``, or None for NaN and infinities (a round whose every client was untested has AVG NaN), which
+    strict JSON cannot hold."""
+    return value if value is not None and math.isfinite(value) else None
+
+
 def site_accuracy(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """summary.json's ``site_accuracy``: the last evaluated round's ``client_accuracy`` (each client's accuracy
     on its own test distribution, in percent; None: a client not tested) as ``per_client``, and the unweighted
@@ -429,7 +436,7 @@ def privacy_line(privacy: Mapping[str, Any]) -> str:
 
 def pooled_share_warnings(test_sizes: Sequence[tuple[str, int]], max_share: float) -> list[str]:
     """One warning line per client holding more than ``max_share`` (``aggregation.max_share``) of the test
-    samples pooled for its test set, whose accuracy (and so AVG) is then mostly that client's own.
+    samples pooled for its test set, whose pooled accuracy (and so AVG) then leans on that one client.
     ``test_sizes[k]``: client ``k``'s ``(test-set name, size)``, for the clients whose test counts are pooled
     (a test size is what a client declares). A test set only one client is tested on pools nothing: left out."""
     totals: dict[str, int] = {}
@@ -482,9 +489,10 @@ def run_summary(options: Any, data_name: str, clients: int, device: torch.device
         "seed": options.seed,
         "rounds": options.rounds,
         "clients": clients,
-        "accuracy": final["AVG"],
+        "accuracy": _finite(final["AVG"]),
         "per_domain": {name: value for name, value in final.items() if name != "AVG"},
-        "best_accuracy": max((row["accuracy"]["AVG"] for row in rows if "accuracy" in row), default=None),
+        "best_accuracy": max((row["accuracy"]["AVG"] for row in rows
+                              if "accuracy" in row and _finite(row["accuracy"]["AVG"]) is not None), default=None),
         "site_accuracy": site_accuracy(rows),
         "seconds": seconds,
         "device": str(device),
