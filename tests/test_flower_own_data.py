@@ -131,7 +131,8 @@ def test_nodes_are_ordered_by_name_and_share_one_class_list():
 @pytest.mark.parametrize("infos, words", [
     ({1: info("a", ["x"], declared=["x", "y"]), 2: info("b", ["z"], declared=["x", "y", "z"])}, ["a", "b"]),
     ({1: info("a", ["x"]), 2: info("b", ["y"], shape=(3, 8, 8))}, ["a", "b"]),
-    ({1: info("a", ["x"]), 2: info("a", ["y"])}, ["nodes 1 and 2", "'a'"]),
+    # a second node with a name already held is refused (an impostor), so the run waits for a third in vain
+    ({1: info("a", ["x"]), 2: info("a", ["y"])}, ["node 2: node 1 already holds the client named 'a'"]),
 ])
 def test_nodes_that_disagree_are_one_line_naming_them(infos, words):
     infos = {**infos, 5: info("c", ["x"])}
@@ -142,7 +143,7 @@ def test_nodes_that_disagree_are_one_line_naming_them(infos, words):
 
 
 def test_waiting_for_missing_nodes_names_the_fix():
-    with pytest.raises(ConfigError, match="only 1 of clients=3"):
+    with pytest.raises(ConfigError, match="only 1 of 3 data-holding SuperNodes answered"):
         discover({1: info("a", ["x"])})
     with pytest.raises(ConfigError, match="needs clients=K"):
         discover({1: info("a", ["x"])}, clients=None)

@@ -178,7 +178,7 @@ def test_max_label_beyond_max_classes_is_refused_before_any_class_list_is_built(
     assert any("node 2" in line and "max_label" in line for line in logged)
     # data.max_classes is the bound
     grid = AnswerGrid({1: described(site("site-a", [], **tensors, max_label=9))})
-    with pytest.raises(ConfigError, match="only 0 of clients=1"):
+    with pytest.raises(ConfigError, match="only 0 of 1 data-holding SuperNodes answered .*max_label"):
         discover_own_data(grid, load_config(own_settings(clients=1, **{"data.max_classes": 5})),
                           FlowerSettings(node_wait=0.5))
 

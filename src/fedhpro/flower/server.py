@@ -51,6 +51,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
+from fedhpro.bounded import LimitError, load_json
 from fedhpro.config import PRESENTATION_KEYS, Config, load_config
 from fedhpro.engines import checkpoint, driver
 from fedhpro.engines.driver import RunRows, check_new_run_folder, round_extra
@@ -179,8 +180,10 @@ def client_info(record: ConfigRecord | None, max_classes: int) -> Any:
     if len(text) > MAX_INFO_CHARS:
         raise UpdateError(f"its description has {len(text)} characters, more than {MAX_INFO_CHARS}")
     try:
-        values = json.loads(text)
-    except (ValueError, RecursionError) as error:  # JSONDecodeError, a number too long to convert, deep nesting
+        values = load_json(text, "its description", max_chars=MAX_INFO_CHARS, max_depth=8, allow_nan=False)
+    except LimitError as error:
+        raise UpdateError(str(error)) from None
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, a number too long to convert, NaN
         raise UpdateError(f"its description is not valid JSON ({type(error).__name__})") from None
     fields = [field.name for field in dataclasses.fields(ClientInfo)]
     if not isinstance(values, dict) or set(values) != set(fields):
