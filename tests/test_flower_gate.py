@@ -6,6 +6,7 @@ The deployment itself (the gate refusing strangers and nodes, a secured run) is 
 
 from __future__ import annotations
 
+import re
 import shutil
 import stat
 import subprocess
@@ -82,6 +83,49 @@ def test_nginx_accepts_the_configs(tmp_path):
         assert test.returncode == 0, test.stderr
     with pytest.raises(ConfigError, match="loopback"):
         gate.forward_config(tmp_path / "f2", tmp_path / "certs", "operator", "gate.example.org:1", "0.0.0.0:18001")
+
+
+@pytest.mark.skipif(NGINX is None, reason="nginx is not installed (apt-get install nginx-light)")
+def test_bridge_local_socket_and_token_configs_pass_nginx_and_the_token_reaches_flwr(tmp_path, monkeypatch):
+    """The pieces ``up`` adds for local users: the gate's Unix socket and bridge upstream, the bridge, and the
+    operator's forwarder with a token that ``gate forward --token`` puts where ``flwr`` reads it."""
+    certs = tmp_path / "certs"
+    certificates.create(certs, ["localhost"], nodes=1, gate=True)
+    sockets = tmp_path / "s"
+    sockets.mkdir(mode=0o700)  # nginx -t binds the Unix sockets too
+    server = gate.server_config(tmp_path / "gate", certs, "127.0.0.1:18000", f"unix:{sockets / 'link.sock'}",
+                                local=f"unix:{sockets / 'gate.sock'}")
+    text = server.config.read_text()
+    assert f'listen "unix:{sockets / "gate.sock"}" ssl;' in text and "proxy_pass http://superlink;" in text
+    bridge = gate.bridge_config(tmp_path / "bridge", certs, f"unix:{sockets / 'link.sock'}", "127.0.0.1:18001")
+    assert "proxy_ssl_verify on;" in bridge.config.read_text()
+    home = tmp_path / "home"
+    monkeypatch.setenv("FLWR_HOME", str(home))
+    assert main(["gate", "forward", str(tmp_path / "fwd"), "--certs", str(certs), "--name", "operator",
+                 "--gate", f"unix:{sockets / 'gate.sock'}", "--gate-name", "localhost",
+                 "--listen", "127.0.0.1:18002", "--token"]) == 0
+    forward = tmp_path / "fwd" / "nginx.conf"
+    for secret in (forward, home / "credentials.yaml"):
+        assert stat.S_IMODE(secret.stat().st_mode) == 0o600, secret
+    found = re.search(r'"Bearer ([0-9a-f]{64})"', forward.read_text())
+    assert found is not None
+    token = found.group(1)
+    from flwr.cli.auth_plugin import OidcCliPlugin
+    from flwr.common.constant import ACCESS_TOKEN_KEY
+    from flwr.supercore.credential_store.file_credential_store import FileCredentialStore
+
+    plugin = OidcCliPlugin("127.0.0.1:18002")  # what flwr loads for a connection at that address
+    plugin.store = FileCredentialStore(home / "credentials.yaml")
+    plugin.load_tokens()
+    assert dict(plugin.write_tokens_to_metadata([]))[ACCESS_TOKEN_KEY] == token
+    for written in (server, bridge, gate.Gate(tmp_path / "fwd", forward)):
+        command = written.command()
+        test = subprocess.run([*command[:-2], "-t"], capture_output=True, text=True)
+        assert test.returncode == 0, test.stderr
+    with pytest.raises(ConfigError, match="--gate-name"):
+        gate.forward_config(tmp_path / "f3", certs, "operator", f"unix:{sockets / 'gate.sock'}", "127.0.0.1:1")
+    with pytest.raises(ConfigError, match="Unix socket only"):
+        gate.bridge_config(tmp_path / "b2", certs, "127.0.0.1:1", "127.0.0.1:2")
 
 
 def test_the_connection_is_added_next_to_the_others(tmp_path):

@@ -20,7 +20,16 @@ keep the wall time low:
 - a SuperNode with a valid but unregistered key, through a node's forwarder,
   is refused by the SuperLink (Flower's exit code 305, never a node id);
 - a SuperNode that does not trust the CA fails the TLS handshake and exits;
-- nothing listens outside 127.0.0.0/8, and ``up --stop`` leaves no process.
+- nothing listens outside 127.0.0.0/8; in this host's network namespace only
+  the gate and the operator's forwarder listen (the SuperLink and each node
+  in a private one, as ``up``'s first line says), and ``up --stop`` leaves no
+  process;
+- another local user (uid ``nobody``, :func:`test_deploy_local_users.attack`)
+  against every port of the range, every Unix socket in the state folder,
+  the namespaces and the keys: ``flwr ls``/``flwr supernode register`` get 400
+  at the gate and 403 at the operator's forwarder (no token), every other port
+  refuses the connection, the sockets, namespaces and keys refuse to open;
+  the same probes as the owner (root) reach the sockets and namespaces.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import ssl
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -48,6 +58,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pip install -e '.[flower]'")
 
+from test_deploy_local_users import attack  # noqa: E402
 from test_flower import CORE_KEYS, REPO, assert_same_state, core, read_rows, reference  # noqa: E402
 from test_flower_deployment import ENVIRONMENT, alive, descendants, flower_tool  # noqa: E402
 from test_flower_own_data import SITES, settings, write_site  # noqa: E402
@@ -55,7 +66,7 @@ from test_flower_own_data import SITES, settings, write_site  # noqa: E402
 from fedhpro.errors import ConfigError  # noqa: E402
 from fedhpro.flower import certificates  # noqa: E402
 from fedhpro.flower.__main__ import main  # noqa: E402
-from fedhpro.flower.up import Ports, port_free  # noqa: E402
+from fedhpro.flower.up import NO_UNIX_SOCKETS, Ports, port_free  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- the files
@@ -139,28 +150,34 @@ RUN_TIMEOUT = 600  # seconds for the 2-round run (about 90 s on a busy 2-core ma
 NGINX_PAGE = b"<center>nginx</center>"  # nginx's own error page: the request went no further than the gate
 
 
-def listening_addresses(pids: set[int]) -> list[str]:
-    """The local addresses of every TCP socket in LISTEN state held by ``pids`` (from /proc/net/tcp, tcp6)."""
-    inodes = set()
+def listening_addresses(pids: set[int], host_only: bool = False) -> list[str]:
+    """The local addresses of every TCP socket in LISTEN state held by ``pids``, each read from the tables of
+    the process's own network namespace (/proc/PID/net/tcp, tcp6); ``host_only``: only those of processes
+    in this process's namespace (what a local user of the host can connect to)."""
+    here = os.readlink("/proc/self/ns/net")
+    found = set()
     for pid in pids:
+        inodes = set()
         try:
+            if host_only and os.readlink(f"/proc/{pid}/ns/net") != here:
+                continue
             for fd in Path(f"/proc/{pid}/fd").iterdir():
                 target = os.readlink(fd)
                 if target.startswith("socket:["):
                     inodes.add(target[8:-1])
+            tables = [Path(f"/proc/{pid}/net/{name}").read_text() for name in ("tcp", "tcp6")]
         except OSError:
             continue
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
-                continue
-            address, port = fields[1].split(":")
-            raw = bytes.fromhex(address)
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word little-endian
-            found.append(f"{ipaddress_text(raw)}:{int(port, 16)}")
-    return found
+        for table in tables:
+            for line in table.splitlines()[1:]:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word little-endian
+                found.add(f"{ipaddress_text(raw)}:{int(port, 16)}")
+    return sorted(found)
 
 
 def ipaddress_text(raw: bytes) -> str:
@@ -207,9 +224,10 @@ def post(port: int, path: str, ca: Path, cert: Path | None = None, key: Path | N
 class Deployment:
     """``python -m fedhpro.flower up`` in a process group of its own, and everything else a test starts."""
 
-    def __init__(self, tmp_path: Path, sites: Path):
+    def __init__(self, tmp_path: Path, sites: Path, state: Path | None = None):
         self.root = tmp_path
-        self.home, self.state, self.logs = tmp_path / "flwr-home", tmp_path / "state", tmp_path / "logs"
+        self.home, self.logs = tmp_path / "flwr-home", tmp_path / "logs"
+        self.state = state or tmp_path / "state"
         self.home.mkdir()
         self.logs.mkdir()
         self.ports = Ports(free_base(len(SITES)), len(SITES))
@@ -220,7 +238,8 @@ class Deployment:
         self.started: dict[str, subprocess.Popen] = {}
         self.seen: set[int] = set()
 
-    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+    def start(self, name: str, args: list[str], inside: str | None = None) -> subprocess.Popen:
+        args = [*(self.inside(inside) if inside else []), *args]
         with open(self.logs / f"{name}.log", "ab") as log:
             process = subprocess.Popen(args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.root)
@@ -259,9 +278,15 @@ class Deployment:
         with open(self.home / "config.toml", "a") as config:
             config.write(f'\n[superlink.{name}]\naddress = "127.0.0.1:{port}"\nroot-certificates = "{ca}"\n')
 
-    def flwr(self, *args: str) -> dict:
-        done = subprocess.run([flower_tool("flwr"), *args, "--format", "json"], env=self.env, capture_output=True,
-                              text=True, timeout=180, cwd=self.root)
+    def inside(self, name: str) -> list[str]:
+        """A command prefix that runs in the network namespace of ``up``'s process ``name`` (STATE/run)."""
+        pid = int((self.state / "run" / f"{name}.pid").read_text())
+        return ["nsenter", f"--net=/proc/{pid}/ns/net", "--"]
+
+    def flwr(self, *args: str, inside: str | None = None) -> dict:
+        prefix = self.inside(inside) if inside else []
+        done = subprocess.run([*prefix, flower_tool("flwr"), *args, "--format", "json"], env=self.env,
+                              capture_output=True, text=True, timeout=180, cwd=self.root)
         with open(self.logs / "flwr.log", "a") as log:
             log.write(f"$ flwr {' '.join(args)} (exit {done.returncode})\n{done.stdout}{done.stderr}\n")
         return json.loads(done.stdout[done.stdout.index("{"):])
@@ -308,14 +333,28 @@ def test_secured_deployment_refuses_strangers_and_nodes_and_runs_fedhpro_like_th
         write_site(sites / site, classes, seed=k)
     config = {**settings(), "checkpoint_every": 1, "out": str(tmp_path / "out")}
     flower_keys = {"flower.node-auth": True}  # the SuperLink authenticates the nodes: tie clients to their keys
-    net = Deployment(tmp_path, sites)
+    # the state in a folder every user may enter (pytest's is root's only), so the other user's refusals
+    # measure the state folder's own permissions
+    open_parent = Path(tempfile.mkdtemp(prefix="fedhpro-secure-"))
+    open_parent.chmod(0o755)
+    net = Deployment(tmp_path, sites, state=open_parent / "state")
     try:
         net.up()
         certs, ports = net.state / "certs", net.ports
         ca = certs / "ca.crt"
+        said = net.log("up")
+        isolated = "run in a private network namespace" in said
+        net.check(NO_UNIX_SOCKETS in said, "up did not say why Flower's listeners stay on TCP")
         addresses = listening_addresses(net.remember())
         net.check(len(addresses) >= 4, f"expected the gate, SuperLink and forwarders to listen: {addresses}")
         net.check(not outside_loopback(addresses), f"listening outside 127.0.0.0/8: {addresses}")
+        on_host = listening_addresses(net.remember(), host_only=True)
+        if isolated:  # the SuperLink, the nodes' forwarders and their APIs are in private namespaces
+            net.check(on_host == sorted(f"127.0.0.1:{p}" for p in (ports.gate, ports.operator)),
+                      f"listening in the host's network namespace: {on_host}")
+            net.check(f"127.0.0.1:{ports.superlink}" in addresses, f"no SuperLink listening: {addresses}")
+        # which site is node 1 (its forwarder is ports.forwarder(1)): the first name in STATE/sites.json
+        first = json.loads((net.state / "sites.json").read_text())["sites"][0]
 
         # --- a stranger with ca.crt only, straight to the gate: the real flwr commands of the attack
         net.connect("stranger", ports.gate, ca)
@@ -324,12 +363,12 @@ def test_secured_deployment_refuses_strangers_and_nodes_and_runs_fedhpro_like_th
         evil_private, evil_public = certificates.node_key_pair()
         certificates.write_file(evil / "evil.key", evil_private, True)
         (evil / "evil.pub").write_bytes(evil_public)
-        # --- a node's certificate, through that node's own forwarder
+        # --- a node's certificate, through that node's own forwarder (from inside the node's namespace)
         net.connect("as-node", ports.forwarder(1), ca)
         for connection, status in (("stranger", "400"), ("as-node", "403")):
             for args in (("supernode", "register", str(evil / "evil.pub"), connection), ("ls", connection),
                          ("run", str(REPO / "examples" / "flower"), connection)):
-                reply = net.flwr(*args)
+                reply = net.flwr(*args, inside=f"{first}-forward" if connection == "as-node" else None)
                 net.check(not reply["success"] and status in reply.get("error-message", ""),
                           f"flwr {' '.join(args)} was not refused with {status}: {reply}")
         # --- the same endpoints with a client certificate of another CA, and with a node's certificate
@@ -358,11 +397,12 @@ def test_secured_deployment_refuses_strangers_and_nodes_and_runs_fedhpro_like_th
         net.start("intruder", [flower_tool("flower-supernode"), "--root-certificates", str(ca),
                                "--auth-supernode-private-key", str(evil / "evil.key"),
                                "--superlink", f"127.0.0.1:{ports.forwarder(1)}", "--host", "127.0.0.1",
-                               "--port", str(free_base(0)), "--node-config", f'data-dir="{sites / "lab-0"}"'])
+                               "--port", str(free_base(0)), "--node-config", f'data-dir="{sites / "lab-0"}"'],
+                  inside=f"{first}-forward")
         net.start("untrusting", [flower_tool("flower-supernode"),
                                  "--auth-supernode-private-key", str(certs / "supernode-1.key"),
                                  "--superlink", f"127.0.0.1:{ports.forwarder(1)}", "--host", "127.0.0.1",
-                                 "--port", str(free_base(0))])
+                                 "--port", str(free_base(0))], inside=f"{first}-forward")
         # --- the operator's run, as the README submits it
         run_config = " ".join(f"{key}={json.dumps(value)}" for key, value in {**config, **flower_keys}.items())
         net.start("run", [sys.executable, "-m", "fedhpro.flower", "run", str(REPO / "examples" / "flower"), "secure",
@@ -383,6 +423,35 @@ def test_secured_deployment_refuses_strangers_and_nodes_and_runs_fedhpro_like_th
         nodes = {int(node["node-id"]): node["status"] for node in net.flwr("supernode", "ls", "secure")["nodes"]}
         net.check(nodes == {node_id: "online" for node_id in registered}, f"nodes: {nodes}")
 
+        # --- another local user of this host, and the owner for contrast (test_deploy_local_users.attack)
+        parties = {name: int((net.state / "run" / f"{name}.pid").read_text())
+                   for name in ("superlink", first, f"{first}-forward")}
+        found = attack(net.state, ports.all(), ca, parties)
+        with open(net.logs / "attack.json", "w") as record:
+            json.dump(found, record, indent=1)
+        owner, other = found["owner"], found["other"]
+        net.check(other["uid"] == 65534 and owner["uid"] == os.getuid(), f"uids: {other['uid']}, {owner['uid']}")
+        refused = {"tcp": "open", "list-runs": "400", "flwr ls": "400", "flwr supernode register": "400"}
+        no_token = {"tcp": "open", "list-runs": "403", "flwr ls": "403", "flwr supernode register": "403"}
+        for port in ports.all():
+            expected = (refused if port == ports.gate else no_token if port == ports.operator
+                        else {"tcp": "ECONNREFUSED"} if isolated else None)
+            if expected is None:  # no namespace could be made: what up's first line says is open
+                continue
+            net.check(other["ports"][str(port)] == expected, f"port {port}: {other['ports'][str(port)]}")
+        if not isolated:
+            net.check(other["ports"][str(ports.superlink)]["flwr ls"] == "success",
+                      "up said the SuperLink is open to local users, yet flwr ls failed there")
+        net.check(len(other["sockets"]) == 2 and set(other["sockets"].values()) == {"EACCES"}, str(other["sockets"]))
+        net.check(set(owner["sockets"].values()) == {"connected"}, f"the owner's probe: {owner['sockets']}")
+        net.check(set(other["namespaces"].values()) == {"EACCES"}, str(other["namespaces"]))
+        net.check(set(owner["namespaces"].values()) == {"opened"}, f"the owner's probe: {owner['namespaces']}")
+        net.check(set(other["secrets"].values()) == {"EACCES"}, str(other["secrets"]))
+        after = {int(node["node-id"]) for node in net.flwr("supernode", "ls", "secure")["nodes"]}
+        net.check(after == registered and len(net.flwr("ls", "secure")["runs"]) == 1,
+                  f"the other user changed the deployment: nodes {after}")
+
+        net.check(other["state-parent-open"] and owner["state-parent-open"], "the state's parent is not open to all")
         pids = net.remember()
         stopped = subprocess.run([sys.executable, "-m", "fedhpro.flower", "up", "--stop", str(net.state)],
                                  env=net.env, capture_output=True, text=True, timeout=120)
@@ -392,6 +461,9 @@ def test_secured_deployment_refuses_strangers_and_nodes_and_runs_fedhpro_like_th
         net.check(not [pid for pid in pids if alive(pid)], f"left running: {[p for p in pids if alive(p)]}")
     finally:
         left = net.stop_everything()
+        if (net.state / "logs").is_dir():  # kept with the test's other logs: the state folder goes
+            shutil.copytree(net.state / "logs", tmp_path / "up-logs", dirs_exist_ok=True)
+        shutil.rmtree(open_parent, ignore_errors=True)
     assert left == [], f"processes left running: {left}"
 
     rows = read_rows(tmp_path / "out" / "metrics.jsonl")

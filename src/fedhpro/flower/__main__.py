@@ -7,9 +7,12 @@
   ``--gate``, the operator's and each node's client certificate for the gate;
   ``certificates DIR --client NAME --role node|operator``: one more client
   certificate signed by DIR's ca.key;
-- ``gate server|forward PREFIX ...``: nginx configs for mutual TLS with roles
-  in front of the SuperLink, and every party's local forwarder
-  (:mod:`fedhpro.flower.gate`); ``--start`` runs nginx in the foreground;
+- ``gate server|bridge|forward PREFIX ...``: nginx configs for mutual TLS
+  with roles in front of the SuperLink, the bridge from an owner-only Unix
+  socket to a SuperLink in a private network namespace, and every party's
+  local forwarder, with ``--token`` one that passes only the requests of the
+  ``flwr`` of this user (:mod:`fedhpro.flower.gate`); ``--start`` runs nginx
+  in the foreground;
 - ``up SITES_DIR``: a secured, supervised deployment on loopback, one
   SuperNode per site folder (:mod:`fedhpro.flower.up`); ``up --stop STATE``;
 - ``run APP CONNECTION --run-config ...``: submit a run, follow its log, and
@@ -64,9 +67,20 @@ def make_certificates(args: argparse.Namespace) -> int:
 
 def make_gate(args: argparse.Namespace) -> int:
     if args.kind == "server":
-        written = gate.server_config(args.prefix, args.certs, args.listen, args.superlink)
+        written = gate.server_config(args.prefix, args.certs, args.listen, args.superlink, args.local)
+    elif args.kind == "bridge":
+        written = gate.bridge_config(args.prefix, args.certs, args.listen, args.superlink)
     else:
-        written = gate.forward_config(args.prefix, args.certs, args.name, args.gate, args.listen, args.gate_name)
+        import secrets
+
+        from fedhpro.flower.up import flwr_home
+
+        token = secrets.token_hex(32) if args.token else None
+        written = gate.forward_config(args.prefix, args.certs, args.name, args.gate, args.listen, args.gate_name,
+                                      token=token)
+        if token is not None:
+            store = gate.store_flwr_token(flwr_home(), args.listen, token)
+            print(f"token for {args.listen} in {store} (flwr sends it; a request without it gets 403)")
     command = written.command()
     if args.start:
         os.execv(command[0], command)  # nginx in the foreground, in place of this process
@@ -125,7 +139,18 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--certs", required=True, help="folder with ca.crt, server.pem, server.key")
     server.add_argument("--listen", required=True, help="host:port the others reach (e.g. 0.0.0.0:18000)")
     server.add_argument("--superlink", default="127.0.0.1:18001",
-                        help="the SuperLink's own address (flower-superlink --host 127.0.0.1; default 127.0.0.1:18001)")
+                        help="the SuperLink's own address (flower-superlink --host 127.0.0.1; default "
+                             "127.0.0.1:18001), or unix:/abs/path of a bridge (gate bridge)")
+    server.add_argument("--local", help="also listen on this Unix socket (unix:/abs/path), for forwarders on this "
+                                        "host in private network namespaces")
+    bridge = kinds.add_parser("bridge", help="from an owner-only Unix socket to the SuperLink in a private network "
+                                             "namespace (run it in that namespace)")
+    bridge.add_argument("prefix", help="folder for nginx.conf, its pid file, logs and temporary files")
+    bridge.add_argument("--certs", required=True, help="folder with ca.crt and server.pem")
+    bridge.add_argument("--listen", required=True,
+                        help="unix:/abs/path in a folder only its owner may enter (the gate's --superlink)")
+    bridge.add_argument("--superlink", default="127.0.0.1:18001",
+                        help="the SuperLink's address in the namespace (default 127.0.0.1:18001)")
     forward = kinds.add_parser("forward", help="a party's local forwarder (operator or node)")
     forward.add_argument("prefix", help="folder for nginx.conf, its pid file, logs and temporary files")
     forward.add_argument("--certs", required=True, help="folder with ca.crt and NAME.crt and its key")
@@ -135,7 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the name the gate's certificate must hold (default: --gate's host). nginx checks DNS "
                               "names (or the CN) only: for a gate reached by IP address give its DNS name here")
     forward.add_argument("--listen", default="127.0.0.1:18001", help="loopback host:port (default 127.0.0.1:18001)")
-    for sub in (server, forward):
+    forward.add_argument("--token", action="store_true",
+                         help="pass only requests with a new secret token, stored in $FLWR_HOME/credentials.yaml "
+                              "for --listen (flwr sends it): for the operator's forwarder")
+    for sub in (server, bridge, forward):
         sub.add_argument("--start", action="store_true", help="then run nginx in the foreground")
     gates.set_defaults(handler=make_gate)
 

@@ -89,6 +89,25 @@ def upstream_server(address: str) -> str:
     return _q(f"unix:{path}") if path is not None else nginx_address(*split_address(address))
 
 
+def store_flwr_token(home: Path, address: str, token: str) -> Path:
+    """Put ``token`` into Flower's credential store (``home/credentials.yaml``, owner-only) for the connection
+    address ``address``, as Flower's OIDC login would: ``flwr`` then sends ``Authorization: Bearer <token>``
+    with every request to that address, which a forwarder with that token demands."""
+    from flwr.cli.constant import ACCESS_TOKEN_STORE_KEY, AUTHN_TYPE_STORE_KEY, REFRESH_TOKEN_STORE_KEY
+    from flwr.common.constant import AuthnType
+    from flwr.supercore.credential_store.file_credential_store import FileCredentialStore
+
+    home.mkdir(parents=True, exist_ok=True)
+    path = home / "credentials.yaml"
+    store = FileCredentialStore(path)
+    store.set(AUTHN_TYPE_STORE_KEY % address, AuthnType.OIDC.encode())
+    store.set(ACCESS_TOKEN_STORE_KEY % address, token.encode())
+    # flwr sends only the access token, but wants a refresh token stored (it would send it only after a 401)
+    store.set(REFRESH_TOKEN_STORE_KEY % address, b"none")
+    os.chmod(path, 0o600)
+    return path
+
+
 def split_address(address: str) -> tuple[str, int]:
     """``host:port`` (``[v6]:port`` for IPv6) -> (host, port); a one-line ConfigError otherwise."""
     host, sep, port = address.rpartition(":")

@@ -6,9 +6,17 @@ One SuperNode per site folder of ``SITES_DIR`` (own-data mode: the node's
 - certificates and keys (``certificates.create(..., gate=True)``) in
   ``STATE/certs`` on the first start, reused afterwards;
 - the SuperLink with TLS, ``--enable-supernode-auth`` and ``--database
-  STATE/superlink.db`` (a restart keeps the registered keys), on 127.0.0.1 only;
-- nginx as the gate (mutual TLS, roles) and one nginx forwarder per party
-  (the operator's, each node's), every listener on 127.0.0.1;
+  STATE/superlink.db`` (a restart keeps the registered keys), on 127.0.0.1 of
+  a **private network namespace** (:class:`Namespace`) with the gate's bridge
+  beside it on an owner-only Unix socket: Flower 1.42 takes no Unix socket
+  (:data:`NO_UNIX_SOCKETS`), and its SuperLink asks no client certificate, so
+  this is how no other local user reaches it;
+- nginx as the gate (mutual TLS, roles; 127.0.0.1 and, for the nodes, an
+  owner-only Unix socket) and one nginx forwarder per party: the operator's
+  on 127.0.0.1, passing only requests with the operator's token (a fresh
+  secret each start, in ``$FLWR_HOME/credentials.yaml``, Flower's own
+  credential store, which ``flwr`` sends as ``Authorization: Bearer``), each
+  node's in the node's own private network namespace with its SuperNode;
 - the node keys registered through the operator's forwarder (once; the ids are
   kept in ``STATE/nodes.json``), and a flwr connection written into
   ``$FLWR_HOME/config.toml`` next to the connections already there;
@@ -20,6 +28,11 @@ One SuperNode per site folder of ``SITES_DIR`` (own-data mode: the node's
   is retried with backoff, and a process that keeps failing for
   :data:`GIVE_UP` seconds is left down with one line naming its log.
 
+Where no private network namespace can be made (``unshare`` refused), or
+with ``--install-dependencies`` (installing needs the network), the SuperLink
+and the nodes stay on the host's 127.0.0.1 and ``up`` says in one line who can
+then reach them.
+
 Ctrl-C or SIGTERM (``up --stop STATE``) stops everything: nodes first (they
 say goodbye to the SuperLink), then forwarders, gate and SuperLink.
 """
@@ -27,12 +40,16 @@ say goodbye to the SuperLink), then forwarders, gate and SuperLink.
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import http.client
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
 import ssl
+import struct
 import subprocess
 import sys
 import time
@@ -53,6 +70,13 @@ BACKOFF = (2.0, 4.0, 8.0, 15.0, 30.0)
 REFUSED_EXIT = 305  # flower-supernode: the SuperLink refused to activate it (Flower 1.42)
 FLOWER_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
 PR_SET_CHILD_SUBREAPER = 36
+CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+#: what was measured against Flower 1.42 (tests/test_deploy_local_users.py): why its listeners stay on TCP
+NO_UNIX_SOCKETS = ("Flower 1.42 takes no Unix socket (flower-superlink --host unix:PATH: uvicorn looks it up "
+                   "as a host name and fails; flower-supernode --superlink unix:PATH: exit code 600, address cannot "
+                   "be parsed; flwr's address unix:PATH: 'Connection to the SuperLink is unavailable') and its "
+                   "SuperLink asks no client certificate")
 
 
 def flower_tool(name: str) -> str:
@@ -188,6 +212,129 @@ def become_subreaper() -> bool:
         return False
 
 
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def loopback_up() -> None:
+    """Bring ``lo`` up in the calling process's network namespace (a new one has it down)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        request = struct.pack("16sH22x", b"lo", 0)
+        flags = struct.unpack("16sH22x", fcntl.ioctl(probe, SIOCGIFFLAGS, request))[1]
+        fcntl.ioctl(probe, SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | IFF_UP))
+
+
+@dataclass
+class Namespace:
+    """A private network namespace (inside a user namespace of ours when not root), held open by file
+    descriptors of this process: its processes see only its own loopback, and other local users can
+    neither connect into it nor enter it (entering needs root, or our uid owning its user namespace)."""
+
+    name: str
+    net: int
+    user: int | None = None
+
+    def enter(self) -> None:
+        """Move the calling process into the namespace (in a child, between fork and exec)."""
+        libc = _libc()
+        for fd, kind in ((self.user, CLONE_NEWUSER), (self.net, CLONE_NEWNET)):
+            if fd is not None and libc.setns(fd, kind) != 0:
+                error = ctypes.get_errno()
+                raise OSError(error, f"setns into {self.name}: {os.strerror(error)}")
+
+    def close(self) -> None:
+        for fd in (self.net, self.user):
+            if fd is not None:
+                os.close(fd)
+
+
+def new_namespace(name: str) -> Namespace:
+    """A new :class:`Namespace` with ``lo`` up, made by a short-lived child; OSError (its reason) when the
+    system refuses (no unshare, or unprivileged user namespaces turned off)."""
+    rootless = os.geteuid() != 0
+    uid, gid = os.getuid(), os.getgid()
+    status_read, status_write = os.pipe()
+    hold_read, hold_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: unshare, report, wait until the parent holds the namespace, exit
+        os.close(status_read)
+        os.close(hold_write)
+        code = 0
+        try:
+            if _libc().unshare(CLONE_NEWNET | (CLONE_NEWUSER if rootless else 0)) != 0:
+                raise OSError(ctypes.get_errno(), "unshare")
+            if rootless:  # our uid/gid stay ours inside: nothing runs as root there
+                Path("/proc/self/setgroups").write_text("deny")
+                Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1")
+                Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
+            loopback_up()
+            os.write(status_write, b"ok")
+        except OSError as error:
+            os.write(status_write, f"{error.strerror or error}".encode()[:200])
+            code = 1
+        except BaseException:  # noqa: BLE001  # a forked child must never return into the caller
+            code = 2
+        finally:
+            os.close(status_write)
+            if code == 0:
+                os.read(hold_read, 1)
+            os._exit(code)
+    os.close(status_write)
+    os.close(hold_read)
+    try:
+        reply = os.read(status_read, 256).decode(errors="replace")
+        if reply != "ok":
+            raise OSError(f"unshare(CLONE_NEWNET{'|CLONE_NEWUSER' if rootless else ''}) refused: "
+                          f"{reply or 'the child died'}")
+        net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        user = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC) if rootless else None
+        return Namespace(name, net, user)
+    finally:
+        os.close(status_read)
+        os.close(hold_write)
+        os.waitpid(pid, 0)
+
+
+def in_namespace(namespace: Namespace | None, check: Callable[[], bool]) -> bool:
+    """``check()`` run in ``namespace`` (a forked child; at once in this process for None)."""
+    if namespace is None:
+        return check()
+    pid = os.fork()
+    if pid == 0:
+        ok = False
+        try:
+            namespace.enter()
+            ok = check()
+        finally:
+            os._exit(0 if ok else 1)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over a Unix socket (the bridge's)."""
+
+    def __init__(self, path: Path, timeout: float = 3):
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(str(self.path))
+
+
+def unix_health(path: Path) -> bool:
+    """Whether ``GET /health`` through the Unix socket ``path`` answers 200."""
+    connection = UnixHTTPConnection(path)
+    try:
+        connection.request("GET", "/health")
+        return connection.getresponse().status == 200
+    except OSError:
+        return False
+    finally:
+        connection.close()
+
+
 @dataclass
 class Child:
     """A supervised process: its command, log, and restart bookkeeping."""
@@ -196,6 +343,8 @@ class Child:
     args: list[str]
     log: Path
     ready: Callable[[], bool] | None = None  # a callable returning True once the process serves (None: at once)
+    namespace: Namespace | None = None  # the private network namespace it runs in (None: the host's)
+    sockets: tuple[Path, ...] = ()  # Unix sockets it listens on (a stale one from a killed start is removed)
     process: subprocess.Popen | None = None
     seen: set[int] = field(default_factory=set)  # every process it started, remembered while it lived
     started_at: float = 0.0
@@ -223,6 +372,9 @@ class Deployment:
         self.env = {**os.environ, **FLOWER_ENV}
         self.home = flwr_home(self.env)
         self.children: dict[str, Child] = {}
+        self.namespaces: dict[str, Namespace] = {}
+        self.isolation = ""  # why the SuperLink and nodes are (or are not) in private namespaces: said at start
+        self.token = secrets.token_hex(32)  # the operator's forwarder passes requests with it only
         self.stopping = False
 
     # ------------------------------------------------------------------ output
@@ -254,24 +406,34 @@ class Deployment:
             # "localhost" first: the certificate's DNS name and CN, which nginx checks (it checks no IP address)
             certificates.create(self.certs, ["localhost", "127.0.0.1"], nodes=len(self.sites), gate=True)
         self.index = self.node_names()
+        self.sockets = self.state / "s"  # short: a Unix socket path holds at most 108 bytes
+        self.sockets.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(self.sockets, 0o700)
+        for name in ("gate.sock", "link.sock"):
+            gate.unix_path(f"unix:{self.sockets / name}")  # refuses a path too long, in one line
         busy = [port for port in self.ports.all() if not port_free(port)]
         if busy:
             raise ConfigError(f"port(s) {busy} on 127.0.0.1 are in use (a deployment already up?); stop it, "
                               f"or choose another --port (this one needs {self.ports.base}-{self.ports.all()[-1]})")
 
     # ------------------------------------------------------------------ processes
-    def add(self, name: str, args: list[str], ready=None) -> Child:
-        child = Child(name, args, self.state / "logs" / f"{name}.log", ready)
+    def add(self, name: str, args: list[str], ready=None, namespace: Namespace | None = None,
+            sockets: tuple[Path, ...] = ()) -> Child:
+        child = Child(name, args, self.state / "logs" / f"{name}.log", ready, namespace, sockets)
         self.children[name] = child
         return child
 
     def launch(self, child: Child) -> None:
+        for path in child.sockets:
+            path.unlink(missing_ok=True)  # nginx refuses to bind over the socket file a killed start left
         with open(child.log, "ab") as log:
             child.log_start = log.tell()
-            log.write(f"--- fedhpro up: starting {' '.join(child.args)}\n".encode())
+            where = f" (network namespace {child.namespace.name})" if child.namespace else ""
+            log.write(f"--- fedhpro up: starting {' '.join(child.args)}{where}\n".encode())
             log.flush()
             child.process = subprocess.Popen(child.args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, start_new_session=True)
+                                             stdin=subprocess.DEVNULL, start_new_session=True,
+                                             preexec_fn=child.namespace.enter if child.namespace else None)
         child.started_at, child.next_start, child.seen = time.monotonic(), None, set()
         (self.state / "run" / f"{child.name}.pid").write_text(f"{child.process.pid}\n")
 
@@ -304,13 +466,44 @@ class Deployment:
                 raise ConfigError(f"{child.name} is not ready after {seconds:.0f} s; see {child.log}")
             time.sleep(0.5)
 
-    def health(self, port: int) -> bool:
+    def health(self, port: int, token: str | None = None) -> bool:
         context = ssl.create_default_context(cafile=str(self.certs / certificates.CA_CERT))
+        request = urllib.request.Request(f"https://127.0.0.1:{port}/health",
+                                         headers={"Authorization": f"Bearer {token}"} if token else {})
         try:
-            with urllib.request.urlopen(f"https://127.0.0.1:{port}/health", timeout=3, context=context) as r:
+            with urllib.request.urlopen(request, timeout=3, context=context) as r:
                 return r.status == 200
         except OSError:
             return False
+
+    def isolate(self) -> None:
+        """Make the SuperLink's and each node's private network namespace, or say why not (:attr:`isolation`)."""
+        names = ["superlink"] + [site.name for site in self.sites]
+        if self.install_dependencies:
+            self.isolation = (f"{NO_UNIX_SOCKETS}; with --install-dependencies (it needs the network) the SuperLink "
+                              f"and nodes stay on this host's 127.0.0.1, where every local user reaches the "
+                              f"SuperLink (127.0.0.1:{self.ports.superlink}) as operator")
+            return
+        try:
+            for name in names:
+                self.namespaces[name] = new_namespace(name)
+        except OSError as error:
+            for namespace in self.namespaces.values():
+                namespace.close()
+            self.namespaces.clear()
+            self.isolation = (f"{NO_UNIX_SOCKETS}, and no private network namespace could be made ({error}): "
+                              f"every local user reaches the SuperLink (127.0.0.1:{self.ports.superlink}) as "
+                              "operator and each node's forwarder and API")
+            return
+        self.isolation = (f"{NO_UNIX_SOCKETS}: the SuperLink and each node run in a private network namespace; "
+                          f"other local users reach only the gate (127.0.0.1:{self.ports.gate}, a client "
+                          f"certificate needed) and the operator's forwarder (127.0.0.1:{self.ports.operator}, "
+                          "the operator's token needed)")
+
+    def write_token(self) -> Path:
+        """The operator's token into Flower's credential store for the operator's forwarder's address, so
+        that ``flwr`` sends it (``Authorization: Bearer``); the store's file is owner-only."""
+        return gate.store_flwr_token(self.home, f"127.0.0.1:{self.ports.operator}", self.token)
 
     def flwr(self, *args: str) -> dict:
         done = subprocess.run([flower_tool("flwr"), *args, "--format", "json"], env=self.env,
@@ -328,25 +521,37 @@ class Deployment:
         ca, server_cert, server_key = (str(c / certificates.CA_CERT), str(c / certificates.SERVER_CERT),
                                        str(c / certificates.SERVER_KEY))
         p = self.ports
+        link_socket, gate_socket = self.sockets / "link.sock", self.sockets / "gate.sock"
+        link_namespace = self.namespaces.get("superlink")
+        # the bridge first: the SuperLink's health is read through it (it is in the SuperLink's namespace)
+        bridge = gate.bridge_config(self.state / "bridge", c, f"unix:{link_socket}", f"127.0.0.1:{p.superlink}")
+        self.add("bridge", bridge.command(), ready=link_socket.exists, namespace=link_namespace,
+                 sockets=(link_socket,))
         link = ["--ssl-ca-certfile", ca, "--ssl-certfile", server_cert, "--ssl-keyfile", server_key]
         self.add("superlink", [flower_tool("flower-superlink"), *link, "--enable-supernode-auth",
                                "--host", "127.0.0.1", "--port", str(p.superlink),
                                "--database", str(self.state / "superlink.db"),
                                *([] if self.install_dependencies else ["--disable-runtime-dependency-installation"])],
-                 ready=lambda: self.health(p.superlink))
-        server = gate.server_config(self.state / "gate", c, f"127.0.0.1:{p.gate}", f"127.0.0.1:{p.superlink}")
-        self.add("gate", server.command(), ready=lambda: not port_free(p.gate))
+                 ready=lambda: unix_health(link_socket), namespace=link_namespace)
+        server = gate.server_config(self.state / "gate", c, f"127.0.0.1:{p.gate}", f"unix:{link_socket}",
+                                    local=f"unix:{gate_socket}")
+        self.add("gate", server.command(), ready=lambda: not port_free(p.gate) and gate_socket.exists(),
+                 sockets=(gate_socket,))
         self.gate_name = gate.check_name(c / certificates.SERVER_CERT)
         operator = gate.forward_config(self.state / "operator-forward", c, certificates.OPERATOR,
-                                       f"127.0.0.1:{p.gate}", f"127.0.0.1:{p.operator}", gate_name=self.gate_name)
-        self.add("operator-forward", operator.command(), ready=lambda: self.health(p.operator))
+                                       f"127.0.0.1:{p.gate}", f"127.0.0.1:{p.operator}", gate_name=self.gate_name,
+                                       token=self.token)
+        self.add("operator-forward", operator.command(), ready=lambda: self.health(p.operator, self.token))
         for site in self.sites:
             k = self.index[site.name]
+            namespace = self.namespaces.get(site.name)
             prefix = self.state / "nodes" / site.name
-            forward = gate.forward_config(prefix / "forward", c, f"supernode-{k}", f"127.0.0.1:{p.gate}",
+            # in its own namespace a node reaches the gate through the gate's owner-only socket
+            forward = gate.forward_config(prefix / "forward", c, f"supernode-{k}", f"unix:{gate_socket}",
                                           f"127.0.0.1:{p.forwarder(k)}", gate_name=self.gate_name)
             port = p.forwarder(k)
-            self.add(f"{site.name}-forward", forward.command(), ready=lambda port=port: self.health(port))
+            self.add(f"{site.name}-forward", forward.command(), namespace=namespace,
+                     ready=lambda port=port, namespace=namespace: in_namespace(namespace, lambda: self.health(port)))
             node_state = prefix / "node-state"
             node_state.mkdir(parents=True, exist_ok=True)
             private_key = c / certificates.node_key_names(k)[0]
@@ -354,7 +559,8 @@ class Deployment:
                                  "--auth-supernode-private-key", str(private_key),
                                  "--superlink", f"127.0.0.1:{p.forwarder(k)}",
                                  "--host", "127.0.0.1", "--port", str(p.node_api(k)),
-                                 "--node-config", f'data-dir="{site}" state-dir="{node_state}"'])
+                                 "--node-config", f'data-dir="{site}" state-dir="{node_state}"'],
+                     namespace=namespace)
 
     def register(self) -> dict[str, int]:
         """Register each site's node key once (ids kept in STATE/nodes.json; the database keeps the keys)."""
@@ -376,13 +582,16 @@ class Deployment:
         self.prepare()
         become_subreaper()
         (self.state / "up.pid").write_text(f"{os.getpid()}\n")
+        self.isolate()
+        self.say(self.isolation)
         self.define()
         try:
-            for name in ("superlink", "gate", "operator-forward"):
+            for name in ("bridge", "superlink", "gate", "operator-forward"):
                 self.launch(self.children[name])
                 self.wait_ready(self.children[name])
             write_connection(self.home, self.connection, f"127.0.0.1:{self.ports.operator}",
                              self.certs / certificates.CA_CERT, self.env)
+            self.write_token()
             ids = self.register()
             for site in self.sites:
                 self.launch(self.children[f"{site.name}-forward"])
@@ -393,10 +602,12 @@ class Deployment:
             self.stop()
             raise
         nodes = ", ".join(f"{site.name} (node {ids[site.name]})" for site in self.sites)
-        self.say(f"SuperLink on 127.0.0.1:{self.ports.superlink} (database {self.state / 'superlink.db'}), "
+        where = " in its private network namespace" if self.namespaces else ""
+        self.say(f"SuperLink on 127.0.0.1:{self.ports.superlink}{where} (database {self.state / 'superlink.db'}), "
                  f"gate https://127.0.0.1:{self.ports.gate} (mutual TLS), SuperNodes: {nodes}")
         self.say(f'flwr connection "{self.connection}" (the operator\'s forwarder, 127.0.0.1:{self.ports.operator}) '
-                 f"in {self.home / 'config.toml'}; logs in {self.state / 'logs'}, pids in {self.state / 'run'}")
+                 f"in {self.home / 'config.toml'}, its token in {self.home / 'credentials.yaml'}; logs in "
+                 f"{self.state / 'logs'}, pids in {self.state / 'run'}")
         self.say(f"submit: python -m fedhpro.flower run examples/flower {self.connection} --run-config "
                  f"'dataset=\"clients\" clients={len(self.sites)} rounds=2 local_epochs=1 checkpoint_every=1 "
                  f"flower.node-auth=true out=\"/abs/out\"'")
@@ -459,10 +670,10 @@ class Deployment:
     def stop(self) -> None:
         """Nodes first (SIGTERM: they say goodbye), then forwarders, gate, SuperLink; SIGKILL after 15 s."""
         self.stopping = True
-        infrastructure = {"gate", "superlink"} | {n for n in self.children if n.endswith("-forward")}
+        infrastructure = {"gate", "bridge", "superlink"} | {n for n in self.children if n.endswith("-forward")}
         order = ([c for c in self.children.values() if c.name not in infrastructure],
                  [c for c in self.children.values() if c.name.endswith("-forward")],
-                 [self.children.get("gate")], [self.children.get("superlink")])
+                 [self.children.get("gate"), self.children.get("bridge")], [self.children.get("superlink")])
         for candidates in order:
             group = [(c, c.process) for c in candidates if c is not None and c.process is not None]
             for child, _ in group:
@@ -480,6 +691,9 @@ class Deployment:
         self.reap_orphans(descendants_map())
         for name in list(self.children):
             (self.state / "run" / f"{name}.pid").unlink(missing_ok=True)
+        for namespace in self.namespaces.values():
+            namespace.close()  # the namespaces end with their last process
+        self.namespaces.clear()
         pid_file = self.state / "up.pid"
         if pid_file.exists() and pid_file.read_text().strip() == str(os.getpid()):
             pid_file.unlink()

@@ -1,0 +1,294 @@
+"""What another local user can do against ``python -m fedhpro.flower up``'s listeners.
+
+Flower 1.42's SuperLink asks no client certificate and its Control API authentication is a no-op: whoever
+connects to it acts as the operator. ``up`` therefore keeps it (and every node) in a private network
+namespace, because Flower takes no Unix socket (measured here), and lets local users reach only the gate
+(client certificate needed) and the operator's forwarder (the operator's token needed).
+
+:func:`attack` is the other local user (uid 65534, ``nobody``; this machine's Python lives under a folder
+only root may enter, so it runs in a forked child of the test that drops to that uid instead of a new
+interpreter): against every port of the deployment's range it tries a raw TCP connect, a TLS handshake
+trusting ``ca.crt``, ``POST /v1/control/list-runs`` and Flower's own CLI (``flwr ls``, ``flwr supernode
+register``, in-process); it tries every Unix socket in the state folder, opening the namespaces of the
+SuperLink and the nodes, and reading the state's keys and the operator's token. The same probes run first as
+root, the deployment's owner, so a probe that could not detect access would show here. The deployment test
+(test_flower_secure.py) runs it against a running ``up``; the tests below measure Flower's refusals of Unix
+sockets and the namespace itself without a deployment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import http.client
+import io
+import json
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pip install -e '.[flower]'")
+
+from fedhpro.flower import certificates, up  # noqa: E402
+
+NOBODY = 65534
+LINUX = sys.platform.startswith("linux")
+
+
+def tool(name: str) -> str:
+    return up.flower_tool(name)
+
+
+# ---------------------------------------------------------------------------- running as another user
+def as_user(uid: int | None, probe, *args) -> Any:
+    """``probe(*args)`` in a forked child that first drops to ``uid`` (None: in this process, which also
+    imports what the probes need); its JSON result. No exec: the child keeps the modules this process
+    imported (a new interpreter of another uid could not read this machine's Python)."""
+    if uid is None:
+        return json.loads(json.dumps(probe(*args)))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.close(read)
+            if uid is not None:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+            result = probe(*args)
+        except BaseException as error:  # noqa: BLE001  # reported to the parent, never raised in the child
+            result, code = {"child-error": f"{type(error).__name__}: {error}"}, 1
+        with os.fdopen(write, "w") as out:
+            json.dump(result, out)
+        os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as answer:
+        text = answer.read()
+    os.waitpid(pid, 0)
+    result = json.loads(text)
+    assert not (isinstance(result, dict) and "child-error" in result), result
+    return result
+
+
+def errno_name(error: OSError) -> str:
+    return errno.errorcode.get(error.errno or 0, type(error).__name__)
+
+
+def tcp(port: int) -> str:
+    with socket.socket() as probe:
+        probe.settimeout(10)
+        try:
+            probe.connect(("127.0.0.1", port))
+        except OSError as error:
+            return errno_name(error)
+    return "open"
+
+
+def tls_post(port: int, ca: str, path: str) -> str:
+    """The status of ``POST path`` over TLS trusting ``ca`` (no client certificate), or the failure."""
+    context = ssl.create_default_context(cafile=ca)
+    connection = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=30)
+    try:
+        connection.request("POST", path, body=b"", headers={"content-type": "application/protobuf"})
+        return str(connection.getresponse().status)
+    except ssl.SSLError as error:
+        return f"SSLError {error.reason}"
+    except OSError as error:
+        return errno_name(error)
+    finally:
+        connection.close()
+
+
+def flwr_in_process(home: Path, *args: str) -> dict:
+    """Flower's CLI (its click command, as the ``flwr`` script runs it) with ``FLWR_HOME=home``; its JSON.
+
+    flwr prints its JSON to ``sys.__stdout__`` and sets ``sys.stdout`` back to it when done, so all four
+    streams (and its log handler's) are swapped for the call and put back after it."""
+    import typer
+    from flwr.cli.app import app
+    from flwr.supercore import logger
+    from flwr.supercore.credential_store import file_credential_store
+
+    saved_home, saved_store = os.environ.get("FLWR_HOME"), file_credential_store.CREDENTIAL_FILE_PATH
+    os.environ["FLWR_HOME"] = str(home)
+    file_credential_store.CREDENTIAL_FILE_PATH = home / "credentials.yaml"  # fixed when flwr was imported
+    streams = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__, logger.console_handler.stream)
+    out = io.StringIO()
+    sys.__stdout__ = sys.__stderr__ = sys.stdout = sys.stderr = out  # type: ignore[misc]
+    try:
+        typer.main.get_command(app).main(args=[*args, "--format", "json"], prog_name="flwr", standalone_mode=False)
+    except BaseException:  # noqa: BLE001  # flwr ends with SystemExit/typer.Exit after printing its JSON
+        pass
+    finally:
+        sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__, logger.console_handler.stream = streams  # type: ignore[misc]
+        file_credential_store.CREDENTIAL_FILE_PATH = saved_store
+        if saved_home is None:
+            os.environ.pop("FLWR_HOME", None)
+        else:
+            os.environ["FLWR_HOME"] = saved_home
+    text = out.getvalue()
+    try:
+        return json.loads(text[text.index("{"):text.rindex("}") + 1])
+    except ValueError:
+        return {"success": False, "error-message": text[-300:]}
+
+
+def outcome(reply: dict) -> str:
+    """A flwr reply in a word: success, or the HTTP status / failure its error message names."""
+    if reply.get("success"):
+        return "success"
+    message = str(reply.get("error-message", ""))
+    for word in ("400", "401", "403", "404", "502", "unavailable"):
+        if word in message:
+            return word
+    return "failed: " + " ".join(message.split())[-160:]
+
+
+def open_path(path: str) -> str:
+    try:
+        os.close(os.open(path, os.O_RDONLY))
+    except OSError as error:
+        return errno_name(error)
+    return "opened"
+
+
+def unix_connect(path: str) -> str:
+    with socket.socket(socket.AF_UNIX) as probe:
+        probe.settimeout(10)
+        try:
+            probe.connect(path)
+        except OSError as error:
+            return errno_name(error)
+    return "connected"
+
+
+def probes(home: str, state: str, ports: list[int], sockets: list[str], namespaces: list[str],
+           secrets: list[str]) -> dict:
+    """Everything :func:`attack` tries, as whoever runs it."""
+    folder = Path(home)
+    ca = str(folder / "ca.crt")
+    found: dict[str, Any] = {"uid": os.getuid(), "ports": {}, "sockets": {}, "namespaces": {}, "secrets": {},
+                             # the folder holding the state is open to all: a refusal below is the state's own
+                             "state-parent-open": os.access(Path(state).parent, os.X_OK)}
+    for port in ports:
+        entry = {"tcp": tcp(port)}
+        if entry["tcp"] == "open":
+            entry["list-runs"] = tls_post(port, ca, "/v1/control/list-runs")
+            entry["flwr ls"] = outcome(flwr_in_process(folder, "ls", f"p{port}"))
+            entry["flwr supernode register"] = outcome(flwr_in_process(
+                folder, "supernode", "register", str(folder / "evil.pub"), f"p{port}"))
+        found["ports"][str(port)] = entry
+    found["sockets"] = {path: unix_connect(path) for path in sockets}
+    found["namespaces"] = {path: open_path(path) for path in namespaces}
+    found["secrets"] = {path: open_path(path) for path in secrets}
+    return found
+
+
+def attack(state: Path, ports: list[int], ca: Path, pids: dict[str, int]) -> dict[str, dict]:
+    """The probes as root (the deployment's owner) and as ``nobody``, against ``ports`` (every port of the
+    deployment's range), the Unix sockets in ``state``, the network namespaces of ``pids`` (name -> a process
+    of that party) and the secrets; {"owner": ..., "other": ...}. The other user's FLWR_HOME (a copy of
+    ``ca.crt``, a connection per port, a node key of its own) is a folder of its own in the system's
+    temporary folder (pytest's is open to root only)."""
+    home = Path(tempfile.mkdtemp(prefix="fedhpro-other-user-"))
+    try:
+        return _attack(state, ports, ca, pids, home)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _attack(state: Path, ports: list[int], ca: Path, pids: dict[str, int], home: Path) -> dict[str, dict]:
+    shutil.copy(ca, home / "ca.crt")
+    private, public = certificates.node_key_pair()
+    (home / "evil.pub").write_bytes(public)
+    flwr_in_process(home, "config", "list")  # flwr writes its default config.toml first
+    with open(home / "config.toml", "a") as config:
+        for port in ports:
+            config.write(f'\n[superlink.p{port}]\naddress = "127.0.0.1:{port}"\nroot-certificates = '
+                         f'"{home / "ca.crt"}"\n')
+    for path in [home, *home.rglob("*")]:
+        os.chown(path, NOBODY, NOBODY)
+    sockets = sorted(str(path) for path in state.rglob("*") if path.is_socket())
+    namespaces = [f"/proc/{pid}/ns/net" for pid in pids.values()]
+    secrets = [str(state / "certs" / "operator.key"), str(state / "certs" / "ca.key"),
+               str(state / "operator-forward" / "nginx.conf")]
+    args = (str(home), str(state), ports, sockets, namespaces, secrets)
+    owner = as_user(None, probes, *args)  # first: the probes' code paths are then imported for the other user
+    other = as_user(NOBODY, probes, *args)
+    return {"owner": owner, "other": other}
+
+
+# ---------------------------------------------------------------------------- without a deployment
+def test_flower_takes_no_unix_socket(tmp_path):
+    """The facts behind ``up``'s first line (:data:`fedhpro.flower.up.NO_UNIX_SOCKETS`)."""
+    env = {**os.environ, **up.FLOWER_ENV, "FLWR_HOME": str(tmp_path / "home")}
+    sock = tmp_path / "link.sock"
+    link_code, link = finished([tool("flower-superlink"), "--insecure", "--host", f"unix:{sock}", "--port", "9",
+                                "--database", ":flwr-in-memory:"], env, tmp_path / "superlink.log")
+    # uvicorn resolves "unix:/path" as a host name: "Name or service not known", or an idna error when long
+    assert link_code != 0 and ("Name or service not known" in link or "getaddrinfo" in link) and not sock.exists()
+    _, node = finished([tool("flower-supernode"), "--insecure", "--superlink", f"unix:{sock}",
+                        "--port", str(up_free_port())], env, tmp_path / "supernode.log")
+    assert "Exit Code: 600" in node and "cannot be parsed" in node
+    home = tmp_path / "home"
+    flwr_in_process(home, "config", "list")
+    with open(home / "config.toml", "a") as config:
+        config.write(f'\n[superlink.unixy]\naddress = "unix:{sock}"\ninsecure = true\n')
+    reply = flwr_in_process(home, "ls", "unixy")
+    assert not reply["success"] and "Connection to the SuperLink is unavailable" in reply["error-message"]
+
+
+def finished(args: list[str], env: dict[str, str], log: Path) -> tuple[int, str]:
+    """Run a Flower command to its end in a session of its own, then end what it started (its SuperExec)."""
+    with open(log, "wb") as out:
+        process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True)
+    try:
+        code = process.wait(timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, 9)
+        process.wait()
+    return code, log.read_text(errors="replace")
+
+
+def up_free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.skipif(not LINUX, reason="network namespaces are Linux's")
+def test_a_private_network_namespace_is_out_of_reach_of_the_host_and_of_other_users(tmp_path):
+    try:
+        namespace = up.new_namespace("probe")
+    except OSError as error:
+        pytest.skip(f"no private network namespace here: {error}")
+    port = up_free_port()
+    server = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path,
+                              preexec_fn=namespace.enter)
+    try:
+        deadline = time.monotonic() + 60
+        while not up.in_namespace(namespace, lambda: tcp(port) == "open") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert up.in_namespace(namespace, lambda: tcp(port) == "open")  # inside: it serves
+        assert tcp(port) == "ECONNREFUSED"  # the host's 127.0.0.1: nothing there
+        ns = f"/proc/{server.pid}/ns/net"
+        if os.geteuid() == 0:
+            assert as_user(None, open_path, ns) == "opened"  # its owner could join it
+            assert as_user(NOBODY, open_path, ns) == "EACCES"  # another user cannot
+    finally:
+        server.kill()
+        server.wait()
+        namespace.close()
