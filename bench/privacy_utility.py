@@ -68,6 +68,9 @@ def collect(folder: Path, methods: Sequence[str], seeds: Sequence[int], epsilons
                     missing.append(seed)
                     continue
                 summary = json.loads(summary_path.read_text())
+                if summary["accuracy"] is None:  # stopped before any round was evaluated
+                    missing.append(seed)
+                    continue
                 values.append(float(summary["accuracy"]))
                 privacy = summary.get("privacy")
                 if isinstance(privacy, dict) and isinstance(privacy.get("epsilon"), (int, float)):

@@ -36,8 +36,9 @@ def sweep(out: Path, jobs: int, rounds: int, methods: str, seeds: str) -> None:
 
 
 def table(out: Path) -> list[float]:
-    return [json.loads((run / "summary.json").read_text())["accuracy"] for run in sorted(out.iterdir())
-            if (run / "summary.json").is_file()]
+    accuracies = [json.loads((run / "summary.json").read_text())["accuracy"] for run in sorted(out.iterdir())
+                  if (run / "summary.json").is_file()]
+    return [float("nan") if value is None else value for value in accuracies]  # null: no round evaluated
 
 
 def main() -> None:

@@ -141,7 +141,8 @@ def run_part(part: Part, resolved: dict[str, Any], note: str, overrides: dict[st
         if echo and was_reused:
             print(f"  {job.label:34s} seed {job.seed}: reused {job.folder}", flush=True)
         elif echo:
-            print(f"  {job.label:34s} seed {job.seed}: AVG {summary['accuracy']:6.2f}{took}", flush=True)
+            shown = "no round evaluated" if summary["accuracy"] is None else f"AVG {summary['accuracy']:6.2f}"
+            print(f"  {job.label:34s} seed {job.seed}: {shown}{took}", flush=True)
         runs.setdefault(job.key, []).append(load_run(job.folder))
     first = next((run for values in runs.values() for run in values if run.evaluated), None)
     domains = [d for d in first.final["accuracy"] if d != "AVG"] if first else []
