@@ -12,6 +12,7 @@ import io
 import json
 import pickle
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -312,3 +313,137 @@ def test_a_plug_in_inference_rule_is_not_saved_and_says_so(digits_data_dir, tmp_
     x = torch.randn(3, 3, 32, 32)
     model = fedhpro.load_model(result.out)
     assert not isinstance(model, ScaledLogits) and torch.equal(model(x), result.model(x))
+
+
+# ---------------------------------------------------------------------------- a run folder is untrusted input
+
+
+def hostile_copy(global_run, tmp_path, **changes) -> Path:
+    """A copy of the run's folder whose model.json has ``changes`` (``input__size`` sets ``input.size``)."""
+    import shutil
+
+    folder = tmp_path / "hostile"
+    if folder.exists():
+        shutil.rmtree(folder)
+    shutil.copytree(global_run.out, folder)
+    info = json.loads((folder / "model.json").read_text())
+    for key, value in changes.items():
+        if key.startswith("input__"):
+            info["input"][key.removeprefix("input__")] = value
+        else:
+            info[key] = value
+    (folder / "model.json").write_text(json.dumps(info))
+    return folder
+
+
+def predict_error(folder: Path, capsys, *inputs: str) -> str:
+    capsys.readouterr()
+    code = cli_main(["predict", str(folder), *inputs])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("fedhpro: error:"), err
+    return err
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"num_classes": "abc"}, "num_classes is 'abc', not a whole number"),
+    ({"num_classes": 10**12}, "num_classes is 1000000000000, not a whole number from 1 to 1,000,000"),
+    ({"num_classes": True}, "num_classes is True"),
+    ({"classes": ["a", "b"]}, "classes is .*not a list of 10 class names"),
+    ({"input_shape": [3, -32, 32]}, "input_shape is"),
+    ({"input_shape": "3x32x32"}, "input_shape is"),
+    ({"input_shape": [3, 65536, 65536]}, "input_shape is .*16,777,216 values"),
+    ({"input__size": "32"}, "input.size is '32'"),
+    ({"input__std": [0.5, 0.0, 0.5]}, r"input.std is .*three finite numbers > 0"),
+    ({"personal": []}, "personal is"),
+    ({"inference": 3}, "inference is 3, not a name"),
+])
+def test_a_model_json_of_wrong_types_or_ranges_is_one_line(global_run, tmp_path, capsys, changes, message):
+    folder = hostile_copy(global_run, tmp_path, **changes)
+    err = predict_error(folder, capsys, str(tmp_path))
+    assert re.search(message, err) and "model.json" in err, err
+    with pytest.raises(ModelFileError, match=message):
+        fedhpro.load_model(folder)
+
+
+def test_model_json_cannot_name_files_outside_its_folder(global_run, tmp_path, capsys):
+    """The weights read are the folder's own: an absolute path, a ``..`` path or a symbolic link that leads
+    out of the folder is refused, even when the file it names is a valid model of the right shapes."""
+    import shutil
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.copy(global_run.out / "model.pt", outside / "model.pt")
+    shutil.copy(global_run.out / "config.yaml", outside / "config.yaml")
+    cases = [({"global": str(outside / "model.pt")}, "global is .*points outside the run folder"),
+             ({"global": "../elsewhere/model.pt"}, "global is .*points outside the run folder"),
+             ({"config": str(outside / "config.yaml")}, "config is .*points outside the run folder"),
+             ({"config": "../elsewhere/config.yaml"}, "config is .*points outside the run folder"),
+             ({"global": "link.pt"}, "global is 'link.pt', which leads outside the run folder")]
+    for changes, message in cases:
+        folder = hostile_copy(global_run, tmp_path, **changes)
+        (folder / "link.pt").symlink_to(outside / "model.pt")
+        err = predict_error(folder, capsys, str(tmp_path / "elsewhere"))
+        assert re.search(message, err), err
+        with pytest.raises(ModelFileError, match=message):
+            fedhpro.load_model(folder)
+    folder = hostile_copy(global_run, tmp_path, **{"global": None, "personal": {"0": {"file": "../../x.pt",
+                                                                                    "architecture": "cnn"}}})
+    with pytest.raises(ModelFileError, match=r"personal.0.file is '../../x.pt', which points outside"):
+        fedhpro.load_model(folder, client=0)
+    # a link that stays inside the folder is a file of the folder
+    folder = hostile_copy(global_run, tmp_path, **{"global": "inside.pt"})
+    (folder / "inside.pt").symlink_to(folder / "model.pt")
+    x = torch.zeros(2, 3, 32, 32)
+    assert torch.equal(fedhpro.load_model(folder)(x), global_run.model(x))
+
+
+def test_a_model_json_past_the_bounds_is_one_line(global_run, tmp_path, capsys):
+    folder = hostile_copy(global_run, tmp_path)
+    (folder / "model.json").write_text('{"format": "fedhpro-model/1", "x": ' + "[" * 50_000 + "]" * 50_000 + "}")
+    assert "levels deep" in predict_error(folder, capsys, str(tmp_path))
+    (folder / "model.json").write_text('{"format": "fedhpro-model/1", "num_classes": 1' + "0" * 5000 + "}")
+    assert "not valid JSON" in predict_error(folder, capsys, str(tmp_path))
+
+
+def test_summary_json_of_another_shape_is_one_line_in_class_accuracy(global_run, tmp_path):
+    from fedhpro.trained import class_accuracy
+
+    folder = hostile_copy(global_run, tmp_path)
+    (folder / "summary.json").write_text('{"accuracy": "high"}')
+    with pytest.raises(DataError, match="summary.json: accuracy is 'high', not a number"):
+        class_accuracy(folder)
+
+
+def huge_png(path: Path, side: int) -> Path:
+    """A valid 1-bit PNG of ``side`` x ``side`` black pixels, written row by row (a few KB for 144 MP)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    compressor = zlib.compressobj(9)
+    row = b"\x00" + b"\x00" * ((side + 7) // 8)  # filter byte, then the packed bits
+    data = b"".join(compressor.compress(row) for _ in range(side)) + compressor.flush()
+    header = struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", data) + chunk(b"IEND", b""))
+    return path
+
+
+def test_predict_refuses_an_image_of_too_many_pixels_before_decoding_it(global_run, tmp_path, capsys, monkeypatch):
+    """A model that resizes its inputs (an image-folder run) takes images of any size: a 144-megapixel PNG
+    of a few KB is refused from its header, and no pixel of it is decoded (decoding is made to fail)."""
+    from PIL import Image, ImageFile
+
+    big = huge_png(tmp_path / "big.png", 12_000)
+    assert big.stat().st_size < 200_000
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # Pillow's warning: opening reads the header
+        with Image.open(big) as image:
+            assert image.size == (12_000, 12_000)
+    folder = hostile_copy(global_run, tmp_path, input__resize=True)
+    decoded = []
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: decoded.append(self) or pytest.fail("decoded"))
+    err = predict_error(folder, capsys, str(big))
+    assert "big.png is 12000x12000 = 144,000,000 pixels, over the limit of 89,478,485" in err, err
+    assert "FEDHPRO_MAX_IMAGE_PIXELS" in err and not decoded

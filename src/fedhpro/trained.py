@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import csv
 import io
-import json
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,9 +35,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fedhpro.bounded import read_json_file
 from fedhpro.config import Config, is_from_python, load_config
-from fedhpro.errors import ConfigError, DataError
-from fedhpro.files import write_atomic, write_atomic_with
+from fedhpro.errors import ConfigError, DataError, FedHProError
+from fedhpro.files import strict_json, write_atomic, write_atomic_with
 
 #: the final global model's file in a run folder
 MODEL_FILE = "model.pt"
@@ -229,7 +230,7 @@ def write_models(out: str | os.PathLike, models: TrainedModels) -> None:
         save_state(out / MODEL_FILE, models.global_model)
     for k, module in sorted(models.personal.items()):
         save_state(out / client_file(k), module)
-    write_atomic(out / MODEL_INFO, json.dumps(models.info, indent=2) + "\n")
+    write_atomic(out / MODEL_INFO, strict_json(models.info, indent=2) + "\n")
 
 
 def _why_personal(config: Config) -> str:
@@ -309,7 +310,7 @@ def write_server_model(out: str | os.PathLike, side: Any, partition: Mapping[str
                       {k: _architecture(config, side.models.architectures, k) for k in range(count)},
                       _why_personal(config))
     info["on_nodes"] = True  # each node wrote its clients' files on its own disk
-    write_atomic(Path(out) / MODEL_INFO, json.dumps(info, indent=2) + "\n")
+    write_atomic(Path(out) / MODEL_INFO, strict_json(info, indent=2) + "\n")
 
 
 def _architecture(config: Config, architectures: Sequence[str] | None, k: int) -> str:
@@ -341,7 +342,7 @@ def write_node_model(folder: str | os.PathLike, config: Config, node: Any, model
                       {k: _architecture(config, node.models.architectures, k)}, _why_personal(config), note=note)
     save_state(folder / client_file(k), module)
     write_yaml(folder / "config.yaml", config.to_dict())
-    write_atomic(folder / MODEL_INFO, json.dumps(info, indent=2) + "\n")
+    write_atomic(folder / MODEL_INFO, strict_json(info, indent=2) + "\n")
     return folder / client_file(k)
 
 
@@ -358,14 +359,119 @@ def read_info(folder: Path) -> dict[str, Any]:
         why = ("it finished before fedhpro wrote models (run it again to get model.pt)" if finished
                else "it is not a finished run folder (no summary.json)")
         raise ModelFileError(f"{folder} has no {MODEL_INFO}: {why}")
-    try:
-        info = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise ModelFileError(f"{path} cannot be read ({type(error).__name__}); it is damaged: run again") from None
+    info = read_json_file(path, ModelFileError)
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise ModelFileError(f"{path} is not a fedhpro model description ({FORMAT}); it may be from another "
                              "version")
+    check_info(info, folder)
     return info
+
+
+#: the most classes a model.json may describe: the data sets' own limit (``data.max_classes``) times ten; the
+#: module is sized by it before its weights are read
+MAX_CLASSES = 1_000_000
+#: the most values one input of a model.json may hold (``input_shape``'s product): 16M, a 3 x 2365 x 2365 image
+MAX_INPUT_VALUES = 2**24
+#: the largest side of an image input (``input.size``)
+MAX_IMAGE_SIDE = 8192
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_int(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_info(info: Mapping[str, Any], folder: Path) -> None:
+    """One :class:`ModelFileError` line unless every entry of ``info`` (a run folder's model.json) that fedhpro
+    reads has the type and range :func:`model_info` writes, and every file it names lies inside ``folder``
+    (:func:`inside_folder`): a run folder is untrusted input."""
+    path = folder / MODEL_INFO
+
+    def bad(key: str, value: Any, expected: str) -> ModelFileError:
+        return ModelFileError(f"{path}: {key} is {_shown(value)}, not {expected}; the file is damaged or was not "
+                              "written by fedhpro: run again")
+
+    for key in ("method", "model", "inference"):
+        if key in info and not isinstance(info[key], str):
+            raise bad(key, info[key], "a name")
+    for key in ("why_personal", "note"):
+        if key in info and not isinstance(info[key], str):
+            raise bad(key, info[key], "text")
+    if "on_nodes" in info and not isinstance(info["on_nodes"], bool):
+        raise bad("on_nodes", info["on_nodes"], "true or false")
+    num_classes = info.get("num_classes")
+    if not _is_int(num_classes, 1, MAX_CLASSES):
+        raise bad("num_classes", num_classes, f"a whole number from 1 to {MAX_CLASSES:,}")
+    classes = info.get("classes")
+    if not (isinstance(classes, list) and len(classes) == num_classes and all(isinstance(c, str) for c in classes)):
+        raise bad("classes", classes, f"a list of {num_classes} class names")
+    shape = info.get("input_shape")
+    if not (isinstance(shape, list) and 1 <= len(shape) <= 4 and all(_is_int(n, 1, MAX_INPUT_VALUES) for n in shape)
+            and math.prod(shape) <= MAX_INPUT_VALUES):
+        raise bad("input_shape", shape, f"1 to 4 sizes >= 1 of at most {MAX_INPUT_VALUES:,} values in all")
+    if "feature_dim" in info and not _is_int(info["feature_dim"], 1, MAX_INPUT_VALUES):
+        raise bad("feature_dim", info["feature_dim"], "a whole number >= 1")
+    inputs = info.get("input", {})
+    if not isinstance(inputs, dict):
+        raise bad("input", inputs, "a mapping")
+    if inputs.get("kind") == "image":
+        if not _is_int(inputs.get("size"), 1, MAX_IMAGE_SIDE):
+            raise bad("input.size", inputs.get("size"), f"a whole number from 1 to {MAX_IMAGE_SIDE}")
+        for key in ("mean", "std"):
+            values = inputs.get(key)
+            if not (isinstance(values, list) and len(values) == 3 and all(_is_number(v) for v in values)
+                    and (key == "mean" or all(v > 0 for v in values))):
+                raise bad(f"input.{key}", values, "three finite numbers" + (" > 0" if key == "std" else ""))
+        if inputs.get("normalize", "half") not in ("half", "preset"):
+            raise bad("input.normalize", inputs.get("normalize"), "half or preset")
+        if not isinstance(inputs.get("resize", False), bool):
+            raise bad("input.resize", inputs.get("resize"), "true or false")
+    elif "dtype" in inputs and not isinstance(inputs["dtype"], str):
+        raise bad("input.dtype", inputs["dtype"], "a dtype name")
+    if "config" in info:
+        inside_folder(folder, info["config"], "config", path)
+    if info.get("global") is not None:
+        inside_folder(folder, info["global"], "global", path)
+    personal = info.get("personal", {})
+    if not isinstance(personal, dict):
+        raise bad("personal", personal, "a mapping of client numbers to files")
+    for client, entry in personal.items():
+        if not (isinstance(client, str) and client.isdigit() and client.isascii() and len(client) <= 9):
+            raise bad("a client of personal", client, "a client number")
+        if not (isinstance(entry, dict) and isinstance(entry.get("architecture"), str)):
+            raise bad(f"personal.{client}", entry, "a file and an architecture name")
+        inside_folder(folder, entry.get("file"), f"personal.{client}.file", path)
+
+
+def inside_folder(folder: Path, name: Any, key: str, source: Path) -> Path:
+    """``folder / name`` for a file a run folder's description names (``source``'s entry ``key``), refused in
+    one :class:`ModelFileError` line unless it stays inside ``folder``: a relative path without ``..``, whose
+    resolved location (symbolic links followed) is inside the resolved folder."""
+    def refuse(why: str) -> ModelFileError:
+        return ModelFileError(f"{source}: {key} is {_shown(name)}, {why}; a run folder's files are named relative "
+                              "to it: the file is damaged or was not written by fedhpro")
+
+    if not isinstance(name, str) or not name or "\x00" in name or "\\" in name:
+        raise refuse("not a file name inside the run folder")
+    relative = Path(name)
+    if relative.is_absolute() or name.startswith(("/", "~")) or ".." in relative.parts:
+        raise refuse("which points outside the run folder")
+    target = folder / relative
+    try:
+        root, resolved = folder.resolve(), target.resolve()
+    except (OSError, RuntimeError):  # a loop of symbolic links
+        raise refuse("which cannot be resolved") from None
+    if not resolved.is_relative_to(root):
+        raise refuse(f"which leads outside the run folder (to {resolved})")
+    return target
 
 
 def _model_factory_of(config: Config, info: Mapping[str, Any], model: Callable[..., nn.Module] | None,
@@ -441,7 +547,7 @@ def run_config(folder: Path, info: Mapping[str, Any], model: Callable[..., nn.Mo
     from fedhpro.config import read_yaml
     from fedhpro.user_models import python_name
 
-    path = folder / str(info.get("config", "config.yaml"))
+    path = inside_folder(folder, info.get("config", "config.yaml"), "config", folder / MODEL_INFO)
     if not path.is_file():
         raise ModelFileError(f"{folder} has no config.yaml; the run folder is incomplete")
     stored = read_yaml(path)
@@ -485,20 +591,33 @@ def load_model(run_folder: str | os.PathLike, *, client: int | None = None,
     if client is None:
         if not info.get("global"):
             raise ConfigError(personal_message(info, str(folder)))
-        path, architecture = folder / str(info["global"]), config.run.model
+        path = inside_folder(folder, info["global"], "global", folder / MODEL_INFO)
+        architecture = config.run.model
     else:
         entry = info.get("personal", {}).get(str(int(client)))
         if entry is None:
             raise ConfigError(_no_client_message(info, int(client), str(folder)))
-        path, architecture = folder / str(entry["file"]), str(entry["architecture"])
+        path = inside_folder(folder, entry["file"], f"personal.{int(client)}.file", folder / MODEL_INFO)
+        architecture = str(entry["architecture"])
         if info.get("on_nodes") and not path.is_file():
             raise ModelFileError(f"{folder} is a Flower run whose clients keep their own models: client {client}'s "
                                  "was written on its node's own disk; load it there, "
                                  f"fedhpro.load_model(<that node's model folder>, client={client})")
-    module = _empty_module(config, info, architecture, model, folder)
+    # first without memory (the meta device): the sizes model.json and config.yaml give are checked against
+    # the weights on disk before a module of those sizes is allocated
+    try:
+        with torch.device("meta"):
+            shaped: nn.Module | None = _empty_module(config, info, architecture, model, folder)
+    except FedHProError:
+        raise
+    except Exception:  # noqa: BLE001 - a model that cannot be built without memory (a user's callable)
+        shaped = None  # checked once built, as before
     state = read_state(path)
     what = (f"the model {folder / MODEL_INFO} describes ({architecture}, {info['num_classes']} classes, inputs "
             f"{tuple(info['input_shape'])})")
+    if shaped is not None:
+        check_state(state, shaped, path, what)
+    module = _empty_module(config, info, architecture, model, folder)
     check_state(state, module, path, what)
     module.load_state_dict(state)
     return module.eval().to(torch.device(device))
@@ -522,12 +641,12 @@ def _image_input(path: Path, inputs: Mapping[str, Any]) -> Tensor:
     another size is refused), normalised as the data set normalises. ``3 x S x S`` float32."""
     from PIL import Image
 
-    from fedhpro.data.images import decode_file, to_float
+    from fedhpro.data.images import decode_file, open_image, to_float
 
     size = int(inputs["size"])
     if not inputs.get("resize", False):
         try:
-            with Image.open(path) as image:
+            with open_image(path) as image:  # its pixel count checked before anything is decoded
                 width, height = image.size
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
             reason = (str(error).splitlines() or [type(error).__name__])[0]
@@ -714,7 +833,11 @@ def class_accuracy(run_folder: str | os.PathLike, *, model: Callable[..., nn.Mod
     summary_path = folder / "summary.json"
     reported = None
     if summary_path.is_file():
-        reported = json.loads(summary_path.read_text(encoding="utf-8")).get("accuracy")
+        summary = read_json_file(summary_path, DataError)
+        reported = summary.get("accuracy") if isinstance(summary, dict) else None
+        if reported is not None and (not isinstance(reported, (int, float)) or isinstance(reported, bool)):
+            raise DataError(f"{summary_path}: accuracy is {_shown(reported)}, not a number; the file is damaged: "
+                            "delete it or run again")
     train_counts = sum((torch.bincount(client.y.cpu(), minlength=num_classes)[:num_classes]
                         for client in federation.clients), torch.zeros(num_classes, dtype=torch.int64))
     return {"classes": info.get("classes"),

@@ -8,7 +8,10 @@ machine) and :func:`~fedhpro.data.federation.normalize_images` maps the
 their bit depth, never clipped (:func:`eight_bit`): 16-bit ones (PIL's
 ``I;16`` modes, and ``I`` holding 0..65535) by 255/65535, float ones (``F``)
 holding 0..1 by 255; float pixels outside 0..1 and 32-bit integers beyond
-65535 are refused in one line (their range is not known).
+65535 are refused in one line (their range is not known). An image of more
+pixels than :func:`max_image_pixels` (``$FEDHPRO_MAX_IMAGE_PIXELS``, default
+Pillow's 89,478,485) is refused in one line from its header, before any pixel
+is decoded (:func:`open_image`).
 
 Class folders are read as torchvision's ``ImageFolder`` reads them: every
 image below a class folder, in nested subfolders too (:func:`class_files`).
@@ -39,7 +42,7 @@ from torch import Tensor
 
 from fedhpro.data.federation import normalize_images
 from fedhpro.data.loaders import IMAGE_EXTENSIONS, files_key
-from fedhpro.errors import DataError
+from fedhpro.errors import ConfigError, DataError
 from fedhpro.files import write_atomic_with
 
 CACHE_FOLDER = ".fedhpro-cache"
@@ -126,6 +129,55 @@ def class_files(root: Path) -> dict[str, list[Path]]:
 #: the largest value of a 16-bit pixel: 16-bit images are scaled by 255 / this
 MAX_16_BIT = 65535
 
+#: the most pixels (width x height) an image may have: read from its header and refused before it is decoded
+#: (a PNG of a few hundred KB can hold 144 megapixels, over 400 MB once decoded to RGB). Pillow's own warning
+#: threshold; the environment variable :data:`MAX_PIXELS_VARIABLE` sets another (Pillow itself still refuses
+#: images over twice its threshold, 178,956,970 pixels)
+MAX_IMAGE_PIXELS = 89_478_485
+#: the environment variable that sets the pixel limit of every image read (training data and ``fedhpro predict``)
+MAX_PIXELS_VARIABLE = "FEDHPRO_MAX_IMAGE_PIXELS"
+
+
+def max_image_pixels() -> int:
+    """The pixel limit of an image: ``$FEDHPRO_MAX_IMAGE_PIXELS`` when set (a whole number >= 1), else
+    :data:`MAX_IMAGE_PIXELS`; a value that is not one is a one-line ConfigError."""
+    text = os.environ.get(MAX_PIXELS_VARIABLE, "").strip()
+    if not text:
+        return MAX_IMAGE_PIXELS
+    if not (text.isascii() and text.isdigit() and 1 <= int(text) <= 2**62):
+        raise ConfigError(f"{MAX_PIXELS_VARIABLE}={text[:40]!r} is not a whole number >= 1; set it to the most "
+                          f"pixels an image may have (e.g. {MAX_IMAGE_PIXELS}) or unset it")
+    return int(text)
+
+
+def check_image_size(image: Any, where: str = "the image", limit: int | None = None) -> None:
+    """A one-line DataError if the PIL image ``image`` (opened, not yet decoded: its size comes from the file's
+    header) has more than ``limit`` pixels (default :func:`max_image_pixels`)."""
+    limit = max_image_pixels() if limit is None else limit
+    width, height = image.size
+    if width * height > limit:
+        raise DataError(f"{where} is {width}x{height} = {width * height:,} pixels, over the limit of {limit:,}; "
+                        f"shrink the image, or raise the limit with {MAX_PIXELS_VARIABLE}=N")
+
+
+def open_image(path: Path | str | Any, where: str | None = None, limit: int | None = None) -> Any:
+    """``PIL.Image.open(path)`` (use it in a ``with``), its pixel count checked before anything is decoded
+    (:func:`check_image_size`); Pillow's own decompression-bomb warning is left out, this check replaces it."""
+    import warnings
+
+    from PIL import Image
+
+    limit = max_image_pixels() if limit is None else limit
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        image = Image.open(path)
+    try:
+        check_image_size(image, where or str(path), limit)
+    except BaseException:
+        image.close()
+        raise
+    return image
+
 
 def eight_bit(image: Any, where: str = "the image") -> Any:
     """A PIL image of more than 8 bits a channel scaled to 8 bits by its bit depth (16-bit: x * 255 / 65535,
@@ -158,6 +210,7 @@ def rgb_pixels(image: Any, size: int, where: str = "the image") -> np.ndarray:
     RGB, resized bilinearly when its size differs."""
     from PIL import Image
 
+    check_image_size(image, where)  # before the pixels are decoded (eight_bit, convert)
     image = eight_bit(image, where).convert("RGB")
     if image.size != (size, size):
         image = image.resize((size, size), Image.Resampling.BILINEAR)
@@ -168,8 +221,9 @@ def decode_file(path: Path, size: int) -> np.ndarray:
     """One image file as :func:`rgb_pixels`; a file PIL cannot decode is a one-line DataError naming it."""
     from PIL import Image
 
+    limit = max_image_pixels()
     try:
-        with Image.open(path) as image:
+        with open_image(path, str(path), limit) as image:
             return rgb_pixels(image, size, str(path))
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -220,6 +274,6 @@ def _save_atomic(path: Path, array: np.ndarray) -> None:
         pass  # a read-only data folder: no cache
 
 
-__all__ = ["CACHE_FOLDER", "MAX_16_BIT", "SPLIT_NAMES", "class_files", "decode_file", "decode_files", "eight_bit",
-           "image_files", "images_below", "is_image_file", "rgb_pixels", "split_folders", "subfolders", "to_float",
-           "visible"]
+__all__ = ["CACHE_FOLDER", "MAX_16_BIT", "MAX_IMAGE_PIXELS", "MAX_PIXELS_VARIABLE", "SPLIT_NAMES", "check_image_size",
+           "class_files", "decode_file", "decode_files", "eight_bit", "image_files", "images_below", "is_image_file",
+           "max_image_pixels", "open_image", "rgb_pixels", "split_folders", "subfolders", "to_float", "visible"]

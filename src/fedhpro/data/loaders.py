@@ -69,9 +69,9 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".tif", ".tiff", ".
 
 
 def _pil_rgb(path: str | os.PathLike) -> Any:
-    from PIL import Image
+    from fedhpro.data.images import open_image  # images imports this module
 
-    with Image.open(path) as image:
+    with open_image(path) as image:  # its pixel count checked before it is decoded
         return image.convert("RGB")
 
 
