@@ -88,7 +88,9 @@ def check_stored_run(folder: Path, config) -> None:
     ``config``'s settings."""
     import yaml
 
+    from fedhpro.bounded import MAX_YAML_CHARS, load_yaml, read_bounded
     from fedhpro.engines import checkpoint
+    from fedhpro.errors import FedHProError
 
     finished = (folder / "summary.json").is_file()
     if not finished and checkpoint.latest(folder) is None:
@@ -97,13 +99,15 @@ def check_stored_run(folder: Path, config) -> None:
 
     saved = folder / "config.yaml"
     try:
-        stored = yaml.safe_load(saved.read_text())
+        stored = load_yaml(read_bounded(saved, MAX_YAML_CHARS, what="config.yaml"), "config.yaml")
         reason = None if isinstance(stored, dict) else "not a mapping of settings"
-    except OSError as error:
-        reason = error.strerror or str(error)
+    except FedHProError as error:  # missing, unreadable, too large, past a bound of the YAML reader
+        reason = str(error)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         reason = f"{getattr(error, 'problem', None) or 'invalid YAML'}" + (f" at line {mark.line + 1}" if mark else "")
+    except (ValueError, OverflowError, TypeError) as error:  # a number past Python's digit limit
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:80]
     if reason is not None:
         raise ConfigError(f"{folder} holds {what} but its config.yaml cannot be read ({reason}); "
                           "delete that folder to run it again")

@@ -13,9 +13,11 @@ would be unreadable to the group).
 It also claims a run's folder for the life of the run (:func:`claim_run_folder`):
 two runs writing into one ``out=`` would mix their files.
 
+Every JSON file fedhpro writes is strict JSON (:func:`strict_json`).
+
 This module sits below everything else in fedhpro (it imports only
-:mod:`fedhpro.errors`, which imports nothing), so data, engines and reports
-can all use it.
+:mod:`fedhpro.errors`, which imports nothing, and :mod:`fedhpro.bounded`),
+so data, engines and reports can all use it.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
+from fedhpro.bounded import finite_or_none, load_json
 from fedhpro.errors import ConfigError
 
 #: what a new file's mode starts from before the umask, as ``open(path, "w")`` does
@@ -86,6 +89,17 @@ def write_atomic_with(path: str | os.PathLike, write: Callable[[BinaryIO], objec
         except FileNotFoundError:
             pass
         raise
+
+
+def strict_json(value: Any, **dumps: Any) -> str:
+    """``json.dumps(value, **dumps)`` as strict JSON: a float that is NaN or infinite (a measurement that has
+    no finite value: a loss that diverged, an epsilon before any round) is written as ``null``, never as the
+    ``NaN`` / ``Infinity`` that Python writes and strict parsers (JavaScript, jq, Go, ...) refuse. Text with
+    finite floats only is byte for byte what ``json.dumps`` writes."""
+    try:
+        return json.dumps(value, allow_nan=False, **dumps)
+    except ValueError:  # a non-finite float somewhere: written as null
+        return json.dumps(finite_or_none(value), allow_nan=False, **dumps)
 
 
 def write_atomic(path: str | os.PathLike, content: str | bytes) -> None:
@@ -158,7 +172,7 @@ def _holder(lock_path: Path) -> str:
     just after locking: read a few times before settling for less)."""
     for attempt in range(5):
         try:
-            info = json.loads(lock_path.read_text(encoding="utf-8"))
+            info = load_json(lock_path.read_text(encoding="utf-8"), str(lock_path), max_chars=4096)
             return (f"run pid {int(info['pid'])} on host {info['host']} since "
                     f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(float(info['started'])))}")
         except (OSError, ValueError, KeyError, TypeError, OverflowError):

@@ -153,14 +153,19 @@ def execute(tasks: Sequence[tuple[Any, Path]], labels: Sequence[str], sweep: Swe
 
     A finished run (its ``summary.json``) is read back here without a worker; the others go to the workers.
     """
-    import json
+    from fedhpro.bounded import read_json_file
+    from fedhpro.errors import DataError
 
     summaries: list[dict[str, Any] | None] = [None] * len(tasks)
     pending = []
     for index, (_, folder) in enumerate(tasks):
         done = Path(folder) / "summary.json"
         if done.is_file():
-            summaries[index] = json.loads(done.read_text())
+            summary = read_json_file(done, DataError)
+            if not isinstance(summary, dict):
+                raise DataError(f"{done} holds a JSON {type(summary).__name__}, not a run's summary; it is damaged: "
+                                "delete it to run that job again")
+            summaries[index] = summary
         else:
             pending.append(index)
     display = Display(len(tasks), len(tasks) - len(pending), echo)

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from fedhpro.bounded import read_json_file
 from fedhpro.errors import FedHProError
 from fedhpro.files import write_atomic
 from fedhpro.options import option
@@ -227,10 +228,7 @@ class Partition:
     def load(cls, path: str | os.PathLike, num_samples: int | Mapping[str, int] | None = None) -> Partition:
         """Read a file written by :meth:`save`; a malformed file raises :class:`PartitionError` naming it."""
         path = Path(path)
-        try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise PartitionError(f"{path}: malformed partition file (not valid JSON: {exc})") from exc
+        record = read_json_file(path, PartitionError, f"{path}: partition file")
         return cls.from_json(record, num_samples=num_samples, source=str(path))
 
 

@@ -11,7 +11,6 @@ to produce the numbers an uninterrupted run produces.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import pickle
 import random
@@ -22,8 +21,9 @@ from typing import Any, BinaryIO, cast
 import numpy as np
 import torch
 
+from fedhpro.bounded import load_json
 from fedhpro.errors import DataError
-from fedhpro.files import write_atomic_with
+from fedhpro.files import strict_json, write_atomic_with
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^round-(\d{6})\.pt$")
@@ -93,7 +93,7 @@ def save(run_dir: str | os.PathLike, completed_rounds: int, simulator_state: dic
         "format_version": FORMAT_VERSION,
         "completed_rounds": completed_rounds,
         "simulator": simulator_state,
-        "metrics": json.dumps(metrics),
+        "metrics": strict_json(metrics),
         "rng": _rng_states(),
     }
     previous = latest(run_dir)
@@ -177,10 +177,10 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
         raise DataError(_not_a_checkpoint(path, f"completed_rounds is {blob['completed_rounds']!r}"))
     damaged = (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError, OverflowError)
     try:
-        metrics = json.loads(blob["metrics"])
-    except damaged:
+        metrics = load_json(blob["metrics"], "its metrics")
+    except damaged:  # a LimitError past a bound included
         metrics = None
-    if not isinstance(metrics, list):
+    if not isinstance(metrics, list) or not all(isinstance(row, dict) for row in metrics):
         raise DataError(_not_a_checkpoint(path, "its 'metrics' entry is damaged"))
     try:
         rng = _checked_rng(blob["rng"])

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fedhpro.bounded import load_json
 from fedhpro.config import Config, load_config
 from fedhpro.data.federation import ClientData, Federation
 from fedhpro.engines.driver import Engine
@@ -68,7 +69,10 @@ def config_text(config: Config) -> str:
 
 def config_from_text(text: str, node_overrides: dict[str, Any] | None = None) -> Config:
     """The Config the server sent, with this node's own ``data_dir`` / ``device`` if its node_config sets them."""
-    values = json.loads(text)
+    values = load_json(text, "the run config the server sent")
+    if not isinstance(values, dict):
+        raise ConfigError(f"the run config the server sent is a JSON {type(values).__name__}, not a mapping of "
+                          "settings; run the same fedhpro version on the server and the nodes")
     values.update(node_overrides or {})
     return load_config(values)
 

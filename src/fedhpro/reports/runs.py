@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from fedhpro.errors import ConfigError
+from fedhpro.bounded import MAX_JSON_CHARS, parse_json, read_bounded, read_json_file, read_yaml_file
+from fedhpro.errors import ConfigError, DataError, FedHProError
+from fedhpro.reports import is_count, read_jsonl
 from fedhpro.reports.classes import CLASS_FILES, write_class_report
 from fedhpro.reports.plots import mean_band, plot_bars, plot_curves, plot_mean_curves
 from fedhpro.reports.tables import csv_text, markdown_table, mean_pm_std, mean_std
@@ -71,14 +71,72 @@ def load_run(path: str | Path) -> RunData:
     if not metrics.is_file():
         raise ConfigError(f"{str(path)!r} is not a run folder (no metrics.jsonl); give folders written by "
                           "`fedhpro run` (out=) or the out= folder of `fedhpro compare`")
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = read_jsonl(metrics)
+    for number, row in enumerate(rows, 1):
+        check_row(row, f"{metrics} row {number}")
     if not any("accuracy" in row for row in rows):
         raise ConfigError(f"{str(path)!r} has no evaluated round yet; wait for its first evaluation")
     config_path = path / "config.yaml"
-    config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else {}
+    config = read_yaml_file(config_path, DataError) if config_path.is_file() else {}
+    if config is not None and not isinstance(config, dict):
+        raise DataError(f"{config_path} holds a YAML {type(config).__name__}, not a mapping of settings; it is "
+                        "damaged: replace it or delete the run folder")
     summary_path = path / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    summary = read_json_file(summary_path, DataError) if summary_path.is_file() else None
+    if summary is not None and not isinstance(summary, dict):
+        raise DataError(f"{summary_path} holds a JSON {type(summary).__name__}, not an object; it is damaged: "
+                        "delete it or the run folder")
     return RunData(path, config or {}, rows, summary)
+
+
+#: what a report reads of a metrics.jsonl row: key -> the keys of its mapping that must be numbers (None: the
+#: value itself is a number)
+_NUMBERS: dict[str, tuple[str, ...] | None] = {
+    "bytes_up": None, "bytes_down": None, "params_up": None, "flops_train": None,
+    "fairness": ("worst_10", "best_10", "mean", "std"),
+}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_row(row: dict[str, Any], where: str) -> None:
+    """One DataError line unless what a report reads of the metrics.jsonl row ``row`` has the type the
+    engines write: a run folder is untrusted input (a damaged or hand-edited file)."""
+    def bad(key: str, expected: str) -> DataError:
+        return DataError(f"{where}: {key} is not {expected}; the file is damaged: replace it or delete the run "
+                         "folder")
+
+    if not is_count(row.get("round")):
+        raise bad("round", "a whole number >= 0")
+    if "accuracy" in row:
+        accuracy = row["accuracy"]
+        if not (isinstance(accuracy, dict) and "AVG" in accuracy and all(map(_is_number, accuracy.values()))):
+            raise bad("accuracy", "a mapping of test sets (and AVG) to numbers")
+    for key, inner in _NUMBERS.items():
+        if key not in row:
+            continue
+        value = row[key]
+        if inner is None and not _is_number(value):
+            raise bad(key, "a number")
+        if inner is not None and not (isinstance(value, dict)
+                                      and all(name in value and _is_number(value[name]) for name in inner)):
+            raise bad(key, f"a mapping with the numbers {', '.join(inner)}")
+    server = row.get("server", {})
+    if not isinstance(server, dict):
+        raise bad("server", "a mapping")
+    numbers = [name for name in ("gm_loss_after", "hyper_movement") if name in server]
+    if "gm_loss_before" in server:
+        numbers += ["gm_loss_before", "gm_loss_after"]
+    if not all(name in server and _is_number(server[name]) for name in numbers):
+        raise bad("server", "a mapping whose gm_loss_before, gm_loss_after and hyper_movement are numbers")
+    distances = row.get("prototype_distance", {})
+    if not (isinstance(distances, dict) and all(
+            isinstance(distances[source], dict) and _is_number(distances[source].get("l2"))
+            and isinstance(distances[source].get("kind", ""), str)
+            for source in ("server", "clients_mean") if source in distances)):
+        raise bad("prototype_distance", "a mapping of sources to their l2 distance")
 
 
 def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -172,8 +230,9 @@ def prepare_report_folder(out: Path, runs: Sequence[RunData], force: bool = Fals
         return
     record = out / "report.json"
     try:
-        earlier = sorted(json.loads(record.read_text()).get("runs", [])) if record.is_file() else None
-    except (ValueError, AttributeError):
+        earlier = sorted(parse_json(read_bounded(record, MAX_JSON_CHARS), str(record)).get("runs", [])) \
+            if record.is_file() else None
+    except (FedHProError, ValueError, AttributeError, TypeError):  # not a report's record: another report
         earlier = None
     if earlier != _report_sources(runs) and not force:
         what = (f"the report of {', '.join(Path(path).name for path in earlier[:3])}"
@@ -265,7 +324,7 @@ def _report_runs(runs: list[RunData], out: str | Path | None, echo: bool, force:
         rows.append([label] + [final["accuracy"].get(d) for d in domains] + [
             final["accuracy"]["AVG"], max(row["accuracy"]["AVG"] for row in run.evaluated), rounds,
             fairness.get("worst_10"), fairness.get("best_10"), fairness.get("mean"), fairness.get("variance"),
-            sum(row["bytes_up"] for row in run.rows) / rounds / 1e6,
+            sum(row.get("bytes_up", 0) for row in run.rows) / rounds / 1e6,
             (sum(row.get("params_up", 0) for row in run.rows) / rounds) if "params_up" in run.rows[0] else None,
             (sum(flops) / len(flops) / 1e9) if flops else None])
     caption = (f"Final test accuracy (%) of {len(runs)} run(s); fairness over clients (Table A8) at the last "

@@ -7,7 +7,6 @@ getting the line saying why instead.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -302,8 +301,16 @@ EFFICIENCY_COLUMNS = ("Upload ×10^7", "Comm. MB", "FLOPs ×10^10", "Time_train 
 
 
 def _timing(run: RunData) -> list[dict[str, Any]]:
+    from fedhpro.errors import DataError
+    from fedhpro.reports import read_jsonl
+
     path = run.path / "timing.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    rows = read_jsonl(path)  # bounded, each row an object
+    for number, row in enumerate(rows, 1):
+        if not isinstance(row.get("clients"), (int, float)) or isinstance(row.get("clients"), bool):
+            raise DataError(f"{path} row {number}: clients is not a number of seconds; the file is damaged: "
+                            "replace it or run that job again")
+    return rows
 
 
 def _per_round(run: RunData, key: str) -> float | None:

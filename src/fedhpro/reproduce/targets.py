@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from fedhpro.bounded import MAX_YAML_CHARS, load_yaml, read_bounded
 from fedhpro.errors import ConfigError
 
 SCALES = ("paper", "smoke")
@@ -204,7 +205,7 @@ def load_target(name: str, scale: str = "paper") -> Target:
         raise ConfigError(f"no reproduce target {name!r}; choose one of: {', '.join(available_targets())} "
                           f"(the YAML files in {configs_dir()})")
     try:
-        loaded = yaml.safe_load(path.read_text())
+        loaded = load_yaml(read_bounded(path, MAX_YAML_CHARS), str(path))
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML ({str(error).splitlines()[0]})") from None
     raw = _mapping(loaded, path, "the top level", TARGET_KEYS)
