@@ -168,8 +168,8 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
 
 
 def pld_ledger(sigma: float, q: float, rounds: int, **changes) -> ClientLedger:
-    options = PrivacyOptions(mode="client", noise_multiplier=sigma, delta=1e-5, accountant="pld",
-                             **{key: value for key, value in changes.items() if key != "class_tensors"})
+    values = {"delta": 1e-5, **{key: value for key, value in changes.items() if key != "class_tensors"}}
+    options = PrivacyOptions(mode="client", noise_multiplier=sigma, accountant="pld", **values)
     return ClientLedger(options, 100, rounds, q, changes.get("class_tensors", False))
 
 
@@ -231,3 +231,21 @@ def test_an_unknown_accountant_is_one_line():
     with pytest.raises(ConfigError, match="privacy.accountant='prv'.*rdp or pld") as error:
         ClientLedger(options, 10, 5, 1.0, False)
     assert "\n" not in str(error.value)
+
+
+def test_a_run_with_the_pld_accountant_reports_its_epsilon(digits_data_dir, tmp_path):
+    """privacy.accountant=pld reaches the run's ledger: summary.json names the PLD accountant and its epsilon is a
+    PLD ledger's for the same settings, below the RDP ledger's."""
+    from fedhpro.api import run
+
+    out = tmp_path / "run"
+    result = run(overrides=["method=fedavg", "rounds=2", "clients=4", "data.fraction=0.02",
+                            f"data.syn_size={DIGITS_SYN_SIZE}", f"data.test_fraction={DIGITS_TEST_FRACTION}",
+                            "feature_dim=16", "local_epochs=1", "seed=1", "progress=false", "threads=1",
+                            f"data_dir={digits_data_dir}", "privacy=client", "privacy.noise_multiplier=1.0",
+                            "privacy.delta=1e-3", "privacy.accountant=pld", f"out={out}"], echo=False)
+    privacy = result.summary["privacy"]
+    assert "PLDAccountant" in privacy["accountant"] and privacy["rounds_run"] == 2
+    expected = pld_ledger(1.0, 1.0, 2, delta=1e-3).epsilon({}, 2)  # fedavg: no per-class tensors
+    assert privacy["epsilon"] == pytest.approx(expected, rel=1e-12)
+    assert privacy["epsilon"] < ledger(1.0, 1.0, 2, delta=1e-3).epsilon({}, 2)
