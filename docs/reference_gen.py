@@ -36,14 +36,20 @@ def _shown(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
+def _unbroken(markdown: str) -> str:
+    """Cell Markdown whose code spans (key names, choices, defaults) never break mid-word: the site's
+    docs/stylesheets/fedhpro.css keeps ``.config-code code`` on one line."""
+    return f'<span class="config-code">{markdown}</span>' if markdown else ""
+
+
 def _table(prefix: str, cls: type, values: Any) -> list[str]:
     rows = ["| key | choices | default | meaning |", "|---|---|---|---|"]
     for field in dataclasses.fields(cls):
         choices = field.metadata.get("choices")
         shown_choices = ", ".join(f"`{choice}`" for choice in choices) if choices else ""
         default = f"`{_cell(_shown(getattr(values, field.name)))}`"
-        rows.append(f"| `{prefix}{field.name}` | {_cell(shown_choices)} | {default} | "
-                    f"{_cell(field.metadata.get('help', ''))} |")
+        rows.append(f"| {_unbroken(f'`{prefix}{field.name}`')} | {_unbroken(_cell(shown_choices))} | "
+                    f"{_unbroken(default)} | {_cell(field.metadata.get('help', ''))} |")
     return rows
 
 

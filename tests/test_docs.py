@@ -228,8 +228,9 @@ class _Links(html.parser.HTMLParser):
             self.links.append((href, " ".join("".join(texts).split())))
 
 
-def test_home_page_in_a_browser_shows_the_navigation(built_site: Path):
-    """Headless Chromium renders the built home page; its DOM links every nav entry under its title."""
+def _browser_dom(page: Path, window: str = "1280,900") -> str:
+    """The DOM of ``page`` as headless Chromium leaves it once loaded (its scripts run); skips the test where
+    Chromium is not installed."""
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
         pytest.skip("chromium is not installed (Debian: apt-get install -y chromium; .ci/run installs it)")
@@ -240,11 +241,17 @@ def test_home_page_in_a_browser_shows_the_navigation(built_site: Path):
         env = _environment(short, short)
         env["HOME"] = str(short)  # its profile and crash reports stay in this folder
         status, dom = _run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                            f"--user-data-dir={short / 'profile'}", "--dump-dom",
-                            (built_site / "index.html").as_uri()], short, env, 120)
+                            f"--user-data-dir={short / 'profile'}", f"--window-size={window}", "--dump-dom",
+                            page.as_uri()], short, env, 120)
     finally:
         shutil.rmtree(short, ignore_errors=True)
     assert status == 0, f"chromium failed:\n{dom[-4000:]}"
+    return dom
+
+
+def test_home_page_in_a_browser_shows_the_navigation(built_site: Path):
+    """Headless Chromium renders the built home page; its DOM links every nav entry under its title."""
+    dom = _browser_dom(built_site / "index.html")
     assert "<html" in dom and "md-nav" in dom, dom[-2000:]
     parser = _Links()
     parser.feed(dom)
@@ -259,3 +266,65 @@ def test_home_page_in_a_browser_shows_the_navigation(built_site: Path):
     sections = {section for section, _, _ in _nav_pages(nav) if section}
     shown = {text for _, text in parser.links} | set(re.findall(r">\s*([^<>]+?)\s*<", dom))
     assert sections <= shown, f"nav sections not in the rendered home page: {sorted(sections - shown)}"
+
+
+#: measures, in the rendered page, what a reader sees: per element of ``selector``, how many lines (client
+#: rectangles) it takes and whether its content runs past its box (scrollWidth > clientWidth)
+_MEASURE = """<script>
+window.addEventListener("load", () => {
+  const out = [...document.querySelectorAll(%r)].map(e => [e.textContent, e.getClientRects().length,
+                                                          e.scrollWidth > e.clientWidth + 1]);
+  const node = document.createElement("pre"); node.id = "fedhpro-measured";
+  node.textContent = JSON.stringify(out); document.body.appendChild(node);
+});
+</script>"""
+
+
+def _measured(built_site: Path, page: str, selector: str, window: str) -> list[tuple[str, int, bool]]:
+    """``(text, lines, overflows)`` of every element of ``selector`` on a built ``page``, rendered by Chromium
+    at ``window`` (a copy of the page beside it, with :data:`_MEASURE` added, so its stylesheets apply)."""
+    import json
+
+    source = built_site / page
+    probe = source.with_name("measured.html")
+    probe.write_text(source.read_text(encoding="utf-8").replace("</body>", _MEASURE % selector + "</body>"),
+                     encoding="utf-8")
+    dom = _browser_dom(probe, window)
+    found = re.search(r'<pre id="fedhpro-measured">(.*?)</pre>', dom, re.S)
+    assert found, dom[-2000:]
+    return [tuple(row) for row in json.loads(html.unescape(found.group(1)))]
+
+
+def test_config_keys_do_not_break_mid_word(built_site: Path):
+    """In the rendered config reference, at a laptop's width, every key name is on one line (a name broken as
+    ``feature_di`` / ``m`` takes two client rectangles)."""
+    keys = _measured(built_site, "reference/config/index.html", "td:first-child code", "1000,900")
+    assert len(keys) > 100
+    broken = [text for text, lines, _ in keys if lines != 1]
+    assert not broken, f"config keys broken over lines: {broken[:10]}"
+    assert any(text == "data.clients_per_domain" for text, _, _ in keys)
+
+
+def test_long_commands_wrap_in_code_blocks(built_site: Path):
+    """In the rendered own-images tutorial, at a narrow width, no code block's text runs past its box: the long
+    ``fedhpro run`` command wraps onto more lines instead of hiding behind a scroll bar."""
+    blocks = _measured(built_site, "tutorials/own-images/index.html", "pre > code", "700,900")
+    command = [row for row in blocks if row[0].startswith("fedhpro run dataset=imagefolder data_dir=shapes")]
+    assert command, [text[:40] for text, _, _ in blocks]
+    assert not [text[:60] for text, _, overflows in blocks if overflows]
+
+
+def _where_to_start_links() -> set[str]:
+    text = (DOCS / "index.md").read_text(encoding="utf-8")
+    section = text.split("## Where to start", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"\]\(([^)#]+\.md)\)", section))
+
+
+def test_home_page_lists_every_tutorial_and_how_to():
+    """The home page's "Where to start" links every tutorial, how-to guide and reference page of mkdocs.yml's
+    nav."""
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))["nav"]
+    wanted = {page for section, _, page in _nav_pages(nav) if section in ("Tutorials", "How-to guides", "Reference")}
+    assert len(wanted) > 20
+    missing = sorted(wanted - _where_to_start_links())
+    assert not missing, f"pages missing from docs/index.md's Where to start: {missing}"
