@@ -347,3 +347,158 @@ def test_a_corrupt_image_in_a_builtin_image_set_is_one_line(tmp_path):
     with pytest.raises(DataError, match=r"cannot decode the image .*3/b.png .*replace or remove the file"):
         image_arrays(open_loader("syn", tmp_path, True), 6, tmp_path / ".fedhpro-cache")
     assert not any((tmp_path / ".fedhpro-cache").iterdir())  # no half-written cache is left
+
+
+# ----------------------------------------------------------------------------- run folders: untrusted input
+
+#: ten levels of ten aliases: 10**10 values once expanded (the YAML "billion laughs")
+BOMB = "\n".join(["a0: &a0 [" + ", ".join(["lol"] * 10) + "]"]
+                 + [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 10)]) + "\n"
+
+
+def _report_folder(folder: Path, config: str = "method: fedavg\nseed: 0\n", rows: list | None = None) -> Path:
+    """A run folder as ``fedhpro report`` reads it: metrics.jsonl (one evaluated row) and config.yaml."""
+    import json
+
+    folder.mkdir(parents=True)
+    rows = rows if rows is not None else [{"round": 0, "bytes_up": 10, "accuracy": {"a": 50.0, "AVG": 50.0}}]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (folder / "config.yaml").write_text(config)
+    return folder
+
+
+def test_report_of_a_config_yaml_with_a_python_tag_runs_nothing_and_is_one_line(tmp_path, capsys):
+    marker = tmp_path / "MARKER"
+    folder = _report_folder(tmp_path / "run", f"method: !!python/object/apply:os.system ['touch {marker}']\n")
+    code = main(["report", str(folder), f"out={tmp_path / 'report'}"])
+    err = one_line_error(capsys)
+    assert code == 2 and not marker.exists()
+    assert "config.yaml is not valid YAML at line 1" in err and "python/object/apply:os.system" in err
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"round": 0, "accuracy": "high"}, "accuracy is not a mapping of test sets"),
+    ({"round": 0, "accuracy": {"a": 50.0}}, "accuracy is not a mapping of test sets"),
+    ({"round": "0", "accuracy": {"AVG": 50.0}}, "round is '0', not a whole number"),
+    ({"round": 0, "accuracy": {"AVG": 50.0}, "bytes_up": "many"}, "bytes_up is not a number"),
+    ({"round": 0, "accuracy": {"AVG": 50.0}, "fairness": {"mean": 1}}, "fairness is not a mapping with the numbers"),
+    ({"round": 0, "accuracy": {"AVG": 50.0}, "server": {"gm_loss_before": 1.0}}, "server is not a mapping whose"),
+    ({"round": 0, "accuracy": {"AVG": 50.0}, "prototype_distance": {"server": 3}}, "prototype_distance is not"),
+    ([1, 2], "not an object"),
+])
+def test_report_of_a_metrics_row_of_another_shape_is_one_line(tmp_path, capsys, row, message):
+    folder = _report_folder(tmp_path / "run", rows=[row])
+    code = main(["report", str(folder), f"out={tmp_path / 'report'}"])
+    err = one_line_error(capsys)
+    assert code == 2 and message in err and "metrics.jsonl" in err, err
+
+
+def test_report_of_a_deep_summary_or_report_record_is_one_line(tmp_path, capsys):
+    folder = _report_folder(tmp_path / "run")
+    (folder / "summary.json").write_text("[" * 50_000 + "]" * 50_000)
+    code = main(["report", str(folder), f"out={tmp_path / 'report'}"])
+    err = one_line_error(capsys)
+    assert code == 2 and "summary.json nests lists and objects more than 100 levels deep" in err
+    (folder / "summary.json").write_text('{"accuracy": 50.0}')
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "table.md").write_text("other")
+    (tmp_path / "report" / "report.json").write_text('{"runs": ' + "[" * 50_000 + "]" * 50_000 + "}")
+    code = main(["report", str(folder), f"out={tmp_path / 'report'}"])
+    err = one_line_error(capsys)  # a record that is no report's: another report, kept unless force=true
+    assert code == 2 and "already holds another report" in err
+
+
+def _in_a_fresh_process(code: str, timeout: int = 60) -> str:
+    """Run ``code`` in a new interpreter; its stdout (a hang past ``timeout`` s fails the test)."""
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"did not finish within {timeout} s: a hang")
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_compare_reading_back_a_stored_run_whose_config_is_a_bomb_is_one_line(tmp_path):
+    folder = _report_folder(tmp_path / "run", "method: fedavg\n" + BOMB)
+    (folder / "summary.json").write_text('{"accuracy": 50.0}')
+    out = _in_a_fresh_process(f"""
+from pathlib import Path
+from fedhpro.compare import check_stored_run
+from fedhpro.config import load_config
+from fedhpro.errors import ConfigError
+try:
+    check_stored_run(Path({str(folder)!r}), load_config(None, ["method=fedavg"]))
+except ConfigError as error:
+    print(error)
+""")
+    assert out.count("\n") == 1 and "config.yaml cannot be read" in out and "aliases" in out, out
+
+
+def test_resume_of_a_folder_whose_config_is_a_bomb_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    folder = _report_folder(tmp_path / "run", "method: fedavg\n" + BOMB)
+    try:
+        done = subprocess.run([sys.executable, "-m", "fedhpro", "run", f"resume={folder}"], capture_output=True,
+                              text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("fedhpro run resume= did not finish within 60 s: a hang")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "config.yaml" in lines[0] and "aliases" in lines[0], \
+        done.stderr[-2000:]
+
+
+def test_a_checkpoint_or_partition_file_of_deep_json_is_one_line(tmp_path):
+    from fedhpro.data.partition import Partition, PartitionError
+    from fedhpro.engines import checkpoint
+
+    deep = "[" * 100_000 + "]" * 100_000
+    path = tmp_path / "checkpoints" / "round-000001.pt"
+    path.parent.mkdir()
+    torch.save({"format_version": 1, "completed_rounds": 1, "simulator": {}, "metrics": deep, "rng": {}}, path)
+    with pytest.raises(DataError, match="its 'metrics' entry is damaged") as raised:
+        checkpoint.load(path)
+    assert "\n" not in str(raised.value)
+    torch.save({"format_version": 1, "completed_rounds": 1, "simulator": {}, "metrics": "[1, 2]", "rng": {}}, path)
+    with pytest.raises(DataError, match="its 'metrics' entry is damaged"):
+        checkpoint.load(path)
+    partition = tmp_path / "partition.json"
+    partition.write_text(deep)
+    with pytest.raises(PartitionError, match="partition.json: partition file nests .* more than 100 levels deep"):
+        Partition.load(partition)
+
+
+def _png(path: Path, width: int, height: int) -> Path:
+    Image.new("L", (width, height), 7).save(path)
+    return path
+
+
+def test_training_images_over_the_pixel_limit_are_refused_before_decoding(tmp_path, monkeypatch):
+    """Every training image reader (decode_file: imagefolder, clients; the built-in image sets' reader) checks
+    the pixel count from the header; the limit is FEDHPRO_MAX_IMAGE_PIXELS (here 100: a 10x10 image fits, an
+    11x10 one does not), and nothing of a refused image is decoded."""
+    from PIL import ImageFile
+
+    from fedhpro.data.images import MAX_IMAGE_PIXELS, decode_file, max_image_pixels
+    from fedhpro.data.loaders import _pil_rgb
+
+    assert max_image_pixels() == MAX_IMAGE_PIXELS == Image.MAX_IMAGE_PIXELS  # the default: Pillow's threshold
+    monkeypatch.setenv("FEDHPRO_MAX_IMAGE_PIXELS", "100")
+    fits, over = _png(tmp_path / "fits.png", 10, 10), _png(tmp_path / "over.png", 11, 10)
+    assert decode_file(fits, 4).shape == (3, 4, 4) and _pil_rgb(fits).size == (10, 10)
+    load = ImageFile.ImageFile.load
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: pytest.fail("decoded") if self.size == (11, 10)
+                        else load(self))
+    for read in (lambda: decode_file(over, 4), lambda: _pil_rgb(over),
+                 lambda: decode_files([fits, over], 4, tmp_path / "cache")):
+        with pytest.raises(DataError, match=r"over.png is 11x10 = 110 pixels, over the limit of 100; shrink the "
+                                            r"image, or raise the limit with FEDHPRO_MAX_IMAGE_PIXELS=N") as raised:
+            read()
+        assert "\n" not in str(raised.value)
+    monkeypatch.setenv("FEDHPRO_MAX_IMAGE_PIXELS", "lots")
+    with pytest.raises(ConfigError, match="FEDHPRO_MAX_IMAGE_PIXELS='lots' is not a whole number"):
+        decode_file(fits, 4)
