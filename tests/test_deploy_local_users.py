@@ -19,6 +19,7 @@ sockets and the namespace itself without a deployment.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import http.client
 import io
@@ -41,6 +42,7 @@ pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pi
 from fedhpro.flower import certificates, up  # noqa: E402
 
 NOBODY = 65534
+PR_SET_DUMPABLE = 4
 LINUX = sys.platform.startswith("linux")
 
 
@@ -65,6 +67,9 @@ def as_user(uid: int | None, probe, *args) -> Any:
                 os.setgroups([])
                 os.setgid(uid)
                 os.setuid(uid)
+                # dropping from root leaves the process non-dumpable (its /proc files stay root's), which an
+                # ordinary user's process is not
+                ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
             result = probe(*args)
         except BaseException as error:  # noqa: BLE001  # reported to the parent, never raised in the child
             result, code = {"child-error": f"{type(error).__name__}: {error}"}, 1
@@ -292,3 +297,55 @@ def test_a_private_network_namespace_is_out_of_reach_of_the_host_and_of_other_us
         server.kill()
         server.wait()
         namespace.close()
+
+
+def loopback_serves(port: int) -> bool:
+    """Whether a server bound here on 127.0.0.1:port accepts a connection (all in this process)."""
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", port))
+        server.listen(1)
+        return tcp(port) == "open"
+
+
+def rootless_namespace(port: int) -> dict:
+    """As a user without privileges: a namespace of ours, a server in it, and the host's view of its port."""
+    try:
+        namespace = up.new_namespace("rootless")
+    except OSError as error:
+        return {"refused": str(error)}
+    try:
+        return {"inside": up.in_namespace(namespace, lambda: loopback_serves(port)),
+                "user-namespace": namespace.user is not None}
+    finally:
+        namespace.close()
+
+
+@pytest.mark.skipif(not LINUX or os.geteuid() != 0, reason="drops to another uid: needs root")
+def test_a_user_without_privileges_gets_a_namespace_of_a_user_namespace_or_a_reason():
+    """``up`` run by an ordinary user: the namespace comes with a user namespace (its uid mapped to itself), or
+    :func:`fedhpro.flower.up.new_namespace` raises the one-line reason that ``up`` then prints."""
+    found = as_user(NOBODY, rootless_namespace, up_free_port())
+    if "refused" in found:
+        assert found["refused"].startswith("unshare(CLONE_NEWNET|CLONE_NEWUSER) refused: ")
+        assert "\n" not in found["refused"]
+    else:
+        assert found == {"inside": True, "user-namespace": True}
+
+
+def test_up_says_in_one_line_who_reaches_the_superlink_when_no_namespace_can_be_made(tmp_path, monkeypatch):
+    (tmp_path / "sites" / "site-a").mkdir(parents=True)
+    deployment = up.Deployment(tmp_path / "sites", tmp_path / "state", base_port=18000)
+
+    def refused(name: str) -> up.Namespace:
+        raise OSError("unshare(CLONE_NEWNET) refused: Operation not permitted")
+
+    monkeypatch.setattr(up, "new_namespace", refused)
+    deployment.isolate()
+    assert deployment.namespaces == {} and "\n" not in deployment.isolation
+    assert deployment.isolation.startswith(up.NO_UNIX_SOCKETS)
+    assert ("no private network namespace could be made (unshare(CLONE_NEWNET) refused: Operation not permitted): "
+            "every local user reaches the SuperLink (127.0.0.1:18001) as operator") in deployment.isolation
+    deployment = up.Deployment(tmp_path / "sites", tmp_path / "state", base_port=18000, install_dependencies=True)
+    deployment.isolate()
+    assert deployment.namespaces == {} and "--install-dependencies" in deployment.isolation
