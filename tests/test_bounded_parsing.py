@@ -20,7 +20,6 @@ import pytest
 import yaml
 
 from fedhpro.bounded import MAX_DEPTH, MAX_NODES, LimitError, load_json, load_yaml, read_jsonl_file
-from fedhpro.cli import main
 from fedhpro.config import load_config
 from fedhpro.errors import ConfigError, FedHProError
 
