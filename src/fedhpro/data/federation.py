@@ -95,14 +95,16 @@ class Federation:
 
     @classmethod
     def from_tensors(cls, train: Sequence[tuple[Tensor, Tensor]],
-                     test: Sequence[tuple[Tensor, Tensor]] | Mapping[str, tuple[Tensor, Tensor]], *,
+                     test: Sequence[tuple[Tensor, Tensor] | None] | Mapping[str, tuple[Tensor, Tensor]], *,
                      num_classes: int | None = None, domains: Sequence[str | None] | None = None,
                      names: Sequence[str] | None = None, name: str = "custom",
                      partition: dict[str, Any] | None = None, notes: Sequence[str] = ()) -> Federation:
         """A federation from per-client ``(x, y)`` training tensors, checked.
 
         ``test``: one ``(x, y)`` per client (each client's own test split:
-        evaluation is federated, see the class docstring), or a mapping
+        evaluation is federated, see the class docstring; ``None`` for a
+        client without a test split, which is then not tested, as a client
+        folder without ``test/`` in ``dataset=clients``), or a mapping
         ``name -> (x, y)`` of shared test sets (a domain's name, or ``"all"``),
         on which the global model is tested as for the built-in data sets.
         ``domains``: each client's domain (``None`` or ``""``: none).
@@ -133,12 +135,19 @@ class Federation:
         shared = {str(n): pair for n, pair in test.items()} if isinstance(test, Mapping) else {}
         if not per_client and not shared:
             raise DataError("no test set; give one (x, y) per client or a mapping name -> (x, y)")
+        if per_client and all(pair is None for pair in tests):
+            raise DataError("no client has a test set (every test entry is None); give at least one client an "
+                            "(x, y) test pair, or a mapping name -> (x, y) of shared test sets")
         labelled = [(names[k], "training", pair) for k, pair in enumerate(train)]
-        labelled += [(names[k], "test", pair) for k, pair in enumerate(tests)]
+        labelled += [(names[k], "test", pair) for k, pair in enumerate(tests) if pair is not None]
         labelled += [(f"test set {n!r}", "test", pair) for n, pair in shared.items()]
         checked = {}
         for who, split, pair in labelled:
             checked[(who, split)] = _checked_pair(pair, who, split)
+        for k, given in enumerate(tests):
+            if given is None:  # no test split: an empty one, as a client folder without test/ is read
+                x, _ = checked[(names[k], "training")]
+                checked[(names[k], "test")] = (x.new_empty((0, *x.shape[1:])), torch.empty(0, dtype=torch.int64))
         top = max(int(y.max()) for (_, y) in checked.values() if y.numel())
         num_classes = top + 1 if num_classes is None else int(num_classes)
         shapes = {tuple(x.shape[1:]) for (x, _) in checked.values()}
@@ -169,6 +178,11 @@ class Federation:
         untested = [names[k] for k, (_, y) in enumerate(client_tests or []) if not y.numel()]
         if untested and untested_note(untested) not in notes:
             notes.append(untested_note(untested))
+        if client_tests is not None:
+            blank = sorted({d or "all" for d in domain_list} - {domain_list[k] or "all"
+                                                               for k, (_, y) in enumerate(client_tests) if y.numel()})
+            if blank and untested_domains_note(blank) not in notes:
+                notes.append(untested_domains_note(blank))
         record = partition if partition is not None else {
             "dataset": name, "scheme": "given",
             "clients": [{"client": k, "name": names[k], "domain": domain_list[k] or None,
@@ -179,7 +193,7 @@ class Federation:
                    notes, client_tests=client_tests, client_names=names)
 
     @classmethod
-    def from_datasets(cls, train: Sequence[Any], test: Sequence[Any] | Mapping[str, Any], *,
+    def from_datasets(cls, train: Sequence[Any], test: Sequence[Any | None] | Mapping[str, Any], *,
                       domains: Sequence[str | None] | None = None, names: Sequence[str] | None = None,
                       num_classes: int | None = None, name: str = "custom", batch_size: int = 256) -> Federation:
         """A federation from per-client ``torch.utils.data.Dataset`` objects, read once into tensors.
@@ -188,7 +202,8 @@ class Federation:
         same shape for every item, ``y`` a class index. They are read in order
         with a ``DataLoader`` of ``batch_size`` items (the dataset's transform
         runs once, here: a random augmentation is frozen into the data) and
-        the tensors go to :meth:`from_tensors`, which checks them; ``test``,
+        the tensors go to :meth:`from_tensors`, which checks them; ``test``
+        (``None`` for a site without a test set: it is not tested),
         ``domains``, ``names``, ``num_classes`` and ``name`` mean what they
         mean there. Items that are PIL images raise a one-line DataError asking
         for a transform such as ``torchvision.transforms.ToTensor()``.
@@ -240,6 +255,11 @@ class Federation:
         sources = [(labels[k], "training", dataset) for k, dataset in enumerate(train)]
         sources += ([(f"test set {str(n)!r}", "test", dataset) for n, dataset in test.items()]
                     if isinstance(test, Mapping) else [(labels[k], "test", d) for k, d in enumerate(test)])
+        absent = [index for index, (_, split, dataset) in enumerate(sources) if split == "test" and dataset is None]
+        if isinstance(test, Mapping) and absent:
+            raise DataError(f"{sources[absent[0]][0]} is None; a shared test set needs a dataset (None means "
+                            "\"no test set\" only in a list of one test dataset per client)")
+        sources = [source for index, source in enumerate(sources) if index not in absent]
         mapping = _class_mapping(sources, num_classes)
         pairs = []
         for (who, split, dataset), lookup in zip(sources, mapping.lookups if mapping else [None] * len(sources)):
@@ -247,13 +267,19 @@ class Federation:
             pairs.append((x, _renumbered(y, lookup, who, split) if lookup is not None else y))
         train_pairs = pairs[:len(train)]
         tests: Any = (dict(zip((str(n) for n in test), pairs[len(train):])) if isinstance(test, Mapping)
-                      else pairs[len(train):])
+                      else _with_gaps(pairs[len(train):], [d is None for d in test]))
         notes = mapping.notes if mapping else []
         federation = cls.from_tensors(train_pairs, tests, num_classes=num_classes if mapping is None else
                                       len(mapping.classes), domains=domains, names=names, name=name, notes=notes)
         if mapping is not None:
             federation.partition["classes"] = list(mapping.classes)
         return federation
+
+
+def untested_domains_note(domains: Sequence[str]) -> str:
+    """The note naming the domains none of whose clients has a test split (one wording wherever a federation
+    is made)."""
+    return f"no client of {', '.join(domains)} has test data: no accuracy of its own is measured"
 
 
 def untested_note(names: Sequence[str]) -> str:
@@ -335,6 +361,13 @@ def _renumbered(y: Tensor, lookup: dict[int, int], who: str, split: str) -> Tens
     for own, label in lookup.items():
         table[own] = label
     return table[y.long()]
+
+
+def _with_gaps(pairs: Sequence[Any], gaps: Sequence[bool]) -> list[Any]:
+    """``pairs`` in order, with ``None`` where ``gaps`` is true (the per-client test list of a federation some
+    of whose sites have no test set)."""
+    given = iter(pairs)
+    return [None if gap else next(given) for gap in gaps]
 
 
 def _checked_pair(pair: Any, who: str, split: str) -> tuple[Tensor, Tensor]:
