@@ -249,3 +249,17 @@ def test_a_run_with_the_pld_accountant_reports_its_epsilon(digits_data_dir, tmp_
     expected = pld_ledger(1.0, 1.0, 2, delta=1e-3).epsilon({}, 2)  # fedavg: no per-class tensors
     assert privacy["epsilon"] == pytest.approx(expected, rel=1e-12)
     assert privacy["epsilon"] < ledger(1.0, 1.0, 2, delta=1e-3).epsilon({}, 2)
+
+
+def test_the_pld_grid_stays_above_dp_accountings_finer_default():
+    """The ledger's PLD grid (1e-3) against dp-accounting's default 1e-4 on the same event: never below it (both
+    are pessimistic upper bounds; the coarser one is looser), and within 1e-4 relative."""
+    import dp_accounting
+    from dp_accounting.pld import PLDAccountant
+
+    sigma, q, rounds = 1.0, 0.1, 100
+    finer = PLDAccountant()
+    finer.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), rounds)
+    reference = finer.get_epsilon(1e-5)
+    mine = pld_ledger(sigma, q, rounds).epsilon({}, rounds)
+    assert reference <= mine <= reference * (1 + 1e-4)

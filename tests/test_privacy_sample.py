@@ -462,3 +462,15 @@ def test_pld_ledger_lies_within_opacus_prv_bounds_and_below_rdp():
         assert lower <= pld.client_epsilon(k, count) <= upper
         assert 0.80 <= pld.client_epsilon(k, count) / rdp.client_epsilon(k, count) <= 0.95
     assert pld.epsilon(participations, 3) == max(pld.client_epsilon(k, c) for k, c in participations.items())
+
+
+def test_pld_calibration_of_sample_level_dp_reaches_the_target_with_less_noise():
+    train = TrainSettings(epochs=1, batch_size=32)
+    pld = SampleLedger(Options(target_epsilon=4.0, delta=1e-5, accountant="pld"), [300], train, rounds=3,
+                       participation=1.0)
+    rdp = SampleLedger(Options(target_epsilon=4.0, delta=1e-5), [300], train, rounds=3, participation=1.0)
+    assert 4.0 * 0.99 <= pld.epsilon({0: 3}, 3) <= 4.0
+    assert pld.noise_multiplier < rdp.noise_multiplier
+    steps = math.ceil(300 / 32)
+    lower, upper = prv_bounds([(pld.noise_multiplier, 1.0 / steps, steps), (pld.noise_multiplier, 1.0, 1)] * 3, 1e-5)
+    assert upper <= 4.0 * 1.01  # Opacus's PRV at the calibrated sigma
