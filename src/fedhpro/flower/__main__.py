@@ -83,6 +83,7 @@ def make_gate(args: argparse.Namespace) -> int:
             print(f"token for {args.listen} in {store} (flwr sends it; a request without it gets 403)")
     command = written.command()
     if args.start:
+        sys.stdout.flush()  # what was printed above would be lost with this process's buffers
         os.execv(command[0], command)  # nginx in the foreground, in place of this process
     print(f"wrote {written.config}")
     print("run: " + " ".join(part if " " not in part else repr(part) for part in command))
