@@ -31,7 +31,7 @@ from fedhpro.config import (
     load_config,
     parse_override,
 )
-from fedhpro.data.federation import Federation
+from fedhpro.data.federation import Federation, few_batches_note
 from fedhpro.engines import checkpoint, driver
 from fedhpro.engines.driver import (  # noqa: F401 (kept importable from here)
     CheckpointSchedule,
@@ -284,11 +284,14 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
 def run_warnings(config: Config, simulator: Any) -> list[str]:
     """The run's warning lines, said before its first round and kept in summary.json's ``notes``: a client
     holding more than ``aggregation.max_share`` of the test samples pooled for its test set
-    (:func:`driver.pooled_share_warnings`), a near-vacuous privacy delta (:func:`fedhpro.privacy.privacy_warnings`)."""
+    (:func:`driver.pooled_share_warnings`), a near-vacuous privacy delta (:func:`fedhpro.privacy.privacy_warnings`),
+    a smallest client with fewer than three batches an epoch (:func:`fedhpro.data.federation.few_batches_note`)."""
     max_share = float(getattr(config.aggregation, "max_share", 1.0))
     federation = simulator.federation
+    few = few_batches_note(federation, config.run.batch_size)
     return (driver.pooled_share_warnings(simulator.pooled_test_sizes(), max_share)
-            + privacy_warnings(config.privacy, federation.num_clients, [len(data) for data in federation.clients]))
+            + privacy_warnings(config.privacy, federation.num_clients, [len(data) for data in federation.clients])
+            + ([few] if few else []))
 
 
 def final_printout(summary: Mapping[str, Any], title: str) -> str:

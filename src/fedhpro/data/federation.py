@@ -276,6 +276,38 @@ class Federation:
         return federation
 
 
+#: fewer local batches an epoch than this, and a client takes too few SGD steps a round to learn much
+FEW_BATCHES = 3
+
+
+def batches_per_epoch(samples: int, batch_size: int) -> int:
+    """The SGD steps a client of ``samples`` training samples takes an epoch at ``batch_size``: one per batch,
+    but the local loop skips a batch of a single sample (unless the client holds just one)."""
+    if samples <= 1:
+        return samples
+    return sum(1 for start in range(0, samples, batch_size) if min(batch_size, samples - start) >= 2)
+
+
+def few_batches_note(federation: Federation, batch_size: int) -> str | None:
+    """A note when the smallest client takes fewer than :data:`FEW_BATCHES` batches an epoch at ``batch_size``
+    (e.g. a small tabular data set over three sites at the default 64), naming its size and a ``batch_size``
+    that gives it at least that many; None otherwise."""
+    sizes = [len(client) for client in federation.clients]
+    k = min(range(len(sizes)), key=sizes.__getitem__)
+    samples = sizes[k]
+    steps = batches_per_epoch(samples, batch_size)
+    if steps >= FEW_BATCHES:
+        return None
+    name = federation.client_names[k] if federation.client_names else f"client {k}"
+    line = (f"the smallest client, {name}, has {samples} training samples: {steps} batch"
+            f"{'' if steps == 1 else 'es'} an epoch at batch_size={batch_size}, too few SGD steps a round to "
+            "learn much; ")
+    better = samples // FEW_BATCHES
+    if better >= 2:
+        return line + f"batch_size={better} gives it {batches_per_epoch(samples, better)}"
+    return line + f"no batch size gives it {FEW_BATCHES} batches of 2 or more samples: give it more data"
+
+
 def untested_domains_note(domains: Sequence[str]) -> str:
     """The note naming the domains none of whose clients has a test split (one wording wherever a federation
     is made)."""
