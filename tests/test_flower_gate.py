@@ -234,3 +234,55 @@ def test_stop_ends_what_a_killed_up_left_behind(tmp_path, capsys):
     finally:
         left.kill()
         left.wait()
+
+
+@pytest.mark.skipif(NGINX is None, reason="nginx is not installed (apt-get install nginx-light)")
+def test_the_operator_s_forwarder_passes_only_requests_with_its_token(tmp_path):
+    """The gate and the operator's forwarder, running, with no SuperLink behind (its socket is missing): a
+    request the forwarder passes reaches the gate, which passes it on and answers 502; one it refuses
+    gets 403 from the forwarder (the gate's log then has no line for it)."""
+    import http.client
+    import socket
+    import ssl
+    import time
+
+    def free() -> int:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            return probe.getsockname()[1]
+
+    certs = tmp_path / "certs"
+    certificates.create(certs, ["localhost"], gate=True)
+    gate_port, forward_port, token = free(), free(), "a1" * 32
+    server = gate.server_config(tmp_path / "gate", certs, f"127.0.0.1:{gate_port}", f"unix:{tmp_path / 'none.sock'}")
+    forward = gate.forward_config(tmp_path / "fwd", certs, "operator", f"localhost:{gate_port}",
+                                  f"127.0.0.1:{forward_port}", gate_name="localhost", token=token)
+    processes = [subprocess.Popen(g.command(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                 for g in (server, forward)]
+
+    def status(authorization: str | None) -> object:
+        context = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+        connection = http.client.HTTPSConnection("127.0.0.1", forward_port, context=context, timeout=30)
+        try:
+            connection.request("POST", "/v1/control/list-runs", body=b"",
+                               headers={"Authorization": authorization} if authorization else {})
+            return connection.getresponse().status
+        except OSError as error:
+            return type(error).__name__
+        finally:
+            connection.close()
+
+    try:
+        deadline = time.monotonic() + 60
+        while status(f"Bearer {token}") != 502 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        seen = {case: status(case) for case in (f"Bearer {token}", None, "Bearer wrong", f"bearer {token}",
+                                                 f"Bearer {token}0", f"Bearer {token[:-1]}")}
+    finally:
+        for process in processes:
+            process.terminate()
+            process.wait(timeout=30)
+    assert seen == {f"Bearer {token}": 502, None: 403, "Bearer wrong": 403, f"bearer {token}": 403,
+                    f"Bearer {token}0": 403, f"Bearer {token[:-1]}": 403}, seen
+    passed = [line for line in (tmp_path / "gate" / "access.log").read_text().splitlines() if "list-runs" in line]
+    assert passed and all(" 502 " in line and "role=operator" in line for line in passed), passed

@@ -366,9 +366,11 @@ def forward_config(prefix: str | os.PathLike, certs: str | os.PathLike, name: st
     except ValueError:
         sni = "on"
     # a constant-time compare is not needed: nginx answers both cases alike and the token is 256 random bits
+    # a proxy_set_header here replaces every one of the http block, so the keepalive's Connection "" is repeated
     check = ("" if token is None else f"""
             if ($http_authorization != "Bearer {token}") {{ return 403; }}
-            proxy_set_header Authorization "";""")
+            proxy_set_header Authorization "";
+            proxy_set_header Connection "";""")
     text = _common(prefix) + f"""    access_log {_q(prefix / "access.log")};
     upstream gate {{
         server {upstream_server(gate)};
