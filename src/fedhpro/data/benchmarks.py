@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fedhpro.data.federation import Augment, ClientData, Federation
+from fedhpro.data.federation import Augment, ClientData, Federation, domains_without_clients_note
 from fedhpro.data.loaders import (  # noqa: F401 (HALF, IMAGENET_*: kept importable here)
     HALF,
     IMAGENET_MEAN,
@@ -427,8 +427,12 @@ class DomainBenchmark:
         record = _record(split, self.name, {d: labels[d] for d in used}, 10,
                          partition.seed if partition.seed is not None else seed, partition)
         record["fraction"] = options.fraction
-        return Federation(self.name, 10, (3, size, size), client_data, list(owners), test_sets, record,
-                          [f"{self.name}: " + ", ".join(f"{d} {owners.count(d)}" for d in used)])
+        notes = [f"{self.name}: " + ", ".join(f"{d} {owners.count(d)}" for d in used)]
+        if not partition.load:  # a domain without a client is neither trained on nor tested: said, never silent
+            zero = [d for d, n in options.clients_per_domain.items() if n == 0] if clients is None else []
+            dropped = domains_without_clients_note(self.name, names, layout, clients, zero)
+            notes += [dropped] if dropped else []
+        return Federation(self.name, 10, (3, size, size), client_data, list(owners), test_sets, record, notes)
 
 
 # --------------------------------------------------------------------------- the benchmarks

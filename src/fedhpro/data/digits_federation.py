@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedhpro.data.federation import ClientData, Federation, normalize_images
+from fedhpro.data.federation import ClientData, Federation, domains_without_clients_note, normalize_images
 from fedhpro.data.partition import (
     Partition,
     PartitionError,
@@ -144,8 +144,18 @@ def build(options: DigitsOfflineOptions, clients: int | None, seed: int, data_di
         return _loaded(partition.load, domains, options, chosen)
     rng = np.random.default_rng(seed if partition is None or partition.seed is None else partition.seed)
     if scheme == "domains":
-        return _domain_skew(domains, layout, options, rng, seed)
-    return _label_skew(domains, layout, scheme, partition, rng, seed if partition.seed is None else partition.seed)
+        federation = _domain_skew(domains, layout, options, rng, seed)
+    else:
+        federation = _label_skew(domains, layout, scheme, partition, rng,
+                                 seed if partition.seed is None else partition.seed)
+    # a domain of data.domains without a client is neither trained on nor tested: said, never silent
+    zero = [d for d, n in options.clients_per_domain.items() if n == 0] if clients is None else []
+    kept = ",".join(d for d in chosen if d in layout)
+    dropped = domains_without_clients_note("digits-offline", chosen, layout, clients, zero,
+                                           f"choose the domains with data.domains=[{kept}]")
+    if dropped:
+        federation.notes.append(dropped)
+    return federation
 
 
 def _client(data: Any, index: np.ndarray) -> tuple[ClientData, list[int]]:

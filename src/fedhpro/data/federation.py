@@ -276,6 +276,35 @@ class Federation:
         return federation
 
 
+def round_robin(domains: Sequence[str], clients: int) -> dict[str, int]:
+    """``clients`` spread over ``domains`` in their order, round robin: the first ``clients mod len(domains)``
+    get one more (a domain may get none when ``clients < len(domains)``)."""
+    return {d: clients // len(domains) + (1 if i < clients % len(domains) else 0) for i, d in enumerate(domains)}
+
+
+def domains_without_clients_note(dataset: str, domains: Sequence[str], layout: Mapping[str, int],
+                                 clients: int | None, left_out: Sequence[str] = (), choose: str = "") -> str | None:
+    """The note of a federation some of whose ``domains`` get no client in ``layout`` (domain -> clients), one
+    wording for every data set: which domains, why (``clients=K`` fewer than the domains, or
+    ``data.clients_per_domain`` not naming them), that they are neither trained on nor tested and what AVG
+    covers, and the fix (``choose``: how to pick the domains on purpose). Domains in ``left_out`` were left
+    out on purpose (``data.clients_per_domain`` gives them 0) and are not named; None when none is dropped."""
+    dropped = [d for d in domains if layout.get(d, 0) <= 0 and d not in left_out]
+    if not dropped:
+        return None
+    kept = [d for d in domains if layout.get(d, 0) > 0]
+    these = f"domain{'s' if len(dropped) > 1 else ''} {', '.join(dropped)}"
+    if clients is not None:
+        verb = "get" if len(dropped) > 1 else "gets"
+        cause = f"clients={clients} is fewer than its {len(domains)} domains, so {these} {verb} no client"
+        fix = f"set clients={len(domains)} or more to give every domain a client"
+    else:
+        cause = f"data.clients_per_domain gives {these} no client"
+        fix = "give every domain its clients in data.clients_per_domain (0 leaves one out on purpose)"
+    return (f"{dataset}: {cause}: not trained on, not tested, and AVG covers {', '.join(kept)} only; {fix}"
+            f"{', or ' + choose if choose else ''}")
+
+
 #: fewer local batches an epoch than this, and a client takes too few SGD steps a round to learn much
 FEW_BATCHES = 3
 
