@@ -54,6 +54,7 @@ from fedhpro.experiment import (  # noqa: F401 (kept importable from here)
 from fedhpro.files import RunFolderClaim, claim_run_folder, remove_partial_writes
 from fedhpro.measurements import observers_for
 from fedhpro.privacy import privacy_warnings
+from fedhpro.reports.plots import display_name
 from fedhpro.resume import (  # noqa: F401 (kept importable from here)
     _RESUME_SETTINGS,
     _changed_on_resume,
@@ -246,7 +247,7 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
     train with checkpoints, then the summary, the observers' end (t-SNE) and the accuracy plot."""
     options = config.run
     data_name = federation.name if federation is not None else options.dataset
-    title = f"{options.method} on {data_name} (seed {options.seed})"
+    title = f"{display_name(options.method)} on {data_name} (seed {options.seed})"
     started = time.perf_counter()
     parts = build_experiment(config, device, federation=federation, model_factory=model_factory)
     if echo:  # how the data were read (split folders, empty or untested classes and sites), before training

@@ -301,9 +301,12 @@ class RunFolder:
                     {"completed_rounds": completed, "server": server_state}, handle))
 
     def plot(self, title: str) -> None:
-        """``accuracy.png`` of the rows (after the observers' end, as a run always drew it)."""
+        """``accuracy.png`` of the rows and its vector copy ``accuracy.svg`` (after the observers' end, as a run
+        always drew it), in the style of every fedhpro figure (:mod:`fedhpro.reports.plots`)."""
+        from fedhpro.reports.plots import plot_run_accuracy
+
         with stop_on_write_error(self.out, self.out / "accuracy.png"):
-            reports.plot_accuracy(self.rows.metrics, self.out / "accuracy.png", title=title)
+            plot_run_accuracy(self.rows.metrics, self.out / "accuracy.png", title=title)
 
 
 def train(engine: Engine, folder: RunFolder, label: str, progress: bool) -> None:

@@ -1,13 +1,20 @@
-"""PNG plots of runs: curves of several runs on one axis, grouped bars, parameter sweeps, t-SNE.
+"""Plots of runs in one style: a run's accuracy per round, curves of several runs on one axis, grouped
+bars, parameter sweeps, t-SNE.
 
-Every function writes its PNG atomically (:func:`fedhpro.files.write_atomic_with`).
+One style for every figure fedhpro writes (a run's ``accuracy.png``, ``fedhpro compare``, ``fedhpro
+report``): whole-number round ticks, curves told apart by line style and marker as well as colour, methods
+named as the paper writes them (:func:`display_name`), an optional title, and beside each PNG the same
+figure as SVG (vector, its text kept as text). Every file is written atomically
+(:func:`fedhpro.files.write_atomic_with`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -27,23 +34,65 @@ def pyplot():
     return plt
 
 
-def save_figure(figure, path: str | os.PathLike, tight_layout: bool = True) -> None:
+#: settings of the SVG beside each PNG: text stays text (searchable, editable), and the same figure gives
+#: the same bytes (fixed ids, no date)
+SVG_SETTINGS: dict[Any, Any] = {"svg.fonttype": "none", "svg.hashsalt": "fedhpro"}
+
+
+def vector_path(path: str | os.PathLike) -> Path:
+    """Where the vector copy of a PNG figure goes: the same name, ``.svg``."""
+    return Path(path).with_suffix(".svg")
+
+
+def save_figure(figure, path: str | os.PathLike, tight_layout: bool = True, vector: bool = True) -> None:
     """Save a matplotlib figure to ``path`` atomically and close it (``tight_layout=False`` keeps a
-    layout the caller arranged, e.g. room for a figure-level legend)."""
+    layout the caller arranged, e.g. room for a figure-level legend). A PNG gets its vector copy beside it
+    (:func:`vector_path`) unless ``vector=False``."""
+    import matplotlib
+
     plt = pyplot()
     kind = Path(path).suffix.lstrip(".").lower() or "png"
     try:
         if tight_layout:
             figure.tight_layout()
         write_atomic_with(path, lambda handle: figure.savefig(handle, format=kind))
+        if vector and kind == "png":
+            with matplotlib.rc_context(SVG_SETTINGS):
+                write_atomic_with(vector_path(path), lambda handle: figure.savefig(
+                    handle, format="svg", metadata={"Date": None}))
     finally:
         plt.close(figure)
+
+
+#: a label's leading method name: a registered name followed by the label's end, a space, ":" or "("
+_LEADING_NAME = re.compile(r"^([A-Za-z][A-Za-z0-9_-]*)(?=$|[\s:(])")
+
+
+def display_name(method: str) -> str:
+    """A method's name as its paper writes it: the lead of its registry entry's description ("FedAvg: local
+    SGD ..." gives FedAvg) where that lead is the registered name in other letter case; else the name as
+    registered (a plug-in keeps its own)."""
+    from fedhpro.methods import METHODS
+
+    spec = METHODS.get(method)
+    lead = str(getattr(spec, "description", "") or "").split(":", 1)[0].strip()
+    return lead if lead.lower() == method.lower() and lead else method
+
+
+def display_label(label: str) -> str:
+    """A curve's label with its leading method name as the paper writes it (``fedhpro tau=0.1`` ->
+    ``FedHPro tau=0.1``); a label that does not start with a method's name (a run folder's) is kept."""
+    return _LEADING_NAME.sub(lambda match: display_name(match.group(1)), label, count=1)
 
 
 #: line styles that tell curves apart without colour too (grey print, colour blindness): cycled with the colours
 LINE_STYLES = ["-", "--", "-.", ":"]
 #: markers on the curves, cycled likewise (a marker shows where a round was evaluated)
 LINE_MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
+
+
+#: hatches of the bars of a grouped bar chart, cycled: bars told apart without colour too
+BAR_HATCHES = ["", "//", "..", "xx", "\\\\", "oo", "--", "++"]
 
 
 def line_style(index: int) -> dict:
@@ -83,17 +132,48 @@ def plot_curves(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], p
         if pair != label:
             style["linestyle"] = "--" if label.rstrip().endswith(("after", "after matching")) else "-"
         style.update((styles or {}).get(label, {}))
-        axis.plot(list(x), list(y), label=label, **style)
+        axis.plot(list(x), list(y), label=display_label(label), **style)
     if log_y:
         axis.set_yscale("log")
+    _finish(axis, title, xlabel, ylabel)
+    if series:
+        axis.legend(fontsize=8)
+    save_figure(figure, path)
+    return figure
+
+
+def _finish(axis, title: str, xlabel: str, ylabel: str) -> None:
+    """The parts every curve plot shares: whole-number ticks on a round axis, axis labels, the title (none
+    when empty), a light grid."""
     if xlabel == "round":
         integer_ticks(axis)
     axis.set_xlabel(xlabel)
     axis.set_ylabel(ylabel)
-    axis.set_title(title, fontsize=10)
+    if title:
+        axis.set_title(title, fontsize=10)
     axis.grid(alpha=0.3)
-    if series:
-        axis.legend(fontsize=8)
+
+
+def plot_run_accuracy(history: Sequence[Mapping[str, Any]], path: str | os.PathLike, title: str = ""):
+    """A run's ``accuracy.png``: test accuracy per round of each test set (domain) and of AVG, from its
+    metrics rows (those with ``accuracy``); AVG thick, solid and black, each domain in its own colour, line
+    style and marker. Nothing is written when no round was evaluated. Returns the figure (closed) or None."""
+    rows = [row for row in history if "accuracy" in row]
+    if not rows:
+        return None
+    plt = pyplot()
+    figure, axis = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    rounds = [int(row["round"]) + 1 for row in rows]
+    names = [name for name in rows[0]["accuracy"] if name != "AVG"]
+    for index, name in enumerate(names):
+        # index + 1: the first style (solid, circles) is AVG's
+        axis.plot(rounds, [row["accuracy"].get(name) for row in rows], label=name, linewidth=1.3, markersize=4,
+                  **line_style(index + 1))
+    if "AVG" in rows[0]["accuracy"]:
+        axis.plot(rounds, [row["accuracy"].get("AVG") for row in rows], label="AVG", color="black", linewidth=2.4,
+                  linestyle="-", marker="o", markersize=4)
+    _finish(axis, title, "round", "test accuracy (%)")
+    axis.legend(fontsize=8)
     save_figure(figure, path)
     return figure
 
@@ -111,16 +191,12 @@ def plot_mean_curves(groups: Mapping[str, Sequence[tuple[Sequence[float], Sequen
             continue
         style = line_style(index)
         seeds = len(curves)
-        axis.plot(x, mean, label=f"{label} (mean of {seeds})" if seeds > 1 else label, linewidth=1.8, markersize=4,
-                  **style)
+        shown = display_label(label)
+        axis.plot(x, mean, label=f"{shown} (mean of {seeds})" if seeds > 1 else shown, linewidth=1.8,
+                  markersize=4, **style)
         if seeds > 1:
             axis.fill_between(x, low, high, color=style["color"], alpha=0.18, linewidth=0)
-    if xlabel == "round":
-        integer_ticks(axis)
-    axis.set_xlabel(xlabel)
-    axis.set_ylabel(ylabel)
-    axis.set_title(title, fontsize=10)
-    axis.grid(alpha=0.3)
+    _finish(axis, title, xlabel, ylabel)
     if groups:
         axis.legend(fontsize=8, title="shaded: min to max over seeds", title_fontsize=7)
     save_figure(figure, path)
@@ -150,11 +226,13 @@ def plot_bars(groups: Mapping[str, Mapping[str, float]], path: str | os.PathLike
         x = np.arange(len(metrics)) + (i - (len(labels) - 1) / 2) * width
         values = [groups[label].get(m, np.nan) for m in metrics]
         spread = [(errors or {}).get(label, {}).get(m, 0.0) for m in metrics]
-        bars = axis.bar(x, values, width, yerr=spread if errors else None, capsize=3, label=label)
+        bars = axis.bar(x, values, width, yerr=spread if errors else None, capsize=3, label=display_label(label),
+                        hatch=BAR_HATCHES[i % len(BAR_HATCHES)], edgecolor="white", linewidth=0.5)
         axis.bar_label(bars, fmt="%.1f", fontsize=7, padding=2)
     axis.set_xticks(np.arange(len(metrics)), metrics)
     axis.set_ylabel(ylabel)
-    axis.set_title(title, fontsize=10)
+    if title:
+        axis.set_title(title, fontsize=10)
     axis.grid(alpha=0.3, axis="y")
     axis.legend(fontsize=8)
     save_figure(figure, path)
@@ -170,17 +248,20 @@ def plot_sweep(x: Sequence[float | str], series: Mapping[str, tuple[Sequence[flo
     positions = np.arange(len(x))
     colours = {}
     base = lambda label: label.replace(" (ours)", "").replace(" (paper)", "")  # noqa: E731
-    for label, (means, stds) in series.items():
-        line = axis.errorbar(positions, means, yerr=stds, marker="o", capsize=3, linewidth=2, label=label)
+    for index, (label, (means, stds)) in enumerate(series.items()):
+        line = axis.errorbar(positions, means, yerr=stds, marker=LINE_MARKERS[index % len(LINE_MARKERS)],
+                             capsize=3, linewidth=2, label=display_label(label))
         colours[base(label)] = line.lines[0].get_color()
     for label, values in (reference or {}).items():
         points = [(p, v) for p, v in zip(positions, values) if v is not None]
         if points:  # the paper's values: dashed, in the colour of the same method's line
-            axis.plot(*zip(*points), linestyle="--", marker="x", color=colours.get(base(label), "grey"), label=label)
+            axis.plot(*zip(*points), linestyle="--", marker="x", color=colours.get(base(label), "grey"),
+                      label=display_label(label))
     axis.set_xticks(positions, [str(v) for v in x])
     axis.set_xlabel(xlabel)
     axis.set_ylabel(ylabel)
-    axis.set_title(title, fontsize=10)
+    if title:
+        axis.set_title(title, fontsize=10)
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
     save_figure(figure, path)
@@ -203,7 +284,8 @@ def plot_tsne(points: np.ndarray, labels: Sequence[int] | np.ndarray, domains: S
     for j, name in enumerate(names):
         where = domain_array == name
         axis.scatter(points[where, 0], points[where, 1], c=[colours(int(c) % 10) for c in label_array[where]],
-                     marker=MARKERS[j % len(MARKERS)], s=10, alpha=0.6, linewidths=0)
+                     marker=MARKERS[j % len(MARKERS)], s=10, alpha=0.6, linewidths=0,
+                     rasterized=True)  # thousands of points: a bitmap inside the SVG keeps it small
     if with_prototypes:
         assert prototype_points is not None and prototype_labels is not None  # checked above
         axis.scatter(prototype_points[:, 0], prototype_points[:, 1],
@@ -221,5 +303,6 @@ def plot_tsne(points: np.ndarray, labels: Sequence[int] | np.ndarray, domains: S
     axis.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
     axis.set_xticks([])
     axis.set_yticks([])
-    axis.set_title(title, fontsize=10)
+    if title:
+        axis.set_title(title, fontsize=10)
     save_figure(figure, path)
