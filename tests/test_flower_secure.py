@@ -24,6 +24,9 @@ keep the wall time low:
   the gate and the operator's forwarder listen (the SuperLink and each node
   in a private one, as ``up``'s first line says), and ``up --stop`` leaves no
   process;
+- straight at the SuperLink (from inside its namespace, as root), ``flwr ls``
+  with ``ca.crt`` alone succeeds: it asks no client certificate, which is
+  why nothing else may reach it;
 - another local user (uid ``nobody``, :func:`test_deploy_local_users.attack`)
   against every port of the range, every Unix socket in the state folder,
   the namespaces and the keys: ``flwr ls``/``flwr supernode register`` get 400
@@ -422,6 +425,11 @@ def test_secured_deployment_refuses_strangers_and_nodes_and_runs_fedhpro_like_th
         net.check(len(runs) == 1 and runs[0]["network-traffic"]["total-bytes"] > 0, f"runs: {runs}")
         nodes = {int(node["node-id"]): node["status"] for node in net.flwr("supernode", "ls", "secure")["nodes"]}
         net.check(nodes == {node_id: "online" for node_id in registered}, f"nodes: {nodes}")
+
+        # --- why the SuperLink must be out of reach: it asks no client certificate (ca.crt is all flwr needs)
+        net.connect("direct", ports.superlink, ca)
+        direct = net.flwr("ls", "direct", inside="superlink")
+        net.check(direct["success"] and len(direct["runs"]) == 1, f"flwr ls straight at the SuperLink: {direct}")
 
         # --- another local user of this host, and the owner for contrast (test_deploy_local_users.attack)
         parties = {name: int((net.state / "run" / f"{name}.pid").read_text())

@@ -172,14 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
         "up", help="a secured deployment on loopback: one SuperNode per site folder, supervised",
         description="Start a SuperLink (TLS, node authentication, --database), the gate and forwarders (nginx), "
                     "and one SuperNode per site folder of SITES_DIR (data-dir = the folder), register the nodes, "
-                    "write the flwr connection into $FLWR_HOME/config.toml, restart what dies; Ctrl-C stops all.")
+                    "write the flwr connection into $FLWR_HOME/config.toml (and its token into "
+                    "$FLWR_HOME/credentials.yaml), restart what dies; Ctrl-C stops all. The SuperLink and each node "
+                    "run in a private network namespace: other local users reach only the gate and the operator's "
+                    "forwarder (the first line says so, or why not).")
     ups.add_argument("sites", nargs="?", help="folder of site folders (each: train/ and test/, or .npz)")
     ups.add_argument("--state", default="fedhpro-up", help="folder for certificates, database, logs (fedhpro-up)")
     ups.add_argument("--port", type=int, default=18000,
                      help="the gate's port; the SuperLink, forwarders and nodes take the next 2+2N (default 18000)")
     ups.add_argument("--connection", default="fedhpro-up", help="name of the flwr connection (fedhpro-up)")
     ups.add_argument("--install-dependencies", action="store_true",
-                     help="let the SuperLink install each app's dependencies with uv (default: off)")
+                     help="let the SuperLink install each app's dependencies with uv (default: off); it needs the "
+                          "network, so the SuperLink and nodes then stay on this host's 127.0.0.1, open to local users")
     ups.add_argument("--stop", metavar="STATE", help="stop the deployment running from STATE")
     ups.set_defaults(handler=bring_up)
 
