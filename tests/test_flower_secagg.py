@@ -481,3 +481,33 @@ def test_flower_draws_privacy_noise_from_the_os_unless_told_otherwise(digits_dat
     assert first.config.privacy.secure_noise is True
     assert load_config(tmp_path / "a" / "config.yaml").privacy.secure_noise is True
     assert max_difference(state_a, state_b) > 0 and max_difference(state_a, expected) > 0
+
+
+@pytest.mark.parametrize("limit_rounds", [0, 2])
+def test_privacy_budget_stops_a_flower_run_where_the_simulator_stops(limit_rounds, digits_data_dir, tmp_path,
+                                                                    inside_a_run):
+    """privacy.max_epsilon on Flower: the run stops before the round that would take epsilon above it (before
+    round 0, or after 2 of 4 rounds), with the simulator's rows, summary.json privacy block (its ``stopped``
+    line included) and model, bit for bit."""
+    import json
+
+    import fedhpro
+    from test_flower import core
+
+    base = tiny_config(digits_data_dir, rounds=4, method="fedavg", privacy="client",
+                       **{"privacy.noise_multiplier": 1.0, "privacy.secure_noise": False})
+    # the epsilon each round reaches, unlimited
+    epsilons = [row["privacy"]["epsilon"] for row in fedhpro.run(base, out=str(tmp_path / "probe")).metrics]
+    limit = (epsilons[limit_rounds - 1] + epsilons[limit_rounds]) / 2 if limit_rounds else epsilons[0] / 2
+    settings = {**base, "privacy.max_epsilon": limit}
+    strategy = run_server(WireGrid(), {}, {**settings, "out": str(tmp_path / "flower")})
+    expected_rows = fedhpro.run(settings, out=str(tmp_path / "simulator")).metrics
+    assert len(strategy.rows) == len(expected_rows) == limit_rounds
+    assert core(strategy.rows) == core(expected_rows)
+    flower = json.loads((tmp_path / "flower" / "summary.json").read_text())
+    simulator = json.loads((tmp_path / "simulator" / "summary.json").read_text())
+    assert flower["privacy"] == simulator["privacy"] and "stopped" in flower["privacy"]
+    assert flower["accuracy"] == simulator["accuracy"]
+    model_f = torch.load(tmp_path / "flower" / "model.pt", weights_only=True)
+    model_s = torch.load(tmp_path / "simulator" / "model.pt", weights_only=True)
+    assert max_difference(model_f, model_s) == 0.0

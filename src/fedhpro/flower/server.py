@@ -934,9 +934,16 @@ def _run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, An
         folder.start(config.to_dict(), partition)
     if folder is not None:
         strategy.after_round = after_round(folder)
+        folder.privacy = side.protocol.privacy_summary()  # summary.json's privacy block, as fedhpro run's
+    last, stop = budgeted_rounds(side.protocol, strategy.first_round, config.run.rounds)
     initial = ArrayRecord({key: records.to_array(v) for key, v in side.server.global_weights().items()})
-    strategy.start(grid, initial, num_rounds=config.run.rounds - strategy.first_round,
-                   timeout=settings.round_timeout)
+    if last > strategy.first_round:
+        strategy.start(grid, initial, num_rounds=last - strategy.first_round, timeout=settings.round_timeout)
+    if stop is not None:  # privacy.max_epsilon: a normal end, its rows and summary kept
+        log(WARNING, "fedhpro: %s", stop)
+        if folder is not None:
+            folder.privacy = folder.privacy or {}
+            folder.privacy["stopped"] = stop
     if folder is not None:
         from fedhpro.trained import MODEL_FILE, write_server_model
 
@@ -945,6 +952,17 @@ def _run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, An
         write_results(folder, strategy, time.perf_counter() - started, notes)
     forget_client_state(grid, strategy, settings)
     return strategy
+
+
+def budgeted_rounds(protocol: Any, first: int, rounds: int) -> tuple[int, str | None]:
+    """``(the round the run ends before, the privacy.max_epsilon line that ends it early or None)``: the
+    round protocol's budget stop (:meth:`~fedhpro.engines.protocol.RoundProtocol.budget_stop`, the seeded
+    participations make it known before the rounds run), so a Flower run stops where ``fedhpro run`` does."""
+    for round in range(first, rounds):
+        stop = protocol.budget_stop(round)
+        if stop is not None:
+            return round, stop
+    return rounds, None
 
 
 def _client_keys(grid: Grid, nodes: Mapping[int, int], settings: FlowerSettings) -> dict[int, bytes]:
