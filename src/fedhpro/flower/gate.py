@@ -365,8 +365,9 @@ def forward_config(prefix: str | os.PathLike, certs: str | os.PathLike, name: st
         sni = "off"  # SNI carries host names only
     except ValueError:
         sni = "on"
-    # a constant-time compare is not needed: nginx answers both cases alike and the token is 256 random bits
-    # a proxy_set_header here replaces every one of the http block, so the keepalive's Connection "" is repeated
+    # nginx compares the header byte by byte (it has no constant-time compare: a timing oracle in theory for a
+    # local process, against a 256-bit token made anew at each start); a proxy_set_header in the location
+    # replaces every one of the http block, so the keepalive's Connection "" is repeated there
     check = ("" if token is None else f"""
             if ($http_authorization != "Bearer {token}") {{ return 403; }}
             proxy_set_header Authorization "";
