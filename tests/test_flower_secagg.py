@@ -511,3 +511,20 @@ def test_privacy_budget_stops_a_flower_run_where_the_simulator_stops(limit_round
     model_f = torch.load(tmp_path / "flower" / "model.pt", weights_only=True)
     model_s = torch.load(tmp_path / "simulator" / "model.pt", weights_only=True)
     assert max_difference(model_f, model_s) == 0.0
+
+
+def test_flower_sample_level_dp_draws_os_noise_unless_told_otherwise(digits_data_dir, tmp_path, inside_a_run):
+    """privacy=sample on Flower: the nodes' DP-SGD noise comes from the operating system when
+    privacy.secure_noise is unset (two runs of one config differ), and is the simulator's seeded noise with
+    privacy.secure_noise=false (the same server state to the bit)."""
+    from test_flower import assert_same_state, reference
+
+    settings = tiny_config(digits_data_dir, rounds=1, method="fedavg", privacy="sample",
+                           **{"privacy.noise_multiplier": 1.0})
+    _, state_a = run_in_process(settings, {}, WireGrid(), tmp_path / "a")
+    _, state_b = run_in_process(settings, {}, WireGrid(), tmp_path / "b")
+    assert max_difference(state_a, state_b) > 0
+    seeded = {**settings, "privacy.secure_noise": False}
+    _, state = run_in_process(seeded, {}, WireGrid(), tmp_path / "seeded")
+    _, expected = reference(seeded, tmp_path / "simulator")
+    assert_same_state(state, expected)

@@ -20,7 +20,7 @@ from fedhpro.engines.simulator import Faults, Simulator
 from fedhpro.errors import ConfigError
 from fedhpro.methods import MethodSpec, TrainSettings, get_method
 from fedhpro.models import build_model, with_projection_head
-from fedhpro.privacy import Ledger, check_combinations, ledger_for
+from fedhpro.privacy import Ledger, check_combinations, ledger_for, private_train_settings
 from fedhpro.user_models import check_federation, user_model_builder
 
 
@@ -124,8 +124,7 @@ def build_experiment(config: Config, device: torch.device | str = "cpu", federat
                 raise ConfigError(f"privacy=sample: model {name}{given}: {problem}")
         ledger = ledger_for(config, [len(data) for data in federation.clients], train)
         assert ledger is not None
-        train = dataclasses.replace(train, dp_clip=float(config.privacy.clip),
-                                    dp_noise_multiplier=float(ledger.noise_multiplier))
+        train = private_train_settings(config, train, ledger)  # clip, sigma and where the noise comes from
     return Experiment(method, federation, global_factory, architecture_factory, architectures, train, shared,
                       ledger)
 
