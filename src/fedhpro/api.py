@@ -277,8 +277,8 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
         print(final_printout(summary, f"{options.method} on {data_name}, seed {options.seed}, "
                                       f"{options.rounds} rounds, {seconds:.0f} s — test accuracy (%):"))
         saved = MODEL_FILE if trained.global_model is not None else "models/client_<k>.pt"
-        print(f"results in {out}/ (summary.json, metrics.jsonl, timing.jsonl, accuracy.png, config.yaml); "
-              f"trained model: {saved} (fedhpro.load_model, fedhpro predict)")
+        print(f"results in {out}/ (summary.json, metrics.jsonl, timing.jsonl, accuracy.png and .svg, "
+              f"config.yaml); trained model: {saved} (fedhpro.load_model, fedhpro predict)")
     return RunResult(summary=summary, metrics=rows.metrics, out=out, config=config, trained=trained)
 
 
