@@ -286,3 +286,60 @@ def test_the_operator_s_forwarder_passes_only_requests_with_its_token(tmp_path):
                     f"Bearer {token}0": 403, f"Bearer {token[:-1]}": 403}, seen
     passed = [line for line in (tmp_path / "gate" / "access.log").read_text().splitlines() if "list-runs" in line]
     assert passed and all(" 502 " in line and "role=operator" in line for line in passed), passed
+
+
+@pytest.mark.skipif(NGINX is None, reason="nginx is not installed (apt-get install nginx-light)")
+def test_a_node_s_entry_reaches_the_gate_through_its_forwarder_s_socket(tmp_path):
+    """A node on a machine of its own, its processes in a private namespace: entry (TLS on loopback) -> the
+    forwarder's Unix socket -> mutual TLS with the node's certificate -> the gate (no SuperLink behind: what
+    the gate passes gets 502). The node's role holds along the chain: Fleet passes, Control gets 403."""
+    import http.client
+    import socket
+    import ssl
+    import time
+
+    def free() -> int:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            return probe.getsockname()[1]
+
+    certs = tmp_path / "certs"
+    certificates.create(certs, ["localhost"], nodes=1, gate=True)
+    sockets = tmp_path / "s"
+    sockets.mkdir(mode=0o700)
+    gate_port, entry_port = free(), free()
+    configs = [gate.server_config(tmp_path / "gate", certs, f"127.0.0.1:{gate_port}", f"unix:{sockets / 'none'}"),
+               gate.forward_config(tmp_path / "fwd", certs, "supernode-1", f"localhost:{gate_port}",
+                                   f"unix:{sockets / 'forward.sock'}", gate_name="localhost"),
+               gate.entry_config(tmp_path / "entry", certs, "supernode-1", f"127.0.0.1:{entry_port}",
+                                 f"unix:{sockets / 'forward.sock'}")]
+    processes = [subprocess.Popen(g.command(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT) for g in configs]
+
+    def status(path: str) -> object:
+        context = ssl.create_default_context(cafile=str(certs / "ca.crt"))  # as flower-supernode checks it
+        connection = http.client.HTTPSConnection("127.0.0.1", entry_port, context=context, timeout=30)
+        try:
+            connection.request("POST", path, body=b"")
+            return connection.getresponse().status
+        except OSError as error:
+            return type(error).__name__
+        finally:
+            connection.close()
+
+    try:
+        deadline = time.monotonic() + 60
+        while status("/v1/fleet/get-run") != 502 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        seen = {path: status(path) for path in ("/v1/fleet/get-run", "/v1/control/list-runs")}
+    finally:
+        for process in processes:
+            process.terminate()
+            process.wait(timeout=30)
+    assert seen == {"/v1/fleet/get-run": 502, "/v1/control/list-runs": 403}, seen
+    lines = (tmp_path / "gate" / "access.log").read_text().splitlines()
+    assert lines and all("role=node" in line and 'client="CN=supernode-1,OU=node,O=fedhpro"' in line
+                         for line in lines), lines
+    with pytest.raises(ConfigError, match="Unix socket"):
+        gate.entry_config(tmp_path / "e2", certs, "supernode-1", "127.0.0.1:1", "127.0.0.1:2")
+    with pytest.raises(ConfigError, match="loopback"):
+        gate.entry_config(tmp_path / "e3", certs, "supernode-1", "0.0.0.0:1", f"unix:{sockets / 'x'}")

@@ -7,12 +7,13 @@
   ``--gate``, the operator's and each node's client certificate for the gate;
   ``certificates DIR --client NAME --role node|operator``: one more client
   certificate signed by DIR's ca.key;
-- ``gate server|bridge|forward PREFIX ...``: nginx configs for mutual TLS
-  with roles in front of the SuperLink, the bridge from an owner-only Unix
-  socket to a SuperLink in a private network namespace, and every party's
-  local forwarder, with ``--token`` one that passes only the requests of the
-  ``flwr`` of this user (:mod:`fedhpro.flower.gate`); ``--start`` runs nginx
-  in the foreground;
+- ``gate server|bridge|forward|entry PREFIX ...``: nginx configs for mutual
+  TLS with roles in front of the SuperLink, the bridge from an owner-only
+  Unix socket to a SuperLink in a private network namespace, and every
+  party's local forwarder, with ``--token`` one that passes only the requests
+  of the ``flwr`` of this user, on a Unix socket with an entry in the node's
+  private network namespace (:mod:`fedhpro.flower.gate`); ``--start`` runs
+  nginx in the foreground;
 - ``up SITES_DIR``: a secured, supervised deployment on loopback, one
   SuperNode per site folder (:mod:`fedhpro.flower.up`); ``up --stop STATE``;
 - ``run APP CONNECTION --run-config ...``: submit a run, follow its log, and
@@ -70,6 +71,8 @@ def make_gate(args: argparse.Namespace) -> int:
         written = gate.server_config(args.prefix, args.certs, args.listen, args.superlink, args.local)
     elif args.kind == "bridge":
         written = gate.bridge_config(args.prefix, args.certs, args.listen, args.superlink)
+    elif args.kind == "entry":
+        written = gate.entry_config(args.prefix, args.certs, args.name, args.listen, args.forwarder)
     else:
         import secrets
 
@@ -160,11 +163,19 @@ def build_parser() -> argparse.ArgumentParser:
     forward.add_argument("--gate-name",
                          help="the name the gate's certificate must hold (default: --gate's host). nginx checks DNS "
                               "names (or the CN) only: for a gate reached by IP address give its DNS name here")
-    forward.add_argument("--listen", default="127.0.0.1:18001", help="loopback host:port (default 127.0.0.1:18001)")
+    forward.add_argument("--listen", default="127.0.0.1:18001",
+                         help="loopback host:port (default 127.0.0.1:18001), or unix:/abs/path for a gate entry")
     forward.add_argument("--token", action="store_true",
                          help="pass only requests with a new secret token, stored in $FLWR_HOME/credentials.yaml "
                               "for --listen (flwr sends it): for the operator's forwarder")
-    for sub in (server, bridge, forward):
+    entry = kinds.add_parser("entry", help="in a node's private network namespace: from 127.0.0.1 there to the "
+                                           "forwarder's Unix socket outside")
+    entry.add_argument("prefix", help="folder for nginx.conf, its pid file, logs and temporary files")
+    entry.add_argument("--certs", required=True, help="folder with NAME.crt and its key")
+    entry.add_argument("--name", required=True, help="supernode-K (the certificate's file name)")
+    entry.add_argument("--listen", default="127.0.0.1:18001", help="loopback host:port in the namespace")
+    entry.add_argument("--forwarder", required=True, help="the forwarder's unix:/abs/path (gate forward --listen)")
+    for sub in (server, bridge, entry, forward):
         sub.add_argument("--start", action="store_true", help="then run nginx in the foreground")
     gates.set_defaults(handler=make_gate)
 

@@ -333,10 +333,56 @@ def bridge_config(prefix: str | os.PathLike, certs: str | os.PathLike, listen: s
     return Gate(prefix, config)
 
 
+def loopback(listen: str, what: str) -> str:
+    """``listen`` as an nginx address when it is a loopback ``IP:port``; a one-line ConfigError otherwise."""
+    host, port = split_address(listen)
+    try:
+        if not ipaddress.ip_address(host).is_loopback:
+            raise ConfigError(f"--listen {listen}: {what} listens on a loopback address only "
+                              "(anyone who reaches it acts with its certificate)")
+    except ValueError:
+        raise ConfigError(f"--listen {listen}: give a loopback IP address, e.g. 127.0.0.1:18001") from None
+    return nginx_address(host, port)
+
+
+def entry_config(prefix: str | os.PathLike, certs: str | os.PathLike, name: str, listen: str,
+                 forwarder: str) -> Gate:
+    """Write an entry's config into ``prefix``: in a party's private network namespace, listen with TLS on
+    ``listen`` (loopback; certificate ``<name>.crt``) for the party's Flower process and pass everything to its
+    forwarder's Unix socket ``forwarder`` (``unix:/path``, :func:`forward_config` outside the namespace, which
+    holds the network). Only processes in the namespace reach the entry."""
+    prefix, certs = _prepare(prefix), Path(certs).resolve()
+    cert_name, key_name = certificates.client_names(name)
+    cert, key = certs / cert_name, certs / key_name
+    _need(cert, key)
+    if unix_path(forwarder) is None:
+        raise ConfigError(f"--forwarder {forwarder}: give the forwarder's Unix socket, e.g. unix:/srv/fedhpro/s/f")
+    text = _common(prefix) + f"""    access_log {_q(prefix / "access.log")};
+    upstream forwarder {{
+        server {upstream_server(forwarder)};
+        keepalive 16;
+    }}
+    server {{
+        listen {loopback(listen, "an entry")} ssl;
+        ssl_certificate {_q(cert)};
+        ssl_certificate_key {_q(key)};
+        location / {{
+            proxy_pass http://forwarder;
+        }}
+    }}
+}}
+"""
+    config = prefix / CONFIG_NAME
+    config.write_text(text)
+    return Gate(prefix, config)
+
+
 def forward_config(prefix: str | os.PathLike, certs: str | os.PathLike, name: str, gate: str,
                    listen: str = "127.0.0.1:18001", gate_name: str | None = None, token: str | None = None) -> Gate:
     """Write a local forwarder's config into ``prefix``: listen with TLS on ``listen`` (a loopback address;
-    certificate ``<name>.crt``, valid for 127.0.0.1) and open a mutual-TLS connection to the gate at ``gate``
+    certificate ``<name>.crt``, valid for 127.0.0.1), or on the Unix socket ``unix:/path`` (plain HTTP, for an
+    :func:`entry_config` in a private network namespace; put it in a folder only its owner may enter), and
+    open a mutual-TLS connection to the gate at ``gate``
     (``host:port``, or ``unix:/path`` for a gate on the same host) with the same certificate, checking the
     gate's certificate against ``ca.crt`` for ``gate_name`` (default: the gate's host; nginx checks DNS names
     or the CN only, not IP addresses: see :func:`check_name`). With ``token``, a request passes only with the
@@ -345,13 +391,9 @@ def forward_config(prefix: str | os.PathLike, certs: str | os.PathLike, name: st
     cert_name, key_name = certificates.client_names(name)
     ca, cert, key = certs / certificates.CA_CERT, certs / cert_name, certs / key_name
     _need(ca, cert, key)
-    host, port = split_address(listen)
-    try:
-        if not ipaddress.ip_address(host).is_loopback:
-            raise ConfigError(f"--listen {listen}: a forwarder listens on a loopback address only "
-                              "(anyone who reaches it acts with its certificate)")
-    except ValueError:
-        raise ConfigError(f"--listen {listen}: give a loopback IP address, e.g. 127.0.0.1:18001") from None
+    socket_path = unix_path(listen)
+    listener = (f"listen {_q(f'unix:{socket_path}')};" if socket_path is not None
+                else f"listen {loopback(listen, 'a forwarder')} ssl;")
     if token is not None and not token.isalnum():
         raise ConfigError("the forwarder's token may hold letters and digits only")
     if unix_path(gate) is not None:
@@ -378,7 +420,7 @@ def forward_config(prefix: str | os.PathLike, certs: str | os.PathLike, name: st
         keepalive 16;
     }}
     server {{
-        listen {nginx_address(host, port)} ssl;
+        {listener}
         ssl_certificate {_q(cert)};
         ssl_certificate_key {_q(key)};
         proxy_ssl_certificate {_q(cert)};
