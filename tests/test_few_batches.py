@@ -67,7 +67,8 @@ def test_a_run_says_so_at_start_and_in_its_notes(tmp_path, capsys):
     expected = ("the smallest client, site-1, has 47 training samples: 1 batch an epoch at batch_size=64, too "
                 "few SGD steps a round to learn much; batch_size=15 gives it 4")
     printed = capsys.readouterr()
-    assert expected in printed.err
+    assert f"note: {expected}" in printed.out.splitlines()  # with the data's notes, before training
+    assert "batch an epoch" not in printed.err
     assert expected in json.loads((tmp_path / "run" / "summary.json").read_text())["notes"]
     # at the batch size it suggests, no such note
     assert cli.main([*args, "batch_size=15", f"out={tmp_path / 'fine'}"]) == 0

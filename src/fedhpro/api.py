@@ -250,8 +250,9 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
     title = f"{display_name(options.method)} on {data_name} (seed {options.seed})"
     started = time.perf_counter()
     parts = build_experiment(config, device, federation=federation, model_factory=model_factory)
+    notes = [*parts.federation.notes, *run_notes(config, parts.federation)]
     if echo:  # how the data were read (split folders, empty or untested classes and sites), before training
-        for note in parts.federation.notes:
+        for note in notes:
             print(f"note: {note}")
     simulator = build_simulator(config, parts, device, observers_for(options, out, _warn, title))
     warnings = run_warnings(config, simulator)
@@ -266,7 +267,7 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
     rows = folder.rows
     seconds = time.perf_counter() - started
     summary = driver.run_summary(options, data_name, parts.federation.num_clients, device, rows.metrics, seconds,
-                                 [*parts.federation.notes, *warnings], from_python=config.federation is not None)
+                                 [*notes, *warnings], from_python=config.federation is not None)
     trained = simulator_models(config, simulator, parts.federation)
     with driver.stop_on_write_error(out, out / MODEL_FILE):  # before summary.json, which marks the run finished
         write_models(out, trained)
@@ -285,14 +286,19 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
 def run_warnings(config: Config, simulator: Any) -> list[str]:
     """The run's warning lines, said before its first round and kept in summary.json's ``notes``: a client
     holding more than ``aggregation.max_share`` of the test samples pooled for its test set
-    (:func:`driver.pooled_share_warnings`), a near-vacuous privacy delta (:func:`fedhpro.privacy.privacy_warnings`),
-    a smallest client with fewer than three batches an epoch (:func:`fedhpro.data.federation.few_batches_note`)."""
+    (:func:`driver.pooled_share_warnings`), a near-vacuous privacy delta (:func:`fedhpro.privacy.privacy_warnings`)."""
     max_share = float(getattr(config.aggregation, "max_share", 1.0))
     federation = simulator.federation
-    few = few_batches_note(federation, config.run.batch_size)
     return (driver.pooled_share_warnings(simulator.pooled_test_sizes(), max_share)
-            + privacy_warnings(config.privacy, federation.num_clients, [len(data) for data in federation.clients])
-            + ([few] if few else []))
+            + privacy_warnings(config.privacy, federation.num_clients, [len(data) for data in federation.clients]))
+
+
+def run_notes(config: Config, federation: Federation) -> list[str]:
+    """The run's own start-up notes, said with the data's (``note: ...``) and kept in summary.json's ``notes``:
+    a smallest client with fewer than three batches an epoch at the run's ``batch_size``
+    (:func:`fedhpro.data.federation.few_batches_note`)."""
+    few = few_batches_note(federation, config.run.batch_size)
+    return [few] if few else []
 
 
 def final_printout(summary: Mapping[str, Any], title: str) -> str:
