@@ -7,8 +7,13 @@ resolved Config or a :class:`~fedhpro.errors.FedHProError` whose message is one 
 exception. ``load_config`` changes no global state: not the package's defaults and recipes, not the caller's
 mapping, not the random generators, the environment, the working folder or torch's thread count.
 
+YAML graphs (anchors and aliases nested and repeated at random depths and widths, billion laughs among
+them) either load as ``yaml.safe_load`` loads them or are refused in one line exactly when an independent
+count of the value as a tree finds a bound exceeded; through load_config and the CLI each one ends within
+a hypothesis deadline.
+
 Deterministic (``derandomize=True``) and bounded: 200 + 200 + 150 + 60 = 610 examples (each of the first
-two feeds load_config twice or more), under 10 s.
+two feeds load_config twice or more), under 10 s; then 300 + 120 YAML graphs, about 30 s.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from fedhpro.cli import main as cli_main
@@ -207,3 +213,161 @@ def test_the_cli_prints_a_config_or_one_error_line(arguments):
 def test_the_package_defaults_are_as_at_import():
     """Run last in this file: after every example above, the defaults and recipes are untouched."""
     assert package_defaults() == DEFAULTS_AT_IMPORT
+
+
+# ---------------------------------------------------------------------------- YAML graphs: anchors and aliases
+
+#: the bounds the graph property runs under: small, so that the reference can check every example exactly
+GRAPH_NODES, GRAPH_ALIASES, GRAPH_DEPTH = 1000, 40, 10
+
+
+@st.composite
+def yaml_graphs(draw) -> str:
+    """YAML text whose values share structure: any list, mapping or scalar may be anchored (``&aN``) and any
+    later value may be an alias of a finished anchor (``*aN``), at random depths and widths, so that
+    aliases of aliases multiply (billion laughs), nest (deep once expanded) and repeat; now and then an
+    alias of an anchor still open (a value that contains itself) or of no anchor. A few top-level keys,
+    each one flow value."""
+    finished: list[str] = []
+    open_: list[str] = []
+    budget = [draw(st.integers(5, 150))]  # nodes written: the text stays small, its expansion need not
+    max_depth = draw(st.integers(1, 14))
+    undefined = draw(st.integers(0, 9)) == 0  # a tenth of the texts may name an anchor that is not there
+    cyclic = draw(st.integers(0, 5)) == 0  # a sixth may hold a value that contains itself
+
+    def value(depth: int) -> str:
+        budget[0] -= 1
+        kinds = ["scalar", "alias"] if depth >= max_depth or budget[0] <= 0 else \
+            ["scalar", "alias", "alias", "seq", "seq", "map"]
+        kind = draw(st.sampled_from(kinds))
+        if kind == "alias":
+            odd = draw(st.integers(0, 30))
+            if odd == 0 and open_ and cyclic:
+                return "*" + draw(st.sampled_from(open_))
+            if odd == 1 and undefined:
+                return "*nowhere"
+            if finished:
+                return "*" + draw(st.sampled_from(finished[-6:]))  # the newest: chains of aliases of aliases
+            kind = "scalar"
+        name = f"a{len(finished) + len(open_)}" if draw(st.integers(0, 2)) else None
+        prefix = f"&{name} " if name else ""
+        if kind == "scalar":
+            text = prefix + draw(st.sampled_from(["x", "1", "-2.5", "'s'", "null", "true", "~", '"é"']))
+        else:
+            if name:
+                open_.append(name)
+            children = [value(depth + 1) for _ in range(draw(st.integers(0, 10)))]
+            if name:
+                open_.remove(name)
+            text = prefix + ("[" + ", ".join(children) + "]" if kind == "seq"
+                             else "{" + ", ".join(f"k{i}: {child}" for i, child in enumerate(children)) + "}")
+        if name:
+            finished.append(name)
+        return text
+
+    return "".join(f"t{i}: {value(1)}\n" for i in range(draw(st.integers(1, 8))))
+
+
+@st.composite
+def laughs_graphs(draw) -> str:
+    """Billion-laughs texts of random shape: ``levels`` anchors, each a list holding ``width`` aliases of the
+    one before (and a few scalars), each alias wrapped in lists ``wrap`` levels deep, at random."""
+    levels, width = draw(st.integers(1, 12)), draw(st.integers(1, 12))
+    lines = ["t0: &a0 [" + ", ".join(["x"] * draw(st.integers(0, 12))) + "]"]
+    for i in range(1, levels):
+        items = []
+        for _ in range(width):
+            wrap = draw(st.integers(0, 3))
+            items.append("[" * wrap + f"*a{i - 1}" + "]" * wrap)
+        items += ["y"] * draw(st.integers(0, 3))
+        lines.append(f"t{i}: &a{i} [" + ", ".join(draw(st.permutations(items))) + "]")
+    return "\n".join(lines) + "\n"
+
+
+def as_tree(value: Any) -> tuple[int, int] | None:
+    """Independent reference, from ``yaml.safe_load``'s (shared, maybe cyclic) value: ``(nodes, depth)`` of
+    it as a tree (a mapping counts its keys; a scalar is one node, one level), or None when it contains
+    itself. Memoised by identity: a billion laughs is measured without being walked."""
+    memo: dict[int, tuple[int, int]] = {}
+    visiting: set[int] = set()
+
+    def walk(item: Any) -> tuple[int, int] | None:
+        if not isinstance(item, (dict, list)):
+            return 1, 1
+        if id(item) in memo:
+            return memo[id(item)]
+        if id(item) in visiting:
+            return None
+        visiting.add(id(item))
+        children = [part for pair in item.items() for part in pair] if isinstance(item, dict) else item
+        measured = [walk(child) for child in children]
+        visiting.discard(id(item))
+        if any(m is None for m in measured):
+            return None
+        result = (1 + sum(m[0] for m in measured), 1 + max((m[1] for m in measured), default=0))
+        memo[id(item)] = result
+        return result
+
+    return walk(value)
+
+
+def graph_fuzz(examples: int) -> settings:
+    """Like :func:`fuzz`, with a deadline: every example must end (load or be refused) within seconds."""
+    return settings(max_examples=examples, derandomize=True, deadline=5000, database=None, print_blob=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.filter_too_much])
+
+
+@graph_fuzz(300)
+@given(st.one_of(yaml_graphs(), laughs_graphs()))
+def test_yaml_graphs_load_as_safe_load_or_are_refused_in_one_line_exactly_past_a_bound(text):
+    """Under small bounds: the loader gives ``yaml.safe_load``'s value when the reference finds every bound
+    kept (nodes and depth as a tree, aliases, no value containing itself), and one LimitError line when it
+    finds one exceeded; an alias of no anchor stays PyYAML's own error."""
+    from fedhpro.bounded import LimitError, load_yaml
+
+    def bounded() -> Any:
+        return load_yaml(text, "graph.yaml", max_nodes=GRAPH_NODES, max_aliases=GRAPH_ALIASES,
+                         max_depth=GRAPH_DEPTH)
+
+    try:
+        reference = yaml.safe_load(text)
+    except yaml.YAMLError:  # *nowhere: PyYAML's error, or a bound exceeded before it
+        with pytest.raises((yaml.YAMLError, LimitError)):
+            bounded()
+        return
+    tree = as_tree(reference)
+    aliases = text.count("*")
+    kept = tree is not None and tree[0] <= GRAPH_NODES and tree[1] <= GRAPH_DEPTH and aliases <= GRAPH_ALIASES
+    event("kept" if kept else "cycle" if tree is None else "past a bound")
+    if kept:
+        assert bounded() == reference
+    else:
+        with pytest.raises(LimitError) as raised:
+            bounded()
+        message = str(raised.value)
+        assert message.startswith("graph.yaml ") and "\n" not in message, message
+        if tree is None and aliases <= GRAPH_ALIASES:
+            assert "contains itself" in message or "values once" in message or "levels deep" in message
+
+
+@graph_fuzz(120)
+@given(st.one_of(yaml_graphs(), laughs_graphs()), st.sampled_from(["file", "override", "cli"]))
+def test_yaml_graphs_give_a_config_or_one_line_within_the_deadline(text, where):
+    """With fedhpro's own bounds, wherever the graph comes from (a config file, a KEY=VALUE, the CLI): a
+    Config or one FedHProError line, never a hang (the deadline) nor another exception."""
+    if where == "file":
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "config.yaml"
+            path.write_text(text)
+            outcome(lambda: load_config(path))
+        return
+    flow = "{" + ", ".join(line.replace(": ", ": ", 1) for line in text.strip().splitlines()) + "}"
+    if where == "override":
+        outcome(lambda: load_config(None, [f"rounds={flow}"]))
+        return
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(["config", f"data={flow}"])
+    lines = err.getvalue().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("fedhpro: error: "), err.getvalue()[:500]

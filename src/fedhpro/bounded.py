@@ -10,8 +10,8 @@ folder or the network cannot hang or exhaust the process:
   counts while it composes: at most :data:`MAX_ALIASES` aliases, at most :data:`MAX_NODES` nodes *as a tree*
   (an alias counts the whole subtree it stands for, so ten levels of ten aliases, a "billion laughs", are
   refused after a few dozen nodes instead of being walked a billion times by whatever reads the value),
-  at most :data:`MAX_DEPTH` levels of nesting, and no alias to a node that contains it (a recursive value,
-  which every later walk of it would follow forever);
+  at most :data:`MAX_DEPTH` levels of nesting (aliases expanded too), and no alias to a node that contains it
+  (a recursive value, which every later walk of it would follow forever);
 * JSON is at most :data:`MAX_DEPTH` levels deep (Python's own parser stops only at its recursion limit, and
   every later walk of the value would hit it again).
 
@@ -59,8 +59,9 @@ def _name(where: str | None, kind: str) -> str:
 
 class BoundedLoader(yaml.SafeLoader):
     """PyYAML's ``SafeLoader`` that counts, while it composes the node graph, the aliases, the nodes as a
-    tree (an alias adds the size of the subtree it refers to) and the nesting depth, and stops with a
-    :class:`LimitError` at the first bound exceeded: nothing is ever expanded."""
+    tree (an alias adds the size of the subtree it refers to) and the nesting depth as a tree (an alias
+    reaches as deep below it as its subtree does), and stops with a :class:`LimitError` at the first bound
+    exceeded: nothing is ever expanded."""
 
     def __init__(self, stream: str, where: str | None = None, *, max_aliases: int = MAX_ALIASES,
                  max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH):
@@ -69,9 +70,10 @@ class BoundedLoader(yaml.SafeLoader):
         self.max_aliases, self.max_nodes, self.max_depth = max_aliases, max_nodes, max_depth
         self.aliases = 0
         self.nodes = 0  # counted as a tree: what a walk of the constructed value visits
-        self.depth = 0
-        #: id(node) -> its size as a tree, for every node fully composed (an alias adds it again)
-        self.sizes: dict[int, int] = {}
+        self.depth = 0  # of the node being composed
+        self.deepest = 0  # the deepest level reached below the node being composed, aliases expanded
+        #: id(node) -> (its size, its height) as a tree, for every node fully composed (an alias adds them again)
+        self.sizes: dict[int, tuple[int, int]] = {}
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
@@ -81,22 +83,31 @@ class BoundedLoader(yaml.SafeLoader):
             if self.aliases > self.max_aliases:
                 raise LimitError(f"{self.where} holds more than {self.max_aliases} YAML aliases (*name); write "
                                  "the values out, or use fewer aliases")
-            size = self.sizes.get(id(node))
-            if size is None:  # its anchor's node is still being composed: the alias is inside it
+            known = self.sizes.get(id(node))
+            if known is None:  # its anchor's node is still being composed: the alias is inside it
                 raise LimitError(f"{self.where} has an alias inside the value it refers to (line "
                                  f"{mark.line + 1}), a value that contains itself; write the value out")
+            size, height = known
+            self._reach(self.depth + height)  # the subtree it stands for, placed here
             self._add(size)
             return node
         self.depth += 1
-        if self.depth > self.max_depth:
-            raise LimitError(f"{self.where} nests lists and mappings more than {self.max_depth} levels deep; "
-                             "flatten it")
+        self._reach(self.depth)
+        outer, self.deepest = self.deepest, self.depth
         before = self.nodes
         node = super().compose_node(parent, index)
+        height = self.deepest - self.depth + 1
+        self.deepest = max(outer, self.deepest)
         self.depth -= 1
         self._add(1)
-        self.sizes[id(node)] = self.nodes - before
+        self.sizes[id(node)] = (self.nodes - before, height)
         return node
+
+    def _reach(self, depth: int) -> None:
+        if depth > self.max_depth:
+            raise LimitError(f"{self.where} nests lists and mappings more than {self.max_depth} levels deep"
+                             f"{' once its YAML aliases (*name) are expanded' if self.aliases else ''}; flatten it")
+        self.deepest = max(self.deepest, depth)
 
     def _add(self, count: int) -> None:
         self.nodes += count
