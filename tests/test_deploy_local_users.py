@@ -349,3 +349,12 @@ def test_up_says_in_one_line_who_reaches_the_superlink_when_no_namespace_can_be_
     deployment = up.Deployment(tmp_path / "sites", tmp_path / "state", base_port=18000, install_dependencies=True)
     deployment.isolate()
     assert deployment.namespaces == {} and "--install-dependencies" in deployment.isolation
+
+
+def test_a_state_folder_too_deep_for_unix_sockets_is_one_line(tmp_path):
+    (tmp_path / "sites" / "site-a").mkdir(parents=True)
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deployment = up.Deployment(tmp_path / "sites", deep, base_port=up_free_port())
+    with pytest.raises(up.ConfigError, match="longer than 100 bytes; use a shorter folder") as error:
+        deployment.prepare()
+    assert "\n" not in str(error.value)

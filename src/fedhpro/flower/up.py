@@ -106,7 +106,8 @@ def sites_of(sites_dir: Path) -> list[Path]:
 @dataclass(frozen=True)
 class Ports:
     """Every port of a deployment, from one base: the gate, the SuperLink, the operator's forwarder,
-    then each node's forwarder and each node's own ClientApp API."""
+    then each node's forwarder and each node's own ClientApp API (the SuperLink's and the nodes' on the
+    127.0.0.1 of their private network namespaces, when :meth:`Deployment.isolate` made them)."""
 
     base: int
     nodes: int
