@@ -232,3 +232,22 @@ def test_a_jsonl_file_of_deep_or_foreign_rows_is_one_line(tmp_path):
         with pytest.raises(FedHProError, match=text) as raised:
             read_jsonl_file(path)
         assert "\n" not in str(raised.value) and str(path) in str(raised.value)
+
+
+def test_files_over_the_size_bound_are_refused_before_they_are_read(tmp_path, monkeypatch):
+    import fedhpro.bounded as bounded
+    import fedhpro.config as config
+
+    monkeypatch.setattr(bounded, "MAX_JSON_CHARS", 1000)
+    monkeypatch.setattr(config, "MAX_YAML_CHARS", 1000)
+    path = tmp_path / "summary.json"
+    path.write_text('{"notes": "' + "x" * 1000 + '"}')
+    with pytest.raises(FedHProError, match=r"summary.json is 1,013 bytes, over fedhpro's limit of 1,000") as raised:
+        bounded.read_json_file(path)
+    assert "\n" not in str(raised.value)
+    path.write_text('{"notes": "' + "x" * 900 + '"}')
+    assert len(bounded.read_json_file(path)["notes"]) == 900
+    config_file = tmp_path / "big.yaml"
+    config_file.write_text("rounds: 2\n" + "#" * 1000 + "\n")
+    with pytest.raises(ConfigError, match=r"big.yaml' is 1,011 bytes, over fedhpro's limit of 1,000 for YAML"):
+        load_config(config_file)

@@ -4,8 +4,8 @@ Every YAML and JSON read of fedhpro goes through :func:`load_yaml` / :func:`load
 :func:`read_yaml_file`, :func:`read_json_file`, :func:`read_jsonl_file`), so that text from a user, a run
 folder or the network cannot hang or exhaust the process:
 
-* the text is at most :data:`MAX_YAML_CHARS` / :data:`MAX_JSON_CHARS` characters (a file's size is checked
-  before it is read);
+* the text is at most :data:`MAX_YAML_CHARS` / :data:`MAX_JSON_CHARS` characters (a file's size in bytes
+  is checked before it is read);
 * YAML is composed with PyYAML's ``SafeLoader`` (no Python objects, no code) by :class:`BoundedLoader`, which
   counts while it composes: at most :data:`MAX_ALIASES` aliases, at most :data:`MAX_NODES` nodes *as a tree*
   (an alias counts the whole subtree it stands for, so ten levels of ten aliases, a "billion laughs", are
@@ -38,8 +38,9 @@ from fedhpro.errors import ConfigError, FedHProError
 #: the most characters of YAML text read: configs, run settings, reproduce targets are a few KB; PyYAML is
 #: pure Python (about a MB a second), so this also bounds the time a valid file takes
 MAX_YAML_CHARS = 8 * 2**20
-#: the most characters of JSON text read: a partition of millions of samples is tens of MB
-MAX_JSON_CHARS = 256 * 2**20
+#: the most characters of JSON text read: a partition.json of 8 million samples' indices fits; parsed, such a
+#: text can take about 20 times its size in memory, so this also bounds the memory a hostile file can claim
+MAX_JSON_CHARS = 64 * 2**20
 #: the most aliases (``*name``) in one YAML text: fedhpro's own config.yaml holds a few at most
 MAX_ALIASES = 1000
 #: the most nodes of one YAML text counted as a tree (each alias as the subtree it stands for): what every
@@ -195,29 +196,31 @@ def _first_line(error: BaseException) -> str:
 
 def read_bounded(path: str | os.PathLike, limit: int, error: type[FedHProError] = ConfigError,
                  what: str | None = None) -> str:
-    """The UTF-8 text of the file ``path``, its size checked against ``limit`` (characters; a UTF-8 file
-    holds at least one byte per character, so the bytes are checked, before reading). Missing, unreadable,
-    too large or not UTF-8: one line of ``error``."""
+    """The UTF-8 text of the file ``path``, at most ``limit`` bytes (checked before reading, and while
+    reading: a file that grows is cut there and refused). Missing, unreadable, too large or not UTF-8: one
+    line of ``error``."""
     path = Path(path)
     name = what or str(path)
+
+    def too_large(size: int) -> FedHProError:
+        return error(f"{name} is {size:,} bytes, over fedhpro's limit of {limit:,}; it is not a file fedhpro "
+                     "wrote: replace it")
+
     try:
         size = path.stat().st_size
-        if size > 4 * limit:  # 4: the most bytes a UTF-8 character takes
-            raise error(f"{name} is {size:,} bytes, over fedhpro's limit of {limit:,} characters; it is not a "
-                        "file fedhpro wrote: replace it")
+        if size > limit:
+            raise too_large(size)
         with open(path, "rb") as handle:
-            raw = handle.read(4 * limit + 1)
+            raw = handle.read(limit + 1)
     except OSError as problem:
         raise error(f"{name} cannot be read ({problem.strerror or type(problem).__name__})") from None
+    if len(raw) > limit:
+        raise too_large(len(raw))
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as problem:
         raise error(f"{name} is not UTF-8 text (byte 0x{raw[problem.start]:02x} at offset {problem.start}); it "
                     "is damaged: replace it") from None
-    if len(text) > limit:
-        raise error(f"{name} is {len(text):,} characters long, over fedhpro's limit of {limit:,}; it is not a "
-                    "file fedhpro wrote: replace it")
-    return text
 
 
 def read_yaml_file(path: str | os.PathLike, error: type[FedHProError] = ConfigError,

@@ -410,9 +410,9 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"{where} does not exist")
     try:
         size = path.stat().st_size
-        if size > 4 * MAX_YAML_CHARS:  # refused before reading: 4 is the most bytes a UTF-8 character takes
-            raise ConfigError(f"{where} is {size:,} bytes, over fedhpro's limit of {MAX_YAML_CHARS:,} characters "
-                              "of YAML; give a config file of settings")
+        if size > MAX_YAML_CHARS:  # refused before it is read
+            raise ConfigError(f"{where} is {size:,} bytes, over fedhpro's limit of {MAX_YAML_CHARS:,} for YAML; "
+                              "give a config file of settings")
         raw = path.read_bytes()
     except OSError as error:
         raise ConfigError(f"{where} cannot be read ({error.strerror or type(error).__name__})") from None
