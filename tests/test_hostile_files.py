@@ -466,6 +466,10 @@ def test_a_checkpoint_or_partition_file_of_deep_json_is_one_line(tmp_path):
     torch.save({"format_version": 1, "completed_rounds": 1, "simulator": {}, "metrics": "[1, 2]", "rng": {}}, path)
     with pytest.raises(DataError, match="its 'metrics' entry is damaged"):
         checkpoint.load(path)
+    rows = '[{"round": 0, "accuracy": {"AVG": "high"}}]'  # rows the resumed run would write and report
+    torch.save({"format_version": 1, "completed_rounds": 1, "simulator": {}, "metrics": rows, "rng": {}}, path)
+    with pytest.raises(DataError, match="its metrics row 1: accuracy is not a mapping of test sets"):
+        checkpoint.load(path)
     partition = tmp_path / "partition.json"
     partition.write_text(deep)
     with pytest.raises(PartitionError, match="partition.json: partition file nests .* more than 100 levels deep"):

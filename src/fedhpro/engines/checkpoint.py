@@ -182,6 +182,13 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
         metrics = None
     if not isinstance(metrics, list) or not all(isinstance(row, dict) for row in metrics):
         raise DataError(_not_a_checkpoint(path, "its 'metrics' entry is damaged"))
+    from fedhpro.reports.runs import check_row  # the rows become the run's metrics.jsonl: checked as a report does
+
+    for number, row in enumerate(metrics, 1):
+        try:
+            check_row(row, f"row {number}")
+        except DataError as error:
+            raise DataError(_not_a_checkpoint(path, f"its metrics {str(error).split(';')[0]}")) from None
     try:
         rng = _checked_rng(blob["rng"])
     except damaged:
