@@ -19,7 +19,6 @@ from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
 from fedhpro import cli
 from fedhpro.config import load_config
 from fedhpro.data import get_dataset
-from fedhpro.data.federation import domains_without_clients_note
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [f"data.syn_size={DIGITS_SYN_SIZE}", f"data.test_fraction={DIGITS_TEST_FRACTION}", "data.fraction=0.02"]
@@ -64,6 +63,8 @@ def test_every_domain_with_a_client_or_left_out_on_purpose_says_nothing(digits_d
 
 def test_one_wording_for_the_downloaded_domain_benchmarks():
     """digits and office-caltech (downloaded data) call the same note with their domains and layout."""
+    from fedhpro.data.federation import domains_without_clients_note
+
     names = ["caltech", "webcam", "amazon", "dslr"]
     assert domains_without_clients_note("office-caltech", names, {"caltech": 1, "webcam": 1}, 2) == (
         "office-caltech: clients=2 is fewer than its 4 domains, so domains amazon, dslr get no client: not "

@@ -15,7 +15,8 @@ import torch
 
 from fedhpro import cli
 from fedhpro.data.federation import Federation
-from fedhpro.reports.plots import display_label, display_name, plot_curves, plot_mean_curves, plot_run_accuracy
+from fedhpro.reports import plots
+from fedhpro.reports.plots import plot_curves, plot_mean_curves
 
 #: the names the paper prints, by registered name (written out here by hand, not read from the code)
 PAPER = {"fedavg": "FedAvg", "fedprox": "FedProx", "moon": "MOON", "fedrcl": "FedRCL", "fedproto": "FedProto",
@@ -39,10 +40,10 @@ def _styles(axis) -> list[tuple[str, str]]:
 
 
 def test_every_method_is_named_as_the_paper_writes_it():
-    assert {name: display_name(name) for name in PAPER} == PAPER
-    assert display_label("fedhpro fedhpro.tau=0.1") == "FedHPro fedhpro.tau=0.1"
-    assert display_label("moon: L_GM before") == "MOON: L_GM before"
-    assert display_label("fedavg-digits-offline-20260101") == "fedavg-digits-offline-20260101"  # a folder name
+    assert {name: plots.display_name(name) for name in PAPER} == PAPER
+    assert plots.display_label("fedhpro fedhpro.tau=0.1") == "FedHPro fedhpro.tau=0.1"
+    assert plots.display_label("moon: L_GM before") == "MOON: L_GM before"
+    assert plots.display_label("fedavg-digits-offline-20260101") == "fedavg-digits-offline-20260101"  # a folder name
 
 
 def test_a_plugin_method_keeps_its_own_name():
@@ -51,9 +52,9 @@ def test_a_plugin_method_keeps_its_own_name():
     register("fedavgm", dataclasses.replace(fedavg.METHOD, name="fedavgm", description="FedAvgM: server momentum"))
     register("my_rule", dataclasses.replace(fedavg.METHOD, name="my_rule", description="a rule of ours"))
     try:
-        assert display_name("fedavgm") == "FedAvgM"  # its registry entry spells it so
-        assert display_name("my_rule") == "my_rule"
-        assert display_name("not-registered") == "not-registered"
+        assert plots.display_name("fedavgm") == "FedAvgM"  # its registry entry spells it so
+        assert plots.display_name("my_rule") == "my_rule"
+        assert plots.display_name("not-registered") == "not-registered"
     finally:
         del REGISTRY["fedavgm"], REGISTRY["my_rule"]
 
@@ -84,7 +85,7 @@ def test_compare_and_report_curves_share_the_style(tmp_path):
 def test_a_run_accuracy_plot_has_round_ticks_and_distinct_lines(tmp_path):
     rows = [{"round": r, "accuracy": {"mnist": 10.0 + r, "optdigits": 12.0, "mnistm": 9.0, "syn": 11.0 + r,
                                       "AVG": 11.0 + r / 2}} for r in range(3)]
-    figure = plot_run_accuracy(rows, tmp_path / "accuracy.png", title="FedAvg on digits-offline (seed 0)")
+    figure = plots.plot_run_accuracy(rows, tmp_path / "accuracy.png", title="FedAvg on digits-offline (seed 0)")
     (axis,) = figure.axes
     ticks = _whole_ticks(axis)
     assert all(t == int(t) for t in ticks) and {1.0, 2.0, 3.0} <= set(ticks)
@@ -92,7 +93,7 @@ def test_a_run_accuracy_plot_has_round_ticks_and_distinct_lines(tmp_path):
     assert len(styles) == 5 and len(set(styles)) == 5, styles
     assert len({marker for _, marker in styles}) == 5
     assert (tmp_path / "accuracy.svg").is_file()
-    assert plot_run_accuracy([{"round": 0}], tmp_path / "none.png") is None  # no round evaluated: no figure
+    assert plots.plot_run_accuracy([{"round": 0}], tmp_path / "none.png") is None  # no round evaluated: no figure
 
 
 def _federation() -> Federation:
@@ -125,5 +126,5 @@ def test_a_run_and_its_report_write_the_figures_in_the_style(tmp_path):
 
 @pytest.mark.parametrize("name", ["fedavg", "fedhpro"])
 def test_display_names_do_not_touch_other_words(name):
-    assert display_label(f"{name}x") == f"{name}x"
-    assert display_label(f"x {name}") == f"x {name}"
+    assert plots.display_label(f"{name}x") == f"{name}x"
+    assert plots.display_label(f"x {name}") == f"x {name}"
