@@ -185,13 +185,15 @@ def probes(home: str, state: str, ports: list[int], sockets: list[str], namespac
     found: dict[str, Any] = {"uid": os.getuid(), "ports": {}, "sockets": {}, "namespaces": {}, "secrets": {},
                              # the folder holding the state is open to all: a refusal below is the state's own
                              "state-parent-open": os.access(Path(state).parent, os.X_OK)}
+    key = folder / f"evil-{os.getuid()}.pub"  # a node key of this prober's own (a key registers once)
+    key.write_bytes(certificates.node_key_pair()[1])
     for port in ports:
         entry = {"tcp": tcp(port)}
         if entry["tcp"] == "open":
             entry["list-runs"] = tls_post(port, ca, "/v1/control/list-runs")
             entry["flwr ls"] = outcome(flwr_in_process(folder, "ls", f"p{port}"))
             entry["flwr supernode register"] = outcome(flwr_in_process(
-                folder, "supernode", "register", str(folder / "evil.pub"), f"p{port}"))
+                folder, "supernode", "register", str(key), f"p{port}"))
         found["ports"][str(port)] = entry
     found["sockets"] = {path: unix_connect(path) for path in sockets}
     found["namespaces"] = {path: open_path(path) for path in namespaces}
@@ -214,8 +216,6 @@ def attack(state: Path, ports: list[int], ca: Path, pids: dict[str, int]) -> dic
 
 def _attack(state: Path, ports: list[int], ca: Path, pids: dict[str, int], home: Path) -> dict[str, dict]:
     shutil.copy(ca, home / "ca.crt")
-    private, public = certificates.node_key_pair()
-    (home / "evil.pub").write_bytes(public)
     flwr_in_process(home, "config", "list")  # flwr writes its default config.toml first
     with open(home / "config.toml", "a") as config:
         for port in ports:

@@ -39,7 +39,7 @@ from fedhpro.errors import ConfigError
 from fedhpro.flower import certificates, gate
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 NGINX = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
@@ -247,6 +247,8 @@ CA_KEY, CA_CERT = certificates.certificate_authority(1)
 @pytest.mark.skipif(OPENSSL is None, reason="needs openssl (the reference printer of subjects)")
 @settings(max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 @given(rdns=subjects)
+@example(rdns=[[(ORG, "fedhpro")], [(OU, "operator")], [(CN, "site9")]])  # as issued: the role must come through
+@example(rdns=[[(ORG, "fedhpro")], [(OU, "node")], [(CN, "site9,OU=operator")]])  # the report's subject
 def test_the_role_rule_agrees_with_an_exact_parse_of_generated_subjects(rdns):
     rules = nginx_rules()
     made = self_signed(rdns)

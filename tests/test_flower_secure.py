@@ -27,7 +27,7 @@ keep the wall time low:
 - straight at the SuperLink (from inside its namespace, as root), ``flwr ls``
   with ``ca.crt`` alone succeeds: it asks no client certificate, which is
   why nothing else may reach it;
-- another local user (uid ``nobody``, :func:`test_deploy_local_users.attack`)
+- (run as root) another local user (uid ``nobody``, :func:`test_deploy_local_users.attack`)
   against every port of the range, every Unix socket in the state folder,
   the namespaces and the keys: ``flwr ls``/``flwr supernode register`` get 400
   at the gate and 403 at the operator's forwarder (no token), every other port
@@ -282,9 +282,13 @@ class Deployment:
             config.write(f'\n[superlink.{name}]\naddress = "127.0.0.1:{port}"\nroot-certificates = "{ca}"\n')
 
     def inside(self, name: str) -> list[str]:
-        """A command prefix that runs in the network namespace of ``up``'s process ``name`` (STATE/run)."""
+        """A command prefix that runs in the network namespace of ``up``'s process ``name`` (STATE/run): none
+        when it is this one's; not root, through the user namespace ``up`` made it in (our uid owns it)."""
         pid = int((self.state / "run" / f"{name}.pid").read_text())
-        return ["nsenter", f"--net=/proc/{pid}/ns/net", "--"]
+        if os.readlink(f"/proc/{pid}/ns/net") == os.readlink("/proc/self/ns/net"):
+            return []
+        user = [] if os.geteuid() == 0 else [f"--user=/proc/{pid}/ns/user", "--preserve-credentials"]
+        return ["nsenter", *user, f"--net=/proc/{pid}/ns/net", "--"]
 
     def flwr(self, *args: str, inside: str | None = None) -> dict:
         prefix = self.inside(inside) if inside else []
@@ -326,6 +330,42 @@ class Deployment:
                 pass
         time.sleep(0.5)
         return sorted(pid for pid in pids if alive(pid))
+
+
+def check_other_user(net: Deployment, isolated: bool, first: str, registered: set[int]) -> None:
+    """:func:`test_deploy_local_users.attack` against the running deployment, and what it must find: isolated,
+    only the gate (400) and the operator's forwarder (403) take a connection; without namespaces, as ``up``'s
+    first line says, the SuperLink's port takes ``flwr`` commands from anyone."""
+    ports, ca = net.ports, net.state / "certs" / "ca.crt"
+    parties = {name: int((net.state / "run" / f"{name}.pid").read_text())
+               for name in ("superlink", first, f"{first}-forward")}
+    found = attack(net.state, ports.all(), ca, parties)
+    with open(net.logs / "attack.json", "w") as record:
+        json.dump(found, record, indent=1)
+    owner, other = found["owner"], found["other"]
+    net.check(other["uid"] == 65534 and owner["uid"] == os.getuid(), f"uids: {other['uid']}, {owner['uid']}")
+    net.check(other["state-parent-open"] and owner["state-parent-open"], "the state's parent is not open to all")
+    refused = {"tcp": "open", "list-runs": "400", "flwr ls": "400", "flwr supernode register": "400"}
+    no_token = {"tcp": "open", "list-runs": "403", "flwr ls": "403", "flwr supernode register": "403"}
+    for port in ports.all():
+        expected = (refused if port == ports.gate else no_token if port == ports.operator
+                    else {"tcp": "ECONNREFUSED"} if isolated else None)
+        if expected is not None:  # without namespaces the nodes' ports answer too: not asserted
+            net.check(other["ports"][str(port)] == expected, f"port {port}: {other['ports'][str(port)]}")
+    if not isolated:
+        open_link = other["ports"][str(ports.superlink)]
+        net.check(open_link["flwr ls"] == open_link["flwr supernode register"] == "success",
+                  f"up said the SuperLink is open to local users, yet: {open_link}")
+    net.check(len(other["sockets"]) == 2 and set(other["sockets"].values()) == {"EACCES"}, str(other["sockets"]))
+    net.check(set(owner["sockets"].values()) == {"connected"}, f"the owner's probe: {owner['sockets']}")
+    net.check(set(other["namespaces"].values()) == {"EACCES"}, str(other["namespaces"]))
+    net.check(set(owner["namespaces"].values()) == {"opened"}, f"the owner's probe: {owner['namespaces']}")
+    net.check(set(other["secrets"].values()) == {"EACCES"}, str(other["secrets"]))
+    after = {int(node["node-id"]) for node in net.flwr("supernode", "ls", "secure")["nodes"]}
+    runs = net.flwr("ls", "secure")["runs"]
+    # without namespaces the owner's probe and the other user's each registered a key of their own
+    net.check(len(runs) == 1 and (after == registered if isolated else len(after) == len(registered) + 2),
+              f"after the other user: nodes {after}, runs {len(runs)}")
 
 
 @pytest.mark.skipif(shutil.which("nginx") is None and not Path("/usr/sbin/nginx").exists(),
@@ -431,35 +471,11 @@ def test_secured_deployment_refuses_strangers_and_nodes_and_runs_fedhpro_like_th
         direct = net.flwr("ls", "direct", inside="superlink")
         net.check(direct["success"] and len(direct["runs"]) == 1, f"flwr ls straight at the SuperLink: {direct}")
 
-        # --- another local user of this host, and the owner for contrast (test_deploy_local_users.attack)
-        parties = {name: int((net.state / "run" / f"{name}.pid").read_text())
-                   for name in ("superlink", first, f"{first}-forward")}
-        found = attack(net.state, ports.all(), ca, parties)
-        with open(net.logs / "attack.json", "w") as record:
-            json.dump(found, record, indent=1)
-        owner, other = found["owner"], found["other"]
-        net.check(other["uid"] == 65534 and owner["uid"] == os.getuid(), f"uids: {other['uid']}, {owner['uid']}")
-        refused = {"tcp": "open", "list-runs": "400", "flwr ls": "400", "flwr supernode register": "400"}
-        no_token = {"tcp": "open", "list-runs": "403", "flwr ls": "403", "flwr supernode register": "403"}
-        for port in ports.all():
-            expected = (refused if port == ports.gate else no_token if port == ports.operator
-                        else {"tcp": "ECONNREFUSED"} if isolated else None)
-            if expected is None:  # no namespace could be made: what up's first line says is open
-                continue
-            net.check(other["ports"][str(port)] == expected, f"port {port}: {other['ports'][str(port)]}")
-        if not isolated:
-            net.check(other["ports"][str(ports.superlink)]["flwr ls"] == "success",
-                      "up said the SuperLink is open to local users, yet flwr ls failed there")
-        net.check(len(other["sockets"]) == 2 and set(other["sockets"].values()) == {"EACCES"}, str(other["sockets"]))
-        net.check(set(owner["sockets"].values()) == {"connected"}, f"the owner's probe: {owner['sockets']}")
-        net.check(set(other["namespaces"].values()) == {"EACCES"}, str(other["namespaces"]))
-        net.check(set(owner["namespaces"].values()) == {"opened"}, f"the owner's probe: {owner['namespaces']}")
-        net.check(set(other["secrets"].values()) == {"EACCES"}, str(other["secrets"]))
-        after = {int(node["node-id"]) for node in net.flwr("supernode", "ls", "secure")["nodes"]}
-        net.check(after == registered and len(net.flwr("ls", "secure")["runs"]) == 1,
-                  f"the other user changed the deployment: nodes {after}")
+        # --- another local user of this host, and the owner for contrast (test_deploy_local_users.attack);
+        # becoming uid nobody needs root
+        if os.geteuid() == 0:
+            check_other_user(net, isolated, first, registered)
 
-        net.check(other["state-parent-open"] and owner["state-parent-open"], "the state's parent is not open to all")
         pids = net.remember()
         stopped = subprocess.run([sys.executable, "-m", "fedhpro.flower", "up", "--stop", str(net.state)],
                                  env=net.env, capture_output=True, text=True, timeout=120)
