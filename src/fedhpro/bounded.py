@@ -26,14 +26,13 @@ This module imports only :mod:`fedhpro.errors`, so every other module can use it
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from fedhpro.errors import ConfigError, FedHProError
+from fedhpro.errors import ConfigError, DataError, FedHProError
 
 #: the most characters of YAML text read: configs, run settings, reproduce targets are a few KB; PyYAML is
 #: pure Python (about a MB a second), so this also bounds the time a valid file takes
@@ -277,18 +276,60 @@ def read_jsonl_file(path: str | os.PathLike, error: type[FedHProError] = ConfigE
     return rows
 
 
-def finite_or_none(value: Any) -> Any:
-    """``value`` with every float that is NaN or infinite (in lists, tuples and dict values, at any depth)
-    replaced by None: what a strict JSON writer writes for a measurement that has no finite value."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: finite_or_none(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_or_none(item) for item in value]
-    return value
+#: what a reader of a metrics.jsonl row relies on: key -> the keys of its mapping that must be numbers (None:
+#: the value itself is a number)
+_ROW_NUMBERS: dict[str, tuple[str, ...] | None] = {
+    "bytes_up": None, "bytes_down": None, "params_up": None, "flops_train": None,
+    "fairness": ("worst_10", "best_10", "mean", "std"),
+}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_metrics_row(row: Any, where: str, error: type[FedHProError] = DataError) -> None:
+    """One line of ``error`` unless what a report or a resumed run reads of the metrics.jsonl row ``row`` has
+    the type the engines write (``round``, ``accuracy``, ``fairness``, the byte and FLOP counts, the server's
+    and the prototype distances' numbers): a run folder is untrusted input (a damaged or hand-edited file)."""
+    def bad(key: str, expected: str) -> FedHProError:
+        return error(f"{where}: {key} is not {expected}; the file is damaged: replace it or delete the run folder")
+
+    if not isinstance(row, dict):
+        raise error(f"{where} is a {type(row).__name__}, not a row of metrics; the file is damaged: replace it or "
+                    "delete the run folder")
+    round_ = row.get("round")
+    if not (isinstance(round_, int) and not isinstance(round_, bool) and round_ >= 0):
+        raise bad("round", "a whole number >= 0")
+    if "accuracy" in row:
+        accuracy = row["accuracy"]
+        if not (isinstance(accuracy, dict) and "AVG" in accuracy and all(map(_is_number, accuracy.values()))):
+            raise bad("accuracy", "a mapping of test sets (and AVG) to numbers")
+    for key, inner in _ROW_NUMBERS.items():
+        if key not in row:
+            continue
+        value = row[key]
+        if inner is None and not _is_number(value):
+            raise bad(key, "a number")
+        if inner is not None and not (isinstance(value, dict)
+                                      and all(name in value and _is_number(value[name]) for name in inner)):
+            raise bad(key, f"a mapping with the numbers {', '.join(inner)}")
+    server = row.get("server", {})
+    if not isinstance(server, dict):
+        raise bad("server", "a mapping")
+    numbers = [name for name in ("gm_loss_after", "hyper_movement") if name in server]
+    if "gm_loss_before" in server:
+        numbers += ["gm_loss_before", "gm_loss_after"]
+    if not all(name in server and _is_number(server[name]) for name in numbers):
+        raise bad("server", "a mapping whose gm_loss_before, gm_loss_after and hyper_movement are numbers")
+    distances = row.get("prototype_distance", {})
+    if not (isinstance(distances, dict) and all(
+            isinstance(distances[source], dict) and _is_number(distances[source].get("l2"))
+            and isinstance(distances[source].get("kind", ""), str)
+            for source in ("server", "clients_mean") if source in distances)):
+        raise bad("prototype_distance", "a mapping of sources to their l2 distance")
 
 
 __all__ = ["MAX_ALIASES", "MAX_DEPTH", "MAX_JSON_CHARS", "MAX_NODES", "MAX_YAML_CHARS", "BoundedLoader", "LimitError",
-           "finite_or_none", "json_depth", "load_json", "load_yaml", "parse_json", "read_bounded", "read_json_file",
+           "check_metrics_row", "json_depth", "load_json", "load_yaml", "parse_json", "read_bounded", "read_json_file",
            "read_jsonl_file", "read_yaml_file"]

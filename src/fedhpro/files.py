@@ -16,14 +16,15 @@ two runs writing into one ``out=`` would mix their files.
 Every JSON file fedhpro writes is strict JSON (:func:`strict_json`).
 
 This module sits below everything else in fedhpro (it imports only
-:mod:`fedhpro.errors`, which imports nothing, and :mod:`fedhpro.bounded`),
-so data, engines and reports can all use it.
+:mod:`fedhpro.errors`, which imports nothing), so data, engines and reports
+can all use it.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import re
 import secrets
@@ -33,7 +34,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from fedhpro.bounded import finite_or_none, load_json
 from fedhpro.errors import ConfigError
 
 #: what a new file's mode starts from before the umask, as ``open(path, "w")`` does
@@ -100,6 +100,18 @@ def strict_json(value: Any, **dumps: Any) -> str:
         return json.dumps(value, allow_nan=False, **dumps)
     except ValueError:  # a non-finite float somewhere: written as null
         return json.dumps(finite_or_none(value), allow_nan=False, **dumps)
+
+
+def finite_or_none(value: Any) -> Any:
+    """``value`` with every float that is NaN or infinite (in lists, tuples and dict values, at any depth)
+    replaced by None: what a strict JSON writer writes for a measurement that has no finite value."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(item) for item in value]
+    return value
 
 
 def write_atomic(path: str | os.PathLike, content: str | bytes) -> None:
@@ -172,10 +184,11 @@ def _holder(lock_path: Path) -> str:
     just after locking: read a few times before settling for less)."""
     for attempt in range(5):
         try:
-            info = load_json(lock_path.read_text(encoding="utf-8"), str(lock_path), max_chars=4096)
+            with open(lock_path, "rb") as handle:
+                info = json.loads(handle.read(4096))  # a record is one short line: no more is read
             return (f"run pid {int(info['pid'])} on host {info['host']} since "
                     f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(float(info['started'])))}")
-        except (OSError, ValueError, KeyError, TypeError, OverflowError):
+        except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):
             time.sleep(0.02 * (attempt + 1))
     return "another run"
 

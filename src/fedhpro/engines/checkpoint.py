@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, cast
 import numpy as np
 import torch
 
-from fedhpro.bounded import load_json
+from fedhpro.bounded import check_metrics_row, load_json
 from fedhpro.errors import DataError
 from fedhpro.files import strict_json, write_atomic_with
 
@@ -182,11 +182,9 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
         metrics = None
     if not isinstance(metrics, list) or not all(isinstance(row, dict) for row in metrics):
         raise DataError(_not_a_checkpoint(path, "its 'metrics' entry is damaged"))
-    from fedhpro.reports.runs import check_row  # the rows become the run's metrics.jsonl: checked as a report does
-
-    for number, row in enumerate(metrics, 1):
+    for number, row in enumerate(metrics, 1):  # they become the run's metrics.jsonl: checked as a report does
         try:
-            check_row(row, f"row {number}")
+            check_metrics_row(row, f"row {number}")
         except DataError as error:
             raise DataError(_not_a_checkpoint(path, f"its metrics {str(error).split(';')[0]}")) from None
     try:

@@ -19,9 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedhpro.bounded import MAX_JSON_CHARS, parse_json, read_bounded, read_json_file, read_yaml_file
+from fedhpro.bounded import (
+    MAX_JSON_CHARS,
+    check_metrics_row,
+    parse_json,
+    read_bounded,
+    read_json_file,
+    read_yaml_file,
+)
 from fedhpro.errors import ConfigError, DataError, FedHProError
-from fedhpro.reports import is_count, read_jsonl
+from fedhpro.reports import read_jsonl
 from fedhpro.reports.classes import CLASS_FILES, write_class_report
 from fedhpro.reports.plots import mean_band, plot_bars, plot_curves, plot_mean_curves
 from fedhpro.reports.tables import csv_text, markdown_table, mean_pm_std, mean_std
@@ -73,7 +80,7 @@ def load_run(path: str | Path) -> RunData:
                           "`fedhpro run` (out=) or the out= folder of `fedhpro compare`")
     rows = read_jsonl(metrics)
     for number, row in enumerate(rows, 1):
-        check_row(row, f"{metrics} row {number}")
+        check_metrics_row(row, f"{metrics} row {number}")
     if not any("accuracy" in row for row in rows):
         raise ConfigError(f"{str(path)!r} has no evaluated round yet; wait for its first evaluation")
     config_path = path / "config.yaml"
@@ -87,56 +94,6 @@ def load_run(path: str | Path) -> RunData:
         raise DataError(f"{summary_path} holds a JSON {type(summary).__name__}, not an object; it is damaged: "
                         "delete it or the run folder")
     return RunData(path, config or {}, rows, summary)
-
-
-#: what a report reads of a metrics.jsonl row: key -> the keys of its mapping that must be numbers (None: the
-#: value itself is a number)
-_NUMBERS: dict[str, tuple[str, ...] | None] = {
-    "bytes_up": None, "bytes_down": None, "params_up": None, "flops_train": None,
-    "fairness": ("worst_10", "best_10", "mean", "std"),
-}
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def check_row(row: dict[str, Any], where: str) -> None:
-    """One DataError line unless what a report reads of the metrics.jsonl row ``row`` has the type the
-    engines write: a run folder is untrusted input (a damaged or hand-edited file)."""
-    def bad(key: str, expected: str) -> DataError:
-        return DataError(f"{where}: {key} is not {expected}; the file is damaged: replace it or delete the run "
-                         "folder")
-
-    if not is_count(row.get("round")):
-        raise bad("round", "a whole number >= 0")
-    if "accuracy" in row:
-        accuracy = row["accuracy"]
-        if not (isinstance(accuracy, dict) and "AVG" in accuracy and all(map(_is_number, accuracy.values()))):
-            raise bad("accuracy", "a mapping of test sets (and AVG) to numbers")
-    for key, inner in _NUMBERS.items():
-        if key not in row:
-            continue
-        value = row[key]
-        if inner is None and not _is_number(value):
-            raise bad(key, "a number")
-        if inner is not None and not (isinstance(value, dict)
-                                      and all(name in value and _is_number(value[name]) for name in inner)):
-            raise bad(key, f"a mapping with the numbers {', '.join(inner)}")
-    server = row.get("server", {})
-    if not isinstance(server, dict):
-        raise bad("server", "a mapping")
-    numbers = [name for name in ("gm_loss_after", "hyper_movement") if name in server]
-    if "gm_loss_before" in server:
-        numbers += ["gm_loss_before", "gm_loss_after"]
-    if not all(name in server and _is_number(server[name]) for name in numbers):
-        raise bad("server", "a mapping whose gm_loss_before, gm_loss_after and hyper_movement are numbers")
-    distances = row.get("prototype_distance", {})
-    if not (isinstance(distances, dict) and all(
-            isinstance(distances[source], dict) and _is_number(distances[source].get("l2"))
-            and isinstance(distances[source].get("kind", ""), str)
-            for source in ("server", "clients_mean") if source in distances)):
-        raise bad("prototype_distance", "a mapping of sources to their l2 distance")
 
 
 def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
