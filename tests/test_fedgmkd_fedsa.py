@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import FEATURE_DIM, NUM_CLASSES, TinyNet, make_client, make_federation
+
 from fedhpro.engines.simulator import Simulator
 from fedhpro.errors import ConfigError, UpdateError
+from fedhpro.methods import fedgmkd as G
+from fedhpro.methods import fedsa as S
 from fedhpro.methods.base import MethodContext, TrainSettings, clone_weights
 from fedhpro.methods.fedavg import METHOD as FEDAVG
 from fedhpro.methods.fedavg import FedAvgOptions
-from fedhpro.methods import fedgmkd as G
-from fedhpro.methods import fedsa as S
 from fedhpro.methods.hyper import HyperPrototypeBank, class_statistics
 from fedhpro.methods.prototypes import clamped_distances
 
@@ -758,3 +758,17 @@ def test_nearest_prototype_inference_uses_fedsa_anchors_and_fedgmkd_prototypes()
         # inference=head (the default) evaluates the model itself
         sim.server.options = type(options)(protocol="proto-only")
         assert sim.server.inference_model(model) is model
+
+
+def test_fedsa_proto_only_runs_from_the_cli_with_personal_models(digits_data_dir, tmp_path):
+    """FedSA's protocol=proto-only exchanges no weights: its MethodSpec declares so (weights_travel), so the run
+    keeps each client's own model (it stopped with a one-line error when the declaration was missing)."""
+    from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
+
+    import fedhpro
+
+    fedhpro.run(method="fedsa", rounds=1, clients=3, local_epochs=1, feature_dim=16, progress=False,
+                data_dir=str(digits_data_dir), out=str(tmp_path / "run"),
+                **{"fedsa.protocol": "proto-only", "data.fraction": 0.02, "data.syn_size": DIGITS_SYN_SIZE,
+                   "data.test_fraction": DIGITS_TEST_FRACTION})
+    assert sorted(p.name for p in (tmp_path / "run" / "models").iterdir()) == [f"client_{k}.pt" for k in range(3)]

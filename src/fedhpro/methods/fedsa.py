@@ -54,7 +54,14 @@ from torch import Tensor
 
 from fedhpro import functional as HF
 from fedhpro.methods.base import Batch, LocalRound, LossTerms, MethodContext, MethodSpec, Payload, classifier_of
-from fedhpro.methods.prototypes import PrototypeClient, PrototypeOptions, PrototypeServer, Uploads, margin_ce
+from fedhpro.methods.prototypes import (
+    PrototypeClient,
+    PrototypeOptions,
+    PrototypeServer,
+    Uploads,
+    margin_ce,
+    weights_travel,
+)
 from fedhpro.options import option
 
 
@@ -206,4 +213,5 @@ METHOD = MethodSpec(
     server=FedSAServer,
     client=FedSAClient,
     description="FedSA: fixed random semantic anchors (EMA of prototypes), calibration + MSE + margin CE",
+    weights_travel=weights_travel,  # protocol=proto-only: every client keeps its own model
 )
