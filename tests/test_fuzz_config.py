@@ -286,14 +286,15 @@ def laughs_graphs(draw) -> str:
 
 def as_tree(value: Any) -> tuple[int, int] | None:
     """Independent reference, from ``yaml.safe_load``'s (shared, maybe cyclic) value: ``(nodes, depth)`` of
-    it as a tree (a mapping counts its keys; a scalar is one node, one level), or None when it contains
-    itself. Memoised by identity: a billion laughs is measured without being walked."""
+    it as a tree (a mapping counts its keys; a scalar is one node and no level, a list or mapping one level
+    more than its deepest item), or None when it contains itself. Memoised by identity: a billion laughs is
+    measured without being walked."""
     memo: dict[int, tuple[int, int]] = {}
     visiting: set[int] = set()
 
     def walk(item: Any) -> tuple[int, int] | None:
         if not isinstance(item, (dict, list)):
-            return 1, 1
+            return 1, 0
         if id(item) in memo:
             return memo[id(item)]
         if id(item) in visiting:

@@ -45,7 +45,8 @@ MAX_ALIASES = 1000
 #: the most nodes of one YAML text counted as a tree (each alias as the subtree it stands for): what every
 #: walk of the value (validation, copies, reports) visits; a config of 100,000 class names fits
 MAX_NODES = 1_000_000
-#: the deepest nesting of lists and mappings in one YAML or JSON text (fedhpro's files nest a few levels)
+#: the deepest nesting of lists and mappings in one YAML or JSON text, ``[[1]]`` being 2 (fedhpro's files nest
+#: a few levels)
 MAX_DEPTH = 100
 
 
@@ -70,7 +71,7 @@ class BoundedLoader(yaml.SafeLoader):
         self.max_aliases, self.max_nodes, self.max_depth = max_aliases, max_nodes, max_depth
         self.aliases = 0
         self.nodes = 0  # counted as a tree: what a walk of the constructed value visits
-        self.depth = 0  # of the node being composed
+        self.depth = 0  # of the list or mapping being composed
         self.deepest = 0  # the deepest level reached below the node being composed, aliases expanded
         #: id(node) -> (its size, its height) as a tree, for every node fully composed (an alias adds them again)
         self.sizes: dict[int, tuple[int, int]] = {}
@@ -90,6 +91,11 @@ class BoundedLoader(yaml.SafeLoader):
             size, height = known
             self._reach(self.depth + height)  # the subtree it stands for, placed here
             self._add(size)
+            return node
+        if self.check_event(yaml.ScalarEvent):  # a leaf: no level of nesting (as json_depth counts)
+            node = super().compose_node(parent, index)
+            self._add(1)
+            self.sizes[id(node)] = (1, 0)
             return node
         self.depth += 1
         self._reach(self.depth)
