@@ -74,3 +74,11 @@ def test_a_run_says_so_at_start_and_in_its_notes(tmp_path, capsys):
     assert cli.main([*args, "batch_size=15", f"out={tmp_path / 'fine'}"]) == 0
     notes = json.loads((tmp_path / "fine" / "summary.json").read_text())["notes"]
     assert not [note for note in notes if "batches an epoch" in note or "batch an epoch" in note]
+
+
+def test_the_note_from_sizes_alone_names_the_site_as_a_flower_server_knows_it():
+    """A Flower server knows its own-data sites by their declared sizes and names only: the same note."""
+    assert few_batches_note([54, 40, 66], 64, ["wine-a", "wine-b", "wine-c"]) == (
+        "the smallest client, wine-b, has 40 training samples: 1 batch an epoch at batch_size=64, too few SGD "
+        "steps a round to learn much; batch_size=13 gives it 3")  # 13 + 13 + 13 (a lone last sample is skipped)
+    assert few_batches_note([200, 300], 64) is None

@@ -23,7 +23,7 @@ from pathlib import Path
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "fedhpro"
 
 LAYERS = {
-    0: ("errors", "files", "seeds", "runtime", "options", "registry", "functional", "aggregation", "metrics",
+    0: ("errors", "bounded", "files", "seeds", "runtime", "options", "registry", "functional", "aggregation", "metrics",
         "reports", "data", "models"),
     1: ("methods", "privacy"),
     2: ("engines", "config"),

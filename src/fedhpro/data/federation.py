@@ -317,17 +317,24 @@ def batches_per_epoch(samples: int, batch_size: int) -> int:
     return sum(1 for start in range(0, samples, batch_size) if min(batch_size, samples - start) >= 2)
 
 
-def few_batches_note(federation: Federation, batch_size: int) -> str | None:
+def few_batches_note(federation: Federation | Sequence[int], batch_size: int,
+                     names: Sequence[str] | None = None) -> str | None:
     """A note when the smallest client takes fewer than :data:`FEW_BATCHES` batches an epoch at ``batch_size``
     (e.g. a small tabular data set over three sites at the default 64), naming its size and a ``batch_size``
-    that gives it at least that many; None otherwise."""
-    sizes = [len(client) for client in federation.clients]
+    that gives it at least that many; None otherwise. ``federation``: the federation, or the clients'
+    training-set sizes (``names``: their names), as a Flower server knows them from its nodes."""
+    if isinstance(federation, Federation):
+        sizes, names = [len(client) for client in federation.clients], federation.client_names
+    else:
+        sizes = [int(n) for n in federation]
+    if not sizes:
+        return None
     k = min(range(len(sizes)), key=sizes.__getitem__)
     samples = sizes[k]
     steps = batches_per_epoch(samples, batch_size)
     if steps >= FEW_BATCHES:
         return None
-    name = federation.client_names[k] if federation.client_names else f"client {k}"
+    name = names[k] if names else f"client {k}"
     line = (f"the smallest client, {name}, has {samples} training samples: {steps} batch"
             f"{'' if steps == 1 else 'es'} an epoch at batch_size={batch_size}, too few SGD steps a round to "
             "learn much; ")

@@ -53,6 +53,7 @@ from flwr.supercore import log
 
 from fedhpro.bounded import LimitError, load_json
 from fedhpro.config import PRESENTATION_KEYS, Config, load_config
+from fedhpro.data.federation import few_batches_note
 from fedhpro.engines import checkpoint, driver
 from fedhpro.engines.driver import RunRows, check_new_run_folder, round_extra
 from fedhpro.engines.protocol import OpenRound, Reception, TestCount, pool_accuracy, weighted_mean
@@ -924,6 +925,11 @@ def _run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, An
                  + privacy_warnings(config.privacy, len(side.num_samples), side.num_samples)):
         warn(line)
         notes.append(line)
+    few = few_batches_note(side.num_samples, config.run.batch_size,
+                           [info.name for info in infos] if own_data(config) else None)
+    if few is not None:  # as fedhpro run says it: a note of the run's, kept in summary.json
+        log(INFO, "fedhpro: note: %s", few)
+        notes.append(few)
     nodes = NodeMap(nodes, getattr(nodes, "infos", None), _client_keys(grid, nodes, settings))
     strategy = MethodStrategy(side, config, nodes, run_key(config, secrets.token_hex(8)), settings.node_auth,
                               secure_for(config, side, settings))
