@@ -69,6 +69,7 @@ from test_flower_own_data import SITES, settings, write_site  # noqa: E402
 from fedhpro.errors import ConfigError  # noqa: E402
 from fedhpro.flower import certificates  # noqa: E402
 from fedhpro.flower.__main__ import main  # noqa: E402
+from fedhpro.flower.roster import load_roster  # noqa: E402
 from fedhpro.flower.up import NO_UNIX_SOCKETS, Ports, port_free  # noqa: E402
 
 
@@ -398,6 +399,12 @@ def test_secured_deployment_refuses_strangers_and_nodes_and_runs_fedhpro_like_th
             net.check(f"127.0.0.1:{ports.superlink}" in addresses, f"no SuperLink listening: {addresses}")
         # which site is node 1 (its forwarder is ports.forwarder(1)): the first name in STATE/sites.json
         first = json.loads((net.state / "sites.json").read_text())["sites"][0]
+        # the operator's roster up wrote: every site with its sizes and the node key registered for it; the run
+        # below uses it, so each node is admitted by the key the SuperLink lists for it
+        roster = load_roster(net.state / "roster.yaml")
+        net.check(sorted(roster.sites) == sorted(SITES) and all(site.key for site in roster.sites.values()),
+                  f"up's roster: {roster}")
+        flower_keys["flower.roster"] = str(net.state / "roster.yaml")
 
         # --- a stranger with ca.crt only, straight to the gate: the real flwr commands of the attack
         net.connect("stranger", ports.gate, ca)

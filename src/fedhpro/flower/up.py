@@ -578,6 +578,23 @@ class Deployment:
             record.write_text(json.dumps(ids, indent=1) + "\n")
         return ids
 
+    def write_roster(self) -> Path:
+        """``STATE/roster.yaml``: the operator's roster of this deployment (:mod:`fedhpro.flower.roster`):
+        each site's training and test sizes as its folder holds them and the node key registered for it, so a
+        run with ``flower.roster`` admits only these nodes, each as its own site."""
+        from fedhpro.data.clients import ClientsOptions, scan_client
+
+        lines = ["# written by python -m fedhpro.flower up: the sites of this deployment (flower.roster)",
+                 "sites:"]
+        for site in self.sites:
+            info = scan_client(site, ClientsOptions())
+            public = (self.certs / certificates.node_key_names(self.index[site.name])[1]).resolve()
+            lines.append(f"  {json.dumps(site.name)}: {{train: {info.train_size}, test: {info.test_size}, "
+                         f"key: {json.dumps(str(public))}}}")
+        path = self.state / "roster.yaml"
+        write_atomic(path, "\n".join(lines) + "\n")
+        return path
+
     def start(self) -> None:
         """Everything up, in order; raises ConfigError (after stopping what started) on a failure."""
         self.prepare()
@@ -594,6 +611,7 @@ class Deployment:
                              self.certs / certificates.CA_CERT, self.env)
             self.write_token()
             ids = self.register()
+            roster = self.write_roster()
             for site in self.sites:
                 self.launch(self.children[f"{site.name}-forward"])
             for site in self.sites:
@@ -609,9 +627,11 @@ class Deployment:
         self.say(f'flwr connection "{self.connection}" (the operator\'s forwarder, 127.0.0.1:{self.ports.operator}) '
                  f"in {self.home / 'config.toml'}, its token in {self.home / 'credentials.yaml'}; logs in "
                  f"{self.state / 'logs'}, pids in {self.state / 'run'}")
+        self.say(f"roster: {roster} (each site's training and test sizes and node key; with flower.roster only "
+                 "those sites, with those sizes and keys, take part)")
         self.say(f"submit: python -m fedhpro.flower run examples/flower {self.connection} --run-config "
-                 f"'dataset=\"clients\" clients={len(self.sites)} rounds=2 local_epochs=1 checkpoint_every=1 "
-                 f"flower.node-auth=true out=\"/abs/out\"'")
+                 f"'dataset=\"clients\" rounds=2 local_epochs=1 checkpoint_every=1 "
+                 f"flower.node-auth=true flower.roster=\"{roster}\" out=\"/abs/out\"'")
         self.say(f"stop: Ctrl-C, or python -m fedhpro.flower up --stop {self.state}")
 
     # ------------------------------------------------------------------ supervision
