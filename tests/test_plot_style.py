@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import fedhpro.methods  # noqa: F401 - the registry that gives the figures the methods' names
 from fedhpro import cli
 from fedhpro.data.federation import Federation
 from fedhpro.reports import plots

@@ -63,14 +63,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from fedhpro.data.pixels import open_image
 from fedhpro.errors import DataError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".tif", ".tiff", ".webp")
 
 
 def _pil_rgb(path: str | os.PathLike) -> Any:
-    from fedhpro.data.images import open_image  # images imports this module
-
     with open_image(path) as image:  # its pixel count checked before it is decoded
         return image.convert("RGB")
 

@@ -33,6 +33,7 @@ from fedhpro.methods.base import (
     TrainSettings,
 )
 from fedhpro.registry import Registry, spec_or_factory
+from fedhpro.reports import plots as _plots
 
 #: the entry-point group through which installed packages add methods
 ENTRY_POINT_GROUP = "fedhpro.methods"
@@ -73,6 +74,10 @@ METHODS: dict[str, MethodSpec] = REGISTRY.entries
 #: declares its recipes in its MethodSpec (``recipes=``, e.g. FedHPro's authors' recipe); config.py applies
 #: whatever recipe a method declares.
 RECIPES: dict[str, dict[str, dict[str, Any]]] = {}
+
+
+# figures name a method as its description leads ("FedAvg: ..."); the reports cannot import this package
+_plots.set_describer(lambda name: getattr(METHODS.get(name), "description", None))
 
 
 def register(name: str, spec: MethodSpec, *, replace: bool = False,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,14 +68,22 @@ def save_figure(figure, path: str | os.PathLike, tight_layout: bool = True, vect
 _LEADING_NAME = re.compile(r"^([A-Za-z][A-Za-z0-9_-]*)(?=$|[\s:(])")
 
 
+#: how a method's description is looked up (its registry entry's), set by :mod:`fedhpro.methods` when it is
+#: imported: the reports sit below the methods and never import them
+_describe: Callable[[str], str | None] = lambda method: None  # noqa: E731
+
+
+def set_describer(describe: Callable[[str], str | None]) -> None:
+    """Where :func:`display_name` reads a method's description (``fedhpro.methods`` gives its registry's)."""
+    global _describe
+    _describe = describe
+
+
 def display_name(method: str) -> str:
     """A method's name as its paper writes it: the lead of its registry entry's description ("FedAvg: local
     SGD ..." gives FedAvg) where that lead is the registered name in other letter case; else the name as
     registered (a plug-in keeps its own)."""
-    from fedhpro.methods import METHODS
-
-    spec = METHODS.get(method)
-    lead = str(getattr(spec, "description", "") or "").split(":", 1)[0].strip()
+    lead = str(_describe(method) or "").split(":", 1)[0].strip()
     return lead if lead.lower() == method.lower() and lead else method
 
 
