@@ -10,7 +10,6 @@ The run's jobs live in their own modules, re-exported here: building the experim
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import shutil
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from fedhpro import reports
+from fedhpro.bounded import read_json_file
 from fedhpro.config import (
     Config,
     RunOptions,
@@ -40,7 +40,7 @@ from fedhpro.engines.driver import (  # noqa: F401 (kept importable from here)
     progress_text,
     run_summary,
 )
-from fedhpro.errors import ConfigError
+from fedhpro.errors import ConfigError, DataError
 from fedhpro.experiment import (  # noqa: F401 (kept importable from here)
     Experiment,
     _shared,
@@ -335,7 +335,10 @@ def run_or_continue(config: Config, folder: str | os.PathLike) -> dict[str, Any]
     with claim_run_folder(folder) as claim:  # read, cleared and run by this one process
         done = folder / "summary.json"
         if done.is_file():
-            return json.loads(done.read_text())
+            summary = read_json_file(done, DataError)
+            if not isinstance(summary, dict):
+                raise DataError(f"{done} holds no run summary (a JSON object); remove the folder to run again")
+            return summary
         if (folder / "config.yaml").is_file() and checkpoint.latest(folder) is not None:
             return _run(None, {"resume": str(folder), "progress": config.run.progress,
                                "threads": config.run.threads}, {}, None, False, claim).summary

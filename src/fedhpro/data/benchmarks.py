@@ -27,7 +27,6 @@ SUN397) a seeded per-class split holds out ``data.test_fraction``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fedhpro.bounded import read_json_file
 from fedhpro.data.federation import Augment, ClientData, Federation, domains_without_clients_note
 from fedhpro.data.loaders import (  # noqa: F401 (HALF, IMAGENET_*: kept importable here)
     HALF,
@@ -60,7 +60,7 @@ from fedhpro.data.partition import (
     label_partition,
 )
 from fedhpro.data.spec import DatasetSpec
-from fedhpro.errors import ConfigError
+from fedhpro.errors import ConfigError, DataError
 from fedhpro.options import option
 
 # --------------------------------------------------------------------------- transforms
@@ -225,7 +225,8 @@ def _load_partition(load: str, num_samples: int | dict[str, int]) -> Partition:
 def _record(partition: Partition, name: str, labels: Any, num_classes: int, seed: int | None,
             options: PartitionOptions) -> dict[str, Any]:
     if options.load:  # the seed that drew the loaded partition, not this run's
-        seed = json.loads(Path(options.load).expanduser().read_text()).get("seed")
+        saved = read_json_file(Path(options.load).expanduser(), DataError)
+        seed = saved.get("seed") if isinstance(saved, dict) else None
     record = {"dataset": name, **partition.to_json(labels, num_classes, seed)}
     if options.load:
         record["loaded_from"] = str(options.load)

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedhpro.bounded import read_json_file
 from fedhpro.data.federation import ClientData, Federation, domains_without_clients_note, normalize_images
 from fedhpro.data.partition import (
     Partition,
@@ -249,7 +250,6 @@ def _label_skew(domains: dict, layout: dict[str, int], scheme: str, options: Par
 
 def _loaded(path: str, domains: dict, options: DigitsOfflineOptions, chosen: list[str]) -> Federation:
     """The federation of a saved ``partition.json`` (``partition.load=PATH``): same clients, same samples."""
-    import json
     from pathlib import Path
 
     file = Path(path).expanduser()
@@ -270,7 +270,9 @@ def _loaded(path: str, domains: dict, options: DigitsOfflineOptions, chosen: lis
         client_data.append(client)
         records.append({"client": k, "domain": domain, "indices": index.tolist(), "class_counts": counts})
     used = [d for d in PAPER_CLIENTS if d in set(split.client_domains)]
-    record: dict[str, Any] = {"dataset": "digits-offline", "seed": json.loads(file.read_text()).get("seed"),
+    saved = read_json_file(file, DataError)  # read and checked once already: its seed, bounded all the same
+    seed = saved.get("seed") if isinstance(saved, dict) else None
+    record: dict[str, Any] = {"dataset": "digits-offline", "seed": seed,
                               "scheme": split.scheme, "loaded_from": str(path),
                               "layout": {d: split.client_domains.count(d) for d in used}}
     if split.scheme == "domains":

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from fedhpro.data.federation import Federation
-from fedhpro.data.images import rgb_pixels, to_float
+from fedhpro.data.images import open_image, rgb_pixels, to_float
 from fedhpro.data.loaders import build_vocab, encode, split_indices
 from fedhpro.data.partition import PartitionError, PartitionOptions, chosen_scheme, label_partition
 from fedhpro.data.spec import DatasetSpec
@@ -216,7 +216,7 @@ def _image_pixels(value: Any, size: int, row: int, options: HuggingFaceOptions) 
             return rgb_pixels(value, size)
         if isinstance(value, dict) and (value.get("bytes") or value.get("path")):  # an undecoded Image feature
             source = io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]
-            with Image.open(source) as image:
+            with open_image(source, where) as image:  # its pixel count checked before it is decoded
                 return rgb_pixels(image, size)
         array = np.asarray(value)
     except (OSError, ValueError, SyntaxError) as error:

@@ -52,9 +52,10 @@ from flwr.app import ArrayRecord, ConfigRecord, ConfigRecordValues, Context, Err
 from flwr.clientapp import ClientApp
 from torch import nn
 
+from fedhpro.bounded import LimitError, load_json
 from fedhpro.engines.driver import test_client
 from fedhpro.engines.protocol import declared_class_keys
-from fedhpro.errors import ConfigError, DataError
+from fedhpro.errors import ConfigError, DataError, UpdateError
 from fedhpro.files import write_atomic_with
 from fedhpro.flower import records, secagg
 from fedhpro.flower.engine import NodeCache, NodeSide, check_partition, config_from_text, node_folder, own_data
@@ -239,7 +240,11 @@ def _privatized(node: NodeSide, header: ConfigRecord, payload: dict[str, Any], r
     stream) by :func:`fedhpro.privacy.client.privatize_upload`, with the settings the server's round protocol
     uses (its header: sigma may be calibrated there). The training metrics stay on the node (the simulator
     does not keep them either: computed from the data, they would leave unprotected)."""
-    settings = ClientPrivacy(**json.loads(str(header[PRIVACY])))
+    try:
+        values = load_json(str(header[PRIVACY]), "the privacy header", max_chars=4096, max_depth=2, allow_nan=False)
+        settings = ClientPrivacy(**values)
+    except (LimitError, ValueError, TypeError) as error:
+        raise UpdateError(f"the server's privacy header is not ClientPrivacy's settings: {error}") from None
     return privatize_upload(reply, payload.get("weights") or {}, declared_class_keys(node.server), settings,
                             noise_generator(settings, node.seed, round, node.client), int(node.server.num_classes))
 

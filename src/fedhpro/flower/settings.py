@@ -44,7 +44,7 @@ from typing import Any
 
 import yaml
 
-from fedhpro.bounded import load_yaml
+from fedhpro.bounded import LimitError, load_yaml
 from fedhpro.config import OBSERVER_KEYS, Config, load_config
 from fedhpro.errors import ConfigError
 
@@ -110,7 +110,9 @@ def _value(raw: Any) -> Any:
             return None
         try:
             return load_yaml(raw)
-        except yaml.YAMLError:
+        except LimitError:  # past a bound (a billion laughs): one line, never kept as text
+            raise
+        except (yaml.YAMLError, ValueError, OverflowError, RecursionError):  # text YAML cannot read stays text
             return raw
     return raw
 

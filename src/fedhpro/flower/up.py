@@ -59,6 +59,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fedhpro.bounded import load_json, read_json_file
 from fedhpro.errors import ConfigError
 from fedhpro.files import write_atomic
 from fedhpro.flower import certificates, gate
@@ -388,7 +389,7 @@ class Deployment:
         record = self.state / "sites.json"
         names = [site.name for site in self.sites]
         if record.exists():
-            saved = json.loads(record.read_text())
+            saved = read_json_file(record, ConfigError)
             if saved["sites"] != names:
                 raise ConfigError(f"{self.state} was made for the sites {saved['sites']}, not {names}; "
                                   "use another --state folder for another set of sites")
@@ -510,7 +511,7 @@ class Deployment:
         done = subprocess.run([flower_tool("flwr"), *args, "--format", "json"], env=self.env,
                               capture_output=True, text=True, timeout=180)
         try:
-            reply = json.loads(done.stdout[done.stdout.index("{"):])
+            reply = load_json(done.stdout[done.stdout.index("{"):], "flwr's reply")
         except ValueError:
             reply = {"success": False, "error-message": (done.stdout + done.stderr).strip()[-500:]}
         if not reply.get("success", False):
@@ -566,7 +567,7 @@ class Deployment:
     def register(self) -> dict[str, int]:
         """Register each site's node key once (ids kept in STATE/nodes.json; the database keeps the keys)."""
         record = self.state / "nodes.json"
-        ids = json.loads(record.read_text()) if record.exists() else {}
+        ids = read_json_file(record, ConfigError) if record.exists() else {}
         nodes = self.flwr("supernode", "ls", self.connection)["nodes"]
         listed = {int(node["node-id"]): node["status"] for node in nodes}
         for site in self.sites:
@@ -801,7 +802,7 @@ def _flwr_json(args: list[str], env: dict[str, str]) -> dict:
     done = subprocess.run([flower_tool("flwr"), *args, "--format", "json"], env=env, capture_output=True, text=True,
                           timeout=300)
     try:
-        return json.loads(done.stdout[done.stdout.index("{"):])
+        return load_json(done.stdout[done.stdout.index("{"):], "flwr's reply")
     except ValueError:
         return {"success": False, "error-message": (done.stdout + done.stderr).strip()[-500:]}
 
