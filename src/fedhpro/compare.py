@@ -195,6 +195,10 @@ def _compare_claimed(runs: list[tuple[str, int, Path]], seeds: Sequence[int], ta
     for (method, seed, _), summary in zip(runs, results):
         if summary is None:
             continue
+        if summary["accuracy"] is None:  # no round evaluated (privacy.max_epsilon before round 0): no number
+            if echo:
+                print(f"{method:10s} seed {seed}: no round evaluated (left out of the table)", flush=True)
+            continue
         summaries.setdefault(method, []).append(summary)
         if echo:
             print(f"{method:10s} seed {seed}: AVG {summary['accuracy']:.2f}", flush=True)

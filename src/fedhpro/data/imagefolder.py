@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedhpro.data.federation import Federation
+from fedhpro.data.federation import Federation, domains_without_clients_note
 from fedhpro.data.images import (
     CACHE_FOLDER,
     class_files,
@@ -209,7 +209,9 @@ def discover(root: Path, options: ImageFolderOptions) -> tuple[dict[str, DomainI
 def _clients_layout(domains: list[str], clients: int | None, options: ImageFolderOptions) -> dict[str, int]:
     """Clients per domain: a domain ``data.clients_per_domain`` names gets its count;
     the others get what they get without it: ``clients=K`` less the named domains' clients (else
-    :data:`DEFAULT_CLIENTS`) spread round robin over them, in sorted order."""
+    :data:`DEFAULT_CLIENTS`) spread round robin over them, in sorted order. Too few clients leave the last
+    domains without one, as on the built-in domain data sets (the build notes it:
+    :func:`~fedhpro.data.federation.domains_without_clients_note`)."""
     given = dict(options.clients_per_domain)
     unknown = sorted(set(given) - set(domains))
     if unknown:
@@ -229,12 +231,7 @@ def _clients_layout(domains: list[str], clients: int | None, options: ImageFolde
                               f"{named} in all; leave clients unset or make them agree")
         layout = dict(given)
     else:
-        left = clients - named
-        if left < len(rest):
-            raise ConfigError(f"clients={clients} leaves {max(left, 0)} client(s) for the {len(rest)} domain(s) "
-                              f"data.clients_per_domain does not name ({', '.join(rest)}); raise clients, or give "
-                              "those domains their counts too (0 leaves a domain out)")
-        layout = {**given, **_round_robin(rest, left)}
+        layout = {**given, **_round_robin(rest, max(clients - named, 0))}
     layout = {d: int(layout[d]) for d in domains if layout[d] > 0}
     if not layout:
         raise ConfigError("dataset=imagefolder needs at least one client; set clients=K or data.clients_per_domain")
@@ -301,6 +298,10 @@ def build(options: ImageFolderOptions, clients: int | None, seed: int, data_dir:
         notes.append(f"test sets held out ({options.test_fraction:g} of each class, split_seed "
                      f"{options.split_seed}): {', '.join(held)}")
     notes += _class_notes(found, used, classes)
+    if multi:  # a domain too few clients left without one: said, never silent (the built-in data sets' rule)
+        dropped = domains_without_clients_note("imagefolder", sorted(found), layout, clients,
+                                               [d for d, n in options.clients_per_domain.items() if n == 0])
+        notes += [dropped] if dropped else []
     domains = split.client_domains if split.client_domains is not None else None
     return Federation.from_tensors(train, tests, num_classes=num_classes, domains=domains, name="imagefolder",
                                    partition=record, notes=notes)

@@ -16,7 +16,8 @@ import yaml
 
 from fedhpro.bounded import read_jsonl_file
 from fedhpro.errors import DataError
-from fedhpro.files import strict_json, write_atomic, write_atomic_with  # the writers, kept importable from here
+from fedhpro.files import strict_json, write_atomic  # the writers, kept importable from here
+from fedhpro.files import write_atomic_with as write_atomic_with
 
 
 def write_json(path: str | os.PathLike, value: Any) -> None:
@@ -61,33 +62,3 @@ def accuracy_table(accuracy: dict[str, float], title: str = "") -> str:
     values = "  ".join(f"{accuracy[name]:.2f}".rjust(w) for name, w in zip(names, widths))
     return (f"{title}\n" if title else "") + head + "\n" + values
 
-
-def plot_accuracy(history: list[dict[str, Any]], path: str | os.PathLike, title: str = "") -> None:
-    """PNG of test accuracy per round (each domain thin, AVG thick), written atomically."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [row for row in history if "accuracy" in row]
-    if not rows:
-        return
-    names = list(rows[0]["accuracy"])
-    figure, axis = plt.subplots(figsize=(6.4, 4.0), dpi=120)
-    rounds = [row["round"] + 1 for row in rows]
-    for name in names:
-        values = [row["accuracy"][name] for row in rows]
-        if name == "AVG":
-            axis.plot(rounds, values, color="black", linewidth=2.4, label="AVG", marker="o", markersize=3)
-        else:
-            axis.plot(rounds, values, linewidth=1.2, label=name)
-    axis.set_xlabel("round")
-    axis.set_ylabel("test accuracy (%)")
-    axis.set_title(title)
-    axis.grid(alpha=0.3)
-    axis.legend(fontsize=8)
-    figure.tight_layout()
-    try:
-        write_atomic_with(path, lambda handle: figure.savefig(handle, format="png"))
-    finally:
-        plt.close(figure)
