@@ -576,3 +576,48 @@ def test_mixed_and_mismatched_clients_name_them(tmp_path):
                  y=np.zeros(2, np.int64))
     with pytest.raises(DataError, match="differ in shape.*\\[3\\]: a; \\[4\\]: b"):
         _build("clients", f"data_dir={tmp_path / 'shapes'}")
+
+
+# ----------------------------------------------------------------------------------- names that differ only in case
+
+
+@pytest.mark.parametrize("other", ["Cat", "CAT", " cat", "cat\u00a0"])
+def test_class_folders_differing_only_in_case_or_whitespace_are_refused(tmp_path, other, capsys):
+    """One site's ``cat`` spelled ``Cat`` would otherwise be a fourth class (and half the cats' accuracy)."""
+    rng = np.random.default_rng(4)
+    for client, name in (("a", "cat"), ("b", other)):
+        for split in ("train", "test"):
+            _image(tmp_path / "data" / client / split / name / "0.png", COLOURS["cat"], rng, side=4)
+            _image(tmp_path / "data" / client / split / "dog" / "0.png", COLOURS["dog"], rng, side=4)
+    with pytest.raises(DataError) as error:
+        _build("clients", f"data_dir={tmp_path / 'data'}", "data.image_size=4")
+    message = str(error.value)
+    assert repr(other) in message and "'cat'" in message and "rename" in message and "\n" not in message
+    code = cli.main(["run", "dataset=clients", f"data_dir={tmp_path / 'data'}", "data.image_size=4",
+                     f"out={tmp_path / 'run'}", "progress=false", "rounds=1"])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and "\n" not in err and "Traceback" not in err and repr(other) in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_class_lists_differing_only_in_case_are_refused(tmp_path):
+    root = _label_clients(tmp_path, {"a": {"train": {"cat": 1, "dog": 1}, "test": {"dog": 1}}},
+                          declared={"a": "cat\ndog\nDog\n"})
+    with pytest.raises(DataError, match=r"'dog'.*'Dog'.*one spelling"):
+        _build("clients", f"data_dir={root}", "data.image_size=4")
+    info = dataclasses.replace(scan_client(root / "a", ClientsOptions(image_size=4)), declared_classes=None)
+    with pytest.raises(DataError, match=r"'cat'.*'Cat '.*one spelling"):
+        resolve_classes([info], ClientsOptions(image_size=4, classes=["cat", "Cat ", "dog"]))
+
+
+def test_site_folders_differing_only_in_case_or_whitespace_are_refused(tmp_path):
+    for site in ("Clinic-1", "clinic-1"):
+        np.savez(tmp_path / "make.npz", x=np.zeros((2, 3), np.float32), y=np.zeros(2, np.int64))
+        (tmp_path / "data" / site).mkdir(parents=True)
+        (tmp_path / "make.npz").rename(tmp_path / "data" / site / "train.npz")
+    with pytest.raises(DataError) as error:
+        _build("clients", f"data_dir={tmp_path / 'data'}")
+    assert "'Clinic-1'" in str(error.value) and "'clinic-1'" in str(error.value) and "rename" in str(error.value)
+    infos = [ClientInfo(name, None, "tensors", None, None, 0, [3], 2, 0) for name in ("north  site", "North Site")]
+    with pytest.raises(DataError, match="client folders"):
+        resolve_classes(infos, ClientsOptions())

@@ -151,6 +151,7 @@ def resolve_classes(infos: Sequence[ClientInfo], options: ClientsOptions) -> lis
     if not infos:
         raise DataError("no client folders; give data_dir= a folder with one subfolder per client")
     _check_bounds(infos, options)
+    refuse_lookalikes([info.name for info in infos], "client folders", "rename one of the folders")
     kinds = _group(infos, lambda info: info.kind)
     if len(kinds) > 1:
         raise DataError("the clients mix image folders and tensor files (" + _listing(kinds) + "); give every "
@@ -176,9 +177,16 @@ def resolve_classes(infos: Sequence[ClientInfo], options: ClientsOptions) -> lis
         if repeated or not names:
             raise DataError(f"{source} {'repeats the classes ' + str(repeated) if repeated else 'is empty'}; "
                             "list every class once, in label order")
+        refuse_lookalikes(names, source, "list every class once, in one spelling")
     if infos[0].kind == "images":
+        folders = {c: info.name for info in infos for c in info.class_names or []}
+        refuse_lookalikes(sorted(folders), "class folders", "rename one of them (the same class needs one spelling on "
+                          "every client)", where=lambda c: f"client {folders[c]}")
         if names is None:
-            names = sorted({c for info in infos for c in info.class_names or []})
+            names = sorted(folders)
+        refuse_lookalikes(sorted(set(names) | set(folders)), f"{source} and the class folders",
+                          "give each class one spelling everywhere",
+                          where=lambda c: f"client {folders[c]}" if c in folders else source)
         for info in infos:
             unknown = sorted(set(info.class_names or []) - set(names))
             if unknown:
@@ -203,6 +211,25 @@ def resolve_classes(infos: Sequence[ClientInfo], options: ClientsOptions) -> lis
                                                               f"{i.max_label}" for i in too_large)
                         + f", but {limit} allows 0..{num_classes - 1}; fix the labels or raise the class count")
     return names if names is not None else [str(c) for c in range(num_classes)]
+
+
+def folded(name: str) -> str:
+    """``name`` as two spellings of one name compare: case-folded, runs of whitespace made one space, stripped."""
+    return " ".join(name.casefold().split())
+
+
+def refuse_lookalikes(names: Sequence[str], what: str, fix: str, where: Any = None) -> None:
+    """One DataError line if two different ``names`` are one name up to case and whitespace (:func:`folded`):
+    they would silently become two classes (or two sites). ``where(name)`` says where a spelling comes from."""
+    seen: dict[str, str] = {}
+    for name in names:
+        other = seen.setdefault(folded(name), name)
+        if other != name:
+            def shown(n: str) -> str:
+                return f"{n!r} ({where(n)})" if where is not None else repr(n)
+
+            raise DataError(f"the {what} name {shown(other)} and {shown(name)}, which differ only in case or "
+                            f"whitespace and would be two different ones; {fix}")
 
 
 def _check_bounds(infos: Sequence[ClientInfo], options: ClientsOptions) -> None:
@@ -453,17 +480,60 @@ def standardized(train: tuple[Tensor, Tensor], test: tuple[Tensor, Tensor],
     that is constant in training is only centred. Other inputs (images, integer token ids), and
     ``mode="none"``, are returned as they are (the same objects)."""
     x, y = train
-    if mode == "none" or x.dim() != 2 or not x.is_floating_point() or not x.shape[0]:
+    if mode == "none" or not scales(x):
         return train, test
+    mean, std = feature_statistics(x)
+    return (apply_statistics(x, mean, std), y), (apply_statistics(test[0], mean, std), test[1])
+
+
+def scales(x: Tensor) -> bool:
+    """Whether ``data.standardize=client`` scales these training features (float ``N x F``, N >= 1)."""
+    return x.dim() == 2 and x.is_floating_point() and bool(x.shape[0])
+
+
+def feature_statistics(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(mean, std)`` per feature of float ``N x F`` training features, in float64: the population std, 1
+    where a feature is constant (it is then only centred)."""
     column = x.double()
     mean = column.mean(dim=0)
     std = column.std(dim=0, unbiased=False)
-    std = torch.where(std > 0, std, torch.ones_like(std))
+    return mean, torch.where(std > 0, std, torch.ones_like(std))
 
-    def scale(values: Tensor) -> Tensor:
-        return ((values.double() - mean) / std).float()
 
-    return (scale(x), y), (scale(test[0]), test[1])
+def apply_statistics(values: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+    """``(values - mean) / std`` computed in float64, as float32: the map :func:`standardized` applies."""
+    return ((values.double() - mean) / std).float()
+
+
+def standardization_statistics(options: ClientsOptions, data_dir: Any) -> dict[str, Any] | None:
+    """The statistics ``data.standardize=client`` scaled each client's features with, JSON-ready, or None
+    when nothing was scaled: ``{"sites": {name: {"mean": [...], "std": [...]}}, "pooled": {...}}``, the
+    pooled pair over every scaled client's training rows (for a site that was not in the federation).
+    Rebuilt from ``data_dir`` as :func:`build` reads it (the same files, conversions and map)."""
+    if options.standardize == "none":
+        return None
+    folders = client_folders(data_dir)
+    infos = [scan_client(folder, options) for folder in folders]
+    if infos[0].kind != "tensors":
+        return None
+    classes = resolve_classes(infos, options)
+    train, tests = [], []
+    for folder, info in zip(folders, infos):
+        loaded = _load_tensors(folder, info, len(classes), options.max_classes)
+        train.append(loaded[0])
+        tests.append(loaded[1])
+    _features_as_floats(folders, infos, train, tests)
+    sites: dict[str, Any] = {}
+    rows = []
+    for info, (x, _) in zip(infos, train):
+        if scales(x):
+            mean, std = feature_statistics(x)
+            sites[info.name] = {"mean": mean.tolist(), "std": std.tolist()}
+            rows.append(x)
+    if not sites:
+        return None
+    mean, std = feature_statistics(torch.cat(rows))
+    return {"features": int(rows[0].shape[1]), "sites": sites, "pooled": {"mean": mean.tolist(), "std": std.tolist()}}
 
 
 #: the most elements a sparse or expanded (stride-0) x or y may densify to: 2**28 (1 GiB of float32)
@@ -668,5 +738,6 @@ DATASET = DatasetSpec(
                 "or train.npz/.pt tensors, optional test split)",
 )
 
-__all__ = ["ClientInfo", "ClientsOptions", "DATASET", "STANDARDIZE_CHOICES", "build", "client_domain", "client_folders",
-           "client_notes", "load_client", "resolve_classes", "scan_client", "standardized"]
+__all__ = ["ClientInfo", "ClientsOptions", "DATASET", "STANDARDIZE_CHOICES", "apply_statistics", "build",
+           "client_domain", "client_folders", "client_notes", "feature_statistics", "folded", "load_client",
+           "resolve_classes", "scan_client", "standardization_statistics", "standardized"]
