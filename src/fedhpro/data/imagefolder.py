@@ -34,7 +34,12 @@ The training images are split by ``partition=dirichlet`` (the default),
 folder names (with images) of every domain and split. Images are decoded,
 scaled by their bit depth, resized to ``data.image_size`` and normalised to
 ``[-1, 1]`` by :mod:`fedhpro.data.images` (cached in ``PATH/.fedhpro-cache``,
-the one thing a run writes into ``PATH``).
+the one thing a run writes into ``PATH``). 16-bit grey images keep their
+precision and are scaled by the bit depth of the whole data set, detected
+(a 12-bit camera's 0..4095 in 16-bit PNGs is 12-bit) or given as
+``data.bit_depth``, and the run's notes say which. ``data.standardize=train``
+standardises the inputs per channel by the training images' mean and
+standard deviation instead of the fixed ``[-1, 1]`` scaling.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ from fedhpro.data.images import (
     CACHE_FOLDER,
     class_files,
     decode_files,
+    depth_note,
+    detected_depth,
     image_files,
     images_below,
     split_folders,
@@ -89,6 +96,15 @@ class ImageFolderOptions:
                                                      "robin in sorted order")
     cache: bool = option(True, help="keep the decoded pixels in data_dir/.fedhpro-cache (keyed by the files' "
                                     "names, sizes, mtimes, inodes and ctimes), so later runs skip decoding")
+    bit_depth: int = option(0, choices=(0, 8, 10, 12, 14, 16),
+                            help="bits of 16-bit grey images' values, which scale them to [-1, 1]: 0 detects it "
+                                 "from the whole data set (the smallest of 8, 10, 12, 14, 16 bits holding its "
+                                 "largest value; said in the run's notes); 8-bit images are not affected")
+    standardize: str = option("none", choices=("none", "train"),
+                              help="train: standardise the inputs per channel by the mean and standard deviation of "
+                                   "all the training images (after bit-depth scaling), as torchvision's Normalize "
+                                   "with the data set's statistics; helps low-contrast images. none: the fixed "
+                                   "[-1, 1] scaling")
 
 
 @dataclass
@@ -274,13 +290,28 @@ def build(options: ImageFolderOptions, clients: int | None, seed: int, data_dir:
     split = _partition(partition, scheme, labels, layout, multi, seed, num_classes)
     used = [d for d in sorted(found) if d in set(split.client_domains or [""])]
     _check_tests(found, used, data_dir, options)
-    train_pixels = {d: decode_files(found[d].train_files, size, cache, progress) for d in used}
+    train_pixels = {d: decode_files(found[d].train_files, size, cache, progress, depth=True) for d in used}
+    test_pixels = {d: decode_files(found[d].test_files, size, cache, progress, depth=True) for d in used}
+    # one depth for the whole data set (training and test images, every domain): a depth per image would
+    # stretch a dark 16-bit image as if it were a bright 12-bit one
+    arrays = [*train_pixels.values(), *test_pixels.values()]
+    detected = detected_depth(arrays)
+    bits = options.bit_depth or detected
+    depth_notes = []
+    if detected is not None and bits is not None:
+        depth_notes.append(f"imagefolder: {depth_note(arrays, bits, bool(options.bit_depth))}")
+    elif options.bit_depth:
+        depth_notes.append(f"imagefolder: data.bit_depth={options.bit_depth} not used: every image is 8-bit")
     train = []
     for k, rows in enumerate(split.client_indices):
         domain = split.client_domains[k] if split.client_domains is not None else ""
-        train.append((to_float(train_pixels[domain][rows]), torch.from_numpy(labels[domain][rows]).clone()))
-    tests = {d or "all": (to_float(decode_files(found[d].test_files, size, cache, progress)),
+        train.append((to_float(train_pixels[domain][rows], bits), torch.from_numpy(labels[domain][rows]).clone()))
+    tests = {d or "all": (to_float(test_pixels[d], bits),
                           torch.tensor([index[n] for n in found[d].test_classes], dtype=torch.int64)) for d in used}
+    statistics = None
+    if options.standardize == "train":
+        statistics = _standardize(train, tests, [to_float(train_pixels[d], bits) for d in used])
+        depth_notes.append(statistics.pop("note"))
 
     record = {"dataset": "imagefolder",
               **split.to_json(labels if multi else labels[""], num_classes,
@@ -289,6 +320,10 @@ def build(options: ImageFolderOptions, clients: int | None, seed: int, data_dir:
               "test_sizes": {name: int(y.shape[0]) for name, (_, y) in tests.items()}}
     if partition.load:
         record["loaded_from"] = str(partition.load)
+    if detected is not None:  # how a new 16-bit image must be scaled to be what the model learned on
+        record["bit_depth"] = int(bits or 16)
+    if statistics is not None:
+        record["standardize"] = statistics
     where = ", ".join(f"{d} {n}" for d, n in layout.items()) if multi else f"{layout['']}"
     notes = [_start_line(root, found, used),
              f"imagefolder: {split.scheme} partition over {split.num_clients} clients ({where}), {num_classes} "
@@ -297,7 +332,7 @@ def build(options: ImageFolderOptions, clients: int | None, seed: int, data_dir:
     if held:
         notes.append(f"test sets held out ({options.test_fraction:g} of each class, split_seed "
                      f"{options.split_seed}): {', '.join(held)}")
-    notes += _class_notes(found, used, classes)
+    notes += _class_notes(found, used, classes) + depth_notes
     if multi:  # a domain too few clients left without one: said, never silent (the built-in data sets' rule)
         dropped = domains_without_clients_note("imagefolder", sorted(found), layout, clients,
                                                [d for d, n in options.clients_per_domain.items() if n == 0])
@@ -305,6 +340,25 @@ def build(options: ImageFolderOptions, clients: int | None, seed: int, data_dir:
     domains = split.client_domains if split.client_domains is not None else None
     return Federation.from_tensors(train, tests, num_classes=num_classes, domains=domains, name="imagefolder",
                                    partition=record, notes=notes)
+
+
+def _standardize(train: list[tuple[torch.Tensor, torch.Tensor]], tests: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                 pooled: list[torch.Tensor]) -> dict[str, Any]:
+    """``data.standardize=train``: every input, training and test, as ``(x - mean) / std`` per channel, with
+    the statistics of all the training images (``pooled``, in ``[-1, 1]`` units); in place. Returns the
+    statistics in ``0..1`` units (torchvision's ``Normalize`` of pixels in ``0..1``) and the run's note."""
+    x = torch.cat([t.double().transpose(0, 1).reshape(t.shape[1], -1) for t in pooled], dim=1)
+    mean, std = x.mean(dim=1), x.std(dim=1)
+    std = torch.where(std > 0, std, torch.ones_like(std))  # a constant channel is only centred
+    shape = (1, -1, 1, 1)
+    for t in [x for x, _ in train] + [x for x, _ in tests.values()]:
+        t.sub_(mean.float().view(shape)).div_(std.float().view(shape))
+    # x in [-1, 1] is 2p - 1 for p in 0..1: (x - m) / s = (p - (m + 1) / 2) / (s / 2)
+    unit_mean, unit_std = ((mean + 1) / 2).tolist(), (std / 2).tolist()
+    shown = ", ".join(f"{m:.4g}/{s:.4g}" for m, s in zip(unit_mean, unit_std, strict=True))
+    note = (f"imagefolder: inputs standardised per channel (data.standardize=train) by the mean/std of all "
+            f"{sum(t.shape[0] for t in pooled)} training images, of pixels in 0..1: {shown}")
+    return {"mean": unit_mean, "std": unit_std, "note": note}
 
 
 def _start_line(root: Path, found: dict[str, DomainImages], used: list[str]) -> str:

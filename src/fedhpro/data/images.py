@@ -27,6 +27,18 @@ with ``os.utime``: the kernel sets the ctime to now on every write, rename
 and ``utime``, and no call sets it back. (Only a clock turned back, or a
 file system without ctime, could defeat it; delete the cache folder then.)
 A folder that cannot be written is simply not cached.
+
+With ``depth=True`` (``dataset=imagefolder``) grey images of more than 8
+bits keep their precision: :func:`decode_files` returns their 16-bit values
+(``uint16``, resized in float) instead of 8 bits, cached under a key of its
+own (format ``v2``, so an 8-bit cache is never read as 16-bit values), and
+:func:`detected_depth` finds the bit depth of the whole data set (the
+smallest of 8, 10, 12, 14 and 16 bits that holds its largest value: a
+12-bit camera's 0..4095 in 16-bit PNGs is 12-bit). The depth is decided per
+data set, not per image: one dark image of a 16-bit set must not be
+stretched to full contrast while its bright neighbours are not.
+:func:`to_float` scales such pixels by ``2**bits - 1`` to ``[-1, 1]``. 8-bit
+data decodes byte for byte as before.
 """
 
 from __future__ import annotations
@@ -174,51 +186,128 @@ def rgb_pixels(image: Any, size: int, where: str = "the image") -> np.ndarray:
     return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
 
 
-def decode_file(path: Path, size: int) -> np.ndarray:
-    """One image file as :func:`rgb_pixels`; a file PIL cannot decode is a one-line DataError naming it."""
+def deep_pixels(image: Any, size: int, where: str = "the image") -> np.ndarray:
+    """A PIL image -> ``3 x size x size``: ``uint16`` values as stored for a grey integer image of more than
+    8 bits (PIL's ``I;16`` modes, ``I`` within 0..65535; resized bilinearly in float, grey replicated),
+    :func:`rgb_pixels` (``uint8``) for every other image."""
+    from PIL import Image
+
+    if not image.mode.startswith("I"):
+        return rgb_pixels(image, size, where)
+    check_image_size(image, where)
+    values = np.asarray(image).astype(np.int64)
+    if values.size and (values.min() < 0 or values.max() > MAX_16_BIT):
+        raise DataError(f"{where} holds 32-bit integer pixels beyond 0..{MAX_16_BIT} ({int(values.min())} to "
+                        f"{int(values.max())}); save it as an 8- or 16-bit image")
+    if image.size != (size, size):
+        resized = Image.fromarray(values.astype(np.float32)).resize((size, size), Image.Resampling.BILINEAR)
+        values = np.clip(np.rint(np.asarray(resized)), 0, MAX_16_BIT)
+    return np.broadcast_to(values.astype(np.uint16), (3, size, size)).copy()
+
+
+def decode_file(path: Path, size: int, depth: bool = False) -> np.ndarray:
+    """One image file as :func:`rgb_pixels` (``uint8``), or with ``depth`` as :func:`deep_pixels` (16-bit
+    values kept); a file PIL cannot decode is a one-line DataError naming it."""
     from PIL import Image
 
     limit = max_image_pixels()
     try:
         with open_image(path, str(path), limit) as image:
-            return rgb_pixels(image, size, str(path))
+            return deep_pixels(image, size, str(path)) if depth else rgb_pixels(image, size, str(path))
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise DataError(f"cannot decode the image {path} ({reason}); replace or remove the file") from None
 
 
-def decode_files(files: Sequence[Path], size: int, cache: Path | None = None, progress: bool = False) -> np.ndarray:
-    """``uint8`` ``N x 3 x size x size`` pixels of ``files`` (in order), from/into the cache folder ``cache``."""
-    path = _cache_path(files, size, cache) if cache is not None and files else None
+def decode_files(files: Sequence[Path], size: int, cache: Path | None = None, progress: bool = False,
+                 depth: bool = False) -> np.ndarray:
+    """``N x 3 x size x size`` pixels of ``files`` (in order), from/into the cache folder ``cache``:
+    ``uint8`` (16-bit images scaled to 8 bits), or with ``depth`` ``uint16`` when any image has more than 8
+    bits (:func:`deep_pixels`; its 8-bit images then as ``x * 257``, their 16-bit equivalent) and ``uint8``
+    when none has."""
+    path = _cache_path(files, size, cache, depth) if cache is not None and files else None
     if path is not None and path.is_file():
         try:
             cached = np.load(path, allow_pickle=False)
-            if cached.shape == (len(files), 3, size, size) and cached.dtype == np.uint8:
+            if cached.shape == (len(files), 3, size, size) and (
+                    cached.dtype == np.uint8 or (depth and cached.dtype == np.uint16)):
                 return cached
         except (OSError, ValueError):
             pass  # an unreadable cache file: decode again (and replace it)
     out = np.empty((len(files), 3, size, size), dtype=np.uint8)
+    deep: dict[int, np.ndarray] = {}
     iterator: Any = files
     if progress and len(files) > 1000:
         from tqdm.auto import tqdm
 
         iterator = tqdm(files, desc=f"decoding images to {size}px", unit="img", leave=False)
     for i, file in enumerate(iterator):
-        out[i] = decode_file(Path(file), size)
+        pixels = decode_file(Path(file), size, depth=True) if depth else decode_file(Path(file), size)
+        if pixels.dtype == np.uint16:
+            deep[i] = pixels
+        else:
+            out[i] = pixels
+    if deep:
+        wide = out.astype(np.uint16) * np.uint16(257)  # 8-bit x is x * 65535 / 255 in 16 bits, exactly
+        for i, pixels in deep.items():
+            wide[i] = pixels
+        out = wide
     if path is not None:
         _save_atomic(path, out)
     return out
 
 
-def to_float(pixels: np.ndarray) -> Tensor:
-    """``uint8`` ``N x 3 x H x W`` -> float32 in ``[-1, 1]`` (:func:`normalize_images`)."""
-    return normalize_images(torch.from_numpy(np.ascontiguousarray(pixels)))
+#: the bit depths :func:`detected_depth` chooses from (the usual depths of cameras and scanners)
+BIT_DEPTHS = (8, 10, 12, 14, 16)
 
 
-def _cache_path(files: Sequence[Path], size: int, cache: Path) -> Path | None:
+def detected_depth(arrays: Sequence[np.ndarray]) -> int | None:
+    """The bit depth of a data set decoded with ``depth=True``: None when every array is ``uint8`` (8-bit
+    images, scaled as they always were), else the smallest of :data:`BIT_DEPTHS` that holds the largest value
+    of all of them (``uint8`` arrays counted as ``x * 257``)."""
+    if not any(a.dtype == np.uint16 for a in arrays):
+        return None
+    largest = max((int(a.max()) * (257 if a.dtype == np.uint8 else 1) for a in arrays if a.size), default=0)
+    return next(bits for bits in BIT_DEPTHS if largest <= 2 ** bits - 1)
+
+
+def depth_note(arrays: Sequence[np.ndarray], bits: int, given: bool) -> str:
+    """The run's note of how 16-bit pixels were scaled: the depth detected (or given) and the values seen."""
+    deep = [a for a in arrays if a.size and a.dtype == np.uint16]
+    low, high = min(int(a.min()) for a in deep), max(int(a.max()) for a in deep)
+    scale = 2 ** bits - 1
+    if given:
+        how = "data.bit_depth"
+    elif bits < 16:
+        how = f"detected: every value of the data set within 0..{scale}; data.bit_depth=16 if they are dark " \
+              "16-bit images"
+    else:
+        how = "detected"
+    narrow = "; they span little of that range: data.standardize=train may learn better" if (
+        high - low) * 4 < scale and bits == 16 else ""
+    return (f"16-bit images read as {bits}-bit ({how}; values {low}..{high}): pixels scaled by 1/{scale} to "
+            f"[-1, 1], their precision kept{narrow}")
+
+
+def to_float(pixels: np.ndarray, bits: int | None = None) -> Tensor:
+    """``uint8`` ``N x 3 x H x W`` -> float32 in ``[-1, 1]`` (:func:`normalize_images`); ``uint16`` pixels
+    (:func:`decode_files` with ``depth``) scaled by ``2**bits - 1`` (default 16 bits)."""
+    if pixels.dtype != np.uint16:
+        return normalize_images(torch.from_numpy(np.ascontiguousarray(pixels)))
+    scale = 2 ** (bits or 16) - 1
+    if pixels.size and int(pixels.max()) > scale:
+        raise DataError(f"pixel values up to {int(pixels.max())} exceed {bits} bits (0..{scale}); set "
+                        "data.bit_depth=16, or leave it unset to detect the depth")
+    out = torch.from_numpy(pixels.astype(np.float32))
+    return out.div_(scale / 2.0).sub_(1.0)
+
+
+def _cache_path(files: Sequence[Path], size: int, cache: Path, depth: bool = False) -> Path | None:
     """The cache file of these files at this size: a key of every path, size, mtime, inode and ctime
-    (:func:`fedhpro.data.loaders.files_key`)."""
-    key = files_key(files, f"rgb bilinear bit-depth-scaled {size}\n")
+    (:func:`fedhpro.data.loaders.files_key`); 16-bit values kept (``depth``) are cache format v2, keyed apart
+    so that an 8-bit cache of the same files is never read as them."""
+    salt = f"rgb bilinear bit-depth-scaled {size}\n" if not depth else f"v2 rgb bilinear 16-bit-kept {size}\n"
+    key = files_key(files, salt)
     return cache / f"{key}-{size}px.npy" if key is not None else None
 
 
@@ -231,6 +320,7 @@ def _save_atomic(path: Path, array: np.ndarray) -> None:
         pass  # a read-only data folder: no cache
 
 
-__all__ = ["CACHE_FOLDER", "MAX_16_BIT", "MAX_IMAGE_PIXELS", "MAX_PIXELS_VARIABLE", "SPLIT_NAMES", "check_image_size",
-           "class_files", "decode_file", "decode_files", "eight_bit", "image_files", "images_below", "is_image_file",
-           "max_image_pixels", "open_image", "rgb_pixels", "split_folders", "subfolders", "to_float", "visible"]
+__all__ = ["BIT_DEPTHS", "CACHE_FOLDER", "MAX_16_BIT", "MAX_IMAGE_PIXELS", "MAX_PIXELS_VARIABLE", "SPLIT_NAMES",
+           "check_image_size", "class_files", "decode_file", "decode_files", "deep_pixels", "depth_note",
+           "detected_depth", "eight_bit", "image_files", "images_below", "is_image_file", "max_image_pixels",
+           "open_image", "rgb_pixels", "split_folders", "subfolders", "to_float", "visible"]
