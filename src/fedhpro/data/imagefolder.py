@@ -310,7 +310,7 @@ def build(options: ImageFolderOptions, clients: int | None, seed: int, data_dir:
                           torch.tensor([index[n] for n in found[d].test_classes], dtype=torch.int64)) for d in used}
     statistics = None
     if options.standardize == "train":
-        statistics = _standardize(train, tests, [to_float(train_pixels[d], bits) for d in used])
+        statistics = _standardize(train, tests, [train_pixels[d] for d in used], bits)
         depth_notes.append(statistics.pop("note"))
 
     record = {"dataset": "imagefolder",
@@ -343,13 +343,21 @@ def build(options: ImageFolderOptions, clients: int | None, seed: int, data_dir:
 
 
 def _standardize(train: list[tuple[torch.Tensor, torch.Tensor]], tests: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                 pooled: list[torch.Tensor]) -> dict[str, Any]:
+                 pooled: list[np.ndarray], bits: int | None) -> dict[str, Any]:
     """``data.standardize=train``: every input, training and test, as ``(x - mean) / std`` per channel, with
-    the statistics of all the training images (``pooled``, in ``[-1, 1]`` units); in place. Returns the
-    statistics in ``0..1`` units (torchvision's ``Normalize`` of pixels in ``0..1``) and the run's note."""
-    x = torch.cat([t.double().transpose(0, 1).reshape(t.shape[1], -1) for t in pooled], dim=1)
-    mean, std = x.mean(dim=1), x.std(dim=1)
-    std = torch.where(std > 0, std, torch.ones_like(std))  # a constant channel is only centred
+    the statistics of all the training images (``pooled``, the decoded pixels, scaled as the inputs are);
+    in place. Returns the statistics in ``0..1`` units (torchvision's ``Normalize`` of pixels in ``0..1``)
+    and the run's note."""
+    total, squares, count = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64), 0
+    for pixels in pooled:
+        for start in range(0, len(pixels), 4096):  # in chunks: no float copy of the whole data set at once
+            chunk = to_float(pixels[start:start + 4096], bits).double()
+            total += chunk.sum(dim=(0, 2, 3))
+            squares += chunk.square().sum(dim=(0, 2, 3))
+            count += chunk.shape[0] * chunk.shape[2] * chunk.shape[3]
+    mean = total / max(count, 1)
+    std = ((squares - count * mean.square()).clamp(min=0) / max(count - 1, 1)).sqrt()
+    std = torch.where(std > 1e-12, std, torch.ones_like(std))  # a constant channel is only centred
     shape = (1, -1, 1, 1)
     for t in [x for x, _ in train] + [x for x, _ in tests.values()]:
         t.sub_(mean.float().view(shape)).div_(std.float().view(shape))
@@ -357,7 +365,7 @@ def _standardize(train: list[tuple[torch.Tensor, torch.Tensor]], tests: dict[str
     unit_mean, unit_std = ((mean + 1) / 2).tolist(), (std / 2).tolist()
     shown = ", ".join(f"{m:.4g}/{s:.4g}" for m, s in zip(unit_mean, unit_std, strict=True))
     note = (f"imagefolder: inputs standardised per channel (data.standardize=train) by the mean/std of all "
-            f"{sum(t.shape[0] for t in pooled)} training images, of pixels in 0..1: {shown}")
+            f"{sum(len(pixels) for pixels in pooled)} training images, of pixels in 0..1: {shown}")
     return {"mean": unit_mean, "std": unit_std, "note": note}
 
 
