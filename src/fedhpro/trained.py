@@ -13,11 +13,15 @@ A finished run's folder holds
   and no ``model.pt``;
 * ``model.json``: what rebuilds them beside ``config.yaml`` (the run's settings): the model's name, the
   number and names of the classes, the input shape, the inference rule, the files and how an image becomes
-  an input (the run's data set's preprocessing).
+  an input (the run's data set's preprocessing);
+* ``standardize.json``: tabular own data trained with ``data.standardize=client``: each site's training
+  mean and std per feature, and the pair pooled over every site's training rows (for a new site), with
+  which :func:`predict` scales new rows as training scaled them.
 
 :func:`load_model` rebuilds the module from ``config.yaml`` + ``model.json`` (the same model factory the run
 used) and loads the weights with ``weights_only=True`` after checking every key and shape: nothing is ever
-unpickled. :func:`predict` classifies image files, folders of images or a ``.pt`` tensor file.
+unpickled. :func:`predict` classifies image files, folders of images or ``.pt`` / ``.npz`` tensor files, each
+input made as the run made its inputs (:func:`prepare_inputs`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,12 @@ MODEL_FILE = "model.pt"
 MODEL_INFO = "model.json"
 #: the folder of the clients' personal models
 PERSONAL_FOLDER = "models"
+#: the feature statistics ``data.standardize=client`` scaled each site's inputs with (tabular own data)
+STATISTICS_FILE = "standardize.json"
+#: its ``format``
+STATISTICS_FORMAT = "fedhpro-standardize/1"
+#: the statistics a new site's inputs are scaled with unless a site is named: all sites' training rows pooled
+POOLED = "pooled"
 #: model.json's ``format``: a later layout gets a new one
 FORMAT = "fedhpro-model/1"
 #: the inference rules a saved module may carry (a prototype method's ``inference=``)
@@ -73,6 +83,8 @@ class TrainedModels:
     info: dict[str, Any]
     global_model: nn.Module | None = None
     personal: dict[int, nn.Module] = field(default_factory=dict)
+    #: standardize.json's content (tabular own data scaled per site), or None
+    statistics: dict[str, Any] | None = None
 
     def model(self, where: str = "this run") -> nn.Module:
         """The global model; a one-line ConfigError for a run whose clients keep their own models."""
@@ -226,6 +238,8 @@ def write_models(out: str | os.PathLike, models: TrainedModels) -> None:
     """``model.pt`` (or ``models/client_<k>.pt``) and ``model.json`` of ``models`` into the run folder ``out``;
     each file atomically, model.json last (it names the files, which are then all there)."""
     out = Path(out)
+    if models.statistics is not None:
+        write_atomic(out / STATISTICS_FILE, strict_json(models.statistics, indent=2) + "\n")
     if models.global_model is not None:
         save_state(out / MODEL_FILE, models.global_model)
     for k, module in sorted(models.personal.items()):
@@ -251,6 +265,9 @@ def simulator_models(config: Config, simulator: Any, federation: Any) -> Trained
     models, server = simulator.models, simulator.server
     inputs = input_description(config, federation.input_shape, federation.clients[0].x.dtype,
                                federation.partition)
+    statistics = _statistics_of(config, inputs)
+    if statistics is not None:
+        inputs["statistics"] = STATISTICS_FILE
     classes = _classes(federation.partition)
     if not models.personal:
         network = copy.deepcopy(models.global_model)
@@ -258,7 +275,7 @@ def simulator_models(config: Config, simulator: Any, federation: Any) -> Trained
         module, inference, note = tested_module(server, network)
         info = model_info(config, federation.num_classes, federation.input_shape, classes, inputs, inference, None,
                           note=note)
-        return TrainedModels(info, global_model=module)
+        return TrainedModels(info, global_model=module, statistics=statistics)
     personal: dict[int, nn.Module] = {}
     inference, note = HEAD, None
     for k in range(federation.num_clients):
@@ -266,7 +283,20 @@ def simulator_models(config: Config, simulator: Any, federation: Any) -> Trained
     names = {k: _architecture(config, models.architectures, k) for k in personal}
     info = model_info(config, federation.num_classes, federation.input_shape, classes, inputs, inference, names,
                       _why_personal(config), note=note)
-    return TrainedModels(info, personal=personal)
+    return TrainedModels(info, personal=personal, statistics=statistics)
+
+
+def _statistics_of(config: Config, inputs: Mapping[str, Any]) -> dict[str, Any] | None:
+    """standardize.json's content for a run whose sites scaled their features (``data.standardize=client``
+    on tabular own data), rebuilt from the same files as the run's federation; else None."""
+    if inputs.get("standardize") != "client" or config.run.dataset != "clients" or config.federation is not None:
+        return None
+    from fedhpro.data.clients import standardization_statistics
+
+    found = standardization_statistics(config.data, config.run.data_dir)  # type: ignore[arg-type]
+    if found is None:
+        return None
+    return {"format": STATISTICS_FORMAT, "standardize": "client", **found}
 
 
 def personal_module(models: Any, server: Any, k: int,
@@ -436,6 +466,10 @@ def check_info(info: Mapping[str, Any], folder: Path) -> None:
             raise bad("input.resize", inputs.get("resize"), "true or false")
     elif "dtype" in inputs and not isinstance(inputs["dtype"], str):
         raise bad("input.dtype", inputs["dtype"], "a dtype name")
+    if "standardize" in inputs and not isinstance(inputs["standardize"], str):
+        raise bad("input.standardize", inputs["standardize"], "a name")
+    if "statistics" in inputs:
+        inside_folder(folder, inputs["statistics"], "input.statistics", path)
     if "config" in info:
         inside_folder(folder, info["config"], "config", path)
     if info.get("global") is not None:
@@ -626,6 +660,81 @@ def load_model(run_folder: str | os.PathLike, *, client: int | None = None,
 # ---------------------------------------------------------------------------- predicting
 
 
+def read_statistics(folder: Path, info: Mapping[str, Any]) -> dict[str, Any]:
+    """standardize.json of a run folder whose model.json names it, checked: every site's and the pooled
+    ``mean`` and ``std`` are lists of the model's feature count of finite numbers (``std`` > 0). A missing,
+    damaged or foreign file is one :class:`ModelFileError` line."""
+    inputs = info.get("input", {})
+    features = int(info["input_shape"][0])
+    if "statistics" not in inputs:
+        raise ModelFileError(
+            f"{folder} was trained with data.standardize=client (each site scaled its features by its own mean "
+            f"and std) but its folder records no {STATISTICS_FILE} to scale new rows the same way (a run of an "
+            "older fedhpro or of Flower): run it again with this fedhpro (or train with data.standardize=none)")
+    path = inside_folder(folder, inputs["statistics"], "input.statistics", folder / MODEL_INFO)
+    if not path.is_file():
+        raise ModelFileError(f"{path} is missing; the run folder is incomplete (run it again)")
+    content = read_json_file(path, ModelFileError)
+
+    def bad(key: str, value: Any, expected: str) -> ModelFileError:
+        return ModelFileError(f"{path}: {key} is {_shown(value)}, not {expected}; the file is damaged or was not "
+                              "written by fedhpro: run again")
+
+    if not isinstance(content, dict) or content.get("format") != STATISTICS_FORMAT:
+        raise ModelFileError(f"{path} is not a fedhpro statistics file ({STATISTICS_FORMAT}); it may be from "
+                             "another version: run again")
+    sites = content.get("sites")
+    if not isinstance(sites, dict) or not sites:
+        raise bad("sites", sites, "a mapping of site names to statistics")
+    pairs = {**{f"sites.{name}": entry for name, entry in sites.items()}, POOLED: content.get(POOLED)}
+    for key, entry in pairs.items():
+        if not isinstance(entry, dict):
+            raise bad(key, entry, "a mapping with mean and std")
+        for part in ("mean", "std"):
+            values = entry.get(part)
+            if not (isinstance(values, list) and len(values) == features and all(_is_number(v) for v in values)
+                    and (part == "mean" or all(v > 0 for v in values))):
+                raise bad(f"{key}.{part}", values, f"{features} finite numbers" + (" > 0" if part == "std" else ""))
+    return content
+
+
+def prepare_inputs(run_folder: str | os.PathLike, x: Tensor, *, site: str | None = None) -> Tensor:
+    """``x`` (N x the model's input shape, raw as the training files held it) made what the run's model
+    takes: for tabular own data trained with ``data.standardize=client``, each feature scaled by the
+    training mean and std of ``site`` (a site folder's name), by default of every site's training rows
+    pooled (a new site); other runs' inputs are returned as they are. Use it with :func:`load_model`;
+    :func:`predict` applies it."""
+    folder = Path(run_folder)
+    info = read_info(folder)
+    return _prepared(folder, info, x, site)
+
+
+def _prepared(folder: Path, info: Mapping[str, Any], x: Tensor, site: str | None) -> Tensor:
+    inputs = info.get("input", {})
+    if inputs.get("standardize", "none") == "none" or inputs.get("kind") != "tensor":
+        if site is not None:
+            raise ConfigError(f"{folder}'s inputs were not scaled per site (no data.standardize=client on tabular "
+                              "data); leave out the site")
+        return x
+    if inputs["standardize"] != "client":
+        raise ModelFileError(f"{folder / MODEL_INFO}: input.standardize is {_shown(inputs['standardize'])}, which "
+                             "this fedhpro cannot rebuild (client or none); run again")
+    statistics = read_statistics(folder, info)
+    if site is None:
+        entry = statistics[POOLED]
+    elif site in statistics["sites"]:
+        entry = statistics["sites"][site]
+    else:
+        names = sorted(statistics["sites"])
+        raise ConfigError(f"{folder} has no site {site!r}; its sites are {', '.join(names)} (leave the site out for "
+                          "a new site: every site's training rows pooled)")
+    from fedhpro.data.clients import apply_statistics
+
+    mean = torch.tensor(entry["mean"], dtype=torch.float64)
+    std = torch.tensor(entry["std"], dtype=torch.float64)
+    return apply_statistics(x, mean, std)
+
+
 def _image_files(folder: Path) -> list[Path]:
     """The image files in ``folder`` and below (hidden ones skipped), sorted by path."""
     from fedhpro.data.loaders import IMAGE_EXTENSIONS
@@ -664,17 +773,53 @@ def _image_input(path: Path, inputs: Mapping[str, Any]) -> Tensor:
     return to_float(pixels)[0]
 
 
-def _tensor_inputs(path: Path, inputs: Mapping[str, Any], model_shape: Sequence[int]) -> Tensor:
-    """The N inputs of a ``.pt`` tensor file (read with ``weights_only=True``): N x the model's input shape."""
+#: the most bytes a ``.npz`` input file's arrays may expand to (a small archive may hold a huge one): 4 GiB
+MAX_NPZ_BYTES = 1 << 32
+
+
+def _read_npz(path: Path) -> Any:
+    """The array ``x`` of a ``.npz`` file (a training file: ``x`` and ``y``), else its only array; read with
+    ``allow_pickle=False`` after the expanded sizes are checked against :data:`MAX_NPZ_BYTES`."""
+    import numpy as np
+
     try:
-        value = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # noqa: BLE001 - a damaged or foreign file
+        with np.load(path, allow_pickle=False) as archive:
+            names = list(archive.files)
+            size = sum(entry.file_size for entry in archive.zip.infolist()) if archive.zip is not None else 0
+            if size > MAX_NPZ_BYTES:
+                raise DataError(f"{path} expands to {size:,} bytes, more than {MAX_NPZ_BYTES:,}; give fewer rows "
+                                "per file")
+            if "x" in names:
+                return archive["x"]
+            if len(names) == 1:
+                return archive[names[0]]
+    except DataError:
+        raise
+    except Exception as error:  # noqa: BLE001 - numpy raises many types for a damaged or foreign file
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
-        raise DataError(f"{path} is not a tensor file fedhpro can read ({reason}); save one with "
-                        "torch.save(x, path), x an N x ... tensor") from None
+        raise DataError(f"{path} is not a .npz file fedhpro can read ({reason}); save one with np.savez(path, x=x)"
+                        ) from None
+    raise DataError(f"{path} holds {len(names)} arrays and no x; save the inputs as x: np.savez(path, x=x)")
+
+
+def _tensor_inputs(path: Path, inputs: Mapping[str, Any], model_shape: Sequence[int]) -> Tensor:
+    """The N inputs of a ``.pt`` or ``.npz`` tensor file, N x the model's input shape: one tensor (array), or
+    a training file's ``x`` (its ``y`` is not read as an input). ``.pt`` is read with ``weights_only=True``,
+    ``.npz`` with ``allow_pickle=False``: no file runs code."""
+    if path.suffix.lower() == ".npz":
+        value: Any = _read_npz(path)
+    else:
+        try:
+            value = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:  # noqa: BLE001 - a damaged or foreign file
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+            raise DataError(f"{path} is not a tensor file fedhpro can read ({reason}); save one with "
+                            "torch.save(x, path), x an N x ... tensor") from None
+        if isinstance(value, dict) and "x" in value:
+            value = value["x"]
     shape = tuple(int(n) for n in model_shape)
     if not isinstance(value, Tensor):
-        raise DataError(f"{path} holds a {type(value).__name__}; save one tensor, N x {' x '.join(map(str, shape))}")
+        value = _as_input_tensor(value, path, shape)
     if tuple(value.shape) == shape:
         value = value.unsqueeze(0)
     if value.dim() != len(shape) + 1 or tuple(value.shape[1:]) != shape:
@@ -694,20 +839,34 @@ def _tensor_inputs(path: Path, inputs: Mapping[str, Any], model_shape: Sequence[
     return value
 
 
+def _as_input_tensor(value: Any, path: Path, shape: Sequence[int]) -> Tensor:
+    """A numeric array (a ``.npz`` file's, or a training file's ``x``) as a CPU tensor; anything else refused."""
+    import numpy as np
+
+    wanted = " x ".join(map(str, shape))
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+        if value.dtype.kind == "u" and value.dtype.itemsize > 1:
+            value = value.astype(np.int64)  # torch has no wide unsigned arithmetic
+        return torch.from_numpy(np.ascontiguousarray(value))
+    what = f"{value.dtype} values" if isinstance(value, np.ndarray) else f"a {type(value).__name__}"
+    raise DataError(f"{path} holds {what}; save one numeric tensor, N x {wanted}")
+
+
 def gather_inputs(paths: Iterable[str | os.PathLike], info: Mapping[str, Any]) -> tuple[list[str], Tensor]:
     """``(names, inputs)``: every image file given (or found in a given folder) and every row of a given
-    ``.pt`` tensor file (named ``file.pt[i]``), as the model's inputs; one DataError line for a wrong path."""
+    ``.pt`` / ``.npz`` tensor file (named ``file.pt[i]``), as the model's inputs; one DataError line for a wrong
+    path. Tensor rows are returned as the file holds them (:func:`prepare_inputs` scales them as training did)."""
     inputs, shape = info.get("input", {}), info["input_shape"]
     names: list[str] = []
     rows: list[Tensor] = []
     given = [Path(p) for p in paths]
     if not given:
-        raise ConfigError("give at least one input: image files, folders of images or a .pt tensor file")
+        raise ConfigError("give at least one input: image files, folders of images or a .pt/.npz tensor file")
     for path in given:
         if not path.exists():
-            raise DataError(f"{path}: no such file or folder; give image files, folders of images or a .pt tensor "
-                            "file")
-        if path.is_file() and path.suffix.lower() == ".pt":
+            raise DataError(f"{path}: no such file or folder; give image files, folders of images or a .pt/.npz "
+                            "tensor file")
+        if path.is_file() and path.suffix.lower() in (".pt", ".npz"):
             batch = _tensor_inputs(path, inputs, shape)
             names += [f"{path}[{i}]" for i in range(batch.shape[0])]
             rows += list(batch)
@@ -717,12 +876,13 @@ def gather_inputs(paths: Iterable[str | os.PathLike], info: Mapping[str, Any]) -
             raise DataError(f"{path} holds no image files (.png, .jpg, ...); give a folder of images")
         if inputs.get("kind") != "image":
             raise DataError(f"{path}: this run's model takes tensors of shape {tuple(shape)}, not images; give a "
-                            ".pt file of an N x ... tensor, preprocessed as the run's data")
+                            ".pt/.npz file of an N x ... tensor, preprocessed as the run's data")
         from fedhpro.data.loaders import IMAGE_EXTENSIONS
 
         for file in files:
             if file.suffix.lower() not in IMAGE_EXTENSIONS:
-                raise DataError(f"{file} is not an image file ({', '.join(IMAGE_EXTENSIONS)}) or a .pt tensor file")
+                raise DataError(f"{file} is not an image file ({', '.join(IMAGE_EXTENSIONS)}) or a .pt/.npz tensor "
+                                "file")
             names.append(str(file))
             rows.append(_image_input(file, inputs))
     return names, torch.stack(rows)
@@ -737,14 +897,19 @@ def class_probabilities(module: nn.Module, inputs: Tensor, batch_size: int = 256
 
 def predict(run_folder: str | os.PathLike, paths: Iterable[str | os.PathLike], out: str | os.PathLike | None = None,
             *, client: int | None = None, model: Callable[..., nn.Module] | None = None,
-            batch_size: int = 256) -> str:
-    """Classify image files, folders of images or ``.pt`` tensor files with a run's trained model; returns
-    the CSV text (and writes it to ``out`` atomically when given): ``path, predicted, p_<class>...``, the
-    predicted class's name and the probability of every class (softmax of the model's logits)."""
+            batch_size: int = 256, site: str | None = None) -> str:
+    """Classify image files, folders of images or ``.pt`` / ``.npz`` tensor files with a run's trained model;
+    returns the CSV text (and writes it to ``out`` atomically when given): ``path, predicted, p_<class>...``,
+    the predicted class's name and the probability of every class (softmax of the model's logits).
+
+    Every input is made as the run made its inputs: images decoded, resized and normalised as its data set
+    did; tabular rows of a run trained with ``data.standardize=client`` scaled by the statistics in
+    standardize.json: those of ``site`` (a site folder's name), by default all sites' training rows pooled."""
     folder = Path(run_folder)
     info = read_info(folder)
     module = load_model(folder, client=client, model=model)
     names, inputs = gather_inputs(paths, info)
+    inputs = _prepared(folder, info, inputs, site)
     probabilities = class_probabilities(module, inputs, batch_size)
     classes = list(info["classes"])
     buffer = io.StringIO()
@@ -759,8 +924,8 @@ def predict(run_folder: str | os.PathLike, paths: Iterable[str | os.PathLike], o
 
 
 __all__ = ["MODEL_FILE", "MODEL_INFO", "ModelFileError", "PERSONAL_FOLDER", "TrainedModels", "client_file",
-           "input_description", "load_model", "predict", "read_state", "simulator_models", "write_models",
-           "write_node_model", "write_server_model"]
+           "input_description", "load_model", "predict", "prepare_inputs", "read_state", "read_statistics",
+           "simulator_models", "write_models", "write_node_model", "write_server_model"]
 
 
 # ---------------------------------------------------------------------------- per-class accuracy
