@@ -323,3 +323,26 @@ def test_a_run_of_each_own_data_form_then_predict_gives_the_run_s_accuracy(form,
     for name, path in test_inputs.items():
         text = predict(result.out, [path], **({"site": name} if form == "tensors" else {}))
         assert hits(text, true_labels(path)) == pytest.approx(per_domain[name], abs=1e-9), (form, name)
+
+
+def test_16_bit_or_standardised_images_are_refused_not_misread(tmp_path, capsys):
+    """An image folder of 12-bit values in 16-bit PNGs with data.standardize=train: predict reads images as
+    8-bit data in [-1, 1] (33 % here against the run's 83 %), so it refuses in one line instead."""
+    rng = np.random.default_rng(5)
+    levels = {"cat": 600, "dog": 2000, "fox": 3400}
+    for domain in ("photos", "sketches"):
+        for split, n in (("train", 6), ("test", 4)):
+            for name, level in levels.items():
+                (tmp_path / "data" / domain / split / name).mkdir(parents=True)
+                for i in range(n):
+                    values = np.clip(level + rng.integers(-1400, 1401, (11, 11)), 0, 4095).astype(np.uint16)
+                    Image.fromarray(values).save(tmp_path / "data" / domain / split / name / f"{i}.png")
+    result = fedhpro.run(**TINY, out=str(tmp_path / "run"), dataset="imagefolder", data_dir=str(tmp_path / "data"),
+                         clients=2, **{"data.image_size": 8, "data.standardize": "train"})
+    info = json.loads((result.out / "model.json").read_text())["input"]
+    assert info["bit_depth"] == 12 and set(info["standardize"]) == {"mean", "std"}
+    with pytest.raises(ConfigError, match="12-bit values and per-channel statistics"):
+        predict(result.out, [tmp_path / "data" / "photos" / "test"])
+    assert cli_main(["predict", str(result.out), str(tmp_path / "data" / "photos" / "test")]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err and "load_model" in err

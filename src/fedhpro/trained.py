@@ -140,7 +140,10 @@ def input_description(config: Config, input_shape: Sequence[int], dtype: torch.d
             return tensor
         if dataset == "huggingface" and getattr(config.data, "text_column", None):
             return tensor
-        return {**half, "resize": True, "dataset": dataset}
+        image = {**half, "resize": True, "dataset": dataset}
+        if dataset == "imagefolder":
+            image.update(_image_scaling(record))
+        return image
     if dataset == "digits-offline":
         return {**half, "resize": False, "dataset": dataset}
     preset = _benchmark_preset(dataset)
@@ -148,6 +151,19 @@ def input_description(config: Config, input_shape: Sequence[int], dtype: torch.d
         return tensor
     return {"kind": "image", "size": size, "resize": False, "mean": list(preset.mean), "std": list(preset.std),
             "normalize": "preset", "dataset": dataset}
+
+
+def _image_scaling(record: Mapping[str, Any]) -> dict[str, Any]:
+    """What an image folder's run recorded beyond the [-1, 1] scaling (partition.json): the data set's bit
+    depth (16-bit images scaled by ``2**bits - 1``) and ``data.standardize=train``'s per-channel mean and std
+    (of pixels in 0..1), which a new image must get too."""
+    scaling: dict[str, Any] = {}
+    if isinstance(record.get("bit_depth"), int):
+        scaling["bit_depth"] = int(record["bit_depth"])
+    standardize = record.get("standardize")
+    if isinstance(standardize, Mapping):
+        scaling["standardize"] = {"mean": list(standardize.get("mean", [])), "std": list(standardize.get("std", []))}
+    return scaling
 
 
 def _benchmark_preset(dataset: str) -> Any:
@@ -464,9 +480,21 @@ def check_info(info: Mapping[str, Any], folder: Path) -> None:
             raise bad("input.normalize", inputs.get("normalize"), "half or preset")
         if not isinstance(inputs.get("resize", False), bool):
             raise bad("input.resize", inputs.get("resize"), "true or false")
+        if "bit_depth" in inputs and not _is_int(inputs["bit_depth"], 8, 16):
+            raise bad("input.bit_depth", inputs["bit_depth"], "a bit depth from 8 to 16")
+        if "standardize" in inputs:
+            channels = inputs["standardize"]
+            if not isinstance(channels, dict):
+                raise bad("input.standardize", channels, "a mapping with mean and std")
+            for key in ("mean", "std"):
+                values = channels.get(key)
+                if not (isinstance(values, list) and len(values) == 3 and all(_is_number(v) for v in values)
+                        and (key == "mean" or all(v > 0 for v in values))):
+                    raise bad(f"input.standardize.{key}", values,
+                              "three finite numbers" + (" > 0" if key == "std" else ""))
     elif "dtype" in inputs and not isinstance(inputs["dtype"], str):
         raise bad("input.dtype", inputs["dtype"], "a dtype name")
-    if "standardize" in inputs and not isinstance(inputs["standardize"], str):
+    if inputs.get("kind") != "image" and "standardize" in inputs and not isinstance(inputs["standardize"], str):
         raise bad("input.standardize", inputs["standardize"], "a name")
     if "statistics" in inputs:
         inside_folder(folder, inputs["statistics"], "input.statistics", path)
@@ -753,6 +781,13 @@ def _image_input(path: Path, inputs: Mapping[str, Any]) -> Tensor:
     from fedhpro.data.images import decode_file, open_image, to_float
 
     size = int(inputs["size"])
+    scaled = [f"{inputs['bit_depth']}-bit values" if "bit_depth" in inputs else "",
+              "per-channel statistics (data.standardize=train)" if "standardize" in inputs else ""]
+    if any(scaled):
+        # predict reads an image as 8-bit data in [-1, 1]; refused rather than classified on other inputs
+        raise ConfigError(f"this run's images were scaled by {' and '.join(filter(None, scaled))}, which fedhpro "
+                          "predict does not rebuild yet: classify with fedhpro.load_model on inputs scaled as its "
+                          "partition.json records (bit_depth, standardize)")
     if not inputs.get("resize", False):
         try:
             with open_image(path) as image:  # its pixel count checked before anything is decoded
