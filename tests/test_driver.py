@@ -13,7 +13,7 @@ from conftest import FEATURE_DIM, TinyNet, make_federation
 from sequential_engine import SequentialEngine
 
 import fedhpro
-from fedhpro.api import build_experiment
+from fedhpro.api import build_experiment, run_notes
 from fedhpro.engines import driver
 from fedhpro.runtime import cpu_runtime, resolve_threads, torch_threads
 
@@ -43,9 +43,9 @@ def test_a_sequential_engine_through_the_driver_gives_the_simulators_bytes(metho
         folder = driver.RunFolder(out, config.run, started=started)
         folder.start(config.to_dict(), parts.federation.partition)
         driver.train(engine, folder, "sequential", progress=False)
+        notes = [*parts.federation.notes, *run_notes(config, parts.federation)]  # as fedhpro.run says them
         summary = driver.run_summary(config.run, federation.name, federation.num_clients, device,
-                                     folder.rows.metrics, time.perf_counter() - started, parts.federation.notes,
-                                     from_python=True)
+                                     folder.rows.metrics, time.perf_counter() - started, notes, from_python=True)
         folder.finish(summary, engine.server.state_dict())
     for name in ("metrics.jsonl", "config.yaml", "partition.json"):
         assert (out / name).read_bytes() == (expected.out / name).read_bytes(), name

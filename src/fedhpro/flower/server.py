@@ -921,15 +921,15 @@ def _run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, An
     side.protocol.client_sizes = list(side.num_samples)
     pooled = ([(info.domain or "all", int(info.test_size)) for info in infos] if own_data(config)
               else getattr(side.engine, "pooled_test_sizes", list)())
+    few = few_batches_note(side.num_samples, config.run.batch_size,
+                           [info.name for info in infos] if own_data(config) else None)
+    if few is not None:  # as fedhpro run says it: a note of the run's (after the data's), kept in summary.json
+        log(INFO, "fedhpro: note: %s", few)
+        notes.append(few)
     for line in (driver.pooled_share_warnings(pooled, config.aggregation.max_share)
                  + privacy_warnings(config.privacy, len(side.num_samples), side.num_samples)):
         warn(line)
         notes.append(line)
-    few = few_batches_note(side.num_samples, config.run.batch_size,
-                           [info.name for info in infos] if own_data(config) else None)
-    if few is not None:  # as fedhpro run says it: a note of the run's, kept in summary.json
-        log(INFO, "fedhpro: note: %s", few)
-        notes.append(few)
     nodes = NodeMap(nodes, getattr(nodes, "infos", None), _client_keys(grid, nodes, settings))
     strategy = MethodStrategy(side, config, nodes, run_key(config, secrets.token_hex(8)), settings.node_auth,
                               secure_for(config, side, settings))
