@@ -781,13 +781,6 @@ def _image_input(path: Path, inputs: Mapping[str, Any]) -> Tensor:
     from fedhpro.data.images import decode_file, open_image, to_float
 
     size = int(inputs["size"])
-    scaled = [f"{inputs['bit_depth']}-bit values" if "bit_depth" in inputs else "",
-              "per-channel statistics (data.standardize=train)" if "standardize" in inputs else ""]
-    if any(scaled):
-        # predict reads an image as 8-bit data in [-1, 1]; refused rather than classified on other inputs
-        raise ConfigError(f"this run's images were scaled by {' and '.join(filter(None, scaled))}, which fedhpro "
-                          "predict does not rebuild yet: classify with fedhpro.load_model on inputs scaled as its "
-                          "partition.json records (bit_depth, standardize)")
     if not inputs.get("resize", False):
         try:
             with open_image(path) as image:  # its pixel count checked before anything is decoded
@@ -798,14 +791,35 @@ def _image_input(path: Path, inputs: Mapping[str, Any]) -> Tensor:
         if (width, height) != (size, size):
             raise DataError(f"{path} is {width}x{height} pixels; this run's model takes {size}x{size} images "
                             f"({inputs.get('dataset', 'its data set')} does not resize): resize it to {size}x{size}")
-    pixels = decode_file(path, size)[None]
-    if inputs.get("normalize") == "preset":
-        from fedhpro.data.benchmarks import to_float as preset_float
-        from fedhpro.data.loaders import Preset
+    bits = inputs.get("bit_depth")
+    if bits is not None:
+        import numpy as np
 
-        preset = Preset(size, tuple(inputs["mean"]), tuple(inputs["std"]))  # type: ignore[arg-type]
-        return preset_float(pixels, preset, size)[0]
-    return to_float(pixels)[0]
+        # as the image folder decoded its data set: 16-bit values kept, an 8-bit image as its 16-bit equivalent
+        pixels = decode_file(path, size, depth=True)[None]
+        if pixels.dtype != np.uint16:
+            pixels = pixels.astype(np.uint16) * 257
+        try:
+            x = to_float(pixels, int(bits))[0]
+        except DataError:
+            raise DataError(f"{path} holds values above {bits} bits, the depth of this run's images; give "
+                            f"{bits}-bit images") from None
+    else:
+        pixels = decode_file(path, size)[None]
+        if inputs.get("normalize") == "preset":
+            from fedhpro.data.benchmarks import to_float as preset_float
+            from fedhpro.data.loaders import Preset
+
+            preset = Preset(size, tuple(inputs["mean"]), tuple(inputs["std"]))  # type: ignore[arg-type]
+            return preset_float(pixels, preset, size)[0]
+        x = to_float(pixels)[0]
+    channels = inputs.get("standardize")
+    if isinstance(channels, Mapping):
+        # recorded in 0..1 units; training scaled [-1, 1] inputs by 2 * mean - 1 and 2 * std, in float32
+        mean = (2 * torch.tensor(channels["mean"], dtype=torch.float64) - 1).float().view(-1, 1, 1)
+        std = (2 * torch.tensor(channels["std"], dtype=torch.float64)).float().view(-1, 1, 1)
+        x = x.sub(mean).div(std)
+    return x
 
 
 #: the most bytes a ``.npz`` input file's arrays may expand to (a small archive may hold a huge one): 4 GiB

@@ -312,10 +312,6 @@ def build(options: ImageFolderOptions, clients: int | None, seed: int, data_dir:
     if options.standardize == "train":
         statistics = _standardize(train, tests, [train_pixels[d] for d in used], bits)
         depth_notes.append(statistics.pop("note"))
-    if statistics is not None or (detected is not None and bits != 16):
-        # fedhpro predict knows only the 8-bit [-1, 1] scaling of new images: said until it applies this record
-        depth_notes.append("imagefolder: fedhpro predict does not scale new images this way yet; the scaling is "
-                           "recorded in partition.json (bit_depth, standardize)")
 
     record = {"dataset": "imagefolder",
               **split.to_json(labels if multi else labels[""], num_classes,
