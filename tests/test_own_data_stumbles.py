@@ -396,3 +396,21 @@ def test_8_a_site_without_a_test_split_has_no_accuracy_of_its_own_in_the_run(tmp
     assert accuracies[1] is None and None not in (accuracies[0], accuracies[2])
     assert result.summary["fairness"] == fairness_statistics([accuracies[0], accuracies[2]])
     assert "note: clients without a test split, not tested" in capsys.readouterr().out
+
+
+def test_image_folder_class_or_domain_folders_differing_only_in_case_are_refused(tmp_path):
+    """``Blue Square`` beside ``blue square`` would be two classes; in an image folder, as across sites, it is
+    one line naming both spellings (and the same for domain folders)."""
+    rng = np.random.default_rng(0)
+    colour = next(iter(COLOURS.values()))
+    for name in ("blue square", "Blue Square"):
+        for split in ("train", "test"):
+            _png(tmp_path / "classes" / split / name / "0.png", colour, rng)
+    with pytest.raises(DataError, match="'Blue Square'.*'blue square'|'blue square'.*'Blue Square'") as raised:
+        _build("imagefolder", f"data_dir={tmp_path / 'classes'}", "clients=1")
+    assert "\n" not in str(raised.value)
+    for domain in ("North", "north"):
+        for split in ("train", "test"):
+            _png(tmp_path / "domains" / domain / split / "a" / "0.png", colour, rng)
+    with pytest.raises(DataError, match="domain folders"):
+        _build("imagefolder", f"data_dir={tmp_path / 'domains'}", "clients=2")

@@ -345,3 +345,12 @@ def test_16_bit_and_standardised_images_are_predicted_as_the_run_read_them(tmp_p
     for domain, accuracy in result.summary["per_domain"].items():
         path = tmp_path / "data" / domain / "test"
         assert hits(predict(result.out, [path]), true_labels(path)) == pytest.approx(accuracy, abs=1e-9), domain
+
+
+def test_the_cli_predicts_with_one_site_s_statistics(wine, capsys):
+    """``fedhpro predict --site NAME``: the rows scaled by that site's training statistics, as predict(site=)."""
+    data, result = wine
+    assert cli_main(["predict", str(result.out), str(data / "beta" / "test.npz"), "--site", "beta"]) == 0
+    printed = capsys.readouterr().out
+    assert printed == predict(result.out, [data / "beta" / "test.npz"], site="beta")
+    assert printed != predict(result.out, [data / "beta" / "test.npz"])  # the pooled statistics differ

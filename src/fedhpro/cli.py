@@ -116,7 +116,8 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be at least 1")
-    text = predict(args.run_folder, args.paths, args.out, client=args.client, batch_size=args.batch_size)
+    text = predict(args.run_folder, args.paths, args.out, client=args.client, batch_size=args.batch_size,
+                   site=args.site)
     if args.out is None:
         print(text, end="")
     else:
@@ -236,10 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "per input: path, predicted class, then p_<class> for every class (softmax of the logits); "
                     "it goes to stdout unless --out is given.")
     predict_parser.add_argument("run_folder", metavar="RUN_FOLDER", help="the folder of a finished run (its out=)")
-    predict_parser.add_argument("paths", nargs="+", metavar="PATH", help="image files, folders of images, .pt files")
+    predict_parser.add_argument("paths", nargs="+", metavar="PATH",
+                                help="image files, folders of images, .pt/.npz files (or a training file's x)")
     predict_parser.add_argument("--out", metavar="FILE.csv", help="write the CSV here (atomically) instead of stdout")
     predict_parser.add_argument("--client", type=int, metavar="K",
                                 help="client K's personal model (runs whose clients keep their own models)")
+    predict_parser.add_argument("--site", metavar="NAME",
+                                help="tabular runs with data.standardize=client: scale the rows by this site's "
+                                     "training statistics (default: all sites' training rows pooled, for a new site)")
     predict_parser.add_argument("--batch-size", type=int, default=256, metavar="N",
                                 help="inputs per forward pass (default 256)")
     predict_parser.set_defaults(handler=_cmd_predict)

@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedhpro.data.clients import refuse_lookalikes
 from fedhpro.data.federation import Federation, domains_without_clients_note
 from fedhpro.data.images import (
     CACHE_FOLDER,
@@ -219,6 +220,9 @@ def discover(root: Path, options: ImageFolderOptions) -> tuple[dict[str, DomainI
                             f"({root}/<domain>/<class>/<image>) or move them out of data_dir")
         found = {sub.name: _domain_images(sub, kind, options, root) for sub, kind in domains.items()}
     classes = {name for images in found.values() for name in (*images.train_classes, *images.test_classes)}
+    # "Blue Square" beside "blue square" would silently be two classes (and two domains likewise)
+    refuse_lookalikes(sorted(classes), "class folders", "rename one of them so that every class has one spelling")
+    refuse_lookalikes(sorted(found), "domain folders", "rename one of them so that every domain has one spelling")
     return found, sorted(classes)
 
 
