@@ -176,3 +176,27 @@ def test_predict_scales_new_images_as_the_run_did(tmp_path):
     text = fedhpro.predict(tmp_path / "run", [root / "test"])
     rows = [line.split(",") for line in text.splitlines()[1:]]
     assert sum(row[1] == Path(row[0]).parent.name for row in rows) >= 0.9 * len(rows)  # 50 % as 8-bit data
+
+
+def test_12_bit_sites_are_learned_once_their_depth_is_said(tmp_path):
+    """``dataset=clients``: each site decodes alone, so a depth it detected could differ from its neighbour's:
+    a site whose 16-bit images all fit 12 bits is refused in one line naming data.bit_depth; with
+    data.bit_depth=12 for every site the 12-bit data learn as their 8-bit version does (50 % when scaled by
+    255/65535 into 8 bits)."""
+    from fedhpro.errors import FedHProError
+
+    root = _two_classes(tmp_path / "source", 1500, 2500, 300, 4095)
+    sites = tmp_path / "sites"
+    for k, site in enumerate(("site-a", "site-b")):
+        for split in ("train", "test"):
+            for name in ("a", "b"):
+                target = sites / site / split / name
+                target.mkdir(parents=True)
+                for path in sorted((root / split / name).iterdir())[k::2]:
+                    (target / path.name).write_bytes(path.read_bytes())
+    settings = {"dataset": "clients", "partition": None}
+    with pytest.raises(FedHProError, match=r"set data.bit_depth=12 for every site") as raised:
+        _run(tmp_path, sites, "refused", **settings)
+    assert "\n" not in str(raised.value)
+    summary = _run(tmp_path, sites, "twelve", **settings, **{"data.bit_depth": 12})
+    assert summary["accuracy"] >= 90

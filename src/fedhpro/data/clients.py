@@ -54,7 +54,15 @@ import torch
 from torch import Tensor
 
 from fedhpro.data.federation import Federation, untested_note
-from fedhpro.data.images import CACHE_FOLDER, class_files, decode_files, split_folders, subfolders, to_float
+from fedhpro.data.images import (
+    CACHE_FOLDER,
+    class_files,
+    decode_files,
+    detected_depth,
+    split_folders,
+    subfolders,
+    to_float,
+)
 from fedhpro.data.spec import DatasetSpec
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.options import option
@@ -80,6 +88,10 @@ class ClientsOptions:
                                                    "guard against a corrupt or hostile file exhausting memory)")
     cache: bool = option(True, help="image clients: keep the decoded pixels in data_dir/.fedhpro-cache (keyed by "
                                     "the files' names, sizes, mtimes, inodes and ctimes), so later runs skip decoding")
+    bit_depth: int = option(0, choices=(0, 8, 10, 12, 14, 16),
+                            help="image clients: bits of 16-bit grey images' values, which scale them to [-1, 1]; "
+                                 "0: 16 bits, and a site whose 16-bit images all hold fewer bits is refused (each "
+                                 "site decodes alone: every site must scale alike)")
     standardize: str = option("client", choices=STANDARDIZE_CHOICES,
                               help="tensor clients with float N x F features: client (each feature scaled to mean 0, "
                                    "std 1 by the client's own training mean and std, applied to its training and "
@@ -676,16 +688,23 @@ def _load_images(folder: Path, info: ClientInfo, options: ClientsOptions,
     size = int(options.image_size)
     cache = folder.parent / CACHE_FOLDER if options.cache else None
     splits = _image_splits(folder)
-    pairs = []
+    decoded = []
     for split in ("train", "test"):
         files, labels = [], []
         for name, paths in splits.get(split, {}).items():
             if paths:  # a class folder without images is no class (the run notes it)
                 files += paths
                 labels += [index[name]] * len(paths)
-        pixels = decode_files(files, size, cache) if files else np.empty((0, 3, size, size), dtype=np.uint8)
-        pairs.append((to_float(pixels), torch.tensor(labels, dtype=torch.int64)))
-    return pairs[0], pairs[1]
+        pixels = decode_files(files, size, cache, depth=True) if files else np.empty((0, 3, size, size), np.uint8)
+        decoded.append((pixels, torch.tensor(labels, dtype=torch.int64)))
+    detected = detected_depth([pixels for pixels, _ in decoded])
+    if detected is not None and detected < 16 and not options.bit_depth:
+        # a site cannot see the others' images: a depth detected per site could scale the sites differently
+        raise DataError(f"client {folder}: its 16-bit images all hold values within 0..{2 ** detected - 1} "
+                        f"({detected}-bit); set data.bit_depth={detected} for every site (or data.bit_depth=16 if "
+                        "they are dark 16-bit images)")
+    bits = options.bit_depth or detected
+    return (to_float(decoded[0][0], bits), decoded[0][1]), (to_float(decoded[1][0], bits), decoded[1][1])
 
 
 def _load_tensors(folder: Path, info: ClientInfo, num_classes: int,
