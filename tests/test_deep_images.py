@@ -200,3 +200,8 @@ def test_12_bit_sites_are_learned_once_their_depth_is_said(tmp_path):
     assert "\n" not in str(raised.value)
     summary = _run(tmp_path, sites, "twelve", **settings, **{"data.bit_depth": 12})
     assert summary["accuracy"] >= 90
+    # and predict reads new images of a site at that depth: its accuracy on a site's test images is the run's
+    site = sites / "site-a" / "test"
+    text = fedhpro.predict(tmp_path / "twelve", [site])
+    rows = [line.split(",") for line in text.splitlines()[1:]]
+    assert sum(row[1] == Path(row[0]).parent.name for row in rows) >= 0.9 * len(rows)

@@ -143,6 +143,9 @@ def input_description(config: Config, input_shape: Sequence[int], dtype: torch.d
         image = {**half, "resize": True, "dataset": dataset}
         if dataset == "imagefolder":
             image.update(_image_scaling(record))
+        bits = int(getattr(config.data, "bit_depth", 0) or 0)
+        if dataset == "clients" and bits > 8:  # every site scaled its 16-bit images by the depth it was told
+            image["bit_depth"] = bits
         return image
     if dataset == "digits-offline":
         return {**half, "resize": False, "dataset": dataset}
