@@ -1,6 +1,7 @@
 """FedGMKD (Zhang, Shan & Han, NeurIPS 2024): Gaussian-mixture prototypes, knowledge distillation, DAT.
 
-As fixed by ``shared/spec/baselines.md`` (its line wins over the authors' code).
+The FedGMKD paper's losses and DAT weighting; where the authors' code differs (it standardises features before
+the Gaussian mixture, so every prototype it sends is zero), the paper wins.
 
 Client, after loading the global weights, trains E epochs on::
 

@@ -1,6 +1,6 @@
 """FedSA (Zhou et al., AAAI 2025): semantic anchors for prototype-based FL.
 
-As fixed by ``shared/spec/baselines.md`` and the authors' public code.
+The anchors, losses and defaults as the FedSA paper describes them.
 
 Anchors ``A`` (C x d): class codes ``R ~ N(0, I)`` (C x d) through a FIXED random
 2-layer MLP, ``A = ReLU(BN(W2 ReLU(BN(W1 R + b1)) + b2))`` (the authors' layout:
