@@ -6,8 +6,10 @@ The deployment itself (the gate refusing strangers and nodes, a secured run) is 
 
 from __future__ import annotations
 
+import http.client
 import re
 import shutil
+import ssl
 import stat
 import subprocess
 import sys
@@ -24,6 +26,20 @@ from fedhpro.flower.__main__ import main
 
 NGINX = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
 
+
+
+def post_status(port: int, ca: Path, path: str, authorization: str | None = None) -> object:
+    """The HTTP status of an empty POST to ``path`` over TLS on 127.0.0.1:``port`` (the server checked against
+    ``ca``), or the name of the connection error."""
+    context = ssl.create_default_context(cafile=str(ca))
+    connection = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=30)
+    try:
+        connection.request("POST", path, body=b"", headers={"Authorization": authorization} if authorization else {})
+        return connection.getresponse().status
+    except OSError as error:
+        return type(error).__name__
+    finally:
+        connection.close()
 
 def test_gate_certificates_carry_the_role_and_serve_both_ends(tmp_path, capsys):
     folder = tmp_path / "certs"
@@ -241,9 +257,7 @@ def test_the_operator_s_forwarder_passes_only_requests_with_its_token(tmp_path):
     """The gate and the operator's forwarder, running, with no SuperLink behind (its socket is missing): a
     request the forwarder passes reaches the gate, which passes it on and answers 502; one it refuses
     gets 403 from the forwarder (the gate's log then has no line for it)."""
-    import http.client
     import socket
-    import ssl
     import time
 
     def free() -> int:
@@ -261,16 +275,7 @@ def test_the_operator_s_forwarder_passes_only_requests_with_its_token(tmp_path):
                  for g in (server, forward)]
 
     def status(authorization: str | None) -> object:
-        context = ssl.create_default_context(cafile=str(certs / "ca.crt"))
-        connection = http.client.HTTPSConnection("127.0.0.1", forward_port, context=context, timeout=30)
-        try:
-            connection.request("POST", "/v1/control/list-runs", body=b"",
-                               headers={"Authorization": authorization} if authorization else {})
-            return connection.getresponse().status
-        except OSError as error:
-            return type(error).__name__
-        finally:
-            connection.close()
+        return post_status(forward_port, certs / "ca.crt", "/v1/control/list-runs", authorization)
 
     try:
         deadline = time.monotonic() + 60
@@ -293,9 +298,7 @@ def test_a_node_s_entry_reaches_the_gate_through_its_forwarder_s_socket(tmp_path
     """A node on a machine of its own, its processes in a private namespace: entry (TLS on loopback) -> the
     forwarder's Unix socket -> mutual TLS with the node's certificate -> the gate (no SuperLink behind: what
     the gate passes gets 502). The node's role holds along the chain: Fleet passes, Control gets 403."""
-    import http.client
     import socket
-    import ssl
     import time
 
     def free() -> int:
@@ -316,15 +319,7 @@ def test_a_node_s_entry_reaches_the_gate_through_its_forwarder_s_socket(tmp_path
     processes = [subprocess.Popen(g.command(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT) for g in configs]
 
     def status(path: str) -> object:
-        context = ssl.create_default_context(cafile=str(certs / "ca.crt"))  # as flower-supernode checks it
-        connection = http.client.HTTPSConnection("127.0.0.1", entry_port, context=context, timeout=30)
-        try:
-            connection.request("POST", path, body=b"")
-            return connection.getresponse().status
-        except OSError as error:
-            return type(error).__name__
-        finally:
-            connection.close()
+        return post_status(entry_port, certs / "ca.crt", path)  # the CA checked as flower-supernode checks it
 
     try:
         deadline = time.monotonic() + 60
