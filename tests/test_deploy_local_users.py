@@ -187,6 +187,21 @@ def probes(home: str, state: str, ports: list[int], sockets: list[str], namespac
                              "state-parent-open": os.access(Path(state).parent, os.X_OK)}
     key = folder / f"evil-{os.getuid()}.pub"  # a node key of this prober's own (a key registers once)
     key.write_bytes(certificates.node_key_pair()[1])
+    # flwr looks for an app folder under the working directory, which this prober may not be allowed to read
+    # (a repository checked out in a folder open to its owner only): work from the prober's own folder
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        _probe_ports(found, folder, ca, key, ports)
+    finally:
+        os.chdir(cwd)
+    found["sockets"] = {path: unix_connect(path) for path in sockets}
+    found["namespaces"] = {path: open_path(path) for path in namespaces}
+    found["secrets"] = {path: open_path(path) for path in secrets}
+    return found
+
+
+def _probe_ports(found: dict[str, Any], folder: Path, ca: str, key: Path, ports: list[int]) -> None:
     for port in ports:
         entry = {"tcp": tcp(port)}
         if entry["tcp"] == "open":
@@ -195,10 +210,6 @@ def probes(home: str, state: str, ports: list[int], sockets: list[str], namespac
             entry["flwr supernode register"] = outcome(flwr_in_process(
                 folder, "supernode", "register", str(key), f"p{port}"))
         found["ports"][str(port)] = entry
-    found["sockets"] = {path: unix_connect(path) for path in sockets}
-    found["namespaces"] = {path: open_path(path) for path in namespaces}
-    found["secrets"] = {path: open_path(path) for path in secrets}
-    return found
 
 
 def attack(state: Path, ports: list[int], ca: Path, pids: dict[str, int]) -> dict[str, dict]:
