@@ -189,12 +189,19 @@ def probes(home: str, state: str, ports: list[int], sockets: list[str], namespac
     key.write_bytes(certificates.node_key_pair()[1])
     # flwr looks for an app folder under the working directory, which this prober may not be allowed to read
     # (a repository checked out in a folder open to its owner only): work from the prober's own folder
-    cwd = os.getcwd()
+    try:
+        cwd: str | None = os.getcwd()
+    except OSError:
+        cwd = None
     os.chdir(folder)
     try:
         _probe_ports(found, folder, ca, key, ports)
     finally:
-        os.chdir(cwd)
+        try:  # back where it was, where this prober may enter it (it runs in a child of its own anyway)
+            if cwd is not None:
+                os.chdir(cwd)
+        except OSError:
+            pass
     found["sockets"] = {path: unix_connect(path) for path in sockets}
     found["namespaces"] = {path: open_path(path) for path in namespaces}
     found["secrets"] = {path: open_path(path) for path in secrets}
