@@ -32,6 +32,11 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
+#: the values of ``aggregation=`` (``aggregation.rule``), each with what it needs of each client's own
+#: update ("": nothing, the replies reach the method as they came)
+AGGREGATION_RULES: dict[str, str] = {"mean": "", "median": "a coordinate-wise median",
+                                     "trimmed-mean": "a trimmed mean", "norm-clip": "each update's norm"}
+
 
 def _stacked(tensors: Sequence[Tensor]) -> Tensor:
     if len(tensors) == 0:

@@ -31,10 +31,10 @@ from typing import Any
 import yaml
 
 from fedhpro import options as opt
+from fedhpro.aggregation import AGGREGATION_RULES
 from fedhpro.bounded import MAX_YAML_CHARS, LimitError, load_yaml
 from fedhpro.data import DATASETS, get_dataset
 from fedhpro.data.partition import PartitionOptions, partition_options_class
-from fedhpro.engines.protocol import AGGREGATION_RULES
 from fedhpro.errors import ConfigError
 from fedhpro.methods import METHODS, all_methods, get_method, method_names, recipes_of
 from fedhpro.models import MODELS
@@ -99,7 +99,7 @@ class FaultOptions:
 
 @dataclass
 class AggregationOptions:
-    rule: str = option("mean", choices=AGGREGATION_RULES,
+    rule: str = option("mean", choices=tuple(AGGREGATION_RULES),
                        help="how the server combines a round's replies before the method aggregates them: mean "
                             "(the method's own rule), or robustly against hostile clients: median or "
                             "trimmed-mean (coordinate-wise, of the weights and of each class's rows of the "

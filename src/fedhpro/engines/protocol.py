@@ -64,7 +64,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedhpro.aggregation import clip_factor, coordinate_median, share_cap, trimmed_mean, update_norm
+from fedhpro.aggregation import AGGREGATION_RULES, clip_factor, coordinate_median, share_cap, trimmed_mean, update_norm
 from fedhpro.errors import FedHProError, UpdateError
 from fedhpro.methods.base import ClassRows
 from fedhpro.metrics import payload_bytes, payload_parameters
@@ -117,8 +117,6 @@ class Faults:
         return None
 
 
-#: the values of ``aggregation=`` (``aggregation.rule``)
-AGGREGATION_RULES = ("mean", "median", "trimmed-mean", "norm-clip")
 
 
 @dataclass(frozen=True)
@@ -143,14 +141,20 @@ class Aggregation:
 
     def __post_init__(self) -> None:
         if self.rule not in AGGREGATION_RULES:
-            raise ValueError(f"aggregation rule must be one of {AGGREGATION_RULES}, got {self.rule!r}")
+            raise ValueError(f"aggregation rule must be one of {tuple(AGGREGATION_RULES)}, got {self.rule!r}")
         if not 0.0 < self.max_share <= 1.0:
             raise ValueError(f"aggregation max_share must be in (0, 1], got {self.max_share!r}")
 
     @property
     def robust(self) -> bool:
         """Whether the replies are changed before the method aggregates them (any rule but ``mean``)."""
-        return self.rule != "mean"
+        return bool(AGGREGATION_RULES[self.rule])
+
+    @property
+    def needs_each_reply(self) -> str:
+        """What the rule needs of each client's own update ("" for ``mean``): what a server that sees only
+        the replies' noised or masked sum (``privacy=client``, SecAgg+) cannot give it."""
+        return AGGREGATION_RULES[self.rule]
 
 
 @dataclass

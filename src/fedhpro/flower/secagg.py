@@ -81,6 +81,7 @@ from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
 from torch import Tensor
 
+from fedhpro.aggregation import AGGREGATION_RULES
 from fedhpro.engines.protocol import capped_reply, counts_problem, examples_problem
 from fedhpro.errors import ConfigError, FedHProError, UpdateError
 from fedhpro.flower.settings import SecureSettings
@@ -103,9 +104,6 @@ NEEDS_EACH_UPLOAD = {
     "fedtgp": "its server trains the global prototypes on every client's own prototypes",
     "fedgmkd": "its DAT step weights each client by the discrepancy of that client's own soft predictions",
 }
-#: robust rules and injected faults that need (or change) one client's reply on the server
-NEEDS_EACH_REPLY = {"median": "a coordinate-wise median", "trimmed-mean": "a trimmed mean",
-                    "norm-clip": "each update's norm"}
 #: slots of the training metrics in the summed vector (a metric's slot is a hash of its name)
 METRIC_SLOTS = 4096
 #: the training metrics are summed divided by this: a loss of up to METRIC_SCALE x clipping range fits, each
@@ -245,8 +243,8 @@ def check_secure_config(config: Any) -> None:
     """ConfigError (one line, why) for a config secure aggregation cannot run, from the config alone (before
     any node is asked): a robust rule, a fault injected into one client's reply, a method needing each upload."""
     rule = config.aggregation.rule
-    if rule in NEEDS_EACH_REPLY:
-        raise ConfigError(f"aggregation={rule} needs {NEEDS_EACH_REPLY[rule]} of each client's update, which "
+    if AGGREGATION_RULES.get(rule):
+        raise ConfigError(f"aggregation={rule} needs {AGGREGATION_RULES[rule]} of each client's update, which "
                           "flower.secure-aggregation=secagg+ hides from the server (it sees only the sum); use "
                           "aggregation=mean or flower.secure-aggregation=none")
     faults = config.faults

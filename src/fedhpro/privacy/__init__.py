@@ -21,6 +21,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from fedhpro.aggregation import AGGREGATION_RULES
 from fedhpro.errors import ConfigError
 from fedhpro.privacy.accounting import ClientLedger
 from fedhpro.privacy.client import (
@@ -35,8 +36,6 @@ from fedhpro.privacy.client import (
     privatized_layout,
 )
 
-#: the aggregation rules that need each client's own values, refused with privacy=client
-INDIVIDUAL_RULES = ("median", "trimmed-mean", "norm-clip")
 #: a delta at or above this is warned about whatever the population: the guarantee may fail outright with
 #: that probability (the default ``1 / N^1.1`` reaches it with 8 clients or samples or fewer)
 VACUOUS_DELTA = 0.1
@@ -133,8 +132,9 @@ def check_combinations(config: Any) -> None:
     if config.privacy.mode != "client":
         return
     rule = config.aggregation.rule
-    if rule in INDIVIDUAL_RULES:
-        raise ConfigError(f"privacy=client cannot go with aggregation={rule}: {rule} needs each client's own update, "
+    if AGGREGATION_RULES.get(rule):
+        raise ConfigError(f"privacy=client cannot go with aggregation={rule}: {rule} needs "
+                          f"{AGGREGATION_RULES[rule]} of each client's own update, "
                           "but under client-level DP the server only releases their noised sum (clipping already "
                           "bounds any one client's influence); use aggregation=mean")
     if config.run.min_clients > 1:
@@ -143,6 +143,6 @@ def check_combinations(config: Any) -> None:
                           "releases the noised sum of every round instead; use min_clients=1")
 
 
-__all__ = ["HOLDERS_KEY", "INDIVIDUAL_RULES", "PRIVATIZED_KEY", "VACUOUS_DELTA", "ClientLedger", "ClientPrivacy",
+__all__ = ["HOLDERS_KEY", "PRIVATIZED_KEY", "VACUOUS_DELTA", "ClientLedger", "ClientPrivacy",
            "Ledger", "PrivacyError", "PrivateSum", "check_combinations", "client_privacy", "ledger_for",
            "noise_generator", "privacy_warnings", "private_train_settings", "privatize_upload", "privatized_layout"]
