@@ -1,4 +1,4 @@
-"""What another local user can do against ``python -m fedhpro.flower up``'s listeners.
+"""What another local user can do against ``python -m fedhpro.deploy up``'s listeners.
 
 Flower 1.42's SuperLink asks no client certificate and its Control API authentication is a no-op: whoever
 connects to it acts as the operator. ``up`` therefore keeps it (and every node) in a private network
@@ -39,7 +39,7 @@ import pytest
 
 pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pip install -e '.[flower]'")
 
-from fedhpro.flower import certificates, up  # noqa: E402
+from fedhpro.deploy import certificates, up  # noqa: E402
 
 NOBODY = 65534
 PR_SET_DUMPABLE = 4
@@ -253,7 +253,7 @@ def _attack(state: Path, ports: list[int], ca: Path, pids: dict[str, int], home:
 
 # ---------------------------------------------------------------------------- without a deployment
 def test_flower_takes_no_unix_socket(tmp_path):
-    """The facts behind ``up``'s first line (:data:`fedhpro.flower.up.NO_UNIX_SOCKETS`)."""
+    """The facts behind ``up``'s first line (:data:`fedhpro.deploy.up.NO_UNIX_SOCKETS`)."""
     env = {**os.environ, **up.FLOWER_ENV, "FLWR_HOME": str(tmp_path / "home")}
     sock = tmp_path / "link.sock"
     link_code, link = finished([tool("flower-superlink"), "--insecure", "--host", f"unix:{sock}", "--port", "9",
@@ -342,7 +342,7 @@ def rootless_namespace(port: int) -> dict:
 @pytest.mark.skipif(not LINUX or os.geteuid() != 0, reason="drops to another uid: needs root")
 def test_a_user_without_privileges_gets_a_namespace_of_a_user_namespace_or_a_reason():
     """``up`` run by an ordinary user: the namespace comes with a user namespace (its uid mapped to itself), or
-    :func:`fedhpro.flower.up.new_namespace` raises the one-line reason that ``up`` then prints."""
+    :func:`fedhpro.deploy.up.new_namespace` raises the one-line reason that ``up`` then prints."""
     found = as_user(NOBODY, rootless_namespace, up_free_port())
     if "refused" in found:
         assert found["refused"].startswith("unshare(CLONE_NEWNET|CLONE_NEWUSER) refused: ")

@@ -55,7 +55,7 @@ pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pi
 
 from test_flower import CORE_KEYS, REPO, assert_same_state, core, read_rows, reference, tiny_config  # noqa: E402
 
-from fedhpro.flower.up import alive, below, descendants_map, kill_all  # noqa: E402
+from fedhpro.deploy.up import alive, below, descendants_map, kill_all  # noqa: E402
 
 RUN_TIMEOUT = 600  # seconds for the whole flwr run (2 tiny rounds took 90 s on a busy 2-core machine)
 START_TIMEOUT = 300  # seconds for a SuperLink to be healthy or a SuperNode to connect (a few on an idle machine)
@@ -194,7 +194,7 @@ def json_object(text: str) -> dict[str, Any]:
 class Loopback:
     """A Flower deployment on 127.0.0.1 for tests (see the module docstring for an example).
 
-    ``certificates``: a folder written by :func:`fedhpro.flower.certificates.create` for host 127.0.0.1
+    ``certificates``: a folder written by :func:`fedhpro.deploy.certificates.create` for host 127.0.0.1
     (``ca.crt``, ``server.pem``, ``server.key``); the SuperLink then serves TLS, nodes and the flwr
     connection trust ``ca.crt``. Without it, everything runs ``--insecure``. The SuperLink keeps its
     port across restarts and each node name its port, so a restarted process is the same address.

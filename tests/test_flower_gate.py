@@ -1,5 +1,6 @@
 """The pieces of the secured deployment that need no running Flower: client certificates, nginx configs,
-the flwr connection written by ``up``, and ``python -m fedhpro.flower run``'s exit code.
+the flwr connection written by ``up`` (``python -m fedhpro.deploy``), and ``python -m fedhpro.flower run``'s
+exit code.
 
 The deployment itself (the gate refusing strangers and nodes, a secured run) is in test_flower_secure.py.
 """
@@ -20,9 +21,10 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from fedhpro.deploy import certificates, gate, up
+from fedhpro.deploy.__main__ import main
 from fedhpro.errors import ConfigError
-from fedhpro.flower import certificates, gate, up
-from fedhpro.flower.__main__ import main
+from fedhpro.flower.__main__ import main as flower_main
 
 NGINX = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
 
@@ -177,9 +179,15 @@ def test_run_exits_with_the_status_of_the_run(tmp_path, monkeypatch, capsys, sta
     fake.write_text(FAKE_FLWR.format(python=sys.executable, status=status))
     fake.chmod(0o755)
     monkeypatch.setattr(up, "flower_tool", lambda name: str(fake))
-    assert main(["run", "app", "secure", "--run-config", "rounds=1"]) == code
+    assert flower_main(["run", "app", "secure", "--run-config", "rounds=1"]) == code
     captured = capsys.readouterr()
     assert ("finished:completed" in captured.out) if code == 0 else ("ended finished:failed" in captured.err)
+
+
+@pytest.mark.parametrize("command", ["certificates", "gate", "up"])
+def test_flower_names_where_the_deployment_commands_moved(capsys, command):
+    assert flower_main([command, "anything", "--more"]) == 2
+    assert capsys.readouterr().err == (f"fedhpro.flower: '{command}' moved: python -m fedhpro.deploy {command} ...\n")
 
 
 def test_up_refuses_a_folder_without_sites(tmp_path):

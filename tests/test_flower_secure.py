@@ -1,10 +1,10 @@
 """Flower deployment secured with Flower's own mechanisms: TLS and registered (authenticated) SuperNodes.
 
-The certificates and node keys come from ``python -m fedhpro.flower
-certificates`` (:mod:`fedhpro.flower.certificates`); the unit tests check
+The certificates and node keys come from ``python -m fedhpro.deploy
+certificates`` (:mod:`fedhpro.deploy.certificates`); the unit tests check
 them with an independent tool (``openssl``/``ssh-keygen`` where installed, else
 the ``cryptography`` checks those tools make), the deployment test with
-Flower itself, on the README's secured setup: ``python -m fedhpro.flower up``
+Flower itself, on the README's secured setup: ``python -m fedhpro.deploy up``
 (a SuperLink with TLS, ``--enable-supernode-auth`` and ``--database`` on
 127.0.0.1, nginx as a mutual-TLS gate with roles, each party's forwarder, 3
 SuperNodes with their own folders). One deployment serves every check, to
@@ -66,11 +66,11 @@ from test_flower import CORE_KEYS, REPO, assert_same_state, core, read_rows, ref
 from test_flower_deployment import ENVIRONMENT, alive, descendants, flower_tool  # noqa: E402
 from test_flower_own_data import SITES, settings, write_site  # noqa: E402
 
+from fedhpro.deploy import certificates  # noqa: E402
+from fedhpro.deploy.__main__ import main  # noqa: E402
+from fedhpro.deploy.up import NO_UNIX_SOCKETS, Ports, port_free  # noqa: E402
 from fedhpro.errors import ConfigError  # noqa: E402
-from fedhpro.flower import certificates  # noqa: E402
-from fedhpro.flower.__main__ import main  # noqa: E402
 from fedhpro.flower.roster import load_roster  # noqa: E402
-from fedhpro.flower.up import NO_UNIX_SOCKETS, Ports, port_free  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- the files
@@ -200,7 +200,7 @@ def outside_loopback(addresses: list[str]) -> list[str]:
 
 
 def free_base(nodes: int) -> int:
-    """A base port whose whole range (:class:`fedhpro.flower.up.Ports`) is free on 127.0.0.1."""
+    """A base port whose whole range (:class:`fedhpro.deploy.up.Ports`) is free on 127.0.0.1."""
     for _ in range(100):
         base = random.randrange(20000, 50000)
         if all(port_free(port) for port in Ports(base, nodes).all()):
@@ -226,7 +226,7 @@ def post(port: int, path: str, ca: Path, cert: Path | None = None, key: Path | N
 
 
 class Deployment:
-    """``python -m fedhpro.flower up`` in a process group of its own, and everything else a test starts."""
+    """``python -m fedhpro.deploy up`` in a process group of its own, and everything else a test starts."""
 
     def __init__(self, tmp_path: Path, sites: Path, state: Path | None = None):
         self.root = tmp_path
@@ -269,7 +269,7 @@ class Deployment:
             raise AssertionError(f"{message}\n{self.tails()}")
 
     def up(self) -> None:
-        self.start("up", [sys.executable, "-m", "fedhpro.flower", "up", str(self.sites), "--state", str(self.state),
+        self.start("up", [sys.executable, "-m", "fedhpro.deploy", "up", str(self.sites), "--state", str(self.state),
                           "--port", str(self.ports.base), "--connection", "secure"])
         deadline = time.monotonic() + UP_TIMEOUT
         while "stop: Ctrl-C" not in self.log("up"):
@@ -484,7 +484,7 @@ def test_secured_deployment_refuses_strangers_and_nodes_and_runs_fedhpro_like_th
             check_other_user(net, isolated, first, registered)
 
         pids = net.remember()
-        stopped = subprocess.run([sys.executable, "-m", "fedhpro.flower", "up", "--stop", str(net.state)],
+        stopped = subprocess.run([sys.executable, "-m", "fedhpro.deploy", "up", "--stop", str(net.state)],
                                  env=net.env, capture_output=True, text=True, timeout=120)
         net.check(stopped.returncode == 0, f"up --stop failed: {stopped.stdout}{stopped.stderr}")
         net.wait("up", 60)

@@ -8,7 +8,8 @@ circle. The layers, from the bottom:
 2. engines (the simulator, the round protocol, the run driver) and the config (which names the methods);
 3. what builds and drives runs for the API: experiment (building one), resume, user_models (models and data
    given from Python), measurements (observers that write files), sweeps (given the job they run) and trained (the model
-   files a run writes, loaded back);
+   files a run writes, loaded back), and deploy (certificates, the nginx gate, a supervised deployment on
+   loopback: operations tooling the Flower apps run on, which imports none of them);
 4. the API, compare, the CLI, reproduce, bench and the Flower apps.
 
 No circle at all, not even between a package's ``__init__`` and its own submodules (a registry imports the
@@ -27,8 +28,8 @@ LAYERS = {
         "reports", "data", "models"),
     1: ("methods", "privacy"),
     2: ("engines", "config"),
-    # below the API: modules that drive runs they are given
-    3: ("sweeps", "measurements", "experiment", "resume", "user_models", "trained"),
+    # below the API: modules that drive runs they are given; deploy: operations tooling below the Flower apps
+    3: ("sweeps", "measurements", "experiment", "resume", "user_models", "trained", "deploy"),
     4: ("api", "compare", "cli", "reproduce", "bench",
         "flower", "__main__", ""),
 }
@@ -76,6 +77,15 @@ def test_nothing_imports_upward():
     upward = sorted(f"{name} ({layer(name)}) imports {other} ({layer(other)})"
                     for name, targets in graph().items() for other in targets if layer(other) > layer(name))
     assert not upward, "\n".join(upward)
+
+
+def test_deploy_imports_no_run_code():
+    """fedhpro.deploy sets up the machines the Flower apps run on: it imports no Flower app, API, engine or
+    method (its layer alone would allow the engines and methods)."""
+    barred = ("fedhpro.flower", "fedhpro.api", "fedhpro.engines", "fedhpro.methods")
+    found = sorted(f"{name} imports {other}" for name, targets in graph().items() if name.startswith("fedhpro.deploy")
+                   for other in targets if other.startswith(barred))
+    assert not found, "\n".join(found)
 
 
 def circles(edges: dict[str, set[str]]) -> list[list[str]]:

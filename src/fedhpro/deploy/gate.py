@@ -12,7 +12,7 @@ The gate puts nginx (a Debian package, no code of ours on the wire) in front:
   one from another CA: the handshake fails). The certificate's subject decides
   the role, and only a subject of exactly the form the CA issues,
   ``CN=<name>,OU=<role>,O=fedhpro`` in nginx's RFC 2253 form with ``<name>``
-  of :data:`fedhpro.flower.certificates.CLIENT_NAME` (no escaped character,
+  of :data:`fedhpro.deploy.certificates.CLIENT_NAME` (no escaped character,
   no further attribute: :func:`role_rules`), gets one: ``OU=operator`` may use
   ``/v1/control/*``, ``OU=node`` only ``/v1/fleet/*``; both may read
   ``/health``; everything else (``/v1/runtime``, ``/docs``, ...) is refused
@@ -51,8 +51,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedhpro.deploy import certificates
 from fedhpro.errors import ConfigError
-from fedhpro.flower import certificates
 
 #: the largest request nginx passes on (a model upload by a node: a few MB for fedhpro's models; 1 GB of room)
 MAX_BODY = "1024m"
@@ -139,7 +139,7 @@ def _common(prefix: Path) -> str:
     stays root (nginx would switch it to ``nobody``, who could not reach the owner-only Unix sockets)."""
     temp = prefix / "temp"
     user = "user root;\n" if os.geteuid() == 0 else ""
-    return f"""# written by python -m fedhpro.flower gate
+    return f"""# written by python -m fedhpro.deploy gate
 # run: nginx -p {prefix} -c {CONFIG_NAME} -e error.log -g 'daemon off;'
 {user}worker_processes 1;
 pid {_q(prefix / "nginx.pid")};
@@ -216,7 +216,7 @@ def check_name(certificate: Path) -> str:
 def _need(*paths: Path) -> None:
     for path in paths:
         if not path.is_file():
-            raise ConfigError(f"{path} does not exist; make it with python -m fedhpro.flower certificates ... --gate")
+            raise ConfigError(f"{path} does not exist; make it with python -m fedhpro.deploy certificates ... --gate")
 
 
 def role_rules() -> dict[str, str]:
@@ -225,8 +225,8 @@ def role_rules() -> dict[str, str]:
     nginx prints the subject in RFC 2253 form, last attribute first, a ``,`` or ``+`` inside a value escaped
     as ``\\,``/``\\+``. A rule that looks for ``OU=operator`` anywhere also matches inside an escaped value
     (``CN=site9\\,OU=operator,OU=node,...``), so the whole subject must be exactly what
-    :func:`fedhpro.flower.certificates.client_certificate` issues: ``CN=<name>,OU=<role>,O=fedhpro`` with a
-    name of :data:`~fedhpro.flower.certificates.CLIENT_NAME` (no backslash, comma, ``+`` or ``=`` can occur
+    :func:`fedhpro.deploy.certificates.client_certificate` issues: ``CN=<name>,OU=<role>,O=fedhpro`` with a
+    name of :data:`~fedhpro.deploy.certificates.CLIENT_NAME` (no backslash, comma, ``+`` or ``=`` can occur
     in it, so no escaped character and no further attribute passes)."""
     name = certificates.CLIENT_NAME.pattern
     return {role: f"^CN={name},OU={role},O=fedhpro$" for role in ROLE_PATHS}

@@ -17,7 +17,7 @@ creates their inputs (with the ``cryptography`` package, a Flower dependency):
   (``supernode-K.pub``, given to ``flwr supernode register``), which is what
   ``ssh-keygen -t ecdsa -b 384`` writes and what Flower parses.
 
-- **the gate** (:mod:`fedhpro.flower.gate`, nginx with mutual TLS in front of
+- **the gate** (:mod:`fedhpro.deploy.gate`, nginx with mutual TLS in front of
   the SuperLink), with ``gate=True``: one client certificate per party, its
   role in the subject's OU (``operator.crt``/``operator.key``: ``OU=operator``,
   may use the Control API; ``supernode-K.crt``/``supernode-K-tls.key``:
@@ -60,7 +60,7 @@ SERVER_CERT, SERVER_KEY = "server.pem", "server.key"
 OPERATOR = "operator"
 ROLES = ("operator", "node")
 #: what a client certificate's name may hold (it goes into the subject and file names unescaped; the gate's
-#: role rules, :func:`fedhpro.flower.gate.role_rules`, accept exactly this)
+#: role rules, :func:`fedhpro.deploy.gate.role_rules`, accept exactly this)
 CLIENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 #: a DNS name for the SuperLink's certificate: labels of letters, digits and '-', joined by '.'
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -121,26 +121,34 @@ def certificate_authority(days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.C
     return key, builder.sign(key, hashes.SHA256())
 
 
-def server_certificate(hosts: Sequence[str], ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate,
-                       days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
-    """A new server key and its certificate signed by the CA, valid for TLS servers at every name in ``hosts``."""
+def _leaf_certificate(subject: x509.Name, names: list[x509.GeneralName], usages: list[x509.ObjectIdentifier],
+                      ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate,
+                      days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A new TLS key and its certificate signed by the CA: ``subject``, one subjectAltName per entry of
+    ``names``, no CA, key usages for ECDHE/ECDSA and the extended key usages ``usages``."""
     key = ec.generate_private_key(TLS_CURVE())
     public = key.public_key()
     builder = (_validity(x509.CertificateBuilder(), days)
-               .subject_name(_name(hosts[0])).issuer_name(ca_cert.subject)
+               .subject_name(subject).issuer_name(ca_cert.subject)
                .public_key(public).serial_number(x509.random_serial_number())
-               .add_extension(x509.SubjectAlternativeName([subject_alternative_name(h) for h in hosts]),
-                              critical=False)
+               .add_extension(x509.SubjectAlternativeName(names), critical=False)
                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False,
                                             key_encipherment=False, data_encipherment=False, key_agreement=True,
                                             key_cert_sign=False, crl_sign=False, encipher_only=False,
                                             decipher_only=False), critical=True)
-               .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+               .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
                .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
                .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
                               critical=False))
     return key, builder.sign(ca_key, hashes.SHA256())
+
+
+def server_certificate(hosts: Sequence[str], ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate,
+                       days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A new server key and its certificate signed by the CA, valid for TLS servers at every name in ``hosts``."""
+    return _leaf_certificate(_name(hosts[0]), [subject_alternative_name(h) for h in hosts],
+                             [ExtendedKeyUsageOID.SERVER_AUTH], ca_key, ca_cert, days)
 
 
 def check_client(name: str, role: str) -> None:
@@ -158,27 +166,11 @@ def client_certificate(name: str, role: str, ca_key: ec.EllipticCurvePrivateKey,
     """A gate client's key and certificate: ``O=fedhpro, OU=<role>, CN=<name>``, clientAuth (for the gate)
     and serverAuth for 127.0.0.1 (the party's local forwarder listens with it)."""
     check_client(name, role)
-    key = ec.generate_private_key(TLS_CURVE())
-    public = key.public_key()
     subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fedhpro"),
                          x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),
                          x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    builder = (_validity(x509.CertificateBuilder(), days)
-               .subject_name(subject).issuer_name(ca_cert.subject)
-               .public_key(public).serial_number(x509.random_serial_number())
-               .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                              critical=False)
-               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-               .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False,
-                                            key_encipherment=False, data_encipherment=False, key_agreement=True,
-                                            key_cert_sign=False, crl_sign=False, encipher_only=False,
-                                            decipher_only=False), critical=True)
-               .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH,
-                                                     ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-               .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
-               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
-                              critical=False))
-    return key, builder.sign(ca_key, hashes.SHA256())
+    return _leaf_certificate(subject, [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
+                             [ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH], ca_key, ca_cert, days)
 
 
 def node_key_pair() -> tuple[bytes, bytes]:

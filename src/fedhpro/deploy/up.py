@@ -1,7 +1,7 @@
-"""``python -m fedhpro.flower up SITES_DIR``: a secured Flower deployment on loopback, supervised.
+"""``python -m fedhpro.deploy up SITES_DIR``: a secured Flower deployment on loopback, supervised.
 
 One SuperNode per site folder of ``SITES_DIR`` (own-data mode: the node's
-``data-dir`` is the site folder), behind the gate of :mod:`fedhpro.flower.gate`:
+``data-dir`` is the site folder), behind the gate of :mod:`fedhpro.deploy.gate`:
 
 - certificates and keys (``certificates.create(..., gate=True)``) in
   ``STATE/certs`` on the first start, reused afterwards;
@@ -60,9 +60,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedhpro.bounded import load_json, read_json_file
+from fedhpro.deploy import certificates, gate
 from fedhpro.errors import ConfigError
 from fedhpro.files import write_atomic
-from fedhpro.flower import certificates, gate
 
 #: seconds a process may keep failing (each start living less than STABLE) before the supervisor gives up
 GIVE_UP = 180.0
@@ -585,7 +585,7 @@ class Deployment:
         run with ``flower.roster`` admits only these nodes, each as its own site."""
         from fedhpro.data.clients import ClientsOptions, scan_client
 
-        lines = ["# written by python -m fedhpro.flower up: the sites of this deployment (flower.roster)",
+        lines = ["# written by python -m fedhpro.deploy up: the sites of this deployment (flower.roster)",
                  "sites:"]
         for site in self.sites:
             info = scan_client(site, ClientsOptions())
@@ -633,7 +633,7 @@ class Deployment:
         self.say(f"submit: python -m fedhpro.flower run examples/flower {self.connection} --run-config "
                  f"'dataset=\"clients\" rounds=2 local_epochs=1 checkpoint_every=1 "
                  f"flower.node-auth=true flower.roster=\"{roster}\" out=\"/abs/out\"'")
-        self.say(f"stop: Ctrl-C, or python -m fedhpro.flower up --stop {self.state}")
+        self.say(f"stop: Ctrl-C, or python -m fedhpro.deploy up --stop {self.state}")
 
     # ------------------------------------------------------------------ supervision
     def reap_orphans(self, children: dict[int, list[int]]) -> None:
