@@ -152,3 +152,75 @@ def test_key_kinds_are_declared_with_the_keys():
                                  "checkpoint_every", "checkpoint_minutes", "keep_checkpoints"}
     assert RESUMABLE_KEYS == PRESENTATION_KEYS - {"out"} | {"tsne"}
     assert OBSERVER_KEYS == ("flops", "prototype_distance", "tsne", "tensorboard")
+
+
+def test_checked_spec_takes_a_spec_or_a_factory_renames_it_and_refuses_in_one_line():
+    import dataclasses
+
+    from fedhpro.registry import checked_spec
+
+    @dataclasses.dataclass
+    class Knobs:
+        speed: float = 1.0
+
+    @dataclasses.dataclass
+    class NoDefault:
+        speed: float
+
+    @dataclasses.dataclass
+    class Spec:
+        name: str
+        options: type | None
+        run: object = print
+
+    def checked(spec, **settings):
+        return checked_spec("given", spec, "register('given', ...)", Spec, path="tests.Spec",
+                            give="Spec(name, options)", keys="the widget.* keys",
+                            callables={"run": "callable () -> None"}, **settings)
+
+    spec = Spec("other", Knobs)
+    assert checked(spec) == Spec("given", Knobs) and checked(lambda: spec) == Spec("given", Knobs)
+    same = Spec("given", Knobs)
+    assert checked(same) is same  # already named so: taken as it is
+    assert checked(Spec("x", None), optional_options=True).options is None
+    refusals = [
+        (dict, "register('given', ...) gives a dict, not a tests.Spec; give Spec(name, options)"),
+        (Spec("x", dict), "register('given', ...): Spec.options must be a dataclass class (the widget.* keys), "
+                          "got <class 'dict'>"),
+        (Spec("x", None), "Spec.options must be a dataclass class"),
+        (Spec("x", NoDefault), "every field of NoDefault needs a default (a run may leave every knob unset)"),
+        (Spec("x", Knobs, run=3), "register('given', ...): Spec.run must be callable () -> None"),
+    ]
+    for given, words in refusals:
+        with pytest.raises(ConfigError) as error:
+            checked(given)
+        assert words in str(error.value) and "\n" not in str(error.value)
+    seen = []
+    checked(Spec("x", Knobs), check=lambda spec, where: seen.append((spec.name, where)))
+    assert seen == [("x", "register('given', ...)")]  # the kind's own checks see the spec before it is renamed
+
+
+@pytest.mark.parametrize("registry,words", [
+    ("fedhpro.methods", "every field of NoDefault needs a default"),
+    ("fedhpro.data", "every field of NoDefault needs a default"),
+    ("fedhpro.data.partition", "every field of NoDefault needs a default"),
+])
+def test_the_three_spec_registries_refuse_options_without_defaults_alike(registry, words):
+    import dataclasses
+    import importlib
+
+    import fedhpro.data.partition as partition
+    from fedhpro.data import get_dataset
+    from fedhpro.methods import METHODS
+
+    @dataclasses.dataclass
+    class NoDefault:
+        speed: float
+
+    base = {"fedhpro.methods": METHODS["fedavg"], "fedhpro.data": get_dataset("digits-offline"),
+            "fedhpro.data.partition": partition.REGISTRY["iid"]}[registry]
+    module = importlib.import_module(registry)
+    with pytest.raises(ConfigError) as error:
+        module.REGISTRY.register("nodefaults", dataclasses.replace(base, options=NoDefault))
+    assert words in str(error.value)
+    assert "nodefaults" not in module.REGISTRY.entries

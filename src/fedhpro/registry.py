@@ -16,16 +16,18 @@ that fails to import (naming the entry point and its package).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib.metadata
 import re
 import sys
-from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any, Generic, TypeVar, overload
 
 from fedhpro.errors import ConfigError
 
 T = TypeVar("T")
+S = TypeVar("S")
 
 #: what a registered name may be: a plain word (it becomes ``method=<name>`` and ``<name>.<knob>`` keys)
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
@@ -270,4 +272,41 @@ def spec_or_factory(loaded: Any, cls: type) -> Any:
     return loaded if isinstance(loaded, cls) or not callable(loaded) else loaded()
 
 
-__all__ = ["LiveChoices", "NAME", "Registry", "close_names", "did_you_mean", "package_of", "spec_or_factory"]
+def checked_spec(name: str, loaded: Any, where: str, cls: type[S], *, path: str, give: str, keys: str,
+                 callables: Mapping[str, str] | None = None, optional_options: bool = False,
+                 check: Callable[[S, str], None] | None = None) -> S:
+    """The spec registered as ``name`` (the ``check`` of a :class:`Registry` of specs): ``loaded``, what
+    :meth:`Registry.register` is given or an entry point names (``where`` says which in messages), an instance of
+    the dataclass ``cls`` or a zero-argument callable returning one, checked and renamed to ``name``; a one-line
+    ConfigError naming the problem and the fix otherwise. Checked, in this order:
+
+    * that it is a ``cls`` (``path``: the class's public dotted name; ``give``: how to make one);
+    * that its ``options`` is a dataclass class (``keys``: the config keys its fields become) whose fields all
+      have defaults (a run may leave every knob unset); with ``optional_options``, None passes too;
+    * that each attribute named in ``callables`` is callable (the value says what it must be);
+    * ``check(spec, where)``: the kind's own further checks (raising ConfigError).
+    """
+    spec: Any = spec_or_factory(loaded, cls)
+    if not isinstance(spec, cls):
+        raise ConfigError(f"{where} gives a {type(spec).__name__}, not a {path}; give {give}")
+    found: Any = spec  # a dataclass with ``name`` and ``options`` (any spec class registered this way)
+    kind = cls.__name__
+    options = found.options
+    if options is not None or not optional_options:
+        if not dataclasses.is_dataclass(options) or not isinstance(options, type):
+            raise ConfigError(f"{where}: {kind}.options must be a dataclass class ({keys}), got {options!r}")
+        try:
+            options()
+        except TypeError:
+            raise ConfigError(f"{where}: every field of {options.__name__} needs a default "
+                              "(a run may leave every knob unset)") from None
+    for part, what in (callables or {}).items():
+        if not callable(getattr(found, part)):
+            raise ConfigError(f"{where}: {kind}.{part} must be {what}")
+    if check is not None:
+        check(spec, where)
+    return spec if found.name == name else dataclasses.replace(found, name=name)
+
+
+__all__ = ["LiveChoices", "NAME", "Registry", "checked_spec", "close_names", "did_you_mean", "package_of",
+           "spec_or_factory"]

@@ -14,13 +14,11 @@ progress=False, partition=None)`` returning a
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 from fedhpro.data.federation import Federation
 from fedhpro.data.spec import DatasetSpec
-from fedhpro.errors import ConfigError
-from fedhpro.registry import Registry
+from fedhpro.registry import Registry, checked_spec
 
 
 def _digits_offline() -> DatasetSpec:
@@ -49,20 +47,10 @@ def _own(module: str) -> DatasetSpec:
 def _checked(name: str, loaded: object, where: str) -> Callable[[], DatasetSpec]:
     """A data set entry (a factory of its spec) from a :class:`DatasetSpec` or a zero-argument callable
     returning one; a one-line ConfigError saying what a data set must be otherwise."""
-    spec = loaded() if callable(loaded) and not isinstance(loaded, DatasetSpec) else loaded
-    if not isinstance(spec, DatasetSpec):
-        raise ConfigError(f"{where} gives a {type(spec).__name__}, not a fedhpro.data.DatasetSpec; give "
-                          "DatasetSpec(name, options, build) (see fedhpro.data.digits_federation)")
-    if not dataclasses.is_dataclass(spec.options) or not isinstance(spec.options, type):
-        raise ConfigError(f"{where}: DatasetSpec.options must be a dataclass class (the data.* keys), "
-                          f"got {spec.options!r}")
-    try:
-        spec.options()
-    except TypeError:
-        raise ConfigError(f"{where}: every field of {spec.options.__name__} needs a default") from None
-    if not callable(spec.build):
-        raise ConfigError(f"{where}: DatasetSpec.build must be callable (options, clients, seed, ...) -> Federation")
-    spec = spec if spec.name == name else dataclasses.replace(spec, name=name)
+    spec = checked_spec(name, loaded, where, DatasetSpec, path="fedhpro.data.DatasetSpec",
+                        give="DatasetSpec(name, options, build) (see fedhpro.data.digits_federation)",
+                        keys="the data.* keys",
+                        callables={"build": "callable (options, clients, seed, ...) -> Federation"})
     return lambda: spec
 
 

@@ -42,7 +42,7 @@ from fedhpro.bounded import read_json_file
 from fedhpro.errors import FedHProError
 from fedhpro.files import write_atomic
 from fedhpro.options import option
-from fedhpro.registry import LiveChoices, Registry
+from fedhpro.registry import LiveChoices, Registry, checked_spec
 
 LabelsLike = np.ndarray | Mapping[str, np.ndarray]
 
@@ -658,31 +658,26 @@ def _label_spec(name: str, function: Callable[..., Partition], split: Callable[.
     return PartitionerSpec(name, split, function=function, description=(function.__doc__ or "").split("\n")[0])
 
 
-def _checked_partitioner(name: str, loaded: object, where: str) -> PartitionerSpec:
+def _partitioner_checks(spec: PartitionerSpec, where: str) -> None:
+    """A label-skew partitioner's ``split`` is callable; its own knobs do not take a :class:`PartitionOptions` name."""
     from fedhpro.errors import ConfigError
 
-    spec = loaded() if callable(loaded) and not isinstance(loaded, PartitionerSpec) else loaded
-    if not isinstance(spec, PartitionerSpec):
-        raise ConfigError(f"{where} gives a {type(spec).__name__}, not a fedhpro.data.partition.PartitionerSpec; "
-                          "give PartitionerSpec(name, split) with split(options, labels, num_clients, rng, "
-                          "num_classes) -> Partition")
     if spec.labels and not callable(spec.split):
         raise ConfigError(f"{where}: PartitionerSpec.split must be callable (options, labels, num_clients, rng, "
                           "num_classes) -> Partition")
     if spec.options is not None:
-        if not dataclasses.is_dataclass(spec.options) or not isinstance(spec.options, type):
-            raise ConfigError(f"{where}: PartitionerSpec.options must be a dataclass class (partition.* keys), "
-                              f"got {spec.options!r}")
-        try:
-            spec.options()
-        except TypeError:
-            raise ConfigError(f"{where}: every field of {spec.options.__name__} needs a default") from None
         taken = {f.name for f in dataclasses.fields(PartitionOptions)} & {f.name for f in
                                                                           dataclasses.fields(spec.options)}
         if taken:
             raise ConfigError(f"{where}: partition.{sorted(taken)[0]} is already a partition key; name the "
                               "partitioner's own knobs differently (it may read the existing ones)")
-    return spec if spec.name == name else dataclasses.replace(spec, name=name)
+
+
+def _checked_partitioner(name: str, loaded: object, where: str) -> PartitionerSpec:
+    return checked_spec(name, loaded, where, PartitionerSpec, path="fedhpro.data.partition.PartitionerSpec",
+                        give="PartitionerSpec(name, split) with split(options, labels, num_clients, rng, "
+                             "num_classes) -> Partition",
+                        keys="partition.* keys", optional_options=True, check=_partitioner_checks)
 
 
 #: the entry-point group through which installed packages add partitioners

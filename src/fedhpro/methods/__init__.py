@@ -17,11 +17,9 @@ lookup of a name that is not registered, or when the methods are listed.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from fedhpro.errors import ConfigError
 from fedhpro.methods import fedavg, fedgmkd, fedhpro, fedproto, fedprox, fedrcl, fedsa, fedtgp, moon
 from fedhpro.methods.base import (
     Client,
@@ -32,7 +30,7 @@ from fedhpro.methods.base import (
     Server,
     TrainSettings,
 )
-from fedhpro.registry import Registry, spec_or_factory
+from fedhpro.registry import Registry, checked_spec
 from fedhpro.reports import plots as _plots
 
 #: the entry-point group through which installed packages add methods
@@ -43,7 +41,12 @@ RESERVED_NAMES = frozenset({"data", "faults", "partition", "flower", "federation
 
 
 def _check(name: str, loaded: object, where: str) -> MethodSpec:
-    return _checked_spec(name, spec_or_factory(loaded, MethodSpec), where)
+    """``loaded`` (a :class:`MethodSpec` or a zero-argument callable returning one) named ``name``, or a one-line
+    ConfigError saying what a method must be."""
+    built = "a class built from a MethodContext"
+    return checked_spec(name, loaded, where, MethodSpec, path="fedhpro.methods.MethodSpec",
+                        give="MethodSpec(name, options, server, client) (see fedhpro.methods.fedavg)",
+                        keys="the <name>.<knob> keys", callables={"server": built, "client": built})
 
 
 #: the registry of methods (:class:`fedhpro.registry.Registry`); ``method=<name>`` chooses one
@@ -131,25 +134,6 @@ def load_entry_points() -> None:
     ConfigError naming the package; the other methods work as before.
     """
     REGISTRY.load_entry_points()
-
-
-def _checked_spec(name: str, spec: object, where: str) -> MethodSpec:
-    """``spec`` named ``name``, or a ConfigError saying what a method must be."""
-    if not isinstance(spec, MethodSpec):
-        raise ConfigError(f"{where} gives a {type(spec).__name__}, not a fedhpro.methods.MethodSpec; "
-                          "give MethodSpec(name, options, server, client) (see fedhpro.methods.fedavg)")
-    if not dataclasses.is_dataclass(spec.options) or not isinstance(spec.options, type):
-        raise ConfigError(f"{where}: MethodSpec.options must be a dataclass class (the <name>.<knob> keys), "
-                          f"got {spec.options!r}")
-    try:
-        spec.options()
-    except TypeError:
-        raise ConfigError(f"{where}: every field of {spec.options.__name__} needs a default "
-                          "(a run may leave every knob unset)") from None
-    for part in ("server", "client"):
-        if not callable(getattr(spec, part)):
-            raise ConfigError(f"{where}: MethodSpec.{part} must be a class built from a MethodContext")
-    return spec if spec.name == name else dataclasses.replace(spec, name=name)
 
 
 __all__ = ["METHODS", "BUILTIN_METHODS", "ENTRY_POINT_GROUP", "Client", "ClientData", "MethodContext", "MethodSpec",
