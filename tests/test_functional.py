@@ -118,7 +118,7 @@ def ref_match_sgd(hyper, W, b, g_real, present, steps, lr):
 
 
 def ref_similarity_loop(z: torch.Tensor, hyper: torch.Tensor) -> list[list[float]]:
-    B, C, I = z.shape[0], hyper.shape[0], hyper.shape[1]
+    B, C, num_hyper = z.shape[0], hyper.shape[0], hyper.shape[1]
     out = []
     for i in range(B):
         zi = [float(v) for v in z[i]]
@@ -126,11 +126,11 @@ def ref_similarity_loop(z: torch.Tensor, hyper: torch.Tensor) -> list[list[float
         row = []
         for c in range(C):
             acc = 0.0
-            for j in range(I):
+            for j in range(num_hyper):
                 s = [float(v) for v in hyper[c, j]]
                 ns = math.sqrt(sum(v * v for v in s))
                 acc += sum(a * bb for a, bb in zip(zi, s)) / (nz * ns)
-            row.append(acc / I)
+            row.append(acc / num_hyper)
         out.append(row)
     return out
 
@@ -259,6 +259,20 @@ def test_client_margin_normalized_hand_case():
     assert float(client_margin(protos, present)) == pytest.approx(1.5, abs=1e-14)
 
 
+@pytest.mark.parametrize("margin", [lambda p, m: client_margin(p, m), lambda p, m: client_margin(p, m, normalized=True),
+                                    HF.dot_product_margin], ids=["raw", "normalized", "dot"])
+def test_both_client_margins_are_a_zero_of_the_prototypes_dtype_below_two_classes(margin):
+    protos = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=DT)
+    for present in ([False, False], [True, False], [False, True]):
+        zero = margin(protos, torch.tensor(present))
+        assert zero.shape == () and zero.dtype == DT and float(zero) == 0.0
+    single = margin(protos[:1], torch.tensor([True]))  # C = 1
+    assert single.shape == () and float(single) == 0.0
+    # two held classes of C = 2: the ordered pairs (0,1) and (1,0), over (C-1)^2 = 1
+    held = float(margin(protos, torch.tensor([True, True])))
+    assert held > 0.0 and held == pytest.approx(float(margin(protos.flip(0), torch.tensor([True, True]))), abs=1e-14)
+
+
 @pytest.mark.parametrize("normalized", [False, True])
 def test_client_margin_matches_loop(normalized):
     C, d = 6, 5
@@ -381,16 +395,16 @@ def test_class_gradients_extreme_logits_are_finite(dtype):
 
 
 def test_hyper_prototype_gradients_match_per_vector_autograd():
-    C, I, d = 4, 3, 6
+    C, num_hyper, d = 4, 3, 6
     head = linear_head(d, C, seed=12)
-    hyper = randn(C, I, d, seed=13)
+    hyper = randn(C, num_hyper, d, seed=13)
     g = hyper_prototype_gradients(hyper, head)
     assert g.shape == (C, d)
     for c in range(C):
-        ref = sum(autograd_ce_grad(head, hyper[c, i], c) for i in range(I)) / I
+        ref = sum(autograd_ce_grad(head, hyper[c, i], c) for i in range(num_hyper)) / num_hyper
         assert torch.allclose(g[c], ref, atol=1e-12, rtol=0)
         # the gradient of a batch-mean loss would be 1/I of this: make sure it is not
-        assert not torch.allclose(g[c], ref / I, atol=1e-6)
+        assert not torch.allclose(g[c], ref / num_hyper, atol=1e-6)
     assert not g.requires_grad
     for p in head.parameters():
         assert p.grad is None
@@ -407,10 +421,10 @@ def test_hyper_prototype_gradients_single_vector_is_closed_form():
 
 
 def test_hyper_prototype_gradients_second_order():
-    C, I, d = 3, 2, 5
+    C, num_hyper, d = 3, 2, 5
     head = linear_head(d, C, seed=16)
     W, b = head.weight.detach(), head.bias.detach()
-    base = randn(C, I, d, seed=17)
+    base = randn(C, num_hyper, d, seed=17)
     R = randn(C, d, seed=18)
 
     hyper = base.clone().requires_grad_(True)
@@ -425,7 +439,7 @@ def test_hyper_prototype_gradients_second_order():
     # central finite differences of the closed form, element by element
     eps = 1e-6
     fd = torch.zeros_like(base)
-    for idx in torch.cartesian_prod(torch.arange(C), torch.arange(I), torch.arange(d)).tolist():
+    for idx in torch.cartesian_prod(torch.arange(C), torch.arange(num_hyper), torch.arange(d)).tolist():
         plus, minus = base.clone(), base.clone()
         plus[tuple(idx)] += eps
         minus[tuple(idx)] -= eps
@@ -469,15 +483,15 @@ def _forbid_autograd_path(monkeypatch):
 
 @pytest.mark.parametrize("C", [2, 7])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("I", [1, 3])
-def test_hyper_prototype_gradients_closed_form_equals_per_sample_autograd(C, bias, I, monkeypatch):
+@pytest.mark.parametrize("num_hyper", [1, 3])
+def test_hyper_prototype_gradients_closed_form_equals_per_sample_autograd(C, bias, num_hyper, monkeypatch):
     d = 6
     head = linear_head(d, C, seed=300 + C) if bias else no_bias_head(d, C, seed=300 + C)
-    hyper = randn(C, I, d, seed=310 + C, scale=2.0)
+    hyper = randn(C, num_hyper, d, seed=310 + C, scale=2.0)
     # the reference: the autograd path's per-sample input gradients, averaged over the |I| vectors
-    labels = torch.arange(C).repeat_interleave(I)
-    per_sample = HF._per_sample_input_gradients(hyper.reshape(C * I, d), labels, head, create_graph=False)
-    ref = per_sample.reshape(C, I, d).mean(1)
+    labels = torch.arange(C).repeat_interleave(num_hyper)
+    per_sample = HF._per_sample_input_gradients(hyper.reshape(C * num_hyper, d), labels, head, create_graph=False)
+    ref = per_sample.reshape(C, num_hyper, d).mean(1)
     assert not torch.allclose(ref, torch.zeros_like(ref), atol=1e-3)
     _forbid_autograd_path(monkeypatch)
     got = hyper_prototype_gradients(hyper, head)
@@ -490,9 +504,9 @@ def test_hyper_prototype_gradients_closed_form_equals_per_sample_autograd(C, bia
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_gradient_matching_grad_closed_form_equals_double_backward(bias, monkeypatch):
-    C, I, d = 5, 3, 7
+    C, num_hyper, d = 5, 3, 7
     head = linear_head(d, C, seed=320) if bias else no_bias_head(d, C, seed=320)
-    base = randn(C, I, d, seed=321, scale=1.5)
+    base = randn(C, num_hyper, d, seed=321, scale=1.5)
     g_real = randn(C, d, seed=322)
     present = torch.tensor([True, False, True, True, True])
     g_real[1] = 0.0
@@ -515,9 +529,9 @@ def test_gradient_matching_grad_closed_form_equals_double_backward(bias, monkeyp
 
 
 def test_hyper_prototype_gradients_under_no_grad_stay_differentiable():
-    C, I, d = 3, 2, 4
+    C, num_hyper, d = 3, 2, 4
     head = linear_head(d, C, seed=330)
-    hyper = randn(C, I, d, seed=331).requires_grad_(True)
+    hyper = randn(C, num_hyper, d, seed=331).requires_grad_(True)
     with torch.no_grad():
         g = hyper_prototype_gradients(hyper, head)
     assert g.requires_grad  # as the autograd path (it runs under enable_grad)
@@ -531,15 +545,16 @@ class ScaledLinear(nn.Linear):
 
 
 def test_hyper_prototype_gradients_other_heads_take_the_autograd_path():
-    C, I, d = 4, 2, 5
+    C, num_hyper, d = 4, 2, 5
     plain = linear_head(d, C, seed=340)
-    hyper = randn(C, I, d, seed=341)
+    hyper = randn(C, num_hyper, d, seed=341)
     scaled = ScaledLinear(d, C).to(DT)
     scaled.load_state_dict(plain.state_dict())
     hooked = copy.deepcopy(plain)
     hooked.register_forward_hook(lambda module, args, out: 3.0 * out)
     expected = torch.stack([
-        sum(autograd_ce_grad(WrappedHead(scaled), hyper[c, i], c) for i in range(I)) / I for c in range(C)])
+        sum(autograd_ce_grad(WrappedHead(scaled), hyper[c, i], c) for i in range(num_hyper)) / num_hyper
+        for c in range(C)])
     closed = hyper_prototype_gradients(hyper, plain)
     assert not torch.allclose(expected, closed, atol=1e-3)
     for head in (scaled, hooked):
@@ -594,9 +609,9 @@ def test_gradient_matching_loss_matches_loop_and_ignores_absent():
 
 
 def _match_fixture(dtype=DT, seed=22):
-    C, I, d = 5, 3, 8
+    C, num_hyper, d = 5, 3, 8
     head = linear_head(d, C, seed=seed, dtype=dtype)
-    hyper = randn(C, I, d, seed=seed + 1, dtype=dtype)
+    hyper = randn(C, num_hyper, d, seed=seed + 1, dtype=dtype)
     g_real = randn(C, d, seed=seed + 2, dtype=dtype)
     present = torch.tensor([True, True, False, True, True])
     g_real[2] = 0.0
@@ -702,11 +717,11 @@ def test_match_sgd_moves_only_within_row_space_of_W():
 @pytest.mark.parametrize("optimizer,lr", [("sgd", 0.1), ("adam", 0.05)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_match_closed_form_equals_autograd_path_float32(optimizer, lr, bias):
-    C, I, d = 6, 4, 16
+    C, num_hyper, d = 6, 4, 16
     head = linear_head(d, C, seed=350, dtype=torch.float32) if bias else no_bias_head(d, C, 350, torch.float32)
     with torch.no_grad():
         head.weight.mul_(0.5)
-    hyper = randn(C, I, d, seed=351, dtype=torch.float32)
+    hyper = randn(C, num_hyper, d, seed=351, dtype=torch.float32)
     g_real = randn(C, d, seed=352, dtype=torch.float32)
     present = torch.tensor([True, True, False, True, True, True])
     g_real[2] = 0.0
@@ -737,11 +752,11 @@ def test_match_loss_before_is_the_loss_of_the_start():
 # ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("I", [1, 4])
-def test_hyper_similarity_matches_loop(I):
+@pytest.mark.parametrize("num_hyper", [1, 4])
+def test_hyper_similarity_matches_loop(num_hyper):
     B, C, d = 7, 5, 6
     z = randn(B, d, seed=60, scale=3.0)
-    hyper = randn(C, I, d, seed=61, scale=0.5)
+    hyper = randn(C, num_hyper, d, seed=61, scale=0.5)
     got = hyper_similarity(z, hyper)
     assert got.shape == (B, C)
     ref = torch.tensor(ref_similarity_loop(z, hyper), dtype=DT)
@@ -767,11 +782,11 @@ def test_hpcl_hand_case():
     )
 
 
-@pytest.mark.parametrize("I,margin,tau", [(3, 0.0, 0.5), (3, 0.7, 0.2), (1, 0.3, 0.05), (1, 0.0, 1.0)])
-def test_hpcl_matches_direct_reference(I, margin, tau):
+@pytest.mark.parametrize("num_hyper,margin,tau", [(3, 0.0, 0.5), (3, 0.7, 0.2), (1, 0.3, 0.05), (1, 0.0, 1.0)])
+def test_hpcl_matches_direct_reference(num_hyper, margin, tau):
     B, C, d = 9, 4, 5
     z = randn(B, d, seed=70)
-    hyper = randn(C, I, d, seed=71)
+    hyper = randn(C, num_hyper, d, seed=71)
     y = torch.randint(0, C, (B,), generator=gen(72))
     got = hpcl_loss(z, y, hyper, margin, tau)
     assert got.dim() == 0
@@ -782,9 +797,9 @@ def test_hpcl_matches_direct_reference(I, margin, tau):
 
 
 def test_hpcl_larger_margin_larger_loss():
-    B, C, I, d = 8, 5, 2, 6
+    B, C, num_hyper, d = 8, 5, 2, 6
     z = randn(B, d, seed=73)
-    hyper = randn(C, I, d, seed=74)
+    hyper = randn(C, num_hyper, d, seed=74)
     y = torch.randint(0, C, (B,), generator=gen(75))
     values = [float(hpcl_loss(z, y, hyper, m, 0.1)) for m in (0.0, 0.1, 0.5, 2.0)]
     assert all(a < b for a, b in zip(values, values[1:]))
@@ -812,10 +827,10 @@ def test_hpcl_single_class_has_no_negatives():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_hpcl_extreme_inputs_finite_and_correct(dtype):
-    B, C, I, d = 6, 4, 2, 5
+    B, C, num_hyper, d = 6, 4, 2, 5
     tau, margin = 1e-3, 50.0
     z = (randn(B, d, seed=78) * 1e15).to(dtype).requires_grad_(True)
-    hyper = randn(C, I, d, seed=79).to(dtype)
+    hyper = randn(C, num_hyper, d, seed=79).to(dtype)
     y = torch.randint(0, C, (B,), generator=gen(80))
     loss = hpcl_loss(z, y, hyper, margin, tau)
     (grad,) = torch.autograd.grad(loss, z)
@@ -848,10 +863,10 @@ def test_hyper_similarity_float32_huge_z():
 
 
 def test_hpcl_gradient_matches_reference_autograd_and_finite_differences():
-    B, C, I, d = 5, 4, 3, 6
+    B, C, num_hyper, d = 5, 4, 3, 6
     margin, tau = 0.4, 0.3
     z0 = randn(B, d, seed=81)
-    hyper = randn(C, I, d, seed=82)
+    hyper = randn(C, num_hyper, d, seed=82)
     y = torch.randint(0, C, (B,), generator=gen(83))
 
     z = z0.clone().requires_grad_(True)
@@ -864,9 +879,9 @@ def test_hpcl_gradient_matches_reference_autograd_and_finite_differences():
         sims = []
         for c in range(C):
             acc = zi.new_zeros(())
-            for j in range(I):
+            for j in range(num_hyper):
                 acc = acc + (zi @ hyper[c, j]) / (torch.sqrt(zi @ zi) * torch.sqrt(hyper[c, j] @ hyper[c, j]))
-            sims.append(acc / I)
+            sims.append(acc / num_hyper)
         yi = int(y[i])
         num = sum(torch.exp((sims[j] + margin) / tau) for j in range(C) if j != yi)
         li = torch.log(1 + num / torch.exp(sims[yi] / tau)) / B
@@ -902,14 +917,14 @@ def test_hpal_hand_case():
 
 
 def test_hpal_matches_loop():
-    B, C, I, d = 10, 4, 3, 7
+    B, C, num_hyper, d = 10, 4, 3, 7
     z = randn(B, d, seed=90, scale=1.5)
-    hyper = randn(C, I, d, seed=91, scale=1.5)
+    hyper = randn(C, num_hyper, d, seed=91, scale=1.5)
     y = torch.randint(0, C, (B,), generator=gen(92))
     total = 0.0
     n_small = n_large = 0
     for i in range(B):
-        H = [sum(float(hyper[int(y[i]), j, q]) for j in range(I)) / I for q in range(d)]
+        H = [sum(float(hyper[int(y[i]), j, q]) for j in range(num_hyper)) / num_hyper for q in range(d)]
         for q in range(d):
             x = float(z[i, q]) - H[q]
             n_small += abs(x) <= 1
@@ -922,15 +937,15 @@ def test_hpal_matches_loop():
 
 
 def test_hpal_normalized_matches_loop():
-    B, C, I, d = 6, 3, 2, 5
+    B, C, num_hyper, d = 6, 3, 2, 5
     z = randn(B, d, seed=93, scale=4.0)
-    hyper = randn(C, I, d, seed=94)
+    hyper = randn(C, num_hyper, d, seed=94)
     y = torch.randint(0, C, (B,), generator=gen(95))
     total = 0.0
     for i in range(B):
         zi = [float(v) for v in z[i]]
         nz = math.sqrt(sum(v * v for v in zi))
-        H = [sum(float(hyper[int(y[i]), j, q]) for j in range(I)) / I for q in range(d)]
+        H = [sum(float(hyper[int(y[i]), j, q]) for j in range(num_hyper)) / num_hyper for q in range(d)]
         nh = math.sqrt(sum(v * v for v in H))
         for q in range(d):
             total += huber(zi[q] / nz - H[q] / nh)

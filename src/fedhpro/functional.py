@@ -134,15 +134,26 @@ def client_margin(prototypes: Tensor, present: Tensor, normalized: bool = False)
     Returns:
         A 0-dim tensor.
     """
+
+    def distances(held: Tensor) -> Tensor:
+        if normalized:
+            held = F.normalize(held, dim=1)
+        # the exact (not matrix-product) form: no cancellation for close prototypes
+        return torch.cdist(held.unsqueeze(0), held.unsqueeze(0), compute_mode="donot_use_mm_for_euclid_dist")[0].sum()
+
+    return _over_class_pairs(prototypes, present, distances)
+
+
+def _over_class_pairs(prototypes: Tensor, present: Tensor, total: Callable[[Tensor], Tensor]) -> Tensor:
+    """``total(held) / (C-1)^2``, a client margin: ``total`` sums over the ordered pairs of ``held``, the rows of the
+    ``C x d`` ``prototypes`` of the classes ``present`` marks (a pair of one row with itself adds 0); 0 when the
+    client holds fewer than two classes or ``C < 2``. Eq. 10 (:func:`client_margin`) and the authors' code
+    (:func:`dot_product_margin`)."""
     num_classes = prototypes.shape[0]
     held = prototypes[present]
     if held.shape[0] < 2 or num_classes < 2:
         return prototypes.new_zeros(())
-    if normalized:
-        held = F.normalize(held, dim=1)
-    # the exact (not matrix-product) form: no cancellation for close prototypes
-    distances = torch.cdist(held.unsqueeze(0), held.unsqueeze(0), compute_mode="donot_use_mm_for_euclid_dist")[0]
-    return distances.sum() / float((num_classes - 1) ** 2)
+    return total(held) / float((num_classes - 1) ** 2)
 
 
 def _per_sample_input_gradients(inputs: Tensor, labels: Tensor, classifier: nn.Module, create_graph: bool) -> Tensor:
@@ -598,12 +609,12 @@ def dot_product_margin(prototypes: Tensor, present: Tensor) -> Tensor:
     Returns:
         A 0-dim tensor.
     """
-    num_classes = prototypes.shape[0]
-    held = prototypes[present]
-    if held.shape[0] < 2 or num_classes < 2:
-        return prototypes.new_zeros(())
-    products = held @ held.T
-    return (products.sum() - products.diagonal().sum()) / float((num_classes - 1) ** 2)
+
+    def off_diagonal_products(held: Tensor) -> Tensor:
+        products = held @ held.T
+        return products.sum() - products.diagonal().sum()
+
+    return _over_class_pairs(prototypes, present, off_diagonal_products)
 
 
 def hpcl_loss_log_margin(z: Tensor, y: Tensor, hyper: Tensor, margin: float | Tensor, tau: float) -> Tensor:
