@@ -34,9 +34,9 @@ from fedhpro.privacy import (
     PrivacyError,
     PrivateSum,
     client_privacy,
-    noise_generator,
     privatize_upload,
     privatized_layout,
+    upload_noise_generator,
 )
 from fedhpro.privacy.client import poisson_participants, private_reply
 
@@ -212,7 +212,7 @@ def test_noise_std_is_sigma_times_clip_over_2000_draws_central_and_local():
     update, rows, counts = [], [], []
     for i in range(draws):
         release = PrivateSum(settings, broadcast, layout, classes, expected_clients=1.0).release(
-            noise_generator(settings, seed=i, round=0))
+            upload_noise_generator(settings, seed=i, round=0))
         update.append(release.update["w"])
         counts.append(release.counts)
         rows.append(release.rows["rows"] * release.counts.clamp(min=1).unsqueeze(1) * release.held.unsqueeze(1))
@@ -230,7 +230,8 @@ def test_noise_std_is_sigma_times_clip_over_2000_draws_central_and_local():
              "class_counts": torch.tensor([1, 0, 2, 0, 0])}
     noise, holder_noise = [], []
     for i in range(draws):
-        upload = privatize_upload(reply, broadcast, ["rows"], local, noise_generator(local, 0, 0, client=i), classes)
+        upload = privatize_upload(reply, broadcast, ["rows"], local, upload_noise_generator(local, 0, 0, client=i),
+                                  classes)
         noise.append(torch.cat([upload["weights"]["w"] - torch.tensor([0.1, 0.0, 0.0]), upload["rows"].flatten()]))
         holder_noise.append(upload[HOLDERS_KEY] - torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0]))
     std = torch.stack(noise).double().std(0)
@@ -242,17 +243,26 @@ def test_noise_std_is_sigma_times_clip_over_2000_draws_central_and_local():
 
 def test_local_noise_leaves_the_server_nothing_to_add_and_seeds_each_client_apart():
     settings = ClientPrivacy(clip=1.0, noise_multiplier=1.0, noise="local")
-    a = noise_generator(settings, 7, 2, client=0).initial_seed()
-    b = noise_generator(settings, 7, 2, client=1).initial_seed()
-    server = noise_generator(settings, 7, 2).initial_seed()
+    a = upload_noise_generator(settings, 7, 2, client=0).initial_seed()
+    b = upload_noise_generator(settings, 7, 2, client=1).initial_seed()
+    server = upload_noise_generator(settings, 7, 2).initial_seed()
     assert len({a, b, server}) == 3
     assert a == derive_seed(7, 6, 2, 0) and server == derive_seed(7, 7, 2)
     private = PrivateSum(settings, {"w": torch.zeros(2)}, {"weights": {}}, 0, 1.0)
     private.add({"weights": {"w": torch.tensor([5.0, 0.0])}})  # noised by the client: the server cannot clip it
-    assert torch.equal(private.release(noise_generator(settings, 7, 2)).update["w"],
+    assert torch.equal(private.release(upload_noise_generator(settings, 7, 2)).update["w"],
                        torch.tensor([5.0, 0.0], dtype=torch.float64))
     secure = dataclasses.replace(settings, secure_noise=True)
-    assert noise_generator(secure, 7, 2, 0).initial_seed() != noise_generator(secure, 7, 2, 0).initial_seed()
+    assert (upload_noise_generator(secure, 7, 2, 0).initial_seed()
+            != upload_noise_generator(secure, 7, 2, 0).initial_seed())
+
+
+def test_the_old_name_of_upload_noise_generator_is_the_same_function():
+    import fedhpro.privacy
+    import fedhpro.privacy.client
+
+    assert fedhpro.privacy.client.noise_generator is upload_noise_generator  # until every caller says the new name
+    assert fedhpro.privacy.noise_generator is upload_noise_generator
 
 
 def test_poisson_sampling_draws_each_client_with_the_participation_rate():
@@ -372,7 +382,7 @@ def test_secure_noise_unset_or_false_is_the_seeded_noise_true_the_operating_syst
         options = PrivacyOptions(mode="client", noise=noise, secure_noise=secure_noise)
         settings = client_privacy(options, 1.0)
         client = None if noise == "central" else 3
-        generator = noise_generator(settings, 11, 4, client)
+        generator = upload_noise_generator(settings, 11, 4, client)
         if noise == "local":
             return privatize_upload(reply, broadcast, [], settings, generator)["weights"]["w"]
         private = PrivateSum(settings, broadcast, {"weights": {}}, 0, 1.0)

@@ -407,6 +407,21 @@ def test_secure_noise_draws_dp_sgd_and_release_noise_from_the_os_seeded_noise_re
     assert not torch.equal(reply_one["prototypes"], reply_two["prototypes"])
 
 
+def test_dp_sgd_noise_generator_takes_one_draw_of_the_round_generator_secure_or_not():
+    from fedhpro.methods.sample_dp import dp_sgd_noise_generator
+
+    def after(secure: bool) -> tuple[int, float]:
+        round_generator = torch.Generator().manual_seed(5)
+        noise = dp_sgd_noise_generator(round_generator, torch.device("cpu"), secure)
+        return noise.initial_seed(), float(torch.rand((), generator=round_generator))
+
+    seeded, next_draw = after(False)
+    assert seeded == int(torch.randint(0, 2 ** 62, (1,), generator=torch.Generator().manual_seed(5)))
+    assert after(False) == (seeded, next_draw)  # reproducible
+    secure, next_secure = after(True)
+    assert next_secure == next_draw and secure != seeded  # the round's other draws do not move
+
+
 def test_secure_dp_sgd_noise_has_std_sigma_times_clip():
     """q = 1 (B >= n: every sample in the one batch, whoever draws it), momentum 0: the secure step minus the
     noiseless one is lr x noise / n on every parameter, so its std (3156 coordinates) is lr sigma C / n."""

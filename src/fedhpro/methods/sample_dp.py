@@ -167,7 +167,7 @@ def os_generator(device: torch.device | str = "cpu") -> torch.Generator:
     return torch.Generator(device=device).manual_seed(secrets.randbits(62))
 
 
-def noise_generator(generator: torch.Generator, device: torch.device, secure: bool = False) -> torch.Generator:
+def dp_sgd_noise_generator(generator: torch.Generator, device: torch.device, secure: bool = False) -> torch.Generator:
     """DP-SGD's noise generator on ``device``: seeded from one draw of ``generator`` (the round's CPU generator), or
     with ``secure`` from the operating system (:func:`os_generator`; the draw is made all the same, so the round's
     other draws do not move)."""
@@ -214,7 +214,7 @@ def train_private(model: nn.Module, features: Callable[[Tensor], Tensor], classi
         hooks = GradSampleHooks(model, batch_first=True, loss_reduction="mean", strict=True)
         private = DPOptimizer(optimizer, noise_multiplier=float(train.dp_noise_multiplier),
                               max_grad_norm=float(train.dp_clip), expected_batch_size=plan.expected_batch(n),
-                              loss_reduction="mean", generator=noise_generator(generator, device, secure),
+                              loss_reduction="mean", generator=dp_sgd_noise_generator(generator, device, secure),
                               secure_mode=secure)  # secure: Opacus's noise robust to floating-point attacks
         try:
             for _ in range(train.epochs):

@@ -34,6 +34,7 @@ from fedhpro.privacy.client import (
     noise_generator,
     privatize_upload,
     privatized_layout,
+    upload_noise_generator,
 )
 
 #: a delta at or above this is warned about whatever the population: the guarantee may fail outright with
@@ -145,4 +146,5 @@ def check_combinations(config: Any) -> None:
 
 __all__ = ["HOLDERS_KEY", "PRIVATIZED_KEY", "VACUOUS_DELTA", "ClientLedger", "ClientPrivacy",
            "Ledger", "PrivacyError", "PrivateSum", "check_combinations", "client_privacy", "ledger_for",
-           "noise_generator", "privacy_warnings", "private_train_settings", "privatize_upload", "privatized_layout"]
+           "noise_generator", "privacy_warnings", "private_train_settings", "privatize_upload", "privatized_layout",
+           "upload_noise_generator"]

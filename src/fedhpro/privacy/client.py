@@ -23,7 +23,7 @@ round. :func:`private_reply` turns the release into one reply in the method's ow
 mean of that one reply is the privatized value, and a server step that is not a mean (FedTGP's trained
 prototypes, FedHPro's gradient matching) works on privatized inputs (post-processing).
 
-The noise comes from a ``torch.Generator`` seeded from the run's seed (:func:`noise_generator`,
+The noise comes from a ``torch.Generator`` seeded from the run's seed (:func:`upload_noise_generator`,
 stream :data:`PRIVACY`), so a run is reproducible; anyone who knows the seed can redraw it, so for a
 deployment set ``privacy.secure_noise=true`` (the operating system's randomness, not reproducible).
 """
@@ -101,7 +101,8 @@ def client_privacy(options: Any, noise_multiplier: float) -> ClientPrivacy:
                          secure_noise=bool(getattr(options, "secure_noise", False)))
 
 
-def noise_generator(settings: ClientPrivacy, seed: int, round: int, client: int | None = None) -> torch.Generator:
+def upload_noise_generator(settings: ClientPrivacy, seed: int, round: int, client: int | None = None
+                           ) -> torch.Generator:
     """The generator of a round's noise: client ``client``'s local noise, or (``client=None``) the server's
     central noise. Seeded from ``(seed, PRIVACY, round, client)``, resp. ``(seed, CENTRAL_NOISE, round)``
     (reproducible, the same on every engine), or from the operating system's randomness with
@@ -110,6 +111,11 @@ def noise_generator(settings: ClientPrivacy, seed: int, round: int, client: int 
         return torch.Generator().manual_seed(secrets.randbits(63))
     parts = (seed, CENTRAL_NOISE, round) if client is None else (seed, PRIVACY, round, client)
     return torch.Generator().manual_seed(derive_seed(*parts))
+
+
+#: the old name of :func:`upload_noise_generator`, until its last callers (the engines, Flower's client app) say
+#: the new one
+noise_generator = upload_noise_generator
 
 
 def poisson_participants(seed: int, num_clients: int, rate: float) -> list[int]:
@@ -171,7 +177,7 @@ def privatize_upload(reply: Mapping[str, Any], broadcast: Mapping[str, Tensor], 
         class_keys: the per-class floating-point keys of the method's reply layout
             (:func:`fedhpro.engines.protocol.declared_class_keys` of its server).
         settings: the round's :class:`ClientPrivacy`.
-        generator: the client's noise generator (:func:`noise_generator` with its client id); needed
+        generator: the client's noise generator (:func:`upload_noise_generator` with its client id); needed
             with ``noise=local`` only.
         num_classes: the number of classes (the length of ``class_counts``); default: the first per-class
             tensor's first dimension.
@@ -192,7 +198,7 @@ def privatize_upload(reply: Mapping[str, Any], broadcast: Mapping[str, Tensor], 
                            "the method's reply layout, so privacy=client cannot privatize it; declare it as "
                            "ClassRows in the server's reply_layout (or do not upload it)")
     if settings.noise == "local" and settings.noise_multiplier > 0 and generator is None:
-        raise ValueError("privacy.noise=local needs the client's noise generator (noise_generator(...))")
+        raise ValueError("privacy.noise=local needs the client's noise generator (upload_noise_generator(...))")
     weights = reply.get("weights")
     weights = weights if isinstance(weights, Mapping) else {}
     groups: dict[str, dict[str, Tensor]] = {"weights": {}}
