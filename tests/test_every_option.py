@@ -221,6 +221,9 @@ def flower_runs(digits_data_dir, tmp_path_factory):
         else:
             os.environ["PYTHONPATH"] = pythonpath
     print(f"\nFlower: {len(outcomes)} cases in one run_simulation, {time.perf_counter() - started:.1f} s")
+    for name, (result, _) in outcomes.items():
+        if isinstance(result, Exception):
+            print(f"Flower {name}: {type(result).__name__}: {result}")
     return outcomes
 
 
