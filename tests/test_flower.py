@@ -42,7 +42,7 @@ from fedhpro.engines import checkpoint  # noqa: E402
 from fedhpro.errors import ConfigError, UpdateError  # noqa: E402
 from fedhpro.flower import records  # noqa: E402
 from fedhpro.flower.engine import RAY_LOOPBACK_INIT_ARGS  # noqa: E402
-from fedhpro.flower.server import discover_nodes  # noqa: E402
+from fedhpro.flower.nodes import discover_nodes  # noqa: E402
 from fedhpro.flower.settings import (  # noqa: E402
     FLOWER_CHECKPOINT_EVERY,
     FlowerSettings,

@@ -32,7 +32,7 @@ from fedhpro.engines.simulator import Simulator  # noqa: E402
 from fedhpro.errors import UpdateError  # noqa: E402
 from fedhpro.flower import records  # noqa: E402
 from fedhpro.flower.engine import ServerSide  # noqa: E402
-from fedhpro.flower.server import MethodStrategy  # noqa: E402
+from fedhpro.flower.strategy import MethodStrategy  # noqa: E402
 from fedhpro.methods import BUILTIN_METHODS, Client, MethodContext, Server, TrainSettings  # noqa: E402
 from fedhpro.methods.base import clone_weights, load_weights  # noqa: E402
 

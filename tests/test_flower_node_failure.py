@@ -35,7 +35,8 @@ from test_flower_deployment import Loopback  # noqa: E402
 from fedhpro.config import load_config  # noqa: E402
 from fedhpro.flower import client as client_app  # noqa: E402
 from fedhpro.flower.engine import build_server_side  # noqa: E402
-from fedhpro.flower.server import EVAL_RECORD, MethodStrategy  # noqa: E402
+from fedhpro.flower.records import EVAL_RECORD  # noqa: E402
+from fedhpro.flower.strategy import MethodStrategy  # noqa: E402
 
 RUN_TIMEOUT = 900  # seconds for the whole loopback run (3 tiny rounds, one of them waiting for a dead node)
 #: flower.round-timeout: a round with a dead node closes after this at the latest, or earlier when the
@@ -236,7 +237,7 @@ def test_federated_evaluation_pools_the_answers_it_has(digits_data_dir, _inside_
 def test_own_data_a_restarted_node_is_recognised_by_its_name_and_folder(_inside_a_run):
     from test_flower_own_data import DataGrid, info, settings
 
-    from fedhpro.flower.server import discover_own_data
+    from fedhpro.flower.nodes import discover_own_data
     from fedhpro.flower.settings import FlowerSettings
 
     grid = DataGrid({7: info("site-b", ["dog"]), 3: info("site-c", ["cat"]), 9: info("site-a", ["ant", "dog"])})

@@ -32,7 +32,8 @@ from test_flower_deployment import loopback_run  # noqa: E402
 from fedhpro.config import load_config  # noqa: E402
 from fedhpro.data.clients import ClientInfo  # noqa: E402
 from fedhpro.errors import ConfigError  # noqa: E402
-from fedhpro.flower.server import NODE_RECORD, discover_own_data  # noqa: E402
+from fedhpro.flower.nodes import discover_own_data  # noqa: E402
+from fedhpro.flower.records import NODE_RECORD  # noqa: E402
 from fedhpro.flower.settings import FlowerSettings  # noqa: E402
 
 #: three sites with different classes; two share the domain "clinic" (folder-name prefix), one is "lab"

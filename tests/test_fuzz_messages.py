@@ -35,8 +35,7 @@ from fedhpro.config import load_config  # noqa: E402
 from fedhpro.data.clients import resolve_classes  # noqa: E402
 from fedhpro.errors import FedHProError  # noqa: E402
 from fedhpro.flower import records  # noqa: E402
-from fedhpro.flower.server import (  # noqa: E402
-    EVAL_RECORD,
+from fedhpro.flower.answers import (  # noqa: E402
     MAX_CLASS_NAME,
     MAX_INPUT_VALUES,
     MAX_NAME,
@@ -45,6 +44,7 @@ from fedhpro.flower.server import (  # noqa: E402
     eval_count,
     partition_answer,
 )
+from fedhpro.flower.records import EVAL_RECORD  # noqa: E402
 from fedhpro.runtime import denormals_flushed  # noqa: E402
 
 #: examples per generator: 150 + 200 + 250 + 200 = 800 messages
@@ -78,7 +78,7 @@ def _inside_a_run():
 
 @pytest.fixture(autouse=True)
 def _quiet(monkeypatch):
-    from fedhpro.flower import server
+    from fedhpro.flower import nodes as server
 
     monkeypatch.setattr(server, "log", lambda *args: None)
 

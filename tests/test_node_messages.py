@@ -32,19 +32,15 @@ from test_flower_limits import NODES, simulator, strategy_for  # noqa: E402
 from fedhpro.config import load_config  # noqa: E402
 from fedhpro.data.clients import ClientInfo  # noqa: E402
 from fedhpro.errors import ConfigError, UpdateError  # noqa: E402
+from fedhpro.flower import nodes as server_module  # noqa: E402  (discovery and rejoin log there)
 from fedhpro.flower import records  # noqa: E402
-from fedhpro.flower import server as server_module  # noqa: E402
+from fedhpro.flower.answers import client_info  # noqa: E402
 from fedhpro.flower.engine import build_server_side  # noqa: E402
-from fedhpro.flower.server import (  # noqa: E402
-    EVAL_RECORD,
-    NODE_RECORD,
-    MethodStrategy,
-    NodeMap,
-    client_info,
-    discover_nodes,
-    discover_own_data,
-)
+from fedhpro.flower.nodes import Nodes as NodeMap  # noqa: E402
+from fedhpro.flower.nodes import discover_nodes, discover_own_data  # noqa: E402
+from fedhpro.flower.records import EVAL_RECORD, NODE_RECORD  # noqa: E402
 from fedhpro.flower.settings import FlowerSettings  # noqa: E402
+from fedhpro.flower.strategy import MethodStrategy  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

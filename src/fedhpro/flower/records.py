@@ -24,6 +24,9 @@ alone (:func:`check_layout`: record keys, ``Array.dtype``, ``Array.shape``,
 line, a payload with an extra or missing key, a wrong kind, dtype or shape, or
 more bytes than the shape's values and a ``.npy`` header take: no byte of a
 refused payload is handed to ``np.load``.
+
+The names of a message's other records (:data:`HEADER`, a node's answers :data:`NODE_RECORD` and
+:data:`EVAL_RECORD`) are the ServerApp's and the ClientApp's, both read them from here.
 """
 
 from __future__ import annotations
@@ -46,6 +49,18 @@ LAYOUT = "fedhpro.layout"
 SCALARS = "fedhpro.scalars"
 METRICS = "fedhpro.metrics"
 RESERVED_PREFIX = "fedhpro."
+
+# the records of a message between the ServerApp and the ClientApp besides its payload's
+#: the ConfigRecord every fedhpro message carries: the resolved config (JSON), the round and the client
+HEADER = "fedhpro.header"
+#: record-name prefix of the server state sent with client-side evaluation (inference may need it)
+SERVER_STATE = "server-state/"
+#: what a node answers to a query: its partition (partition mode) or its folder's description (own data)
+NODE_RECORD = "fedhpro.node"
+#: what a node answers to an evaluation: test-set name, correct and total counts
+EVAL_RECORD = "fedhpro.eval"
+#: header entry under ``privacy=client``: the round protocol's ClientPrivacy (JSON), which the node privatizes with
+PRIVACY = "privacy"
 
 _TENSOR, _TENSORS, _SCALAR = "tensor", "tensors", "scalar"
 
@@ -273,7 +288,3 @@ def decode_metrics(content: RecordDict) -> dict[str, float]:
         metrics[name] = float(value)
     return metrics
 
-
-def payload_record_dict(payload: Mapping[str, Any], **extra: Any) -> RecordDict:
-    """A fresh RecordDict holding ``payload`` and the ``extra`` records (one per message: see the module doc)."""
-    return RecordDict({**encode_payload(payload), **extra})

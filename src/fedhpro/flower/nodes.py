@@ -1,0 +1,359 @@
+"""The run's SuperNodes: who holds which client, found at the start and kept through restarts.
+
+:func:`discover_nodes` (partition mode: each node's ``partition-id``) and :func:`discover_own_data`
+(own-data mode: each node's description of its own folder, ordered by name as the simulator orders
+client folders) ask every node what it holds, once, and check its answer
+(:mod:`fedhpro.flower.answers`); a node with a malformed or unwelcome answer is refused, not the run.
+:class:`Nodes` is the result: ``{client index: node id}`` with what recognises a client's node when it
+comes back with a new node id (:meth:`Nodes.rejoin`, before every step).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Container, Mapping
+from logging import INFO, WARNING
+from typing import Any
+
+from flwr.app import ConfigRecord, Error, Message, MessageType, RecordDict
+from flwr.common.constant import ErrorCode
+from flwr.serverapp import Grid
+from flwr.supercore import log
+
+from fedhpro.config import Config
+from fedhpro.errors import ConfigError, DataError, UpdateError
+from fedhpro.flower.answers import client_info, max_classes, partition_answer
+from fedhpro.flower.engine import config_text
+from fedhpro.flower.records import HEADER, NODE_RECORD
+from fedhpro.flower.roster import load_roster
+from fedhpro.flower.settings import FlowerSettings
+
+#: why a client is dropped when its node is gone: the SuperLink no longer lists it, or it stopped sending
+#: heartbeats while a message waited for it
+NODE_OFFLINE = "node offline"
+#: seconds a round waits for newly connected SuperNodes to say which client they hold (a restarted node)
+REJOIN_WAIT = 120.0
+
+
+class Nodes(dict[int, int]):
+    """``{client index: Flower node id}`` of a run, and what recognises a client's node when it comes back:
+    in own-data mode each client's ClientInfo (``infos``, in client order; None in partition mode, where a
+    node's partition-id says it), ``client_keys`` (each client's node's public key as the SuperLink listed
+    it at discovery; empty: none), ``client_of`` (node id -> client), ``strangers`` (node ids asked once
+    that hold no client of this run: not asked again) and ``waiting`` (new node id -> the client it
+    claims, whose node was still online: it takes over once that node is gone)."""
+
+    def __init__(self, nodes: Mapping[int, int], infos: list[Any] | None = None,
+                 keys: Mapping[int, bytes] | None = None):
+        super().__init__(nodes)
+        self.infos = infos
+        self.client_keys = dict(keys or {})
+        self.client_of = {node: k for k, node in nodes.items()}
+        self.strangers: set[int] = set()
+        self.waiting: dict[int, int] = {}
+
+    def rejoin(self, grid: Grid, config_json: str, classes_bound: int, node_auth: bool = False) -> set[int]:
+        """The node ids the SuperLink lists as online, after mapping any new node back to its client.
+
+        A restarted SuperNode connects with a new node id. Before a round's messages go out, every
+        node not seen before is asked what it holds, as at the start (partition mode: its partition-id;
+        own-data mode: its folder's description, recognised by name and folder), and its answer is
+        validated as at discovery. It takes over that client from the old node id only once the old node
+        is no longer listed online (until then it waits; one warning), and, with ``flower.node-auth``,
+        only with the public key the client's node had at discovery. A node that holds no client of this
+        run, or answers malformed, or shows another key, is warned about once and not asked again; one that
+        does not answer within :data:`REJOIN_WAIT` is asked again before the next step. ``config_json``: the
+        run's config (the own-data query carries it), ``classes_bound``: its ``data.max_classes``,
+        ``node_auth``: ``flower.node-auth``.
+        """
+        online = set(grid.get_node_ids())
+        for node, claimed in sorted(self.waiting.items()):  # claims that waited for their client's node to leave
+            if node not in online:
+                del self.waiting[node]
+            elif self[claimed] not in online:
+                del self.waiting[node]
+                self.hand_over(claimed, node)
+        seen = set(self.client_of) | self.strangers | set(self.waiting)
+        if online <= seen:
+            return online
+        query = {"query": "data", "config": config_json} if self.infos is not None else {"query": "partition"}
+        errors: dict[int, str] = {}
+        answers = _ask_new_nodes(grid, seen, query, time.monotonic() + REJOIN_WAIT, errors)
+        for node, reason in sorted(errors.items()):
+            self.drop_node(node, f"it cannot take part: {reason}")
+        for node in sorted(online - seen - set(answers) - set(errors)):  # asked again before the next step
+            log(WARNING, "fedhpro: node %d did not say what it holds within %.0f s", node, REJOIN_WAIT)
+        keys = node_keys(grid) if answers and node_auth else {}
+        for node, answer in sorted(answers.items()):
+            k, problem = self.client_of_answer(answer, classes_bound)
+            if k is None:
+                self.drop_node(node, problem)
+            elif node_auth and (not keys.get(node) or keys.get(node) != self.client_keys.get(k)):
+                self.drop_node(node, f"it claims client {k} but its public key is not the one client {k}'s node "
+                                     "had at the start of the run (flower.node-auth)")
+            elif any(claimed == k for claimed in self.waiting.values()) or self[k] in online:
+                holder = self[k]
+                log(WARNING, "fedhpro: node %d claims client %d, whose node %d is still online (or claimed first): "
+                    "it takes the client over only once that node is gone", node, k, holder)
+                self.waiting[node] = k
+            else:
+                self.hand_over(k, node)
+        return online
+
+    def hand_over(self, k: int, node: int) -> None:
+        """Client ``k`` is now on ``node`` (its old node is gone: it is not asked again)."""
+        old = self[k]
+        log(WARNING, "fedhpro: client %d is now on node %d (node %d left; a restarted SuperNode)", k, node, old)
+        self.strangers.add(old)
+        del self.client_of[old]
+        self[k], self.client_of[node] = node, k
+
+    def client_of_answer(self, answer: ConfigRecord | None, classes_bound: int) -> tuple[int | None, str]:
+        """``(client index, "")`` for a new node's answer to the rejoin query, or ``(None, why not)``."""
+        if self.infos is None:
+            try:
+                partition, count = partition_answer(answer)
+            except UpdateError as error:
+                return None, f"its answer to the query is malformed: {error}"
+            if count != len(self):
+                return None, f"it holds partition {partition} of {count}, but this run has {len(self)} clients"
+            return partition, ""
+        try:
+            info = client_info(answer, classes_bound)
+        except UpdateError as error:
+            return None, f"its answer to the query is malformed: {error}"
+        names = [known.name for known in self.infos]
+        if info.name not in names:
+            shown = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
+            return None, f"it holds a client named {info.name!r}, not one of this run's ({shown})"
+        k = names.index(info.name)
+        if info != self.infos[k]:
+            return None, f"its folder {info.name!r} is not the one client {k} had at the start of the run"
+        return k, ""
+
+    def drop_node(self, node: int, why: str) -> None:
+        """``node`` takes no part in this run: one warning saying why, and it is not asked again."""
+        log(WARNING, "fedhpro: node %d takes no part in this run: %s", node, why)
+        self.strangers.add(node)
+
+
+def node_keys(grid: Grid) -> dict[int, bytes]:
+    """``{node id: public key}`` of the nodes the SuperLink lists (``Grid.get_nodes()``: flwr 1.42's
+    ``NodeInfo.public_key``); empty where the grid gives none."""
+    get_nodes = getattr(grid, "get_nodes", None)
+    if get_nodes is None:
+        return {}
+    return {int(info.node_id): bytes(info.public_key) for info in get_nodes() if info.public_key}
+
+
+def discover_nodes(grid: Grid, clients: int | None, settings: FlowerSettings) -> tuple[dict[int, int], int]:
+    """``({partition-id: node id}, number of clients)``: ask every node which partition it holds.
+
+    Waits up to ``settings.node_wait`` seconds for all partitions to connect.
+    Raises ConfigError (one line) when the nodes do not cover exactly the
+    partitions ``0..K-1`` of a ``K``-client federation.
+    """
+    deadline = time.monotonic() + settings.node_wait
+    known: dict[int, tuple[int, int]] = {}  # node id -> (partition-id, num-partitions)
+    ignored: set[int] = set()  # nodes whose answer was malformed: warned about once, not asked again
+    while True:
+        for node, answer in _ask_new_nodes(grid, set(known) | ignored, {"query": "partition"}, deadline).items():
+            try:
+                known[node] = partition_answer(answer)
+            except UpdateError as error:
+                _ignore(node, error, ignored)
+        counts = {count for _, count in known.values()}
+        if len(counts) > 1:
+            raise ConfigError(f"the nodes disagree on num-partitions ({sorted(counts)}); give every SuperNode "
+                              "the same num-partitions")
+        expected = clients if clients is not None else (counts.pop() if counts else None)
+        if expected is not None:
+            by_partition: dict[int, int] = {}
+            for node, (partition, count) in sorted(known.items()):
+                if count != expected or partition >= expected:
+                    raise ConfigError(f"node {node} holds partition {partition} of {count}, but the federation has "
+                                      f"clients={expected}; set clients={count} or run {expected} SuperNodes "
+                                      f"with num-partitions={expected}")
+                if partition in by_partition:
+                    raise ConfigError(f"nodes {by_partition[partition]} and {node} both hold partition-id={partition}")
+                by_partition[partition] = node
+            if len(by_partition) == expected:
+                return by_partition, expected
+        if time.monotonic() > deadline:
+            have = sorted(partition for partition, _ in known.values())
+            raise ConfigError(f"after {settings.node_wait:.0f} s only partitions {have} of "
+                              f"{expected if expected is not None else '?'} have a node; start the missing "
+                              "SuperNodes or raise flower.node-wait")
+        time.sleep(0.2)
+
+
+def discover_own_data(grid: Grid, config: Config,
+                      settings: FlowerSettings) -> tuple[Nodes, list[Any], list[str]]:
+    """Own-data mode: ``({client index: node id}, the nodes' ClientInfo in client order, class names)``.
+
+    Asks every node to describe its own folder (nothing but counts, names and
+    shapes leaves it), waits until ``clients`` nodes have answered (with a
+    roster, ``flower.roster``: until every site of the roster has), orders them
+    by name (the simulator's order of client folders) and resolves the class
+    list over all of them.
+
+    One participant cannot deny the run: a node that answers with an error or a
+    malformed description, that the roster does not know (another name, sizes
+    beyond its tolerance, another key than the one it pins), that answers with
+    a name another node already holds (an impostor: the first to answer keeps
+    the name; a roster that pins keys decides instead), or that answers once the
+    run has its ``clients`` nodes (a surplus node) is refused with a warning and
+    never asked again; the others go on. One-line errors name the nodes that do
+    not fit together (classes, input shape).
+    """
+    from fedhpro.data.clients import ClientInfo, resolve_classes
+
+    roster = load_roster(settings.roster) if settings.roster else None
+    expected = config.run.clients
+    if roster is not None:
+        if expected is not None and expected != len(roster.sites):
+            raise ConfigError(f"clients={expected} but flower.roster names {len(roster.sites)} sites; set "
+                              f"clients={len(roster.sites)} or leave clients unset")
+        expected = len(roster.sites)
+    if expected is None:
+        raise ConfigError("dataset=clients on Flower needs clients=K, the number of SuperNodes that hold data "
+                          "(the server waits for that many), or flower.roster=<file> naming the sites")
+    deadline = time.monotonic() + settings.node_wait
+    known: dict[int, ClientInfo] = {}  # node id -> what it holds (admitted)
+    by_name: dict[str, int] = {}
+    ignored: dict[int, str] = {}  # node id -> why it takes no part: warned about once, not asked again
+    query = {"query": "data", "config": config_text(config)}
+    keys = node_keys(grid) if roster is not None and any(site.key for site in roster.sites.values()) else {}
+    while len(known) < expected:
+        errors: dict[int, str] = {}
+        answers = _ask_new_nodes(grid, set(known) | set(ignored), query, deadline, errors)
+        for node, reason in sorted(errors.items()):
+            _refuse(node, f"it answered with an error: {reason}", ignored)
+        if roster is not None and any(site.key for site in roster.sites.values()) and set(answers) - set(keys):
+            keys = node_keys(grid)  # nodes that connected since
+        for node, answer in sorted(answers.items()):
+            try:
+                info = client_info(answer, max_classes(config))
+            except UpdateError as error:
+                _refuse(node, f"its answer to the query is malformed: {error}", ignored)
+                continue
+            problem = roster.problem(info.name, info.train_size, info.test_size, keys.get(node)) \
+                if roster is not None else None
+            if problem is None and info.name in by_name:
+                problem = f"node {by_name[info.name]} already holds the client named {info.name!r} (an impostor?)"
+            if problem is None and len(known) >= expected:
+                problem = f"the run already has its {expected} data-holding SuperNodes (a surplus node)"
+            if problem is not None:
+                _refuse(node, problem, ignored)
+                continue
+            known[node], by_name[info.name] = info, node
+        if len(known) < expected and time.monotonic() > deadline:
+            refused = "; ".join(f"node {node}: {why}" for node, why in sorted(ignored.items())[:5])
+            raise ConfigError(f"after {settings.node_wait:.0f} s only {len(known)} of {expected} data-holding "
+                              f"SuperNodes answered ({', '.join(sorted(by_name)) or 'none'})"
+                              f"{f'; refused: {refused}' if refused else ''}; start the missing SuperNodes, set "
+                              "clients= to the number running, or raise flower.node-wait")
+        if len(known) < expected:
+            time.sleep(0.2)
+    names = sorted(by_name)
+    infos = [known[by_name[name]] for name in names]
+    try:
+        classes = resolve_classes(infos, config.data)
+    except DataError as error:
+        raise ConfigError(f"the nodes' data do not fit together: {error}") from None
+    if len(classes) > max_classes(config):
+        raise ConfigError(f"the nodes hold {len(classes)} classes together, more than data.max_classes="
+                          f"{max_classes(config)}; raise data.max_classes if that many is right")
+    return Nodes({k: by_name[name] for k, name in enumerate(names)}, infos), infos, classes
+
+
+def _refuse(node: int, why: str, ignored: dict[int, str]) -> None:
+    """A node that takes no part in the run: one warning naming it and why; it is not asked again."""
+    log(WARNING, "fedhpro: node %d is refused: %s", node, why)
+    ignored[node] = why
+
+
+def _ignore(node: int, error: Exception, ignored: set[int]) -> None:
+    """A node whose answer to the query is malformed takes no part: one warning, and it is not asked again."""
+    log(WARNING, "fedhpro: node %d is ignored: its answer to the query is malformed: %s", node, error)
+    ignored.add(node)
+
+
+def _ask_new_nodes(grid: Grid, known: Container[int], query: dict[str, Any], deadline: float,
+                   errors: dict[int, str] | None = None) -> dict[int, ConfigRecord | None]:
+    """Send ``query`` to every connected node not in ``known``; ``{node id: its answer}`` (its
+    ``fedhpro.node`` ConfigRecord, None if its reply holds none: the caller validates the answer).
+
+    An error reply is a one-line ConfigError naming the node, or, when ``errors`` is given (a node
+    rejoining a run that goes on), its reason is put there. Replies are matched to the nodes asked by
+    the message they answer: an error the SuperLink writes for an offline node comes from the SuperLink.
+    """
+    new = [node for node in grid.get_node_ids() if node not in known]
+    if not new:
+        return {}
+    messages = [Message(RecordDict({HEADER: ConfigRecord(query)}), node, MessageType.QUERY) for node in new]
+    replies = list(grid.send_and_receive(messages, timeout=max(1.0, deadline - time.monotonic())))
+    answers = {}
+    for node, reply in match_replies(list(zip(new, messages, strict=True)), replies).items():
+        if not reply.has_error():
+            answers[node] = reply.content.config_records.get(NODE_RECORD)
+        elif errors is None:
+            raise ConfigError(f"node {node} cannot take part: {_first_line(reply.error.reason)}")
+        else:
+            errors[node] = _first_line(reply.error.reason) or f"error code {reply.error.code}"
+    return answers
+
+
+def _first_line(text: Any, most: int = 500) -> str:
+    """The first line of a node's text (an error reason), at most ``most`` characters: it goes into a log."""
+    line = (str(text or "").strip().splitlines() or [""])[0]
+    return line if len(line) <= most else line[:most] + "..."
+
+
+def error_reason(error: Error) -> str:
+    """One line for an error reply: the SuperLink's own for a node that stopped sending heartbeats while
+    the message waited, else the node's reason (``raised <Error>: <message>``)."""
+    if error.code == ErrorCode.NODE_UNAVAILABLE:
+        return f"{NODE_OFFLINE} (no heartbeat for 2 intervals)"
+    return _first_line(error.reason) or f"error code {error.code}"
+
+
+def match_replies(sent: list[tuple[int, Message]], replies: list[Message]) -> dict[int, Message]:
+    """``{key: reply}`` for ``sent``, a list of ``(key, message)`` with unique keys (node ids, clients).
+
+    A reply belongs to the message it answers (its message id, set when the grid pushed it), else to the
+    one sent to the node it came from (replies made without a grid, as in tests). Stray replies (a
+    message of an earlier round answered late) are left out."""
+    by_id = {message.metadata.message_id: key for key, message in sent if message.metadata.message_id}
+    by_node = {message.metadata.dst_node_id: key for key, message in sent}
+    matched = {}
+    for reply in replies:
+        target = by_id.get(reply.metadata.reply_to_message_id, by_node.get(reply.metadata.src_node_id))
+        if target is not None:
+            matched[target] = reply
+    return matched
+
+
+def _client_keys(grid: Grid, nodes: Mapping[int, int], settings: FlowerSettings) -> dict[int, bytes]:
+    """Each client's node's public key as the SuperLink lists it now, and one line saying what a client's
+    identity rests on. ``flower.node-auth=true`` (the SuperLink runs with ``--enable-supernode-auth``):
+    on those keys, so every node must have one. Otherwise on its partition-id, or its name and folder:
+    without authentication a SuperNode draws a new key pair at every start (flwr 1.42 registers it with
+    that key), so a key says nothing about who restarted."""
+    keys = node_keys(grid)
+    by_client = {k: keys[node] for k, node in nodes.items() if node in keys}
+    if settings.node_auth:
+        keyless = sorted(node for node in nodes.values() if node not in keys)
+        if keyless:
+            raise ConfigError(f"flower.node-auth=true but the SuperLink lists no public key for node(s) "
+                              f"{', '.join(map(str, keyless[:10]))}; start the SuperLink with "
+                              "--enable-supernode-auth, or set flower.node-auth=false")
+        log(INFO, "fedhpro: node keys recorded (flower.node-auth): a SuperNode that comes back with a new node "
+            "id takes its client back only with the same key, once the client's node is offline")
+    else:
+        log(WARNING, "fedhpro: node keys are not checked (flower.node-auth=false): a client's identity rests on "
+            "the partition-id (own data: the name and folder description) its node reports; a node reporting "
+            "those of a client whose node is offline takes that client over. With --enable-supernode-auth on "
+            "the SuperLink, set flower.node-auth=true")
+    return by_client
+

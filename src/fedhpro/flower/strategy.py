@@ -1,0 +1,384 @@
+"""The Flower Strategy of a fedhpro run: any method's server part through the shared round protocol.
+
+:class:`MethodStrategy` moves the round protocol's messages (:class:`~fedhpro.engines.protocol.RoundProtocol`:
+sampling, fault draws, validation, drops, skipped rounds): one message per participant, holding the method's
+broadcast payload, the replies handed back to the protocol in client order; under
+``flower.secure-aggregation=secagg+`` the uploads are summed by Flower's SecAgg+ (:class:`Secure`,
+:mod:`fedhpro.flower.secagg`). Evaluation pools the nodes' test counts per test set, or tests one global
+model on the server's test sets in partition mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Iterable, Mapping
+from logging import INFO, WARNING
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.constant import ErrorCode
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from flwr.supercore import log
+
+from fedhpro.config import Config
+from fedhpro.engines.driver import RunRows, round_extra
+from fedhpro.engines.protocol import OpenRound, Reception, TestCount, pool_accuracy, weighted_mean
+from fedhpro.errors import FedHProError, UpdateError
+from fedhpro.flower import records, secagg
+from fedhpro.flower.answers import eval_count, max_classes
+from fedhpro.flower.engine import ServerSide, config_text
+from fedhpro.flower.nodes import NODE_OFFLINE, Nodes, error_reason, match_replies
+from fedhpro.flower.records import EVAL_RECORD, HEADER, PRIVACY, SERVER_STATE
+from fedhpro.flower.settings import FlowerSettings, SecureSettings
+from fedhpro.privacy.client import privatized_layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Secure:
+    """A run under ``flower.secure-aggregation=secagg+``: the vector layout, SecAgg+'s settings, the scale of
+    the summed values (the largest training-set size) and each SecAgg+ stage's timeout."""
+
+    layout: secagg.SecureLayout
+    settings: SecureSettings
+    scale: float
+    timeout: float
+
+
+def secure_for(config: Config, side: ServerSide, settings: FlowerSettings) -> Secure | None:
+    """The run's :class:`Secure`, None without secure aggregation; ConfigError (one line) for what SecAgg+
+    cannot do (:func:`fedhpro.flower.secagg.check_secure_run`)."""
+    if settings.secure_aggregation != "secagg+":
+        return None
+    participants = len(side.protocol.sample_clients(0))
+    layout = secagg.check_secure_run(config, side.server, participants, settings.secagg)
+    # the scale (the largest weight a client may pack) is the capped size: a client's share stays <= 1
+    return Secure(layout, settings.secagg, float(max(side.protocol.capped_sizes(side.num_samples))),
+                  settings.round_timeout)
+
+
+class MethodStrategy(Strategy):
+    """A Flower Strategy running one fedhpro method through the shared round protocol.
+
+    It subclasses ``Strategy`` rather than ``FedAvg``: a fedhpro reply carries
+    several ArrayRecords (weights, prototypes, class gradients), which FedAvg's
+    reply validation rejects and its aggregation would average. Every reply is
+    decoded back to the method's payload and handed to the protocol, which
+    validates it and gives it to the method's own server part, so any method
+    runs unchanged.
+    """
+
+    def __init__(self, side: ServerSide, config: Config, nodes: Mapping[int, int], run_key: str | None = None,
+                 node_auth: bool = False, secure: Secure | None = None):
+        """``nodes``: ``{client index: node id}`` (a :class:`~fedhpro.flower.nodes.Nodes`, or a plain dict in
+        partition mode). ``run_key``: the key under which the nodes keep the clients' state on disk
+        (:func:`~fedhpro.flower.server.run_key`; None: they keep none). A resumed run takes its key, rows and
+        round offset from its checkpoint (:meth:`load_state_dict`). ``node_auth`` (``flower.node-auth``): the
+        SuperLink authenticates its SuperNodes, so a node that comes back with a new node id must show the key
+        its client's node had at discovery (``nodes.client_keys``). ``secure``
+        (``flower.secure-aggregation=secagg+``): the uploads are summed by Flower's SecAgg+ and the protocol
+        gets replies rebuilt from the sum (:mod:`fedhpro.flower.secagg`)."""
+        self.side = side
+        self.secure = secure
+        self._outcome: secagg.SecureOutcome | None = None
+        self._asked: dict[int, int] = {}  # node id -> client, of the current SecAgg+ round
+        self.config = config
+        #: client index -> Flower node id, and what recognises a client's node when it comes back
+        self.nodes = nodes if isinstance(nodes, Nodes) else Nodes(nodes)
+        self.text = config_text(config)
+        self.run = RunRows()  # metrics.jsonl's and timing.jsonl's rows, the first round of this start
+        self.started = time.perf_counter()
+        self._round: OpenRound | None = None
+        self._times: dict[str, float] = {}
+        self._server_metrics: dict[str, float] = {}
+        self.refused: dict[int, int] = {}  # client -> the round of its latest reply refused as invalid
+        self.run_key = run_key
+        self.keep_from: int | None = None  # the oldest round the run can go back to (its oldest checkpoint)
+        self.after_round: Callable[[MethodStrategy], None] | None = None  # called once each round's row is in
+        self.node_auth = node_auth
+        self._tests: dict[int, tuple[str, int]] | None = None  # client -> (its test set, its size)
+        self._sent: list[tuple[int, Message]] = []  # (client, message) of the current train or evaluate step
+
+    @property
+    def server(self) -> Any:
+        return self.side.server
+
+    # ------------------------------------------------------------------ helpers
+
+    def _header(self, round: int, client: int) -> ConfigRecord:
+        # refused-round: the round whose reply from this client the server refused as invalid, so that the
+        # node restores its state from before that fit (the simulator's rule); -1: none
+        # state-key, keep-from: where the node keeps the client's state on disk, and the oldest round the
+        # run can go back to (the node keeps the state from before it; fedhpro.flower.client.StateStore)
+        header = ConfigRecord({"config": self.text, "round": round, "client": client,
+                               "num-clients": len(self.nodes), "refused-round": self.refused.get(client, -1),
+                               "state-key": self.run_key or "",
+                               "keep-from": round if self.keep_from is None else self.keep_from})
+        if self.side.protocol.client_privacy is not None:  # privacy=client: the node privatizes its reply
+            header[PRIVACY] = json.dumps(dataclasses.asdict(self.side.protocol.client_privacy))
+        if self.secure is not None:  # the node packs its reply for SecAgg+ (fedhpro.flower.secagg.client_vector)
+            header[secagg.SCALE] = self.secure.scale
+            header[secagg.CLIP] = self.secure.settings.clipping_range
+        return header
+
+    # the rows so far; first_round: rounds done before this start (a resumed run): Flower's round 1 is this round
+    rows = property(lambda self: self.run.metrics)
+    timings = property(lambda self: self.run.timings)
+    first_round = property(lambda self: self.run.first_round)
+
+    def round_index(self, server_round: int) -> int:
+        """fedhpro's round (from 0) of Flower's ``server_round`` (from 1 at every start; a resumed run
+        starts after its checkpoint's rounds)."""
+        return self.first_round + server_round - 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs besides the rows: the method's server state, the refused replies (their
+        nodes may not have heard yet) and the key of the clients' state on the nodes."""
+        return {"engine": "flower", "server": self.server.state_dict(), "refused": dict(self.refused),
+                "run_key": self.run_key or ""}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's state (its rows and round: :meth:`driver.RunFolder.resume`)."""
+        self.server.load_state_dict(state["server"])
+        self.refused = {int(k): int(r) for k, r in state["refused"].items()}
+        self.run_key = state["run_key"] or None
+
+    # the nodes' state (fedhpro.flower.nodes.Nodes): node id -> client, node ids not asked again, new node ids
+    # waiting for their client's node to leave, client -> its node's public key at discovery
+    partition_of = property(lambda self: self.nodes.client_of)
+    strangers = property(lambda self: self.nodes.strangers)
+    waiting = property(lambda self: self.nodes.waiting)
+    keys = property(lambda self: self.nodes.client_keys)
+
+    def _rejoin(self, grid: Grid) -> set[int]:
+        """The node ids the SuperLink lists as online, after mapping any new node back to its client
+        (:meth:`~fedhpro.flower.nodes.Nodes.rejoin`, with this run's config and ``flower.node-auth``)."""
+        return self.nodes.rejoin(grid, self.text, max_classes(self.config), self.node_auth)
+
+    def summary(self) -> None:
+        log(INFO, "\t├── fedhpro method: %s on %s, %d clients (one per SuperNode)",
+            self.config.run.method, self.config.run.dataset, len(self.nodes))
+
+    # ------------------------------------------------------------------ training
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """One message per client the protocol asks, each with its own RecordDict (the payload is per round,
+        the header per client); a client the fault model drops gets none, as in the simulator, and a client
+        whose node the SuperLink no longer lists is dropped at once (no round-timeout to wait for it)."""
+        current = self._round = self.side.protocol.open(self.round_index(server_round))
+        online = self._rejoin(grid)
+        encoded = records.encode_payload(current.payload)
+        self._sent = []
+        if self.secure is not None:
+            self._secure_round(grid, current, encoded, online)
+            return []  # the SecAgg+ stages have run: nothing more to send this step
+        for k in current.to_ask:
+            if self.nodes[k] in online:
+                self._sent.append((k, Message(RecordDict({**encoded, HEADER: self._header(current.round, k)}),
+                                              self.nodes[k], MessageType.TRAIN)))
+            else:
+                current.fail(k, NODE_OFFLINE)
+        return [message for _, message in self._sent]
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Hand every reply to the protocol in client order (the simulator's order), then close the round."""
+        current = self._round
+        assert current is not None
+        if self.secure is not None:
+            self._receive_secure(current)
+        answers = match_replies(self._sent, list(replies))  # read once
+        for k, _ in self._sent:
+            reply = answers.get(k)
+            if reply is None:
+                current.fail(k, "no reply before flower.round-timeout")
+            elif reply.has_error():
+                current.fail(k, error_reason(reply.error))
+            else:
+                try:
+                    payload = records.decode_payload(reply.content, self.side.device, expected=self._reply_layout())
+                    metrics = records.decode_metrics(reply.content)
+                except FedHProError as error:  # a malformed reply: refused like an invalid update
+                    current.fail(k, f"invalid update: {error}")
+                    self.refused[k] = current.round
+                    continue
+                reception = current.receive(k, payload, metrics, self.side.num_samples[k])
+                if reception is Reception.INVALID:
+                    self.refused[k] = current.round
+        client_seconds = time.perf_counter() - current.started
+        timer = time.perf_counter()
+        self._server_metrics = current.close()
+        self._times = {"clients": client_seconds, "server": time.perf_counter() - timer}
+        arrays = ArrayRecord({key: records.to_array(v) for key, v in self.server.global_weights().items()})
+        return arrays, records.encode_metrics(weighted_mean(current.train_metrics))
+
+    def _reply_layout(self) -> dict[str, Any]:
+        """What a client's reply must hold: the method's layout, under ``privacy=client`` with the privacy's
+        holder vector (:func:`fedhpro.privacy.client.privatized_layout`)."""
+        layout = self.server.reply_layout()
+        if self.side.protocol.client_privacy is not None:
+            return privatized_layout(layout, int(self.server.num_classes))
+        return layout
+
+    # ------------------------------------------------------------------ secure aggregation
+
+    def _secure_round(self, grid: Grid, current: OpenRound, encoded: Mapping[str, Any], online: set[int]) -> None:
+        """Run the round's SecAgg+ stages (Flower's workflow) over the participants whose node is online:
+        each gets the round's payload and its header in the stage where it trains."""
+        assert self.secure is not None
+        contents: dict[int, RecordDict] = {}
+        self._asked = {}
+        for k in current.to_ask:
+            if self.nodes[k] in online:
+                contents[self.nodes[k]] = RecordDict({**encoded, HEADER: self._header(current.round, k)})
+                self._asked[self.nodes[k]] = k
+            else:
+                current.fail(k, NODE_OFFLINE)
+        self._outcome = None
+        if len(contents) < 2:
+            for k in self._asked.values():
+                current.fail(k, "not asked: secure aggregation needs at least 2 answering participants")
+            self._asked = {}
+            return
+        self._outcome = secagg.run_round(grid, current.round, contents, self.secure.settings, self.secure.layout.size,
+                                         self.secure.timeout, error_reason)
+
+    def _receive_secure(self, current: OpenRound) -> None:
+        """Hand the protocol one reply per summed client, rebuilt from the secure sum (all carrying the
+        aggregate); the clients SecAgg+ dropped fail with its reason. A dropped client whose node trained
+        goes back to its state from before the round (marked refused: its update was not used)."""
+        assert self.secure is not None
+        outcome, asked = self._outcome, self._asked
+        summed = [] if outcome is None else outcome.summed
+        for node, k in sorted(asked.items(), key=lambda item: item[1]):
+            if node in summed:
+                continue
+            assert outcome is not None
+            reason = outcome.failures.get(node) or (
+                f"SecAgg+ stopped in stage {outcome.halted}: fewer nodes left than its threshold"
+                if outcome.halted else "dropped in SecAgg+")
+            current.fail(k, reason)
+            self.refused[k] = current.round
+        if outcome is None or not summed or outcome.total is None:
+            return
+        clients = sorted(asked[node] for node in summed)
+        names = sorted({name for node in summed for name in outcome.metric_names.get(node, [])})
+        # what the sum may hold: each client's weight at most the cap (aggregation.max_share)
+        num_samples = self.side.protocol.capped_sizes([self.side.num_samples[k] for k in clients])
+        try:
+            replies, metrics = secagg.rebuild_replies(self.secure.layout, outcome.total,
+                                                      current.payload.get("weights") or {}, num_samples,
+                                                      self.secure.scale, self.secure.settings.step, names)
+        except UpdateError as error:  # the sum cannot come from these clients: none of it is used
+            for k in clients:
+                current.fail(k, f"invalid secure sum: {error}")
+                self.refused[k] = current.round
+            return
+        for k, reply in zip(clients, replies, strict=True):
+            if current.receive(k, reply, dict(metrics), self.side.num_samples[k]) is Reception.INVALID:
+                self.refused[k] = current.round
+
+    # ------------------------------------------------------------------ evaluation
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        """Federated evaluation: every node tests on its own data (the global model, or its personal model
+        with the global shared part, through the server's inference rule, whose state travels along). A
+        global model in partition mode is tested on the server: no messages. A node the SuperLink no longer
+        lists gets none (its client is not evaluated this round)."""
+        round = self.round_index(server_round)
+        self._times["eval_started"] = time.perf_counter()
+        self._sent = []
+        if not self.side.protocol.evaluates(round) or not self.side.federated_evaluation:
+            return []
+        online = self._rejoin(grid)
+        encoded = records.encode_payload({"weights": self.server.global_weights()})
+        encoded.update(records.encode_payload(self.server.state_dict(), prefix=SERVER_STATE))
+        self._sent = [(k, Message(RecordDict({**encoded, HEADER: self._header(round, k)}), node, MessageType.EVALUATE))
+                      for k, node in sorted(self.nodes.items()) if node in online]
+        return [message for _, message in self._sent]
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """The round's accuracy as the simulator computes it; then the round's row is complete."""
+        current = self._round
+        assert current is not None
+        accuracy, extra = None, {}
+        if self.side.protocol.evaluates(current.round):
+            missing: list[dict[str, Any]] = []
+            if self.side.federated_evaluation:
+                accuracy, per_client, missing = self._pooled_accuracy(current.round, list(replies))
+            else:
+                engine = self.side.engine
+                assert engine is not None, "only partition mode (which has the engine) evaluates on the server"
+                accuracy, per_client = engine.evaluate_clients()
+            extra = round_extra(None, per_client, None, missing)
+        seconds = {"clients": self._times["clients"], "server": self._times["server"],
+                   "eval": time.perf_counter() - self._times["eval_started"]}
+        record = current.record(self._server_metrics, accuracy, seconds, extra)
+        if self.side.engine is not None:
+            self.side.engine.history.append(record)
+        self.run.add(record, time.perf_counter() - self.started)
+        if self.after_round is not None:
+            self.after_round(self)
+        if accuracy is None:
+            return None
+        log(INFO, "fedhpro: round %d: test accuracy AVG %.2f%%", current.round, accuracy["AVG"])
+        return MetricRecord({f"accuracy.{name}": value for name, value in accuracy.items()})
+
+    def client_test(self, k: int) -> tuple[str, int]:
+        """``(test-set name, size)`` client ``k`` is tested on: in partition mode the server's copy of it
+        (the simulator's :meth:`~fedhpro.engines.simulator.Simulator.client_test`), with its own data what
+        its node declared at discovery (its domain, else ``all``, as the node's federation names it)."""
+        if self._tests is None:
+            engine, infos = self.side.engine, self.nodes.infos
+            if engine is not None:
+                tests = {k: engine.client_test(k) for k in self.nodes}
+                self._tests = {k: (name, int(y.shape[0])) for k, (name, (_, y)) in tests.items()}
+            else:
+                assert infos is not None, "own-data mode: the nodes described their data at discovery"
+                self._tests = {k: (info.domain or "all", int(info.test_size)) for k, info in enumerate(infos)}
+        return self._tests[k]
+
+    def _pooled_accuracy(self, round: int, replies: list[Message]
+                         ) -> tuple[dict[str, float] | None, list[float | None], list[dict[str, Any]]]:
+        """``(accuracy, per-client accuracies, clients not evaluated with the reason)``: the test counts of
+        the clients that answered, pooled per test set (the simulator's :func:`pool_accuracy`); per-client
+        accuracies in client order, of those clients only. A client whose node is offline, sent no answer
+        before flower.round-timeout, answered with an error or with counts it cannot have (:func:`eval_count`:
+        another test set, another size, ``correct`` outside ``[0, total]``) is not evaluated; with none
+        evaluated the round has no accuracy. Every node answering with an error of its own (not the
+        SuperLink's "node offline") is a bug or a setting, not a fault: that raises, as a round where every
+        client failed does."""
+        counts: dict[int, TestCount] = {}
+        reasons: dict[int, str] = {}
+        own_errors = []  # clients whose node raised (not the SuperLink's "node offline")
+        for k, reply in match_replies(self._sent, replies).items():
+            if reply.has_error():
+                reasons[k] = error_reason(reply.error)
+                if reply.error.code != ErrorCode.NODE_UNAVAILABLE:
+                    own_errors.append(k)
+                continue
+            try:
+                counts[k] = eval_count(reply.content.config_records.get(EVAL_RECORD), self.client_test(k))
+            except UpdateError as error:  # counts it cannot have: not pooled
+                reasons[k] = f"invalid evaluation: {error}"
+        if self._sent and len(own_errors) == len(self._sent):
+            first = min(own_errors)
+            raise FedHProError(f"round {round}: every client failed to evaluate; client {first}: {reasons[first]}")
+        asked = dict(self._sent)
+        missing = []
+        for k in sorted(set(self.nodes) - set(counts)):
+            reason = reasons.get(k, "no answer before flower.round-timeout" if k in asked else NODE_OFFLINE)
+            log(WARNING, "fedhpro: round %d: client %d not evaluated: %s", round, k, reason)
+            missing.append({"client": k, "reason": reason})
+        if not counts:
+            return None, [], missing
+        ordered = [counts[k] for k in sorted(counts)]
+        order = list(self.side.engine.federation.test_sets) if self.side.engine is not None else None
+        accuracy = pool_accuracy(ordered, order, self.side.protocol.aggregation.max_share)
+        # a client without test data of its own is not tested (None: no accuracy, out of the fairness statistics)
+        return accuracy, [c.accuracy if c.total else None for c in ordered], missing
+
