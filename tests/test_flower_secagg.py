@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -25,11 +26,13 @@ import torch
 
 pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pip install -e '.[flower]'")
 
+from conftest import NUM_CLASSES, TinyNet  # noqa: E402
 from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
 from flwr.common import bytes_to_ndarray  # noqa: E402
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage  # noqa: E402
 from test_flower import tiny_config  # noqa: E402
 
+from fedhpro import methods  # noqa: E402
 from fedhpro.config import load_config  # noqa: E402
 from fedhpro.engines.protocol import declared_class_keys  # noqa: E402
 from fedhpro.errors import ConfigError, FedHProError  # noqa: E402
@@ -387,12 +390,73 @@ def test_a_round_of_one_participant_is_refused(digits_data_dir, tmp_path, inside
         run_in_process(settings, SECURE, WireGrid(), tmp_path / "out")
 
 
-def test_a_plug_in_method_beyond_fedavg_is_refused(digits_data_dir):
-    """A method that is not known to need only sums (here: FedProto's server under another name)."""
-    engine = build_engine(load_config(tiny_config(digits_data_dir, method="fedproto")))
-    with pytest.raises(ConfigError, match="method=my-proto cannot run under .* known to need nothing but sums"):
-        secagg.SecureLayout(engine.server, "my-proto")
-    assert math.isfinite(secagg.SecureLayout(engine.server, "fedproto").size)
+# ---------------------------------------------------------------------------- what a method declares
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """The method registry, restored after the test, with examples/own_method's two methods registered."""
+    from test_plugins import restored
+
+    monkeypatch.syspath_prepend(str(EXAMPLES / "own_method"))
+    import fedhpro_fedavgm
+    import fedhpro_feddecorr
+
+    with restored(methods.REGISTRY, monkeypatch):
+        methods.register("fedavgm", fedhpro_fedavgm.METHOD)
+        methods.register("feddecorr", fedhpro_feddecorr.METHOD)
+        yield methods
+
+
+def declared_server(spec: methods.MethodSpec) -> methods.Server:
+    """``spec``'s server part on a tiny model (no data: its reply layout is all secure aggregation reads)."""
+    return spec.server(methods.MethodContext(model=TinyNet(), num_classes=NUM_CLASSES, options=spec.options(),
+                                             train=methods.TrainSettings()))
+
+
+@pytest.mark.parametrize("method", ["fedavgm", "feddecorr"])
+def test_the_example_plug_in_methods_get_secagg_from_their_own_declarations(method, registry, digits_data_dir):
+    """examples/own_method: FedAvgM uploads its weights, FedDecorr also its class counts (no class rows to
+    average); neither says its server needs each upload, so both run under SecAgg+ (no method is named in
+    fedhpro.flower), and the sum rebuilt aggregates as their own server aggregates the real replies."""
+    assert registry.get_method(method).needs_each_upload == ""
+    config = load_config(tiny_config(digits_data_dir, method=method))
+    layout = secagg.check_secure_run(config, declared_server(registry.get_method(method)), 3, SecureSettings())
+    assert layout.weighting == {} and layout.per_class == (method == "feddecorr")
+    test_the_sum_rebuilt_aggregates_like_the_real_replies(method, {}, digits_data_dir)
+
+
+def test_a_plug_in_method_whose_class_rows_say_no_averaging_is_refused_naming_the_key(registry):
+    """FedProto's server under another name, its rows' averaging left undeclared: one line naming the key
+    and how to declare it; FedProto itself (which declares it) gets SecAgg+."""
+    from fedhpro.methods.fedproto import METHOD as FEDPROTO
+    from fedhpro.methods.fedproto import FedProtoServer
+
+    class Undeclared(FedProtoServer):
+        rows_averaged = None
+
+    spec = registry.register("my-proto", dataclasses.replace(FEDPROTO, server=Undeclared))
+    with pytest.raises(ConfigError) as error:
+        secagg.check_secure_run(load_config({"method": "my-proto"}), declared_server(spec), 3, SecureSettings())
+    message = str(error.value)
+    assert message.startswith("method=my-proto: its reply's class rows 'prototypes' do not say how the server "
+                              "averages them; declare ClassRows(shape, dtype, averaged='holders')"), message
+    assert "averaged='counts'" in message and "\n" not in message
+    layout = secagg.check_secure_run(load_config({"method": "fedproto"}), declared_server(FEDPROTO), 3,
+                                     SecureSettings())
+    assert layout.weighting == {"prototypes": "holders"} and math.isfinite(layout.size)
+
+
+def test_a_plug_in_method_that_needs_each_upload_is_refused_quoting_its_reason(registry, tmp_path):
+    spec = methods.MethodSpec(name="ranked", options=registry.get_method("fedavg").options, server=methods.Server,
+                              client=methods.Client, needs_each_upload="its server ranks the clients' own updates")
+    registry.register("ranked", spec)
+    with pytest.raises(ConfigError) as error:
+        run_server(UntouchableGrid(), SECURE, {"method": "ranked", "rounds": 1, "out": str(tmp_path / "out")})
+    assert str(error.value) == ("method=ranked cannot run under flower.secure-aggregation=secagg+: its server ranks "
+                                "the clients' own updates, and the server learns only the sum of the uploads")
 
 
 def test_secagg_on_flowers_simulation_engine(digits_data_dir, tmp_path):

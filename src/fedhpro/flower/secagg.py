@@ -3,23 +3,10 @@
 Flower's own SecAgg+ does the cryptography: :func:`flwr.client.mod.secaggplus_mod` on the nodes and
 :class:`flwr.server.workflow.SecAggPlusWorkflow` on the server (key agreement, Shamir shares of each
 node's mask seeds, pairwise and private masks, recovery of a node that drops out after sharing its
-keys). Nothing here encrypts or masks anything; this module only decides *what* is summed and how the
-round protocol (:mod:`fedhpro.engines.protocol`) gets the method's replies back from the sum.
-
-What a node sends (:class:`SecureLayout`, one flat float64 vector, the same layout on every node,
-built from the method's :meth:`~fedhpro.methods.base.Server.reply_layout`), with ``n_k`` its
-``num_examples`` and ``s`` the largest training-set size of the run (the header's ``secagg-scale``,
-so every entry stays within ``[-1, 1]`` times the values themselves):
-
-* ``weights/<key>``: ``(n_k / s) * (w_k - w_global)``, its update times its FedAvg weight;
-* ``num_examples``: ``n_k / s``;
-* with per-class uploads: ``held`` (1 for each class the client holds, else 0), ``class_counts``
-  (``n_k^c / s``) and, per class tensor, its rows times ``held`` (a method that averages over the
-  holders of a class: FedProto, FedSA, FedHPro's class gradients) or times ``n_k^c / s`` (a count-
-  weighted mean: FedHPro's global prototypes, Eq. 4);
-* ``metrics``: each training metric times ``n_k / (s M)`` (``M`` = :data:`METRIC_SCALE`: losses may exceed the
-  clipping range, and need less precision than weights) in a slot of :data:`METRIC_SLOTS` chosen by a
-  hash of its name (the names travel in clear: they say which losses exist, no values).
+keys). Nothing here encrypts or masks anything; this module runs it (:func:`node_mod`, :func:`run_round`)
+and checks what the nodes send at each stage, and :mod:`fedhpro.flower.secure_sum` decides *what* is
+summed and how the round protocol (:mod:`fedhpro.engines.protocol`) gets the method's replies back from
+the sum.
 
 SecAgg+ quantizes every entry, clipped to ``[-r, r]`` (``flower.secagg-clipping-range``), to an integer
 of ``[0, Q]`` (``flower.secagg-quantization-range``) with stochastic rounding, so each entry of the sum
@@ -28,26 +15,17 @@ error, the SecAgg+ dropout path) an upload holding a non-finite value or one bey
 would change the result without a word. SecAgg+'s own weighting is neutralised (every node says
 ``num_examples = max_weight = 1``) and the server multiplies the average it returns by ``K``.
 
-What the server rebuilds (:func:`rebuild_replies`): one reply per summed client, all carrying the same
-aggregate (the FedAvg weights ``w_global + sum_k (n_k/s) Delta_k / sum_k (n_k/s)``, each class row's
-mean), with class counts of 0 and 1 that give every class exactly as many holders as it had
-(``round(sum held)``), so the method's own ``aggregate`` (a mean over the holders, a count-weighted
-mean divided by the holders, or FedAvg) returns the aggregate: every supported method runs unchanged
-and its numbers equal the plain run's up to the quantization. The replies go through
-:meth:`~fedhpro.engines.protocol.OpenRound.receive` as any reply does (the protocol still bounds
-``num_examples`` and ``class_counts`` and runs the method's checks, now on the aggregate).
-
 Refused (:func:`check_secure_run`, one line each): rules that need each update (``aggregation=median|
 trimmed-mean|norm-clip``), injected faults that change one client's reply on the server
-(``faults.corrupt|scale|sign_flip``), methods whose server step is not a function of sums (FedTGP trains
-on every client's prototypes, FedGMKD weights each client by its own discrepancy; a plug-in method
-unless it is plain FedAvg), integer weights (a max, not a sum), and rounds with fewer than 2
-participants (a "sum" of one upload is that upload).
+(``faults.corrupt|scale|sign_flip``), a method whose server step is not a function of sums (it says why
+in its :attr:`MethodSpec.needs_each_upload <fedhpro.methods.base.MethodSpec.needs_each_upload>`, or its
+reply layout does not declare how its class tensors are averaged: :func:`~fedhpro.flower.secure_sum.summed_rows`),
+integer weights (a max, not a sum), and rounds with fewer than 2 participants (a "sum" of one upload is
+that upload).
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -55,7 +33,6 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, RecordDict
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp.typing import ClientAppCallable
@@ -82,39 +59,22 @@ from flwr.serverapp import Grid
 from torch import Tensor
 
 from fedhpro.aggregation import AGGREGATION_RULES
-from fedhpro.engines.protocol import capped_reply, counts_problem, examples_problem
+from fedhpro.engines.protocol import counts_problem, examples_problem
 from fedhpro.errors import ConfigError, FedHProError, UpdateError
+from fedhpro.flower.secure_sum import METRIC_SCALE, SecureLayout, holder_counts, rebuild_replies
 from fedhpro.flower.settings import SecureSettings
-from fedhpro.methods.base import ClassRows, Server
+from fedhpro.methods import get_method
+from fedhpro.methods.base import Server
 
-#: the values of ``flower.secure-aggregation``
-SECURE_AGGREGATION = ("none", "secagg+")
-#: how a method averages a class tensor: over the clients that hold the class, or weighted by the counts
-HOLDERS, COUNTS = "holders", "counts"
-#: the built-in methods with per-class uploads whose server step is a function of sums, by class key
-CLASS_WEIGHTING: dict[str, dict[str, str]] = {
-    "fedproto": {"prototypes": HOLDERS, "class_gradients": HOLDERS},
-    "fedsa": {"prototypes": HOLDERS, "class_gradients": HOLDERS},
-    # Eq. 4 (count-weighted, then divided by the holders) for P; Eq. 6 (mean over holders) for the gradients
-    "fedhpro": {"prototypes": COUNTS, "class_gradients": HOLDERS, "classifier_weight_gradients": HOLDERS,
-                "classifier_bias_gradients": HOLDERS},
-}
-#: methods whose server step needs every client's own upload, and why
-NEEDS_EACH_UPLOAD = {
-    "fedtgp": "its server trains the global prototypes on every client's own prototypes",
-    "fedgmkd": "its DAT step weights each client by the discrepancy of that client's own soft predictions",
-}
-#: slots of the training metrics in the summed vector (a metric's slot is a hash of its name)
-METRIC_SLOTS = 4096
-#: the training metrics are summed divided by this: a loss of up to METRIC_SCALE x clipping range fits, each
-#: summed metric is then off by less than K x METRIC_SCALE x 2r/Q (about 4e-4 for 3 clients at the defaults)
-METRIC_SCALE = 1024.0
+#: the summed vector's layout and the replies rebuilt from the sum (fedhpro.flower.secure_sum), as the ClientApp
+#: and the strategy use them from here
+__all__ = ["METRIC_SCALE", "SecureLayout", "check_secure_config", "check_secure_run", "client_content",
+           "client_vector", "holder_counts", "node_mod", "rebuild_replies", "run_round"]
+
 #: the ConfigRecord in a node's masked reply naming its training metrics (names only, no values)
 NAMES_RECORD = "fedhpro.secagg"
 MAX_METRICS = 256  # metric names a node may name
 MAX_METRIC_NAME = 128  # characters of one metric name
-#: tolerance, in units of one summed client's quantization error, of the aggregate's whole-number checks
-WHOLE_TOLERANCE = 0.25
 #: header entries of a SecAgg+ round: the scale s of the summed values, SecAgg+'s clipping range
 SCALE, CLIP = "secagg-scale", "secagg-clip"
 #: the stream of the seed a node gives SecAgg+'s stochastic rounding (numpy's global generator), so that the
@@ -122,126 +82,13 @@ SCALE, CLIP = "secagg-scale", "secagg-clip"
 QUANTIZATION = 0x5EC
 
 
-# ---------------------------------------------------------------------------- the summed vector
-
-
-@dataclass(frozen=True)
-class Entry:
-    name: str
-    shape: tuple[int, ...]
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-
-def metric_slot(name: str) -> int:
-    """The slot of the training metric ``name`` (a hash of the name, the same on every node)."""
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") % METRIC_SLOTS
-
-
-class SecureLayout:
-    """The flat vector a node sends under SecAgg+ for one method (see the module doc): its entries, how
-    each class tensor is weighted, and :meth:`pack` (node) / :meth:`unpack` (server)."""
-
-    def __init__(self, server: Server, method: str):
-        layout = server.reply_layout()
-        weights = layout.get("weights", {})
-        if not isinstance(weights, Mapping):
-            raise ConfigError(f"method={method}: its reply's weights are not a dict of tensors; secure aggregation "
-                              "cannot sum them")
-        integer = [name for name, (_, dtype) in weights.items() if not torch.empty(0, dtype=dtype).is_floating_point()]
-        if integer:
-            raise ConfigError(f"flower.secure-aggregation=secagg+: the model's weight '{integer[0]}' is an integer "
-                              "counter, which FedAvg aggregates by its maximum, and a secure sum cannot give a "
-                              "maximum; use a model without BatchNorm counters or flower.secure-aggregation=none")
-        self.weights = {name: tuple(shape) for name, (shape, _) in weights.items()}
-        self.weight_dtypes = {name: dtype for name, (_, dtype) in weights.items()}
-        rows = {key: entry for key, entry in layout.items() if isinstance(entry, ClassRows)
-                and entry.dtype.is_floating_point}
-        self.weighting = class_weighting(server, method, layout, rows)
-        self.row_forms = {key: (tuple(entry.shape), entry.dtype) for key, entry in rows.items()}
-        self.num_classes = int(server.num_classes)
-        entries = [Entry(f"weights/{name}", shape) for name, shape in self.weights.items()]
-        entries.append(Entry("num_examples", (1,)))
-        if rows:
-            entries += [Entry("held", (self.num_classes,)), Entry("class_counts", (self.num_classes,))]
-            entries += [Entry(f"rows/{key}", tuple(entry.shape)) for key, entry in rows.items()]
-        entries.append(Entry("metrics", (METRIC_SLOTS,)))
-        self.entries = entries
-        self.size = sum(entry.size for entry in entries)
-
-    @property
-    def per_class(self) -> bool:
-        return bool(self.row_forms)
-
-    def pack(self, reply: Mapping[str, Any], global_weights: Mapping[str, Tensor], metrics: Mapping[str, float],
-             num_samples: int, scale: float) -> np.ndarray:
-        """The vector of one client's ``reply`` (checked by the caller), its training ``metrics`` and its
-        training-set size ``num_samples`` (what the server weights its metrics by); ``scale``: the run's
-        largest training-set size."""
-        if float(reply["num_examples"]) > scale:  # above the cap the server sent (aggregation.max_share)
-            reply = capped_reply(dict(reply), max(1, math.floor(scale)))
-        count = float(reply["num_examples"])
-        share = count / scale
-        parts: list[Tensor] = []
-        for name in self.weights:
-            delta = reply["weights"][name].detach().cpu().double() - global_weights[name].detach().cpu().double()
-            parts.append(share * delta)
-        parts.append(torch.tensor([share], dtype=torch.float64))
-        if self.per_class:
-            counts = reply["class_counts"].detach().cpu().double()
-            held = (counts > 0).double()
-            parts += [held, counts / scale]
-            for key, mode in self.weighting.items():
-                row = reply[key].detach().cpu().double()
-                factor = (held if mode == HOLDERS else counts / scale).reshape(-1, *([1] * (row.dim() - 1)))
-                # rows of classes the client does not hold are ignored by every method: zeros (NaN there too)
-                parts.append(torch.where(factor > 0, row * factor, torch.zeros((), dtype=torch.float64)))
-        slots = torch.zeros(METRIC_SLOTS, dtype=torch.float64)
-        for name, value in metrics.items():
-            slots[metric_slot(name)] += float(value) * num_samples / (scale * METRIC_SCALE)
-        parts.append(slots)
-        return torch.cat([part.reshape(-1) for part in parts]).numpy()
-
-    def unpack(self, vector: np.ndarray) -> dict[str, np.ndarray]:
-        """``{entry name: array of its shape}`` of a vector of this layout."""
-        if vector.shape != (self.size,):
-            raise UpdateError(f"the secure sum has shape {vector.shape}, the layout {self.size} values")
-        out, start = {}, 0
-        for entry in self.entries:
-            out[entry.name] = vector[start:start + entry.size].reshape(entry.shape)
-            start += entry.size
-        return out
-
-
-def class_weighting(server: Server, method: str, layout: Mapping[str, Any], rows: Mapping[str, Any]
-                    ) -> dict[str, str]:
-    """``{class key: HOLDERS | COUNTS}`` of a method whose server step is a function of sums; ConfigError (one
-    line, why) for one that needs each client's upload."""
-    if method in NEEDS_EACH_UPLOAD:
-        raise ConfigError(f"method={method} cannot run under flower.secure-aggregation=secagg+: "
-                          f"{NEEDS_EACH_UPLOAD[method]}, and the server learns only the sum of the uploads")
-    known = CLASS_WEIGHTING.get(method)
-    if known is None:
-        plain = (set(layout) <= {"weights", "num_examples"} and type(server).aggregate is Server.aggregate
-                 and server.folds_weights)
-        if not plain:
-            raise ConfigError(f"method={method} cannot run under flower.secure-aggregation=secagg+: only FedAvg-like "
-                              "methods (weights and num_examples, the base Server.aggregate) and the built-in "
-                              f"{', '.join(sorted(CLASS_WEIGHTING))} are known to need nothing but sums")
-        return {}
-    unknown = sorted(set(layout) - {"weights", "num_examples", "class_counts"} - set(known))
-    if unknown or (rows and "class_counts" not in layout):
-        what = f"'{unknown[0]}'" if unknown else "no class_counts"
-        raise ConfigError(f"method={method}: its reply holds {what}, which secure aggregation does not know how "
-                          "to sum; use flower.secure-aggregation=none")
-    return {key: known[key] for key in rows}
+# ---------------------------------------------------------------------------- what cannot be summed
 
 
 def check_secure_config(config: Any) -> None:
     """ConfigError (one line, why) for a config secure aggregation cannot run, from the config alone (before
-    any node is asked): a robust rule, a fault injected into one client's reply, a method needing each upload."""
+    any node is asked): a robust rule, a fault injected into one client's reply, a method that says its server
+    needs each client's own upload (its ``MethodSpec.needs_each_upload``, quoted)."""
     rule = config.aggregation.rule
     if AGGREGATION_RULES.get(rule):
         raise ConfigError(f"aggregation={rule} needs {AGGREGATION_RULES[rule]} of each client's update, which "
@@ -256,9 +103,10 @@ def check_secure_config(config: Any) -> None:
         raise ConfigError("privacy=client cannot go with flower.secure-aggregation=secagg+ yet: the round protocol "
                           "checks and sums each privatized upload itself; use one of them")
     method = config.run.method
-    if method in NEEDS_EACH_UPLOAD:
-        raise ConfigError(f"method={method} cannot run under flower.secure-aggregation=secagg+: "
-                          f"{NEEDS_EACH_UPLOAD[method]}, and the server learns only the sum of the uploads")
+    reason = get_method(method).needs_each_upload  # the method's own declaration (MethodSpec)
+    if reason:
+        raise ConfigError(f"method={method} cannot run under flower.secure-aggregation=secagg+: {reason}, and the "
+                          "server learns only the sum of the uploads")
 
 
 def check_secure_run(config: Any, server: Server, participants: int, settings: SecureSettings) -> SecureLayout:
@@ -537,98 +385,3 @@ def run_round(grid: Grid, round: int, contents: Mapping[int, RecordDict], settin
         outcome.summed, outcome.total = [], None
     return outcome
 
-
-# ---------------------------------------------------------------------------- the replies rebuilt from the sum
-
-
-def _whole(values: np.ndarray, what: str, tolerance: float) -> np.ndarray:
-    """``values`` rounded to whole numbers; UpdateError unless each is within ``tolerance`` of one."""
-    rounded = np.rint(values)
-    if values.size and float(np.abs(values - rounded).max()) > tolerance:
-        raise UpdateError(f"the secure sum's {what} are not whole numbers (off by up to "
-                          f"{float(np.abs(values - rounded).max()):.3g}): a node sent values it cannot hold")
-    return rounded.astype(np.int64)
-
-
-def holder_counts(holders: Sequence[int], capacity: Sequence[int]) -> np.ndarray:
-    """A ``K x C`` matrix of 0 and 1 with exactly ``holders[c]`` ones in column ``c``, at least one and at
-    most ``capacity[k]`` in row ``k``: the class counts of the rebuilt replies (each reply's num_examples is
-    its row's sum). Classes go, most held first, to the rows with no class yet, then with the most room.
-    UpdateError when none is found (the holders cannot come from these clients)."""
-    rows, classes = len(capacity), len(holders)
-    matrix = np.zeros((rows, classes), dtype=np.int64)
-    degree = np.zeros(rows, dtype=np.int64)
-    for c in sorted(range(classes), key=lambda c: (-holders[c], c)):
-        room = [k for k in range(rows) if degree[k] < capacity[k]]
-        room.sort(key=lambda k: (degree[k] > 0, -(capacity[k] - degree[k]), k))
-        if len(room) < holders[c]:
-            raise UpdateError(f"the secure sum says {holders[c]} clients hold class {c}, more than can")
-        for k in room[:holders[c]]:
-            matrix[k, c] = 1
-            degree[k] += 1
-    if rows and int(degree.min()) == 0:
-        raise UpdateError("the secure sum leaves a summed client without any class")
-    return matrix
-
-
-def rebuild_replies(layout: SecureLayout, total: np.ndarray, global_weights: Mapping[str, Tensor],
-                    num_samples: Sequence[int], scale: float, step: float, metric_names: Sequence[str]
-                    ) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """``(one reply per summed client, the training metrics)`` from the secure sum ``total`` of the clients
-    with ``num_samples`` training samples (in client order): every reply carries the aggregate (see the
-    module doc), so the method's own aggregation returns it. UpdateError when the sum cannot come from
-    honest clients of these sizes (the checks that hold on a sum: whole counts and holders, at most the
-    clients' samples, counts adding up to num_examples)."""
-    parts = layout.unpack(total)
-    summed = len(num_samples)
-    # each summed entry is off by less than `summed` quantization steps; whole numbers are checked in units of s
-    tolerance = WHOLE_TOLERANCE + summed * step * scale
-    examples = float(parts["num_examples"][0]) * scale
-    total_examples = int(_whole(np.array([examples]), "num_examples", tolerance)[0])
-    if not summed <= total_examples <= sum(num_samples):
-        raise UpdateError(f"the secure sum's num_examples is {total_examples}, but the {summed} summed clients hold "
-                          f"{sum(num_samples)} training samples together")
-    share = examples / scale  # sum_k n_k / s, the FedAvg denominator
-    weights = {}
-    for name in layout.weights:
-        delta = torch.from_numpy(np.ascontiguousarray(parts[f"weights/{name}"])) / share
-        base = global_weights[name].detach().cpu()
-        weights[name] = (base.double() + delta).to(layout.weight_dtypes[name])
-    if not layout.per_class:
-        replies = [{"weights": weights, "num_examples": int(n)} for n in num_samples]
-    else:
-        holders = _whole(parts["held"], "class holders", WHOLE_TOLERANCE + summed * step)
-        counts = _whole(parts["class_counts"] * scale, "class counts", tolerance)
-        if bool((holders < 0).any()) or bool((holders > summed).any()) or bool((counts < holders).any()):
-            raise UpdateError("the secure sum's class holders and counts do not fit together")
-        if int(counts.sum()) != total_examples:
-            raise UpdateError(f"the secure sum's class counts add up to {int(counts.sum())}, its num_examples to "
-                              f"{total_examples}")
-        matrix = holder_counts(holders.tolist(), list(num_samples))
-        rows: dict[str, Tensor] = {}
-        for key, mode in layout.weighting.items():
-            shape, dtype = layout.row_forms[key]
-            # holder-mean: sum of held rows / holders; count-weighted: sum of (n_k^c/s) rows / sum of n_k^c/s (a
-            # method dividing that by the holders, Eq. 4, gets it right: the rebuilt replies have as many holders)
-            denominator = holders.astype(np.float64) if mode == HOLDERS else parts["class_counts"]
-            denominator = np.where(holders > 0, denominator, 1.0).reshape(-1, *([1] * (len(shape) - 1)))
-            means = np.where((holders > 0).reshape(denominator.shape), parts[f"rows/{key}"] / denominator, 0.0)
-            rows[key] = torch.from_numpy(np.ascontiguousarray(means)).to(dtype)
-        replies = []
-        for k in range(summed):
-            reply: dict[str, Any] = {"weights": dict(weights), "num_examples": int(matrix[k].sum()),
-                                     "class_counts": torch.from_numpy(matrix[k].copy())}
-            for key, mean in rows.items():
-                held = torch.from_numpy(matrix[k] > 0).reshape(-1, *([1] * (mean.dim() - 1)))
-                reply[key] = torch.where(held, mean, torch.zeros((), dtype=mean.dtype))
-            replies.append(reply)
-    slots: dict[int, str] = {}
-    for name in sorted(set(metric_names)):
-        slot = metric_slot(name)
-        if slot in slots:
-            raise FedHProError(f"the training metrics '{slots[slot]}' and '{name}' share a slot of the secure sum; "
-                               "rename one of them")
-        slots[slot] = name
-    factor = scale * METRIC_SCALE / float(sum(num_samples))
-    metrics = {name: float(parts["metrics"][slot]) * factor for slot, name in sorted(slots.items(), key=lambda i: i[1])}
-    return replies, metrics

@@ -29,7 +29,8 @@ wrong dtype or shape, or more bytes than its shape needs. A plug-in method
 must therefore declare every key its client uploads: an undeclared key is
 refused with a line naming it and this fix. A tensor whose rows are per class (prototypes, class
 gradients, counts) is declared as :class:`ClassRows` (still a ``(shape, dtype)``): the engines act on
-per-class tensors (injected hostility, the robust rules) by that declaration alone.
+per-class tensors (injected hostility, the robust rules) by that declaration alone; its ``averaged``
+says how the server combines the clients' rows of a class, which secure aggregation needs to sum them.
 """
 
 from __future__ import annotations
@@ -56,14 +57,40 @@ Weights = dict[str, Tensor]
 TensorLayout = tuple[tuple[int, ...], torch.dtype]
 
 
-class ClassRows(NamedTuple):
+#: how a method's server averages a class's rows over the clients (:attr:`ClassRows.averaged`): the mean over
+#: the clients that hold the class, or the mean weighted by the clients' counts of the class
+HOLDERS, COUNTS = "holders", "counts"
+
+
+class _Rows(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class ClassRows(_Rows):
     """A tensor of a reply layout whose rows are per class (``shape[0]`` is the number of classes:
     prototypes, class gradients, soft predictions, class counts). It is a ``(shape, dtype)`` like any
     :data:`TensorLayout`; the engines read the per-class keys from it (:func:`class_keys`: injected
-    hostility and the robust rules act on such tensors row by row), never from a reply's shapes."""
+    hostility and the robust rules act on such tensors row by row), never from a reply's shapes.
 
-    shape: tuple[int, ...]
-    dtype: torch.dtype
+    ``averaged`` (a keyword beside the tuple, not one of its items) declares how the server's step
+    combines the clients' rows of a class: :data:`HOLDERS` (their mean over the clients that hold the
+    class), :data:`COUNTS` (their mean weighted by the clients' counts of the class), or None (not
+    declared: neither, or not said). Secure aggregation sums only declared rows
+    (:mod:`fedhpro.flower.secure_sum`)."""
+
+    averaged: str | None = None
+
+    def __new__(cls, shape: tuple[int, ...], dtype: torch.dtype, averaged: str | None = None) -> ClassRows:
+        if averaged not in (None, HOLDERS, COUNTS):
+            raise ConfigError(f"ClassRows(averaged={averaged!r}): say {HOLDERS!r} (the mean over the clients "
+                              f"holding the class), {COUNTS!r} (weighted by their class counts) or None")
+        rows = super().__new__(cls, shape, dtype)
+        rows.averaged = averaged
+        return rows
+
+    def __repr__(self) -> str:
+        return f"ClassRows(shape={self.shape!r}, dtype={self.dtype!r}, averaged={self.averaged!r})"
 
 
 #: a reply's declared layout (:meth:`Server.reply_layout`): per key, ``{name: (shape, dtype)}`` (a model's
@@ -715,3 +742,7 @@ class MethodSpec:
     #: e.g. the prototype methods' protocol=proto-only); without it, "all". The engines send the classifier
     #: only when the clients' architectures differ (heterogeneity=), whatever the method declares.
     weights_travel: Callable[[Any], str] | None = None
+    #: why the server's step needs each client's own upload, not only their sums (FedTGP trains on every
+    #: client's prototypes); "" (the default): a function of sums, weighted as the reply layout declares
+    #: (:attr:`ClassRows.averaged`). Secure aggregation refuses a method that says why, quoting it.
+    needs_each_upload: str = ""

@@ -1,88 +1,10 @@
 """FedGMKD (Zhang, Shan & Han, NeurIPS 2024): Gaussian-mixture prototypes, knowledge distillation, DAT.
 
-The FedGMKD paper's losses and DAT weighting; where the authors' code differs (it standardises features before
-the Gaussian mixture, so every prototype it sends is zero), the paper wins.
-
-Client, after loading the global weights, trains E epochs on::
-
-    CE(h(z), y) + gamma * MSE(z, P_y) + lam * KL(S^ || softmax(h(P) / T))
-
-* ``MSE(z, P_y)``: ``F.mse_loss`` averaged over all ``B x d`` entries of the
-  batch; a sample whose class has no global prototype is its own target (it
-  adds 0 but still counts in the mean), as in the FedProto/FedGMKD code.
-* ``KL``: for every class c that has global knowledge,
-  ``KL(S^_c || q_c) = sum_j S^_cj (log S^_cj - log q_cj)`` with
-  ``q_c = softmax(h(P_c) / T)`` (log-softmax, ``xlogy`` so zero entries add 0).
-  Direction: the global soft prediction is the target distribution (the
-  authors' ``KLDivLoss(log q, S^)``). Reduction (``kl_reduction``): ``mean``
-  (default) averages the pointwise terms over the held classes AND the C
-  outputs, i.e. ``mean_c KL_c / C``, as the authors' ``nn.KLDivLoss()``
-  (``reduction='mean'``) does; ``batchmean`` is the textbook divergence
-  ``mean_c KL_c``. lam = 0.6 was tuned by the authors with the first, so the
-  second makes the same lam C times stronger: on digits-offline (seed 0,
-  R = 10, E = 5) it cost FedGMKD 2.5 points of AVG against FedAvg (the KL
-  term alone: 7.3), while ``mean`` matches FedAvg (see docs/reproducing.md).
-  Only the head ``h`` receives gradients from this term (``P`` and ``S^`` are
-  constants).
-* no global knowledge for a class (round 0, or no client has held it yet):
-  the class is left out of both terms (both terms absent in round 0).
-
-After training, ONE eval-mode pass gives the features z and the soft
-predictions ``softmax(h(z)/T)``. Per class c held by the client:
-
-* prototype ``P_k^c``: a :class:`sklearn.mixture.GaussianMixture` fitted to the
-  class's features in the ORIGINAL feature space (no standardisation: the
-  authors' code standardises first and so sends zero vectors), the number of
-  components chosen by the lowest BIC over ``1..min(n_c, max_components)``,
-  ``random_state`` drawn from the client's generator; the prototype is the
-  mixture's mean ``sum_m pi_m mu_m``. At most ``max_samples`` (500) randomly
-  chosen samples of the class enter the fit (speed; documented option).
-  Note: after an EM M-step ``sum_m pi_m mu_m`` equals the mean of the fitted
-  samples exactly (up to sklearn's 10*eps), whatever the components, so the
-  prototype is the (sub-sampled) class mean; the fit only decides the
-  reported component count. It costs ~1.8 s per class at d=512, n=500, full
-  covariance on one core (``covariance=diag``: ~0.2 s, same prototype).
-* soft prediction ``S_k^c``: the mean of ``softmax(h(z_i)/T)`` over ALL the
-  client's samples of class c;
-* ``n_k^c``: the class count.
-
-Server (DAT, the paper's discrepancy-aware aggregation; our reading of its
-Figure 2 and Section 3, with the per-class form of the authors' code), for
-each class c over the clients A^c that hold it (n_k^c > 0):
-
-1. initial weights ``w0_k^c = n_k^c / sum_{j in A^c} n_j^c``;
-2. preliminary global soft prediction ``S0^c = sum_k w0_k^c S_k^c``;
-3. discrepancy ``d_k^c = KL(S_k^c || S0^c)``;
-4. ``p_k^c = ReLU(w0_k^c - a d_k^c + b) / sum_{j in A^c} ReLU(w0_j^c - a d_j^c + b)``
-   (a = ``dat_a`` = 0.4, b = ``dat_b`` = 0.2, the authors' per-class values;
-   if every numerator of a class is 0 the class falls back to ``w0``);
-5. global knowledge ``P^c = sum_k p_k^c P_k^c``, ``S^c = sum_k p_k^c S_k^c``.
-
-A class nobody held this round keeps its previous global knowledge (as
-FedProto here, ``prototypes.merge_prototypes``); one nobody has held yet has
-none (``prototype_mask`` / ``soft_mask`` False: never a zero vector).
-
-Weights (``dagger``): each client's weight is the class-share average of its
-DAT weights, ``w_k = sum_c (n^c / N) p_k^c`` with ``n^c = sum_k n_k^c`` and
-``N = sum_c n^c`` (they sum to 1; with ``a = b = 0`` this is exactly FedAvg's
-``n_k / N``); floating entries are averaged with ``w_k``, counters keep their
-maximum (``weighted_average``). The authors' code instead weights clients by
-FedDisco's ``ReLU(n_k - a ||D_k - U||_2 + b)`` (raw counts, label distribution
-vs uniform) and, from round 2, uses the prototype discrepancy for both kinds
-of knowledge; neither is what the paper describes, so neither is copied.
-
-Payload: server -> client ``weights`` (``{}`` in proto-only), ``prototypes``
-(C x d), ``prototype_mask`` (C bool), ``soft_predictions`` (C x C),
-``soft_mask`` (C bool); client -> server ``weights``, ``num_examples``,
-``prototypes``, ``soft_predictions``, ``class_counts`` (+ ``class_gradients``).
-
-``protocol=proto-only``: no weights travel (engine ``shared="none"``), only
-the knowledge step runs. ``prototypes=hyper`` (paper Table 3): the server
-keeps a :class:`HyperPrototypeBank` and sends ``H`` (C x d) in place of ``P``
-(for the MSE and the KL term); clients also upload ``class_gradients``
-(Eq. 5, from the same eval pass) and skip the GMM (their uploaded prototypes
-are plain class means, unused by the server). The matching needs the global
-head, so ``hyper`` requires ``protocol=dagger`` (ConfigError otherwise).
+Clients train on ``CE + gamma * MSE(z, P_y) + lam * KL(S^ || softmax(h(P) / T))`` and upload, per class
+they hold, a Gaussian-mixture prototype, a soft prediction and a count (:class:`FedGMKDClient`); the
+server combines them with discrepancy-aware (DAT) weights and averages the models by each client's DAT
+weight (:class:`FedGMKDServer`). The paper's losses and weighting: where the authors' code differs, the
+paper wins.
 """
 
 from __future__ import annotations
@@ -279,7 +201,26 @@ def check_counts(reply: Payload, num_classes: int, who: str) -> Tensor:
 
 class FedGMKDServer(PrototypeServer):
     """DAT's knowledge step (prototypes and soft predictions) on :class:`PrototypeServer`'s round;
-    the weights are averaged by the DAT client weights, so they are not folded as replies arrive."""
+    the weights are averaged by the DAT client weights, so they are not folded as replies arrive.
+
+    DAT (our reading of the paper's Figure 2 and Section 3, in the per-class form of the authors' code),
+    for each class c over the clients A^c that hold it (n_k^c > 0):
+
+    1. initial weights ``w0_k^c = n_k^c / sum_{j in A^c} n_j^c``;
+    2. preliminary global soft prediction ``S0^c = sum_k w0_k^c S_k^c``;
+    3. discrepancy ``d_k^c = KL(S_k^c || S0^c)``;
+    4. ``p_k^c = ReLU(w0_k^c - a d_k^c + b) / sum_{j in A^c} ReLU(w0_j^c - a d_j^c + b)`` (a = ``dat_a`` =
+       0.4, b = ``dat_b`` = 0.2, the authors' per-class values; if every numerator of a class is 0 the class
+       falls back to ``w0``);
+    5. global knowledge ``P^c = sum_k p_k^c P_k^c``, ``S^c = sum_k p_k^c S_k^c``.
+
+    A class nobody held this round keeps its previous knowledge; one nobody has held yet has none (its mask
+    False: never a zero vector). Weights (``dagger``): each client's weight is the class-share average of
+    its DAT weights, ``w_k = sum_c (n^c / N) p_k^c`` (with ``a = b = 0`` exactly FedAvg's ``n_k / N``). The
+    authors' code weights clients by FedDisco's ``ReLU(n_k - a ||D_k - U||_2 + b)`` instead and, from round
+    2, uses the prototype discrepancy for both kinds of knowledge; neither is what the paper describes.
+    ``protocol=proto-only``: no weights travel, only the knowledge step runs; ``prototypes=hyper`` (paper
+    Table 3): a :class:`HyperPrototypeBank` sends ``H`` in place of ``P`` (it needs ``protocol=dagger``)."""
 
     folds_weights = False
     #: the soft predictions and the client weights come from the knowledge step, with hyper-prototypes too
@@ -344,6 +285,23 @@ class FedGMKDServer(PrototypeServer):
 
 
 class FedGMKDClient(PrototypeClient):
+    """The paper's local objective ``CE(h(z), y) + gamma * MSE(z, P_y) + lam * KL(S^ || softmax(h(P) / T))``.
+
+    * ``MSE``: over all ``B x d`` entries of the batch; a sample whose class has no global prototype is its
+      own target (it adds 0 but counts in the mean), as in the FedProto/FedGMKD code.
+    * ``KL`` (:func:`knowledge_kl`): for every class with global knowledge, the global soft prediction is the
+      target distribution (the authors' ``KLDivLoss(log q, S^)``); ``kl_reduction=mean`` (default) is the
+      authors' ``nn.KLDivLoss()`` (``mean_c KL_c / C``), for which they tuned lam = 0.6; ``batchmean`` makes
+      the same lam C times stronger (on digits-offline it cost 2.5 points of AVG against FedAvg: see
+      docs/reproducing.md). Only the head receives its gradients.
+
+    After training, one eval-mode pass gives the features and soft predictions; per class held the client
+    uploads a prototype (:func:`gmm_prototypes`: a Gaussian mixture on at most ``max_samples`` features in
+    the original space, components by lowest BIC; the authors' code standardises first and so sends zero
+    vectors; the mixture's mean equals the class mean after EM, the fit decides the component count), its
+    soft prediction (the mean of ``softmax(h(z)/T)`` over the class's samples) and its count. With
+    ``prototypes=hyper`` it uploads class gradients too and plain class means instead of the mixture."""
+
     #: the knowledge KL runs the head on the received prototypes against the received soft predictions, not on
     #: samples: under privacy=sample its gradient is added after DP-SGD's clipping and noise
     public_loss_terms = frozenset({"kd_kl"})
@@ -404,4 +362,5 @@ METHOD = MethodSpec(
     client=FedGMKDClient,
     description="FedGMKD: GMM prototypes + soft-label distillation, discrepancy-aware (DAT) aggregation",
     weights_travel=weights_travel,
+    needs_each_upload="its DAT step weights each client by the discrepancy of that client's own soft predictions",
 )

@@ -32,6 +32,8 @@ import torch
 from fedhpro import functional as HF
 from fedhpro.errors import ConfigError
 from fedhpro.methods.base import (
+    COUNTS,
+    HOLDERS,
     Batch,
     ClassRows,
     Client,
@@ -172,14 +174,16 @@ class FedHProServer(Server):
     def reply_layout(self) -> ReplyLayout:
         """The base layout plus ``class_counts`` (C, int64), ``class_gradients`` and ``prototypes`` (C x d,
         the model's dtype), under every option; with ``classifier_step=synthetic`` also the classifier
-        gradients; all of them per class (:class:`ClassRows`)."""
-        rows = ClassRows((self.num_classes, self.global_prototypes.shape[1]), classifier_of(self.scratch).weight.dtype)
-        layout: ReplyLayout = {**super().reply_layout(), "class_counts": ClassRows((self.num_classes,), torch.int64),
-                               "class_gradients": rows, "prototypes": rows}
+        gradients; all of them per class (:class:`ClassRows`). The server averages the gradients over the
+        clients that hold a class (Eq. 6), the prototypes by the clients' class counts (Eq. 4)."""
+        classes, dim = self.num_classes, self.global_prototypes.shape[1]
+        dtype = classifier_of(self.scratch).weight.dtype
+        layout: ReplyLayout = {**super().reply_layout(), "class_counts": ClassRows((classes,), torch.int64),
+                               "class_gradients": ClassRows((classes, dim), dtype, HOLDERS),
+                               "prototypes": ClassRows((classes, dim), dtype, COUNTS)}
         if self.synthetic is not None:  # classifier_step=synthetic: C x C x d and C x C classifier gradients
-            (classes, dim), dtype = rows
-            layout.update(classifier_weight_gradients=ClassRows((classes, classes, dim), dtype),
-                          classifier_bias_gradients=ClassRows((classes, classes), dtype))
+            layout.update(classifier_weight_gradients=ClassRows((classes, classes, dim), dtype, HOLDERS),
+                          classifier_bias_gradients=ClassRows((classes, classes), dtype, HOLDERS))
         return layout
 
     def validate_reply(self, reply: Payload, who: str = "reply") -> None:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fedhpro import functional as HF
-from fedhpro.methods.base import MethodSpec, Payload
+from fedhpro.methods.base import HOLDERS, MethodSpec, Payload
 from fedhpro.methods.prototypes import (
     PrototypeClient,
     PrototypeOptions,
@@ -39,6 +39,8 @@ class FedProtoOptions(PrototypeOptions):
 
 
 class FedProtoServer(PrototypeServer):
+    rows_averaged = HOLDERS  # P^c: the unweighted mean over the clients that hold class c
+
     def prototype_step(self, round: int, uploads: Uploads, replies: Sequence[Payload]) -> dict[str, float]:
         new, held = HF.mean_client_prototypes(uploads.prototypes, uploads.present)
         self.prototypes, self.prototype_mask = merge_prototypes(self.prototypes, self.prototype_mask, new, held)

@@ -53,7 +53,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fedhpro import functional as HF
-from fedhpro.methods.base import Batch, LocalRound, LossTerms, MethodContext, MethodSpec, Payload, classifier_of
+from fedhpro.methods.base import (
+    HOLDERS,
+    Batch,
+    LocalRound,
+    LossTerms,
+    MethodContext,
+    MethodSpec,
+    Payload,
+    classifier_of,
+)
 from fedhpro.methods.prototypes import (
     PrototypeClient,
     PrototypeOptions,
@@ -132,6 +141,8 @@ def ema_anchors(anchors: Tensor, mean_prototypes: Tensor, held: Tensor, momentum
 class FedSAServer(PrototypeServer):
     """FedSA's global prototypes are its anchors (``self.prototypes``): every class has one from round 0
     (the mask is all True); the prototype step moves them towards the clients' mean prototypes."""
+
+    rows_averaged = HOLDERS  # the clients' mean prototype of a class: over the clients that hold it
 
     def __init__(self, context: MethodContext):
         super().__init__(context)

@@ -161,4 +161,5 @@ METHOD = MethodSpec(
     client=FedTGPClient,
     description="FedTGP: CE + lam * MSE to trainable global prototypes learned with an adaptive-margin CE",
     weights_travel=weights_travel,
+    needs_each_upload="its server trains the global prototypes on every client's own prototypes",
 )

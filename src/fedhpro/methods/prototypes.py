@@ -375,6 +375,9 @@ class PrototypeServer(Server, ABC):
     #: whether :meth:`prototype_step` also runs with ``prototypes=hyper``: FedGMKD's knowledge step sends
     #: soft predictions and weights the clients either way; FedProto's and FedTGP's prototypes would go unused
     steps_with_hyper = False
+    #: how the server combines the clients' prototypes (and class gradients) of a class, declared in
+    #: :meth:`reply_layout` (:attr:`ClassRows.averaged`); None: not by a mean (FedTGP trains on them)
+    rows_averaged: str | None = None
 
     def __init__(self, context: MethodContext):
         check_protocol(context)
@@ -418,8 +421,9 @@ class PrototypeServer(Server, ABC):
     def reply_layout(self) -> ReplyLayout:
         """The base layout (weights, ``{}`` in proto-only; num_examples), ``prototypes`` (C x d, the model's
         dtype), ``class_counts`` (C, int64) and, with ``prototypes=hyper``, ``class_gradients`` (C x d); all
-        but the weights per class (:class:`ClassRows`)."""
-        rows = ClassRows((self.num_classes, self.feature_dim), classifier_of(self.scratch).weight.dtype)
+        but the weights per class (:class:`ClassRows`, averaged as :attr:`rows_averaged` says)."""
+        rows = ClassRows((self.num_classes, self.feature_dim), classifier_of(self.scratch).weight.dtype,
+                         self.rows_averaged)
         layout: ReplyLayout = {**super().reply_layout(), "prototypes": rows,
                                "class_counts": ClassRows((self.num_classes,), torch.int64)}
         if self.bank is not None:
