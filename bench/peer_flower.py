@@ -69,8 +69,8 @@ plain_client = ClientApp()
 @functools.lru_cache(maxsize=1)
 def load_partitions() -> tuple[Any, ...]:
     """Every client's training tensors, built once per process (a Ray actor serves several nodes)."""
-    from fedhpro.api import build_experiment
     from fedhpro.config import load_config
+    from fedhpro.experiment import build_experiment
 
     return tuple(build_experiment(load_config(dict(SETTINGS))).federation.clients)
 
@@ -219,9 +219,9 @@ def med(values: list[float]) -> str:
 
 def plain_accuracy(arrays: ArrayRecord) -> float:
     """c's final model on the test sets the simulator uses (AVG over test sets, as fedhpro reports it)."""
-    from fedhpro.api import build_experiment
     from fedhpro.config import load_config
     from fedhpro.engines.simulator import evaluate
+    from fedhpro.experiment import build_experiment
 
     model = new_model()
     model.load_state_dict(arrays.to_torch_state_dict())
@@ -237,7 +237,7 @@ if sys.argv[2] == "engine":
     from fedhpro.flower.engine import build_engine
     build_engine(load_config(settings))
 else:
-    from fedhpro.api import build_experiment
+    from fedhpro.experiment import build_experiment
     build_experiment(load_config(settings))
 print(time.perf_counter() - started)
 """

@@ -1,7 +1,7 @@
 """A second engine, for tests: the participants trained one after another through the shared round protocol,
 no observers, no drop handling beyond the protocol's. It implements :class:`fedhpro.engines.driver.Engine`
 with nothing but the driver's row and client-evaluation functions, so a run through
-:class:`~fedhpro.engines.driver.RunFolder` gives the simulator's bytes (one global model, test sets shared
+:class:`~fedhpro.engines.driver.Run` gives the simulator's bytes (one global model, test sets shared
 per domain: FedAvg, FedHPro)."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedhpro.api import Experiment, protocol_settings
 from fedhpro.config import Config
 from fedhpro.engines.driver import round_extra, test_client
-from fedhpro.engines.protocol import RoundProtocol, RoundRecord, pool_accuracy, train_generator
+from fedhpro.engines.protocol import RoundProtocol, RoundRecord, client_step, pool_accuracy
 from fedhpro.engines.simulator import ClientModels, build_method
+from fedhpro.experiment import Experiment, protocol_settings
 
 
 class SequentialEngine:
@@ -36,8 +36,8 @@ class SequentialEngine:
         current = self.protocol.open(round)
         for k in current.to_ask:
             model, data = self.models.model_for(k), self.federation.clients[k]
-            reply, metrics = self.client.fit(model, current.payload, data, self.states[k],
-                                             train_generator(self.seed, round, k))
+            reply, metrics = client_step(self.server, self.client, model, current.payload, data, self.states[k],
+                                         self.seed, round, k, self.protocol.client_privacy)
             if current.receive(k, reply, metrics, len(data)):
                 self.models.keep(k, model)
         server_metrics = current.close()

@@ -13,15 +13,23 @@ from conftest import FEATURE_DIM, TinyNet, make_federation
 from sequential_engine import SequentialEngine
 
 import fedhpro
-from fedhpro.api import build_experiment, run_notes
+from fedhpro.api import run_notes
 from fedhpro.engines import driver
+from fedhpro.experiment import build_experiment
+from fedhpro.privacy import privacy_warnings
 from fedhpro.runtime import cpu_runtime, resolve_threads, torch_threads
+
+#: privacy=client with max_epsilon: the client step privatizes on this engine too, and the run stops before the
+#: round that would spend more than the budget (2 of 3 rounds run), with the summary's privacy block
+PRIVATE = {"privacy": "client", "privacy.noise_multiplier": 1.0, "privacy.secure_noise": False,
+           "privacy.max_epsilon": 2.0}
 
 
 def settings(out: Path, method: str) -> dict:
+    name, _, variant = method.partition("-")
     return {"rounds": 3, "local_epochs": 1, "batch_size": 8, "progress": False, "device": "cpu", "out": str(out),
-            "feature_dim": FEATURE_DIM, "method": method, "eval_every": 2, "seed": 2,
-            **({"fedhpro.match_steps": 2} if method == "fedhpro" else {})}
+            "feature_dim": FEATURE_DIM, "method": name, "eval_every": 2, "seed": 2,
+            **({"fedhpro.match_steps": 2} if name == "fedhpro" else {}), **(PRIVATE if variant else {})}
 
 
 def without_seconds(path: Path) -> dict:
@@ -30,7 +38,7 @@ def without_seconds(path: Path) -> dict:
     return summary
 
 
-@pytest.mark.parametrize("method", ["fedavg", "fedhpro"])
+@pytest.mark.parametrize("method", ["fedavg", "fedhpro", "fedavg-private"])
 def test_a_sequential_engine_through_the_driver_gives_the_simulators_bytes(method, tmp_path):
     federation = make_federation([10, 12, 14], seed=3)
     expected = fedhpro.run(federation=federation, model=TinyNet, **settings(tmp_path / "simulator", method))
@@ -40,19 +48,22 @@ def test_a_sequential_engine_through_the_driver_gives_the_simulators_bytes(metho
     with cpu_runtime(), torch_threads(resolve_threads(config.run.threads)):  # as fedhpro.run runs
         parts = build_experiment(config, device, federation=federation, model_factory=TinyNet)
         engine = SequentialEngine(config, parts, device)
-        folder = driver.RunFolder(out, config.run, started=started)
-        folder.start(config.to_dict(), parts.federation.partition)
-        driver.train(engine, folder, "sequential", progress=False)
+        run = driver.Run(out, config.run, engine.protocol, started=started)
+        run.open(config.to_dict(), parts.federation.partition, engine.load_state_dict)
+        driver.train(engine, run, "sequential", progress=False)
         notes = [*parts.federation.notes, *run_notes(config, parts.federation)]  # as fedhpro.run says them
+        notes += privacy_warnings(config.privacy, federation.num_clients, [len(data) for data in federation.clients])
         summary = driver.run_summary(config.run, federation.name, federation.num_clients, device,
-                                     folder.rows.metrics, time.perf_counter() - started, notes, from_python=True)
-        folder.finish(summary, engine.server.state_dict())
+                                     run.rows.metrics, run.seconds(), notes, from_python=True)
+        run.close(summary, engine.server.state_dict(), lambda folder: None, "sequential")
     for name in ("metrics.jsonl", "config.yaml", "partition.json"):
         assert (out / name).read_bytes() == (expected.out / name).read_bytes(), name
     assert without_seconds(out / "summary.json") == without_seconds(expected.out / "summary.json")
     assert list(json.loads((out / "summary.json").read_text())) == list(expected.summary)  # the keys' order too
     ours, theirs = (torch.load(where / "server_state.pt", weights_only=True) for where in (out, expected.out))
-    assert ours["completed_rounds"] == theirs["completed_rounds"] == 3
+    assert ours["completed_rounds"] == theirs["completed_rounds"] == (2 if "private" in method else 3)
+    if "private" in method:
+        assert expected.summary["privacy"]["stopped"].startswith("privacy budget: stopped before round 2 of 3")
     assert all(torch.equal(ours["server"]["weights"][key], value)
                for key, value in theirs["server"]["weights"].items())
 

@@ -76,7 +76,7 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 def reference(settings: dict[str, Any], out: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """``(metrics rows, final server state)`` of the in-process simulator for ``settings``."""
     result = fedhpro.run(settings, out=str(out))
-    state = checkpoint.load(checkpoint.latest(out))["simulator"]["server"]
+    state = checkpoint.load(checkpoint.latest(out))[checkpoint.STATE]["server"]
     return result.metrics, state
 
 

@@ -23,10 +23,10 @@ from conftest import (
 )
 from torch import nn
 
-from fedhpro.api import model_factories
 from fedhpro.config import load_config
 from fedhpro.engines.simulator import Simulator
 from fedhpro.errors import ConfigError
+from fedhpro.experiment import model_factories
 from fedhpro.methods import fedavg, get_method, moon
 from fedhpro.methods.base import Client, MethodContext, TrainSettings, clone_weights
 from fedhpro.methods.fedavg import FedAvgOptions

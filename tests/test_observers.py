@@ -11,7 +11,6 @@ import yaml
 from conftest import FEATURE_DIM, TinyNet, make_federation
 
 import fedhpro
-from fedhpro import api
 from fedhpro.config import OBSERVER_KEYS
 from fedhpro.engines import driver
 from fedhpro.engines.observers import FlopCount, PrototypeDistance, RoundObserver
@@ -229,15 +228,15 @@ def test_a_run_killed_before_checkpoint_every_came_resumes_from_its_timed_checkp
 
 def test_the_bar_shows_the_cross_entropy_labelled_else_the_whole_loss():
     hpro = {"ce": 0.25, "hpcl": 150.0, "hpal": 0.5, "loss": 150.75, "margin": 0.6}
-    assert api.progress_text(hpro, {"a": 40.0, "AVG": 45.678}) == "train CE 0.250  AVG 45.68%"
-    assert api.progress_text({"loss": 1.5}, None) == "train loss 1.500  AVG -"
-    assert api.progress_text({}, {"AVG": 10.0}) == "AVG 10.00%"  # a skipped round: no training metrics
+    assert driver.progress_text(hpro, {"a": 40.0, "AVG": 45.678}) == "train CE 0.250  AVG 45.68%"
+    assert driver.progress_text({"loss": 1.5}, None) == "train loss 1.500  AVG -"
+    assert driver.progress_text({}, {"AVG": 10.0}) == "AVG 10.00%"  # a skipped round: no training metrics
 
 
 def test_fedhpro_reports_the_cross_entropy_the_bar_shows():
     record = simulator().run_round(0)
     assert {"ce", "hpcl", "loss"} <= set(record.train)
-    assert api.progress_text(record.train, None).startswith(f"train CE {record.train['ce']:.3f}")
+    assert driver.progress_text(record.train, None).startswith(f"train CE {record.train['ce']:.3f}")
 
 
 # ---------------------------------------------------------------------------- fedhpro report

@@ -75,8 +75,8 @@ def test_checkpoints_are_weights_only_and_pruned(digits_data_dir, tmp_path):
     assert names == ["round-000003.pt", "round-000004.pt"]
     blob = torch.load(out / "checkpoints" / "round-000004.pt", weights_only=True)  # no pickled code
     assert blob["completed_rounds"] == 4
-    assert {"server", "client_states"} <= set(blob["simulator"])
-    assert "hyper_prototypes" in blob["simulator"]["server"]
+    assert {"server", "client_states"} <= set(blob[checkpoint.STATE])
+    assert "hyper_prototypes" in blob[checkpoint.STATE]["server"]
 
 
 def test_resume_refuses_changed_settings_and_missing_runs(digits_data_dir, tmp_path, capsys):
@@ -271,7 +271,7 @@ def test_every_method_resumes_bit_for_bit_from_a_weights_only_checkpoint(method,
     path = checkpoint.save(tmp_path, 2, first.state_dict(), [record.to_json() for record in first.history])
     blob = checkpoint.load(path)
     resumed = build()
-    resumed.load_state_dict(blob["simulator"])
+    resumed.load_state_dict(blob[checkpoint.STATE])
     resumed.run_round(2)
 
     assert resumed.history[0].to_json() == straight.history[2].to_json()

@@ -16,11 +16,11 @@ import torch
 from conftest import TinyNet, make_federation
 
 from fedhpro.aggregation import clip_factor, clip_update, coordinate_median, trimmed_mean, update_norm
-from fedhpro.api import protocol_settings
 from fedhpro.config import load_config
 from fedhpro.engines.protocol import Aggregation, Faults, Reception
 from fedhpro.engines.simulator import Simulator, derive_seed
 from fedhpro.errors import ConfigError
+from fedhpro.experiment import protocol_settings
 from fedhpro.functional import weighted_average
 from fedhpro.methods import METHODS, TrainSettings
 from fedhpro.methods.fedhpro import FedHProOptions
@@ -151,20 +151,21 @@ def test_both_engines_build_their_protocol_from_the_same_settings():
     config = load_config(None, ["aggregation=norm-clip", "aggregation.max_norm=3", "faults.sign_flip=0.4",
                                 "faults.dropout=0.1", "rounds=4", "min_clients=2"])
     server = METHODS["fedavg"].server(_context())
-    protocol = protocol_for(config, server, 5)
+    protocol = protocol_for(config, server, [10, 20, 30, 40, 50])
     settings = protocol_settings(config)
     assert protocol.aggregation == settings["aggregation"] == Aggregation(rule="norm-clip", max_norm=3.0)
     assert protocol.faults == settings["faults"] == Faults(dropout=0.1, sign_flip=0.4)
-    assert (protocol.rounds, protocol.min_clients) == (4, 2)
+    assert (protocol.rounds, protocol.min_clients, protocol.num_clients) == (4, 2, 5)
+    assert protocol.client_sizes == [10, 20, 30, 40, 50]  # the sizes that cap a round's weights
 
 
 def test_a_resumed_run_refuses_another_aggregation_or_hostile_fault():
-    from fedhpro.api import _changed_on_resume, _given_settings
+    from fedhpro.resume import _changed_on_resume, given_settings
 
     stored = load_config(None, ["aggregation=median"]).to_dict()
-    assert _changed_on_resume(stored, _given_settings(None, {"aggregation": "trimmed-mean", "faults.sign_flip": 0.1})
+    assert _changed_on_resume(stored, given_settings(None, {"aggregation": "trimmed-mean", "faults.sign_flip": 0.1})
                               ) == ["aggregation.rule", "faults.sign_flip"]
-    assert _changed_on_resume(stored, _given_settings(None, {"aggregation.rule": "median"})) == []
+    assert _changed_on_resume(stored, given_settings(None, {"aggregation.rule": "median"})) == []
 
 
 def _context():

@@ -322,7 +322,7 @@ def damage_garbage(path: Path, _tmp: Path) -> str:
 
 def damage_foreign_objects(path: Path, tmp: Path) -> str:
     blob = torch.load(path, weights_only=True)
-    blob["simulator"] = RunsCode(tmp / "pwned")
+    blob["state"] = RunsCode(tmp / "pwned")
     torch.save(blob, path)
     return f"checkpoint {path} cannot be loaded (it holds objects other than tensors, which are never unpickled)"
 

@@ -221,20 +221,20 @@ def test_predict_refuses_wrong_inputs_in_one_line(global_run, tmp_path, capsys):
 
 
 def test_the_flower_writers_give_what_load_model_rebuilds(digits_data_dir, tmp_path):
-    """The functions the Flower ServerApp and a SuperNode call (fedhpro.trained.write_server_model /
+    """The functions the Flower ServerApp and a SuperNode call (fedhpro.trained.server_models with write_models /
     write_node_model), on the parts the Flower apps build, against those parts' own modules."""
     pytest.importorskip("flwr")
     from fedhpro.config import load_config
     from fedhpro.flower.engine import build_server_side, node_from_engine
     from fedhpro.reports import write_yaml
-    from fedhpro.trained import write_node_model, write_server_model
+    from fedhpro.trained import server_models, write_models, write_node_model
 
     settings = {k: v for k, v in tiny(digits_data_dir, tmp_path / "unused").items() if k != "out"}
     config = load_config(None, settings)
     side = build_server_side(config)
     federation = side.engine.federation
     write_yaml(tmp_path / "server" / "config.yaml", config.to_dict())  # what the ServerApp's run folder holds
-    write_server_model(tmp_path / "server", side, federation.partition)
+    write_models(tmp_path / "server", server_models(side, federation.partition))
     network = side.models.global_model
     network.load_state_dict(side.server.global_weights())
     x = federation.test_sets["mnist"][0][:8]
@@ -243,7 +243,7 @@ def test_the_flower_writers_give_what_load_model_rebuilds(digits_data_dir, tmp_p
     personal = load_config(None, {**settings, "method": "fedproto", "fedproto.protocol": "proto-only"})
     side = build_server_side(personal)
     write_yaml(tmp_path / "personal" / "config.yaml", personal.to_dict())
-    write_server_model(tmp_path / "personal", side, side.engine.federation.partition)
+    write_models(tmp_path / "personal", server_models(side, side.engine.federation.partition))
     assert not (tmp_path / "personal" / "model.pt").exists()
     with pytest.raises(ModelFileError, match="written on its node's own disk"):
         fedhpro.load_model(tmp_path / "personal", client=1)

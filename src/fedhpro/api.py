@@ -1,10 +1,9 @@
 """``fedhpro.run(config) -> RunResult``: one federated run, from Python or the CLI.
 
-The run's jobs live in their own modules, re-exported here: building the experiment
-(:mod:`fedhpro.experiment`), the run folder, rows, checkpoints and summary of any engine
-(:mod:`fedhpro.engines.driver`), resuming (:mod:`fedhpro.resume`) and models or data given from Python
-(:mod:`fedhpro.user_models`). This module is the facade: :func:`run`, :class:`RunResult` and
-:func:`run_or_continue` for drivers of many runs.
+The run's jobs live in their own modules: building the experiment (:mod:`fedhpro.experiment`), the run
+around the rounds for every engine (:class:`fedhpro.engines.driver.Run`), resuming (:mod:`fedhpro.resume`),
+models or data given from Python (:mod:`fedhpro.user_models`). This module is the facade: :func:`run`,
+:class:`RunResult` and :func:`run_or_continue` for drivers of many runs.
 """
 
 from __future__ import annotations
@@ -14,8 +13,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -25,58 +23,19 @@ import torch
 
 from fedhpro import reports
 from fedhpro.bounded import read_json_file
-from fedhpro.config import (
-    Config,
-    RunOptions,
-    load_config,
-    parse_override,
-)
+from fedhpro.config import Config, RunOptions, load_config, parse_override
 from fedhpro.data.federation import Federation, few_batches_note
 from fedhpro.engines import checkpoint, driver
-from fedhpro.engines.driver import (  # noqa: F401 (kept importable from here)
-    CheckpointSchedule,
-    RunRows,
-    check_new_run_folder,
-    progress_text,
-    run_summary,
-)
 from fedhpro.errors import ConfigError, DataError
-from fedhpro.experiment import (  # noqa: F401 (kept importable from here)
-    Experiment,
-    _shared,
-    _warn,
-    build_experiment,
-    build_simulator,
-    model_factories,
-    protocol_settings,
-    resolve_device,
-)
-from fedhpro.files import RunFolderClaim, claim_run_folder, remove_partial_writes
+from fedhpro.experiment import _warn, build_experiment, build_simulator, resolve_device
+from fedhpro.files import RunFolderClaim, claim_run_folder
 from fedhpro.measurements import observers_for
 from fedhpro.privacy import privacy_warnings
 from fedhpro.reports.plots import display_name
-from fedhpro.resume import (  # noqa: F401 (kept importable from here)
-    _RESUME_SETTINGS,
-    _changed_on_resume,
-    _given_settings,
-    _resume_config,
-    _setting,
-    _setting_keys,
-    _settings_off_defaults,
-    resumed_config,
-)
+from fedhpro.resume import _settings_off_defaults, claimed_config, given_settings
 from fedhpro.runtime import cpu_runtime, resolve_threads, torch_threads
 from fedhpro.trained import MODEL_FILE, TrainedModels, load_model, simulator_models, write_models
-from fedhpro.user_models import (  # noqa: F401 (kept importable from here)
-    _dry_forward,
-    _is_model_callable,
-    _without_model_callable,
-    check_federation,
-    check_user_model,
-    python_name,
-    user_model_builder,
-    with_python_objects,
-)
+from fedhpro.user_models import _is_model_callable, _without_model_callable, check_federation
 
 
 @dataclass
@@ -174,14 +133,9 @@ def _run(config: Config | str | os.PathLike | Mapping[str, Any] | None,
     for the whole run, new or resumed, unless the caller holds its ``claim`` already (:func:`run_or_continue`)."""
     config, model_factory, given = _resolve_run_config(config, overrides, kwargs, federation)
     folder, setting = _run_folder(config, federation)
-    with _claimed(folder, setting, claim):
-        for where in (folder, checkpoint.checkpoint_dir(folder)):  # what a killed run left half-written
-            remove_partial_writes(where)
-        if config.run.resume:  # read under the claim: the folder holds no other live run
-            config, resume_from = _resume_config(config, federation, model_factory, given)
-        else:
-            config, resume_from = with_python_objects(config, federation, model_factory), None
-            check_new_run_folder(folder)  # before the data are built: fail fast
+    with driver.claimed_run_folder(folder, setting, claim):
+        # read under the claim: the folder holds no other live run
+        config, resume_from = claimed_config(config, folder, given, federation, model_factory)
         device = resolve_device(config.run.device)
         # on the CPU: denormals flushed (restored afterwards), freed memory reused (fedhpro.runtime); the run's
         # thread count set (threads=, auto: the cores this process may run on), the caller's put back afterwards
@@ -196,17 +150,6 @@ def _run_folder(config: Config, federation: Federation | None) -> tuple[Path, st
         return Path(config.run.resume), "resume"
     data_name = federation.name if federation is not None else config.run.dataset
     return _new_run_folder(config.run, data_name), "out"
-
-
-@contextmanager
-def _claimed(folder: Path, setting: str, held: RunFolderClaim | None) -> Iterator[None]:
-    """``folder`` claimed for the block (:func:`fedhpro.files.claim_run_folder`), or ``held`` already. A
-    ``resume=`` folder that is not there is left to :func:`_resume_config`'s message (nothing to claim)."""
-    if held is not None or (setting == "resume" and not folder.is_dir()):
-        yield
-        return
-    with claim_run_folder(folder, setting=setting):
-        yield
 
 
 def _resolve_run_config(config: Config | str | os.PathLike | Mapping[str, Any] | None,
@@ -231,7 +174,7 @@ def _resolve_run_config(config: Config | str | os.PathLike | Mapping[str, Any] |
             merged.update(overrides if isinstance(overrides, Mapping) else map(parse_override, overrides))
         merged.update(kwargs)
         resolved = load_config(config, merged)
-        given = _given_settings(config, merged) if resolved.run.resume else None
+        given = given_settings(config, merged) if resolved.run.resume else None
         config = resolved
     elif overrides or kwargs:
         raise ConfigError("pass overrides with a YAML path or mapping, not with a resolved Config")
@@ -258,29 +201,22 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
     warnings = run_warnings(config, simulator)
     for line in warnings:  # before training, and kept in summary.json's notes
         _warn(line)
-    folder = driver.RunFolder(out, options, started=started)
-    if resume_from is not None:
-        folder.resume(resume_from, simulator.load_state_dict)
-    else:
-        folder.start(config.to_dict(), parts.federation.partition)
-    driver.train(simulator, folder, f"{options.method} on {data_name}", options.progress)
-    rows = folder.rows
-    seconds = time.perf_counter() - started
-    summary = driver.run_summary(options, data_name, parts.federation.num_clients, device, rows.metrics, seconds,
-                                 [*notes, *warnings], from_python=config.federation is not None)
+    run = driver.Run(out, options, simulator.protocol, started=started)
+    run.open(config.to_dict(), parts.federation.partition, simulator.load_state_dict, resume_from)
+    driver.train(simulator, run, f"{options.method} on {data_name}", options.progress)
+    summary = driver.run_summary(options, data_name, parts.federation.num_clients, device, run.rows.metrics,
+                                 run.seconds(), [*notes, *warnings], from_python=config.federation is not None)
     trained = simulator_models(config, simulator, parts.federation)
-    with driver.stop_on_write_error(out, out / MODEL_FILE):  # before summary.json, which marks the run finished
-        write_models(out, trained)
-    folder.finish(summary, simulator.server.state_dict())
-    simulator.end_run()
-    folder.plot(title)
+    run.close(summary, simulator.server.state_dict(), lambda folder: write_models(folder, trained), title,
+              end=simulator.end_run)
+    seconds = summary["seconds"]
     if echo:
         print(final_printout(summary, f"{options.method} on {data_name}, seed {options.seed}, "
                                       f"{options.rounds} rounds, {seconds:.0f} s — test accuracy (%):"))
         saved = MODEL_FILE if trained.global_model is not None else "models/client_<k>.pt"
         print(f"results in {out}/ (summary.json, metrics.jsonl, timing.jsonl, accuracy.png and .svg, "
               f"config.yaml); trained model: {saved} (fedhpro.load_model, fedhpro predict)")
-    return RunResult(summary=summary, metrics=rows.metrics, out=out, config=config, trained=trained)
+    return RunResult(summary=summary, metrics=run.rows.metrics, out=out, config=config, trained=trained)
 
 
 def run_warnings(config: Config, simulator: Any) -> list[str]:

@@ -23,15 +23,16 @@ from fedhpro.config import (
 )
 from fedhpro.data.federation import Federation
 from fedhpro.engines import checkpoint
+from fedhpro.engines.driver import check_new_run_folder
 from fedhpro.errors import ConfigError
-from fedhpro.user_models import python_name
+from fedhpro.user_models import python_name, with_python_objects
 
 #: settings a resumed run may change (how it runs, not what it computes)
 #: the run keys a resumed run may change: those tagged "resumable" in RunOptions
 _RESUME_SETTINGS = RESUMABLE_KEYS
 
 
-def _given_settings(source: str | os.PathLike | Mapping[str, Any] | None,
+def given_settings(source: str | os.PathLike | Mapping[str, Any] | None,
                     overrides: Mapping[str, Any]) -> dict[str, Any]:
     """The keys the user set (``section.knob`` form) and their values: those of ``source`` (a YAML file or a
     mapping), then ``overrides``; what they did not set is not in it, whatever its value."""
@@ -89,12 +90,20 @@ def _changed_on_resume(stored: Mapping[str, Any], given: Mapping[str, Any]) -> l
     return sorted(changed)
 
 
-def resumed_config(config: Config, source: Mapping[str, Any] | None = None,
-                   overrides: Mapping[str, Any] | None = None) -> tuple[Config, Path]:
-    """The saved config of the run in ``config.run.resume`` and its newest checkpoint, by :func:`run`'s rule:
-    the keys set in ``source`` and ``overrides`` that a resumed run may not change are refused (one line).
-    What the Flower ServerApp resumes with (its base settings and run config)."""
-    return _resume_config(config, given=_given_settings(source, overrides or {}))
+def claimed_config(config: Config, folder: Path | None, given: Mapping[str, Any] | None = None,
+                   federation: Federation | None = None,
+                   model_factory: Callable[..., torch.nn.Module] | None = None) -> tuple[Config, Path | None]:
+    """The config a run goes on with once its ``folder`` is claimed (every engine's last step of resolving
+    it, before the folder is opened): with ``resume=``, the saved config of the run there (the user's
+    ``given`` keys checked against it, :func:`_resume_config`) and its newest checkpoint; a new run's config
+    recording the Python objects it was given (:func:`~fedhpro.user_models.with_python_objects`), its
+    ``folder`` checked to hold no other run's files (one line, before any data are built), and None."""
+    if config.run.resume:
+        return _resume_config(config, federation, model_factory, given)
+    config = with_python_objects(config, federation, model_factory)
+    if folder is not None:
+        check_new_run_folder(folder)
+    return config, None
 
 
 def _resume_config(config: Config, federation: Federation | None = None,
@@ -102,7 +111,7 @@ def _resume_config(config: Config, federation: Federation | None = None,
                    given: Mapping[str, Any] | None = None) -> tuple[Config, Path]:
     """The saved config of the run to resume (with the allowed settings of ``config``) and its newest checkpoint.
 
-    ``given``: the keys the user set and their values (:func:`_given_settings`;
+    ``given``: the keys the user set and their values (:func:`given_settings`;
     None: those of ``config`` that differ from the defaults). Any of them that
     differs from the saved config, other than :data:`_RESUME_SETTINGS`, is
     refused: the resumed run would silently use the saved value instead.

@@ -277,32 +277,42 @@ def _classes(partition: Mapping[str, Any] | None) -> list[str] | None:
     return [str(c) for c in classes] if isinstance(classes, list) else None
 
 
-def simulator_models(config: Config, simulator: Any, federation: Any) -> TrainedModels:
-    """The final models of an in-process run (:class:`~fedhpro.engines.simulator.Simulator`), on the CPU: the
-    global model loaded with the server's global weights, or each client's personal model with the global
-    shared part, as the run tested them. The simulator's own models are left untouched."""
-    models, server = simulator.models, simulator.server
-    inputs = input_description(config, federation.input_shape, federation.clients[0].x.dtype,
-                               federation.partition)
-    statistics = _statistics_of(config, inputs)
+def final_models(config: Config, models: Any, server: Any, num_classes: int, input_shape: Sequence[int],
+                 dtype: torch.dtype, partition: Mapping[str, Any] | None, *, on_nodes: bool = False) -> TrainedModels:
+    """A finished run's models, on the CPU, for any engine: the global model loaded with the server's global
+    weights, or each client's personal model with the global shared part, as the run tested them
+    (``models``: the engine's :class:`~fedhpro.engines.simulator.ClientModels`, left untouched; ``partition``:
+    partition.json's record, which names the classes). ``on_nodes``: the personal models live on the Flower
+    nodes, which write them on their own disks (:func:`write_node_model`): model.json then only names them."""
+    inputs = input_description(config, input_shape, dtype, partition)
+    statistics = None if on_nodes else _statistics_of(config, inputs)
     if statistics is not None:
         inputs["statistics"] = STATISTICS_FILE
-    classes = _classes(federation.partition)
+    classes = _classes(partition)
     if not models.personal:
         network = copy.deepcopy(models.global_model)
         network.load_state_dict(server.global_weights())
         module, inference, note = tested_module(server, network)
-        info = model_info(config, federation.num_classes, federation.input_shape, classes, inputs, inference, None,
-                          note=note)
+        info = model_info(config, num_classes, input_shape, classes, inputs, inference, None, note=note)
         return TrainedModels(info, global_model=module, statistics=statistics)
+    count = len(models.architectures)  # one per client whenever the models are personal
     personal: dict[int, nn.Module] = {}
-    inference, note = HEAD, None
-    for k in range(federation.num_clients):
-        personal[k], inference, note = personal_module(models, server, k, models.client_weights[k])
-    names = {k: _architecture(config, models.architectures, k) for k in personal}
-    info = model_info(config, federation.num_classes, federation.input_shape, classes, inputs, inference, names,
-                      _why_personal(config), note=note)
+    inference, note = _inference_option(config), None
+    if not on_nodes:
+        for k in range(count):
+            personal[k], inference, note = personal_module(models, server, k, models.client_weights[k])
+    names = {k: _architecture(config, models.architectures, k) for k in range(count)}
+    info = model_info(config, num_classes, input_shape, classes, inputs, inference, names, _why_personal(config),
+                      note=note)
+    if on_nodes:
+        info["on_nodes"] = True  # each node wrote its clients' files on its own disk
     return TrainedModels(info, personal=personal, statistics=statistics)
+
+
+def simulator_models(config: Config, simulator: Any, federation: Any) -> TrainedModels:
+    """The final models of an in-process run (:func:`final_models` of the simulator's models)."""
+    return final_models(config, simulator.models, simulator.server, federation.num_classes, federation.input_shape,
+                        federation.clients[0].x.dtype, federation.partition)
 
 
 def _statistics_of(config: Config, inputs: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -330,36 +340,18 @@ def personal_module(models: Any, server: Any, k: int,
     return tested_module(server, network)
 
 
-def write_server_model(out: str | os.PathLike, side: Any, partition: Mapping[str, Any] | None) -> None:
-    """Flower ServerApp: the final global model of ``side`` (:class:`fedhpro.flower.engine.ServerSide`) into
-    its run folder ``out`` (model.pt and model.json), as :func:`simulator_models` writes it; ``partition`` is
-    the run's partition record (partition.json's). The classes and input shape come from the engine's
-    federation (partition mode) or from what the nodes reported (own data: ``partition["clients"]``). With
-    personal models the server holds none: model.json then names the clients' files, which each node writes
-    on its own disk (:func:`write_node_model`). Call it once the last round is done, before summary.json."""
-    config = side.config
-    num_classes = int(side.server.num_classes)
+def server_models(side: Any, partition: Mapping[str, Any] | None) -> TrainedModels:
+    """Flower ServerApp: the final models of ``side`` (:class:`fedhpro.flower.engine.ServerSide`) by
+    :func:`final_models`; the input shape comes from the engine's federation (partition mode) or from what the
+    nodes reported (own data: ``partition["clients"]``). Personal models stay on the nodes."""
     if side.engine is not None:
         federation = side.engine.federation
         input_shape, dtype = tuple(federation.input_shape), federation.clients[0].x.dtype
     else:
         reported = (partition or {}).get("clients") or [{}]
         input_shape, dtype = tuple(int(n) for n in reported[0].get("input_shape", ())), torch.float32
-    inputs = input_description(config, input_shape, dtype, partition)
-    classes = list(config.data.classes) if getattr(config.data, "classes", None) else _classes(partition)
-    if not side.models.personal:
-        network = copy.deepcopy(side.models.global_model)
-        network.load_state_dict(side.server.global_weights())
-        module, inference, note = tested_module(side.server, network)
-        write_models(out, TrainedModels(model_info(config, num_classes, input_shape, classes, inputs, inference,
-                                                   None, note=note), global_model=module))
-        return
-    count = len(side.num_samples)
-    info = model_info(config, num_classes, input_shape, classes, inputs, _inference_option(config),
-                      {k: _architecture(config, side.models.architectures, k) for k in range(count)},
-                      _why_personal(config))
-    info["on_nodes"] = True  # each node wrote its clients' files on its own disk
-    write_atomic(Path(out) / MODEL_INFO, strict_json(info, indent=2) + "\n")
+    return final_models(side.config, side.models, side.server, int(side.server.num_classes), input_shape, dtype,
+                        partition, on_nodes=True)
 
 
 def _architecture(config: Config, architectures: Sequence[str] | None, k: int) -> str:
@@ -977,7 +969,7 @@ def predict(run_folder: str | os.PathLike, paths: Iterable[str | os.PathLike], o
 
 __all__ = ["MODEL_FILE", "MODEL_INFO", "ModelFileError", "PERSONAL_FOLDER", "TrainedModels", "client_file",
            "input_description", "load_model", "predict", "prepare_inputs", "read_state", "read_statistics",
-           "simulator_models", "write_models", "write_node_model", "write_server_model"]
+           "final_models", "server_models", "simulator_models", "write_models", "write_node_model"]
 
 
 # ---------------------------------------------------------------------------- per-class accuracy

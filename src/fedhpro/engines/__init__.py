@@ -1,7 +1,7 @@
 """Engines run methods: the in-process simulator (default) and the Flower apps, both around one run driver
 (:mod:`fedhpro.engines.driver`: rows, checkpoints, summary, result files; the :class:`Engine` protocol)."""
 
-from fedhpro.engines.driver import Engine, RunFolder
+from fedhpro.engines.driver import Engine, Run
 from fedhpro.engines.simulator import Simulator, evaluate
 
-__all__ = ["Engine", "RunFolder", "Simulator", "evaluate"]
+__all__ = ["Engine", "Run", "Simulator", "evaluate"]

@@ -1,6 +1,6 @@
 """Checkpoints: everything a run needs to continue exactly, in files ``torch.load(weights_only=True)`` reads.
 
-A checkpoint holds the simulator's state (the method's server state, every
+A checkpoint holds the engine's state (the method's server state, every
 client's persistent state and, with personal models, their weights), the
 number of completed rounds, the metrics so far (as JSON text) and the RNG
 states of Python, NumPy and torch. The simulator derives all its randomness
@@ -26,9 +26,12 @@ from fedhpro.errors import DataError
 from fedhpro.files import strict_json, write_atomic_with
 
 FORMAT_VERSION = 1
+#: a per-round file's name, ``round-NNNNNN.pt`` (a run's checkpoints, a Flower node's client state)
 _NAME = re.compile(r"^round-(\d{6})\.pt$")
+#: the key of the engine's state in a checkpoint (``"simulator"`` in those of fedhpro 0.x before it, still read)
+STATE = "state"
 #: what every checkpoint holds (a file without one of them is damaged or not a fedhpro checkpoint)
-_KEYS = ("format_version", "completed_rounds", "simulator", "metrics", "rng")
+_KEYS = ("format_version", "completed_rounds", STATE, "metrics", "rng")
 
 
 class CheckpointWriteError(DataError):
@@ -63,6 +66,19 @@ def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def round_file(round: int) -> str:
+    """The file name of round ``round``'s file: ``round-NNNNNN.pt``."""
+    return f"round-{round:06d}.pt"
+
+
+def rounds_in(folder: str | os.PathLike) -> list[int]:
+    """The rounds of the ``round-NNNNNN.pt`` files in ``folder``, oldest first (none: no folder)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(int(match.group(1)) for match in map(_NAME.match, os.listdir(folder)) if match)
+
+
 def _rng_states() -> dict[str, Any]:
     version, mt_state, gauss = random.getstate()
     name, keys, position, has_gauss, cached = np.random.get_state()
@@ -83,16 +99,17 @@ def _restore_rng(states: dict[str, Any]) -> None:
     torch.set_rng_state(states["torch"])
 
 
-def save(run_dir: str | os.PathLike, completed_rounds: int, simulator_state: dict[str, Any],
+def save(run_dir: str | os.PathLike, completed_rounds: int, state: dict[str, Any],
          metrics: list[dict[str, Any]], keep: int = 2) -> Path:
-    """Write ``checkpoints/round-NNNNNN.pt`` atomically and keep only the newest ``keep`` of them."""
+    """Write ``checkpoints/round-NNNNNN.pt`` (the engine's ``state``, the rows so far, the RNGs) atomically
+    and keep only the newest ``keep`` of them."""
     folder = checkpoint_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"round-{completed_rounds:06d}.pt"
+    path = folder / round_file(completed_rounds)
     blob = {
         "format_version": FORMAT_VERSION,
         "completed_rounds": completed_rounds,
-        "simulator": simulator_state,
+        STATE: state,
         "metrics": strict_json(metrics),
         "rng": _rng_states(),
     }
@@ -111,8 +128,8 @@ def save(run_dir: str | os.PathLike, completed_rounds: int, simulator_state: dic
         write_atomic_with(path, write)
     except OSError as error:  # write_atomic_with removed its temporary file: the earlier checkpoints stand
         raise CheckpointWriteError(_write_failed(path, previous, run_dir, error), path, previous, error) from None
-    for old in sorted(p for p in folder.iterdir() if _NAME.match(p.name))[:-max(keep, 1)]:
-        old.unlink()
+    for old in rounds_in(folder)[:-max(keep, 1)]:
+        (folder / round_file(old)).unlink()
     return path
 
 
@@ -133,19 +150,13 @@ def _write_failed(path: Path, previous: Path | None, run_dir: str | os.PathLike,
 
 def latest(run_dir: str | os.PathLike) -> Path | None:
     """The newest checkpoint of a run, or None."""
-    folder = checkpoint_dir(run_dir)
-    if not folder.is_dir():
-        return None
-    found = sorted(p for p in folder.iterdir() if _NAME.match(p.name))
-    return found[-1] if found else None
+    found = rounds_in(checkpoint_dir(run_dir))
+    return checkpoint_dir(run_dir) / round_file(found[-1]) if found else None
 
 
 def saved_rounds(run_dir: str | os.PathLike) -> list[int]:
     """The completed rounds of the checkpoints a run keeps, oldest first (a run can go back to any of them)."""
-    folder = checkpoint_dir(run_dir)
-    if not folder.is_dir():
-        return []
-    return sorted(int(match.group(1)) for match in map(_NAME.match, (p.name for p in folder.iterdir())) if match)
+    return rounds_in(checkpoint_dir(run_dir))
 
 
 def load(path: str | os.PathLike) -> dict[str, Any]:
@@ -168,6 +179,8 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
             from None
     if not isinstance(blob, dict):
         raise DataError(_not_a_checkpoint(path, f"it holds a {type(blob).__name__}, not a dict"))
+    if STATE not in blob and "simulator" in blob:  # written before the key named no engine
+        blob[STATE] = blob.pop("simulator")
     missing = [key for key in _KEYS if key not in blob]
     if missing:
         raise DataError(_not_a_checkpoint(path, f"no {missing[0]!r}"))

@@ -1,33 +1,24 @@
 """The run around the rounds, written once for every engine.
 
-An engine only moves messages: the in-process simulator calls its clients in
-turn, the Flower ServerApp sends them to SuperNodes. What a run does around
-its rounds is the same on both and lives here:
+An engine only moves messages: the in-process simulator calls its clients in turn, the Flower ServerApp
+sends them to SuperNodes. What a run does around its rounds is the same on both and lives here:
 
-* a round's row: :func:`round_extra` (the keys an engine adds to the round's
-  record: the observers' measurements, each client's accuracy, fairness, the
-  clients not evaluated) and :meth:`RunRows.add` (``metrics.jsonl``'s and
-  ``timing.jsonl``'s rows);
-* evaluating one client: :func:`test_client` (the global model, or a personal
-  model with the global shared part, through the server's inference rule);
-* the run folder: :class:`RunFolder` writes ``config.yaml`` and
-  ``partition.json`` (a new run) or loads the newest checkpoint (a resumed
-  one), the rows and a checkpoint when one is due (:class:`CheckpointSchedule`)
-  after every round, and ``summary.json`` (:func:`run_summary`),
-  ``server_state.pt`` and ``accuracy.png`` at the end; a file that cannot be
-  written stops the run with one line (:func:`stop_on_write_error`);
-* :func:`train`, the loop of an engine that runs its rounds itself
-  (:class:`Engine`); Flower calls :meth:`RunFolder.after_round` from its
-  strategy instead.
+* :class:`Run`: the run's life in its folder: open (a new run's config.yaml and partition.json, or a
+  resumed run's checkpoint), the round it ends before (``privacy.max_epsilon``), each round's rows and
+  checkpoints, and the close (model, summary.json with its privacy block, server_state.pt, accuracy.png);
+  :func:`claimed_run_folder` holds the folder for the run; :func:`train` is the loop of an engine that
+  runs its own rounds (:class:`Engine`); Flower's strategy calls the same :class:`Run` from its rounds;
+* a round's row: :func:`round_extra` and :class:`RunRows`; evaluating one client: :func:`test_client`;
+* summary.json: :func:`run_summary`; a file that cannot be written stops the run with one line
+  (:func:`stop_on_write_error`).
 
-:class:`Engine` is what the run, the observers
-(:mod:`fedhpro.engines.observers`) and Flower's partition mode need of an
-engine; :class:`~fedhpro.engines.simulator.Simulator` is one, and so is the
-sequential engine of ``tests/sequential_engine.py``.
+:class:`~fedhpro.engines.simulator.Simulator` is an :class:`Engine`, and so is the sequential engine of
+``tests/sequential_engine.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import sys
@@ -45,6 +36,7 @@ from fedhpro import reports
 from fedhpro.engines import checkpoint
 from fedhpro.engines.protocol import RoundProtocol, RoundRecord, TestCount
 from fedhpro.errors import ConfigError, DataError
+from fedhpro.files import claim_run_folder, remove_partial_writes
 from fedhpro.methods.base import eval_batch_size, eval_forward, load_weights
 from fedhpro.metrics import fairness_statistics
 
@@ -53,7 +45,7 @@ if TYPE_CHECKING:
 
 
 class Engine(Protocol):
-    """What the run (:func:`train`, :class:`RunFolder`), the observers and Flower's partition mode use of an
+    """What the run (:func:`train`, :class:`Run`), the observers and Flower's partition mode use of an
     engine: its federation and device, its method's parts and models, its round protocol, its rounds, its
     evaluation, its state and its end."""
 
@@ -204,6 +196,21 @@ def stop_on_write_error(out: Path, path: Path) -> Iterator[None]:
         raise DataError(f"could not write {path} ({reason}); the run stopped; {kept}") from None
 
 
+@contextmanager
+def claimed_run_folder(folder: Path | None, setting: str, held: Any = None) -> Iterator[None]:
+    """``folder`` this process's for the block (:func:`fedhpro.files.claim_run_folder`: another run on it is
+    refused in one line), cleared of what a killed run left half-written; ``held``: the caller's claim on it
+    already. No folder (a Flower run without ``out=``), or a ``resume=`` folder that is not there (left to
+    the resume's own message), claims nothing."""
+    if folder is None or (setting == "resume" and not folder.is_dir()):
+        yield
+        return
+    with contextlib.nullcontext() if held is not None else claim_run_folder(folder, setting=setting):
+        for where in (folder, checkpoint.checkpoint_dir(folder)):
+            remove_partial_writes(where)
+        yield
+
+
 def _now() -> float:
     """Seconds on a monotonic clock (the checkpoint schedule's; tests replace it with a fake one)."""
     return time.monotonic()
@@ -227,54 +234,97 @@ class CheckpointSchedule:
         self.last = _now()
 
 
-class RunFolder:
-    """A run's folder ``out`` over the run, for any engine: started or resumed, its rows and checkpoints after
-    every round (:meth:`after_round`), its results at the end (:meth:`finish`). ``options``: the run's
-    :class:`~fedhpro.config.RunOptions` (rounds, checkpoint_every, checkpoint_minutes, keep_checkpoints)."""
+class Run:
+    """One run's life in its folder ``out``, the same for every engine.
 
-    def __init__(self, out: Path, options: Any, rows: RunRows | None = None, started: float | None = None):
-        self.out, self.options = Path(out), options
-        self.rows = rows if rows is not None else RunRows()
+    * :meth:`open`: a new run's ``config.yaml`` and ``partition.json``, or a resumed run's newest checkpoint
+      loaded into the engine (its rows become this run's);
+    * :meth:`last_round`: before the rounds, the round the run ends before: the last one, or the first that
+      would take epsilon above ``privacy.max_epsilon`` (the seeded participations make it known in advance,
+      :meth:`~fedhpro.engines.protocol.RoundProtocol.budget_stop`), whose line is kept in :attr:`stopped`;
+    * :meth:`round_done`: after each round, its rows and, when one is due (:class:`CheckpointSchedule`), a
+      checkpoint of the engine's state;
+    * :meth:`close`: the trained model, ``summary.json`` (with the privacy block when privacy is on),
+      ``server_state.pt`` and ``accuracy.png``/``.svg``.
+
+    :func:`train` drives an engine that runs its own rounds through it; the Flower ServerApp calls the same
+    methods around Flower's round loop. ``out`` None: a run that writes no folder (a Flower run without
+    ``out=``), its rows kept in memory. ``options`` is the run's :class:`~fedhpro.config.RunOptions`,
+    ``protocol`` the engine's :class:`~fedhpro.engines.protocol.RoundProtocol` and ``engine`` the name its
+    checkpoints and summary carry (``"simulator"``, ``"flower"``). A file that cannot be written stops the run
+    with one line (:func:`stop_on_write_error`)."""
+
+    def __init__(self, out: Path | None, options: Any, protocol: RoundProtocol, engine: str = "simulator",
+                 started: float | None = None):
+        self.out = Path(out) if out is not None else None
+        self.options, self.protocol, self.engine = options, protocol, engine
+        self.rows = RunRows()
         self.started = time.perf_counter() if started is None else started
         self.schedule = CheckpointSchedule(options.checkpoint_every, options.checkpoint_minutes, options.rounds)
-        #: the privacy ledger's settings (``RoundProtocol.privacy_summary``; None: privacy off), and the line that
-        #: stopped the run at ``privacy.max_epsilon`` under ``"stopped"``: summary.json's ``privacy``
-        self.privacy: dict[str, Any] | None = None
+        #: summary.json's ``privacy``: the privacy ledger's settings (None: privacy off)
+        self.privacy: dict[str, Any] | None = protocol.privacy_summary()
+        #: the line that ended the run at ``privacy.max_epsilon`` (:meth:`last_round`), else None
+        self.stopped: str | None = None
 
-    def start(self, config: Mapping[str, Any], partition: Any) -> None:
-        """Make the new run's folder with its ``config.yaml`` and ``partition.json``: no rows yet."""
+    @property
+    def first_round(self) -> int:
+        """The first round still to run (0 for a new run)."""
+        return self.rows.first_round
+
+    def open(self, config: Mapping[str, Any], partition: Any, load: Callable[[dict[str, Any]], None],
+             resume_from: Path | None = None) -> None:
+        """A new run (``resume_from`` None): make the folder with its ``config.yaml`` and ``partition.json``.
+        A resumed one: load the checkpoint ``resume_from`` (and the RNGs) through ``load`` (the engine's
+        state); the rows of its completed rounds (``timing.jsonl``'s of those rounds too) become this run's.
+        A checkpoint of another engine is refused (one line), one that does not fit is a one-line DataError."""
+        if self.out is None:
+            return
+        if resume_from is not None:
+            self._resume(self.out, resume_from, load)
+            return
         self.out.mkdir(parents=True, exist_ok=True)
         with stop_on_write_error(self.out, self.out / "config.yaml"):
             reports.write_yaml(self.out / "config.yaml", dict(config))
             reports.write_json(self.out / "partition.json", partition)
 
-    def resume(self, newest: Path, load: Callable[[dict[str, Any]], None], engine: str = "simulator",
-               where: str | None = None) -> dict[str, Any]:
-        """Load the checkpoint ``newest`` (and the RNGs) through ``load`` (the engine's state); the rows of
-        its completed rounds (``timing.jsonl``'s of those rounds too) become this run's. A checkpoint of
-        another engine is refused (one line), one that does not fit is a one-line DataError. Returns it."""
+    def _resume(self, out: Path, newest: Path, load: Callable[[dict[str, Any]], None]) -> None:
         blob = checkpoint.load(newest)
-        state = blob["simulator"]
+        state = blob[checkpoint.STATE]
         written_by = state.get("engine", "simulator") if isinstance(state, Mapping) else "simulator"
-        if written_by != engine:
+        if written_by != self.engine:
             raise ConfigError(_OTHER_ENGINE[written_by if written_by in _OTHER_ENGINE else "simulator"].format(
-                where=where or f"resume={self.out}", out=self.out))
+                where=f"resume={out}", out=out))
         try:
             load(state)
         except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as error:
-            raise DataError(f"checkpoint {newest} does not fit the run saved in {self.out} "
+            raise DataError(f"checkpoint {newest} does not fit the run saved in {out} "
                             f"({type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}); it may "
                             "be from another version or damaged; move it out of the checkpoints folder to resume "
                             "from the one before") from None
         first = int(blob["completed_rounds"])
-        timings = [row for row in reports.read_jsonl(self.out / "timing.jsonl") if row.get("round", 1e9) < first]
+        timings = [row for row in reports.read_jsonl(out / "timing.jsonl") if row.get("round", 1e9) < first]
         self.rows.metrics[:], self.rows.timings[:], self.rows.first_round = list(blob["metrics"]), timings, first
-        return blob
 
-    def after_round(self, state: Callable[[], dict[str, Any]]) -> bool:
-        """A round's rows are in :attr:`rows`: write them, and a checkpoint of ``state()`` when one is due
-        (a checkpoint that cannot be written stops the run: :class:`checkpoint.CheckpointWriteError`, one line
-        naming the newest good one, which is kept). Whether a checkpoint was written."""
+    def last_round(self) -> int:
+        """The round the run ends before: ``rounds``, or the first round that would take epsilon above
+        ``privacy.max_epsilon`` (its line then in :attr:`stopped` and in summary.json's ``privacy.stopped``:
+        a normal end, the rounds run before it are kept)."""
+        for round in range(self.first_round, self.options.rounds):
+            line = self.protocol.budget_stop(round)
+            if line is not None:
+                self.stopped = line
+                if self.privacy is not None:
+                    self.privacy["stopped"] = line
+                return round
+        return self.options.rounds
+
+    def round_done(self, record: RoundRecord, state: Callable[[], dict[str, Any]]) -> bool:
+        """Round ``record`` is over: its rows written, and a checkpoint of ``state()`` when one is due (one
+        that cannot be written stops the run: :class:`checkpoint.CheckpointWriteError`, one line naming the
+        newest good one, which is kept). Whether a checkpoint was written."""
+        self.rows.add(record, time.perf_counter() - self.started)
+        if self.out is None:
+            return False
         with stop_on_write_error(self.out, self.out / "metrics.jsonl"):
             reports.write_jsonl(self.out / "metrics.jsonl", self.rows.metrics)
         with stop_on_write_error(self.out, self.out / "timing.jsonl"):
@@ -282,16 +332,27 @@ class RunFolder:
         completed = len(self.rows.metrics)
         if not self.schedule.due(completed):
             return False
-        checkpoint.save(self.out, completed, state(), self.rows.metrics, keep=self.options.keep_checkpoints)
+        checkpoint.save(self.out, completed, {**state(), "engine": self.engine}, self.rows.metrics,
+                        keep=self.options.keep_checkpoints)
         self.schedule.written()
         return True
 
-    def finish(self, summary: dict[str, Any], server_state: dict[str, Any] | None) -> None:
-        """``summary.json`` and ``server_state.pt`` (the method's server state, loadable with
-        ``torch.load(weights_only=True)``). With privacy on, ``summary`` gains ``privacy`` (in place): the
-        ledger's settings, the final epsilon and delta and, when ``privacy.max_epsilon`` stopped it, the line."""
+    def close(self, summary: dict[str, Any], server_state: dict[str, Any] | None,
+              write_model: Callable[[Path], None], title: str, end: Callable[[], None] | None = None) -> None:
+        """The run is over: its trained model (``write_model(out)``: model.pt and model.json) before
+        ``summary.json`` (which marks the run finished; with privacy on it gains ``privacy`` in place: the
+        ledger's settings, the final epsilon and delta and, when ``privacy.max_epsilon`` stopped it, the
+        line), ``server_state.pt`` (the method's server state, loadable with ``torch.load(weights_only=True)``),
+        then ``end()`` (the engine's own end: the observers' t-SNE) and ``accuracy.png``/``.svg`` (``title``)
+        when a round was evaluated. A run without a folder writes nothing (``end()`` still runs)."""
         if self.privacy is not None:
             summary["privacy"] = privacy_summary(self.privacy, self.rows.metrics)
+        if self.out is None:
+            if end is not None:
+                end()
+            return
+        with stop_on_write_error(self.out, self.out / "model.pt"):
+            write_model(self.out)
         with stop_on_write_error(self.out, self.out / "summary.json"):
             reports.write_json(self.out / "summary.json", summary)
         if server_state is not None:
@@ -299,54 +360,45 @@ class RunFolder:
             with stop_on_write_error(self.out, self.out / "server_state.pt"):
                 reports.write_atomic_with(self.out / "server_state.pt", lambda handle: torch.save(
                     {"completed_rounds": completed, "server": server_state}, handle))
+        if end is not None:
+            end()
+        if any("accuracy" in row for row in self.rows.metrics):
+            from fedhpro.reports.plots import plot_run_accuracy
 
-    def plot(self, title: str) -> None:
-        """``accuracy.png`` of the rows and its vector copy ``accuracy.svg`` (after the observers' end, as a run
-        always drew it), in the style of every fedhpro figure (:mod:`fedhpro.reports.plots`)."""
-        from fedhpro.reports.plots import plot_run_accuracy
+            with stop_on_write_error(self.out, self.out / "accuracy.png"):
+                plot_run_accuracy(self.rows.metrics, self.out / "accuracy.png", title=title)
 
-        with stop_on_write_error(self.out, self.out / "accuracy.png"):
-            plot_run_accuracy(self.rows.metrics, self.out / "accuracy.png", title=title)
+    def seconds(self) -> float:
+        """Seconds since the run started (this process's part of a resumed run)."""
+        return time.perf_counter() - self.started
 
 
-def train(engine: Engine, folder: RunFolder, label: str, progress: bool) -> None:
-    """Rounds ``folder.rows.first_round`` to the last of an engine that runs its own rounds: after each, its
-    rows and, when due, a checkpoint (:meth:`RunFolder.after_round`), and the progress bar (``label``)."""
-    rows, rounds = folder.rows, folder.options.rounds
-    protocol = engine.protocol
-    folder.privacy = protocol.privacy_summary()
-    bar = _progress(rounds, label, progress, rows.first_round)
+def train(engine: Engine, run: Run, label: str, progress: bool) -> None:
+    """Rounds ``run.first_round`` up to :meth:`Run.last_round` of an engine that runs its own rounds: after
+    each, :meth:`Run.round_done` and the progress bar (``label``); a run stopped at ``privacy.max_epsilon``
+    says its line on stderr (below the bar)."""
+    rows = run.rows
+    last = run.last_round()
+    bar = _progress(run.options.rounds, label, progress, rows.first_round)
     last_accuracy = next((row["accuracy"] for row in reversed(rows.metrics) if "accuracy" in row), None)
     try:
-        for round_index in range(rows.first_round, rounds):
-            stop = protocol.budget_stop(round_index)
-            if stop is not None:  # privacy.max_epsilon: a normal end, its rows and summary kept
-                privacy_stopped(folder, stop, bar)
-                break
+        for round_index in range(rows.first_round, last):
             record = engine.run_round(round_index)
-            rows.add(record, time.perf_counter() - folder.started)
-            folder.after_round(engine.state_dict)
+            run.round_done(record, engine.state_dict)
             if record.accuracy is not None:
                 last_accuracy = record.accuracy
             if bar is not None:
                 bar.set_postfix_str(progress_text(record.train, last_accuracy, record.extra.get("privacy")))
                 bar.update(1)
+        if run.stopped is not None:
+            message = f"fedhpro: {run.stopped}"
+            if bar is not None:
+                bar.write(message, file=sys.stderr)
+            else:
+                print(message, file=sys.stderr)
     finally:  # a run stopped by an error leaves the bar on its own line, the error below it
         if bar is not None:
             bar.close()
-
-
-def privacy_stopped(folder: RunFolder, line: str, bar: Any = None) -> None:
-    """The run stops at ``privacy.max_epsilon`` (``line``, from ``RoundProtocol.budget_stop``): the line on
-    stderr (below the progress bar) and in summary.json's ``privacy.stopped``. What an engine's loop calls
-    before breaking off; the run then ends as usual (its summary, state and plot written)."""
-    if folder.privacy is not None:
-        folder.privacy["stopped"] = line
-    message = f"fedhpro: {line}"
-    if bar is not None:
-        bar.write(message, file=sys.stderr)
-    else:
-        print(message, file=sys.stderr)
 
 
 def privacy_summary(settings: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -75,9 +75,10 @@ from fedhpro.privacy.client import (
     ClientPrivacy,
     PrivateSum,
     client_privacy,
-    noise_generator,
     poisson_participants,
     private_reply,
+    privatize_upload,
+    upload_noise_generator,
 )
 from fedhpro.seeds import derive_seed
 
@@ -89,6 +90,21 @@ INIT, SAMPLE, TRAIN, SERVER, FAULT = 1, 2, 3, 4, 5
 def train_generator(seed: int, round: int, client: int) -> torch.Generator:
     """Client ``client``'s batch-order generator in ``round`` (the same on every engine)."""
     return torch.Generator().manual_seed(derive_seed(seed, TRAIN, round, client))
+
+
+def client_step(server: Any, client: Any, model: torch.nn.Module, payload: Mapping[str, Any], data: Any,
+                state: dict[str, Any], seed: int, round: int, k: int,
+                privacy: ClientPrivacy | None) -> tuple[dict[str, Any], dict[str, float]]:
+    """Client ``k``'s step in ``round`` on every engine: the method's ``fit`` (the shared training loop, batches
+    in the ``(seed, round, k)`` order of :func:`train_generator`), then, under ``privacy=client``, its upload
+    privatized on the client's side (:func:`~fedhpro.privacy.client.privatize_upload`: clipped, and noised
+    from the client's own stream under ``privacy.noise=local``). Returns ``(reply, training metrics)``; the
+    metrics of a privatized step stay with the client (computed from its data, they would leave unprotected)."""
+    reply, metrics = client.fit(model, payload, data, state, train_generator(seed, round, k))
+    if privacy is None:
+        return reply, metrics
+    return privatize_upload(reply, payload.get("weights") or {}, declared_class_keys(server), privacy,
+                            upload_noise_generator(privacy, seed, round, k), int(server.num_classes)), {}
 
 
 @dataclass(frozen=True)
@@ -829,7 +845,7 @@ class OpenRound:
         settings = protocol.client_privacy
         assert settings is not None
         with observe if observe is not None else contextlib.nullcontext():
-            release = self.private.release(noise_generator(settings, protocol.seed, self.round))
+            release = self.private.release(upload_noise_generator(settings, protocol.seed, self.round))
             self.replies.append(private_reply(release, self.payload.get("weights") or {},
                                               protocol.server.reply_layout()))
             return protocol.server.aggregate(self.round, self.replies)

@@ -22,11 +22,8 @@ from fedhpro.data.federation import Federation
 from fedhpro.engines.driver import count_correct, round_extra, test_client
 from fedhpro.engines.observers import RoundObserver, measurements, watching
 from fedhpro.engines.protocol import (
-    FAULT,
     INIT,
-    SAMPLE,
     SERVER,
-    TRAIN,
     Aggregation,
     Faults,
     OpenRound,
@@ -34,12 +31,9 @@ from fedhpro.engines.protocol import (
     RoundProtocol,
     RoundRecord,
     TestCount,
-    corrupted,
-    declared_class_keys,
+    client_step,
     derive_seed,
     pool_accuracy,
-    train_generator,
-    weighted_mean,
 )
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.methods.base import (
@@ -49,11 +43,6 @@ from fedhpro.methods.base import (
     extract_features,
 )
 from fedhpro.metrics import class_means
-from fedhpro.privacy.client import noise_generator, privatize_upload
-
-# the protocol's names, kept importable from here
-_INIT, _SAMPLE, _TRAIN, _SERVER, _FAULT = INIT, SAMPLE, TRAIN, SERVER, FAULT
-_corrupted, _weighted_mean = corrupted, weighted_mean
 
 
 def evaluate(model: nn.Module, test_sets: dict[str, tuple[Tensor, Tensor]],
@@ -385,19 +374,15 @@ class Simulator:
         state_before = copy.deepcopy(self.client_states[k]) if self.client_states[k] else {}
         try:
             with watching([functools.partial(o.watch_client, k) for o in self.observers]):  # they only observe
-                reply, metrics = self.client.fit(model, current.payload, self.federation.clients[k],
-                                                 self.client_states[k], train_generator(self.seed, current.round, k))
+                reply, metrics = client_step(self.server, self.client, model, current.payload,
+                                             self.federation.clients[k], self.client_states[k], self.seed,
+                                             current.round, k, self.protocol.client_privacy)
         except (KeyboardInterrupt, SystemExit, MemoryError):
             raise
         except Exception as error:  # a crashing client is a dropped client
             self.client_states[k] = state_before
             current.fail(k, f"raised {type(error).__name__}: {error}", error)
             return
-        settings = self.protocol.client_privacy
-        if settings is not None:  # privacy=client: what leaves the client is its privatized upload
-            reply = privatize_upload(reply, current.payload.get("weights") or {}, declared_class_keys(self.server),
-                                     settings, noise_generator(settings, self.seed, current.round, k),
-                                     self.federation.num_classes)
         reception = current.receive(k, reply, metrics, len(self.federation.clients[k]))
         if not reception:
             # the client's own invalid update rolls its state back, as a raise does (else a MOON client's

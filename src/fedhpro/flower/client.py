@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import re
 import shutil
 import traceback
@@ -53,14 +52,15 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from fedhpro.bounded import LimitError, load_json
+from fedhpro.engines import checkpoint
 from fedhpro.engines.driver import test_client
-from fedhpro.engines.protocol import declared_class_keys
+from fedhpro.engines.protocol import client_step
 from fedhpro.errors import ConfigError, DataError, UpdateError
 from fedhpro.files import write_atomic_with
 from fedhpro.flower import records, secagg
 from fedhpro.flower.engine import NodeCache, NodeSide, check_partition, config_from_text, node_folder, own_data
 from fedhpro.flower.server import EVAL_RECORD, HEADER, NODE_RECORD, PRIVACY, SERVER_STATE
-from fedhpro.privacy.client import ClientPrivacy, noise_generator, privatize_upload
+from fedhpro.privacy.client import ClientPrivacy
 from fedhpro.seeds import derive_seed
 
 logger = logging.getLogger("fedhpro.flower")
@@ -212,10 +212,11 @@ def train(msg: Message, context: Context) -> Message:
         state = _load_state(context, node)
         model = _model(node, context)
         # fit mutates ``state``, a copy decoded from Context.state: a failing fit leaves the stored state as it was
-        reply, metrics = node.method_client.fit(model, payload, node.data, state, node.generator(round))
         header = msg.content.config_records[HEADER]
-        if PRIVACY in header:  # privacy=client: the reply leaves privatized, as the simulator's client sends it
-            reply, metrics = _privatized(node, header, payload, reply, round), {}
+        # privacy=client: the reply leaves privatized, as the simulator's client sends it
+        privacy = _privacy_settings(header) if PRIVACY in header else None
+        reply, metrics = client_step(node.server, node.method_client, model, payload, node.data, state, node.seed,
+                                     round, node.client, privacy)
         if secagg.SCALE in header:
             content = _secure_content(node, header, payload, reply, metrics, round)
         else:
@@ -234,19 +235,15 @@ def train(msg: Message, context: Context) -> Message:
     return Message(content, reply_to=msg)
 
 
-def _privatized(node: NodeSide, header: ConfigRecord, payload: dict[str, Any], reply: dict[str, Any],
-                round: int) -> dict[str, Any]:
-    """``privacy=client``: the reply clipped (and under ``privacy.noise=local`` noised from this client's noise
-    stream) by :func:`fedhpro.privacy.client.privatize_upload`, with the settings the server's round protocol
-    uses (its header: sigma may be calibrated there). The training metrics stay on the node (the simulator
-    does not keep them either: computed from the data, they would leave unprotected)."""
+def _privacy_settings(header: ConfigRecord) -> ClientPrivacy:
+    """``privacy=client``: the settings the server's round protocol uses (its header: sigma may be calibrated
+    there), for :func:`~fedhpro.engines.protocol.client_step` to clip (and under ``privacy.noise=local`` noise)
+    the reply with. One-line UpdateError for a header that is not such settings."""
     try:
         values = load_json(str(header[PRIVACY]), "the privacy header", max_chars=4096, max_depth=2, allow_nan=False)
-        settings = ClientPrivacy(**values)
+        return ClientPrivacy(**values)
     except (LimitError, ValueError, TypeError) as error:
         raise UpdateError(f"the server's privacy header is not ClientPrivacy's settings: {error}") from None
-    return privatize_upload(reply, payload.get("weights") or {}, declared_class_keys(node.server), settings,
-                            noise_generator(settings, node.seed, round, node.client), int(node.server.num_classes))
 
 
 def _secure_content(node: NodeSide, header: ConfigRecord, payload: dict[str, Any], reply: dict[str, Any],
@@ -320,7 +317,6 @@ def _save_state(context: Context, state: dict[str, Any]) -> None:
 
 #: a run key as the server makes it (:func:`fedhpro.flower.server.run_key`); it names a folder, so nothing else
 _RUN_KEY = re.compile(r"^[0-9a-f]{16}$")
-_ROUND_FILE = re.compile(r"^round-(\d{6})\.pt$")
 
 
 def state_root(node_config: dict[str, Any]) -> Path:
@@ -370,12 +366,10 @@ class StateStore:
 
     def rounds(self) -> list[int]:
         """The rounds whose state is on disk, oldest first."""
-        if not self.folder.is_dir():
-            return []
-        return sorted(int(match.group(1)) for match in map(_ROUND_FILE.match, os.listdir(self.folder)) if match)
+        return checkpoint.rounds_in(self.folder)
 
     def path(self, round: int) -> Path:
-        return self.folder / f"round-{round:06d}.pt"
+        return self.folder / checkpoint.round_file(round)
 
     def newest(self, before: int) -> int | None:
         """The newest round on disk before ``before``, or None."""

@@ -37,7 +37,7 @@ from fedhpro.bounded import load_json
 from fedhpro.config import Config, load_config
 from fedhpro.data.federation import ClientData, Federation
 from fedhpro.engines.driver import Engine
-from fedhpro.engines.protocol import RoundProtocol, train_generator
+from fedhpro.engines.protocol import RoundProtocol
 from fedhpro.engines.simulator import ClientModels, build_method
 from fedhpro.errors import ConfigError
 from fedhpro.experiment import build_experiment, build_simulator, model_factories, protocol_settings, resolve_device
@@ -83,11 +83,13 @@ def prepare_torch(device: torch.device) -> None:
         configure_cpu_runtime()  # as api.run: denormals flushed, freed memory reused (fedhpro.runtime)
 
 
-def protocol_for(config: Config, server: Any, num_clients: int,
+def protocol_for(config: Config, server: Any, num_samples: list[int],
                  on_drop: Callable[[str], None] | None = None, ledger: Any = None) -> RoundProtocol:
-    """The run's round protocol, from the settings :func:`fedhpro.api.run` gives the simulator
-    (:func:`fedhpro.api.protocol_settings`); ``ledger``: privacy=sample's (built from the clients' sizes)."""
-    return RoundProtocol(server, num_clients, on_drop=on_drop, ledger=ledger, **protocol_settings(config))
+    """The run's round protocol, from the settings the simulator gets (:func:`fedhpro.experiment.protocol_settings`);
+    ``num_samples``: the clients' declared training-set sizes, which cap a round's weights (sizes are claims);
+    ``ledger``: privacy=sample's (built from the clients' sizes)."""
+    return RoundProtocol(server, len(num_samples), on_drop=on_drop, ledger=ledger, client_sizes=num_samples,
+                         **protocol_settings(config))
 
 
 def build_engine(config: Config, on_drop=None) -> Engine:
@@ -145,7 +147,7 @@ def build_server_side(config: Config, *, num_classes: int | None = None, input_s
                               "cannot calibrate one sigma without every client's size; give "
                               "privacy.noise_multiplier instead (the run reports the epsilon it reaches)")
         ledger = ledger_for(config, list(num_samples), train)
-    return ServerSide(config, server, protocol_for(config, server, len(num_samples), on_drop, ledger), models,
+    return ServerSide(config, server, protocol_for(config, server, list(num_samples), on_drop, ledger), models,
                       device, list(num_samples))
 
 
@@ -162,10 +164,6 @@ class NodeSide:
     data: ClientData
     test_name: str
     test: tuple[Tensor, Tensor]
-
-    def generator(self, round: int) -> torch.Generator:
-        """This client's batch-order generator in ``round``: the simulator's stream for (seed, round, client)."""
-        return train_generator(self.seed, round, self.client)
 
     def model(self, personal_weights: dict[str, Tensor] | None) -> nn.Module:
         """The model this client trains: the working model (the global one is loaded from the payload),

@@ -32,14 +32,13 @@ One run, as the in-process simulator does it (see :mod:`fedhpro.flower.engine`):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import secrets
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
@@ -51,17 +50,17 @@ from flwr.supercore import log
 from fedhpro.config import PRESENTATION_KEYS, Config, load_config
 from fedhpro.data.federation import few_batches_note
 from fedhpro.engines import checkpoint, driver
-from fedhpro.engines.driver import check_new_run_folder
 from fedhpro.errors import ConfigError, FedHProError
-from fedhpro.files import claim_run_folder, remove_partial_writes
 from fedhpro.flower import records, secagg
-from fedhpro.flower.engine import build_server_side, own_data
+from fedhpro.flower.engine import ServerSide, build_server_side, own_data
 from fedhpro.flower.nodes import Nodes, _client_keys, discover_nodes, discover_own_data
 from fedhpro.flower.records import EVAL_RECORD, HEADER, NODE_RECORD, PRIVACY, SERVER_STATE
 from fedhpro.flower.settings import FlowerSettings, config_from_run_config, experiment_keys, split_run_config
 from fedhpro.flower.strategy import MethodStrategy, secure_for
 from fedhpro.privacy import privacy_warnings
-from fedhpro.resume import resumed_config
+from fedhpro.reports.plots import display_name
+from fedhpro.resume import claimed_config, given_settings
+from fedhpro.trained import server_models, write_models
 
 #: what this module's users import from it besides the ServerApp: the message records' names (the ClientApp's too)
 __all__ = ["EVAL_RECORD", "HEADER", "NODE_RECORD", "PRIVACY", "SERVER_STATE", "MethodStrategy", "app",
@@ -77,19 +76,18 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, Any
     config, settings = config_from_run_config(run_config, base)
     base = experiment_keys(base)  # its flower.* settings are in `settings`
     folder = config.run.resume or config.run.out
+    out = Path(folder) if folder else None
     # the out folder is this ServerApp's until it ends (fedhpro run's rule): a second run on it is refused in
     # one line; claimed before the folder is read, so a resume reads no files a live run is writing
-    with claim_run_folder(Path(folder), setting="resume" if config.run.resume else "out") if folder \
-            else contextlib.nullcontext():
-        return _run_server(grid, run_config, base, config, settings)
+    with driver.claimed_run_folder(out, "resume" if config.run.resume else "out"):
+        given = given_settings(base, split_run_config(run_config)[0]) if config.run.resume else None
+        config, resume_from = claimed_config(config, out, given)  # before any node is asked
+        return _run_server(grid, config, settings, out, resume_from)
 
 
-def _run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, Any] | None, config: Config,
-                settings: FlowerSettings) -> MethodStrategy:
-    """:func:`run_server` once its out folder (if any) is claimed."""
-    resume_from = None
-    if config.run.resume:
-        config, resume_from = resumed_config(config, base, split_run_config(run_config)[0])
+def _run_server(grid: Grid, config: Config, settings: FlowerSettings, out: Path | None,
+                resume_from: Path | None) -> MethodStrategy:
+    """:func:`run_server` once its out folder (if any) is claimed and its config resolved."""
     config = load_config(config.to_dict(), {"progress": False})  # no progress bars in a server log
     if config.privacy.mode != "none" and config.privacy.secure_noise is None:
         # a deployment's noise must not be redrawable from the config: the OS's randomness unless the run
@@ -97,13 +95,38 @@ def _run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, An
         config = load_config(config.to_dict(), {"privacy.secure_noise": True})
     if settings.secure_aggregation == "secagg+":
         secagg.check_secure_config(config)  # before any node is asked
-    out = Path(config.run.resume) if config.run.resume else Path(config.run.out) if config.run.out else None
-    if out is not None:
-        for where in (out, checkpoint.checkpoint_dir(out)):  # what a killed ServerApp left half-written
-            remove_partial_writes(where)
-    if out is not None and resume_from is None:
-        check_new_run_folder(out)  # before any node is asked: another run's results must not be overwritten
     started = time.perf_counter()
+    side, config, nodes, partition, notes = _federation(grid, config, settings)
+    strategy = MethodStrategy(side, config, Nodes(nodes, getattr(nodes, "infos", None),
+                                                 _client_keys(grid, nodes, settings)),
+                              run_key(config, secrets.token_hex(8)), settings.node_auth,
+                              secure_for(config, side, settings),
+                              driver.Run(out, config.run, side.protocol, engine="flower", started=started))
+    run = strategy.run
+    run.open(config.to_dict(), partition, strategy.load_state_dict, resume_from)
+    if resume_from is not None and run.out is not None:
+        strategy.keep_from = min(checkpoint.saved_rounds(run.out))
+        log(INFO, "fedhpro: resuming %s after round %d of %d", run.out, run.first_round, config.run.rounds)
+    last = run.last_round()
+    initial = ArrayRecord({key: records.to_array(v) for key, v in side.server.global_weights().items()})
+    if last > run.first_round:
+        strategy.start(grid, initial, num_rounds=last - run.first_round, timeout=settings.round_timeout)
+    if run.stopped is not None:  # privacy.max_epsilon: a normal end, its rows and summary kept
+        log(WARNING, "fedhpro: %s", run.stopped)
+    options = config.run
+    summary = driver.run_summary(options, options.dataset, len(strategy.nodes), side.device, run.rows.metrics,
+                                 run.seconds(), notes, from_python=config.federation is not None, engine="flower")
+    run.close(summary, side.server.state_dict(), lambda folder: write_models(folder, server_models(side, partition)),
+              f"{display_name(options.method)} on {options.dataset} (seed {options.seed})")
+    forget_client_state(grid, strategy, settings)
+    return strategy
+
+
+def _federation(grid: Grid, config: Config, settings: FlowerSettings
+                ) -> tuple[ServerSide, Config, dict[int, int], dict[str, Any], list[str]]:
+    """``(server side, config, {client: node id}, partition.json's record, the run's notes)`` of the nodes
+    on ``grid``: own data (each node describes its folder) or partitions of a named data set; the notes and
+    warnings said as ``fedhpro run`` says them (and kept in summary.json)."""
 
     def warn(message: str) -> None:
         log(WARNING, "fedhpro: %s", message)
@@ -136,8 +159,6 @@ def _run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, An
             raise ConfigError(f"the federation has {federation.num_clients} clients but {clients} SuperNodes "
                               f"hold partitions; set clients={federation.num_clients} or run that many SuperNodes")
         partition, notes = federation.partition, federation.notes
-    # sizes are claims (own data: what each node declared): a round's weights are capped by them
-    side.protocol.client_sizes = list(side.num_samples)
     pooled = ([(info.domain or "all", int(info.test_size)) for info in infos] if own_data(config)
               else getattr(side.engine, "pooled_test_sizes", list)())
     few = few_batches_note(side.num_samples, config.run.batch_size,
@@ -149,45 +170,7 @@ def _run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, An
                  + privacy_warnings(config.privacy, len(side.num_samples), side.num_samples)):
         warn(line)
         notes.append(line)
-    nodes = Nodes(nodes, getattr(nodes, "infos", None), _client_keys(grid, nodes, settings))
-    strategy = MethodStrategy(side, config, nodes, run_key(config, secrets.token_hex(8)), settings.node_auth,
-                              secure_for(config, side, settings))
-    folder = driver.RunFolder(out, config.run, strategy.run, started) if out is not None else None
-    if folder is not None and resume_from is not None:
-        resume_strategy(strategy, folder, resume_from)
-    elif folder is not None:
-        folder.start(config.to_dict(), partition)
-    if folder is not None:
-        strategy.after_round = after_round(folder)
-        folder.privacy = side.protocol.privacy_summary()  # summary.json's privacy block, as fedhpro run's
-    last, stop = budgeted_rounds(side.protocol, strategy.first_round, config.run.rounds)
-    initial = ArrayRecord({key: records.to_array(v) for key, v in side.server.global_weights().items()})
-    if last > strategy.first_round:
-        strategy.start(grid, initial, num_rounds=last - strategy.first_round, timeout=settings.round_timeout)
-    if stop is not None:  # privacy.max_epsilon: a normal end, its rows and summary kept
-        log(WARNING, "fedhpro: %s", stop)
-        if folder is not None:
-            folder.privacy = folder.privacy or {}
-            folder.privacy["stopped"] = stop
-    if folder is not None:
-        from fedhpro.trained import MODEL_FILE, write_server_model
-
-        with driver.stop_on_write_error(folder.out, folder.out / MODEL_FILE):  # before summary.json
-            write_server_model(folder.out, side, partition)
-        write_results(folder, strategy, time.perf_counter() - started, notes)
-    forget_client_state(grid, strategy, settings)
-    return strategy
-
-
-def budgeted_rounds(protocol: Any, first: int, rounds: int) -> tuple[int, str | None]:
-    """``(the round the run ends before, the privacy.max_epsilon line that ends it early or None)``: the
-    round protocol's budget stop (:meth:`~fedhpro.engines.protocol.RoundProtocol.budget_stop`, the seeded
-    participations make it known before the rounds run), so a Flower run stops where ``fedhpro run`` does."""
-    for round in range(first, rounds):
-        stop = protocol.budget_stop(round)
-        if stop is not None:
-            return round, stop
-    return rounds, None
+    return side, config, nodes, partition, notes
 
 
 def run_key(config: Config, token: str) -> str:
@@ -197,27 +180,6 @@ def run_key(config: Config, token: str) -> str:
     values = {key: value for key, value in config.to_dict().items() if key not in PRESENTATION_KEYS}
     text = json.dumps(values, sort_keys=True, default=str) + token
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def after_round(folder: driver.RunFolder) -> Callable[[MethodStrategy], None]:
-    """What a run writes into its folder after every round, as ``fedhpro run`` does
-    (:meth:`driver.RunFolder.after_round`): its rows and, when one is due, a checkpoint of
-    :meth:`MethodStrategy.state_dict`; the nodes may then forget what is older than the oldest kept."""
-
-    def written(strategy: MethodStrategy) -> None:
-        if folder.after_round(strategy.state_dict):
-            strategy.keep_from = min(checkpoint.saved_rounds(folder.out))
-
-    return written
-
-
-def resume_strategy(strategy: MethodStrategy, folder: driver.RunFolder, newest: Path) -> None:
-    """Load the checkpoint ``newest`` of the run in ``folder`` into ``strategy``: it goes on after its rounds,
-    with its rows (``timing.jsonl``'s of those rounds too) and the nodes' state key."""
-    folder.resume(newest, strategy.load_state_dict, engine="flower", where=f"resume={strategy.config.run.resume}")
-    strategy.keep_from = min(checkpoint.saved_rounds(folder.out))
-    log(INFO, "fedhpro: resuming %s after round %d of %d", folder.out, strategy.first_round,
-        strategy.config.run.rounds)
 
 
 def forget_client_state(grid: Grid, strategy: MethodStrategy, settings: FlowerSettings) -> None:
@@ -231,20 +193,6 @@ def forget_client_state(grid: Grid, strategy: MethodStrategy, settings: FlowerSe
         if reply.has_error():
             log(WARNING, "fedhpro: node %d kept this run's client state: %s", reply.metadata.src_node_id,
                 reply.error.reason)
-
-
-def write_results(folder: driver.RunFolder, strategy: MethodStrategy, seconds: float, notes: list[str]) -> None:
-    """``summary.json`` (:func:`driver.run_summary`, as ``fedhpro run`` writes it, with ``engine: flower``),
-    the method's server state (``server_state.pt``) and ``accuracy.png``; the rows are written after every
-    round. A run where no round had an accuracy (every evaluation lost to node failures) still gets its
-    summary (NaN accuracy) but no plot."""
-    config, side = strategy.config, strategy.side
-    options = config.run
-    summary = driver.run_summary(options, options.dataset, len(strategy.nodes), side.device, strategy.rows, seconds,
-                                 notes, from_python=config.federation is not None, engine="flower")
-    folder.finish(summary, side.server.state_dict())
-    if any("accuracy" in row for row in strategy.rows):
-        folder.plot(f"{options.method} on {options.dataset} (seed {options.seed})")
 
 
 def make_server_app(base: Mapping[str, Any] | None = None) -> ServerApp:

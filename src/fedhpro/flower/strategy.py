@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from logging import INFO, WARNING
 from typing import Any
 
@@ -24,7 +24,8 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from fedhpro.config import Config
-from fedhpro.engines.driver import RunRows, round_extra
+from fedhpro.engines import checkpoint
+from fedhpro.engines.driver import Run, round_extra
 from fedhpro.engines.protocol import OpenRound, Reception, TestCount, pool_accuracy, weighted_mean
 from fedhpro.errors import FedHProError, UpdateError
 from fedhpro.flower import records, secagg
@@ -71,7 +72,7 @@ class MethodStrategy(Strategy):
     """
 
     def __init__(self, side: ServerSide, config: Config, nodes: Mapping[int, int], run_key: str | None = None,
-                 node_auth: bool = False, secure: Secure | None = None):
+                 node_auth: bool = False, secure: Secure | None = None, run: Run | None = None):
         """``nodes``: ``{client index: node id}`` (a :class:`~fedhpro.flower.nodes.Nodes`, or a plain dict in
         partition mode). ``run_key``: the key under which the nodes keep the clients' state on disk
         (:func:`~fedhpro.flower.server.run_key`; None: they keep none). A resumed run takes its key, rows and
@@ -79,7 +80,9 @@ class MethodStrategy(Strategy):
         SuperLink authenticates its SuperNodes, so a node that comes back with a new node id must show the key
         its client's node had at discovery (``nodes.client_keys``). ``secure``
         (``flower.secure-aggregation=secagg+``): the uploads are summed by Flower's SecAgg+ and the protocol
-        gets replies rebuilt from the sum (:mod:`fedhpro.flower.secagg`)."""
+        gets replies rebuilt from the sum (:mod:`fedhpro.flower.secagg`). ``run``: the run around the rounds
+        (:class:`~fedhpro.engines.driver.Run`: its rows, checkpoints and folder); default: one that writes no
+        folder."""
         self.side = side
         self.secure = secure
         self._outcome: secagg.SecureOutcome | None = None
@@ -88,15 +91,14 @@ class MethodStrategy(Strategy):
         #: client index -> Flower node id, and what recognises a client's node when it comes back
         self.nodes = nodes if isinstance(nodes, Nodes) else Nodes(nodes)
         self.text = config_text(config)
-        self.run = RunRows()  # metrics.jsonl's and timing.jsonl's rows, the first round of this start
-        self.started = time.perf_counter()
+        #: the run around the rounds: each round's rows, and its checkpoints when it has a folder
+        self.run = run if run is not None else Run(None, config.run, side.protocol, engine="flower")
         self._round: OpenRound | None = None
         self._times: dict[str, float] = {}
         self._server_metrics: dict[str, float] = {}
         self.refused: dict[int, int] = {}  # client -> the round of its latest reply refused as invalid
         self.run_key = run_key
         self.keep_from: int | None = None  # the oldest round the run can go back to (its oldest checkpoint)
-        self.after_round: Callable[[MethodStrategy], None] | None = None  # called once each round's row is in
         self.node_auth = node_auth
         self._tests: dict[int, tuple[str, int]] | None = None  # client -> (its test set, its size)
         self._sent: list[tuple[int, Message]] = []  # (client, message) of the current train or evaluate step
@@ -124,8 +126,8 @@ class MethodStrategy(Strategy):
         return header
 
     # the rows so far; first_round: rounds done before this start (a resumed run): Flower's round 1 is this round
-    rows = property(lambda self: self.run.metrics)
-    timings = property(lambda self: self.run.timings)
+    rows = property(lambda self: self.run.rows.metrics)
+    timings = property(lambda self: self.run.rows.timings)
     first_round = property(lambda self: self.run.first_round)
 
     def round_index(self, server_round: int) -> int:
@@ -136,11 +138,10 @@ class MethodStrategy(Strategy):
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs besides the rows: the method's server state, the refused replies (their
         nodes may not have heard yet) and the key of the clients' state on the nodes."""
-        return {"engine": "flower", "server": self.server.state_dict(), "refused": dict(self.refused),
-                "run_key": self.run_key or ""}
+        return {"server": self.server.state_dict(), "refused": dict(self.refused), "run_key": self.run_key or ""}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint's state (its rows and round: :meth:`driver.RunFolder.resume`)."""
+        """Continue from a checkpoint's state (its rows and round: :meth:`driver.Run.open`)."""
         self.server.load_state_dict(state["server"])
         self.refused = {int(k): int(r) for k, r in state["refused"].items()}
         self.run_key = state["run_key"] or None
@@ -320,9 +321,8 @@ class MethodStrategy(Strategy):
         record = current.record(self._server_metrics, accuracy, seconds, extra)
         if self.side.engine is not None:
             self.side.engine.history.append(record)
-        self.run.add(record, time.perf_counter() - self.started)
-        if self.after_round is not None:
-            self.after_round(self)
+        if self.run.round_done(record, self.state_dict) and self.run.out is not None:
+            self.keep_from = min(checkpoint.saved_rounds(self.run.out))  # the nodes may forget what is older
         if accuracy is None:
             return None
         log(INFO, "fedhpro: round %d: test accuracy AVG %.2f%%", current.round, accuracy["AVG"])

@@ -31,7 +31,6 @@ from fedhpro.privacy.client import (
     PrivacyError,
     PrivateSum,
     client_privacy,
-    noise_generator,
     privatize_upload,
     privatized_layout,
     upload_noise_generator,
@@ -146,5 +145,5 @@ def check_combinations(config: Any) -> None:
 
 __all__ = ["HOLDERS_KEY", "PRIVATIZED_KEY", "VACUOUS_DELTA", "ClientLedger", "ClientPrivacy",
            "Ledger", "PrivacyError", "PrivateSum", "check_combinations", "client_privacy", "ledger_for",
-           "noise_generator", "privacy_warnings", "private_train_settings", "privatize_upload", "privatized_layout",
+           "privacy_warnings", "private_train_settings", "privatize_upload", "privatized_layout",
            "upload_noise_generator"]

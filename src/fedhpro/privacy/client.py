@@ -113,11 +113,6 @@ def upload_noise_generator(settings: ClientPrivacy, seed: int, round: int, clien
     return torch.Generator().manual_seed(derive_seed(*parts))
 
 
-#: the old name of :func:`upload_noise_generator`, until its last callers (the engines, Flower's client app) say
-#: the new one
-noise_generator = upload_noise_generator
-
-
 def poisson_participants(seed: int, num_clients: int, rate: float) -> list[int]:
     """The participants of a round under Poisson sampling: each of ``num_clients`` clients independently
     with probability ``rate`` (all of them when ``rate >= 1``), from a NumPy generator seeded with ``seed``
