@@ -4,6 +4,10 @@
   (the method's server part, the simulator's sampling, validation and evaluation);
 * :data:`fedhpro.flower.client.app`: the ClientApp (the method's client part on partition
   ``partition-id`` of the federation);
+* :mod:`fedhpro.flower.strategy`: the rounds (the shared round protocol's messages);
+  :mod:`fedhpro.flower.nodes` and :mod:`fedhpro.flower.answers`: node discovery, the roster of client ->
+  node, and the checks of what nodes answer; :mod:`fedhpro.flower.secagg` and
+  :mod:`fedhpro.flower.secure_sum`: SecAgg+;
 * :mod:`fedhpro.flower.records`: payloads <-> ArrayRecord / ConfigRecord / MetricRecord;
 * :mod:`fedhpro.flower.settings`: Flower's ``run_config`` -> a fedhpro Config.
 

@@ -91,8 +91,7 @@ class MethodStrategy(Strategy):
         #: client index -> Flower node id, and what recognises a client's node when it comes back
         self.nodes = nodes if isinstance(nodes, Nodes) else Nodes(nodes)
         self.text = config_text(config)
-        #: the run around the rounds: each round's rows, and its checkpoints when it has a folder
-        self.run = run if run is not None else Run(None, config.run, side.protocol, engine="flower")
+        self._run = run
         self._round: OpenRound | None = None
         self._times: dict[str, float] = {}
         self._server_metrics: dict[str, float] = {}
@@ -102,6 +101,14 @@ class MethodStrategy(Strategy):
         self.node_auth = node_auth
         self._tests: dict[int, tuple[str, int]] | None = None  # client -> (its test set, its size)
         self._sent: list[tuple[int, Message]] = []  # (client, message) of the current train or evaluate step
+
+    @property
+    def run(self) -> Run:
+        """The run around the rounds: each round's rows, and its checkpoints when it has a folder (made on
+        first use when none was given: a run that writes no folder)."""
+        if self._run is None:
+            self._run = Run(None, self.config.run, self.side.protocol, engine="flower")
+        return self._run
 
     @property
     def server(self) -> Any:
