@@ -459,3 +459,68 @@ def test_train_metrics_are_n_k_weighted_means_of_client_metrics():
     for name in names:
         expected = sum(n * call["metrics"][name] for n, call in zip(sizes, calls)) / sum(sizes)
         assert record.train[name] == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+# --- the hot path: one working model, parameters loaded in place, no per-client copies -----------------------
+
+
+def test_load_in_place_gives_load_state_dicts_bits_without_new_tensors():
+    from fedhpro.engines.simulator import load_in_place
+
+    model, source = TinyBNNet(), TinyBNNet()
+    with torch.no_grad():
+        for parameter in source.parameters():
+            parameter.normal_()
+    source.features[1].running_mean.add_(3.0)
+    source.features[1].num_batches_tracked.add_(5)
+    weights = snapshot(source.state_dict())
+    pointers = {name: t.data_ptr() for name, t in model.state_dict().items()}
+    load_in_place(model, weights)
+    assert_weights_equal(model.state_dict(), weights)
+    assert {name: t.data_ptr() for name, t in model.state_dict().items()} == pointers
+    reference = TinyBNNet()
+    reference.load_state_dict(weights)
+    assert_weights_equal(model.state_dict(), reference.state_dict())
+    # what load_state_dict refuses, load_in_place refuses with its message
+    with pytest.raises(RuntimeError, match="Missing key"):
+        load_in_place(model, {name: t for name, t in weights.items() if name != next(iter(weights))})
+    first = next(iter(weights))
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        load_in_place(model, {**weights, first: torch.zeros(1, 2, 3)})
+
+
+def test_a_round_trains_every_client_on_the_one_working_model_without_copying_empty_states(monkeypatch):
+    federation = make_federation([16, 20, 24, 12], seed=5)
+    sim = simulator(federation)
+    models = []
+    original = sim.client.fit
+
+    def fit(model, payload, data, state, generator):
+        models.append(model)
+        return original(model, payload, data, state, generator)
+
+    sim.client.fit = fit
+    copies = []
+    real_deepcopy = copy.deepcopy
+    monkeypatch.setattr(copy, "deepcopy", lambda value, *a: copies.append(value) or real_deepcopy(value, *a))
+    sim.run_round(0)
+    assert len(models) == 4 and all(model is sim.working_model for model in models)
+    assert copies == []  # FedAvg keeps no client state: nothing to roll back, nothing copied
+
+
+def test_personal_models_load_in_place_and_keep_their_own_weights():
+    federation = make_federation([16, 20, 24], seed=6)
+    sim = Simulator(METHODS["fedavg"], FedAvgOptions(), federation, TinyNet, TRAIN, rounds=5, seed=0,
+                    eval_every=5, shared="classifier")  # round 0 is not evaluated
+    working = sim.working_models["model"]
+    pointers = [p.data_ptr() for p in working.parameters()]
+    before = [snapshot(w) for w in sim.client_weights]
+    sim.run_round(0)
+    assert [p.data_ptr() for p in working.parameters()] == pointers  # the working model's own tensors
+    after = sim.client_weights
+    for k in range(3):
+        assert any(not torch.equal(before[k][n], after[k][n]) for n in before[k])
+        assert all(not torch.equal(after[k][n], after[(k + 1) % 3][n]) for n in after[k] if n.endswith("weight"))
+    model = sim.models.model_for(1)
+    assert model is working
+    assert_weights_equal(model.state_dict(), after[1])

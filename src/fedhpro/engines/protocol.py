@@ -650,6 +650,8 @@ class OpenRound:
         self.started = time.perf_counter()
         self.participants = protocol.sample_clients(round)
         self.payload = protocol.server.broadcast(round)
+        value = getattr(protocol.server, "num_classes", None)
+        self._num_classes = value if isinstance(value, int) else None  # read by every reply: once a round
         self.bytes_down = payload_bytes(self.payload) * len(self.participants)
         self.params_down = payload_parameters(self.payload) * len(self.participants)
         self.dropped: list[dict[str, Any]] = []
@@ -793,8 +795,7 @@ class OpenRound:
     @property
     def num_classes(self) -> int | None:
         """The method's number of classes (the length of class_counts), None if its server does not say."""
-        value = getattr(self.protocol.server, "num_classes", None)
-        return value if isinstance(value, int) else None
+        return self._num_classes
 
     @property
     def accepted(self) -> int:

@@ -9,6 +9,7 @@ same seed and config give the same numbers on the CPU, whatever ran before.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import time
@@ -56,6 +57,22 @@ def _seeded(factory: Callable[[], nn.Module], seed: int, device: torch.device) -
     with torch.random.fork_rng(devices=[]):  # seed the initial weights without touching the caller's RNG
         torch.manual_seed(seed)
         return factory().to(device)
+
+
+def load_in_place(model: nn.Module, weights: dict[str, Tensor]) -> None:
+    """``model.load_state_dict(weights)`` (strict: the same keys) without its per-call bookkeeping: each
+    entry copied into the model's own tensor, under ``no_grad``. The same bits; no tensor is allocated."""
+    state = model.state_dict()
+    if state.keys() != weights.keys():
+        model.load_state_dict(weights)  # names the missing and unexpected keys
+        return
+    with torch.no_grad():
+        for key, target in state.items():
+            value = weights[key]
+            if target.shape != value.shape:
+                model.load_state_dict(weights)  # names the shape mismatch
+                return
+            target.copy_(value)
 
 
 class ClientModels:
@@ -133,7 +150,7 @@ class ClientModels:
         if self.architectures is None:  # one shared working model (not personal)
             return self.working_model
         model = self.working_models[self.architectures[k]]
-        model.load_state_dict(weights if weights is not None else self.client_weights[k])
+        load_in_place(model, weights if weights is not None else self.client_weights[k])
         return model
 
     def keep(self, k: int, model: nn.Module) -> None:
@@ -372,8 +389,10 @@ class Simulator:
         observers; the client's own invalid update rolls its state back."""
         model = self.models.model_for(k)
         state_before = copy.deepcopy(self.client_states[k]) if self.client_states[k] else {}
+        observe = (watching([functools.partial(o.watch_client, k) for o in self.observers])  # they only observe
+                   if self.observers else contextlib.nullcontext())
         try:
-            with watching([functools.partial(o.watch_client, k) for o in self.observers]):  # they only observe
+            with observe:
                 reply, metrics = client_step(self.server, self.client, model, current.payload,
                                              self.federation.clients[k], self.client_states[k], self.seed,
                                              current.round, k, self.protocol.client_privacy)

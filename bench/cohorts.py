@@ -1,0 +1,170 @@
+"""Cohorts of thousands of clients in the in-process simulator: seconds per round and peak memory against K.
+
+Each K runs in a fresh subprocess: a synthetic federation of K clients holding 16-20 random 3x32x32
+samples each (sizes drawn with seed 0; every client's tensors are views of one resident tensor), FedAvg
+with the default ``cnn`` (d = 512), E = 1, batch 64, ``--per-round`` clients sampled a round
+(``participation = per_round / K``), no evaluation. It reports the median seconds of ``--rounds``
+rounds after one warm-up round, and the process's peak resident memory (``ru_maxrss``, which includes
+torch's own ~0.5 GB and the data).
+
+The per-client overhead, as the issue defines it, is measured side by side in one more subprocess:
+one round of 100 clients of 17 samples against one round of one client holding the same 1,700
+samples (the same model, optimiser and settings), interleaved, median over repeats;
+``(t_100 - t_1) / 100`` is what a client costs beyond its samples.
+
+    python bench/cohorts.py                                  # K in 100 1000 5000 10000 (~5-10 min)
+    python bench/cohorts.py --clients 100 1000 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import harness
+
+IMAGE = (3, 32, 32)
+
+
+def cpu_model() -> str:
+    """``lscpu``'s Model name (the CPU of /proc/cpuinfo when lscpu is missing)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return harness.machine_info()["cpu"]
+
+
+def loadavg() -> str:
+    with open("/proc/loadavg") as handle:
+        return handle.read().strip()
+
+
+def federation_of(sizes: list[int], seed: int = 0):
+    """A synthetic federation whose client ``k`` holds ``sizes[k]`` samples: views of one resident tensor."""
+    import torch
+
+    from fedhpro.data.federation import ClientData, Federation
+
+    generator = torch.Generator().manual_seed(seed)
+    total = sum(sizes)
+    x = torch.randn(total, *IMAGE, generator=generator)
+    y = torch.randint(0, 10, (total,), generator=generator)
+    clients, start = [], 0
+    for n in sizes:
+        clients.append(ClientData(x[start:start + n], y[start:start + n], 10))
+        start += n
+    test = (torch.randn(256, *IMAGE, generator=generator), torch.randint(0, 10, (256,), generator=generator))
+    return Federation("synthetic", 10, IMAGE, clients, ["all"] * len(sizes), {"all": test})
+
+
+def simulator_for(federation, participation: float, threads: int | None):
+    from fedhpro.config import load_config
+    from fedhpro.engines.simulator import Simulator
+    from fedhpro.methods import METHODS, TrainSettings
+    from fedhpro.models import build_model
+
+    harness.prepare_torch(threads)
+    return Simulator(METHODS["fedavg"], load_config(None).methods["fedavg"], federation,
+                     lambda: build_model("cnn", 10, IMAGE, 512), TrainSettings(epochs=1),
+                     rounds=10 ** 9, eval_every=10 ** 9, participation=participation)
+
+
+def peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child_cohort(num_clients: int, per_round: int, low: int, high: int, rounds: int, threads: int | None) -> dict:
+    """Run in the subprocess: one warm-up round, then ``rounds`` timed ones."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    sizes = torch.randint(low, high + 1, (num_clients,), generator=generator).tolist()
+    started = time.perf_counter()
+    federation = federation_of(sizes)
+    simulator = simulator_for(federation, min(1.0, per_round / num_clients), threads)
+    build_seconds = time.perf_counter() - started
+    peak_built = peak_mib()
+    seconds = []
+    for round in range(rounds + 1):
+        timer = time.perf_counter()
+        simulator.run_round(round)
+        if round:
+            seconds.append(time.perf_counter() - timer)
+    return {"K": num_clients, "samples": sum(sizes), "sampled": len(simulator.sample_clients(0)),
+            "build_s": build_seconds, "round_s": statistics.median(seconds), "rounds_s": seconds,
+            "peak_built_mib": peak_built, "peak_mib": peak_mib()}
+
+
+def child_overhead(clients: int, per_client: int, repeats: int, threads: int | None) -> dict:
+    """Run in the subprocess: ``clients`` clients of ``per_client`` samples against one client of all of them."""
+    total = clients * per_client
+    many = simulator_for(federation_of([per_client] * clients), 1.0, threads)
+    one = simulator_for(federation_of([total]), 1.0, threads)  # the same samples (the same seed)
+    counter = iter(range(10 ** 9))
+    times = harness.interleaved({"many": lambda: many.run_round(next(counter)),
+                                 "one": lambda: one.run_round(next(counter))}, repeats)
+    many_s, one_s = statistics.median(times["many"]), statistics.median(times["one"])
+    per_client_ms = [1000 * (a - b) / clients for a, b in zip(times["many"], times["one"])]
+    return {"many_s": many_s, "one_s": one_s, "per_client_ms": statistics.median(per_client_ms),
+            "per_client_ms_all": per_client_ms}
+
+
+def run_child(*args: str) -> dict:
+    result = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    if result.returncode:
+        sys.stderr.write(result.stderr)
+        raise SystemExit(f"the child {' '.join(args)} failed")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", nargs="+", type=int, default=[100, 1000, 5000, 10000], help="the K to run")
+    parser.add_argument("--per-round", type=int, default=100, help="clients sampled a round")
+    parser.add_argument("--sizes", nargs=2, type=int, default=[16, 20], metavar=("LOW", "HIGH"),
+                        help="each client's sample count, drawn uniformly from [LOW, HIGH]")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per K (after one warm-up round)")
+    parser.add_argument("--repeats", type=int, default=5, help="repeats of the per-client overhead pair")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        kind, *values = args.child
+        figures = (child_cohort(*(int(v) for v in values), args.threads) if kind == "cohort"
+                   else child_overhead(*(int(v) for v in values), args.threads))
+        print(json.dumps(figures))
+        return
+
+    print(f"cohorts: FedAvg, cnn (d = 512), E = 1, batch 64, {args.per_round} clients a round, "
+          f"{args.sizes[0]}-{args.sizes[1]} samples a client, {args.threads} torch thread(s), one subprocess per K")
+    print(f"  cpu    {cpu_model()}, {os.cpu_count()} logical cores")
+    print(f"  load   {loadavg()} (/proc/loadavg, before)")
+    print(f"  {'K':>6s} {'samples':>8s} {'sampled':>8s} {'build s':>8s} {'s/round':>8s} {'[min - max]':>16s} "
+          f"{'peak RSS':>10s}")
+    for num_clients in args.clients:
+        f = run_child("--threads", str(args.threads), "--child", "cohort", str(num_clients), str(args.per_round),
+                      str(args.sizes[0]), str(args.sizes[1]), str(args.rounds))
+        spread = f"[{min(f['rounds_s']):.2f} - {max(f['rounds_s']):.2f}]"
+        print(f"  {f['K']:6d} {f['samples']:8d} {f['sampled']:8d} {f['build_s']:8.1f} {f['round_s']:8.2f} "
+              f"{spread:>16s} {f['peak_mib'] / 1024:7.2f} GiB", flush=True)
+    if not args.skip_overhead:
+        f = run_child("--threads", str(args.threads), "--child", "overhead", "100", "17", str(args.repeats))
+        print(f"  per-client overhead: 100 clients x 17 samples {f['many_s']:.2f} s/round, one client x 1700 "
+              f"samples {f['one_s']:.2f} s/round: {f['per_client_ms']:.1f} ms a client (median of the paired "
+              f"repeats; [{min(f['per_client_ms_all']):.1f} - {max(f['per_client_ms_all']):.1f}])")
+    print(f"  load   {loadavg()} (/proc/loadavg, after)")
+
+
+if __name__ == "__main__":
+    main()
