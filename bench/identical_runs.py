@@ -44,6 +44,9 @@ DIGITS_TEST_FRACTION = 0.05
 #: keys that hold wall-clock times (removed at any depth before hashing JSON): summary.json's "seconds";
 #: "elapsed" is timing.jsonl's, which is not hashed at all (metrics.jsonl keeps wall times out)
 TIME_KEYS = frozenset({"seconds", "elapsed"})
+#: keys that describe the machine, not the result (removed likewise): summary.json's "machine" (the CPU, its
+#: instruction sets, the GPU, the thread count, the precision and memory format training ran in)
+MACHINE_KEYS = frozenset({"machine"})
 
 #: JSON result files hashed (canonical: time keys removed, json.dumps(sort_keys=True), one line per row)
 JSON_FILES = {"metrics": "metrics.jsonl", "summary": "summary.json", "partition": "partition.json"}
@@ -98,9 +101,10 @@ assert len(CONFIG_NAMES) == len(set(CONFIG_NAMES)) == 20
 
 
 def without_time_keys(value: Any) -> Any:
-    """``value`` with every dict key of :data:`TIME_KEYS` removed, at any depth."""
+    """``value`` with every dict key of :data:`TIME_KEYS` and :data:`MACHINE_KEYS` removed, at any depth."""
     if isinstance(value, dict):
-        return {key: without_time_keys(item) for key, item in value.items() if key not in TIME_KEYS}
+        return {key: without_time_keys(item) for key, item in value.items()
+                if key not in TIME_KEYS and key not in MACHINE_KEYS}
     if isinstance(value, list):
         return [without_time_keys(item) for item in value]
     return value

@@ -27,13 +27,13 @@ from fedhpro.config import Config, RunOptions, load_config, parse_override
 from fedhpro.data.federation import Federation, few_batches_note
 from fedhpro.engines import checkpoint, driver
 from fedhpro.errors import ConfigError, DataError
-from fedhpro.experiment import _warn, build_experiment, build_simulator, resolve_device
+from fedhpro.experiment import _warn, build_experiment, build_simulator, resolve_device, trained_models
 from fedhpro.files import RunFolderClaim, claim_run_folder
 from fedhpro.measurements import observers_for
 from fedhpro.privacy import privacy_warnings
 from fedhpro.reports.plots import display_name
 from fedhpro.resume import _settings_off_defaults, claimed_config, given_settings
-from fedhpro.runtime import cpu_runtime, resolve_threads, torch_threads
+from fedhpro.runtime import bf16_note, cpu_runtime, resolve_threads, torch_threads
 from fedhpro.trained import MODEL_FILE, TrainedModels, load_model, simulator_models, write_models
 from fedhpro.user_models import _is_model_callable, _without_model_callable, check_federation
 
@@ -197,6 +197,9 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
     if echo:  # how the data were read (split folders, empty or untested classes and sites), before training
         for note in notes:
             print(f"note: {note}")
+        hardware = bf16_note(options.amp, device)  # printed only: summary.json does not depend on the CPU
+        if hardware:
+            print(f"note: {hardware}")
     simulator = build_simulator(config, parts, device, observers_for(options, out, _warn, title))
     warnings = run_warnings(config, simulator)
     for line in warnings:  # before training, and kept in summary.json's notes
@@ -205,7 +208,8 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
     run.open(config.to_dict(), parts.federation.partition, simulator.load_state_dict, resume_from)
     driver.train(simulator, run, f"{options.method} on {data_name}", options.progress)
     summary = driver.run_summary(options, data_name, parts.federation.num_clients, device, run.rows.metrics,
-                                 run.seconds(), [*notes, *warnings], from_python=config.federation is not None)
+                                 run.seconds(), [*notes, *warnings], from_python=config.federation is not None,
+                                 models=trained_models(simulator.models))
     trained = simulator_models(config, simulator, parts.federation)
     run.close(summary, simulator.server.state_dict(), lambda folder: write_models(folder, trained), title,
               end=simulator.end_run)

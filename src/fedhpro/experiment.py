@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from fedhpro.config import Config
+from fedhpro import runtime
+from fedhpro.config import Config, channels_last_setting
 from fedhpro.data import get_dataset
 from fedhpro.data.federation import Federation
 from fedhpro.engines.observers import RoundObserver
@@ -101,6 +102,7 @@ def build_experiment(config: Config, device: torch.device | str = "cpu", federat
     """
     options = config.run
     method = get_method(options.method)
+    check_precision(config, torch.device(device))
     if federation is None:
         dataset = get_dataset(options.dataset)
         federation = dataset.build(config.data, options.clients, options.seed, data_dir=options.data_dir,
@@ -127,6 +129,30 @@ def build_experiment(config: Config, device: torch.device | str = "cpu", federat
         train = private_train_settings(config, train, ledger)  # clip, sigma and where the noise comes from
     return Experiment(method, federation, global_factory, architecture_factory, architectures, train, shared,
                       ledger)
+
+
+def trained_models(models: Any) -> list[torch.nn.Module]:
+    """The models the clients train, one per architecture, of a :class:`~fedhpro.engines.simulator.ClientModels`
+    (summary.json's memory format is resolved on them: ``channels_last=auto`` depends on their Conv2d layers)."""
+    if models.personal:
+        return list(models.working_models.values()) or [models.global_model]
+    return [models.working_model]
+
+
+def check_precision(config: Config, device: torch.device) -> None:
+    """One-line ConfigError where the run's precision settings cannot train on ``device``: under
+    ``privacy=sample`` any of amp, channels_last=true or compile (DP-SGD runs in eager float32; channels_last=auto
+    is off without amp), else ``amp=bf16`` on a CPU without native bfloat16 (:func:`fedhpro.runtime.precision_problem`).
+    :func:`build_experiment` calls it; a Flower node that builds its parts from :func:`model_factories` calls it too."""
+    options = config.run
+    if config.privacy.mode == "sample":
+        from fedhpro.methods.sample_dp import settings_problem
+
+        problem = settings_problem(options.amp, bool(channels_last_setting(options.channels_last)), options.compile)
+    else:
+        problem = runtime.precision_problem(options.amp, device)
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def model_factories(config: Config, method: MethodSpec, num_classes: int, input_shape: tuple[int, ...],
@@ -168,7 +194,7 @@ def model_factories(config: Config, method: MethodSpec, num_classes: int, input_
 
     train = TrainSettings(epochs=options.local_epochs, batch_size=options.batch_size, lr=options.lr,
                           momentum=options.momentum, weight_decay=options.weight_decay, amp=options.amp,
-                          channels_last=options.channels_last, compile=options.compile)
+                          channels_last=channels_last_setting(options.channels_last), compile=options.compile)
     architectures = None
     if options.heterogeneity != "none":
         from fedhpro.models.heterogeneity import architecture_for_client

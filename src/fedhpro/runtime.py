@@ -30,6 +30,15 @@ Flower apps, the benchmarks: processes of their own). :func:`cpu_runtime`
 sets them for a block, as ``fedhpro.run`` does inside the caller's process:
 the flush-denormal state is put back as it was after the block; the
 allocator thresholds stay (glibc has no way to read the previous ones back).
+
+The hardware a run trains on (:func:`cpu_features`, one :class:`CpuFeatures`
+read from ``/proc/cpuinfo`` and torch) decides its mixed precision
+(``amp=bf16``): :func:`amp_precision` is what training runs in on a device
+(bfloat16; float16 with a gradient scaler on a GPU without native bfloat16),
+:func:`precision_problem` refuses bfloat16 on a CPU that has no native
+bfloat16 instructions (neither AVX512-BF16 nor AMX), where it is slower than
+float32, :func:`bf16_note` says when a CPU has them and the run does not use
+them, and :func:`machine_record` is summary.json's ``machine`` block.
 """
 
 from __future__ import annotations
@@ -37,9 +46,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 #: libgomp's settings when the user set none: idle threads sleep at once (see the docstring)
 OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -158,3 +170,189 @@ def torch_threads(count: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+# ---------------------------------------------------------------------------- the hardware and the precision
+
+#: ``/proc/cpuinfo`` flags that say the CPU computes bfloat16 natively (AVX512-BF16's dot products, AMX's tiles)
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+#: the per-sample training time of the default ``cnn`` on a 2-core Intel Xeon with AMX and AVX512-BF16 (one
+#: thread, digits-offline batches of 64), in microseconds: what ``amp=bf16`` gains where bfloat16 is native
+MEASURED_US = {"float32": 372, "channels_last": 260, "bf16": 233, "bf16+channels_last": 126}
+#: how much slower ``amp=bf16`` (with channels_last) trained the ``cnn`` than float32 where bfloat16 is emulated:
+#: the same Xeon with oneDNN and torch limited to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2``, as
+#: an AVX2-only CPU such as an older AMD EPYC runs): 5493 against 747 us per sample, one thread, batches of 64
+EMULATED_BF16_SLOWDOWN = 7
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    """What fedhpro reads about the CPU (:func:`cpu_features`): its model name and the instruction sets that
+    decide how fast it trains in float32 and in bfloat16."""
+
+    model: str  # the model name, e.g. "Intel(R) Xeon(R) Platinum 8480+" ("unknown" where it cannot be read)
+    avx2: bool
+    avx512: bool  # AVX-512 Foundation (avx512f)
+    avx512_bf16: bool  # AVX512-BF16: bfloat16 dot products
+    amx: bool  # AMX with bfloat16 tiles (amx_bf16 and amx_tile)
+    capability: str = "unknown"  # torch.backends.cpu.get_cpu_capability(): the kernels torch dispatches to
+
+    @property
+    def native_bf16(self) -> bool:
+        """Whether the CPU computes bfloat16 natively (AVX512-BF16 or AMX); without either, oneDNN emulates it
+        and bfloat16 convolutions run slower than float32."""
+        return self.avx512_bf16 or self.amx
+
+    def isa(self) -> dict[str, bool]:
+        """The instruction sets summary.json records: ``{"avx2", "avx512", "avx512_bf16", "amx"}``."""
+        return {"avx2": self.avx2, "avx512": self.avx512, "avx512_bf16": self.avx512_bf16, "amx": self.amx}
+
+    def described(self) -> str:
+        """The model name and its bfloat16 instructions, for a message: ``"Intel ... (AMX, AVX512-BF16)"``."""
+        have = [name for name, on in (("AMX", self.amx), ("AVX512-BF16", self.avx512_bf16),
+                                      ("AVX-512", self.avx512 and not self.avx512_bf16),
+                                      ("AVX2", self.avx2 and not self.avx512)) if on]
+        return f"{self.model} ({', '.join(have)})" if have else self.model
+
+
+def cpu_features() -> CpuFeatures:
+    """This machine's :class:`CpuFeatures`: on Linux from ``/proc/cpuinfo`` (``model name`` and ``flags``),
+    elsewhere (or where it cannot be read) from torch's CPU capability alone; read once per process. Tests
+    fake another CPU with ``monkeypatch.setattr(fedhpro.runtime, "cpu_features", lambda: CpuFeatures(...))``:
+    every caller looks it up here."""
+    return _read_cpu_features()
+
+
+@functools.lru_cache(maxsize=1)
+def _read_cpu_features() -> CpuFeatures:
+    import torch
+
+    try:
+        capability = str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        capability = "unknown"
+    model, flags = _cpuinfo()
+    if flags is None:  # no /proc/cpuinfo: what torch dispatches to is the best we know
+        upper = capability.upper()
+        return CpuFeatures(model or "unknown", avx2=upper.startswith(("AVX2", "AVX512")),
+                           avx512=upper.startswith("AVX512"), avx512_bf16=False, amx=False, capability=capability)
+    return CpuFeatures(model or "unknown", avx2="avx2" in flags, avx512="avx512f" in flags,
+                       avx512_bf16="avx512_bf16" in flags, amx="amx_bf16" in flags and "amx_tile" in flags,
+                       capability=capability)
+
+
+def _cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str | None, set[str] | None]:
+    """``(model name, flags)`` of the first processor in ``path`` (None for what is not there)."""
+    model: str | None = None
+    flags: set[str] | None = None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as text:
+            for line in text:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model is None:
+                    model = " ".join(value.split())
+                elif key in ("flags", "Features") and flags is None:  # x86, arm64
+                    flags = set(value.split())
+                if model is not None and flags is not None:
+                    break
+    except OSError:
+        return None, None
+    return model, flags
+
+
+def cuda_bf16_native(device: Any) -> bool:
+    """Whether the CUDA ``device`` computes bfloat16 natively (compute capability 8.0 and up), not emulated."""
+    import torch
+
+    with torch.cuda.device(device):
+        try:
+            return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+        except TypeError:  # an older torch: no emulation flag
+            return bool(torch.cuda.is_bf16_supported())
+
+
+def amp_precision(amp: str, device: Any) -> str:
+    """What local training computes in for the ``amp`` setting on ``device``: ``"float32"`` (amp=off),
+    ``"bf16"`` (bfloat16 autocast), or ``"fp16"`` (amp=bf16 on a GPU without native bfloat16: float16 autocast
+    with a gradient scaler, :class:`torch.amp.GradScaler`). The weights, the losses and everything the server
+    does stay float32 in every case."""
+    if amp == "off":
+        return "float32"
+    if getattr(device, "type", str(device).split(":")[0]) == "cuda" and not cuda_bf16_native(device):
+        return "fp16"
+    return "bf16"
+
+
+def precision_problem(amp: str, device: Any) -> str | None:
+    """Why ``amp`` cannot train on ``device``, in one line naming the reason and the fix, or None: amp=bf16 on a
+    CPU without native bfloat16 (neither AVX512-BF16 nor AMX), where oneDNN emulates bfloat16 and its
+    convolutions are reported several times slower than float32."""
+    if amp != "bf16" or getattr(device, "type", str(device).split(":")[0]) != "cpu":
+        return None
+    cpu = cpu_features()
+    if cpu.native_bf16:
+        return None
+    return (f"amp=bf16 refused: this CPU ({cpu.described()}) has no native bfloat16 (neither AVX512-BF16 nor "
+            f"AMX), so bfloat16 is emulated and trains the cnn about {EMULATED_BF16_SLOWDOWN:g}x slower than float32, "
+            "typical of such CPUs; use amp=off")
+
+
+def bf16_note(amp: str, device: Any) -> str | None:
+    """The start-up line of a float32 run on a CPU that computes bfloat16 natively (``fedhpro run`` prints it;
+    it is kept out of summary.json, so a float32 run's files do not depend on the CPU), else None."""
+    if amp != "off" or getattr(device, "type", str(device).split(":")[0]) != "cpu":
+        return None
+    cpu = cpu_features()
+    if not cpu.native_bf16:
+        return None
+    speedup = MEASURED_US["float32"] / MEASURED_US["bf16+channels_last"]
+    return (f"this CPU has native bfloat16 ({cpu.described()}): amp=bf16 trains convolutional models up to "
+            f"{speedup:.1f}x faster per sample (measured on the cnn); its digits differ from float32's")
+
+
+def has_conv2d(model: Any) -> bool:
+    """Whether ``model`` (an ``nn.Module``) has a ``Conv2d`` layer: ``channels_last=auto`` is on for such models."""
+    import torch
+
+    return any(isinstance(module, torch.nn.Conv2d) for module in model.modules())
+
+
+def trains_channels_last(channels_last: bool | None, amp: str, model: Any) -> bool:
+    """Whether local training of ``model`` runs in ``channels_last``: ``channels_last`` as set (True or False),
+    or for None (``channels_last=auto``) exactly when mixed precision is on and the model has a Conv2d."""
+    if channels_last is not None:
+        return bool(channels_last)
+    return amp != "off" and has_conv2d(model)
+
+
+def memory_format(channels_last: bool | None, amp: str, models: Iterable[Any] = ()) -> str:
+    """summary.json's memory format of local training: ``"channels_last"``, ``"contiguous"``, ``"mixed"`` (the
+    clients' architectures differ in it), or ``"auto"`` (``channels_last=auto`` with mixed precision and no
+    model given: channels_last for convolutional models)."""
+    if channels_last is not None or amp == "off":
+        return "channels_last" if channels_last else "contiguous"
+    formats = {trains_channels_last(None, amp, model) for model in models}
+    if not formats:
+        return "auto"
+    if len(formats) > 1:
+        return "mixed"
+    return "channels_last" if formats.pop() else "contiguous"
+
+
+def machine_record(device: Any, precision: str, memory_format: str, threads: int | None = None) -> dict[str, Any]:
+    """summary.json's ``machine`` block: the CPU's model name and instruction sets, the GPU's name (null unless
+    the device is CUDA), the torch thread count (``threads``, else torch's current one), the precision local
+    training ran in (``"float32"``, ``"bf16"``, ``"fp16"``) and its memory format. It describes the machine,
+    not the result (bench/identical_runs.py leaves it out of the result's hash)."""
+    import torch
+
+    cpu = cpu_features()
+    name = str(device)
+    gpu = None
+    if name.startswith("cuda"):
+        with contextlib.suppress(RuntimeError, AssertionError, AttributeError):
+            gpu = torch.cuda.get_device_name(torch.device(name))
+    return {"cpu": cpu.model, "isa": cpu.isa(), "gpu": gpu,
+            "threads": int(threads if threads is not None else torch.get_num_threads()),
+            "precision": precision, "memory_format": memory_format}

@@ -530,12 +530,25 @@ def summary_measurements(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_summary(options: Any, data_name: str, clients: int, device: torch.device | str, rows: list[dict[str, Any]],
                 seconds: float, notes: list[str], from_python: bool = False,
-                engine: str | None = None) -> dict[str, Any]:
+                engine: str | None = None, models: Sequence[nn.Module] = ()) -> dict[str, Any]:
     """``summary.json`` of a finished run (``options``: its RunOptions): its settings, the final and best AVG
     (None when no round was evaluated), the final per-domain accuracy, the final per-client accuracies with
-    their unweighted mean and median (:func:`site_accuracy`), the wall time and the totals of the per-round
-    measurements; ``engine`` names an engine other than the simulator, ``from_python`` data given from
-    Python."""
+    their unweighted mean and median (:func:`site_accuracy`), the wall time, the machine and the totals of the
+    per-round measurements; ``engine`` names an engine other than the simulator, ``from_python`` data given
+    from Python.
+
+    ``machine`` (:func:`fedhpro.runtime.machine_record`): this process's CPU and its instruction sets, the GPU
+    of a CUDA ``device``, torch's thread count now (call it inside the run's thread setting), the precision
+    local training ran in on ``device`` and its memory format, resolved for ``models``, the models the clients
+    train (``channels_last=auto`` with amp on depends on whether they have a Conv2d; without models it reads
+    ``"auto"``). It describes the machine, not the result."""
+    from fedhpro import runtime
+    from fedhpro.config import channels_last_setting
+
+    amp = str(getattr(options, "amp", "off"))
+    machine = runtime.machine_record(
+        device, runtime.amp_precision(amp, torch.device(device)),
+        runtime.memory_format(channels_last_setting(getattr(options, "channels_last", "auto")), amp, models))
     final = final_accuracy(rows)
     return {
         "method": options.method,
@@ -552,6 +565,7 @@ def run_summary(options: Any, data_name: str, clients: int, device: torch.device
         "seconds": seconds,
         "device": str(device),
         **({"engine": engine} if engine is not None else {}),
+        "machine": machine,
         "bytes_up": sum(row["bytes_up"] for row in rows),
         "bytes_down": sum(row["bytes_down"] for row in rows),
         "notes": notes,

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedhpro import runtime
 from fedhpro.data.federation import ClientData
 from fedhpro.errors import ConfigError, UpdateError
 from fedhpro.functional import WeightedSum, weighted_average
@@ -126,10 +127,12 @@ class TrainSettings:
     #: recipe may set it (FedRCL's authors clip at 10)
     max_grad_norm: float | None = None
     #: mixed precision of the training forward pass: "off" (float32, the default) or "bf16" (the model's
-    #: forward under ``torch.autocast(bfloat16)``; the losses and the weights stay float32, no loss scaling)
+    #: forward under ``torch.autocast(bfloat16)``; the losses and the weights stay float32, no loss scaling; on a
+    #: GPU without native bfloat16, float16 autocast with a gradient scaler: :func:`fedhpro.runtime.amp_precision`)
     amp: str = "off"
-    #: convert the model and every image batch to ``torch.channels_last`` (faster convolutions on GPUs)
-    channels_last: bool = False
+    #: convert the model and every image batch to ``torch.channels_last``: True, False, or None (auto: exactly
+    #: when ``amp`` is on and the model has a Conv2d, :func:`fedhpro.runtime.trains_channels_last`)
+    channels_last: bool | None = None
     #: ``torch.compile`` the feature extractor once per working model (the compiled graph is reused by every
     #: client, as the working model is)
     compile: bool = False
@@ -452,7 +455,7 @@ class Client:
         """ConfigError (one line) unless DP-SGD can train ``model`` with this method, options and settings."""
         sample_dp.opacus()
         problem = (self.sample_privacy_problem() or sample_dp.model_problem(model)
-                   or sample_dp.settings_problem(self.train.amp, self.train.channels_last, self.train.compile))
+                   or sample_dp.settings_problem(self.train.amp, bool(self.train.channels_last), self.train.compile))
         if problem is not None:
             raise ConfigError(problem)
 
@@ -582,8 +585,18 @@ def regularizer_terms(regularizer: Regularizer) -> LossTerms:
 def _train_loop(model: nn.Module, data: ClientData, train: TrainSettings, generator: torch.Generator,
                 loss_terms: LossTerms | None, recorded: list[Tensor]) -> dict[str, float]:
     model.train()
-    if train.channels_last:
-        model.to(memory_format=torch.channels_last)  # in place, before the optimiser takes the parameters
+    channels_last = False
+    autocast_dtype: torch.dtype | None = None
+    scaler: torch.amp.GradScaler | None = None
+    if train.fast_path:
+        channels_last = runtime.trains_channels_last(train.channels_last, train.amp, model) and (
+            train.channels_last is not None or model not in _CONTIGUOUS_TRAINING)
+        if channels_last:
+            model.to(memory_format=torch.channels_last)  # in place, before the optimiser takes the parameters
+        precision = runtime.amp_precision(train.amp, data.x.device)
+        autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        if precision == "fp16":  # float16's narrow range: the loss is scaled, steps with inf/NaN gradients skipped
+            scaler = torch.amp.GradScaler(data.x.device.type)
     optimizer = torch.optim.SGD(model.parameters(), lr=train.lr, momentum=train.momentum,
                                 weight_decay=train.weight_decay)
     features = compiled_features(model) if train.compile else features_of(model)
@@ -604,7 +617,18 @@ def _train_loop(model: nn.Module, data: ClientData, train: TrainSettings, genera
                 x = data.augment(x, generator)
             recorded.clear()
             if train.fast_path:
-                x, z, logits = _fast_forward(classifier, features, x, train)
+                try:
+                    x, z, logits = _fast_forward(classifier, features, x, channels_last, autocast_dtype)
+                except RuntimeError:
+                    if not channels_last or train.channels_last is not None:
+                        raise
+                    # channels_last=auto on a model that cannot take it (a user's model that .view()s its
+                    # activations): remembered, and trained in the contiguous format from here on
+                    _CONTIGUOUS_TRAINING[model] = True
+                    channels_last = False
+                    model.to(memory_format=torch.contiguous_format)
+                    recorded.clear()
+                    x, z, logits = _fast_forward(classifier, features, x.contiguous(), False, autocast_dtype)
             else:  # the default path: exactly these operations, so results stay bit for bit as before
                 z = features(x)
                 logits = classifier(z)
@@ -615,10 +639,18 @@ def _train_loop(model: nn.Module, data: ClientData, train: TrainSettings, genera
             first, *rest = terms.values()
             loss = sum(rest, first)  # ce + each extra term, in order
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if train.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_grad_norm)
-            optimizer.step()
+            if scaler is None:
+                loss.backward()
+                if train.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_grad_norm)
+                optimizer.step()
+            else:  # fp16: the scaled loss's gradients, unscaled (before any clipping) by the scaler's step
+                scaler.scale(loss).backward()
+                if train.max_grad_norm is not None:
+                    scaler.unscale_(optimizer)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_grad_norm)
+                scaler.step(optimizer)
+                scaler.update()
             terms["loss"] = loss
             for name, value in terms.items():
                 totals[name] = totals.get(name, 0.0) + value.detach()
@@ -628,21 +660,28 @@ def _train_loop(model: nn.Module, data: ClientData, train: TrainSettings, genera
     return {name: float(total) / max(steps, 1) for name, total in totals.items()}
 
 
-def _fast_forward(classifier: nn.Module, features: Callable[[Tensor], Tensor], x: Tensor,
-                  train: TrainSettings) -> tuple[Tensor, Tensor, Tensor]:
-    """``(x, z, logits)`` of the opt-in fast path: channels_last input (the ``x`` returned), bf16 autocast,
-    float32 outputs.
+def _fast_forward(classifier: nn.Module, features: Callable[[Tensor], Tensor], x: Tensor, channels_last: bool,
+                  autocast_dtype: torch.dtype | None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(x, z, logits)`` of the opt-in fast path: channels_last input (the ``x`` returned), autocast in
+    ``autocast_dtype`` (bfloat16, or float16 on a GPU without native bfloat16; None: float32), float32 outputs.
 
-    The outputs are cast back to float32 so the losses (softmax, HPCL's
-    logsumexp, HPAL's Huber) and the method's loss terms run in full
-    precision whatever ran the network.
+    Only the network's forward runs under autocast (its backward follows it); the outputs are cast back to
+    float32 so the losses (softmax, HPCL's logsumexp, HPAL's Huber) and the method's loss terms run in full
+    precision whatever ran the network, and the weights, their updates, the reply and everything the server
+    does (aggregation, matching, clipping, privacy noise) stay float32.
     """
-    if train.channels_last and x.dim() == 4:
+    if channels_last and x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
-    with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=train.amp == "bf16"):
+    with torch.autocast(device_type=x.device.type, dtype=autocast_dtype or torch.bfloat16,
+                        enabled=autocast_dtype is not None):
         z = features(x)
         logits = classifier(z)
     return x, z.float(), logits.float()
+
+
+#: models whose forward failed on channels_last batches under ``channels_last=auto`` (a user's model that
+#: ``.view()``s its activations): trained in the contiguous format (dropped with the model)
+_CONTIGUOUS_TRAINING: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
 #: compiled feature extractors, one per working model's ``features`` module (dropped with the module)
