@@ -1,71 +1,137 @@
-"""Where FedHPro's extra client cost goes: one local epoch with and without HPCL + HPAL, and one eval pass.
+"""Where FedHPro's extra client cost goes: one client's round, FedHPro against FedAvg, by component.
 
-On one client-sized batch of random CIFAR-shaped tensors with the default
-``cnn``, interleaved (see ``harness.py``):
+On one client of the default federation (digits-offline, ``--client``, the
+default ``cnn``, E = ``--epochs``, batch 64), the package's own code paths,
+interleaved (see ``harness.py``):
 
-* ``epoch, CE``: one epoch of ``train_epochs`` (FedAvg's local work);
-* ``epoch, CE + HPCL + HPAL``: the same with FedHPro's two losses (C = 10, |I| = 5);
-* ``eval pass``: ``extract_features`` over the same samples (what the margin
-  prototypes and the class gradients each cost once per round).
+* ``fit, fedavg`` / ``fit, fedhpro``: a whole client round (``Client.fit``:
+  load the weights, prepare, E epochs, upload) of each method, on the same
+  received weights and batch order;
+* ``margin``: FedHPro's ``prepare`` (Eq. 10: one eval-mode pass of the
+  received model over the local data, the class prototypes, d_k);
+* ``class gradients``: the upload's statistics (Eq. 5 and Eq. 2: one
+  eval-mode pass of the trained model, g_k^c in one backward through the
+  head, p_k^c);
+* ``epochs, CE`` / ``epochs, CE + HPCL + HPAL``: the E epochs alone, without
+  and with FedHPro's loss terms (Eq. 11-13, as the client builds them);
+* ``server step``: FedHPro's aggregation of ``--clients-on-server`` replies
+  (FedAvg on the weights, Eq. 6, 30 gradient-matching steps, Eq. 7-9), per
+  client.
 
-FedHPro / FedAvg for E epochs is then about
-``(E * reg + passes * pass) / (E * ce)`` plus the server step (passes = 2 with
-``gradient_timing=after``, the default; 1 with ``before``); the script prints it
-for E = 1, 5, 10.
+It prints each median in ms per client round and as a share of the FedAvg
+round, and FedHPro's extra cost split into the margin pass, the
+class-gradient pass, the loss terms and the server step.
 
-    python bench/fedhpro_components.py
-    python bench/fedhpro_components.py --samples 1280 --repeats 5
+    python bench/fedhpro_components.py --threads 1
+    python bench/fedhpro_components.py --client 3 --epochs 10 --repeats 9
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import harness
 import torch
 
-from fedhpro import functional as HF
-from fedhpro.data.federation import ClientData
-from fedhpro.methods.base import TrainSettings, extract_features, train_epochs
-from fedhpro.models import build_model
+from fedhpro.engines.simulator import Simulator
+from fedhpro.methods import METHODS, TrainSettings
+from fedhpro.methods.base import LocalRound, load_weights, train_epochs
+from fedhpro.methods.hyper import class_statistics
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=640)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--client", type=int, default=0, help="which client of digits-offline")
+    parser.add_argument("--epochs", type=int, default=5, help="E (the package default: 5)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--clients-on-server", type=int, default=20, help="replies the server step aggregates")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall seconds, or this thread's CPU seconds (steadier on a machine others load)")
+    parser.add_argument("--data-dir", default=None)
     args = parser.parse_args()
     harness.prepare_torch(args.threads)
-    generator = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-    model = build_model("cnn", 10, (3, 32, 32), 512)
-    hyper = torch.randn(10, 5, 512, generator=generator)
-    data = ClientData(torch.randn(args.samples, 3, 32, 32, generator=generator),
-                      torch.randint(0, 10, (args.samples,), generator=generator), 10)
-    train = TrainSettings(epochs=1)
-    margin = torch.tensor(0.5)
 
-    def regularizer(z, y, logits):
-        return {"hpcl": HF.hpcl_loss(z, y, hyper, margin, 0.05), "hpal": HF.hpal_loss(z, y, hyper, normalized=True)}
+    federation, config = harness.digits_federation(None, args.data_dir)
+    data = federation.clients[args.client]
+    train = TrainSettings(epochs=args.epochs)
+    factory = harness.cnn_factory(federation)
+    simulators = {name: Simulator(METHODS[name], config.methods[name], federation, factory, train,
+                                  rounds=10 ** 9, eval_every=10 ** 9) for name in ("fedavg", "fedhpro")}
+    payloads = {name: simulator.server.broadcast(0) for name, simulator in simulators.items()}
+    client = simulators["fedhpro"].client
+    server = simulators["fedhpro"].server
+    model = factory()
+
+    def fit(name: str):
+        return simulators[name].client.fit(model, payloads[name], data, {}, torch.Generator().manual_seed(0))
+
+    def local_round() -> LocalRound:
+        load_weights(model, payloads["fedhpro"]["weights"])
+        return LocalRound(model, payloads["fedhpro"], data, {}, torch.Generator().manual_seed(0))
+
+    def epochs(with_terms: bool) -> None:
+        round = local_round()
+        client.prepare(round)
+        train_epochs(model, data, train, round.generator, loss_terms=client.loss_terms(round) if with_terms else None)
+
+    reply, _ = fit("fedhpro")
+    replies = [reply] * args.clients_on_server
+    server_state = server.state_dict()
+
+    def server_step() -> None:
+        server.aggregate(0, replies)
+        server.load_state_dict(server_state)
 
     variants = {
-        "epoch, CE": lambda: train_epochs(model, data, train, torch.Generator().manual_seed(0)),
-        "epoch, CE + HPCL + HPAL": lambda: train_epochs(model, data, train, torch.Generator().manual_seed(0),
-                                                        regularizer),
-        "eval pass": lambda: extract_features(model, data.x),
+        "fit, fedavg": lambda: fit("fedavg"),
+        "fit, fedhpro": lambda: fit("fedhpro"),
+        "margin (prepare)": lambda: client.prepare(local_round()),
+        "class gradients (upload)": lambda: class_statistics(model, data, federation.num_classes),
+        "epochs, CE": lambda: epochs(False),
+        "epochs, CE + HPCL + HPAL": lambda: epochs(True),
+        "server step": server_step,
     }
-    harness.print_header(f"FedHPro's client cost by component: cnn, {args.samples} samples, batch 64")
-    times = harness.interleaved(variants, args.repeats)
-    harness.report_times(times, args.samples)
-    ce, reg, one_pass = (statistics.median(times[name]) for name in variants)
-    print(f"  HPCL + HPAL add {100 * (reg / ce - 1):.1f}% to an epoch; one eval pass = {one_pass / ce:.2f} epochs")
-    for epochs in (1, 5, 10):
-        two = (epochs * reg + 2 * one_pass) / (epochs * ce)
-        one = (epochs * reg + one_pass) / (epochs * ce)
-        print(f"  E = {epochs:2d}: client-side FedHPro / FedAvg ~ {two:.3f} (two passes, default), "
-              f"{one:.3f} (one pass, gradient_timing=before)")
+    harness.print_header(f"FedHPro's client cost by component: client {args.client} of digits-offline "
+                         f"({len(data)} samples), cnn, E = {args.epochs}, batch {train.batch_size}")
+    if args.clock == "cpu":  # the thread's CPU seconds of each call, in the same interleaved order
+        cpu: dict[str, list[float]] = {name: [] for name in variants}
+
+        def cpu_timed(name: str, run):
+            def call() -> None:
+                start = time.thread_time()
+                run()
+                cpu[name].append(time.thread_time() - start)
+            return call
+
+        harness.interleaved({name: cpu_timed(name, run) for name, run in variants.items()}, args.repeats)
+        times = {name: values[1:] for name, values in cpu.items()}  # the first was the warm-up
+    else:
+        times = harness.interleaved(variants, args.repeats)
+    median = {name: statistics.median(values) for name, values in times.items()}
+    median["server step"] /= args.clients_on_server
+    fedavg = median["fit, fedavg"]
+    print(f"{args.clock} ms per client round, median [min - max]; share of the FedAvg round:")
+    for name, values in times.items():
+        scale = 1e3 / (args.clients_on_server if name == "server step" else 1)
+        print(f"  {name:30s} {median[name] * 1e3:8.1f} [{min(values) * scale:.1f} - {max(values) * scale:.1f}]"
+              f"  {100 * median[name] / fedavg:6.1f} %")
+    extra = {
+        "margin pass + Eq. 10": median["margin (prepare)"],
+        "class-gradient pass + Eq. 5": median["class gradients (upload)"],
+        "HPCL + HPAL (forward + backward)": median["epochs, CE + HPCL + HPAL"] - median["epochs, CE"],
+        "server step (per client)": median["server step"],
+    }
+    measured = median["fit, fedhpro"] - fedavg
+    print(f"FedHPro's extra: {measured * 1e3:.1f} ms = {100 * measured / fedavg:.1f} % of the FedAvg round "
+          f"(ratio {median['fit, fedhpro'] / fedavg:.3f}); by component:")
+    for name, seconds in extra.items():
+        print(f"  {name:34s} {seconds * 1e3:7.1f} ms  {100 * seconds / fedavg:5.1f} %")
+    print(f"  sum of the components              {sum(extra.values()) * 1e3:7.1f} ms  "
+          f"{100 * sum(extra.values()) / fedavg:5.1f} %")
+    print(f"  after: {harness.machine_info()['load']}")
 
 
 if __name__ == "__main__":

@@ -24,13 +24,28 @@ repeat. Evaluation is not timed.
 
     python bench/fedhpro_vs_fedavg.py                      # 3 clients, E = 5, 3 repeats
     python bench/fedhpro_vs_fedavg.py --clients 20 --epochs 10 --repeats 5
+
+``--whole-run SEEDS``: the whole default ``fedhpro run`` instead (all clients,
+evaluation every round, start-up and writing included), ``--rounds`` rounds,
+each seed's FedHPro and FedAvg runs back to back as fresh subprocesses (the
+order alternating from seed to seed); per seed the wall-time ratio and the
+ratio of the runs' CPU seconds (user + system, steadier on a loaded machine),
+then their medians:
+
+    OMP_NUM_THREADS=1 python bench/fedhpro_vs_fedavg.py --whole-run 0 1 2 --rounds 5
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import resource
 import statistics
+import subprocess
+import sys
+import tempfile
+import time
 from unittest import mock
 
 import harness
@@ -74,7 +89,13 @@ def main() -> None:
     harness.add_digits_arguments(parser, clients=3, epochs=5, repeats=3)  # E = 5: the package default (paper: 10)
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS), metavar="VARIANT",
                         help=f"of {list(VARIANTS)}")
+    parser.add_argument("--whole-run", nargs="+", type=int, default=None, metavar="SEED",
+                        help="time the whole default `fedhpro run` per seed instead (see above)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of each --whole-run run")
     args = parser.parse_args()
+    if args.whole_run is not None:
+        whole_runs(args.whole_run, args.rounds, args.data_dir)
+        return
     harness.prepare_torch(args.threads)
 
     federation, config = harness.digits_federation(args.clients, args.data_dir)
@@ -129,6 +150,34 @@ def main() -> None:
         harness.report_ratio(times, old, new, "before/after the one-pass change")
     if OLD_EVAL_PASSES in times and "fedhpro" in times:
         harness.report_ratio(times, OLD_EVAL_PASSES, "fedhpro", "before/after the faster eval passes")
+    print(f"  after: {harness.machine_info()['load']}")
+
+
+def whole_runs(seeds: list[int], rounds: int, data_dir: str | None) -> None:
+    """The whole default run per seed, FedHPro and FedAvg back to back (alternating which goes first)."""
+    harness.print_header(f"FedHPro vs FedAvg, the whole default `fedhpro run`: rounds={rounds}, seeds {seeds}, "
+                         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+    wall: dict[str, list[float]] = {"fedhpro": [], "fedavg": []}
+    cpu: dict[str, list[float]] = {"fedhpro": [], "fedavg": []}
+    for index, seed in enumerate(seeds):
+        for method in (("fedhpro", "fedavg") if index % 2 == 0 else ("fedavg", "fedhpro")):
+            with tempfile.TemporaryDirectory() as out:
+                command = [sys.executable, "-m", "fedhpro", "run", f"method={method}", f"seed={seed}",
+                           f"rounds={rounds}", "progress=false", f"out={out}/run"]
+                if data_dir:
+                    command.append(f"data_dir={data_dir}")
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                start = time.perf_counter()
+                subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+                wall[method].append(time.perf_counter() - start)
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                cpu[method].append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+            print(f"  seed {seed} {method:8s} wall {wall[method][-1]:7.1f} s  cpu {cpu[method][-1]:7.1f} s  "
+                  f"({harness.machine_info()['load']})", flush=True)
+        print(f"  seed {seed}: fedhpro / fedavg wall {wall['fedhpro'][-1] / wall['fedavg'][-1]:.3f}, "
+              f"cpu {cpu['fedhpro'][-1] / cpu['fedavg'][-1]:.3f}", flush=True)
+    harness.report_ratio(wall, "fedhpro", "fedavg", "whole run, wall: fedhpro / fedavg")
+    harness.report_ratio(cpu, "fedhpro", "fedavg", "whole run, cpu: fedhpro / fedavg")
     print(f"  after: {harness.machine_info()['load']}")
 
 

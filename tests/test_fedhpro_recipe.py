@@ -443,3 +443,16 @@ def test_reply_layout_declares_the_classifier_gradients():
     assert layout["classifier_bias_gradients"] == ((2, 2), torch.float32)
     assert "classifier_weight_gradients" not in FedHProServer(
         MethodContext(model=TinyNet(), num_classes=NUM_CLASSES, options=FedHProOptions(), train=TRAIN)).reply_layout()
+
+
+def test_a_loss_weight_of_one_returns_the_term_itself_and_other_weights_multiply():
+    """``weighted``: lambda = 1 (the default) is the term itself (x * 1.0 is x, value and gradient); others
+    multiply."""
+    from fedhpro.methods.fedhpro import weighted
+
+    term = torch.tensor(0.731, requires_grad=True)
+    assert weighted(1.0, term) is term
+    assert torch.equal(weighted(0.25, term), 0.25 * term)
+    (one,) = torch.autograd.grad(1.0 * term, term)
+    (same,) = torch.autograd.grad(weighted(1.0, term), term)
+    assert torch.equal(one, same)

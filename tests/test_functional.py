@@ -1067,3 +1067,31 @@ def test_hyper_similarity_is_the_mean_cosine_per_sample_and_follows_in_place_cha
     torch.testing.assert_close(HF.hyper_similarity(z, hyper), by_hand(), rtol=0, atol=1e-12)
     hyper = torch.randn(4, 3, 8, generator=g, dtype=torch.float64)
     torch.testing.assert_close(HF.hyper_similarity(z, hyper), by_hand(), rtol=0, atol=1e-12)
+
+
+def _hpcl_by_one_hot_mask(similarity, y, margin, tau):
+    """HPCL of Eq. 12 on given similarities as it was written before the scatter: the positive masked out by a
+    one-hot mask (the reference for bit-for-bit equality)."""
+    positive = similarity.gather(1, y.view(-1, 1)).squeeze(1) / tau
+    negatives = ((similarity + margin) / tau).masked_fill(F.one_hot(y, similarity.shape[1]).bool(), float("-inf"))
+    gap = torch.logsumexp(negatives, dim=1) - positive
+    return torch.logaddexp(torch.zeros_like(gap), gap).mean()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_hpcl_positive_removed_by_scatter_is_the_one_hot_mask_bit_for_bit(dtype):
+    """The scatter of -inf at the label gives the same loss and gradient bits as the one-hot masked_fill."""
+    for seed in range(40):
+        batch, classes = 2 + seed * 3, 2 + seed % 11
+        similarity = (torch.rand(batch, classes, generator=gen(seed), dtype=dtype) * 2 - 1)
+        y = torch.randint(0, classes, (batch,), generator=gen(seed + 100))
+        margin = torch.tensor(0.37 * (seed % 4), dtype=dtype) if seed % 2 else 0.5
+        tau = (0.05, 0.1, 1.0)[seed % 3]
+        got_input = similarity.clone().requires_grad_(True)
+        ref_input = similarity.clone().requires_grad_(True)
+        got = HF._hpcl_of_similarity(got_input, y, margin, tau)
+        ref = _hpcl_by_one_hot_mask(ref_input, y, margin, tau)
+        got.backward()
+        ref.backward()
+        assert torch.equal(got, ref)
+        assert torch.equal(got_input.grad, ref_input.grad)

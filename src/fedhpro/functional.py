@@ -456,9 +456,11 @@ def _hpcl_of_similarity(similarity: Tensor, y: Tensor, margin: float | Tensor, t
     num_classes = similarity.shape[1]
     if num_classes < 2:
         return similarity.sum() * 0.0
-    positive = similarity.gather(1, y.view(-1, 1)).squeeze(1) / tau
-    is_positive = F.one_hot(y, num_classes).bool()
-    negatives = ((similarity + margin) / tau).masked_fill(is_positive, float("-inf"))
+    column = y.view(-1, 1)
+    positive = similarity.gather(1, column).squeeze(1) / tau
+    # the positive's entry set to -inf by a scatter: the values and gradient of a one-hot masked_fill, without
+    # building the mask (F.one_hot also checks the labels' range, a host sync, every batch)
+    negatives = ((similarity + margin) / tau).scatter(1, column, float("-inf"))
     # log(1 + e^x) as logaddexp(0, x): exact for every x (softplus switches to x above 20)
     gap = torch.logsumexp(negatives, dim=1) - positive
     return torch.logaddexp(torch.zeros_like(gap), gap).mean()

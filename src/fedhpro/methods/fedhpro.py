@@ -246,6 +246,12 @@ def classifier_keys(model: torch.nn.Module, weights: Payload) -> tuple[str, str]
     return keys
 
 
+def weighted(weight: float, term: torch.Tensor) -> torch.Tensor:
+    """``weight * term``; the term itself for a weight of 1 (the default lambdas), whose product is the same
+    value and gradient bit for bit, without the two small kernels (forward, backward) every batch."""
+    return term if weight == 1.0 else weight * term
+
+
 class PrototypeTargets(NamedTuple):
     """What a loss pulls towards: ``C x I x d`` targets and, for global prototypes, which classes have one."""
 
@@ -386,26 +392,28 @@ class FedHProClient(Client):
                          and options.margin != "dot")
         hpcl_of = HF.hpcl_loss_log_margin if options.margin == "dot" else HF.hpcl_loss
 
-        def hpcl_weight(z):
+        def hpcl_weighted(z, hpcl):
             # the authors' code divides HPCL's batch mean once more by the batch size
-            return options.hpcl_weight / z.shape[0] if options.hpcl_batch_divide else options.hpcl_weight
+            return weighted(options.hpcl_weight / z.shape[0] if options.hpcl_batch_divide else options.hpcl_weight,
+                            hpcl)
 
         def terms(batch: Batch) -> dict[str, torch.Tensor]:
             z, y = batch.z, batch.y
             if both_on_hyper:  # the method's default: both losses against S, sharing z/||z||
                 hpcl, hpal = HF.hyper_prototype_losses(z, y, hyper, margin, options.tau, normalized=normalized)
-                return {"hpcl": hpcl_weight(z) * hpcl, "hpal": options.hpal_weight * hpal}
+                return {"hpcl": hpcl_weighted(z, hpcl), "hpal": weighted(options.hpal_weight, hpal)}
             out = {}
             if options.hpcl_weight > 0 and hpcl_targets.usable:
                 kept = hpcl_targets.restrict(z, y)
                 if kept is not None:
                     kept_z, kept_y, targets = kept
-                    out["hpcl"] = hpcl_weight(z) * hpcl_of(kept_z, kept_y, targets, margin, options.tau)
+                    out["hpcl"] = hpcl_weighted(z, hpcl_of(kept_z, kept_y, targets, margin, options.tau))
             if options.hpal_weight > 0 and hpal_targets.usable:
                 kept = hpal_targets.restrict(z, y)
                 if kept is not None:
                     kept_z, kept_y, targets = kept
-                    out["hpal"] = options.hpal_weight * HF.hpal_loss(kept_z, kept_y, targets, normalized=normalized)
+                    out["hpal"] = weighted(options.hpal_weight,
+                                           HF.hpal_loss(kept_z, kept_y, targets, normalized=normalized))
             return out
 
         return terms
