@@ -221,7 +221,7 @@ class RunOptions:
                       help="mixed precision of local training: off (float32) or bf16 (the forward pass under "
                            "bfloat16 autocast; losses, weights, aggregation and privacy noise float32; with "
                            "channels_last=auto also channels_last for convolutional models). On a CPU with AMX or "
-                           "AVX512-BF16 the cnn trains 2-3x faster per sample, the digits differ from "
+                           "AVX512-BF16 the cnn trains about 2-3x faster per sample, the digits differ from "
                            "float32's; refused on a CPU without native bfloat16 (slower there); on a GPU without "
                            "native bfloat16, float16 autocast with a gradient scaler")
     channels_last: str = option("auto", choices=CHANNELS_LAST_CHOICES,
