@@ -161,9 +161,9 @@ def test_amp_choices_are_validated():
     with pytest.raises(ConfigError, match="bf16"):
         load_config(None, ["amp=fp16"])
     run = load_config(None, ["amp=bf16", "channels_last=true", "compile=true"]).run
-    assert (run.amp, run.channels_last, run.compile) == ("bf16", True, True)
+    assert (run.amp, run.channels_last, run.compile) == ("bf16", "true", True)
     defaults = load_config(None).run
-    assert (defaults.amp, defaults.channels_last, defaults.compile) == ("off", False, False)
+    assert (defaults.amp, defaults.channels_last, defaults.compile) == ("off", "auto", False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -257,14 +257,6 @@ def test_local_noise_leaves_the_server_nothing_to_add_and_seeds_each_client_apar
             != upload_noise_generator(secure, 7, 2, 0).initial_seed())
 
 
-def test_the_old_name_of_upload_noise_generator_is_the_same_function():
-    import fedhpro.privacy
-    import fedhpro.privacy.client
-
-    assert fedhpro.privacy.client.noise_generator is upload_noise_generator  # until every caller says the new name
-    assert fedhpro.privacy.noise_generator is upload_noise_generator
-
-
 def test_poisson_sampling_draws_each_client_with_the_participation_rate():
     privacy = PrivacyOptions(mode="client", clip=1.0, noise_multiplier=1.0)
     sim = _simulator("fedavg", {}, privacy, participation=0.5)

@@ -40,7 +40,14 @@ from fedhpro.engines.driver import Engine
 from fedhpro.engines.protocol import RoundProtocol
 from fedhpro.engines.simulator import ClientModels, build_method
 from fedhpro.errors import ConfigError
-from fedhpro.experiment import build_experiment, build_simulator, model_factories, protocol_settings, resolve_device
+from fedhpro.experiment import (
+    build_experiment,
+    build_simulator,
+    check_precision,
+    model_factories,
+    protocol_settings,
+    resolve_device,
+)
 from fedhpro.methods import get_method
 from fedhpro.privacy import ledger_for
 from fedhpro.runtime import configure_cpu_runtime
@@ -194,6 +201,7 @@ def build_own_node(config: Config, client: int, num_clients: int) -> NodeSide:
     own = Federation.from_tensors([train], [test], num_classes=len(classes), domains=[info.domain],
                                   names=[info.name], name=OWN_DATA).to(device)
     method, options = get_method(config.run.method), config.run
+    check_precision(config, device)  # as build_experiment checks it for the simulator and partition mode
     model_factory, architecture_factory, architectures, shared, train_settings = model_factories(
         config, method, len(classes), own.input_shape, num_clients)
     models = ClientModels(model_factory, num_clients=num_clients, seed=options.seed, device=device,

@@ -51,6 +51,7 @@ from fedhpro.config import PRESENTATION_KEYS, Config, load_config
 from fedhpro.data.federation import few_batches_note
 from fedhpro.engines import checkpoint, driver
 from fedhpro.errors import ConfigError, FedHProError
+from fedhpro.experiment import trained_models
 from fedhpro.flower import records, secagg
 from fedhpro.flower.engine import ServerSide, build_server_side, own_data
 from fedhpro.flower.nodes import Nodes, _client_keys, discover_nodes, discover_own_data
@@ -115,7 +116,8 @@ def _run_server(grid: Grid, config: Config, settings: FlowerSettings, out: Path 
         log(WARNING, "fedhpro: %s", run.stopped)
     options = config.run
     summary = driver.run_summary(options, options.dataset, len(strategy.nodes), side.device, run.rows.metrics,
-                                 run.seconds(), notes, from_python=config.federation is not None, engine="flower")
+                                 run.seconds(), notes, from_python=config.federation is not None, engine="flower",
+                                 models=trained_models(side.models))
     run.close(summary, side.server.state_dict(), lambda folder: write_models(folder, server_models(side, partition)),
               f"{display_name(options.method)} on {options.dataset} (seed {options.seed})")
     forget_client_state(grid, strategy, settings)
