@@ -12,7 +12,7 @@ one round of 100 clients of 17 samples against one round of one client holding t
 samples (the same model, optimiser and settings), interleaved, median over repeats;
 ``(t_100 - t_1) / 100`` is what a client costs beyond its samples.
 
-    python bench/cohorts.py                                  # K in 100 1000 5000 10000 (~5-10 min)
+    python bench/cohorts.py                                  # K in 100 1000 5000 10000 (~2-5 min)
     python bench/cohorts.py --clients 100 1000 --rounds 3
 """
 
