@@ -12,8 +12,10 @@ interleaved (see ``harness.py``):
 * ``class gradients``: the upload's statistics (Eq. 5 and Eq. 2: one
   eval-mode pass of the trained model, g_k^c in one backward through the
   head, p_k^c);
-* ``epochs, CE`` / ``epochs, CE + HPCL + HPAL``: the E epochs alone, without
-  and with FedHPro's loss terms (Eq. 11-13, as the client builds them);
+* ``epochs, CE`` / ``epochs, CE + HPCL + HPAL``: FedHPro's ``prepare`` then
+  the E epochs, without and with its loss terms (Eq. 11-13, as the client
+  builds them): their difference is the loss terms' cost (a few percent of
+  an epoch, so it needs quiet repeats to resolve);
 * ``server step``: FedHPro's aggregation of ``--clients-on-server`` replies
   (FedAvg on the weights, Eq. 6, 30 gradient-matching steps, Eq. 7-9), per
   client.
