@@ -227,3 +227,26 @@ def test_fedavg_update_through_the_hooks_is_plain_sgd():
         optimizer.step()
     for name, value in ref.state_dict().items():
         torch.testing.assert_close(reply["weights"][name], value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_all_finite_agrees_with_isfinite_elementwise(dtype):
+    """check_weights' finiteness test (one min/max reduction) against the element-wise reference, on NaN and
+    both infinities at the first, a middle and the last position, the dtype's largest finite value and an
+    empty tensor."""
+    from fedhpro.errors import UpdateError
+    from fedhpro.methods.base import all_finite, check_weights
+
+    generator = torch.Generator().manual_seed(0)
+    cases = [torch.randn(7, 5, generator=generator).to(dtype), torch.empty(0, dtype=dtype),
+             torch.full((4,), torch.finfo(dtype).max, dtype=dtype),
+             torch.full((4,), torch.finfo(dtype).min, dtype=dtype)]
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for position in (0, 17, 34):
+            tensor = torch.randn(35, generator=generator).to(dtype)
+            tensor[position] = bad
+            cases.append(tensor.reshape(5, 7))
+    for tensor in cases:
+        assert all_finite(tensor) == bool(torch.isfinite(tensor).all())
+    with pytest.raises(UpdateError, match="non-finite values in 'w'"):
+        check_weights({"w": cases[-1]}, {"w": cases[-1]})
