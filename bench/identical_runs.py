@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib
 import json
 import os
-import pkgutil
 import sys
 import time
 import traceback
@@ -176,36 +174,23 @@ def run_simulator_configs(out_dir: Path, data_dir: Path, names: set[str], manife
     import fedhpro
 
     for name, extra in SIMULATOR_CONFIGS:
-        if name not in names:
-            continue
-        started = time.perf_counter()
-        try:
-            fedhpro.run(tiny_settings(data_dir, **extra), out=str(out_dir / name))
-            manifest[name] = hash_run(out_dir / name)
-        except Exception as error:  # record it and go on with the next config
-            traceback.print_exc()
-            manifest[name] = {"error": error_text(error, out_dir)}
-        print(f"{name}: {time.perf_counter() - started:.1f} s"
-              f"{'  FAILED: ' + manifest[name]['error'] if 'error' in manifest[name] else ''}", flush=True)
+        if name in names:
+            record(manifest, name, out_dir, lambda name=name, extra=extra: fedhpro.run(
+                tiny_settings(data_dir, **extra), out=str(out_dir / name)))
 
 
-def find_run_server() -> Any:
-    """``run_server`` of the Flower ServerApp: fedhpro.flower.server's, else fedhpro.flower.serverapp's, else
-    that of any module under fedhpro.flower that has one (a later split of the server module)."""
-    for module_name in ("fedhpro.flower.server", "fedhpro.flower.serverapp"):
-        try:
-            return importlib.import_module(module_name).run_server
-        except (ImportError, AttributeError):
-            pass
-    package = importlib.import_module("fedhpro.flower")
-    for info in pkgutil.walk_packages(package.__path__, prefix="fedhpro.flower."):
-        try:
-            module = importlib.import_module(info.name)
-        except Exception:
-            continue
-        if callable(getattr(module, "run_server", None)):
-            return module.run_server
-    raise ImportError("no module under fedhpro.flower has run_server")
+def record(manifest: dict[str, Any], name: str, out_dir: Path, run: Any) -> None:
+    """``run()`` the config ``name`` into ``out_dir / name`` and put its hashes (or its error, the run goes on
+    with the next config) into ``manifest``, with one line of its time."""
+    started = time.perf_counter()
+    try:
+        run()
+        manifest[name] = hash_run(out_dir / name)
+    except Exception as error:  # record it and go on with the next config
+        traceback.print_exc()
+        manifest[name] = {"error": error_text(error, out_dir)}
+    print(f"{name}: {time.perf_counter() - started:.1f} s"
+          f"{'  FAILED: ' + manifest[name]['error'] if 'error' in manifest[name] else ''}", flush=True)
 
 
 def run_flower_configs(out_dir: Path, data_dir: Path, names: set[str], manifest: dict[str, Any]) -> None:
@@ -221,7 +206,7 @@ def run_flower_configs(out_dir: Path, data_dir: Path, names: set[str], manifest:
 
         from fedhpro.flower.client import app as client_app
         from fedhpro.flower.engine import RAY_LOOPBACK_INIT_ARGS
-        run_server = find_run_server()
+        from fedhpro.flower.server import run_server
     except Exception as error:
         traceback.print_exc()
         for name, _ in chosen:
@@ -233,15 +218,8 @@ def run_flower_configs(out_dir: Path, data_dir: Path, names: set[str], manifest:
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
         for name, extra in chosen:
-            started = time.perf_counter()
-            try:
-                run_server(grid, context.run_config, tiny_settings(data_dir, out=str(out_dir / name), **extra))
-                manifest[name] = hash_run(out_dir / name)
-            except Exception as error:  # record it and go on with the next config
-                traceback.print_exc()
-                manifest[name] = {"error": error_text(error, out_dir)}
-            print(f"{name}: {time.perf_counter() - started:.1f} s"
-                  f"{'  FAILED: ' + manifest[name]['error'] if 'error' in manifest[name] else ''}", flush=True)
+            record(manifest, name, out_dir, lambda name=name, extra=extra: run_server(
+                grid, context.run_config, tiny_settings(data_dir, out=str(out_dir / name), **extra)))
 
     # Flower's Ray backend sets os.environ["PYTHONPATH"] to this process's whole sys.path and leaves it set
     pythonpath = os.environ.get("PYTHONPATH")

@@ -263,3 +263,24 @@ def digits_data_dir(tmp_path_factory):
     build_digits_offline(root, seed=DIGITS_BUILD_SEED, test_fraction=DIGITS_TEST_FRACTION,
                          syn_size=DIGITS_SYN_SIZE)
     return root
+
+
+def run_flower_simulation(server_app, client_app, num_supernodes: int = 3) -> None:
+    """``flwr.simulation.run_simulation`` of ``server_app`` with ``num_supernodes`` nodes of ``client_app`` on
+    Ray bound to 127.0.0.1 with one CPU. Flower's Ray backend sets ``os.environ["PYTHONPATH"]`` to this
+    process's whole sys.path and leaves it set: it is put back, or every subprocess later tests start would
+    inherit pytest's import path."""
+    from flwr.simulation import run_simulation
+
+    from fedhpro.flower.engine import RAY_LOOPBACK_INIT_ARGS
+
+    pythonpath = os.environ.get("PYTHONPATH")
+    try:
+        run_simulation(server_app=server_app, client_app=client_app, num_supernodes=num_supernodes,
+                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                       "init_args": {"num_cpus": 1, **RAY_LOOPBACK_INIT_ARGS}})
+    finally:
+        if pythonpath is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = pythonpath

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
-from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION, RAY_GROUP
+from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION, RAY_GROUP, run_flower_simulation
 
 from fedhpro.cli import main
 from fedhpro.errors import FedHProError
@@ -187,10 +187,8 @@ def flower_runs(digits_data_dir, tmp_path_factory):
     pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pip install -e '.[flower]'")
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
-    from flwr.simulation import run_simulation
 
     from fedhpro.flower.client import app as client_app
-    from fedhpro.flower.engine import RAY_LOOPBACK_INIT_ARGS
     from fedhpro.flower.server import run_server
 
     root = tmp_path_factory.mktemp("every-option-flower")
@@ -208,18 +206,8 @@ def flower_runs(digits_data_dir, tmp_path_factory):
                 result = error
             outcomes[case.id] = (result, time.perf_counter() - started)
 
-    # Flower's Ray backend leaves os.environ["PYTHONPATH"] set to this process's sys.path: restore it
-    pythonpath = os.environ.get("PYTHONPATH")
     started = time.perf_counter()
-    try:
-        run_simulation(server_app=server_app, client_app=client_app, num_supernodes=3,
-                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                       "init_args": {"num_cpus": 1, **RAY_LOOPBACK_INIT_ARGS}})
-    finally:
-        if pythonpath is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = pythonpath
+    run_flower_simulation(server_app, client_app)  # Ray on loopback, PYTHONPATH put back
     print(f"\nFlower: {len(outcomes)} cases in one run_simulation, {time.perf_counter() - started:.1f} s")
     for name, (result, _) in outcomes.items():
         if isinstance(result, Exception):

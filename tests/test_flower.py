@@ -33,7 +33,7 @@ os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # silences a R
 # Ray on 127.0.0.1 only (before ray is imported: fedhpro.flower.engine.RAY_LOOPBACK_ENV)
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION  # noqa: E402
+from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION, run_flower_simulation  # noqa: E402
 from flwr.app import ConfigRecord, Message, RecordDict  # noqa: E402
 
 import fedhpro  # noqa: E402
@@ -41,7 +41,6 @@ from fedhpro.config import RunOptions, load_config  # noqa: E402
 from fedhpro.engines import checkpoint  # noqa: E402
 from fedhpro.errors import ConfigError, UpdateError  # noqa: E402
 from fedhpro.flower import records  # noqa: E402
-from fedhpro.flower.engine import RAY_LOOPBACK_INIT_ARGS  # noqa: E402
 from fedhpro.flower.nodes import discover_nodes  # noqa: E402
 from fedhpro.flower.settings import (  # noqa: E402
     FLOWER_CHECKPOINT_EVERY,
@@ -257,7 +256,6 @@ def simulated(digits_data_dir, tmp_path_factory):
     """Runs every SIMULATED config through ``run_simulation`` (3 SuperNodes, 1 Ray CPU) in one session."""
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
-    from flwr.simulation import run_simulation
 
     from fedhpro.flower.client import app as client_app
     from fedhpro.flower.server import run_server
@@ -279,18 +277,7 @@ def simulated(digits_data_dir, tmp_path_factory):
             if "listening" not in outcomes:  # a run went through Ray: what do its processes listen on?
                 outcomes["listening"] = listening_addresses(this_process)
 
-    # Flower's Ray backend sets os.environ["PYTHONPATH"] to this process's whole sys.path and leaves it
-    # set: restore it, or every subprocess later tests start inherits pytest's import path
-    pythonpath = os.environ.get("PYTHONPATH")
-    try:
-        run_simulation(server_app=server_app, client_app=client_app, num_supernodes=3,
-                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                       "init_args": {"num_cpus": 1, **RAY_LOOPBACK_INIT_ARGS}})
-    finally:
-        if pythonpath is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = pythonpath
+    run_flower_simulation(server_app, client_app)  # Ray on loopback, PYTHONPATH put back
     return outcomes, root
 
 

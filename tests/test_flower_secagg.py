@@ -26,7 +26,7 @@ import torch
 
 pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pip install -e '.[flower]'")
 
-from conftest import NUM_CLASSES, TinyNet  # noqa: E402
+from conftest import NUM_CLASSES, TinyNet, run_flower_simulation  # noqa: E402
 from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
 from flwr.common import bytes_to_ndarray  # noqa: E402
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage  # noqa: E402
@@ -462,13 +462,10 @@ def test_a_plug_in_method_that_needs_each_upload_is_refused_quoting_its_reason(r
 def test_secagg_on_flowers_simulation_engine(digits_data_dir, tmp_path):
     """Flower's own simulation engine (Ray: each node's messages cross processes), 3 SuperNodes, FedHPro for
     2 rounds under SecAgg+: the simulator's accuracies, and its server state within the quantization bound."""
-    import os
 
     from flwr.serverapp import Grid, ServerApp
-    from flwr.simulation import run_simulation
     from test_flower import reference
 
-    from fedhpro.flower.engine import RAY_LOOPBACK_INIT_ARGS
 
     settings = tiny_config(digits_data_dir, method="fedhpro", rounds=2)
     outcome: dict[str, Any] = {}
@@ -481,16 +478,7 @@ def test_secagg_on_flowers_simulation_engine(digits_data_dir, tmp_path):
         except Exception as error:  # noqa: BLE001 - reported below, in the test's process
             outcome["error"] = error
 
-    pythonpath = os.environ.get("PYTHONPATH")  # Flower's Ray backend sets it and leaves it set (test_flower.py)
-    try:
-        run_simulation(server_app=server_app, client_app=client_app.app, num_supernodes=3,
-                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                       "init_args": {"num_cpus": 1, **RAY_LOOPBACK_INIT_ARGS}})
-    finally:
-        if pythonpath is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = pythonpath
+    run_flower_simulation(server_app, client_app.app)  # Ray on loopback, PYTHONPATH put back
     if "error" in outcome:
         raise outcome["error"]
     rows = outcome["strategy"].rows
@@ -555,8 +543,9 @@ def test_privacy_budget_stops_a_flower_run_where_the_simulator_stops(limit_round
     line included) and model, bit for bit."""
     import json
 
-    import fedhpro
     from test_flower import core
+
+    import fedhpro
 
     base = tiny_config(digits_data_dir, rounds=4, method="fedavg", privacy="client",
                        **{"privacy.noise_multiplier": 1.0, "privacy.secure_noise": False})
