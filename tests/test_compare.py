@@ -102,6 +102,18 @@ def test_a_setting_the_stored_config_does_not_record_counts_as_different(tmp_pat
     assert run_settings(nested, "fedavg") == {"seed": 1, "fedavg": {}, "data": {}}
 
 
+@pytest.mark.parametrize(("stored", "same"), [
+    ({"amp": "off", "channels_last": False}, True),    # a config.yaml from before channels_last=auto
+    ({"amp": "off", "channels_last": "false"}, True),
+    ({"amp": "off", "channels_last": True}, False),    # NHWC training: other float digits
+    ({"amp": "bf16", "channels_last": False}, False),  # with amp, auto means NHWC for a cnn
+])
+def test_channels_last_false_is_the_default_without_amp(stored, same):
+    wanted = {"amp": stored["amp"], "channels_last": "auto"}
+    differences = setting_differences(run_settings(stored, "fedavg"), run_settings(wanted, "fedavg"))
+    assert (differences == []) is same, differences
+
+
 def test_an_unreadable_stored_config_is_one_clear_error(compared, digits_data_dir, tmp_path):
     out = tmp_path / "broken"
     folder = out / "fedavg-seed0"

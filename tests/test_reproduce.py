@@ -460,3 +460,16 @@ def test_the_data_check_finds_what_the_loader_opens(tmp_path, name):
     assert R.availability._present(root, R.availability.LOADER_FILES[name], "amazon")
     if name == "office-caltech":  # each domain is its own folder
         assert not R.availability._present(root, R.availability.LOADER_FILES[name], "dslr")
+
+
+def test_a_run_folders_identity_spells_channels_last_false_and_auto_alike_without_amp():
+    # folders made before channels_last=auto existed (config false) keep their names; true, or auto with amp,
+    # train in another memory format (other float digits) and get another folder
+    from fedhpro.config import load_config
+    from fedhpro.reproduce.running import identity
+
+    default = identity(load_config(None, {}))
+    assert identity(load_config(None, {"channels_last": "false"})) == default
+    assert identity(load_config(None, {"channels_last": "true"})) != default
+    assert identity(load_config(None, {"amp": "bf16"})) != identity(load_config(None, {"amp": "bf16",
+                                                                                   "channels_last": "false"}))

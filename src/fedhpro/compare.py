@@ -48,12 +48,13 @@ def as_list(value: Any, key: str) -> list[str]:
 def run_settings(config: Mapping[str, Any], method: str) -> dict[str, Any]:
     """The part of a nested config (``Config.to_dict()`` / ``config.yaml``) that decides ``method``'s numbers.
 
-    Presentational keys (``out``, ``progress``, ``device``, ...) and the other methods' sections are left out.
+    Presentational keys (``out``, ``progress``, ``device``, ...) and the other methods' sections are left out;
+    equivalent values are spelt one way (:func:`fedhpro.config.numbers_settings`).
     """
-    from fedhpro.config import PRESENTATION_KEYS
+    from fedhpro.config import PRESENTATION_KEYS, numbers_settings
 
     others = set(method_names())
-    return {key: value for key, value in config.items()
+    return {key: value for key, value in numbers_settings(config).items()
             if key not in PRESENTATION_KEYS and (key not in others or key == method)}
 
 

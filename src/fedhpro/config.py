@@ -72,6 +72,18 @@ def channels_last_setting(value: str | bool) -> bool | None:
     return text in ("true", "yes", "on", "1")
 
 
+def numbers_settings(values: Mapping[str, Any]) -> dict[str, Any]:
+    """A config's top-level settings (``Config.to_dict()`` / a ``config.yaml``) with one spelling for
+    equivalent values, for deciding whether two runs have the same numbers: without amp,
+    ``channels_last=auto`` trains exactly as ``false`` does (NCHW), and is written ``False``, as every
+    config.yaml from before ``auto`` existed says."""
+    settings = dict(values)
+    if ("channels_last" in settings and settings.get("amp", "off") == "off"
+            and channels_last_setting(settings["channels_last"]) is not True):
+        settings["channels_last"] = False
+    return settings
+
+
 def is_from_python(value: Any) -> bool:
     """Whether a recorded ``model`` / ``federation`` value says the object came from Python."""
     return isinstance(value, str) and value.startswith(PYTHON_PREFIX)

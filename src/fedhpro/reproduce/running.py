@@ -48,9 +48,9 @@ class Job:
 
 def identity(config) -> str:
     """A short hash of the settings that decide a run's numbers (every key but the presentational ones)."""
-    from fedhpro.config import PRESENTATION_KEYS
+    from fedhpro.config import PRESENTATION_KEYS, numbers_settings
 
-    values = {k: v for k, v in config.to_dict().items() if k not in PRESENTATION_KEYS}
+    values = {k: v for k, v in numbers_settings(config.to_dict()).items() if k not in PRESENTATION_KEYS}
     return hashlib.sha1(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
