@@ -9,11 +9,16 @@ run), ``gm_loss.png`` (FedHPro's L_GM before and after matching, Figure 4), ``fa
 and ``report.json`` (the runs it was built from). A run without ``summary.json`` (interrupted, or
 still running) is marked in its label ("4/10 rounds, unfinished") and in a note under the table. An
 ``out`` that holds a report of other runs is not overwritten unless ``force`` is given.
+
+Comparison folders whose runs were trained at more than one precision (``amp=off`` and ``amp=bf16``) also give
+the float32-against-bf16 parity table (``parity.md``, ``.csv``, ``.json``: :mod:`fedhpro.reports.parity`), and
+a folder of such folders (``study/<setting>/<precision>/``) stands for all the comparison folders below it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +35,7 @@ from fedhpro.bounded import (
 from fedhpro.errors import ConfigError, DataError, FedHProError
 from fedhpro.reports import read_jsonl
 from fedhpro.reports.classes import CLASS_FILES, write_class_report
+from fedhpro.reports.parity import PARITY_FILES, mixes_precisions, pair_precisions, write_parity
 from fedhpro.reports.plots import mean_band, plot_bars, plot_curves, plot_mean_curves
 from fedhpro.reports.tables import csv_text, markdown_table, mean_pm_std, mean_std
 
@@ -168,7 +174,7 @@ def prototype_series(run: RunData) -> dict[str, tuple[list[int], list[float]]]:
 
 #: the files a report writes (``report.json`` names its runs)
 REPORT_FILES = ("table.md", "table.csv", "accuracy.png", "gm_loss.png", "fairness.png", "prototype_distance.png",
-                "report.json", *CLASS_FILES)
+                "report.json", *CLASS_FILES, *PARITY_FILES)
 
 
 def _report_sources(runs: Sequence[RunData]) -> list[str]:
@@ -212,12 +218,35 @@ def runs_in(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".") and is_run_folder(p))
 
 
+#: how deep below a given folder :func:`comparisons_below` looks (``study/<setting>/<precision>/`` is 2)
+STUDY_DEPTH = 3
+
+
+def comparisons_below(folder: Path, depth: int = STUDY_DEPTH) -> list[Path]:
+    """The comparison folders (folders of run folders) below ``folder``, at most ``depth`` levels down, sorted;
+    run folders and hidden folders are not entered. ``[]`` for a folder that holds runs itself."""
+    if depth <= 0 or not folder.is_dir() or is_run_folder(folder) or runs_in(folder):
+        return []
+    found: list[Path] = []
+    for child in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        if is_run_folder(child):
+            continue
+        found += [child] if runs_in(child) else comparisons_below(child, depth - 1)
+    return found
+
+
 def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: bool = True,
            force: bool = False, class_accuracy: Callable[[Path], Mapping[str, Any]] | None = None) -> Path:
     """Build the table and the plots of ``run_dirs``; returns the output folder.
 
     A folder of run folders (``fedhpro compare``'s ``out``) among ``run_dirs`` gives the report over seeds
-    (:func:`report_seeds`) of all the runs given; run folders alone, one line per run.
+    (:func:`report_seeds`) of all the runs given; run folders alone, one line per run. A folder holding
+    comparison folders below it (:func:`comparisons_below`) stands for them.
+
+    When the comparisons' runs were trained at more than one precision (``amp``), the report also pairs each
+    setting's float32 and mixed-precision runs (:func:`fedhpro.reports.parity.pair_precisions`: refused in one
+    line when folders differ besides the precision) and writes ``parity.md``, ``.csv`` and ``.json``; its
+    default ``out`` is then ``<the folder the given ones share>/report``.
 
     ``out`` (default ``<first run's parent>/report``, or ``<comparison folder>/report``) may hold an earlier
     report of the same runs (it is replaced); one of other runs is refused unless
@@ -232,20 +261,27 @@ def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: 
     folders: list[Path] = []
     groups: list[Path] = []
     for given in map(Path, run_dirs):
-        inside = runs_in(given)
-        if inside:
-            groups.append(given)
-            folders += inside
-        else:
-            folders.append(given)  # load_run says what is wrong with a folder that is not a run's
+        for comparison in comparisons_below(given) or [given]:
+            inside = runs_in(comparison)
+            if inside:
+                groups.append(comparison)
+                folders += inside
+            else:
+                folders.append(comparison)  # load_run says what is wrong with a folder that is not a run's
     runs = [load_run(path) for path in folders]
+    # refused (one line) before anything is written when the folders differ besides the precision
+    parity = pair_precisions(runs) if groups and mixes_precisions(runs) else None
     # an unfinished run has no saved model yet: left out of the per-class tables (and named there)
     measured = ({run.path: class_accuracy(run.path) for run in runs if run.finished}
                 if class_accuracy is not None else None)
     if groups:
         first = Path(run_dirs[0])
-        written = report_seeds(runs, Path(out) if out else (first if first in groups else first.parent) / "report",
-                               echo=echo, force=force)
+        if out is None and parity is not None:  # the report of several settings: beside them, not in one
+            out = Path(os.path.commonpath([str(Path(given).resolve()) for given in run_dirs])) / "report"
+        home = first if first in groups or comparisons_below(first) else first.parent
+        written = report_seeds(runs, Path(out) if out else home / "report", echo=echo, force=force)
+        if parity is not None:
+            write_parity(written, parity, echo=echo)
         by_label = seed_groups(runs)
     else:
         written = _report_runs(runs, out, echo, force)
