@@ -219,7 +219,8 @@ def _refusal(references: Sequence[PrecisionGroup], compared: Sequence[PrecisionG
 def _setting_labels(settings: dict[str, list[PrecisionGroup]]) -> tuple[list[str], list[str]]:
     """Per setting ``(label, settings label)``: the label is the folder that holds its comparison folders (the
     one their parents share), relative to the folder all settings' share (``default`` for
-    ``study/default/float32`` and ``study/default/bf16``), when that tells the settings apart; else the settings
+    ``study/default/float32`` and ``study/default/bf16``; its name for one setting), when that tells the
+    settings apart; else the settings
     label, :func:`fedhpro.reports.runs.run_labels` of one run per setting with the precision keys left out."""
     from fedhpro.reports.runs import RunData, run_labels
 
@@ -232,6 +233,8 @@ def _setting_labels(settings: dict[str, list[PrecisionGroup]]) -> tuple[list[str
     folders = [Path(os.path.commonpath([str(group.folder.parent) for group in groups]))
                for groups in settings.values()]
     root = Path(os.path.commonpath([str(folder) for folder in folders]))
+    if len(folders) == 1:  # one setting: the name of the folder holding its comparison folders
+        return [folders[0].name or described[0]], described
     relative = [folder.relative_to(root).as_posix() for folder in folders]
     if all(name != "." for name in relative) and len(set(relative)) == len(relative):
         return relative, described
