@@ -227,7 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "other runs is refused unless force=true; a report of the same runs is refreshed. per_class=true "
                     "re-tests each run's saved model on its rebuilt test sets and adds per_class.md/.csv/.png: the "
                     "balanced accuracy, the head / middle / tail classes (ranked by training images) and every "
-                    "class's accuracy.")
+                    "class's accuracy. Comparison folders at two precisions (amp=off and amp=bf16, the other "
+                    "settings the same) also give parity.md/.csv/.json: per setting the float32 and bf16 mean ± "
+                    "std, the difference of means, the larger seed std and whether the difference lies within it "
+                    "(default out=<the folder they share>/report); folders that differ in anything else are "
+                    "refused. A folder holding comparison folders (study/<setting>/<precision>/) stands for them.")
     predict_parser = commands.add_parser(
         "predict", help="classify images or tensors with a finished run's trained model: a CSV",
         description="fedhpro predict RUN_FOLDER PATH... [--out FILE.csv]: the run's trained model (model.pt, "
