@@ -222,12 +222,14 @@ def _setting_labels(settings: dict[str, list[PrecisionGroup]]) -> tuple[list[str
     ``study/default/float32`` and ``study/default/bf16``; its name for one setting), when that tells the
     settings apart; else the settings
     label, :func:`fedhpro.reports.runs.run_labels` of one run per setting with the precision keys left out."""
+    from fedhpro.compare import run_settings
     from fedhpro.reports.runs import RunData, run_labels
 
     firsts = []
     for groups in settings.values():
         run = groups[0].runs[0]
-        config = {k: v for k, v in run.config.items() if k not in PRECISION_KEYS and k not in ("seed", "out")}
+        config = {k: v for k, v in run_settings(run.config, run.method).items()
+                  if k not in PRECISION_KEYS and k != "seed"}
         firsts.append(RunData(run.path, config, run.rows, run.summary))
     described = run_labels(firsts) if len(firsts) > 1 else [firsts[0].method]
     folders = [Path(os.path.commonpath([str(group.folder.parent) for group in groups]))
