@@ -86,16 +86,17 @@ class PrecisionGroup:
         """Whether this is the float32 side (``amp=off``)."""
         return str(self.settings.get("amp", "off")) == "off"
 
-    def _machine(self, key: str) -> str | None:
+    def machine(self, key: str) -> str | None:
         """``key`` of the finished runs' summary.json ``machine`` block, when they all record the same."""
-        values = {str(run.summary.get("machine", {}).get(key)) for run in self.finished if run.summary}
+        blocks = [run.summary.get("machine") if run.summary else None for run in self.finished]
+        values = {str(block.get(key)) if isinstance(block, dict) else "None" for block in blocks}
         return values.pop() if len(values) == 1 and "None" not in values else None
 
     @property
     def precision(self) -> str:
         """The precision local training ran in, as summary.json's ``machine`` block resolved it (``float32``,
         ``bf16``, ``fp16`` on a GPU without native bfloat16); ``amp``'s value where no finished run says."""
-        resolved = self._machine("precision")
+        resolved = self.machine("precision")
         if resolved is not None:
             return resolved
         return "float32" if self.is_reference else str(self.settings.get("amp"))
@@ -105,7 +106,7 @@ class PrecisionGroup:
         """``"amp=bf16, channels_last=auto (memory format channels_last)"``: the keys and what they resolved to."""
         recorded = self.runs[0].config  # as written (numbers_settings spells channels_last=auto without amp False)
         keys = ", ".join(f"{key}={recorded.get(key)}" for key in PRECISION_KEYS if key in recorded)
-        memory = self._machine("memory_format")
+        memory = self.machine("memory_format")
         return keys + (f" (memory format {memory})" if memory else "")
 
     @property
@@ -130,9 +131,9 @@ def precision_groups(runs: Sequence[RunData]) -> list[PrecisionGroup]:
 
 
 def mixes_precisions(runs: Sequence[RunData]) -> bool:
-    """Whether ``runs`` were trained at more than one precision (their precision keys differ)."""
-    return len({json.dumps([_numbers_settings(run).get(key) for key in PRECISION_KEYS], default=str)
-                for run in runs}) > 1
+    """Whether ``runs`` were trained at more than one precision (``amp`` differs; runs that differ in
+    ``channels_last`` alone are all float32 or all mixed precision, a plain comparison)."""
+    return len({str(run.config.get("amp", "off")) for run in runs}) > 1
 
 
 @dataclass
@@ -278,7 +279,10 @@ def pair_precisions(runs: Sequence[RunData]) -> Parity:
                     left_out.append(f"{label}: no finished {waiting[0].precision} run yet in {waiting[0].folder} "
                                     "(see table.md): left out of the parity table until one finishes")
                     continue
-                rows.append(ParityRow(label, settings_label, reference, other, _measures(reference, other)))
+                # several groups at one side (channels_last set apart): each row says which two it pairs
+                shown = (label if len(references) == len(others) == 1
+                         else f"{label} ({reference.described} / {other.described})")
+                rows.append(ParityRow(shown, settings_label, reference, other, _measures(reference, other)))
                 left_out += [f"{label}: {run.path} is unfinished ({run.progress}): left out of its mean"
                              for group in (reference, other) for run in group.unfinished]
     return Parity(rows, left_out)
@@ -350,7 +354,7 @@ def parity_csv(parity: Parity) -> str:
 
 def _side(group: PrecisionGroup) -> dict[str, Any]:
     return {"precision": group.precision, **{key: group.settings.get(key) for key in PRECISION_KEYS},
-            "memory_format": group._machine("memory_format"), "folder": str(group.folder),
+            "memory_format": group.machine("memory_format"), "folder": str(group.folder),
             "seeds": [run.config.get("seed") for run in group.finished],
             "runs": [str(run.path.resolve()) for run in group.finished]}
 
