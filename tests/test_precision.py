@@ -8,6 +8,10 @@
 * On a GPU without native bfloat16 training falls back to float16 autocast with a gradient scaler: the
   choice with ``torch.cuda.is_bf16_supported`` mocked, the scaler path run on the CPU (no GPU result faked).
 * summary.json's ``machine`` block; ``fedhpro run``'s start-up note (printed, not in summary.json's notes).
+* The no-grad passes (features in a client's fit, the evaluation) run under training's autocast with amp=bf16,
+  handing back float32 close to float32's, on the simulator and on Flower's ClientApp alike; with amp=off they
+  are bit for bit the old passes. Where amp=bf16 is refused (no native bfloat16) nothing runs in it
+  (``test_bf16_is_refused_in_one_line_on_a_cpu_without_native_bf16``).
 """
 
 from __future__ import annotations
@@ -282,3 +286,134 @@ def test_the_start_up_note_is_printed_and_not_kept(fake_cpu, digits_data_dir, tm
     fake_cpu(AVX2_ONLY)
     assert cli.main(tiny_run(digits_data_dir, tmp_path / "avx2")) == 0
     assert "native bfloat16" not in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- the no-grad passes' precision
+
+#: bfloat16 keeps 8 significant bits (relative rounding 2^-9 per operation); TinyBNNet's features (tanh, in
+#: [-1, 1]) after a convolution and a linear layer of a few hundred inputs: measured within 0.004 of float32's
+BF16_FEATURE_TOLERANCE = 0.02
+
+
+def autocast_seen(monkeypatch) -> list[tuple[bool, bool, torch.dtype]]:
+    """Every no-grad forward of :func:`fedhpro.methods.base.eval_forward` (features, evaluation), as
+    ``(grad enabled, autocast on the CPU, dtype handed back)``, whichever engine called it."""
+    from fedhpro.engines import driver
+
+    seen: list[tuple[bool, bool, torch.dtype]] = []
+    original = base_module.eval_forward
+
+    def spy(module, batch):
+        output = original(module, batch)
+        seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), output.dtype))
+        return output
+
+    monkeypatch.setattr(base_module, "eval_forward", spy)
+    monkeypatch.setattr(driver, "eval_forward", spy)
+    return seen
+
+
+def test_bf16_no_grad_passes_run_under_autocast_and_return_float32_close_to_float32(monkeypatch):
+    from fedhpro.engines.driver import count_correct
+
+    torch.manual_seed(0)
+    model = TinyBNNet().eval()
+    data = make_client(150, list(range(NUM_CLASSES)), seed=3)
+    float32 = base_module.extract_features(model, data.x)
+    float32_correct = count_correct(model, data.x, data.y)
+    seen = autocast_seen(monkeypatch)
+    with base_module.no_grad_precision("bf16", CPU):
+        bf16 = base_module.extract_features(model, data.x)
+        bf16_correct = count_correct(model, data.x, data.y)
+    assert seen and all(not grad and autocast and dtype == torch.float32 for grad, autocast, dtype in seen)
+    assert bf16.dtype == torch.float32 and bf16.shape == float32.shape
+    assert not torch.equal(bf16, float32)  # bfloat16 did compute them
+    assert float((bf16 - float32).abs().max()) <= BF16_FEATURE_TOLERANCE
+    assert abs(bf16_correct - float32_correct) <= 0.05 * len(data)
+    seen.clear()
+    assert torch.equal(base_module.extract_features(model, data.x), float32)  # outside the block: float32 again
+    assert seen == [(False, False, torch.float32)] * len(seen)
+
+
+def test_amp_off_no_grad_passes_equal_the_old_code(monkeypatch):
+    """amp=off: the features and the counts are bit for bit what the passes computed before (by hand here:
+    eval mode, batches of 64 in channels_last, float32), inside the block and outside it."""
+    from fedhpro.engines.driver import count_correct, test_client
+
+    torch.manual_seed(0)
+    model = TinyBNNet()
+    data = make_client(150, list(range(NUM_CLASSES)), seed=4)
+    model.eval()
+    with torch.no_grad():
+        batches = [data.x[i:i + 64].contiguous(memory_format=torch.channels_last) for i in range(0, 150, 64)]
+        features = torch.cat([model.features(batch) for batch in batches])
+        correct = sum(int((model(batch).argmax(1) == data.y[i * 64:(i + 1) * 64]).sum())
+                      for i, batch in enumerate(batches))
+    model.train()
+    seen = autocast_seen(monkeypatch)
+    with base_module.no_grad_precision("off", CPU):
+        assert torch.equal(base_module.extract_features(model, data.x), features)
+        assert count_correct(model, data.x, data.y) == correct
+    assert torch.equal(base_module.extract_features(model, data.x), features)
+
+    class Plain:  # a server whose inference rule is the model itself
+        def inference_model(self, model):
+            return model
+
+    assert test_client(Plain(), model, "t", (data.x, data.y), amp="off").correct == correct
+    assert seen and all(not autocast for _, autocast, _ in seen)
+
+
+@pytest.mark.parametrize("amp", ["off", "bf16"])
+def test_both_engines_run_their_no_grad_passes_in_the_runs_precision(fake_cpu, monkeypatch, digits_data_dir,
+                                                                     tmp_path, amp):
+    """FedHPro's feature passes inside a client's fit and the evaluation, on the simulator and on Flower's
+    ClientApp handlers (run in-process): under autocast exactly when amp=bf16, float32 results either way."""
+    pytest.importorskip("flwr", reason="the Flower engine needs the flower extra")
+    from flwr.app import Context, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedhpro import api
+    from fedhpro.flower import client as client_app
+    from fedhpro.flower.engine import build_server_side
+    from fedhpro.flower.strategy import MethodStrategy
+
+    fake_cpu(AMX)  # amp=bf16 is accepted whatever this CPU is; autocast runs (emulated where not native)
+    settings = {"method": "fedhpro", "rounds": 1, "clients": 2, "data.fraction": 0.02,
+                "data.syn_size": DIGITS_SYN_SIZE, "data.test_fraction": DIGITS_TEST_FRACTION, "feature_dim": 16,
+                "local_epochs": 1, "device": "cpu", "data_dir": str(digits_data_dir), "progress": False,
+                "threads": 1, "amp": amp}
+    seen = autocast_seen(monkeypatch)
+    api.run(settings, out=str(tmp_path / "simulator"))
+    simulator_seen = list(seen)
+
+    seen.clear()
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)  # outside a run, flwr refuses to address a Message
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+    config = load_config(settings)
+    strategy = MethodStrategy(build_server_side(config), config, {0: 10, 1: 11})
+    contexts = {node: Context(run_id=1, node_id=node, node_config={"partition-id": k, "num-partitions": 2},
+                              state=RecordDict(), run_config={}) for k, node in ((0, 10), (1, 11))}
+
+    class Grid:  # the SuperLink, answered by the real ClientApp handlers in this process
+        def get_node_ids(self):
+            return list(contexts)
+
+        def send_and_receive(self, messages, timeout=None):
+            replies = []
+            for number, message in enumerate(messages):
+                message.metadata.__dict__["_message_id"] = f"m{number}"
+                handler = client_app.evaluate if message.metadata.message_type == "evaluate" else client_app.train
+                replies.append(handler(message, contexts[message.metadata.dst_node_id]))
+            return replies
+
+    grid = Grid()
+    strategy.aggregate_train(1, grid.send_and_receive(list(strategy.configure_train(1, None, None, grid))))
+    strategy.aggregate_evaluate(1, grid.send_and_receive(list(strategy.configure_evaluate(1, None, None, grid))))
+    assert "accuracy" in strategy.rows[-1]
+    flower_seen = list(seen)
+    for passes in (simulator_seen, flower_seen):
+        assert len(passes) >= 4  # features in each client's fit, then the evaluation
+        assert all(not grad and autocast == (amp == "bf16") and dtype == torch.float32
+                   for grad, autocast, dtype in passes)

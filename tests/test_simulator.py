@@ -524,3 +524,102 @@ def test_personal_models_load_in_place_and_keep_their_own_weights():
     model = sim.models.model_for(1)
     assert model is working
     assert_weights_equal(model.state_dict(), after[1])
+
+
+def copying_fit(sim: Simulator) -> None:
+    """The client's fit wrapped on the instance: the engine then asks for copies (the path before the views)."""
+    original = sim.client.fit
+    sim.client.fit = lambda model, payload, data, state, generator: original(model, payload, data, state, generator)
+
+
+@pytest.mark.parametrize("method,rule", [("fedavg", "mean"), ("fedavg", "median"), ("fedgmkd", "mean")],
+                         ids=["folded", "robust-held", "not-folding"])
+def test_replies_fold_from_the_working_model_without_copies_and_give_the_copies_bits(monkeypatch, method, rule):
+    """The simulator's replies are the working model's own tensors (no clone a client), folded before the next
+    client loads; replies the round keeps whole (a robust rule, a method that does not fold) are copied when
+    received. Against the copying path (a wrapped fit gets copies, as every reply did before): the same bits."""
+    from fedhpro.engines.protocol import Aggregation
+    from fedhpro.methods import base
+
+    federation = make_federation([16, 20, 24], shifts=[0.0, 0.8, -0.8], seed=7)
+
+    def build() -> Simulator:
+        return Simulator(METHODS[method], METHODS[method].options(), federation, TinyBNNet, TRAIN, rounds=2,
+                         seed=4, aggregation=Aggregation(rule=rule))
+
+    copying = build()
+    copying_fit(copying)
+    assert not base.lends_weights(copying.client)
+    expected = [_records_without_seconds(_run(copying, 2))]
+
+    lending = build()
+    assert base.lends_weights(lending.client)
+    clones = []
+    real_clone = base.clone_weights
+    monkeypatch.setattr(base, "clone_weights", lambda *a, **k: clones.append(a) or real_clone(*a, **k))
+    assert [_records_without_seconds(_run(lending, 2))] == expected
+    assert_weights_equal(lending.server.global_weights(), copying.server.global_weights())
+    assert clones == []  # no client's reply was cloned in fit
+
+
+def test_a_borrowed_reply_is_copied_only_when_the_round_keeps_it_whole():
+    from fedhpro.engines.protocol import Aggregation, RoundProtocol
+    from fedhpro.methods import base
+
+    model = TinyNet()
+    context = MethodContext(model=model, num_classes=NUM_CLASSES, options=FedAvgOptions(), train=TRAIN)
+    for rule, kept in (("mean", False), ("median", True)):
+        server = METHODS["fedavg"].server(context)
+        protocol = RoundProtocol(server, 2, rounds=1, aggregation=Aggregation(rule=rule))
+        current = protocol.open(0)
+        views = base.model_weights(model)
+        assert all(views[n].data_ptr() == t.data_ptr() for n, t in model.state_dict().items())
+        before = snapshot(views)
+        current.receive(0, {"weights": views, "num_examples": 5}, {}, 5, borrowed=True)
+        if kept:
+            held = current._held[0]["weights"]
+            assert all(held[n].data_ptr() != views[n].data_ptr() for n in views)
+            assert_weights_equal(held, views)
+        else:
+            assert "weights" not in current.replies[0]  # folded into the sum, nothing kept of the views
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(1.0)  # the next client trains on the model: what the round holds does not move
+        if kept:
+            assert_weights_equal(current._held[0]["weights"], before)
+
+
+def test_one_optimizer_per_working_model_gives_a_new_optimizers_bits(monkeypatch):
+    """Every client trains the working model with its one SGD optimiser, state cleared: the same bits as a
+    new optimiser (a fresh copy of the model, as before), and no optimiser built per client."""
+    from fedhpro.methods import base
+    from fedhpro.methods.base import local_optimizer, train_epochs
+
+    torch.manual_seed(0)
+    federation = make_federation([16, 20, 24], seed=8)
+    model = TinyBNNet()
+    generator = torch.Generator
+    train_epochs(model, federation.clients[0], TRAIN, generator().manual_seed(1))
+    first = local_optimizer(model, TRAIN, torch.device("cpu"))
+    fresh = copy.deepcopy(model)  # not the working model: a new optimiser, as every client had before
+    train_epochs(model, federation.clients[1], TRAIN, generator().manual_seed(2))
+    train_epochs(fresh, federation.clients[1], TRAIN, generator().manual_seed(2))
+    assert local_optimizer(model, TRAIN, torch.device("cpu")) is first
+    assert_weights_equal(model.state_dict(), fresh.state_dict())
+    other = dataclasses.replace(TRAIN, lr=0.01)  # other settings: another optimiser
+    assert local_optimizer(model, other, torch.device("cpu")) is not first
+    assert local_optimizer(model, other, torch.device("cpu")).param_groups[0]["lr"] == 0.01
+
+    built = []
+    real_sgd = torch.optim.SGD
+
+    class CountingSGD(real_sgd):
+        def __init__(self, *args, **kwargs):
+            built.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "SGD", CountingSGD)
+    assert base.torch.optim.SGD is CountingSGD
+    sim = simulator(federation, model=TinyBNNet, rounds=2)
+    _run(sim, 2)
+    assert len(built) == 1  # one for the working model, reused by 3 clients x 2 rounds

@@ -37,7 +37,7 @@ from fedhpro.engines import checkpoint
 from fedhpro.engines.protocol import RoundProtocol, RoundRecord, TestCount
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.files import claim_run_folder, remove_partial_writes
-from fedhpro.methods.base import eval_batch_size, eval_forward, load_weights
+from fedhpro.methods.base import eval_batch_size, eval_forward, load_weights, no_grad_pass, no_grad_precision
 from fedhpro.metrics import fairness_statistics
 
 if TYPE_CHECKING:
@@ -93,28 +93,33 @@ class Engine(Protocol):
 
 @torch.no_grad()
 def count_correct(model: nn.Module, x: Tensor, y: Tensor, batch_size: int | None = None) -> int:
-    """How many of ``x`` the model classifies as ``y`` (eval mode, batches of ``eval_batch_size``)."""
+    """How many of ``x`` the model classifies as ``y`` (eval mode, batches of ``eval_batch_size``), computed in
+    the current :func:`~fedhpro.methods.base.no_grad_precision` (float32 unless one is entered)."""
     model.eval()
     batch_size = batch_size or eval_batch_size(x.device)
     correct = 0
-    for start in range(0, x.shape[0], batch_size):
-        logits = eval_forward(model, x[start:start + batch_size])
-        correct += int((logits.argmax(1) == y[start:start + batch_size]).sum())
+    with no_grad_pass(x.device):
+        for start in range(0, x.shape[0], batch_size):
+            logits = eval_forward(model, x[start:start + batch_size])
+            correct += int((logits.argmax(1) == y[start:start + batch_size]).sum())
     return correct
 
 
 def test_client(server: Any, model: nn.Module, name: str, test: tuple[Tensor, Tensor],
-                shared: Mapping[str, Tensor] | None = None, personal: bool = False) -> TestCount:
+                shared: Mapping[str, Tensor] | None = None, personal: bool = False, amp: str = "off") -> TestCount:
     """One client's test count on its ``test`` set ``name``: ``model`` (with the global ``shared`` weights
     loaded first when given: into its shared part for a ``personal`` model, else the whole model) through
-    the server's inference rule. What the simulator and a Flower node compute for a client."""
+    the server's inference rule, its forward passes in the precision of the run's training (``amp``, as
+    :func:`~fedhpro.methods.base.no_grad_precision` says). What the simulator and a Flower node compute for a
+    client."""
     if shared is not None:
         if personal:
             load_weights(model, dict(shared))
         else:
             model.load_state_dict(shared)
     x, y = test
-    return TestCount(name, count_correct(server.inference_model(model), x, y), int(y.shape[0]))
+    with no_grad_precision(amp, x.device):
+        return TestCount(name, count_correct(server.inference_model(model), x, y), int(y.shape[0]))
 
 
 def round_extra(measured: Mapping[str, Any] | None = None, per_client: Sequence[float | None] | None = None,

@@ -94,13 +94,20 @@ def train_generator(seed: int, round: int, client: int) -> torch.Generator:
 
 def client_step(server: Any, client: Any, model: torch.nn.Module, payload: Mapping[str, Any], data: Any,
                 state: dict[str, Any], seed: int, round: int, k: int,
-                privacy: ClientPrivacy | None) -> tuple[dict[str, Any], dict[str, float]]:
+                privacy: ClientPrivacy | None, reply_views: bool = False) -> tuple[dict[str, Any], dict[str, float]]:
     """Client ``k``'s step in ``round`` on every engine: the method's ``fit`` (the shared training loop, batches
     in the ``(seed, round, k)`` order of :func:`train_generator`), then, under ``privacy=client``, its upload
     privatized on the client's side (:func:`~fedhpro.privacy.client.privatize_upload`: clipped, and noised
     from the client's own stream under ``privacy.noise=local``). Returns ``(reply, training metrics)``; the
-    metrics of a privatized step stay with the client (computed from its data, they would leave unprotected)."""
-    reply, metrics = client.fit(model, payload, data, state, train_generator(seed, round, k))
+    metrics of a privatized step stay with the client (computed from its data, they would leave unprotected).
+    ``reply_views``: the reply's weights are the model's own tensors, not copies (``fit``'s ``reply_views``; only
+    for a client whose ``fit`` is the library's own, :func:`~fedhpro.methods.base.lends_weights`), for an engine
+    that hands the reply to :meth:`OpenRound.receive` with ``borrowed=True`` before the model changes again."""
+    generator = train_generator(seed, round, k)
+    if reply_views:
+        reply, metrics = client.fit(model, payload, data, state, generator, reply_views=True)
+    else:
+        reply, metrics = client.fit(model, payload, data, state, generator)
     if privacy is None:
         return reply, metrics
     return privatize_upload(reply, payload.get("weights") or {}, declared_class_keys(server), privacy,
@@ -697,7 +704,8 @@ class OpenRound:
         self.dropped.append({"client": client, "reason": reason})
         self.failures.append(error if error is not None else f"client {client}: {reason}")
 
-    def receive(self, client: int, reply: dict[str, Any], metrics: dict[str, float], num_samples: int) -> Reception:
+    def receive(self, client: int, reply: dict[str, Any], metrics: dict[str, float], num_samples: int,
+                borrowed: bool = False) -> Reception:
         """Hand in client ``client``'s reply (it holds ``num_samples`` training samples): the bounds on its
         ``num_examples`` and ``class_counts`` (:func:`counts_problem`), injected hostility and corruption,
         the method's validation, then the fold into the round's replies (kept whole until :meth:`close`
@@ -705,9 +713,16 @@ class OpenRound:
         when not, whose fault it was: the client's own update (``INVALID``: an engine rolls the client's
         state back), a transmission fault (``CORRUPTED``) or the injected hostility (``HOSTILE``): the
         client computed a good update, so its state stands. Under ``privacy=client`` the reply is the
-        client's privatized upload (:meth:`receive_private`)."""
+        client's privatized upload (:meth:`receive_private`).
+
+        ``borrowed``: the reply's weights are the client's working model's own tensors (the simulator's
+        ``client_step(reply_views=True)``), valid only until this call returns: a folded reply is summed
+        straight from them, a reply the round keeps whole (a robust rule, a method that does not fold) is
+        kept as a copy."""
         if self.private is not None:
             return self.receive_private(client, reply)
+        lent = reply.get("weights") if borrowed and isinstance(reply, Mapping) else None
+        views: Mapping[str, Tensor] | None = lent if isinstance(lent, Mapping) else None
         problem = examples_problem(reply, client, num_samples)
         if problem is None:
             problem = counts_problem(reply, self.num_classes)
@@ -748,6 +763,9 @@ class OpenRound:
                     f"{sum(self.protocol.client_sizes or [])}); if that size is right, raise aggregation.max_share "
                     "(1: no cap)")
             reply = capped_reply(reply, weight)
+        keeps_weights = self.protocol.aggregation.robust or not getattr(self.replies, "folds_weights", False)
+        if keeps_weights and reply.get("weights") is views and views is not None:  # still the model's tensors
+            reply = {**reply, "weights": {key: value.clone() for key, value in views.items()}}
         if self.protocol.aggregation.robust:
             self._held.append(reply)
         else:

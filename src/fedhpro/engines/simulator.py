@@ -42,15 +42,21 @@ from fedhpro.methods.base import (
     MethodSpec,
     TrainSettings,
     extract_features,
+    lends_weights,
+    no_grad_precision,
 )
 from fedhpro.metrics import class_means
 
 
 def evaluate(model: nn.Module, test_sets: dict[str, tuple[Tensor, Tensor]],
-             batch_size: int | None = None) -> dict[str, float]:
-    """Accuracy in percent on each test set, plus ``AVG``, their unweighted mean (the paper's AVG)."""
-    return pool_accuracy([TestCount(name, count_correct(model, x, y, batch_size), int(y.shape[0]))
-                          for name, (x, y) in test_sets.items()])
+             batch_size: int | None = None, amp: str = "off") -> dict[str, float]:
+    """Accuracy in percent on each test set, plus ``AVG``, their unweighted mean (the paper's AVG); the forward
+    passes in the precision of the run's training (``amp``: :func:`~fedhpro.methods.base.no_grad_precision`)."""
+    counts = []
+    for name, (x, y) in test_sets.items():
+        with no_grad_precision(amp, x.device):
+            counts.append(TestCount(name, count_correct(model, x, y, batch_size), int(y.shape[0])))
+    return pool_accuracy(counts)
 
 
 def _seeded(factory: Callable[[], nn.Module], seed: int, device: torch.device) -> nn.Module:
@@ -201,6 +207,7 @@ class Simulator:
         ``ledger`` (its privacy ledger) switch differential privacy on: under ``privacy=client`` each
         client's reply is privatized on the client's side, right after its ``fit``."""
         self.device = torch.device(device)
+        self.train = train
         self.models = ClientModels(model_factory, num_clients=federation.num_clients, seed=seed, device=self.device,
                                    client_architectures=client_architectures,
                                    architecture_factory=architecture_factory, shared=shared)
@@ -287,7 +294,7 @@ class Simulator:
             model = self.models.model_for(k) if self.heterogeneous else self.eval_model
             shared = self.server.global_weights()
         name, test = self.client_test(k)
-        return test_client(self.server, model, name, test, shared, personal=self.heterogeneous)
+        return test_client(self.server, model, name, test, shared, personal=self.heterogeneous, amp=self.train.amp)
 
     def evaluate_clients(self) -> tuple[dict[str, float], list[float | None]]:
         """``(accuracy per test set and AVG, accuracy of each client on its own test distribution)``.
@@ -301,7 +308,8 @@ class Simulator:
         order = list(self.federation.test_sets)
         if not self.heterogeneous and self.federation.client_tests is None:
             self.eval_model.load_state_dict(self.server.global_weights())
-            accuracy = evaluate(self.server.inference_model(self.eval_model), self.federation.test_sets)
+            accuracy = evaluate(self.server.inference_model(self.eval_model), self.federation.test_sets,
+                                amp=self.train.amp)
             return accuracy, [accuracy.get(self.federation.client_test_name(k), accuracy["AVG"])
                               for k in range(self.federation.num_clients)]
         if not self.heterogeneous:
@@ -388,6 +396,9 @@ class Simulator:
         client that raises is dropped; an accepted reply keeps its personal model and is shown to the
         observers; the client's own invalid update rolls its state back."""
         model = self.models.model_for(k)
+        # the reply's weights are the working model's own tensors (no copy a client): received, so folded into
+        # the round's sum or copied, before the model changes; a wrapped fit (that may keep its replies) copies
+        views = lends_weights(self.client)
         state_before = copy.deepcopy(self.client_states[k]) if self.client_states[k] else {}
         observe = (watching([functools.partial(o.watch_client, k) for o in self.observers])  # they only observe
                    if self.observers else contextlib.nullcontext())
@@ -395,14 +406,14 @@ class Simulator:
             with observe:
                 reply, metrics = client_step(self.server, self.client, model, current.payload,
                                              self.federation.clients[k], self.client_states[k], self.seed,
-                                             current.round, k, self.protocol.client_privacy)
+                                             current.round, k, self.protocol.client_privacy, reply_views=views)
         except (KeyboardInterrupt, SystemExit, MemoryError):
             raise
         except Exception as error:  # a crashing client is a dropped client
             self.client_states[k] = state_before
             current.fail(k, f"raised {type(error).__name__}: {error}", error)
             return
-        reception = current.receive(k, reply, metrics, len(self.federation.clients[k]))
+        reception = current.receive(k, reply, metrics, len(self.federation.clients[k]), borrowed=views)
         if not reception:
             # the client's own invalid update rolls its state back, as a raise does (else a MOON client's
             # NaN previous model would spoil all its later rounds); a transmission fault (faults.corrupt)

@@ -269,7 +269,8 @@ def evaluate(msg: Message, context: Context) -> Message:
         # the server's inference rule (nearest prototype) needs the server's state: load it into the node's copy
         node.server.load_state_dict(records.decode_payload(msg.content, node.device, prefix=SERVER_STATE))
         model = _model(node, context) if node.models.personal else node.models.eval_model
-        count = test_client(node.server, model, node.test_name, node.test, shared, personal=node.models.personal)
+        count = test_client(node.server, model, node.test_name, node.test, shared, personal=node.models.personal,
+                            amp=node.method_client.train.amp)
         if node.models.personal:
             _write_personal_model(msg, context, node, model, round)
     except Exception as error:  # noqa: BLE001

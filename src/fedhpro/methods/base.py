@@ -35,6 +35,8 @@ says how the server combines the clients' rows of a class, which secure aggregat
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import weakref
@@ -195,6 +197,14 @@ def clone_weights(model: nn.Module, keys: Iterable[str] | None = None) -> Weight
     state = model.state_dict()
     names = state.keys() if keys is None else keys
     return {name: state[name].detach().clone() for name in names}
+
+
+def model_weights(model: nn.Module, keys: Iterable[str] | None = None) -> Weights:
+    """The model's own state tensors (only ``keys`` if given), detached and not copied: they change when the
+    model trains or is loaded again, so whoever keeps them past that copies them (:func:`clone_weights`)."""
+    state = model.state_dict()
+    names = state.keys() if keys is None else keys
+    return {name: state[name] for name in names}
 
 
 def load_weights(model: nn.Module, weights: Mapping[str, Tensor]) -> None:
@@ -510,7 +520,19 @@ class Client:
 
     @final
     def fit(self, model: nn.Module, payload: Payload, data: ClientData, state: dict[str, Any],
-            generator: torch.Generator) -> tuple[Payload, dict[str, float]]:
+            generator: torch.Generator, *, reply_views: bool = False) -> tuple[Payload, dict[str, float]]:
+        """The client's local round (the sequence of the class docstring); returns ``(reply, losses)``.
+
+        The reply's ``weights`` are copies of the trained model's shared tensors, or with ``reply_views``
+        the model's own tensors (detached, no copy): for an engine that consumes the reply before the model
+        changes again (the simulator folds it into the round's sum, then loads the next client in place).
+        The no-grad passes of the hooks (:func:`extract_features`) run in the precision of this client's
+        training (:func:`no_grad_precision`)."""
+        with no_grad_precision(self.train.amp, data.x.device):
+            return self._fit(model, payload, data, state, generator, reply_views)
+
+    def _fit(self, model: nn.Module, payload: Payload, data: ClientData, state: dict[str, Any],
+             generator: torch.Generator, reply_views: bool) -> tuple[Payload, dict[str, float]]:
         load_weights(model, payload["weights"])
         round = LocalRound(model, payload, data, state, generator)
         self.prepare(round)
@@ -520,7 +542,9 @@ class Client:
             losses = train_epochs(model, data, self.train_settings(round), generator,
                                   loss_terms=self.loss_terms(round), activations=self.activation_modules(round))
         # reply exactly the keys received: the shared part of the model
-        reply: Payload = {"weights": clone_weights(model, payload["weights"]), "num_examples": len(data)}
+        shared = (model_weights(model, payload["weights"]) if reply_views
+                  else clone_weights(model, payload["weights"]))
+        reply: Payload = {"weights": shared, "num_examples": len(data)}
         reply.update(self.upload(round))
         if self.sample_private:
             # num_examples from the round's release (a count-only release when the method uploads no statistics)
@@ -560,6 +584,13 @@ class Client:
         finally:
             for handle in handles:
                 handle.remove()
+
+
+def lends_weights(client: Any) -> bool:
+    """Whether ``client.fit`` is the library's own :meth:`Client.fit` (``fit(..., reply_views=True)`` then replies
+    with the model's own tensors); False for a wrapper put on the instance (a spy, a test's fault), which may
+    keep its replies past the round and so gets copies."""
+    return getattr(getattr(client, "fit", None), "__func__", None) is Client.fit
 
 
 def train_epochs(model: nn.Module, data: ClientData, train: TrainSettings, generator: torch.Generator,
@@ -607,9 +638,7 @@ def _train_loop(model: nn.Module, data: ClientData, train: TrainSettings, genera
         autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         if precision == "fp16":  # float16's narrow range: the loss is scaled, steps with inf/NaN gradients skipped
             scaler = torch.amp.GradScaler(data.x.device.type)
-    # fused: one kernel for all parameters' update (a third of the foreach step's time on the CPU), the same bits
-    optimizer = torch.optim.SGD(model.parameters(), lr=train.lr, momentum=train.momentum,
-                                weight_decay=train.weight_decay, fused=data.x.device.type in ("cpu", "cuda") or None)
+    optimizer = local_optimizer(model, train, data.x.device)
     features = compiled_features(model) if train.compile else features_of(model)
     classifier = classifier_of(model)
     n = len(data)
@@ -669,6 +698,32 @@ def _train_loop(model: nn.Module, data: ClientData, train: TrainSettings, genera
         if "loss" in totals and not bool(torch.isfinite(totals["loss"])):
             raise UpdateError("local training produced a non-finite loss (NaN/Inf); lower lr or check the data")
     return {name: float(total) / max(steps, 1) for name, total in totals.items()}
+
+
+#: the SGD optimiser of each working model and the settings and parameters it was built for (dropped with the model)
+_OPTIMIZERS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], list[nn.Parameter], torch.optim.SGD]] = (
+    weakref.WeakKeyDictionary())
+
+
+def local_optimizer(model: nn.Module, train: TrainSettings, device: torch.device) -> torch.optim.SGD:
+    """The local round's SGD optimiser of ``model``: one per working model, reused by every client that trains
+    on it with its state cleared (no momentum buffer: the first step then sets it to the gradient, as a new
+    optimiser's does), so a client costs no optimiser construction. A new one when the settings or the
+    model's parameters changed. Fused on the CPU and CUDA: one kernel for all parameters' update (a third of
+    the foreach step's time on the CPU), the same bits."""
+    fused = device.type in ("cpu", "cuda") or None
+    settings = (train.lr, train.momentum, train.weight_decay, fused)
+    parameters = list(model.parameters())
+    held = _OPTIMIZERS.get(model)
+    if (held is not None and held[0] == settings and len(held[1]) == len(parameters)
+            and all(a is b for a, b in zip(held[1], parameters))):
+        optimizer = held[2]
+        optimizer.state.clear()
+        return optimizer
+    optimizer = torch.optim.SGD(parameters, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay,
+                                fused=fused)
+    _OPTIMIZERS[model] = (settings, parameters, optimizer)
+    return optimizer
 
 
 def _fast_forward(classifier: nn.Module, features: Callable[[Tensor], Tensor], x: Tensor, channels_last: bool,
@@ -742,13 +797,50 @@ def eval_layout(batch: Tensor) -> Tensor:
 #: modules that failed on a channels_last batch (a user's model that ``.view()``s its activations): NCHW for them
 _NCHW_ONLY: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
+#: the autocast dtype of the no-grad passes in the current context (None: float32); :func:`no_grad_precision` sets it
+_NO_GRAD_AUTOCAST: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("no_grad_autocast",
+                                                                                      default=None)
+#: the autocast dtype of each :func:`fedhpro.runtime.amp_precision` (float32: none)
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@contextlib.contextmanager
+def no_grad_precision(amp: str, device: torch.device) -> Iterator[None]:
+    """The no-grad passes of the block (:func:`extract_features`, the engines' evaluation: :func:`no_grad_pass`)
+    compute under the autocast local training uses for ``amp`` on ``device`` (:func:`fedhpro.runtime.amp_precision`:
+    bfloat16, or float16 on a GPU without native bfloat16) and hand back float32 features and logits. ``amp=off``:
+    float32, exactly the operations they ran before. A client's :meth:`Client.fit` and the engines' evaluation
+    (:func:`fedhpro.engines.driver.test_client`) enter it; the server's step stays float32."""
+    token = _NO_GRAD_AUTOCAST.set(AUTOCAST_DTYPES.get(runtime.amp_precision(amp, device)))
+    try:
+        yield
+    finally:
+        _NO_GRAD_AUTOCAST.reset(token)
+
+
+def no_grad_pass(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """What a no-grad pass over many batches runs in: the autocast of the current :func:`no_grad_precision`,
+    entered once for the whole pass (autocast keeps its casts of the weights while it is entered), or nothing."""
+    dtype = _NO_GRAD_AUTOCAST.get()
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
 
 def eval_forward(module: nn.Module, batch: Tensor) -> Tensor:
-    """``module(batch)`` for a no-grad pass, in :func:`eval_layout` where the module accepts it.
+    """``module(batch)`` for a no-grad pass, in :func:`eval_layout` where the module accepts it; float32 when
+    it ran under :func:`no_grad_pass`'s autocast (the callers' statistics stay float32).
 
     A module that raises on the channels_last batch (``.view`` needs
     contiguous NCHW strides) is remembered and run on the batch as given.
     """
+    output = _laid_out_forward(module, batch)
+    if _NO_GRAD_AUTOCAST.get() is not None and output.dtype in (torch.bfloat16, torch.float16):
+        return output.float()
+    return output
+
+
+def _laid_out_forward(module: nn.Module, batch: Tensor) -> Tensor:
     if module not in _NCHW_ONLY:
         laid_out = eval_layout(batch)
         if laid_out is batch:
@@ -762,12 +854,14 @@ def eval_forward(module: nn.Module, batch: Tensor) -> Tensor:
 
 @torch.no_grad()
 def extract_features(model: nn.Module, x: Tensor, batch_size: int | None = None) -> Tensor:
-    """``f(x)`` for all rows of ``x`` in eval mode (restores the previous mode)."""
+    """``f(x)`` for all rows of ``x`` in eval mode (restores the previous mode); float32, computed in the current
+    :func:`no_grad_precision`."""
     batch_size = batch_size or eval_batch_size(x.device)
     was_training = model.training
     model.eval()
-    features = torch.cat([eval_forward(features_of(model), x[i:i + batch_size])
-                          for i in range(0, x.shape[0], batch_size)])
+    with no_grad_pass(x.device):
+        features = torch.cat([eval_forward(features_of(model), x[i:i + batch_size])
+                              for i in range(0, x.shape[0], batch_size)])
     model.train(was_training)
     return features
 
