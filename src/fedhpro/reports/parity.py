@@ -102,12 +102,17 @@ class PrecisionGroup:
         return "float32" if self.is_reference else str(self.settings.get("amp"))
 
     @property
+    def keys(self) -> str:
+        """``"amp=bf16, channels_last=auto"``: the precision keys as the runs' config.yaml writes them
+        (numbers_settings would spell channels_last=auto without amp False)."""
+        recorded = self.runs[0].config
+        return ", ".join(f"{key}={recorded.get(key)}" for key in PRECISION_KEYS if key in recorded)
+
+    @property
     def described(self) -> str:
         """``"amp=bf16, channels_last=auto (memory format channels_last)"``: the keys and what they resolved to."""
-        recorded = self.runs[0].config  # as written (numbers_settings spells channels_last=auto without amp False)
-        keys = ", ".join(f"{key}={recorded.get(key)}" for key in PRECISION_KEYS if key in recorded)
         memory = self.machine("memory_format")
-        return keys + (f" (memory format {memory})" if memory else "")
+        return self.keys + (f" (memory format {memory})" if memory else "")
 
     @property
     def folder(self) -> Path:
@@ -281,7 +286,7 @@ def pair_precisions(runs: Sequence[RunData]) -> Parity:
                     continue
                 # several groups at one side (channels_last set apart): each row says which two it pairs
                 shown = (label if len(references) == len(others) == 1
-                         else f"{label} ({reference.described} / {other.described})")
+                         else f"{label} ({reference.keys} / {other.keys})")
                 rows.append(ParityRow(shown, settings_label, reference, other, _measures(reference, other)))
                 left_out += [f"{label}: {run.path} is unfinished ({run.progress}): left out of its mean"
                              for group in (reference, other) for run in group.unfinished]
