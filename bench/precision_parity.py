@@ -13,9 +13,9 @@ whether the difference lies within it.
     python bench/precision_parity.py --out results/parity --jobs 2 --threads 1
     python bench/precision_parity.py --out results/parity --settings default= "iid=partition=iid"
 
-Cost: a float32 run of the default setting took about 110-130 s at 2 threads on a 2-core Xeon (AMX), a bf16
-run about 0.65x that; so the 18 runs take about half an hour at ``--jobs 1 --threads 2`` (the label-skew
-setting, with two of the four domains, trains fewer clients and is quicker). ``amp=bf16`` needs a CPU with
+Cost, measured on a 2-core Xeon (AMX): the 18 runs took 44 minutes at ``--threads 1``, one after the other
+beside other work (load 3-4): a float32 run ~200 s, a bf16 one ~115 s; alone at 2 threads a float32 default
+run takes 110-130 s. ``amp=bf16`` needs a CPU with
 native bfloat16 (AVX512-BF16 or AMX) or a GPU; elsewhere the script stops before any run, saying so.
 """
 
