@@ -39,9 +39,7 @@ import argparse
 import csv
 import io
 import json
-import os
 import shlex
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -219,11 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 commands.append(clip_only_command(args.out / f"cohort-{cohort}",
                                                   cohort_settings(settings, args.clients, cohort), seed))
     if not args.collect:
-        for command in commands:
-            print("+ " + shlex.join(["fedhpro", *command[3:]]), flush=True)
-            result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
-            if result.returncode != 0:
-                print(f"(exit {result.returncode}; the table collects what finished)", flush=True)
+        privacy_utility.run_commands(commands)
     rows = collect(args.out, args.cohorts, args.seeds, args.epsilon)
     caption = (f"FedAvg, final accuracy (%) on the synthetic digits, {args.clients:,} clients (iid), mean ± std over "
                f"seeds {args.seeds}; client-level DP with central noise, delta = 1/N^1.1; settings: "

@@ -54,6 +54,16 @@ def compare_command(kind: str, epsilon: str, out: Path, settings: Sequence[str],
             *settings, *privacy_keys(kind, epsilon)]
 
 
+def run_commands(commands: Sequence[list[str]]) -> None:
+    """Each ``fedhpro compare`` command in turn, one thread each, echoed; a failed one is said and passed over
+    (the table collects what finished)."""
+    for command in commands:
+        print("+ " + shlex.join(["fedhpro", *command[3:]]), flush=True)
+        result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if result.returncode != 0:
+            print(f"(exit {result.returncode}; the table collects what finished)", flush=True)
+
+
 def collect(folder: Path, methods: Sequence[str], seeds: Sequence[int], epsilons: Sequence[str]
             ) -> list[dict[str, Any]]:
     """One row per (method, epsilon): the seeds' final AVG (from each run's ``summary.json``), their mean and
@@ -163,11 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = [compare_command(args.kind, e, args.out, settings, args.methods, args.seeds, args.jobs)
                 for e in args.epsilons]
     if not args.collect:
-        for command in commands:
-            print("+ " + shlex.join(["fedhpro", *command[3:]]), flush=True)
-            result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
-            if result.returncode != 0:
-                print(f"(exit {result.returncode}; the table collects what finished)", flush=True)
+        run_commands(commands)
     rows = collect(folder, args.methods, args.seeds, args.epsilons)
     what = "client-level DP (central noise)" if args.kind == "client" else "sample-level DP-SGD"
     caption = (f"Final AVG accuracy (%) under {what}, mean ± std over seeds {args.seeds}; settings: "

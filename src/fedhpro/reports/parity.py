@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedhpro.errors import ConfigError
-from fedhpro.reports.tables import csv_text, format_number, markdown_table, mean_std
+from fedhpro.reports.tables import csv_text, dotted_keys, format_number, markdown_table, mean_std
 
 if TYPE_CHECKING:  # runs.py imports this module (its report writes the parity files)
     from fedhpro.reports.runs import RunData
@@ -41,22 +41,12 @@ PARITY_FILES = ("parity.md", "parity.csv", "parity.json")
 AVERAGE = "AVG"
 
 
-def _flat(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def _numbers_settings(run: RunData) -> dict[str, Any]:
     """The run's flat settings that decide its numbers, as ``compare`` tells two runs' settings apart (the
     presentational keys and the other methods' sections left out), without the seed."""
     from fedhpro.compare import run_settings
 
-    flat = _flat(run_settings(run.config, run.method))
+    flat = dotted_keys(run_settings(run.config, run.method))
     flat.pop("seed", None)
     return flat
 

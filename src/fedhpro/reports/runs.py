@@ -37,7 +37,7 @@ from fedhpro.reports import read_jsonl
 from fedhpro.reports.classes import CLASS_FILES, write_class_report
 from fedhpro.reports.parity import PARITY_FILES, mixes_precisions, pair_precisions, write_parity
 from fedhpro.reports.plots import mean_band, plot_bars, plot_curves, plot_mean_curves
-from fedhpro.reports.tables import csv_text, markdown_table, mean_pm_std, mean_std
+from fedhpro.reports.tables import csv_text, dotted_keys, markdown_table, mean_pm_std, mean_std
 
 
 @dataclass
@@ -102,16 +102,6 @@ def load_run(path: str | Path) -> RunData:
     return RunData(path, config or {}, rows, summary)
 
 
-def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def _strict_mode(values: Sequence[str]) -> str | None:
     """The value more of ``values`` hold than any other; None on a tie."""
     ranked = sorted(((values.count(v), v) for v in set(values)), reverse=True)
@@ -128,7 +118,7 @@ def run_labels(runs: Sequence[RunData]) -> list[str]:
     methods = [run.method for run in runs]
     if len(set(methods)) == len(methods):
         return methods
-    flats = [_flatten(run.config) for run in runs]
+    flats = [dotted_keys(run.config) for run in runs]
     keys = sorted({key for flat in flats for key in flat})
     shown = [{key: json.dumps(flat.get(key), default=str) for key in keys} for flat in flats]
     differing = [key for key in keys if key not in ("method", "out") and len({values[key] for values in shown}) > 1]
@@ -367,7 +357,7 @@ def seed_groups(runs: Sequence[RunData]) -> dict[str, list[RunData]]:
     the settings that differ between the groups)."""
     keyed: dict[str, list[RunData]] = {}
     for run in runs:
-        flat = {k: v for k, v in _flatten(run.config).items() if k not in _NOT_A_SETTING}
+        flat = {k: v for k, v in dotted_keys(run.config).items() if k not in _NOT_A_SETTING}
         keyed.setdefault(json.dumps(flat, sort_keys=True, default=str), []).append(run)
     firsts = [RunData(members[0].path, {k: v for k, v in members[0].config.items() if k not in _NOT_A_SETTING},
                       members[0].rows, members[0].summary) for members in keyed.values()]

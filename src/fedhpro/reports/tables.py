@@ -9,6 +9,17 @@ from collections.abc import Sequence
 from typing import Any
 
 
+def dotted_keys(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config as one level: ``{"fedhpro": {"tau": 0.05}}`` -> ``{"fedhpro.tau": 0.05}``."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(dotted_keys(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def format_number(value: Any, digits: int = 2) -> str:
     """``None``/NaN -> "–"; floats with ``digits`` decimals; anything else as text."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
