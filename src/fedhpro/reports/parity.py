@@ -3,9 +3,9 @@ only in precision.
 
 ``fedhpro report`` given comparison folders (``fedhpro compare``'s ``out``) whose runs were trained at more
 than one precision (``amp=off`` and ``amp=bf16``, with what ``amp`` brings: ``channels_last``) groups their
-runs by every setting that decides the numbers (:func:`fedhpro.compare.run_settings`, the rule by which
-``compare`` reuses a run) but the seed and the precision keys (:data:`PRECISION_KEYS`): one group is one
-*setting*. Within a setting, each float32 group (``amp=off``) is paired with each mixed-precision one, and a
+runs by every setting that decides the numbers (all but the seed and the presentational keys,
+:data:`fedhpro.reports.run_data.NOT_A_SETTING`) but the precision keys (:data:`PRECISION_KEYS`): one group
+is one *setting*. Within a setting, each float32 group (``amp=off``) is paired with each mixed-precision one, and a
 row says, for the final AVG accuracy and each domain: the float32 mean ± sample std over its seeds, the
 mixed-precision mean ± std, the difference of means (mixed minus float32), the larger of the two seed stds
 and the verdict: *within* when ``|difference| <= larger std`` (the difference of means lies within the
@@ -24,13 +24,11 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fedhpro.errors import ConfigError
+from fedhpro.reports.run_data import NOT_A_SETTING, RunData, run_labels
 from fedhpro.reports.tables import csv_text, dotted_keys, format_number, markdown_table, mean_std
-
-if TYPE_CHECKING:  # runs.py imports this module (its report writes the parity files)
-    from fedhpro.reports.runs import RunData
 
 #: the run settings that make a run's precision: ``amp`` and ``channels_last`` (on with ``amp`` for conv models
 #: under ``auto``); two comparison folders that differ only in these are the two precisions of one setting
@@ -42,13 +40,9 @@ AVERAGE = "AVG"
 
 
 def _numbers_settings(run: RunData) -> dict[str, Any]:
-    """The run's flat settings that decide its numbers, as ``compare`` tells two runs' settings apart (the
-    presentational keys and the other methods' sections left out), without the seed."""
-    from fedhpro.compare import run_settings
-
-    flat = dotted_keys(run_settings(run.config, run.method))
-    flat.pop("seed", None)
-    return flat
+    """The run's flat settings that decide its numbers (:data:`~fedhpro.reports.run_data.NOT_A_SETTING`, the
+    seed and the presentational keys, left out), as the seed table groups runs."""
+    return {key: value for key, value in dotted_keys(run.config).items() if key not in NOT_A_SETTING}
 
 
 @dataclass
@@ -217,15 +211,12 @@ def _setting_labels(settings: dict[str, list[PrecisionGroup]]) -> tuple[list[str
     one their parents share), relative to the folder all settings' share (``default`` for
     ``study/default/float32`` and ``study/default/bf16``; its name for one setting), when that tells the
     settings apart; else the settings
-    label, :func:`fedhpro.reports.runs.run_labels` of one run per setting with the precision keys left out."""
-    from fedhpro.compare import run_settings
-    from fedhpro.reports.runs import RunData, run_labels
-
+    label, :func:`fedhpro.reports.run_data.run_labels` of one run per setting with the precision keys and
+    :data:`~fedhpro.reports.run_data.NOT_A_SETTING` left out."""
     firsts = []
     for groups in settings.values():
         run = groups[0].runs[0]
-        config = {k: v for k, v in run_settings(run.config, run.method).items()
-                  if k not in PRECISION_KEYS and k != "seed"}
+        config = {k: v for k, v in run.config.items() if k not in PRECISION_KEYS and k not in NOT_A_SETTING}
         firsts.append(RunData(run.path, config, run.rows, run.summary))
     described = run_labels(firsts) if len(firsts) > 1 else [firsts[0].method]
     folders = [Path(os.path.commonpath([str(group.folder.parent) for group in groups]))

@@ -20,116 +20,20 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fedhpro.bounded import (
     MAX_JSON_CHARS,
-    check_metrics_row,
     parse_json,
     read_bounded,
-    read_json_file,
-    read_yaml_file,
 )
-from fedhpro.errors import ConfigError, DataError, FedHProError
-from fedhpro.reports import read_jsonl
+from fedhpro.errors import ConfigError, FedHProError
 from fedhpro.reports.classes import CLASS_FILES, write_class_report
 from fedhpro.reports.parity import PARITY_FILES, mixes_precisions, pair_precisions, write_parity
 from fedhpro.reports.plots import mean_band, plot_bars, plot_curves, plot_mean_curves
+from fedhpro.reports.run_data import NOT_A_SETTING, RunData, load_run, run_labels
 from fedhpro.reports.tables import csv_text, dotted_keys, markdown_table, mean_pm_std, mean_std
-
-
-@dataclass
-class RunData:
-    """One finished (or running) run read back from its folder."""
-
-    path: Path
-    config: dict[str, Any]
-    rows: list[dict[str, Any]]
-    summary: dict[str, Any] | None
-
-    @property
-    def method(self) -> str:
-        return str(self.config.get("method", "?"))
-
-    @property
-    def evaluated(self) -> list[dict[str, Any]]:
-        return [row for row in self.rows if "accuracy" in row]
-
-    @property
-    def final(self) -> dict[str, Any]:
-        """The last evaluated row."""
-        return self.evaluated[-1]
-
-    @property
-    def finished(self) -> bool:
-        """Whether the run ended (it wrote ``summary.json``)."""
-        return self.summary is not None
-
-    @property
-    def progress(self) -> str:
-        """``"4/10 rounds, unfinished"`` for a run without ``summary.json`` (the planned rounds from its
-        config.yaml, when there), ``""`` for a finished one."""
-        if self.finished:
-            return ""
-        planned = self.config.get("rounds")
-        return f"{len(self.rows)}/{planned if planned is not None else '?'} rounds, unfinished"
-
-
-def load_run(path: str | Path) -> RunData:
-    """Read ``config.yaml``, ``metrics.jsonl`` and (if there) ``summary.json`` of a run folder."""
-    path = Path(path)
-    metrics = path / "metrics.jsonl"
-    if not metrics.is_file():
-        raise ConfigError(f"{str(path)!r} is not a run folder (no metrics.jsonl); give folders written by "
-                          "`fedhpro run` (out=) or the out= folder of `fedhpro compare`")
-    rows = read_jsonl(metrics)
-    for number, row in enumerate(rows, 1):
-        check_metrics_row(row, f"{metrics} row {number}")
-    if not any("accuracy" in row for row in rows):
-        raise ConfigError(f"{str(path)!r} has no evaluated round yet; wait for its first evaluation")
-    config_path = path / "config.yaml"
-    config = read_yaml_file(config_path, DataError) if config_path.is_file() else {}
-    if config is not None and not isinstance(config, dict):
-        raise DataError(f"{config_path} holds a YAML {type(config).__name__}, not a mapping of settings; it is "
-                        "damaged: replace it or delete the run folder")
-    summary_path = path / "summary.json"
-    summary = read_json_file(summary_path, DataError) if summary_path.is_file() else None
-    if summary is not None and not isinstance(summary, dict):
-        raise DataError(f"{summary_path} holds a JSON {type(summary).__name__}, not an object; it is damaged: "
-                        "delete it or the run folder")
-    return RunData(path, config or {}, rows, summary)
-
-
-def _strict_mode(values: Sequence[str]) -> str | None:
-    """The value more of ``values`` hold than any other; None on a tie."""
-    ranked = sorted(((values.count(v), v) for v in set(values)), reverse=True)
-    return ranked[0][1] if len(ranked) == 1 or ranked[0][0] > ranked[1][0] else None
-
-
-def run_labels(runs: Sequence[RunData]) -> list[str]:
-    """The method names if they tell the runs apart, else the method plus the settings that differ
-    between the runs (``fedhpro hpal_weight=0.0``); the folder names as the last resort.
-
-    A setting's value held by most runs of the same method (more than any other value: among an
-    ablation's variants, the unchanged one) is left out of their labels, so each variant is labelled by what
-    it changes (``fedhpro``, ``fedhpro match_steps=0``); on a tie every run shows it."""
-    methods = [run.method for run in runs]
-    if len(set(methods)) == len(methods):
-        return methods
-    flats = [dotted_keys(run.config) for run in runs]
-    keys = sorted({key for flat in flats for key in flat})
-    shown = [{key: json.dumps(flat.get(key), default=str) for key in keys} for flat in flats]
-    differing = [key for key in keys if key not in ("method", "out") and len({values[key] for values in shown}) > 1]
-    labels = []
-    for run, flat, values in zip(runs, flats, shown):
-        peers = [other for other, peer in zip(shown, runs) if peer.method == run.method]
-        own = [key for key in differing if ("." not in key or key.split(".")[0] in (run.method, "data", "partition"))
-               and values[key] != _strict_mode([peer[key] for peer in peers])]
-        labels.append(" ".join([run.method] + [f"{key.split('.', 1)[-1] if key.startswith(run.method + '.') else key}"
-                                               f"={flat.get(key)}" for key in own]))
-    return labels if len(set(labels)) == len(labels) else [run.path.name for run in runs]
 
 
 def accuracy_series(run: RunData, key: str = "AVG") -> tuple[list[int], list[float]]:
@@ -346,20 +250,15 @@ def _report_runs(runs: list[RunData], out: str | Path | None, echo: bool, force:
     return out
 
 
-#: run settings that do not tell two runs of a comparison apart (each seed's run differs in them only)
-_NOT_A_SETTING = {"seed", "out", "resume", "progress", "threads", "device", "tensorboard", "checkpoint_every",
-                  "checkpoint_minutes", "keep_checkpoints"}
-
-
 def seed_groups(runs: Sequence[RunData]) -> dict[str, list[RunData]]:
     """The runs grouped by their settings but the seed (and the presentational keys), in the order of their
     first run; each group labelled by :func:`run_labels` of one run per group (the method, or the method and
     the settings that differ between the groups)."""
     keyed: dict[str, list[RunData]] = {}
     for run in runs:
-        flat = {k: v for k, v in dotted_keys(run.config).items() if k not in _NOT_A_SETTING}
+        flat = {k: v for k, v in dotted_keys(run.config).items() if k not in NOT_A_SETTING}
         keyed.setdefault(json.dumps(flat, sort_keys=True, default=str), []).append(run)
-    firsts = [RunData(members[0].path, {k: v for k, v in members[0].config.items() if k not in _NOT_A_SETTING},
+    firsts = [RunData(members[0].path, {k: v for k, v in members[0].config.items() if k not in NOT_A_SETTING},
                       members[0].rows, members[0].summary) for members in keyed.values()]
     return dict(zip(run_labels(firsts), keyed.values()))
 
