@@ -192,19 +192,17 @@ def classifier_of(model: nn.Module) -> nn.Linear:
     return cast(nn.Linear, model.classifier)
 
 
-def clone_weights(model: nn.Module, keys: Iterable[str] | None = None) -> Weights:
-    """A copy of the model's state (only ``keys`` if given), sharing no storage with the model."""
-    state = model.state_dict()
-    names = state.keys() if keys is None else keys
-    return {name: state[name].detach().clone() for name in names}
-
-
 def model_weights(model: nn.Module, keys: Iterable[str] | None = None) -> Weights:
     """The model's own state tensors (only ``keys`` if given), detached and not copied: they change when the
     model trains or is loaded again, so whoever keeps them past that copies them (:func:`clone_weights`)."""
     state = model.state_dict()
     names = state.keys() if keys is None else keys
     return {name: state[name] for name in names}
+
+
+def clone_weights(model: nn.Module, keys: Iterable[str] | None = None) -> Weights:
+    """A copy of the model's state (only ``keys`` if given), sharing no storage with the model."""
+    return {name: tensor.detach().clone() for name, tensor in model_weights(model, keys).items()}
 
 
 def load_weights(model: nn.Module, weights: Mapping[str, Tensor]) -> None:
@@ -635,7 +633,7 @@ def _train_loop(model: nn.Module, data: ClientData, train: TrainSettings, genera
         if channels_last:
             model.to(memory_format=torch.channels_last)  # in place, before the optimiser takes the parameters
         precision = runtime.amp_precision(train.amp, data.x.device)
-        autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        autocast_dtype = AUTOCAST_DTYPES.get(precision)
         if precision == "fp16":  # float16's narrow range: the loss is scaled, steps with inf/NaN gradients skipped
             scaler = torch.amp.GradScaler(data.x.device.type)
     optimizer = local_optimizer(model, train, data.x.device)

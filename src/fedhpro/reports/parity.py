@@ -87,8 +87,7 @@ class PrecisionGroup:
 
     @property
     def keys(self) -> str:
-        """``"amp=bf16, channels_last=auto"``: the precision keys as the runs' config.yaml writes them
-        (numbers_settings would spell channels_last=auto without amp False)."""
+        """``"amp=bf16, channels_last=auto"``: the precision keys as the runs' config.yaml writes them."""
         recorded = self.runs[0].config
         return ", ".join(f"{key}={recorded.get(key)}" for key in PRECISION_KEYS if key in recorded)
 
