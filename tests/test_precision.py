@@ -258,8 +258,10 @@ def test_summary_records_the_machine(fake_cpu, digits_data_dir, tmp_path, capsys
     fake_cpu(AMX)
     assert cli.main(tiny_run(digits_data_dir, tmp_path / "bf16", "amp=bf16")) == 0
     machine = json.loads((tmp_path / "bf16" / "summary.json").read_text())["machine"]
-    assert list(machine) == ["cpu", "isa", "gpu", "threads", "precision", "memory_format"]
-    assert machine == {"cpu": AMX.model, "isa": AMX.isa(), "gpu": None, "threads": 1, "precision": "bf16",
+    assert list(machine) == ["cpu", "isa", "gpu", "threads", "parallel_clients", "client_threads", "precision",
+                             "memory_format"]
+    assert machine == {"cpu": AMX.model, "isa": AMX.isa(), "gpu": None, "threads": 1, "parallel_clients": 1,
+                       "client_threads": 1, "precision": "bf16",
                        "memory_format": "channels_last"}  # the default cnn: channels_last=auto is on
     server = torch.load(tmp_path / "bf16" / "server_state.pt", weights_only=True)["server"]["weights"]
     assert all(value.dtype == torch.float32 for value in server.values() if value.is_floating_point())

@@ -212,6 +212,13 @@ class RunOptions:
                                        "divided among a sweep's jobs; the same seed, config and thread count "
                                        "give the same bytes, another count differs in the last float digits",
                           tags=("presentation", "resumable"))
+    parallel_clients: str = option("auto", help="clients the in-process simulator trains at once, each on its own "
+                                                "working model with threads/parallel_clients threads: a whole "
+                                                "number >= 1 (at most threads), or auto: one a thread on the CPU "
+                                                "(small models train faster side by side than on more threads "
+                                                "each), one on a GPU; results depend on the threads a client gets, "
+                                                "never on the order clients finish in",
+                                   tags=("presentation", "resumable"))
     eval_every: int = option(1, min=1, help="evaluate the global model every this many rounds (and at the end)")
     out: str | None = option(None, help="output folder (default runs/<method>-<dataset>-<timestamp>)",
                              tags=("presentation",))
@@ -553,6 +560,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
 
     run = _build(RunOptions, run_values, "", dataset)
     run.threads = threads_setting(run.threads)
+    run.parallel_clients = parallel_clients_setting(run.parallel_clients, run.threads)
     if "dataset" not in run_values and run.data_dir:
         refuse_data_dir_without_dataset(run.data_dir)
     methods = {name: _build(spec.options, sections.get(name, {}), f"{name}.", dataset)
@@ -635,6 +643,21 @@ def threads_setting(value: str) -> str:
         return text
     if not text.isdigit() or int(text) < 1:
         raise ConfigError(f"threads={value!r} is not valid; give a whole number >= 1 (e.g. threads=4) or auto")
+    return str(int(text))
+
+
+def parallel_clients_setting(value: str, threads: str) -> str:
+    """``parallel_clients=``'s value checked: ``"auto"`` or a whole number >= 1, at most a whole ``threads``
+    (each client gets at least one thread of the run's)."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"parallel_clients={value!r} is not valid; give a whole number >= 1 (e.g. "
+                          "parallel_clients=2) or auto")
+    if threads != "auto" and int(text) > int(threads):
+        raise ConfigError(f"parallel_clients={int(text)} needs at least as many threads, but threads={threads}; "
+                          f"set threads={int(text)} or parallel_clients={threads}")
     return str(int(text))
 
 

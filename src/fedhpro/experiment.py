@@ -51,10 +51,14 @@ def build_simulator(config: Config, parts: Experiment, device: torch.device,
                     on_drop: Callable[[str], None] | None = _warn) -> Simulator:
     """The in-process simulator of ``config`` on the built ``parts``, watched by ``observers`` (also what a
     Flower node and server build in partition mode)."""
+    # clients side by side (parallel_clients=), each with its share of the run's threads (set by now)
+    workers, client_threads = runtime.client_parallelism(config.run.parallel_clients, torch.get_num_threads(), device)
     return Simulator(parts.method, config.method_options, parts.federation, parts.model_factory, parts.train,
                      device=device, client_architectures=parts.architectures,
                      architecture_factory=parts.architecture_factory, shared=parts.shared,
-                     on_drop=on_drop, observers=observers or [], ledger=parts.ledger, **protocol_settings(config))
+                     on_drop=on_drop, observers=observers or [], ledger=parts.ledger,
+                     parallel_clients=workers, client_threads=client_threads if workers > 1 else None,
+                     **protocol_settings(config))
 
 
 def protocol_settings(config: Config) -> dict[str, Any]:

@@ -156,6 +156,20 @@ def resolve_threads(setting: str | int, jobs: int = 1) -> int:
     return auto_threads(jobs) if str(setting) == "auto" else int(setting)
 
 
+def client_parallelism(setting: str | int, threads: int, device: Any = "cpu") -> tuple[int, int]:
+    """``(clients trained at once, threads each)`` of ``parallel_clients=`` in a run of ``threads`` threads on
+    ``device``. ``auto``: on the CPU one client a thread (a small model's mini-batches keep one core busy, and
+    two clients side by side train ~2x as fast as one on two threads, measured on the cnn in float32 and bf16);
+    on a GPU one client at a time. A whole number ``n``: ``n`` clients (at most ``threads``) of ``threads // n``
+    threads each."""
+    threads = max(1, int(threads))
+    if str(device).split(":")[0] != "cpu":
+        return 1, threads
+    workers = threads if str(setting) == "auto" else min(int(setting), threads)
+    workers = max(1, workers)
+    return workers, max(1, threads // workers)
+
+
 @contextlib.contextmanager
 def torch_threads(count: int) -> Iterator[None]:
     """``torch.set_num_threads(count)`` for the block (the inter-op threads too while none has started yet,
@@ -340,11 +354,13 @@ def memory_format(channels_last: bool | None, amp: str, models: Iterable[Any] = 
     return "channels_last" if formats.pop() else "contiguous"
 
 
-def machine_record(device: Any, precision: str, memory_format: str, threads: int | None = None) -> dict[str, Any]:
+def machine_record(device: Any, precision: str, memory_format: str, threads: int | None = None,
+                   parallel_clients: str | int = 1) -> dict[str, Any]:
     """summary.json's ``machine`` block: the CPU's model name and instruction sets, the GPU's name (null unless
-    the device is CUDA), the torch thread count (``threads``, else torch's current one), the precision local
-    training ran in (``"float32"``, ``"bf16"``, ``"fp16"``) and its memory format. It describes the machine,
-    not the result (bench/identical_runs.py leaves it out of the result's hash)."""
+    the device is CUDA), the torch thread count (``threads``, else torch's current one), how many clients trained
+    at once and with how many threads each (:func:`client_parallelism` of ``parallel_clients``), the precision
+    local training ran in (``"float32"``, ``"bf16"``, ``"fp16"``) and its memory format. It describes the
+    machine, not the result (bench/identical_runs.py leaves it out of the result's hash)."""
     import torch
 
     cpu = cpu_features()
@@ -353,6 +369,8 @@ def machine_record(device: Any, precision: str, memory_format: str, threads: int
     if name.startswith("cuda"):
         with contextlib.suppress(RuntimeError, AssertionError, AttributeError):
             gpu = torch.cuda.get_device_name(torch.device(name))
-    return {"cpu": cpu.model, "isa": cpu.isa(), "gpu": gpu,
-            "threads": int(threads if threads is not None else torch.get_num_threads()),
+    threads = int(threads if threads is not None else torch.get_num_threads())
+    workers, client_threads = client_parallelism(parallel_clients, threads, device)
+    return {"cpu": cpu.model, "isa": cpu.isa(), "gpu": gpu, "threads": threads,
+            "parallel_clients": workers, "client_threads": client_threads,
             "precision": precision, "memory_format": memory_format}

@@ -553,7 +553,9 @@ def run_summary(options: Any, data_name: str, clients: int, device: torch.device
     amp = str(getattr(options, "amp", "off"))
     machine = runtime.machine_record(
         device, runtime.amp_precision(amp, torch.device(device)),
-        runtime.memory_format(channels_last_setting(getattr(options, "channels_last", "auto")), amp, models))
+        runtime.memory_format(channels_last_setting(getattr(options, "channels_last", "auto")), amp, models),
+        # clients side by side: the in-process simulator's (a Flower node trains its own one at a time)
+        parallel_clients=getattr(options, "parallel_clients", 1) if engine is None else 1)
     final = final_accuracy(rows)
     return {
         "method": options.method,

@@ -50,6 +50,11 @@ class RoundObserver:
     """
 
     simulator: Engine  # the engine watched (named for the in-process simulator, the first engine)
+    #: whether :meth:`watch_client` may be entered for several clients at once, each on the thread that trains it
+    #: (the simulator's ``parallel_clients``; :meth:`client_trained` still comes in client order, on the engine's
+    #: thread, with the model the client trained). An observer that overrides either hook and leaves this False
+    #: makes the simulator train one client at a time (with the same threads each, so the same numbers).
+    concurrent_clients: bool = False
 
     def attach(self, simulator: Engine) -> None:
         self.simulator = simulator
@@ -94,20 +99,23 @@ def watching(contexts: Iterable[Callable[[], contextlib.AbstractContextManager[A
 
 class FlopCount(RoundObserver):
     """``flops_train`` (every accepted client's ``fit``) and ``flops_server`` (the aggregation; 0 in a
-    skipped round) of each round, counted with ``torch.utils.flop_counter``'s formulas (Table 4)."""
+    skipped round) of each round, counted with ``torch.utils.flop_counter``'s formulas (Table 4). Each client's
+    count is its own (torch's dispatch modes are per thread), so clients may be watched side by side."""
+
+    concurrent_clients = True
 
     def on_round_start(self, round: int, evaluating: bool) -> None:
         self.train = 0
-        self._client: FlopCounter | None = None
+        self._clients: dict[int, FlopCounter] = {}
         self._server: FlopCounter | None = None
 
     def watch_client(self, k: int) -> FlopCounter:
-        self._client = FlopCounter()
-        return self._client
+        self._clients[k] = counter = FlopCounter()
+        return counter
 
     def client_trained(self, k: int, model: nn.Module) -> None:
-        assert self._client is not None, "client_trained follows watch_client (the simulator's order)"
-        self.train += self._client.total
+        assert k in self._clients, "client_trained follows watch_client (the simulator's order)"
+        self.train += self._clients.pop(k).total
 
     def watch_server(self) -> FlopCounter:
         self._server = FlopCounter()

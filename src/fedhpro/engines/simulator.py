@@ -9,11 +9,16 @@ same seed and config give the same numbers on the CPU, whatever ran before.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
+import contextvars
 import copy
 import functools
 import time
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -150,19 +155,40 @@ class ClientModels:
         """Whether each client keeps a model of its own (heterogeneous or prototype-only)."""
         return self.architectures is not None
 
-    def model_for(self, k: int, weights: dict[str, Tensor] | None = None) -> nn.Module:
+    def model_for(self, k: int, weights: dict[str, Tensor] | None = None, slot: int = 0) -> nn.Module:
         """The model client ``k`` trains or is tested with: the shared working model, or its own personal
-        model (``weights``, else its stored ones) loaded into its architecture's working model."""
+        model (``weights``, else its stored ones) loaded into its architecture's working model. ``slot``: which
+        set of working models (one per client trained at once; slot 0 is :attr:`working_model` /
+        :attr:`working_models`, the others their copies, made on first use)."""
         if self.architectures is None:  # one shared working model (not personal)
-            return self.working_model
-        model = self.working_models[self.architectures[k]]
+            return self.working_model if slot == 0 else self._slot_models(slot)[""]
+        name = self.architectures[k]
+        model = self.working_models[name] if slot == 0 else self._slot_models(slot)[name]
         load_in_place(model, weights if weights is not None else self.client_weights[k])
         return model
+
+    def _slot_models(self, slot: int) -> dict[str, nn.Module]:
+        """Slot ``slot``'s working models by architecture (``""``: the one shared architecture), each a copy of
+        slot 0's: the same class and shapes; its weights are loaded before every use."""
+        slots = self.__dict__.setdefault("_slots", {})
+        if slot not in slots:
+            originals = {"": self.working_model} if self.architectures is None else self.working_models
+            slots[slot] = {name: copy.deepcopy(model) for name, model in originals.items()}
+        return slots[slot]
 
     def keep(self, k: int, model: nn.Module) -> None:
         """Client ``k``'s personal model persists to its next round."""
         if self.personal:
-            self.client_weights[k] = {key: v.detach().clone() for key, v in model.state_dict().items()}
+            self.keep_state(k, self.snapshot(model))
+
+    def snapshot(self, model: nn.Module) -> dict[str, Tensor]:
+        """A copy of ``model``'s state, for :meth:`keep_state` after the model has been reused."""
+        return {key: v.detach().clone() for key, v in model.state_dict().items()}
+
+    def keep_state(self, k: int, state: dict[str, Tensor]) -> None:
+        """Client ``k``'s personal model (a :meth:`snapshot`) persists to its next round."""
+        if self.personal:
+            self.client_weights[k] = state
 
 
 def build_method(method: MethodSpec, options: Any, models: ClientModels, num_classes: int, train: TrainSettings,
@@ -184,7 +210,8 @@ class Simulator:
                  faults: Faults | None = None, min_clients: int = 1, on_drop: Callable[[str], None] | None = None,
                  count_flops: bool = False, prototype_distance: bool = False,
                  observers: Sequence[RoundObserver] = (), aggregation: Aggregation | None = None,
-                 privacy: Any = None, ledger: Any = None):
+                 privacy: Any = None, ledger: Any = None, parallel_clients: int = 1,
+                 client_threads: int | None = None):
         """``client_architectures`` (one name per client, built by ``architecture_factory``) switches on
         heterogeneous feature extractors: each client keeps its own model across rounds and only the
         classifier (``classifier.*``) is exchanged and aggregated; evaluation then averages each
@@ -205,8 +232,24 @@ class Simulator:
         ``faults`` injects client faults and ``aggregation`` a robust rule before the method's own
         (:class:`~fedhpro.engines.protocol.RoundProtocol`); ``privacy`` (the ``privacy.*`` options) and
         ``ledger`` (its privacy ledger) switch differential privacy on: under ``privacy=client`` each
-        client's reply is privatized on the client's side, right after its ``fit``."""
+        client's reply is privatized on the client's side, right after its ``fit``.
+
+        ``parallel_clients``: how many clients train at once (on the CPU), each on its own working model in a
+        thread of its own with ``client_threads`` torch threads (None: the caller's count). The replies are
+        handed to the round in the participants' order whatever order they finish in, and every random draw
+        is the client's own, so the numbers depend on ``client_threads``, not on ``parallel_clients`` or on
+        timing. Clients train one at a time (with the same ``client_threads``) on a GPU, with
+        ``train.compile`` and under an observer that watches clients but is not
+        :attr:`~fedhpro.engines.observers.RoundObserver.concurrent_clients`."""
         self.device = torch.device(device)
+        if int(parallel_clients) < 1 or (client_threads is not None and int(client_threads) < 1):
+            raise ValueError(f"parallel_clients and client_threads must be >= 1, got {parallel_clients}, "
+                             f"{client_threads}")
+        self.parallel_clients = int(parallel_clients)
+        if client_threads is None and self.parallel_clients > 1:  # the caller's threads, shared out
+            client_threads = max(1, torch.get_num_threads() // self.parallel_clients)
+        self.client_threads = None if client_threads is None else int(client_threads)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.train = train
         self.models = ClientModels(model_factory, num_clients=federation.num_clients, seed=seed, device=self.device,
                                    client_architectures=client_architectures,
@@ -364,8 +407,7 @@ class Simulator:
         evaluating = self.protocol.evaluates(round)
         for observer in self.observers:
             observer.on_round_start(round, evaluating)
-        for k in current.to_ask:
-            self._fit_client(current, k)
+        self._fit_clients(current)
         client_seconds = time.perf_counter() - current.started
 
         timer = time.perf_counter()
@@ -391,11 +433,80 @@ class Simulator:
             observer.on_round_end(record)
         return record
 
-    def _fit_client(self, current: OpenRound, k: int) -> None:
-        """Client ``k``'s ``fit`` in ``current`` (watched by the observers) and the fate of its reply: a
-        client that raises is dropped; an accepted reply keeps its personal model and is shown to the
-        observers; the client's own invalid update rolls its state back."""
-        model = self.models.model_for(k)
+    def side_by_side(self, clients: int) -> int:
+        """How many of a round's ``clients`` train at once: ``parallel_clients`` where the clients can (see
+        :meth:`__init__`), else 1."""
+        watching_clients = any((type(o).watch_client is not RoundObserver.watch_client
+                                or type(o).client_trained is not RoundObserver.client_trained)
+                               and not o.concurrent_clients for o in self.observers)
+        if self.device.type != "cpu" or self.train.compile or watching_clients:
+            return 1
+        return max(1, min(self.parallel_clients, clients))
+
+    def _fit_clients(self, current: OpenRound) -> None:
+        """Every participant's ``fit`` in ``current``, its reply handed to the round in the participants' order."""
+        clients = list(current.to_ask)
+        workers = self.side_by_side(len(clients))
+        if workers > 1:
+            self._fit_side_by_side(current, clients, workers)
+            return
+        with _thread_count(self.client_threads):
+            for k in clients:
+                self._settle(current, self._train_client(current, k, 0), borrowed=lends_weights(self.client))
+
+    def _fit_side_by_side(self, current: OpenRound, clients: list[int], workers: int) -> None:
+        """The clients' ``fit`` on ``workers`` threads, each with a slot of working models of its own.
+
+        A slot is handed the next client once its reply has been received (the reply's weights may be the
+        slot's own tensors). A client that finishes before one ahead of it in the order has its reply copied
+        and its slot freed at once (at most ``4 * workers`` such copies wait), unless an observer needs the
+        trained model itself. The engine's thread only receives, with one torch thread meanwhile."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(self.parallel_clients,
+                                                               thread_name_prefix="fedhpro-client")
+            weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+        views = lends_weights(self.client)
+        copies_allowed = not any(type(o).client_trained is not RoundObserver.client_trained for o in self.observers)
+        free = list(range(workers - 1, -1, -1))  # slot 0 first
+        waiting = collections.deque(clients)
+        running: collections.deque[_Running] = collections.deque()
+        try:
+            with _thread_count(1):
+                while waiting or running:
+                    while free and waiting:
+                        slot, k = free.pop(), waiting.popleft()
+                        context = contextvars.copy_context()  # the caller's context variables, one copy a task
+                        future = self._pool.submit(context.run, self._train_client, current, k, slot)
+                        running.append(_Running(k, slot, future))
+                    ahead, *behind = running
+                    watched = [ahead.future] + [task.future for task in behind
+                                                if copies_allowed and not task.copied and not task.future.done()]
+                    concurrent.futures.wait(watched, return_when=concurrent.futures.FIRST_COMPLETED)
+                    while running and running[0].future.done():
+                        task = running.popleft()
+                        self._settle(current, task.future.result(), borrowed=views and not task.copied)
+                        if not task.copied:
+                            free.append(task.slot)
+                    copied = sum(task.copied for task in running)
+                    for task in list(running)[1:]:
+                        if not copies_allowed or copied >= 4 * workers:
+                            break
+                        if not task.copied and task.future.done():
+                            task.future.result().copy_reply(self.models)
+                            task.copied = True
+                            copied += 1
+                            free.append(task.slot)
+        except BaseException:
+            for task in running:
+                task.future.cancel()
+            raise
+
+    def _train_client(self, current: OpenRound, k: int, slot: int) -> _Trained:
+        """Client ``k``'s ``fit`` in ``current`` on slot ``slot``'s working model, watched by the observers
+        (on the calling thread, with :attr:`client_threads` threads when that is a worker thread)."""
+        if self.client_threads is not None and torch.get_num_threads() != self.client_threads:
+            torch.set_num_threads(self.client_threads)  # this thread's own count (OpenMP's is per thread)
+        model = self.models.model_for(k, slot=slot)
         # the reply's weights are the working model's own tensors (no copy a client): received, so folded into
         # the round's sum or copied, before the model changes; a wrapped fit (that may keep its replies) copies
         views = lends_weights(self.client)
@@ -410,23 +521,45 @@ class Simulator:
         except (KeyboardInterrupt, SystemExit, MemoryError):
             raise
         except Exception as error:  # a crashing client is a dropped client
-            self.client_states[k] = state_before
-            current.fail(k, f"raised {type(error).__name__}: {error}", error)
+            return _Trained(k, None, {}, state_before, None, error)
+        return _Trained(k, reply, metrics, state_before, model, None)
+
+    def _settle(self, current: OpenRound, trained: _Trained, borrowed: bool) -> None:
+        """The fate of client ``trained.k``'s ``fit``: a client that raised is dropped; an accepted reply keeps
+        its personal model and is shown to the observers; the client's own invalid update rolls its state back.
+        ``borrowed``: the reply's weights are still the working model's tensors."""
+        k = trained.k
+        if trained.error is not None:
+            self.client_states[k] = trained.state_before
+            current.fail(k, f"raised {type(trained.error).__name__}: {trained.error}", trained.error)
             return
-        reception = current.receive(k, reply, metrics, len(self.federation.clients[k]), borrowed=views)
+        assert trained.reply is not None
+        reception = current.receive(k, trained.reply, trained.metrics, len(self.federation.clients[k]),
+                                    borrowed=borrowed)
         if not reception:
             # the client's own invalid update rolls its state back, as a raise does (else a MOON client's
             # NaN previous model would spoil all its later rounds); a transmission fault (faults.corrupt)
             # spoiled a good update after the client computed it, so the client keeps its new state
             if reception is Reception.INVALID:
-                self.client_states[k] = state_before
+                self.client_states[k] = trained.state_before
             return
-        self.models.keep(k, model)  # a personal model persists to the client's next round
+        if trained.model is None:  # its slot was freed early: the copy of its personal model
+            if trained.kept is not None:
+                self.models.keep_state(k, trained.kept)
+            return
+        self.models.keep(k, trained.model)  # a personal model persists to the client's next round
         for observer in self.observers:
-            observer.client_trained(k, model)
+            observer.client_trained(k, trained.model)
+
+    def close(self) -> None:
+        """Stops the threads that train clients side by side (the next round starts new ones)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
     def end_run(self) -> None:
-        """The run is over: the observers finish (t-SNE drawn, TensorBoard closed)."""
+        """The run is over: the client threads stop, the observers finish (t-SNE drawn, TensorBoard closed)."""
+        self.close()
         for observer in self.observers:
             observer.on_run_end()
 
@@ -442,3 +575,54 @@ class Simulator:
         self.client_states = [dict(s) for s in state["client_states"]]
         if self.heterogeneous:
             self.models.client_weights = {k: dict(w) for k, w in enumerate(state["client_weights"])}
+
+
+@contextlib.contextmanager
+def _thread_count(count: int | None) -> Iterator[None]:
+    """The calling thread's torch thread count set to ``count`` for the block (None: left as it is)."""
+    previous = torch.get_num_threads()
+    if count is None or count == previous:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@dataclass
+class _Trained:
+    """One client's ``fit`` as it came back: its reply and metrics, or the error it raised; its state before;
+    the working model it trained (None once the reply was copied and the slot freed: then ``kept`` holds a
+    copy of its personal model, if it has one)."""
+
+    k: int
+    reply: dict[str, Any] | None
+    metrics: dict[str, float]
+    state_before: dict[str, Any]
+    model: nn.Module | None
+    error: Exception | None
+    kept: dict[str, Tensor] | None = None
+
+    def copy_reply(self, models: ClientModels) -> None:
+        """Make the reply independent of the working model, which another client trains next: its weights
+        copied, and the personal model's state."""
+        if self.reply is not None and self.model is not None:
+            weights = self.reply.get("weights")
+            if isinstance(weights, dict):
+                self.reply = {**self.reply, "weights": {key: value.detach().clone() if isinstance(value, Tensor)
+                                                        else value for key, value in weights.items()}}
+            if models.personal:
+                self.kept = models.snapshot(self.model)
+        self.model = None
+
+
+@dataclass
+class _Running:
+    """A client being trained on a slot; ``copied``: its reply was copied and the slot freed."""
+
+    k: int
+    slot: int
+    future: concurrent.futures.Future[_Trained]
+    copied: bool = False
