@@ -19,7 +19,7 @@ from fedhpro.engines.simulator import Simulator
 from fedhpro.errors import ConfigError
 from fedhpro.methods import METHODS, TrainSettings
 from fedhpro.methods.fedhpro import FedHProOptions
-from fedhpro.runtime import client_parallelism
+from fedhpro.runtime import client_parallelism, denormals_flushed
 
 TRAIN = TrainSettings(epochs=1, batch_size=8, lr=0.05, momentum=0.9, weight_decay=1e-4)
 SIZES = [40, 12, 20, 9, 16, 11]  # client 0 the largest: it finishes last when slowed
@@ -195,3 +195,23 @@ def test_the_summary_says_how_clients_trained(digits_data_dir, tmp_path):
     assert (machine["threads"], machine["parallel_clients"], machine["client_threads"]) == (2, 2, 1)
     assert result.summary["machine"] == machine
 
+
+
+@pytest.mark.parametrize("flush", [True, False])
+def test_worker_threads_flush_denormals_as_the_engine_does(flush):
+    # new threads inherit their creator's setting; a later change must reach the pool's threads as well
+    seen: list[bool] = []
+    sim = build("fedavg", 2, rounds=2)
+    prepare = sim.client.prepare
+
+    def probe(round):
+        seen.append(denormals_flushed())
+        return prepare(round)
+
+    sim.client.prepare = probe
+    torch.set_flush_denormal(not flush)  # conftest's autouse fixture puts the default back
+    sim.run_round(0)  # the worker threads start here
+    torch.set_flush_denormal(flush)
+    sim.run_round(1)
+    sim.end_run()
+    assert seen == [not flush] * len(SIZES) + [flush] * len(SIZES)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fedhpro import runtime
 from fedhpro.data.federation import Federation
 from fedhpro.engines.driver import count_correct, round_extra, test_client
 from fedhpro.engines.observers import RoundObserver, measurements, watching
@@ -466,6 +467,7 @@ class Simulator:
                                                                thread_name_prefix="fedhpro-client")
             weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
         views = lends_weights(self.client)
+        flush = runtime.denormals_flushed()  # per thread (the CPU's control register): each worker as this one
         copies_allowed = not any(type(o).client_trained is not RoundObserver.client_trained for o in self.observers)
         free = list(range(workers - 1, -1, -1))  # slot 0 first
         waiting = collections.deque(clients)
@@ -476,7 +478,7 @@ class Simulator:
                     while free and waiting:
                         slot, k = free.pop(), waiting.popleft()
                         context = contextvars.copy_context()  # the caller's context variables, one copy a task
-                        future = self._pool.submit(context.run, self._train_client, current, k, slot)
+                        future = self._pool.submit(context.run, self._train_client, current, k, slot, flush)
                         running.append(_Running(k, slot, future))
                     ahead, *behind = running
                     watched = [ahead.future] + [task.future for task in behind
@@ -501,11 +503,14 @@ class Simulator:
                 task.future.cancel()
             raise
 
-    def _train_client(self, current: OpenRound, k: int, slot: int) -> _Trained:
-        """Client ``k``'s ``fit`` in ``current`` on slot ``slot``'s working model, watched by the observers
-        (on the calling thread, with :attr:`client_threads` threads when that is a worker thread)."""
+    def _train_client(self, current: OpenRound, k: int, slot: int, flush_denormal: bool | None = None) -> _Trained:
+        """Client ``k``'s ``fit`` in ``current`` on slot ``slot``'s working model, watched by the observers,
+        on the calling thread with :attr:`client_threads` threads and, if given, denormals flushed or not as
+        ``flush_denormal`` says (both are the thread's own: a worker thread is set as the engine's)."""
         if self.client_threads is not None and torch.get_num_threads() != self.client_threads:
             torch.set_num_threads(self.client_threads)  # this thread's own count (OpenMP's is per thread)
+        if flush_denormal is not None and runtime.denormals_flushed() != flush_denormal:
+            torch.set_flush_denormal(flush_denormal)
         model = self.models.model_for(k, slot=slot)
         # the reply's weights are the working model's own tensors (no copy a client): received, so folded into
         # the round's sum or copied, before the model changes; a wrapped fit (that may keep its replies) copies
