@@ -14,6 +14,11 @@ samples (the same model, optimiser and settings), interleaved, median over repea
 
     python bench/cohorts.py                                  # K in 100 1000 5000 10000 (~2-5 min)
     python bench/cohorts.py --clients 100 1000 --rounds 3
+    python bench/cohorts.py --threads 2 --parallel-clients 2 --skip-overhead   # two clients side by side
+
+``--parallel-clients N`` trains N clients at once (the simulator's ``parallel_clients``, each with
+``threads // N`` threads); the per-client overhead is a one-at-a-time measure (one client of 1,700 samples
+cannot be split), so it is measured only with ``--parallel-clients 1``.
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ def federation_of(sizes: list[int], seed: int = 0):
     return Federation("synthetic", 10, IMAGE, clients, ["all"] * len(sizes), {"all": test})
 
 
-def simulator_for(federation, participation: float, threads: int | None):
+def simulator_for(federation, participation: float, threads: int | None, parallel: int = 1):
     from fedhpro.config import load_config
     from fedhpro.engines.simulator import Simulator
     from fedhpro.methods import METHODS, TrainSettings
@@ -76,14 +81,16 @@ def simulator_for(federation, participation: float, threads: int | None):
     harness.prepare_torch(threads)
     return Simulator(METHODS["fedavg"], load_config(None).methods["fedavg"], federation,
                      lambda: build_model("cnn", 10, IMAGE, 512), TrainSettings(epochs=1),
-                     rounds=10 ** 9, eval_every=10 ** 9, participation=participation)
+                     rounds=10 ** 9, eval_every=10 ** 9, participation=participation, parallel_clients=parallel,
+                     client_threads=max(1, (threads or 1) // parallel) if parallel > 1 else None)
 
 
 def peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def child_cohort(num_clients: int, per_round: int, low: int, high: int, rounds: int, threads: int | None) -> dict:
+def child_cohort(num_clients: int, per_round: int, low: int, high: int, rounds: int, threads: int | None,
+                 parallel: int = 1) -> dict:
     """Run in the subprocess: one warm-up round, then ``rounds`` timed ones."""
     import torch
 
@@ -91,7 +98,7 @@ def child_cohort(num_clients: int, per_round: int, low: int, high: int, rounds: 
     sizes = torch.randint(low, high + 1, (num_clients,), generator=generator).tolist()
     started = time.perf_counter()
     federation = federation_of(sizes)
-    simulator = simulator_for(federation, min(1.0, per_round / num_clients), threads)
+    simulator = simulator_for(federation, min(1.0, per_round / num_clients), threads, parallel)
     build_seconds = time.perf_counter() - started
     peak_built = peak_mib()
     seconds = []
@@ -136,29 +143,32 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per K (after one warm-up round)")
     parser.add_argument("--repeats", type=int, default=5, help="repeats of the per-client overhead pair")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--parallel-clients", type=int, default=1, help="clients trained at once (default 1)")
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         kind, *values = args.child
-        figures = (child_cohort(*(int(v) for v in values), args.threads) if kind == "cohort"
+        figures = (child_cohort(*(int(v) for v in values), args.threads, args.parallel_clients) if kind == "cohort"
                    else child_overhead(*(int(v) for v in values), args.threads))
         print(json.dumps(figures))
         return
 
     print(f"cohorts: FedAvg, cnn (d = 512), E = 1, batch 64, {args.per_round} clients a round, "
-          f"{args.sizes[0]}-{args.sizes[1]} samples a client, {args.threads} torch thread(s), one subprocess per K")
+          f"{args.sizes[0]}-{args.sizes[1]} samples a client, {args.threads} torch thread(s), "
+          f"{args.parallel_clients} client(s) at once, one subprocess per K")
     print(f"  cpu    {cpu_model()}, {os.cpu_count()} logical cores")
     print(f"  load   {loadavg()} (/proc/loadavg, before)")
     print(f"  {'K':>6s} {'samples':>8s} {'sampled':>8s} {'build s':>8s} {'s/round':>8s} {'[min - max]':>16s} "
           f"{'peak RSS':>10s}")
     for num_clients in args.clients:
-        f = run_child("--threads", str(args.threads), "--child", "cohort", str(num_clients), str(args.per_round),
+        f = run_child("--threads", str(args.threads), "--parallel-clients", str(args.parallel_clients),
+                      "--child", "cohort", str(num_clients), str(args.per_round),
                       str(args.sizes[0]), str(args.sizes[1]), str(args.rounds))
         spread = f"[{min(f['rounds_s']):.2f} - {max(f['rounds_s']):.2f}]"
         print(f"  {f['K']:6d} {f['samples']:8d} {f['sampled']:8d} {f['build_s']:8.1f} {f['round_s']:8.2f} "
               f"{spread:>16s} {f['peak_mib'] / 1024:7.2f} GiB", flush=True)
-    if not args.skip_overhead:
+    if not args.skip_overhead and args.parallel_clients == 1:
         f = run_child("--threads", str(args.threads), "--child", "overhead", "100", "17", str(args.repeats))
         print(f"  per-client overhead: 100 clients x 17 samples {f['many_s']:.2f} s/round, one client x 1700 "
               f"samples {f['one_s']:.2f} s/round: {f['per_client_ms']:.1f} ms a client (median of the paired "
