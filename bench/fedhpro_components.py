@@ -16,6 +16,11 @@ interleaved (see ``harness.py``):
   the E epochs, without and with its loss terms (Eq. 11-13, as the client
   builds them): their difference is the loss terms' cost (a few percent of
   an epoch, so it needs quiet repeats to resolve);
+* ``HPCL + HPAL alone``: the same loss terms by themselves, forward and
+  backward to the features, on each batch of a round (E epochs of batches of
+  the received model's features, made leaves that require grad): the loss
+  terms' cost without the noise of the epochs around them (one backward
+  call per batch, which the training loop shares with CE: an upper bound);
 * ``server step``: FedHPro's aggregation of ``--clients-on-server`` replies
   (FedAvg on the weights, Eq. 6, 30 gradient-matching steps, Eq. 7-9), per
   client.
@@ -39,7 +44,7 @@ import torch
 
 from fedhpro.engines.simulator import Simulator
 from fedhpro.methods import METHODS, TrainSettings
-from fedhpro.methods.base import LocalRound, load_weights, train_epochs
+from fedhpro.methods.base import Batch, LocalRound, features_of, load_weights, train_epochs
 from fedhpro.methods.hyper import class_statistics
 
 
@@ -79,6 +84,35 @@ def main() -> None:
         client.prepare(round)
         train_epochs(model, data, train, round.generator, loss_terms=client.loss_terms(round) if with_terms else None)
 
+    def round_batches() -> list[Batch]:
+        # the batches of a round as the training loop cuts them (E epochs, a permutation each), with the received
+        # model's features (eval mode, no grad) in place of the training forward's
+        round = local_round()
+        with torch.no_grad():
+            model.eval()
+            z = features_of(model)(data.x)
+            model.train()
+        batches = []
+        for _ in range(train.epochs):
+            order = torch.randperm(len(data), generator=round.generator)
+            for start in range(0, len(data), train.batch_size):
+                index = order[start:start + train.batch_size]
+                if index.numel() >= 2 or len(data) <= 1:
+                    batches.append(Batch(data.x[index], data.y[index], z[index], None))  # type: ignore[arg-type]
+        return batches
+
+    terms_round = local_round()
+    client.prepare(terms_round)
+    terms_of = client.loss_terms(terms_round)
+    batches = round_batches()
+
+    def terms_alone() -> None:
+        for batch in batches:
+            z = batch.z.detach().requires_grad_(True)
+            terms = terms_of(Batch(batch.x, batch.y, z, batch.logits))
+            first, *rest = terms.values()
+            sum(rest, first).backward()
+
     reply, _ = fit("fedhpro")
     replies = [reply] * args.clients_on_server
     server_state = server.state_dict()
@@ -94,6 +128,7 @@ def main() -> None:
         "class gradients (upload)": lambda: class_statistics(model, data, federation.num_classes),
         "epochs, CE": lambda: epochs(False),
         "epochs, CE + HPCL + HPAL": lambda: epochs(True),
+        "HPCL + HPAL alone": terms_alone,
         "server step": server_step,
     }
     harness.print_header(f"FedHPro's client cost by component: client {args.client} of digits-offline "
@@ -133,6 +168,9 @@ def main() -> None:
         print(f"  {name:34s} {seconds * 1e3:7.1f} ms  {100 * seconds / fedavg:5.1f} %")
     print(f"  sum of the components              {sum(extra.values()) * 1e3:7.1f} ms  "
           f"{100 * sum(extra.values()) / fedavg:5.1f} %")
+    alone = median["HPCL + HPAL alone"]
+    print(f"  HPCL + HPAL alone: {alone * 1e3:.1f} ms = {1e6 * alone / len(batches):.0f} us a batch over "
+          f"{len(batches)} batches, {100 * alone / fedavg:.1f} % of the FedAvg round")
     print(f"  after: {harness.machine_info()['load']}")
 
 

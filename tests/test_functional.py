@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -1095,3 +1096,169 @@ def test_hpcl_positive_removed_by_scatter_is_the_one_hot_mask_bit_for_bit(dtype)
         ref.backward()
         assert torch.equal(got, ref)
         assert torch.equal(got_input.grad, ref_input.grad)
+
+
+# --- the closed-form node of the default path (Eq. 11-13, normalised HPAL) --------------------------------------
+
+
+def _closed_form(hpcl: torch.Tensor) -> bool:
+    """Whether a loss came out of the closed-form node (not the composite autograd ops)."""
+    return type(hpcl.grad_fn).__name__ == "_HyperPrototypeLossesBackward"
+
+
+def _random_case(seed: int, dtype=torch.float32):
+    """A batch of random shape: rows of widely different norms, some ReLU'd, labels that may miss classes."""
+    g = gen(seed)
+    batch = 1 + int(torch.randint(0, 70, (), generator=g))
+    classes = 2 + int(torch.randint(0, 11, (), generator=g))
+    per_class = 1 + int(torch.randint(0, 5, (), generator=g))
+    dim = 1 + int(torch.randint(0, 600, (), generator=g))
+    hyper = torch.randn(classes, per_class, dim, generator=g, dtype=dtype)
+    y = torch.randint(0, classes, (batch,), generator=g)
+    z = torch.randn(batch, dim, generator=g, dtype=dtype) * torch.exp(3 * torch.randn(batch, 1, generator=g,
+                                                                                       dtype=dtype))
+    if seed % 2:
+        z = torch.relu(z)  # exact zeros, as after a final ReLU
+    margin = torch.tensor(2 * float(torch.rand((), generator=g)), dtype=dtype) if seed % 3 else 0.3
+    tau = (0.05, 0.1, 0.5, 1.0)[seed % 4]
+    return z, y, hyper, margin, tau
+
+
+def _both_paths(z, y, hyper, margin, tau, hpcl_weight=1.0, hpal_weight=1.0):
+    """Values and z-gradients of the closed-form node and of the composite autograd path (the reference)."""
+    out = []
+    def composite(*args):
+        return hpcl_loss(*args), hpal_loss(*args[:3], normalized=True)
+
+    for losses in (partial(HF.hyper_prototype_losses, normalized=True), composite):
+        leaf = z.clone().requires_grad_(True)
+        hpcl, hpal = losses(leaf, y, hyper, margin, tau)
+        (hpcl_weight * hpcl + hpal_weight * hpal).backward()
+        out.append((hpcl.detach(), hpal.detach(), leaf.grad, _closed_form(hpcl)))
+    assert out[0][3] and not out[1][3]
+    return out[0][:3], out[1][:3]
+
+
+def _assert_rows_close(got, expected, rtol):
+    """Gradients equal row by row to ``rtol`` of the row's largest entry (rows' scales differ by 1e10)."""
+    scale = expected.abs().amax(1, keepdim=True).clamp_min(torch.finfo(expected.dtype).tiny)
+    assert torch.all((got - expected).abs() <= rtol * scale), ((got - expected).abs() / scale).max()
+
+
+def test_closed_form_losses_equal_the_composite_path_bit_for_bit_in_value_and_to_rounding_in_gradient():
+    for seed in range(120):
+        z, y, hyper, margin, tau = _random_case(seed)
+        weights = (1.0, 1.0) if seed % 4 == 0 else (0.5 + seed % 3, 2.0 / (1 + seed % 5))
+        (hpcl, hpal, grad), (hpcl_ref, hpal_ref, grad_ref) = _both_paths(z, y, hyper, margin, tau, *weights)
+        # the forward is the composite path's ops, one for one
+        assert torch.equal(hpcl, hpcl_ref) and torch.equal(hpal, hpal_ref), seed
+        _assert_rows_close(grad, grad_ref, 1e-5)
+
+
+def test_closed_form_gradient_at_a_zero_row_is_the_composite_paths_bounded_one():
+    g = gen(21)
+    hyper = torch.randn(4, 3, 16, generator=g)
+    y = torch.tensor([0, 1, 2, 3, 1])
+    z = torch.relu(torch.randn(5, 16, generator=g))
+    z[1] = 0.0  # an exact zero row
+    z[2] = 0.0
+    z[2, 7] = 3.5  # one non-zero entry: norm == largest entry, _unit's clamp edge
+    z[3] *= 1e30
+    z[4] *= 1e-30
+    (hpcl, hpal, grad), (hpcl_ref, hpal_ref, grad_ref) = _both_paths(z, y, hyper, 0.4, 0.05)
+    assert torch.equal(hpcl, hpcl_ref) and torch.equal(hpal, hpal_ref)
+    assert torch.isfinite(grad).all()
+    assert grad[1].abs().max() > 0 and grad[1].abs().max() < 1e3  # bounded (was ~1e12 with eps 1e-12)
+    _assert_rows_close(grad, grad_ref, 1e-5)
+
+
+def test_closed_form_gradient_scales_exactly_with_a_power_of_two_row_scale():
+    """The losses only see z/||z||: scaling a row by 2^k leaves the values and divides that row's gradient by 2^k,
+    exactly (the max-abs scaling makes every intermediate the same bits), for huge and tiny rows alike."""
+    z, y, hyper, margin, tau = _random_case(5, dtype=DT)
+    factors = torch.tensor([2.0 ** k for k in (-900, -40, 0, 60, 1000)], dtype=DT)
+    rows = torch.arange(z.shape[0]) % len(factors)
+    results = []
+    for scaled in (z, z * factors[rows].unsqueeze(1)):
+        leaf = scaled.clone().requires_grad_(True)
+        hpcl, hpal = HF.hyper_prototype_losses(leaf, y, hyper, margin, tau, normalized=True)
+        assert _closed_form(hpcl)
+        (hpcl + hpal).backward()
+        results.append((hpcl.detach(), hpal.detach(), leaf.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert torch.equal(results[1][2] * factors[rows].unsqueeze(1), results[0][2])
+
+
+@pytest.mark.parametrize("case", ["margin", "norms", "absent-class", "one-sample", "two-classes", "no-margin"])
+def test_closed_form_losses_pass_gradcheck(case):
+    g = gen(31)
+    batch, classes, per_class, dim = {"one-sample": (1, 5, 3, 6), "two-classes": (7, 2, 2, 5)}.get(case, (9, 5, 3, 7))
+    hyper = torch.randn(classes, per_class, dim, generator=g, dtype=DT)
+    y = torch.randint(0, classes, (batch,), generator=g)
+    if case == "absent-class":
+        y = torch.tensor([0, 1, 3, 0, 1, 3, 3, 4, 0])  # class 2 absent
+    z = torch.randn(batch, dim, generator=g, dtype=DT)
+    if case == "norms":
+        z = z * torch.tensor([1e-2, 1e3, 1.0, 40.0, 3e-2, 1e2, 0.5, 7.0, 1e-1], dtype=DT).unsqueeze(1)
+    margin = 0.0 if case == "no-margin" else torch.tensor(0.8, dtype=DT)
+    tau = 0.1 if case == "two-classes" else 0.5
+
+    def losses(leaf):
+        hpcl, hpal = HF.hyper_prototype_losses(leaf, y, hyper, margin, tau, normalized=True)
+        assert _closed_form(hpcl)
+        return hpcl, hpal
+
+    leaf = z.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(losses, (leaf,), eps=1e-6, atol=1e-7, rtol=1e-4)
+
+
+def test_closed_form_node_only_where_z_alone_needs_a_gradient():
+    """Everything else takes the composite path: a gradient w.r.t. the hyper-prototypes (the server, Eq. 9 style
+    tests) or the margin, no gradient at all, one class, the paper's unnormalised HPAL."""
+    z, y, hyper, margin, tau = _random_case(2, dtype=DT)
+    leaf = z.clone().requires_grad_(True)
+    assert _closed_form(HF.hyper_prototype_losses(leaf, y, hyper, margin, tau, normalized=True)[0])
+    assert not _closed_form(HF.hyper_prototype_losses(leaf, y, hyper, margin, tau, normalized=False)[0])
+    # hyper requires grad: its gradient flows, equal to the separate losses'
+    hyper_leaf = hyper.clone().requires_grad_(True)
+    hpcl, hpal = HF.hyper_prototype_losses(leaf, y, hyper_leaf, margin, tau, normalized=True)
+    assert not _closed_form(hpcl)
+    (hyper_grad,) = torch.autograd.grad(hpcl + hpal, hyper_leaf)
+    ref_leaf = hyper.clone().requires_grad_(True)
+    (ref,) = torch.autograd.grad(hpcl_loss(z, y, ref_leaf, margin, tau) + hpal_loss(z, y, ref_leaf, normalized=True),
+                                 ref_leaf)
+    torch.testing.assert_close(hyper_grad, ref, rtol=1e-10, atol=1e-12)
+    # margin requires grad
+    margin_leaf = torch.tensor(0.3, dtype=DT, requires_grad=True)
+    hpcl, _ = HF.hyper_prototype_losses(leaf, y, hyper, margin_leaf, tau, normalized=True)
+    assert not _closed_form(hpcl)
+    (margin_grad,) = torch.autograd.grad(hpcl, margin_leaf)
+    assert margin_grad > 0  # a larger margin makes the negatives' terms larger
+    # no gradient needed: the same values
+    with torch.no_grad():
+        values = HF.hyper_prototype_losses(leaf, y, hyper, margin, tau, normalized=True)
+    graded = HF.hyper_prototype_losses(leaf, y, hyper, margin, tau, normalized=True)
+    assert values[0].grad_fn is None and all(torch.equal(a, b.detach()) for a, b in zip(values, graded))
+    # one class: HPCL is 0 (no negative)
+    one = HF.hyper_prototype_losses(leaf, torch.zeros_like(y), hyper[:1], margin, tau, normalized=True)
+    assert not _closed_form(one[0]) and one[0].item() == 0.0
+
+
+def test_closed_form_node_second_derivative_is_the_composite_paths():
+    """A backward with create_graph=True (a gradient penalty, say) returns a differentiable gradient: the second
+    derivative through it is the composite path's, not a silent zero."""
+    z, y, hyper, margin, tau = _random_case(4, dtype=DT)
+    results = []
+    for closed_form in (True, False):
+        leaf = z.clone().requires_grad_(True)
+        if closed_form:
+            hpcl, hpal = HF.hyper_prototype_losses(leaf, y, hyper, margin, tau, normalized=True)
+            assert _closed_form(hpcl)
+        else:
+            hpcl, hpal = hpcl_loss(leaf, y, hyper, margin, tau), hpal_loss(leaf, y, hyper, normalized=True)
+        (grad,) = torch.autograd.grad(hpcl + 3 * hpal, leaf, create_graph=True)
+        (second,) = torch.autograd.grad(grad.pow(2).sum() + hpcl, leaf)
+        results.append((grad.detach(), second))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-12, atol=1e-14)
+    assert results[0][1].abs().max() > 0

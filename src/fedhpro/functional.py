@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -492,8 +492,14 @@ def hpal_loss(z: Tensor, y: Tensor, hyper: Tensor, normalized: bool = False) -> 
 
 def _normalized_hpal_of_units(z_unit: Tensor, y: Tensor, hyper: Tensor) -> Tensor:
     # targets H^c / ||H^c|| per class: the same per-row values as normalising the gathered rows
-    targets = _derived("unit_class_means", hyper, lambda h: _unit(h.mean(1), dim=1))[y]
+    targets = _derived("unit_class_means", hyper, _unit_class_means)[y]
     return F.smooth_l1_loss(z_unit, targets, beta=1.0, reduction="mean")
+
+
+def _unit_class_means(hyper: Tensor) -> Tensor:
+    """``C x d``: ``H^c / ||H^c||``, the unit mean of each class's hyper-prototypes (Eq. 13's normalised
+    targets)."""
+    return _unit(hyper.mean(1), dim=1)
 
 
 def hyper_prototype_losses(z: Tensor, y: Tensor, hyper: Tensor, margin: float | Tensor, tau: float,
@@ -503,12 +509,134 @@ def hyper_prototype_losses(z: Tensor, y: Tensor, hyper: Tensor, margin: float | 
     Equal to ``(hpcl_loss(z, y, hyper, margin, tau), hpal_loss(z, y, hyper, normalized))``
     (to rounding), with ``z / ||z||`` computed, and backpropagated, once for
     both losses: FedHPro's local training calls this for every batch.
+
+    With ``normalized=True`` (the default HPAL of FedHPro's local training),
+    when only ``z`` needs a gradient (the hyper-prototypes and the margin do
+    not), both losses are one autograd node, :class:`_HyperPrototypeLosses`:
+    the forward values are bit for bit those of the composite path, and the
+    gradient w.r.t. ``z`` is computed in closed form with a few large ops
+    (equal to autograd's through the composite path to float rounding, not
+    bit for bit). Otherwise (a gradient w.r.t. ``hyper`` or the margin, no
+    gradient at all, ``C < 2``, an empty batch) the composite autograd path
+    runs.
     """
+    if normalized and _closed_form_applies(z, hyper, margin):
+        directions = _derived("class_directions", hyper, _class_directions)
+        unit_means = _derived("unit_class_means", hyper, _unit_class_means)
+        hpcl, hpal = _HyperPrototypeLosses.apply(z, y, directions, unit_means, margin, tau)
+        return hpcl, hpal
+    return _composite_hyper_prototype_losses(z, y, hyper, margin, tau, normalized)
+
+
+def _closed_form_applies(z: Tensor, hyper: Tensor, margin: float | Tensor) -> bool:
+    """Whether :class:`_HyperPrototypeLosses` computes the default path: a ``B x d`` ``z`` (``B >= 1``) that
+    needs a gradient, recorded (grad mode on), while ``hyper`` and the margin need none, and ``C >= 2``."""
+    return (torch.is_grad_enabled() and z.requires_grad and z.dim() == 2 and z.shape[0] > 0
+            and not hyper.requires_grad and hyper.shape[0] >= 2
+            and not (isinstance(margin, Tensor) and margin.requires_grad))
+
+
+def _composite_hyper_prototype_losses(z: Tensor, y: Tensor, hyper: Tensor, margin: float | Tensor, tau: float,
+                                      normalized: bool) -> tuple[Tensor, Tensor]:
+    """:func:`hyper_prototype_losses` (Eq. 11-13) as autograd ops: every gradient (``z``, ``hyper``, margin)."""
     z_unit = _unit(z, dim=1)
     hpcl = _hpcl_of_similarity(_similarity_of_units(z_unit, hyper), y, margin, tau)
     if normalized:
         return hpcl, _normalized_hpal_of_units(z_unit, y, hyper)
     return hpcl, hpal_loss(z, y, hyper, normalized=False)
+
+
+class _HyperPrototypeLosses(torch.autograd.Function):
+    """``(L_HPCL, L_HPAL)`` of Eq. 11-13 (normalised HPAL) as one autograd node with a closed-form backward
+    w.r.t. ``z`` only (the class directions, the unit class means and the margin are constants).
+
+    Forward: the composite path's ops, one for one (:func:`_unit`, :func:`_similarity_of_units`,
+    :func:`_hpcl_of_similarity`, :func:`_normalized_hpal_of_units`), so the values are the same bits.
+
+    Backward, with ``u = x / max(||x||, eps)``, ``x = z / scale`` (``scale`` the row's largest ``|entry|``,
+    a constant), ``s = u D^T`` (Eq. 11, ``D`` the ``C x d`` class directions), ``a_ij = (s_ij + d_k)/tau``
+    for ``j != y_i`` (Eq. 12's negatives), ``gap_i = logsumexp_{j != y_i} a_ij - s_iy_i/tau``:
+
+    * Eq. 12, ``L_HPCL = mean_i softplus(gap_i)``: ``dL/ds_ij = sigmoid(gap_i)/(B tau) * (p_ij - [j = y_i])``
+      with ``p_i`` the softmax of ``a_i`` over the negatives (0 at the label): one ``B x C`` matrix;
+    * Eq. 13, ``L_HPAL = mean over B x d of Huber_1(u - H^y/||H^y||)``: ``dL/du = clamp(u - t, -1, 1)/(B d)``;
+    * so ``dL/du = (dL/ds) D + clamp(u - t, -1, 1)/(B d)``, one ``B x C`` by ``C x d`` product added to the
+      Huber gradient;
+    * through the normalisation, ``dL/dx = (g - u (u . g)) / ||x||`` where ``||x|| >= eps`` (every non-zero
+      row: its largest entry is exactly 1, so ``||x|| >= 1 > eps``); at a zero row ``u = 0`` and the clamp
+      gives ``g / eps``, the bounded gradient of :func:`_unit`; then ``dL/dz = dL/dx / scale``.
+
+    A backward with ``create_graph=True`` (a second derivative) differentiates the composite ops instead, so
+    that the gradient it returns is itself differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, z: Tensor, y: Tensor, directions: Tensor, unit_means: Tensor,
+                margin: float | Tensor, tau: float) -> tuple[Tensor, Tensor]:
+        # _unit(z, dim=1): the same ops as F.normalize(z / scale, dim=1, eps=_UNIT_EPS)
+        scale = z.abs().amax(dim=1, keepdim=True)
+        scale = torch.where(scale > 0, scale, 1.0)  # the same values as with torch.ones_like(scale)
+        x = z / scale
+        norm = x.norm(2.0, 1, keepdim=True).clamp_min(_UNIT_EPS)
+        unit = x / norm  # elementwise the same division as by norm.expand_as(x)
+        # Eq. 11-12: _hpcl_of_similarity(_similarity_of_units(unit, hyper), y, margin, tau)
+        similarity = unit @ directions.T
+        column = y.view(-1, 1)
+        positive = similarity.gather(1, column).squeeze(1) / tau
+        negatives = ((similarity + margin) / tau).scatter(1, column, float("-inf"))
+        log_sum = torch.logsumexp(negatives, dim=1)
+        gap = log_sum - positive
+        hpcl = torch.logaddexp(torch.zeros_like(gap), gap).mean()
+        # Eq. 13, normalised: _normalized_hpal_of_units(unit, y, hyper); index_select copies the same rows as
+        # unit_means[y] (advanced indexing), faster
+        targets = unit_means.index_select(0, y)
+        hpal = F.smooth_l1_loss(unit, targets, beta=1.0, reduction="mean")
+        ctx.save_for_backward(z, y, unit, norm, scale, directions, unit_means, targets, negatives, log_sum, gap,
+                              column)
+        ctx.margin, ctx.tau = margin, tau
+        return hpcl, hpal
+
+    @staticmethod
+    def backward(ctx: Any, hpcl_grad: Tensor, hpal_grad: Tensor) -> tuple[Tensor | None, ...]:
+        (z, y, unit, norm, scale, directions, unit_means, targets, negatives, log_sum, gap,
+         column) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable gradient, through the composite ops
+            return (_composite_gradient(z, y, directions, unit_means, ctx.margin, ctx.tau, hpcl_grad, hpal_grad),
+                    None, None, None, None, None)
+        return (_closed_form_gradient(unit, norm, scale, directions, targets, negatives, log_sum, gap, column,
+                                      ctx.tau, hpcl_grad, hpal_grad), None, None, None, None, None)
+
+
+def _closed_form_gradient(unit: Tensor, norm: Tensor, scale: Tensor, directions: Tensor, targets: Tensor,
+                          negatives: Tensor, log_sum: Tensor, gap: Tensor, column: Tensor, tau: float,
+                          hpcl_grad: Tensor, hpal_grad: Tensor) -> Tensor:
+    """``d(hpcl_grad * L_HPCL + hpal_grad * L_HPAL)/dz`` (Eq. 11-13) from the forward's intermediates: see
+    :class:`_HyperPrototypeLosses` (called with grad mode off: nothing is recorded)."""
+    batch, dim = unit.shape
+    # Eq. 12: softmax over the negatives (exp(-inf) = 0 at the label), -1 at the label, each row times
+    # sigmoid(gap_i) (softplus' derivative) and the upstream gradient over B tau
+    weights = torch.exp(negatives - log_sum.unsqueeze(1))
+    weights.scatter_(1, column, -1.0)
+    weights *= (torch.sigmoid(gap) * (hpcl_grad / (batch * tau))).unsqueeze(1)
+    # Eq. 13: the Huber's (beta = 1) gradient, then Eq. 11's similarity: + (dL/ds) D
+    grad = torch.sub(unit, targets).clamp_(-1.0, 1.0).mul_(hpal_grad / (batch * dim))
+    grad.addmm_(weights, directions)
+    # through u = x / max(||x||, eps) and x = z / scale (see the class docstring): one multiplication by
+    # 1 / (||x|| scale) (in float32, a row whose largest |entry| is beyond ~1e37 overflows the product and gets
+    # a zero gradient, where the exact one is a denormal below ~3e-39)
+    grad.addcmul_(unit, (unit * grad).sum(1, keepdim=True), value=-1.0)
+    return grad.mul_((norm * scale).reciprocal_())
+
+
+def _composite_gradient(z: Tensor, y: Tensor, directions: Tensor, unit_means: Tensor, margin: float | Tensor,
+                        tau: float, hpcl_grad: Tensor, hpal_grad: Tensor) -> Tensor:
+    """The same gradient (Eq. 11-13) by autograd through the composite ops, with ``create_graph``: differentiable
+    w.r.t. ``z`` (and the upstream gradients)."""
+    unit = _unit(z, dim=1)
+    hpcl = _hpcl_of_similarity(unit @ directions.T, y, margin, tau)
+    hpal = F.smooth_l1_loss(unit, unit_means[y], beta=1.0, reduction="mean")
+    (grad,) = torch.autograd.grad((hpcl, hpal), z, (hpcl_grad, hpal_grad), create_graph=True)
+    return grad
 
 
 class WeightedSum:
