@@ -1242,6 +1242,13 @@ def test_closed_form_node_only_where_z_alone_needs_a_gradient():
     # one class: HPCL is 0 (no negative)
     one = HF.hyper_prototype_losses(leaf, torch.zeros_like(y), hyper[:1], margin, tau, normalized=True)
     assert not _closed_form(one[0]) and one[0].item() == 0.0
+    # under autocast (the package computes its losses outside it; a caller may not)
+    leaf32 = z.float().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hpcl, hpal = HF.hyper_prototype_losses(leaf32, y, hyper.float(), 0.3, tau, normalized=True)
+    assert not _closed_form(hpcl)
+    (hpcl + hpal).backward()
+    assert leaf32.grad.dtype == torch.float32 and torch.isfinite(leaf32.grad).all()
 
 
 def test_closed_form_node_second_derivative_is_the_composite_paths():

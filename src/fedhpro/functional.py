@@ -517,8 +517,8 @@ def hyper_prototype_losses(z: Tensor, y: Tensor, hyper: Tensor, margin: float | 
     gradient w.r.t. ``z`` is computed in closed form with a few large ops
     (equal to autograd's through the composite path to float rounding, not
     bit for bit). Otherwise (a gradient w.r.t. ``hyper`` or the margin, no
-    gradient at all, ``C < 2``, an empty batch) the composite autograd path
-    runs.
+    gradient at all, ``C < 2``, an empty batch, autocast on) the composite
+    autograd path runs.
     """
     if normalized and _closed_form_applies(z, hyper, margin):
         directions = _derived("class_directions", hyper, _class_directions)
@@ -529,11 +529,13 @@ def hyper_prototype_losses(z: Tensor, y: Tensor, hyper: Tensor, margin: float | 
 
 
 def _closed_form_applies(z: Tensor, hyper: Tensor, margin: float | Tensor) -> bool:
-    """Whether :class:`_HyperPrototypeLosses` computes the default path: a ``B x d`` ``z`` (``B >= 1``) that
-    needs a gradient, recorded (grad mode on), while ``hyper`` and the margin need none, and ``C >= 2``."""
+    """Whether :class:`_HyperPrototypeLosses` computes the default path of Eq. 11-13: a ``B x d`` ``z``
+    (``B >= 1``) that needs a gradient, recorded (grad mode on, no autocast: its backward computes in the
+    forward's dtypes), while ``hyper`` and the margin need none, and ``C >= 2``."""
     return (torch.is_grad_enabled() and z.requires_grad and z.dim() == 2 and z.shape[0] > 0
             and not hyper.requires_grad and hyper.shape[0] >= 2
-            and not (isinstance(margin, Tensor) and margin.requires_grad))
+            and not (isinstance(margin, Tensor) and margin.requires_grad)
+            and not torch.is_autocast_enabled(z.device.type))
 
 
 def _composite_hyper_prototype_losses(z: Tensor, y: Tensor, hyper: Tensor, margin: float | Tensor, tau: float,
