@@ -215,3 +215,23 @@ def test_worker_threads_flush_denormals_as_the_engine_does(flush):
     sim.run_round(1)
     sim.end_run()
     assert seen == [not flush] * len(SIZES) + [flush] * len(SIZES)
+
+
+def test_a_run_with_clients_side_by_side_trains_the_one_thread_runs_weights(digits_data_dir, tmp_path):
+    """The whole `fedhpro run` path (config, CPU runtime, worker threads): FedAvg at threads=2 (two clients at
+    once, one thread each) ends with the very weights of the same run at threads=1 (FedAvg's server step is
+    elementwise, so the thread count of the engine's own thread cannot move them)."""
+    from fedhpro import api
+
+    weights = []
+    for threads in (1, 2):
+        out = tmp_path / f"threads{threads}"
+        api.run(None, [f"data_dir={digits_data_dir}", "dataset=digits-offline", "method=fedavg", "rounds=2",
+                       "local_epochs=1", "clients=4", "data.fraction=0.05", "feature_dim=16", f"threads={threads}",
+                       "progress=false", f"out={out}"])
+        machine = json.loads((out / "summary.json").read_text())["machine"]
+        assert machine["parallel_clients"] == threads and machine["client_threads"] == 1
+        weights.append(torch.load(out / "server_state.pt", weights_only=True)["server"]["weights"])
+    assert weights[0].keys() == weights[1].keys()
+    for key in weights[0]:
+        assert torch.equal(weights[0][key], weights[1][key]), key
