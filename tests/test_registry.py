@@ -148,7 +148,7 @@ def test_the_packages_registries_share_the_generic_registry():
 def test_key_kinds_are_declared_with_the_keys():
     from fedhpro.config import OBSERVER_KEYS, PRESENTATION_KEYS, RESUMABLE_KEYS
 
-    assert PRESENTATION_KEYS == {"out", "progress", "device", "threads", "resume", "tensorboard",
+    assert PRESENTATION_KEYS == {"out", "progress", "device", "threads", "parallel_clients", "resume", "tensorboard",
                                  "checkpoint_every", "checkpoint_minutes", "keep_checkpoints"}
     assert RESUMABLE_KEYS == PRESENTATION_KEYS - {"out"} | {"tsne"}
     assert OBSERVER_KEYS == ("flops", "prototype_distance", "tsne", "tensorboard")
