@@ -217,10 +217,16 @@ def test_worker_threads_flush_denormals_as_the_engine_does(flush):
     assert seen == [not flush] * len(SIZES) + [flush] * len(SIZES)
 
 
-def test_a_run_with_clients_side_by_side_trains_the_one_thread_runs_weights(digits_data_dir, tmp_path):
-    """The whole `fedhpro run` path (config, CPU runtime, worker threads): FedAvg at threads=2 (two clients at
-    once, one thread each) ends with the very weights of the same run at threads=1 (FedAvg's server step is
-    elementwise, so the thread count of the engine's own thread cannot move them)."""
+@pytest.mark.parametrize("privacy", [[], ["privacy=client", "privacy.clip=0.5", "privacy.noise_multiplier=1.2"],
+                                     ["privacy=client", "privacy.clip=0.5", "privacy.noise_multiplier=1.2",
+                                      "privacy.noise=local"],
+                                     ["privacy=sample", "privacy.clip=1.0", "privacy.noise_multiplier=1.0"]],
+                         ids=["plain", "client-central", "client-local", "sample"])
+def test_a_run_with_clients_side_by_side_trains_the_one_thread_runs_weights(privacy, digits_data_dir, tmp_path):
+    """The whole `fedhpro run` path (config, CPU runtime, worker threads, privatisation): FedAvg at threads=2
+    (two clients at once, one thread each) ends with the very weights of the same run at threads=1 (FedAvg's
+    server step, central noise included, is elementwise, so the engine thread's count cannot move them; the
+    clients' clipping, local noise and DP-SGD noise are drawn from each client's own seeded stream)."""
     from fedhpro import api
 
     weights = []
@@ -228,7 +234,7 @@ def test_a_run_with_clients_side_by_side_trains_the_one_thread_runs_weights(digi
         out = tmp_path / f"threads{threads}"
         api.run(None, [f"data_dir={digits_data_dir}", "dataset=digits-offline", "method=fedavg", "rounds=2",
                        "local_epochs=1", "clients=4", "data.fraction=0.05", "feature_dim=16", f"threads={threads}",
-                       "progress=false", f"out={out}"])
+                       "progress=false", f"out={out}", *privacy])
         machine = json.loads((out / "summary.json").read_text())["machine"]
         assert machine["parallel_clients"] == threads and machine["client_threads"] == 1
         weights.append(torch.load(out / "server_state.pt", weights_only=True)["server"]["weights"])

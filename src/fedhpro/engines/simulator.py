@@ -168,9 +168,16 @@ class ClientModels:
         load_in_place(model, weights if weights is not None else self.client_weights[k])
         return model
 
+    def prepare_slots(self, count: int) -> None:
+        """Slots ``1 .. count - 1`` made now, while no client trains (a copy of a model in training would copy
+        what training attaches to it: a per-sample-gradient hook, a half-done step)."""
+        for slot in range(1, count):
+            self._slot_models(slot)
+
     def _slot_models(self, slot: int) -> dict[str, nn.Module]:
         """Slot ``slot``'s working models by architecture (``""``: the one shared architecture), each a copy of
-        slot 0's: the same class and shapes; its weights are loaded before every use."""
+        slot 0's, made by :meth:`prepare_slots`: the same class and shapes; its weights are loaded before every
+        use."""
         slots = self.__dict__.setdefault("_slots", {})
         if slot not in slots:
             originals = {"": self.working_model} if self.architectures is None else self.working_models
@@ -466,6 +473,7 @@ class Simulator:
             self._pool = concurrent.futures.ThreadPoolExecutor(self.parallel_clients,
                                                                thread_name_prefix="fedhpro-client")
             weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+        self.models.prepare_slots(workers)
         views = lends_weights(self.client)
         flush = runtime.denormals_flushed()  # per thread (the CPU's control register): each worker as this one
         copies_allowed = not any(type(o).client_trained is not RoundObserver.client_trained for o in self.observers)
