@@ -636,29 +636,29 @@ def _last_value(assignments: Iterable[tuple[str, Any]], key: str, default: Any) 
     return value
 
 
-def threads_setting(value: str) -> str:
-    """``threads=``'s value checked: ``"auto"`` or a whole number >= 1 (as text, e.g. ``"4"``)."""
+def _auto_or_count(key: str, value: str, example: int) -> str:
+    """``key``'s value checked: ``"auto"`` or a whole number >= 1 (as text, e.g. ``"4"``)."""
     text = str(value).strip().lower()
     if text == "auto":
         return text
     if not text.isdigit() or int(text) < 1:
-        raise ConfigError(f"threads={value!r} is not valid; give a whole number >= 1 (e.g. threads=4) or auto")
+        raise ConfigError(f"{key}={value!r} is not valid; give a whole number >= 1 (e.g. {key}={example}) or auto")
     return str(int(text))
+
+
+def threads_setting(value: str) -> str:
+    """``threads=``'s value checked: ``"auto"`` or a whole number >= 1 (as text, e.g. ``"4"``)."""
+    return _auto_or_count("threads", value, 4)
 
 
 def parallel_clients_setting(value: str, threads: str) -> str:
     """``parallel_clients=``'s value checked: ``"auto"`` or a whole number >= 1, at most a whole ``threads``
     (each client gets at least one thread of the run's)."""
-    text = str(value).strip().lower()
-    if text == "auto":
-        return text
-    if not text.isdigit() or int(text) < 1:
-        raise ConfigError(f"parallel_clients={value!r} is not valid; give a whole number >= 1 (e.g. "
-                          "parallel_clients=2) or auto")
-    if threads != "auto" and int(text) > int(threads):
+    text = _auto_or_count("parallel_clients", value, 2)
+    if text != "auto" and threads != "auto" and int(text) > int(threads):
         raise ConfigError(f"parallel_clients={int(text)} needs at least as many threads, but threads={threads}; "
                           f"set threads={int(text)} or parallel_clients={threads}")
-    return str(int(text))
+    return text
 
 
 def _default_of(section: str, name: str, dataset: str) -> Any:

@@ -57,7 +57,7 @@ def build_simulator(config: Config, parts: Experiment, device: torch.device,
                      device=device, client_architectures=parts.architectures,
                      architecture_factory=parts.architecture_factory, shared=parts.shared,
                      on_drop=on_drop, observers=observers or [], ledger=parts.ledger,
-                     parallel_clients=workers, client_threads=client_threads if workers > 1 else None,
+                     parallel_clients=workers, client_threads=client_threads,
                      **protocol_settings(config))
 
 

@@ -453,17 +453,23 @@ def hpcl_loss(z: Tensor, y: Tensor, hyper: Tensor, margin: float | Tensor, tau: 
 
 
 def _hpcl_of_similarity(similarity: Tensor, y: Tensor, margin: float | Tensor, tau: float) -> Tensor:
-    num_classes = similarity.shape[1]
-    if num_classes < 2:
+    if similarity.shape[1] < 2:
         return similarity.sum() * 0.0
-    column = y.view(-1, 1)
+    return _hpcl_terms(similarity, y.view(-1, 1), margin, tau)[0]
+
+
+def _hpcl_terms(similarity: Tensor, column: Tensor, margin: float | Tensor, tau: float
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Eq. 12 for ``C >= 2`` classes, labels as a ``B x 1`` ``column``: ``(L_HPCL, negatives, their logsumexp,
+    gap)``, the intermediates being what the closed-form backward of :class:`_HyperPrototypeLosses` reuses."""
     positive = similarity.gather(1, column).squeeze(1) / tau
     # the positive's entry set to -inf by a scatter: the values and gradient of a one-hot masked_fill, without
     # building the mask (F.one_hot also checks the labels' range, a host sync, every batch)
     negatives = ((similarity + margin) / tau).scatter(1, column, float("-inf"))
+    log_sum = torch.logsumexp(negatives, dim=1)
+    gap = log_sum - positive
     # log(1 + e^x) as logaddexp(0, x): exact for every x (softplus switches to x above 20)
-    gap = torch.logsumexp(negatives, dim=1) - positive
-    return torch.logaddexp(torch.zeros_like(gap), gap).mean()
+    return torch.logaddexp(torch.zeros_like(gap), gap).mean(), negatives, log_sum, gap
 
 
 def hpal_loss(z: Tensor, y: Tensor, hyper: Tensor, normalized: bool = False) -> Tensor:
@@ -582,13 +588,8 @@ class _HyperPrototypeLosses(torch.autograd.Function):
         norm = x.norm(2.0, 1, keepdim=True).clamp_min(_UNIT_EPS)
         unit = x / norm  # elementwise the same division as by norm.expand_as(x)
         # Eq. 11-12: _hpcl_of_similarity(_similarity_of_units(unit, hyper), y, margin, tau)
-        similarity = unit @ directions.T
         column = y.view(-1, 1)
-        positive = similarity.gather(1, column).squeeze(1) / tau
-        negatives = ((similarity + margin) / tau).scatter(1, column, float("-inf"))
-        log_sum = torch.logsumexp(negatives, dim=1)
-        gap = log_sum - positive
-        hpcl = torch.logaddexp(torch.zeros_like(gap), gap).mean()
+        hpcl, negatives, log_sum, gap = _hpcl_terms(unit @ directions.T, column, margin, tau)
         # Eq. 13, normalised: _normalized_hpal_of_units(unit, y, hyper); index_select copies the same rows as
         # unit_means[y] (advanced indexing), faster
         targets = unit_means.index_select(0, y)

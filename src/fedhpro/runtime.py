@@ -176,10 +176,23 @@ def torch_threads(count: int) -> Iterator[None]:
     which torch allows once per process); the previous intra-op count is put back afterwards."""
     import torch
 
+    with intra_op_threads(count):
+        with contextlib.suppress(RuntimeError):  # inter-op threads already started: they stay as they are
+            torch.set_num_interop_threads(count)
+        yield
+
+
+@contextlib.contextmanager
+def intra_op_threads(count: int | None) -> Iterator[None]:
+    """The calling thread's torch thread count (OpenMP's is per thread) set to ``count`` for the block, the
+    previous one put back afterwards; None: left as it is."""
+    import torch
+
     previous = torch.get_num_threads()
+    if count is None or count == previous:
+        yield
+        return
     torch.set_num_threads(count)
-    with contextlib.suppress(RuntimeError):  # inter-op threads already started: they stay as they are
-        torch.set_num_interop_threads(count)
     try:
         yield
     finally:

@@ -17,7 +17,7 @@ import copy
 import functools
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -444,8 +444,7 @@ class Simulator:
     def side_by_side(self, clients: int) -> int:
         """How many of a round's ``clients`` train at once: ``parallel_clients`` where the clients can (see
         :meth:`__init__`), else 1."""
-        watching_clients = any((type(o).watch_client is not RoundObserver.watch_client
-                                or type(o).client_trained is not RoundObserver.client_trained)
+        watching_clients = any((_overrides(o, "watch_client") or _overrides(o, "client_trained"))
                                and not o.concurrent_clients for o in self.observers)
         if self.device.type != "cpu" or self.train.compile or watching_clients:
             return 1
@@ -458,9 +457,10 @@ class Simulator:
         if workers > 1:
             self._fit_side_by_side(current, clients, workers)
             return
-        with _thread_count(self.client_threads):
+        views = lends_weights(self.client)
+        with runtime.intra_op_threads(self.client_threads):
             for k in clients:
-                self._settle(current, self._train_client(current, k, 0), borrowed=lends_weights(self.client))
+                self._settle(current, self._train_client(current, k, 0, views), borrowed=views)
 
     def _fit_side_by_side(self, current: OpenRound, clients: list[int], workers: int) -> None:
         """The clients' ``fit`` on ``workers`` threads, each with a slot of working models of its own.
@@ -476,17 +476,17 @@ class Simulator:
         self.models.prepare_slots(workers)
         views = lends_weights(self.client)
         flush = runtime.denormals_flushed()  # per thread (the CPU's control register): each worker as this one
-        copies_allowed = not any(type(o).client_trained is not RoundObserver.client_trained for o in self.observers)
+        copies_allowed = not any(_overrides(o, "client_trained") for o in self.observers)
         free = list(range(workers - 1, -1, -1))  # slot 0 first
         waiting = collections.deque(clients)
         running: collections.deque[_Running] = collections.deque()
         try:
-            with _thread_count(1):
+            with runtime.intra_op_threads(1):
                 while waiting or running:
                     while free and waiting:
                         slot, k = free.pop(), waiting.popleft()
                         context = contextvars.copy_context()  # the caller's context variables, one copy a task
-                        future = self._pool.submit(context.run, self._train_client, current, k, slot, flush)
+                        future = self._pool.submit(context.run, self._train_client, current, k, slot, views, flush)
                         running.append(_Running(k, slot, future))
                     ahead, *behind = running
                     watched = [ahead.future] + [task.future for task in behind
@@ -511,18 +511,18 @@ class Simulator:
                 task.future.cancel()
             raise
 
-    def _train_client(self, current: OpenRound, k: int, slot: int, flush_denormal: bool | None = None) -> _Trained:
+    def _train_client(self, current: OpenRound, k: int, slot: int, views: bool,
+                      flush_denormal: bool | None = None) -> _Trained:
         """Client ``k``'s ``fit`` in ``current`` on slot ``slot``'s working model, watched by the observers,
         on the calling thread with :attr:`client_threads` threads and, if given, denormals flushed or not as
-        ``flush_denormal`` says (both are the thread's own: a worker thread is set as the engine's)."""
+        ``flush_denormal`` says (both are the thread's own: a worker thread is set as the engine's). ``views``:
+        the reply's weights are the working model's own tensors (:func:`~fedhpro.methods.base.lends_weights`):
+        received, so folded into the round's sum or copied, before the model changes."""
         if self.client_threads is not None and torch.get_num_threads() != self.client_threads:
             torch.set_num_threads(self.client_threads)  # this thread's own count (OpenMP's is per thread)
         if flush_denormal is not None and runtime.denormals_flushed() != flush_denormal:
             torch.set_flush_denormal(flush_denormal)
         model = self.models.model_for(k, slot=slot)
-        # the reply's weights are the working model's own tensors (no copy a client): received, so folded into
-        # the round's sum or copied, before the model changes; a wrapped fit (that may keep its replies) copies
-        views = lends_weights(self.client)
         state_before = copy.deepcopy(self.client_states[k]) if self.client_states[k] else {}
         observe = (watching([functools.partial(o.watch_client, k) for o in self.observers])  # they only observe
                    if self.observers else contextlib.nullcontext())
@@ -590,18 +590,9 @@ class Simulator:
             self.models.client_weights = {k: dict(w) for k, w in enumerate(state["client_weights"])}
 
 
-@contextlib.contextmanager
-def _thread_count(count: int | None) -> Iterator[None]:
-    """The calling thread's torch thread count set to ``count`` for the block (None: left as it is)."""
-    previous = torch.get_num_threads()
-    if count is None or count == previous:
-        yield
-        return
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
+def _overrides(observer: RoundObserver, hook: str) -> bool:
+    """Whether ``observer``'s class overrides :class:`RoundObserver`'s ``hook``."""
+    return getattr(type(observer), hook) is not getattr(RoundObserver, hook)
 
 
 @dataclass
