@@ -1,8 +1,11 @@
-"""Result identity across a refactor: 20 tiny runs, hashed, and a comparison of two such manifests.
+"""Result identity across a refactor: 20 tiny runs and the default run, hashed, and a comparison of two manifests.
 
 ``run OUT_DIR`` runs 20 tiny configurations (every method on the in-process simulator, a few variants, and
-six configs on Flower's simulation engine in one ``run_simulation``) on the offline digits data set and
+six configs on Flower's simulation engine in one ``run_simulation``) on the offline digits data set, then
+the default ``fedhpro run`` (no settings but ``out``: 2-5 minutes; ``--only`` leaves it out unless named), and
 writes ``OUT_DIR/manifest.json``: per config the sha256 of its result files, with wall-clock keys removed.
+The default run is there because tiny configs miss what only its size exercises (a fused SGD step once
+changed the default run's bytes on one CPU while all 20 tiny configs stayed the same).
 ``compare A/manifest.json B/manifest.json`` prints one line per config and exits 1 if any differ.
 
 Run it on two versions of the package (e.g. ``PYTHONPATH=<old checkout>/src`` for the old one) with
@@ -91,8 +94,11 @@ FLOWER_CONFIGS: list[tuple[str, dict[str, Any]]] = [
     ("flower-fedsa-2-rounds", {"method": "fedsa", "rounds": 2}),
 ]
 
-CONFIG_NAMES = [name for name, _ in SIMULATOR_CONFIGS + FLOWER_CONFIGS]
-assert len(CONFIG_NAMES) == len(set(CONFIG_NAMES)) == 20
+#: the default ``fedhpro run``: no setting but ``out`` (and one thread, as every config here)
+DEFAULT_RUN = "default-run"
+
+CONFIG_NAMES = [name for name, _ in SIMULATOR_CONFIGS + FLOWER_CONFIGS] + [DEFAULT_RUN]
+assert len(CONFIG_NAMES) == len(set(CONFIG_NAMES)) == 21
 
 
 # ---------------------------------------------------------------------------- hashing
@@ -260,6 +266,9 @@ def command_run(out_dir: Path, only: list[str] | None) -> int:
     started = time.perf_counter()
     # the simulator first: a Flower app run in this process flushes denormal floats for the rest of it
     run_simulator_configs(out_dir, data_dir, names, manifest)
+    if DEFAULT_RUN in names:  # its own data (the built-in default federation), not the tiny digits cache
+        record(manifest, DEFAULT_RUN, out_dir, lambda: fedhpro.run({"progress": False, "threads": "1"},
+                                                                   out=str(out_dir / DEFAULT_RUN)))
     run_flower_configs(out_dir, data_dir, names, manifest)
     ordered = {name: manifest[name] for name in CONFIG_NAMES if name in manifest}
     document = {"format": MANIFEST_FORMAT, "configs": ordered}
