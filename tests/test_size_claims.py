@@ -29,7 +29,7 @@ from conftest import TinyNet, make_federation
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedhpro.aggregation import share_cap
+from fedhpro.aggregation import claim_cap, lower_median, share_cap
 from fedhpro.engines.protocol import Aggregation, capped_reply, pool_accuracy
 from fedhpro.engines.protocol import TestCount as Count
 from fedhpro.engines.simulator import Simulator
@@ -88,6 +88,46 @@ def test_share_cap_of_hostile_claims_matches_bisection_and_bounds_every_share(si
         assert max(weights) <= share * sum(weights) * (1 + 1e-9)
     else:
         assert len(set(weights)) == 1
+
+
+@pytest.mark.parametrize(("sizes", "median"), [
+    ([5, 1, 3, 2], 2.0), ([24, 24, CLAIM], 24.0), ([24, CLAIM], 24.0), ([7], 7.0), ([0, 9, 4], 4.0), ([0], math.nan)])
+def test_lower_median_hand_values(sizes, median):
+    assert lower_median(sizes) == pytest.approx(median, nan_ok=True)
+
+
+@pytest.mark.parametrize(("sizes", "share", "ratio", "cap"), [
+    ([24, 24, CLAIM], 0.75, 2.0, 48.0),  # 2 x the median 24, far below the share cap's 144
+    ([24] * 9 + [CLAIM], 0.75, 2.0, 48.0),  # among 10 sites the share cap would leave 648
+    ([24, CLAIM], 0.75, 2.0, 48.0),  # two sites: the lower median is the honest one's
+    ([24, 24, CLAIM], 0.75, 0.0, 144.0),  # no ratio: the share cap alone, c = 0.75 * (48 + c)
+    ([24, 30, 40], 0.75, 2.0, math.inf),  # 40 <= 2 x 30 and <= 3/4 of 94: nothing binds
+    ([10, 10, 100], 0.5, 4.0, 20.0),  # the share cap binds first: c = 0.5 * (20 + c) = 20 < 4 x 10
+    ([10, 10, 100], 0.75, 1.0, 10.0),  # ratio 1: nobody above the median site
+])
+def test_claim_cap_hand_values(sizes, share, ratio, cap):
+    assert claim_cap(sizes, share, ratio) == pytest.approx(cap)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 60), st.integers(1, 10 ** 6), st.integers(1, 10 ** 12), st.floats(1.0, 8.0))
+def test_one_liar_among_equal_sites_weighs_at_most_ratio_median_sites(sites, size, claim, ratio):
+    """One liar claiming anything among ``sites - 1`` honest sites of one size: its share of the weight is at
+    most ``r / (r + K - 1)`` (it weighs as at most ``r`` honest sites), falling with the number of sites."""
+    sizes = [size] * (sites - 1) + [claim]
+    cap = claim_cap(sizes, 1.0, ratio)
+    weights = [min(n, cap) for n in sizes]
+    assert weights[-1] / sum(weights) <= ratio / (ratio + sites - 1) * (1 + 1e-12)
+
+
+def test_a_forged_test_count_buys_no_more_than_the_median_bound():
+    """Where test sizes are claims: a site claiming 10^9 test samples, all right, among two honest sites of 12
+    (6 right each) counts as 2 x 12 = 24 samples: (6 + 6 + 24) / (12 + 12 + 24) = 75 %, not 87.5 %; the median
+    site's accuracy (50 %) stays the honest one."""
+    counts = [Count("all", 6, 12), Count("all", 6, 12), Count("all", CLAIM, CLAIM)]
+    # the share cap alone: c = 0.75 * (24 + c) = 72, (6 + 6 + 72) / (12 + 12 + 72): the 87.5 % found
+    assert pool_accuracy(counts, max_share=0.75)["AVG"] == pytest.approx(87.5)
+    assert pool_accuracy(counts, max_share=0.75, max_ratio=2.0) == {"all": 75.0, "AVG": 75.0}
 
 
 def test_a_capped_reply_keeps_which_classes_it_holds():
@@ -150,6 +190,21 @@ def test_simulator_a_client_of_many_samples_sending_zeros_moves_the_model_as_far
     norm = sum(float(v.double().norm() ** 2) for v in capped.values() if v.is_floating_point()) ** 0.5
     norm_uncapped = sum(float(v.double().norm() ** 2) for v in uncapped.values() if v.is_floating_point()) ** 0.5
     assert norm_uncapped == pytest.approx(norm * (48 / 528) / (48 / 192), rel=1e-5)
+
+
+def test_simulator_knows_the_sizes_so_the_median_bound_leaves_a_skewed_federation_alone():
+    """The simulator's sizes are the data it holds, not claims: a client 20x the median keeps its weight under
+    aggregation.max_ratio (only the share cap, which it does not reach, applies), to the bit."""
+    federation = make_federation([24, 24, 480], seed=1)
+    rows, models = [], []
+    for ratio in (2.0, 0.0):
+        sim = Simulator(METHODS["fedavg"], METHODS["fedavg"].options(), federation, TinyNet, TRAIN, rounds=1,
+                        seed=0, aggregation=Aggregation(max_share=1.0, max_ratio=ratio))
+        assert not sim.protocol.sizes_claimed and math.isinf(sim.protocol.weight_cap())
+        rows.append(sim.run_round(0).to_json())
+        models.append(sim.server.global_weights())
+    assert "capped" not in rows[0] and rows[0]["train"] == rows[1]["train"]
+    assert all(torch.equal(models[0][k], models[1][k]) for k in models[0])
 
 
 def test_simulator_without_a_dominant_client_is_unchanged_to_the_bit():

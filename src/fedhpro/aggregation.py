@@ -15,7 +15,10 @@ The rules here bound what one client can do:
 * :func:`share_cap`: the largest weight one client may hold so that no client
   holds more than ``max_share`` of the total (``aggregation.max_share``): what a
   client *says* it holds (its sample and test counts) is a claim, and this
-  bounds what a claim can buy under every rule, the plain mean included.
+  bounds what a claim can buy under every rule, the plain mean included;
+* :func:`claim_cap`: that cap, and where sizes are claims nobody vouches for,
+  at most ``max_ratio`` times the median claim (``aggregation.max_ratio``), a
+  bound that falls with the number of clients where a share cannot.
 
 The first three weight the clients equally (a client's ``num_examples`` is what it
 says it has, so a hostile client could claim a large weight); integer tensors
@@ -140,3 +143,27 @@ def share_cap(sizes: Sequence[float], max_share: float) -> float:
         if values[capped] <= cap <= largest:
             return cap
     return values[-1]  # not reached for max_share * K > 1 (the last step gives a cap >= the smallest)
+
+
+def lower_median(sizes: Sequence[float]) -> float:
+    """The lower median of the positive ``sizes`` (the middle one; of an even count the smaller of the two
+    middle ones): one client's claim cannot move it above the largest of the others' claims (nan for none)."""
+    values = sorted(float(n) for n in sizes if n > 0)
+    return values[(len(values) - 1) // 2] if values else math.nan
+
+
+def claim_cap(sizes: Sequence[float], max_share: float, max_ratio: float = 0.0) -> float:
+    """The most weight one of the clients of ``sizes`` may hold: :func:`share_cap` at ``max_share`` and, with
+    ``max_ratio > 0``, at most ``max_ratio`` times :func:`lower_median` of the sizes.
+
+    The share cap alone is an absolute share: among ``K`` sites of equal size a client claiming a huge size
+    keeps ``max_share`` of the weight however large ``K`` is (3/4 at the default, 7.5 times its fair share at
+    ``K = 10``). Bounded by the median claim, it weighs at most as ``max_ratio`` sites of the median size: a
+    share of ``r / (r + K - 1)`` among ``K`` equal sites, which falls with ``K``. ``inf`` when nothing binds."""
+    cap = share_cap(sizes, max_share)
+    if max_ratio > 0:
+        median = lower_median(sizes)
+        if math.isfinite(median) and max(sizes, default=0) > max_ratio * median:
+            cap = min(cap, max_ratio * median)
+    return cap
+

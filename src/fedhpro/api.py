@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from fedhpro import reports
 from fedhpro.bounded import read_json_file
 from fedhpro.config import Config, RunOptions, load_config, parse_override
 from fedhpro.data.federation import Federation, few_batches_note
@@ -215,8 +214,8 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
               end=simulator.end_run)
     seconds = summary["seconds"]
     if echo:
-        print(final_printout(summary, f"{options.method} on {data_name}, seed {options.seed}, "
-                                      f"{options.rounds} rounds, {seconds:.0f} s — test accuracy (%):"))
+        print(driver.final_printout(summary, f"{options.method} on {data_name}, seed {options.seed}, "
+                                           f"{options.rounds} rounds, {seconds:.0f} s — test accuracy (%):"))
         saved = MODEL_FILE if trained.global_model is not None else "models/client_<k>.pt"
         print(f"results in {out}/ (summary.json, metrics.jsonl, timing.jsonl, accuracy.png and .svg, "
               f"config.yaml); trained model: {saved} (fedhpro.load_model, fedhpro predict)")
@@ -239,21 +238,6 @@ def run_notes(config: Config, federation: Federation) -> list[str]:
     (:func:`fedhpro.data.federation.few_batches_note`)."""
     few = few_batches_note(federation, config.run.batch_size)
     return [few] if few else []
-
-
-def final_printout(summary: Mapping[str, Any], title: str) -> str:
-    """What ``fedhpro run`` prints at the end of a run (``summary``: its summary.json): ``title``, the pooled
-    accuracy per test set and AVG (or that no round was evaluated), the clients' own accuracies' unweighted
-    mean and median and, with privacy on, the (epsilon, delta) spent."""
-    if summary["accuracy"] is None:
-        lines = [f"{title} no round evaluated"]
-    else:
-        lines = [reports.accuracy_table({**summary["per_domain"], "AVG": summary["accuracy"]}, title)]
-        if "site_accuracy" in summary:
-            lines.append(driver.site_accuracy_line(summary["site_accuracy"], summary["clients"]))
-    if "privacy" in summary:
-        lines.append(driver.privacy_line(summary["privacy"]))
-    return "\n".join(lines)
 
 
 def _new_run_folder(options: RunOptions, data_name: str) -> Path:

@@ -143,11 +143,26 @@ class AggregationOptions:
                                    "none exceeds max_share of all clients' sizes (water-filling); sizes are "
                                    "claims, so one client cannot buy the model or the accuracy by claiming a "
                                    "huge data set (1: no cap)")
+    max_ratio: float = option(2.0, min=0.0,
+                              help="where sizes are claims nobody vouches for (a Flower deployment whose nodes hold "
+                                   "their own data, without flower.roster), no client's weight or pooled test count "
+                                   "may exceed max_ratio x the median client's claim (the lower median), so one "
+                                   "liar weighs as at most max_ratio honest median sites however many there are; "
+                                   "the simulator and partition mode know the sizes (0: no such bound)")
+    max_row_norm: float = option(0.0, min=0.0,
+                                 help="the largest L2 norm of one class-tensor row a client sends (a prototype, a "
+                                      "class gradient, a class's soft predictions: the per-class tensors of the "
+                                      "method's reply_layout): longer rows are scaled down to it before any rule "
+                                      "aggregates, so one client's row of +1000 cannot drag every class mean; set "
+                                      "it a few times above the honest rows' norms (0: no bound)")
 
     def __post_init__(self) -> None:
         if not self.trim < 0.5:
             raise ConfigError(f"{AGGREGATION_SECTION}.trim={self.trim} is too large; it must be < 0.5 "
                               "(the fraction trimmed at EACH end), e.g. aggregation.trim=0.2")
+        if 0.0 < self.max_ratio < 1.0:
+            raise ConfigError(f"{AGGREGATION_SECTION}.max_ratio={self.max_ratio:g} would cap the median site itself; "
+                              "give 0 (no such bound) or a ratio >= 1, e.g. aggregation.max_ratio=2")
 
 
 @dataclass
@@ -177,6 +192,10 @@ class PrivacyOptions:
                                                   "instead of the run's seed (anyone who knows the seed can redraw "
                                                   "seeded noise; a run is then not reproducible); unset: true on "
                                                   "Flower, false in the simulator (reproducible)")
+    publish_participants: bool = option(False, help="privacy=client: write each round's participant ids (and the "
+                                                    "ids of dropped clients) into metrics.jsonl; off, the run folder "
+                                                    "holds only their number, since amplification by sampling "
+                                                    "assumes nobody who sees the model knows who took part")
     accountant: str = option("rdp", choices=("rdp", "pld"),
                              help="the privacy accountant: rdp (Renyi DP) or pld (privacy loss distributions, "
                                   "tighter: a smaller epsilon for the same noise)")

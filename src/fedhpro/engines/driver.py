@@ -33,8 +33,9 @@ import torch
 from torch import Tensor, nn
 
 from fedhpro import reports
+from fedhpro.aggregation import lower_median
 from fedhpro.engines import checkpoint
-from fedhpro.engines.protocol import RoundProtocol, RoundRecord, TestCount
+from fedhpro.engines.protocol import Aggregation, RoundProtocol, RoundRecord, TestCount
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.files import claim_run_folder, remove_partial_writes
 from fedhpro.methods.base import eval_batch_size, eval_forward, load_weights, no_grad_pass, no_grad_precision
@@ -406,6 +407,29 @@ def train(engine: Engine, run: Run, label: str, progress: bool) -> None:
             bar.close()
 
 
+def final_printout(summary: Mapping[str, Any], title: str) -> str:
+    """What a run prints at its end (``summary``: its summary.json): ``title``, the pooled accuracy per test
+    set and AVG (or that no round was evaluated), the clients' own accuracies' unweighted mean and median and,
+    with privacy on, the (epsilon, delta) spent. Where sizes are claims (``size_claims``) it leads with the
+    median site's accuracy, which one site cannot carry, and says how the pooled figure is bounded."""
+    if summary["accuracy"] is None:
+        lines = [f"{title} no round evaluated"]
+    else:
+        lines = [reports.accuracy_table({**summary["per_domain"], "AVG": summary["accuracy"]}, title)]
+        if "site_accuracy" in summary:
+            lines.append(site_accuracy_line(summary["site_accuracy"], summary["clients"]))
+        claims = summary.get("size_claims")
+        if claims is not None:
+            lines = [lines[-1] + " (one site cannot move the median)"] + lines[:-1]
+            bound = (f"at most {claims['max_ratio']:g} x the median site's and " if claims["max_ratio"] > 0
+                     else "")
+            lines.append(f"pooled accuracy: the sites' test sizes are claims; each counts {bound}at most "
+                         f"{claims['max_share']:g} of a test set's total")
+    if "privacy" in summary:
+        lines.append(privacy_line(summary["privacy"]))
+    return "\n".join(lines)
+
+
 def privacy_summary(settings: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """summary.json's ``privacy``: the ledger's ``settings`` and the epsilon and delta of the last row (0 before
     any round)."""
@@ -514,6 +538,56 @@ def pooled_share_warnings(test_sizes: Sequence[tuple[str, int]], max_share: floa
                      f"accuracy of {name!r} leans on that one client; compare summary.json's site_accuracy (each "
                      "client's accuracy, their unweighted mean and median)")
     return lines
+
+
+#: a site whose claimed size is more than this many times the median site's is named in a warning at start,
+#: whether or not a bound caps it: a claim just under a cap buys the most a bound allows and would otherwise
+#: leave no trace (the default aggregation.max_ratio, 2, caps claims above twice the median)
+FAR_ABOVE_MEDIAN = 1.5
+
+
+def claims_line(aggregation: Aggregation) -> str:
+    """The line a deployment without a roster says at start: its sizes are claims, what bounds them, how to
+    pin them."""
+    bound = (f"each site counts as at most aggregation.max_ratio={aggregation.max_ratio:g} x the median site's "
+             "size and " if aggregation.max_ratio > 0 else "")
+    return (f"sizes are claims: without flower.roster the training and test sizes the nodes declare are trusted: "
+            f"{bound}at most aggregation.max_share={aggregation.max_share:g} of the total; to pin each site's name, "
+            "sizes and key, give flower.roster=<file> (see the deployment guide)")
+
+
+def claimed_size_warnings(names: Sequence[str], sizes: Sequence[int], what: str,
+                          aggregation: Aggregation) -> list[str]:
+    """One warning line per site whose claimed ``sizes`` (``what``: "training samples", ...) is more than
+    :data:`FAR_ABOVE_MEDIAN` times the median claim (:func:`~fedhpro.aggregation.lower_median`), saying what it
+    counts as under the run's bounds (:meth:`Aggregation.cap` of claimed sizes). Fewer than two sites: none."""
+    if sum(int(n) > 0 for n in sizes) < 2:
+        return []
+    median = lower_median(sizes)
+    cap = aggregation.cap(sizes, claimed=True)
+    lines = []
+    for name, size in zip(names, sizes):
+        if int(size) > FAR_ABOVE_MEDIAN * median:
+            counts = (f"it counts as {max(1, math.floor(cap))}" if size > cap
+                      else "under the bounds, it counts in full")
+            lines.append(f"site {name!r} claims {int(size)} {what}, {size / median:.1f}x the median site's "
+                         f"{median:g}: {counts}; if that size is right, vouch for it in flower.roster")
+    return lines
+
+
+def size_claims(protocol: RoundProtocol, test_sizes: Sequence[tuple[str, int]]) -> dict[str, Any]:
+    """summary.json's ``size_claims`` of a run whose sizes are claims: the bounds, the most weight a site's
+    training claim buys (None: no cap binds) and, per test set, the most test samples a site's claim counts
+    as in the pooled accuracy."""
+    aggregation = protocol.aggregation
+    by_set: dict[str, list[int]] = {}
+    for name, size in test_sizes:
+        by_set.setdefault(name, []).append(int(size))
+    train_cap = protocol.weight_cap()
+    test_caps = {name: aggregation.cap(sizes, claimed=True) for name, sizes in by_set.items()}
+    return {"max_ratio": aggregation.max_ratio, "max_share": aggregation.max_share,
+            "train_cap": math.floor(train_cap) if math.isfinite(train_cap) else None,
+            "test_caps": {name: math.floor(cap) if math.isfinite(cap) else None for name, cap in test_caps.items()}}
 
 
 def summary_measurements(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -40,7 +40,10 @@ gets robust inputs instead of robust outputs.
 
 Client-level differential privacy (``privacy=client``, :mod:`fedhpro.privacy`) lives here too, for the
 same reason. The participants are then a Poisson draw (each client with probability ``participation``,
-from the SAMPLE stream: the accountant's sampling rate is the real one); each reply arrives privatized
+from the SAMPLE stream: the accountant's sampling rate is the real one; with ``privacy.secure_noise``
+from the operating system's randomness, since amplification by sampling assumes nobody who sees the model
+knows who took part, and ``metrics.jsonl`` then holds only how many did unless
+``privacy.publish_participants`` asks for their ids); each reply arrives privatized
 (the engine ran :func:`~fedhpro.privacy.client.privatize_upload` on the client's side) and is folded into
 a :class:`~fedhpro.privacy.client.PrivateSum` instead of the method's replies; ``close`` releases the
 noised sum with public denominators and hands the method ONE reply carrying the privatized values
@@ -55,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -64,7 +68,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedhpro.aggregation import AGGREGATION_RULES, clip_factor, coordinate_median, share_cap, trimmed_mean, update_norm
+from fedhpro.aggregation import (
+    AGGREGATION_RULES,
+    claim_cap,
+    clip_factor,
+    coordinate_median,
+    trimmed_mean,
+    update_norm,
+)
 from fedhpro.errors import FedHProError, UpdateError
 from fedhpro.methods.base import ClassRows
 from fedhpro.metrics import payload_bytes, payload_parameters
@@ -161,12 +172,33 @@ class Aggregation:
     norm_multiple: float = 1.0
     #: the largest share of a round's total weight one client may hold (:func:`capped_reply`; 1: no cap)
     max_share: float = 0.75
+    #: where sizes are claims (:attr:`RoundProtocol.sizes_claimed`), the largest weight one client may hold as a
+    #: multiple of the median claim (:func:`~fedhpro.aggregation.claim_cap`; 0: no such bound)
+    max_ratio: float = 2.0
+    #: the largest L2 norm of one class-tensor row of a reply (:func:`bounded_rows`; 0: no bound)
+    max_row_norm: float = 0.0
 
     def __post_init__(self) -> None:
         if self.rule not in AGGREGATION_RULES:
             raise ValueError(f"aggregation rule must be one of {tuple(AGGREGATION_RULES)}, got {self.rule!r}")
         if not 0.0 < self.max_share <= 1.0:
             raise ValueError(f"aggregation max_share must be in (0, 1], got {self.max_share!r}")
+        if not self.max_row_norm >= 0.0:
+            raise ValueError(f"aggregation max_row_norm must be >= 0, got {self.max_row_norm!r}")
+        if not (self.max_ratio == 0.0 or self.max_ratio >= 1.0):
+            raise ValueError(f"aggregation max_ratio must be 0 or >= 1, got {self.max_ratio!r}")
+
+    def cap(self, sizes: Sequence[float], claimed: bool) -> float:
+        """The most weight one of the clients of ``sizes`` may hold: the share cap, and where the sizes are
+        ``claimed`` (nobody vouches for them) ``max_ratio`` times the median claim too."""
+        return claim_cap(sizes, self.max_share, self.max_ratio if claimed else 0.0)
+
+    def bound_text(self, claimed: bool) -> str:
+        """The bound in words, for the lines that say a size was capped."""
+        share = f"aggregation.max_share={self.max_share:g} of the federation's total"
+        if claimed and self.max_ratio > 0:
+            return f"{share} or aggregation.max_ratio={self.max_ratio:g} x the median client's size"
+        return share
 
     @property
     def robust(self) -> bool:
@@ -185,7 +217,9 @@ class RoundRecord:
     """Everything measured in one round (one line of ``metrics.jsonl``)."""
 
     round: int
-    participants: list[int]
+    #: who took part, in client order; None where the row must not say (privacy=client without
+    #: privacy.publish_participants: the row then holds ``num_participants``)
+    participants: list[int] | None
     train: dict[str, float]
     server: dict[str, float]
     accuracy: dict[str, float] | None
@@ -200,8 +234,11 @@ class RoundRecord:
 
     def to_json(self) -> dict[str, Any]:
         """The deterministic part (same seed, same numbers): a line of ``metrics.jsonl``."""
-        out = {"round": self.round, "participants": self.participants, "train": self.train,
-               "server": self.server, "bytes_up": self.bytes_up, "bytes_down": self.bytes_down}
+        out: dict[str, Any] = {"round": self.round}
+        if self.participants is not None:
+            out["participants"] = self.participants
+        out.update({"train": self.train, "server": self.server, "bytes_up": self.bytes_up,
+                    "bytes_down": self.bytes_down})
         out.update(self.extra)
         if self.dropped:
             out["dropped"] = self.dropped
@@ -306,6 +343,26 @@ def examples_problem(reply: Any, client: int, num_samples: int) -> str | None:
     if count > num_samples:
         return f"num_examples={count!r} but {holds}"
     return None
+
+
+def bounded_rows(reply: dict[str, Any], class_keys: Sequence[str], max_norm: float) -> tuple[dict[str, Any], int]:
+    """``(reply, rows scaled)``: every row of the reply's class tensors ``class_keys`` (one a class, any shape
+    after the first dimension) longer than ``max_norm`` in L2 norm scaled down to it (``aggregation.max_row_norm``;
+    a row of norm ``n`` times ``max_norm / n``), so that no client can drag a class's mean further than a row
+    of that norm could. A new dict, the reply's tensors not changed; the reply itself when no row is longer."""
+    out, scaled = reply, 0
+    for key in class_keys:
+        rows = reply.get(key)
+        if not isinstance(rows, Tensor) or rows.dim() == 0 or not rows.is_floating_point():
+            continue
+        norms = rows.detach().double().reshape(rows.shape[0], -1).norm(dim=1)
+        longer = norms > max_norm
+        if bool(longer.any()):
+            factor = torch.where(longer, max_norm / norms.clamp(min=1e-300), torch.ones_like(norms))
+            shape = (rows.shape[0],) + (1,) * (rows.dim() - 1)
+            out = {**out, key: (rows.detach().double() * factor.reshape(shape)).to(rows.dtype)}
+            scaled += int(longer.sum())
+    return out, scaled
 
 
 def capped_reply(reply: dict[str, Any], weight: int) -> dict[str, Any]:
@@ -495,7 +552,7 @@ class TestCount:
 
 
 def pool_accuracy(counts: Sequence[TestCount], order: Sequence[str] | None = None,
-                  max_share: float = 1.0) -> dict[str, float]:
+                  max_share: float = 1.0, max_ratio: float = 0.0) -> dict[str, float]:
     """Accuracy in percent per test set, pooling the counts of every client tested on it
     (``100 * sum correct / sum total``, i.e. weighted by test samples), plus ``AVG``: the
     unweighted mean over test sets (the paper's AVG over domains).
@@ -504,13 +561,15 @@ def pool_accuracy(counts: Sequence[TestCount], order: Sequence[str] | None = Non
     test sets without any counted sample are left out. ``max_share`` (``aggregation.max_share``): a
     client's test count is a claim too, so within a test set no client weighs more than this share of
     the pooled count (:func:`~fedhpro.aggregation.share_cap` over the test set's counts, one a client): a
-    client above the cap counts with its own accuracy at the cap's weight. Where no cap binds the result
-    is the plain pooled ratio, to the bit.
+    client above the cap counts with its own accuracy at the cap's weight. ``max_ratio`` (where test sizes
+    are claims: ``aggregation.max_ratio``): nor more than that many times the median count of the test set's
+    clients (:func:`~fedhpro.aggregation.claim_cap`). Where no cap binds the result is the plain pooled
+    ratio, to the bit.
     """
     correct: dict[str, float] = {}
     total: dict[str, float] = {}
-    caps = {name: share_cap([c.total for c in counts if c.name == name], max_share)
-            for name in {c.name for c in counts}} if max_share < 1.0 else {}
+    caps = {name: claim_cap([c.total for c in counts if c.name == name], max_share, max_ratio)
+            for name in {c.name for c in counts}} if max_share < 1.0 or max_ratio > 0 else {}
     for count in counts:
         cap = caps.get(count.name, math.inf)
         if count.total > cap:  # the client's own accuracy, at the capped weight
@@ -542,12 +601,17 @@ class RoundProtocol:
     def __init__(self, server: Any, num_clients: int, *, rounds: int, participation: float = 1.0, seed: int = 0,
                  eval_every: int = 1, faults: Faults | None = None, min_clients: int = 1,
                  on_drop: Callable[[str], None] | None = None, aggregation: Aggregation | None = None,
-                 privacy: Any = None, ledger: Any = None, client_sizes: Sequence[int] | None = None):
+                 privacy: Any = None, ledger: Any = None, client_sizes: Sequence[int] | None = None,
+                 sizes_claimed: bool = False):
         self.server = server
         self.num_clients = num_clients
         #: each client's training-set size as the engine knows it (in own-data Flower: what its node
         #: declared), from which a round's weight cap is drawn (:meth:`weight_cap`); None: no cap
         self.client_sizes = list(client_sizes) if client_sizes is not None else None
+        #: whether the clients' sizes (training and test) are claims nobody vouches for (a Flower deployment of
+        #: nodes holding their own data, without a roster): they are then bounded by the median claim too
+        #: (``aggregation.max_ratio``); the simulator and partition mode know every size
+        self.sizes_claimed = sizes_claimed
         self.warned_caps: set[int] = set()  # clients whose capped weight was reported (once each)
         self.rounds = rounds
         self.participation = participation
@@ -560,6 +624,9 @@ class RoundProtocol:
         mode = getattr(privacy, "mode", "none") if privacy is not None else "none"
         #: the privacy.* options when privacy is on (None: off, every number as without privacy)
         self.privacy = privacy if mode != "none" else None
+        #: the rounds' participants drawn from the operating system (privacy=client with privacy.secure_noise):
+        #: kept in memory only, so that a round's draw is asked for more than once gives one answer
+        self._secret_draws: dict[int, list[int]] = {}
         #: client-level DP's settings (privacy=client), else None
         self.client_privacy: ClientPrivacy | None = None
         #: the run's privacy ledger (None: privacy off)
@@ -576,10 +643,28 @@ class RoundProtocol:
             raise FedHProError(f"privacy={mode} needs the run's privacy ledger (fedhpro.privacy.ledger_for) given to "
                                "the round protocol as ledger=")
 
+    @property
+    def secret_sampling(self) -> bool:
+        """Whether the participants are drawn from the operating system's randomness (``privacy=client`` with
+        ``privacy.secure_noise``): the accountant's amplification by sampling assumes that nobody who sees
+        the released model knows who took part, which a draw from the config's seed would not keep."""
+        return self.client_privacy is not None and self.client_privacy.secure_noise
+
+    @property
+    def publishes_participants(self) -> bool:
+        """Whether a round's row names its participants (and dropped clients): always, except under
+        ``privacy=client`` unless ``privacy.publish_participants``."""
+        return self.client_privacy is None or bool(getattr(self.privacy, "publish_participants", False))
+
     def sample_clients(self, round: int) -> list[int]:
         """The participants of ``round``: a seeded draw without replacement, sorted; under ``privacy=client`` a
-        Poisson draw (each client with probability ``participation``: the accountant's sampling rate)."""
+        Poisson draw (each client with probability ``participation``: the accountant's sampling rate), from
+        the operating system's randomness with ``privacy.secure_noise`` (:attr:`secret_sampling`)."""
         total = self.num_clients
+        if self.secret_sampling:
+            if round not in self._secret_draws:
+                self._secret_draws[round] = poisson_participants(secrets.randbits(63), total, self.participation)
+            return list(self._secret_draws[round])
         if self.client_privacy is not None:
             return poisson_participants(derive_seed(self.seed, SAMPLE, round), total, self.participation)
         count = max(1, int(round_half_up(self.participation * total)))
@@ -593,11 +678,18 @@ class RoundProtocol:
         (:func:`~fedhpro.aggregation.share_cap`) of every client's declared size at
         ``aggregation.max_share``, so that no client stands for more than that share of the federation's
         total weight (of the federation's, not of a round's: a round of few participants would cap honest
-        clients). inf when nothing binds, the sizes are unknown, or under ``privacy=client`` (its
-        denominators are public constants, not the clients' counts)."""
-        if self.client_sizes is None or self.client_privacy is not None or self.aggregation.max_share >= 1.0:
+        clients) and, where sizes are claims (:attr:`sizes_claimed`), at most ``aggregation.max_ratio``
+        times the median claim. inf when nothing binds, the sizes are unknown, or under ``privacy=client``
+        (its denominators are public constants, not the clients' counts)."""
+        if self.client_sizes is None or self.client_privacy is not None:
             return math.inf
-        return share_cap(self.client_sizes, self.aggregation.max_share)
+        return self.aggregation.cap(self.client_sizes, self.sizes_claimed)
+
+    def pooled_accuracy(self, counts: Sequence[TestCount], order: Sequence[str] | None = None) -> dict[str, float]:
+        """:func:`pool_accuracy` of ``counts`` under this run's bounds on test counts: ``aggregation.max_share``
+        and, where sizes are claims, ``aggregation.max_ratio``."""
+        return pool_accuracy(counts, order, self.aggregation.max_share,
+                             self.aggregation.max_ratio if self.sizes_claimed else 0.0)
 
     def capped_sizes(self, sizes: Sequence[int]) -> list[int]:
         """``sizes`` (clients' training-set sizes) as the weights they can buy: each at most the
@@ -613,10 +705,15 @@ class RoundProtocol:
 
     def participations(self, rounds_done: int) -> dict[int, int]:
         """How many of the first ``rounds_done`` rounds each client was sampled in (the seeded draws, so a
-        resumed run counts the same)."""
+        resumed run counts the same). With :attr:`secret_sampling` a round not drawn in this process (one
+        still to come, or one before a resume) counts as taken part in by every client: the draws are kept
+        nowhere, and the worst case bounds them."""
         counts: dict[int, int] = {}
         for round in range(rounds_done):
-            for k in self.sample_clients(round):
+            drawn = self._secret_draws.get(round) if self.secret_sampling else None
+            if drawn is None and self.secret_sampling:
+                drawn = list(range(self.num_clients))
+            for k in drawn if drawn is not None else self.sample_clients(round):
                 counts[k] = counts.get(k, 0) + 1
         return counts
 
@@ -681,6 +778,9 @@ class OpenRound:
         #: the most weight one reply may carry this round (aggregation.max_share), and the replies it capped
         self.cap = protocol.weight_cap()
         self.capped: list[dict[str, Any]] = []
+        #: aggregation.max_row_norm: the class tensors it bounds, and the rows it scaled down (client, count)
+        self._row_keys = declared_class_keys(protocol.server) if protocol.aggregation.max_row_norm > 0 else []
+        self.rows_bounded: list[dict[str, int]] = []
         # the server's container folds each reply's weights into a running sum as it arrives (one model's
         # memory, not one per client), so uploads are measured as replies arrive
         self.replies = protocol.server.new_replies()
@@ -750,18 +850,24 @@ class OpenRound:
             return Reception.INVALID if reception is Reception.ACCEPTED else reception
         self.bytes_up += payload_bytes(reply)
         self.params_up += payload_parameters(reply)
+        if self._row_keys:  # a class row is a claim about a class: bounded like a size
+            reply, scaled = bounded_rows(reply, self._row_keys, self.protocol.aggregation.max_row_norm)
+            if scaled:
+                self.rows_bounded.append({"client": client, "rows": scaled})
         weight = int(num_samples)
         if int(reply["num_examples"]) > self.cap:  # a size is a claim: it buys at most the round's cap
             weight = max(1, math.floor(self.cap))
             self.capped.append({"client": client, "claimed": int(reply["num_examples"]), "weight": weight})
             if client not in self.protocol.warned_caps and self.protocol.on_drop is not None:
                 self.protocol.warned_caps.add(client)
+                claimed = self.protocol.sizes_claimed
                 self.protocol.on_drop(
                     f"round {self.round}: client {client}'s weight is capped at {weight} (it reports "
-                    f"{int(reply['num_examples'])} training samples, more than aggregation.max_share="
-                    f"{self.protocol.aggregation.max_share:g} of the federation's "
-                    f"{sum(self.protocol.client_sizes or [])}); if that size is right, raise aggregation.max_share "
-                    "(1: no cap)")
+                    f"{int(reply['num_examples'])} training samples, more than "
+                    f"{self.protocol.aggregation.bound_text(claimed)} of {sum(self.protocol.client_sizes or [])}); "
+                    + ("if that size is right, vouch for it in flower.roster (or raise aggregation.max_ratio, 0: no "
+                       "such bound)" if claimed and self.protocol.aggregation.max_ratio > 0 else
+                       "if that size is right, raise aggregation.max_share (1: no cap)"))
             reply = capped_reply(reply, weight)
         keeps_weights = self.protocol.aggregation.robust or not getattr(self.replies, "folds_weights", False)
         if keeps_weights and reply.get("weights") is views and views is not None:  # still the model's tensors
@@ -878,7 +984,14 @@ class OpenRound:
             extra = {**(extra or {}), "privacy": {"epsilon": epsilon, "delta": float(self.protocol.ledger.delta)}}
         if self.capped:  # the weights a cap changed (every other reply weighed its num_examples)
             extra = {**(extra or {}), "capped": self.capped}
-        return RoundRecord(round=self.round, participants=self.participants, train=weighted_mean(self.train_metrics),
+        if self.rows_bounded:  # the class rows aggregation.max_row_norm scaled down
+            extra = {**(extra or {}), "rows_bounded": self.rows_bounded}
+        participants: list[int] | None = self.participants
+        dropped = self.dropped
+        if not self.protocol.publishes_participants:  # who took part stays out of the run folder (DP's sampling)
+            extra = {**(extra or {}), "num_participants": len(self.participants)}
+            participants, dropped = None, [{"reason": item["reason"]} for item in self.dropped]
+        return RoundRecord(round=self.round, participants=participants, train=weighted_mean(self.train_metrics),
                            server=server_metrics, accuracy=accuracy, bytes_up=self.bytes_up,
-                           bytes_down=self.bytes_down, seconds=seconds, dropped=self.dropped, skipped=self.skipped,
+                           bytes_down=self.bytes_down, seconds=seconds, dropped=dropped, skipped=self.skipped,
                            extra={"params_up": self.params_up, "params_down": self.params_down, **(extra or {})})

@@ -367,7 +367,7 @@ class Simulator:
             self.eval_model.load_state_dict(self.server.global_weights())
         counts = [self.evaluate_client(k, None if self.heterogeneous else self.eval_model)
                   for k in range(self.federation.num_clients)]
-        accuracy = pool_accuracy(counts, order, self.protocol.aggregation.max_share)
+        accuracy = self.protocol.pooled_accuracy(counts, order)
         return accuracy, [c.accuracy if c.total else None for c in counts]
 
     def server_prototypes(self) -> tuple[Tensor, Tensor, str] | None:

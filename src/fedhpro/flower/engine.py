@@ -91,12 +91,14 @@ def prepare_torch(device: torch.device) -> None:
 
 
 def protocol_for(config: Config, server: Any, num_samples: list[int],
-                 on_drop: Callable[[str], None] | None = None, ledger: Any = None) -> RoundProtocol:
+                 on_drop: Callable[[str], None] | None = None, ledger: Any = None,
+                 sizes_claimed: bool = False) -> RoundProtocol:
     """The run's round protocol, from the settings the simulator gets (:func:`fedhpro.experiment.protocol_settings`);
     ``num_samples``: the clients' declared training-set sizes, which cap a round's weights (sizes are claims);
-    ``ledger``: privacy=sample's (built from the clients' sizes)."""
+    ``ledger``: privacy=sample's (built from the clients' sizes); ``sizes_claimed``: nobody vouches for the sizes
+    (own data without a roster), so they are bounded by the median claim too (``aggregation.max_ratio``)."""
     return RoundProtocol(server, len(num_samples), on_drop=on_drop, ledger=ledger, client_sizes=num_samples,
-                         **protocol_settings(config))
+                         sizes_claimed=sizes_claimed, **protocol_settings(config))
 
 
 def build_engine(config: Config, on_drop=None) -> Engine:
@@ -130,9 +132,10 @@ class ServerSide:
 
 
 def build_server_side(config: Config, *, num_classes: int | None = None, input_shape: tuple[int, ...] | None = None,
-                      num_samples: list[int] | None = None, on_drop=None) -> ServerSide:
+                      num_samples: list[int] | None = None, on_drop=None, sizes_claimed: bool = False) -> ServerSide:
     """Partition mode: the whole engine (data included). Own-data mode: the method's server part for
-    ``num_classes`` and ``input_shape`` (as the nodes reported them), and no data."""
+    ``num_classes`` and ``input_shape`` (as the nodes reported them), and no data; ``sizes_claimed``: the
+    nodes' declared sizes are claims nobody vouches for (no roster)."""
     if not own_data(config):
         engine = build_engine(config, on_drop)
         return ServerSide(config, engine.server, engine.protocol, engine.models, engine.device,
@@ -154,8 +157,8 @@ def build_server_side(config: Config, *, num_classes: int | None = None, input_s
                               "cannot calibrate one sigma without every client's size; give "
                               "privacy.noise_multiplier instead (the run reports the epsilon it reaches)")
         ledger = ledger_for(config, list(num_samples), train)
-    return ServerSide(config, server, protocol_for(config, server, list(num_samples), on_drop, ledger), models,
-                      device, list(num_samples))
+    return ServerSide(config, server, protocol_for(config, server, list(num_samples), on_drop, ledger, sizes_claimed),
+                      models, device, list(num_samples))
 
 
 @dataclass

@@ -118,9 +118,14 @@ def _run_server(grid: Grid, config: Config, settings: FlowerSettings, out: Path 
     summary = driver.run_summary(options, options.dataset, len(strategy.nodes), side.device, run.rows.metrics,
                                  run.seconds(), notes, from_python=config.federation is not None, engine="flower",
                                  models=trained_models(side.models))
+    if side.protocol.sizes_claimed:
+        summary["size_claims"] = driver.size_claims(side.protocol, pooled_test_sizes(side, partition))
     run.close(summary, side.server.state_dict(), lambda folder: write_models(folder, server_models(side, partition)),
               f"{display_name(options.method)} on {options.dataset} (seed {options.seed})")
     forget_client_state(grid, strategy, settings)
+    title = f"{display_name(options.method)} on {options.dataset}, seed {options.seed} — test accuracy (%):"
+    for line in driver.final_printout(summary, title).splitlines():  # the end of the run, as fedhpro run prints it
+        log(INFO, "fedhpro: %s", line)
     return strategy
 
 
@@ -140,8 +145,10 @@ def _federation(grid: Grid, config: Config, settings: FlowerSettings
                               "the run config; give each SuperNode its own with --node-config \"data-dir=...\"")
         nodes, infos, classes = discover_own_data(grid, config, settings)
         config = load_config(config.to_dict(), {"data.classes": classes})
+        claimed = not settings.roster  # with a roster the operator vouches for every site's sizes
         side = build_server_side(config, num_classes=len(classes), input_shape=tuple(infos[0].input_shape),
-                                 num_samples=[info.train_size for info in infos], on_drop=warn)
+                                 num_samples=[info.train_size for info in infos], on_drop=warn,
+                                 sizes_claimed=claimed)
         partition = {"dataset": "clients", "scheme": "given", "engine": "flower", "num_classes": len(classes),
                      "classes": classes,
                      "clients": [{"client": k, "node": nodes[k], **dataclasses.asdict(info)}
@@ -150,6 +157,9 @@ def _federation(grid: Grid, config: Config, settings: FlowerSettings
         from fedhpro.data.clients import client_notes
 
         notes += client_notes(infos)  # clients without a test split, domains nobody tests
+        if claimed:
+            notes.append(driver.claims_line(side.protocol.aggregation))
+            log(INFO, "fedhpro: note: %s", notes[-1])
     else:
         nodes, clients = discover_nodes(grid, config.run.clients, settings)
         if config.run.clients is None:
@@ -161,18 +171,34 @@ def _federation(grid: Grid, config: Config, settings: FlowerSettings
             raise ConfigError(f"the federation has {federation.num_clients} clients but {clients} SuperNodes "
                               f"hold partitions; set clients={federation.num_clients} or run that many SuperNodes")
         partition, notes = federation.partition, federation.notes
-    pooled = ([(info.domain or "all", int(info.test_size)) for info in infos] if own_data(config)
-              else getattr(side.engine, "pooled_test_sizes", list)())
+    pooled = pooled_test_sizes(side, partition)
     few = few_batches_note(side.num_samples, config.run.batch_size,
                            [info.name for info in infos] if own_data(config) else None)
     if few is not None:  # as fedhpro run says it: a note of the run's (after the data's), kept in summary.json
         log(INFO, "fedhpro: note: %s", few)
         notes.append(few)
-    for line in (driver.pooled_share_warnings(pooled, config.aggregation.max_share)
+    claims: list[str] = []
+    if side.protocol.sizes_claimed:  # a site claiming far more than the others is named, capped or not
+        names = [info.name for info in infos]
+        claims = driver.claimed_size_warnings(names, side.num_samples, "training samples", side.protocol.aggregation)
+        for test_set in dict.fromkeys(name for name, _ in pooled):
+            held = [(name, size) for name, (where, size) in zip(names, pooled) if where == test_set]
+            claims += driver.claimed_size_warnings([name for name, _ in held], [size for _, size in held],
+                                                   f"test samples of test set {test_set!r}", side.protocol.aggregation)
+    for line in (claims + driver.pooled_share_warnings(pooled, config.aggregation.max_share)
                  + privacy_warnings(config.privacy, len(side.num_samples), side.num_samples)):
         warn(line)
         notes.append(line)
     return side, config, nodes, partition, notes
+
+
+def pooled_test_sizes(side: ServerSide, partition: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """``(test set, test size)`` of every client whose test counts are pooled: own data, each node's declared
+    test size (partition.json's record of it); partition mode, the engine's."""
+    if side.engine is None:
+        return [(str(client.get("domain") or "all"), int(client.get("test_size", 0)))
+                for client in partition["clients"]]
+    return list(getattr(side.engine, "pooled_test_sizes", list)())
 
 
 def run_key(config: Config, token: str) -> str:
