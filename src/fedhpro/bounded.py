@@ -282,6 +282,24 @@ def read_jsonl_file(path: str | os.PathLike, error: type[FedHProError] = ConfigE
     return rows
 
 
+def run_file(folder: str | os.PathLike, name: str, error: type[FedHProError] = DataError) -> Path:
+    """``folder / name``: a file fedhpro writes into a run folder under a fixed name (``model.json``,
+    ``summary.json``, ``metrics.jsonl``, ...), refused in one line of ``error`` when it resolves (symbolic
+    links followed) outside the resolved ``folder``: a run folder is untrusted input, and a link in it would
+    make fedhpro read, and show, a file from elsewhere. A link that stays inside the folder is its file."""
+    folder = Path(folder)
+    target = folder / name
+    try:
+        root, resolved = folder.resolve(), target.resolve()
+    except (OSError, RuntimeError):  # a loop of symbolic links
+        raise error(f"{target} is a symbolic link that cannot be resolved; a run folder's files are its own: "
+                    "replace the link by the file") from None
+    if not resolved.is_relative_to(root):
+        raise error(f"{target} is a symbolic link that leads outside the run folder (to {resolved}); a run "
+                    "folder's files are its own: replace the link by the file")
+    return target
+
+
 #: what a reader of a metrics.jsonl row relies on: key -> the keys of its mapping that must be numbers (None:
 #: the value itself is a number)
 _ROW_NUMBERS: dict[str, tuple[str, ...] | None] = {
@@ -338,4 +356,4 @@ def check_metrics_row(row: Any, where: str, error: type[FedHProError] = DataErro
 
 __all__ = ["MAX_ALIASES", "MAX_DEPTH", "MAX_JSON_CHARS", "MAX_NODES", "MAX_YAML_CHARS", "BoundedLoader", "LimitError",
            "check_metrics_row", "json_depth", "load_json", "load_yaml", "parse_json", "read_bounded", "read_json_file",
-           "read_jsonl_file", "read_yaml_file"]
+           "read_jsonl_file", "read_yaml_file", "run_file"]

@@ -39,7 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fedhpro.bounded import read_json_file
+from fedhpro.arrays import ArrayFileError, Bound, load_npz, load_torch
+from fedhpro.bounded import read_json_file, run_file
 from fedhpro.config import Config, is_from_python, load_config
 from fedhpro.errors import ConfigError, DataError, FedHProError
 from fedhpro.files import strict_json, write_atomic, write_atomic_with
@@ -392,9 +393,9 @@ def write_node_model(folder: str | os.PathLike, config: Config, node: Any, model
 
 def read_info(folder: Path) -> dict[str, Any]:
     """model.json of the run folder ``folder``; a one-line ModelFileError when it is not there or not ours."""
-    path = folder / MODEL_INFO
     if not folder.is_dir():
         raise ModelFileError(f"{folder}: no such folder; give the folder of a finished run (its out=)")
+    path = run_file(folder, MODEL_INFO, ModelFileError)
     if not path.is_file():
         finished = (folder / "summary.json").is_file()
         why = ("it finished before fedhpro wrote models (run it again to get model.pt)" if finished
@@ -428,6 +429,26 @@ def _is_int(value: Any, low: int, high: int) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+#: the largest magnitude a float32 feature has: the mean of such features lies within it, and so does their
+#: std (half their range at most)
+FLOAT32_MAX = torch.finfo(torch.float32).max
+#: the smallest positive std float32 features give: their smallest difference, float32's least subnormal. A
+#: std below it is no data's (1e-308 turns every input into infinity and every probability into NaN)
+STD_FLOOR = 2.0**-149
+
+
+def _plausible(values: Any, count: int, spread: bool) -> bool:
+    """Whether ``values`` is ``count`` numbers that float32 features can have as their mean (``spread``
+    False: within +-:data:`FLOAT32_MAX`) or as their std (from :data:`STD_FLOOR` to :data:`FLOAT32_MAX`)."""
+    low = STD_FLOOR if spread else -FLOAT32_MAX
+    return (isinstance(values, list) and len(values) == count
+            and all(_is_number(v) and low <= v <= FLOAT32_MAX for v in values))
+
+
+def _span(part: str) -> str:
+    return f" > 0, from {STD_FLOOR:.2g} to {FLOAT32_MAX:.3g}" if part == "std" else f" within +-{FLOAT32_MAX:.3g}"
 
 
 def check_info(info: Mapping[str, Any], folder: Path) -> None:
@@ -468,9 +489,8 @@ def check_info(info: Mapping[str, Any], folder: Path) -> None:
             raise bad("input.size", inputs.get("size"), f"a whole number from 1 to {MAX_IMAGE_SIDE}")
         for key in ("mean", "std"):
             values = inputs.get(key)
-            if not (isinstance(values, list) and len(values) == 3 and all(_is_number(v) for v in values)
-                    and (key == "mean" or all(v > 0 for v in values))):
-                raise bad(f"input.{key}", values, "three finite numbers" + (" > 0" if key == "std" else ""))
+            if not _plausible(values, 3, key == "std"):
+                raise bad(f"input.{key}", values, "three finite numbers" + _span(key))
         if inputs.get("normalize", "half") not in ("half", "preset"):
             raise bad("input.normalize", inputs.get("normalize"), "half or preset")
         if not isinstance(inputs.get("resize", False), bool):
@@ -483,10 +503,8 @@ def check_info(info: Mapping[str, Any], folder: Path) -> None:
                 raise bad("input.standardize", channels, "a mapping with mean and std")
             for key in ("mean", "std"):
                 values = channels.get(key)
-                if not (isinstance(values, list) and len(values) == 3 and all(_is_number(v) for v in values)
-                        and (key == "mean" or all(v > 0 for v in values))):
-                    raise bad(f"input.standardize.{key}", values,
-                              "three finite numbers" + (" > 0" if key == "std" else ""))
+                if not _plausible(values, 3, key == "std"):
+                    raise bad(f"input.standardize.{key}", values, "three finite numbers" + _span(key))
     elif "dtype" in inputs and not isinstance(inputs["dtype"], str):
         raise bad("input.dtype", inputs["dtype"], "a dtype name")
     if inputs.get("kind") != "image" and "standardize" in inputs and not isinstance(inputs["standardize"], str):
@@ -569,7 +587,9 @@ def read_state(path: Path) -> dict[str, Tensor]:
     if not path.is_file():
         raise ModelFileError(f"{path} is missing; the run folder is incomplete (run it again)")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_torch(path, Bound.state(), ModelFileError)  # its declared sizes checked first
+    except ModelFileError:
+        raise
     except Exception as error:  # noqa: BLE001 - anything torch.load raises is a damaged or foreign file
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
         raise ModelFileError(f"{path} is not a state dict fedhpro can read ({reason}); it is damaged or was not "
@@ -685,8 +705,9 @@ def load_model(run_folder: str | os.PathLike, *, client: int | None = None,
 
 def read_statistics(folder: Path, info: Mapping[str, Any]) -> dict[str, Any]:
     """standardize.json of a run folder whose model.json names it, checked: every site's and the pooled
-    ``mean`` and ``std`` are lists of the model's feature count of finite numbers (``std`` > 0). A missing,
-    damaged or foreign file is one :class:`ModelFileError` line."""
+    ``mean`` and ``std`` are lists of the model's feature count of finite numbers that float32 features can
+    have (:func:`_plausible`: ``std`` > 0). A missing, damaged or foreign file is one :class:`ModelFileError`
+    line."""
     inputs = info.get("input", {})
     features = int(info["input_shape"][0])
     if "statistics" not in inputs:
@@ -715,9 +736,9 @@ def read_statistics(folder: Path, info: Mapping[str, Any]) -> dict[str, Any]:
             raise bad(key, entry, "a mapping with mean and std")
         for part in ("mean", "std"):
             values = entry.get(part)
-            if not (isinstance(values, list) and len(values) == features and all(_is_number(v) for v in values)
-                    and (part == "mean" or all(v > 0 for v in values))):
-                raise bad(f"{key}.{part}", values, f"{features} finite numbers" + (" > 0" if part == "std" else ""))
+            if not _plausible(values, features, part == "std"):
+                raise bad(f"{key}.{part}", values, f"{features} finite numbers{_span(part)} (what float32 "
+                          f"features give as their {part})")
     return content
 
 
@@ -755,7 +776,13 @@ def _prepared(folder: Path, info: Mapping[str, Any], x: Tensor, site: str | None
 
     mean = torch.tensor(entry["mean"], dtype=torch.float64)
     std = torch.tensor(entry["std"], dtype=torch.float64)
-    return apply_statistics(x, mean, std)
+    scaled = apply_statistics(x, mean, std)
+    if x.is_floating_point() and bool(torch.isfinite(x).all()) and not bool(torch.isfinite(scaled).all()):
+        where = [int(i) for i in (~torch.isfinite(scaled)).nonzero()[0]]
+        raise ModelFileError(f"{folder / STATISTICS_FILE}: its {site or POOLED} mean and std scale the input at "
+                             f"{where} beyond float32's range; they are not statistics of such data: run again, or "
+                             "check the inputs' units")
+    return scaled
 
 
 def _image_files(folder: Path) -> list[Path]:
@@ -817,44 +844,29 @@ def _image_input(path: Path, inputs: Mapping[str, Any]) -> Tensor:
     return x
 
 
-#: the most bytes a ``.npz`` input file's arrays may expand to (a small archive may hold a huge one): 4 GiB
-MAX_NPZ_BYTES = 1 << 32
-
-
 def _read_npz(path: Path) -> Any:
-    """The array ``x`` of a ``.npz`` file (a training file: ``x`` and ``y``), else its only array; read with
-    ``allow_pickle=False`` after the expanded sizes are checked against :data:`MAX_NPZ_BYTES`."""
-    import numpy as np
-
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            names = list(archive.files)
-            size = sum(entry.file_size for entry in archive.zip.infolist()) if archive.zip is not None else 0
-            if size > MAX_NPZ_BYTES:
-                raise DataError(f"{path} expands to {size:,} bytes, more than {MAX_NPZ_BYTES:,}; give fewer rows "
-                                "per file")
-            if "x" in names:
-                return archive["x"]
-            if len(names) == 1:
-                return archive[names[0]]
-    except DataError:
-        raise
-    except Exception as error:  # noqa: BLE001 - numpy raises many types for a damaged or foreign file
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
-        raise DataError(f"{path} is not a .npz file fedhpro can read ({reason}); save one with np.savez(path, x=x)"
-                        ) from None
-    raise DataError(f"{path} holds {len(names)} arrays and no x; save the inputs as x: np.savez(path, x=x)")
+    """The array ``x`` of a ``.npz`` file (a training file: ``x`` and ``y``), else its only array; every member's
+    declared size and header checked before anything is read (:func:`fedhpro.arrays.load_npz`)."""
+    arrays = load_npz(path)  # a damaged or foreign file: one line naming it
+    if "x" in arrays:
+        return arrays["x"]
+    if len(arrays) == 1:
+        return next(iter(arrays.values()))
+    raise DataError(f"{path} holds {len(arrays)} arrays and no x; save the inputs as x: np.savez(path, x=x)")
 
 
 def _tensor_inputs(path: Path, inputs: Mapping[str, Any], model_shape: Sequence[int]) -> Tensor:
     """The N inputs of a ``.pt`` or ``.npz`` tensor file, N x the model's input shape: one tensor (array), or
     a training file's ``x`` (its ``y`` is not read as an input). ``.pt`` is read with ``weights_only=True``,
-    ``.npz`` with ``allow_pickle=False``: no file runs code."""
+    ``.npz`` without pickles: no file runs code; what either declares is checked against
+    ``FEDHPRO_MAX_ARRAY_BYTES`` first (:mod:`fedhpro.arrays`)."""
     if path.suffix.lower() == ".npz":
         value: Any = _read_npz(path)
     else:
         try:
-            value = torch.load(path, map_location="cpu", weights_only=True)
+            value = load_torch(path)  # its declared sizes checked first
+        except ArrayFileError:
+            raise
         except Exception as error:  # noqa: BLE001 - a damaged or foreign file
             reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
             raise DataError(f"{path} is not a tensor file fedhpro can read ({reason}); save one with "
@@ -955,6 +967,13 @@ def predict(run_folder: str | os.PathLike, paths: Iterable[str | os.PathLike], o
     names, inputs = gather_inputs(paths, info)
     inputs = _prepared(folder, info, inputs, site)
     probabilities = class_probabilities(module, inputs, batch_size)
+    if not bool(torch.isfinite(probabilities).all()):  # never a CSV of NaN: whatever the cause, say it
+        first = int((~torch.isfinite(probabilities)).any(dim=1).nonzero()[0])
+        finite_input = bool(torch.isfinite(inputs[first]).all())
+        why = ("the model's weights give NaN or infinite outputs: model file damaged, or the run diverged"
+               if finite_input else "its preprocessing (model.json's input) turns it into NaN or infinite values")
+        raise ModelFileError(f"{folder}: the probabilities of {names[first]} are not finite numbers ({why}); "
+                             "nothing written: run again, or check the inputs and the run folder")
     classes = list(info["classes"])
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
@@ -1039,7 +1058,7 @@ def class_accuracy(run_folder: str | os.PathLike, *, model: Callable[..., nn.Mod
     tested = {name: pair for name, pair in counts.items() if int(pair[1].sum())}
     accuracy = {name: float(pair[0].sum()) / float(pair[1].sum()) * 100 for name, pair in tested.items()}
     accuracy["AVG"] = sum(accuracy.values()) / len(accuracy) if accuracy else 0.0
-    summary_path = folder / "summary.json"
+    summary_path = run_file(folder, "summary.json", ModelFileError)
     reported = None
     if summary_path.is_file():
         summary = read_json_file(summary_path, DataError)

@@ -53,6 +53,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fedhpro.arrays import ArrayFileError, load_npz, load_torch
 from fedhpro.data.federation import Federation, untested_note
 from fedhpro.data.images import (
     CACHE_FOLDER,
@@ -609,18 +610,17 @@ def _read_tensor_file(path: Path, max_classes: int = 100_000) -> tuple[Tensor, T
     (any float type -> float32; NaN, infinities and values beyond float32 are
     refused) or integer token ids (-> int64). Sparse ``x``/``y`` are
     densified (up to :data:`MAX_DENSE` elements). ``.npz`` files are read
-    with ``allow_pickle=False`` and ``.pt`` files with ``weights_only=True``:
-    no file runs code.
+    without pickles and ``.pt`` files with ``weights_only=True``: no file
+    runs code; what either declares (shapes, sizes) is checked against
+    ``FEDHPRO_MAX_ARRAY_BYTES`` before it is read (:mod:`fedhpro.arrays`).
     """
     client = f"client {path.parent.name}: {path}"
     how = (f"np.savez('{path.name}', x=x, y=y)" if path.suffix == ".npz"
            else f"torch.save({{'x': x, 'y': y}}, '{path.name}')")
     try:
-        if path.suffix == ".npz":
-            with np.load(path, allow_pickle=False) as archive:
-                content = {key: archive[key] for key in archive.files}
-        else:
-            content = torch.load(path, map_location="cpu", weights_only=True)
+        content = load_npz(path) if path.suffix == ".npz" else load_torch(path)
+    except ArrayFileError:
+        raise  # one line already: what the file declares, the limit and the fix
     except Exception as error:  # noqa: BLE001 - numpy and torch raise many types for a bad file; one line for all
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise DataError(f"cannot read {path} ({reason[:300]}); save it with {how}") from None

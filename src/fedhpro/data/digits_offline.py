@@ -74,6 +74,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedhpro.arrays import Bound, load_torch
 from fedhpro.errors import DataError
 from fedhpro.files import write_atomic_with
 
@@ -203,7 +204,7 @@ def cache_path(
 
 def _load_cache(path: Path, params: dict) -> dict[str, DomainData]:
     """Load and validate a cache file; raise on any problem."""
-    blob = torch.load(path, map_location="cpu", weights_only=True)
+    blob = load_torch(path, Bound.state())  # checked from its zip directory before torch.load reads it
     if not isinstance(blob, dict) or blob.get("format_version") != FORMAT_VERSION:
         raise ValueError("unexpected format version")
     if blob.get("params") != params:

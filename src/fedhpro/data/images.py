@@ -52,6 +52,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fedhpro.arrays import MAX_ARRAY_BYTES_VARIABLE, ArrayFileError, Bound, load_npy
 from fedhpro.data.federation import normalize_images
 from fedhpro.data.loaders import IMAGE_EXTENSIONS, files_key
 from fedhpro.data.pixels import (
@@ -227,13 +228,13 @@ def decode_files(files: Sequence[Path], size: int, cache: Path | None = None, pr
     when none has."""
     path = _cache_path(files, size, cache, depth) if cache is not None and files else None
     if path is not None and path.is_file():
-        try:
-            cached = np.load(path, allow_pickle=False)
+        try:  # read within the bytes these files decode to: a cache file is input too (checked from its header)
+            cached = load_npy(path, Bound(len(files) * 3 * size * size * 2, MAX_ARRAY_BYTES_VARIABLE))
             if cached.shape == (len(files), 3, size, size) and (
                     cached.dtype == np.uint8 or (depth and cached.dtype == np.uint16)):
                 return cached
-        except (OSError, ValueError):
-            pass  # an unreadable cache file: decode again (and replace it)
+        except (OSError, ValueError, ArrayFileError):
+            pass  # an unreadable or oversized cache file: decode again (and replace it)
     out = np.empty((len(files), 3, size, size), dtype=np.uint8)
     deep: dict[int, np.ndarray] = {}
     iterator: Any = files

@@ -21,6 +21,7 @@ from typing import Any, BinaryIO, cast
 import numpy as np
 import torch
 
+from fedhpro.arrays import ArrayFileError, Bound, load_torch
 from fedhpro.bounded import check_metrics_row, load_json
 from fedhpro.errors import DataError
 from fedhpro.files import strict_json, write_atomic_with
@@ -161,11 +162,14 @@ def saved_rounds(run_dir: str | os.PathLike) -> list[int]:
 
 def load(path: str | os.PathLike) -> dict[str, Any]:
     """Read a checkpoint (tensors and plain containers only: ``weights_only=True``, never arbitrary pickled
-    objects) and restore the RNGs. A file that cannot be read, holds other objects, or lacks a fedhpro
+    objects) and restore the RNGs. A file that cannot be read, declares more than ``FEDHPRO_MAX_STATE_BYTES``
+    (:func:`fedhpro.arrays.load_torch`: checked before it is loaded), holds other objects, or lacks a fedhpro
     checkpoint's keys raises a one-line DataError naming the earlier checkpoints to resume from instead."""
     path = Path(path)
     try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
+        blob = load_torch(path, Bound.state())
+    except ArrayFileError as error:
+        raise DataError(f"{error}; {_earlier(path)}") from None
     except pickle.UnpicklingError as error:
         if "global" in str(error).lower():  # weights_only refused a global: code, objects other than tensors
             raise DataError(_not_loadable(path, "it holds objects other than tensors, which are never "

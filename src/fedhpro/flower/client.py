@@ -51,6 +51,7 @@ from flwr.app import ArrayRecord, ConfigRecord, ConfigRecordValues, Context, Err
 from flwr.clientapp import ClientApp
 from torch import nn
 
+from fedhpro.arrays import ArrayFileError, Bound, load_torch
 from fedhpro.bounded import LimitError, load_json
 from fedhpro.engines import checkpoint
 from fedhpro.engines.driver import test_client
@@ -379,7 +380,9 @@ class StateStore:
     def load(self, round: int) -> dict[str, Any]:
         """The snapshot of ``round`` (:func:`_snapshot`); DataError naming the file if it cannot be read."""
         try:
-            return torch.load(self.path(round), map_location="cpu", weights_only=True)
+            return load_torch(self.path(round), Bound.state())  # its declared sizes checked first
+        except ArrayFileError as error:
+            raise DataError(f"{error}; or delete it to go on from the round before") from None
         except Exception as error:  # noqa: BLE001 - a truncated or foreign file
             raise DataError(f"the client state {self.path(round)} cannot be read ({type(error).__name__}); "
                             "delete it to go on from the round before") from None

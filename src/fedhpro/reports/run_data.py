@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedhpro.bounded import check_metrics_row, read_json_file, read_yaml_file
+from fedhpro.bounded import check_metrics_row, read_json_file, read_yaml_file, run_file
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.reports import read_jsonl
 from fedhpro.reports.tables import dotted_keys
@@ -58,9 +58,10 @@ class RunData:
 
 
 def load_run(path: str | Path) -> RunData:
-    """Read ``config.yaml``, ``metrics.jsonl`` and (if there) ``summary.json`` of a run folder."""
+    """Read ``config.yaml``, ``metrics.jsonl`` and (if there) ``summary.json`` of a run folder; one that is a
+    symbolic link leading outside the folder is refused in one line (:func:`fedhpro.bounded.run_file`)."""
     path = Path(path)
-    metrics = path / "metrics.jsonl"
+    metrics = run_file(path, "metrics.jsonl")
     if not metrics.is_file():
         raise ConfigError(f"{str(path)!r} is not a run folder (no metrics.jsonl); give folders written by "
                           "`fedhpro run` (out=) or the out= folder of `fedhpro compare`")
@@ -69,12 +70,12 @@ def load_run(path: str | Path) -> RunData:
         check_metrics_row(row, f"{metrics} row {number}")
     if not any("accuracy" in row for row in rows):
         raise ConfigError(f"{str(path)!r} has no evaluated round yet; wait for its first evaluation")
-    config_path = path / "config.yaml"
+    config_path = run_file(path, "config.yaml")
     config = read_yaml_file(config_path, DataError) if config_path.is_file() else {}
     if config is not None and not isinstance(config, dict):
         raise DataError(f"{config_path} holds a YAML {type(config).__name__}, not a mapping of settings; it is "
                         "damaged: replace it or delete the run folder")
-    summary_path = path / "summary.json"
+    summary_path = run_file(path, "summary.json")
     summary = read_json_file(summary_path, DataError) if summary_path.is_file() else None
     if summary is not None and not isinstance(summary, dict):
         raise DataError(f"{summary_path} holds a JSON {type(summary).__name__}, not an object; it is damaged: "

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from fedhpro.arrays import load_npz
+from fedhpro.bounded import run_file
 from fedhpro.metrics import rounds_to_accuracy, speedup
 from fedhpro.reports.runs import RunData, gm_series
 from fedhpro.reports.tables import mean_pm_std, mean_std
@@ -451,10 +453,9 @@ def build_gm_loss(target: Target, result: PartResult) -> Table:
 
 
 def _silhouette(run: RunData) -> float:
-    import numpy as np
     from sklearn.metrics import silhouette_score
 
-    data = np.load(run.path / "tsne.npz")
+    data = load_npz(run_file(run.path, "tsne.npz"))  # a run folder's file: confined, within the array bounds
     return float(silhouette_score(data["points"], data["labels"]))
 
 
@@ -463,7 +464,7 @@ def build_tsne(target: Target, result: PartResult) -> Table:
     rows, csv_rows, scores, panels = [], [], {}, []
     for variant in part.variants:
         runs = result.runs[(scenario, variant.label)]
-        panels.append((variant.label, runs[0].path / "tsne.npz"))
+        panels.append((variant.label, run_file(runs[0].path, "tsne.npz")))
         score = [_silhouette(run) for run in runs]
         scores[variant.label] = mean_std(score)[0]
         rows.append([variant.label, mean_pm_std(score, 3)])

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedhpro.arrays import load_npz
 from fedhpro.reports import write_atomic, write_json
 from fedhpro.reports.tables import csv_text, markdown_table
 from fedhpro.reproduce.table import Figure, Section, Table
@@ -19,8 +20,8 @@ SMOKE_WARNING = ("**scale=smoke**: a few rounds of a small model on a few client
 
 def plot_tsne_panels(panels: Sequence[tuple[str, Path]], path: Path, *, title: str) -> None:
     """Figures 3 and 6: one t-SNE panel per row (its ``tsne.npz``), colour = class, marker = domain, stars =
-    prototypes, with one legend for all."""
-    import numpy as np
+    prototypes, with one legend for all. Each ``tsne.npz`` is read within fedhpro's array bounds
+    (:func:`fedhpro.arrays.load_npz`)."""
     from matplotlib.lines import Line2D
 
     from fedhpro.reports.plots import MARKERS, pyplot, save_figure
@@ -29,7 +30,7 @@ def plot_tsne_panels(panels: Sequence[tuple[str, Path]], path: Path, *, title: s
     figure, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 5.4), dpi=130, squeeze=False)
     colours = plt.get_cmap("tab10")
     for axis, (label, npz) in zip(axes[0], panels):
-        data = np.load(npz)
+        data = load_npz(npz)
         points, labels, names = data["points"], data["labels"], data["test_sets"].astype(str)
         for j, name in enumerate(dict.fromkeys(names.tolist())):
             where = names == name
