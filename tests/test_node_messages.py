@@ -358,3 +358,40 @@ def test_the_simulator_refuses_inflated_class_counts_too():
     record = sim.run_round(0)
     assert [item["client"] for item in record.dropped] == [1]
     assert "class_counts holds a count of 3000 but num_examples=10" in record.dropped[0]["reason"]
+
+
+class ErrorGrid(AnswerGrid):
+    """An :class:`AnswerGrid` whose nodes in ``failing`` answer with an error (a ClientApp that raised)."""
+
+    failing: set[int] = set()
+
+    def send_and_receive(self, messages, timeout=None):
+        from flwr.app import Error
+
+        replies = super().send_and_receive(messages, timeout)
+        return [Message(Error(code=2, reason="RuntimeError: no"), reply_to=message)
+                if message.metadata.dst_node_id in self.failing else reply
+                for message, reply in zip(messages, replies, strict=True)]
+
+
+@pytest.mark.parametrize(("hostile", "clients", "words"), [
+    ("error", None, "it answered with an error: RuntimeError: no"),
+    ("twin", None, "nodes 10 and 12 both hold partition-id=0 (the first to answer keeps it)"),
+    ("other-count", 2, "it holds partition 0 of 5, but the federation has clients=2"),
+])
+def test_one_node_cannot_deny_partition_discovery(hostile, clients, words, logged):
+    """Partition mode: a node answering with an error, claiming a partition another node answered for first,
+    or a partition of another federation, is refused with one warning; the honest nodes' run goes on."""
+    answers = {"error": partition(1, 2), "twin": partition(0, 2), "other-count": partition(0, 5)}
+    grid = ErrorGrid({10: partition(0, 2), 11: partition(1, 2), 12: answers[hostile]})
+    grid.failing = {12} if hostile == "error" else set()
+    nodes, count = discover_nodes(grid, clients, FlowerSettings(node_wait=5))
+    assert (nodes, count) == ({0: 10, 1: 11}, 2)
+    warnings = [line for line in logged if "node 12" in line or "nodes 10 and 12" in line]
+    assert len(warnings) == 1 and words in warnings[0] and "\n" not in warnings[0], logged
+    # alone, the refused node leaves its partition without a holder: one line naming it once the wait is over
+    grid = ErrorGrid({10: partition(0, 2), 12: answers[hostile]})
+    grid.failing = {12} if hostile == "error" else set()
+    with pytest.raises(ConfigError, match=r"only partitions \[0\] of 2 have a node; refused: node 12: ") as caught:
+        discover_nodes(grid, clients, FlowerSettings(node_wait=0.5))
+    assert "\n" not in str(caught.value)

@@ -10,6 +10,7 @@ comes back with a new node id (:meth:`Nodes.rejoin`, before every step).
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Container, Mapping
 from logging import INFO, WARNING
@@ -33,6 +34,9 @@ from fedhpro.flower.settings import FlowerSettings
 NODE_OFFLINE = "node offline"
 #: seconds a round waits for newly connected SuperNodes to say which client they hold (a restarted node)
 REJOIN_WAIT = 120.0
+#: the fewest data-holding nodes an own-data run goes on with when some of those it waited for were refused
+#: (unless ``flower.min-clients`` says otherwise): one node's "federation" is that node's model
+MIN_FEDERATION = 2
 
 
 class Nodes(dict[int, int]):
@@ -149,42 +153,67 @@ def node_keys(grid: Grid) -> dict[int, bytes]:
 def discover_nodes(grid: Grid, clients: int | None, settings: FlowerSettings) -> tuple[dict[int, int], int]:
     """``({partition-id: node id}, number of clients)``: ask every node which partition it holds.
 
-    Waits up to ``settings.node_wait`` seconds for all partitions to connect.
-    Raises ConfigError (one line) when the nodes do not cover exactly the
-    partitions ``0..K-1`` of a ``K``-client federation.
+    Waits up to ``settings.node_wait`` seconds for all partitions to connect. One node cannot deny the
+    run: a node that answers with an error or a malformed answer, that holds a partition of another count
+    than ``clients`` (or beyond it), or a partition another node answered for first, is refused with a
+    warning and never asked again. Raises ConfigError (one line, naming the refused nodes) when by the
+    deadline the nodes do not cover the partitions ``0..K-1`` of a ``K``-client federation, or, with
+    ``clients`` unset, when the nodes disagree on ``num-partitions`` (``clients=K`` then decides).
     """
     deadline = time.monotonic() + settings.node_wait
-    known: dict[int, tuple[int, int]] = {}  # node id -> (partition-id, num-partitions)
-    ignored: set[int] = set()  # nodes whose answer was malformed: warned about once, not asked again
+    known: dict[int, tuple[int, int]] = {}  # node id -> (partition-id, num-partitions), well-formed answers
+    refused: dict[int, str] = {}  # node id -> why it takes no part: warned about once, not asked again
+    by_partition: dict[int, int] = {}  # partition -> node (the first to answer for it keeps it)
     while True:
-        for node, answer in _ask_new_nodes(grid, set(known) | ignored, {"query": "partition"}, deadline).items():
+        errors: dict[int, str] = {}
+        answers = _ask_new_nodes(grid, set(known) | set(refused), {"query": "partition"}, deadline, errors)
+        for node, reason in sorted(errors.items()):
+            _refuse(node, f"it answered with an error: {reason}", refused)
+        for node, answer in sorted(answers.items()):
             try:
                 known[node] = partition_answer(answer)
             except UpdateError as error:
-                _ignore(node, error, ignored)
-        counts = {count for _, count in known.values()}
-        if len(counts) > 1:
+                _refuse(node, f"its answer to the query is malformed: {error}", refused)
+        counts = {count for node, (_, count) in known.items() if node not in refused}
+        if clients is None and len(counts) > 1:
             raise ConfigError(f"the nodes disagree on num-partitions ({sorted(counts)}); give every SuperNode "
-                              "the same num-partitions")
+                              "the same num-partitions, or set clients=K (nodes of another count are then refused)")
         expected = clients if clients is not None else (counts.pop() if counts else None)
         if expected is not None:
-            by_partition: dict[int, int] = {}
+            held = set(by_partition.values())
             for node, (partition, count) in sorted(known.items()):
+                if node in refused or node in held:
+                    continue
                 if count != expected or partition >= expected:
-                    raise ConfigError(f"node {node} holds partition {partition} of {count}, but the federation has "
-                                      f"clients={expected}; set clients={count} or run {expected} SuperNodes "
-                                      f"with num-partitions={expected}")
-                if partition in by_partition:
-                    raise ConfigError(f"nodes {by_partition[partition]} and {node} both hold partition-id={partition}")
-                by_partition[partition] = node
-            if len(by_partition) == expected:
-                return by_partition, expected
+                    _refuse(node, f"it holds partition {partition} of {count}, but the federation has clients="
+                                  f"{expected}; set clients={count} or run {expected} SuperNodes with "
+                                  f"num-partitions={expected}", refused)
+                elif partition in by_partition:
+                    _refuse(node, f"nodes {by_partition[partition]} and {node} both hold partition-id={partition} "
+                                  "(the first to answer keeps it)", refused)
+                else:
+                    by_partition[partition] = node
+            if len(by_partition) == expected:  # in node order, as the nodes were listed
+                return {partition: node for node, partition in sorted(
+                    (node, partition) for partition, node in by_partition.items())}, expected
         if time.monotonic() > deadline:
-            have = sorted(partition for partition, _ in known.values())
+            have = sorted(by_partition) if expected is not None else []
             raise ConfigError(f"after {settings.node_wait:.0f} s only partitions {have} of "
-                              f"{expected if expected is not None else '?'} have a node; start the missing "
-                              "SuperNodes or raise flower.node-wait")
+                              f"{expected if expected is not None else '?'} have a node{_refused_text(refused)}; "
+                              "start the missing SuperNodes or raise flower.node-wait")
         time.sleep(0.2)
+
+
+def needed_nodes(expected: int, accounted: int, min_clients: int | None) -> int:
+    """How many admitted data-holding nodes let an own-data run go on once ``flower.node-wait`` has passed
+    without all ``expected``: ``flower.min-clients`` when set, else ``expected`` less the places refused
+    nodes account for (``accounted``: nodes whose answer was malformed or an error, whoever they were, and
+    roster sites whose only claimants were refused), but at least 2 (a federation of one is one site's
+    model; SecAgg+ needs two) and never more than ``expected``. A run whose every missing node was refused
+    goes on; one missing a node nobody accounts for (a site not started) stops, as it always did."""
+    if min_clients is not None:
+        return min_clients
+    return min(expected, max(MIN_FEDERATION, expected - accounted))
 
 
 def discover_own_data(grid: Grid, config: Config,
@@ -203,8 +232,12 @@ def discover_own_data(grid: Grid, config: Config,
     a name another node already holds (an impostor: the first to answer keeps
     the name; a roster that pins keys decides instead), or that answers once the
     run has its ``clients`` nodes (a surplus node) is refused with a warning and
-    never asked again; the others go on. One-line errors name the nodes that do
-    not fit together (classes, input shape).
+    never asked again; the others go on. When ``flower.node-wait`` passes with
+    fewer than ``clients`` nodes admitted, the run goes on with those admitted
+    if they are at least :func:`needed_nodes` (one warning naming the refused
+    nodes and the roster's sites without a node), else it stops with one line
+    naming them. One-line errors name the nodes that do not fit together
+    (classes, input shape).
     """
     from fedhpro.data.clients import ClientInfo, resolve_classes
 
@@ -218,10 +251,16 @@ def discover_own_data(grid: Grid, config: Config,
     if expected is None:
         raise ConfigError("dataset=clients on Flower needs clients=K, the number of SuperNodes that hold data "
                           "(the server waits for that many), or flower.roster=<file> naming the sites")
+    if settings.min_clients is not None and settings.min_clients > expected:
+        raise ConfigError(f"flower.min-clients={settings.min_clients} is more than the {expected} data-holding "
+                          f"SuperNodes the run waits for; set flower.min-clients to at most {expected}")
     deadline = time.monotonic() + settings.node_wait
     known: dict[int, ClientInfo] = {}  # node id -> what it holds (admitted)
     by_name: dict[str, int] = {}
     ignored: dict[int, str] = {}  # node id -> why it takes no part: warned about once, not asked again
+    # refused nodes that may stand for a missing place: None (who they are is unknown: an error or a
+    # malformed answer) or the roster site they claimed (their sizes or key did not agree with it)
+    places: dict[int, str | None] = {}
     query = {"query": "data", "config": config_text(config)}
     keys = node_keys(grid) if roster is not None and any(site.key for site in roster.sites.values()) else {}
     while len(known) < expected:
@@ -229,6 +268,7 @@ def discover_own_data(grid: Grid, config: Config,
         answers = _ask_new_nodes(grid, set(known) | set(ignored), query, deadline, errors)
         for node, reason in sorted(errors.items()):
             _refuse(node, f"it answered with an error: {reason}", ignored)
+            places[node] = None
         if roster is not None and any(site.key for site in roster.sites.values()) and set(answers) - set(keys):
             keys = node_keys(grid)  # nodes that connected since
         for node, answer in sorted(answers.items()):
@@ -236,9 +276,12 @@ def discover_own_data(grid: Grid, config: Config,
                 info = client_info(answer, max_classes(config))
             except UpdateError as error:
                 _refuse(node, f"its answer to the query is malformed: {error}", ignored)
+                places[node] = None
                 continue
             problem = roster.problem(info.name, info.train_size, info.test_size, keys.get(node)) \
                 if roster is not None else None
+            if problem is not None and roster is not None and info.name in roster.sites:
+                places[node] = info.name  # a roster site's claimant: it counts unless the site is admitted
             if problem is None and info.name in by_name:
                 problem = f"node {by_name[info.name]} already holds the client named {info.name!r} (an impostor?)"
             if problem is None and len(known) >= expected:
@@ -248,13 +291,24 @@ def discover_own_data(grid: Grid, config: Config,
                 continue
             known[node], by_name[info.name] = info, node
         if len(known) < expected and time.monotonic() > deadline:
-            refused = "; ".join(f"node {node}: {why}" for node, why in sorted(ignored.items())[:5])
-            raise ConfigError(f"after {settings.node_wait:.0f} s only {len(known)} of {expected} data-holding "
-                              f"SuperNodes answered ({', '.join(sorted(by_name)) or 'none'})"
-                              f"{f'; refused: {refused}' if refused else ''}; start the missing SuperNodes, set "
-                              "clients= to the number running, or raise flower.node-wait")
+            break
         if len(known) < expected:
             time.sleep(0.2)
+    if len(known) < expected:
+        accounted = sum(1 for claim in places.values() if claim is None) + \
+            len({claim for claim in places.values() if claim is not None and claim not in by_name})
+        needed = needed_nodes(expected, accounted, settings.min_clients)
+        missing = sorted(set(roster.sites) - set(by_name)) if roster is not None else []
+        shown = ", ".join(missing[:10]) + (", ..." if len(missing) > 10 else "")
+        absent = f"; the roster's sites without a node: {shown}" if missing else ""
+        if len(known) < needed:
+            raise ConfigError(f"after {settings.node_wait:.0f} s only {len(known)} of {expected} data-holding "
+                              f"SuperNodes answered ({', '.join(sorted(by_name)) or 'none'}; at least {needed} "
+                              f"needed){_refused_text(ignored)}{absent}; start the missing SuperNodes, set "
+                              "clients= to the number running, or raise flower.node-wait")
+        log(WARNING, "fedhpro: after %.0f s %d of %d data-holding SuperNodes were admitted (%s); the run goes on "
+            "without the others (at least %d needed, flower.min-clients)%s%s", settings.node_wait, len(known),
+            expected, ", ".join(sorted(by_name)), needed, _refused_text(ignored), absent)
     names = sorted(by_name)
     infos = [known[by_name[name]] for name in names]
     try:
@@ -264,7 +318,18 @@ def discover_own_data(grid: Grid, config: Config,
     if len(classes) > max_classes(config):
         raise ConfigError(f"the nodes hold {len(classes)} classes together, more than data.max_classes="
                           f"{max_classes(config)}; raise data.max_classes if that many is right")
-    return Nodes({k: by_name[name] for k, name in enumerate(names)}, infos), infos, classes
+    nodes = Nodes({k: by_name[name] for k, name in enumerate(names)}, infos)
+    nodes.strangers.update(ignored)  # refused at discovery: not asked again when a round looks for new nodes
+    return nodes, infos, classes
+
+
+def _refused_text(refused: Mapping[int, str], most: int = 5) -> str:
+    """``"; refused: node N: why; ..."`` for the first ``most`` refused nodes (empty when none)."""
+    if not refused:
+        return ""
+    shown = "; ".join(f"node {node}: {why}" for node, why in sorted(refused.items())[:most])
+    more = f" (and {len(refused) - most} more)" if len(refused) > most else ""
+    return f"; refused: {shown}{more}"
 
 
 def _refuse(node: int, why: str, ignored: dict[int, str]) -> None:
@@ -273,20 +338,14 @@ def _refuse(node: int, why: str, ignored: dict[int, str]) -> None:
     ignored[node] = why
 
 
-def _ignore(node: int, error: Exception, ignored: set[int]) -> None:
-    """A node whose answer to the query is malformed takes no part: one warning, and it is not asked again."""
-    log(WARNING, "fedhpro: node %d is ignored: its answer to the query is malformed: %s", node, error)
-    ignored.add(node)
-
-
 def _ask_new_nodes(grid: Grid, known: Container[int], query: dict[str, Any], deadline: float,
-                   errors: dict[int, str] | None = None) -> dict[int, ConfigRecord | None]:
+                   errors: dict[int, str]) -> dict[int, ConfigRecord | None]:
     """Send ``query`` to every connected node not in ``known``; ``{node id: its answer}`` (its
     ``fedhpro.node`` ConfigRecord, None if its reply holds none: the caller validates the answer).
 
-    An error reply is a one-line ConfigError naming the node, or, when ``errors`` is given (a node
-    rejoining a run that goes on), its reason is put there. Replies are matched to the nodes asked by
-    the message they answer: an error the SuperLink writes for an offline node comes from the SuperLink.
+    A node that answers with an error, or whose reply is not bound to the message it got
+    (:func:`match_replies`), is put into ``errors`` with the reason. Replies are matched to the nodes asked
+    by the message they answer: an error the SuperLink writes for an offline node comes from the SuperLink.
     """
     new = [node for node in grid.get_node_ids() if node not in known]
     if not new:
@@ -294,13 +353,13 @@ def _ask_new_nodes(grid: Grid, known: Container[int], query: dict[str, Any], dea
     messages = [Message(RecordDict({HEADER: ConfigRecord(query)}), node, MessageType.QUERY) for node in new]
     replies = list(grid.send_and_receive(messages, timeout=max(1.0, deadline - time.monotonic())))
     answers = {}
-    for node, reply in match_replies(list(zip(new, messages, strict=True)), replies).items():
+    unbound: dict[int, str] = {}
+    for node, reply in match_replies(list(zip(new, messages, strict=True)), replies, unbound).items():
         if not reply.has_error():
             answers[node] = reply.content.config_records.get(NODE_RECORD)
-        elif errors is None:
-            raise ConfigError(f"node {node} cannot take part: {_first_line(reply.error.reason)}")
         else:
             errors[node] = _first_line(reply.error.reason) or f"error code {reply.error.code}"
+    errors.update(unbound)
     return answers
 
 
@@ -318,20 +377,70 @@ def error_reason(error: Error) -> str:
     return _first_line(error.reason) or f"error code {error.code}"
 
 
-def match_replies(sent: list[tuple[int, Message]], replies: list[Message]) -> dict[int, Message]:
+def match_replies(sent: list[tuple[Any, Message]], replies: list[Message],
+                  refused: dict[Any, str] | None = None, distinct: bool = False) -> dict[Any, Message]:
     """``{key: reply}`` for ``sent``, a list of ``(key, message)`` with unique keys (node ids, clients).
 
-    A reply belongs to the message it answers (its message id, set when the grid pushed it), else to the
-    one sent to the node it came from (replies made without a grid, as in tests). Stray replies (a
-    message of an earlier round answered late) are left out."""
-    by_id = {message.metadata.message_id: key for key, message in sent if message.metadata.message_id}
-    by_node = {message.metadata.dst_node_id: key for key, message in sent}
-    matched = {}
+    A reply is bound to the message it answers: its message id, set when the grid pushed it (a message
+    made without a grid, as in tests, has none: then the node it came from says it). A reply (not an error:
+    the SuperLink writes those for an offline node) that comes from another node than the one its message
+    went to is refused, and so,
+    with ``distinct`` (a round's training replies, keyed by client), is a reply whose content is byte for
+    byte that of an earlier reply to another message (one node replaying another's reply: the first keeps
+    it): ``refused`` gets ``{key: why}`` for them. Stray replies (a message of an earlier round answered
+    late, a second reply to one message) are left out."""
+    by_id = {message.metadata.message_id: (key, message) for key, message in sent if message.metadata.message_id}
+    by_node = {message.metadata.dst_node_id: (key, message) for key, message in sent
+               if not message.metadata.message_id}
+    matched: dict[Any, Message] = {}
+    digests: dict[bytes, Any] = {}
     for reply in replies:
-        target = by_id.get(reply.metadata.reply_to_message_id, by_node.get(reply.metadata.src_node_id))
-        if target is not None:
-            matched[target] = reply
+        target = by_id.get(reply.metadata.reply_to_message_id) if reply.metadata.reply_to_message_id \
+            else by_node.get(reply.metadata.src_node_id)
+        if target is None:
+            continue
+        key, message = target
+        if key in matched or (refused is not None and key in refused):
+            continue
+        asked, source = message.metadata.dst_node_id, reply.metadata.src_node_id
+        why = None
+        if reply.has_error():  # an error counts for nothing; the SuperLink writes one for an offline node
+            pass
+        elif source != asked:
+            why = f"its reply came from node {source}, not from node {asked} that was asked"
+        elif distinct:
+            digest = content_digest(reply.content)
+            if digest in digests:
+                why = (f"its reply is a byte-for-byte copy of client {digests[digest]}'s reply this round "
+                       f"(node {asked} replayed another node's reply)")
+            else:
+                digests[digest] = key
+        if why is None:
+            matched[key] = reply
+        elif refused is not None:
+            refused[key] = why
     return matched
+
+
+def content_digest(content: RecordDict) -> bytes:
+    """SHA-256 over every record of ``content``: names, array metadata and bytes, config and metric entries
+    (equal for two replies only when their contents are equal byte for byte)."""
+    digest = hashlib.sha256()
+
+    def put(*parts: Any) -> None:
+        for part in parts:
+            data = part if isinstance(part, bytes) else repr(part).encode()
+            digest.update(len(data).to_bytes(8, "little") + data)
+
+    for name, record in sorted(content.array_records.items()):
+        put("array", name)
+        for key, array in record.items():
+            put(key, array.dtype, tuple(array.shape), array.stype, bytes(array.data))
+    for name, config in sorted(content.config_records.items()):
+        put("config", name, *(part for item in config.items() for part in item))
+    for name, metrics in sorted(content.metric_records.items()):
+        put("metric", name, *(part for item in metrics.items() for part in item))
+    return digest.digest()
 
 
 def _client_keys(grid: Grid, nodes: Mapping[int, int], settings: FlowerSettings) -> dict[int, bytes]:

@@ -12,7 +12,10 @@ its newest checkpoint). Values are taken as they come, except:
 
 Keys under ``flower.`` configure the Flower layer itself, not the experiment:
 ``flower.node-wait`` (seconds the ServerApp waits for the nodes to connect),
-``flower.round-timeout`` (seconds it waits for the replies of one round) and
+``flower.round-timeout`` (seconds it waits for the replies of one round; unset or ``auto``: sized from
+the run, :func:`auto_round_timeout`), ``flower.min-clients`` (own data: the fewest admitted nodes a run
+goes on with once ``flower.node-wait`` has passed without all of them; unset: those it waited for less
+the ones refused, at least 2, :func:`fedhpro.flower.nodes.needed_nodes`) and
 ``flower.node-auth`` (true: the SuperLink authenticates its SuperNodes,
 ``--enable-supernode-auth``, so a node's public key is its identity: a node
 that comes back with a new node id takes its client back only with the key
@@ -76,23 +79,45 @@ class SecureSettings:
         return 2 ** max(32, (participants * self.quantization_range).bit_length())
 
 
+#: ``flower.round-timeout`` unset (``auto``): a round waits ``SECONDS_PER_BATCH`` for every local batch of the
+#: largest (capped) client times the clients asked in a round (Flower's simulation runs them on one machine),
+#: within [floor, ceiling]: the floor leaves a node time to start (torch, its data, its models), the ceiling
+#: is the old fixed default
+SECONDS_PER_BATCH = 2.0
+ROUND_TIMEOUT_FLOOR = 300.0
+ROUND_TIMEOUT_CEILING = 3600.0
+
+
+def auto_round_timeout(local_epochs: int, batch_size: int, largest: int, participants: int) -> float:
+    """The ``auto`` round timeout in seconds: ``SECONDS_PER_BATCH * local_epochs * ceil(largest / batch_size)
+    * participants``, within ``[ROUND_TIMEOUT_FLOOR, ROUND_TIMEOUT_CEILING]``. ``largest``: the largest
+    training set of a client as it weighs (declared sizes capped by ``aggregation.max_share``: a claim buys no
+    longer wait than the ceiling), ``participants``: the clients asked in a round."""
+    batches = math.ceil(max(0, largest) / max(1, batch_size))
+    wanted = SECONDS_PER_BATCH * max(1, local_epochs) * batches * max(1, participants)
+    return min(ROUND_TIMEOUT_CEILING, max(ROUND_TIMEOUT_FLOOR, wanted))
+
+
 @dataclass(frozen=True)
 class FlowerSettings:
     """How the ServerApp talks to the nodes (not part of what the experiment computes)."""
 
     node_wait: float = 600.0  # seconds until every partition's node must have connected (Ray + torch start slowly)
-    round_timeout: float = 3600.0  # seconds to wait for one round's replies
+    #: seconds to wait for one round's replies; None (unset, "auto"): sized from the run by the ServerApp once it
+    #: knows the clients (:func:`fedhpro.flower.strategy.round_timeout`), which hands the number on
+    round_timeout: float | None = None
     node_auth: bool = False  # the SuperLink authenticates SuperNodes: a returning node must show its client's key
     secure_aggregation: str = "none"  # "secagg+": the server learns only the sum of the uploads
     secagg: SecureSettings = SecureSettings()
     roster: str | None = None  # own data: the operator's roster file of sites (fedhpro.flower.roster)
+    min_clients: int | None = None  # own data: the fewest admitted nodes a run goes on with (None: auto)
 
 
 _FLOWER_KEYS = {"flower.node-wait": "node_wait", "flower.round-timeout": "round_timeout",
                 "flower.node-auth": "node_auth", "flower.secure-aggregation": "secure_aggregation",
                 "flower.secagg-clipping-range": "clipping_range", "flower.secagg-quantization-range":
                 "quantization_range", "flower.secagg-shares": "shares", "flower.secagg-threshold": "threshold",
-                "flower.roster": "roster"}
+                "flower.roster": "roster", "flower.min-clients": "min_clients"}
 #: the largest flower.secagg-quantization-range: SecAgg+ quantizes to 32-bit integers
 MAX_QUANTIZATION_RANGE = 2 ** 31 - 1
 #: ``checkpoint_every`` of a Flower run that does not set it: a checkpoint after every round, so that a run
@@ -141,6 +166,15 @@ def split_run_config(run_config: Mapping[str, Any]) -> tuple[dict[str, Any], Flo
                 if value is not None and (not isinstance(value, str) or not value.strip()):
                     raise ConfigError(f"{key}={raw!r} must be the path of the roster file on the SuperLink host")
                 flower["roster"] = value
+                continue
+            if key == "flower.min-clients":
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                    raise ConfigError(f"{key}={raw!r} must be a whole number of SuperNodes >= 1 (or \"\" for "
+                                      "those the run waits for less the ones refused, at least 2)")
+                flower["min_clients"] = value
+                continue
+            if key == "flower.round-timeout" and (value is None or value == "auto"):
+                flower["round_timeout"] = None
                 continue
             if key.startswith("flower.secagg-"):
                 secure[_FLOWER_KEYS[key]] = _secagg_value(key, raw, value)
@@ -232,7 +266,8 @@ def default_app_config_toml() -> str:
         if isinstance(value, Mapping):
             lines += [f'"{key}.{item}" = ""  # {_comment(inner)}' for item, inner in value.items()]
     lines.append(f'"flower.node-wait" = {FlowerSettings.node_wait!r}  # seconds to wait for the SuperNodes')
-    lines.append(f'"flower.round-timeout" = {FlowerSettings.round_timeout!r}  # seconds to wait for a round\'s replies')
+    lines.append('"flower.round-timeout" = ""  # seconds to wait for a round\'s replies; "": auto, sized from the run')
+    lines.append('"flower.min-clients" = ""  # own data: fewest admitted nodes to go on with; "": auto')
     lines.append('"flower.node-auth" = false  # true: the SuperLink runs with --enable-supernode-auth (keys checked)')
     lines.append('"flower.roster" = ""  # own data: the operator\'s roster file of sites (names, sizes, keys)')
     secure = SecureSettings()
