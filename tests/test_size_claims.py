@@ -341,22 +341,26 @@ def model_weights(out: Path) -> dict[str, torch.Tensor]:
     return state.get("weights", state)
 
 
-def test_flower_a_node_claiming_a_billion_samples_buys_only_the_capped_weight(sites, tmp_path):
+@pytest.mark.parametrize(("bound", "train_cap", "test_cap"), [
+    ({}, 48, 24),  # the default aggregation.max_ratio=2: twice the median site's 24 training / 12 test samples
+    ({"aggregation.max_ratio": 0.0}, 144, 72),  # the share cap alone: c = 0.75 * (24 + 24 + c); 0.75 * (24 + c)
+])
+def test_flower_a_node_claiming_a_billion_samples_buys_only_the_capped_weight(sites, tmp_path, bound, train_cap,
+                                                                               test_cap):
     """The attack as found: node clinic-2 declares 10^9 train and test samples, sends zeros, forges its
-    evaluation. Unbounded (max_share=1) it owns the model and the accuracy; at the default cap (0.75) the run
-    equals one where that node honestly holds the cap (144 training samples: c = 0.75 * (24 + 24 + c); 72 test
-    samples: c = 0.75 * (12 + 12 + c)) and answers as well as it can (all of its 72 right)."""
+    evaluation. Unbounded it owns the model and the accuracy; bounded the run equals one where that node
+    honestly holds the capped sizes and answers as well as it can (all of its test samples right)."""
     hostile = 102
     owned = own_run(sites, tmp_path / "unbounded", {hostile: liar(CLAIM, CLAIM, CLAIM)},
-                    **{"aggregation.max_share": 1.0})
+                    **{"aggregation.max_share": 1.0, "aggregation.max_ratio": 0.0})
     summary = read_json(owned / "summary.json")
     assert summary["accuracy"] > 99.99 and model_norm(owned) < 1e-6  # what the attacker bought before
 
-    capped = own_run(sites, tmp_path / "capped", {hostile: liar(CLAIM, CLAIM, CLAIM)})
-    reference = own_run(sites, tmp_path / "reference", {hostile: liar(144, 72, 72)},
-                        **{"aggregation.max_share": 1.0})
+    capped = own_run(sites, tmp_path / "capped", {hostile: liar(CLAIM, CLAIM, CLAIM)}, **bound)
+    reference = own_run(sites, tmp_path / "reference", {hostile: liar(train_cap, test_cap, test_cap)},
+                        **{"aggregation.max_share": 1.0, "aggregation.max_ratio": 0.0})
     rows = [json.loads(line) for line in (capped / "metrics.jsonl").read_text().splitlines()]
-    assert [row["capped"] for row in rows] == [[{"client": 2, "claimed": CLAIM, "weight": 144}]] * 2
+    assert [row["capped"] for row in rows] == [[{"client": 2, "claimed": CLAIM, "weight": train_cap}]] * 2
     expected = model_weights(reference)
     for key, value in model_weights(capped).items():
         if value.is_floating_point():
@@ -364,11 +368,39 @@ def test_flower_a_node_claiming_a_billion_samples_buys_only_the_capped_weight(si
     summary = read_json(capped / "summary.json")
     headline = summary["accuracy"]
     assert headline == read_json(reference / "summary.json")["accuracy"]
+    # by hand: the two honest sites' correct counts plus the liar's test_cap, over 12 + 12 + test_cap
+    honest = [round(a * 12 / 100) for a in summary["site_accuracy"]["per_client"][:2]]
+    assert headline == pytest.approx(100 * (sum(honest) + test_cap) / (24 + test_cap))
     # beside the pooled figure, each site's own: the liar's 100 % is one of three, the median an honest site's
     site = summary["site_accuracy"]
     assert site["per_client"][2] == 100.0 and site["median"] == sorted(site["per_client"])[1] < 100.0
     assert any("client 2 holds 1000000000 of the 1000000024 test samples" in note for note in summary["notes"])
+    assert any(note.startswith("site 'clinic-2' claims 1000000000 training samples") and
+               f"it counts as {train_cap}" in note for note in summary["notes"]), summary["notes"]
+    assert any(note.startswith("sizes are claims:") and "flower.roster" in note for note in summary["notes"])
+    assert summary["size_claims"]["train_cap"] == train_cap and summary["size_claims"]["test_caps"] == {
+        "clinic": test_cap}  # the sites' one domain (clinic-0..2: the prefix rule)
     assert headline < 99.0 and model_norm(capped) > 0.4 * model_norm(tmp_path / "unbounded" / "out")
+
+
+def test_flower_a_liar_just_under_the_bound_is_named_and_the_printout_leads_with_the_median(sites, tmp_path,
+                                                                                            caplog):
+    """The second finding: a claim just under the cap (47 training / 23 test samples where the default bound
+    is 48 / 24) is capped nowhere, so a bound alone leaves no trace; every claim above 1.5x the median site's
+    is named at start, and the end of the run leads with the median site's accuracy."""
+    with caplog.at_level(logging.INFO):
+        out = own_run(sites, tmp_path, {102: liar(47, 23, 23)})
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all("capped" not in row for row in rows)  # under the bound: its claim counts in full
+    notes = read_json(out / "summary.json")["notes"]
+    assert ("site 'clinic-2' claims 47 training samples, 2.0x the median site's 24: under the bounds, it counts "
+            "in full; if that size is right, vouch for it in flower.roster") in notes
+    assert any(note.startswith("site 'clinic-2' claims 23 test samples of test set 'clinic', 1.9x") for note in notes)
+    end = caplog.text[caplog.text.rindex("fedhpro: per client (unweighted"):].splitlines()
+    assert end[0].endswith("(one site cannot move the median)")  # the printout leads with the median site
+    assert "test accuracy (%):" in end[1] and "fedhpro: pooled accuracy: the sites' test sizes are claims" in end[-1]
+    honest = own_run(sites, tmp_path / "honest")
+    assert not any(note.startswith("site 'clinic-") for note in read_json(honest / "summary.json")["notes"])
 
 
 def test_flower_a_roster_refuses_the_lying_node_and_the_honest_run_goes_on(sites, tmp_path, caplog):
@@ -384,10 +416,14 @@ def test_flower_a_roster_refuses_the_lying_node_and_the_honest_run_goes_on(sites
     # the roster's sizes bind the liar even under the name of a real site
     roster.write_text("tolerance: 0.1\nsites:\n  clinic-0: {train: 24, test: 12}\n"
                       "  clinic-1: {train: 24, test: 12}\n  clinic-2: {train: 24, test: 12}\n")
-    with pytest.raises(ConfigError, match="refused: node 102: it declares 1000000000 train samples but the roster "
-                                          "expects 24 for site 'clinic-2'"):
-        own_run(sites, tmp_path / "again", {102: liar(CLAIM, CLAIM, CLAIM)}, clients=None,
-                **{"flower.roster": str(roster)})
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # refused at discovery; the run goes on with the two honest sites
+        out = own_run(sites, tmp_path / "again", {102: liar(CLAIM, CLAIM, CLAIM)}, clients=None,
+                      **{"flower.roster": str(roster)})
+    assert [c["name"] for c in read_json(out / "partition.json")["clients"]] == ["clinic-0", "clinic-1"]
+    assert ("node 102 is refused: it declares 1000000000 train samples but the roster expects 24 for site "
+            "'clinic-2'") in caplog.text
+    assert "the roster's sites without a node: clinic-2" in caplog.text
 
 
 def ec_key() -> tuple[bytes, bytes]:

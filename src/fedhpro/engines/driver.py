@@ -421,10 +421,10 @@ def final_printout(summary: Mapping[str, Any], title: str) -> str:
         claims = summary.get("size_claims")
         if claims is not None:
             lines = [lines[-1] + " (one site cannot move the median)"] + lines[:-1]
-            bound = (f"at most {claims['max_ratio']:g} x the median site's and " if claims["max_ratio"] > 0
-                     else "")
-            lines.append(f"pooled accuracy: the sites' test sizes are claims; each counts {bound}at most "
-                         f"{claims['max_share']:g} of a test set's total")
+            bounds = ([f"{claims['max_ratio']:g} x the median site's"] if claims["max_ratio"] > 0 else []) + (
+                [f"{claims['max_share']:g} of a test set's total"] if claims["max_share"] < 1 else [])
+            lines.append("pooled accuracy: the sites' test sizes are claims; "
+                         + (f"each counts as at most {' and '.join(bounds)}" if bounds else "nothing bounds them"))
     if "privacy" in summary:
         lines.append(privacy_line(summary["privacy"]))
     return "\n".join(lines)

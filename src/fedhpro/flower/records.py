@@ -64,6 +64,12 @@ PRIVACY = "privacy"
 
 _TENSOR, _TENSORS, _SCALAR = "tensor", "tensors", "scalar"
 
+#: bounds on a reply's training metrics (``fedhpro.metrics``): how many a node may name, the characters of one
+#: name and of all names together (the methods report a handful; SecAgg+'s metric names have the same bounds)
+MAX_METRICS = 256
+MAX_METRIC_NAME = 128
+MAX_METRIC_CHARS = 8192
+
 
 def to_array(tensor: Tensor) -> Array:
     """A tensor as a Flower Array (``.npy`` bytes: dtype, shape and bits kept)."""
@@ -277,12 +283,21 @@ def encode_metrics(metrics: Mapping[str, float]) -> MetricRecord:
 
 def decode_metrics(content: RecordDict) -> dict[str, float]:
     """A client's training metrics (``fedhpro.metrics``; none: ``{}``); UpdateError (one line) for a metric
-    that is not one number (a MetricRecord may also hold lists)."""
+    that is not one number (a MetricRecord may also hold lists), for more than :data:`MAX_METRICS` metrics, a
+    name longer than :data:`MAX_METRIC_NAME` characters or names longer than :data:`MAX_METRIC_CHARS`
+    together (counted before any is read: the metrics go into every round's row)."""
     record = content.metric_records.get(METRICS)
     if record is None:
         return {}
+    if len(record) > MAX_METRICS:
+        raise UpdateError(f"the reply holds {len(record)} training metrics, more than {MAX_METRICS}")
     metrics = {}
+    chars = 0
     for name, value in record.items():
+        chars += len(name)
+        if len(name) > MAX_METRIC_NAME or chars > MAX_METRIC_CHARS:
+            raise UpdateError(f"training metric names must be at most {MAX_METRIC_NAME} characters each and "
+                              f"{MAX_METRIC_CHARS} together ({name[:40]!r}...)")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UpdateError(f"training metric '{name[:40]}' is a {type(value).__name__}, not a number")
         metrics[name] = float(value)

@@ -57,7 +57,7 @@ from fedhpro.flower.engine import ServerSide, build_server_side, own_data
 from fedhpro.flower.nodes import Nodes, _client_keys, discover_nodes, discover_own_data
 from fedhpro.flower.records import EVAL_RECORD, HEADER, NODE_RECORD, PRIVACY, SERVER_STATE
 from fedhpro.flower.settings import FlowerSettings, config_from_run_config, experiment_keys, split_run_config
-from fedhpro.flower.strategy import MethodStrategy, secure_for
+from fedhpro.flower.strategy import MethodStrategy, round_timeout, secure_for
 from fedhpro.privacy import privacy_warnings
 from fedhpro.reports.plots import display_name
 from fedhpro.resume import claimed_config, given_settings
@@ -98,6 +98,10 @@ def _run_server(grid: Grid, config: Config, settings: FlowerSettings, out: Path 
         secagg.check_secure_config(config)  # before any node is asked
     started = time.perf_counter()
     side, config, nodes, partition, notes = _federation(grid, config, settings)
+    timeout = round_timeout(settings.round_timeout, config, side)  # unset ("auto"): sized from the run's clients
+    if settings.round_timeout is None:
+        log(INFO, "fedhpro: flower.round-timeout (auto): %.0f s a round", timeout)
+    settings = dataclasses.replace(settings, round_timeout=timeout)  # what SecAgg+'s stages wait too
     strategy = MethodStrategy(side, config, Nodes(nodes, getattr(nodes, "infos", None),
                                                  _client_keys(grid, nodes, settings)),
                               run_key(config, secrets.token_hex(8)), settings.node_auth,
@@ -111,7 +115,7 @@ def _run_server(grid: Grid, config: Config, settings: FlowerSettings, out: Path 
     last = run.last_round()
     initial = ArrayRecord({key: records.to_array(v) for key, v in side.server.global_weights().items()})
     if last > run.first_round:
-        strategy.start(grid, initial, num_rounds=last - run.first_round, timeout=settings.round_timeout)
+        strategy.start(grid, initial, num_rounds=last - run.first_round, timeout=timeout)
     if run.stopped is not None:  # privacy.max_epsilon: a normal end, its rows and summary kept
         log(WARNING, "fedhpro: %s", run.stopped)
     options = config.run
@@ -122,7 +126,7 @@ def _run_server(grid: Grid, config: Config, settings: FlowerSettings, out: Path 
         summary["size_claims"] = driver.size_claims(side.protocol, pooled_test_sizes(side, partition))
     run.close(summary, side.server.state_dict(), lambda folder: write_models(folder, server_models(side, partition)),
               f"{display_name(options.method)} on {options.dataset} (seed {options.seed})")
-    forget_client_state(grid, strategy, settings)
+    forget_client_state(grid, strategy, timeout)
     title = f"{display_name(options.method)} on {options.dataset}, seed {options.seed} — test accuracy (%):"
     for line in driver.final_printout(summary, title).splitlines():  # the end of the run, as fedhpro run prints it
         log(INFO, "fedhpro: %s", line)
@@ -210,14 +214,14 @@ def run_key(config: Config, token: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def forget_client_state(grid: Grid, strategy: MethodStrategy, settings: FlowerSettings) -> None:
+def forget_client_state(grid: Grid, strategy: MethodStrategy, timeout: float) -> None:
     """The run is over: every node deletes the clients' state it kept for it (best effort: a node that does
     not answer keeps it, in ``<state-dir>/<run key>``, until deleted by hand)."""
     if not strategy.run_key:
         return
     query = ConfigRecord({"query": "forget", "state-key": strategy.run_key})
     messages = [Message(RecordDict({HEADER: query}), node, MessageType.QUERY) for node in strategy.nodes.values()]
-    for reply in grid.send_and_receive(messages, timeout=min(60.0, settings.round_timeout)):
+    for reply in grid.send_and_receive(messages, timeout=min(60.0, timeout)):
         if reply.has_error():
             log(WARNING, "fedhpro: node %d kept this run's client state: %s", reply.metadata.src_node_id,
                 reply.error.reason)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from collections.abc import Iterable, Mapping
 from logging import INFO, WARNING
@@ -26,14 +27,14 @@ from flwr.supercore import log
 from fedhpro.config import Config
 from fedhpro.engines import checkpoint
 from fedhpro.engines.driver import Run, round_extra
-from fedhpro.engines.protocol import OpenRound, Reception, TestCount, pool_accuracy, weighted_mean
+from fedhpro.engines.protocol import OpenRound, Reception, TestCount, weighted_mean
 from fedhpro.errors import FedHProError, UpdateError
 from fedhpro.flower import records, secagg
 from fedhpro.flower.answers import eval_count, max_classes
 from fedhpro.flower.engine import ServerSide, config_text
 from fedhpro.flower.nodes import NODE_OFFLINE, Nodes, error_reason, match_replies
 from fedhpro.flower.records import EVAL_RECORD, HEADER, PRIVACY, SERVER_STATE
-from fedhpro.flower.settings import FlowerSettings, SecureSettings
+from fedhpro.flower.settings import FlowerSettings, SecureSettings, auto_round_timeout
 from fedhpro.privacy.client import privatized_layout
 
 
@@ -57,7 +58,19 @@ def secure_for(config: Config, side: ServerSide, settings: FlowerSettings) -> Se
     layout = secagg.check_secure_run(config, side.server, participants, settings.secagg)
     # the scale (the largest weight a client may pack) is the capped size: a client's share stays <= 1
     return Secure(layout, settings.secagg, float(max(side.protocol.capped_sizes(side.num_samples))),
-                  settings.round_timeout)
+                  round_timeout(settings.round_timeout, config, side))
+
+
+def round_timeout(timeout: float | None, config: Config, side: ServerSide) -> float:
+    """The seconds a round waits for its replies: ``timeout`` (``flower.round-timeout``) as given, or, left
+    unset (None), sized from the run: its local epochs, batch size, the largest client's capped training-set
+    size and the clients asked in a round (:func:`~fedhpro.flower.settings.auto_round_timeout`)."""
+    if timeout is not None:
+        return float(timeout)
+    sizes = side.protocol.capped_sizes(side.num_samples) if side.num_samples else [0]
+    clients = len(side.num_samples)
+    participants = max(1, min(clients, math.ceil(side.protocol.participation * clients)))
+    return auto_round_timeout(config.run.local_epochs, config.run.batch_size, max(sizes), participants)
 
 
 class MethodStrategy(Strategy):
@@ -198,17 +211,21 @@ class MethodStrategy(Strategy):
         assert current is not None
         if self.secure is not None:
             self._receive_secure(current)
-        answers = match_replies(self._sent, list(replies))  # read once
+        unbound: dict[int, str] = {}  # replies from another node than asked, or a copy of another's
+        answers = match_replies(self._sent, list(replies), unbound, distinct=True)  # read once
         for k, _ in self._sent:
             reply = answers.get(k)
-            if reply is None:
+            if k in unbound:
+                current.fail(k, f"refused reply: {unbound[k]}")
+                self.refused[k] = current.round
+            elif reply is None:
                 current.fail(k, "no reply before flower.round-timeout")
             elif reply.has_error():
                 current.fail(k, error_reason(reply.error))
             else:
                 try:
+                    metrics = records.decode_metrics(reply.content)  # bounded: checked before the payload
                     payload = records.decode_payload(reply.content, self.side.device, expected=self._reply_layout())
-                    metrics = records.decode_metrics(reply.content)
                 except FedHProError as error:  # a malformed reply: refused like an invalid update
                     current.fail(k, f"invalid update: {error}")
                     self.refused[k] = current.round
@@ -362,7 +379,8 @@ class MethodStrategy(Strategy):
         counts: dict[int, TestCount] = {}
         reasons: dict[int, str] = {}
         own_errors = []  # clients whose node raised (not the SuperLink's "node offline")
-        for k, reply in match_replies(self._sent, replies).items():
+        unbound: dict[int, str] = {}
+        for k, reply in match_replies(self._sent, replies, unbound).items():
             if reply.has_error():
                 reasons[k] = error_reason(reply.error)
                 if reply.error.code != ErrorCode.NODE_UNAVAILABLE:
@@ -372,6 +390,7 @@ class MethodStrategy(Strategy):
                 counts[k] = eval_count(reply.content.config_records.get(EVAL_RECORD), self.client_test(k))
             except UpdateError as error:  # counts it cannot have: not pooled
                 reasons[k] = f"invalid evaluation: {error}"
+        reasons.update({k: f"refused reply: {why}" for k, why in unbound.items()})
         if self._sent and len(own_errors) == len(self._sent):
             first = min(own_errors)
             raise FedHProError(f"round {round}: every client failed to evaluate; client {first}: {reasons[first]}")
@@ -385,7 +404,7 @@ class MethodStrategy(Strategy):
             return None, [], missing
         ordered = [counts[k] for k in sorted(counts)]
         order = list(self.side.engine.federation.test_sets) if self.side.engine is not None else None
-        accuracy = pool_accuracy(ordered, order, self.side.protocol.aggregation.max_share)
+        accuracy = self.side.protocol.pooled_accuracy(ordered, order)
         # a client without test data of its own is not tested (None: no accuracy, out of the fairness statistics)
         return accuracy, [c.accuracy if c.total else None for c in ordered], missing
 
