@@ -346,3 +346,81 @@ def test_a_node_s_entry_reaches_the_gate_through_its_forwarder_s_socket(tmp_path
         gate.entry_config(tmp_path / "e2", certs, "supernode-1", "127.0.0.1:1", "127.0.0.1:2")
     with pytest.raises(ConfigError, match="loopback"):
         gate.entry_config(tmp_path / "e3", certs, "supernode-1", "0.0.0.0:1", f"unix:{sockets / 'x'}")
+
+
+def test_the_gate_logs_a_role_only_for_a_verified_certificate(tmp_path):
+    """The access log's ``role=`` is the role of a certificate nginx verified ($ssl_client_verify = SUCCESS):
+    the gate answers an expired operator certificate with 400, and its line must not read role=operator."""
+    certificates.create(tmp_path / "certs", ["localhost"], gate=True)
+    text = gate.server_config(tmp_path / "gate", tmp_path / "certs", "127.0.0.1:18000",
+                              f"unix:{tmp_path / 'none.sock'}").config.read_text()
+    block = text.split('map "$ssl_client_verify:$fedhpro_role" $fedhpro_logged_role {', 1)[1].split("}", 1)[0]
+    assert [line.strip() for line in block.strip().splitlines()] == [
+        'default "";', '"SUCCESS:operator" operator;', '"SUCCESS:node" node;']
+    assert "role=$fedhpro_logged_role " in text and 'verify="$ssl_client_verify"' in text
+    assert "role=$fedhpro_role" not in text  # the subject's role alone is never what the log shows
+
+
+@pytest.mark.skipif(NGINX is None, reason="nginx is not installed (apt-get install nginx-light)")
+def test_an_expired_operator_certificate_is_logged_without_a_role(tmp_path):
+    """The running gate (no SuperLink behind: what it passes gets 502): the CA's operator certificate passes
+    and is logged role=operator; the same subject, expired, gets 400 and a line with role= empty and the
+    verification's failure."""
+    import datetime
+    import socket
+    import time
+
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    certs = tmp_path / "certs"
+    certificates.create(certs, ["localhost"], gate=True)
+    ca_key = serialization.load_pem_private_key((certs / "ca.key").read_bytes(), password=None)
+    ca_cert = x509.load_pem_x509_certificate((certs / "ca.crt").read_bytes())
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    subject = x509.load_pem_x509_certificate((certs / "operator.crt").read_bytes()).subject
+    expired = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_cert.subject)
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(days=10)).not_valid_after(now - datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+               .sign(ca_key, hashes.SHA256()))  # type: ignore[arg-type]
+    (tmp_path / "expired.crt").write_bytes(expired.public_bytes(serialization.Encoding.PEM))
+    certificates.write_file(tmp_path / "expired.key", key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()), True)
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = gate.server_config(tmp_path / "gate", certs, f"127.0.0.1:{port}", f"unix:{tmp_path / 'none.sock'}")
+    process = subprocess.Popen(server.command(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+    def status(cert: Path, key_file: Path) -> object:
+        context = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+        context.check_hostname = False
+        context.load_cert_chain(str(cert), str(key_file))
+        connection = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=30)
+        try:
+            connection.request("POST", "/v1/control/list-runs", body=b"")
+            return connection.getresponse().status
+        except OSError as error:
+            return type(error).__name__
+        finally:
+            connection.close()
+
+    try:
+        deadline = time.monotonic() + 60
+        while status(certs / "operator.crt", certs / "operator.key") != 502 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        seen = status(tmp_path / "expired.crt", tmp_path / "expired.key")
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert seen == 400, seen
+    lines = (tmp_path / "gate" / "access.log").read_text().splitlines()
+    refused = [line for line in lines if " 400 " in line]
+    assert len(refused) == 1 and " role= " in refused[0], lines
+    assert 'client="CN=operator,OU=operator,O=fedhpro"' in refused[0], lines
+    assert 'verify="FAILED:certificate has expired"' in refused[0], lines
+    passed = [line for line in lines if " 502 " in line]
+    assert passed and all("role=operator " in line and 'verify="SUCCESS"' in line for line in passed), lines

@@ -16,9 +16,12 @@ The gate puts nginx (a Debian package, no code of ours on the wire) in front:
   no further attribute: :func:`role_rules`), gets one: ``OU=operator`` may use
   ``/v1/control/*``, ``OU=node`` only ``/v1/fleet/*``; both may read
   ``/health``; everything else (``/v1/runtime``, ``/docs``, ...) is refused
-  with 403. Requests go on to the SuperLink (on 127.0.0.1 over its own TLS,
-  checked against the CA, or through a **bridge** on an owner-only Unix
-  socket, ``--superlink unix:/path``), where ``--enable-supernode-auth`` still
+  with 403. The access log shows a role only for a certificate nginx verified
+  (``$ssl_client_verify`` = ``SUCCESS``; an expired one is answered 400 and
+  logged with ``role=`` empty and its ``verify=`` failure). Requests go on to
+  the SuperLink (on 127.0.0.1 over its own TLS, checked against the CA, or
+  through a **bridge** on an owner-only Unix socket, ``--superlink
+  unix:/path``), where ``--enable-supernode-auth`` still
   checks each node's signature: two independent checks.
 - **gate bridge** (the SuperLink's host): Flower 1.42's SuperLink listens on
   TCP only (``--host``/``--port``), so it runs in a private network
@@ -257,6 +260,7 @@ def server_config(prefix: str | os.PathLike, certs: str | os.PathLike, listen: s
         proxy_ssl_name {check_name(cert)};
         proxy_ssl_session_reuse on;"""
     roles = "\n".join(f'        "~{rule}" {role};' for role, rule in role_rules().items())
+    logged = "\n".join(f'        "SUCCESS:{role}" {role};' for role in ROLE_PATHS)
     locations = "".join(f"""
         location {path} {{
             if ($fedhpro_role != {role}) {{ return 403; }}
@@ -270,8 +274,14 @@ def server_config(prefix: str | os.PathLike, certs: str | os.PathLike, listen: s
         default "";
 {roles}
     }}
-    log_format fedhpro '$remote_addr [$time_local] "$request" $status $body_bytes_sent role=$fedhpro_role '
-                       'client="$ssl_client_s_dn" $request_time';
+    # the role the log shows: only for a certificate nginx verified (an expired or revoked one whose subject
+    # reads as a role is answered with 400 and logged with role= empty and its verify result)
+    map "$ssl_client_verify:$fedhpro_role" $fedhpro_logged_role {{
+        default "";
+{logged}
+    }}
+    log_format fedhpro '$remote_addr [$time_local] "$request" $status $body_bytes_sent role=$fedhpro_logged_role '
+                       'client="$ssl_client_s_dn" verify="$ssl_client_verify" $request_time';
     access_log {_q(prefix / "access.log")} fedhpro;
     upstream superlink {{
         server {upstream};
