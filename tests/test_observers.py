@@ -110,8 +110,8 @@ class FakeWriter:
 
     made: list[FakeWriter] = []
 
-    def __init__(self, log_dir):
-        self.log_dir, self.scalars, self.closed = log_dir, [], False
+    def __init__(self, log_dir, purge_step=None):
+        self.log_dir, self.purge_step, self.scalars, self.closed = log_dir, purge_step, [], False
         FakeWriter.made.append(self)
 
     def add_scalar(self, tag, value, step):

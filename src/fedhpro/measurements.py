@@ -21,7 +21,10 @@ if TYPE_CHECKING:
 
 class TensorBoardLog(RoundObserver):
     """Every number of each round's ``metrics.jsonl`` row as a TensorBoard scalar at step ``round + 1``,
-    in ``<out>/tensorboard`` (the writer opens at the first round, so a run refused earlier leaves no folder)."""
+    in ``<out>/tensorboard`` (the writer opens at the first round, so a run refused earlier leaves no folder).
+    The writer opens with ``purge_step`` at that first round's step: a resumed run redoes the rounds after
+    its checkpoint, and TensorBoard then hides what the interrupted run had written for them (each round
+    shows once)."""
 
     def __init__(self, out: Path, writer_class: Callable[..., Any]):
         self.out = Path(out)
@@ -30,7 +33,7 @@ class TensorBoardLog(RoundObserver):
 
     def on_round_end(self, record: RoundRecord) -> None:
         if self.writer is None:
-            self.writer = self.writer_class(log_dir=str(self.out / "tensorboard"))
+            self.writer = self.writer_class(log_dir=str(self.out / "tensorboard"), purge_step=record.round + 1)
         log_scalars(self.writer, record.to_json())
 
     def on_run_end(self) -> None:

@@ -127,11 +127,14 @@ def _resume_config(config: Config, federation: Federation | None = None,
         raise ConfigError(f"resume={str(run_dir)!r}: no config.yaml there; give the folder of an earlier run")
     stored = read_yaml(saved)
     model = stored.pop("model", None) if is_from_python(stored.get("model")) else None
-    changed = _changed_on_resume(stored, _settings_off_defaults(config) if given is None else given)
+    given = _settings_off_defaults(config) if given is None else given
+    changed = _changed_on_resume(stored, given)
     if changed:
         raise ConfigError(f"resume takes its settings from {saved}; remove {', '.join(changed)} "
                           f"(only {', '.join(sorted(_RESUME_SETTINGS - {'resume'}))} may change)")
-    keep = {name: getattr(config.run, name) for name in _RESUME_SETTINGS}
+    # the saved run's own values of the resumable keys, except those set again on the resume line: a key left
+    # unset there (tensorboard, progress, parallel_clients, ...) keeps what the run had, not the default
+    keep = {name: getattr(config.run, name) for name in _RESUME_SETTINGS if name in given or name == "resume"}
     resumed = load_config(stored, keep)
     where = f"resume={str(run_dir)!r}"
     if resumed.federation is not None:

@@ -266,6 +266,8 @@ class Run:
         self.options, self.protocol, self.engine = options, protocol, engine
         self.rows = RunRows()
         self.started = time.perf_counter() if started is None else started
+        #: a resumed run's seconds before this process took it over (its last kept round's ``elapsed``)
+        self.earlier_seconds = 0.0
         self.schedule = CheckpointSchedule(options.checkpoint_every, options.checkpoint_minutes, options.rounds)
         #: summary.json's ``privacy``: the privacy ledger's settings (None: privacy off)
         self.privacy: dict[str, Any] | None = protocol.privacy_summary()
@@ -310,6 +312,8 @@ class Run:
         first = int(blob["completed_rounds"])
         timings = [row for row in reports.read_jsonl(out / "timing.jsonl") if row.get("round", 1e9) < first]
         self.rows.metrics[:], self.rows.timings[:], self.rows.first_round = list(blob["metrics"]), timings, first
+        elapsed = timings[-1].get("elapsed") if timings else None
+        self.earlier_seconds = float(elapsed) if isinstance(elapsed, (int, float)) and elapsed >= 0 else 0.0
 
     def last_round(self) -> int:
         """The round the run ends before: ``rounds``, or the first round that would take epsilon above
@@ -328,7 +332,7 @@ class Run:
         """Round ``record`` is over: its rows written, and a checkpoint of ``state()`` when one is due (one
         that cannot be written stops the run: :class:`checkpoint.CheckpointWriteError`, one line naming the
         newest good one, which is kept). Whether a checkpoint was written."""
-        self.rows.add(record, time.perf_counter() - self.started)
+        self.rows.add(record, self.seconds())
         if self.out is None:
             return False
         with stop_on_write_error(self.out, self.out / "metrics.jsonl"):
@@ -375,8 +379,9 @@ class Run:
                 plot_run_accuracy(self.rows.metrics, self.out / "accuracy.png", title=title)
 
     def seconds(self) -> float:
-        """Seconds since the run started (this process's part of a resumed run)."""
-        return time.perf_counter() - self.started
+        """Seconds since the run started: a resumed run's earlier part (up to its last kept round) and this
+        process's."""
+        return self.earlier_seconds + time.perf_counter() - self.started
 
 
 def train(engine: Engine, run: Run, label: str, progress: bool) -> None:
