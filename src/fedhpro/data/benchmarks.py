@@ -59,7 +59,7 @@ from fedhpro.data.partition import (
     domains,
     label_partition,
 )
-from fedhpro.data.spec import DatasetSpec
+from fedhpro.data.spec import DatasetSpec, ImageInput, preset_image
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.options import option
 
@@ -441,7 +441,24 @@ class DomainBenchmark:
 
 def _spec(benchmark: Any, options: type, description: str, run_defaults: dict | None = None) -> DatasetSpec:
     return DatasetSpec(name=benchmark.name, options=options, build=benchmark.build, description=description,
-                       run_defaults=dict(run_defaults or {}))
+                       run_defaults=dict(run_defaults or {}), image_input=_preset_input(benchmark))
+
+
+def _preset_input(benchmark: Any) -> ImageInput | None:
+    """How a new image becomes the benchmark's input: normalised by its sources' one preset (mean and std),
+    never resized; None for a benchmark without images or whose domains normalise differently (no one
+    preprocessing fits an image of unknown domain: its inputs are then given to predict as tensors)."""
+    sources = ([source for _, source, _ in benchmark.domains] if hasattr(benchmark, "domains")
+               else [getattr(benchmark, "source", None)])
+    presets = {(PRESETS[s].mean, PRESETS[s].std) for s in sources if s in PRESETS}
+    if len(presets) != 1:
+        return None
+    preset = PRESETS[next(s for s in sources if s in PRESETS)]
+
+    def image_input(options: Any, partition: Any, size: int) -> dict[str, Any]:
+        return preset_image(benchmark.name, size, preset.mean, preset.std)
+
+    return image_input
 
 
 def _label(name: str, source: str, classes: int, **kwargs: Any) -> LabelSkewBenchmark:

@@ -44,7 +44,7 @@ The same functions serve a Flower node, which holds only its own folder:
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +64,7 @@ from fedhpro.data.images import (
     subfolders,
     to_float,
 )
-from fedhpro.data.spec import DatasetSpec
+from fedhpro.data.spec import DatasetSpec, half_range_image
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.options import option
 
@@ -749,12 +749,27 @@ def _listing(groups: dict[str, list[str]]) -> str:
     return "; ".join(f"{value}: {', '.join(names)}" for value, names in groups.items())
 
 
+def image_input(options: ClientsOptions, partition: Mapping[str, Any], size: int) -> dict[str, Any] | None:
+    """A new image as this data set's input, for sites of images (None for tensors): resized to ``size``,
+    scaled to [-1, 1] by the bit depth every site was told (``data.bit_depth`` above 8). The kind is the
+    partition record's, or on Flower the kind the first node reported."""
+    reported = partition.get("clients") or [{}]
+    kind = partition.get("kind", reported[0].get("kind") if isinstance(reported[0], Mapping) else None)
+    if kind != "images":
+        return None
+    image = half_range_image("clients", size, resize=True)
+    if int(options.bit_depth or 0) > 8:
+        image["bit_depth"] = int(options.bit_depth)
+    return image
+
+
 DATASET = DatasetSpec(
     name="clients",
     options=ClientsOptions,
     build=build,
     description="your federation, already split: data_dir=PATH with one folder per client (train/<class>/ images "
                 "or train.npz/.pt tensors, optional test split)",
+    image_input=image_input,
 )
 
 __all__ = ["ClientInfo", "ClientsOptions", "DATASET", "STANDARDIZE_CHOICES", "apply_statistics", "build",

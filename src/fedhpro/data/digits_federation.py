@@ -26,6 +26,7 @@ AVG over those domains.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,7 @@ from fedhpro.data.partition import (
     added_label_schemes,
     within_domains,
 )
-from fedhpro.data.spec import DatasetSpec
+from fedhpro.data.spec import DatasetSpec, half_range_image
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.options import option
 
@@ -284,10 +285,16 @@ def _loaded(path: str, domains: dict, options: DigitsOfflineOptions, chosen: lis
                       _test_sets(domains, used), record)
 
 
+def image_input(options: DigitsOfflineOptions, partition: Mapping[str, Any], size: int) -> dict[str, Any]:
+    """A new image as this data set's input: scaled to [-1, 1], never resized (only 32 x 32 images fit)."""
+    return half_range_image("digits-offline", size, resize=False)
+
+
 DATASET = DatasetSpec(
     name="digits-offline",
     options=DigitsOfflineOptions,
     build=build,
     description="four digit domains built offline: mnist, optdigits, syn, mnistm (stand-ins for MNIST, USPS, SYN, "
                 "SVHN); partition=domains (default) or dirichlet/nid2/iid/longtail within each domain",
+    image_input=image_input,
 )

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ from fedhpro.data.federation import Federation
 from fedhpro.data.images import open_image, rgb_pixels, to_float
 from fedhpro.data.loaders import build_vocab, encode, split_indices
 from fedhpro.data.partition import PartitionError, PartitionOptions, chosen_scheme, label_partition
-from fedhpro.data.spec import DatasetSpec
+from fedhpro.data.spec import DatasetSpec, half_range_image
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.options import option
 
@@ -314,12 +315,20 @@ def build(options: HuggingFaceOptions, clients: int | None, seed: int, data_dir:
                                    num_classes=num_classes, name="huggingface", partition=record, notes=notes)
 
 
+def image_input(options: HuggingFaceOptions, partition: Mapping[str, Any], size: int) -> dict[str, Any] | None:
+    """A new image as this data set's input: resized to ``size``, scaled to [-1, 1]; None for texts."""
+    if options.text_column:
+        return None
+    return half_range_image("huggingface", size, resize=True)
+
+
 DATASET = DatasetSpec(
     name="huggingface",
     options=HuggingFaceOptions,
     build=build,
     description="a Hugging Face data set (data.path=FOLDER from save_to_disk, or a hub name; images or "
                 "data.text_column), split by partition=dirichlet|nid2|iid|longtail; needs fedhpro[hf]",
+    image_input=image_input,
 )
 
 __all__ = ["DATASET", "HuggingFaceOptions", "build", "open_dataset"]

@@ -44,6 +44,7 @@ standard deviation instead of the fixed ``[-1, 1]`` scaling.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,7 @@ from fedhpro.data.partition import (
     label_partition,
     within_domains,
 )
-from fedhpro.data.spec import DatasetSpec
+from fedhpro.data.spec import DatasetSpec, half_range_image
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.options import option
 
@@ -437,12 +438,26 @@ def _partition(options: PartitionOptions, scheme: str, labels: dict[str, np.ndar
         raise ConfigError(f"dataset=imagefolder: {error}") from None
 
 
+def image_input(options: ImageFolderOptions, partition: Mapping[str, Any], size: int) -> dict[str, Any]:
+    """A new image as this data set's input: resized to ``size``, scaled to [-1, 1] as the run's partition.json
+    recorded: by its bit depth (16-bit images by ``2**bits - 1``) and, with ``data.standardize=train``, by the
+    training images' per-channel mean and std (of pixels in 0..1), which a new image must get too."""
+    image = half_range_image("imagefolder", size, resize=True)
+    if isinstance(partition.get("bit_depth"), int):
+        image["bit_depth"] = int(partition["bit_depth"])
+    standardize = partition.get("standardize")
+    if isinstance(standardize, Mapping):
+        image["standardize"] = {"mean": list(standardize.get("mean", [])), "std": list(standardize.get("std", []))}
+    return image
+
+
 DATASET = DatasetSpec(
     name="imagefolder",
     options=ImageFolderOptions,
     build=build,
     description="your images in ImageFolder layout (data_dir=PATH: <class>/, train/ + test/, or <domain>/...), "
                 "split by partition=dirichlet|nid2|iid|longtail",
+    image_input=image_input,
 )
 
 __all__ = ["DATASET", "DEFAULT_CLIENTS", "DomainImages", "ImageFolderOptions", "build", "discover"]

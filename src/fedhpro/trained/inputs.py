@@ -1,0 +1,209 @@
+"""Predict's inputs made as the run made its inputs: image files decoded, resized and normalised as model.json's
+``input`` says (what the run's data set declared: :attr:`fedhpro.data.spec.DatasetSpec.image_input`), tensor files
+read without unpickling, tabular rows of ``data.standardize=client`` scaled by standardize.json."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+from fedhpro.arrays import ArrayFileError, load_npz, load_torch
+from fedhpro.data.benchmarks import to_float as preset_float
+from fedhpro.data.clients import apply_statistics
+from fedhpro.data.images import decode_file, open_image, to_float
+from fedhpro.data.loaders import IMAGE_EXTENSIONS, Preset
+from fedhpro.errors import ConfigError, DataError
+from fedhpro.trained.checks import read_info, read_statistics, shown
+from fedhpro.trained.folder import MODEL_INFO, POOLED, STATISTICS_FILE, ModelFileError
+
+
+def prepare_inputs(run_folder: str | os.PathLike, x: Tensor, *, site: str | None = None) -> Tensor:
+    """``x`` (N x the model's input shape, raw as the training files held it) made what the run's model
+    takes: for tabular own data trained with ``data.standardize=client``, each feature scaled by the
+    training mean and std of ``site`` (a site folder's name), by default of every site's training rows
+    pooled (a new site); other runs' inputs are returned as they are. Use it with :func:`load_model`;
+    :func:`predict` applies it."""
+    folder = Path(run_folder)
+    info = read_info(folder)
+    return prepared(folder, info, x, site)
+
+
+def prepared(folder: Path, info: Mapping[str, Any], x: Tensor, site: str | None) -> Tensor:
+    inputs = info.get("input", {})
+    if inputs.get("standardize", "none") == "none" or inputs.get("kind") != "tensor":
+        if site is not None:
+            raise ConfigError(f"{folder}'s inputs were not scaled per site (no data.standardize=client on tabular "
+                              "data); leave out the site")
+        return x
+    if inputs["standardize"] != "client":
+        raise ModelFileError(f"{folder / MODEL_INFO}: input.standardize is {shown(inputs['standardize'])}, which "
+                             "this fedhpro cannot rebuild (client or none); run again")
+    statistics = read_statistics(folder, info)
+    if site is None:
+        entry = statistics[POOLED]
+    elif site in statistics["sites"]:
+        entry = statistics["sites"][site]
+    else:
+        names = sorted(statistics["sites"])
+        raise ConfigError(f"{folder} has no site {site!r}; its sites are {', '.join(names)} (leave the site out for "
+                          "a new site: every site's training rows pooled)")
+    mean = torch.tensor(entry["mean"], dtype=torch.float64)
+    std = torch.tensor(entry["std"], dtype=torch.float64)
+    scaled = apply_statistics(x, mean, std)
+    if x.is_floating_point() and bool(torch.isfinite(x).all()) and not bool(torch.isfinite(scaled).all()):
+        where = [int(i) for i in (~torch.isfinite(scaled)).nonzero()[0]]
+        raise ModelFileError(f"{folder / STATISTICS_FILE}: its {site or POOLED} mean and std scale the input at "
+                             f"{where} beyond float32's range; they are not statistics of such data: run again, or "
+                             "check the inputs' units")
+    return scaled
+
+
+def _image_files(folder: Path) -> list[Path]:
+    """The image files in ``folder`` and below (hidden ones skipped), sorted by path."""
+    found = [p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
+             and not any(part.startswith(".") for part in p.relative_to(folder).parts)]
+    return sorted(found)
+
+
+def _image_input(path: Path, inputs: Mapping[str, Any]) -> Tensor:
+    """One image file as the run's data set made its inputs: decoded to RGB (grey replicated, alpha dropped)
+    by :func:`fedhpro.data.images.decode_file`, resized to S x S where the data set resizes (else an image of
+    another size is refused), normalised as the data set normalises. ``3 x S x S`` float32."""
+    size = int(inputs["size"])
+    if not inputs.get("resize", False):
+        try:
+            with open_image(path) as image:  # its pixel count checked before anything is decoded
+                width, height = image.size
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
+            reason = (str(error).splitlines() or [type(error).__name__])[0]
+            raise DataError(f"cannot decode the image {path} ({reason}); give PNG/JPEG images") from None
+        if (width, height) != (size, size):
+            raise DataError(f"{path} is {width}x{height} pixels; this run's model takes {size}x{size} images "
+                            f"({inputs.get('dataset', 'its data set')} does not resize): resize it to {size}x{size}")
+    bits = inputs.get("bit_depth")
+    if bits is not None:
+        # as the image folder decoded its data set: 16-bit values kept, an 8-bit image as its 16-bit equivalent
+        pixels = decode_file(path, size, depth=True)[None]
+        if pixels.dtype != np.uint16:
+            pixels = pixels.astype(np.uint16) * 257
+        try:
+            x = to_float(pixels, int(bits))[0]
+        except DataError:
+            raise DataError(f"{path} holds values above {bits} bits, the depth of this run's images; give "
+                            f"{bits}-bit images") from None
+    else:
+        pixels = decode_file(path, size)[None]
+        if inputs.get("normalize") == "preset":
+            preset = Preset(size, tuple(inputs["mean"]), tuple(inputs["std"]))  # type: ignore[arg-type]
+            return preset_float(pixels, preset, size)[0]
+        x = to_float(pixels)[0]
+    channels = inputs.get("standardize")
+    if isinstance(channels, Mapping):
+        # recorded in 0..1 units; training scaled [-1, 1] inputs by 2 * mean - 1 and 2 * std, in float32
+        mean = (2 * torch.tensor(channels["mean"], dtype=torch.float64) - 1).float().view(-1, 1, 1)
+        std = (2 * torch.tensor(channels["std"], dtype=torch.float64)).float().view(-1, 1, 1)
+        x = x.sub(mean).div(std)
+    return x
+
+
+def _read_npz(path: Path) -> Any:
+    """The array ``x`` of a ``.npz`` file (a training file: ``x`` and ``y``), else its only array; every member's
+    declared size and header checked before anything is read (:func:`fedhpro.arrays.load_npz`)."""
+    arrays = load_npz(path)  # a damaged or foreign file: one line naming it
+    if "x" in arrays:
+        return arrays["x"]
+    if len(arrays) == 1:
+        return next(iter(arrays.values()))
+    raise DataError(f"{path} holds {len(arrays)} arrays and no x; save the inputs as x: np.savez(path, x=x)")
+
+
+def _tensor_inputs(path: Path, inputs: Mapping[str, Any], model_shape: Sequence[int]) -> Tensor:
+    """The N inputs of a ``.pt`` or ``.npz`` tensor file, N x the model's input shape: one tensor (array), or
+    a training file's ``x`` (its ``y`` is not read as an input). ``.pt`` is read with ``weights_only=True``,
+    ``.npz`` without pickles: no file runs code; what either declares is checked against
+    ``FEDHPRO_MAX_ARRAY_BYTES`` first (:mod:`fedhpro.arrays`)."""
+    if path.suffix.lower() == ".npz":
+        value: Any = _read_npz(path)
+    else:
+        try:
+            value = load_torch(path)  # its declared sizes checked first
+        except ArrayFileError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a damaged or foreign file
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+            raise DataError(f"{path} is not a tensor file fedhpro can read ({reason}); save one with "
+                            "torch.save(x, path), x an N x ... tensor") from None
+        if isinstance(value, dict) and "x" in value:
+            value = value["x"]
+    shape = tuple(int(n) for n in model_shape)
+    if not isinstance(value, Tensor):
+        value = _as_input_tensor(value, path, shape)
+    if tuple(value.shape) == shape:
+        value = value.unsqueeze(0)
+    if value.dim() != len(shape) + 1 or tuple(value.shape[1:]) != shape:
+        raise DataError(f"{path} holds a tensor of shape {tuple(value.shape)}; this run's model takes N x "
+                        f"{' x '.join(map(str, shape))} inputs (check the channels and the size)")
+    wants_integers = inputs.get("kind") == "tensor" and not str(inputs.get("dtype", "float32")).startswith("float")
+    if wants_integers:
+        if value.is_floating_point() and not bool(torch.all(value == value.round())):
+            raise DataError(f"{path} holds {value.dtype} values; this run's model takes integer token ids")
+        return value.long()
+    if not (value.is_floating_point() or value.dtype in (torch.int32, torch.int64)) or value.dtype == torch.uint8:
+        raise DataError(f"{path} holds {value.dtype} values; give float inputs, preprocessed as the run's data "
+                        "(uint8 pixels: save images as PNG files instead)")
+    value = value.float()
+    if not bool(torch.isfinite(value).all()):
+        raise DataError(f"{path} holds NaN or infinite values; clean the inputs")
+    return value
+
+
+def _as_input_tensor(value: Any, path: Path, shape: Sequence[int]) -> Tensor:
+    """A numeric array (a ``.npz`` file's, or a training file's ``x``) as a CPU tensor; anything else refused."""
+    wanted = " x ".join(map(str, shape))
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+        if value.dtype.kind == "u" and value.dtype.itemsize > 1:
+            value = value.astype(np.int64)  # torch has no wide unsigned arithmetic
+        return torch.from_numpy(np.ascontiguousarray(value))
+    what = f"{value.dtype} values" if isinstance(value, np.ndarray) else f"a {type(value).__name__}"
+    raise DataError(f"{path} holds {what}; save one numeric tensor, N x {wanted}")
+
+
+def gather_inputs(paths: Iterable[str | os.PathLike], info: Mapping[str, Any]) -> tuple[list[str], Tensor]:
+    """``(names, inputs)``: every image file given (or found in a given folder) and every row of a given
+    ``.pt`` / ``.npz`` tensor file (named ``file.pt[i]``), as the model's inputs; one DataError line for a wrong
+    path. Tensor rows are returned as the file holds them (:func:`prepare_inputs` scales them as training did)."""
+    inputs, shape = info.get("input", {}), info["input_shape"]
+    names: list[str] = []
+    rows: list[Tensor] = []
+    given = [Path(p) for p in paths]
+    if not given:
+        raise ConfigError("give at least one input: image files, folders of images or a .pt/.npz tensor file")
+    for path in given:
+        if not path.exists():
+            raise DataError(f"{path}: no such file or folder; give image files, folders of images or a .pt/.npz "
+                            "tensor file")
+        if path.is_file() and path.suffix.lower() in (".pt", ".npz"):
+            batch = _tensor_inputs(path, inputs, shape)
+            names += [f"{path}[{i}]" for i in range(batch.shape[0])]
+            rows += list(batch)
+            continue
+        files = _image_files(path) if path.is_dir() else [path]
+        if path.is_dir() and not files:
+            raise DataError(f"{path} holds no image files (.png, .jpg, ...); give a folder of images")
+        if inputs.get("kind") != "image":
+            raise DataError(f"{path}: this run's model takes tensors of shape {tuple(shape)}, not images; give a "
+                            ".pt/.npz file of an N x ... tensor, preprocessed as the run's data")
+        for file in files:
+            if file.suffix.lower() not in IMAGE_EXTENSIONS:
+                raise DataError(f"{file} is not an image file ({', '.join(IMAGE_EXTENSIONS)}) or a .pt/.npz tensor "
+                                "file")
+            names.append(str(file))
+            rows.append(_image_input(file, inputs))
+    return names, torch.stack(rows)
