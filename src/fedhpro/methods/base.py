@@ -865,6 +865,20 @@ def extract_features(model: nn.Module, x: Tensor, batch_size: int | None = None)
 
 
 @dataclass(frozen=True)
+class InferenceRule:
+    """A method's own inference rule as a trained model keeps it (:attr:`MethodSpec.inference_rule`).
+
+    ``name``: the rule's name in a run folder's model.json (``inference``; not ``head``, the network's own
+    classifier). ``build(network, num_classes)``: the module applying the rule to ``network`` with its own
+    state empty (FedProto's prototypes as zeros), of the same keys and shapes as the module the method's
+    :meth:`Server.inference_model` gives during the run: model.pt holds that module's state dict, and
+    ``fedhpro.load_model`` builds this one and loads it."""
+
+    name: str
+    build: Callable[[nn.Module, int], nn.Module]
+
+
+@dataclass(frozen=True)
 class MethodSpec:
     """A registered method: its name, option group, server part and client part."""
 
@@ -888,3 +902,7 @@ class MethodSpec:
     #: client's prototypes); "" (the default): a function of sums, weighted as the reply layout declares
     #: (:attr:`ClassRows.averaged`). Secure aggregation refuses a method that says why, quoting it.
     needs_each_upload: str = ""
+    #: the rule the method's :meth:`Server.inference_model` applies when it is not the network itself (the
+    #: prototype methods' nearest prototype): with it a run's exported model keeps the rule; without it a
+    #: model tested through another module is exported as the network with its own classifier, with a warning
+    inference_rule: InferenceRule | None = None

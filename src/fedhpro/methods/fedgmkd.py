@@ -35,6 +35,7 @@ from fedhpro.methods.base import (
     extract_features,
 )
 from fedhpro.methods.prototypes import (
+    NEAREST_PROTOTYPE,
     PrototypeClient,
     PrototypeOptions,
     PrototypeServer,
@@ -363,4 +364,5 @@ METHOD = MethodSpec(
     description="FedGMKD: GMM prototypes + soft-label distillation, discrepancy-aware (DAT) aggregation",
     weights_travel=weights_travel,
     needs_each_upload="its DAT step weights each client by the discrepancy of that client's own soft predictions",
+    inference_rule=NEAREST_PROTOTYPE,
 )

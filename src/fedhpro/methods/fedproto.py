@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from fedhpro import functional as HF
 from fedhpro.methods.base import HOLDERS, MethodSpec, Payload
 from fedhpro.methods.prototypes import (
+    NEAREST_PROTOTYPE,
     PrototypeClient,
     PrototypeOptions,
     PrototypeServer,
@@ -58,4 +59,5 @@ METHOD = MethodSpec(
     client=FedProtoClient,
     description="FedProto: CE + lam * MSE to the unweighted mean of the clients' class prototypes",
     weights_travel=weights_travel,
+    inference_rule=NEAREST_PROTOTYPE,
 )

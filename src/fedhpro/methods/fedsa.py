@@ -64,6 +64,7 @@ from fedhpro.methods.base import (
     classifier_of,
 )
 from fedhpro.methods.prototypes import (
+    NEAREST_PROTOTYPE,
     PrototypeClient,
     PrototypeOptions,
     PrototypeServer,
@@ -225,4 +226,5 @@ METHOD = MethodSpec(
     client=FedSAClient,
     description="FedSA: fixed random semantic anchors (EMA of prototypes), calibration + MSE + margin CE",
     weights_travel=weights_travel,  # protocol=proto-only: every client keeps its own model
+    inference_rule=NEAREST_PROTOTYPE,
 )

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from fedhpro import functional as HF
 from fedhpro.methods.base import MethodContext, MethodSpec, Payload
 from fedhpro.methods.prototypes import (
+    NEAREST_PROTOTYPE,
     PrototypeClient,
     PrototypeOptions,
     PrototypeServer,
@@ -162,4 +163,5 @@ METHOD = MethodSpec(
     description="FedTGP: CE + lam * MSE to trainable global prototypes learned with an adaptive-margin CE",
     weights_travel=weights_travel,
     needs_each_upload="its server trains the global prototypes on every client's own prototypes",
+    inference_rule=NEAREST_PROTOTYPE,
 )

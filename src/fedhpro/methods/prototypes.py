@@ -42,6 +42,7 @@ from fedhpro.errors import ConfigError, UpdateError
 from fedhpro.methods.base import (
     ClassRows,
     Client,
+    InferenceRule,
     LocalRound,
     LossTerms,
     MethodContext,
@@ -307,6 +308,18 @@ class NearestPrototypeClassifier(nn.Module):
         # exact differences, not |a|^2 - 2ab + |b|^2: ties and near-ties stay ordered correctly
         distances = (z.unsqueeze(1) - prototypes.unsqueeze(0)).pow(2).sum(-1).sqrt()
         return (-distances).masked_fill(~self.mask.to(z.device), float("-inf"))
+
+
+def empty_nearest_prototype(network: nn.Module, num_classes: int) -> NearestPrototypeClassifier:
+    """A :class:`NearestPrototypeClassifier` over ``network`` without prototypes yet (zeros, no class marked):
+    what a saved one's state dict is loaded into."""
+    dim = classifier_of(network).in_features
+    return NearestPrototypeClassifier(network, torch.zeros(num_classes, dim),
+                                      torch.zeros(num_classes, dtype=torch.bool))
+
+
+#: the prototype methods' ``inference=nearest-prototype`` as their MethodSpec declares it (kept on export)
+NEAREST_PROTOTYPE = InferenceRule("nearest-prototype", empty_nearest_prototype)
 
 
 def prototype_inference(inference: str, model: nn.Module, prototypes: Tensor, mask: Tensor) -> nn.Module:

@@ -1,10 +1,11 @@
 """Per-class accuracy tables of finished runs (``fedhpro report ... per_class=true``).
 
 The counts come from :func:`fedhpro.trained.class_accuracy` (each run's model re-tested on its rebuilt test
-sets); this module only turns them into ``per_class.md``, ``per_class.csv`` and ``per_class.png``. Classes
-are ranked by their training images summed over the clients: the head is the largest third, the tail the
-smallest third, the middle the rest (3 / 4 / 3 of 10 classes), as in long-tail studies. When every class has
-as many training images as every other, there is no head or tail and the tables say so.
+sets through the run's own evaluation, so its accuracy is the summary's unless a file changed); this module
+only turns them into ``per_class.md``, ``per_class.csv`` and ``per_class.png``. Classes are ranked by their
+training images summed over the clients: the head is the largest third, the tail the smallest third, the
+middle the rest (3 / 4 / 3 of 10 classes), as in long-tail studies. When every class has as many training
+images as every other, there is no head or tail and the tables say so.
 """
 
 from __future__ import annotations
