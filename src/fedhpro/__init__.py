@@ -42,6 +42,7 @@ def __getattr__(name: str) -> Any:
 
 def run(*args, **kwargs):
     """Run one federated training; see :func:`fedhpro.api.run`."""
+    # lazy as the names above: every ``import fedhpro.<module>`` runs this file first, and the API loads it all
     from fedhpro.api import run as _run
 
     return _run(*args, **kwargs)

@@ -3,161 +3,25 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 import sys
-from typing import Any
+from types import ModuleType
 
-from fedhpro.errors import ConfigError, FedHProError
-
-
-def _cmd_run(args: argparse.Namespace) -> int:
-    from fedhpro.api import run
-
-    source = None
-    overrides = list(args.settings)
-    if overrides and "=" not in overrides[0]:
-        source = overrides.pop(0)
-    run(source, overrides, echo=True)
-    return 0
+from fedhpro import __version__
+from fedhpro.errors import FedHProError
 
 
-def _shown(value: object) -> str:
-    """A default as it is typed on the command line: ``true``, ``null``, ``0.01``, ``[1, 2]``, ``cnn``."""
-    return value if isinstance(value, str) else json.dumps(value)
+def _commands() -> ModuleType:
+    """:mod:`fedhpro.commands`, what the commands do."""
+    # lazy, the one place: --help, --version and usage errors answer in ~0.2 s without loading torch (~2-4 s)
+    from fedhpro import commands
+
+    return commands
 
 
 def key_lines(dataset: str) -> list[str]:
-    """``key [choices]: help (default: value)`` for every config key: the run's, every method's, the data
-    set's (its ``data.*`` keys), ``faults.*``, ``partition`` / ``partition.*`` and ``aggregation`` /
-    ``aggregation.*``. Defaults are the
-    values a run of ``dataset`` gets when the key is not set (a data set's own run settings included);
-    an unset (null) default whose help already says what it means is not repeated."""
-    from fedhpro.config import SECTIONS, RunOptions, load_config
-    from fedhpro.methods import all_methods
-
-    defaults = load_config(None, {"dataset": dataset})
-    groups: list[tuple[str, type[Any], Any]] = [("", RunOptions, defaults.run)]
-    groups += [(f"{name}.", spec.options, defaults.methods[name]) for name, spec in all_methods().items()]
-    groups += [(f"{section.name}.", section.options_for(dataset), getattr(defaults, section.name))
-               for section in SECTIONS]
-    lines = []
-    for prefix, cls, values in groups:
-        for field in dataclasses.fields(cls):
-            choices = field.metadata.get("choices")
-            extra = f" [{'|'.join(map(str, choices))}]" if choices else ""
-            text, value = field.metadata.get("help", ""), getattr(values, field.name)
-            if not (value is None and "default" in text):  # else the help says what an unset key means
-                text += f" (default: {_shown(value)})"
-            lines.append(f"{prefix}{field.name}{extra}: {text}")
-    for section in SECTIONS:
-        if section.shorthand:
-            value = getattr(getattr(defaults, section.name), section.shorthand)
-            lines.append(f"{section.name}: short for {section.name}.{section.shorthand} (default: {_shown(value)})")
-    return lines
-
-
-def _cmd_config(args: argparse.Namespace) -> int:
-    """Print the resolved config, or (``--keys``) every key with its choices, help and default."""
-    import yaml
-
-    from fedhpro.config import load_config
-
-    overrides = list(args.settings)
-    source = overrides.pop(0) if overrides and "=" not in overrides[0] else None
-    config = load_config(source, overrides)
-    if args.keys:
-        print("\n".join(key_lines(config.run.dataset)))
-        return 0
-    print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
-    return 0
-
-
-def _cmd_models(args: argparse.Namespace) -> int:
-    """Print every registered model with its parameter count and forward FLOPs at its usual input size."""
-    from fedhpro.models import MODELS
-    from fedhpro.models.summary import describe_models, format_model_table
-
-    unknown = [name for name in args.names if name not in MODELS]
-    if unknown:
-        raise ConfigError(f"unknown model {unknown[0]!r}; choose from: {', '.join(MODELS)}")
-    print(format_model_table(describe_models(args.names or None)))
-    return 0
-
-
-def _cmd_data_describe(args: argparse.Namespace) -> int:
-    """Build the configured federation and print who holds what; write partition.png and partition.json."""
-    from pathlib import Path
-
-    from fedhpro import reports
-    from fedhpro.config import load_config
-    from fedhpro.data import get_dataset
-    from fedhpro.data.describe import plot_heatmap, table
-
-    overrides = list(args.settings)
-    source = overrides.pop(0) if overrides and "=" not in overrides[0] else None
-    config = load_config(source, overrides)
-    options = config.run
-    federation = get_dataset(options.dataset).build(config.data, options.clients, options.seed,
-                                                    data_dir=options.data_dir, progress=options.progress,
-                                                    partition=config.partition)
-    out = Path(options.out) if options.out else Path("runs") / f"data-{options.dataset}"
-    print(table(federation))
-    reports.write_json(out / "partition.json", federation.partition)
-    plot_heatmap(federation, out / "partition.png")
-    print(f"heat map: {out / 'partition.png'}; partition: {out / 'partition.json'}")
-    return 0
-
-
-def _cmd_predict(args: argparse.Namespace) -> int:
-    """Classify images or tensors with a finished run's model; the CSV to --out or stdout."""
-    from fedhpro.trained import predict
-
-    if args.batch_size < 1:
-        raise ConfigError(f"--batch-size {args.batch_size} must be at least 1")
-    text = predict(args.run_folder, args.paths, args.out, client=args.client, batch_size=args.batch_size,
-                   site=args.site)
-    if args.out is None:
-        print(text, end="")
-    else:
-        rows = text.count("\n") - 1
-        print(f"{rows} prediction{'s' if rows != 1 else ''} written to {args.out}")
-    return 0
-
-
-def _cmd_compare(args: argparse.Namespace) -> int:
-    from fedhpro.compare import main as compare_main
-
-    return compare_main(args.settings)
-
-
-def _cmd_reproduce(args: argparse.Namespace) -> int:
-    from fedhpro.reproduce import main as reproduce_main
-
-    return reproduce_main(args.settings)
-
-
-def _cmd_report(args: argparse.Namespace) -> int:
-    from fedhpro.config import parse_override
-    from fedhpro.reports.runs import report
-
-    folders = [item for item in args.settings if "=" not in item]
-    pairs = dict(parse_override(item) for item in args.settings if "=" in item)
-    unknown = set(pairs) - {"out", "force", "per_class"}
-    if unknown:
-        raise ConfigError(f"fedhpro report takes run folders, out=DIR, force=true and per_class=true only, not "
-                          f"{', '.join(sorted(unknown))}")
-    flags = {}
-    for name, why in (("force", "to replace an earlier report"), ("per_class", "to add per-class accuracy")):
-        flags[name] = pairs.get(name, False)
-        if not isinstance(flags[name], bool):
-            raise ConfigError(f"{name}={flags[name]!r} is not a boolean; use {name}=true {why}")
-    from fedhpro.trained import class_accuracy
-
-    report(folders, pairs.get("out"), force=flags["force"],
-           class_accuracy=class_accuracy if flags["per_class"] else None)
-    return 0
+    """Every config key with its choices, help and default: :func:`fedhpro.commands.key_lines`."""
+    return _commands().key_lines(dataset)
 
 
 #: how compare and reproduce run their runs in parallel (fedhpro.sweeps), in both commands' help
@@ -183,9 +47,10 @@ _REPRODUCE_DESCRIPTION = (
     "absent). ")
 
 
-def _settings_command(commands, name: str, handler, *, help: str, description: str | None = None,
+def _settings_command(commands, name: str, handler: str, *, help: str, description: str | None = None,
                       metavar: str = "[CONFIG.yaml] KEY=VALUE") -> argparse.ArgumentParser:
-    """A subcommand that takes free ``settings`` (a YAML path and KEY=VALUE pairs, or names) and a handler."""
+    """A subcommand that takes free ``settings`` (a YAML path and KEY=VALUE pairs, or names) and a handler (its
+    name in :data:`fedhpro.commands.HANDLERS`)."""
     parser = commands.add_parser(name, help=help, description=description)
     parser.add_argument("settings", nargs="*", metavar=metavar)
     parser.set_defaults(handler=handler)
@@ -196,26 +61,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedhpro",
         description="FedHPro and federated-learning baselines on heterogeneous clients.")
-    from fedhpro import __version__
-
     parser.add_argument("--version", action="version", version=f"fedhpro {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _settings_command(
-        commands, "run", _cmd_run, help="train one method on one federation",
+        commands, "run", "run", help="train one method on one federation",
         description="Train one method on one federation. With no arguments: FedHPro on digits-offline. "
                     "Settings: an optional CONFIG.yaml, then KEY=VALUE pairs (see `fedhpro config --keys`).")
-    config_parser = _settings_command(commands, "config", _cmd_config,
+    config_parser = _settings_command(commands, "config", "config",
                                       help="print the resolved config (or --keys: every key)")
     config_parser.add_argument("--keys", action="store_true",
                                help="list every key with its choices, help and default (the data.* keys of "
                                     "the dataset= given)")
-    _settings_command(commands, "compare", _cmd_compare, description=_COMPARE_DESCRIPTION + _SWEEP_HELP,
+    _settings_command(commands, "compare", "compare", description=_COMPARE_DESCRIPTION + _SWEEP_HELP,
                       help="several methods on the same federation and seeds: a table like the paper's Table A3")
-    _settings_command(commands, "reproduce", _cmd_reproduce, metavar="NAME [KEY=VALUE]",
+    _settings_command(commands, "reproduce", "reproduce", metavar="NAME [KEY=VALUE]",
                       help="run a table or figure of the paper (configs/paper/NAME.yaml): tables and PNGs",
                       description=_REPRODUCE_DESCRIPTION + _SWEEP_HELP)
     _settings_command(
-        commands, "report", _cmd_report, metavar="RUN_DIR",
+        commands, "report", "report", metavar="RUN_DIR",
         help="tables and plots from finished runs or a comparison (accuracy curves, L_GM, fairness)",
         description="fedhpro report RUN_DIR [RUN_DIR ...] [out=DIR] [force=true] [per_class=true]: table.md/table.csv "
                     "(final "
@@ -251,16 +114,16 @@ def build_parser() -> argparse.ArgumentParser:
                                      "training statistics (default: all sites' training rows pooled, for a new site)")
     predict_parser.add_argument("--batch-size", type=int, default=256, metavar="N",
                                 help="inputs per forward pass (default 256)")
-    predict_parser.set_defaults(handler=_cmd_predict)
+    predict_parser.set_defaults(handler="predict")
     models_parser = commands.add_parser(
         "models", help="list the model zoo: parameters and forward FLOPs (torch.utils.flop_counter)")
     models_parser.add_argument("names", nargs="*", help="only these models")
-    models_parser.set_defaults(handler=_cmd_models)
+    models_parser.set_defaults(handler="models")
     data_parser = commands.add_parser("data", help="inspect data sets and federations (data describe)")
     data_commands = data_parser.add_subparsers(dest="data_command", metavar="COMMAND")
-    data_parser.set_defaults(handler=lambda _args: _usage(data_parser))
+    data_parser.set_defaults(handler=None, usage=data_parser)  # `fedhpro data` alone: its help
     _settings_command(
-        data_commands, "describe", _cmd_data_describe,
+        data_commands, "describe", "data describe",
         help="per-client table (samples, classes, domain) and a client x class heat map",
         description="Build the federation of the given settings (same keys as `fedhpro run`) and print one row "
                     "per client; writes partition.png (client x class counts) and partition.json to out= "
@@ -278,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
-        return _usage(parser)
+        return _usage(getattr(args, "usage", parser))
     try:
-        code = args.handler(args)
+        code = _commands().HANDLERS[args.handler](args)
         sys.stdout.flush()  # a closed pipe shows here, not at exit where it could not be caught
         return code
     except FedHProError as error:

@@ -22,7 +22,13 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fedhpro.errors import ConfigError
+import yaml
+
+from fedhpro import api
+from fedhpro.bounded import MAX_YAML_CHARS, load_yaml, read_bounded
+from fedhpro.config import PRESENTATION_KEYS, load_config, numbers_settings, parse_override
+from fedhpro.engines import checkpoint
+from fedhpro.errors import ConfigError, FedHProError
 from fedhpro.files import claim_run_folder
 from fedhpro.methods import method_names
 from fedhpro.reports import write_atomic
@@ -51,8 +57,6 @@ def run_settings(config: Mapping[str, Any], method: str) -> dict[str, Any]:
     Presentational keys (``out``, ``progress``, ``device``, ...) and the other methods' sections are left out;
     equivalent values are spelt one way (:func:`fedhpro.config.numbers_settings`).
     """
-    from fedhpro.config import PRESENTATION_KEYS, numbers_settings
-
     others = set(method_names())
     return {key: value for key, value in numbers_settings(config).items()
             if key not in PRESENTATION_KEYS and (key not in others or key == method)}
@@ -87,12 +91,6 @@ def setting_differences(stored: Mapping[str, Any], wanted: Mapping[str, Any]) ->
 def check_stored_run(folder: Path, config) -> None:
     """Raise unless the run kept in ``folder`` (finished, or interrupted after a checkpoint) has
     ``config``'s settings."""
-    import yaml
-
-    from fedhpro.bounded import MAX_YAML_CHARS, load_yaml, read_bounded
-    from fedhpro.engines import checkpoint
-    from fedhpro.errors import FedHProError
-
     finished = (folder / "summary.json").is_file()
     if not finished and checkpoint.latest(folder) is None:
         return  # nothing worth keeping: run_or_continue starts it again
@@ -126,12 +124,10 @@ def run_all(jobs: Sequence[tuple[Any, Path]]) -> Iterator[dict[str, Any]]:
     Every kept run is checked against its config before the first job runs, so a stale folder stops the
     whole sweep at once instead of after hours.
     """
-    from fedhpro.api import run_or_continue
-
     for config, folder in jobs:
         check_stored_run(folder, config)
     for config, folder in jobs:
-        yield run_or_continue(config, folder)
+        yield api.run_or_continue(config, folder)
 
 
 def run_sweep(jobs: Sequence[tuple[Any, Path]], labels: Sequence[str], sweep: Sweep | None = None,
@@ -147,9 +143,7 @@ def run_sweep(jobs: Sequence[tuple[Any, Path]], labels: Sequence[str], sweep: Sw
         return list(run_all(jobs)), []
     for config, folder in jobs:
         check_stored_run(folder, config)
-    from fedhpro.api import run_or_continue
-
-    return execute(jobs, labels, sweep, run_or_continue, echo=echo)
+    return execute(jobs, labels, sweep, api.run_or_continue, echo=echo)
 
 
 def compare(methods: Sequence[str], seeds: Sequence[int], settings: Mapping[str, Any] | Sequence[str],
@@ -163,8 +157,6 @@ def compare(methods: Sequence[str], seeds: Sequence[int], settings: Mapping[str,
     lists the failed ones.
     """
     sweep = make_sweep(jobs, executor, ray_address)
-    from fedhpro.config import load_config, parse_override
-
     unknown = [m for m in methods if m not in method_names()]
     if unknown:
         raise ConfigError(f"unknown method {unknown[0]!r}; choose from: {', '.join(method_names())}")
@@ -252,8 +244,6 @@ def _table(summaries: dict[str, list[dict[str, Any]]], seeds: Sequence[int]) -> 
 def main(arguments: Sequence[str]) -> int:
     """CLI: ``fedhpro compare [CONFIG.yaml] methods=[a,b] seeds=[0,1,2] out=DIR [jobs=N] [executor=local|ray]
     [ray.address=auto|HOST:PORT] KEY=VALUE ...``."""
-    from fedhpro.config import parse_override
-
     items = list(arguments)
     source = items.pop(0) if items and "=" not in items[0] else None
     pairs = dict(map(parse_override, items))

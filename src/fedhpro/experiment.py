@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from fedhpro import runtime
 from fedhpro.config import Config, channels_last_setting
@@ -20,7 +21,9 @@ from fedhpro.engines.protocol import Aggregation
 from fedhpro.engines.simulator import Faults, Simulator
 from fedhpro.errors import ConfigError
 from fedhpro.methods import MethodSpec, TrainSettings, get_method
+from fedhpro.methods.sample_dp import model_problem, settings_problem
 from fedhpro.models import build_model, with_projection_head
+from fedhpro.models.heterogeneity import architecture_for_client
 from fedhpro.privacy import Ledger, check_combinations, ledger_for, private_train_settings
 from fedhpro.user_models import check_federation, user_model_builder
 
@@ -41,8 +44,6 @@ def resolve_device(name: str) -> torch.device:
 
 def _warn(message: str) -> None:
     """One warning line on stderr that leaves the progress bar intact."""
-    from tqdm.auto import tqdm
-
     tqdm.write(f"fedhpro: warning: {message}", file=sys.stderr)
 
 
@@ -121,8 +122,6 @@ def build_experiment(config: Config, device: torch.device | str = "cpu", federat
     ledger = None
     if config.privacy.mode == "sample":  # DP-SGD's sigma (as given or calibrated) reaches the clients' loop
         # every architecture a client trains, refused here in one line rather than a client dropped every round
-        from fedhpro.methods.sample_dp import model_problem
-
         for name in sorted(set(architectures or [options.model])):
             problem = model_problem(architecture_factory(name))
             if problem is not None:
@@ -150,8 +149,6 @@ def check_precision(config: Config, device: torch.device) -> None:
     :func:`build_experiment` calls it; a Flower node that builds its parts from :func:`model_factories` calls it too."""
     options = config.run
     if config.privacy.mode == "sample":
-        from fedhpro.methods.sample_dp import settings_problem
-
         problem = settings_problem(options.amp, bool(channels_last_setting(options.channels_last)), options.compile)
     else:
         problem = runtime.precision_problem(options.amp, device)
@@ -201,8 +198,6 @@ def model_factories(config: Config, method: MethodSpec, num_classes: int, input_
                           channels_last=channels_last_setting(options.channels_last), compile=options.compile)
     architectures = None
     if options.heterogeneity != "none":
-        from fedhpro.models.heterogeneity import architecture_for_client
-
         architectures = [architecture_for_client(options.heterogeneity, k) for k in range(num_clients)]
     return model_factory, architecture_factory, architectures, _shared(config), train
 

@@ -12,7 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from fedhpro.engines.observers import RoundObserver, measurements
+from fedhpro.files import write_atomic_with
+from fedhpro.metrics.embedding import tsne_embedding
+from fedhpro.reports.plots import plot_tsne
 
 if TYPE_CHECKING:
     from fedhpro.engines.driver import Engine
@@ -78,12 +83,6 @@ class TSNEPlot(RoundObserver):
 def write_tsne(simulator: Engine, out: Path, seed: int, title: str, per_test_set: int = 200) -> None:
     """``tsne.png`` and ``tsne.npz``: t-SNE of the global model's test features (colour = class, marker =
     test set), with the server's prototypes embedded alongside when the method has any (Figures 3, 6)."""
-    import numpy as np
-
-    from fedhpro.files import write_atomic_with
-    from fedhpro.metrics.embedding import tsne_embedding
-    from fedhpro.reports.plots import plot_tsne
-
     features, labels, names = simulator.test_features(per_test_set)
     held = simulator.server_prototypes()
     points = features.numpy()

@@ -21,15 +21,18 @@ the caller lists the failures at the end (:class:`SweepFailed`).
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from fedhpro.errors import ConfigError, FedHProError
+from fedhpro.bounded import read_json_file
+from fedhpro.errors import ConfigError, DataError, FedHProError
 from fedhpro.runtime import auto_threads, available_cores, resolve_threads, torch_threads  # noqa: F401 (kept importable)
 
 EXECUTORS = ("local", "ray")
@@ -153,9 +156,6 @@ def execute(tasks: Sequence[tuple[Any, Path]], labels: Sequence[str], sweep: Swe
 
     A finished run (its ``summary.json``) is read back here without a worker; the others go to the workers.
     """
-    from fedhpro.bounded import read_json_file
-    from fedhpro.errors import DataError
-
     summaries: list[dict[str, Any] | None] = [None] * len(tasks)
     pending = []
     for index, (_, folder) in enumerate(tasks):
@@ -207,9 +207,6 @@ Finished = Callable[[int, "dict[str, Any] | None", "BaseException | None"], None
 def _run_processes(work: list[tuple[int, Any, Path, int]], sweep: Sweep, running: Running,
                    finished: Finished, job: Job) -> None:
     """``sweep.jobs`` spawned worker processes, each run pinned to its threads by its config."""
-    import multiprocessing
-    from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(sweep.jobs, len(work)), mp_context=context) as pool:
         futures: dict[Future[dict[str, Any]], int] = {
@@ -243,7 +240,7 @@ def _run_ray(work: list[tuple[int, Any, Path, int]], sweep: Sweep, running: Runn
     if sweep.ray_address is None:
         os.environ.setdefault(RAY_LOCAL_ONLY, "0")
     try:
-        import ray
+        import ray  # lazy: optional (the flower extra), and imported after RAY_LOCAL_ONLY is set
     except ImportError:
         raise ConfigError(f"executor=ray needs Ray, which is not installed; {RAY_INSTALL}") from None
     ours = not ray.is_initialized()

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedhpro.bounded import load_json, read_json_file
+from fedhpro.data.clients import ClientsOptions, scan_client
 from fedhpro.deploy import certificates, gate
 from fedhpro.errors import ConfigError
 from fedhpro.files import write_atomic
@@ -583,8 +584,6 @@ class Deployment:
         """``STATE/roster.yaml``: the operator's roster of this deployment (:mod:`fedhpro.flower.roster`):
         each site's training and test sizes as its folder holds them and the node key registered for it, so a
         run with ``flower.roster`` admits only these nodes, each as its own site."""
-        from fedhpro.data.clients import ClientsOptions, scan_client
-
         lines = ["# written by python -m fedhpro.deploy up: the sites of this deployment (flower.roster)",
                  "sites:"]
         for site in self.sites:

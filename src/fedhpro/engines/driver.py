@@ -31,15 +31,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
-from fedhpro import reports
+from fedhpro import reports, runtime
 from fedhpro.aggregation import lower_median
+from fedhpro.config import channels_last_setting
 from fedhpro.engines import checkpoint
 from fedhpro.engines.protocol import Aggregation, RoundProtocol, RoundRecord, TestCount
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.files import claim_run_folder, remove_partial_writes
 from fedhpro.methods.base import eval_batch_size, eval_forward, load_weights, no_grad_pass, no_grad_precision
 from fedhpro.metrics import fairness_statistics
+from fedhpro.reports.plots import plot_run_accuracy
 
 if TYPE_CHECKING:
     from fedhpro.data.federation import Federation
@@ -373,8 +376,6 @@ class Run:
         if end is not None:
             end()
         if any("accuracy" in row for row in self.rows.metrics):
-            from fedhpro.reports.plots import plot_run_accuracy
-
             with stop_on_write_error(self.out, self.out / "accuracy.png"):
                 plot_run_accuracy(self.rows.metrics, self.out / "accuracy.png", title=title)
 
@@ -450,8 +451,6 @@ def privacy_summary(settings: Mapping[str, Any], rows: Sequence[Mapping[str, Any
 def _progress(total: int, description: str, enabled: bool, initial: int = 0) -> Any:
     if not enabled:
         return None
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, initial=initial, desc=description, unit="round", file=sys.stderr, dynamic_ncols=True,
                 bar_format="{desc}: round {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining}{postfix}")
 
@@ -626,9 +625,6 @@ def run_summary(options: Any, data_name: str, clients: int, device: torch.device
     local training ran in on ``device`` and its memory format, resolved for ``models``, the models the clients
     train (``channels_last=auto`` with amp on depends on whether they have a Conv2d; without models it reads
     ``"auto"``). It describes the machine, not the result."""
-    from fedhpro import runtime
-    from fedhpro.config import channels_last_setting
-
     amp = str(getattr(options, "amp", "off"))
     machine = runtime.machine_record(
         device, runtime.amp_precision(amp, torch.device(device)),

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from fedhpro.errors import ConfigError
+from fedhpro.methods.base import extract_features
 from fedhpro.metrics import FlopCounter, class_means, mean_client_prototypes, prototype_distance
 
 if TYPE_CHECKING:
@@ -142,8 +143,6 @@ class PrototypeDistance(RoundObserver):
 
     def client_trained(self, k: int, model: nn.Module) -> None:
         if self.evaluating:  # the client's class means under the model it trained
-            from fedhpro.methods.base import extract_features
-
             data = self.simulator.federation.clients[k]
             self.local.append(class_means(extract_features(model, data.x), data.y,
                                           self.simulator.federation.num_classes))

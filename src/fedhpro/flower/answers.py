@@ -17,6 +17,7 @@ from flwr.app import ConfigRecord
 
 from fedhpro.bounded import LimitError, load_json
 from fedhpro.config import Config
+from fedhpro.data.clients import ClientInfo
 from fedhpro.engines.protocol import TestCount
 from fedhpro.errors import UpdateError
 from fedhpro.flower.records import EVAL_RECORD, NODE_RECORD
@@ -92,8 +93,6 @@ def client_info(record: ConfigRecord | None, max_classes: int) -> Any:
     kind, at most ``max_classes`` class names (each at most :data:`MAX_CLASS_NAME` characters), ``max_label``
     below ``max_classes``, an input shape of 1 to :data:`MAX_INPUT_DIMS` positive sizes and sizes up to
     :data:`MAX_SAMPLES`. Nothing of it is used before it passed."""
-    from fedhpro.data.clients import ClientInfo
-
     text = _answer(record, ("info",))["info"]
     if not isinstance(text, str):
         raise UpdateError(f"its description is a {type(text).__name__}, not JSON text")

@@ -53,6 +53,8 @@ from torch import nn
 
 from fedhpro.arrays import ArrayFileError, Bound, load_torch
 from fedhpro.bounded import LimitError, load_json
+from fedhpro.data.clients import scan_client
+from fedhpro.data.digits_offline import default_data_dir
 from fedhpro.engines import checkpoint
 from fedhpro.engines.driver import test_client
 from fedhpro.engines.protocol import client_step
@@ -63,6 +65,7 @@ from fedhpro.flower.engine import NodeCache, NodeSide, check_partition, config_f
 from fedhpro.flower.server import EVAL_RECORD, HEADER, NODE_RECORD, PRIVACY, SERVER_STATE
 from fedhpro.privacy.client import ClientPrivacy
 from fedhpro.seeds import derive_seed
+from fedhpro.trained import write_node_model
 
 logger = logging.getLogger("fedhpro.flower")
 
@@ -183,8 +186,6 @@ def query(msg: Message, context: Context) -> Message:
         header = msg.content.config_records[HEADER]
         answer: dict[str, ConfigRecordValues]
         if str(header["query"]) == "data":
-            from fedhpro.data.clients import scan_client
-
             config = config_from_text(str(header["config"]), _node_overrides(node_config))
             _check_dataset(node_config, config.run.dataset)
             info = scan_client(node_folder(node_config), config.data)
@@ -298,8 +299,6 @@ def _write_personal_model(msg: Message, context: Context, node: NodeSide, model:
     key = header.get("state-key")
     if round != config.run.rounds - 1 or not isinstance(key, str) or not _RUN_KEY.match(key):
         return
-    from fedhpro.trained import write_node_model
-
     written = write_node_model(personal_model_folder(node_config, key, int(node.client)), config, node, model)
     logger.info("fedhpro: client %d's personal model written to %s", int(node.client), written)
 
@@ -327,8 +326,6 @@ def state_root(node_config: dict[str, Any]) -> Path:
     folder = node_config.get(STATE_DIR)
     if folder:
         return Path(str(folder)).expanduser()
-    from fedhpro.data.digits_offline import default_data_dir
-
     return default_data_dir() / "node-state"
 
 

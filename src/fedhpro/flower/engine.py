@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from fedhpro.bounded import load_json
 from fedhpro.config import Config, load_config
+from fedhpro.data.clients import load_client
 from fedhpro.data.federation import ClientData, Federation
 from fedhpro.engines.driver import Engine
 from fedhpro.engines.protocol import RoundProtocol
@@ -193,8 +194,6 @@ def node_from_engine(engine: Engine, client: int) -> NodeSide:
 def build_own_node(config: Config, client: int, num_clients: int) -> NodeSide:
     """Own-data mode: the node's own folder (``data_dir``, with ``data.classes`` as the server resolved
     them) as client ``client`` of ``num_clients``; the same tensors the simulator loads for it."""
-    from fedhpro.data.clients import load_client
-
     device = resolve_device(config.run.device)
     prepare_torch(device)
     folder = node_folder({"data-dir": config.run.data_dir})

@@ -22,6 +22,7 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedhpro.config import Config
+from fedhpro.data.clients import ClientInfo, resolve_classes
 from fedhpro.errors import ConfigError, DataError, UpdateError
 from fedhpro.flower.answers import client_info, max_classes, partition_answer
 from fedhpro.flower.engine import config_text
@@ -239,8 +240,6 @@ def discover_own_data(grid: Grid, config: Config,
     naming them. One-line errors name the nodes that do not fit together
     (classes, input shape).
     """
-    from fedhpro.data.clients import ClientInfo, resolve_classes
-
     roster = load_roster(settings.roster) if settings.roster else None
     expected = config.run.clients
     if roster is not None:

@@ -48,6 +48,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
 from fedhpro.config import PRESENTATION_KEYS, Config, load_config
+from fedhpro.data.clients import client_notes
 from fedhpro.data.federation import few_batches_note
 from fedhpro.engines import checkpoint, driver
 from fedhpro.errors import ConfigError, FedHProError
@@ -158,8 +159,6 @@ def _federation(grid: Grid, config: Config, settings: FlowerSettings
                      "clients": [{"client": k, "node": nodes[k], **dataclasses.asdict(info)}
                                  for k, info in enumerate(infos)]}
         notes = [f"clients: {len(infos)} SuperNodes holding their own data ({infos[0].kind}), {len(classes)} classes"]
-        from fedhpro.data.clients import client_notes
-
         notes += client_notes(infos)  # clients without a test split, domains nobody tests
         if claimed:
             notes.append(driver.claims_line(side.protocol.aggregation))

@@ -49,6 +49,7 @@ import yaml
 
 from fedhpro.bounded import LimitError, load_yaml
 from fedhpro.config import OBSERVER_KEYS, Config, load_config
+from fedhpro.data import DATASETS, get_dataset
 from fedhpro.errors import ConfigError
 
 FLOWER_PREFIX = "flower."
@@ -245,8 +246,6 @@ def default_app_config_toml() -> str:
     keys (``data.clients_per_domain``) are also declared entry by entry
     (``data.clients_per_domain.mnist``), the config layer's way of setting one entry.
     """
-    from fedhpro.data import DATASETS, get_dataset
-
     defaults: dict[str, Any] = dict(dataclasses.asdict(load_config(None).run))
     defaults["checkpoint_every"] = FLOWER_CHECKPOINT_EVERY  # what "" gives on Flower
     defaults_config = load_config(None)

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedhpro.errors import ConfigError
+from fedhpro.errors import ConfigError, UpdateError
 
 #: the one line shown when Opacus is missing
 INSTALL_HINT = 'privacy=sample needs Opacus and dp-accounting: pip install "fedhpro[privacy]"'
@@ -246,8 +246,6 @@ def train_private(model: nn.Module, features: Callable[[Tensor], Tensor], classi
                         delattr(submodule, name)
     for parameter in parameters:
         if not bool(torch.isfinite(parameter).all()):
-            from fedhpro.errors import UpdateError
-
             raise UpdateError("DP-SGD produced non-finite weights; lower lr or raise privacy.clip")
     return {"dp_steps": float(steps)}
 

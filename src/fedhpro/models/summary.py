@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from fedhpro.models import MODELS, build_model
+
 #: the input each model is usually run at (CIFAR-size images; MobileNetV2 at TinyImageNet's 64x64; AG News text;
 #: tabular rows for mlp)
 USUAL_INPUT_SHAPES: dict[str, tuple[int, ...]] = {
@@ -61,8 +63,6 @@ def describe_models(names: Iterable[str] | None = None, *, num_classes: int = 10
     ``name``, ``input_shape``, ``params`` (all trainable parameters), ``classifier_params``,
     ``flops`` (one sample's forward, see :func:`forward_flops`), ``feature_dim``, ``num_classes``.
     The global random state is left as it was."""
-    from fedhpro.models import MODELS, build_model
-
     rows = []
     for name in (list(MODELS) if names is None else list(names)):
         if name not in MODELS:

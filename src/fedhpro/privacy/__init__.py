@@ -35,6 +35,7 @@ from fedhpro.privacy.client import (
     privatized_layout,
     upload_noise_generator,
 )
+from fedhpro.privacy.sample import SampleLedger
 
 #: a delta at or above this is warned about whatever the population: the guarantee may fail outright with
 #: that probability (the default ``1 / N^1.1`` reaches it with 8 clients or samples or fewer)
@@ -75,8 +76,6 @@ def ledger_for(config: Any, client_sizes: Sequence[int], train_settings: Any, *,
     if options.mode == "client":
         return ClientLedger(options, len(client_sizes), run.rounds, run.participation, class_tensors)
     if options.mode == "sample":
-        from fedhpro.privacy.sample import SampleLedger
-
         return SampleLedger(options, client_sizes, train_settings, run.rounds, run.participation)
     raise ConfigError(f"privacy={options.mode!r} is not a privacy mode; use none, client or sample")
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fedhpro.errors import ConfigError
+from fedhpro.reports import write_atomic, write_json
 from fedhpro.reports.run_data import NOT_A_SETTING, RunData, run_labels
 from fedhpro.reports.tables import csv_text, dotted_keys, format_number, markdown_table, mean_std
 
@@ -362,8 +363,6 @@ def parity_record(parity: Parity) -> dict[str, Any]:
 
 def write_parity(out: Path, parity: Parity, echo: bool = True) -> None:
     """Write parity.md, parity.csv and parity.json to ``out`` (atomically); print the table with ``echo``."""
-    from fedhpro.reports import write_atomic, write_json
-
     text = parity_markdown(parity) if parity.rows else ""
     if not parity.rows:
         text = "No setting has finished runs at both precisions yet.\n\n" + "".join(

@@ -29,6 +29,7 @@ from fedhpro.bounded import (
     read_bounded,
 )
 from fedhpro.errors import ConfigError, FedHProError
+from fedhpro.reports import write_atomic, write_json
 from fedhpro.reports.classes import CLASS_FILES, write_class_report
 from fedhpro.reports.parity import PARITY_FILES, mixes_precisions, pair_precisions, write_parity
 from fedhpro.reports.plots import mean_band, plot_bars, plot_curves, plot_mean_curves
@@ -194,8 +195,6 @@ def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: 
 
 def _report_runs(runs: list[RunData], out: str | Path | None, echo: bool, force: bool) -> Path:
     """:func:`report` of run folders: one table row and one curve per run."""
-    from fedhpro.reports import write_atomic, write_json
-
     labels = [f"{label} ({run.progress})" if run.progress else label for label, run in zip(run_labels(runs), runs)]
     out = Path(out) if out else runs[0].path.parent / "report"
     prepare_report_folder(out, runs, force)
@@ -317,8 +316,6 @@ def report_seeds(runs: Sequence[RunData], out: Path, echo: bool = True, force: b
       highest seed (min-max), each group in its own colour, line style and marker, whole-number round ticks;
     * ``report.json``: the runs it was built from.
     """
-    from fedhpro.reports import write_atomic, write_json
-
     runs = list(runs)
     prepare_report_folder(out, runs, force)
     groups = seed_groups(runs)

@@ -18,6 +18,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from fedhpro.config import load_config
+from fedhpro.data import DATASETS, get_dataset
+from fedhpro.data.benchmarks import DomainBenchmark, LabelSkewBenchmark, TextBenchmark, data_root
+from fedhpro.data.loaders import LOADERS, missing
+
 #: the benchmark a smoke run may fall back to, and what it says about it
 FALLBACKS = {"digits": ("digits-offline", "the real Digits benchmark (MNIST, USPS, SVHN, SYN) is not available "
                                           "here; ran on digits-offline, where optdigits stands in for USPS and "
@@ -47,8 +52,6 @@ LOADER_FILES: dict[str, tuple[tuple[str, ...], ...]] = {
 
 def filter_data_keys(settings: dict[str, Any], dataset: str) -> tuple[dict[str, Any], list[str]]:
     """Drop ``data.*`` keys the data set does not have (smoke sizes written for one benchmark)."""
-    from fedhpro.data import get_dataset
-
     known = {f.name for f in dataclasses.fields(get_dataset(dataset).options)}
     kept, dropped = {}, []
     for key, value in settings.items():
@@ -70,9 +73,6 @@ def _present(root: Path, alternatives: tuple[tuple[str, ...], ...], domain: str)
 def loaders_used(config) -> list[tuple[str, str]] | None:
     """``(loader, domain)`` of every loader a run of ``config`` opens, in the order it opens them; None for a
     data set that is not read through fedhpro.data.loaders (digits-offline, the user's own data)."""
-    from fedhpro.data import get_dataset
-    from fedhpro.data.benchmarks import DomainBenchmark, LabelSkewBenchmark, TextBenchmark
-
     benchmark = getattr(get_dataset(config.run.dataset).build, "__self__", None)
     if isinstance(benchmark, LabelSkewBenchmark):
         return [(benchmark.source, "")]
@@ -93,11 +93,6 @@ def loaders_used(config) -> list[tuple[str, str]] | None:
 def missing_data(settings: dict[str, Any]) -> str | None:
     """Why the data set of run ``settings`` cannot be used here (one line), or None when its files are here
     (or will be downloaded: ``data.download=true`` for a loader torchvision can fetch)."""
-    from fedhpro.config import load_config
-    from fedhpro.data import DATASETS
-    from fedhpro.data.benchmarks import data_root
-    from fedhpro.data.loaders import LOADERS, missing
-
     dataset = settings.get("dataset", "digits-offline")
     if dataset not in DATASETS:
         return f"data set {dataset!r} is not registered in this fedhpro (fedhpro.data.DATASETS)"

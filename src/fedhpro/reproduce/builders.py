@@ -12,7 +12,9 @@ from typing import Any
 
 from fedhpro.arrays import load_npz
 from fedhpro.bounded import run_file
+from fedhpro.errors import DataError
 from fedhpro.metrics import rounds_to_accuracy, speedup
+from fedhpro.reports import read_jsonl
 from fedhpro.reports.runs import RunData, gm_series
 from fedhpro.reports.tables import mean_pm_std, mean_std
 from fedhpro.reproduce.running import PartResult
@@ -303,9 +305,6 @@ EFFICIENCY_COLUMNS = ("Upload ×10^7", "Comm. MB", "FLOPs ×10^10", "Time_train 
 
 
 def _timing(run: RunData) -> list[dict[str, Any]]:
-    from fedhpro.errors import DataError
-    from fedhpro.reports import read_jsonl
-
     path = run.path / "timing.jsonl"
     rows = read_jsonl(path)  # bounded, each row an object
     for number, row in enumerate(rows, 1):
@@ -453,7 +452,7 @@ def build_gm_loss(target: Target, result: PartResult) -> Table:
 
 
 def _silhouette(run: RunData) -> float:
-    from sklearn.metrics import silhouette_score
+    from sklearn.metrics import silhouette_score  # lazy: scikit-learn takes ~1.5 s to import, for one table
 
     data = load_npz(run_file(run.path, "tsne.npz"))  # a run folder's file: confined, within the array bounds
     return float(silhouette_score(data["points"], data["labels"]))

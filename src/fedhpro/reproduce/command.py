@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedhpro.compare import as_list
+from fedhpro.config import parse_override
 from fedhpro.errors import ConfigError
 from fedhpro.files import claim_run_folder
 from fedhpro.reproduce import targets
@@ -66,9 +68,6 @@ def _list() -> int:
 def main(arguments: Sequence[str]) -> int:
     """``fedhpro reproduce NAME|all|list [scale=paper|smoke] [seeds=[..]] [out=DIR] [jobs=N] [executor=local|ray]
     [ray.address=auto|HOST:PORT] [KEY=VALUE ...]``."""
-    from fedhpro.compare import as_list
-    from fedhpro.config import parse_override
-
     items = list(arguments)
     if not items or items[0] in ("list", "--list"):
         return _list()

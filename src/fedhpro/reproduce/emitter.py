@@ -10,6 +10,7 @@ from typing import Any
 
 from fedhpro.arrays import load_npz
 from fedhpro.reports import write_atomic, write_json
+from fedhpro.reports.plots import MARKERS, plot_bars, plot_curves, plot_sweep, pyplot, save_figure
 from fedhpro.reports.tables import csv_text, markdown_table
 from fedhpro.reproduce.table import Figure, Section, Table
 from fedhpro.reproduce.targets import Target
@@ -22,9 +23,7 @@ def plot_tsne_panels(panels: Sequence[tuple[str, Path]], path: Path, *, title: s
     """Figures 3 and 6: one t-SNE panel per row (its ``tsne.npz``), colour = class, marker = domain, stars =
     prototypes, with one legend for all. Each ``tsne.npz`` is read within fedhpro's array bounds
     (:func:`fedhpro.arrays.load_npz`)."""
-    from matplotlib.lines import Line2D
-
-    from fedhpro.reports.plots import MARKERS, pyplot, save_figure
+    from matplotlib.lines import Line2D  # lazy as in fedhpro.reports.plots: matplotlib loads with the first figure
 
     plt = pyplot()
     figure, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 5.4), dpi=130, squeeze=False)
@@ -56,8 +55,6 @@ def plot_tsne_panels(panels: Sequence[tuple[str, Path]], path: Path, *, title: s
 
 def _plots() -> dict[str, Any]:
     """Figure kind -> the function that draws it, called as ``draw(*figure.data, path, **figure.options)``."""
-    from fedhpro.reports.plots import plot_bars, plot_curves, plot_sweep
-
     return {"curves": plot_curves, "bars": plot_bars, "sweep": plot_sweep, "tsne_panels": plot_tsne_panels}
 
 

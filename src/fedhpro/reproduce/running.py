@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedhpro import api
+from fedhpro.compare import check_stored_run, run_all, run_sweep
+from fedhpro.config import PRESENTATION_KEYS, load_config, numbers_settings
 from fedhpro.errors import ConfigError, DataError, FedHProError
 from fedhpro.reports.runs import RunData, load_run
 from fedhpro.reproduce.availability import filter_data_keys
@@ -48,8 +51,6 @@ class Job:
 
 def identity(config) -> str:
     """A short hash of the settings that decide a run's numbers (every key but the presentational ones)."""
-    from fedhpro.config import PRESENTATION_KEYS, numbers_settings
-
     values = {k: v for k, v in numbers_settings(config.to_dict()).items() if k not in PRESENTATION_KEYS}
     return hashlib.sha1(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
@@ -57,8 +58,6 @@ def identity(config) -> str:
 def plan(part: Part, resolved: dict[str, Any], overrides: dict[str, Any], seeds: Sequence[int],
          runs_dir: Path) -> list[Job]:
     """Every run of ``part``, its config resolved (and so checked) before any of them runs."""
-    from fedhpro.config import load_config
-
     jobs = []
     for scenario in part.scenarios:
         for variant in part.variants:
@@ -85,14 +84,11 @@ def _run_tolerant(jobs: list[Job]):
     """Each job's summary in order, None for a run that stopped because its training diverged (every client
     failed in a round) instead of stopping the reproduction: the robustness study's attacked runs may stop
     that way, and the table counts them. A ConfigError or DataError still stops everything."""
-    from fedhpro.api import run_or_continue
-    from fedhpro.compare import check_stored_run
-
     for job in jobs:
         check_stored_run(job.folder, job.config)
     for job in jobs:
         try:
-            summary = run_or_continue(job.config, job.folder)
+            summary = api.run_or_continue(job.config, job.folder)
         except (ConfigError, DataError):
             raise  # a bad setting or data set stops the reproduction as anywhere else
         except FedHProError as error:  # "round N: every client failed; ..." (or one client's UpdateError)
@@ -111,8 +107,6 @@ def run_part(part: Part, resolved: dict[str, Any], note: str, overrides: dict[st
     failures once all have ended. With ``tolerate_diverged`` a run whose training diverged is kept as it
     stopped (:func:`stopped_run`, not finished) and the others go on.
     """
-    from fedhpro.compare import run_all, run_sweep
-
     jobs = plan(part, resolved, overrides, seeds, runs_dir)
     sweep = sweep or Sweep()
     if sweep.sequential:
