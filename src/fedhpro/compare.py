@@ -30,12 +30,25 @@ from fedhpro.config import PRESENTATION_KEYS, load_config, numbers_settings, par
 from fedhpro.engines import checkpoint
 from fedhpro.errors import ConfigError, FedHProError
 from fedhpro.files import claim_run_folder
-from fedhpro.methods import method_names
+from fedhpro.methods import METHODS, method_names
 from fedhpro.reports import write_atomic
+from fedhpro.reports.plots import display_name
 from fedhpro.sweeps import Failure, Sweep, SweepFailed, execute, make_sweep, sweep_options
 
-#: the paper's order of Table A3
-PAPER_ORDER = ["fedavg", "fedprox", "moon", "fedproto", "fedtgp", "fedgmkd", "fedrcl", "fedsa", "fedhpro"]
+
+def table_order(names: Iterable[str]) -> list[str]:
+    """``names`` in the order of the paper's tables, as the registered methods declare it
+    (:attr:`~fedhpro.methods.MethodSpec.paper_order`), the others (plug-ins, unknown names) after them by name."""
+    def place(name: str) -> tuple[float, str]:
+        spec = METHODS.get(name)
+        order = spec.paper_order if spec is not None and spec.paper_order is not None else float("inf")
+        return order, name
+    return sorted(names, key=place)
+
+
+def baseline_method() -> str | None:
+    """The registered method a comparison's gain column is measured against (``MethodSpec.baseline``)."""
+    return next((name for name, spec in METHODS.items() if spec.baseline), None)
 
 
 def as_list(value: Any, key: str) -> list[str]:
@@ -221,23 +234,23 @@ def _table(summaries: dict[str, list[dict[str, Any]]], seeds: Sequence[int]) -> 
         spread = statistics.stdev(numbers) if len(numbers) > 1 else 0.0
         return f"{statistics.mean(numbers):.2f} ± {spread:.2f}"
 
-    baseline = statistics.mean(values("fedavg", "AVG")) if "fedavg" in summaries else None
+    reference = baseline_method()
+    baseline = statistics.mean(values(reference, "AVG")) if reference in summaries else None
     header = "| Methods | " + " | ".join(columns) + " | Δ |"
     lines = [header, "|---" * (len(columns) + 2) + "|"]
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     writer.writerow(["method"] + [f"{c}_mean" for c in columns] + [f"{c}_std" for c in columns] + ["delta_avg"])
-    ordered = sorted(summaries, key=lambda m: PAPER_ORDER.index(m) if m in PAPER_ORDER else len(PAPER_ORDER))
-    for method in ordered:
+    for method in table_order(summaries):
         avg = statistics.mean(values(method, "AVG"))
-        gain = None if baseline is None or method == "fedavg" else avg - baseline
+        gain = None if baseline is None or method == reference else avg - baseline
         delta = "–" if gain is None else f"{gain:+.2f}"
         lines.append(f"| {method} | " + " | ".join(cell(values(method, c)) for c in columns) + f" | {delta} |")
         means = [statistics.mean(values(method, c)) for c in columns]
         stds = [statistics.stdev(values(method, c)) if len(values(method, c)) > 1 else 0.0 for c in columns]
         writer.writerow([method] + [f"{v:.4f}" for v in means + stds] + ["" if gain is None else f"{gain:.4f}"])
     caption = (f"Test accuracy (%) on {first['dataset']}, mean ± std over seeds {list(seeds)}; "
-               "Δ = AVG minus FedAvg's AVG.\n\n")
+               f"Δ = AVG minus {display_name(reference) if reference else 'the baseline'}'s AVG.\n\n")
     return {"markdown": caption + "\n".join(lines) + "\n", "csv": buffer.getvalue()}
 
 
@@ -247,7 +260,7 @@ def main(arguments: Sequence[str]) -> int:
     items = list(arguments)
     source = items.pop(0) if items and "=" not in items[0] else None
     pairs = dict(map(parse_override, items))
-    methods = as_list(pairs.pop("methods", ",".join(PAPER_ORDER)), "methods")
+    methods = as_list(pairs.pop("methods", ",".join(table_order(METHODS))), "methods")  # every registered one
     seeds_raw = as_list(pairs.pop("seeds", "0,1,2"), "seeds")
     try:
         seeds = [int(s) for s in seeds_raw]

@@ -906,3 +906,9 @@ class MethodSpec:
     #: prototype methods' nearest prototype): with it a run's exported model keeps the rule; without it a
     #: model tested through another module is exported as the network with its own classifier, with a warning
     inference_rule: InferenceRule | None = None
+    #: the method's place in the paper's tables (FedAvg, FedProx, MOON, FedProto, FedTGP, FedGMKD, FedRCL,
+    #: FedSA, FedHPro): a default ``fedhpro compare`` runs every registered method, these in this order and
+    #: the others (plug-ins) after them by name; None: not in the paper
+    paper_order: int | None = None
+    #: the method a comparison's gain column is measured against (one method: FedAvg)
+    baseline: bool = False

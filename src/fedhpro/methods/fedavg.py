@@ -14,6 +14,8 @@ class FedAvgOptions:
 
 METHOD = MethodSpec(
     name="fedavg",
+    paper_order=0,
+    baseline=True,
     options=FedAvgOptions,
     server=Server,
     client=Client,

@@ -358,6 +358,7 @@ class FedGMKDClient(PrototypeClient):
 
 METHOD = MethodSpec(
     name="fedgmkd",
+    paper_order=5,
     options=FedGMKDOptions,
     server=FedGMKDServer,
     client=FedGMKDClient,

@@ -439,6 +439,7 @@ class FedHProClient(Client):
 
 METHOD = MethodSpec(
     name="fedhpro",
+    paper_order=8,
     options=FedHProOptions,
     server=FedHProServer,
     client=FedHProClient,

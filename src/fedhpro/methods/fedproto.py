@@ -54,6 +54,7 @@ class FedProtoClient(PrototypeClient):
 
 METHOD = MethodSpec(
     name="fedproto",
+    paper_order=3,
     options=FedProtoOptions,
     server=FedProtoServer,
     client=FedProtoClient,

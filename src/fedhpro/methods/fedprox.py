@@ -64,6 +64,7 @@ class FedProxClient(Client):
 
 METHOD = MethodSpec(
     name="fedprox",
+    paper_order=1,
     options=FedProxOptions,
     server=Server,
     client=FedProxClient,

@@ -201,6 +201,7 @@ class FedRCLClient(Client):
 
 METHOD = MethodSpec(
     name="fedrcl",
+    paper_order=6,
     options=FedRCLOptions,
     server=Server,
     client=FedRCLClient,

@@ -221,6 +221,7 @@ class FedSAClient(PrototypeClient):
 
 METHOD = MethodSpec(
     name="fedsa",
+    paper_order=7,
     options=FedSAOptions,
     server=FedSAServer,
     client=FedSAClient,

@@ -157,6 +157,7 @@ class FedTGPClient(PrototypeClient):
 
 METHOD = MethodSpec(
     name="fedtgp",
+    paper_order=4,
     options=FedTGPOptions,
     server=FedTGPServer,
     client=FedTGPClient,

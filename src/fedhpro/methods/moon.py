@@ -153,6 +153,7 @@ class MoonClient(Client):
 
 METHOD = MethodSpec(
     name="moon",
+    paper_order=2,
     options=MoonOptions,
     server=Server,
     client=MoonClient,
