@@ -24,7 +24,6 @@ against the total weight of a round (``metrics.jsonl``'s ``capped``).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys
@@ -41,13 +40,12 @@ os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 import harness  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from flwr.app import ConfigRecord, Context, Error, Message, MessageType, RecordDict  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from fedhpro.flower import client as client_app  # noqa: E402
 from fedhpro.flower import records  # noqa: E402
-from fedhpro.flower.server import EVAL_RECORD, HEADER, NODE_RECORD, run_server  # noqa: E402
+from fedhpro.flower.local_grid import LocalGrid, inside_a_run  # noqa: E402
+from fedhpro.flower.server import EVAL_RECORD, NODE_RECORD, run_server  # noqa: E402
 
 CLAIM = 10 ** 9
 TRAIN, TEST = 12, 6  # images a class: 24 training and 12 test images a site
@@ -63,38 +61,6 @@ def write_site(folder: Path, seed: int) -> None:
             for i in range(count):
                 pixels = np.clip(np.array(colour) + rng.normal(0, 40, (12, 12, 3)), 0, 255).astype(np.uint8)
                 Image.fromarray(pixels).save(folder / split / name / f"{i}.png")
-
-
-class SiteGrid:
-    """Flower's Grid for ``run_server``: one node per site folder, each running the real ClientApp in this
-    process (messages and replies deep-copied, as if they crossed the wire); ``forge``: ``{node id:
-    function(message type, header, reply, message) -> reply}``, a hostile node rewriting its answers."""
-
-    def __init__(self, folders: dict[int, Path], state: Path, forge: dict[int, Any]):
-        self.contexts = {node: Context(run_id=1, node_id=node, state=RecordDict(), run_config={},
-                                       node_config={"data-dir": str(folder), "state-dir": str(state / str(node))})
-                         for node, folder in folders.items()}
-        self.forge = forge
-
-    def get_node_ids(self) -> list[int]:
-        return list(self.contexts)
-
-    def get_nodes(self) -> list[Any]:
-        return []
-
-    def send_and_receive(self, messages, timeout=None) -> list[Message]:
-        replies = []
-        for message in messages:
-            node = message.metadata.dst_node_id
-            try:
-                reply = client_app.app(copy.deepcopy(message), self.contexts[node])
-            except Exception as error:  # noqa: BLE001 - Flower answers a raising ClientApp with an error
-                reply = Message(Error(code=2, reason=f"{type(error).__name__}: {error}"), reply_to=message)
-            if node in self.forge and not reply.has_error():
-                header = message.content.config_records.get(HEADER)
-                reply = self.forge[node](message.metadata.message_type, header, reply, message)
-            replies.append(copy.deepcopy(reply))
-        return replies
 
 
 def liar(train: int | None, test: int | None):
@@ -138,7 +104,7 @@ def one_run(sites: list[Path], work: Path, forge: dict[int, Any], training: dict
     settings = {"dataset": "clients", "method": "fedavg", "clients": len(sites), "feature_dim": 8, "batch_size": 8,
                 "data.image_size": 16, "device": "cpu", "progress": False, "seed": 3, "flower.node-wait": 5,
                 "out": str(out), **training, **config}
-    run_server(SiteGrid(folders, work / "state", forge), settings)
+    run_server(LocalGrid(folders, work / "state", forge), settings)
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     per_client = summary["site_accuracy"]["per_client"]
@@ -160,7 +126,7 @@ def main() -> int:
     args = parser.parse_args()
     training = {"rounds": args.rounds, "local_epochs": args.local_epochs, "lr": args.lr}
     # outside a Flower run, flwr refuses to address a Message: this process plays the run's task
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 0, 1
+    inside_a_run()
     harness.print_header(f"One lying site among K on Flower (FedAvg, {args.rounds} rounds of {args.local_epochs} "
                          f"local epochs at lr {args.lr:g}, 24 training / 12 test images a site)")
     print("\n| sites | run | model norm | headline (pooled) % | median site % | honest sites % | liar's weight |")

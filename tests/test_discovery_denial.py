@@ -20,7 +20,6 @@ with its answers rewritten on the way out.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -31,12 +30,12 @@ import torch
 
 pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pip install -e '.[flower]'")
 
-from flwr.app import ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
+from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
 from test_flower_own_data import write_site  # noqa: E402
 
 from fedhpro.errors import ConfigError  # noqa: E402
-from fedhpro.flower import client as client_app  # noqa: E402
 from fedhpro.flower import records  # noqa: E402
+from fedhpro.flower.local_grid import LocalGrid, inside_a_run  # noqa: E402
 from fedhpro.flower.nodes import match_replies, needed_nodes  # noqa: E402
 from fedhpro.flower.records import HEADER, NODE_RECORD  # noqa: E402
 from fedhpro.flower.server import run_server  # noqa: E402
@@ -51,49 +50,6 @@ SITES = {"clinic-0": ["cat", "dog"], "clinic-1": ["cat", "dog"], "clinic-2": ["c
 HOSTILE = 102  # the node of clinic-2
 DEEP = "[" * 200_000 + "]" * 200_000
 BIG_LIST = "[" + "0," * (8 * 2 ** 20 - 1) + "0]"  # 16 MB of JSON list
-
-
-@dataclasses.dataclass
-class NodeInfo:
-    node_id: int
-    public_key: bytes
-
-
-class SiteGrid:
-    """Flower's Grid for ``run_server``: one node per site folder, each running the real ClientApp in this
-    process (messages and replies deep-copied, as if they crossed the wire). ``forge``: ``{node id:
-    function(message type, header, reply, message) -> reply}``, a hostile node rewriting its own answers.
-    ``timeouts``: ``(message type, timeout)`` of every ``send_and_receive``."""
-
-    def __init__(self, folders: dict[int, Path], state: Path, forge: dict[int, Any] | None = None):
-        self.contexts = {node: Context(run_id=1, node_id=node, state=RecordDict(), run_config={},
-                                       node_config={"data-dir": str(folder), "state-dir": str(state / str(node))})
-                         for node, folder in folders.items()}
-        self.forge = forge or {}
-        self.timeouts: list[tuple[str, float | None]] = []
-
-    def get_node_ids(self) -> list[int]:
-        return list(self.contexts)
-
-    def get_nodes(self) -> list[NodeInfo]:
-        return []
-
-    def send_and_receive(self, messages, timeout=None) -> list[Message]:
-        messages = list(messages)
-        if messages:
-            self.timeouts.append((messages[0].metadata.message_type, timeout))
-        replies = []
-        for message in messages:
-            node = message.metadata.dst_node_id
-            try:
-                reply = client_app.app(copy.deepcopy(message), self.contexts[node])
-            except Exception as error:  # noqa: BLE001 - Flower answers a raising ClientApp with an error
-                reply = Message(Error(code=2, reason=f"{type(error).__name__}: {error}"), reply_to=message)
-            if node in self.forge and not reply.has_error():
-                header = message.content.config_records.get(HEADER)
-                reply = self.forge[node](message.metadata.message_type, header, reply, message)
-            replies.append(copy.deepcopy(reply))
-        return replies
 
 
 def answering(text: str):
@@ -111,9 +67,9 @@ def answering(text: str):
 def _inside_a_run(monkeypatch):
     from flwr.supercore.task_identity import TaskIdentity
 
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)  # outside a run, flwr refuses to address a Message
-    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+    for name in ("_run_id", "_node_id", "_task_id"):  # put back after the test
+        monkeypatch.setattr(TaskIdentity, name, getattr(TaskIdentity, name, None))
+    inside_a_run()  # outside a run, flwr refuses to address a Message
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +83,7 @@ def sites(tmp_path_factory) -> dict[str, Path]:
 def own_run(sites: dict[str, Path], tmp: Path, forge=None, grid: list | None = None, **config) -> Path:
     folders = {100 + k: folder for k, folder in enumerate(sites.values())}
     out = tmp / "out"
-    site_grid = SiteGrid(folders, tmp / "state", forge)
+    site_grid = LocalGrid(folders, tmp / "state", forge)
     if grid is not None:
         grid.append(site_grid)
     settings = {"dataset": "clients", "method": "fedavg", "rounds": 2, "clients": 3, "feature_dim": 8,
@@ -260,7 +216,7 @@ def test_an_unset_round_timeout_is_auto_and_an_explicit_one_wins(sites, tmp_path
     explicit = split_run_config({"flower.round-timeout": 90})[1].round_timeout
     assert explicit == 90.0
     # the run's rounds wait what the rule gives: 3 clients of 24 samples, batches of 8, 1 epoch -> 300 s
-    grids: list[SiteGrid] = []
+    grids: list[LocalGrid] = []
     own_run(sites, tmp_path / "auto", grid=grids, rounds=1)
     assert {timeout for kind, timeout in grids[0].timeouts if kind in (MessageType.TRAIN, MessageType.EVALUATE)} \
         == {300.0}

@@ -15,8 +15,6 @@ the FedAvg mean written out by hand, and a run where the hostile node honestly h
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import json
 import logging
 import math
@@ -219,56 +217,15 @@ def test_simulator_without_a_dominant_client_is_unchanged_to_the_bit():
 
 pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pip install -e '.[flower]'")
 
-from flwr.app import ConfigRecord, Context, Error, Message, MessageType, RecordDict  # noqa: E402
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict  # noqa: E402
 from test_flower_own_data import write_site  # noqa: E402
 
 from fedhpro.errors import ConfigError  # noqa: E402
-from fedhpro.flower import client as client_app  # noqa: E402
 from fedhpro.flower import records  # noqa: E402
-from fedhpro.flower.server import EVAL_RECORD, HEADER, NODE_RECORD, run_server  # noqa: E402
+from fedhpro.flower.local_grid import LocalGrid, inside_a_run  # noqa: E402
+from fedhpro.flower.server import EVAL_RECORD, NODE_RECORD, run_server  # noqa: E402
 
 SITES = {"clinic-0": ["cat", "dog"], "clinic-1": ["cat", "dog"], "clinic-2": ["cat", "dog"]}
-
-
-@dataclasses.dataclass
-class NodeInfo:
-    node_id: int
-    public_key: bytes
-
-
-class SiteGrid:
-    """Flower's Grid for ``run_server``: one node per site folder, each running the real ClientApp in this
-    process (messages and replies deep-copied, as if they crossed the wire). ``forge``: ``{node id:
-    function(message type, header, reply) -> reply}``, a hostile node rewriting its own answers; ``keys``:
-    each node's public key as the SuperLink would list it."""
-
-    def __init__(self, folders: dict[int, Path], state: Path, forge: dict[int, Any] | None = None,
-                 keys: dict[int, bytes] | None = None):
-        self.contexts = {node: Context(run_id=1, node_id=node, state=RecordDict(), run_config={},
-                                       node_config={"data-dir": str(folder), "state-dir": str(state / str(node))})
-                         for node, folder in folders.items()}
-        self.forge = forge or {}
-        self.keys = keys or {}
-
-    def get_node_ids(self) -> list[int]:
-        return list(self.contexts)
-
-    def get_nodes(self) -> list[NodeInfo]:
-        return [NodeInfo(node, key) for node, key in self.keys.items()]
-
-    def send_and_receive(self, messages, timeout=None) -> list[Message]:
-        replies = []
-        for message in messages:
-            node = message.metadata.dst_node_id
-            try:
-                reply = client_app.app(copy.deepcopy(message), self.contexts[node])
-            except Exception as error:  # noqa: BLE001 - Flower answers a raising ClientApp with an error
-                reply = Message(Error(code=2, reason=f"{type(error).__name__}: {error}"), reply_to=message)
-            if node in self.forge and not reply.has_error():
-                header = message.content.config_records.get(HEADER)
-                reply = self.forge[node](message.metadata.message_type, header, reply, message)
-            replies.append(copy.deepcopy(reply))
-        return replies
 
 
 def liar(train: int, test: int, correct: int):
@@ -300,9 +257,9 @@ def liar(train: int, test: int, correct: int):
 def _inside_a_run(monkeypatch):
     from flwr.supercore.task_identity import TaskIdentity
 
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)  # outside a run, flwr refuses to address a Message
-    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+    for name in ("_run_id", "_node_id", "_task_id"):  # put back after the test
+        monkeypatch.setattr(TaskIdentity, name, getattr(TaskIdentity, name, None))
+    inside_a_run()  # outside a run, flwr refuses to address a Message
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +274,7 @@ def own_run(sites: dict[str, Path], tmp: Path, forge=None, keys=None, extra_node
     folders = {100 + k: folder for k, folder in enumerate(sites.values())}
     folders.update(extra_nodes or {})
     out = tmp / "out"
-    grid = SiteGrid(folders, tmp / "state", forge, keys)
+    grid = LocalGrid(folders, tmp / "state", forge, keys)
     settings = {"dataset": "clients", "method": "fedavg", "rounds": 2, "clients": 3, "feature_dim": 8,
                 "local_epochs": 1, "batch_size": 8, "data.image_size": 16, "device": "cpu", "progress": False,
                 "seed": 3, "flower.node-wait": 2, "out": str(out), **config}
