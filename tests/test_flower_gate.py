@@ -21,7 +21,7 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fedhpro.deploy import certificates, gate, up
+from fedhpro.deploy import certificates, gate, processes, up
 from fedhpro.deploy.__main__ import main
 from fedhpro.errors import ConfigError
 from fedhpro.flower.__main__ import main as flower_main
@@ -209,7 +209,7 @@ def test_the_supervisor_ends_a_dead_node_s_processes_and_restarts_it(tmp_path, m
     deployment = up.Deployment(tmp_path / "sites", tmp_path / "state", out=open(os.devnull, "w"))  # noqa: SIM115
     (tmp_path / "state" / "run").mkdir(parents=True)
     (tmp_path / "state" / "logs").mkdir()
-    monkeypatch.setattr(up, "BACKOFF", (0.5,))
+    monkeypatch.setattr(processes, "BACKOFF", (0.5,))  # the supervisor reads it where it lives
     said: list[str] = []
     monkeypatch.setattr(deployment, "say", said.append)
     node = deployment.add("node", ["bash", "-c", "setsid sleep 300 & echo $! > grandchild; exec sleep 300"])

@@ -1,6 +1,8 @@
 """Operations tooling for a secured Flower deployment of fedhpro: certificates and keys
 (:mod:`~fedhpro.deploy.certificates`), the nginx access layer in front of the SuperLink
-(:mod:`~fedhpro.deploy.gate`) and a supervised deployment on loopback (:mod:`~fedhpro.deploy.up`).
+(:mod:`~fedhpro.deploy.gate`) and a supervised deployment on loopback (:mod:`~fedhpro.deploy.up`, with its
+network namespaces in :mod:`~fedhpro.deploy.namespaces` and its process supervision in
+:mod:`~fedhpro.deploy.processes`).
 
 Commands: ``python -m fedhpro.deploy certificates|gate|up ...``. It starts Flower's own programs
 (``flower-superlink``, ``flower-supernode``, ``flwr``) and nginx; it imports none of fedhpro's methods,

@@ -35,12 +35,14 @@ then reach them.
 
 Ctrl-C or SIGTERM (``up --stop STATE``) stops everything: nodes first (they
 say goodbye to the SuperLink), then forwarders, gate and SuperLink.
+
+The namespaces are made in :mod:`fedhpro.deploy.namespaces`, the children
+supervised by :mod:`fedhpro.deploy.processes`; the names they define that
+callers and tests use are re-exported here (:data:`__all__`).
 """
 
 from __future__ import annotations
 
-import ctypes
-import fcntl
 import http.client
 import json
 import os
@@ -49,31 +51,47 @@ import shutil
 import signal
 import socket
 import ssl
-import struct
 import subprocess
 import sys
 import time
 import tomllib
 import urllib.request
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from fedhpro.bounded import load_json, read_json_file
 from fedhpro.data.clients import ClientsOptions, scan_client
 from fedhpro.deploy import certificates, gate
+from fedhpro.deploy.namespaces import Namespace, in_namespace, new_namespace
+from fedhpro.deploy.processes import (
+    BACKOFF,
+    GIVE_UP,
+    REFUSED_EXIT,
+    STABLE,
+    Child,
+    Supervisor,
+    alive,
+    become_subreaper,
+    below,
+    descendants_map,
+    end_left_behind,
+    kill_all,
+    stop_running,
+)
 from fedhpro.errors import ConfigError
 from fedhpro.files import write_atomic
 
-#: seconds a process may keep failing (each start living less than STABLE) before the supervisor gives up
-GIVE_UP = 180.0
-STABLE = 60.0
-BACKOFF = (2.0, 4.0, 8.0, 15.0, 30.0)
-REFUSED_EXIT = 305  # flower-supernode: the SuperLink refused to activate it (Flower 1.42)
+# importers and tests use these names from here, the moved ones included
+__all__ = [
+    "BACKOFF", "FLOWER_ENV", "GIVE_UP", "NO_UNIX_SOCKETS", "REFUSED_EXIT", "STABLE", "Child", "ConfigError",
+    "Deployment", "Namespace", "Ports", "UnixHTTPConnection", "alive", "below", "become_subreaper",
+    "connection_block", "descendants_map", "end_left_behind", "flower_tool", "flwr_home", "in_namespace",
+    "kill_all", "new_namespace", "port_free", "run_up", "sites_of", "stop_running", "submit", "unix_health",
+    "write_connection",
+]
+
 FLOWER_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
-PR_SET_CHILD_SUBREAPER = 36
-CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
-SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 #: what was measured against Flower 1.42 (tests/test_deploy_local_users.py): why its listeners stay on TCP
 NO_UNIX_SOCKETS = ("Flower 1.42 takes no Unix socket (flower-superlink --host unix:PATH: uvicorn looks it up "
                    "as a host name and fails; flower-supernode --superlink unix:PATH: exit code 600, address cannot "
@@ -169,150 +187,6 @@ def write_connection(home: Path, name: str, address: str, ca: Path, env: dict[st
     return path
 
 
-def descendants_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    return children
-
-
-def below(pid: int, children: dict[int, list[int]]) -> set[int]:
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def kill_all(pids: set[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def become_subreaper() -> bool:
-    """Orphans of our children (a killed node's ``flwr-clientapp``) become ours: we can end and reap them."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def loopback_up() -> None:
-    """Bring ``lo`` up in the calling process's network namespace (a new one has it down)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        request = struct.pack("16sH22x", b"lo", 0)
-        flags = struct.unpack("16sH22x", fcntl.ioctl(probe, SIOCGIFFLAGS, request))[1]
-        fcntl.ioctl(probe, SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | IFF_UP))
-
-
-@dataclass
-class Namespace:
-    """A private network namespace (inside a user namespace of ours when not root), held open by file
-    descriptors of this process: its processes see only its own loopback, and other local users can
-    neither connect into it nor enter it (entering needs root, or our uid owning its user namespace)."""
-
-    name: str
-    net: int
-    user: int | None = None
-
-    def enter(self) -> None:
-        """Move the calling process into the namespace (in a child, between fork and exec)."""
-        libc = _libc()
-        for fd, kind in ((self.user, CLONE_NEWUSER), (self.net, CLONE_NEWNET)):
-            if fd is not None and libc.setns(fd, kind) != 0:
-                error = ctypes.get_errno()
-                raise OSError(error, f"setns into {self.name}: {os.strerror(error)}")
-
-    def close(self) -> None:
-        for fd in (self.net, self.user):
-            if fd is not None:
-                os.close(fd)
-
-
-def new_namespace(name: str) -> Namespace:
-    """A new :class:`Namespace` with ``lo`` up, made by a short-lived child; OSError (its reason) when the
-    system refuses (no unshare, or unprivileged user namespaces turned off)."""
-    rootless = os.geteuid() != 0
-    uid, gid = os.getuid(), os.getgid()
-    status_read, status_write = os.pipe()
-    hold_read, hold_write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: unshare, report, wait until the parent holds the namespace, exit
-        os.close(status_read)
-        os.close(hold_write)
-        code = 0
-        try:
-            if _libc().unshare(CLONE_NEWNET | (CLONE_NEWUSER if rootless else 0)) != 0:
-                raise OSError(ctypes.get_errno(), "unshare")
-            if rootless:  # our uid/gid stay ours inside: nothing runs as root there
-                Path("/proc/self/setgroups").write_text("deny")
-                Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1")
-                Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
-            loopback_up()
-            os.write(status_write, b"ok")
-        except OSError as error:
-            os.write(status_write, f"{error.strerror or error}".encode()[:200])
-            code = 1
-        except BaseException:  # noqa: BLE001  # a forked child must never return into the caller
-            code = 2
-        finally:
-            os.close(status_write)
-            if code == 0:
-                os.read(hold_read, 1)
-            os._exit(code)
-    os.close(status_write)
-    os.close(hold_read)
-    try:
-        reply = os.read(status_read, 256).decode(errors="replace")
-        if reply != "ok":
-            raise OSError(f"unshare(CLONE_NEWNET{'|CLONE_NEWUSER' if rootless else ''}) refused: "
-                          f"{reply or 'the child died'}")
-        net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-        user = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC) if rootless else None
-        return Namespace(name, net, user)
-    finally:
-        os.close(status_read)
-        os.close(hold_write)
-        os.waitpid(pid, 0)
-
-
-def in_namespace(namespace: Namespace | None, check: Callable[[], bool]) -> bool:
-    """``check()`` run in ``namespace`` (a forked child; at once in this process for None)."""
-    if namespace is None:
-        return check()
-    pid = os.fork()
-    if pid == 0:
-        ok = False
-        try:
-            namespace.enter()
-            ok = check()
-        finally:
-            os._exit(0 if ok else 1)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
-
-
 class UnixHTTPConnection(http.client.HTTPConnection):
     """HTTP over a Unix socket (the bridge's)."""
 
@@ -338,28 +212,8 @@ def unix_health(path: Path) -> bool:
         connection.close()
 
 
-@dataclass
-class Child:
-    """A supervised process: its command, log, and restart bookkeeping."""
 
-    name: str
-    args: list[str]
-    log: Path
-    ready: Callable[[], bool] | None = None  # a callable returning True once the process serves (None: at once)
-    namespace: Namespace | None = None  # the private network namespace it runs in (None: the host's)
-    sockets: tuple[Path, ...] = ()  # Unix sockets it listens on (a stale one from a killed start is removed)
-    process: subprocess.Popen | None = None
-    seen: set[int] = field(default_factory=set)  # every process it started, remembered while it lived
-    started_at: float = 0.0
-    failing_since: float | None = None
-    failures: int = 0
-    next_start: float | None = None
-    given_up: bool = False
-    said_refused: bool = False
-    log_start: int = 0  # where the latest start's output begins in the log
-
-
-class Deployment:
+class Deployment(Supervisor):
     """See the module docstring. ``base_port``: the gate; the others follow (:class:`Ports`)."""
 
     def __init__(self, sites_dir: str | os.PathLike, state: str | os.PathLike, base_port: int = 18000,
@@ -379,10 +233,6 @@ class Deployment:
         self.isolation = ""  # why the SuperLink and nodes are (or are not) in private namespaces: said at start
         self.token = secrets.token_hex(32)  # the operator's forwarder passes requests with it only
         self.stopping = False
-
-    # ------------------------------------------------------------------ output
-    def say(self, text: str) -> None:
-        print(f"fedhpro up: {text}", file=self.out, flush=True)
 
     # ------------------------------------------------------------------ files
     def node_names(self) -> dict[str, int]:
@@ -420,55 +270,6 @@ class Deployment:
                               f"or choose another --port (this one needs {self.ports.base}-{self.ports.all()[-1]})")
 
     # ------------------------------------------------------------------ processes
-    def add(self, name: str, args: list[str], ready=None, namespace: Namespace | None = None,
-            sockets: tuple[Path, ...] = ()) -> Child:
-        child = Child(name, args, self.state / "logs" / f"{name}.log", ready, namespace, sockets)
-        self.children[name] = child
-        return child
-
-    def launch(self, child: Child) -> None:
-        for path in child.sockets:
-            path.unlink(missing_ok=True)  # nginx refuses to bind over the socket file a killed start left
-        with open(child.log, "ab") as log:
-            child.log_start = log.tell()
-            where = f" (network namespace {child.namespace.name})" if child.namespace else ""
-            log.write(f"--- fedhpro up: starting {' '.join(child.args)}{where}\n".encode())
-            log.flush()
-            child.process = subprocess.Popen(child.args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, start_new_session=True,
-                                             preexec_fn=child.namespace.enter if child.namespace else None)
-        child.started_at, child.next_start, child.seen = time.monotonic(), None, set()
-        (self.state / "run" / f"{child.name}.pid").write_text(f"{child.process.pid}\n")
-
-    def end(self, child: Child, sig: int = signal.SIGKILL) -> None:
-        """``sig`` to the child's process group and to everything it started."""
-        if child.process is not None:
-            child.seen |= below(child.process.pid, descendants_map())
-            try:
-                os.killpg(child.process.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        kill_all(child.seen, sig)
-
-    def refused(self, child: Child) -> bool:
-        """Whether the latest start of a SuperNode ended with Flower's exit code 305 (activation refused;
-        the process itself exits with 1)."""
-        with open(child.log, "rb") as handle:
-            handle.seek(child.log_start)
-            return f"Exit Code: {REFUSED_EXIT}".encode() in handle.read()
-
-    def wait_ready(self, child: Child, seconds: float = 300) -> None:
-        deadline = time.monotonic() + seconds
-        process = child.process
-        assert process is not None, child.name
-        while child.ready is not None and not child.ready():
-            if process.poll() is not None:
-                raise ConfigError(f"{child.name} exited with code {process.returncode} while starting; "
-                                  f"see {child.log}")
-            if time.monotonic() > deadline or self.stopping:
-                raise ConfigError(f"{child.name} is not ready after {seconds:.0f} s; see {child.log}")
-            time.sleep(0.5)
-
     def health(self, port: int, token: str | None = None) -> bool:
         context = ssl.create_default_context(cafile=str(self.certs / certificates.CA_CERT))
         request = urllib.request.Request(f"https://127.0.0.1:{port}/health",
@@ -634,84 +435,12 @@ class Deployment:
                  f"flower.node-auth=true flower.roster=\"{roster}\" out=\"/abs/out\"'")
         self.say(f"stop: Ctrl-C, or python -m fedhpro.deploy up --stop {self.state}")
 
-    # ------------------------------------------------------------------ supervision
-    def reap_orphans(self, children: dict[int, list[int]]) -> None:
-        """End and reap the processes adopted as subreaper (not ours: left by a child that died)."""
-        ours = {c.process.pid for c in self.children.values() if c.process is not None}
-        for pid in children.get(os.getpid(), []):
-            if pid not in ours:
-                kill_all({pid} | below(pid, children), signal.SIGKILL)
-                try:
-                    os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
-
-    def check(self) -> None:
-        """One supervision step: remember descendants, restart what died (with backoff)."""
-        children = descendants_map()
-        now = time.monotonic()
-        for child in self.children.values():
-            if child.process is None or child.given_up:
-                continue
-            code = child.process.poll()
-            if code is None:
-                child.seen |= below(child.process.pid, children)
-                if child.failing_since is not None and now - child.started_at > STABLE:
-                    child.failing_since, child.failures, child.said_refused = None, 0, False
-                continue
-            if child.next_start is None:  # it just died
-                self.end(child)
-                if now - child.started_at > STABLE:
-                    child.failing_since, child.failures = None, 0
-                child.failing_since = child.failing_since or now
-                delay = BACKOFF[min(child.failures, len(BACKOFF) - 1)]
-                child.failures += 1
-                if now - child.failing_since > GIVE_UP:
-                    child.given_up = True
-                    self.say(f"{child.name} keeps failing (exit code {code}, {child.failures} starts in "
-                             f"{now - child.failing_since:.0f} s); left down, see {child.log}")
-                    continue
-                refused = self.refused(child)
-                if refused and not child.said_refused:
-                    self.say(f"{child.name} refused (Flower exit code {REFUSED_EXIT}): the SuperLink still has its "
-                             "previous session online (up to ~60 s after a kill -9); retrying with backoff")
-                    child.said_refused = True
-                elif not refused:
-                    self.say(f"{child.name} exited with code {code}; restarting in {delay:.0f} s")
-                child.next_start = now + delay
-            elif now >= child.next_start:
-                self.launch(child)
-        self.reap_orphans(children)
-
-    def supervise(self) -> None:
-        while not self.stopping:
-            self.check()
-            time.sleep(1.0)
-
     def stop(self) -> None:
         """Nodes first (SIGTERM: they say goodbye), then forwarders, gate, SuperLink; SIGKILL after 15 s."""
-        self.stopping = True
         infrastructure = {"gate", "bridge", "superlink"} | {n for n in self.children if n.endswith("-forward")}
-        order = ([c for c in self.children.values() if c.name not in infrastructure],
-                 [c for c in self.children.values() if c.name.endswith("-forward")],
-                 [self.children.get("gate"), self.children.get("bridge")], [self.children.get("superlink")])
-        for candidates in order:
-            group = [(c, c.process) for c in candidates if c is not None and c.process is not None]
-            for child, _ in group:
-                self.end(child, signal.SIGTERM)
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline and any(
-                    process.poll() is None or any(alive(p) for p in child.seen) for child, process in group):
-                time.sleep(0.2)
-            for child, process in group:
-                self.end(child, signal.SIGKILL)
-                try:
-                    process.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    pass
-        self.reap_orphans(descendants_map())
-        for name in list(self.children):
-            (self.state / "run" / f"{name}.pid").unlink(missing_ok=True)
+        self.stop_groups([[c for c in self.children.values() if c.name not in infrastructure],
+                          [c for c in self.children.values() if c.name.endswith("-forward")],
+                          [self.children.get("gate"), self.children.get("bridge")], [self.children.get("superlink")]])
         for namespace in self.namespaces.values():
             namespace.close()  # the namespaces end with their last process
         self.namespaces.clear()
@@ -729,54 +458,6 @@ def port_free(port: int) -> bool:
             return False
     return True
 
-
-def end_left_behind(state: Path) -> list[int]:
-    """SIGTERM, then SIGKILL, to the process group of every pid in ``STATE/run`` (an ``up`` killed with
-    SIGKILL could not stop its children); returns those that were running."""
-    groups = []
-    for pid_file in sorted((state / "run").glob("*.pid")):
-        pid = int(pid_file.read_text())
-        try:
-            if alive(pid) and os.getpgid(pid) == pid:  # still the group leader up started, not a reused pid
-                groups.append(pid)
-        except ProcessLookupError:
-            pass
-        pid_file.unlink()
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in groups:
-            try:
-                os.killpg(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 15
-        while sig == signal.SIGTERM and time.monotonic() < deadline and any(alive(p) for p in groups):
-            time.sleep(0.3)
-    return groups
-
-
-def stop_running(state: str | os.PathLike, seconds: float = 90) -> int:
-    """``up --stop STATE``: SIGTERM to the ``up`` process of ``STATE`` and wait until it ended."""
-    pid_file = Path(state) / "up.pid"
-    if not pid_file.exists():
-        print(f"fedhpro up: nothing runs from {state} (no up.pid)", file=sys.stderr)
-        return 1
-    pid = int(pid_file.read_text())
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pid_file.unlink(missing_ok=True)
-        left = end_left_behind(Path(state))
-        print(f"fedhpro up: process {pid} of {state} was not running"
-              + (f"; ended the process groups it had left: {left}" if left else ""), file=sys.stderr)
-        return 1
-    deadline = time.monotonic() + seconds
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.3)
-    if alive(pid):
-        print(f"fedhpro up: process {pid} still runs after {seconds:.0f} s", file=sys.stderr)
-        return 1
-    print(f"fedhpro up: stopped (pid {pid})")
-    return 0
 
 
 def run_up(sites_dir: str, state: str, base_port: int, connection: str, install_dependencies: bool) -> int:
