@@ -34,7 +34,8 @@ from typing import IO, Any
 import numpy as np
 import torch
 
-from fedhpro.errors import ConfigError, DataError
+from fedhpro.bounded import limit_from_environment
+from fedhpro.errors import DataError
 
 #: the most uncompressed bytes one data file (a ``.npy``, ``.npz`` or ``.pt`` of features, labels or inputs) may
 #: declare: 1 GiB, 268 million float32 values (a site of a million rows of 256 features, or 87,000 32x32 RGB
@@ -68,13 +69,7 @@ class ArrayFileError(DataError):
 
 
 def _limit_from(variable: str, default: int) -> int:
-    text = os.environ.get(variable, "").strip()
-    if not text:
-        return default
-    if not (text.isascii() and text.isdigit() and 1 <= int(text) <= 2**62):
-        raise ConfigError(f"{variable}={text[:40]!r} is not a whole number >= 1; set it to the most bytes a file "
-                          f"may declare (e.g. {default}) or unset it")
-    return int(text)
+    return limit_from_environment(variable, default, "bytes a file may declare")
 
 
 def max_array_bytes() -> int:

@@ -54,6 +54,19 @@ class LimitError(ConfigError):
     """YAML or JSON text beyond one of fedhpro's bounds (size, aliases, nodes, depth): one line."""
 
 
+def limit_from_environment(variable: str, default: int, most: str) -> int:
+    """A size limit an environment variable may set: ``$variable`` when set (a whole number >= 1), else
+    ``default``; anything else is a one-line ConfigError saying it should be ``most`` (what the limit counts,
+    e.g. "bytes a file may declare")."""
+    text = os.environ.get(variable, "").strip()
+    if not text:
+        return default
+    if not (text.isascii() and text.isdigit() and 1 <= int(text) <= 2**62):
+        raise ConfigError(f"{variable}={text[:40]!r} is not a whole number >= 1; set it to the most {most} "
+                          f"(e.g. {default}) or unset it")
+    return int(text)
+
+
 def _name(where: str | None, kind: str) -> str:
     return where or f"the {kind} text"
 

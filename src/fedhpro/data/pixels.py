@@ -3,11 +3,11 @@ from its file's header and one over the limit is refused, in one line, before an
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
-from fedhpro.errors import ConfigError, DataError
+from fedhpro.bounded import limit_from_environment
+from fedhpro.errors import DataError
 
 #: the most pixels (width x height) an image may have: read from its header and refused before it is decoded
 #: (a PNG of a few hundred KB can hold 144 megapixels, over 400 MB once decoded to RGB). Pillow's own warning
@@ -21,13 +21,7 @@ MAX_PIXELS_VARIABLE = "FEDHPRO_MAX_IMAGE_PIXELS"
 def max_image_pixels() -> int:
     """The pixel limit of an image: ``$FEDHPRO_MAX_IMAGE_PIXELS`` when set (a whole number >= 1), else
     :data:`MAX_IMAGE_PIXELS`; a value that is not one is a one-line ConfigError."""
-    text = os.environ.get(MAX_PIXELS_VARIABLE, "").strip()
-    if not text:
-        return MAX_IMAGE_PIXELS
-    if not (text.isascii() and text.isdigit() and 1 <= int(text) <= 2**62):
-        raise ConfigError(f"{MAX_PIXELS_VARIABLE}={text[:40]!r} is not a whole number >= 1; set it to the most "
-                          f"pixels an image may have (e.g. {MAX_IMAGE_PIXELS}) or unset it")
-    return int(text)
+    return limit_from_environment(MAX_PIXELS_VARIABLE, MAX_IMAGE_PIXELS, "pixels an image may have")
 
 
 def check_image_size(image: Any, where: str = "the image", limit: int | None = None) -> None:
