@@ -12,7 +12,8 @@ import torch
 
 from conftest import TinyBNNet, make_federation
 from fedhpro.engines.simulator import Faults, Simulator
-from fedhpro.functional import WeightedSum, weighted_average
+from fedhpro.averaging import WeightedSum
+from fedhpro.functional import weighted_average
 from fedhpro.methods import METHODS, MethodContext, Replies, Server, TrainSettings
 from fedhpro.methods.fedavg import FedAvgOptions
 from fedhpro.methods.fedgmkd import FedGMKDOptions

@@ -49,9 +49,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedhpro import runtime
+from fedhpro.averaging import WeightedSum
 from fedhpro.data.federation import ClientData
 from fedhpro.errors import ConfigError, UpdateError
-from fedhpro.functional import WeightedSum, weighted_average
+from fedhpro.functional import weighted_average
 from fedhpro.methods import sample_dp
 
 Payload = dict[str, Any]
