@@ -160,12 +160,12 @@ def test_both_engines_build_their_protocol_from_the_same_settings():
 
 
 def test_a_resumed_run_refuses_another_aggregation_or_hostile_fault():
-    from fedhpro.resume import _changed_on_resume, given_settings
+    from fedhpro.resume import _changed_on_resume
 
     stored = load_config(None, ["aggregation=median"]).to_dict()
-    assert _changed_on_resume(stored, given_settings(None, {"aggregation": "trimmed-mean", "faults.sign_flip": 0.1})
+    assert _changed_on_resume(stored, load_config(None, {"aggregation": "trimmed-mean", "faults.sign_flip": 0.1}).given
                               ) == ["aggregation.rule", "faults.sign_flip"]
-    assert _changed_on_resume(stored, given_settings(None, {"aggregation.rule": "median"})) == []
+    assert _changed_on_resume(stored, load_config(None, {"aggregation.rule": "median"}).given) == []
 
 
 def _context():

@@ -31,7 +31,7 @@ from fedhpro.files import RunFolderClaim, claim_run_folder
 from fedhpro.measurements import observers_for
 from fedhpro.privacy import privacy_warnings
 from fedhpro.reports.plots import display_name
-from fedhpro.resume import _settings_off_defaults, claimed_config, given_settings
+from fedhpro.resume import claimed_config
 from fedhpro.runtime import bf16_note, cpu_runtime, resolve_threads, torch_threads
 from fedhpro.trained import MODEL_FILE, TrainedModels, load_model, simulator_models, write_models
 from fedhpro.user_models import _is_model_callable, _without_model_callable, check_federation
@@ -130,11 +130,11 @@ def _run(config: Config | str | os.PathLike | Mapping[str, Any] | None,
          federation: Federation | None, echo: bool, claim: RunFolderClaim | None = None) -> RunResult:
     """:func:`run` once its arguments are checked: the run's folder is claimed (:func:`claim_run_folder`)
     for the whole run, new or resumed, unless the caller holds its ``claim`` already (:func:`run_or_continue`)."""
-    config, model_factory, given = _resolve_run_config(config, overrides, kwargs, federation)
+    config, model_factory = _resolve_run_config(config, overrides, kwargs)
     folder, setting = _run_folder(config, federation)
     with driver.claimed_run_folder(folder, setting, claim):
         # read under the claim: the folder holds no other live run
-        config, resume_from = claimed_config(config, folder, given, federation, model_factory)
+        config, resume_from = claimed_config(config, folder, federation, model_factory)
         device = resolve_device(config.run.device)
         # on the CPU: denormals flushed (restored afterwards), freed memory reused (fedhpro.runtime); the run's
         # thread count set (threads=, auto: the cores this process may run on), the caller's put back afterwards
@@ -152,11 +152,10 @@ def _run_folder(config: Config, federation: Federation | None) -> tuple[Path, st
 
 
 def _resolve_run_config(config: Config | str | os.PathLike | Mapping[str, Any] | None,
-                        overrides: Iterable[str] | Mapping[str, Any] | None, kwargs: Mapping[str, Any],
-                        federation: Federation | None
-                        ) -> tuple[Config, Callable[..., torch.nn.Module] | None, dict[str, Any] | None]:
-    """``(config, model callable or None, the keys the user set)`` of :func:`run`'s arguments (the keys
-    only for a resumed run, whose saved config :func:`_resume_config` reads under the folder's claim).
+                        overrides: Iterable[str] | Mapping[str, Any] | None, kwargs: Mapping[str, Any]
+                        ) -> tuple[Config, Callable[..., torch.nn.Module] | None]:
+    """``(config, model callable or None)`` of :func:`run`'s arguments; the config remembers the keys the
+    user set (:attr:`~fedhpro.config.Config.given`), which a resumed run checks against its saved config.
 
     A ``model`` callable is taken out of the settings (a later source wins, as
     for any other key).
@@ -167,19 +166,15 @@ def _resolve_run_config(config: Config | str | os.PathLike | Mapping[str, Any] |
             model_factory = source["model"] if _is_model_callable(source["model"]) else None
     config, overrides = (_without_model_callable(item) for item in (config, overrides))
     kwargs = _without_model_callable(kwargs)
-    if not isinstance(config, Config):
-        merged: dict[str, Any] = {}
-        if overrides is not None:
-            merged.update(overrides if isinstance(overrides, Mapping) else map(parse_override, overrides))
-        merged.update(kwargs)
-        resolved = load_config(config, merged)
-        given = given_settings(config, merged) if resolved.run.resume else None
-        config = resolved
-    elif overrides or kwargs:
-        raise ConfigError("pass overrides with a YAML path or mapping, not with a resolved Config")
-    else:
-        given = _settings_off_defaults(config) if config.run.resume else None
-    return config, model_factory, given
+    if isinstance(config, Config):
+        if overrides or kwargs:
+            raise ConfigError("pass overrides with a YAML path or mapping, not with a resolved Config")
+        return config, model_factory
+    merged: dict[str, Any] = {}
+    if overrides is not None:
+        merged.update(overrides if isinstance(overrides, Mapping) else map(parse_override, overrides))
+    merged.update(kwargs)
+    return load_config(config, merged), model_factory
 
 
 def _run_resolved(config: Config, device: torch.device, federation: Federation | None,

@@ -329,6 +329,15 @@ class Config:
     #: ``"python:<name>"`` when the run's data were a Federation passed from Python (``run.dataset`` is
     #: then unused), else None; written to config.yaml only when set
     federation: str | None = None
+    #: the keys the user set (``section.knob`` form, as written: ``rounds``, ``fedhpro.tau``,
+    #: ``data.clients_per_domain.mnist``) and their values, later sources winning: what :func:`load_config`
+    #: was given, not a data set's or a recipe's defaults nor the program's own settings (:meth:`updated`).
+    #: A resumed run checks them against its saved config and keeps the saved value of every key not among
+    #: them; not part of the config's value (equality, ``to_dict``)
+    given: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    #: ``to_dict()`` as :func:`load_config` resolved it: a Config changed afterwards (``dataclasses.replace``)
+    #: no longer matches, and :meth:`set_keys` then counts the changed keys as set
+    _resolved: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def method_options(self) -> Any:
@@ -337,6 +346,25 @@ class Config:
     def sections(self) -> dict[str, Any]:
         """Every section's options, by name: the methods' (``<method>.*``), then :data:`SECTIONS`'."""
         return {**self.methods, **{section.name: getattr(self, section.name) for section in SECTIONS}}
+
+    def updated(self, settings: Mapping[str, Any]) -> Config:
+        """This config with the program's own ``settings`` applied (``{"data.classes": [...]}``, resolved as
+        :func:`load_config` resolves any key): the keys the user set (:attr:`given`) stay what they were."""
+        config = load_config(self.to_dict(), settings)
+        return dataclasses.replace(config, given=self.given)
+
+    def set_keys(self) -> dict[str, Any]:
+        """The keys the user set and their values: :attr:`given` and, for a config changed after it was
+        resolved (``dataclasses.replace``) or built by hand, every key whose value differs from the defaults
+        (those of its data set), since which of them were set can no longer be told."""
+        if self._resolved is not None and self.to_dict() == self._resolved:
+            return dict(self.given)
+        defaults = load_config({"dataset": self.run.dataset})
+        changed = {key: setting_value(self, key) for key in setting_keys(self)
+                   if setting_value(self, key) != setting_value(defaults, key)}
+        if self.run.dataset != RunOptions.dataset:
+            changed["dataset"] = self.run.dataset
+        return {**changed, **self.given}
 
     def to_dict(self) -> dict[str, Any]:
         """Nested plain dict, as saved to ``config.yaml`` (loadable again by :func:`load_config`)."""
@@ -356,6 +384,21 @@ class Config:
 
 def _run_keys() -> list[str]:
     return [f.name for f in dataclasses.fields(RunOptions)]
+
+
+def setting_keys(config: Config) -> list[str]:
+    """Every key of ``config`` in ``section.knob`` form (run keys bare)."""
+    return [f.name for f in dataclasses.fields(config.run)] + [
+        f"{name}.{f.name}" for name, options in config.sections().items() for f in dataclasses.fields(options)]
+
+
+def setting_value(config: Config, key: str) -> Any:
+    """The value of ``key`` (``rounds``, ``fedhpro.tau``, ``data.clients_per_domain.mnist``) in ``config``;
+    an entry of a mapping is compared as the whole mapping."""
+    section, _, rest = key.partition(".")
+    if not rest:
+        return config.federation if key == FEDERATION_KEY else getattr(config.run, key)
+    return getattr(config.sections()[section], rest.partition(".")[0])
 
 
 def _all_keys(dataset: str) -> list[str]:
@@ -526,6 +569,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
         layers.append(flatten_keys(dict(pairs), "overrides"))
     # copies throughout: nothing the caller passed, and no default or recipe of the package, is ever changed
     assignments = [(key, _checked_value(key, value)) for layer in layers for key, value in layer.items()]
+    given = copy.deepcopy(dict(assignments))  # what the user set, before any default joins
 
     dataset = RunOptions.dataset
     for key, value in assignments:
@@ -586,7 +630,8 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
                for name, spec in registry.items()}
     built = {section.name: _build(section.options_for(dataset), sections.get(section.name, {}),
                                   f"{section.name}.", dataset) for section in SECTIONS}
-    return Config(run=run, methods=methods, **built, federation=federation)
+    config = Config(run=run, methods=methods, **built, federation=federation, given=given)
+    return dataclasses.replace(config, _resolved=config.to_dict())
 
 
 #: what the default data set keeps in a ``data_dir=`` folder (its cache): the only thing it may hold then

@@ -4,7 +4,6 @@ computes), the Python objects it needs again, its newest checkpoint."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -12,14 +11,13 @@ from typing import Any
 import torch
 
 from fedhpro.config import (
-    FEDERATION_KEY,
     PYTHON_PREFIX,
     RESUMABLE_KEYS,
     Config,
-    flatten_keys,
     is_from_python,
     load_config,
     read_yaml,
+    setting_value,
 )
 from fedhpro.data.federation import Federation
 from fedhpro.engines import checkpoint
@@ -32,42 +30,6 @@ from fedhpro.user_models import python_name, with_python_objects
 _RESUME_SETTINGS = RESUMABLE_KEYS
 
 
-def given_settings(source: str | os.PathLike | Mapping[str, Any] | None,
-                    overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """The keys the user set (``section.knob`` form) and their values: those of ``source`` (a YAML file or a
-    mapping), then ``overrides``; what they did not set is not in it, whatever its value."""
-    given = dict(read_yaml(source) if source is not None and not isinstance(source, Mapping)
-                 else flatten_keys(source or {}, "config"))
-    given.update(flatten_keys(overrides, "overrides"))
-    return given
-
-
-def _settings_off_defaults(config: Config) -> dict[str, Any]:
-    """The keys of a resolved ``config`` whose values differ from the defaults (those of its data set, and
-    ``dataset`` itself): which keys were set cannot be known from a resolved Config, so these stand for them."""
-    defaults = load_config({"dataset": config.run.dataset})
-    given = {key: _setting(config, key) for key in _setting_keys(config)
-             if _setting(config, key) != _setting(defaults, key)}
-    if config.run.dataset != load_config(None).run.dataset:
-        given["dataset"] = config.run.dataset
-    return given
-
-
-def _setting_keys(config: Config) -> list[str]:
-    """Every key of ``config`` in ``section.knob`` form (run keys bare)."""
-    return [f.name for f in dataclasses.fields(config.run)] + [
-        f"{name}.{f.name}" for name, options in config.sections().items() for f in dataclasses.fields(options)]
-
-
-def _setting(config: Config, key: str) -> Any:
-    """The value of ``key`` (``rounds``, ``fedhpro.tau``, ``data.clients_per_domain.mnist``) in ``config``;
-    an entry of a mapping is compared as the whole mapping."""
-    section, _, rest = key.partition(".")
-    if not rest:
-        return config.federation if key == FEDERATION_KEY else getattr(config.run, key)
-    return getattr(config.sections()[section], rest.partition(".")[0])
-
-
 def _changed_on_resume(stored: Mapping[str, Any], given: Mapping[str, Any]) -> list[str]:
     """The keys of ``given`` (bar :data:`_RESUME_SETTINGS`) that would change the saved config ``stored``.
 
@@ -76,13 +38,18 @@ def _changed_on_resume(stored: Mapping[str, Any], given: Mapping[str, Any]) -> l
     saved value; a key the saved run cannot take (a data set's knob after a
     ``dataset=`` change) counts as changed.
     """
+    keys = {key: value for key, value in given.items() if key not in _RESUME_SETTINGS}
     saved = load_config(stored)
+    try:  # all at once: nothing changed (the usual resume) costs one load; else each key on its own, to name it
+        together = load_config(stored, keys)
+        if all(setting_value(together, key) == setting_value(saved, key) for key in keys):
+            return []
+    except ConfigError:
+        pass
     changed = []
-    for key, value in given.items():
-        if key in _RESUME_SETTINGS:
-            continue
+    for key, value in keys.items():
         try:
-            changes = _setting(load_config(stored, {key: value}), key) != _setting(saved, key)
+            changes = setting_value(load_config(stored, {key: value}), key) != setting_value(saved, key)
         except ConfigError:
             changes = True
         if changes:
@@ -90,16 +57,16 @@ def _changed_on_resume(stored: Mapping[str, Any], given: Mapping[str, Any]) -> l
     return sorted(changed)
 
 
-def claimed_config(config: Config, folder: Path | None, given: Mapping[str, Any] | None = None,
-                   federation: Federation | None = None,
+def claimed_config(config: Config, folder: Path | None, federation: Federation | None = None,
                    model_factory: Callable[..., torch.nn.Module] | None = None) -> tuple[Config, Path | None]:
     """The config a run goes on with once its ``folder`` is claimed (every engine's last step of resolving
-    it, before the folder is opened): with ``resume=``, the saved config of the run there (the user's
-    ``given`` keys checked against it, :func:`_resume_config`) and its newest checkpoint; a new run's config
+    it, before the folder is opened): with ``resume=``, the saved config of the run there (the keys the user
+    set, :meth:`~fedhpro.config.Config.set_keys`, checked against it: :func:`_resume_config`) and its newest
+    checkpoint; a new run's config
     recording the Python objects it was given (:func:`~fedhpro.user_models.with_python_objects`), its
     ``folder`` checked to hold no other run's files (one line, before any data are built), and None."""
     if config.run.resume:
-        return _resume_config(config, federation, model_factory, given)
+        return _resume_config(config, federation, model_factory)
     config = with_python_objects(config, federation, model_factory)
     if folder is not None:
         check_new_run_folder(folder)
@@ -107,14 +74,13 @@ def claimed_config(config: Config, folder: Path | None, given: Mapping[str, Any]
 
 
 def _resume_config(config: Config, federation: Federation | None = None,
-                   model_factory: Callable[..., torch.nn.Module] | None = None,
-                   given: Mapping[str, Any] | None = None) -> tuple[Config, Path]:
+                   model_factory: Callable[..., torch.nn.Module] | None = None) -> tuple[Config, Path]:
     """The saved config of the run to resume (with the allowed settings of ``config``) and its newest checkpoint.
 
-    ``given``: the keys the user set and their values (:func:`given_settings`;
-    None: those of ``config`` that differ from the defaults). Any of them that
-    differs from the saved config, other than :data:`_RESUME_SETTINGS`, is
-    refused: the resumed run would silently use the saved value instead.
+    The keys the user set (:meth:`~fedhpro.config.Config.set_keys`) are checked
+    against the saved config: any of them that differs from it, other than
+    :data:`_RESUME_SETTINGS`, is refused (the resumed run would silently use
+    the saved value instead).
 
     A run whose data or model came from Python (``federation: python:<name>``,
     ``model: python:<name>`` in its config.yaml) needs the same objects passed
@@ -127,7 +93,7 @@ def _resume_config(config: Config, federation: Federation | None = None,
         raise ConfigError(f"resume={str(run_dir)!r}: no config.yaml there; give the folder of an earlier run")
     stored = read_yaml(saved)
     model = stored.pop("model", None) if is_from_python(stored.get("model")) else None
-    given = _settings_off_defaults(config) if given is None else given
+    given = config.set_keys()
     changed = _changed_on_resume(stored, given)
     if changed:
         raise ConfigError(f"resume takes its settings from {saved}; remove {', '.join(changed)} "

@@ -47,7 +47,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, R
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
-from fedhpro.config import PRESENTATION_KEYS, Config, load_config
+from fedhpro.config import PRESENTATION_KEYS, Config
 from fedhpro.data.clients import client_notes
 from fedhpro.data.federation import few_batches_note
 from fedhpro.engines import checkpoint, driver
@@ -57,11 +57,11 @@ from fedhpro.flower import records, secagg
 from fedhpro.flower.engine import ServerSide, build_server_side, own_data
 from fedhpro.flower.nodes import Nodes, _client_keys, discover_nodes, discover_own_data
 from fedhpro.flower.records import EVAL_RECORD, HEADER, NODE_RECORD, PRIVACY, SERVER_STATE
-from fedhpro.flower.settings import FlowerSettings, config_from_run_config, experiment_keys, split_run_config
+from fedhpro.flower.settings import FlowerSettings, config_from_run_config, experiment_keys
 from fedhpro.flower.strategy import MethodStrategy, round_timeout, secure_for
 from fedhpro.privacy import privacy_warnings
 from fedhpro.reports.plots import display_name
-from fedhpro.resume import claimed_config, given_settings
+from fedhpro.resume import claimed_config
 from fedhpro.trained import server_models, write_models
 
 #: what this module's users import from it besides the ServerApp: the message records' names (the ClientApp's too)
@@ -82,19 +82,17 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, Any
     # the out folder is this ServerApp's until it ends (fedhpro run's rule): a second run on it is refused in
     # one line; claimed before the folder is read, so a resume reads no files a live run is writing
     with driver.claimed_run_folder(out, "resume" if config.run.resume else "out"):
-        given = given_settings(base, split_run_config(run_config)[0]) if config.run.resume else None
-        config, resume_from = claimed_config(config, out, given)  # before any node is asked
+        config, resume_from = claimed_config(config, out)  # before any node is asked
         return _run_server(grid, config, settings, out, resume_from)
 
 
 def _run_server(grid: Grid, config: Config, settings: FlowerSettings, out: Path | None,
                 resume_from: Path | None) -> MethodStrategy:
     """:func:`run_server` once its out folder (if any) is claimed and its config resolved."""
-    config = load_config(config.to_dict(), {"progress": False})  # no progress bars in a server log
-    if config.privacy.mode != "none" and config.privacy.secure_noise is None:
-        # a deployment's noise must not be redrawable from the config: the OS's randomness unless the run
-        # asks for seeded noise (privacy.secure_noise=false, e.g. to compare with the simulator)
-        config = load_config(config.to_dict(), {"privacy.secure_noise": True})
+    # no progress bars in a server log; a deployment's noise must not be redrawable from the config: the OS's
+    # randomness unless the run asks for seeded noise (privacy.secure_noise=false, e.g. to compare with the simulator)
+    config = config.updated({"progress": False, **({"privacy.secure_noise": True} if config.privacy.mode != "none"
+                                                  and config.privacy.secure_noise is None else {})})
     if settings.secure_aggregation == "secagg+":
         secagg.check_secure_config(config)  # before any node is asked
     started = time.perf_counter()
@@ -149,7 +147,7 @@ def _federation(grid: Grid, config: Config, settings: FlowerSettings
             raise ConfigError("dataset=clients on Flower: the server holds no data, so data_dir must not be set in "
                               "the run config; give each SuperNode its own with --node-config \"data-dir=...\"")
         nodes, infos, classes = discover_own_data(grid, config, settings)
-        config = load_config(config.to_dict(), {"data.classes": classes})
+        config = config.updated({"data.classes": classes})
         claimed = not settings.roster  # with a roster the operator vouches for every site's sizes
         side = build_server_side(config, num_classes=len(classes), input_shape=tuple(infos[0].input_shape),
                                  num_samples=[info.train_size for info in infos], on_drop=warn,
@@ -166,7 +164,7 @@ def _federation(grid: Grid, config: Config, settings: FlowerSettings
     else:
         nodes, clients = discover_nodes(grid, config.run.clients, settings)
         if config.run.clients is None:
-            config = load_config(config.to_dict(), {"clients": clients})
+            config = config.updated({"clients": clients})
         side = build_server_side(config, on_drop=warn)
         assert side.engine is not None, "partition mode builds the whole engine"
         federation = side.engine.federation

@@ -225,9 +225,9 @@ def config_from_run_config(run_config: Mapping[str, Any], base: Mapping[str, Any
     base, flower_base = experiment_keys(base), {key: value for key, value in (base or {}).items()
                                                  if key.startswith(FLOWER_PREFIX)}
     overrides, flower = split_run_config({**flower_base, **run_config})
-    if "checkpoint_every" not in base and "checkpoint_every" not in overrides:
-        overrides["checkpoint_every"] = FLOWER_CHECKPOINT_EVERY  # Flower's own default (see the module doc)
     config = load_config(base, overrides)
+    if "checkpoint_every" not in config.given:  # Flower's own default (see the module doc), not the user's
+        config = config.updated({"checkpoint_every": FLOWER_CHECKPOINT_EVERY})
     for name in SIMULATOR_ONLY:
         if getattr(config.run, name, False):
             raise ConfigError(f"{name}=true is measured only by the in-process simulator (fedhpro run); "
