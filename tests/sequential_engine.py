@@ -1,7 +1,7 @@
 """A second engine, for tests: the participants trained one after another through the shared round protocol,
 no observers, no drop handling beyond the protocol's. It implements :class:`fedhpro.engines.driver.Engine`
-with nothing but the driver's row and client-evaluation functions, so a run through
-:class:`~fedhpro.engines.driver.Run` gives the simulator's bytes (one global model, test sets shared
+and nothing else, with the driver's row and client-evaluation functions, so a run through
+:func:`~fedhpro.engines.driver.execute` gives the simulator's bytes (one global model, test sets shared
 per domain: FedAvg, FedHPro)."""
 
 from __future__ import annotations
@@ -27,10 +27,15 @@ class SequentialEngine:
                                    architecture_factory=parts.architecture_factory, shared=parts.shared)
         self.server, self.client = build_method(parts.method, config.method_options, self.models,
                                                 parts.federation.num_classes, parts.train, self.seed, device)
-        self.protocol = RoundProtocol(self.server, n, **protocol_settings(config))
+        self.protocol = RoundProtocol(self.server, n, client_sizes=[len(data) for data in parts.federation.clients],
+                                      **protocol_settings(config))
         self.states: list[dict[str, Any]] = [{} for _ in range(n)]
 
     shared = property(lambda self: self.models.shared)
+    client_names = property(lambda self: self.federation.client_names)
+
+    def pooled_test_sizes(self) -> list[tuple[str, int]]:
+        return []  # one global model tested once per shared test set: no client's count is pooled
 
     def run_round(self, round: int) -> RoundRecord:
         current = self.protocol.open(round)
@@ -54,19 +59,6 @@ class SequentialEngine:
         accuracy = pool_accuracy(counts)
         return accuracy, [accuracy.get(self.federation.client_test_name(k), accuracy["AVG"])
                           for k in range(self.federation.num_clients)]
-
-    def client_test(self, k: int) -> tuple[str, tuple[Tensor, Tensor]]:
-        name = self.federation.client_test_name(k)
-        return name, self.federation.test_sets[name]
-
-    def server_prototypes(self) -> tuple[Tensor, Tensor, str] | None:
-        return self.server.exposed_prototypes()
-
-    def centralized_prototypes(self) -> tuple[Tensor, Tensor]:
-        raise NotImplementedError("no observers on this engine")
-
-    def test_features(self, per_test_set: int = 300) -> tuple[Tensor, Tensor, list[str]]:
-        raise NotImplementedError("no observers on this engine")
 
     def state_dict(self) -> dict[str, Any]:
         return {"server": self.server.state_dict(), "client_states": self.states}

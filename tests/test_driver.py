@@ -13,10 +13,8 @@ from conftest import FEATURE_DIM, TinyNet, make_federation
 from sequential_engine import SequentialEngine
 
 import fedhpro
-from fedhpro.api import run_notes
 from fedhpro.engines import driver
 from fedhpro.experiment import build_experiment
-from fedhpro.privacy import privacy_warnings
 from fedhpro.runtime import cpu_runtime, resolve_threads, torch_threads
 
 #: privacy=client with max_epsilon: the client step privatizes on this engine too, and the run stops before the
@@ -49,13 +47,9 @@ def test_a_sequential_engine_through_the_driver_gives_the_simulators_bytes(metho
         parts = build_experiment(config, device, federation=federation, model_factory=TinyNet)
         engine = SequentialEngine(config, parts, device)
         run = driver.Run(out, config.run, engine.protocol, started=started)
-        run.open(config.to_dict(), parts.federation.partition, engine.load_state_dict)
-        driver.train(engine, run, "sequential", progress=False)
-        notes = [*parts.federation.notes, *run_notes(config, parts.federation)]  # as fedhpro.run says them
-        notes += privacy_warnings(config.privacy, federation.num_clients, [len(data) for data in federation.clients])
-        summary = driver.run_summary(config.run, federation.name, federation.num_clients, device,
-                                     run.rows.metrics, run.seconds(), notes, from_python=True)
-        run.close(summary, engine.server.state_dict(), lambda folder: None, "sequential")
+        driver.execute(engine, run, config, data_name=federation.name, partition=parts.federation.partition,
+                       notes=parts.federation.notes, resume_from=None, write_model=lambda folder: None,
+                       voice=driver.ConsoleVoice())
     for name in ("metrics.jsonl", "config.yaml", "partition.json"):
         assert (out / name).read_bytes() == (expected.out / name).read_bytes(), name
     assert without_seconds(out / "summary.json") == without_seconds(expected.out / "summary.json")

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from conftest import FEATURE_DIM, IMAGE_SHAPE, NUM_CLASSES, TinyBNNet, TinyNet, make_federation
-from fedhpro.engines.simulator import Simulator, derive_seed, evaluate
+from fedhpro.engines.client_tests import evaluate
+from fedhpro.engines.simulator import Simulator, derive_seed
 from fedhpro.methods import METHODS, TrainSettings
 
 TRAIN = TrainSettings(epochs=1, batch_size=8, lr=0.05, momentum=0.9, weight_decay=0.0)

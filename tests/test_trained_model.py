@@ -225,14 +225,14 @@ def test_the_flower_writers_give_what_load_model_rebuilds(digits_data_dir, tmp_p
     write_node_model), on the parts the Flower apps build, against those parts' own modules."""
     pytest.importorskip("flwr")
     from fedhpro.config import load_config
-    from fedhpro.flower.engine import build_server_side, node_from_engine
+    from fedhpro.flower.engine import build_engine, build_server_side, node_from_engine
     from fedhpro.reports import write_yaml
     from fedhpro.trained import server_models, write_models, write_node_model
 
     settings = {k: v for k, v in tiny(digits_data_dir, tmp_path / "unused").items() if k != "out"}
     config = load_config(None, settings)
     side = build_server_side(config)
-    federation = side.engine.federation
+    federation = side.federation
     write_yaml(tmp_path / "server" / "config.yaml", config.to_dict())  # what the ServerApp's run folder holds
     write_models(tmp_path / "server", server_models(side, federation.partition))
     network = side.models.global_model
@@ -243,13 +243,13 @@ def test_the_flower_writers_give_what_load_model_rebuilds(digits_data_dir, tmp_p
     personal = load_config(None, {**settings, "method": "fedproto", "fedproto.protocol": "proto-only"})
     side = build_server_side(personal)
     write_yaml(tmp_path / "personal" / "config.yaml", personal.to_dict())
-    write_models(tmp_path / "personal", server_models(side, side.engine.federation.partition))
+    write_models(tmp_path / "personal", server_models(side, side.federation.partition))
     assert not (tmp_path / "personal" / "model.pt").exists()
     with pytest.raises(ModelFileError, match="written on its node's own disk"):
         fedhpro.load_model(tmp_path / "personal", client=1)
-    node = node_from_engine(side.engine, 1)
+    node = node_from_engine(build_engine(personal), 1)  # what a node in partition mode builds
     model = node.model(None)
-    written = write_node_model(tmp_path / "node", personal, node, model, side.engine.federation.partition)
+    written = write_node_model(tmp_path / "node", personal, node, model, side.federation.partition)
     assert written == tmp_path / "node" / "models" / "client_1.pt"
     assert torch.equal(fedhpro.load_model(tmp_path / "node", client=1)(x), model.eval()(x))
 

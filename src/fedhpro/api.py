@@ -23,14 +23,12 @@ import torch
 
 from fedhpro.bounded import read_json_file
 from fedhpro.config import Config, RunOptions, load_config, parse_override
-from fedhpro.data.federation import Federation, few_batches_note
+from fedhpro.data.federation import Federation
 from fedhpro.engines import checkpoint, driver
 from fedhpro.errors import ConfigError, DataError
-from fedhpro.experiment import _warn, build_experiment, build_simulator, resolve_device, trained_models
+from fedhpro.experiment import build_experiment, build_simulator, resolve_device
 from fedhpro.files import RunFolderClaim, claim_run_folder
 from fedhpro.measurements import observers_for
-from fedhpro.privacy import privacy_warnings
-from fedhpro.reports.plots import display_name
 from fedhpro.resume import claimed_config
 from fedhpro.runtime import bf16_note, cpu_runtime, resolve_threads, torch_threads
 from fedhpro.trained import MODEL_FILE, TrainedModels, load_model, simulator_models, write_models
@@ -180,59 +178,33 @@ def _resolve_run_config(config: Config | str | os.PathLike | Mapping[str, Any] |
 def _run_resolved(config: Config, device: torch.device, federation: Federation | None,
                   model_factory: Callable[..., torch.nn.Module] | None, resume_from: Path | None,
                   echo: bool, out: Path) -> RunResult:
-    """The run of a resolved ``config`` (:func:`run` after its checks): build, prepare or resume the folder,
-    train with checkpoints, then the summary, the observers' end (t-SNE) and the accuracy plot."""
+    """The run of a resolved ``config`` (:func:`run` after its checks): build the in-process engine, then the
+    run around its rounds (:func:`fedhpro.engines.driver.execute`, the same for every engine)."""
     options = config.run
     data_name = federation.name if federation is not None else options.dataset
-    title = f"{display_name(options.method)} on {data_name} (seed {options.seed})"
     started = time.perf_counter()
     parts = build_experiment(config, device, federation=federation, model_factory=model_factory)
-    notes = [*parts.federation.notes, *run_notes(config, parts.federation)]
-    if echo:  # how the data were read (split folders, empty or untested classes and sites), before training
-        for note in notes:
-            print(f"note: {note}")
-        hardware = bf16_note(options.amp, device)  # printed only: summary.json does not depend on the CPU
-        if hardware:
-            print(f"note: {hardware}")
-    simulator = build_simulator(config, parts, device, observers_for(options, out, _warn, title))
-    warnings = run_warnings(config, simulator)
-    for line in warnings:  # before training, and kept in summary.json's notes
-        _warn(line)
+    voice = driver.ConsoleVoice(echo)
+    hardware = bf16_note(options.amp, device)  # said only: summary.json does not depend on the CPU
+    if hardware:
+        voice.note(hardware)
+    observers = observers_for(options, out, driver.warn_line, driver.run_title(options, data_name))
+    simulator = build_simulator(config, parts, device, observers)
     run = driver.Run(out, options, simulator.protocol, started=started)
-    run.open(config.to_dict(), parts.federation.partition, simulator.load_state_dict, resume_from)
-    driver.train(simulator, run, f"{options.method} on {data_name}", options.progress)
-    summary = driver.run_summary(options, data_name, parts.federation.num_clients, device, run.rows.metrics,
-                                 run.seconds(), [*notes, *warnings], from_python=config.federation is not None,
-                                 models=trained_models(simulator.models))
-    trained = simulator_models(config, simulator, parts.federation)
-    run.close(summary, simulator.server.state_dict(), lambda folder: write_models(folder, trained), title,
-              end=simulator.end_run)
-    seconds = summary["seconds"]
+    trained: list[TrainedModels] = []
+
+    def write_model(folder: Path) -> None:
+        trained.append(simulator_models(config, simulator, parts.federation))
+        write_models(folder, trained[0])
+
+    summary = driver.execute(simulator, run, config, data_name=data_name, partition=parts.federation.partition,
+                             notes=parts.federation.notes, resume_from=resume_from, write_model=write_model,
+                             voice=voice)
     if echo:
-        print(driver.final_printout(summary, f"{options.method} on {data_name}, seed {options.seed}, "
-                                           f"{options.rounds} rounds, {seconds:.0f} s — test accuracy (%):"))
-        saved = MODEL_FILE if trained.global_model is not None else "models/client_<k>.pt"
+        saved = MODEL_FILE if trained[0].global_model is not None else "models/client_<k>.pt"
         print(f"results in {out}/ (summary.json, metrics.jsonl, timing.jsonl, accuracy.png and .svg, "
               f"config.yaml); trained model: {saved} (fedhpro.load_model, fedhpro predict)")
-    return RunResult(summary=summary, metrics=run.rows.metrics, out=out, config=config, trained=trained)
-
-
-def run_warnings(config: Config, simulator: Any) -> list[str]:
-    """The run's warning lines, said before its first round and kept in summary.json's ``notes``: a client
-    holding more than ``aggregation.max_share`` of the test samples pooled for its test set
-    (:func:`driver.pooled_share_warnings`), a near-vacuous privacy delta (:func:`fedhpro.privacy.privacy_warnings`)."""
-    max_share = float(getattr(config.aggregation, "max_share", 1.0))
-    federation = simulator.federation
-    return (driver.pooled_share_warnings(simulator.pooled_test_sizes(), max_share)
-            + privacy_warnings(config.privacy, federation.num_clients, [len(data) for data in federation.clients]))
-
-
-def run_notes(config: Config, federation: Federation) -> list[str]:
-    """The run's own start-up notes, said with the data's (``note: ...``) and kept in summary.json's ``notes``:
-    a smallest client with fewer than three batches an epoch at the run's ``batch_size``
-    (:func:`fedhpro.data.federation.few_batches_note`)."""
-    few = few_batches_note(federation, config.run.batch_size)
-    return [few] if few else []
+    return RunResult(summary=summary, metrics=run.rows.metrics, out=out, config=config, trained=trained[0])
 
 
 def _new_run_folder(options: RunOptions, data_name: str) -> Path:

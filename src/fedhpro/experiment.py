@@ -4,18 +4,17 @@ of a config, the same for the in-process simulator and the Flower apps."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from fedhpro import runtime
 from fedhpro.config import Config, channels_last_setting
 from fedhpro.data import get_dataset
 from fedhpro.data.federation import Federation
+from fedhpro.engines.driver import warn_line
 from fedhpro.engines.observers import RoundObserver
 from fedhpro.engines.protocol import Aggregation
 from fedhpro.engines.simulator import Faults, Simulator
@@ -42,14 +41,9 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def _warn(message: str) -> None:
-    """One warning line on stderr that leaves the progress bar intact."""
-    tqdm.write(f"fedhpro: warning: {message}", file=sys.stderr)
-
-
 def build_simulator(config: Config, parts: Experiment, device: torch.device,
                     observers: list[RoundObserver] | None = None,
-                    on_drop: Callable[[str], None] | None = _warn) -> Simulator:
+                    on_drop: Callable[[str], None] | None = warn_line) -> Simulator:
     """The in-process simulator of ``config`` on the built ``parts``, watched by ``observers`` (also what a
     Flower node and server build in partition mode)."""
     # clients side by side (parallel_clients=), each with its share of the run's threads (set by now)
@@ -132,14 +126,6 @@ def build_experiment(config: Config, device: torch.device | str = "cpu", federat
         train = private_train_settings(config, train, ledger)  # clip, sigma and where the noise comes from
     return Experiment(method, federation, global_factory, architecture_factory, architectures, train, shared,
                       ledger)
-
-
-def trained_models(models: Any) -> list[torch.nn.Module]:
-    """The models the clients train, one per architecture, of a :class:`~fedhpro.engines.simulator.ClientModels`
-    (summary.json's memory format is resolved on them: ``channels_last=auto`` depends on their Conv2d layers)."""
-    if models.personal:
-        return list(models.working_models.values()) or [models.global_model]
-    return [models.working_model]
 
 
 def check_precision(config: Config, device: torch.device) -> None:

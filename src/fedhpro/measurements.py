@@ -20,7 +20,7 @@ from fedhpro.metrics.embedding import tsne_embedding
 from fedhpro.reports.plots import plot_tsne
 
 if TYPE_CHECKING:
-    from fedhpro.engines.driver import Engine
+    from fedhpro.engines.driver import InProcessEngine
     from fedhpro.engines.protocol import RoundRecord
 
 
@@ -80,7 +80,7 @@ class TSNEPlot(RoundObserver):
         write_tsne(self.simulator, self.out, self.seed, self.title)
 
 
-def write_tsne(simulator: Engine, out: Path, seed: int, title: str, per_test_set: int = 200) -> None:
+def write_tsne(simulator: InProcessEngine, out: Path, seed: int, title: str, per_test_set: int = 200) -> None:
     """``tsne.png`` and ``tsne.npz``: t-SNE of the global model's test features (colour = class, marker =
     test set), with the server's prototypes embedded alongside when the method has any (Figures 3, 6)."""
     features, labels, names = simulator.test_features(per_test_set)

@@ -35,40 +35,64 @@ from tqdm.auto import tqdm
 
 from fedhpro import reports, runtime
 from fedhpro.aggregation import lower_median
-from fedhpro.config import channels_last_setting
+from fedhpro.config import Config, channels_last_setting
+from fedhpro.data.federation import few_batches_note
 from fedhpro.engines import checkpoint
 from fedhpro.engines.protocol import Aggregation, RoundProtocol, RoundRecord, TestCount
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.files import claim_run_folder, remove_partial_writes
 from fedhpro.methods.base import eval_batch_size, eval_forward, load_weights, no_grad_pass, no_grad_precision
 from fedhpro.metrics import fairness_statistics
-from fedhpro.reports.plots import plot_run_accuracy
+from fedhpro.privacy import privacy_warnings
+from fedhpro.reports.plots import display_name, plot_run_accuracy
 
 if TYPE_CHECKING:
     from fedhpro.data.federation import Federation
 
 
 class Engine(Protocol):
-    """What the run (:func:`train`, :class:`Run`), the observers and Flower's partition mode use of an
-    engine: its federation and device, its method's parts and models, its round protocol, its rounds, its
-    evaluation, its state and its end."""
+    """What :func:`execute`, the run around the rounds, needs of an engine: its round protocol, its method's
+    server part, its clients' models and device, one round at a time, its state (checkpoints) and its end.
+    The in-process simulator and the Flower ServerApp (:class:`fedhpro.flower.strategy.FlowerEngine`) are
+    engines; so is ``tests/sequential_engine.py``."""
+
+    protocol: RoundProtocol
+    server: Any  # the method's server part
+    models: Any  # the clients' models (engines.simulator.ClientModels: the working model, personal ones)
+    device: torch.device
+
+    def run_round(self, round: int) -> RoundRecord:
+        """Round ``round`` (from 0): its record."""
+        ...
+
+    def pooled_test_sizes(self) -> list[tuple[str, int]]:
+        """Each client's ``(test-set name, size)`` where the clients' test counts are pooled, else ``[]``."""
+        ...
+
+    @property
+    def client_names(self) -> list[str] | None:
+        """The clients' names (their folders, their sites), None where they have none."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def end_run(self) -> None: ...
+
+
+class InProcessEngine(Engine, Protocol):
+    """An engine that holds the whole federation in this process: what the observers (FLOPs, prototype
+    distances, t-SNE) and a Flower node in partition mode use of it besides the run's needs."""
 
     federation: Federation
-    device: torch.device
     history: list[RoundRecord]
     seed: int
-    models: Any  # the clients' models (engines.simulator.ClientModels: the working model, personal ones)
-    server: Any  # the method's server part
     client: Any  # the method's client part
-    protocol: RoundProtocol
 
     @property
     def shared(self) -> str:
         """Which weights travel: ``"all"``, ``"classifier"`` or ``"none"``."""
-        ...
-
-    def run_round(self, round: int) -> RoundRecord:
-        """Round ``round`` (from 0), its record (also appended to :attr:`history`)."""
         ...
 
     def evaluate_clients(self) -> tuple[dict[str, float], list[float | None]]:
@@ -85,11 +109,51 @@ class Engine(Protocol):
 
     def test_features(self, per_test_set: int = 300) -> tuple[Tensor, Tensor, list[str]]: ...
 
-    def state_dict(self) -> dict[str, Any]: ...
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+class Voice(Protocol):
+    """How a run speaks to its user: :class:`ConsoleVoice` prints (``fedhpro run``), the Flower ServerApp logs."""
 
-    def end_run(self) -> None: ...
+    def note(self, line: str) -> None:
+        """A note of the run's start (how the data were read), kept in summary.json's notes too."""
+        ...
+
+    def warning(self, line: str) -> None:
+        """A warning: said before the first round (and kept in summary.json's notes), or a dropped client."""
+        ...
+
+    def stopped(self, line: str) -> None:
+        """The line of a run that ``privacy.max_epsilon`` ended before its last round (a normal end)."""
+        ...
+
+    def printout(self, text: str) -> None:
+        """The run's final table (:func:`final_printout`)."""
+        ...
+
+
+def warn_line(message: str) -> None:
+    """One warning line on stderr that leaves the progress bar intact."""
+    tqdm.write(f"fedhpro: warning: {message}", file=sys.stderr)
+
+
+@dataclass(frozen=True)
+class ConsoleVoice:
+    """``fedhpro run``'s voice: warnings on stderr always; with ``echo`` notes and the final table on stdout."""
+
+    echo: bool = False
+
+    def note(self, line: str) -> None:
+        if self.echo:
+            print(f"note: {line}")
+
+    def warning(self, line: str) -> None:
+        warn_line(line)
+
+    def stopped(self, line: str) -> None:
+        tqdm.write(f"fedhpro: {line}", file=sys.stderr)  # below a progress bar, if one is shown
+
+    def printout(self, text: str) -> None:
+        if self.echo:
+            print(text)
 
 
 # ---------------------------------------------------------------------------- one client, one round
@@ -385,10 +449,10 @@ class Run:
         return self.earlier_seconds + time.perf_counter() - self.started
 
 
-def train(engine: Engine, run: Run, label: str, progress: bool) -> None:
-    """Rounds ``run.first_round`` up to :meth:`Run.last_round` of an engine that runs its own rounds: after
-    each, :meth:`Run.round_done` and the progress bar (``label``); a run stopped at ``privacy.max_epsilon``
-    says its line on stderr (below the bar)."""
+def train(engine: Engine, run: Run, label: str, progress: bool, voice: Voice = ConsoleVoice()) -> None:
+    """Rounds ``run.first_round`` up to :meth:`Run.last_round` of ``engine``: after each, :meth:`Run.round_done`
+    and the progress bar (``label``); a run stopped at ``privacy.max_epsilon`` says its line (``voice``,
+    below the bar)."""
     rows = run.rows
     last = run.last_round()
     bar = _progress(run.options.rounds, label, progress, rows.first_round)
@@ -403,11 +467,7 @@ def train(engine: Engine, run: Run, label: str, progress: bool) -> None:
                 bar.set_postfix_str(progress_text(record.train, last_accuracy, record.extra.get("privacy")))
                 bar.update(1)
         if run.stopped is not None:
-            message = f"fedhpro: {run.stopped}"
-            if bar is not None:
-                bar.write(message, file=sys.stderr)
-            else:
-                print(message, file=sys.stderr)
+            voice.stopped(run.stopped)
     finally:  # a run stopped by an error leaves the bar on its own line, the error below it
         if bar is not None:
             bar.close()
@@ -653,3 +713,100 @@ def run_summary(options: Any, data_name: str, clients: int, device: torch.device
         "notes": notes,
         **summary_measurements(rows),
     }
+
+
+# ---------------------------------------------------------------------------- the run, once for every engine
+
+
+def run_title(options: Any, data_name: str) -> str:
+    """The run's title (its accuracy plot's): ``FedHPro on digits-offline (seed 0)``."""
+    return f"{display_name(options.method)} on {data_name} (seed {options.seed})"
+
+
+def trained_models(models: Any) -> list[nn.Module]:
+    """The models the clients train, one per architecture, of a :class:`~fedhpro.engines.simulator.ClientModels`
+    (summary.json's memory format is resolved on them: ``channels_last=auto`` depends on their Conv2d layers)."""
+    if models.personal:
+        return list(models.working_models.values()) or [models.global_model]
+    return [models.working_model]
+
+
+def start_notes(config: Config, engine: Engine) -> list[str]:
+    """The run's own notes at its start, after the data's: where sizes are claims, what bounds them
+    (:func:`claims_line`); a smallest client with fewer than three batches an epoch at ``batch_size``
+    (:func:`~fedhpro.data.federation.few_batches_note`)."""
+    notes = [claims_line(engine.protocol.aggregation)] if engine.protocol.sizes_claimed else []
+    few = few_batches_note(engine.protocol.client_sizes or [], config.run.batch_size, engine.client_names)
+    return notes + ([few] if few else [])
+
+
+def start_warnings(config: Config, engine: Engine) -> list[str]:
+    """The run's warnings before its first round, kept in summary.json's notes: where sizes are claims, every
+    site claiming far more than the median (:func:`claimed_size_warnings`, training and each test set); a client
+    holding more than ``aggregation.max_share`` of the test samples pooled for its test set
+    (:func:`pooled_share_warnings`); a near-vacuous privacy delta (:func:`fedhpro.privacy.privacy_warnings`)."""
+    protocol = engine.protocol
+    sizes = list(protocol.client_sizes or [])
+    pooled = engine.pooled_test_sizes()
+    lines: list[str] = []
+    if protocol.sizes_claimed:  # a site claiming far more than the others is named, capped or not
+        names = engine.client_names or [str(k) for k in range(len(sizes))]
+        lines += claimed_size_warnings(names, sizes, "training samples", protocol.aggregation)
+        for test_set in dict.fromkeys(name for name, _ in pooled):
+            held = [(name, size) for name, (where, size) in zip(names, pooled) if where == test_set]
+            lines += claimed_size_warnings([name for name, _ in held], [size for _, size in held],
+                                           f"test samples of test set {test_set!r}", protocol.aggregation)
+    return (lines + pooled_share_warnings(pooled, config.aggregation.max_share)
+            + privacy_warnings(config.privacy, len(sizes), sizes))
+
+
+def execute(engine: Engine, run: Run, config: Config, *, data_name: str, partition: Any, notes: Sequence[str],
+            resume_from: Path | None, write_model: Callable[[Path], None], voice: Voice) -> dict[str, Any]:
+    """The run around the rounds, the same for every engine; returns its summary (``summary.json``'s).
+
+    Says the data's ``notes`` and the run's own (:func:`start_notes`), then its warnings
+    (:func:`start_warnings`), all kept in the summary; opens ``run`` (a new run's folder, or ``resume_from``'s
+    checkpoint loaded into the engine); runs the rounds (:func:`train`); writes the summary (with
+    ``size_claims`` where sizes are claims), the trained model (``write_model(out)``), the server's state, the
+    engine's end and the accuracy plot (:meth:`Run.close`); says the final table (:func:`final_printout`).
+    ``voice`` says it all: printed by ``fedhpro run``, logged by the Flower ServerApp."""
+    options = config.run
+    notes = [*notes, *start_notes(config, engine)]
+    for line in notes:
+        voice.note(line)
+    warnings = start_warnings(config, engine)
+    for line in warnings:
+        voice.warning(line)
+    run.open(config.to_dict(), partition, engine.load_state_dict, resume_from)
+    if resume_from is not None:
+        voice.note(f"resuming {run.out} after round {run.first_round} of {options.rounds}")
+    train(engine, run, f"{options.method} on {data_name}", options.progress, voice)
+    other_engine = run.engine if run.engine != "simulator" else None
+    summary = run_summary(options, data_name, engine.protocol.num_clients, engine.device, run.rows.metrics,
+                          run.seconds(), [*notes, *warnings], from_python=config.federation is not None,
+                          engine=other_engine, models=trained_models(engine.models))
+    if engine.protocol.sizes_claimed:
+        summary["size_claims"] = size_claims(engine.protocol, engine.pooled_test_sizes())
+    run.close(summary, engine.server.state_dict(), write_model, run_title(options, data_name), end=engine.end_run)
+    voice.printout(final_printout(summary, f"{options.method} on {data_name}, seed {options.seed}, "
+                                           f"{options.rounds} rounds, {summary['seconds']:.0f} s — test accuracy (%):"))
+    return summary
+
+
+class RoundClock:
+    """A round's wall times, as every engine records them: ``clients`` from the round's opening to the last
+    reply, ``server`` the close (aggregation), ``eval`` the evaluation."""
+
+    def __init__(self, started: float):
+        self.seconds: dict[str, float] = {}
+        self._last = started
+
+    def lap(self, name: str) -> None:
+        """The part ``name`` just ended: its seconds since the previous part ended (or the round opened)."""
+        now = time.perf_counter()
+        self.seconds[name] = now - self._last
+        self._last = now
+
+    def start(self) -> None:
+        """A part starts now (the time since the previous one ended is not counted)."""
+        self._last = time.perf_counter()

@@ -38,26 +38,26 @@ from fedhpro.methods.base import extract_features
 from fedhpro.metrics import FlopCounter, class_means, mean_client_prototypes, prototype_distance
 
 if TYPE_CHECKING:
-    from fedhpro.engines.driver import Engine
+    from fedhpro.engines.driver import InProcessEngine
     from fedhpro.engines.protocol import RoundRecord
 
 
 class RoundObserver:
-    """Watches an engine's rounds (:class:`~fedhpro.engines.driver.Engine`); every hook does nothing unless
+    """Watches an engine's rounds (:class:`~fedhpro.engines.driver.InProcessEngine`); every hook does nothing unless
     overridden.
 
     ``attach`` is called once, by the engine's constructor, before any round:
     the place to refuse an engine the measurement cannot observe (a ConfigError).
     """
 
-    simulator: Engine  # the engine watched (named for the in-process simulator, the first engine)
+    simulator: InProcessEngine  # the engine watched (named for the in-process simulator, the first engine)
     #: whether :meth:`watch_client` may be entered for several clients at once, each on the thread that trains it
     #: (the simulator's ``parallel_clients``; :meth:`client_trained` still comes in client order, on the engine's
     #: thread, with the model the client trained). An observer that overrides either hook and leaves this False
     #: makes the simulator train one client at a time (with the same threads each, so the same numbers).
     concurrent_clients: bool = False
 
-    def attach(self, simulator: Engine) -> None:
+    def attach(self, simulator: InProcessEngine) -> None:
         self.simulator = simulator
 
     def on_round_start(self, round: int, evaluating: bool) -> None:
@@ -131,7 +131,7 @@ class PrototypeDistance(RoundObserver):
     prototypes (class means of all training data under the global model) of the server's prototypes,
     if the method has any, and of the unweighted mean of this round's clients' class means."""
 
-    def attach(self, simulator: Engine) -> None:
+    def attach(self, simulator: InProcessEngine) -> None:
         if simulator.shared != "all":
             raise ConfigError("prototype_distance=true needs one shared global model; it is undefined with "
                               "heterogeneous models or protocol=proto-only (set prototype_distance=false)")

@@ -15,7 +15,6 @@ import contextlib
 import contextvars
 import copy
 import functools
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,7 +25,8 @@ from torch import Tensor, nn
 
 from fedhpro import runtime
 from fedhpro.data.federation import Federation
-from fedhpro.engines.driver import count_correct, round_extra, test_client
+from fedhpro.engines.client_tests import ClientTests
+from fedhpro.engines.driver import RoundClock, round_extra
 from fedhpro.engines.observers import RoundObserver, measurements, watching
 from fedhpro.engines.protocol import (
     INIT,
@@ -37,10 +37,8 @@ from fedhpro.engines.protocol import (
     Reception,
     RoundProtocol,
     RoundRecord,
-    TestCount,
     client_step,
     derive_seed,
-    pool_accuracy,
 )
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.methods.base import (
@@ -49,20 +47,8 @@ from fedhpro.methods.base import (
     TrainSettings,
     extract_features,
     lends_weights,
-    no_grad_precision,
 )
 from fedhpro.metrics import class_means
-
-
-def evaluate(model: nn.Module, test_sets: dict[str, tuple[Tensor, Tensor]],
-             batch_size: int | None = None, amp: str = "off") -> dict[str, float]:
-    """Accuracy in percent on each test set, plus ``AVG``, their unweighted mean (the paper's AVG); the forward
-    passes in the precision of the run's training (``amp``: :func:`~fedhpro.methods.base.no_grad_precision`)."""
-    counts = []
-    for name, (x, y) in test_sets.items():
-        with no_grad_precision(amp, x.device):
-            counts.append(TestCount(name, count_correct(model, x, y, batch_size), int(y.shape[0])))
-    return pool_accuracy(counts)
 
 
 def _seeded(factory: Callable[[], nn.Module], seed: int, device: torch.device) -> nn.Module:
@@ -271,6 +257,7 @@ class Simulator:
                                       seed=seed, eval_every=eval_every, faults=faults, min_clients=min_clients,
                                       on_drop=on_drop, aggregation=aggregation, privacy=privacy, ledger=ledger,
                                       client_sizes=[len(data) for data in federation.clients])
+        self.tests = ClientTests(federation, self.models, self.server, self.protocol, train.amp)
         self.client_states: list[dict[str, Any]] = [{} for _ in range(federation.num_clients)]
         self.history: list[RoundRecord] = []
         self.observers = measurements(flops=count_flops, prototype_distance=prototype_distance) + list(observers)
@@ -289,6 +276,11 @@ class Simulator:
     def heterogeneous(self) -> bool:
         """Whether each client keeps a model of its own (heterogeneous or prototype-only)."""
         return self.models.personal
+
+    @property
+    def client_names(self) -> list[str] | None:
+        """The clients' names (their folders), None for partitions of a named data set."""
+        return self.federation.client_names
 
     @property
     def client_architectures(self) -> list[str] | None:
@@ -319,56 +311,11 @@ class Simulator:
         model with the global classifier on its own test data, pooled per domain and over domains."""
         return self.evaluate_clients()[0]
 
-    def client_test(self, k: int) -> tuple[str, tuple[Tensor, Tensor]]:
-        """``(test-set name, (x, y))`` client ``k`` is tested on: its own split (federations that arrive
-        split), else its domain's test set."""
-        name = self.federation.client_test_name(k)
-        if self.federation.client_tests is not None:
-            return name, self.federation.client_tests[k]
-        return name, self.federation.test_sets[name]
-
-    def pooled_test_sizes(self) -> list[tuple[str, int]]:
-        """Each client's ``(test-set name, size)`` when :meth:`evaluate_clients` pools the clients' test counts
-        (personal models, or a federation that arrives split); ``[]`` for one global model on shared test sets,
-        which is tested once per test set (no client's count is pooled). What
-        :func:`~fedhpro.engines.driver.pooled_share_warnings` reads."""
-        if not self.heterogeneous and self.federation.client_tests is None:
-            return []
-        return [(name, int(y.shape[0])) for name, (_, y) in map(self.client_test, range(self.federation.num_clients))]
-
-    def evaluate_client(self, k: int, model: nn.Module | None = None) -> TestCount:
-        """Client ``k``'s test count: the global model (one shared model), or its personal model with the
-        global shared part, through the server's inference rule, on :meth:`client_test`. A Flower node
-        computes the same with its own model and data."""
-        shared = None
-        if model is None:
-            model = self.models.model_for(k) if self.heterogeneous else self.eval_model
-            shared = self.server.global_weights()
-        name, test = self.client_test(k)
-        return test_client(self.server, model, name, test, shared, personal=self.heterogeneous, amp=self.train.amp)
-
-    def evaluate_clients(self) -> tuple[dict[str, float], list[float | None]]:
-        """``(accuracy per test set and AVG, accuracy of each client on its own test distribution)``.
-
-        Personal models, or a federation that arrives split (``client_tests``): every client is tested
-        (:meth:`evaluate_client`) and the counts pooled per test set (:func:`pool_accuracy`). One global
-        model on shared test sets: the global model on each test set; a client's accuracy is then its
-        test set's (clients of one domain share it; a client whose domain names no test set is scored by the AVG
-        over the test sets). A client of a split federation without test data of its own is not tested: None
-        (left out of the fairness statistics, never given the pooled accuracy)."""
-        order = list(self.federation.test_sets)
-        if not self.heterogeneous and self.federation.client_tests is None:
-            self.eval_model.load_state_dict(self.server.global_weights())
-            accuracy = evaluate(self.server.inference_model(self.eval_model), self.federation.test_sets,
-                                amp=self.train.amp)
-            return accuracy, [accuracy.get(self.federation.client_test_name(k), accuracy["AVG"])
-                              for k in range(self.federation.num_clients)]
-        if not self.heterogeneous:
-            self.eval_model.load_state_dict(self.server.global_weights())
-        counts = [self.evaluate_client(k, None if self.heterogeneous else self.eval_model)
-                  for k in range(self.federation.num_clients)]
-        accuracy = self.protocol.pooled_accuracy(counts, order)
-        return accuracy, [c.accuracy if c.total else None for c in counts]
+    # the clients' tests (engines.client_tests), as this engine's
+    client_test = property(lambda self: self.tests.client_test)
+    pooled_test_sizes = property(lambda self: self.tests.pooled_test_sizes)
+    evaluate_client = property(lambda self: self.tests.evaluate_client)
+    evaluate_clients = property(lambda self: self.tests.evaluate_clients)
 
     def server_prototypes(self) -> tuple[Tensor, Tensor, str] | None:
         """The server's global prototypes ``(C x d, mask C, kind)``: ``kind`` is ``"hyper"`` for the
@@ -412,17 +359,14 @@ class Simulator:
         ``eval_every`` rounds and the last), each seen by the observers; its record is also kept
         in :attr:`history`."""
         current = self.protocol.open(round)
+        clock = RoundClock(current.started)
         evaluating = self.protocol.evaluates(round)
         for observer in self.observers:
             observer.on_round_start(round, evaluating)
         self._fit_clients(current)
-        client_seconds = time.perf_counter() - current.started
-
-        timer = time.perf_counter()
+        clock.lap("clients")
         server_metrics = current.close(watching([o.watch_server for o in self.observers]) if self.observers else None)
-        server_seconds = time.perf_counter() - timer
-
-        timer = time.perf_counter()
+        clock.lap("server")
         accuracy, per_client = None, None
         measured: dict[str, Any] = {}
         evaluated: dict[str, Any] = {}
@@ -433,9 +377,8 @@ class Simulator:
             for observer in self.observers:
                 evaluated.update(observer.evaluation_measurements())
         extra = round_extra(measured, per_client, evaluated)
-        eval_seconds = time.perf_counter() - timer
-        record = current.record(server_metrics, accuracy,
-                                {"clients": client_seconds, "server": server_seconds, "eval": eval_seconds}, extra)
+        clock.lap("eval")
+        record = current.record(server_metrics, accuracy, clock.seconds, extra)
         self.history.append(record)
         for observer in self.observers:
             observer.on_round_end(record)

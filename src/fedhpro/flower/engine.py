@@ -37,7 +37,8 @@ from fedhpro.bounded import load_json
 from fedhpro.config import Config, load_config
 from fedhpro.data.clients import load_client
 from fedhpro.data.federation import ClientData, Federation
-from fedhpro.engines.driver import Engine
+from fedhpro.engines.client_tests import ClientTests
+from fedhpro.engines.driver import InProcessEngine
 from fedhpro.engines.protocol import RoundProtocol
 from fedhpro.engines.simulator import ClientModels, build_method
 from fedhpro.errors import ConfigError
@@ -102,7 +103,7 @@ def protocol_for(config: Config, server: Any, num_samples: list[int],
                          sizes_claimed=sizes_claimed, **protocol_settings(config))
 
 
-def build_engine(config: Config, on_drop=None) -> Engine:
+def build_engine(config: Config, on_drop=None) -> InProcessEngine:
     """The in-process engine of ``config`` (partition mode), built exactly as :func:`fedhpro.api.run` builds it."""
     device = resolve_device(config.run.device)
     prepare_torch(device)
@@ -111,8 +112,9 @@ def build_engine(config: Config, on_drop=None) -> Engine:
 
 @dataclass
 class ServerSide:
-    """What the ServerApp runs: the method's server part, its round protocol, and (partition mode) the
-    engine holding the test sets; in own-data mode it holds no data."""
+    """What the ServerApp runs: the method's server part, its round protocol and the clients' models; in
+    partition mode also the federation it built and how its clients are tested on the server (no simulator:
+    the nodes train); in own-data mode it holds no data."""
 
     config: Config
     server: Any
@@ -120,7 +122,8 @@ class ServerSide:
     models: ClientModels
     device: torch.device
     num_samples: list[int]  # each client's training-set size (weights of its training metrics)
-    engine: Engine | None = None  # partition mode: the whole federation, as the simulator has it
+    federation: Federation | None = None  # partition mode: the whole federation, as the simulator has it
+    tests: ClientTests | None = None  # partition mode: its clients' tests (engines.client_tests)
 
     @property
     def personal(self) -> bool:
@@ -129,22 +132,31 @@ class ServerSide:
     @property
     def federated_evaluation(self) -> bool:
         """Whether the nodes evaluate (personal models, or own data) rather than the server."""
-        return self.engine is None or self.personal
+        return self.tests is None or self.personal
 
 
 def build_server_side(config: Config, *, num_classes: int | None = None, input_shape: tuple[int, ...] | None = None,
                       num_samples: list[int] | None = None, on_drop=None, sizes_claimed: bool = False) -> ServerSide:
-    """Partition mode: the whole engine (data included). Own-data mode: the method's server part for
-    ``num_classes`` and ``input_shape`` (as the nodes reported them), and no data; ``sizes_claimed``: the
-    nodes' declared sizes are claims nobody vouches for (no roster)."""
-    if not own_data(config):
-        engine = build_engine(config, on_drop)
-        return ServerSide(config, engine.server, engine.protocol, engine.models, engine.device,
-                          [len(c) for c in engine.federation.clients], engine)
-    assert num_classes is not None and input_shape is not None and num_samples is not None
+    """Partition mode: the federation (data included), the method's server part and the clients' models as the
+    simulator builds them, and no client part. Own-data mode: the method's server part for ``num_classes`` and
+    ``input_shape`` (as the nodes reported them), and no data; ``sizes_claimed``: the nodes' declared sizes are
+    claims nobody vouches for (no roster)."""
     device = resolve_device(config.run.device)
     prepare_torch(device)
     method, options = get_method(config.run.method), config.run
+    if not own_data(config):
+        parts = build_experiment(config, device)
+        federation = parts.federation
+        models = ClientModels(parts.model_factory, num_clients=federation.num_clients, seed=options.seed,
+                              device=device, client_architectures=parts.architectures,
+                              architecture_factory=parts.architecture_factory, shared=parts.shared)
+        server, _ = build_method(parts.method, config.method_options, models, federation.num_classes, parts.train,
+                                 options.seed, device)
+        sizes = [len(client) for client in federation.clients]
+        protocol = protocol_for(config, server, sizes, on_drop, parts.ledger)
+        return ServerSide(config, server, protocol, models, device, sizes, federation,
+                          ClientTests(federation, models, server, protocol, parts.train.amp))
+    assert num_classes is not None and input_shape is not None and num_samples is not None
     model_factory, architecture_factory, architectures, shared, train = model_factories(
         config, method, num_classes, tuple(input_shape), len(num_samples))
     models = ClientModels(model_factory, num_clients=len(num_samples), seed=options.seed, device=device,
@@ -184,7 +196,7 @@ class NodeSide:
         return self.models.model_for(self.client, personal_weights)
 
 
-def node_from_engine(engine: Engine, client: int) -> NodeSide:
+def node_from_engine(engine: InProcessEngine, client: int) -> NodeSide:
     """Partition mode: client ``client`` of the whole engine this node built."""
     name, test = engine.client_test(client)
     return NodeSide(client, engine.seed, engine.device, engine.models, engine.server, engine.client,

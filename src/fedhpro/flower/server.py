@@ -43,24 +43,20 @@ from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
 from fedhpro.config import PRESENTATION_KEYS, Config
 from fedhpro.data.clients import client_notes
-from fedhpro.data.federation import few_batches_note
-from fedhpro.engines import checkpoint, driver
+from fedhpro.engines import driver
 from fedhpro.errors import ConfigError, FedHProError
-from fedhpro.experiment import trained_models
-from fedhpro.flower import records, secagg
+from fedhpro.flower import secagg
 from fedhpro.flower.engine import ServerSide, build_server_side, own_data
 from fedhpro.flower.nodes import Nodes, _client_keys, discover_nodes, discover_own_data
 from fedhpro.flower.records import EVAL_RECORD, HEADER, NODE_RECORD, PRIVACY, SERVER_STATE
 from fedhpro.flower.settings import FlowerSettings, config_from_run_config, experiment_keys
-from fedhpro.flower.strategy import MethodStrategy, round_timeout, secure_for
-from fedhpro.privacy import privacy_warnings
-from fedhpro.reports.plots import display_name
+from fedhpro.flower.strategy import FlowerEngine, MethodStrategy, round_timeout, secure_for
 from fedhpro.resume import claimed_config
 from fedhpro.trained import server_models, write_models
 
@@ -88,7 +84,9 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, Any
 
 def _run_server(grid: Grid, config: Config, settings: FlowerSettings, out: Path | None,
                 resume_from: Path | None) -> MethodStrategy:
-    """:func:`run_server` once its out folder (if any) is claimed and its config resolved."""
+    """:func:`run_server` once its out folder (if any) is claimed and its config resolved: the nodes found, then
+    the run around the rounds as ``fedhpro run`` does it (:func:`fedhpro.engines.driver.execute`) with Flower
+    as the engine (:class:`~fedhpro.flower.strategy.FlowerEngine`)."""
     # no progress bars in a server log; a deployment's noise must not be redrawable from the config: the OS's
     # randomness unless the run asks for seeded noise (privacy.secure_noise=false, e.g. to compare with the simulator)
     config = config.updated({"progress": False, **({"privacy.secure_noise": True} if config.privacy.mode != "none"
@@ -101,42 +99,40 @@ def _run_server(grid: Grid, config: Config, settings: FlowerSettings, out: Path 
     if settings.round_timeout is None:
         log(INFO, "fedhpro: flower.round-timeout (auto): %.0f s a round", timeout)
     settings = dataclasses.replace(settings, round_timeout=timeout)  # what SecAgg+'s stages wait too
+    run = driver.Run(out, config.run, side.protocol, engine="flower", started=started)
     strategy = MethodStrategy(side, config, Nodes(nodes, getattr(nodes, "infos", None),
                                                  _client_keys(grid, nodes, settings)),
                               run_key(config, secrets.token_hex(8)), settings.node_auth,
-                              secure_for(config, side, settings),
-                              driver.Run(out, config.run, side.protocol, engine="flower", started=started))
-    run = strategy.run
-    run.open(config.to_dict(), partition, strategy.load_state_dict, resume_from)
-    if resume_from is not None and run.out is not None:
-        strategy.keep_from = min(checkpoint.saved_rounds(run.out))
-        log(INFO, "fedhpro: resuming %s after round %d of %d", run.out, run.first_round, config.run.rounds)
-    last = run.last_round()
-    initial = ArrayRecord({key: records.to_array(v) for key, v in side.server.global_weights().items()})
-    if last > run.first_round:
-        strategy.start(grid, initial, num_rounds=last - run.first_round, timeout=timeout)
-    if run.stopped is not None:  # privacy.max_epsilon: a normal end, its rows and summary kept
-        log(WARNING, "fedhpro: %s", run.stopped)
-    options = config.run
-    summary = driver.run_summary(options, options.dataset, len(strategy.nodes), side.device, run.rows.metrics,
-                                 run.seconds(), notes, from_python=config.federation is not None, engine="flower",
-                                 models=trained_models(side.models))
-    if side.protocol.sizes_claimed:
-        summary["size_claims"] = driver.size_claims(side.protocol, pooled_test_sizes(side, partition))
-    run.close(summary, side.server.state_dict(), lambda folder: write_models(folder, server_models(side, partition)),
-              f"{display_name(options.method)} on {options.dataset} (seed {options.seed})")
+                              secure_for(config, side, settings), run)
+    engine = FlowerEngine(strategy, grid, timeout, partition)
+    driver.execute(engine, run, config, data_name=config.run.dataset, partition=partition, notes=notes,
+                   resume_from=resume_from, voice=ServerLog(),
+                   write_model=lambda folder: write_models(folder, server_models(side, partition)))
     forget_client_state(grid, strategy, timeout)
-    title = f"{display_name(options.method)} on {options.dataset}, seed {options.seed} — test accuracy (%):"
-    for line in driver.final_printout(summary, title).splitlines():  # the end of the run, as fedhpro run prints it
-        log(INFO, "fedhpro: %s", line)
     return strategy
+
+
+class ServerLog:
+    """The ServerApp's :class:`~fedhpro.engines.driver.Voice`: every line in Flower's log."""
+
+    def note(self, line: str) -> None:
+        log(INFO, "fedhpro: note: %s", line)
+
+    def warning(self, line: str) -> None:
+        log(WARNING, "fedhpro: %s", line)
+
+    def stopped(self, line: str) -> None:  # privacy.max_epsilon: a normal end, its rows and summary kept
+        log(WARNING, "fedhpro: %s", line)
+
+    def printout(self, text: str) -> None:  # the end of the run, as fedhpro run prints it
+        for line in text.splitlines():
+            log(INFO, "fedhpro: %s", line)
 
 
 def _federation(grid: Grid, config: Config, settings: FlowerSettings
                 ) -> tuple[ServerSide, Config, dict[int, int], dict[str, Any], list[str]]:
-    """``(server side, config, {client: node id}, partition.json's record, the run's notes)`` of the nodes
-    on ``grid``: own data (each node describes its folder) or partitions of a named data set; the notes and
-    warnings said as ``fedhpro run`` says them (and kept in summary.json)."""
+    """``(server side, config, {client: node id}, partition.json's record, the data's notes)`` of the nodes
+    on ``grid``: own data (each node describes its folder) or partitions of a named data set."""
 
     def warn(message: str) -> None:
         log(WARNING, "fedhpro: %s", message)
@@ -148,58 +144,25 @@ def _federation(grid: Grid, config: Config, settings: FlowerSettings
                               "the run config; give each SuperNode its own with --node-config \"data-dir=...\"")
         nodes, infos, classes = discover_own_data(grid, config, settings)
         config = config.updated({"data.classes": classes})
-        claimed = not settings.roster  # with a roster the operator vouches for every site's sizes
         side = build_server_side(config, num_classes=len(classes), input_shape=tuple(infos[0].input_shape),
                                  num_samples=[info.train_size for info in infos], on_drop=warn,
-                                 sizes_claimed=claimed)
+                                 sizes_claimed=not settings.roster)  # with a roster the operator vouches for them
         partition = {"dataset": "clients", "scheme": "given", "engine": "flower", "num_classes": len(classes),
                      "classes": classes,
                      "clients": [{"client": k, "node": nodes[k], **dataclasses.asdict(info)}
                                  for k, info in enumerate(infos)]}
         notes = [f"clients: {len(infos)} SuperNodes holding their own data ({infos[0].kind}), {len(classes)} classes"]
-        notes += client_notes(infos)  # clients without a test split, domains nobody tests
-        if claimed:
-            notes.append(driver.claims_line(side.protocol.aggregation))
-            log(INFO, "fedhpro: note: %s", notes[-1])
-    else:
-        nodes, clients = discover_nodes(grid, config.run.clients, settings)
-        if config.run.clients is None:
-            config = config.updated({"clients": clients})
-        side = build_server_side(config, on_drop=warn)
-        assert side.engine is not None, "partition mode builds the whole engine"
-        federation = side.engine.federation
-        if federation.num_clients != clients:
-            raise ConfigError(f"the federation has {federation.num_clients} clients but {clients} SuperNodes "
-                              f"hold partitions; set clients={federation.num_clients} or run that many SuperNodes")
-        partition, notes = federation.partition, federation.notes
-    pooled = pooled_test_sizes(side, partition)
-    few = few_batches_note(side.num_samples, config.run.batch_size,
-                           [info.name for info in infos] if own_data(config) else None)
-    if few is not None:  # as fedhpro run says it: a note of the run's (after the data's), kept in summary.json
-        log(INFO, "fedhpro: note: %s", few)
-        notes.append(few)
-    claims: list[str] = []
-    if side.protocol.sizes_claimed:  # a site claiming far more than the others is named, capped or not
-        names = [info.name for info in infos]
-        claims = driver.claimed_size_warnings(names, side.num_samples, "training samples", side.protocol.aggregation)
-        for test_set in dict.fromkeys(name for name, _ in pooled):
-            held = [(name, size) for name, (where, size) in zip(names, pooled) if where == test_set]
-            claims += driver.claimed_size_warnings([name for name, _ in held], [size for _, size in held],
-                                                   f"test samples of test set {test_set!r}", side.protocol.aggregation)
-    for line in (claims + driver.pooled_share_warnings(pooled, config.aggregation.max_share)
-                 + privacy_warnings(config.privacy, len(side.num_samples), side.num_samples)):
-        warn(line)
-        notes.append(line)
-    return side, config, nodes, partition, notes
-
-
-def pooled_test_sizes(side: ServerSide, partition: Mapping[str, Any]) -> list[tuple[str, int]]:
-    """``(test set, test size)`` of every client whose test counts are pooled: own data, each node's declared
-    test size (partition.json's record of it); partition mode, the engine's."""
-    if side.engine is None:
-        return [(str(client.get("domain") or "all"), int(client.get("test_size", 0)))
-                for client in partition["clients"]]
-    return list(getattr(side.engine, "pooled_test_sizes", list)())
+        return side, config, nodes, partition, notes + client_notes(infos)  # clients without a test split, ...
+    nodes, clients = discover_nodes(grid, config.run.clients, settings)
+    if config.run.clients is None:
+        config = config.updated({"clients": clients})
+    side = build_server_side(config, on_drop=warn)
+    federation = side.federation
+    assert federation is not None, "partition mode builds the whole federation"
+    if federation.num_clients != clients:
+        raise ConfigError(f"the federation has {federation.num_clients} clients but {clients} SuperNodes "
+                          f"hold partitions; set clients={federation.num_clients} or run that many SuperNodes")
+    return side, config, nodes, federation.partition, list(federation.notes)
 
 
 def run_key(config: Config, token: str) -> str:

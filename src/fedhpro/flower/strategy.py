@@ -26,8 +26,8 @@ from flwr.supercore import log
 
 from fedhpro.config import Config
 from fedhpro.engines import checkpoint
-from fedhpro.engines.driver import Run, round_extra
-from fedhpro.engines.protocol import OpenRound, Reception, TestCount, weighted_mean
+from fedhpro.engines.driver import RoundClock, Run, round_extra
+from fedhpro.engines.protocol import OpenRound, Reception, RoundRecord, TestCount, weighted_mean
 from fedhpro.errors import FedHProError, UpdateError
 from fedhpro.flower import records, secagg
 from fedhpro.flower.answers import eval_count, max_classes
@@ -106,7 +106,12 @@ class MethodStrategy(Strategy):
         self.text = config_text(config)
         self._run = run
         self._round: OpenRound | None = None
-        self._times: dict[str, float] = {}
+        self._clock = RoundClock(time.perf_counter())
+        #: the latest round's record (its row)
+        self.last_record: RoundRecord | None = None
+        #: whether the strategy keeps each round's rows and checkpoints itself (:meth:`Run.round_done`), as it
+        #: must when Flower's own ``Strategy.start`` drives it; :class:`FlowerEngine` leaves that to the run
+        self.keeps_rows = True
         self._server_metrics: dict[str, float] = {}
         self.refused: dict[int, int] = {}  # client -> the round of its latest reply refused as invalid
         self.run_key = run_key
@@ -233,10 +238,10 @@ class MethodStrategy(Strategy):
                 reception = current.receive(k, payload, metrics, self.side.num_samples[k])
                 if reception is Reception.INVALID:
                     self.refused[k] = current.round
-        client_seconds = time.perf_counter() - current.started
-        timer = time.perf_counter()
+        self._clock = RoundClock(current.started)
+        self._clock.lap("clients")
         self._server_metrics = current.close()
-        self._times = {"clients": client_seconds, "server": time.perf_counter() - timer}
+        self._clock.lap("server")
         arrays = ArrayRecord({key: records.to_array(v) for key, v in self.server.global_weights().items()})
         return arrays, records.encode_metrics(weighted_mean(current.train_metrics))
 
@@ -315,7 +320,7 @@ class MethodStrategy(Strategy):
         global model in partition mode is tested on the server: no messages. A node the SuperLink no longer
         lists gets none (its client is not evaluated this round)."""
         round = self.round_index(server_round)
-        self._times["eval_started"] = time.perf_counter()
+        self._clock.start()
         self._sent = []
         if not self.side.protocol.evaluates(round) or not self.side.federated_evaluation:
             return []
@@ -336,16 +341,13 @@ class MethodStrategy(Strategy):
             if self.side.federated_evaluation:
                 accuracy, per_client, missing = self._pooled_accuracy(current.round, list(replies))
             else:
-                engine = self.side.engine
-                assert engine is not None, "only partition mode (which has the engine) evaluates on the server"
-                accuracy, per_client = engine.evaluate_clients()
+                tests = self.side.tests
+                assert tests is not None, "only partition mode (which holds the data) evaluates on the server"
+                accuracy, per_client = tests.evaluate_clients()
             extra = round_extra(None, per_client, None, missing)
-        seconds = {"clients": self._times["clients"], "server": self._times["server"],
-                   "eval": time.perf_counter() - self._times["eval_started"]}
-        record = current.record(self._server_metrics, accuracy, seconds, extra)
-        if self.side.engine is not None:
-            self.side.engine.history.append(record)
-        if self.run.round_done(record, self.state_dict) and self.run.out is not None:
+        self._clock.lap("eval")
+        record = self.last_record = current.record(self._server_metrics, accuracy, self._clock.seconds, extra)
+        if self.keeps_rows and self.run.round_done(record, self.state_dict) and self.run.out is not None:
             self.keep_from = min(checkpoint.saved_rounds(self.run.out))  # the nodes may forget what is older
         if accuracy is None:
             return None
@@ -357,9 +359,9 @@ class MethodStrategy(Strategy):
         (the simulator's :meth:`~fedhpro.engines.simulator.Simulator.client_test`), with its own data what
         its node declared at discovery (its domain, else ``all``, as the node's federation names it)."""
         if self._tests is None:
-            engine, infos = self.side.engine, self.nodes.infos
-            if engine is not None:
-                tests = {k: engine.client_test(k) for k in self.nodes}
+            held, infos = self.side.tests, self.nodes.infos
+            if held is not None:
+                tests = {k: held.client_test(k) for k in self.nodes}
                 self._tests = {k: (name, int(y.shape[0])) for k, (name, (_, y)) in tests.items()}
             else:
                 assert infos is not None, "own-data mode: the nodes described their data at discovery"
@@ -403,8 +405,64 @@ class MethodStrategy(Strategy):
         if not counts:
             return None, [], missing
         ordered = [counts[k] for k in sorted(counts)]
-        order = list(self.side.engine.federation.test_sets) if self.side.engine is not None else None
+        order = list(self.side.federation.test_sets) if self.side.federation is not None else None
         accuracy = self.side.protocol.pooled_accuracy(ordered, order)
         # a client without test data of its own is not tested (None: no accuracy, out of the fairness statistics)
         return accuracy, [c.accuracy if c.total else None for c in ordered], missing
 
+
+
+class FlowerEngine:
+    """The Flower ServerApp as an :class:`~fedhpro.engines.driver.Engine`, so that
+    :func:`~fedhpro.engines.driver.execute` runs it as it runs the in-process simulator: a round is the
+    strategy's training messages sent to the nodes through ``grid`` and their replies handed back, then its
+    evaluation messages likewise (the calls Flower's ``Strategy.start`` makes, each waiting at most
+    ``timeout`` seconds). ``partition``: partition.json's record of the nodes (own data: what each declared)."""
+
+    def __init__(self, strategy: MethodStrategy, grid: Grid, timeout: float, partition: Mapping[str, Any]):
+        self.strategy, self.grid, self.timeout, self.partition = strategy, grid, timeout, partition
+        strategy.keeps_rows = False  # the run keeps them (driver.train)
+        side = strategy.side
+        self.protocol, self.server, self.models, self.device = side.protocol, side.server, side.models, side.device
+
+    def run_round(self, round: int) -> RoundRecord:
+        strategy = self.strategy
+        run = strategy.run
+        if run.out is not None:  # the nodes may forget client state older than the oldest checkpoint
+            saved = checkpoint.saved_rounds(run.out)
+            strategy.keep_from = min(saved) if saved else strategy.keep_from
+        server_round = round - strategy.first_round + 1
+        replies = self.grid.send_and_receive(
+            strategy.configure_train(server_round, ArrayRecord(), ConfigRecord(), self.grid), timeout=self.timeout)
+        strategy.aggregate_train(server_round, replies)
+        replies = self.grid.send_and_receive(
+            strategy.configure_evaluate(server_round, ArrayRecord(), ConfigRecord(), self.grid), timeout=self.timeout)
+        strategy.aggregate_evaluate(server_round, replies)
+        assert strategy.last_record is not None and strategy.last_record.round == round
+        return strategy.last_record
+
+    def pooled_test_sizes(self) -> list[tuple[str, int]]:
+        """``(test set, test size)`` of every client whose test counts are pooled: own data, each node's declared
+        test size (partition.json's record of it); partition mode, the engine's."""
+        tests = self.strategy.side.tests
+        if tests is None:
+            return [(str(client.get("domain") or "all"), int(client.get("test_size", 0)))
+                    for client in self.partition["clients"]]
+        return tests.pooled_test_sizes()
+
+    @property
+    def client_names(self) -> list[str] | None:
+        infos = self.strategy.nodes.infos
+        if infos is not None:
+            return [info.name for info in infos]
+        federation = self.strategy.side.federation
+        return federation.client_names if federation is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.strategy.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.strategy.load_state_dict(state)
+
+    def end_run(self) -> None:
+        """Nothing to end on the server (each node forgets its clients' state when asked: the ServerApp's end)."""

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from fedhpro.config import Config
 from fedhpro.data import get_dataset
 from fedhpro.data.clients import standardization_statistics
-from fedhpro.experiment import _warn
+from fedhpro.engines.driver import warn_line
 from fedhpro.files import strict_json, write_atomic, write_atomic_with
 from fedhpro.methods import get_method
 from fedhpro.methods.base import InferenceRule, load_weights
@@ -117,7 +117,7 @@ def tested_module(server: Any, network: nn.Module, rule: InferenceRule | None,
     note = (f"the method tests its model through a {type(module).__name__} (its own inference rule), which "
             f"fedhpro cannot rebuild from a folder ({why}): this is the network with its own classifier, whose "
             "logits may differ from those the run was tested with")
-    _warn(note)
+    warn_line(note)
     return network, HEAD, note
 
 
@@ -221,8 +221,8 @@ def server_models(side: Any, partition: Mapping[str, Any] | None) -> TrainedMode
     """Flower ServerApp: the final models of ``side`` (:class:`fedhpro.flower.engine.ServerSide`) by
     :func:`final_models`; the input shape comes from the engine's federation (partition mode) or from what the
     nodes reported (own data: ``partition["clients"]``). Personal models stay on the nodes."""
-    if side.engine is not None:
-        federation = side.engine.federation
+    if side.federation is not None:
+        federation = side.federation
         input_shape, dtype = tuple(federation.input_shape), federation.clients[0].x.dtype
     else:
         reported = (partition or {}).get("clients") or [{}]

@@ -1,0 +1,94 @@
+"""How a federation's clients are tested, where the federation is held: the in-process simulator, and the
+Flower ServerApp in partition mode (it builds the data set, not a simulator).
+
+One global model on test sets shared per domain is tested once per test set; personal models, or a
+federation that arrives split (each client with its own test split), are tested client by client and the
+counts pooled per test set (:meth:`~fedhpro.engines.protocol.RoundProtocol.pooled_accuracy`). A Flower node
+computes one client's count with the same :func:`~fedhpro.engines.driver.test_client`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from fedhpro.data.federation import Federation
+from fedhpro.engines.driver import count_correct, test_client
+from fedhpro.engines.protocol import RoundProtocol, TestCount, pool_accuracy
+from fedhpro.methods.base import no_grad_precision
+
+
+def evaluate(model: nn.Module, test_sets: dict[str, tuple[Tensor, Tensor]],
+             batch_size: int | None = None, amp: str = "off") -> dict[str, float]:
+    """Accuracy in percent on each test set, plus ``AVG``, their unweighted mean (the paper's AVG); the forward
+    passes in the precision of the run's training (``amp``: :func:`~fedhpro.methods.base.no_grad_precision`)."""
+    counts = []
+    for name, (x, y) in test_sets.items():
+        with no_grad_precision(amp, x.device):
+            counts.append(TestCount(name, count_correct(model, x, y, batch_size), int(y.shape[0])))
+    return pool_accuracy(counts)
+
+
+class ClientTests:
+    """The tests of ``federation``'s clients: the method's ``server`` part (its global weights and inference
+    rule), the clients' ``models`` (:class:`~fedhpro.engines.simulator.ClientModels`), the run's ``protocol``
+    (its bounds on pooled test counts) and its training precision ``amp``."""
+
+    def __init__(self, federation: Federation, models: Any, server: Any, protocol: RoundProtocol, amp: str = "off"):
+        self.federation, self.models, self.server, self.protocol, self.amp = federation, models, server, protocol, amp
+
+    @property
+    def personal(self) -> bool:
+        """Whether each client keeps a model of its own (heterogeneous or prototype-only)."""
+        return bool(self.models.personal)
+
+    def client_test(self, k: int) -> tuple[str, tuple[Tensor, Tensor]]:
+        """``(test-set name, (x, y))`` client ``k`` is tested on: its own split (federations that arrive
+        split), else its domain's test set."""
+        name = self.federation.client_test_name(k)
+        if self.federation.client_tests is not None:
+            return name, self.federation.client_tests[k]
+        return name, self.federation.test_sets[name]
+
+    def pooled_test_sizes(self) -> list[tuple[str, int]]:
+        """Each client's ``(test-set name, size)`` when :meth:`evaluate_clients` pools the clients' test counts
+        (personal models, or a federation that arrives split); ``[]`` for one global model on shared test sets,
+        which is tested once per test set (no client's count is pooled). What
+        :func:`~fedhpro.engines.driver.pooled_share_warnings` reads."""
+        if not self.personal and self.federation.client_tests is None:
+            return []
+        return [(name, int(y.shape[0])) for name, (_, y) in map(self.client_test, range(self.federation.num_clients))]
+
+    def evaluate_client(self, k: int, model: nn.Module | None = None) -> TestCount:
+        """Client ``k``'s test count: the global model (one shared model), or its personal model with the
+        global shared part, through the server's inference rule, on :meth:`client_test`. A Flower node
+        computes the same with its own model and data."""
+        shared = None
+        if model is None:
+            model = self.models.model_for(k) if self.personal else self.models.eval_model
+            shared = self.server.global_weights()
+        name, test = self.client_test(k)
+        return test_client(self.server, model, name, test, shared, personal=self.personal, amp=self.amp)
+
+    def evaluate_clients(self) -> tuple[dict[str, float], list[float | None]]:
+        """``(accuracy per test set and AVG, accuracy of each client on its own test distribution)``.
+
+        Personal models, or a federation that arrives split (``client_tests``): every client is tested
+        (:meth:`evaluate_client`) and the counts pooled per test set. One global model on shared test sets:
+        the global model on each test set; a client's accuracy is then its test set's (clients of one domain
+        share it; a client whose domain names no test set is scored by the AVG over the test sets). A client of
+        a split federation without test data of its own is not tested: None (left out of the fairness
+        statistics, never given the pooled accuracy)."""
+        federation, eval_model = self.federation, self.models.eval_model
+        if not self.personal and federation.client_tests is None:
+            eval_model.load_state_dict(self.server.global_weights())
+            accuracy = evaluate(self.server.inference_model(eval_model), federation.test_sets, amp=self.amp)
+            return accuracy, [accuracy.get(federation.client_test_name(k), accuracy["AVG"])
+                              for k in range(federation.num_clients)]
+        if not self.personal:
+            eval_model.load_state_dict(self.server.global_weights())
+        counts = [self.evaluate_client(k, None if self.personal else eval_model)
+                  for k in range(federation.num_clients)]
+        accuracy = self.protocol.pooled_accuracy(counts, list(federation.test_sets))
+        return accuracy, [c.accuracy if c.total else None for c in counts]
