@@ -52,9 +52,9 @@ import harness
 import torch
 
 from fedhpro.engines.simulator import Simulator
-from fedhpro.methods import METHODS, TrainSettings, base
-from fedhpro.methods.base import extract_features
+from fedhpro.methods import METHODS, TrainSettings, no_grad
 from fedhpro.methods.fedhpro import FedHProClient
+from fedhpro.methods.no_grad import extract_features
 
 TARGET = 1.15
 
@@ -122,8 +122,8 @@ def main() -> None:
 
     def one_round(name: str) -> None:
         if name == OLD_EVAL_PASSES:  # the eval batch (1024) and layout (NCHW) as they were, for this round only
-            with mock.patch.object(base, "eval_batch_size", lambda device: 1024), \
-                    mock.patch.object(base, "eval_layout", lambda batch: batch):
+            with mock.patch.object(no_grad, "eval_batch_size", lambda device: 1024), \
+                    mock.patch.object(no_grad, "eval_layout", lambda batch: batch):
                 record = simulators[name].run_round(rounds[name])
         else:
             record = simulators[name].run_round(rounds[name])

@@ -127,7 +127,8 @@ def measure_run(run: Path) -> dict[str, object]:
 
     from fedhpro.config import load_config
     from fedhpro.data import get_dataset
-    from fedhpro.methods.base import classifier_of, extract_features
+    from fedhpro.methods.no_grad import extract_features
+    from fedhpro.methods.parts import classifier_of
     from fedhpro.metrics import geometry
     from fedhpro.metrics.prototypes import class_means
     from fedhpro.trained import load_model
@@ -230,7 +231,7 @@ def client_margins(run: Path) -> str:
     from fedhpro import functional as HF
     from fedhpro.config import load_config
     from fedhpro.data import get_dataset
-    from fedhpro.methods.base import extract_features
+    from fedhpro.methods.no_grad import extract_features
     from fedhpro.trained import load_model
 
     config = load_config(run / "config.yaml")

@@ -35,7 +35,7 @@ from fedhpro.data.federation import ClientData, Federation
 from fedhpro.engines.simulator import Simulator
 from fedhpro.errors import DataError
 from fedhpro.methods import METHODS, TrainSettings
-from fedhpro.methods.base import train_epochs
+from fedhpro.methods.training import train_epochs
 from fedhpro.models import build_model
 
 SETTINGS = {

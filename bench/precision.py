@@ -1,6 +1,6 @@
 """Mixed precision on the CPU: local training of the default ``cnn`` in float32 against ``amp=bf16``.
 
-Both variants run fedhpro's own training loop (:func:`fedhpro.methods.base.train_epochs`) on the same first
+Both variants run fedhpro's own training loop (:func:`fedhpro.methods.training.train_epochs`) on the same first
 clients of digits-offline from the same initial weights: ``float32`` is the default (``TrainSettings()``),
 ``bf16`` is ``amp=bf16`` with ``channels_last=auto`` (on for the ``cnn``: bfloat16 autocast in the
 channels_last format); ``--channels-last`` adds float32 in channels_last. Variants run interleaved (see
@@ -12,8 +12,8 @@ CPU, its bfloat16 instructions (:func:`fedhpro.runtime.cpu_features`) and the lo
     python bench/precision.py --no-grad              # the no-grad passes instead of training
 
 ``--no-grad`` times the passes that do not train, float32 against their ``amp=bf16`` form
-(:func:`fedhpro.methods.base.no_grad_precision`, as ``Client.fit`` and the evaluation enter it): FedHPro's
-feature pass over each client's training data (:func:`~fedhpro.methods.base.extract_features`, twice a
+(:func:`fedhpro.methods.no_grad.no_grad_precision`, as ``Client.fit`` and the evaluation enter it): FedHPro's
+feature pass over each client's training data (:func:`~fedhpro.methods.no_grad.extract_features`, twice a
 client a round) and the evaluation of the global model on every test set
 (:func:`fedhpro.engines.simulator.evaluate`), and how far bf16's features and accuracy are from float32's.
 
@@ -32,7 +32,8 @@ import torch
 
 from fedhpro import runtime
 from fedhpro.methods import TrainSettings
-from fedhpro.methods.base import extract_features, no_grad_precision, train_epochs
+from fedhpro.methods.no_grad import extract_features, no_grad_precision
+from fedhpro.methods.training import train_epochs
 
 
 def main() -> None:

@@ -49,7 +49,8 @@ from fedhpro.engines.observers import RoundObserver
 from fedhpro.errors import FedHProError
 from fedhpro.experiment import build_experiment, build_simulator
 from fedhpro.files import write_atomic
-from fedhpro.methods.base import classifier_of, extract_features
+from fedhpro.methods.no_grad import extract_features
+from fedhpro.methods.parts import classifier_of
 from fedhpro.privacy.audit import (
     class_means_from_class_gradients,
     class_means_from_classifier_update,

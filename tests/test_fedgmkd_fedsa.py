@@ -22,11 +22,12 @@ from fedhpro.engines.simulator import Simulator
 from fedhpro.errors import ConfigError, UpdateError
 from fedhpro.methods import fedgmkd as G
 from fedhpro.methods import fedsa as S
-from fedhpro.methods.base import MethodContext, TrainSettings, clone_weights
+from fedhpro.methods.base import MethodContext, clone_weights
 from fedhpro.methods.fedavg import METHOD as FEDAVG
 from fedhpro.methods.fedavg import FedAvgOptions
 from fedhpro.methods.hyper import HyperPrototypeBank, class_statistics
 from fedhpro.methods.prototypes import clamped_distances
+from fedhpro.methods.training import TrainSettings
 
 TRAIN = TrainSettings(epochs=1, batch_size=8, lr=0.05, momentum=0.9, weight_decay=1e-4)
 STEP = TrainSettings(epochs=1, batch_size=64, lr=0.05, momentum=0.9, weight_decay=1e-3)  # one full-batch step

@@ -18,11 +18,13 @@ import torch.nn.functional as F
 from conftest import FEATURE_DIM, NUM_CLASSES, TinyNet, make_client, make_federation
 from fedhpro.engines.simulator import Simulator
 from fedhpro.errors import ConfigError, UpdateError
-from fedhpro.methods.base import Client, MethodContext, TrainSettings, clone_weights, extract_features
+from fedhpro.methods.base import Client, MethodContext, clone_weights
 from fedhpro.methods.fedavg import FedAvgOptions
 from fedhpro.methods.fedproto import METHOD as FEDPROTO
 from fedhpro.methods.fedproto import FedProtoClient, FedProtoOptions, FedProtoServer
 from fedhpro.methods.fedtgp import METHOD as FEDTGP
+from fedhpro.methods.no_grad import extract_features
+from fedhpro.methods.training import TrainSettings
 from fedhpro.methods.fedtgp import (
     FedTGPClient,
     FedTGPOptions,

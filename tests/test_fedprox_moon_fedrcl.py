@@ -18,7 +18,8 @@ from torch import nn
 
 from conftest import NUM_CLASSES, TinyBNNet, TinyNet, make_client, make_federation
 from fedhpro.engines.simulator import Simulator
-from fedhpro.methods.base import Client, MethodContext, TrainSettings, clone_weights, train_epochs
+from fedhpro.methods.base import Client, MethodContext, clone_weights
+from fedhpro.methods.training import TrainSettings, train_epochs
 from fedhpro.methods.fedavg import FedAvgOptions
 from fedhpro.methods import fedprox, fedrcl, moon
 from fedhpro.methods.fedprox import FedProxClient, FedProxOptions, anchored_parameters, proximal_term

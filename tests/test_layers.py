@@ -6,6 +6,8 @@ circle. The layers, from the bottom:
    files), files, seeds, runtime, options, registry, averaging (the running weighted sum), functional, aggregation,
    metrics, reports, data, models;
 1. methods, and privacy (the clipping, noise and accountants the shared client loop and the round protocol use);
+   within methods, base (the interface: Server, Client, MethodSpec) imports the jobs below it (layout: reply
+   layouts; parts: a model's two parts; no_grad: the no-grad passes; training: the shared loop), never the reverse;
 2. engines (the simulator, the round protocol, the run driver) and the config (which names the methods);
 3. what builds and drives runs for the API: experiment (building one), resume, user_models (models and data
    given from Python), measurements (observers that write files), sweeps (given the job they run) and trained (the model

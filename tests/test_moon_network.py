@@ -28,9 +28,10 @@ from fedhpro.engines.simulator import Simulator
 from fedhpro.errors import ConfigError
 from fedhpro.experiment import model_factories
 from fedhpro.methods import fedavg, get_method, moon
-from fedhpro.methods.base import Client, MethodContext, TrainSettings, clone_weights
+from fedhpro.methods.base import Client, MethodContext, clone_weights
 from fedhpro.methods.fedavg import FedAvgOptions
 from fedhpro.methods.moon import MoonClient, MoonOptions
+from fedhpro.methods.training import TrainSettings
 from fedhpro.models.projection import AUTHORS_PROJECTION_DIM, ProjectionHeadNet
 
 D = 32  # feature_dim of the networks built through the config

@@ -9,8 +9,9 @@ import torch
 from conftest import NUM_CLASSES, TinyNet, make_client
 
 from fedhpro.methods import Client, MethodContext, TrainSettings
-from fedhpro.methods.base import ClassRows, clone_weights
+from fedhpro.methods.base import clone_weights
 from fedhpro.methods.fedavg import FedAvgOptions
+from fedhpro.methods.layout import ClassRows
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TRAIN = TrainSettings(epochs=1, batch_size=8, lr=0.1, momentum=0.9, weight_decay=0.0)

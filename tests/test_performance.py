@@ -29,8 +29,8 @@ from fedhpro.errors import ConfigError
 from fedhpro.methods import TrainSettings
 from fedhpro.methods import fedhpro as fedhpro_module
 from fedhpro.methods import hyper as hyper_module
-from fedhpro.methods.base import train_epochs
 from fedhpro.methods.fedhpro import FedHProOptions
+from fedhpro.methods.training import train_epochs
 from fedhpro.models import build_model
 from test_methods import fit_fedhpro, loop_class_gradients, loop_margin, loop_prototypes, model_with
 
@@ -279,7 +279,7 @@ class _ViewingNet(nn.Module):
 
 def test_eval_passes_fall_back_to_nchw_for_a_model_that_views_its_activations():
     from fedhpro.engines.simulator import evaluate
-    from fedhpro.methods.base import _NCHW_ONLY, eval_forward
+    from fedhpro.methods.no_grad import _NCHW_ONLY, eval_forward
 
     model = _ViewingNet().eval()
     x = torch.randn(10, 3, 8, 8, generator=torch.Generator().manual_seed(0))
@@ -293,7 +293,7 @@ def test_eval_passes_fall_back_to_nchw_for_a_model_that_views_its_activations():
 
 
 def test_eval_features_in_channels_last_match_nchw_to_rounding():
-    from fedhpro.methods.base import extract_features
+    from fedhpro.methods.no_grad import extract_features
 
     torch.manual_seed(0)
     model = build_model("cnn", NUM_CLASSES, (3, 32, 32), 64)

@@ -31,8 +31,9 @@ from fedhpro.config import channels_last_setting, load_config
 from fedhpro.errors import ConfigError
 from fedhpro.experiment import check_precision
 from fedhpro.methods import TrainSettings
-from fedhpro.methods import base as base_module
-from fedhpro.methods.base import train_epochs
+from fedhpro.methods import no_grad as no_grad_module
+from fedhpro.methods import training as training_module
+from fedhpro.methods.training import train_epochs
 from fedhpro.runtime import CpuFeatures
 
 #: an AVX2-only CPU (an older AMD EPYC) and one with AMX and AVX512-BF16 (a Sapphire Rapids Xeon)
@@ -157,7 +158,7 @@ def test_the_float32_default_is_contiguous_and_unchanged(monkeypatch):
     data = make_client(24, list(range(NUM_CLASSES)), seed=2)
     explicit_off, _ = memory_formats_seen(model, data, TrainSettings(batch_size=8, channels_last=False))
     # the default path never enters the fast path's forward (exactly the operations it had before)
-    monkeypatch.setattr(base_module, "_fast_forward", lambda *args: pytest.fail("the default ran the fast path"))
+    monkeypatch.setattr(training_module, "_fast_forward", lambda *args: pytest.fail("the default ran the fast path"))
     seen, default = memory_formats_seen(model, data, TrainSettings(batch_size=8))
     assert seen == explicit_off == {False}
     assert default.features[0].weight.is_contiguous()
@@ -298,19 +299,19 @@ BF16_FEATURE_TOLERANCE = 0.02
 
 
 def autocast_seen(monkeypatch) -> list[tuple[bool, bool, torch.dtype]]:
-    """Every no-grad forward of :func:`fedhpro.methods.base.eval_forward` (features, evaluation), as
+    """Every no-grad forward of :func:`fedhpro.methods.no_grad.eval_forward` (features, evaluation), as
     ``(grad enabled, autocast on the CPU, dtype handed back)``, whichever engine called it."""
     from fedhpro.engines import driver
 
     seen: list[tuple[bool, bool, torch.dtype]] = []
-    original = base_module.eval_forward
+    original = no_grad_module.eval_forward
 
     def spy(module, batch):
         output = original(module, batch)
         seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), output.dtype))
         return output
 
-    monkeypatch.setattr(base_module, "eval_forward", spy)
+    monkeypatch.setattr(no_grad_module, "eval_forward", spy)
     monkeypatch.setattr(driver, "eval_forward", spy)
     return seen
 
@@ -321,11 +322,11 @@ def test_bf16_no_grad_passes_run_under_autocast_and_return_float32_close_to_floa
     torch.manual_seed(0)
     model = TinyBNNet().eval()
     data = make_client(150, list(range(NUM_CLASSES)), seed=3)
-    float32 = base_module.extract_features(model, data.x)
+    float32 = no_grad_module.extract_features(model, data.x)
     float32_correct = count_correct(model, data.x, data.y)
     seen = autocast_seen(monkeypatch)
-    with base_module.no_grad_precision("bf16", CPU):
-        bf16 = base_module.extract_features(model, data.x)
+    with no_grad_module.no_grad_precision("bf16", CPU):
+        bf16 = no_grad_module.extract_features(model, data.x)
         bf16_correct = count_correct(model, data.x, data.y)
     assert seen and all(not grad and autocast and dtype == torch.float32 for grad, autocast, dtype in seen)
     assert bf16.dtype == torch.float32 and bf16.shape == float32.shape
@@ -333,7 +334,7 @@ def test_bf16_no_grad_passes_run_under_autocast_and_return_float32_close_to_floa
     assert float((bf16 - float32).abs().max()) <= BF16_FEATURE_TOLERANCE
     assert abs(bf16_correct - float32_correct) <= 0.05 * len(data)
     seen.clear()
-    assert torch.equal(base_module.extract_features(model, data.x), float32)  # outside the block: float32 again
+    assert torch.equal(no_grad_module.extract_features(model, data.x), float32)  # outside the block: float32 again
     assert seen == [(False, False, torch.float32)] * len(seen)
 
 
@@ -353,10 +354,10 @@ def test_amp_off_no_grad_passes_equal_the_old_code(monkeypatch):
                       for i, batch in enumerate(batches))
     model.train()
     seen = autocast_seen(monkeypatch)
-    with base_module.no_grad_precision("off", CPU):
-        assert torch.equal(base_module.extract_features(model, data.x), features)
+    with no_grad_module.no_grad_precision("off", CPU):
+        assert torch.equal(no_grad_module.extract_features(model, data.x), features)
         assert count_correct(model, data.x, data.y) == correct
-    assert torch.equal(base_module.extract_features(model, data.x), features)
+    assert torch.equal(no_grad_module.extract_features(model, data.x), features)
 
     class Plain:  # a server whose inference rule is the model itself
         def inference_model(self, model):

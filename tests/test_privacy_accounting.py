@@ -217,7 +217,7 @@ def test_one_sigma_search_serves_both_modes():
 
     assert sample.calibrate is accounting.calibrate
     # sample-level once searched only up to 1e4: a target that needs more noise is reachable now
-    from fedhpro.methods.base import TrainSettings
+    from fedhpro.methods.training import TrainSettings
 
     options = PrivacyOptions(mode="sample", target_epsilon=0.03, delta=1e-10)
     book = sample.SampleLedger(options, [1000], TrainSettings(epochs=1, batch_size=1000), 5000, 1.0)

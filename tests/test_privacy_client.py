@@ -27,7 +27,7 @@ from fedhpro.engines.simulator import Simulator, derive_seed
 from fedhpro.errors import ConfigError
 from fedhpro.experiment import protocol_settings
 from fedhpro.methods import BUILTIN_METHODS, METHODS, TrainSettings
-from fedhpro.methods.base import ClassRows
+from fedhpro.methods.layout import ClassRows
 from fedhpro.privacy import (
     HOLDERS_KEY,
     ClientPrivacy,

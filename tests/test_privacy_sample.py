@@ -98,7 +98,7 @@ def test_the_proximal_gradient_joins_after_the_noise_unclipped():
     reference = slow_private_step(copy.deepcopy(model), data, clip=0.7, sigma=0.0, generator_seed=2, lr=0.5,
                                   public_gradient=public)
     client = client_of("fedprox", private_train(), mu=mu)
-    from fedhpro.methods.base import LocalRound
+    from fedhpro.methods.training import LocalRound
 
     round = LocalRound(model, {"weights": anchor}, data, {}, torch.Generator().manual_seed(2))
     client._train_private(round)
@@ -290,7 +290,7 @@ def test_the_uploads_are_the_released_ones():
     client = client_of("fedproto", private_train(batch_size=16, dp_noise_multiplier=0.0))
     reply, _ = client.fit(model, {"weights": clone_weights(model)}, data, {}, torch.Generator().manual_seed(0))
     assert reply["class_counts"].tolist() == [20, 20, 20, 0] and reply["num_examples"] == 60
-    from fedhpro.methods.base import extract_features
+    from fedhpro.methods.no_grad import extract_features
 
     clipped = clip_rows(extract_features(model, data.x), 0.7 / math.sqrt(2))
     for c in range(3):

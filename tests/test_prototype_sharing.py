@@ -17,7 +17,7 @@ from fedhpro import metrics
 from fedhpro.engines import protocol
 from fedhpro.engines.simulator import Simulator
 from fedhpro.methods import METHODS
-from fedhpro.methods.base import TrainSettings
+from fedhpro.methods.training import TrainSettings
 from fedhpro.seeds import derive_seed
 
 TRAIN = TrainSettings(epochs=1, batch_size=8, lr=0.05)

@@ -592,8 +592,8 @@ def test_a_borrowed_reply_is_copied_only_when_the_round_keeps_it_whole():
 def test_one_optimizer_per_working_model_gives_a_new_optimizers_bits(monkeypatch):
     """Every client trains the working model with its one SGD optimiser, state cleared: the same bits as a
     new optimiser (a fresh copy of the model, as before), and no optimiser built per client."""
-    from fedhpro.methods import base
-    from fedhpro.methods.base import local_optimizer, train_epochs
+    from fedhpro.methods import training
+    from fedhpro.methods.training import local_optimizer, train_epochs
 
     torch.manual_seed(0)
     federation = make_federation([16, 20, 24], seed=8)
@@ -619,7 +619,7 @@ def test_one_optimizer_per_working_model_gives_a_new_optimizers_bits(monkeypatch
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(torch.optim, "SGD", CountingSGD)
-    assert base.torch.optim.SGD is CountingSGD
+    assert training.torch.optim.SGD is CountingSGD
     sim = simulator(federation, model=TinyBNNet, rounds=2)
     _run(sim, 2)
     assert len(built) == 1  # one for the working model, reused by 3 clients x 2 rounds

@@ -20,16 +20,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from fedhpro.data.federation import ClientData
 from fedhpro.methods import fedavg, fedgmkd, fedhpro, fedproto, fedprox, fedrcl, fedsa, fedtgp, moon
-from fedhpro.methods.base import (
-    Client,
-    ClientData,
-    MethodContext,
-    MethodSpec,
-    Replies,
-    Server,
-    TrainSettings,
-)
+from fedhpro.methods.base import Client, MethodContext, MethodSpec, Replies, Server
+from fedhpro.methods.training import TrainSettings
 from fedhpro.registry import Registry, checked_spec
 from fedhpro.reports import plots as _plots
 

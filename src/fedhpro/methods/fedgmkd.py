@@ -21,19 +21,10 @@ from torch import Tensor, nn
 from fedhpro import functional as HF
 from fedhpro.errors import UpdateError
 from fedhpro.functional import weighted_average
-from fedhpro.methods.base import (
-    Batch,
-    ClassRows,
-    LocalRound,
-    LossTerms,
-    MethodContext,
-    MethodSpec,
-    Payload,
-    ReplyLayout,
-    Weights,
-    classifier_of,
-    extract_features,
-)
+from fedhpro.methods.base import MethodContext, MethodSpec
+from fedhpro.methods.layout import ClassRows, Payload, ReplyLayout, Weights
+from fedhpro.methods.no_grad import extract_features
+from fedhpro.methods.parts import classifier_of
 from fedhpro.methods.prototypes import (
     NEAREST_PROTOTYPE,
     PrototypeClient,
@@ -49,6 +40,7 @@ from fedhpro.methods.prototypes import (
     received_prototypes,
     weights_travel,
 )
+from fedhpro.methods.training import Batch, LocalRound, LossTerms
 from fedhpro.options import option
 
 

@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fedhpro import functional as HF
-from fedhpro.methods.base import HOLDERS, MethodSpec, Payload
+from fedhpro.methods.base import MethodSpec
+from fedhpro.methods.layout import HOLDERS, Payload
 from fedhpro.methods.prototypes import (
     NEAREST_PROTOTYPE,
     PrototypeClient,

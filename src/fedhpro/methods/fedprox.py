@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from fedhpro.methods.base import Client, LocalRound, LossTerms, MethodSpec, Server
+from fedhpro.methods.base import Client, MethodSpec, Server
+from fedhpro.methods.training import LocalRound, LossTerms
 from fedhpro.options import option
 
 

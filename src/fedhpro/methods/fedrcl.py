@@ -61,7 +61,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedhpro.methods.base import Batch, Client, LocalRound, LossTerms, MethodSpec, Server, TrainSettings
+from fedhpro.methods.base import Client, MethodSpec, Server
+from fedhpro.methods.training import Batch, LocalRound, LossTerms, TrainSettings
 from fedhpro.options import option
 
 

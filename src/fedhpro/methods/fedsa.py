@@ -53,16 +53,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fedhpro import functional as HF
-from fedhpro.methods.base import (
-    HOLDERS,
-    Batch,
-    LocalRound,
-    LossTerms,
-    MethodContext,
-    MethodSpec,
-    Payload,
-    classifier_of,
-)
+from fedhpro.methods.base import MethodContext, MethodSpec
+from fedhpro.methods.layout import HOLDERS, Payload
+from fedhpro.methods.parts import classifier_of
 from fedhpro.methods.prototypes import (
     NEAREST_PROTOTYPE,
     PrototypeClient,
@@ -72,6 +65,7 @@ from fedhpro.methods.prototypes import (
     margin_ce,
     weights_travel,
 )
+from fedhpro.methods.training import Batch, LocalRound, LossTerms
 from fedhpro.options import option
 
 

@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedhpro import functional as HF
-from fedhpro.methods.base import MethodContext, MethodSpec, Payload
+from fedhpro.methods.base import MethodContext, MethodSpec
+from fedhpro.methods.layout import Payload
 from fedhpro.methods.prototypes import (
     NEAREST_PROTOTYPE,
     PrototypeClient,

@@ -59,17 +59,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedhpro.errors import ConfigError
-from fedhpro.methods.base import (
-    Batch,
-    Client,
-    LocalRound,
-    LossTerms,
-    MethodSpec,
-    Payload,
-    Server,
-    clone_weights,
-    features_of,
-)
+from fedhpro.methods.base import Client, MethodSpec, Server, clone_weights
+from fedhpro.methods.layout import Payload
+from fedhpro.methods.parts import features_of
+from fedhpro.methods.training import Batch, LocalRound, LossTerms
 from fedhpro.models.projection import ProjectionHeadNet, with_projection_head
 from fedhpro.options import option
 

@@ -39,25 +39,12 @@ from torch import Tensor, nn
 
 from fedhpro import functional as HF
 from fedhpro.errors import ConfigError, UpdateError
-from fedhpro.methods.base import (
-    ClassRows,
-    Client,
-    InferenceRule,
-    LocalRound,
-    LossTerms,
-    MethodContext,
-    Payload,
-    Regularizer,
-    ReplyLayout,
-    Server,
-    Weights,
-    classifier_of,
-    extract_features,
-    features_of,
-    load_weights,
-    regularizer_terms,
-)
+from fedhpro.methods.base import Client, InferenceRule, MethodContext, Server, load_weights
 from fedhpro.methods.hyper import HyperPrototypeBank, feature_statistics
+from fedhpro.methods.layout import ClassRows, Payload, ReplyLayout, Weights
+from fedhpro.methods.no_grad import extract_features
+from fedhpro.methods.parts import classifier_of, features_of
+from fedhpro.methods.training import LocalRound, LossTerms, Regularizer, regularizer_terms
 from fedhpro.options import option
 
 PROTOCOLS = ("dagger", "proto-only")

@@ -9,7 +9,7 @@ computes from that data leaves it:
   ``N(0, (dp_noise_multiplier x dp_clip)^2)`` added to every coordinate, divided by the expected batch size
   ``q n``. Opacus computes the per-sample gradients (``GradSampleHooks``) and does the clip, noise and scale
   (``DPOptimizer``); the noise comes from a generator seeded from the round's generator, so runs repeat
-  (with :attr:`~fedhpro.methods.base.TrainSettings.dp_secure_noise`, the noise and the batches come from the
+  (with :attr:`~fedhpro.methods.training.TrainSettings.dp_secure_noise`, the noise and the batches come from the
   operating system's randomness instead, and Opacus's ``secure_mode`` draws the noise).
   Loss terms a method declares public (:attr:`~fedhpro.methods.base.Client.public_loss_terms`: functions of the
   parameters and of what the server sent only, e.g. FedProx's proximal term) are differentiated apart and

@@ -117,7 +117,7 @@ def privacy_warnings(options: Any, num_clients: int, client_sizes: Sequence[int]
 
 
 def private_train_settings(config: Any, train: Any, ledger: Ledger) -> Any:
-    """``privacy=sample``: the local training settings ``train`` (a :class:`~fedhpro.methods.base.TrainSettings`)
+    """``privacy=sample``: the local training settings ``train`` (a :class:`~fedhpro.methods.training.TrainSettings`)
     with DP-SGD on: ``dp_clip`` (``privacy.clip``), ``dp_noise_multiplier`` (the ledger's sigma, as given or
     calibrated) and ``dp_secure_noise`` (``privacy.secure_noise``; unset counts as false: seeded noise)."""
     return dataclasses.replace(train, dp_clip=float(config.privacy.clip),

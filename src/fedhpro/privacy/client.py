@@ -2,7 +2,7 @@
 
 What leaves client ``k`` is one vector ``u_k``: the update ``Delta = w_k - w_global`` of every
 floating-point weight that travels (BatchNorm running statistics included), and every per-class
-floating-point tensor its method's reply layout declares (:class:`~fedhpro.methods.base.ClassRows`:
+floating-point tensor its method's reply layout declares (:class:`~fedhpro.methods.layout.ClassRows`:
 prototypes, class gradients, soft predictions), the rows of classes the client does not hold set to
 zero. :func:`privatize_upload` clips ``u_k`` to the L2 norm ``C = privacy.clip`` (jointly, or each of the
 ``G`` tensor groups to ``C / sqrt(G)``: the same joint bound) and, with ``privacy.noise=local``, adds
@@ -41,7 +41,7 @@ from torch import Tensor
 
 from fedhpro.aggregation import clip_factor
 from fedhpro.errors import FedHProError
-from fedhpro.methods.base import ClassRows
+from fedhpro.methods.layout import ClassRows
 from fedhpro.seeds import derive_seed
 
 #: the seed streams of the privacy noise: a client's local noise (PRIVACY, round, client) and the server's
@@ -282,7 +282,7 @@ class PrivateSum:
         settings: the round's :class:`ClientPrivacy`.
         broadcast: the weights the server sent (their float entries are summed; ``{}`` when none travel).
         layout: the method's reply layout (``server.reply_layout()``): its per-class floating-point tensors
-            (:class:`~fedhpro.methods.base.ClassRows`) are summed row-wise; also how a round nobody answered
+            (:class:`~fedhpro.methods.layout.ClassRows`) are summed row-wise; also how a round nobody answered
             is released (noise only).
         num_classes: the number of classes.
         expected_clients: ``q N``, the public denominator of the weight update.

@@ -28,8 +28,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fedhpro.errors import ConfigError
-from fedhpro.methods.base import TrainSettings
 from fedhpro.methods.sample_dp import INSTALL_HINT, poisson_plan
+from fedhpro.methods.training import TrainSettings
 from fedhpro.privacy import accounting
 from fedhpro.privacy.accounting import PLD_ACCOUNTANT, calibrate, check_accountant
 

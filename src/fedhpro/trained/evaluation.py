@@ -21,7 +21,7 @@ from fedhpro.data import get_dataset
 from fedhpro.engines.driver import count_correct
 from fedhpro.engines.protocol import Aggregation, TestCount, pool_accuracy
 from fedhpro.errors import ConfigError, DataError
-from fedhpro.methods.base import no_grad_precision
+from fedhpro.methods.no_grad import no_grad_precision
 from fedhpro.runtime import cpu_runtime, resolve_threads, torch_threads
 from fedhpro.trained.checks import read_info, shown
 from fedhpro.trained.folder import ModelFileError
@@ -48,7 +48,7 @@ def _tested(module: nn.Module, name: str, x: Tensor, y: Tensor, num_classes: int
     """``(the run's test count, correct per class, total per class)`` of ``module`` (a module loaded from the
     folder, which applies the run's inference rule) on ``(x, y)``: the run's own test
     (:func:`~fedhpro.engines.simulator.evaluate`: :func:`~fedhpro.engines.driver.count_correct` in the
-    run's :func:`~fedhpro.methods.base.no_grad_precision`), its predictions kept."""
+    run's :func:`~fedhpro.methods.no_grad.no_grad_precision`), its predictions kept."""
     recorded = _Recorded(module)
     with no_grad_precision(amp, x.device):
         count = TestCount(name, count_correct(recorded, x, y, batch_size), int(y.shape[0]))
