@@ -25,8 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedhpro.methods import Client, MethodSpec, Server
-from fedhpro.methods.base import Batch, ClassRows, LocalRound
+from fedhpro.methods import Batch, ClassRows, Client, LocalRound, MethodSpec, Server
 from fedhpro.options import option
 
 

@@ -64,7 +64,7 @@ CHANNELS_LAST_CHOICES = ("auto", "true", "false")
 
 
 def channels_last_setting(value: str | bool) -> bool | None:
-    """``channels_last=``'s value as :attr:`fedhpro.methods.base.TrainSettings.channels_last` takes it: True or
+    """``channels_last=``'s value as :attr:`fedhpro.methods.training.TrainSettings.channels_last` takes it: True or
     False as set, None for auto (on exactly when mixed precision is on and the model has a Conv2d)."""
     text = str(value).strip().lower()
     if text == "auto":

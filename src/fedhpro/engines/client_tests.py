@@ -16,13 +16,13 @@ from torch import Tensor, nn
 from fedhpro.data.federation import Federation
 from fedhpro.engines.driver import count_correct, test_client
 from fedhpro.engines.protocol import RoundProtocol, TestCount, pool_accuracy
-from fedhpro.methods.base import no_grad_precision
+from fedhpro.methods.no_grad import no_grad_precision
 
 
 def evaluate(model: nn.Module, test_sets: dict[str, tuple[Tensor, Tensor]],
              batch_size: int | None = None, amp: str = "off") -> dict[str, float]:
     """Accuracy in percent on each test set, plus ``AVG``, their unweighted mean (the paper's AVG); the forward
-    passes in the precision of the run's training (``amp``: :func:`~fedhpro.methods.base.no_grad_precision`)."""
+    passes in the precision of the run's training (``amp``: :func:`~fedhpro.methods.no_grad.no_grad_precision`)."""
     counts = []
     for name, (x, y) in test_sets.items():
         with no_grad_precision(amp, x.device):

@@ -41,7 +41,8 @@ from fedhpro.engines import checkpoint
 from fedhpro.engines.protocol import Aggregation, RoundProtocol, RoundRecord, TestCount
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.files import claim_run_folder, remove_partial_writes
-from fedhpro.methods.base import eval_batch_size, eval_forward, load_weights, no_grad_pass, no_grad_precision
+from fedhpro.methods.base import load_weights
+from fedhpro.methods.no_grad import eval_batch_size, eval_forward, no_grad_pass, no_grad_precision
 from fedhpro.metrics import fairness_statistics
 from fedhpro.privacy import privacy_warnings
 from fedhpro.reports.plots import display_name, plot_run_accuracy
@@ -162,7 +163,7 @@ class ConsoleVoice:
 @torch.no_grad()
 def count_correct(model: nn.Module, x: Tensor, y: Tensor, batch_size: int | None = None) -> int:
     """How many of ``x`` the model classifies as ``y`` (eval mode, batches of ``eval_batch_size``), computed in
-    the current :func:`~fedhpro.methods.base.no_grad_precision` (float32 unless one is entered)."""
+    the current :func:`~fedhpro.methods.no_grad.no_grad_precision` (float32 unless one is entered)."""
     model.eval()
     batch_size = batch_size or eval_batch_size(x.device)
     correct = 0
@@ -178,7 +179,7 @@ def test_client(server: Any, model: nn.Module, name: str, test: tuple[Tensor, Te
     """One client's test count on its ``test`` set ``name``: ``model`` (with the global ``shared`` weights
     loaded first when given: into its shared part for a ``personal`` model, else the whole model) through
     the server's inference rule, its forward passes in the precision of the run's training (``amp``, as
-    :func:`~fedhpro.methods.base.no_grad_precision` says). What the simulator and a Flower node compute for a
+    :func:`~fedhpro.methods.no_grad.no_grad_precision` says). What the simulator and a Flower node compute for a
     client."""
     if shared is not None:
         if personal:

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from fedhpro.errors import ConfigError
-from fedhpro.methods.base import extract_features
+from fedhpro.methods.no_grad import extract_features
 from fedhpro.metrics import FlopCounter, class_means, mean_client_prototypes, prototype_distance
 
 if TYPE_CHECKING:

@@ -41,13 +41,9 @@ from fedhpro.engines.protocol import (
     derive_seed,
 )
 from fedhpro.errors import ConfigError, DataError
-from fedhpro.methods.base import (
-    MethodContext,
-    MethodSpec,
-    TrainSettings,
-    extract_features,
-    lends_weights,
-)
+from fedhpro.methods.base import MethodContext, MethodSpec, lends_weights
+from fedhpro.methods.no_grad import extract_features
+from fedhpro.methods.training import TrainSettings
 from fedhpro.metrics import class_means
 
 

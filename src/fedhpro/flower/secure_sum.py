@@ -9,7 +9,7 @@ so every entry stays within ``[-1, 1]`` times the values themselves):
 * ``num_examples``: ``n_k / s``;
 * with per-class uploads: ``held`` (1 for each class the client holds, else 0), ``class_counts``
   (``n_k^c / s``) and, per class tensor, its rows times ``held`` or times ``n_k^c / s``, as the layout
-  declares the server averages them (:attr:`~fedhpro.methods.base.ClassRows.averaged`: ``holders``, a
+  declares the server averages them (:attr:`~fedhpro.methods.layout.ClassRows.averaged`: ``holders``, a
   mean over the clients that hold the class, or ``counts``, a count-weighted mean);
 * ``metrics``: each training metric times ``n_k / (s M)`` (``M`` = :data:`METRIC_SCALE`: losses may exceed the
   clipping range, and need less precision than weights) in a slot of :data:`METRIC_SLOTS` chosen by a
@@ -43,7 +43,8 @@ from torch import Tensor
 
 from fedhpro.engines.protocol import capped_reply
 from fedhpro.errors import ConfigError, FedHProError, UpdateError
-from fedhpro.methods.base import COUNTS, HOLDERS, ClassRows, Server
+from fedhpro.methods.base import Server
+from fedhpro.methods.layout import COUNTS, HOLDERS, ClassRows
 
 #: slots of the training metrics in the summed vector (a metric's slot is a hash of its name)
 METRIC_SLOTS = 4096
@@ -146,7 +147,7 @@ class SecureLayout:
 
 def summed_rows(server: Server, method: str, layout: Mapping[str, Any]) -> dict[str, str]:
     """``{class key: HOLDERS | COUNTS}`` of the floating class tensors of a reply, as the method's reply layout
-    declares its server averages them (:attr:`~fedhpro.methods.base.ClassRows.averaged`); ConfigError (one
+    declares its server averages them (:attr:`~fedhpro.methods.layout.ClassRows.averaged`); ConfigError (one
     line, naming the key and the fix) for what a sum cannot give."""
     if not server.folds_weights:
         raise ConfigError(f"method={method} cannot run under flower.secure-aggregation=secagg+: its server weights "

@@ -22,8 +22,9 @@ from typing import Any
 
 from fedhpro.data.federation import ClientData
 from fedhpro.methods import fedavg, fedgmkd, fedhpro, fedproto, fedprox, fedrcl, fedsa, fedtgp, moon
-from fedhpro.methods.base import Client, MethodContext, MethodSpec, Replies, Server
-from fedhpro.methods.training import TrainSettings
+from fedhpro.methods.base import Client, InferenceRule, MethodContext, MethodSpec, Replies, Server
+from fedhpro.methods.layout import ClassRows
+from fedhpro.methods.training import Batch, LocalRound, LossTerms, TrainSettings
 from fedhpro.registry import Registry, checked_spec
 from fedhpro.reports import plots as _plots
 
@@ -130,6 +131,7 @@ def load_entry_points() -> None:
     REGISTRY.load_entry_points()
 
 
-__all__ = ["METHODS", "BUILTIN_METHODS", "ENTRY_POINT_GROUP", "Client", "ClientData", "MethodContext", "MethodSpec",
+__all__ = ["METHODS", "BUILTIN_METHODS", "ENTRY_POINT_GROUP", "Batch", "ClassRows", "Client", "ClientData",
+           "InferenceRule", "LocalRound", "LossTerms", "MethodContext", "MethodSpec",
            "RECIPES", "REGISTRY", "Replies", "Server", "TrainSettings", "all_methods", "get_method",
            "load_entry_points", "method_names", "recipes_of", "register"]
