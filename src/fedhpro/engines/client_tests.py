@@ -80,15 +80,14 @@ class ClientTests:
         share it; a client whose domain names no test set is scored by the AVG over the test sets). A client of
         a split federation without test data of its own is not tested: None (left out of the fairness
         statistics, never given the pooled accuracy)."""
-        federation, eval_model = self.federation, self.models.eval_model
-        if not self.personal and federation.client_tests is None:
+        federation = self.federation
+        eval_model = None if self.personal else self.models.eval_model  # personal models have no global one here
+        if eval_model is not None:
             eval_model.load_state_dict(self.server.global_weights())
-            accuracy = evaluate(self.server.inference_model(eval_model), federation.test_sets, amp=self.amp)
-            return accuracy, [accuracy.get(federation.client_test_name(k), accuracy["AVG"])
-                              for k in range(federation.num_clients)]
-        if not self.personal:
-            eval_model.load_state_dict(self.server.global_weights())
-        counts = [self.evaluate_client(k, None if self.personal else eval_model)
-                  for k in range(federation.num_clients)]
+            if federation.client_tests is None:
+                accuracy = evaluate(self.server.inference_model(eval_model), federation.test_sets, amp=self.amp)
+                return accuracy, [accuracy.get(federation.client_test_name(k), accuracy["AVG"])
+                                  for k in range(federation.num_clients)]
+        counts = [self.evaluate_client(k, eval_model) for k in range(federation.num_clients)]
         accuracy = self.protocol.pooled_accuracy(counts, list(federation.test_sets))
         return accuracy, [c.accuracy if c.total else None for c in counts]
