@@ -145,8 +145,9 @@ def client_step(server: Any, client: Any, model: torch.nn.Module, payload: Mappi
                             upload_noise_generator(privacy, seed, round, k), int(server.num_classes)), {}
 
 
-#: the ``faults.*`` options the protocol takes (:class:`fedhpro.config.FaultOptions` itself; this name is kept for
-#: callers that build them in Python: ``Faults(scale=0.2)``); a client's hostility: :func:`~.faults.hostile_factor`
+#: the ``faults.*`` options the protocol takes (:class:`fedhpro.config.FaultOptions` itself; this name is kept
+#: for callers that build them in Python: ``Faults(scale=0.2)``); what a client's draw makes of it:
+#: fedhpro.engines.faults.hostile_factor
 Faults = FaultOptions
 
 
