@@ -3,8 +3,8 @@ type-checking ones too): nothing imports upward, and no two modules import each 
 circle. The layers, from the bottom:
 
 0. the utilities, data and models: errors, bounded and arrays (bounded readers of untrusted text and array
-   files), files, seeds, runtime, options, registry, averaging (the running weighted sum), functional, aggregation,
-   metrics, reports, data, models;
+   files), files, seeds, runtime, options, registry, averaging (the running weighted sum), functional, robust (the
+   robust aggregation rules, by name), aggregation, metrics, reports, data, models;
 1. methods, and privacy (the clipping, noise and accountants the shared client loop and the round protocol use);
    within methods, base (the interface: Server, Client, MethodSpec) imports the jobs below it (layout: reply
    layouts; parts: a model's two parts; no_grad: the no-grad passes; training: the shared loop), never the reverse;
@@ -28,7 +28,7 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / "fedhpro"
 
 LAYERS = {
     0: ("errors", "bounded", "arrays", "files", "seeds", "runtime", "options", "registry", "averaging", "functional",
-        "aggregation", "metrics", "reports", "data", "models"),
+        "robust", "aggregation", "metrics", "reports", "data", "models"),
     1: ("methods", "privacy"),
     2: ("engines", "config"),
     # below the API: modules that drive runs they are given; deploy: operations tooling below the Flower apps

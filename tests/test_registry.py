@@ -145,6 +145,19 @@ def test_the_packages_registries_share_the_generic_registry():
     assert fedhpro.data.partition.PARTITIONERS["ag-nid"] is fedhpro.data.partition.ag_nid
 
 
+def test_the_robust_rules_are_a_registry_and_aggregation_rules_reads_it_live():
+    import fedhpro.aggregation
+    import fedhpro.robust
+
+    registry = fedhpro.robust.REGISTRY
+    assert isinstance(registry, Registry) and registry.group == "fedhpro.aggregation_rules"
+    assert list(fedhpro.aggregation.AGGREGATION_RULES) == registry.names()
+    with pytest.raises(ConfigError, match="gives 3, not a fedhpro.robust.base.RobustRule subclass"):
+        registry.register("three", 3)
+    with pytest.raises(ConfigError, match=r"aggregation='medain' is not valid \(did you mean 'median' or 'mean'\?\)"):
+        registry.lookup("medain")
+
+
 def test_key_kinds_are_declared_with_the_keys():
     from fedhpro.config import OBSERVER_KEYS, PRESENTATION_KEYS, RESUMABLE_KEYS
 

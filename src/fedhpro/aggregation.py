@@ -1,8 +1,10 @@
-"""Robust aggregation rules, as pure tensor functions (the ``aggregation=`` setting).
+"""The pure tensor rules of aggregation (the ``aggregation=`` setting and the weight caps).
 
 A federated mean lets one client move the global model as far as it likes:
 a reply of ``w_global + 100 * Delta`` drags the average by ``100 * Delta / K``.
-The rules here bound what one client can do:
+The robust rules bound what one client's update can do; each is one class in
+:mod:`fedhpro.robust` (registered by name in :data:`fedhpro.robust.REGISTRY`),
+and their pure tensor functions are importable from here too:
 
 * :func:`coordinate_median`: each coordinate's median over the ``K`` clients
   (for even ``K`` the mean of the two middle values), so fewer than half the
@@ -11,7 +13,13 @@ The rules here bound what one client can do:
   ``floor(beta * K)`` smallest and largest values;
 * :func:`clip_factor` / :func:`clip_update`: the update ``Delta = w_k - w_global``
   of one client, over all its floating-point tensors together, scaled down to a
-  global L2 norm of at most ``max_norm`` (``min(1, max_norm / ||Delta||)``).
+  global L2 norm of at most ``max_norm`` (``min(1, max_norm / ||Delta||)``);
+* :func:`krum_scores` / :func:`krum_choice`: Krum (Blanchard et al. 2017), the
+  update whose summed squared distance to its ``K - f - 2`` nearest others is
+  the smallest.
+
+The weight caps live here (what a client *says* it holds is a claim):
+
 * :func:`share_cap`: the largest weight one client may hold so that no client
   holds more than ``max_share`` of the total (``aggregation.max_share``): what a
   client *says* it holds (its sample and test counts) is a claim, and this
@@ -20,103 +28,23 @@ The rules here bound what one client can do:
   at most ``max_ratio`` times the median claim (``aggregation.max_ratio``), a
   bound that falls with the number of clients where a share cannot.
 
-The first three weight the clients equally (a client's ``num_examples`` is what it
+The robust rules weight the clients equally (a client's ``num_examples`` is what it
 says it has, so a hostile client could claim a large weight); integer tensors
 (BatchNorm's ``num_batches_tracked``) are counters, not parameters, and are
-left to the caller. :mod:`fedhpro.engines.protocol` applies them to a round's
-replies for every method.
+left to the caller. :mod:`fedhpro.engines.robust` applies the chosen rule to a
+round's replies for every method.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
-import torch
-from torch import Tensor
-
-#: the values of ``aggregation=`` (``aggregation.rule``), each with what it needs of each client's own
-#: update ("": nothing, the replies reach the method as they came)
-AGGREGATION_RULES: dict[str, str] = {"mean": "", "median": "a coordinate-wise median",
-                                     "trimmed-mean": "a trimmed mean", "norm-clip": "each update's norm"}
-
-
-def _stacked(tensors: Sequence[Tensor]) -> Tensor:
-    if len(tensors) == 0:
-        raise ValueError("a robust aggregate needs at least one tensor")
-    return torch.stack([t.detach() for t in tensors])
-
-
-def coordinate_median(tensors: Sequence[Tensor]) -> Tensor:
-    """The coordinate-wise median of ``K`` tensors of one shape: a new tensor of that shape.
-
-    With an even ``K`` each coordinate is the mean of its two middle values (the
-    usual median, not ``torch.median``'s lower one), so the median of two
-    tensors is their mean.
-    """
-    ordered = _stacked(tensors).sort(dim=0).values
-    count = ordered.shape[0]
-    if count % 2 == 1:
-        return ordered[count // 2].clone()
-    return (ordered[count // 2 - 1] + ordered[count // 2]) / 2
-
-
-def trimmed_count(count: int, beta: float) -> int:
-    """How many values a trimmed mean of ``count`` values drops at each end: ``floor(beta * count)``."""
-    if not 0.0 <= beta < 0.5:
-        raise ValueError(f"the trim fraction must be in [0, 0.5), got {beta}")
-    return int(math.floor(beta * count))
-
-
-def trimmed_mean(tensors: Sequence[Tensor], beta: float) -> Tensor:
-    """The coordinate-wise ``beta``-trimmed mean of ``K`` tensors of one shape.
-
-    Each coordinate's ``floor(beta * K)`` smallest and largest values are
-    dropped and the rest averaged (``beta`` in ``[0, 0.5)``; ``beta = 0`` is
-    the plain unweighted mean).
-    """
-    ordered = _stacked(tensors).sort(dim=0).values
-    cut = trimmed_count(ordered.shape[0], beta)
-    return ordered[cut:ordered.shape[0] - cut].mean(dim=0)
-
-
-def update_norm(weights: Mapping[str, Tensor], reference: Mapping[str, Tensor]) -> float:
-    """``||w - w_ref||_2`` over every floating-point tensor of ``weights`` together (in float64)."""
-    total = 0.0
-    for name, value in weights.items():
-        if value.is_floating_point():
-            delta = value.detach().double() - reference[name].detach().to(value.device).double()
-            total += float(delta.pow(2).sum())
-    return math.sqrt(total)
-
-
-def clip_factor(norm: float, max_norm: float) -> float:
-    """``min(1, max_norm / norm)``: what scales an update of L2 norm ``norm`` to at most ``max_norm``
-    (1 for a zero update)."""
-    if norm <= max_norm or norm == 0.0:
-        return 1.0
-    return max_norm / norm
-
-
-def clip_update(weights: Mapping[str, Tensor], reference: Mapping[str, Tensor],
-                max_norm: float) -> tuple[dict[str, Tensor], float]:
-    """``(w_ref + f * (w - w_ref), f)`` with ``f = clip_factor(||w - w_ref||, max_norm)``.
-
-    The norm is taken over all floating-point tensors together (one update, one
-    factor); integer tensors are kept as they are. With ``f == 1`` the weights
-    themselves are returned (no copy).
-    """
-    factor = clip_factor(update_norm(weights, reference), max_norm)
-    if factor == 1.0:
-        return dict(weights), factor
-    clipped = {}
-    for name, value in weights.items():
-        if value.is_floating_point():
-            base = reference[name].detach().to(device=value.device, dtype=value.dtype)
-            clipped[name] = base + factor * (value.detach() - base)
-        else:
-            clipped[name] = value
-    return clipped, factor
+from fedhpro.robust import AGGREGATION_RULES
+from fedhpro.robust.krum import krum_choice, krum_scores
+from fedhpro.robust.median import coordinate_median
+from fedhpro.robust.norm_clip import clip_factor, clip_update, update_norm
+from fedhpro.robust.trimmed_mean import trimmed_count, trimmed_mean
 
 
 def share_cap(sizes: Sequence[float], max_share: float) -> float:
@@ -167,3 +95,7 @@ def claim_cap(sizes: Sequence[float], max_share: float, max_ratio: float = 0.0) 
             cap = min(cap, max_ratio * median)
     return cap
 
+
+
+__all__ = ["AGGREGATION_RULES", "claim_cap", "clip_factor", "clip_update", "coordinate_median", "krum_choice",
+           "krum_scores", "lower_median", "share_cap", "trimmed_count", "trimmed_mean", "update_norm"]

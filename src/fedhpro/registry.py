@@ -1,12 +1,13 @@
-"""One registry of named things (methods, data sets, partitioners, models), and their entry-point groups.
+"""One registry of named things (methods, data sets, partitioners, models, robust aggregation rules), and their
+entry-point groups.
 
 A :class:`Registry` maps a name to an entry. Entries join in three ways:
 
 * built in, in the module that owns the registry (one line each);
 * from Python: ``REGISTRY.register("name", entry)`` or ``@REGISTRY.register("name")`` as a decorator;
 * from an installed package: an entry point in the registry's group (``fedhpro.methods``,
-  ``fedhpro.datasets``, ``fedhpro.partitioners``, ``fedhpro.models``), loaded lazily, once per process:
-  on the first lookup of a name that is not registered, or when the names are listed.
+  ``fedhpro.datasets``, ``fedhpro.partitioners``, ``fedhpro.models``, ``fedhpro.aggregation_rules``), loaded
+  lazily, once per process: on the first lookup of a name that is not registered, or when the names are listed.
 
 The names are read at each use (:meth:`Registry.names`, :attr:`Registry.choices`), never frozen at import,
 so a config's ``method=``/``dataset=``/``model=``/``partition=`` accept whatever is registered when it is
