@@ -124,11 +124,13 @@ class FaultOptions:
 
 @dataclass
 class AggregationOptions:
-    rule: str = option("mean", choices=tuple(AGGREGATION_RULES),
+    rule: str = option("mean", choices=LiveChoices(lambda: list(AGGREGATION_RULES)),
                        help="how the server combines a round's replies before the method aggregates them: mean "
                             "(the method's own rule), or robustly against hostile clients: median or "
                             "trimmed-mean (coordinate-wise, of the weights and of each class's rows of the "
-                            "class tensors over its holders), norm-clip (each update's norm clipped)")
+                            "class tensors over its holders), norm-clip (each update's norm clipped), krum (the "
+                            "update closest to its K - f - 2 nearest others, f = aggregation.byzantine), or a "
+                            "rule registered in fedhpro.robust.REGISTRY")
     trim: float = option(0.2, min=0.0, help="trimmed-mean: the fraction dropped at each end, "
                                             "floor(trim * K) of K values (0 <= trim < 0.5)")
     max_norm: float = option(0.0, min=0.0, help="norm-clip: the largest L2 norm of an update w_k - w_global "
@@ -136,6 +138,9 @@ class AggregationOptions:
     norm_multiple: float = option(1.0, gt=0.0, help="norm-clip with max_norm=0: updates longer than this many "
                                                     "times the round's median update norm are clipped to it "
                                                     "(class tensors: rows farther from the class's median row)")
+    byzantine: int = option(1, min=0, help="krum: the number f of Byzantine clients it assumes; a reply's score is the "
+                                           "sum of its squared distances to its K - f - 2 nearest others, the lowest "
+                                           "wins (the guarantee needs K > 2f + 2 replies a round)")
     max_share: float = option(0.75, gt=0.0, max=1.0,
                               help="the largest share of the federation's total aggregation weight one client "
                                    "may hold: a client's weight (its num_examples, and its class counts in "

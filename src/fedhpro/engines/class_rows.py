@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedhpro.methods.base import ClassRows
+from fedhpro.methods.layout import ClassRows
 
 
 def class_tensor_keys(reply: Mapping[str, Any], num_classes: int | None,

@@ -35,10 +35,11 @@ from tqdm.auto import tqdm
 
 from fedhpro import reports, runtime
 from fedhpro.aggregation import lower_median
-from fedhpro.config import Config, channels_last_setting
+from fedhpro.config import AggregationOptions, Config, channels_last_setting
 from fedhpro.data.federation import few_batches_note
 from fedhpro.engines import checkpoint
-from fedhpro.engines.protocol import Aggregation, RoundProtocol, RoundRecord, TestCount
+from fedhpro.engines.protocol import RoundProtocol, RoundRecord, TestCount
+from fedhpro.engines.replies import weight_cap
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.files import claim_run_folder, remove_partial_writes
 from fedhpro.methods.base import load_weights
@@ -611,7 +612,7 @@ def pooled_share_warnings(test_sizes: Sequence[tuple[str, int]], max_share: floa
 FAR_ABOVE_MEDIAN = 1.5
 
 
-def claims_line(aggregation: Aggregation) -> str:
+def claims_line(aggregation: AggregationOptions) -> str:
     """The line a deployment without a roster says at start: its sizes are claims, what bounds them, how to
     pin them."""
     bound = (f"each site counts as at most aggregation.max_ratio={aggregation.max_ratio:g} x the median site's "
@@ -622,14 +623,15 @@ def claims_line(aggregation: Aggregation) -> str:
 
 
 def claimed_size_warnings(names: Sequence[str], sizes: Sequence[int], what: str,
-                          aggregation: Aggregation) -> list[str]:
+                          aggregation: AggregationOptions) -> list[str]:
     """One warning line per site whose claimed ``sizes`` (``what``: "training samples", ...) is more than
     :data:`FAR_ABOVE_MEDIAN` times the median claim (:func:`~fedhpro.aggregation.lower_median`), saying what it
-    counts as under the run's bounds (:meth:`Aggregation.cap` of claimed sizes). Fewer than two sites: none."""
+    counts as under the run's bounds (:func:`~fedhpro.engines.replies.weight_cap` of claimed sizes). Fewer than
+    two sites: none."""
     if sum(int(n) > 0 for n in sizes) < 2:
         return []
     median = lower_median(sizes)
-    cap = aggregation.cap(sizes, claimed=True)
+    cap = weight_cap(aggregation, sizes, claimed=True)
     lines = []
     for name, size in zip(names, sizes):
         if int(size) > FAR_ABOVE_MEDIAN * median:
@@ -649,7 +651,7 @@ def size_claims(protocol: RoundProtocol, test_sizes: Sequence[tuple[str, int]]) 
     for name, size in test_sizes:
         by_set.setdefault(name, []).append(int(size))
     train_cap = protocol.weight_cap()
-    test_caps = {name: aggregation.cap(sizes, claimed=True) for name, sizes in by_set.items()}
+    test_caps = {name: weight_cap(aggregation, sizes, claimed=True) for name, sizes in by_set.items()}
     return {"max_ratio": aggregation.max_ratio, "max_share": aggregation.max_share,
             "train_cap": math.floor(train_cap) if math.isfinite(train_cap) else None,
             "test_caps": {name: math.floor(cap) if math.isfinite(cap) else None for name, cap in test_caps.items()}}

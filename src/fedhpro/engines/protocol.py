@@ -151,15 +151,11 @@ def client_step(server: Any, client: Any, model: torch.nn.Module, payload: Mappi
 Faults = FaultOptions
 
 
-class Aggregation(AggregationOptions):
-    """The ``aggregation.*`` options the protocol takes: :class:`fedhpro.config.AggregationOptions` itself (any
-    instance of it will do; this name is kept for callers that build them in Python: ``Aggregation("median")``).
-    What the rule does is :data:`fedhpro.robust.REGISTRY`'s (:func:`fedhpro.robust.rule_for`); the weight cap is
-    :func:`fedhpro.engines.replies.weight_cap`."""
-
-    def cap(self, sizes: Sequence[float], claimed: bool) -> float:
-        """:func:`fedhpro.engines.replies.weight_cap` of these options (for callers that still ask the options)."""
-        return claims_cap(self, sizes, claimed)
+#: the ``aggregation.*`` options the protocol takes (:class:`fedhpro.config.AggregationOptions` itself; this name is
+#: kept for callers that build them in Python: ``Aggregation("median")``). What the rule does is
+#: :data:`fedhpro.robust.REGISTRY`'s (:func:`fedhpro.robust.rule_for`); the weight cap is
+#: :func:`fedhpro.engines.replies.weight_cap`
+Aggregation = AggregationOptions
 
 
 @dataclass
@@ -239,10 +235,7 @@ class RoundProtocol:
         self.seed = seed
         self.eval_every = eval_every
         self.faults = faults if faults is not None else FaultOptions()
-        #: the aggregation.* options; plain AggregationOptions are taken as the same values under the name
-        #: Aggregation, whose ``cap`` driver.py still asks for (until it calls fedhpro.engines.replies.weight_cap)
-        self.aggregation: Aggregation = (aggregation if isinstance(aggregation, Aggregation)
-                                         else Aggregation(**vars(aggregation or AggregationOptions())))
+        self.aggregation = aggregation if aggregation is not None else AggregationOptions()
         check_bounds(self.aggregation)
         #: the robust rule the run chose (``aggregation.rule``, from :data:`fedhpro.robust.REGISTRY`)
         self.rule = rule_for(self.aggregation)
