@@ -39,6 +39,7 @@ from fedhpro.errors import ConfigError
 from fedhpro.methods import METHODS, all_methods, get_method, method_names, recipes_of
 from fedhpro.models import MODELS
 from fedhpro.options import option, tagged
+from fedhpro.privacy import PRIVACY_MODES
 from fedhpro.registry import LiveChoices
 
 DATA_SECTION = "data"
@@ -50,7 +51,6 @@ AGGREGATION_SECTION = "aggregation"
 #: ``privacy=MODE`` is short for ``privacy.mode=MODE``; ``privacy.clip=1.0`` etc. are its knobs
 PRIVACY_SECTION = "privacy"
 #: the values of ``privacy=`` (``privacy.mode``)
-PRIVACY_MODES = ("none", "client", "sample")
 
 
 #: ``federation: python:<name>`` in a config.yaml: the run's data were a Federation passed from Python

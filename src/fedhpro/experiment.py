@@ -16,14 +16,13 @@ from fedhpro.data import get_dataset
 from fedhpro.data.federation import Federation
 from fedhpro.engines.driver import warn_line
 from fedhpro.engines.observers import RoundObserver
-from fedhpro.engines.protocol import Aggregation
-from fedhpro.engines.simulator import Faults, Simulator
+from fedhpro.engines.simulator import Simulator
 from fedhpro.errors import ConfigError
 from fedhpro.methods import MethodSpec, TrainSettings, get_method
 from fedhpro.methods.sample_dp import model_problem, settings_problem
 from fedhpro.models import build_model, with_projection_head
 from fedhpro.models.heterogeneity import architecture_for_client
-from fedhpro.privacy import Ledger, check_combinations, ledger_for, private_train_settings
+from fedhpro.privacy import Ledger, check_combinations, ledger_for, private_train_settings, sample_level
 from fedhpro.user_models import check_federation, user_model_builder
 
 
@@ -65,8 +64,8 @@ def protocol_settings(config: Config) -> dict[str, Any]:
     options = config.run
     check_combinations(config)
     return {"rounds": options.rounds, "participation": options.participation, "seed": options.seed,
-            "eval_every": options.eval_every, "faults": Faults(**dataclasses.asdict(config.faults)),
-            "aggregation": Aggregation(**dataclasses.asdict(config.aggregation)), "min_clients": options.min_clients,
+            "eval_every": options.eval_every, "faults": config.faults, "aggregation": config.aggregation,
+            "min_clients": options.min_clients,
             "privacy": config.privacy}
 
 
@@ -114,7 +113,7 @@ def build_experiment(config: Config, device: torch.device | str = "cpu", federat
         config, method, federation.num_classes, federation.input_shape, federation.num_clients,
         user_model=model_factory, sample=federation.clients[0].x[:1])
     ledger = None
-    if config.privacy.mode == "sample":  # DP-SGD's sigma (as given or calibrated) reaches the clients' loop
+    if sample_level(config.privacy):  # DP-SGD's sigma (as given or calibrated) reaches the clients' loop
         # every architecture a client trains, refused here in one line rather than a client dropped every round
         for name in sorted(set(architectures or [options.model])):
             problem = model_problem(architecture_factory(name))
@@ -134,7 +133,7 @@ def check_precision(config: Config, device: torch.device) -> None:
     is off without amp), else ``amp=bf16`` on a CPU without native bfloat16 (:func:`fedhpro.runtime.precision_problem`).
     :func:`build_experiment` calls it; a Flower node that builds its parts from :func:`model_factories` calls it too."""
     options = config.run
-    if config.privacy.mode == "sample":
+    if sample_level(config.privacy):
         problem = settings_problem(options.amp, bool(channels_last_setting(options.channels_last)), options.compile)
     else:
         problem = runtime.precision_problem(options.amp, device)

@@ -102,6 +102,7 @@ from fedhpro.engines.replies import weight_cap as claims_cap
 from fedhpro.engines.robust import RobustFold, robust_replies
 from fedhpro.errors import FedHProError
 from fedhpro.metrics import payload_bytes, payload_parameters
+from fedhpro.privacy import client_level, is_private, privacy_mode
 from fedhpro.privacy.accounting import ClientLedger
 from fedhpro.privacy.client import (
     ClientPrivacy,
@@ -241,9 +242,8 @@ class RoundProtocol:
         self.rule = rule_for(self.aggregation)
         self.min_clients = min_clients
         self.on_drop = on_drop
-        mode = getattr(privacy, "mode", "none") if privacy is not None else "none"
         #: the privacy.* options when privacy is on (None: off, every number as without privacy)
-        self.privacy = privacy if mode != "none" else None
+        self.privacy = privacy if is_private(privacy) else None
         #: the rounds' participants drawn from the operating system (privacy=client with privacy.secure_noise):
         #: kept in memory only, so that a round's draw is asked for more than once gives one answer
         self._secret_draws: dict[int, list[int]] = {}
@@ -251,7 +251,7 @@ class RoundProtocol:
         self.client_privacy: ClientPrivacy | None = None
         #: the run's privacy ledger (None: privacy off)
         self.ledger = ledger
-        if mode == "client":
+        if client_level(privacy):
             if self.rule.needs:
                 raise FedHProError(f"privacy=client cannot go with aggregation={self.aggregation.rule}: it needs "
                                    "each client's own update; use aggregation=mean")
@@ -259,9 +259,9 @@ class RoundProtocol:
                 self.ledger = ClientLedger(privacy, num_clients, rounds, participation,
                                            bool(declared_class_keys(server)))
             self.client_privacy = client_privacy(privacy, self.ledger.noise_multiplier)
-        elif mode != "none" and ledger is None:
-            raise FedHProError(f"privacy={mode} needs the run's privacy ledger (fedhpro.privacy.ledger_for) given to "
-                               "the round protocol as ledger=")
+        elif is_private(privacy) and ledger is None:
+            raise FedHProError(f"privacy={privacy_mode(privacy)} needs the run's privacy ledger "
+                               "(fedhpro.privacy.ledger_for) given to the round protocol as ledger=")
 
     @property
     def secret_sampling(self) -> bool:

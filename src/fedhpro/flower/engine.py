@@ -51,7 +51,7 @@ from fedhpro.experiment import (
     resolve_device,
 )
 from fedhpro.methods import get_method
-from fedhpro.privacy import ledger_for
+from fedhpro.privacy import ledger_for, sample_level
 from fedhpro.runtime import configure_cpu_runtime
 
 #: the data set whose nodes hold their own data (own-data mode)
@@ -164,7 +164,7 @@ def build_server_side(config: Config, *, num_classes: int | None = None, input_s
                           shared=shared, clients=[])
     server, _ = build_method(method, config.method_options, models, num_classes, train, options.seed, device)
     ledger = None
-    if config.privacy.mode == "sample":
+    if sample_level(config.privacy):
         if config.privacy.target_epsilon > 0:  # each node would calibrate sigma on its own size alone
             raise ConfigError("privacy=sample with privacy.target_epsilon on Flower's own-data mode: the nodes "
                               "cannot calibrate one sigma without every client's size; give "

@@ -65,6 +65,7 @@ from fedhpro.flower.secure_sum import METRIC_SCALE, SecureLayout, holder_counts,
 from fedhpro.flower.settings import SecureSettings
 from fedhpro.methods import get_method
 from fedhpro.methods.base import Server
+from fedhpro.privacy import client_level
 
 #: the summed vector's layout and the replies rebuilt from the sum (fedhpro.flower.secure_sum), as the ClientApp
 #: and the strategy use them from here
@@ -99,7 +100,7 @@ def check_secure_config(config: Any) -> None:
         if float(getattr(faults, name, 0.0)) > 0:
             raise ConfigError(f"faults.{name} changes one client's reply on the server, which never sees one "
                               "under flower.secure-aggregation=secagg+; set it to 0 (faults.dropout works)")
-    if getattr(config.privacy, "mode", "none") == "client":
+    if client_level(config.privacy):
         raise ConfigError("privacy=client cannot go with flower.secure-aggregation=secagg+ yet: the round protocol "
                           "checks and sums each privatized upload itself; use one of them")
     method = config.run.method

@@ -57,6 +57,7 @@ from fedhpro.flower.nodes import Nodes, _client_keys, discover_nodes, discover_o
 from fedhpro.flower.records import EVAL_RECORD, HEADER, NODE_RECORD, PRIVACY, SERVER_STATE
 from fedhpro.flower.settings import FlowerSettings, config_from_run_config, experiment_keys
 from fedhpro.flower.strategy import FlowerEngine, MethodStrategy, round_timeout, secure_for
+from fedhpro.privacy import is_private
 from fedhpro.resume import claimed_config
 from fedhpro.trained import server_models, write_models
 
@@ -89,7 +90,7 @@ def _run_server(grid: Grid, config: Config, settings: FlowerSettings, out: Path 
     as the engine (:class:`~fedhpro.flower.strategy.FlowerEngine`)."""
     # no progress bars in a server log; a deployment's noise must not be redrawable from the config: the OS's
     # randomness unless the run asks for seeded noise (privacy.secure_noise=false, e.g. to compare with the simulator)
-    config = config.updated({"progress": False, **({"privacy.secure_noise": True} if config.privacy.mode != "none"
+    config = config.updated({"progress": False, **({"privacy.secure_noise": True} if is_private(config.privacy)
                                                   and config.privacy.secure_noise is None else {})})
     if settings.secure_aggregation == "secagg+":
         secagg.check_secure_config(config)  # before any node is asked

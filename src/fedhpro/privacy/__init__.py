@@ -37,6 +37,32 @@ from fedhpro.privacy.client import (
 )
 from fedhpro.privacy.sample import SampleLedger
 
+#: the values of ``privacy=`` (``privacy.mode``): off, client-level DP, sample-level DP-SGD. Every other module asks
+#: :func:`is_private`, :func:`client_level` and :func:`sample_level` rather than comparing the strings
+OFF, CLIENT_LEVEL, SAMPLE_LEVEL = "none", "client", "sample"
+PRIVACY_MODES = (OFF, CLIENT_LEVEL, SAMPLE_LEVEL)
+
+
+def privacy_mode(options: Any) -> str:
+    """``options.mode`` of the ``privacy.*`` options (a :class:`~fedhpro.config.PrivacyOptions`); None: off."""
+    return str(getattr(options, "mode", OFF)) if options is not None else OFF
+
+
+def is_private(options: Any) -> bool:
+    """Whether the ``privacy.*`` options switch differential privacy on (either level)."""
+    return privacy_mode(options) != OFF
+
+
+def client_level(options: Any) -> bool:
+    """Whether they ask for client-level DP (``privacy=client``)."""
+    return privacy_mode(options) == CLIENT_LEVEL
+
+
+def sample_level(options: Any) -> bool:
+    """Whether they ask for sample-level DP-SGD (``privacy=sample``)."""
+    return privacy_mode(options) == SAMPLE_LEVEL
+
+
 #: a delta at or above this is warned about whatever the population: the guarantee may fail outright with
 #: that probability (the default ``1 / N^1.1`` reaches it with 8 clients or samples or fewer)
 VACUOUS_DELTA = 0.1
@@ -71,11 +97,11 @@ def ledger_for(config: Any, client_sizes: Sequence[int], train_settings: Any, *,
     ``privacy=sample``: ``fedhpro.privacy.sample.SampleLedger`` (needs ``pip install fedhpro[privacy]``)."""
     options = config.privacy
     run = config.run
-    if options.mode == "none":
+    if not is_private(options):
         return None
-    if options.mode == "client":
+    if client_level(options):
         return ClientLedger(options, len(client_sizes), run.rounds, run.participation, class_tensors)
-    if options.mode == "sample":
+    if sample_level(options):
         return SampleLedger(options, client_sizes, train_settings, run.rounds, run.participation)
     raise ConfigError(f"privacy={options.mode!r} is not a privacy mode; use none, client or sample")
 
@@ -88,10 +114,10 @@ def privacy_warnings(options: Any, num_clients: int, client_sizes: Sequence[int]
     training samples) under ``privacy=sample``, where one line names the clients concerned (the default delta
     ``1 / n^1.1`` of the smallest client can be above ``1 / n`` of a larger one). ``options``:
     ``config.privacy``. A delta the ledger refuses (not in (0, 1)) is left to its one-line error."""
-    if options.mode == "client":
+    if client_level(options):
         populations = {"the federation": int(num_clients)}
         unit, fix = "clients", "use more clients"
-    elif options.mode == "sample":
+    elif sample_level(options):
         populations = {f"client {k}": int(n) for k, n in enumerate(client_sizes)}
         unit, fix = "samples", "give the clients more samples"
     else:
@@ -108,7 +134,7 @@ def privacy_warnings(options: Any, num_clients: int, client_sizes: Sequence[int]
         return []
     n = max(populations[name] for name in weak)  # the population delta falls shortest for
     suggested = 10.0 ** (math.floor(math.log10(min(1.0 / max(populations.values()), VACUOUS_DELTA))) - 1)
-    where = (f"{n} {unit}" if options.mode == "client"
+    where = (f"{n} {unit}" if client_level(options)
              else f"{len(weak)} of {len(populations)} client(s), the largest with {n} {unit}")
     why = f"at least 1/N = {1.0 / n:.4g}" if delta >= 1.0 / n else f"at least {VACUOUS_DELTA:g}"
     return [f"privacy.delta={delta:.4g} ({'as set' if given else 'the default 1/N^1.1'}) is {why} for {where}: "
@@ -128,7 +154,7 @@ def private_train_settings(config: Any, train: Any, ledger: Ledger) -> Any:
 def check_combinations(config: Any) -> None:
     """One-line ConfigError for settings that cannot go with ``privacy=client``: robust aggregation rules and
     ``min_clients > 1`` read or count individual replies, which client-level DP hides from the server."""
-    if config.privacy.mode != "client":
+    if not client_level(config.privacy):
         return
     rule = config.aggregation.rule
     if AGGREGATION_RULES.get(rule):
