@@ -20,7 +20,7 @@ from fedhpro import cli
 from fedhpro.config import load_config
 from fedhpro.data import get_dataset, images
 from fedhpro.data.clients import ClientsOptions, client_folders, load_client, resolve_classes, scan_client
-from fedhpro.data.federation import Federation
+from fedhpro.data.federation import Federation, avg_note
 from fedhpro.errors import ConfigError, DataError
 
 COLOURS = {"cat": (220, 40, 40), "dog": (40, 220, 40), "owl": (40, 40, 220), "seven": (220, 220, 40)}
@@ -317,9 +317,10 @@ def test_7_from_datasets_maps_classes_by_name_across_sites(tmp_path):
         assert all(classes[int(label)] == _colour_class(x * 2 - 1) for x, label in zip(client.x, client.y))
     assert federation.clients[1].y.tolist() == [1, 1, 2, 2, 2]
     assert any("matched by name" in note for note in federation.notes)
-    # the same numbering everywhere: labels as they are, no note
+    # the same numbering everywhere: labels as they are, no note of it (the one note says what AVG is)
     same = Federation.from_datasets([sites[0], sites[0]], [sites[0], sites[0]])
-    assert same.clients[0].y.tolist() == [0, 0, 0, 1, 1] and same.notes == []
+    assert same.clients[0].y.tolist() == [0, 0, 0, 1, 1] and same.notes == [avg_note([("client 0", "all"),
+                                                                                      ("client 1", "all")])]
     bare = torch.utils.data.TensorDataset(torch.zeros(2, 3, 4, 4), torch.tensor([0, 1]))
     with pytest.raises(DataError, match="names its classes .* but client 1's training dataset does not"):
         Federation.from_datasets([sites[0], bare], {"all": test})

@@ -25,7 +25,9 @@ image of.
 A client's domain is the stripped text of ``<client>/domain.txt`` if present,
 else the prefix of a folder named ``<prefix>-<digits>`` or
 ``<prefix>_<digits>`` (``mnist-0`` -> ``mnist``), else none. Evaluation is
-federated: each client tests on its own split, pooled per domain.
+federated: each client tests on its own split, and the counts are pooled per
+domain (clients without one: ``all``); AVG is the unweighted mean over those
+test sets, which a note says (:func:`~fedhpro.data.federation.avg_note`).
 
 Labels of image clients: the class names of ``data.classes`` (in label
 order), else the ``classes.txt`` the clients carry (one name a line; all
@@ -54,7 +56,7 @@ import torch
 from torch import Tensor
 
 from fedhpro.arrays import ArrayFileError, load_npz, load_torch
-from fedhpro.data.federation import Federation, untested_note
+from fedhpro.data.federation import Federation, avg_note, untested_domains_note, untested_note
 from fedhpro.data.images import (
     CACHE_FOLDER,
     class_files,
@@ -454,7 +456,8 @@ def _image_splits(folder: Path) -> dict[str, dict[str, list[Path]]]:
 def client_notes(infos: Sequence[ClientInfo]) -> list[str]:
     """What a run must say about the clients' test splits, from their :class:`ClientInfo` alone (a Flower
     server has nothing else): the clients without a test split (not tested: no accuracy of their own, left
-    out of the fairness statistics) and the domains none of whose clients is tested."""
+    out of the fairness statistics), the domains none of whose clients is tested, and what AVG is over the
+    tested clients' test sets (:func:`~fedhpro.data.federation.avg_note`)."""
     notes = []
     untested = [info.name for info in infos if not info.test_size]
     if untested:
@@ -462,8 +465,9 @@ def client_notes(infos: Sequence[ClientInfo]) -> list[str]:
     empty = sorted({info.domain or "all" for info in infos} - {info.domain or "all" for info in infos
                                                                if info.test_size})
     if empty:
-        notes.append(f"no client of {', '.join(empty)} has test data: no accuracy of its own is measured")
-    return notes
+        notes.append(untested_domains_note(empty))
+    avg = avg_note([(info.name, info.domain or "all") for info in infos if info.test_size])
+    return notes + ([avg] if avg is not None else [])
 
 
 def _class_folder_notes(folders: Sequence[Path], infos: Sequence[ClientInfo], classes: Sequence[str],

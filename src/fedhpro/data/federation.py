@@ -45,7 +45,8 @@ class Federation:
     :meth:`from_tensors` with per-client tests). Evaluation is then federated:
     every client tests on its own split and the correct counts are pooled per
     domain (per ``client_domains``; ``"all"`` for clients without one), exactly
-    as the Flower server pools what its nodes report. ``test_sets`` then holds
+    as the Flower server pools what its nodes report; AVG is the unweighted
+    mean over those test sets, and the notes say so (:func:`avg_note`). ``test_sets`` then holds
     the same data concatenated per domain, for whole-set measurements (t-SNE).
     ``client_names`` names the clients (their folders); Flower nodes are
     ordered by it.
@@ -183,6 +184,9 @@ class Federation:
                                                                for k, (_, y) in enumerate(client_tests) if y.numel()})
             if blank and untested_domains_note(blank) not in notes:
                 notes.append(untested_domains_note(blank))
+            avg = avg_note([(names[k], domain_list[k] or "all") for k, (_, y) in enumerate(client_tests) if y.numel()])
+            if avg is not None and avg not in notes:
+                notes.append(avg)
         record = partition if partition is not None else {
             "dataset": name, "scheme": "given",
             "clients": [{"client": k, "name": names[k], "domain": domain_list[k] or None,
@@ -342,6 +346,50 @@ def few_batches_note(federation: Federation | Sequence[int], batch_size: int,
     if better >= 2:
         return line + f"batch_size={better} gives it {batches_per_epoch(samples, better)}"
     return line + f"no batch size gives it {FEW_BATCHES} batches of 2 or more samples: give it more data"
+
+
+#: the most names a note lists (test sets; sites of one test set) before ``...`` and the count
+MAX_LISTED = 10
+
+
+def _listed(names: Sequence[str], what: str) -> str:
+    """``names`` joined, the first :data:`MAX_LISTED` then ``..., N <what>`` where there are more."""
+    if len(names) <= MAX_LISTED:
+        return ", ".join(names)
+    return ", ".join(names[:MAX_LISTED]) + f", ... ({len(names)} {what})"
+
+
+def avg_note(sites: Sequence[tuple[str, str]]) -> str | None:
+    """The note saying what AVG is where it is not the obvious one: a federation that arrives split (each site
+    tested on its own test split) with more than one site tested. ``sites``: ``(site name, test set)`` of each
+    tested site, in the sites' order; a site's test set is its domain, else ``"all"``
+    (:meth:`Federation.client_test_name`). One wording wherever such a federation is made
+    (:meth:`Federation.from_tensors`, ``dataset=clients``, the Flower server from its nodes' descriptions).
+
+    The rule (``engines.evaluation.pool_accuracy``): a test set's accuracy pools the test counts of the sites
+    tested on it (each test sample counts alike); AVG is the unweighted mean over the test sets. So one test set
+    of several sites (``hospital-0..2`` by the name-prefix rule, or sites without a domain, all in ``all``)
+    makes AVG the pooled accuracy, and a test set per site (``domain.txt`` naming each its own) makes it the
+    unweighted mean over the sites. None for one site, or none (shared test sets, as the built-in data sets and
+    ``dataset=imagefolder`` have, make AVG the unweighted mean over their domains: the paper's AVG)."""
+    if len(sites) < 2:
+        return None
+    members: dict[str, list[str]] = {}
+    for name, test_set in sites:
+        members.setdefault(test_set, []).append(name)
+    entries = [test_set if names == [test_set] else f"{test_set} ({_listed(names, 'sites')})"
+               for test_set, names in members.items()]
+    pooled = "each test sample counts alike, so a site with more test data weighs more"
+    if len(members) == 1:
+        line = f"AVG is the accuracy on one test set, {entries[0]}, which pools the sites' test counts: {pooled}"
+    elif all(len(names) == 1 for names in members.values()):
+        line = (f"AVG is the unweighted mean over {len(members)} test sets, one per site: "
+                f"{_listed(entries, 'test sets')}; each site counts alike, whatever the size of its test data")
+    else:
+        line = (f"AVG is the unweighted mean over {len(members)} test sets: {_listed(entries, 'test sets')}; "
+                f"each test set counts alike, whatever its size, and one of several sites pools their test "
+                f"counts ({pooled})")
+    return line + "; a site's test set is its domain, else all"
 
 
 def untested_domains_note(domains: Sequence[str]) -> str:
