@@ -167,3 +167,39 @@ def test_long_lists_are_cut():
     note = avg_note([(f"site-{k:02d}", f"site-{k:02d}") for k in range(12)])
     assert note is not None and "site-09, ... (12 test sets); each site counts alike" in note
     assert "site-10" not in note
+
+
+def test_a_flower_server_of_own_data_nodes_says_the_same(monkeypatch):
+    """The Flower server knows its own-data sites only by what they declare: its notes carry the same line."""
+    pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pip install -e '.[flower]'")
+    import dataclasses
+
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedhpro.data.clients import ClientInfo
+    from fedhpro.flower.records import NODE_RECORD
+    from fedhpro.flower.server import _federation
+    from fedhpro.flower.settings import FlowerSettings
+
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)  # outside a run, flwr refuses to address a Message
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+    infos = {10 + k: ClientInfo(name=name, domain=None, kind="tensors", class_names=None, declared_classes=None,
+                                max_label=1, input_shape=[4], train_size=30, test_size=size)
+             for k, (name, size) in enumerate(zip(("west", "north", "south"), TEST_ROWS))}
+
+    class Grid:
+        def get_node_ids(self):
+            return list(infos)
+
+        def send_and_receive(self, messages, timeout=None):
+            return [Message(RecordDict({NODE_RECORD: ConfigRecord(
+                {"info": json.dumps(dataclasses.asdict(infos[m.metadata.dst_node_id]))})}), reply_to=m)
+                for m in messages]
+
+    config = load_config({"dataset": "clients", "clients": 3, "model": "mlp", "device": "cpu"})
+    notes = _federation(Grid(), config, FlowerSettings(node_wait=1))[-1]
+    note = (f"AVG is the accuracy on one test set, all (north, south, west), which pools the sites' test counts: "
+            f"{POOLED_TAIL}" + RULE_TAIL)
+    assert note in notes
