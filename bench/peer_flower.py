@@ -220,7 +220,7 @@ def med(values: list[float]) -> str:
 def plain_accuracy(arrays: ArrayRecord) -> float:
     """c's final model on the test sets the simulator uses (AVG over test sets, as fedhpro reports it)."""
     from fedhpro.config import load_config
-    from fedhpro.engines.simulator import evaluate
+    from fedhpro.engines.client_tests import evaluate
     from fedhpro.experiment import build_experiment
 
     model = new_model()

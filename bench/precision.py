@@ -84,7 +84,7 @@ def main() -> None:
 
 def no_grad_passes(federation, model: torch.nn.Module, repeats: int) -> None:
     """The feature passes over the clients' data and the evaluation on the test sets, float32 against bf16."""
-    from fedhpro.engines.simulator import evaluate
+    from fedhpro.engines.client_tests import evaluate
 
     cpu = torch.device("cpu")
     # a model that has trained a little (an untrained one's features and predictions say little)

@@ -278,7 +278,7 @@ class _ViewingNet(nn.Module):
 
 
 def test_eval_passes_fall_back_to_nchw_for_a_model_that_views_its_activations():
-    from fedhpro.engines.simulator import evaluate
+    from fedhpro.engines.client_tests import evaluate
     from fedhpro.methods.no_grad import _NCHW_ONLY, eval_forward
 
     model = _ViewingNet().eval()

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from conftest import FEATURE_DIM, NUM_CLASSES, TinyBNNet, TinyNet, make_federation
-from fedhpro.engines.simulator import Simulator, derive_seed, evaluate
+from fedhpro.engines.client_tests import evaluate
+from fedhpro.engines.simulator import Simulator, derive_seed
 from fedhpro.methods import METHODS, MethodContext, TrainSettings
 from fedhpro.methods.fedavg import FedAvgOptions
 from fedhpro.methods.fedhpro import FedHProOptions
