@@ -23,6 +23,7 @@ from torch import nn
 
 from fedhpro import functional as HF
 from fedhpro.data.federation import ClientData
+from fedhpro.errors import ConfigError
 from fedhpro.methods import MethodContext
 from fedhpro.methods.fedhpro import LAST_CLIENT_WARNING, FedHProClient, FedHProOptions, FedHProServer
 from fedhpro.methods.hyper import divide_by_counts, sampled_features
@@ -321,6 +322,15 @@ def test_local_crop_flip_after_the_datas_own_augmentation(monkeypatch):
     monkeypatch.setattr(HF, "batch_crop_flip", lambda x, g: order.append("crop-flip") or x)
     fit_fedhpro(FedHProOptions(num_hyper=2, local_augment="crop-flip"), data, train=TRAIN)
     assert order[:4] == ["data", "crop-flip", "data", "crop-flip"]
+
+
+def test_augmentations_refuse_inputs_that_are_not_images_in_one_line():
+    tokens = ClientData(torch.randint(0, 50, (12, 6)), torch.tensor([0, 1, 3] * 4), NUM_CLASSES)
+    for changed, option in (({"local_augment": "crop-flip"}, "local_augment"),
+                            ({"gradient_augment": "dsa", "gradient_timing": "before"}, "gradient_augment")):
+        with pytest.raises(ConfigError, match=f"fedhpro.{option}=.* augments images") as raised:
+            fit_fedhpro(FedHProOptions(num_hyper=2, **changed), tokens, train=TRAIN)
+        assert "\n" not in str(raised.value)
 
 
 # ---------------------------------------------------------------------------- their aggregation bug, by name

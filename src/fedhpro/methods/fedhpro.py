@@ -523,7 +523,10 @@ class FedHProClient(Client):
         each class, the first or random ones, augmented by ``gradient_augment``; random draws from the round's
         generator."""
         options = self.options
-        augment = HF.class_batch_augment if options.gradient_augment == "dsa" else None
+        augment = None
+        if options.gradient_augment == "dsa":
+            require_images(round.data, "fedhpro.gradient_augment=dsa")
+            augment = HF.class_batch_augment
         return sampled_features(round.model, round.data, options.gradient_samples_per_class,
                                 choice=options.gradient_sample_choice, generator=round.generator, augment=augment)
 
@@ -532,8 +535,16 @@ class FedHProClient(Client):
         """``local_augment=crop-flip``: the round trains on the same data with the authors' batch augmentation
         after the data's own (if any); otherwise the base round unchanged."""
         if self.options.local_augment == "crop-flip":
+            require_images(data, "fedhpro.local_augment=crop-flip")
             data = dataclasses.replace(data, augment=then_crop_flip(data.augment))
         return super()._fit(model, payload, data, state, generator, reply_views)
+
+
+def require_images(data: ClientData, option: str) -> None:
+    """ConfigError unless the client's inputs are images (``N x C x H x W`` floats), which ``option`` augments."""
+    if data.x.dim() != 4 or not data.x.is_floating_point():
+        raise ConfigError(f"{option} augments images (N x C x H x W floats); this data's inputs are "
+                          f"{data.x.dtype} of shape {tuple(data.x.shape)}: set it to none")
 
 
 def then_crop_flip(first: Augment | None) -> Augment:
