@@ -38,6 +38,13 @@ DOCUMENTED = {
     "fedhpro.margin": "off",
     "fedhpro.hpcl_batch_divide": True,
     "fedhpro.classifier_step": "synthetic",
+    "model": "resnet10-authors",
+    "local_epochs": 10,
+    "fedhpro.matching_distance": "elementwise",
+    "fedhpro.class_gradient_divide": True,
+    "fedhpro.gradient_sample_choice": "random",
+    "fedhpro.gradient_augment": "dsa",
+    "fedhpro.local_augment": "crop-flip",
     "fedhpro.recipe": "authors",
 }
 

@@ -53,7 +53,7 @@ def _check_contract(model: nn.Module, x: torch.Tensor, d: int, num_classes: int 
 
 def test_registry_holds_the_zoo():
     assert set(MODELS) == {"cnn", "cnn4", "resnet10", "resnet18", "resnet34", "resnet50", "resnet101",
-                           "mobilenetv2", "googlenet", "textcnn", "mlp"}
+                           "resnet10-authors", "mobilenetv2", "googlenet", "textcnn", "mlp"}
     assert set(USUAL_INPUT_SHAPES) == set(MODELS)
 
 

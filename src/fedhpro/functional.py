@@ -10,6 +10,7 @@ number of hyper-prototypes per class (the paper's ``|I|``).
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeGuard
@@ -43,6 +44,9 @@ __all__ = [
     "classifier_matching_loss",
     "match_classifier_features",
     "train_linear_classifier",
+    "elementwise_matching_loss",
+    "batch_crop_flip",
+    "class_batch_augment",
 ]
 
 
@@ -305,6 +309,14 @@ def gradient_matching_loss(g_real: Tensor, g_hyper: Tensor, present: Tensor) -> 
     return ((1.0 - cosine) * present.to(cosine.dtype)).sum()
 
 
+#: Eq. 8 under the name :func:`match_hyper_prototypes` uses beside :func:`elementwise_matching_loss`
+cosine_matching_loss = gradient_matching_loss
+
+
+#: ``distance`` of :func:`match_hyper_prototypes`: Eq. 8's cosine of whole vectors, or the authors' per element
+MATCHING_DISTANCES = ("cosine", "elementwise")
+
+
 def match_hyper_prototypes(
     hyper: Tensor,
     classifier: nn.Module,
@@ -313,12 +325,16 @@ def match_hyper_prototypes(
     steps: int,
     lr: float,
     optimizer: str = "sgd",
+    distance: str = "cosine",
 ) -> tuple[Tensor, float, float]:
     """Optimise the hyper-prototypes by gradient matching, Eq. 9.
 
     Runs ``steps`` (the paper's ``M``) optimiser steps on ``L_GM`` (Eq. 8)
     with respect to ``S`` only; the classifier is not changed. Classes not
-    present keep their vectors exactly.
+    present keep their vectors exactly. ``distance="elementwise"`` replaces
+    Eq. 8 by the authors' code's loss (:func:`elementwise_matching_loss`
+    of ``g^c`` and ``g_HP^c / |I|``, the hyper-prototype gradients as their
+    code takes them).
 
     Args:
         hyper: ``C x I x d`` hyper-prototypes before matching (not modified).
@@ -328,6 +344,7 @@ def match_hyper_prototypes(
         steps: ``M``; 0 returns the input unchanged.
         lr: the step size ``lr_hp``.
         optimizer: ``"sgd"`` (the paper) or ``"adam"``.
+        distance: ``"cosine"`` (Eq. 8, the paper) or ``"elementwise"`` (the authors' code).
 
     Returns:
         ``(new_hyper, loss_before, loss_after)``: the ``C x I x d`` matched
@@ -335,18 +352,27 @@ def match_hyper_prototypes(
     """
     if optimizer not in ("sgd", "adam"):
         raise ValueError(f"optimizer must be 'sgd' or 'adam', got {optimizer!r}")
+    if distance not in MATCHING_DISTANCES:
+        raise ValueError(f"distance must be one of {MATCHING_DISTANCES}, got {distance!r}")
     g_real = g_real.detach()
+    per_class = hyper.shape[1]
+
+    def matching_loss(g_real: Tensor, g_hyper: Tensor, present: Tensor) -> Tensor:
+        if distance == "elementwise":  # their match_loss receives the gradients of the class's mean CE
+            return elementwise_matching_loss(g_real, g_hyper / per_class, present)
+        return cosine_matching_loss(g_real, g_hyper, present)
+
     with torch.enable_grad():
         start = hyper.detach()
         if steps <= 0 or not bool(present.any()):
-            loss_before = float(gradient_matching_loss(g_real, hyper_prototype_gradients(start, classifier), present))
+            loss_before = float(matching_loss(g_real, hyper_prototype_gradients(start, classifier), present))
             return start.clone(), loss_before, loss_before
         variable = start.clone().requires_grad_(True)
         opt = torch.optim.SGD([variable], lr=lr) if optimizer == "sgd" else torch.optim.Adam([variable], lr=lr)
         first_loss: Tensor | None = None
         for _ in range(steps):
             # with a linear head, hyper_prototype_gradients is closed form: a first-order backward here
-            loss = gradient_matching_loss(g_real, hyper_prototype_gradients(variable, classifier), present)
+            loss = matching_loss(g_real, hyper_prototype_gradients(variable, classifier), present)
             if first_loss is None:
                 first_loss = loss.detach()  # L_GM of the start: the first step's forward, not a second one
             (grad,) = torch.autograd.grad(loss, variable)
@@ -357,7 +383,7 @@ def match_hyper_prototypes(
         matched = variable.detach()
         # absent classes: keep the input bit for bit (Adam's eps could nudge them)
         matched = torch.where(present.view(-1, 1, 1), matched, start)
-        loss_after = float(gradient_matching_loss(g_real, hyper_prototype_gradients(matched, classifier), present))
+        loss_after = float(matching_loss(g_real, hyper_prototype_gradients(matched, classifier), present))
     return matched, loss_before, loss_after
 
 
@@ -910,3 +936,170 @@ def train_linear_classifier(features: Tensor, labels: Tensor, num_classes: int, 
                     weight -= lr * weight_gradient
                     bias -= lr * bias_gradient
     return weight.detach(), bias.detach()
+
+
+def elementwise_matching_loss(g_real: Tensor, g_hyper: Tensor, present: Tensor,
+                              eps: float = LAYERWISE_EPS) -> Tensor:
+    """The authors' hyper-prototype matching loss, element by element (the authors' code, not Eq. 8).
+
+    Their ``match_loss`` with the default ``dis_metric='matching'``
+    (``utils/gradient_matching.py`` lines 8-12) loops over the ``d`` elements
+    of a class's gradient and adds, for each scalar pair, their
+    ``distance_wb`` (lines 75-90) of two 0-dim tensors:
+    ``1 - a_i b_i / (|a_i| |b_i| + eps)`` with ``eps = 1e-6``, i.e. ``1 - sign(a_i b_i)``
+    softened by the eps. Summed over the elements and over the classes present
+    (their ``obtain_hyper_prototypes``, ``main_run.py`` lines 106-117). With
+    ``|a_i b_i|`` far below the eps, its gradient w.r.t. ``b_i`` is about
+    ``-a_i / eps``: a scaled dot product, where Eq. 8's cosine of the whole
+    vectors ignores their scale.
+
+    Args:
+        g_real: ``C x d`` real-sample class gradients (theirs: of each class's mean CE).
+        g_hyper: ``C x d`` hyper-prototype class gradients (theirs: ``g_HP^c / |I|``).
+        present: ``C`` bool mask of the classes with a real gradient.
+
+    Returns:
+        A 0-dim tensor (0 when no class is present).
+    """
+    per_element = 1.0 - g_real * g_hyper / (g_real.abs() * g_hyper.abs() + eps)
+    return (per_element.sum(1) * present.to(per_element.dtype)).sum()
+
+
+#: the padding of the authors' local ``RandomCrop(32, padding=4)`` (``main_run.py`` line 396)
+CROP_PADDING = 4
+
+
+def batch_crop_flip(x: Tensor, generator: torch.Generator, padding: int = CROP_PADDING) -> Tensor:
+    """The authors' local-training augmentation, drawn once for the whole batch (the authors' code, not in
+    the paper).
+
+    Their ``local_train`` (``main_run.py`` lines 395-398 and 415) applies
+    ``transforms.Compose([RandomCrop(32, padding=4), RandomHorizontalFlip()])``
+    to the batch *tensor* ``B x C x H x W``: torchvision then draws one crop
+    offset and one coin for all the images of the batch. So: pad every image
+    by ``padding`` zeros on each side (zero is the mean colour after
+    normalisation), draw the top row ``i`` and the left column ``j`` of an
+    ``H x W`` window, each uniform on ``0..2 padding`` (torchvision's
+    ``RandomCrop.get_params``, row first), crop, then flip the whole batch
+    left-right with probability 1/2 (``torch.rand(1) < 0.5``). The draws come
+    from ``generator`` (on the CPU), not the global random state.
+
+    Returns:
+        A new ``B x C x H x W`` tensor.
+    """
+    height, width = x.shape[-2], x.shape[-1]
+    top = int(torch.randint(0, 2 * padding + 1, (1,), generator=generator))
+    left = int(torch.randint(0, 2 * padding + 1, (1,), generator=generator))
+    flip = bool(torch.rand(1, generator=generator) < 0.5)
+    padded = F.pad(x, (padding, padding, padding, padding))
+    out = padded[..., top:top + height, left:left + width]
+    return out.flip(-1) if flip else out.contiguous()
+
+
+#: the strategies of the authors' differentiable augmentation (``options.py`` line 38, ``--dsa_strategy``),
+#: one of which is drawn per class batch (``param_aug.py`` lines 36-41, mode "S")
+DSA_STRATEGIES = ("color", "crop", "cutout", "flip", "scale", "rotate")
+
+
+def class_batch_augment(x: Tensor, generator: torch.Generator) -> Tensor:
+    """The authors' differentiable augmentation of one class's samples (the authors' code, not in the paper).
+
+    Their ``compute_gradient`` (``main_run.py`` lines 317-320) passes each
+    class's sampled images through ``DiffAugment(img, 'color_crop_cutout_flip_scale_rotate',
+    seed, param)`` of ``utils/param_aug.py`` with a seed, which selects the
+    "Siamese" mode: one strategy drawn uniformly from :data:`DSA_STRATEGIES`
+    (lines 36-41) and one set of its parameters for the whole class batch
+    (each function's ``if param.Siamese`` copies the first sample's draw to
+    all). The strategies, with ``ParamAugment``'s constants (lines 6-17):
+
+    - color: brightness ``x + (u - 1/2)``, then saturation
+      ``(x - m_c) 2u' + m_c`` (``m_c`` the mean over the channels), then
+      contrast ``(x - m) (u'' + 1/2) + m`` (``m`` the mean of each image);
+    - crop: a shift by ``(t_h, t_w)``, each uniform on ``-4..4`` (an eighth of
+      32, rounded), reading zeros beyond a one-pixel zero border (their index
+      clamp);
+    - cutout: zero a 16 x 16 square (half the side) centred at ``(o_h, o_w)``,
+      each uniform on ``0..32``, cut at the image's edges;
+    - flip: left-right with probability 1/2;
+    - scale: ``affine_grid`` with ``diag(s_w, s_h)``, each uniform on
+      ``[1/1.2, 1.2)``, bilinear ``grid_sample`` with zero padding;
+    - rotate: the same with a rotation by ``theta`` uniform on ±15 degrees.
+
+    Their seed is the wall clock (``int(time.time() * 1000) % 100000``) and
+    re-seeds torch's global generator, so their runs do not repeat; here the
+    draws (strategy, then its parameters) come from ``generator``.
+
+    Args:
+        x: ``n x C x H x W`` images of one class.
+        generator: a CPU generator.
+
+    Returns:
+        A new ``n x C x H x W`` tensor.
+    """
+    strategy = DSA_STRATEGIES[int(torch.randint(0, len(DSA_STRATEGIES), (1,), generator=generator))]
+    return DSA_FUNCTIONS[strategy](x, generator)
+
+
+def _uniform(generator: torch.Generator) -> float:
+    return float(torch.rand(1, generator=generator))
+
+
+def _dsa_color(x: Tensor, generator: torch.Generator) -> Tensor:
+    x = x + (_uniform(generator) - 0.5) * 1.0  # brightness 1.0
+    channel_mean = x.mean(dim=1, keepdim=True)
+    x = (x - channel_mean) * (_uniform(generator) * 2.0) + channel_mean  # saturation 2.0
+    image_mean = x.mean(dim=[1, 2, 3], keepdim=True)
+    return (x - image_mean) * (_uniform(generator) + 0.5) + image_mean  # contrast 0.5
+
+
+def _dsa_crop(x: Tensor, generator: torch.Generator) -> Tensor:
+    height, width = x.shape[2], x.shape[3]
+    shift_h, shift_w = int(height * 0.125 + 0.5), int(width * 0.125 + 0.5)
+    t_h = int(torch.randint(-shift_h, shift_h + 1, (1,), generator=generator))
+    t_w = int(torch.randint(-shift_w, shift_w + 1, (1,), generator=generator))
+    rows = (torch.arange(height, device=x.device) + t_h + 1).clamp(0, height + 1)
+    columns = (torch.arange(width, device=x.device) + t_w + 1).clamp(0, width + 1)
+    padded = F.pad(x, (1, 1, 1, 1))
+    return padded[:, :, rows][:, :, :, columns]
+
+
+def _dsa_cutout(x: Tensor, generator: torch.Generator) -> Tensor:
+    height, width = x.shape[2], x.shape[3]
+    size_h, size_w = int(height * 0.5 + 0.5), int(width * 0.5 + 0.5)
+    o_h = int(torch.randint(0, height + (1 - size_h % 2), (1,), generator=generator))
+    o_w = int(torch.randint(0, width + (1 - size_w % 2), (1,), generator=generator))
+    mask = torch.ones(height, width, dtype=x.dtype, device=x.device)
+    rows = (torch.arange(size_h, device=x.device) + o_h - size_h // 2).clamp(0, height - 1)
+    columns = (torch.arange(size_w, device=x.device) + o_w - size_w // 2).clamp(0, width - 1)
+    mask[rows.unsqueeze(1), columns.unsqueeze(0)] = 0
+    return x * mask
+
+
+def _dsa_flip(x: Tensor, generator: torch.Generator) -> Tensor:
+    return x.flip(3) if _uniform(generator) < 0.5 else x.clone()
+
+
+def _affine(x: Tensor, theta: list[list[float]]) -> Tensor:
+    matrix = torch.tensor([theta], dtype=torch.float).expand(x.shape[0], 2, 3)
+    grid = F.affine_grid(matrix, list(x.shape), align_corners=False).to(x.device, x.dtype)
+    return F.grid_sample(x, grid, align_corners=False)
+
+
+def _dsa_scale(x: Tensor, generator: torch.Generator) -> Tensor:
+    ratio = 1.2
+    s_w = _uniform(generator) * (ratio - 1.0 / ratio) + 1.0 / ratio
+    s_h = _uniform(generator) * (ratio - 1.0 / ratio) + 1.0 / ratio
+    return _affine(x, [[s_w, 0.0, 0.0], [0.0, s_h, 0.0]])
+
+
+def _dsa_rotate(x: Tensor, generator: torch.Generator) -> Tensor:
+    theta = (_uniform(generator) - 0.5) * 2 * 15.0 / 180 * math.pi
+    cos, sin = math.cos(theta), math.sin(theta)
+    return _affine(x, [[cos, -sin, 0.0], [sin, cos, 0.0]])
+
+
+#: strategy -> its function ``(x, generator) -> x`` (see :func:`class_batch_augment`)
+DSA_FUNCTIONS: dict[str, Callable[[Tensor, torch.Generator], Tensor]] = {
+    "color": _dsa_color, "crop": _dsa_crop, "cutout": _dsa_cutout, "flip": _dsa_flip, "scale": _dsa_scale,
+    "rotate": _dsa_rotate,
+}

@@ -23,6 +23,8 @@ describe, ``classifier_step=synthetic`` (:class:`~fedhpro.methods.hyper.Syntheti
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -30,6 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fedhpro import functional as HF
+from fedhpro.data.federation import Augment
 from fedhpro.errors import ConfigError
 from fedhpro.methods.base import (
     COUNTS,
@@ -51,9 +54,11 @@ from fedhpro.methods.base import (
 )
 from fedhpro.methods.hyper import (
     HYPER_INITS,
+    SAMPLE_CHOICES,
     HyperPrototypeBank,
     SyntheticClassifier,
     class_statistics,
+    divide_by_counts,
     feature_statistics,
     sampled_features,
 )
@@ -98,6 +103,30 @@ class FedHProOptions:
                                   help="none (the paper), or synthetic: the authors' server step that replaces "
                                        "the global classifier by one trained on synthetic features matched to "
                                        "the clients' classifier gradients")
+    matching_distance: str = option("cosine", choices=HF.MATCHING_DISTANCES,
+                                    help="distance of gradient matching: cosine of whole class gradients (Eq. 8), "
+                                         "or elementwise: the authors' code's sum over the d elements of "
+                                         "1 - ab/(|a||b| + 1e-6), against g_HP/|I| (utils/gradient_matching.py "
+                                         "match_loss, dis_metric='matching')")
+    class_gradient_divide: bool = option(False, help="divide each g_k^c by the number of samples it was computed on, "
+                                                     "as the authors' code does (gradients of the class's mean CE; "
+                                                     "main_run.py lines 328-343)")
+    gradient_sample_choice: str = option("first", choices=SAMPLE_CHOICES,
+                                         help="which samples of a class gradient_samples_per_class keeps: the first "
+                                              "ones, or random ones drawn each round (the authors' code, main_run.py "
+                                              "lines 297-300)")
+    gradient_augment: str = option("none", choices=("none", "dsa"),
+                                   help="augment the class-gradient samples: none, or dsa: the authors' "
+                                        "differentiable augmentation, one strategy and one draw per class "
+                                        "(main_run.py lines 318-320, utils/param_aug.py)")
+    local_augment: str = option("none", choices=("none", "crop-flip"),
+                                help="augment local training batches: none, or crop-flip: the authors' random crop "
+                                     "(padding 4) and horizontal flip, drawn once per batch (main_run.py lines "
+                                     "395-398, 415)")
+    authors_last_client: bool = option(False, help="NOT the method, NOT in recipe=authors: the global model is the "
+                                                   "round's last client's model instead of the average, as the "
+                                                   "authors' published main_run.py computes by mistake (lines "
+                                                   "492-509); only to reproduce their published numbers")
     recipe: str = option("paper", choices=("paper", "authors"),
                          help="paper: the defaults above; authors: the settings of the authors' published code "
                               "(AUTHORS_RECIPE in fedhpro.methods.fedhpro; keys you set still win)")
@@ -124,6 +153,18 @@ class FedHProOptions:
 #: - ``fedhpro.hpcl_batch_divide=true``: their HPCL is the batch mean divided once more by the batch size.
 #: - ``fedhpro.classifier_step=synthetic``: their server replaces the aggregated classifier by one trained on
 #:   synthetic features matched to the clients' classifier gradients (:class:`SyntheticClassifier`).
+#: - ``model=resnet10-authors``: their ResNet-10 (``backbone/ResNet10.py``; :mod:`fedhpro.models.authors_resnet`).
+#: - ``local_epochs=10``: their ``--num_epochs_local_training`` default (``options.py`` line 17).
+#: - ``fedhpro.matching_distance=elementwise``: their ``match_loss`` with ``dis_metric='matching'``
+#:   (``utils/gradient_matching.py`` lines 8-12, 75-90), per element where Eq. 8 has one cosine.
+#: - ``fedhpro.class_gradient_divide=true``: their class gradients are those of each class's mean CE
+#:   (``main_run.py`` lines 328-343), ``1/n_c`` of Eq. 5's.
+#: - ``fedhpro.gradient_sample_choice=random``: their 100 samples per class are random (lines 297-300).
+#: - ``fedhpro.gradient_augment=dsa``: their differentiable augmentation of those samples (lines 318-320).
+#: - ``fedhpro.local_augment=crop-flip``: their random crop and flip of each training batch (lines 395-398, 415).
+#:
+#: Not here: their normalisation std (a data setting) and ``fedhpro.authors_last_client`` (their aggregation
+#: bug, which no faithful recipe should carry).
 AUTHORS_RECIPE: dict[str, Any] = {
     "feature_dim": 256,
     "lr": 0.1,
@@ -135,7 +176,21 @@ AUTHORS_RECIPE: dict[str, Any] = {
     "fedhpro.hpal_form": "normalized",
     "fedhpro.hpcl_batch_divide": True,
     "fedhpro.classifier_step": "synthetic",
+    "model": "resnet10-authors",
+    "local_epochs": 10,
+    "fedhpro.matching_distance": "elementwise",
+    "fedhpro.class_gradient_divide": True,
+    "fedhpro.gradient_sample_choice": "random",
+    "fedhpro.gradient_augment": "dsa",
+    "fedhpro.local_augment": "crop-flip",
 }
+
+#: the warning a run with ``fedhpro.authors_last_client=true`` starts with
+LAST_CLIENT_WARNING = ("fedhpro.authors_last_client=true: each round's global model is the LAST client's trained "
+                       "model (BatchNorm statistics included), not the average of the clients' models: the mistake "
+                       "of the authors' published main_run.py (one Local object reused for every client, whose "
+                       "state_dict() tensors alias the live model). Use it only to reproduce their published "
+                       "numbers; it is not FedHPro")
 
 
 class FedHProServer(Server):
@@ -145,7 +200,11 @@ class FedHProServer(Server):
         feature_dim = feature_dim_of(context.model)
         self.bank = HyperPrototypeBank(self.num_classes, feature_dim, context.seed,
                                        num_hyper=o.num_hyper, match_steps=o.match_steps, lr=o.hyper_lr,
-                                       optimizer=o.hyper_optimizer, init=o.hyper_init)
+                                       optimizer=o.hyper_optimizer, init=o.hyper_init,
+                                       distance=o.matching_distance)
+        if o.authors_last_client:
+            warnings.warn(LAST_CLIENT_WARNING, UserWarning, stacklevel=2)
+            self.folds_weights = False  # the replies keep their weights: the server reads the last one
         self.scratch = context.model
         self.uses_global = o.prototypes != "hyper"
         self.global_prototypes = torch.zeros(self.num_classes, feature_dim)
@@ -203,7 +262,8 @@ class FedHProServer(Server):
             weight_key, bias_key = self.classifier_keys
             # the head the clients received (and computed their classifier gradients with)
             sent_weight, sent_bias = self.weights[weight_key], self.weights[bias_key]
-        self.weights = self.average_weights(replies)
+        self.weights = self.last_client_weights(replies) if self.options.authors_last_client else \
+            self.average_weights(replies)
         if self.synthetic is not None:
             weight, bias, metrics = self.synthetic.update(round, weight_gradients, bias_gradients, held_by_client,
                                                           sent_weight, sent_bias)
@@ -215,6 +275,13 @@ class FedHProServer(Server):
             self.global_prototypes, self.global_mask = merge_prototypes(self.global_prototypes, self.global_mask,
                                                                         new, held)
         return metrics
+
+    def last_client_weights(self, replies: Sequence[Payload]) -> dict[str, torch.Tensor]:
+        """``fedhpro.authors_last_client``: a copy of the weights of the round's last reply (the engine's order),
+        every tensor, BatchNorm statistics included, as the authors' ``get_agg_params`` returns when all the
+        dicts it averages are the last client's (``main_run.py`` lines 123-131, 427, 492-507)."""
+        self.validate_replies(replies)
+        return {key: value.detach().clone() for key, value in replies[-1]["weights"].items()}
 
     def state_dict(self) -> dict[str, Any]:
         state = {"weights": self.weights, **self.bank.state_dict()}
@@ -288,6 +355,9 @@ class FedHProClient(Client):
         if o.hpcl_batch_divide:
             return ("fedhpro.hpcl_batch_divide=true scales each sample's HPCL by 1/(batch size), which couples the "
                     "samples of a batch: set fedhpro.hpcl_batch_divide=false with privacy=sample")
+        if o.class_gradient_divide or o.gradient_augment != "none":
+            return ("fedhpro.class_gradient_divide and fedhpro.gradient_augment change the class gradients that "
+                    "privacy=sample releases from clipped features: leave them at false / none with privacy=sample")
         if o.gradient_samples_per_class > 0:
             return ("fedhpro.gradient_samples_per_class keeps the first samples of each class, so removing one brings "
                     "in another (twice the clip): set fedhpro.gradient_samples_per_class=0 with privacy=sample")
@@ -318,9 +388,11 @@ class FedHProClient(Client):
         if options.gradient_timing == "before" or options.classifier_step == "synthetic":
             # one eval-mode pass of the received model, on the same samples, serves the class gradients
             # (timing=before) and the authors' classifier gradients (taken before training in their code)
-            features, labels = sampled_features(model, data, options.gradient_samples_per_class)
+            features, labels = self._sampled_features(round)
             if options.gradient_timing == "before":
                 gradients, prototypes = feature_statistics(classifier_of(model), features, labels, self.num_classes)
+                if options.class_gradient_divide:
+                    gradients = divide_by_counts(gradients, labels, self.num_classes)
                 counts = torch.bincount(data.y, minlength=self.num_classes)[:self.num_classes]
                 scratch["statistics"] = gradients, counts, prototypes
             if options.classifier_step == "synthetic":
@@ -332,7 +404,8 @@ class FedHProClient(Client):
         margin = torch.zeros((), device=device)
         if options.margin != "off" and options.hpcl_weight > 0:
             # d_k: from the received model, before training, fixed for the round (Eq. 10)
-            if options.gradient_timing == "before" and options.gradient_samples_per_class == 0:
+            if (options.gradient_timing == "before" and options.gradient_samples_per_class == 0
+                    and options.gradient_sample_choice == "first" and options.gradient_augment == "none"):
                 # the class-statistics pass just made exactly these prototypes (same model in eval mode, same
                 # data, same call): reuse them instead of a second pass over the data
                 margin_prototypes, present = prototypes, counts > 0
@@ -426,15 +499,63 @@ class FedHProClient(Client):
             gradients, counts, prototypes = (released["class_gradients"], released["class_counts"],
                                              released["prototypes"])
         elif self.options.gradient_timing == "after":
-            gradients, counts, prototypes = self._class_gradients(round.model, round.data)
+            gradients, counts, prototypes = self._class_gradients(round)
         else:
             gradients, counts, prototypes = round.scratch["statistics"]
         round.notes["margin"] = float(round.scratch["margin"])
         return {"class_counts": counts.cpu(), "class_gradients": gradients.cpu(), "prototypes": prototypes.cpu(),
                 **round.scratch["classifier_uploads"]}
 
-    def _class_gradients(self, model, data: ClientData):
-        return class_statistics(model, data, self.num_classes, self.options.gradient_samples_per_class)
+    def _class_gradients(self, round: LocalRound) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(g_k^c, n_k^c, p_k^c)`` of the model as it is now, on the samples the options choose."""
+        options, model, data = self.options, round.model, round.data
+        if (options.gradient_sample_choice == "first" and options.gradient_augment == "none"
+                and not options.class_gradient_divide):
+            return class_statistics(model, data, self.num_classes, options.gradient_samples_per_class)
+        features, labels = self._sampled_features(round)
+        gradients, prototypes = feature_statistics(classifier_of(model), features, labels, self.num_classes)
+        if options.class_gradient_divide:
+            gradients = divide_by_counts(gradients, labels, self.num_classes)
+        return gradients, torch.bincount(data.y, minlength=self.num_classes)[:self.num_classes], prototypes
+
+    def _sampled_features(self, round: LocalRound) -> tuple[torch.Tensor, torch.Tensor]:
+        """The features (eval mode) and labels of the class-gradient samples: ``gradient_samples_per_class`` of
+        each class, the first or random ones, augmented by ``gradient_augment``; random draws from the round's
+        generator."""
+        options = self.options
+        augment = None
+        if options.gradient_augment == "dsa":
+            require_images(round.data, "fedhpro.gradient_augment=dsa")
+            augment = HF.class_batch_augment
+        return sampled_features(round.model, round.data, options.gradient_samples_per_class,
+                                choice=options.gradient_sample_choice, generator=round.generator, augment=augment)
+
+    def _fit(self, model: torch.nn.Module, payload: Payload, data: ClientData, state: dict[str, Any],
+             generator: torch.Generator, reply_views: bool) -> tuple[Payload, dict[str, float]]:
+        """``local_augment=crop-flip``: the round trains on the same data with the authors' batch augmentation
+        after the data's own (if any); otherwise the base round unchanged."""
+        if self.options.local_augment == "crop-flip":
+            require_images(data, "fedhpro.local_augment=crop-flip")
+            data = dataclasses.replace(data, augment=then_crop_flip(data.augment))
+        return super()._fit(model, payload, data, state, generator, reply_views)
+
+
+def require_images(data: ClientData, option: str) -> None:
+    """ConfigError unless the client's inputs are images (``N x C x H x W`` floats), which ``option`` augments."""
+    if data.x.dim() != 4 or not data.x.is_floating_point():
+        raise ConfigError(f"{option} augments images (N x C x H x W floats); this data's inputs are "
+                          f"{data.x.dtype} of shape {tuple(data.x.shape)}: set it to none")
+
+
+def then_crop_flip(first: Augment | None) -> Augment:
+    """An augmentation that applies ``first`` (when set), then :func:`fedhpro.functional.batch_crop_flip`."""
+    if first is None:
+        return HF.batch_crop_flip
+
+    def augment(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return HF.batch_crop_flip(first(x, generator), generator)
+
+    return augment
 
 
 METHOD = MethodSpec(

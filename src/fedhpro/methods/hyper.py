@@ -7,7 +7,7 @@ FedHPro uses it, and so does any prototype method run with
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -66,7 +66,10 @@ class HyperPrototypeBank:
     :func:`initial_hyper_prototypes`), matched every round (Eq. 6-9)."""
 
     def __init__(self, num_classes: int, feature_dim: int, seed: int, *, num_hyper: int = 5,
-                 match_steps: int = 30, lr: float = 0.1, optimizer: str = "sgd", init: str = "gaussian"):
+                 match_steps: int = 30, lr: float = 0.1, optimizer: str = "sgd", init: str = "gaussian",
+                 distance: str = "cosine"):
+        if distance not in HF.MATCHING_DISTANCES:
+            raise ConfigError(f"unknown matching distance {distance!r}: use one of {', '.join(HF.MATCHING_DISTANCES)}")
         generator = torch.Generator().manual_seed(seed)
         # drawn on the CPU: the same values on every device
         self.hyper = initial_hyper_prototypes(num_classes, num_hyper, feature_dim, generator, init)
@@ -75,6 +78,7 @@ class HyperPrototypeBank:
         self.match_steps = match_steps
         self.lr = lr
         self.optimizer = optimizer
+        self.distance = distance
 
     @property
     def averaged(self) -> Tensor:
@@ -91,7 +95,7 @@ class HyperPrototypeBank:
         device = classifier.weight.device
         hyper, before, after = HF.match_hyper_prototypes(
             self.hyper.to(device), classifier, g_real.to(device), held.to(device),
-            steps=self.match_steps, lr=self.lr, optimizer=self.optimizer)
+            steps=self.match_steps, lr=self.lr, optimizer=self.optimizer, distance=self.distance)
         self.hyper = hyper.to(self.hyper.device)
         movement = float((self.hyper - self.initial).norm() / self.initial.norm())
         return {"gm_loss_before": before, "gm_loss_after": after, "hyper_movement": movement}
@@ -257,18 +261,56 @@ def class_statistics(model: nn.Module, data: ClientData, num_classes: int,
     return gradients, counts, prototypes
 
 
-def sampled_features(model: nn.Module, data: ClientData, samples_per_class: int = 0) -> tuple[Tensor, Tensor]:
+#: ``choice`` of :func:`sampled_features`: the first samples of each class, or random ones (the authors' code)
+SAMPLE_CHOICES = ("first", "random")
+
+
+def sampled_features(model: nn.Module, data: ClientData, samples_per_class: int = 0, *, choice: str = "first",
+                     generator: torch.Generator | None = None,
+                     augment: Callable[[Tensor, torch.Generator], Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """``(features, labels)`` of the client's samples in one eval-mode pass: all of them, or with
-    ``samples_per_class > 0`` only the first that many of each class."""
+    ``samples_per_class > 0`` at most that many of each class.
+
+    ``choice="first"`` keeps the first ones in the client's order; ``choice="random"`` draws them from
+    ``generator`` (the authors' code, ``main_run.py`` lines 297-300: ``torch.randperm`` of the class's samples,
+    the first ``n`` of it, class by class in increasing order). ``augment(x, generator)``, when given, is applied
+    to each class's selected images as one batch (the authors' code, lines 316-320); the rows then come class by
+    class. ``choice="random"`` and ``augment`` need ``generator``.
+    """
+    if choice not in SAMPLE_CHOICES:
+        raise ConfigError(f"unknown sample choice {choice!r}: use one of {', '.join(SAMPLE_CHOICES)}")
     x, y = data.x, data.y
-    if samples_per_class > 0:
-        rank = torch.zeros_like(y)
-        for c in torch.unique(y):
-            where = (y == c).nonzero().squeeze(1)
-            rank[where] = torch.arange(where.numel(), device=y.device)
-        keep = rank < samples_per_class
-        x, y = x[keep], y[keep]
-    return extract_features(model, x), y
+    if choice == "first" and augment is None:
+        if samples_per_class > 0:
+            rank = torch.zeros_like(y)
+            for c in torch.unique(y):
+                where = (y == c).nonzero().squeeze(1)
+                rank[where] = torch.arange(where.numel(), device=y.device)
+            keep = rank < samples_per_class
+            x, y = x[keep], y[keep]
+        return extract_features(model, x), y
+    if generator is None:
+        raise ValueError("sampled_features: choice='random' and augment draw from a generator; pass one")
+    images, labels = [], []
+    for c in torch.unique(y).tolist():
+        where = (y == c).nonzero().squeeze(1)
+        if choice == "random":
+            where = where[torch.randperm(where.numel(), generator=generator).to(where.device)]
+        if samples_per_class > 0:
+            where = where[:samples_per_class]
+        chosen = x[where]
+        images.append(augment(chosen, generator) if augment is not None else chosen)
+        labels.append(y[where])
+    return extract_features(model, torch.cat(images)), torch.cat(labels)
+
+
+def divide_by_counts(gradients: Tensor, labels: Tensor, num_classes: int) -> Tensor:
+    """``g_k^c / n_c`` with ``n_c`` the number of rows of class ``c`` in ``labels`` (the samples the gradients
+    were computed on): the authors' class gradients (the authors' code, ``main_run.py`` lines 328-343), which
+    average over the samples the gradient of the class's *mean* CE w.r.t. each feature, each ``1/n_c`` of that
+    sample's own gradient. Rows of absent classes stay 0."""
+    counts = torch.bincount(labels, minlength=num_classes)[:num_classes]
+    return gradients / counts.clamp(min=1).unsqueeze(1).to(gradients.dtype)
 
 
 def feature_statistics(classifier: nn.Module, features: Tensor, labels: Tensor,

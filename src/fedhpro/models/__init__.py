@@ -21,6 +21,7 @@ from torch import nn
 
 from fedhpro.errors import ConfigError
 from fedhpro.models._common import check_image_shape, check_token_shape
+from fedhpro.models.authors_resnet import resnet10_authors
 from fedhpro.models.cnn import CNN4, FedAvgCNN
 from fedhpro.models.mlp import MLP
 from fedhpro.models.textcnn import TextCNN
@@ -74,6 +75,7 @@ REGISTRY.builtin("resnet18", _lazy("resnet", "resnet18"))
 REGISTRY.builtin("resnet34", _lazy("resnet", "resnet34"))
 REGISTRY.builtin("resnet50", _lazy("resnet", "resnet50"))
 REGISTRY.builtin("resnet101", _lazy("resnet", "resnet101"))
+REGISTRY.builtin("resnet10-authors", resnet10_authors)
 REGISTRY.builtin("mobilenetv2", _lazy("mobilenet", "MobileNetV2FE"))
 REGISTRY.builtin("googlenet", _lazy("googlenet", "GoogLeNetFE"))
 REGISTRY.builtin("textcnn", TextCNN)

@@ -21,6 +21,7 @@ USUAL_INPUT_SHAPES: dict[str, tuple[int, ...]] = {
     "resnet34": (3, 32, 32),
     "resnet50": (3, 32, 32),
     "resnet101": (3, 32, 32),
+    "resnet10-authors": (3, 32, 32),
     "googlenet": (3, 32, 32),
     "mobilenetv2": (3, 64, 64),
     "textcnn": (256,),
