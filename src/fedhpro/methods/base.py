@@ -42,19 +42,14 @@ from fedhpro.data.federation import ClientData
 from fedhpro.errors import ConfigError, UpdateError
 from fedhpro.functional import weighted_average
 from fedhpro.methods import sample_dp
-from fedhpro.methods.layout import COUNTS, HOLDERS, ClassRows, Payload, ReplyLayout, Weights, weights_layout
-from fedhpro.methods.no_grad import eval_batch_size, eval_forward, extract_features, no_grad_pass, no_grad_precision
+from fedhpro.methods.layout import Payload, ReplyLayout, Weights, weights_layout
+from fedhpro.methods.no_grad import no_grad_precision
 from fedhpro.methods.parts import classifier_of, features_of
 from fedhpro.methods.training import Batch, LocalRound, LossTerms, TrainSettings, train_epochs
 
 __all__ = [
     "RELEASED", "Client", "InferenceRule", "MethodContext", "MethodSpec", "Replies", "Server", "all_finite",
     "check_weights", "clone_weights", "lends_weights", "load_weights", "model_weights",
-    # re-exported for the engines, the Flower apps, methods/fedhpro.py, methods/hyper.py and examples/own_method
-    # until their imports move to the modules that define these (layout, no_grad, parts, training, data.federation)
-    "COUNTS", "HOLDERS", "Batch", "ClassRows", "ClientData", "LocalRound", "LossTerms", "Payload", "ReplyLayout",
-    "TrainSettings", "classifier_of", "eval_batch_size", "eval_forward", "extract_features", "no_grad_pass",
-    "no_grad_precision",
 ]
 
 #: ``LocalRound.scratch`` key of the round's released statistics (``privacy=sample``)

@@ -32,26 +32,9 @@ from typing import Any, NamedTuple
 import torch
 
 from fedhpro import functional as HF
-from fedhpro.data.federation import Augment
+from fedhpro.data.federation import Augment, ClientData
 from fedhpro.errors import ConfigError
-from fedhpro.methods.base import (
-    COUNTS,
-    HOLDERS,
-    Batch,
-    ClassRows,
-    Client,
-    ClientData,
-    LocalRound,
-    LossTerms,
-    MethodContext,
-    MethodSpec,
-    Payload,
-    ReplyLayout,
-    Server,
-    classifier_of,
-    extract_features,
-    load_weights,
-)
+from fedhpro.methods.base import Client, MethodContext, MethodSpec, Server, load_weights
 from fedhpro.methods.hyper import (
     HYPER_INITS,
     SAMPLE_CHOICES,
@@ -62,7 +45,11 @@ from fedhpro.methods.hyper import (
     feature_statistics,
     sampled_features,
 )
+from fedhpro.methods.layout import COUNTS, HOLDERS, ClassRows, Payload, ReplyLayout
+from fedhpro.methods.no_grad import extract_features
+from fedhpro.methods.parts import classifier_of
 from fedhpro.methods.prototypes import feature_dim_of, merge_prototypes, private_class_uploads, stack_prototypes
+from fedhpro.methods.training import Batch, LocalRound, LossTerms
 from fedhpro.options import option
 
 

@@ -16,7 +16,9 @@ from torch import Tensor, nn
 from fedhpro import functional as HF
 from fedhpro.data.federation import ClientData
 from fedhpro.errors import ConfigError, UpdateError
-from fedhpro.methods.base import Payload, classifier_of, extract_features
+from fedhpro.methods.layout import Payload
+from fedhpro.methods.no_grad import extract_features
+from fedhpro.methods.parts import classifier_of
 from fedhpro.seeds import derive_seed
 
 #: seed streams of :class:`SyntheticClassifier`: its features (drawn once) and each round's fresh head
