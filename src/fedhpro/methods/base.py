@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from fedhpro.averaging import WeightedSum
-from fedhpro.data.federation import ClientData
+from fedhpro.data.federation import Augment, ClientData
 from fedhpro.errors import ConfigError, UpdateError
 from fedhpro.functional import weighted_average
 from fedhpro.methods import sample_dp
@@ -363,10 +363,19 @@ class Client:
         with no_grad_precision(self.train.amp, data.x.device):
             return self._fit(model, payload, data, state, generator, reply_views)
 
+    def augment(self, round: LocalRound) -> Augment | None:
+        """This round's augmentation of every training mini-batch (``augment(x, generator) -> x``, drawn from the
+        round's generator), asked before :meth:`prepare`: by default the data's own (``ClientData.augment``: none unless
+        the data set has one); a method may add its own (FedHPro's ``local_augment``)."""
+        return round.data.augment
+
     def _fit(self, model: nn.Module, payload: Payload, data: ClientData, state: dict[str, Any],
              generator: torch.Generator, reply_views: bool) -> tuple[Payload, dict[str, float]]:
         load_weights(model, payload["weights"])
         round = LocalRound(model, payload, data, state, generator)
+        augment = self.augment(round)
+        if augment is not data.augment:  # the training loops read the round's data's augmentation
+            data = round.data = dataclasses.replace(data, augment=augment)
         self.prepare(round)
         if self.sample_private:
             losses = self._train_private(round)

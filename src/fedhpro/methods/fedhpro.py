@@ -23,7 +23,6 @@ describe, ``classifier_step=synthetic`` (:class:`~fedhpro.methods.hyper.Syntheti
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -517,14 +516,12 @@ class FedHProClient(Client):
         return sampled_features(round.model, round.data, options.gradient_samples_per_class,
                                 choice=options.gradient_sample_choice, generator=round.generator, augment=augment)
 
-    def _fit(self, model: torch.nn.Module, payload: Payload, data: ClientData, state: dict[str, Any],
-             generator: torch.Generator, reply_views: bool) -> tuple[Payload, dict[str, float]]:
-        """``local_augment=crop-flip``: the round trains on the same data with the authors' batch augmentation
-        after the data's own (if any); otherwise the base round unchanged."""
-        if self.options.local_augment == "crop-flip":
-            require_images(data, "fedhpro.local_augment=crop-flip")
-            data = dataclasses.replace(data, augment=then_crop_flip(data.augment))
-        return super()._fit(model, payload, data, state, generator, reply_views)
+    def augment(self, round: LocalRound) -> Augment | None:
+        """``local_augment=crop-flip``: the authors' batch augmentation after the data's own (if any)."""
+        if self.options.local_augment != "crop-flip":
+            return round.data.augment
+        require_images(round.data, "fedhpro.local_augment=crop-flip")
+        return then_crop_flip(round.data.augment)
 
 
 def require_images(data: ClientData, option: str) -> None:
