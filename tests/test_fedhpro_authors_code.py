@@ -21,6 +21,7 @@ from conftest import NUM_CLASSES, make_client
 from test_methods import TRAIN, context, fit_fedhpro, generator, model_with
 from torch import nn
 
+from fedhpro import authors_code
 from fedhpro import functional as HF
 from fedhpro.data.federation import ClientData
 from fedhpro.errors import ConfigError
@@ -129,7 +130,7 @@ def test_server_passes_the_distance_to_the_bank_and_refuses_an_unknown_one():
 def test_crop_flip_is_one_draw_for_the_whole_batch_as_torchvision_computes_it():
     x = torch.randn(5, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     for seed in range(12):
-        out = HF.batch_crop_flip(x, generator(seed))
+        out = authors_code.batch_crop_flip(x, generator(seed))
         replay = generator(seed)  # RandomCrop.get_params draws the row, then the column; then the flip's coin
         top = int(torch.randint(0, 9, (1,), generator=replay))
         left = int(torch.randint(0, 9, (1,), generator=replay))
@@ -146,7 +147,7 @@ def test_crop_flip_draws_every_offset_and_both_sides():
     seen = set()
     g = generator(0)
     for _ in range(1500):
-        out = HF.batch_crop_flip(x, g)
+        out = authors_code.batch_crop_flip(x, g)
         assert torch.equal(out[0], out[1])  # the same draw for every image of the batch
         marks = out[0, 0].nonzero().tolist()
         seen.add(tuple(marks[0]) if marks else None)
@@ -161,18 +162,18 @@ def test_class_batch_augment_draws_one_strategy_and_one_transform_for_the_class(
     x = torch.randn(6, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     strategies = []
     for seed in range(60):
-        out = HF.class_batch_augment(x, generator(seed))
+        out = authors_code.class_batch_augment(x, generator(seed))
         replay = generator(seed)
-        strategy = HF.DSA_STRATEGIES[int(torch.randint(0, 6, (1,), generator=replay))]
+        strategy = authors_code.DSA_STRATEGIES[int(torch.randint(0, 6, (1,), generator=replay))]
         strategies.append(strategy)
         state = replay.get_state()
         for k in range(x.shape[0]):  # image k alone, under the same draw, gives row k: one transform for all
-            alone = HF.DSA_FUNCTIONS[strategy](x[k:k + 1], torch.Generator().set_state(state))
+            alone = authors_code.DSA_FUNCTIONS[strategy](x[k:k + 1], torch.Generator().set_state(state))
             if strategy == "color":  # the image mean is per image: the same as in the batch
                 torch.testing.assert_close(out[k:k + 1], alone)
             else:
                 assert torch.allclose(out[k:k + 1], alone, atol=1e-6), strategy
-    assert set(strategies) == set(HF.DSA_STRATEGIES)
+    assert set(strategies) == set(authors_code.DSA_STRATEGIES)
 
 
 def test_each_strategy_against_its_hand_formula():
@@ -189,10 +190,10 @@ def test_each_strategy_against_its_hand_formula():
     y = x + (u[0] - 0.5)
     y = (y - y.mean(1, keepdim=True)) * (2 * u[1]) + y.mean(1, keepdim=True)
     y = (y - y.mean([1, 2, 3], keepdim=True)) * (u[2] + 0.5) + y.mean([1, 2, 3], keepdim=True)
-    torch.testing.assert_close(HF.DSA_FUNCTIONS["color"](x, generator(0)), y)
+    torch.testing.assert_close(authors_code.DSA_FUNCTIONS["color"](x, generator(0)), y)
     # crop: a shift by (t_h, t_w) in -4..4 with zeros coming in
     t_h, t_w = draws(1, 2, "int", -4, 5)
-    out = HF.DSA_FUNCTIONS["crop"](x, generator(1))
+    out = authors_code.DSA_FUNCTIONS["crop"](x, generator(1))
     for i in range(32):
         for j in range(32):
             si, sj = i + t_h, j + t_w
@@ -201,7 +202,7 @@ def test_each_strategy_against_its_hand_formula():
             assert torch.equal(out[:, :, i, j], expected)
     # cutout: a 16 x 16 square at rows o_h - 8 .. o_h + 7 (cut at the edges) set to 0
     o_h, o_w = draws(2, 2, "int", 0, 33)
-    out = HF.DSA_FUNCTIONS["cutout"](x, generator(2))
+    out = authors_code.DSA_FUNCTIONS["cutout"](x, generator(2))
     rows = set(min(max(r, 0), 31) for r in range(o_h - 8, o_h + 8))
     columns = set(min(max(c, 0), 31) for c in range(o_w - 8, o_w + 8))
     for i in range(32):
@@ -210,18 +211,18 @@ def test_each_strategy_against_its_hand_formula():
             assert torch.equal(out[:, :, i, j], expected)
     # flip with probability 1/2
     (f,) = draws(3, 1)
-    assert torch.equal(HF.DSA_FUNCTIONS["flip"](x, generator(3)), x.flip(3) if f < 0.5 else x)
+    assert torch.equal(authors_code.DSA_FUNCTIONS["flip"](x, generator(3)), x.flip(3) if f < 0.5 else x)
     # scale: diag(s_w, s_h), s uniform on [1/1.2, 1.2); rotate: +-15 degrees; bilinear, zero padding
     s_w, s_h = [v * (1.2 - 1 / 1.2) + 1 / 1.2 for v in draws(4, 2)]
     theta = torch.tensor([[[s_w, 0, 0], [0, s_h, 0]]]).repeat(2, 1, 1)
     expected = F.grid_sample(x, F.affine_grid(theta, list(x.shape), align_corners=False), align_corners=False)
-    torch.testing.assert_close(HF.DSA_FUNCTIONS["scale"](x, generator(4)), expected)
+    torch.testing.assert_close(authors_code.DSA_FUNCTIONS["scale"](x, generator(4)), expected)
     (r,) = draws(5, 1)
     angle = (r - 0.5) * 2 * 15 / 180 * math.pi
     theta = torch.tensor([[[math.cos(angle), -math.sin(angle), 0], [math.sin(angle), math.cos(angle), 0]]])
     expected = F.grid_sample(x, F.affine_grid(theta.repeat(2, 1, 1), list(x.shape), align_corners=False),
                              align_corners=False)
-    torch.testing.assert_close(HF.DSA_FUNCTIONS["rotate"](x, generator(5)), expected)
+    torch.testing.assert_close(authors_code.DSA_FUNCTIONS["rotate"](x, generator(5)), expected)
 
 
 # ---------------------------------------------------------------------------- the sample choice
@@ -281,13 +282,13 @@ def test_client_class_gradients_are_their_mean_ce_gradients_on_random_samples():
 
 def test_client_with_dsa_augments_each_class_batch_once(monkeypatch):
     calls = []
-    real = HF.class_batch_augment
+    real = authors_code.class_batch_augment
 
     def spy(x, g):
         calls.append(x.shape[0])
         return real(x, g)
 
-    monkeypatch.setattr(HF, "class_batch_augment", spy)
+    monkeypatch.setattr(authors_code, "class_batch_augment", spy)
     data = make_client(30, [0, 1, 3], seed=6)
     options = FedHProOptions(num_hyper=2, gradient_timing="before", gradient_samples_per_class=4,
                              gradient_sample_choice="random", gradient_augment="dsa")
@@ -300,13 +301,13 @@ def test_client_with_dsa_augments_each_class_batch_once(monkeypatch):
 
 def test_local_crop_flip_augments_every_training_batch_and_the_default_none(monkeypatch):
     calls = []
-    real = HF.batch_crop_flip
+    real = authors_code.batch_crop_flip
 
     def spy(x, g):
         calls.append(tuple(x.shape))
         return real(x, g)
 
-    monkeypatch.setattr(HF, "batch_crop_flip", spy)
+    monkeypatch.setattr(authors_code, "batch_crop_flip", spy)
     data = make_client(24, [0, 1, 3], seed=6)
     fit_fedhpro(FedHProOptions(num_hyper=2), data, train=TRAIN)
     assert calls == []
@@ -319,7 +320,7 @@ def test_local_crop_flip_after_the_datas_own_augmentation(monkeypatch):
     order = []
     data = make_client(16, [0, 1], seed=6)
     data = ClientData(data.x, data.y, data.num_classes, lambda x, g: order.append("data") or x)
-    monkeypatch.setattr(HF, "batch_crop_flip", lambda x, g: order.append("crop-flip") or x)
+    monkeypatch.setattr(authors_code, "batch_crop_flip", lambda x, g: order.append("crop-flip") or x)
     fit_fedhpro(FedHProOptions(num_hyper=2, local_augment="crop-flip"), data, train=TRAIN)
     assert order[:4] == ["data", "crop-flip", "data", "crop-flip"]
 

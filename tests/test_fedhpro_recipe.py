@@ -20,6 +20,7 @@ from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION, NUM_CLASSES, TinyNet
 from test_methods import fit_fedhpro, loop_prototypes, model_with
 from torch import nn
 
+from fedhpro import authors_code
 from fedhpro import functional as HF
 from fedhpro.config import load_config
 from fedhpro.methods import MethodContext, TrainSettings
@@ -190,7 +191,7 @@ def test_classifier_class_gradients_match_per_class_autograd():
     features, weight = torch.randn(30, 5, generator=g), torch.randn(4, 5, generator=g)
     bias = torch.randn(4, generator=g)
     labels = torch.tensor([0, 1, 3] * 10)  # class 2 absent
-    gw, gb = HF.classifier_class_gradients(features, labels, weight, bias, 4)
+    gw, gb = authors_code.classifier_class_gradients(features, labels, weight, bias, 4)
     ew, eb = loop_classifier_gradients(features, labels, weight, bias, 4)
     torch.testing.assert_close(gw.double(), ew, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(gb.double(), eb, rtol=1e-5, atol=1e-7)
@@ -201,18 +202,18 @@ def test_synthetic_gradients_and_their_matching_loss_match_the_authors_autograd(
     g = torch.Generator().manual_seed(1)
     features = torch.randn(3, 4, 5, generator=g, dtype=torch.float64)
     weight, bias = torch.randn(3, 5, generator=g, dtype=torch.float64), torch.randn(3, generator=g, dtype=torch.float64)
-    gw, gb = HF.synthetic_classifier_gradients(features, weight, bias)
+    gw, gb = authors_code.synthetic_classifier_gradients(features, weight, bias)
     ew, eb = explicit_synthetic_gradients(features, weight, bias)
     torch.testing.assert_close(gw, ew)
     torch.testing.assert_close(gb, eb)
     real_w, real_b = torch.randn(3, 3, 5, generator=g, dtype=torch.float64), torch.randn(3, 3, generator=g,
                                                                                          dtype=torch.float64)
     present = torch.tensor([True, False, True])
-    ours = HF.classifier_matching_loss(real_w, real_b, gw, gb, present)
+    ours = authors_code.classifier_matching_loss(real_w, real_b, gw, gb, present)
     by_hand = sum(python_distance(real_w[c], ew[c]) + python_distance(real_b[c], eb[c]) for c in (0, 2))
     assert float(ours) == pytest.approx(by_hand, rel=1e-12)
-    assert float(HF.layerwise_distance(real_w[1], ew[1])) == pytest.approx(python_distance(real_w[1], ew[1]))
-    assert float(HF.layerwise_distance(real_b[1], eb[1])) == pytest.approx(python_distance(real_b[1], eb[1]))
+    assert float(authors_code.layerwise_distance(real_w[1], ew[1])) == pytest.approx(python_distance(real_w[1], ew[1]))
+    assert float(authors_code.layerwise_distance(real_b[1], eb[1])) == pytest.approx(python_distance(real_b[1], eb[1]))
 
 
 def test_layerwise_distance_ignores_the_scale_of_the_gradients():
@@ -220,9 +221,9 @@ def test_layerwise_distance_ignores_the_scale_of_the_gradients():
     real, synthetic = torch.randn(3, 4, generator=g, dtype=torch.float64), torch.randn(3, 4, generator=g,
                                                                                       dtype=torch.float64)
     # a client's mean over n samples is 1/n times the sum: the same distance up to the eps of 1e-6
-    assert float(HF.layerwise_distance(real / 100, synthetic)) == pytest.approx(
-        float(HF.layerwise_distance(real, synthetic)), abs=1e-3)
-    assert float(HF.layerwise_distance(real, real)) == pytest.approx(0.0, abs=1e-5)
+    assert float(authors_code.layerwise_distance(real / 100, synthetic)) == pytest.approx(
+        float(authors_code.layerwise_distance(real, synthetic)), abs=1e-3)
+    assert float(authors_code.layerwise_distance(real, real)) == pytest.approx(0.0, abs=1e-5)
 
 
 def test_one_matching_step_against_a_slow_formula_on_two_classes_in_three_dimensions():
@@ -232,8 +233,8 @@ def test_one_matching_step_against_a_slow_formula_on_two_classes_in_three_dimens
     real_w, real_b = torch.randn(2, 2, 3, generator=g, dtype=torch.float64), torch.randn(2, 2, generator=g,
                                                                                          dtype=torch.float64)
     present = torch.tensor([True, True])
-    new, before, after = HF.match_classifier_features(features, weight, bias, real_w, real_b, present, steps=1,
-                                                      lr=0.1)
+    new, before, after = authors_code.match_classifier_features(features, weight, bias, real_w, real_b, present,
+                                                                steps=1, lr=0.1)
     ew, eb = explicit_synthetic_gradients(features, weight, bias)
     slow_before = sum(python_distance(real_w[c], ew[c]) + python_distance(real_b[c], eb[c]) for c in range(2))
     assert before == pytest.approx(slow_before, rel=1e-12)
@@ -242,8 +243,8 @@ def test_one_matching_step_against_a_slow_formula_on_two_classes_in_three_dimens
     torch.testing.assert_close(new, features - 0.1 * grad)
     assert after == pytest.approx(float(autograd_matching_loss(new, weight, bias, real_w, real_b, present).detach()))
     # a class without real gradients is in no term: its features stay as they were
-    kept, _, _ = HF.match_classifier_features(features, weight, bias, real_w, real_b, torch.tensor([True, False]),
-                                              steps=3, lr=0.1)
+    kept, _, _ = authors_code.match_classifier_features(features, weight, bias, real_w, real_b,
+                                                        torch.tensor([True, False]), steps=3, lr=0.1)
     assert torch.equal(kept[1], features[1]) and not torch.equal(kept[0], features[0])
 
 
@@ -251,7 +252,7 @@ def test_train_linear_classifier_equals_a_hand_written_loop():
     g = torch.Generator().manual_seed(4)
     features = torch.randn(11, 3, generator=g, dtype=torch.float64)
     labels = torch.tensor([0, 1] * 5 + [1])
-    weight, bias = HF.train_linear_classifier(features, labels, 2, torch.Generator().manual_seed(9), epochs=3,
+    weight, bias = authors_code.train_linear_classifier(features, labels, 2, torch.Generator().manual_seed(9), epochs=3,
                                               batch_size=4, lr=0.5)  # 11 samples: batches of 4, 4, 3
     ew, eb = hand_trained_head(features, labels, 2, torch.Generator().manual_seed(9), epochs=3, batch_size=4, lr=0.5)
     torch.testing.assert_close(weight, ew)
@@ -264,8 +265,8 @@ def test_dot_product_margin_and_its_log_term_in_hpcl():
     present = torch.tensor([True, False, True, True])
     held = [0, 2, 3]
     expected = sum(float(prototypes[a] @ prototypes[b]) for a in held for b in held if a != b) / 9
-    assert float(HF.dot_product_margin(prototypes, present)) == pytest.approx(expected, rel=1e-12)
-    assert float(HF.dot_product_margin(prototypes, torch.tensor([False, True, False, False]))) == 0.0
+    assert float(authors_code.dot_product_margin(prototypes, present)) == pytest.approx(expected, rel=1e-12)
+    assert float(authors_code.dot_product_margin(prototypes, torch.tensor([False, True, False, False]))) == 0.0
 
     z, y = torch.randn(5, 3, generator=g, dtype=torch.float64), torch.tensor([0, 1, 2, 3, 0])
     hyper = torch.randn(4, 2, 3, generator=g, dtype=torch.float64)
@@ -274,9 +275,9 @@ def test_dot_product_margin_and_its_log_term_in_hpcl():
     for i in range(5):
         s = [sum(float(F.cosine_similarity(z[i], hyper[c, j], dim=0)) for j in range(2)) / 2 for c in range(4)]
         total += math.log(sum(math.exp(v / tau) for v in s) + k) - s[int(y[i])] / tau
-    assert float(HF.hpcl_loss_log_margin(z, y, hyper, k, tau)) == pytest.approx(total / 5, rel=1e-10)
+    assert float(authors_code.hpcl_loss_log_margin(z, y, hyper, k, tau)) == pytest.approx(total / 5, rel=1e-10)
     # without a margin it is Eq. 12 with d_k = 0
-    assert float(HF.hpcl_loss_log_margin(z, y, hyper, 0.0, tau)) == pytest.approx(
+    assert float(authors_code.hpcl_loss_log_margin(z, y, hyper, 0.0, tau)) == pytest.approx(
         float(HF.hpcl_loss(z, y, hyper, 0.0, tau)), rel=1e-10)
 
 
@@ -343,13 +344,13 @@ def test_server_step_against_a_hand_computation(monkeypatch):
     hyper0 = server.hyper.clone()
     sent_w, sent_b = server.weights["classifier.weight"].double(), server.weights["classifier.bias"].double()
     generators = []
-    real = HF.train_linear_classifier
+    real = authors_code.train_linear_classifier
 
     def recording(features, labels, num_classes, generator, **kwargs):
         generators.append((generator.get_state(), kwargs))
         return real(features, labels, num_classes, generator, **kwargs)
 
-    monkeypatch.setattr(HF, "train_linear_classifier", recording)
+    monkeypatch.setattr(authors_code, "train_linear_classifier", recording)
     metrics = server.aggregate(0, copy.deepcopy(replies))
 
     # the averaged classifier gradients: unweighted means over the clients holding each class

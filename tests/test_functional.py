@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedhpro import authors_code
 from fedhpro import functional as HF
 from fedhpro.functional import (
     class_gradients,
@@ -261,7 +262,7 @@ def test_client_margin_normalized_hand_case():
 
 
 @pytest.mark.parametrize("margin", [lambda p, m: client_margin(p, m), lambda p, m: client_margin(p, m, normalized=True),
-                                    HF.dot_product_margin], ids=["raw", "normalized", "dot"])
+                                    authors_code.dot_product_margin], ids=["raw", "normalized", "dot"])
 def test_both_client_margins_are_a_zero_of_the_prototypes_dtype_below_two_classes(margin):
     protos = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=DT)
     for present in ([False, False], [True, False], [False, True]):

@@ -28,6 +28,7 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / "fedhpro"
 
 LAYERS = {
     0: ("errors", "bounded", "arrays", "files", "seeds", "runtime", "options", "registry", "averaging", "functional",
+        "authors_code",
         "robust", "aggregation", "metrics", "reports", "data", "models"),
     1: ("methods", "privacy"),
     2: ("engines", "config"),

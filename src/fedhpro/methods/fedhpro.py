@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from fedhpro import authors_code
 from fedhpro import functional as HF
 from fedhpro.data.federation import Augment, ClientData
 from fedhpro.errors import ConfigError
@@ -383,8 +384,8 @@ class FedHProClient(Client):
                 scratch["statistics"] = gradients, counts, prototypes
             if options.classifier_step == "synthetic":
                 head = classifier_of(model)
-                weight_gradients, bias_gradients = HF.classifier_class_gradients(features, labels, head.weight,
-                                                                                 head.bias, self.num_classes)
+                weight_gradients, bias_gradients = authors_code.classifier_class_gradients(
+                    features, labels, head.weight, head.bias, self.num_classes)
                 scratch["classifier_uploads"] = {"classifier_weight_gradients": weight_gradients.cpu(),
                                                  "classifier_bias_gradients": bias_gradients.cpu()}
         margin = torch.zeros((), device=device)
@@ -399,7 +400,7 @@ class FedHProClient(Client):
                 margin_prototypes, present = HF.local_prototypes(extract_features(model, data.x), data.y,
                                                                  self.num_classes)
             if options.margin == "dot":
-                margin = HF.dot_product_margin(margin_prototypes, present)
+                margin = authors_code.dot_product_margin(margin_prototypes, present)
             else:
                 margin = HF.client_margin(margin_prototypes, present, normalized=options.margin == "normalized")
         scratch["margin"] = margin
@@ -426,7 +427,7 @@ class FedHProClient(Client):
         if released is not None and options.margin != "off" and options.hpcl_weight > 0:
             prototypes, present = released["prototypes"].to(device), released["class_counts"].to(device) > 0
             if options.margin == "dot":
-                margin = HF.dot_product_margin(prototypes, present)
+                margin = authors_code.dot_product_margin(prototypes, present)
             else:
                 margin = HF.client_margin(prototypes, present, normalized=options.margin == "normalized")
         scratch["margin"] = margin
@@ -449,7 +450,7 @@ class FedHProClient(Client):
         normalized = options.hpal_form == "normalized"
         both_on_hyper = (options.prototypes == "hyper" and options.hpcl_weight > 0 and options.hpal_weight > 0
                          and options.margin != "dot")
-        hpcl_of = HF.hpcl_loss_log_margin if options.margin == "dot" else HF.hpcl_loss
+        hpcl_of = authors_code.hpcl_loss_log_margin if options.margin == "dot" else HF.hpcl_loss
 
         def hpcl_weighted(z, hpcl):
             # the authors' code divides HPCL's batch mean once more by the batch size
@@ -512,7 +513,7 @@ class FedHProClient(Client):
         augment = None
         if options.gradient_augment == "dsa":
             require_images(round.data, "fedhpro.gradient_augment=dsa")
-            augment = HF.class_batch_augment
+            augment = authors_code.class_batch_augment
         return sampled_features(round.model, round.data, options.gradient_samples_per_class,
                                 choice=options.gradient_sample_choice, generator=round.generator, augment=augment)
 
@@ -532,12 +533,12 @@ def require_images(data: ClientData, option: str) -> None:
 
 
 def then_crop_flip(first: Augment | None) -> Augment:
-    """An augmentation that applies ``first`` (when set), then :func:`fedhpro.functional.batch_crop_flip`."""
+    """An augmentation that applies ``first`` (when set), then :func:`fedhpro.authors_code.batch_crop_flip`."""
     if first is None:
-        return HF.batch_crop_flip
+        return authors_code.batch_crop_flip
 
     def augment(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        return HF.batch_crop_flip(first(x, generator), generator)
+        return authors_code.batch_crop_flip(first(x, generator), generator)
 
     return augment
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fedhpro import authors_code
 from fedhpro import functional as HF
 from fedhpro.data.federation import ClientData
 from fedhpro.errors import ConfigError, UpdateError
@@ -120,7 +121,7 @@ class SyntheticClassifier:
     1. Clients upload, per class ``c`` they hold, the gradient of the mean CE
        of that class's sampled features (the received model's, detached)
        w.r.t. the classifier's weight and bias
-       (:func:`~fedhpro.functional.classifier_class_gradients`; their
+       (:func:`~fedhpro.authors_code.classifier_class_gradients`; their
        ``compute_gradient``, at most 100 samples per class). Being a mean,
        each is ``1/n_c`` times the summed per-sample gradients; the
        distance below is a cosine, blind to that scale up to its ``eps``.
@@ -133,19 +134,19 @@ class SyntheticClassifier:
     4. ``match_steps`` (100) steps of plain SGD (step ``lr``, FedHPro's
        ``hyper_lr``, 0.1 in their code) move the features to minimise, over
        the classes with real gradients, the layer-wise distance
-       (:func:`~fedhpro.functional.classifier_matching_loss`; their
+       (:func:`~fedhpro.authors_code.classifier_matching_loss`; their
        ``distance_wb``: for the ``C x d`` weight the sum over output rows of
        ``1 - cos``, for the bias one row) between the averaged real gradients
        and the gradients of ``CE(h(s^c), c)`` (mean over the class's ``m``
        features) w.r.t. ``(W, b)`` of a linear layer ``h`` loaded with the
        classifier the clients used (the one broadcast this round); their code
        differentiates those with ``create_graph``, here they are in closed
-       form (:func:`~fedhpro.functional.synthetic_classifier_gradients`).
+       form (:func:`~fedhpro.authors_code.synthetic_classifier_gradients`).
     5. A fresh ``Linear(d, C)`` (seeded per round) is trained on all ``C m``
        matched features and their labels: ``epochs`` (100) epochs, batches
        of ``batch_size`` (50), shuffled (seeded), plain SGD with step
        ``train_lr`` (0.01), mean CE
-       (:func:`~fedhpro.functional.train_linear_classifier`).
+       (:func:`~fedhpro.authors_code.train_linear_classifier`).
     6. Its weight and bias replace the aggregated global model's classifier;
        the hyper-prototypes are then matched against this classifier, and
        it is what the clients receive next round.
@@ -189,14 +190,14 @@ class SyntheticClassifier:
                                                          present)
         bias_real, _ = HF.aggregate_class_gradients(bias_gradients, present)
         weight_real = weight_real.reshape(num_classes, num_classes, -1)
-        features, before, after = HF.match_classifier_features(
+        features, before, after = authors_code.match_classifier_features(
             self.features.to(device, dtype), weight, bias, weight_real.to(device, dtype),
             bias_real.to(device, dtype), held.to(device), steps=self.match_steps, lr=self.lr)
         self.features = features.to(self.features.device, self.features.dtype)
         generator = torch.Generator().manual_seed(derive_seed(self.seed, _SYNTHETIC_HEAD, round))
-        weight, bias = HF.train_linear_classifier(features.reshape(-1, features.shape[2]), self.labels.to(device),
-                                                  num_classes, generator, epochs=self.epochs,
-                                                  batch_size=self.batch_size, lr=self.train_lr)
+        weight, bias = authors_code.train_linear_classifier(
+            features.reshape(-1, features.shape[2]), self.labels.to(device), num_classes, generator,
+            epochs=self.epochs, batch_size=self.batch_size, lr=self.train_lr)
         return weight, bias, {"classifier_match_before": before, "classifier_match_after": after}
 
     def state_dict(self) -> dict[str, Any]:
