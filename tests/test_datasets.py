@@ -442,6 +442,51 @@ def test_cifar10_dirichlet_clients_hold_their_written_images(tmp_path):
     assert y_test.tolist() == written["test"][1].tolist()
 
 
+def test_data_mean_and_std_normalise_training_test_and_predicts_inputs(tmp_path):
+    """data.mean/data.std (the authors' CIFAR statistics here) replace the preset's, by hand, for one pixel
+    and for every image, and travel to the trained model's input (what predict applies)."""
+    written = write_cifar(tmp_path / "cifar10")
+    mean, std = [0.4914, 0.4822, 0.4465], [0.2023, 0.1994, 0.2010]
+    fed = build("cifar10", tmp_path, data={"mean": mean, "std": std}, scheme="iid")
+    x_test = fed.test_sets["all"][0]
+    pixel = int(written["test"][0][3, 1, 5, 7])
+    assert x_test[3, 1, 5, 7].item() == pytest.approx((pixel / 255 - 0.4822) / 0.1994, abs=1e-6)
+    chosen = PRESETS["cifar10"].__class__(32, tuple(mean), tuple(std))
+    assert torch.allclose(x_test, normalised(written["test"][0], chosen), atol=1e-6)
+    x_train = written["train"][0]
+    for client, entry in zip(fed.clients, fed.partition["clients"]):
+        assert torch.allclose(client.x, normalised(x_train[np.array(entry["indices"])], chosen), atol=1e-6)
+    assert any("std [0.2023, 0.1994, 0.201]" in note for note in fed.notes)
+    options = load_config(None, {"dataset": "cifar10", "data.std": std}).data
+    exported = get_dataset("cifar10").image_input(options, {}, 32)
+    assert exported["std"] == std and exported["mean"] == list(PRESETS["cifar10"].mean)  # one set, one kept
+    plain = build("cifar10", tmp_path, scheme="iid")
+    assert torch.allclose(plain.test_sets["all"][0], normalised(written["test"][0], PRESETS["cifar10"]), atol=1e-6)
+    assert not any("data.mean/data.std" in note for note in plain.notes)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("data.std=[0.3,0.3]", "must hold 3 numbers"),
+    ("data.mean=[0.1,0.2,0.3,0.4]", "must hold 3 numbers"),
+    ("data.std=[0.2,0,0.2]", "must hold numbers > 0"),
+    ("data.std=[0.2,-1,0.2]", "must hold numbers > 0"),
+    ("data.std=[0.2,nan,0.2]", "finite"),
+])
+def test_data_mean_and_std_refuse_what_cannot_normalise_in_one_line(setting, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["dataset=cifar10", setting])
+
+
+def test_authors_recipe_sets_their_normalisation_where_the_data_takes_channel_statistics():
+    their = load_config(None, ["dataset=cifar100", "fedhpro.recipe=authors"]).data
+    assert (their.mean, their.std) == ([0.4914, 0.4822, 0.4465], [0.2023, 0.1994, 0.2010])  # CIFAR-10's, as theirs
+    mine = load_config(None, ["dataset=cifar10", "fedhpro.recipe=authors", "data.std=[0.3,0.3,0.3]"]).data
+    assert mine.std == [0.3, 0.3, 0.3] and mine.mean == [0.4914, 0.4822, 0.4465]  # a key the user sets wins
+    default = load_config(None, ["fedhpro.recipe=authors"])  # digits-offline: no channel statistics to set
+    assert not hasattr(default.data, "std") and default.run.model == "resnet10-authors"
+    assert load_config(None, ["dataset=cifar10"]).data.std is None  # the paper's recipe: the preset's
+
+
 def test_cifar10_nid2_defaults_to_the_papers_seven_clients(tmp_path):
     write_cifar(tmp_path / "cifar10")
     fed = build("cifar10", tmp_path, scheme="nid2")

@@ -38,7 +38,7 @@ from fedhpro.data.partition import PartitionOptions, partition_options_class
 from fedhpro.errors import ConfigError
 from fedhpro.methods import METHODS, all_methods, get_method, method_names, recipes_of
 from fedhpro.models import MODELS
-from fedhpro.options import option, tagged
+from fedhpro.options import fields_of, option, tagged
 from fedhpro.privacy import PRIVACY_MODES
 from fedhpro.registry import LiveChoices
 
@@ -586,7 +586,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
     assignments = copy.deepcopy(list(get_dataset(dataset).run_defaults.items())) + assignments
     # a method's recipe (fedhpro.recipe=authors), whatever the method run: its settings go first (the
     # benchmark's, which never overlap them, come next), so every key the user sets still wins
-    assignments = _recipe_settings(assignments) + assignments
+    assignments = _recipe_settings(assignments, dataset) + assignments
 
     # applied in order: a later layer beats an earlier one, whether it sets a mapping or one entry of it
     run_values: dict[str, Any] = {}
@@ -681,9 +681,13 @@ def _checked_value(key: str, value: Any) -> Any:
         raise ConfigError(f"{key}= is nested too deeply to be a setting") from None
 
 
-def _recipe_settings(assignments: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+def _recipe_settings(assignments: list[tuple[str, Any]], dataset: str) -> list[tuple[str, Any]]:
     """The settings of every recipe chosen by ``<method>.recipe=<name>`` among ``assignments`` (copies), in
-    the methods' order: each method declares its recipes with its registration (:func:`recipes_of`)."""
+    the methods' order: each method declares its recipes with its registration (:func:`recipes_of`). A
+    recipe's ``data.*`` setting applies to the data sets that have that key (the authors' CIFAR
+    normalisation to the image benchmarks that take channel statistics), and is left out for the others:
+    their data has no such setting to follow."""
+    data_keys = {f"{DATA_SECTION}.{name}" for name in fields_of(get_dataset(dataset).options)}
     settings: list[tuple[str, Any]] = []
     for name in method_names():
         recipes = recipes_of(name)
@@ -692,7 +696,8 @@ def _recipe_settings(assignments: list[tuple[str, Any]]) -> list[tuple[str, Any]
         default = next((f.default for f in dataclasses.fields(METHODS[name].options) if f.name == "recipe"), None)
         chosen = _last_value(assignments, f"{name}.recipe", default)
         if isinstance(chosen, str) and chosen in recipes:
-            settings += copy.deepcopy(list(recipes[chosen].items()))
+            settings += [(key, copy.deepcopy(value)) for key, value in recipes[chosen].items()
+                         if not key.startswith(f"{DATA_SECTION}.") or key in data_keys]
     return settings
 
 

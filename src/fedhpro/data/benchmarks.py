@@ -27,6 +27,7 @@ SUN397) a seeded per-class split holds out ``data.test_fraction``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,6 +156,28 @@ class ImageOptions:
     verify: bool = option(True, help="check CIFAR-10/100 and SVHN files against torchvision's published md5 "
                                      "before reading them (false: a copy you made yourself; its pickles are "
                                      "still read without running code)")
+    mean: list[float] | None = option(None, help="per-channel mean of the input normalisation, 3 values "
+                                                 "(default: the data set's own, e.g. CIFAR-10's "
+                                                 "[0.4914,0.4822,0.4465])")
+    std: list[float] | None = option(None, help="per-channel std of the input normalisation, 3 values > 0 "
+                                                "(default: the data set's own, e.g. CIFAR-10's "
+                                                "[0.2470,0.2435,0.2616]; the authors' code: [0.2023,0.1994,0.2010])")
+
+    def __post_init__(self) -> None:
+        for name, values, low in (("mean", self.mean, None), ("std", self.std, 0.0)):
+            if values is None:
+                continue
+            if len(values) != 3:
+                raise ConfigError(f"data.{name}={values} must hold 3 numbers, one a channel "
+                                  f"(e.g. data.{name}=[0.2023,0.1994,0.2010])")
+            if low is not None and min(values) <= low:
+                raise ConfigError(f"data.{name}={values} must hold numbers > 0 (each channel is divided by it)")
+
+
+def normalisation(preset: Preset, options: ImageOptions) -> Preset:
+    """``preset`` with the channel statistics ``data.mean``/``data.std`` set (each one that is set)."""
+    return dataclasses.replace(preset, mean=tuple(options.mean) if options.mean is not None else preset.mean,
+                               std=tuple(options.std) if options.std is not None else preset.std)
 
 
 def _layout_option(layout: dict[str, int], paper: str) -> Any:
@@ -269,7 +292,7 @@ class LabelSkewBenchmark:
               progress: bool = False, partition: PartitionOptions | None = None) -> Federation:
         partition = partition or PartitionOptions()
         scheme = _scheme(partition, self.scheme, self.schemes, self.name)
-        preset = PRESETS[self.source]
+        preset = normalisation(PRESETS[self.source], options)
         size = _size(options.image_size, preset)
         root = data_root(data_dir)
         cache = root / ".fedhpro-cache" / self.source
@@ -309,6 +332,10 @@ class LabelSkewBenchmark:
         notes = [f"{self.name}: {split.scheme} partition over {split.num_clients} clients, {size}x{size} images"]
         if augment:
             notes.append("AutoAugment (ImageNet policy) on every training batch")
+        if options.mean is not None or options.std is not None:
+            notes.append(f"{self.name}: inputs normalised with mean {list(preset.mean)} and std {list(preset.std)} "
+                         f"(data.mean/data.std; the data set's own: {list(PRESETS[self.source].mean)}, "
+                         f"{list(PRESETS[self.source].std)})")
         record = _record(split, self.name, labels, self.num_classes, partition.seed if partition.seed is not None
                          else seed, partition)
         return Federation(self.name, self.num_classes, (3, size, size), client_data, [""] * len(client_data),
@@ -456,7 +483,8 @@ def _preset_input(benchmark: Any) -> ImageInput | None:
     preset = PRESETS[next(s for s in sources if s in PRESETS)]
 
     def image_input(options: Any, partition: Any, size: int) -> dict[str, Any]:
-        return preset_image(benchmark.name, size, preset.mean, preset.std)
+        chosen = normalisation(preset, options) if isinstance(options, ImageOptions) else preset
+        return preset_image(benchmark.name, size, chosen.mean, chosen.std)
 
     return image_input
 
