@@ -176,8 +176,10 @@ class ImageOptions:
 
 def normalisation(preset: Preset, options: ImageOptions) -> Preset:
     """``preset`` with the channel statistics ``data.mean``/``data.std`` set (each one that is set)."""
-    return dataclasses.replace(preset, mean=tuple(options.mean) if options.mean is not None else preset.mean,
-                               std=tuple(options.std) if options.std is not None else preset.std)
+    def three(values: list[float] | None, kept: tuple[float, float, float]) -> tuple[float, float, float]:
+        return kept if values is None else (values[0], values[1], values[2])  # 3 values: checked when set
+
+    return dataclasses.replace(preset, mean=three(options.mean, preset.mean), std=three(options.std, preset.std))
 
 
 def _layout_option(layout: dict[str, int], paper: str) -> Any:
