@@ -64,6 +64,7 @@ FEDHPRO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     "without-dsa": ("fedhpro", ["fedhpro.gradient_augment=none"]),
     "without-crop-flip": ("fedhpro", ["fedhpro.local_augment=none"]),
     "without-synthetic-classifier": ("fedhpro", ["fedhpro.classifier_step=none"]),
+    "without-their-normalisation": ("fedhpro", ["data.mean=null", "data.std=null"]),
     "fedhpro-resnet10": ("fedhpro", ["model=resnet10"]),
 }
 AUTHORS_VARIANTS = ("authors-published", "authors-copied")
@@ -80,6 +81,7 @@ LABELS = {
     "without-dsa": "recipe=authors, gradient_augment=none",
     "without-crop-flip": "recipe=authors, local_augment=none",
     "without-synthetic-classifier": "recipe=authors, classifier_step=none",
+    "without-their-normalisation": "recipe=authors, data.mean/std=null (fedhpro's CIFAR-10 std)",
     "fedhpro-resnet10": "recipe=authors, model=resnet10 (fedhpro's)",
 }
 

@@ -2,13 +2,16 @@
 
 Two settings of ``configs/paper/label_skew.yaml`` (real MNIST from digits-offline, the cnn with d = 512,
 SGD 0.01 / 0.9 / 1e-5, batch 64, E = 2): ``skew`` (NID1_0.2: Dirichlet 0.2 over K = 10) and ``longtail``
-(rho = 100, then Dirichlet 0.5 over K = 10, balanced test set). Every variant is one ``fedhpro compare``
+(rho = 100, then Dirichlet 0.5 over K = 10, balanced test set); and ``default`` (the default ``fedhpro run``),
+named with ``--settings``. Every variant is one ``fedhpro compare``
 folder under ``--root`` (``<root>/<setting>/<variant>``), so ``fedhpro report <that folder>`` rebuilds its
 mean ± std table and curves, and running this script again reuses every finished run.
 
     python bench/fedsa_vs_fedhpro.py run --part main          # fedavg, fedsa, fedhpro, 3 seeds, both settings
     python bench/fedsa_vs_fedhpro.py run --part ablations     # one switch at a time (see VARIANTS)
     python bench/fedsa_vs_fedhpro.py run --part curves        # R = 50, 3 seeds
+    python bench/fedsa_vs_fedhpro.py run --part matching --settings skew longtail default
+                                                              # the authors' element-wise matching vs Eq. 8
     python bench/fedsa_vs_fedhpro.py analyze                  # tables (markdown) from the finished runs
 
 ``analyze`` reloads each finished run's global model (``fedhpro.load_model``), rebuilds its federation
@@ -31,13 +34,17 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-BASE = ["dataset=digits-offline", "data.domains=[mnist]", "model=cnn", "feature_dim=512", "local_epochs=2",
-        "lr=0.01", "momentum=0.9", "weight_decay=1e-05", "batch_size=64", "device=cpu", "progress=false",
-        "threads=1", "checkpoint_every=0", "jobs=1"]
+BASE = ["device=cpu", "progress=false", "threads=1", "checkpoint_every=0", "jobs=1"]
+MNIST = ["dataset=digits-offline", "data.domains=[mnist]", "model=cnn", "feature_dim=512", "local_epochs=2",
+         "lr=0.01", "momentum=0.9", "weight_decay=1e-05", "batch_size=64"]
 SETTINGS = {
-    "skew": ["partition=dirichlet", "partition.alpha=0.2", "clients=10"],
-    "longtail": ["partition=longtail", "partition.rho=100", "clients=10"],
+    "skew": [*MNIST, "partition=dirichlet", "partition.alpha=0.2", "clients=10"],
+    "longtail": [*MNIST, "partition=longtail", "partition.rho=100", "clients=10"],
+    # the default `fedhpro run` (digits-offline's four domains, 20 clients, E = 5), one thread a run
+    "default": [],
 }
+#: the settings a part runs unless --settings names others
+DEFAULT_SETTINGS = ["skew", "longtail"]
 # variant -> (method, extra keys); each is one switch away from the method's default
 MAIN = {
     "fedavg": ("fedavg", []),
@@ -70,6 +77,15 @@ VARIANTS = {
     "fedhpro-tau-0.0225": ("fedhpro", ["fedhpro.tau=0.0225"]),
     "fedhpro-hyper-1": ("fedhpro", ["fedhpro.num_hyper=1"]),
 }
+# the authors' gradient-matching distance against Eq. 8's cosine (faithfulness: their code matches element by
+# element), alone and with their class-gradient scale; fedhpro and fedsa as in MAIN, for the table
+MATCHING = {
+    "fedhpro": ("fedhpro", []),
+    "fedsa": ("fedsa", []),
+    "fedhpro-elementwise": ("fedhpro", ["fedhpro.matching_distance=elementwise"]),
+    "fedhpro-elementwise-divide": ("fedhpro", ["fedhpro.matching_distance=elementwise",
+                                               "fedhpro.class_gradient_divide=true"]),
+}
 CURVES = {"fedavg": ("fedavg", []), "fedsa": ("fedsa", []), "fedhpro": ("fedhpro", []),
           "fedhpro-init-orthogonal-nonnegative": VARIANTS["fedhpro-init-orthogonal-nonnegative"],
           "fedhpro-init-simplex": VARIANTS["fedhpro-init-simplex"]}
@@ -85,12 +101,14 @@ def compare_command(out: Path, method: str, keys: Sequence[str], setting: str, s
 def plan(part: str, root: Path, seeds: Sequence[int], rounds: int, settings: Sequence[str],
          only: Sequence[str]) -> list[tuple[Path, list[str]]]:
     jobs = []
-    table = {"main": MAIN, "ablations": VARIANTS, "curves": CURVES}[part]
+    table = {"main": MAIN, "ablations": VARIANTS, "curves": CURVES, "matching": MATCHING}[part]
     for setting in settings:
         for label, (method, keys) in table.items():
             if only and label not in only:
                 continue
             folder = root / (f"curves{rounds}-{setting}" if part == "curves" else setting) / label
+            if part == "matching" and rounds != 10:
+                folder = root / f"rounds{rounds}-{setting}" / label
             jobs.append((folder, compare_command(folder, method, keys, setting, seeds, rounds)))
     return jobs
 
@@ -322,6 +340,38 @@ def round_accuracies(run: Path) -> list[float]:
             if line.strip()]
 
 
+def hyper_movements(run: Path) -> list[float]:
+    """||S_r - S_0|| / ||S_0|| of FedHPro's hyper-prototypes after each round (%), from metrics.jsonl."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [100 * row["server"]["hyper_movement"] for row in rows
+            if row.get("server", {}).get("hyper_movement") is not None]
+
+
+def movements(root: Path) -> str:
+    """How far the hyper-prototypes move: per FedHPro variant, the mean over its seeds of their relative
+    movement after rounds 1, 2, 5, 10, ... (from each run's metrics.jsonl)."""
+    lines = []
+    for setting_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        rows = []
+        for variant_dir in sorted(p for p in setting_dir.iterdir() if p.is_dir()):
+            runs = [m for m in (hyper_movements(run) for run in finished_runs(variant_dir)) if m]
+            if runs:
+                length = min(len(r) for r in runs)
+                rows.append((variant_dir.name, len(runs), [statistics.mean(r[i] for r in runs) for i in range(length)]))
+        if not rows:
+            continue
+        length = max(len(r[2]) for r in rows)
+        shown = [i for i in range(length) if i in (0, 1) or (i + 1) % 5 == 0]
+        lines += [f"### hyper-prototype movement, {setting_dir.name} (||S_r - S_0|| / ||S_0||, %, mean over seeds)",
+                  "", "| variant | seeds | " + " | ".join(f"R{i + 1}" for i in shown) + " |",
+                  "|---|---|" + "---|" * len(shown)]
+        for label, seeds, curve in rows:
+            lines.append(f"| {label} | {seeds} | " + " | ".join(f"{curve[i]:.3g}" if i < len(curve) else "–"
+                                                             for i in shown) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def curves(root: Path, every: int = 2) -> str:
     """Learning curves: per variant, the mean over its seeds of the test accuracy after every ``every``-th
     round (from each run's metrics.jsonl)."""
@@ -352,8 +402,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", choices=("run", "analyze"))
     parser.add_argument("--root", type=Path, default=Path("runs/fedsa_vs_fedhpro"))
-    parser.add_argument("--part", choices=("main", "ablations", "curves"), default="main")
-    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--part", choices=("main", "ablations", "curves", "matching"), default="main")
+    parser.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS, choices=list(SETTINGS))
     parser.add_argument("--only", nargs="*", default=[], help="variant labels to run (default: all of the part)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--rounds", type=int, default=10)
@@ -363,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.action == "run":
         rounds = 50 if args.part == "curves" and args.rounds == 10 else args.rounds
         return run_all(plan(args.part, args.root, args.seeds, rounds, args.settings, args.only), args.parallel)
-    text = analyze(args.root, None) + "\n" + curves(args.root)
+    text = analyze(args.root, None) + "\n" + curves(args.root) + "\n" + movements(args.root)
     for setting in SETTINGS:
         seed0 = args.root / setting / "fedhpro" / "fedhpro-seed0"
         if (seed0 / "summary.json").is_file():
