@@ -248,7 +248,12 @@ SIMULATED = ([("fedhpro-2-rounds", {"method": "fedhpro", "rounds": 2})]
              + [("fedhpro-scaled-median", {"method": "fedhpro", "rounds": 2, "faults.scale": 0.4,
                                            "aggregation": "median"}),
                 ("fedavg-flipped-norm-clip", {"method": "fedavg", "rounds": 2, "faults.sign_flip": 0.4,
-                                              "aggregation": "norm-clip"})])
+                                              "aggregation": "norm-clip"})]
+             # validation parts held out of training, tested on the server in partition mode
+             + [("fedavg-validation", {"method": "fedavg", "rounds": 2, "validation": 0.25})])
+#: refused before a round: personal models are evaluated on the nodes, whose replies carry no validation
+REFUSED = [("fedproto-proto-only-validation", {"method": "fedproto", "rounds": 1, "fedproto.protocol": "proto-only",
+                                               "validation": 0.25})]
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +273,7 @@ def simulated(digits_data_dir, tmp_path_factory):
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
         assert dict(context.run_config) == {}  # what run_simulation passes: the apps must cope
-        for name, extra in SIMULATED:
+        for name, extra in SIMULATED + REFUSED:
             try:
                 run_server(grid, context.run_config, tiny_config(digits_data_dir, out=str(root / name), **extra))
                 outcomes[name] = root / name
@@ -355,3 +360,14 @@ def test_every_method_runs_on_flower_simulation(simulated, name, digits_data_dir
     assert_same_state(state["server"], expected_state)
     if "aggregation" in extra:
         assert all(row["server"]["robust_updates"] == 3 for row in rows)
+    if "validation" in extra:  # the same validation parts held out, tested with the same model
+        assert [row["validation"] for row in rows] == [row["validation"] for row in expected_rows]
+        assert all(set(row["validation"]) >= {"AVG"} for row in rows)
+
+
+def test_validation_where_the_nodes_evaluate_is_refused_in_one_line(simulated):
+    from fedhpro.errors import ConfigError
+    from fedhpro.flower.server import VALIDATION_ON_NODES
+
+    outcome = simulated[0]["fedproto-proto-only-validation"]
+    assert isinstance(outcome, ConfigError) and str(outcome) == VALIDATION_ON_NODES

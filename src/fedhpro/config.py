@@ -244,6 +244,10 @@ class RunOptions:
                                                 "never on the order clients finish in",
                                    tags=("presentation", "resumable"))
     eval_every: int = option(1, min=1, help="evaluate the global model every this many rounds (and at the end)")
+    validation: float = option(0.0, min=0.0, max=0.5,
+                               help="share of each client's training data held out as its validation part, class "
+                                    "by class (below 0.5; 0: none): it never trains, every evaluation also tests "
+                                    "on it, and the best round is chosen on it instead of the test set")
     out: str | None = option(None, help="output folder (default runs/<method>-<dataset>-<timestamp>)",
                              tags=("presentation",))
     data_dir: str | None = option(None, help="where data sets are read and cached, each in its own folder "

@@ -14,6 +14,7 @@ from fedhpro import runtime
 from fedhpro.config import Config, channels_last_setting
 from fedhpro.data import get_dataset
 from fedhpro.data.federation import Federation
+from fedhpro.data.validation import hold_out_validation
 from fedhpro.engines.driver import warn_line
 from fedhpro.engines.observers import RoundObserver
 from fedhpro.engines.simulator import Simulator
@@ -108,6 +109,7 @@ def build_experiment(config: Config, device: torch.device | str = "cpu", federat
     else:
         check_federation(federation, options.clients)
         federation = dataclasses.replace(federation)
+    federation = hold_out_validation(federation, options.validation, options.seed)
     federation.to(torch.device(device))
     global_factory, architecture_factory, architectures, shared, train = model_factories(
         config, method, federation.num_classes, federation.input_shape, federation.num_clients,

@@ -62,6 +62,9 @@ class Federation:
     notes: list[str] = field(default_factory=list)
     client_tests: list[tuple[Tensor, Tensor]] | None = None
     client_names: list[str] | None = None
+    #: each client's validation part, held out of its training data (``validation=``:
+    #: :func:`fedhpro.data.validation.hold_out_validation`); None: no validation
+    client_validation: list[tuple[Tensor, Tensor]] | None = None
 
     @property
     def num_clients(self) -> int:
@@ -92,6 +95,8 @@ class Federation:
         self.test_sets = {name: (x.to(device), y.to(device)) for name, (x, y) in self.test_sets.items()}
         if self.client_tests is not None:
             self.client_tests = [(x.to(device), y.to(device)) for x, y in self.client_tests]
+        if self.client_validation is not None:
+            self.client_validation = [(x.to(device), y.to(device)) for x, y in self.client_validation]
         return self
 
     @classmethod

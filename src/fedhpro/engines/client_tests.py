@@ -60,16 +60,37 @@ class ClientTests:
             return []
         return [(name, int(y.shape[0])) for name, (_, y) in map(self.client_test, range(self.federation.num_clients))]
 
-    def evaluate_client(self, k: int, model: nn.Module | None = None) -> TestCount:
+    def evaluate_client(self, k: int, model: nn.Module | None = None,
+                        test: tuple[str, tuple[Tensor, Tensor]] | None = None) -> TestCount:
         """Client ``k``'s test count: the global model (one shared model), or its personal model with the
-        global shared part, through the server's inference rule, on :meth:`client_test`. A Flower node
-        computes the same with its own model and data."""
+        global shared part, through the server's inference rule, on :meth:`client_test` (or on ``test``, a
+        named set: its validation part). A Flower node computes the same with its own model and data."""
         shared = None
         if model is None:
             model = self.models.model_for(k) if self.personal else self.models.eval_model
             shared = self.server.global_weights()
-        name, test = self.client_test(k)
-        return test_client(self.server, model, name, test, shared, personal=self.personal, amp=self.amp)
+        name, data = self.client_test(k) if test is None else test
+        return test_client(self.server, model, name, data, shared, personal=self.personal, amp=self.amp)
+
+    @property
+    def validates(self) -> bool:
+        """Whether the clients hold validation parts (``validation=``)."""
+        return self.federation.client_validation is not None
+
+    def evaluate_validation(self) -> dict[str, float]:
+        """Accuracy on the clients' validation parts, as :meth:`evaluate_clients` measures the test sets: each
+        client's part tested with the model it would be tested with (the global one, or its personal model),
+        the counts pooled per domain (the clients' ``client_domains``; ``all`` for a client without one) and
+        ``AVG`` their unweighted mean."""
+        parts = self.federation.client_validation
+        assert parts is not None, "no validation parts: validation=0"
+        eval_model = None if self.personal else self.models.eval_model
+        if eval_model is not None:
+            eval_model.load_state_dict(self.server.global_weights())
+        names = [domain or "all" for domain in self.federation.client_domains] or ["all"] * len(parts)
+        counts = [self.evaluate_client(k, eval_model, (names[k], part)) for k, part in enumerate(parts)
+                  if part[1].numel()]
+        return self.protocol.pooled_accuracy(counts, list(dict.fromkeys(names)))
 
     def evaluate_clients(self) -> tuple[dict[str, float], list[float | None]]:
         """``(accuracy per test set and AVG, accuracy of each client on its own test distribution)``.

@@ -194,17 +194,21 @@ def test_client(server: Any, model: nn.Module, name: str, test: tuple[Tensor, Te
 
 def round_extra(measured: Mapping[str, Any] | None = None, per_client: Sequence[float | None] | None = None,
                 evaluated: Mapping[str, Any] | None = None,
-                missing: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+                missing: Sequence[Mapping[str, Any]] = (), validation: Mapping[str, float] | None = None
+                ) -> dict[str, Any]:
     """The keys an engine adds to a round's record (:meth:`OpenRound.record`), in the row's order: the
     observers' training measurements (FLOPs), each client's accuracy and their fairness (at an evaluated
-    round), the observers' evaluation measurements (prototype distances), the clients not evaluated. A client
-    without a test split has accuracy None (not tested) and is left out of the fairness statistics."""
+    round), the accuracy on the clients' validation parts (``validation=``), the observers' evaluation
+    measurements (prototype distances), the clients not evaluated. A client without a test split has accuracy
+    None (not tested) and is left out of the fairness statistics."""
     extra = dict(measured or {})
     if per_client:
         extra["client_accuracy"] = list(per_client)
         tested = [accuracy for accuracy in per_client if accuracy is not None]
         if tested:
             extra["fairness"] = fairness_statistics(tested)
+    if validation is not None:
+        extra["validation"] = dict(validation)
     extra.update(evaluated or {})
     if missing:
         extra["not_evaluated"] = list(missing)
@@ -493,9 +497,21 @@ def final_printout(summary: Mapping[str, Any], title: str) -> str:
                 [f"{claims['max_share']:g} of a test set's total"] if claims["max_share"] < 1 else [])
             lines.append("pooled accuracy: the sites' test sizes are claims; "
                          + (f"each counts as at most {' and '.join(bounds)}" if bounds else "nothing bounds them"))
+    if summary.get("validation", {}).get("best_round") is not None:
+        lines.append(validation_line(summary["validation"]))
     if "privacy" in summary:
         lines.append(privacy_line(summary["privacy"]))
     return "\n".join(lines)
+
+
+def validation_line(validation: Mapping[str, Any]) -> str:
+    """The printout's line of summary.json's ``validation``: the final validation AVG, and the round chosen on
+    it with its test AVG."""
+    final = validation["accuracy"]
+    test = validation["test_at_best"]
+    return (f"validation (held out of training): AVG {'-' if final is None else f'{final:.2f}'}; best round "
+            f"{validation['best_round'] + 1} by validation ({validation['best_accuracy']:.2f}), test AVG there "
+            f"{'-' if test is None else f'{test:.2f}'}")
 
 
 def privacy_summary(settings: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -540,6 +556,26 @@ def final_accuracy(rows: list[dict[str, Any]]) -> dict[str, float | None]:
     or ``privacy.max_epsilon`` stopped the run before its first round): summary.json stays strict JSON, which
     has no NaN."""
     return next((row["accuracy"] for row in reversed(rows) if "accuracy" in row), {"AVG": None})
+
+
+def validation_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """summary.json's ``validation`` (runs with ``validation=``; ``{}`` otherwise): the last evaluated round's
+    accuracy on the clients' validation parts, and the model selection made on them: the round (0-based, as
+    ``metrics.jsonl``) with the best validation AVG (the earliest of equals) and the test accuracy there,
+    the figure to report when the best round is chosen (never the best test accuracy, which is chosen on the
+    test set)."""
+    validated = [row for row in rows if "validation" in row and "accuracy" in row]
+    if not validated:
+        return {}
+    final = validated[-1]
+    finite = [row for row in validated if _finite(row["validation"]["AVG"]) is not None]
+    out: dict[str, Any] = {"accuracy": _finite(final["validation"]["AVG"]),
+                           "per_domain": {k: v for k, v in final["validation"].items() if k != "AVG"}}
+    if finite:
+        best = max(finite, key=lambda row: row["validation"]["AVG"])  # max keeps the first of equals
+        out.update({"best_round": best["round"], "best_accuracy": best["validation"]["AVG"],
+                    "test_at_best": _finite(best["accuracy"]["AVG"])})
+    return {"validation": out}
 
 
 def _finite(value: float | None) -> float | None:
@@ -706,6 +742,7 @@ def run_summary(options: Any, data_name: str, clients: int, device: torch.device
         "per_domain": {name: value for name, value in final.items() if name != "AVG"},
         "best_accuracy": max((row["accuracy"]["AVG"] for row in rows
                               if "accuracy" in row and _finite(row["accuracy"]["AVG"]) is not None), default=None),
+        **validation_summary(rows),
         "site_accuracy": site_accuracy(rows),
         "seconds": seconds,
         "device": str(device),

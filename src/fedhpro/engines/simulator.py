@@ -363,16 +363,17 @@ class Simulator:
         clock.lap("clients")
         server_metrics = current.close(watching([o.watch_server for o in self.observers]) if self.observers else None)
         clock.lap("server")
-        accuracy, per_client = None, None
+        accuracy, per_client, validation = None, None, None
         measured: dict[str, Any] = {}
         evaluated: dict[str, Any] = {}
         for observer in self.observers:
             measured.update(observer.training_measurements())
         if evaluating:
             accuracy, per_client = self.evaluate_clients()
+            validation = self.tests.evaluate_validation() if self.tests.validates else None
             for observer in self.observers:
                 evaluated.update(observer.evaluation_measurements())
-        extra = round_extra(measured, per_client, evaluated)
+        extra = round_extra(measured, per_client, evaluated, validation=validation)
         clock.lap("eval")
         record = current.record(server_metrics, accuracy, clock.seconds, extra)
         self.history.append(record)

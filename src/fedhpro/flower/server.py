@@ -95,7 +95,11 @@ def _run_server(grid: Grid, config: Config, settings: FlowerSettings, out: Path 
     if settings.secure_aggregation == "secagg+":
         secagg.check_secure_config(config)  # before any node is asked
     started = time.perf_counter()
+    if config.run.validation > 0 and own_data(config):  # before any node is waited for
+        raise ConfigError(VALIDATION_ON_NODES)
     side, config, nodes, partition, notes = _federation(grid, config, settings)
+    if config.run.validation > 0 and side.federated_evaluation:
+        raise ConfigError(VALIDATION_ON_NODES)
     timeout = round_timeout(settings.round_timeout, config, side)  # unset ("auto"): sized from the run's clients
     if settings.round_timeout is None:
         log(INFO, "fedhpro: flower.round-timeout (auto): %.0f s a round", timeout)
@@ -128,6 +132,14 @@ class ServerLog:
     def printout(self, text: str) -> None:  # the end of the run, as fedhpro run prints it
         for line in text.splitlines():
             log(INFO, "fedhpro: %s", line)
+
+
+#: validation= where the nodes evaluate (their own data, or personal models): their replies carry no
+#: validation counts yet, and a run that trains without its validation part but never tests it would choose
+#: nothing on it
+VALIDATION_ON_NODES = ("validation= is not available yet where the Flower nodes evaluate (nodes with their own "
+                       "data, or personal models): run it in simulation (fedhpro run), or on partitions of a named "
+                       "data set with one global model; or leave validation=0")
 
 
 def _federation(grid: Grid, config: Config, settings: FlowerSettings

@@ -338,13 +338,15 @@ class MethodStrategy(Strategy):
         accuracy, extra = None, {}
         if self.side.protocol.evaluates(current.round):
             missing: list[dict[str, Any]] = []
+            validation = None
             if self.side.federated_evaluation:
                 accuracy, per_client, missing = self._pooled_accuracy(current.round, list(replies))
             else:
                 tests = self.side.tests
                 assert tests is not None, "only partition mode (which holds the data) evaluates on the server"
                 accuracy, per_client = tests.evaluate_clients()
-            extra = round_extra(None, per_client, None, missing)
+                validation = tests.evaluate_validation() if tests.validates else None
+            extra = round_extra(None, per_client, None, missing, validation=validation)
         self._clock.lap("eval")
         record = self.last_record = current.record(self._server_metrics, accuracy, self._clock.seconds, extra)
         if self.keeps_rows and self.run.round_done(record, self.state_dict) and self.run.out is not None:

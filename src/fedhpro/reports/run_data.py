@@ -43,6 +43,20 @@ class RunData:
         return self.evaluated[-1]
 
     @property
+    def validated(self) -> bool:
+        """Whether the run tested on validation parts held out of training (``validation=``)."""
+        return any("validation" in row for row in self.evaluated)
+
+    def test_at_best_validation(self) -> float | None:
+        """The test AVG of the evaluated round with the best validation AVG (the earliest of equals): the
+        model selected without looking at the test set; None without validation."""
+        rows = [row for row in self.evaluated if "validation" in row and row["validation"]["AVG"] == row[
+            "validation"]["AVG"]]  # NaN (no client validated) is never the best
+        if not rows:
+            return None
+        return float(max(rows, key=lambda row: row["validation"]["AVG"])["accuracy"]["AVG"])
+
+    @property
     def finished(self) -> bool:
         """Whether the run ended (it wrote ``summary.json``)."""
         return self.summary is not None

@@ -199,22 +199,26 @@ def _report_runs(runs: list[RunData], out: str | Path | None, echo: bool, force:
     out = Path(out) if out else runs[0].path.parent / "report"
     prepare_report_folder(out, runs, force)
     domains = [name for name in runs[0].final["accuracy"] if name != "AVG"]
+    validated = any(run.validated for run in runs)
     header = ["run"] + domains + ["AVG", "best AVG", "rounds", "worst 10%", "best 10%", "client mean",
                                   "variance", "MB up/round", "params up/round", "GFLOPs train/round"]
+    if validated:
+        header[len(domains) + 3:len(domains) + 3] = VALIDATION_COLUMNS
     rows = []
     for label, run in zip(labels, runs):
         final = run.final
         fairness = final.get("fairness", {})
         rounds = len(run.rows)
         flops = [row["flops_train"] for row in run.rows if "flops_train" in row]
+        chosen = ([final.get("validation", {}).get("AVG"), run.test_at_best_validation()] if validated else [])
         rows.append([label] + [final["accuracy"].get(d) for d in domains] + [
-            final["accuracy"]["AVG"], max(row["accuracy"]["AVG"] for row in run.evaluated), rounds,
+            final["accuracy"]["AVG"], max(row["accuracy"]["AVG"] for row in run.evaluated), *chosen, rounds,
             fairness.get("worst_10"), fairness.get("best_10"), fairness.get("mean"), fairness.get("variance"),
             sum(row.get("bytes_up", 0) for row in run.rows) / rounds / 1e6,
             (sum(row.get("params_up", 0) for row in run.rows) / rounds) if "params_up" in run.rows[0] else None,
             (sum(flops) / len(flops) / 1e9) if flops else None])
     caption = (f"Final test accuracy (%) of {len(runs)} run(s); fairness over clients (Table A8) at the last "
-               "evaluated round; communication and FLOPs averaged per round.")
+               "evaluated round; communication and FLOPs averaged per round. " + splits_caption(validated))
     notes = [f"{label}: no summary.json, the numbers are those of its last evaluated round (round "
              f"{run.final['round'] + 1})" for label, run in zip(labels, runs) if not run.finished]
     write_atomic(out / "table.md", markdown_table(header, rows, caption, notes))
@@ -264,6 +268,19 @@ def seed_groups(runs: Sequence[RunData]) -> dict[str, list[RunData]]:
 
 #: the seed table's column of FedHPro's hyper-prototype movement (shown when a run logged it)
 MOVEMENT = "S moved %"
+#: the columns of runs with validation parts (``validation=``): the final validation AVG, and the test AVG of
+#: the round chosen on validation (:meth:`~fedhpro.reports.run_data.RunData.test_at_best_validation`)
+VALIDATION_COLUMNS = ["val AVG", "test AVG at best val"]
+
+
+def splits_caption(validated: bool) -> str:
+    """Which split each accuracy column comes from, for a table's caption."""
+    text = ("Domains, AVG, best AVG and the client figures: the test set; best AVG is the best round chosen on "
+            "the test set itself, an upper bound, not a selected model's accuracy.")
+    if validated:
+        text += (" val AVG: the clients' validation parts (held out of their training data); test AVG at best val: "
+                 "the test AVG of the round with the best val AVG, the model selected without the test set.")
+    return text
 
 
 def hyper_movement(run: RunData) -> float | None:
@@ -281,12 +298,18 @@ def seed_table(groups: dict[str, list[RunData]]) -> tuple[list[str], list[list[A
     first = next(iter(groups.values()))[0]
     domains = [name for name in first.final["accuracy"] if name != "AVG"]
     columns = domains + ["AVG", "best AVG", "worst 10%"]
+    if any(run.validated for members in groups.values() for run in members):
+        columns[len(domains) + 2:len(domains) + 2] = VALIDATION_COLUMNS
     if any(hyper_movement(run) is not None for members in groups.values() for run in members):
         columns.append(MOVEMENT)
 
     def values(run: RunData, column: str) -> float | None:
         if column == "best AVG":
             return max(row["accuracy"]["AVG"] for row in run.evaluated)
+        if column == VALIDATION_COLUMNS[0]:
+            return run.final.get("validation", {}).get("AVG")
+        if column == VALIDATION_COLUMNS[1]:
+            return run.test_at_best_validation()
         if column == "worst 10%":
             return run.final.get("fairness", {}).get("worst_10")
         if column == MOVEMENT:
@@ -323,7 +346,8 @@ def report_seeds(runs: Sequence[RunData], out: Path, echo: bool = True, force: b
     columns = header[2:-1]
     csv_header = ["method", "seeds"] + [f"{c}_mean" for c in columns] + [f"{c}_std" for c in columns] + ["rounds"]
     caption = (f"Final test accuracy (%) of {len(runs)} runs in {len(groups)} groups: mean ± sample std over the "
-               "seeds (one seed: its value); worst 10% of clients at the last evaluated round.")
+               "seeds (one seed: its value); worst 10% of clients at the last evaluated round. "
+               + splits_caption(any(run.validated for run in runs)))
     notes = [f"{label}: {run.path.name} is unfinished ({run.progress}), its numbers are those of its last "
              f"evaluated round" for label, members in groups.items() for run in members if not run.finished]
     curves = {label: [accuracy_series(run) for run in members] for label, members in groups.items()}
