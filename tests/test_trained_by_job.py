@@ -57,6 +57,14 @@ def test_per_class_accuracy_is_the_summarys_to_the_bit_and_notes_only_a_changed_
         assert measured["accuracy"][name] == value
     report([result.out], tmp_path / "report", echo=False, class_accuracy=class_accuracy)
     assert CHANGED not in (tmp_path / "report" / "per_class.md").read_text()
+    # the classification figures come from the same re-test: each confusion matrix's diagonal is its hits
+    figures = measured["classification"]
+    for name, counts in measured["test_sets"].items():
+        matrix = np.array(figures[name]["confusion_matrix"])
+        assert np.diag(matrix).tolist() == counts["correct"] and matrix.sum(1).tolist() == counts["total"]
+    written = (tmp_path / "report" / "per_class.md").read_text()
+    assert "| method | runs | balanced accuracy | macro-F1 | AUROC |" in written
+    assert (tmp_path / "report" / "confusion.csv").read_text().count("\n") == 1 + len(measured["train_counts"])
 
     # the files change: every test input is now called class 0 (zero weights, a bias for class 0)
     model_file = result.out / ("model.pt" if (result.out / "model.pt").exists() else "models/client_0.pt")
@@ -74,6 +82,37 @@ def test_per_class_accuracy_is_the_summarys_to_the_bit_and_notes_only_a_changed_
     assert changed["accuracy"]["AVG"] != result.summary["accuracy"]
     report([result.out], tmp_path / "report", echo=False, force=True, class_accuracy=class_accuracy)
     assert CHANGED in (tmp_path / "report" / "per_class.md").read_text()
+
+
+def test_classification_figures_of_the_report_match_scikit_learn_on_the_models_predictions(digits_data_dir, tmp_path):
+    """Balanced accuracy, macro-F1, AUROC and the confusion matrix of ``report per_class`` against scikit-learn
+    on the predictions of the saved model, computed here on the rebuilt test sets."""
+    from sklearn import metrics as sk
+
+    from fedhpro.config import load_config
+
+    result = fedhpro.run(**tiny(digits_data_dir, tmp_path / "run", method="fedavg"))
+    measured = class_accuracy(result.out)
+    config = load_config(result.out / "config.yaml")
+    federation = datasets.get_dataset("digits-offline").build(config.data, 3, 1, data_dir=digits_data_dir,
+                                                              partition=config.partition)
+    model = fedhpro.load_model(result.out).eval()
+    labels, scores = [], []
+    with torch.no_grad():
+        for x, y in federation.test_sets.values():
+            labels.append(y.numpy())
+            scores.append(model(x).softmax(1).double().numpy())
+    y, s = np.concatenate(labels), np.concatenate(scores)
+    p = s.argmax(1)
+    pooled = measured["classification"]["pooled"]
+    classes = list(range(s.shape[1]))
+    assert pooled["confusion_matrix"] == sk.confusion_matrix(y, p, labels=classes).tolist()
+    assert pooled["balanced_accuracy"] == pytest.approx(100 * sk.balanced_accuracy_score(y, p), abs=1e-9)
+    assert pooled["macro_f1"] == pytest.approx(100 * sk.f1_score(y, p, labels=classes, average="macro",
+                                                                   zero_division=0), abs=1e-9)
+    present = sorted(set(y.tolist()))
+    by_class = [sk.roc_auc_score(y == c, s[:, c]) for c in present]
+    assert pooled["auroc"] == pytest.approx(100 * np.mean(by_class), abs=1e-4)
 
 
 # ---------------------------------------------------------------------------- a plug-in method's inference rule

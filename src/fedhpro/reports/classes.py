@@ -20,7 +20,9 @@ from fedhpro.reports.plots import plot_bars
 from fedhpro.reports.tables import csv_text, format_number, markdown_table, mean_pm_std, mean_std
 
 #: the files this report adds beside a run report's
-CLASS_FILES = ("per_class.md", "per_class.csv", "per_class.png")
+CLASS_FILES = ("per_class.md", "per_class.csv", "per_class.png", "classification.csv", "confusion.csv")
+#: the classification figures of every tested row pooled (:func:`fedhpro.metrics.classification_figures`)
+FIGURES = (("balanced_accuracy", "balanced accuracy"), ("macro_f1", "macro-F1"), ("auroc", "AUROC"))
 
 
 def class_split(train_counts: Sequence[int]) -> tuple[list[int], list[int], list[int]] | None:
@@ -120,7 +122,6 @@ def write_class_report(out: str | os.PathLike, groups: Mapping[str, Sequence[tup
             + markdown_table(class_header, [[format_number(v, 1) if isinstance(v, float) else v for v in row]
                                             for row in class_rows],
                              "Per class (mean over seeds), classes ordered by training images."))
-    write_atomic(out / "per_class.md", text)
     csv_header = (["method", "seeds"] + [f"{k}_mean" for k in keys] + [f"{k}_std" for k in keys]
                   + [f"class_{names[c]}" for c in range(num_classes)])
     rows = [[*row, *means] for row, means in zip(table, class_means.values())]
@@ -130,6 +131,40 @@ def write_class_report(out: str | os.PathLike, groups: Mapping[str, Sequence[tup
     plot_bars(shown, out / "per_class.png", errors=spread if split else None, ylabel="test accuracy (%)",
               title="test accuracy of the head, middle and tail classes (mean over seeds, bar: std)" if split
               else "test accuracy per class (mean over seeds)")
+    figures_text = _write_figures(out, groups, names)
+    write_atomic(out / "per_class.md", text + "\n" + figures_text)
     if echo:
-        print(text)
+        print(text + "\n" + figures_text)
     return list(CLASS_FILES)
+
+
+def _write_figures(out: Path, groups: Mapping[str, Sequence[tuple[Path, Mapping[str, Any]]]],
+                   names: Sequence[str]) -> str:
+    """``classification.csv`` (per group: balanced accuracy, macro-F1 and AUROC of all its test rows pooled,
+    mean and std over its runs) and ``confusion.csv`` (per group its confusion matrix summed over its runs,
+    a row per true class); returns the markdown table of the first."""
+    from fedhpro.reports import write_atomic
+
+    header = ["method", "runs"] + [label for _, label in FIGURES]
+    markdown, table, confusion = [], [], []
+    for label, runs in groups.items():
+        pooled = [m.get("classification", {}).get("pooled") for _, m in runs]
+        pooled = [p for p in pooled if p is not None]
+        values = {key: [p[key] for p in pooled if p[key] is not None] for key, _ in FIGURES}
+        seeds = str(len(pooled))
+        markdown.append([label, seeds] + [mean_pm_std(values[key]) if values[key] else "–" for key, _ in FIGURES])
+        stats = [mean_std(values[key]) if values[key] else (None, None) for key, _ in FIGURES]
+        table.append([label, seeds] + [m for m, _ in stats] + [s for _, s in stats])
+        if pooled:
+            summed = [[sum(p["confusion_matrix"][t][q] for p in pooled) for q in range(len(names))]
+                      for t in range(len(names))]
+            confusion += [[label, names[t], *summed[t]] for t in range(len(names))]
+    write_atomic(out / "classification.csv", csv_text(
+        ["method", "runs"] + [f"{key}_mean" for key, _ in FIGURES] + [f"{key}_std" for key, _ in FIGURES], table))
+    write_atomic(out / "confusion.csv", csv_text(["method", "true class"] + [f"predicted {n}" for n in names],
+                                                 confusion))
+    caption = ("Balanced accuracy (mean recall over the classes present), macro-F1 (over all classes) and AUROC "
+               "(binary: the positive class's score; else one-vs-rest, macro) of each run's final model, every "
+               "tested row pooled, from the same re-test: mean ± sample std over the runs (%). Confusion "
+               "matrices, summed over the runs: confusion.csv.")
+    return markdown_table(header, markdown, caption)

@@ -11,17 +11,19 @@ import dataclasses
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from fedhpro.bounded import read_json_file, run_file
 from fedhpro.data import get_dataset
+from fedhpro.data.validation import hold_out_validation
 from fedhpro.engines.driver import count_correct
 from fedhpro.engines.protocol import Aggregation, TestCount, pool_accuracy
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.methods.no_grad import no_grad_precision
+from fedhpro.metrics.classification import classification_figures
 from fedhpro.runtime import cpu_runtime, resolve_threads, torch_threads
 from fedhpro.trained.checks import read_info, shown
 from fedhpro.trained.folder import ModelFileError
@@ -29,36 +31,52 @@ from fedhpro.trained.load import load_model, run_config
 
 
 class _Recorded(nn.Module):
-    """``module`` as the run's evaluation calls it, keeping each batch's predicted classes in order (the
-    evaluation counts only the hits; the per-class counts need the predictions)."""
+    """``module`` as the run's evaluation calls it, keeping each batch's predicted classes and class scores
+    (softmax of its outputs, float32) in order (the evaluation counts only the hits; the per-class counts,
+    the confusion matrix and AUROC need the predictions)."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
         self.module = module
         self.predicted: list[Tensor] = []
+        self.scores: list[Tensor] = []
 
     def forward(self, x: Tensor) -> Tensor:
         logits = self.module(x)
         self.predicted.append(logits.argmax(1).cpu())
+        self.scores.append(logits.detach().float().softmax(1).cpu())
         return logits
 
 
+class Tested(NamedTuple):
+    """One re-test: the run's test count (``test``), ``correct`` and ``total`` per class, and the ``labels``,
+    ``predicted`` classes and class ``scores`` of each tested row."""
+
+    test: TestCount
+    correct: Tensor
+    total: Tensor
+    labels: Tensor
+    predicted: Tensor
+    scores: Tensor
+
+
 def _tested(module: nn.Module, name: str, x: Tensor, y: Tensor, num_classes: int, amp: str,
-            batch_size: int | None) -> tuple[TestCount, Tensor, Tensor]:
-    """``(the run's test count, correct per class, total per class)`` of ``module`` (a module loaded from the
-    folder, which applies the run's inference rule) on ``(x, y)``: the run's own test
-    (:func:`~fedhpro.engines.simulator.evaluate`: :func:`~fedhpro.engines.driver.count_correct` in the
-    run's :func:`~fedhpro.methods.no_grad.no_grad_precision`), its predictions kept."""
+            batch_size: int | None) -> Tested:
+    """:class:`Tested` of ``module`` (a module loaded from the folder, which applies the run's inference rule)
+    on ``(x, y)``: the run's own test (:func:`~fedhpro.engines.simulator.evaluate`:
+    :func:`~fedhpro.engines.driver.count_correct` in the run's
+    :func:`~fedhpro.methods.no_grad.no_grad_precision`), its predictions kept."""
     recorded = _Recorded(module)
     with no_grad_precision(amp, x.device):
         count = TestCount(name, count_correct(recorded, x, y, batch_size), int(y.shape[0]))
     # a batch the module refused in channels_last raised before it was recorded: one prediction per row
     predicted = torch.cat(recorded.predicted) if recorded.predicted else torch.zeros(0, dtype=torch.int64)
+    scores = torch.cat(recorded.scores) if recorded.scores else torch.zeros(0, num_classes)
     labels = y.cpu()
     hits = labels[predicted == labels]
     correct = torch.bincount(hits, minlength=num_classes)[:num_classes]
     total = torch.bincount(labels, minlength=num_classes)[:num_classes]
-    return count, correct, total
+    return Tested(count, correct, total, labels, predicted, scores)
 
 
 def class_accuracy(run_folder: str | os.PathLike, *, model: Callable[..., nn.Module] | None = None,
@@ -90,18 +108,21 @@ def class_accuracy(run_folder: str | os.PathLike, *, model: Callable[..., nn.Mod
         federation = get_dataset(options.dataset).build(config.data, options.clients, options.seed,
                                                         data_dir=options.data_dir, progress=False,
                                                         partition=config.partition)
+        federation = hold_out_validation(federation, options.validation, options.seed)  # the run's training data
         num_classes = federation.num_classes
         per_class: dict[str, list[Tensor]] = {name: [torch.zeros(num_classes, dtype=torch.int64),
                                                      torch.zeros(num_classes, dtype=torch.int64)]
                                               for name in federation.test_sets}
         counts: list[TestCount] = []
+        rows: dict[str, list[Tested]] = {}
 
         def test(name: str, module: nn.Module, x: Tensor, y: Tensor) -> None:
-            count, correct, total = _tested(module, name, x, y, num_classes, options.amp, batch_size)
-            counts.append(count)
-            pooled = per_class.setdefault(name, [torch.zeros_like(correct), torch.zeros_like(total)])
-            pooled[0] += correct
-            pooled[1] += total
+            tested = _tested(module, name, x, y, num_classes, options.amp, batch_size)
+            counts.append(tested.test)
+            pooled = per_class.setdefault(name, [torch.zeros_like(tested.correct), torch.zeros_like(tested.total)])
+            pooled[0] += tested.correct
+            pooled[1] += tested.total
+            rows.setdefault(name, []).append(tested)
 
         global_model = None if not info.get("global") else load_model(folder, model=model)
         if global_model is not None and federation.client_tests is None:
@@ -135,4 +156,19 @@ def class_accuracy(run_folder: str | os.PathLike, *, model: Callable[..., nn.Mod
             "train_counts": [int(v) for v in train_counts],
             "test_sets": {name: {"correct": [int(v) for v in pair[0]], "total": [int(v) for v in pair[1]]}
                           for name, pair in tested.items()},
-            "accuracy": accuracy, "reported": reported}
+            "accuracy": accuracy, "reported": reported,
+            "classification": _figures(rows, num_classes)}
+
+
+def _figures(rows: dict[str, list[Tested]], num_classes: int) -> dict[str, Any]:
+    """Per test set, and ``pooled`` over every tested row, :func:`classification_figures` of the re-test's
+    predictions (a test set's clients' rows together)."""
+    def joined(parts: list[Tested]) -> dict[str, Any]:
+        return classification_figures(torch.cat([p.labels for p in parts]), torch.cat([p.predicted for p in parts]),
+                                      torch.cat([p.scores for p in parts]), num_classes)
+
+    tested = {name: parts for name, parts in rows.items() if any(p.labels.numel() for p in parts)}
+    out = {name: joined(parts) for name, parts in tested.items()}
+    if tested:
+        out["pooled"] = joined([p for parts in tested.values() for p in parts])
+    return out
