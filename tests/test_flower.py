@@ -250,10 +250,13 @@ SIMULATED = ([("fedhpro-2-rounds", {"method": "fedhpro", "rounds": 2})]
                 ("fedavg-flipped-norm-clip", {"method": "fedavg", "rounds": 2, "faults.sign_flip": 0.4,
                                               "aggregation": "norm-clip"})]
              # validation parts held out of training, tested on the server in partition mode
-             + [("fedavg-validation", {"method": "fedavg", "rounds": 2, "validation": 0.25})])
+             + [("fedavg-validation", {"method": "fedavg", "rounds": 2, "validation": 0.25}),
+                ("fedavg-matched", {"method": "fedavg", "rounds": 2, "client_test": "matched"})])
 #: refused before a round: personal models are evaluated on the nodes, whose replies carry no validation
 REFUSED = [("fedproto-proto-only-validation", {"method": "fedproto", "rounds": 1, "fedproto.protocol": "proto-only",
-                                               "validation": 0.25})]
+                                               "validation": 0.25}),
+           ("fedproto-proto-only-matched", {"method": "fedproto", "rounds": 1, "fedproto.protocol": "proto-only",
+                                            "client_test": "matched"})]
 
 
 @pytest.fixture(scope="module")
@@ -363,11 +366,14 @@ def test_every_method_runs_on_flower_simulation(simulated, name, digits_data_dir
     if "validation" in extra:  # the same validation parts held out, tested with the same model
         assert [row["validation"] for row in rows] == [row["validation"] for row in expected_rows]
         assert all(set(row["validation"]) >= {"AVG"} for row in rows)
+    if "client_test" in extra:  # the same matched test sets: each client's own accuracy
+        assert [row["client_accuracy"] for row in rows] == [row["client_accuracy"] for row in expected_rows]
 
 
 def test_validation_where_the_nodes_evaluate_is_refused_in_one_line(simulated):
     from fedhpro.errors import ConfigError
-    from fedhpro.flower.server import VALIDATION_ON_NODES
+    from fedhpro.flower.server import SERVER_TESTS_ONLY
 
-    outcome = simulated[0]["fedproto-proto-only-validation"]
-    assert isinstance(outcome, ConfigError) and str(outcome) == VALIDATION_ON_NODES
+    for name in ("fedproto-proto-only-validation", "fedproto-proto-only-matched"):
+        outcome = simulated[0][name]
+        assert isinstance(outcome, ConfigError) and str(outcome) == SERVER_TESTS_ONLY

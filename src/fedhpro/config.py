@@ -34,6 +34,7 @@ from fedhpro import options as opt
 from fedhpro.aggregation import AGGREGATION_RULES
 from fedhpro.bounded import MAX_YAML_CHARS, LimitError, load_yaml
 from fedhpro.data import DATASETS, get_dataset
+from fedhpro.data.matched_tests import CLIENT_TESTS
 from fedhpro.data.partition import PartitionOptions, partition_options_class
 from fedhpro.errors import ConfigError
 from fedhpro.methods import METHODS, all_methods, get_method, method_names, recipes_of
@@ -244,6 +245,11 @@ class RunOptions:
                                                 "never on the order clients finish in",
                                    tags=("presentation", "resumable"))
     eval_every: int = option(1, min=1, help="evaluate the global model every this many rounds (and at the end)")
+    client_test: str = option("shared", choices=CLIENT_TESTS,
+                              help="what each client's own accuracy (client_accuracy, fairness, site_accuracy) is "
+                                   "measured on: shared (the paper's protocol: its domain's test set, the same for "
+                                   "every client of a domain) or matched (test samples drawn to follow its "
+                                   "training labels); the accuracy per domain and AVG stay on the shared sets")
     validation: float = option(0.0, min=0.0, max=0.5,
                                help="share of each client's training data held out as its validation part, class "
                                     "by class (below 0.5; 0: none): it never trains, every evaluation also tests "

@@ -14,6 +14,7 @@ from fedhpro import runtime
 from fedhpro.config import Config, channels_last_setting
 from fedhpro.data import get_dataset
 from fedhpro.data.federation import Federation
+from fedhpro.data.matched_tests import match_client_tests
 from fedhpro.data.validation import hold_out_validation
 from fedhpro.engines.driver import warn_line
 from fedhpro.engines.observers import RoundObserver
@@ -110,6 +111,8 @@ def build_experiment(config: Config, device: torch.device | str = "cpu", federat
         check_federation(federation, options.clients)
         federation = dataclasses.replace(federation)
     federation = hold_out_validation(federation, options.validation, options.seed)
+    if options.client_test == "matched":
+        federation = match_client_tests(federation, options.seed)
     federation.to(torch.device(device))
     global_factory, architecture_factory, architectures, shared, train = model_factories(
         config, method, federation.num_classes, federation.input_shape, federation.num_clients,

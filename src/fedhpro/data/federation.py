@@ -65,6 +65,9 @@ class Federation:
     #: each client's validation part, held out of its training data (``validation=``:
     #: :func:`fedhpro.data.validation.hold_out_validation`); None: no validation
     client_validation: list[tuple[Tensor, Tensor]] | None = None
+    #: each client's test set drawn to follow its training labels (``client_test=matched``:
+    #: :func:`fedhpro.data.matched_tests.match_client_tests`); None: the shared test sets only
+    client_matched_tests: list[tuple[Tensor, Tensor]] | None = None
 
     @property
     def num_clients(self) -> int:
@@ -97,6 +100,8 @@ class Federation:
             self.client_tests = [(x.to(device), y.to(device)) for x, y in self.client_tests]
         if self.client_validation is not None:
             self.client_validation = [(x.to(device), y.to(device)) for x, y in self.client_validation]
+        if self.client_matched_tests is not None:
+            self.client_matched_tests = [(x.to(device), y.to(device)) for x, y in self.client_matched_tests]
         return self
 
     @classmethod

@@ -107,8 +107,21 @@ class ClientTests:
             eval_model.load_state_dict(self.server.global_weights())
             if federation.client_tests is None:
                 accuracy = evaluate(self.server.inference_model(eval_model), federation.test_sets, amp=self.amp)
+                if federation.client_matched_tests is not None:
+                    return accuracy, self._matched(eval_model)
                 return accuracy, [accuracy.get(federation.client_test_name(k), accuracy["AVG"])
                                   for k in range(federation.num_clients)]
         counts = [self.evaluate_client(k, eval_model) for k in range(federation.num_clients)]
         accuracy = self.protocol.pooled_accuracy(counts, list(federation.test_sets))
+        if federation.client_matched_tests is not None:
+            return accuracy, self._matched(eval_model)
         return accuracy, [c.accuracy if c.total else None for c in counts]
+
+    def _matched(self, eval_model: nn.Module | None) -> list[float | None]:
+        """Each client's accuracy on its matched test set (``client_test=matched``), with the model it is
+        tested with; None for a client whose set is empty."""
+        matched = self.federation.client_matched_tests
+        assert matched is not None
+        counts = [self.evaluate_client(k, eval_model, (self.federation.client_test_name(k), part))
+                  if part[1].numel() else None for k, part in enumerate(matched)]
+        return [c.accuracy if c is not None else None for c in counts]

@@ -95,11 +95,12 @@ def _run_server(grid: Grid, config: Config, settings: FlowerSettings, out: Path 
     if settings.secure_aggregation == "secagg+":
         secagg.check_secure_config(config)  # before any node is asked
     started = time.perf_counter()
-    if config.run.validation > 0 and own_data(config):  # before any node is waited for
-        raise ConfigError(VALIDATION_ON_NODES)
+    needs_server_tests = config.run.validation > 0 or config.run.client_test != "shared"
+    if needs_server_tests and own_data(config):  # before any node is waited for
+        raise ConfigError(SERVER_TESTS_ONLY)
     side, config, nodes, partition, notes = _federation(grid, config, settings)
-    if config.run.validation > 0 and side.federated_evaluation:
-        raise ConfigError(VALIDATION_ON_NODES)
+    if needs_server_tests and side.federated_evaluation:
+        raise ConfigError(SERVER_TESTS_ONLY)
     timeout = round_timeout(settings.round_timeout, config, side)  # unset ("auto"): sized from the run's clients
     if settings.round_timeout is None:
         log(INFO, "fedhpro: flower.round-timeout (auto): %.0f s a round", timeout)
@@ -134,12 +135,13 @@ class ServerLog:
             log(INFO, "fedhpro: %s", line)
 
 
-#: validation= where the nodes evaluate (their own data, or personal models): their replies carry no
-#: validation counts yet, and a run that trains without its validation part but never tests it would choose
-#: nothing on it
-VALIDATION_ON_NODES = ("validation= is not available yet where the Flower nodes evaluate (nodes with their own "
-                       "data, or personal models): run it in simulation (fedhpro run), or on partitions of a named "
-                       "data set with one global model; or leave validation=0")
+#: validation= or client_test=matched where the nodes evaluate (their own data, or personal models): their
+#: replies carry neither validation counts nor matched tests yet; only the ServerApp of partition mode with one
+#: global model tests them (as the simulator does)
+SERVER_TESTS_ONLY = ("validation= and client_test=matched are not available yet where the Flower nodes evaluate "
+                     "(nodes with their own data, or personal models): run them in simulation (fedhpro run), or on "
+                     "partitions of a named data set with one global model; or leave validation=0 "
+                     "client_test=shared")
 
 
 def _federation(grid: Grid, config: Config, settings: FlowerSettings

@@ -218,7 +218,8 @@ def _report_runs(runs: list[RunData], out: str | Path | None, echo: bool, force:
             (sum(row.get("params_up", 0) for row in run.rows) / rounds) if "params_up" in run.rows[0] else None,
             (sum(flops) / len(flops) / 1e9) if flops else None])
     caption = (f"Final test accuracy (%) of {len(runs)} run(s); fairness over clients (Table A8) at the last "
-               "evaluated round; communication and FLOPs averaged per round. " + splits_caption(validated))
+               "evaluated round; communication and FLOPs averaged per round. "
+               + splits_caption(validated, any(run.config.get("client_test") == "matched" for run in runs)))
     notes = [f"{label}: no summary.json, the numbers are those of its last evaluated round (round "
              f"{run.final['round'] + 1})" for label, run in zip(labels, runs) if not run.finished]
     write_atomic(out / "table.md", markdown_table(header, rows, caption, notes))
@@ -273,10 +274,15 @@ MOVEMENT = "S moved %"
 VALIDATION_COLUMNS = ["val AVG", "test AVG at best val"]
 
 
-def splits_caption(validated: bool) -> str:
-    """Which split each accuracy column comes from, for a table's caption."""
+def splits_caption(validated: bool, matched: bool = False) -> str:
+    """Which split each accuracy column comes from, for a table's caption (``matched``: some run measured its
+    clients on test sets that follow their training labels, ``client_test=matched``)."""
     text = ("Domains, AVG, best AVG and the client figures: the test set; best AVG is the best round chosen on "
             "the test set itself, an upper bound, not a selected model's accuracy.")
+    if matched:
+        text += (" Client figures (worst/best 10%, client mean, variance) of runs with client_test=matched: each "
+                 "client on test samples drawn to follow its training labels; domains and AVG: the shared test "
+                 "sets.")
     if validated:
         text += (" val AVG: the clients' validation parts (held out of their training data); test AVG at best val: "
                  "the test AVG of the round with the best val AVG, the model selected without the test set.")
@@ -347,7 +353,8 @@ def report_seeds(runs: Sequence[RunData], out: Path, echo: bool = True, force: b
     csv_header = ["method", "seeds"] + [f"{c}_mean" for c in columns] + [f"{c}_std" for c in columns] + ["rounds"]
     caption = (f"Final test accuracy (%) of {len(runs)} runs in {len(groups)} groups: mean ± sample std over the "
                "seeds (one seed: its value); worst 10% of clients at the last evaluated round. "
-               + splits_caption(any(run.validated for run in runs)))
+               + splits_caption(any(run.validated for run in runs),
+                                any(run.config.get("client_test") == "matched" for run in runs)))
     notes = [f"{label}: {run.path.name} is unfinished ({run.progress}), its numbers are those of its last "
              f"evaluated round" for label, members in groups.items() for run in members if not run.finished]
     curves = {label: [accuracy_series(run) for run in members] for label, members in groups.items()}
