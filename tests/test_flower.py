@@ -256,7 +256,8 @@ SIMULATED = ([("fedhpro-2-rounds", {"method": "fedhpro", "rounds": 2})]
 REFUSED = [("fedproto-proto-only-validation", {"method": "fedproto", "rounds": 1, "fedproto.protocol": "proto-only",
                                                "validation": 0.25}),
            ("fedproto-proto-only-matched", {"method": "fedproto", "rounds": 1, "fedproto.protocol": "proto-only",
-                                            "client_test": "matched"})]
+                                            "client_test": "matched"}),
+           ("fedavg-unseen", {"method": "fedavg", "rounds": 1, "unseen_clients": 0.3})]
 
 
 @pytest.fixture(scope="module")
@@ -377,3 +378,6 @@ def test_validation_where_the_nodes_evaluate_is_refused_in_one_line(simulated):
     for name in ("fedproto-proto-only-validation", "fedproto-proto-only-matched"):
         outcome = simulated[0][name]
         assert isinstance(outcome, ConfigError) and str(outcome) == SERVER_TESTS_ONLY
+    unseen = simulated[0]["fedavg-unseen"]  # every SuperNode is a client that trains
+    assert isinstance(unseen, ConfigError) and "unseen_clients / unseen_domain are not available on Flower" in str(
+        unseen)

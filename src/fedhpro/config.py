@@ -250,6 +250,19 @@ class RunOptions:
                                    "measured on: shared (the paper's protocol: its domain's test set, the same for "
                                    "every client of a domain) or matched (test samples drawn to follow its "
                                    "training labels); the accuracy per domain and AVG stay on the shared sets")
+    unseen_clients: float = option(0.0, min=0.0, max=0.5,
+                                   help="share of the clients that never train (at least 1 when > 0), drawn by "
+                                        "the seed: each round also tests the global model on them (metrics.jsonl's "
+                                        "unseen), each on test samples that follow its training labels (or its own "
+                                        "test split)")
+    unseen_domain: str | None = option(None, help="leave-one-domain-out: every client of this domain never trains, "
+                                                  "its test set leaves the accuracy per domain and AVG and is the "
+                                                  "unseen clients' test (metrics.jsonl's unseen)")
+    unseen_finetune: int = option(0, min=0, help="at the end, each unseen client also fine-tunes a copy of the "
+                                                 "global model for this many local epochs (plain cross-entropy SGD "
+                                                 "at the run's lr, momentum, weight decay and batch size) on its own "
+                                                 "training data before it is tested (summary.json's unseen.finetuned)"
+                                                 "; 0: the global model only")
     validation: float = option(0.0, min=0.0, max=0.5,
                                help="share of each client's training data held out as its validation part, class "
                                     "by class (below 0.5; 0: none): it never trains, every evaluation also tests "

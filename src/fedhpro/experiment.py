@@ -15,6 +15,7 @@ from fedhpro.config import Config, channels_last_setting
 from fedhpro.data import get_dataset
 from fedhpro.data.federation import Federation
 from fedhpro.data.matched_tests import match_client_tests
+from fedhpro.data.unseen import hold_out_clients
 from fedhpro.data.validation import hold_out_validation
 from fedhpro.engines.driver import warn_line
 from fedhpro.engines.observers import RoundObserver
@@ -54,7 +55,7 @@ def build_simulator(config: Config, parts: Experiment, device: torch.device,
                      architecture_factory=parts.architecture_factory, shared=parts.shared,
                      on_drop=on_drop, observers=observers or [], ledger=parts.ledger,
                      parallel_clients=workers, client_threads=client_threads,
-                     **protocol_settings(config))
+                     unseen_finetune=config.run.unseen_finetune, **protocol_settings(config))
 
 
 def protocol_settings(config: Config) -> dict[str, Any]:
@@ -110,6 +111,7 @@ def build_experiment(config: Config, device: torch.device | str = "cpu", federat
     else:
         check_federation(federation, options.clients)
         federation = dataclasses.replace(federation)
+    federation = hold_out_clients(federation, options.unseen_clients, options.unseen_domain, options.seed)
     federation = hold_out_validation(federation, options.validation, options.seed)
     if options.client_test == "matched":
         federation = match_client_tests(federation, options.seed)

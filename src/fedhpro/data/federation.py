@@ -34,6 +34,24 @@ class ClientData:
 
 
 @dataclass
+class UnseenClients:
+    """The clients held out of training (:func:`fedhpro.data.unseen.hold_out_clients`): their training data
+    (what a fine-tuning would use), their names, the test set each is pooled into (``groups``: its domain, or
+    ``all``) and its test data."""
+
+    clients: list[ClientData]
+    names: list[str]
+    groups: list[str]
+    tests: list[tuple[Tensor, Tensor]]
+
+    def to(self, device: torch.device) -> UnseenClients:
+        """Move every tensor to ``device``."""
+        self.clients = [ClientData(c.x.to(device), c.y.to(device), c.num_classes, c.augment) for c in self.clients]
+        self.tests = [(x.to(device), y.to(device)) for x, y in self.tests]
+        return self
+
+
+@dataclass
 class Federation:
     """Clients' training tensors, test sets by domain (or one ``"all"``), and how they were made.
 
@@ -68,6 +86,9 @@ class Federation:
     #: each client's test set drawn to follow its training labels (``client_test=matched``:
     #: :func:`fedhpro.data.matched_tests.match_client_tests`); None: the shared test sets only
     client_matched_tests: list[tuple[Tensor, Tensor]] | None = None
+    #: the clients held out of training (``unseen_clients=`` / ``unseen_domain=``:
+    #: :func:`fedhpro.data.unseen.hold_out_clients`); None: every client trains
+    unseen: UnseenClients | None = None
 
     @property
     def num_clients(self) -> int:
@@ -102,6 +123,8 @@ class Federation:
             self.client_validation = [(x.to(device), y.to(device)) for x, y in self.client_validation]
         if self.client_matched_tests is not None:
             self.client_matched_tests = [(x.to(device), y.to(device)) for x, y in self.client_matched_tests]
+        if self.unseen is not None:
+            self.unseen.to(device)
         return self
 
     @classmethod

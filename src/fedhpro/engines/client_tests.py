@@ -9,14 +9,20 @@ computes one client's count with the same :func:`~fedhpro.engines.driver.test_cl
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+import dataclasses
+from typing import Any, NamedTuple
 
+import numpy as np
+import torch
 from torch import Tensor, nn
 
 from fedhpro.data.federation import Federation
 from fedhpro.engines.driver import count_correct, test_client
 from fedhpro.engines.protocol import RoundProtocol, TestCount, pool_accuracy
+from fedhpro.errors import ConfigError
 from fedhpro.methods.no_grad import no_grad_precision
+from fedhpro.methods.training import TrainSettings, train_epochs
 
 
 def evaluate(model: nn.Module, test_sets: dict[str, tuple[Tensor, Tensor]],
@@ -30,13 +36,34 @@ def evaluate(model: nn.Module, test_sets: dict[str, tuple[Tensor, Tensor]],
     return pool_accuracy(counts)
 
 
+class FineTune(NamedTuple):
+    """How an unseen client fine-tunes a copy of the global model before its last test: ``epochs`` of the
+    shared training loop with plain cross-entropy under the run's ``train`` settings, its batches drawn from
+    a generator of its own (the run's ``seed`` and its index); ``epochs`` 0: no fine-tuning."""
+
+    train: TrainSettings
+    epochs: int = 0
+    seed: int = 0
+
+
+#: the generator stream of an unseen client's fine-tuning
+FINETUNE_STREAM = 0x66746E
+
+
 class ClientTests:
     """The tests of ``federation``'s clients: the method's ``server`` part (its global weights and inference
     rule), the clients' ``models`` (:class:`~fedhpro.engines.simulator.ClientModels`), the run's ``protocol``
-    (its bounds on pooled test counts) and its training precision ``amp``."""
+    (its bounds on pooled test counts) and its training precision ``amp``; ``finetune``: how the unseen
+    clients (``federation.unseen``) fine-tune before the last test."""
 
-    def __init__(self, federation: Federation, models: Any, server: Any, protocol: RoundProtocol, amp: str = "off"):
+    def __init__(self, federation: Federation, models: Any, server: Any, protocol: RoundProtocol, amp: str = "off",
+                 finetune: FineTune | None = None):
         self.federation, self.models, self.server, self.protocol, self.amp = federation, models, server, protocol, amp
+        self.finetune = finetune
+        if federation.unseen is not None and self.personal:
+            raise ConfigError("unseen_clients / unseen_domain: this run trains personal models (heterogeneous "
+                              "models or a prototype-only protocol), and an unseen client has none to be tested "
+                              "with; not available yet for such runs")
 
     @property
     def personal(self) -> bool:
@@ -116,6 +143,33 @@ class ClientTests:
         if federation.client_matched_tests is not None:
             return accuracy, self._matched(eval_model)
         return accuracy, [c.accuracy if c.total else None for c in counts]
+
+    def evaluate_unseen(self, last: bool) -> dict[str, dict[str, float]]:
+        """The row keys of the unseen clients (``{}`` without any): ``unseen``, the global model on each unseen
+        client's test, pooled per test set (their domain, or ``all``) and AVG their unweighted mean; at the
+        ``last`` round with fine-tuning on, also ``unseen_finetuned``: each client's copy of the global model
+        after :class:`FineTune`'s epochs on its own training data, tested and pooled the same way."""
+        unseen = self.federation.unseen
+        if unseen is None:
+            return {}
+        model = self.models.eval_model
+        model.load_state_dict(self.server.global_weights())
+        order = list(dict.fromkeys(unseen.groups))
+        counts = [test_client(self.server, model, group, test, None, amp=self.amp)
+                  for group, test in zip(unseen.groups, unseen.tests) if test[1].numel()]
+        out = {"unseen": self.protocol.pooled_accuracy(counts, order)}
+        if last and self.finetune is not None and self.finetune.epochs > 0:
+            settings = dataclasses.replace(self.finetune.train, epochs=self.finetune.epochs)
+            tuned_counts = []
+            for k, (data, group, test) in enumerate(zip(unseen.clients, unseen.groups, unseen.tests)):
+                if not test[1].numel():
+                    continue
+                tuned = copy.deepcopy(model)
+                seed = int(np.random.SeedSequence([self.finetune.seed, FINETUNE_STREAM, k]).generate_state(1)[0])
+                train_epochs(tuned, data, settings, torch.Generator().manual_seed(seed))
+                tuned_counts.append(test_client(self.server, tuned, group, test, None, amp=self.amp))
+            out["unseen_finetuned"] = self.protocol.pooled_accuracy(tuned_counts, order)
+        return out
 
     def _matched(self, eval_model: nn.Module | None) -> list[float | None]:
         """Each client's accuracy on its matched test set (``client_test=matched``), with the model it is

@@ -499,6 +499,12 @@ def final_printout(summary: Mapping[str, Any], title: str) -> str:
                          + (f"each counts as at most {' and '.join(bounds)}" if bounds else "nothing bounds them"))
     if summary.get("validation", {}).get("best_round") is not None:
         lines.append(validation_line(summary["validation"]))
+    if "unseen" in summary:
+        unseen = summary["unseen"]
+        shown = lambda value: "-" if value is None else f"{value:.2f}"  # noqa: E731
+        lines.append(f"unseen clients (never trained): global model AVG {shown(unseen['accuracy']['AVG'])}"
+                     + (f"; after fine-tuning AVG {shown(unseen['finetuned']['AVG'])}" if "finetuned" in unseen
+                        else ""))
     if "privacy" in summary:
         lines.append(privacy_line(summary["privacy"]))
     return "\n".join(lines)
@@ -576,6 +582,19 @@ def validation_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         out.update({"best_round": best["round"], "best_accuracy": best["validation"]["AVG"],
                     "test_at_best": _finite(best["accuracy"]["AVG"])})
     return {"validation": out}
+
+
+def unseen_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """summary.json's ``unseen`` (runs with clients that never trained; ``{}`` otherwise): the last evaluated
+    round's accuracy of the global model on them (``accuracy``: per test set and AVG) and, when they
+    fine-tuned, ``finetuned``."""
+    final = next((row for row in reversed(rows) if "unseen" in row), None)
+    if final is None:
+        return {}
+    out: dict[str, Any] = {"accuracy": {k: _finite(v) for k, v in final["unseen"].items()}}
+    if "unseen_finetuned" in final:
+        out["finetuned"] = {k: _finite(v) for k, v in final["unseen_finetuned"].items()}
+    return {"unseen": out}
 
 
 def _finite(value: float | None) -> float | None:
@@ -743,6 +762,7 @@ def run_summary(options: Any, data_name: str, clients: int, device: torch.device
         "best_accuracy": max((row["accuracy"]["AVG"] for row in rows
                               if "accuracy" in row and _finite(row["accuracy"]["AVG"]) is not None), default=None),
         **validation_summary(rows),
+        **unseen_summary(rows),
         "site_accuracy": site_accuracy(rows),
         "seconds": seconds,
         "device": str(device),

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from fedhpro import runtime
 from fedhpro.data.federation import Federation
-from fedhpro.engines.client_tests import ClientTests
+from fedhpro.engines.client_tests import ClientTests, FineTune
 from fedhpro.engines.driver import RoundClock, round_extra
 from fedhpro.engines.observers import RoundObserver, measurements, watching
 from fedhpro.engines.protocol import (
@@ -201,7 +201,7 @@ class Simulator:
                  count_flops: bool = False, prototype_distance: bool = False,
                  observers: Sequence[RoundObserver] = (), aggregation: Aggregation | None = None,
                  privacy: Any = None, ledger: Any = None, parallel_clients: int = 1,
-                 client_threads: int | None = None):
+                 client_threads: int | None = None, unseen_finetune: int = 0):
         """``client_architectures`` (one name per client, built by ``architecture_factory``) switches on
         heterogeneous feature extractors: each client keeps its own model across rounds and only the
         classifier (``classifier.*``) is exchanged and aggregated; evaluation then averages each
@@ -230,7 +230,10 @@ class Simulator:
         is the client's own, so the numbers depend on ``client_threads``, not on ``parallel_clients`` or on
         timing. Clients train one at a time (with the same ``client_threads``) on a GPU, with
         ``train.compile`` and under an observer that watches clients but is not
-        :attr:`~fedhpro.engines.observers.RoundObserver.concurrent_clients`."""
+        :attr:`~fedhpro.engines.observers.RoundObserver.concurrent_clients`.
+
+        ``unseen_finetune``: local epochs each unseen client (``federation.unseen``) fine-tunes a copy of the
+        global model before the last round's test of it (0: the global model only)."""
         self.device = torch.device(device)
         if int(parallel_clients) < 1 or (client_threads is not None and int(client_threads) < 1):
             raise ValueError(f"parallel_clients and client_threads must be >= 1, got {parallel_clients}, "
@@ -253,7 +256,8 @@ class Simulator:
                                       seed=seed, eval_every=eval_every, faults=faults, min_clients=min_clients,
                                       on_drop=on_drop, aggregation=aggregation, privacy=privacy, ledger=ledger,
                                       client_sizes=[len(data) for data in federation.clients])
-        self.tests = ClientTests(federation, self.models, self.server, self.protocol, train.amp)
+        self.tests = ClientTests(federation, self.models, self.server, self.protocol, train.amp,
+                                 finetune=FineTune(train, unseen_finetune, seed))
         self.client_states: list[dict[str, Any]] = [{} for _ in range(federation.num_clients)]
         self.history: list[RoundRecord] = []
         self.observers = measurements(flops=count_flops, prototype_distance=prototype_distance) + list(observers)
@@ -371,9 +375,12 @@ class Simulator:
         if evaluating:
             accuracy, per_client = self.evaluate_clients()
             validation = self.tests.evaluate_validation() if self.tests.validates else None
+            unseen = self.tests.evaluate_unseen(last=round + 1 == self.protocol.rounds)
             for observer in self.observers:
                 evaluated.update(observer.evaluation_measurements())
         extra = round_extra(measured, per_client, evaluated, validation=validation)
+        if evaluating:
+            extra.update(unseen)
         clock.lap("eval")
         record = current.record(server_metrics, accuracy, clock.seconds, extra)
         self.history.append(record)

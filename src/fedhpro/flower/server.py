@@ -95,6 +95,9 @@ def _run_server(grid: Grid, config: Config, settings: FlowerSettings, out: Path 
     if settings.secure_aggregation == "secagg+":
         secagg.check_secure_config(config)  # before any node is asked
     started = time.perf_counter()
+    if config.run.unseen_clients > 0 or config.run.unseen_domain is not None:
+        raise ConfigError("unseen_clients / unseen_domain are not available on Flower yet (every SuperNode is a "
+                          "client that trains); measure unseen clients in simulation (fedhpro run)")
     needs_server_tests = config.run.validation > 0 or config.run.client_test != "shared"
     if needs_server_tests and own_data(config):  # before any node is waited for
         raise ConfigError(SERVER_TESTS_ONLY)

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from fedhpro.bounded import read_json_file, run_file
 from fedhpro.data import get_dataset
+from fedhpro.data.unseen import hold_out_clients
 from fedhpro.data.validation import hold_out_validation
 from fedhpro.engines.driver import count_correct
 from fedhpro.engines.protocol import Aggregation, TestCount, pool_accuracy
@@ -108,7 +109,9 @@ def class_accuracy(run_folder: str | os.PathLike, *, model: Callable[..., nn.Mod
         federation = get_dataset(options.dataset).build(config.data, options.clients, options.seed,
                                                         data_dir=options.data_dir, progress=False,
                                                         partition=config.partition)
-        federation = hold_out_validation(federation, options.validation, options.seed)  # the run's training data
+        # the run's clients and training data: without its unseen clients and validation parts
+        federation = hold_out_clients(federation, options.unseen_clients, options.unseen_domain, options.seed)
+        federation = hold_out_validation(federation, options.validation, options.seed)
         num_classes = federation.num_classes
         per_class: dict[str, list[Tensor]] = {name: [torch.zeros(num_classes, dtype=torch.int64),
                                                      torch.zeros(num_classes, dtype=torch.int64)]
