@@ -157,7 +157,9 @@ def measure_run(run: Path) -> dict[str, object]:
     federation = get_dataset(options.dataset).build(config.data, options.clients, options.seed,
                                                     data_dir=options.data_dir, progress=False,
                                                     partition=config.partition)
-    (x, y), = federation.test_sets.values()
+    # every test set pooled (one on MNIST; the default run's four domains)
+    x = torch.cat([x for x, _ in federation.test_sets.values()])
+    y = torch.cat([y for _, y in federation.test_sets.values()])
     model = load_model(run)
     with torch.no_grad():
         features = extract_features(model, x)
