@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fedhpro.errors import ConfigError
+from fedhpro.files import write_atomic
 from fedhpro.reports.plots import plot_bars
 from fedhpro.reports.tables import csv_text, format_number, markdown_table, mean_pm_std, mean_std
 
@@ -67,8 +68,6 @@ def write_class_report(out: str | os.PathLike, groups: Mapping[str, Sequence[tup
                        echo: bool = True, notes: Sequence[str] = ()) -> list[str]:
     """Write ``per_class.md`` / ``.csv`` / ``.png`` for ``groups`` (label -> its runs' ``(folder, counts)``,
     one run per group or a group's seeds; ``notes`` go under the first table); returns the names written."""
-    from fedhpro.reports import write_atomic
-
     out = Path(out)
     notes = list(notes)
     if not groups:
@@ -143,8 +142,6 @@ def _write_figures(out: Path, groups: Mapping[str, Sequence[tuple[Path, Mapping[
     """``classification.csv`` (per group: balanced accuracy, macro-F1 and AUROC of all its test rows pooled,
     mean and std over its runs) and ``confusion.csv`` (per group its confusion matrix summed over its runs,
     a row per true class); returns the markdown table of the first."""
-    from fedhpro.reports import write_atomic
-
     header = ["method", "runs"] + [label for _, label in FIGURES]
     markdown, table, confusion = [], [], []
     for label, runs in groups.items():
