@@ -75,6 +75,7 @@ def test_a_study_resumes_where_it_stopped_and_refuses_other_settings(digits_data
     after = trials_of(out, "fedprox")
     assert [(t.number, t.params, t.value) for t in after[:2]] == first  # kept, not run again
     assert len(after) == 3 and all(t.state.name in ("COMPLETE", "PRUNED") for t in after)
+    assert len({t.params["lr"] for t in after}) == 3  # the resumed sampler does not draw trial 0's settings again
     assert sorted(p.name for p in (out / "fedprox").glob("trial-*")) == ["trial-0000", "trial-0001", "trial-0002"]
     with pytest.raises(ConfigError, match="other settings.*rounds"):
         tune(parse(["methods=[fedprox]", "trials=3", f"out={out}", *argv(dict(base, rounds=2))]), echo=False)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy
 import yaml
 
 from fedhpro.compare import as_list, setting_differences
@@ -187,12 +188,16 @@ def _study(tuning: Tuning, method: str, worker: int) -> Any:
     with _locked(tuning.out / ".storage.lock"):
         storage = optuna.storages.RDBStorage(tuning.storage_url, heartbeat_interval=HEARTBEAT_SECONDS,
                                              grace_period=GRACE_SECONDS)
-        seed = int(load_config(tuning.source, dict(tuning.settings)).run.seed)
-        sampler = optuna.samplers.TPESampler(seed=seed + worker, constant_liar=True, n_startup_trials=5)
         pruner = (optuna.pruners.MedianPruner(n_startup_trials=3) if tuning.pruner == "median"
                   else optuna.pruners.NopPruner())
-        study = optuna.create_study(study_name=method, storage=storage, sampler=sampler, pruner=pruner,
-                                    direction="maximize", load_if_exists=True)
+        study = optuna.create_study(study_name=method, storage=storage, pruner=pruner, direction="maximize",
+                                    load_if_exists=True)
+        # the sampler's seed: the tuning's, this worker's index and the trials already there, so that a resumed
+        # study or another worker does not draw the same first settings again (TPE's first trials are random)
+        seed = int(load_config(tuning.source, dict(tuning.settings)).run.seed)
+        entropy = numpy.random.SeedSequence([seed, worker, len(study.get_trials(deepcopy=False))])
+        study.sampler = optuna.samplers.TPESampler(seed=int(entropy.generate_state(1)[0]), constant_liar=True,
+                                                   n_startup_trials=5)
         fixed = json.loads(json.dumps(_fixed_settings(tuning, method), default=str))
         stored = study.user_attrs.get("settings")
         if stored is None:
