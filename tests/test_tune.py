@@ -25,9 +25,9 @@ from fedhpro.tune import STUDY_FILE, TUNING_SEED, parse, tune
 
 
 def settings(data_dir: Path, **extra) -> dict:
-    """A tiny digits federation on which the learning rate matters: lr 0.001 stays near chance in 4 rounds,
-    lr 0.01-0.1 learns (measured: validation 8 % at 0.001, 50 % at 0.03)."""
-    return {"rounds": 4, "clients": 4, "data.fraction": 0.1, "data.syn_size": DIGITS_SYN_SIZE,
+    """A tiny digits federation on which the learning rate matters: lr 0.001 stays near chance in 3 rounds,
+    lr 0.01-0.1 learns."""
+    return {"rounds": 3, "clients": 4, "data.fraction": 0.1, "data.syn_size": DIGITS_SYN_SIZE,
             "data.test_fraction": DIGITS_TEST_FRACTION, "feature_dim": 16, "local_epochs": 2, "device": "cpu",
             "data_dir": str(data_dir), **extra}
 
@@ -58,7 +58,7 @@ def test_tune_finds_a_better_learning_rate_than_a_bad_one(digits_data_dir, tmp_p
     trials = trials_of(out, "fedavg")
     chosen = max((t for t in trials if t.value is not None), key=lambda t: t.value)
     assert chosen.value == pytest.approx(good, abs=1e-9)
-    assert all(sorted(t.intermediate_values) == [0, 1, 2, 3] for t in trials)
+    assert all(sorted(t.intermediate_values) == [0, 1, 2] for t in trials)
     rows = list(csv.DictReader((out / "fedavg" / "trials.csv").open()))
     assert [int(row["number"]) for row in rows] == list(range(6))
     assert yaml.safe_load((out / "tuned.yaml").read_text())["methods"]["fedavg"] == best
