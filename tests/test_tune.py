@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import statistics
 from pathlib import Path
 
 import optuna
@@ -144,3 +145,25 @@ def test_bad_input_is_refused_in_one_line_before_any_trial(tmp_path, capsys, giv
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and problem in err[0] and err[0].startswith("fedhpro: error:")
     assert not (out / STUDY_FILE).exists()
+
+
+def test_the_median_pruner_stops_trials_below_the_median_of_the_finished_ones(digits_data_dir, tmp_path):
+    out = tmp_path / "tune"
+    tune(parse(["methods=[fedavg]", "trials=8", "pruner=median", f"out={out}", *argv(settings(digits_data_dir))]),
+         echo=False)
+    trials = trials_of(out, "fedavg")
+    assert len(trials) == 8
+    pruned = [t for t in trials if t.state.name == "PRUNED"]
+    assert pruned  # the learning rates spread over [0.001, 0.5]: some trials fall behind
+    for trial in pruned:
+        step = max(trial.intermediate_values)
+        assert 1 <= step < 2  # not in the first third of the 3 rounds, and before the last
+        rows = [json.loads(line) for line in (out / "fedavg" / f"trial-{trial.number:04d}" / "metrics.jsonl")
+                .read_text().splitlines()]
+        assert len(rows) == step  # the run stopped in that round: its row was not written
+        assert all(trial.intermediate_values[row["round"]] == row["validation"]["AVG"] for row in rows)
+        earlier = sorted(t.intermediate_values[step] for t in trials
+                         if t.state.name == "COMPLETE" and t.number < trial.number)
+        assert len(earlier) >= 3 and trial.intermediate_values[step] < statistics.median(earlier)
+    best = max((t for t in trials if t.state.name == "COMPLETE"), key=lambda t: t.value)
+    assert yaml.safe_load((out / "tuned.yaml").read_text())["methods"]["fedavg"] == best.params

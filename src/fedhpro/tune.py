@@ -188,13 +188,16 @@ def _study(tuning: Tuning, method: str, worker: int) -> Any:
     with _locked(tuning.out / ".storage.lock"):
         storage = optuna.storages.RDBStorage(tuning.storage_url, heartbeat_interval=HEARTBEAT_SECONDS,
                                              grace_period=GRACE_SECONDS)
-        pruner = (optuna.pruners.MedianPruner(n_startup_trials=3) if tuning.pruner == "median"
-                  else optuna.pruners.NopPruner())
+        config = load_config(tuning.source, dict(tuning.settings))
+        # median: a trial stops when its validation AVG at a round is below the median of the finished trials' at
+        # that round, after 3 finished trials and not in the first third of the rounds (slow starters get a chance)
+        pruner = (optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=config.run.rounds // 3)
+                  if tuning.pruner == "median" else optuna.pruners.NopPruner())
         study = optuna.create_study(study_name=method, storage=storage, pruner=pruner, direction="maximize",
                                     load_if_exists=True)
         # the sampler's seed: the tuning's, this worker's index and the trials already there, so that a resumed
         # study or another worker does not draw the same first settings again (TPE's first trials are random)
-        seed = int(load_config(tuning.source, dict(tuning.settings)).run.seed)
+        seed = int(config.run.seed)
         entropy = numpy.random.SeedSequence([seed, worker, len(study.get_trials(deepcopy=False))])
         study.sampler = optuna.samplers.TPESampler(seed=int(entropy.generate_state(1)[0]), constant_liar=True,
                                                    n_startup_trials=5)
@@ -244,14 +247,13 @@ def tune_method(tuning: Tuning, method: str, worker: int = 0, echo: bool = True)
     def said(study: Any, trial: Any) -> None:
         if not echo or trial.user_attrs.get("over_budget"):
             return
-        value = "-" if trial.value is None else f"{trial.value:.2f}"
+        outcome = f"{trial.state.name.lower()}, validation " + ("-" if trial.value is None else f"{trial.value:.2f}")
         if trial.state.name == "PRUNED" and trial.intermediate_values:
             step = max(trial.intermediate_values)
-            value = f"pruned after round {step + 1} at {trial.intermediate_values[step]:.2f}"
+            outcome = f"pruned after round {step + 1}, validation {trial.intermediate_values[step]:.2f}"
         shown = ", ".join(f"{k}={_short(v)}" for k, v in trial.params.items())
         done = _counts(study)[0]
-        print(f"{method} trial {trial.number} ({done}/{tuning.trials}): {trial.state.name.lower()}, validation "
-              f"{value} ({shown})", flush=True)
+        print(f"{method} trial {trial.number} ({done}/{tuning.trials}): {outcome} ({shown})", flush=True)
 
     failures_allowed = tuning.trials
     while True:
