@@ -7,7 +7,12 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import os
+import signal
 import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import optuna
@@ -16,6 +21,7 @@ import yaml
 from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
 from test_plugins import restored
 
+import fedhpro.tune
 from fedhpro import api
 from fedhpro.cli import main as cli_main
 from fedhpro.errors import ConfigError
@@ -167,3 +173,30 @@ def test_the_median_pruner_stops_trials_below_the_median_of_the_finished_ones(di
         assert len(earlier) >= 3 and trial.intermediate_values[step] < statistics.median(earlier)
     best = max((t for t in trials if t.state.name == "COMPLETE"), key=lambda t: t.value)
     assert yaml.safe_load((out / "tuned.yaml").read_text())["methods"]["fedavg"] == best.params
+
+
+def test_a_tuning_killed_mid_trial_resumes_running_that_trials_place_again(digits_data_dir, tmp_path, monkeypatch):
+    out = tmp_path / "tune"
+    given = ["methods=[fedavg]", "trials=2", "pruner=none", f"out={out}",
+             *argv(settings(digits_data_dir, rounds=6, progress=False))]
+    worker = subprocess.Popen([sys.executable, "-m", "fedhpro", "tune", *given], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:  # until its first trial's run is under way
+            if (out / "fedavg" / "trial-0000" / "metrics.jsonl").is_file():
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the first trial did not start within 90 s")
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+    assert [t.state.name for t in trials_of(out, "fedavg")] == ["RUNNING"]  # left behind by the killed process
+    monkeypatch.setattr(fedhpro.tune, "GRACE_SECONDS", 1)  # its heartbeat stops: failed a second later
+    time.sleep(1.5)
+    tune(parse(given), echo=False)
+    states = [t.state.name for t in trials_of(out, "fedavg")]
+    assert states[0] == "FAIL" and states[1:] == ["COMPLETE", "COMPLETE"]  # the budget: two finished trials
+    rows = list(csv.DictReader((out / "fedavg" / "trials.csv").open()))
+    assert [row["state"] for row in rows] == ["fail", "complete", "complete"]

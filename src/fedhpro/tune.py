@@ -7,7 +7,8 @@ training data, at the tuning seed (``seed=``, 1000 unless given, apart from ``fe
 Its value is the last round's validation AVG; test accuracy is never read. The search covers the shared
 run keys of :data:`SHARED` (``lr``, ``local_epochs``) and the method's own knobs that declare ``search=``
 (:mod:`fedhpro.search_space`); a key given on the command line is fixed, not searched. The sampler is
-TPE; the pruner (``pruner=median``, the default, or ``none``) sees every evaluated round's validation AVG.
+TPE; the pruner (``pruner=median``, the default, or ``none``) sees every evaluated round's validation AVG
+(:class:`ValidationReporter`, an observer of the trial's run).
 
 The study resumes where it stopped: a trial counts once finished (complete or pruned) or running; one
 whose process died is failed by Optuna's heartbeat after :data:`GRACE_SECONDS` and its place is run
