@@ -66,8 +66,6 @@ HEARTBEAT_SECONDS = 10
 GRACE_SECONDS = 60
 STUDY_FILE = "study.db"
 TUNED_FILE = "tuned.yaml"
-#: the keys tune takes out of the settings (the others are run keys)
-TUNE_KEYS = ("methods", "trials", "out", "jobs", "storage", "pruner")
 
 
 @dataclass(frozen=True)
@@ -88,7 +86,7 @@ class Tuning:
         return self.storage or f"sqlite:///{(self.out / STUDY_FILE).resolve()}"
 
 
-def space_of(method: str, fixed: Mapping[str, Any] = {}) -> dict[str, Space]:
+def space_of(method: str, fixed: Mapping[str, Any] | None = None) -> dict[str, Space]:
     """``{config key: space}`` searched for ``method``: :data:`SHARED` and the knobs its options declare
     (``method.knob``), less the keys ``fixed`` sets. A ConfigError for a method whose options declare none
     (a method without options has only the shared keys to search)."""
@@ -99,7 +97,7 @@ def space_of(method: str, fixed: Mapping[str, Any] = {}) -> dict[str, Space]:
                           "(fedhpro.search_space, e.g. option(0.1, search=LogUniform(0.01, 1.0))) or leave it out "
                           "of methods=")
     space = {**SHARED, **{f"{method}.{name}": knob for name, knob in own.items()}}
-    return {key: knob for key, knob in space.items() if key not in fixed}
+    return {key: knob for key, knob in space.items() if key not in (fixed or {})}
 
 
 def suggest(trial: Any, key: str, space: Space) -> Any:
