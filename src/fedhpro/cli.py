@@ -38,7 +38,9 @@ _COMPARE_DESCRIPTION = (
     "Run methods=[...] for seeds=[...] (default: all nine methods, seeds 0,1,2) with the same settings; writes "
     "<out>/table.md and table.csv (default out=runs/compare). Finished runs in <out> are reused (interrupted ones "
     "continue from their checkpoint) if their config.yaml holds the same settings; one that does not stops the "
-    "comparison with the settings that differ. ")
+    "comparison with the settings that differ. A list for a key that takes one value (lr=[0.01,0.05]) is a grid: "
+    "one row per method and point, named in the table (fedavg lr=0.05). tuned=DIR/tuned.yaml (fedhpro tune) runs "
+    "each method at its tuned settings, on seeds apart from the tuning's, and the table's caption names them. ")
 _TUNE_DESCRIPTION = (
     "fedhpro tune [CONFIG.yaml] methods=[fedavg,fedprox] trials=20 out=DIR [jobs=N] [storage=URL] "
     "[pruner=median|none] KEY=VALUE ...: per method an Optuna study (TPE sampler, median pruner on each round's "

@@ -218,7 +218,7 @@ def point_name(point: Mapping[str, Any]) -> str:
 def read_tuned(path: str | os.PathLike) -> dict[str, Any]:
     """``tuned.yaml`` as ``fedhpro tune`` wrote it (``methods``: each method's settings; ``tuning``: how they
     were found), checked."""
-    data = load_yaml(read_bounded(Path(path), MAX_YAML_CHARS, what="tuned.yaml"), str(path))
+    data = load_yaml(read_bounded(Path(path), MAX_YAML_CHARS, what=f"tuned= {path}"), str(path))
     if not isinstance(data, dict) or not isinstance(data.get("methods"), dict) \
             or not isinstance(data.get("tuning", {}), dict):
         raise ConfigError(f"{path} is not the tuned.yaml of fedhpro tune (no methods: mapping); give the tuned.yaml "
