@@ -38,7 +38,16 @@ _COMPARE_DESCRIPTION = (
     "Run methods=[...] for seeds=[...] (default: all nine methods, seeds 0,1,2) with the same settings; writes "
     "<out>/table.md and table.csv (default out=runs/compare). Finished runs in <out> are reused (interrupted ones "
     "continue from their checkpoint) if their config.yaml holds the same settings; one that does not stops the "
-    "comparison with the settings that differ. ")
+    "comparison with the settings that differ. A list for a key that takes one value (lr=[0.01,0.05]) is a grid: "
+    "one row per method and point, named in the table (fedavg lr=0.05). tuned=DIR/tuned.yaml (fedhpro tune) runs "
+    "each method at its tuned settings, on seeds apart from the tuning's, and the table's caption names them. ")
+_TUNE_DESCRIPTION = (
+    "fedhpro tune [CONFIG.yaml] methods=[fedavg,fedprox] trials=20 out=DIR [jobs=N] [storage=URL] "
+    "[pruner=median|none] KEY=VALUE ...: per method an Optuna study (TPE sampler, median pruner on each round's "
+    "validation AVG) of trials= runs over lr, local_epochs and the knobs the method declares (a key given here is "
+    "fixed), on validation= (default 0.2; never test accuracy) at seed= (default 1000). Resumable: the studies live "
+    "in DIR/study.db (storage= any RDB URL Optuna accepts); jobs=N workers share them, the total staying trials=. "
+    "Writes DIR/<method>/trials.csv and best.yaml, and DIR/tuned.yaml for `fedhpro compare tuned=DIR/tuned.yaml`.")
 _REPRODUCE_DESCRIPTION = (
     "fedhpro reproduce NAME [scale=paper|smoke] [seeds=[0,1,2]] [out=DIR] [KEY=VALUE ...]: runs the target's "
     "methods x seeds (finished runs are reused) and writes table.md, table.csv and PNG figures with the paper's "
@@ -74,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "the dataset= given)")
     _settings_command(commands, "compare", "compare", description=_COMPARE_DESCRIPTION + _SWEEP_HELP,
                       help="several methods on the same federation and seeds: a table like the paper's Table A3")
+    _settings_command(commands, "tune", "tune", help="each method's hyperparameters tuned by Optuna on validation "
+                      "accuracy, the same trial budget each: tuned.yaml for compare", description=_TUNE_DESCRIPTION)
     _settings_command(commands, "reproduce", "reproduce", metavar="NAME [KEY=VALUE]",
                       help="run a table or figure of the paper (configs/paper/NAME.yaml): tables and PNGs",
                       description=_REPRODUCE_DESCRIPTION + _SWEEP_HELP)

@@ -24,6 +24,7 @@ from fedhpro.models.summary import describe_models, format_model_table
 from fedhpro.reports.runs import report
 from fedhpro.reproduce import main as reproduce_main
 from fedhpro.trained import class_accuracy, predict
+from fedhpro.tune import main as tune_main
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -123,6 +124,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return compare_main(args.settings)
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    return tune_main(args.settings)
+
+
 def _cmd_reproduce(args: argparse.Namespace) -> int:
     return reproduce_main(args.settings)
 
@@ -146,5 +151,5 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 #: the handler of each command (``fedhpro.cli`` sets its name as the parser's ``handler``)
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "run": _cmd_run, "config": _cmd_config, "compare": _cmd_compare, "reproduce": _cmd_reproduce,
+    "run": _cmd_run, "config": _cmd_config, "compare": _cmd_compare, "tune": _cmd_tune, "reproduce": _cmd_reproduce,
     "report": _cmd_report, "predict": _cmd_predict, "models": _cmd_models, "data describe": _cmd_data_describe}

@@ -10,14 +10,24 @@ names the settings that differ, instead of mixing old numbers into a new
 table. The table is written as ``table.md`` and ``table.csv``: accuracy per domain and
 AVG, mean ± std over the seeds, and the difference of AVG to FedAvg (the
 paper's Table A3 layout).
+
+A key given several values where it takes one (``lr=[0.01,0.05]``) is a grid:
+one row per method and point, named ``fedavg lr=0.05``. ``tuned=`` (the
+``tuned.yaml`` of ``fedhpro tune``) runs each method at its tuned settings, on
+seeds apart from the tuning's, and the table's caption says so.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
+import os
+import re
 import statistics
+import types
+import typing
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,11 +36,12 @@ import yaml
 
 from fedhpro import api
 from fedhpro.bounded import MAX_YAML_CHARS, load_yaml, read_bounded
-from fedhpro.config import PRESENTATION_KEYS, load_config, numbers_settings, parse_override
+from fedhpro.config import PRESENTATION_KEYS, Config, load_config, numbers_settings, parse_override
 from fedhpro.engines import checkpoint
 from fedhpro.errors import ConfigError, FedHProError
 from fedhpro.files import claim_run_folder
 from fedhpro.methods import METHODS, method_names
+from fedhpro.options import fields_of
 from fedhpro.reports import write_atomic
 from fedhpro.reports.plots import display_name
 from fedhpro.sweeps import Failure, Sweep, SweepFailed, execute, make_sweep, sweep_options
@@ -159,10 +170,99 @@ def run_sweep(jobs: Sequence[tuple[Any, Path]], labels: Sequence[str], sweep: Sw
     return execute(jobs, labels, sweep, api.run_or_continue, echo=echo)
 
 
+def declared_type(config: Config, key: str) -> Any:
+    """The type ``key`` (``lr``, ``fedprox.mu``, ``data.domains``) is declared with in ``config``'s option groups;
+    None for a key no group declares as a field (``data.clients_per_domain.mnist``)."""
+    section, _, knob = key.rpartition(".")
+    if not section:
+        return fields_of(type(config.run)).get(key, (None, None))[1]
+    group = config.sections().get(section)
+    if group is None or knob not in fields_of(type(group)):
+        return None
+    return fields_of(type(group))[knob][1]
+
+
+def _takes_a_list(tp: Any) -> bool:
+    """Whether a value of the declared type ``tp`` may be a list (a list, a tuple, or a union holding one)."""
+    if tp is None:
+        return True  # not a declared field: the value is passed on as it is
+    origin = typing.get_origin(tp)
+    if origin in (list, tuple):
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_takes_a_list(arg) for arg in typing.get_args(tp) if arg is not type(None))
+    return False
+
+
+def grid_points(pairs: Mapping[str, Any], source: str | None = None) -> list[dict[str, Any]]:
+    """Every point of the grid ``pairs`` spans: a key given a list whose declared type is not a list (``lr=[0.01,
+    0.05]``) takes each value in turn; keys whose values are lists (``data.domains``, ``data.mean``) stay as they
+    are. No such key: one point, ``{}``. The points' keys in the order given, the last varying fastest."""
+    scalars = {key: value for key, value in pairs.items() if not isinstance(value, list)}
+    config = load_config(source, scalars)
+    axes = [(key, value) for key, value in pairs.items()
+            if isinstance(value, list) and not _takes_a_list(declared_type(config, key))]
+    for key, values in axes:
+        if not values:
+            raise ConfigError(f"{key}=[] is empty; give one value or a list of values to compare, e.g. {key}=[a,b]")
+    return [dict(zip([key for key, _ in axes], combination))
+            for combination in itertools.product(*[values for _, values in axes])]
+
+
+def point_name(point: Mapping[str, Any]) -> str:
+    """A grid point as the table names it: ``lr=0.05 local_epochs=2`` (empty for no grid)."""
+    return " ".join(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}"
+                    for key, value in point.items())
+
+
+def read_tuned(path: str | os.PathLike) -> dict[str, Any]:
+    """``tuned.yaml`` as ``fedhpro tune`` wrote it (``methods``: each method's settings; ``tuning``: how they
+    were found), checked."""
+    data = load_yaml(read_bounded(Path(path), MAX_YAML_CHARS, what=f"tuned= {path}"), str(path))
+    if not isinstance(data, dict) or not isinstance(data.get("methods"), dict) \
+            or not isinstance(data.get("tuning", {}), dict):
+        raise ConfigError(f"{path} is not the tuned.yaml of fedhpro tune (no methods: mapping); give the tuned.yaml "
+                          "`fedhpro tune out=DIR` wrote in DIR")
+    return data
+
+
+def tuned_settings(tuned: Mapping[str, Any], path: str | os.PathLike, methods: Sequence[str], seeds: Sequence[int],
+                   pairs: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each of ``methods``' settings in ``tuned`` (:func:`read_tuned`), checked against the comparison's: every
+    method tuned, no key set both here and there, no seed the tuning ran at."""
+    settings: dict[str, dict[str, Any]] = {}
+    for method in methods:
+        found = tuned["methods"].get(method)
+        if not isinstance(found, dict):
+            raise ConfigError(f"{method} is not in {path} (tuned: {', '.join(tuned['methods']) or 'none'}); tune it "
+                              f"(fedhpro tune methods=[{method}] ...) or leave it out of methods=")
+        both = sorted(set(found) & set(pairs))
+        if both:
+            raise ConfigError(f"{both[0]}= is set by {path} for {method}; remove it (or compare without tuned=)")
+        settings[method] = dict(found)
+    tuning_seed = tuned.get("tuning", {}).get("seed")
+    if tuning_seed is not None and int(tuning_seed) in [int(seed) for seed in seeds]:
+        raise ConfigError(f"seed {tuning_seed} is the seed {path} was tuned at; compare on other seeds (e.g. "
+                          "seeds=[0,1,2]) so the test runs are apart from the tuning's")
+    return settings
+
+
+def run_folder_name(method: str, point: Mapping[str, Any], seed: int) -> str:
+    """``<method>-seed<seed>``, with a grid point's keys between: ``fedavg-lr=0.05-seed0``."""
+    named = re.sub(r"[^A-Za-z0-9._=-]+", "_", point_name(point).replace(" ", "-"))
+    return f"{method}-{named}-seed{seed}" if named else f"{method}-seed{seed}"
+
+
 def compare(methods: Sequence[str], seeds: Sequence[int], settings: Mapping[str, Any] | Sequence[str],
             out: str | Path, source: str | None = None, echo: bool = True, jobs: int = 1,
-            executor: str = "local", ray_address: str | None = None) -> dict[str, Any]:
+            executor: str = "local", ray_address: str | None = None,
+            tuned: str | os.PathLike | None = None) -> dict[str, Any]:
     """Run every method for every seed with the same ``settings`` and write the table; returns it as rows.
+
+    A setting given a list of values where its key takes one (``lr=[0.01, 0.05]``) is a grid: every method runs
+    at every point, one row per (method, point), named ``fedavg lr=0.05`` (:func:`grid_points`). ``tuned``: a
+    ``tuned.yaml`` of ``fedhpro tune``; each method runs at its tuned settings (:func:`tuned_settings`) and the
+    table's caption names them.
 
     ``jobs`` runs at a time in worker processes, or as Ray tasks with ``executor="ray"`` (``ray_address``:
     ``"auto"`` or ``"HOST:PORT"`` of a running cluster; None starts a local Ray); see :mod:`fedhpro.sweeps`.
@@ -177,20 +277,46 @@ def compare(methods: Sequence[str], seeds: Sequence[int], settings: Mapping[str,
     for forbidden in ("method", "seed", "out", "resume"):
         if forbidden in pairs:
             raise ConfigError(f"{forbidden}= is set by compare for each run; remove it")
+    tuned_data = read_tuned(tuned) if tuned is not None else None
+    per_method: dict[str, dict[str, Any]] = {method: {} for method in methods}
+    if tuned is not None and tuned_data is not None:
+        per_method = tuned_settings(tuned_data, tuned, methods, seeds, pairs)
+    points = grid_points(pairs, source)
+    fixed = {key: value for key, value in pairs.items() if not any(key in point for point in points)}
     out = Path(out)
-    runs = [(method, seed, out / f"{method}-seed{seed}") for method in methods for seed in seeds]
+    runs = [(method, point, seed, out / run_folder_name(method, point, seed))
+            for method in methods for point in points for seed in seeds]
     # every config is resolved (and so validated) before any run starts
-    tasks = [(load_config(source, {**pairs, "method": method, "seed": seed, "out": str(folder)}), folder)
-             for method, seed, folder in runs]
-    labels = [f"{method} seed {seed}" for method, seed, _ in runs]
+    tasks = [(load_config(source, {**fixed, **per_method[method], **point, "method": method, "seed": seed,
+                                   "out": str(folder)}), folder)
+             for method, point, seed, folder in runs]
+    labels = [f"{row_label(method, point)} seed {seed}" for method, point, seed, _ in runs]
+    caption = "" if tuned is None or tuned_data is None else tuned_caption(tuned_data, tuned, per_method)
     # the comparison's folder is this comparison's until it ends (its table is written there); each run's
     # own folder is claimed by the process that runs it (fedhpro.api.run_or_continue)
     with claim_run_folder(out):
-        return _compare_claimed(runs, seeds, tasks, labels, sweep, out, echo)
+        return _compare_claimed([(row_label(m, p), m, seed, folder) for m, p, seed, folder in runs], seeds, tasks,
+                                labels, sweep, out, echo, caption)
 
 
-def _compare_claimed(runs: list[tuple[str, int, Path]], seeds: Sequence[int], tasks: list[tuple[Any, Path]],
-                     labels: list[str], sweep: Sweep, out: Path, echo: bool) -> dict[str, Any]:
+def row_label(method: str, point: Mapping[str, Any]) -> str:
+    """A table row's name: the method, and its grid point if any (``fedavg lr=0.05``)."""
+    return f"{method} {point_name(point)}".strip()
+
+
+def tuned_caption(tuned: Mapping[str, Any], path: str | os.PathLike, per_method: Mapping[str, Mapping[str, Any]]
+                  ) -> str:
+    """The caption's line saying the methods ran at their tuned settings, which, and how they were tuned."""
+    how = tuned.get("tuning", {})
+    shown = "; ".join(f"{method}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                               for k, v in values.items())
+                      for method, values in per_method.items())
+    return (f"Each method at its tuned settings ({path}: fedhpro tune, {how.get('trials', '?')} trials each on "
+            f"validation accuracy, validation={how.get('validation', '?')}, seed {how.get('seed', '?')}): {shown}.\n\n")
+
+
+def _compare_claimed(runs: list[tuple[str, str, int, Path]], seeds: Sequence[int], tasks: list[tuple[Any, Path]],
+                     labels: list[str], sweep: Sweep, out: Path, echo: bool, caption: str = "") -> dict[str, Any]:
     """:func:`compare`'s runs and table, once ``out`` is claimed."""
     if sweep.sequential:  # a line as each run ends, as always
         results: Iterable[dict[str, Any] | None] = run_all(tasks)
@@ -198,17 +324,19 @@ def _compare_claimed(runs: list[tuple[str, int, Path]], seeds: Sequence[int], ta
     else:
         results, failures = run_sweep(tasks, labels, sweep, echo=echo)
     summaries: dict[str, list[dict[str, Any]]] = {}
-    for (method, seed, _), summary in zip(runs, results):
+    method_of: dict[str, str] = {}
+    for (label, method, seed, _), summary in zip(runs, results):
         if summary is None:
             continue
         if summary["accuracy"] is None:  # no round evaluated (privacy.max_epsilon before round 0): no number
             if echo:
-                print(f"{method:10s} seed {seed}: no round evaluated (left out of the table)", flush=True)
+                print(f"{label:10s} seed {seed}: no round evaluated (left out of the table)", flush=True)
             continue
-        summaries.setdefault(method, []).append(summary)
+        summaries.setdefault(label, []).append(summary)
+        method_of[label] = method
         if echo:
-            print(f"{method:10s} seed {seed}: AVG {summary['accuracy']:.2f}", flush=True)
-    table = _table(summaries, seeds) if summaries else {"markdown": "", "csv": ""}
+            print(f"{label:10s} seed {seed}: AVG {summary['accuracy']:.2f}", flush=True)
+    table = _table(summaries, seeds, method_of, caption) if summaries else {"markdown": "", "csv": ""}
     if summaries:
         write_atomic(out / "table.md", table["markdown"])
         write_atomic(out / "table.csv", table["csv"])
@@ -222,7 +350,11 @@ def _compare_claimed(runs: list[tuple[str, int, Path]], seeds: Sequence[int], ta
     return table
 
 
-def _table(summaries: dict[str, list[dict[str, Any]]], seeds: Sequence[int]) -> dict[str, Any]:
+def _table(summaries: dict[str, list[dict[str, Any]]], seeds: Sequence[int], method_of: Mapping[str, str],
+           caption: str = "") -> dict[str, Any]:
+    """The table of ``summaries`` (row name -> its runs' summaries; ``method_of``: each row's method): the rows in
+    the paper's order of their methods (a method's grid points in the order run), Δ to the baseline method's first
+    row."""
     first = next(iter(summaries.values()))[0]
     domains = list(first["per_domain"])
     columns = domains + ["AVG"] if len(domains) > 1 else ["AVG"]
@@ -234,14 +366,17 @@ def _table(summaries: dict[str, list[dict[str, Any]]], seeds: Sequence[int]) -> 
         spread = statistics.stdev(numbers) if len(numbers) > 1 else 0.0
         return f"{statistics.mean(numbers):.2f} ± {spread:.2f}"
 
-    reference = baseline_method()
-    baseline = statistics.mean(values(reference, "AVG")) if reference in summaries else None
+    order = {method: place for place, method in enumerate(table_order(dict.fromkeys(method_of.values())))}
+    rows = sorted(summaries, key=lambda label: order[method_of[label]])  # stable: grid points as run
+    reference_method = baseline_method()
+    reference = next((label for label in rows if method_of[label] == reference_method), None)
+    baseline = statistics.mean(values(reference, "AVG")) if reference is not None else None
     header = "| Methods | " + " | ".join(columns) + " | Δ |"
     lines = [header, "|---" * (len(columns) + 2) + "|"]
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     writer.writerow(["method"] + [f"{c}_mean" for c in columns] + [f"{c}_std" for c in columns] + ["delta_avg"])
-    for method in table_order(summaries):
+    for method in rows:
         avg = statistics.mean(values(method, "AVG"))
         gain = None if baseline is None or method == reference else avg - baseline
         delta = "–" if gain is None else f"{gain:+.2f}"
@@ -249,14 +384,15 @@ def _table(summaries: dict[str, list[dict[str, Any]]], seeds: Sequence[int]) -> 
         means = [statistics.mean(values(method, c)) for c in columns]
         stds = [statistics.stdev(values(method, c)) if len(values(method, c)) > 1 else 0.0 for c in columns]
         writer.writerow([method] + [f"{v:.4f}" for v in means + stds] + ["" if gain is None else f"{gain:.4f}"])
+    named = (display_name(reference_method) if reference == reference_method else reference) if reference else None
     caption = (f"Test accuracy (%) on {first['dataset']}, mean ± std over seeds {list(seeds)}; "
-               f"Δ = AVG minus {display_name(reference) if reference else 'the baseline'}'s AVG.\n\n")
+               f"Δ = AVG minus {named or 'the baseline'}'s AVG.\n\n") + caption
     return {"markdown": caption + "\n".join(lines) + "\n", "csv": buffer.getvalue()}
 
 
 def main(arguments: Sequence[str]) -> int:
-    """CLI: ``fedhpro compare [CONFIG.yaml] methods=[a,b] seeds=[0,1,2] out=DIR [jobs=N] [executor=local|ray]
-    [ray.address=auto|HOST:PORT] KEY=VALUE ...``."""
+    """CLI: ``fedhpro compare [CONFIG.yaml] methods=[a,b] seeds=[0,1,2] out=DIR [tuned=DIR/tuned.yaml] [jobs=N]
+    [executor=local|ray] [ray.address=auto|HOST:PORT] KEY=VALUE ...`` (a KEY=[v1,v2] of a one-value key: a grid)."""
     items = list(arguments)
     source = items.pop(0) if items and "=" not in items[0] else None
     pairs = dict(map(parse_override, items))
@@ -267,7 +403,8 @@ def main(arguments: Sequence[str]) -> int:
     except ValueError:
         raise ConfigError(f"seeds={seeds_raw} must be integers, e.g. seeds=[0,1,2]") from None
     out = pairs.pop("out", "runs/compare")
+    tuned = pairs.pop("tuned", None)
     sweep = sweep_options(pairs)
     compare(methods, seeds, pairs, out, source=source, jobs=sweep.jobs, executor=sweep.executor,
-            ray_address=sweep.ray_address)
+            ray_address=sweep.ray_address, tuned=None if tuned is None else str(tuned))
     return 0

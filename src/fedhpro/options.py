@@ -2,7 +2,8 @@
 
 Every group of settings (the run, a method's knobs, a data set's layout) is a
 dataclass whose fields carry their checks in ``metadata``: ``choices``,
-``min``/``max`` (inclusive) or ``gt`` (exclusive), and ``help``. ``coerce``
+``min``/``max`` (inclusive) or ``gt`` (exclusive), ``help``, and ``search`` (where ``fedhpro tune``
+may look for the knob: a :mod:`fedhpro.search_space` range). ``coerce``
 turns strings from the command line or YAML into the field's type and checks
 them, raising :class:`~fedhpro.errors.ConfigError` with one clear message.
 """
@@ -17,6 +18,7 @@ from typing import Any
 
 from fedhpro.errors import ConfigError
 from fedhpro.registry import did_you_mean
+from fedhpro.search_space import SPACES
 
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
@@ -32,13 +34,18 @@ TAGS = frozenset({
 
 def option(default: Any = dataclasses.MISSING, *, help: str = "", choices: Sequence[Any] | None = None,
            min: float | None = None, max: float | None = None, gt: float | None = None,
-           default_factory: Any = dataclasses.MISSING, tags: Sequence[str] = ()) -> Any:
+           default_factory: Any = dataclasses.MISSING, tags: Sequence[str] = (), search: Any = None) -> Any:
     """A dataclass field with validation metadata. ``choices`` may be a live sequence (read at each use:
-    :class:`fedhpro.registry.LiveChoices`); ``tags`` (of :data:`TAGS`) say what kind of key it is."""
+    :class:`fedhpro.registry.LiveChoices`); ``tags`` (of :data:`TAGS`) say what kind of key it is; ``search``
+    (a :mod:`fedhpro.search_space` range) is where ``fedhpro tune`` searches it."""
     unknown = set(tags) - TAGS
     if unknown:
         raise ValueError(f"unknown option tags {sorted(unknown)}; choose from {sorted(TAGS)}")
-    metadata = {"help": help, "choices": choices, "min": min, "max": max, "gt": gt, "tags": frozenset(tags)}
+    if search is not None and not isinstance(search, SPACES):
+        kinds = ", ".join(kind.__name__ for kind in SPACES)
+        raise ValueError(f"search={search!r} is not a range of fedhpro.search_space ({kinds})")
+    metadata = {"help": help, "choices": choices, "min": min, "max": max, "gt": gt, "tags": frozenset(tags),
+                "search": search}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)

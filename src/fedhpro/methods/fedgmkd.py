@@ -42,13 +42,15 @@ from fedhpro.methods.prototypes import (
 )
 from fedhpro.methods.training import Batch, LocalRound, LossTerms
 from fedhpro.options import option
+from fedhpro.search_space import LogUniform
 
 
 @dataclass
 class FedGMKDOptions(PrototypeOptions):
-    lam: float = option(0.6, min=0.0, help="lambda, weight of KL(S^ || softmax(h(P)/T)) (paper C.1: 0.6)")
-    gamma: float = option(0.5, min=0.0, help="weight of MSE(z, P_y) (paper C.1: 0.5)")
-    temperature: float = option(0.6, gt=0.0, help="T of the soft predictions")
+    lam: float = option(0.6, min=0.0, help="lambda, weight of KL(S^ || softmax(h(P)/T)) (paper C.1: 0.6)",
+                        search=LogUniform(0.05, 5.0))
+    gamma: float = option(0.5, min=0.0, help="weight of MSE(z, P_y) (paper C.1: 0.5)", search=LogUniform(0.05, 5.0))
+    temperature: float = option(0.6, gt=0.0, help="T of the soft predictions", search=LogUniform(0.1, 5.0))
     kl_reduction: str = option("mean", choices=("mean", "batchmean"),
                                help="mean: KL averaged over held classes and the C outputs (KL / C), as the "
                                     "authors' nn.KLDivLoss() with which lam = 0.6 was tuned; batchmean: the "

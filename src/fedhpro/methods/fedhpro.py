@@ -51,20 +51,23 @@ from fedhpro.methods.parts import classifier_of
 from fedhpro.methods.prototypes import feature_dim_of, merge_prototypes, private_class_uploads, stack_prototypes
 from fedhpro.methods.training import Batch, LocalRound, LossTerms
 from fedhpro.options import option
+from fedhpro.search_space import LogUniform
 
 
 @dataclass
 class FedHProOptions:
-    hpcl_weight: float = option(1.0, min=0.0, help="lambda of L_HPCL (Eq. 12); 0 turns HPCL off (Table 5)")
-    hpal_weight: float = option(1.0, min=0.0, help="lambda of L_HPAL (Eq. 13); 0 turns HPAL off (Table 5)")
+    hpcl_weight: float = option(1.0, min=0.0, help="lambda of L_HPCL (Eq. 12); 0 turns HPCL off (Table 5)",
+                                search=LogUniform(0.01, 10.0))
+    hpal_weight: float = option(1.0, min=0.0, help="lambda of L_HPAL (Eq. 13); 0 turns HPAL off (Table 5)",
+                                search=LogUniform(0.01, 10.0))
     margin: str = option("raw", choices=("raw", "normalized", "off", "dot"),
                          help="client margin d_k of Eq. 10: raw feature distances (the paper), "
                               "distances of L2-normalised prototypes, off (Figure 7), or dot: the authors' "
                               "code's (dot products of the prototypes, added to HPCL's denominator)")
     num_hyper: int = option(5, min=1, help="|I|, hyper-prototypes per class")
     match_steps: int = option(30, min=0, help="M, gradient-matching steps per round (0: frozen random S)")
-    tau: float = option(0.05, gt=0.0, help="temperature of HPCL")
-    hyper_lr: float = option(0.1, gt=0.0, help="step size of gradient matching")
+    tau: float = option(0.05, gt=0.0, help="temperature of HPCL", search=LogUniform(0.01, 1.0))
+    hyper_lr: float = option(0.1, gt=0.0, help="step size of gradient matching", search=LogUniform(0.01, 1.0))
     hyper_optimizer: str = option("sgd", choices=("sgd", "adam"), help="optimiser of gradient matching")
     hyper_init: str = option("gaussian", choices=HYPER_INITS,
                              help="starting hyper-prototypes: gaussian N(0, 1) (the paper), simplex (equiangular "

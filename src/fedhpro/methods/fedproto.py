@@ -33,11 +33,12 @@ from fedhpro.methods.prototypes import (
     weights_travel,
 )
 from fedhpro.options import option
+from fedhpro.search_space import LogUniform
 
 
 @dataclass
 class FedProtoOptions(PrototypeOptions):
-    lam: float = option(1.0, min=0.0, help="lambda of the prototype MSE term")
+    lam: float = option(1.0, min=0.0, help="lambda of the prototype MSE term", search=LogUniform(0.01, 10.0))
 
 
 class FedProtoServer(PrototypeServer):

@@ -22,11 +22,13 @@ from torch import Tensor, nn
 from fedhpro.methods.base import Client, MethodSpec, Server
 from fedhpro.methods.training import LocalRound, LossTerms
 from fedhpro.options import option
+from fedhpro.search_space import LogUniform
 
 
 @dataclass
 class FedProxOptions:
-    mu: float = option(0.01, min=0.0, help="proximal coefficient mu of (mu/2)||w - w^t||^2 (paper C.1: 0.01)")
+    mu: float = option(0.01, min=0.0, help="proximal coefficient mu of (mu/2)||w - w^t||^2 (paper C.1: 0.01)",
+                       search=LogUniform(1e-4, 1.0))
 
 
 def anchored_parameters(model: nn.Module, anchors: Mapping[str, Tensor]) -> list[tuple[Tensor, Tensor]]:

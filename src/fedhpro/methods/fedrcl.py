@@ -64,13 +64,16 @@ from torch import Tensor, nn
 from fedhpro.methods.base import Client, MethodSpec, Server
 from fedhpro.methods.training import Batch, LocalRound, LossTerms, TrainSettings
 from fedhpro.options import option
+from fedhpro.search_space import LogUniform
 
 
 @dataclass
 class FedRCLOptions:
     tau: float = option(0.05, gt=0.0,
-                        help="temperature of the relaxed contrastive loss and the penalty (paper C.1: 0.05)")
-    beta: float = option(1.0, min=0.0, help="weight beta of the divergence penalty (paper C.1: 1.0)")
+                        help="temperature of the relaxed contrastive loss and the penalty (paper C.1: 0.05)",
+                        search=LogUniform(0.01, 1.0))
+    beta: float = option(1.0, min=0.0, help="weight beta of the divergence penalty (paper C.1: 1.0)",
+                         search=LogUniform(0.01, 10.0))
     threshold: float = option(0.7, min=-1.0, max=1.0,
                               help="similarity threshold of the penalty: m' = least similar same-class "
                                    "similarity if >= threshold, else -1 (the authors' 0.7)")

@@ -67,13 +67,16 @@ from fedhpro.methods.prototypes import (
 )
 from fedhpro.methods.training import Batch, LocalRound, LossTerms
 from fedhpro.options import option
+from fedhpro.search_space import LogUniform
 
 
 @dataclass
 class FedSAOptions(PrototypeOptions):
-    lambda1: float = option(0.1, min=0.0, help="weight of the classifier calibration CE(h(A), [0..C-1])")
-    lambda2: float = option(0.9, min=0.0, help="weight of MSE(z, A_y)")
-    lambda3: float = option(1.0, min=0.0, help="weight of the margin-enhanced contrastive CE")
+    lambda1: float = option(0.1, min=0.0, help="weight of the classifier calibration CE(h(A), [0..C-1])",
+                            search=LogUniform(0.01, 10.0))
+    lambda2: float = option(0.9, min=0.0, help="weight of MSE(z, A_y)", search=LogUniform(0.01, 10.0))
+    lambda3: float = option(1.0, min=0.0, help="weight of the margin-enhanced contrastive CE",
+                            search=LogUniform(0.01, 10.0))
     anchor_momentum: float = option(0.9999, min=0.0, max=1.0,
                                     help="m in A <- m A + (1 - m) Pbar after each round")
 

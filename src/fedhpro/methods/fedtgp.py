@@ -55,6 +55,7 @@ from fedhpro.methods.prototypes import (
     weights_travel,
 )
 from fedhpro.options import option
+from fedhpro.search_space import LogUniform
 from fedhpro.seeds import derive_seed
 
 _TGP_INIT, _TGP_SHUFFLE = 41, 42
@@ -62,9 +63,9 @@ _TGP_INIT, _TGP_SHUFFLE = 41, 42
 
 @dataclass
 class FedTGPOptions(PrototypeOptions):
-    lam: float = option(1.0, min=0.0, help="lambda of the prototype MSE term")
+    lam: float = option(1.0, min=0.0, help="lambda of the prototype MSE term", search=LogUniform(0.01, 10.0))
     server_epochs: int = option(100, min=0, help="S, epochs of TGP training per round")
-    server_lr: float = option(0.01, gt=0.0, help="SGD step size of TGP training")
+    server_lr: float = option(0.01, gt=0.0, help="SGD step size of TGP training", search=LogUniform(1e-3, 0.1))
     server_batch_size: int = option(10, min=1, help="batch size of TGP training")
     margin_cap: float = option(100.0, min=0.0, help="upper bound of the adaptive margin delta")
 

@@ -65,12 +65,15 @@ from fedhpro.methods.parts import features_of
 from fedhpro.methods.training import Batch, LocalRound, LossTerms
 from fedhpro.models.projection import ProjectionHeadNet, with_projection_head
 from fedhpro.options import option
+from fedhpro.search_space import LogUniform
 
 
 @dataclass
 class MoonOptions:
-    mu: float = option(1.0, min=0.0, help="weight mu of the model-contrastive loss (paper C.1: 1.0)")
-    tau: float = option(0.5, gt=0.0, help="temperature tau of the model-contrastive loss (paper C.1: 0.5)")
+    mu: float = option(1.0, min=0.0, help="weight mu of the model-contrastive loss (paper C.1: 1.0)",
+                       search=LogUniform(0.01, 10.0))
+    tau: float = option(0.5, gt=0.0, help="temperature tau of the model-contrastive loss (paper C.1: 0.5)",
+                        search=LogUniform(0.05, 1.0))
     projection_head: str = option("none", choices=("none", "authors"),
                                   help="none: contrast the feature z of the common network every method trains; "
                                        "authors: MOON alone gets the authors' head d -> d -> P, classifier on the "

@@ -1,0 +1,412 @@
+"""``fedhpro tune``: each method's hyperparameters searched by Optuna on validation accuracy, the same budget each.
+
+For every method, a study (named after the method) in Optuna's storage (``<out>/study.db``, SQLite, or any
+RDB URL given as ``storage=``) runs ``trials=`` trials. A trial is one run of the method on the federation
+the settings describe, with ``validation=`` (0.2 unless given; 0 is refused) held out of each client's
+training data, at the tuning seed (``seed=``, 1000 unless given, apart from ``fedhpro compare``'s 0, 1, 2).
+Its value is the last round's validation AVG; test accuracy is never read. The search covers the shared
+run keys of :data:`SHARED` (``lr``, ``local_epochs``) and the method's own knobs that declare ``search=``
+(:mod:`fedhpro.search_space`); a key given on the command line is fixed, not searched. The sampler is
+TPE; the pruner (``pruner=median``, the default, or ``none``) sees every evaluated round's validation AVG
+(:class:`ValidationReporter`, an observer of the trial's run).
+
+The study resumes where it stopped: a trial counts once finished (complete or pruned) or running; one
+whose process died is failed by Optuna's heartbeat after :data:`GRACE_SECONDS` and its place is run
+again. ``jobs=N`` starts ``N`` worker processes sharing each study through the storage (several machines:
+the same command with one ``storage=`` URL each); a lock around "count, then start a trial" keeps the
+total at the budget on one machine, and a trial started past it anyway (another machine won the race) is
+failed at once, before it runs, and not counted.
+
+Written (atomically): ``<out>/<method>/trials.csv`` (every trial: number, state, value, its settings),
+``<out>/<method>/best.yaml`` and ``<out>/tuned.yaml`` (``methods``: each method's best settings, and
+``tuning``: how they were found), which ``fedhpro compare tuned=<out>/tuned.yaml`` runs on the test set.
+"""
+
+from __future__ import annotations
+
+import csv
+import fcntl
+import io
+import json
+import math
+import multiprocessing
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy
+import yaml
+
+from fedhpro.compare import as_list, setting_differences
+from fedhpro.config import Config, load_config, parse_override
+from fedhpro.engines import driver
+from fedhpro.engines.observers import RoundObserver
+from fedhpro.engines.protocol import RoundRecord
+from fedhpro.errors import ConfigError
+from fedhpro.experiment import build_experiment, build_simulator, resolve_device
+from fedhpro.files import claim_run_folder, write_atomic
+from fedhpro.methods import get_method
+from fedhpro.options import fields_of
+from fedhpro.runtime import cpu_runtime, resolve_threads, torch_threads
+from fedhpro.search_space import Categorical, IntRange, LogUniform, Space, Uniform, declared, describe
+
+#: the run keys every method's search covers (declared here, next to the tuning, not in the run's options)
+SHARED: dict[str, Space] = {"lr": LogUniform(1e-3, 0.5), "local_epochs": IntRange(1, 5)}
+#: the validation share a tuning holds out when the settings give none
+DEFAULT_VALIDATION = 0.2
+#: the tuning runs' seed when the settings give none: apart from compare's default seeds 0, 1, 2
+TUNING_SEED = 1000
+PRUNERS = ("median", "none")
+#: Optuna's heartbeat: a running trial whose process stopped beating this long ago is failed (and run again)
+HEARTBEAT_SECONDS = 10
+GRACE_SECONDS = 60
+STUDY_FILE = "study.db"
+TUNED_FILE = "tuned.yaml"
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """What a tuning was asked: the methods, the budget, the fixed settings (run keys), where it is stored."""
+
+    methods: tuple[str, ...]
+    trials: int
+    settings: Mapping[str, Any]
+    out: Path
+    source: str | None = None
+    jobs: int = 1
+    storage: str | None = None
+    pruner: str = "median"
+
+    @property
+    def storage_url(self) -> str:
+        return self.storage or f"sqlite:///{(self.out / STUDY_FILE).resolve()}"
+
+
+def space_of(method: str, fixed: Mapping[str, Any] | None = None) -> dict[str, Space]:
+    """``{config key: space}`` searched for ``method``: :data:`SHARED` and the knobs its options declare
+    (``method.knob``), less the keys ``fixed`` sets. A ConfigError for a method whose options declare none
+    (a method without options has only the shared keys to search)."""
+    spec = get_method(method)  # a ConfigError naming the registered ones for an unknown name
+    own = declared(spec.options)
+    if fields_of(spec.options) and not own:
+        raise ConfigError(f"method {method!r} declares no search space; give some of its options search= "
+                          "(fedhpro.search_space, e.g. option(0.1, search=LogUniform(0.01, 1.0))) or leave it out "
+                          "of methods=")
+    space = {**SHARED, **{f"{method}.{name}": knob for name, knob in own.items()}}
+    return {key: knob for key, knob in space.items() if key not in (fixed or {})}
+
+
+def suggest(trial: Any, key: str, space: Space) -> Any:
+    """``trial``'s value for ``key`` drawn from ``space`` (an Optuna trial)."""
+    if isinstance(space, LogUniform):
+        return trial.suggest_float(key, space.low, space.high, log=True)
+    if isinstance(space, Uniform):
+        return trial.suggest_float(key, space.low, space.high)
+    if isinstance(space, IntRange):
+        return trial.suggest_int(key, space.low, space.high, step=space.step)
+    if isinstance(space, Categorical):
+        return trial.suggest_categorical(key, list(space.choices))
+    raise TypeError(f"not a search space: {space!r}")
+
+
+def _optuna() -> Any:
+    # lazy: optuna (and SQLAlchemy under it) loads only when a tuning runs, so `import fedhpro` stays light
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # the heartbeat (fail_stale_trials, heartbeat_interval) is marked experimental since Optuna 2.9: said once here
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    return optuna
+
+
+class ValidationReporter(RoundObserver):
+    """Reports each evaluated round's validation AVG to the Optuna ``trial`` and raises ``TrialPruned`` when
+    its pruner says so (the run then stops; its folder keeps the rounds it ran)."""
+
+    def __init__(self, trial: Any) -> None:
+        self.trial = trial
+        self.curve: list[tuple[int, float]] = []
+
+    def on_round_end(self, record: RoundRecord) -> None:
+        validation = record.extra.get("validation")
+        if not validation or validation.get("AVG") is None or not math.isfinite(validation["AVG"]):
+            return
+        value = float(validation["AVG"])
+        self.curve.append((record.round, value))
+        self.trial.report(value, step=record.round)
+        if self.trial.should_prune():
+            raise _optuna().TrialPruned(f"pruned after round {record.round + 1} at validation {value:.2f}")
+
+
+def trial_run(config: Config, folder: Path, observer: RoundObserver) -> dict[str, Any]:
+    """``config`` run in the new ``folder`` with ``observer`` watching its rounds; its summary.
+
+    :func:`fedhpro.api.run`'s in-process run with one more observer (the API takes none), a fresh folder,
+    no model written."""
+    device = resolve_device(config.run.device)
+    with claim_run_folder(folder), cpu_runtime(enabled=device.type == "cpu"), \
+            torch_threads(resolve_threads(config.run.threads)):
+        parts = build_experiment(config, device)
+        simulator = build_simulator(config, parts, device, [observer])
+        run = driver.Run(folder, config.run, simulator.protocol, started=time.perf_counter())
+        return driver.execute(simulator, run, config, data_name=config.run.dataset,
+                              partition=parts.federation.partition, notes=parts.federation.notes, resume_from=None,
+                              write_model=lambda _: None, voice=driver.ConsoleVoice(False))
+
+
+def _fixed_settings(tuning: Tuning, method: str) -> dict[str, Any]:
+    """The settings every trial of ``method`` shares (what the study records and a resumed one must match)."""
+    return {"source": tuning.source, "method": method, **{k: tuning.settings[k] for k in sorted(tuning.settings)},
+            "space": {key: describe(space) for key, space in space_of(method, tuning.settings).items()}}
+
+
+def trial_config(tuning: Tuning, method: str, values: Mapping[str, Any], folder: Path) -> Config:
+    """The config of one trial: the fixed settings, the trial's ``values``, quiet, in ``folder``."""
+    config = load_config(tuning.source, {**tuning.settings, **values, "method": method, "out": str(folder),
+                                         "progress": False, "checkpoint_every": 0})
+    return replace(config, run=replace(config.run, threads=str(resolve_threads(config.run.threads, tuning.jobs))))
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[Any]:
+    """An exclusive ``flock`` on ``path`` (made if needed) while the block runs; yields the open file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield handle
+
+
+def _study(tuning: Tuning, method: str, worker: int) -> Any:
+    """``method``'s study in the storage, made (with its fixed settings recorded) or loaded and checked; one
+    process at a time on this machine (SQLite cannot make the same tables twice at once)."""
+    optuna = _optuna()
+    with _locked(tuning.out / ".storage.lock"):
+        storage = optuna.storages.RDBStorage(tuning.storage_url, heartbeat_interval=HEARTBEAT_SECONDS,
+                                             grace_period=GRACE_SECONDS)
+        config = load_config(tuning.source, dict(tuning.settings))
+        # median: a trial stops when its validation AVG at a round is below the median of the finished trials' at
+        # that round, after 3 finished trials and not in the first third of the rounds (slow starters get a chance)
+        pruner = (optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=config.run.rounds // 3)
+                  if tuning.pruner == "median" else optuna.pruners.NopPruner())
+        study = optuna.create_study(study_name=method, storage=storage, pruner=pruner, direction="maximize",
+                                    load_if_exists=True)
+        # the sampler's seed: the tuning's, this worker's index and the trials already there, so that a resumed
+        # study or another worker does not draw the same first settings again (TPE's first trials are random)
+        seed = int(config.run.seed)
+        entropy = numpy.random.SeedSequence([seed, worker, len(study.get_trials(deepcopy=False))])
+        study.sampler = optuna.samplers.TPESampler(seed=int(entropy.generate_state(1)[0]), constant_liar=True,
+                                                   n_startup_trials=5)
+        fixed = json.loads(json.dumps(_fixed_settings(tuning, method), default=str))
+        stored = study.user_attrs.get("settings")
+        if stored is None:
+            study.set_user_attr("settings", fixed)
+    if stored is not None and stored != fixed:
+        differences = setting_differences(stored, fixed)
+        raise ConfigError(f"the study of {method} in {tuning.storage_url} was tuned with other settings "
+                          f"({'; '.join(differences[:4])}); give another out= (or storage=) or delete it")
+    return study
+
+
+def _counts(study: Any) -> tuple[int, int, int]:
+    """``(finished, running, failed)`` trials of ``study`` (finished: complete or pruned)."""
+    states = [trial.state.name for trial in study.get_trials(deepcopy=False)]
+    return (states.count("COMPLETE") + states.count("PRUNED"), states.count("RUNNING"), states.count("FAIL"))
+
+
+def tune_method(tuning: Tuning, method: str, worker: int = 0, echo: bool = True) -> None:
+    """Run trials of ``method``'s study until ``tuning.trials`` are finished (this and any other worker's)."""
+    optuna = _optuna()
+    study = _study(tuning, method, worker)
+    space = space_of(method, tuning.settings)
+    lock_path = tuning.out / method / ".trials.lock"
+    held: list[Any] = []
+
+    def objective(trial: Any) -> float:
+        for handle in held:  # the trial is in the storage now (running): another worker may count it
+            fcntl.flock(handle, fcntl.LOCK_UN)
+        held.clear()
+        finished, running, _ = _counts(study)
+        if finished + running > tuning.trials:  # started past the budget (another machine won the race)
+            trial.set_user_attr("over_budget", True)
+            raise _OverBudget()
+        values = {key: suggest(trial, key, knob) for key, knob in space.items()}
+        folder = tuning.out / method / f"trial-{trial.number:04d}"
+        reporter = ValidationReporter(trial)
+        try:
+            summary = trial_run(trial_config(tuning, method, values, folder), folder, reporter)
+        finally:
+            trial.set_user_attr("curve", reporter.curve)
+        validation = summary.get("validation", {}).get("accuracy")
+        return 0.0 if validation is None else float(validation)  # a run no client could be tested on: 0
+
+    def said(study: Any, trial: Any) -> None:
+        if not echo or trial.user_attrs.get("over_budget"):
+            return
+        outcome = f"{trial.state.name.lower()}, validation " + ("-" if trial.value is None else f"{trial.value:.2f}")
+        if trial.state.name == "PRUNED" and trial.intermediate_values:
+            step = max(trial.intermediate_values)
+            outcome = f"pruned after round {step + 1}, validation {trial.intermediate_values[step]:.2f}"
+        shown = ", ".join(f"{k}={_short(v)}" for k, v in trial.params.items())
+        done = _counts(study)[0]
+        print(f"{method} trial {trial.number} ({done}/{tuning.trials}): {outcome} ({shown})", flush=True)
+
+    failures_allowed = tuning.trials
+    while True:
+        with _locked(lock_path) as handle:
+            optuna.storages.fail_stale_trials(study)
+            finished, running, failed = _counts(study)
+            if finished >= tuning.trials:
+                return
+            if failed > failures_allowed:
+                raise ConfigError(f"{failed} trials of {method} failed; see the errors above, fix the settings "
+                                  f"and run again (the study in {tuning.storage_url} keeps its finished trials)")
+            if finished + running >= tuning.trials:  # the others' last trials are running: wait for them
+                wait = True
+            else:
+                wait = False
+                held.append(handle)
+                try:
+                    study.optimize(objective, n_trials=1, callbacks=[said], catch=(_OverBudget,))
+                finally:
+                    held.clear()
+        if wait:
+            time.sleep(1.0)
+
+
+class _OverBudget(Exception):
+    """A trial started past the budget (failed at once, not run, not counted)."""
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _worker(tuning: Tuning, worker: int) -> None:
+    """One worker process of ``jobs=N``: every method's study in turn, quiet but for its trials' lines."""
+    for method in tuning.methods:
+        tune_method(tuning, method, worker)
+
+
+def tune(tuning: Tuning, echo: bool = True) -> dict[str, Any]:
+    """Run the tuning (``jobs`` workers, each study to its budget), then write every method's trials table and
+    best settings and ``tuned.yaml``; returns ``tuned.yaml``'s content."""
+    check(tuning)
+    tuning.out.mkdir(parents=True, exist_ok=True)
+    if tuning.jobs == 1:
+        for method in tuning.methods:
+            tune_method(tuning, method, 0, echo)
+    else:
+        for method in tuning.methods:  # the storage's tables and each study made (or checked) once, here
+            _study(tuning, method, 0)
+        context = multiprocessing.get_context("spawn")  # torch and fork do not mix
+        workers = [context.Process(target=_worker, args=(tuning, index)) for index in range(tuning.jobs)]
+        for process in workers:
+            process.start()
+        for process in workers:
+            process.join()
+        failed = [index for index, process in enumerate(workers) if process.exitcode != 0]
+        if failed:
+            raise ConfigError(f"tuning worker{'s' if len(failed) > 1 else ''} {failed} stopped with an error (above); "
+                              "run the same command again to go on from the study")
+    return write_results(tuning, echo)
+
+
+def check(tuning: Tuning) -> None:
+    """Refuse, in one line each, what a tuning cannot run: before any trial."""
+    if not tuning.methods:
+        raise ConfigError("methods= is empty; give e.g. methods=[fedavg,fedprox]")
+    for method in tuning.methods:
+        space_of(method, tuning.settings)  # unknown method, a method without a space
+    if tuning.trials < 1:
+        raise ConfigError(f"trials={tuning.trials} gives no trial; give the trials per method, e.g. trials=20")
+    if tuning.pruner not in PRUNERS:
+        raise ConfigError(f"pruner={tuning.pruner!r} is not valid; choose one of: {', '.join(PRUNERS)}")
+    for forbidden in ("method", "resume"):
+        if forbidden in tuning.settings:
+            raise ConfigError(f"{forbidden}= is set by tune for each trial; remove it")
+    config = load_config(tuning.source, {**tuning.settings, "method": tuning.methods[0]})  # every key checked
+    if config.run.validation <= 0:
+        raise ConfigError("validation=0 leaves no validation data to tune on (tuning never reads test accuracy); "
+                          f"give validation={DEFAULT_VALIDATION} or leave validation= out")
+
+
+def write_results(tuning: Tuning, echo: bool = True) -> dict[str, Any]:
+    """Every method's ``trials.csv`` and ``best.yaml``, and ``tuned.yaml``, from the studies as they are now."""
+    optuna = _optuna()
+    best: dict[str, dict[str, Any]] = {}
+    for method in tuning.methods:
+        study = optuna.load_study(study_name=method, storage=tuning.storage_url)
+        trials = study.get_trials(deepcopy=False)
+        keys = sorted({key for trial in trials for key in trial.params})
+        buffer = io.StringIO()
+        writer = csv.writer(buffer)
+        writer.writerow(["number", "state", "validation", "rounds_reported", *keys])
+        for trial in trials:
+            writer.writerow([trial.number, trial.state.name.lower(), "" if trial.value is None else
+                             f"{trial.value:.4f}", len(trial.intermediate_values),
+                             *[trial.params.get(key, "") for key in keys]])
+        write_atomic(tuning.out / method / "trials.csv", buffer.getvalue())
+        complete = [trial for trial in trials if trial.state.name == "COMPLETE"]
+        if not complete:
+            continue
+        top = max(complete, key=lambda trial: (trial.value, -trial.number))  # the earliest of equals
+        best[method] = dict(top.params)
+        write_atomic(tuning.out / method / "best.yaml", yaml.safe_dump(
+            {"settings": best[method], "validation": top.value, "trial": top.number}, sort_keys=False))
+        if echo:
+            shown = ", ".join(f"{k}={_short(v)}" for k, v in top.params.items())
+            print(f"{method}: best validation {top.value:.2f} (trial {top.number}): {shown}", flush=True)
+    config = load_config(tuning.source, {**tuning.settings, "method": tuning.methods[0]})
+    tuned = {"tuning": {"trials": tuning.trials, "seed": config.run.seed, "validation": config.run.validation,
+                        "storage": tuning.storage_url if tuning.storage else STUDY_FILE,
+                        "settings": {k: tuning.settings[k] for k in sorted(tuning.settings)},
+                        "objective": "last round's validation AVG"},
+             "methods": best}
+    write_atomic(tuning.out / TUNED_FILE, yaml.safe_dump(json.loads(json.dumps(tuned, default=str)),
+                                                         sort_keys=False))
+    if echo:
+        print(f"written: {tuning.out / TUNED_FILE} (fedhpro compare tuned={tuning.out / TUNED_FILE} ...)")
+    return tuned
+
+
+def parse(arguments: Sequence[str]) -> Tuning:
+    """A :class:`Tuning` of the command line ``[CONFIG.yaml] methods=[...] trials=N out=DIR [jobs=N]
+    [storage=URL] [pruner=median|none] KEY=VALUE ...``."""
+    items = list(arguments)
+    source = items.pop(0) if items and "=" not in items[0] else None
+    pairs = dict(map(parse_override, items))
+    methods = tuple(as_list(pairs.pop("methods", "fedavg"), "methods"))
+    trials_raw = pairs.pop("trials", 20)
+    jobs_raw = pairs.pop("jobs", 1)
+    for key, raw in (("trials", trials_raw), ("jobs", jobs_raw)):
+        if isinstance(raw, bool) or not str(raw).strip().lstrip("-").isdigit():
+            raise ConfigError(f"{key}={raw!r} is not a whole number; e.g. {key}=20")
+    if int(jobs_raw) < 1:
+        raise ConfigError(f"jobs={jobs_raw} is not valid; give the worker processes, e.g. jobs=2")
+    out = Path(str(pairs.pop("out", "runs/tune")))
+    storage = pairs.pop("storage", None)
+    pruner = str(pairs.pop("pruner", "median"))
+    if "validation" in pairs:
+        try:
+            given = float(pairs["validation"])
+        except (TypeError, ValueError):
+            given = None
+        if given == 0:
+            raise ConfigError("validation=0 leaves no validation data to tune on (tuning never reads test "
+                              f"accuracy); give validation={DEFAULT_VALIDATION} or leave validation= out")
+    elif load_config(source, {}).run.validation <= 0:
+        pairs["validation"] = DEFAULT_VALIDATION
+    pairs.setdefault("seed", TUNING_SEED)
+    return Tuning(methods, int(trials_raw), pairs, out, source, int(jobs_raw),
+                  None if storage is None else str(storage), pruner)
+
+
+def main(arguments: Sequence[str]) -> int:
+    """CLI: ``fedhpro tune [CONFIG.yaml] methods=[a,b] trials=20 out=DIR [jobs=N] [storage=URL] KEY=VALUE``."""
+    tune(parse(arguments))
+    return 0
+
