@@ -27,14 +27,15 @@ from pathlib import Path
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "fedhpro"
 
 LAYERS = {
-    0: ("errors", "bounded", "arrays", "files", "seeds", "runtime", "options", "registry", "averaging", "functional",
+    0: ("errors", "bounded", "arrays", "files", "seeds", "runtime", "search_space", "options", "registry", "averaging",
+        "functional",
         "authors_code",
         "robust", "aggregation", "metrics", "reports", "data", "models"),
     1: ("methods", "privacy"),
     2: ("engines", "config"),
     # below the API: modules that drive runs they are given; deploy: operations tooling below the Flower apps
     3: ("sweeps", "measurements", "experiment", "resume", "user_models", "trained", "deploy"),
-    4: ("api", "compare", "cli", "commands", "reproduce", "bench",
+    4: ("api", "compare", "tune", "cli", "commands", "reproduce", "bench",
         "flower", "__main__", ""),
 }
 
