@@ -200,3 +200,17 @@ def test_a_tuning_killed_mid_trial_resumes_running_that_trials_place_again(digit
     assert states[0] == "FAIL" and states[1:] == ["COMPLETE", "COMPLETE"]  # the budget: two finished trials
     rows = list(csv.DictReader((out / "fedavg" / "trials.csv").open()))
     assert [row["state"] for row in rows] == ["fail", "complete", "complete"]
+
+
+def test_a_diverging_trial_counts_as_the_worst_result_and_the_study_goes_on(digits_data_dir, tmp_path, capsys):
+    """Before, one learning rate that diverged (a NaN loss) stopped the whole tuning with an error."""
+    out = tmp_path / "tune"
+    # FedProx's mu is searched; the learning rate is fixed where SGD with momentum 0.9 blows up
+    tune(parse(["methods=[fedprox]", "trials=2", "pruner=none", f"out={out}",
+                *argv(settings(digits_data_dir, rounds=1, lr=1e30))]))
+    trials = trials_of(out, "fedprox")
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"] and [t.value for t in trials] == [0.0, 0.0]
+    assert all("non-finite" in t.user_attrs["diverged"] for t in trials)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("fedprox trial")]
+    assert len(lines) == 2 and all("diverged" in line for line in lines)
+    assert "fedprox.mu" in yaml.safe_load((out / "tuned.yaml").read_text())["methods"]["fedprox"]

@@ -46,7 +46,7 @@ from fedhpro.config import Config, load_config, parse_override
 from fedhpro.engines import driver
 from fedhpro.engines.observers import RoundObserver
 from fedhpro.engines.protocol import RoundRecord
-from fedhpro.errors import ConfigError
+from fedhpro.errors import ConfigError, UpdateError
 from fedhpro.experiment import build_experiment, build_simulator, resolve_device
 from fedhpro.files import claim_run_folder, write_atomic
 from fedhpro.methods import get_method
@@ -238,6 +238,9 @@ def tune_method(tuning: Tuning, method: str, worker: int = 0, echo: bool = True)
         reporter = ValidationReporter(trial)
         try:
             summary = trial_run(trial_config(tuning, method, values, folder), folder, reporter)
+        except UpdateError as error:  # the settings diverged (a NaN loss): a result, the worst one
+            trial.set_user_attr("diverged", str(error))
+            return 0.0
         finally:
             trial.set_user_attr("curve", reporter.curve)
         validation = summary.get("validation", {}).get("accuracy")
@@ -247,6 +250,8 @@ def tune_method(tuning: Tuning, method: str, worker: int = 0, echo: bool = True)
         if not echo or trial.user_attrs.get("over_budget"):
             return
         outcome = f"{trial.state.name.lower()}, validation " + ("-" if trial.value is None else f"{trial.value:.2f}")
+        if trial.user_attrs.get("diverged"):
+            outcome = "diverged (a non-finite loss), counted as validation 0"
         if trial.state.name == "PRUNED" and trial.intermediate_values:
             step = max(trial.intermediate_values)
             outcome = f"pruned after round {step + 1}, validation {trial.intermediate_values[step]:.2f}"
