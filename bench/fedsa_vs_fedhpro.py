@@ -30,7 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -342,6 +342,18 @@ def round_accuracies(run: Path) -> list[float]:
             if line.strip()]
 
 
+def mean_curves(setting_dir: Path, series: Callable[[Path], list[float]]) -> list[tuple[str, int, list[float]]]:
+    """Per variant folder of ``setting_dir``: ``(name, runs, the mean over its runs of series(run) round by
+    round)``, over the rounds every run has; variants without a run that logged the series are left out."""
+    rows = []
+    for variant_dir in sorted(p for p in setting_dir.iterdir() if p.is_dir()):
+        runs = [values for values in (series(run) for run in finished_runs(variant_dir)) if values]
+        if runs:
+            length = min(len(r) for r in runs)
+            rows.append((variant_dir.name, len(runs), [statistics.mean(r[i] for r in runs) for i in range(length)]))
+    return rows
+
+
 def hyper_movements(run: Path) -> list[float]:
     """||S_r - S_0|| / ||S_0|| of FedHPro's hyper-prototypes after each round (%), from metrics.jsonl."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -354,12 +366,7 @@ def movements(root: Path) -> str:
     movement after rounds 1, 2, 5, 10, ... (from each run's metrics.jsonl)."""
     lines = []
     for setting_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-        rows = []
-        for variant_dir in sorted(p for p in setting_dir.iterdir() if p.is_dir()):
-            runs = [m for m in (hyper_movements(run) for run in finished_runs(variant_dir)) if m]
-            if runs:
-                length = min(len(r) for r in runs)
-                rows.append((variant_dir.name, len(runs), [statistics.mean(r[i] for r in runs) for i in range(length)]))
+        rows = mean_curves(setting_dir, hyper_movements)
         if not rows:
             continue
         length = max(len(r[2]) for r in rows)
@@ -379,12 +386,7 @@ def curves(root: Path, every: int = 2) -> str:
     round (from each run's metrics.jsonl)."""
     lines = []
     for setting_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-        rows = []
-        for variant_dir in sorted(p for p in setting_dir.iterdir() if p.is_dir()):
-            runs = [round_accuracies(run) for run in finished_runs(variant_dir)]
-            if runs:
-                length = min(len(r) for r in runs)
-                rows.append((variant_dir.name, len(runs), [statistics.mean(r[i] for r in runs) for i in range(length)]))
+        rows = mean_curves(setting_dir, round_accuracies)
         if not rows:
             continue
         length = max(len(r[2]) for r in rows)
