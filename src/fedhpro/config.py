@@ -202,6 +202,11 @@ class PrivacyOptions:
                                                     "ids of dropped clients) into metrics.jsonl; off, the run folder "
                                                     "holds only their number, since amplification by sampling "
                                                     "assumes nobody who sees the model knows who took part")
+    noise_cohort: int = option(0, min=0, help="privacy=client, central noise: calibrate the noise and the "
+                                              "accountant as if this many clients took part each round while "
+                                              "participation x clients train (a simulation of a larger cohort on a "
+                                              "small machine: its epsilon is that cohort's, not this run's); "
+                                              "0: the run's own cohort")
     accountant: str = option("rdp", choices=("rdp", "pld"),
                              help="the privacy accountant: rdp (Renyi DP) or pld (privacy loss distributions, "
                                   "tighter: a smaller epsilon for the same noise)")

@@ -45,7 +45,7 @@ from fedhpro.files import claim_run_folder, remove_partial_writes
 from fedhpro.methods.base import load_weights
 from fedhpro.methods.no_grad import eval_batch_size, eval_forward, no_grad_pass, no_grad_precision
 from fedhpro.metrics import fairness_statistics
-from fedhpro.privacy import privacy_warnings
+from fedhpro.privacy import noise_cohort_warnings, privacy_warnings
 from fedhpro.reports.plots import display_name, plot_run_accuracy
 
 if TYPE_CHECKING:
@@ -636,6 +636,8 @@ def privacy_line(privacy: Mapping[str, Any]) -> str:
             + (f" after {rounds} round{'s' if rounds != 1 else ''}" if rounds is not None else ""))
     if privacy.get("stopped"):
         text += "; stopped at privacy.max_epsilon"
+    if privacy.get("noise_cohort"):
+        text += f", as if {privacy['noise_cohort']} clients took part a round (privacy.noise_cohort: simulated)"
     return text
 
 
@@ -804,7 +806,8 @@ def start_warnings(config: Config, engine: Engine) -> list[str]:
     """The run's warnings before its first round, kept in summary.json's notes: where sizes are claims, every
     site claiming far more than the median (:func:`claimed_size_warnings`, training and each test set); a client
     holding more than ``aggregation.max_share`` of the test samples pooled for its test set
-    (:func:`pooled_share_warnings`); a near-vacuous privacy delta (:func:`fedhpro.privacy.privacy_warnings`)."""
+    (:func:`pooled_share_warnings`); a near-vacuous privacy delta (:func:`fedhpro.privacy.privacy_warnings`); a noise
+    cohort's epsilon that is not the run's own (:func:`fedhpro.privacy.noise_cohort_warnings`)."""
     protocol = engine.protocol
     sizes = list(protocol.client_sizes or [])
     pooled = engine.pooled_test_sizes()
@@ -817,7 +820,7 @@ def start_warnings(config: Config, engine: Engine) -> list[str]:
             lines += claimed_size_warnings([name for name, _ in held], [size for _, size in held],
                                            f"test samples of test set {test_set!r}", protocol.aggregation)
     return (lines + pooled_share_warnings(pooled, config.aggregation.max_share)
-            + privacy_warnings(config.privacy, len(sizes), sizes))
+            + privacy_warnings(config.privacy, len(sizes), sizes) + noise_cohort_warnings(config, len(sizes)))
 
 
 def execute(engine: Engine, run: Run, config: Config, *, data_name: str, partition: Any, notes: Sequence[str],

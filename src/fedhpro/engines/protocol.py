@@ -258,7 +258,8 @@ class RoundProtocol:
             if ledger is None:
                 self.ledger = ClientLedger(privacy, num_clients, rounds, participation,
                                            bool(declared_class_keys(server)))
-            self.client_privacy = client_privacy(privacy, self.ledger.noise_multiplier)
+            self.client_privacy = client_privacy(privacy, self.ledger.noise_multiplier,
+                                                 getattr(self.ledger, "noise_scale", 1.0))
         elif is_private(privacy) and ledger is None:
             raise FedHProError(f"privacy={privacy_mode(privacy)} needs the run's privacy ledger "
                                "(fedhpro.privacy.ledger_for) given to the round protocol as ledger=")

@@ -23,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from fedhpro.aggregation import AGGREGATION_RULES
 from fedhpro.errors import ConfigError
-from fedhpro.privacy.accounting import ClientLedger
+from fedhpro.privacy.accounting import ClientLedger, noise_cohort_line
 from fedhpro.privacy.client import (
     HOLDERS_KEY,
     PRIVATIZED_KEY,
@@ -142,6 +142,15 @@ def privacy_warnings(options: Any, num_clients: int, client_sizes: Sequence[int]
             f"{fix} or set privacy.delta={suggested:g}"]
 
 
+def noise_cohort_warnings(config: Any, num_clients: int) -> list[str]:
+    """With ``privacy.noise_cohort`` (``privacy=client``), the line that says the run's epsilon is a larger
+    cohort's, not its own (:func:`~fedhpro.privacy.accounting.noise_cohort_line`); else ``[]``."""
+    cohort = int(getattr(config.privacy, "noise_cohort", 0) or 0)
+    if not cohort or not client_level(config.privacy):
+        return []
+    return [noise_cohort_line(cohort, float(config.run.participation) * int(num_clients))]
+
+
 def private_train_settings(config: Any, train: Any, ledger: Ledger) -> Any:
     """``privacy=sample``: the local training settings ``train`` (a :class:`~fedhpro.methods.training.TrainSettings`)
     with DP-SGD on: ``dp_clip`` (``privacy.clip``), ``dp_noise_multiplier`` (the ledger's sigma, as given or
@@ -153,7 +162,12 @@ def private_train_settings(config: Any, train: Any, ledger: Ledger) -> Any:
 
 def check_combinations(config: Any) -> None:
     """One-line ConfigError for settings that cannot go with ``privacy=client``: robust aggregation rules and
-    ``min_clients > 1`` read or count individual replies, which client-level DP hides from the server."""
+    ``min_clients > 1`` read or count individual replies, which client-level DP hides from the server;
+    ``privacy.noise_cohort`` without client-level DP's central noise has no noise to calibrate."""
+    cohort = int(getattr(config.privacy, "noise_cohort", 0) or 0)
+    if cohort and not client_level(config.privacy):
+        raise ConfigError(f"privacy.noise_cohort={cohort} calibrates client-level DP's central noise, but "
+                          f"privacy={privacy_mode(config.privacy)}; set privacy=client or privacy.noise_cohort=0")
     if not client_level(config.privacy):
         return
     rule = config.aggregation.rule
@@ -170,5 +184,6 @@ def check_combinations(config: Any) -> None:
 
 __all__ = ["HOLDERS_KEY", "PRIVATIZED_KEY", "VACUOUS_DELTA", "ClientLedger", "ClientPrivacy",
            "Ledger", "PrivacyError", "PrivateSum", "check_combinations", "client_privacy", "ledger_for",
+           "noise_cohort_warnings",
            "privacy_warnings", "private_train_settings", "privatize_upload", "privatized_layout",
            "upload_noise_generator"]

@@ -181,6 +181,32 @@ def calibrate(epsilon_of_sigma: Callable[[float], float], target: float, what: s
     return high
 
 
+def check_noise_cohort(noise_cohort: int, trained_cohort: float, num_clients: int, local: bool) -> float:
+    """``privacy.noise_cohort``'s scale of the central noise, ``trained_cohort / noise_cohort`` (the noise on the
+    mean update is then ``sigma C / noise_cohort``, as in a round where ``noise_cohort`` clipped uploads were
+    summed and noised with ``sigma C``; pfl-research's ``noise_cohort_size``), after its one-line checks: central
+    noise only (local noise is each client's own), at least the trained cohort ``q N`` (it simulates a larger
+    one) and at most the ``N`` clients (the accountant's sampling rate ``noise_cohort / N``)."""
+    if local:
+        raise ConfigError("privacy.noise_cohort needs privacy.noise=central: under local noise each client noises "
+                          "its own upload, whatever the cohort; set privacy.noise=central or privacy.noise_cohort=0")
+    if noise_cohort > num_clients:
+        raise ConfigError(f"privacy.noise_cohort={noise_cohort} is more than the federation's {num_clients} "
+                          f"clients (the accountant samples noise_cohort / clients of them a round); give at most "
+                          f"{num_clients}, or more clients")
+    if noise_cohort < trained_cohort:
+        raise ConfigError(f"privacy.noise_cohort={noise_cohort} is below the {trained_cohort:g} clients that train "
+                          f"a round (participation x clients): it simulates a larger cohort; give at least "
+                          f"{math.ceil(trained_cohort)}, or 0 for the run's own")
+    return float(trained_cohort) / float(noise_cohort)
+
+
+def noise_cohort_line(noise_cohort: int, trained_cohort: float) -> str:
+    """What a run with ``privacy.noise_cohort`` says of its guarantee (its printout, summary.json)."""
+    return (f"privacy.noise_cohort={noise_cohort}: the noise and the epsilon are those of {noise_cohort} clients a "
+            f"round while {trained_cohort:g} train: a simulation of a larger cohort, not this run's own guarantee")
+
+
 class ClientLedger:
     """The privacy ledger of ``privacy=client`` (the :class:`fedhpro.privacy.Ledger` interface).
 
@@ -204,6 +230,15 @@ class ClientLedger:
         self.sampling_rate = float(min(max(participation, 0.0), 1.0))
         self.class_tensors = bool(class_tensors)
         self.local = options.noise == "local"
+        #: privacy.noise_cohort (0: off): the clients a round the noise and the accountant assume
+        self.noise_cohort = int(getattr(options, "noise_cohort", 0) or 0)
+        #: what the central noise's std is multiplied by: the trained cohort over the noise cohort (1: off)
+        self.noise_scale = 1.0
+        if self.noise_cohort:
+            self.trained_cohort = self.sampling_rate * self.num_clients
+            self.noise_scale = check_noise_cohort(self.noise_cohort, self.trained_cohort, self.num_clients,
+                                                  self.local)
+            self.sampling_rate = self.noise_cohort / self.num_clients
         self.kind = check_accountant(getattr(options, "accountant", "rdp"))
         self.accountant = PLD_ACCOUNTANT if self.kind == "pld" else ACCOUNTANT
         self.delta = float(options.delta) if options.delta > 0 else 1.0 / self.num_clients ** 1.1
@@ -253,4 +288,7 @@ class ClientLedger:
                           "sampling)" if self.local else "add or remove one client (central noise)"),
             "mechanisms": ["clipped upload (weights update and per-class tensors)"]
                           + (["holder counts of each class"] if self.class_tensors else []),
+            **({"noise_cohort": self.noise_cohort, "trained_cohort": self.trained_cohort,
+                "simulated": noise_cohort_line(self.noise_cohort, self.trained_cohort)}
+               if self.noise_cohort else {}),
         }

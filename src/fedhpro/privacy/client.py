@@ -73,7 +73,9 @@ class ClientPrivacy:
     ``per-group`` (each of the ``G`` tensor groups, the weights and each per-class tensor, to
     ``C / sqrt(G)``); ``noise``: ``central`` (the server noises the sum) or ``local`` (each client its own
     upload); ``noise_multiplier``: sigma, the noise's std is ``sigma x C`` (``sigma x sqrt(classes)`` for
-    the holder counts); ``secure_noise``: draw the noise from the operating system, not the run's seed.
+    the holder counts); ``secure_noise``: draw the noise from the operating system, not the run's seed;
+    ``noise_scale``: what the central noise's std is multiplied by (``privacy.noise_cohort``: the trained
+    cohort over the noise cohort; 1 otherwise).
     """
 
     clip: float
@@ -81,6 +83,7 @@ class ClientPrivacy:
     clipping: str = "joint"
     noise: str = "central"
     secure_noise: bool = False
+    noise_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.clip > 0:
@@ -91,14 +94,19 @@ class ClientPrivacy:
             raise ValueError(f"noise must be central or local, got {self.noise!r}")
         if not self.noise_multiplier >= 0:
             raise ValueError(f"noise_multiplier must be >= 0, got {self.noise_multiplier}")
+        if not 0 < self.noise_scale <= 1:
+            raise ValueError(f"noise_scale must be in (0, 1], got {self.noise_scale}")
+        if self.noise_scale != 1 and self.noise != "central":
+            raise ValueError("noise_scale (a noise cohort) applies to central noise only")
 
 
-def client_privacy(options: Any, noise_multiplier: float) -> ClientPrivacy:
+def client_privacy(options: Any, noise_multiplier: float, noise_scale: float = 1.0) -> ClientPrivacy:
     """The :class:`ClientPrivacy` of ``privacy.*`` options (``config.privacy``) with the ledger's sigma
-    (``ledger.noise_multiplier``: ``privacy.noise_multiplier``, or the one calibrated to ``target_epsilon``)."""
+    (``ledger.noise_multiplier``: ``privacy.noise_multiplier``, or the one calibrated to ``target_epsilon``)
+    and its ``noise_scale`` (``privacy.noise_cohort``'s; 1 without)."""
     return ClientPrivacy(clip=float(options.clip), noise_multiplier=float(noise_multiplier),
                          clipping=options.clipping, noise=options.noise,
-                         secure_noise=bool(getattr(options, "secure_noise", False)))
+                         secure_noise=bool(getattr(options, "secure_noise", False)), noise_scale=float(noise_scale))
 
 
 def upload_noise_generator(settings: ClientPrivacy, seed: int, round: int, client: int | None = None
@@ -372,7 +380,9 @@ class PrivateSum:
         """The round's privatized values: under central noise with ``generator``, the sums plus
         ``N(0, sigma^2 C^2)`` (holder counts: ``N(0, sigma^2 C_classes)``); without (local noise, or a
         noiseless check) the sums as they are; divided by the public denominators (module doc)."""
-        sigma, clip = self.settings.noise_multiplier, self.settings.clip
+        # a noise cohort (noise_scale < 1) noises the sum as a cohort of noise_cohort clients would be: std
+        # sigma C (q N / noise_cohort), so that the mean update's noise is sigma C / noise_cohort
+        sigma, clip = self.settings.noise_multiplier * self.settings.noise_scale, self.settings.clip
         noise = generator if self.settings.noise == "central" and sigma > 0 else None
 
         def noised(total: Tensor, std: float) -> Tensor:
