@@ -202,6 +202,17 @@ class PrivacyOptions:
                                                     "ids of dropped clients) into metrics.jsonl; off, the run folder "
                                                     "holds only their number, since amplification by sampling "
                                                     "assumes nobody who sees the model knows who took part")
+    clip_quantile: float = option(0.0, min=0.0, max=0.99,
+                                  help="privacy=client: adaptive clipping (Andrew et al. 2021): after every round "
+                                       "the clip moves geometrically towards this quantile of the clients' update "
+                                       "norms, estimated from their noised count of norms below the clip (a "
+                                       "release the accountant counts), starting at privacy.clip; 0: the clip "
+                                       "stays privacy.clip")
+    clip_lr: float = option(0.2, gt=0.0, help="adaptive clipping's step: clip *= exp(-clip_lr x (fraction of "
+                                              "clients below the clip - clip_quantile)) after every round")
+    quantile_noise: float = option(0.0, min=0.0, help="adaptive clipping: the std of the Gaussian noise on the "
+                                                      "count of clients below the clip (0: the expected clients a "
+                                                      "round / 20, Andrew et al.'s choice)")
     noise_cohort: int = option(0, min=0, help="privacy=client, central noise: calibrate the noise and the "
                                               "accountant as if this many clients took part each round while "
                                               "participation x clients train (a simulation of a larger cohort on a "

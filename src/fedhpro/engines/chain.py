@@ -89,6 +89,8 @@ class RoundState:
     train_metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     bytes_up: int = 0
     params_up: int = 0
+    #: adaptive clipping (privacy.clip_quantile): the round's released fraction of clients below the clip
+    below_clip: float | None = None
 
     @property
     def global_weights(self) -> Mapping[str, Tensor]:

@@ -75,6 +75,9 @@ class PrivateFold(Fold):
         protocol = round.protocol
         release = self.total.release(upload_noise_generator(self.settings, protocol.seed, round.round))
         self.replies.append(private_reply(release, round.global_weights, protocol.server.reply_layout()))
+        if release.below_clip is not None:  # adaptive clipping: the next round's clip follows this release
+            round.below_clip = release.below_clip
+            protocol.adapt_clip(release.below_clip)
         return protocol.server.aggregate(round.round, self.replies)
 
 

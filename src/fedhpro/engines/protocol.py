@@ -68,6 +68,7 @@ aggregates at close. Without privacy::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import secrets
 import time
@@ -107,6 +108,7 @@ from fedhpro.privacy.accounting import ClientLedger
 from fedhpro.privacy.client import (
     ClientPrivacy,
     client_privacy,
+    next_clip,
     poisson_participants,
     privatize_upload,
     upload_noise_generator,
@@ -259,7 +261,8 @@ class RoundProtocol:
                 self.ledger = ClientLedger(privacy, num_clients, rounds, participation,
                                            bool(declared_class_keys(server)))
             self.client_privacy = client_privacy(privacy, self.ledger.noise_multiplier,
-                                                 getattr(self.ledger, "noise_scale", 1.0))
+                                                 getattr(self.ledger, "noise_scale", 1.0),
+                                                 getattr(self.ledger, "quantile_noise", None))
         elif is_private(privacy) and ledger is None:
             raise FedHProError(f"privacy={privacy_mode(privacy)} needs the run's privacy ledger "
                                "(fedhpro.privacy.ledger_for) given to the round protocol as ledger=")
@@ -358,6 +361,32 @@ class RoundProtocol:
                 f"{epsilon:.4g} > privacy.max_epsilon={limit:g} (delta={self.ledger.delta:.3g}); the {round} "
                 f"rounds run (epsilon {spent:.4g}) are kept")
 
+    def adapt_clip(self, below: float | None) -> None:
+        """Adaptive clipping (``privacy.clip_quantile``): the next round's clip from this round's released
+        fraction of clients below the clip (:func:`~fedhpro.privacy.client.next_clip`); nothing otherwise."""
+        if self.client_privacy is None or not self.client_privacy.adaptive or below is None or self.privacy is None:
+            return
+        clip = next_clip(self.client_privacy.clip, below, float(self.privacy.clip_quantile),
+                         float(self.privacy.clip_lr))
+        self.client_privacy = dataclasses.replace(self.client_privacy, clip=clip)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs of the protocol besides the seeds: adaptive clipping's current clip (``{}``
+        without it, so that other runs' checkpoints keep their bytes)."""
+        if self.client_privacy is not None and self.client_privacy.adaptive:
+            return {"clip": float(self.client_privacy.clip)}
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s ``state`` (a checkpoint's: a positive finite clip, else a ValueError
+        the run's resume turns into one line)."""
+        if self.client_privacy is None or not self.client_privacy.adaptive:
+            return
+        clip = state.get("clip") if isinstance(state, Mapping) else None
+        if not isinstance(clip, float) or not math.isfinite(clip) or not clip > 0:
+            raise ValueError(f"the checkpoint's adaptive clip {clip!r} is not a positive number")
+        self.client_privacy = dataclasses.replace(self.client_privacy, clip=clip)
+
     def privacy_summary(self) -> dict[str, Any] | None:
         """The privacy ledger's settings for ``summary.json`` (None without privacy)."""
         return None if self.ledger is None else dict(self.ledger.describe())
@@ -404,6 +433,8 @@ class OpenRound(RoundState):
         self.cap = protocol.weight_cap()
         #: the steps every reply goes through, and the fold the accepted ones go into
         self.steps, self.fold = protocol.chain(self)
+        #: privacy=client: the round's clip (adaptive clipping's released fraction below it: ``below_clip``)
+        self.clip = protocol.client_privacy.clip if protocol.client_privacy is not None else None
         self.failures: list[Exception | str] = []
         self.skipped = False
 
@@ -490,7 +521,10 @@ class OpenRound(RoundState):
         with privacy on, ``privacy: {epsilon, delta}`` after this round)."""
         epsilon = self.protocol.epsilon_after(self.round)
         if epsilon is not None:
-            extra = {**(extra or {}), "privacy": {"epsilon": epsilon, "delta": float(self.protocol.ledger.delta)}}
+            privacy = {"epsilon": epsilon, "delta": float(self.protocol.ledger.delta)}
+            if self.below_clip is not None and self.clip is not None:  # adaptive clipping: the round's clip, and
+                privacy.update(clip=self.clip, below_clip=self.below_clip)  # its released fraction below
+            extra = {**(extra or {}), "privacy": privacy}
         if self.capped:  # the weights a cap changed (every other reply weighed its num_examples)
             extra = {**(extra or {}), "capped": self.capped}
         if self.rows_bounded:  # the class rows aggregation.max_row_norm scaled down

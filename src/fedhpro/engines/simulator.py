@@ -528,9 +528,13 @@ class Simulator:
         state = {"server": self.server.state_dict(), "client_states": self.client_states}
         if self.heterogeneous:
             state["client_weights"] = self.client_weights
+        protocol = self.protocol.state_dict()
+        if protocol:  # adaptive clipping's clip; absent otherwise (those checkpoints keep their bytes)
+            state["protocol"] = protocol
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.protocol.load_state_dict(state.get("protocol") or {})
         self.server.load_state_dict(state["server"])
         self.client_states = [dict(s) for s in state["client_states"]]
         if self.heterogeneous:

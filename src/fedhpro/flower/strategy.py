@@ -163,10 +163,15 @@ class MethodStrategy(Strategy):
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs besides the rows: the method's server state, the refused replies (their
         nodes may not have heard yet) and the key of the clients' state on the nodes."""
-        return {"server": self.server.state_dict(), "refused": dict(self.refused), "run_key": self.run_key or ""}
+        state = {"server": self.server.state_dict(), "refused": dict(self.refused), "run_key": self.run_key or ""}
+        protocol = self.side.protocol.state_dict()
+        if protocol:  # adaptive clipping's clip; absent otherwise (those checkpoints keep their bytes)
+            state["protocol"] = protocol
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's state (its rows and round: :meth:`driver.Run.open`)."""
+        self.side.protocol.load_state_dict(state.get("protocol") or {})
         self.server.load_state_dict(state["server"])
         self.refused = {int(k): int(r) for k, r in state["refused"].items()}
         self.run_key = state["run_key"] or None
@@ -250,7 +255,7 @@ class MethodStrategy(Strategy):
         holder vector (:func:`fedhpro.privacy.client.privatized_layout`)."""
         layout = self.server.reply_layout()
         if self.side.protocol.client_privacy is not None:
-            return privatized_layout(layout, int(self.server.num_classes))
+            return privatized_layout(layout, int(self.server.num_classes), self.side.protocol.client_privacy.adaptive)
         return layout
 
     # ------------------------------------------------------------------ secure aggregation

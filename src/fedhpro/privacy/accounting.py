@@ -98,15 +98,20 @@ def _quiet_absl() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def round_event(noise_multiplier: float, sampling_rate: float, class_tensors: bool, local: bool
-                ) -> dp_accounting.DpEvent:
+def round_event(noise_multiplier: float, sampling_rate: float, class_tensors: bool, local: bool,
+                quantile_noise: float | None = None) -> dp_accounting.DpEvent:
     """One round's DP event for one client (module doc): central, Poisson-sampled at ``sampling_rate``;
-    local, the client's own participation (``sigma / 2`` for the replace-one sensitivity ``2C``)."""
+    local, the client's own participation (``sigma / 2`` for the replace-one sensitivity ``2C``).
+    ``quantile_noise``: adaptive clipping's indicator, released with this noise std (None: off): one more
+    Gaussian, of multiplier ``2 quantile_noise`` (central: adding or removing a client moves the centred
+    indicators' sum by 1/2) or ``quantile_noise`` (local: replacing the client's data moves its by 1)."""
     dpa = _dp_accounting()
     update = dpa.GaussianDpEvent(noise_multiplier / 2.0 if local else noise_multiplier)
     events: list[dp_accounting.DpEvent] = [update]
     if class_tensors:
         events.append(dpa.GaussianDpEvent(noise_multiplier))
+    if quantile_noise is not None:
+        events.append(dpa.GaussianDpEvent(quantile_noise if local else 2.0 * quantile_noise))
     event: dp_accounting.DpEvent = dpa.ComposedDpEvent(events) if len(events) > 1 else update
     if local:
         return event
@@ -201,6 +206,20 @@ def check_noise_cohort(noise_cohort: int, trained_cohort: float, num_clients: in
     return float(trained_cohort) / float(noise_cohort)
 
 
+def quantile_noise_of(options: Any, expected_clients: float) -> float | None:
+    """Adaptive clipping's indicator noise std (``privacy.quantile_noise``, or ``expected_clients / 20``, Andrew et
+    al.'s choice, ``expected_clients`` the cohort the noise is calibrated for); None when adaptive clipping is off
+    (``privacy.clip_quantile=0``)."""
+    if not float(getattr(options, "clip_quantile", 0.0) or 0.0) > 0:
+        return None
+    given = float(getattr(options, "quantile_noise", 0.0) or 0.0)
+    value = given if given > 0 else float(expected_clients) / 20.0
+    if not value > 0:
+        raise ConfigError("privacy.clip_quantile needs noise on the count of clients below the clip; set "
+                          "privacy.quantile_noise > 0")
+    return value
+
+
 def noise_cohort_line(noise_cohort: int, trained_cohort: float) -> str:
     """What a run with ``privacy.noise_cohort`` says of its guarantee (its printout, summary.json)."""
     return (f"privacy.noise_cohort={noise_cohort}: the noise and the epsilon are those of {noise_cohort} clients a "
@@ -239,6 +258,8 @@ class ClientLedger:
             self.noise_scale = check_noise_cohort(self.noise_cohort, self.trained_cohort, self.num_clients,
                                                   self.local)
             self.sampling_rate = self.noise_cohort / self.num_clients
+        #: adaptive clipping's indicator noise (None: off), for the cohort the noise is calibrated for
+        self.quantile_noise = quantile_noise_of(options, self.noise_cohort or self.sampling_rate * self.num_clients)
         self.kind = check_accountant(getattr(options, "accountant", "rdp"))
         self.accountant = PLD_ACCOUNTANT if self.kind == "pld" else ACCOUNTANT
         self.delta = float(options.delta) if options.delta > 0 else 1.0 / self.num_clients ** 1.1
@@ -249,8 +270,10 @@ class ClientLedger:
         if options.target_epsilon > 0:
             what = (f"{self.rounds} rounds of local noise" if self.local
                     else f"{self.rounds} rounds at sampling rate {self.sampling_rate:g}")
+            fix = "lower rounds/participation" + (" or raise privacy.quantile_noise"
+                                                  if self.quantile_noise is not None else "")
             self.noise_multiplier = calibrate(lambda sigma: self._epsilon(sigma, self.rounds),
-                                              float(options.target_epsilon), what)
+                                              float(options.target_epsilon), what, fix)
         else:
             self.noise_multiplier = float(options.noise_multiplier)
         if not self.noise_multiplier > 0:
@@ -260,7 +283,7 @@ class ClientLedger:
     def _epsilon(self, sigma: float, count: int) -> float:
         key = (sigma, count)
         if key not in self._cache:
-            event = round_event(sigma, self.sampling_rate, self.class_tensors, self.local)
+            event = round_event(sigma, self.sampling_rate, self.class_tensors, self.local, self.quantile_noise)
             self._cache[key] = event_epsilon(event, count, self.delta, self.local, self.orders, self.kind)
         return self._cache[key]
 
@@ -287,7 +310,11 @@ class ClientLedger:
             "adjacency": ("replace one client's data, against the server (local noise: no amplification by "
                           "sampling)" if self.local else "add or remove one client (central noise)"),
             "mechanisms": ["clipped upload (weights update and per-class tensors)"]
-                          + (["holder counts of each class"] if self.class_tensors else []),
+                          + (["holder counts of each class"] if self.class_tensors else [])
+                          + (["count of clients below the clip (adaptive clipping)"]
+                             if self.quantile_noise is not None else []),
+            **({"clip_quantile": float(options.clip_quantile), "clip_lr": float(options.clip_lr),
+                "quantile_noise": self.quantile_noise} if self.quantile_noise is not None else {}),
             **({"noise_cohort": self.noise_cohort, "trained_cohort": self.trained_cohort,
                 "simulated": noise_cohort_line(self.noise_cohort, self.trained_cohort)}
                if self.noise_cohort else {}),

@@ -53,6 +53,10 @@ HOLDERS_KEY = "dp_holders"
 #: the reply key that marks a privatized upload (True): the server refuses a reply without it, so an engine that
 #: forgot to privatize is told, instead of having a model's weights read as an update
 PRIVATIZED_KEY = "dp_privatized"
+#: the reply key of adaptive clipping's indicator (``privacy.clip_quantile``): ``[1 if the upload's norm was at most
+#: the clip else 0] - 1/2``, shape ``(1,)`` (centred, so one client moves the sum by at most 1/2), noised locally
+#: under local noise
+BELOW_CLIP_KEY = "dp_below_clip"
 #: the reply keys the privatization replaces by public constants: they only weight the clients
 COUNT_KEYS = ("num_examples", "class_counts")
 #: per-class tensors whose rows are probability vectors (FedGMKD's soft predictions): the released rows are
@@ -75,7 +79,10 @@ class ClientPrivacy:
     upload); ``noise_multiplier``: sigma, the noise's std is ``sigma x C`` (``sigma x sqrt(classes)`` for
     the holder counts); ``secure_noise``: draw the noise from the operating system, not the run's seed;
     ``noise_scale``: what the central noise's std is multiplied by (``privacy.noise_cohort``: the trained
-    cohort over the noise cohort; 1 otherwise).
+    cohort over the noise cohort; 1 otherwise); ``adaptive``: the upload carries :data:`BELOW_CLIP_KEY` (adaptive
+    clipping, ``privacy.clip_quantile``), whose noise has std ``quantile_noise`` (on the sum under central noise,
+    on each client's indicator under local noise). ``clip`` is then the round's clip, which the round protocol
+    moves after every round (:func:`next_clip`).
     """
 
     clip: float
@@ -84,6 +91,8 @@ class ClientPrivacy:
     noise: str = "central"
     secure_noise: bool = False
     noise_scale: float = 1.0
+    adaptive: bool = False
+    quantile_noise: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.clip > 0:
@@ -98,15 +107,28 @@ class ClientPrivacy:
             raise ValueError(f"noise_scale must be in (0, 1], got {self.noise_scale}")
         if self.noise_scale != 1 and self.noise != "central":
             raise ValueError("noise_scale (a noise cohort) applies to central noise only")
+        if not self.quantile_noise >= 0:
+            raise ValueError(f"quantile_noise must be >= 0, got {self.quantile_noise}")
 
 
-def client_privacy(options: Any, noise_multiplier: float, noise_scale: float = 1.0) -> ClientPrivacy:
+def client_privacy(options: Any, noise_multiplier: float, noise_scale: float = 1.0,
+                   quantile_noise: float | None = None) -> ClientPrivacy:
     """The :class:`ClientPrivacy` of ``privacy.*`` options (``config.privacy``) with the ledger's sigma
-    (``ledger.noise_multiplier``: ``privacy.noise_multiplier``, or the one calibrated to ``target_epsilon``)
-    and its ``noise_scale`` (``privacy.noise_cohort``'s; 1 without)."""
+    (``ledger.noise_multiplier``: ``privacy.noise_multiplier``, or the one calibrated to ``target_epsilon``),
+    its ``noise_scale`` (``privacy.noise_cohort``'s; 1 without) and its ``quantile_noise`` (adaptive clipping's
+    indicator noise; None: adaptive clipping off)."""
     return ClientPrivacy(clip=float(options.clip), noise_multiplier=float(noise_multiplier),
                          clipping=options.clipping, noise=options.noise,
-                         secure_noise=bool(getattr(options, "secure_noise", False)), noise_scale=float(noise_scale))
+                         secure_noise=bool(getattr(options, "secure_noise", False)), noise_scale=float(noise_scale),
+                         adaptive=quantile_noise is not None, quantile_noise=float(quantile_noise or 0.0))
+
+
+def next_clip(clip: float, below: float, quantile: float, lr: float) -> float:
+    """Adaptive clipping's geometric update (Andrew et al. 2021, Algorithm 1): ``clip x exp(-lr (below -
+    quantile))``, ``below`` the round's released (noised) fraction of clients whose update norm was at most
+    ``clip``: the clip shrinks while more than the target ``quantile`` of the updates fit under it, and grows
+    while fewer do."""
+    return float(clip) * math.exp(-float(lr) * (float(below) - float(quantile)))
 
 
 def upload_noise_generator(settings: ClientPrivacy, seed: int, round: int, client: int | None = None
@@ -144,15 +166,16 @@ def _held_rows(reply: Mapping[str, Any], num_classes: int) -> Tensor:
     return torch.ones(num_classes, dtype=torch.bool)
 
 
-def _clip_groups(groups: dict[str, dict[str, Tensor]], settings: ClientPrivacy) -> None:
+def _clip_groups(groups: dict[str, dict[str, Tensor]], settings: ClientPrivacy) -> float:
     """Scale ``groups`` (group -> tensors, float64) in place to the joint L2 norm ``settings.clip``, or each
-    non-empty group to ``clip / sqrt(G)`` (``per-group``)."""
+    non-empty group to ``clip / sqrt(G)`` (``per-group``). Returns their joint L2 norm before clipping."""
     norms = {name: math.sqrt(sum(float(t.pow(2).sum()) for t in tensors.values()))
              for name, tensors in groups.items() if tensors}
     if not norms:
-        return
+        return 0.0
+    joint = math.sqrt(sum(n * n for n in norms.values()))
     if settings.clipping == "joint":
-        factor = clip_factor(math.sqrt(sum(n * n for n in norms.values())), settings.clip)
+        factor = clip_factor(joint, settings.clip)
         factors = dict.fromkeys(norms, factor)
     else:
         bound = settings.clip / math.sqrt(len(norms))
@@ -161,6 +184,7 @@ def _clip_groups(groups: dict[str, dict[str, Tensor]], settings: ClientPrivacy) 
         if factor != 1.0:
             for tensor in groups[name].values():
                 tensor.mul_(factor)
+    return joint
 
 
 def _gaussian_like(tensor: Tensor, std: float, generator: torch.Generator) -> Tensor:
@@ -225,7 +249,7 @@ def privatize_upload(reply: Mapping[str, Any], broadcast: Mapping[str, Tensor], 
                 raise PrivacyError(f"the reply's per-class tensor {key!r} has {rows.shape[0]} rows, not {classes}")
             rows[~held.to(rows.device)] = 0.0
             groups[key] = {key: rows}
-    _clip_groups(groups, settings)
+    norm = _clip_groups(groups, settings)
     local = settings.noise == "local" and settings.noise_multiplier > 0
     std = settings.noise_multiplier * settings.clip
     out: dict[str, Any] = {}
@@ -253,18 +277,28 @@ def privatize_upload(reply: Mapping[str, Any], broadcast: Mapping[str, Tensor], 
             assert generator is not None
             holders = holders + _gaussian_like(holders, settings.noise_multiplier * math.sqrt(classes), generator)
         out[HOLDERS_KEY] = holders.to(torch.float32)
+    if settings.adaptive:  # drawn after every other noise: the other uploads' draws stay those without it
+        below = torch.tensor([(1.0 if norm <= settings.clip else 0.0) - 0.5], dtype=torch.float64)
+        if settings.noise == "local" and settings.quantile_noise > 0:
+            if generator is None:
+                raise ValueError("privacy.noise=local needs the client's noise generator (upload_noise_generator)")
+            below = below + _gaussian_like(below, settings.quantile_noise, generator)
+        out[BELOW_CLIP_KEY] = below.to(torch.float32)
     out[PRIVATIZED_KEY] = True
     return out
 
 
-def privatized_layout(layout: Mapping[str, Any], num_classes: int) -> dict[str, Any]:
+def privatized_layout(layout: Mapping[str, Any], num_classes: int, adaptive: bool = False) -> dict[str, Any]:
     """A method's reply layout (``server.reply_layout()``) as the replies look under ``privacy=client``: the
-    same, plus :data:`PRIVATIZED_KEY` (``bool``) and :data:`HOLDERS_KEY` (``ClassRows((C,), float32)``) when the
-    method has per-class tensors. What the Flower server checks a reply's form against before decoding it."""
+    same, plus :data:`PRIVATIZED_KEY` (``bool``), :data:`HOLDERS_KEY` (``ClassRows((C,), float32)``) when the
+    method has per-class tensors and, with adaptive clipping (``adaptive``), :data:`BELOW_CLIP_KEY`
+    (``((1,), float32)``). What the Flower server checks a reply's form against before decoding it."""
     out = dict(layout)
     out[PRIVATIZED_KEY] = bool
     if any(isinstance(entry, ClassRows) and entry.dtype.is_floating_point for entry in layout.values()):
         out[HOLDERS_KEY] = ClassRows((num_classes,), torch.float32)
+    if adaptive:
+        out[BELOW_CLIP_KEY] = ((1,), torch.float32)
     return out
 
 
@@ -280,6 +314,8 @@ class PrivateRelease:
     rows: dict[str, Tensor]
     counts: Tensor  # C float64: the noisy number of holders of each class
     held: Tensor  # C bool: noisy count >= 0.5
+    #: adaptive clipping: the noised fraction of the expected clients whose update fit under the clip (else None)
+    below_clip: float | None = None
 
 
 class PrivateSum:
@@ -308,6 +344,7 @@ class PrivateSum:
                              if isinstance(entry, ClassRows) and entry.dtype.is_floating_point}
         self.row_sums = {key: torch.zeros(entry.shape, dtype=torch.float64) for key, entry in self.class_layout.items()}
         self.holder_sum = torch.zeros(num_classes, dtype=torch.float64)
+        self.below_sum = 0.0  # adaptive clipping: the sum of the centred indicators
         self.count = 0
 
     @property
@@ -341,6 +378,11 @@ class PrivateSum:
                 return f"it has no {HOLDERS_KEY} vector of {self.num_classes} entries (privatize_upload makes it)"
             if not holders.is_floating_point() or not bool(torch.isfinite(holders).all()):
                 return f"its {HOLDERS_KEY} are not finite floats"
+        if self.settings.adaptive:
+            below = reply.get(BELOW_CLIP_KEY)
+            if (not isinstance(below, Tensor) or tuple(below.shape) != (1,) or not below.is_floating_point()
+                    or not bool(torch.isfinite(below).all())):
+                return f"it has no finite {BELOW_CLIP_KEY} of shape (1,) (adaptive clipping: privatize_upload makes it)"
         return None
 
     def add(self, reply: Mapping[str, Any]) -> None:
@@ -356,16 +398,19 @@ class PrivateSum:
         holders = None
         if self.has_class_tensors:
             holders = reply[HOLDERS_KEY].detach().cpu().to(torch.float64)
+        below = float(reply[BELOW_CLIP_KEY].detach().cpu().to(torch.float64)[0]) if self.settings.adaptive else 0.0
         if self.settings.noise == "central":
             _clip_groups(groups, self.settings)
             if holders is not None:
                 holders = holders.clamp(0.0, 1.0)
+            below = min(max(below, -0.5), 0.5)  # a claim: one client moves the count by at most 1/2
         for key, total in self.weight_sums.items():
             total.add_(groups["weights"][key])
         for key, total in self.row_sums.items():
             total.add_(groups[key][key])
         if holders is not None:
             self.holder_sum.add_(holders)
+        self.below_sum += below
         self.count += 1
 
     def flat_sum(self) -> Tensor:
@@ -402,7 +447,14 @@ class PrivateSum:
             if key in PROBABILITY_ROWS:
                 mean = _probability_rows(mean, held)
             rows[key] = mean
-        return PrivateRelease(update, rows, counts, held)
+        below_clip = None
+        if self.settings.adaptive:  # drawn after the other noise, so that their draws are those without it
+            total = torch.tensor([self.below_sum], dtype=torch.float64)
+            if self.settings.noise == "central" and generator is not None and self.settings.quantile_noise > 0:
+                total = total + _gaussian_like(total, self.settings.quantile_noise * self.settings.noise_scale,
+                                               generator)
+            below_clip = float(total[0]) / max(self.expected_clients, 1e-12) + 0.5
+        return PrivateRelease(update, rows, counts, held, below_clip)
 
 
 def _probability_rows(rows: Tensor, held: Tensor) -> Tensor:
