@@ -33,6 +33,9 @@ from fedhpro.errors import DataError
 MAX_HEADER_CHARS = 1 << 20
 #: the most columns a table may have
 MAX_COLUMNS = 100_000
+#: pandas 2 parses floats exactly only when asked to (its default parser may be off by one unit in the last
+#: place); pandas 3 parses them exactly by default and deprecates the argument
+EXACT_FLOATS: dict[str, Any] = {"float_precision": "round_trip"} if int(pd.__version__.split(".")[0]) < 3 else {}
 #: the split column's values: which rows train and which test (compared case-folded)
 SPLIT_VALUES = {"train": "train", "training": "train", "test": "test", "testing": "test"}
 
@@ -86,7 +89,7 @@ def read_csv(path: str | os.PathLike) -> pd.DataFrame:
                         "feature columns")
     max_rows = max(1, limit // (4 * columns))
     try:
-        frame = pd.read_csv(path, nrows=max_rows + 1, float_precision="round_trip", low_memory=False)
+        frame = pd.read_csv(path, nrows=max_rows + 1, low_memory=False, **EXACT_FLOATS)
     except (ValueError, pd.errors.ParserError, UnicodeDecodeError, OSError) as error:
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         raise DataError(f"cannot read {path} as CSV ({reason}); give a comma-separated file whose first line "
