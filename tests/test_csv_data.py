@@ -9,6 +9,7 @@ files. A CSV federation must equal the ``.npz`` one bit for bit; text labels mus
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -22,6 +23,7 @@ import fedhpro
 from fedhpro import cli
 from fedhpro.config import load_config
 from fedhpro.data import get_dataset
+from fedhpro.data.clients import ClientInfo, load_client, resolve_classes, scan_client
 from fedhpro.data.tables import read_csv
 from fedhpro.errors import DataError
 from fedhpro.trained import predict
@@ -135,6 +137,21 @@ def test_the_site_and_label_columns_are_named_by_keys(data, tmp_path):
     federation = build(tmp_path / "renamed.csv", "data.site_column=hospital", "data.label_column=diagnosis",
                        "data.split_column=part")
     assert_same_federation(federation, build(data["npz"]))
+
+
+def test_a_node_holding_one_csv_folder_loads_the_federation_s_client(data):
+    """A Flower node reads only its own folder: scan_client's JSON-able description, the classes resolved over
+    every node's, and load_client give client k of the simulated federation (text labels included)."""
+    options = load_config(None, ["dataset=clients"]).data
+    infos = [scan_client(data["named"] / name, options) for name in SITES]
+    echoed = [ClientInfo(**json.loads(json.dumps(dataclasses.asdict(info)))) for info in infos]
+    classes = resolve_classes(echoed, options)
+    assert classes == sorted(NAMES.tolist()) and infos[1].class_names == classes
+    federation = build(data["named"])
+    for k, name in enumerate(SITES):
+        (x, y), (xt, yt), _ = load_client(data["named"] / name, options, classes)
+        assert torch.equal(x, federation.clients[k].x) and torch.equal(y, federation.clients[k].y)
+        assert torch.equal(xt, federation.client_tests[k][0]) and torch.equal(yt, federation.client_tests[k][1])
 
 
 # ----------------------------------------------------------------------------------- DataFrames
