@@ -241,7 +241,9 @@ def _bad_tables(root: Path) -> dict[str, tuple[Path, list[str], str]]:
              "missing values": "'f5' has 2 missing values", "missing labels": "'label' has 1 missing value",
              "infinite value": "'f0' holds 1 infinite", "other columns": "not those of",
              "names and indices": "give every client's labels the same way", "label elsewhere": "no label column",
-             "names and indices in a site": "its train and test labels mix class names and class indices"}
+             "names and indices in a site": "its train and test labels mix class names and class indices",
+             "label spellings": "'Merlot' (client site-1) and 'merlot' (client site-",
+             "header only": "site-1 has no training data"}
     federation("text column", lambda f: f.assign(f3=["high" if i == 4 else str(v) for i, v in enumerate(f["f3"])]))
     federation("no label column", lambda f: f.rename(columns={"label": "class"}))
     federation("missing values", lambda f: f.assign(f5=[np.nan if i in (2, 7) else v for i, v in enumerate(f["f5"])]))
@@ -253,6 +255,8 @@ def _bad_tables(root: Path) -> dict[str, tuple[Path, list[str], str]]:
 
     federation("names and indices", indices, changed=("train", "test"))  # one site's labels are class indices
     federation("names and indices in a site", indices)  # its training labels only
+    federation("label spellings", lambda f: f.assign(label=f["label"].where(f.index != 0, "Merlot")))
+    federation("header only", lambda f: f.iloc[:0])  # pandas reads its columns as text: no rows, not text
     federation("label elsewhere", lambda f: f, ("data.label_column=diagnosis",))
     return cases
 

@@ -195,8 +195,9 @@ def _rows_tensors(rows: Rows, max_classes: int) -> tuple[Tensor, Tensor | np.nda
 def _label_summary(name: str, labels: Sequence[Tensor | np.ndarray]) -> tuple[list[str] | None, int | None]:
     """``(class names, largest label)`` of one client's splits: the sorted names where its labels are names,
     else None and its largest integer label (None: no rows); one DataError line if the splits mix both."""
-    named = [values for values in labels if isinstance(values, np.ndarray)]
-    if named and len(named) != len(labels):
+    present = [values for values in labels if len(values)]  # a split without rows names nothing
+    named = [values for values in present if isinstance(values, np.ndarray)]
+    if named and len(named) != len(present):
         raise DataError(f"client {name}: its train and test labels mix class names and class indices; give both "
                         "splits' labels the same way (names such as 'benign', or integers 0..C-1)")
     if named:
@@ -284,7 +285,7 @@ def _named_labels(infos: Sequence[ClientInfo], named: Sequence[ClientInfo], name
                   options: ClientsOptions) -> list[str]:
     """The classes of tensor clients whose labels are names (a CSV's label column of text): ``names`` (from
     data.classes or classes.txt), else the sorted union of the clients' names, as image clients' folders."""
-    unnamed = [info.name for info in infos if info.class_names is None]
+    unnamed = [info.name for info in infos if info.class_names is None and info.max_label is not None]
     if unnamed:
         raise DataError(f"clients {', '.join(i.name for i in named)} name their labels (such as "
                         f"{(named[0].class_names or ['?'])[0]!r}) but {', '.join(unnamed)} give class indices; give "

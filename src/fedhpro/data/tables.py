@@ -157,6 +157,8 @@ def frame_rows(frame: pd.DataFrame, where: str, label_column: str, skip: Sequenc
 def feature_matrix(frame: pd.DataFrame, features: Sequence[str], where: str) -> np.ndarray:
     """The ``features`` columns of ``frame`` (its column names as text) as float32 ``N x F``; one DataError line
     naming a column of text, a missing value or a number beyond float32."""
+    if not len(frame):  # a header without rows: pandas cannot tell the columns' types
+        return np.empty((0, len(features)), dtype=np.float32)
     for name in features:
         column = frame[name]
         if not (pd.api.types.is_numeric_dtype(column) or pd.api.types.is_bool_dtype(column)):
@@ -201,6 +203,8 @@ def _refuse_missing(column: pd.Series, name: str, where: str, frame: pd.DataFram
 def _label_values(column: pd.Series, name: str, where: str, frame: pd.DataFrame) -> np.ndarray:
     """The labels: int64 class indices (a column of whole numbers) or an object array of names (text)."""
     _refuse_missing(column, name, where, frame)
+    if not len(column):  # no rows: no label to tell names from indices
+        return np.empty(0, dtype=np.int64)
     if pd.api.types.is_bool_dtype(column):
         return column.to_numpy(dtype=np.int64, copy=True)
     if pd.api.types.is_integer_dtype(column):
