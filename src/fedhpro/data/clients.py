@@ -80,7 +80,17 @@ from fedhpro.data.images import (
     to_float,
 )
 from fedhpro.data.spec import DatasetSpec, half_range_image
-from fedhpro.data.tables import Rows, SiteRows, frame_rows, is_table, read_csv, read_csv_header, table_sites
+from fedhpro.data.tables import (
+    Rows,
+    SiteRows,
+    frame_rows,
+    is_table,
+    label_names,
+    name_codes,
+    read_csv,
+    read_csv_header,
+    table_sites,
+)
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.options import option
 
@@ -201,7 +211,7 @@ def _label_summary(name: str, labels: Sequence[Tensor | np.ndarray]) -> tuple[li
         raise DataError(f"client {name}: its train and test labels mix class names and class indices; give both "
                         "splits' labels the same way (names such as 'benign', or integers 0..C-1)")
     if named:
-        return sorted({str(value) for values in named for value in values.tolist()}), None
+        return label_names(np.concatenate(named)), None
     found = [y for y in labels if isinstance(y, Tensor) and y.numel()]
     return None, (max(int(y.max()) for y in found) if found else None)
 
@@ -903,12 +913,12 @@ def class_indices(labels: Tensor | np.ndarray, classes: Sequence[str], where: st
     """int64 labels indexing ``classes``: names looked up, class indices checked to be below their count;
     one DataError line naming ``where`` otherwise."""
     if isinstance(labels, np.ndarray):
-        index = {str(name): label for label, name in enumerate(classes)}
-        unknown = sorted({str(value) for value in labels.tolist()} - set(index))
-        if unknown:
+        codes = name_codes(labels, [str(name) for name in classes])
+        if bool((codes < 0).any()):
+            unknown = label_names(labels[codes < 0])
             raise DataError(f"{where}: labels {unknown[:10]} are not among the federation's classes "
                             f"({', '.join(map(str, classes[:20]))}); fix the labels or list them in data.classes")
-        return torch.tensor([index[str(value)] for value in labels.tolist()], dtype=torch.int64)
+        return torch.from_numpy(codes)
     if labels.numel() and int(labels.max()) >= len(classes):
         raise DataError(f"{where}: label {int(labels.max())} is out of range for {len(classes)} classes; fix "
                         "the labels or set data.num_classes")

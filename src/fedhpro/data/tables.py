@@ -181,6 +181,16 @@ def feature_matrix(frame: pd.DataFrame, features: Sequence[str], where: str) -> 
     return np.ascontiguousarray(x32)
 
 
+def label_names(labels: np.ndarray) -> list[str]:
+    """The distinct names among ``labels`` (an object array of names), sorted."""
+    return sorted(str(name) for name in pd.unique(labels))
+
+
+def name_codes(labels: np.ndarray, classes: Sequence[str]) -> np.ndarray:
+    """int64 indices of ``labels`` (an object array of names) in ``classes``; -1 for a name not among them."""
+    return np.asarray(pd.Categorical(labels, categories=list(classes)).codes, dtype=np.int64)
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
 
@@ -218,8 +228,8 @@ def _label_values(column: pd.Series, name: str, where: str, frame: pd.DataFrame)
             raise DataError(f"{where}: label column {name!r} holds labels beyond 2**53; labels are class indices "
                             "0..C-1 or class names")
         return values.astype(np.int64)
-    names = np.array([str(value).strip() for value in column.tolist()], dtype=object)
-    empty = [_row(frame, i) for i, value in zip(column.index, names) if not value][:3]
+    names = column.astype(str).str.strip().to_numpy(dtype=object)
+    empty = [_row(frame, i) for i in column.index[names == ""][:3]]
     if empty:
         raise DataError(f"{where}: label column {name!r} has empty labels (data rows {', '.join(map(str, empty))}); "
                         "give every row its class")
@@ -340,4 +350,4 @@ def frames_sites(data: Any, test: Any, label_column: str, site_column: str,
 
 
 __all__ = ["MAX_COLUMNS", "Rows", "SiteRows", "check_frame", "feature_matrix", "frame_rows", "frames_sites",
-           "is_table", "read_csv", "read_csv_header", "split_sites", "table_sites"]
+           "is_table", "label_names", "name_codes", "read_csv", "read_csv_header", "split_sites", "table_sites"]
