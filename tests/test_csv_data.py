@@ -27,6 +27,7 @@ from fedhpro.data.clients import ClientInfo, load_client, resolve_classes, scan_
 from fedhpro.data.tables import read_csv
 from fedhpro.errors import DataError
 from fedhpro.trained import predict
+from fedhpro.trained.prediction import labelled_accuracy
 
 SITES = ("site-0", "site-1", "site-2")
 #: wine's three cultivars as names whose sorted order is not the order in which they first appear
@@ -198,6 +199,9 @@ def test_predict_on_a_csv_writes_names_beside_the_rows(data, named_run, tmp_path
     pd.testing.assert_frame_equal(table[source.columns], source)  # the rows kept as they were, label included
     assert set(table["predicted"]) <= set(NAMES.tolist())
     assert (table["predicted"] == table[probabilities].idxmax(axis=1).str.removeprefix("p_")).all()
+    correct, total = labelled_accuracy(named_run.out, written)
+    assert (correct, total) == (int((table["predicted"] == table["label"]).sum()), len(source))
+    assert labelled_accuracy(named_run.out, predict(named_run.out, [data["npz"] / "site-0" / "test.npz"])) is None
 
 
 def test_predict_on_csv_rows_equals_predict_on_the_same_rows_as_npz(data, tmp_path):
@@ -209,6 +213,9 @@ def test_predict_on_csv_rows_equals_predict_on_the_same_rows_as_npz(data, tmp_pa
         from_csv = list(csv.DictReader(io.StringIO(text)))
         assert (tmp_path / "out.csv").read_text() == text
         assert len(from_csv) == len(from_npz) > 0
+        labels = [str(int(y)) for y in np.load(data["npz"] / "site-2" / "test.npz")["y"]]
+        hits = sum(reference["predicted"] == label for reference, label in zip(from_npz, labels))
+        assert labelled_accuracy(run.out, text) == (hits, len(labels))  # integer labels against names "0".."2"
         for row, reference in zip(from_csv, from_npz):
             assert row["predicted"] == reference["predicted"]
             assert [float(row[f"p_{c}"]) for c in "012"] == [float(reference[f"p_{c}"]) for c in "012"]

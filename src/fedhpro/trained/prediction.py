@@ -88,6 +88,38 @@ def predict(run_folder: str | os.PathLike, paths: Iterable[str | os.PathLike], o
     return text
 
 
+def labelled_accuracy(run_folder: str | os.PathLike, text: str) -> tuple[int, int] | None:
+    """``(correct, rows)`` of :func:`predict`'s table of a CSV whose rows carry their class in the run's label
+    column (partition.json's ``label_column``, else ``label``): rows whose label, as text, is the predicted
+    class's name (class indices match the names ``"0"``... of a run trained on indices); None when the table
+    has no such column or no labelled row."""
+    folder = Path(run_folder)
+    label = "label"
+    path = folder / PARTITION_FILE
+    if path.is_file():
+        record = read_json_file(path, ModelFileError)
+        if isinstance(record, dict) and isinstance(record.get("label_column"), str):
+            label = record["label_column"]
+    rows = list(csv.DictReader(io.StringIO(text)))
+    if not rows or label not in rows[0] or "predicted" not in rows[0]:
+        return None
+    labelled = [row for row in rows if (row[label] or "").strip()]
+    if not labelled:
+        return None
+    correct = sum(_label_text(row[label]) == row["predicted"] for row in labelled)
+    return correct, len(labelled)
+
+
+def _label_text(value: str) -> str:
+    """A label cell as a class name: ``"2.0"`` (a column of indices pandas wrote as floats) is ``"2"``."""
+    value = value.strip()
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    return str(int(number)) if number.is_integer() else value
+
+
 def predictions_path(path: str | os.PathLike) -> Path:
     """Where the predictions of the CSV of rows ``path`` go by default: ``rows.csv`` -> ``rows.predictions.csv``."""
     path = Path(path)
