@@ -81,7 +81,9 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
         overrides: ``["rounds=5", ...]`` or a mapping, applied after ``config``.
         echo: print the final table (the CLI does).
         federation: your own data, a :class:`~fedhpro.data.federation.Federation`
-            (``Federation.from_tensors`` / ``Federation.from_datasets``). The
+            (``Federation.from_tensors`` / ``Federation.from_datasets``, or
+            tables: :func:`fedhpro.from_dataframes`, whose standardisation
+            statistics the run writes to standardize.json as a CSV run does). The
             config's ``dataset``, ``data.*`` and ``partition.*`` are then not
             used (the federation is already split into clients); ``clients=``,
             if set, must equal ``federation.num_clients``. ``config.yaml``
