@@ -7,7 +7,7 @@ holds the paper's equations as pure functions. Your own data, model and
 method plug in from Python: ``fedhpro.run(..., federation=Federation.from_datasets(...),
 model=lambda: fedhpro.models.split(my_net, head="fc"))`` and
 ``fedhpro.methods.register(name, spec)`` (or a package's ``fedhpro.methods``
-entry point).
+entry point); tables as pandas DataFrames: ``fedhpro.run(..., federation=fedhpro.from_dataframes(frames))``.
 """
 
 import importlib
@@ -26,7 +26,8 @@ _LAZY = {"Federation": ("fedhpro.data.federation", "Federation"),
          "split": ("fedhpro.models.split", "split"),
          "load_model": ("fedhpro.trained", "load_model"),
          "predict": ("fedhpro.trained", "predict"),
-         "class_accuracy": ("fedhpro.trained", "class_accuracy")}
+         "class_accuracy": ("fedhpro.trained", "class_accuracy"),
+         "from_dataframes": ("fedhpro.data.frames", "from_dataframes")}
 _SUBMODULES = ("api", "config", "data", "methods", "models", "functional", "metrics", "reports", "engines",
                "trained")
 
@@ -48,5 +49,5 @@ def run(*args, **kwargs):
     return _run(*args, **kwargs)
 
 
-__all__ = ["run", "load_model", "predict", "class_accuracy", "Federation", "register_method", "split", "ConfigError",
-           "DataError", "FedHProError", "UpdateError", "__version__"]
+__all__ = ["run", "load_model", "predict", "class_accuracy", "Federation", "from_dataframes", "register_method",
+           "split", "ConfigError", "DataError", "FedHProError", "UpdateError", "__version__"]

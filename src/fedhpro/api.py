@@ -32,6 +32,7 @@ from fedhpro.measurements import observers_for
 from fedhpro.resume import claimed_config
 from fedhpro.runtime import bf16_note, cpu_runtime, resolve_threads, torch_threads
 from fedhpro.trained import MODEL_FILE, TrainedModels, load_model, simulator_models, write_models
+from fedhpro.trained.folder import STATISTICS_FILE, STATISTICS_FORMAT
 from fedhpro.user_models import _is_model_callable, _without_model_callable, check_federation
 
 
@@ -80,7 +81,9 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
         overrides: ``["rounds=5", ...]`` or a mapping, applied after ``config``.
         echo: print the final table (the CLI does).
         federation: your own data, a :class:`~fedhpro.data.federation.Federation`
-            (``Federation.from_tensors`` / ``Federation.from_datasets``). The
+            (``Federation.from_tensors`` / ``Federation.from_datasets``, or
+            tables: :func:`fedhpro.from_dataframes`, whose standardisation
+            statistics the run writes to standardize.json as a CSV run does). The
             config's ``dataset``, ``data.*`` and ``partition.*`` are then not
             used (the federation is already split into clients); ``clients=``,
             if set, must equal ``federation.num_clients``. ``config.yaml``
@@ -194,7 +197,8 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
     trained: list[TrainedModels] = []
 
     def write_model(folder: Path) -> None:
-        trained.append(simulator_models(config, simulator, parts.federation))
+        trained.append(with_federation_statistics(simulator_models(config, simulator, parts.federation),
+                                                  parts.federation))
         write_models(folder, trained[0])
 
     summary = driver.execute(simulator, run, config, data_name=data_name, partition=parts.federation.partition,
@@ -205,6 +209,20 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
         print(f"results in {out}/ (summary.json, metrics.jsonl, timing.jsonl, accuracy.png and .svg, "
               f"config.yaml); trained model: {saved} (fedhpro.load_model, fedhpro predict)")
     return RunResult(summary=summary, metrics=run.rows.metrics, out=out, config=config, trained=trained[0])
+
+
+def with_federation_statistics(models: TrainedModels, federation: Federation) -> TrainedModels:
+    """``models`` with the standardisation statistics of a federation that carries them
+    (``partition["statistics"]``: :func:`fedhpro.from_dataframes` scaled each site's features), recorded as a
+    CSV run's are (standardize.json, model.json's ``input``), so that ``fedhpro predict`` scales raw rows
+    alike; other runs' models unchanged."""
+    found = federation.partition.get("statistics")
+    inputs = models.info.get("input", {})
+    if not isinstance(found, dict) or models.statistics is not None or inputs.get("kind") != "tensor":
+        return models
+    info = {**models.info, "input": {**inputs, "standardize": "client", "statistics": STATISTICS_FILE}}
+    return dataclasses.replace(models, info=info,
+                               statistics={"format": STATISTICS_FORMAT, "standardize": "client", **found})
 
 
 def _new_run_folder(options: RunOptions, data_name: str) -> Path:

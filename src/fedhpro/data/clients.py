@@ -8,10 +8,13 @@ folder name. A client folder holds either
   ``training/``; ``val/``/``validation/`` is the test split where there is
   no ``test/``; images found at any depth below a class folder; decoded and
   normalised by :mod:`fedhpro.data.images` at ``data.image_size``), or
-* tensors: ``train.pt`` or ``train.npz`` and, optionally, ``test.pt`` or
-  ``test.npz``, each holding ``x`` (N x F features, or any N x ...) and ``y``
-  (N integer labels): ``np.savez(path, x=x, y=y)`` or ``torch.save({"x": x,
-  "y": y}, path)``. Float ``N x F`` features are standardised by default
+* tensors: ``train.pt``, ``train.npz`` or ``train.csv`` and, optionally,
+  ``test.pt``, ``test.npz`` or ``test.csv``, each holding ``x`` (N x F
+  features, or any N x ...) and ``y`` (N integer labels): ``np.savez(path,
+  x=x, y=y)`` or ``torch.save({"x": x, "y": y}, path)``; a CSV (read by
+  :mod:`fedhpro.data.tables`) holds a label column (``data.label_column``,
+  default ``label``) of class indices or class names, every other column a
+  numeric feature (float32). Float ``N x F`` features are standardised by default
   (``data.standardize=client``): each client scales every feature by its own
   training mean and std, the statistics a site may compute without sharing
   anything, and applies the same map to its test data;
@@ -34,7 +37,17 @@ order), else the ``classes.txt`` the clients carry (one name a line; all
 that carry one must agree), else the sorted union of every client's class
 folders, so clients with different classes share one label space. Tensor
 clients' labels are the integers in ``y``; ``num_classes`` is
-``data.num_classes``, else the largest label + 1.
+``data.num_classes``, else the largest label + 1. Labels given as names (a
+CSV's label column of text) are classes as image folders are: ``data.classes``
+(in label order), else ``classes.txt``, else the sorted union of every
+client's names; every client must then name its labels.
+
+``data_dir`` may also be one table of several sites (:func:`build`): a CSV
+file with a site column (``data.site_column``, default ``site``) and a split
+column (``data.split_column``, default ``split``: ``train`` or ``test`` per
+row), or a folder holding ``train.csv`` and, optionally, ``test.csv``, each
+with the site column. Sites are then ordered by name as client folders are,
+and each one's domain is the ``<prefix>`` of a name ``<prefix>-<digits>``.
 
 The same functions serve a Flower node, which holds only its own folder:
 :func:`scan_client` (cheap, JSON-able with :func:`dataclasses.asdict`), then
@@ -67,12 +80,23 @@ from fedhpro.data.images import (
     to_float,
 )
 from fedhpro.data.spec import DatasetSpec, half_range_image
+from fedhpro.data.tables import (
+    Rows,
+    SiteRows,
+    frame_rows,
+    is_table,
+    label_names,
+    name_codes,
+    read_csv,
+    read_csv_header,
+    table_sites,
+)
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.options import option
 
 #: ``<prefix>-<digits>`` or ``<prefix>_<digits>``: the prefix is the client's domain
 _NUMBERED = re.compile(r"^(?P<prefix>.+)[-_]\d+$")
-TENSOR_SUFFIXES = (".pt", ".npz")
+TENSOR_SUFFIXES = (".pt", ".npz", ".csv")
 #: ``data.standardize``: each client's own feature statistics, or the features as saved
 STANDARDIZE_CHOICES = ("client", "none")
 
@@ -99,6 +123,12 @@ class ClientsOptions:
                               help="tensor clients with float N x F features: client (each feature scaled to mean 0, "
                                    "std 1 by the client's own training mean and std, applied to its training and "
                                    "test data: what a site can compute without sharing anything) or none (as saved)")
+    label_column: str = option("label", help="CSV clients and tables: the column of labels, class indices 0..C-1 or "
+                                             "class names (text); every other column is a numeric feature")
+    site_column: str = option("site", help="data_dir=one table (a .csv file, or a folder with train.csv and "
+                                           "test.csv): the column naming each row's site")
+    split_column: str = option("split", help="data_dir=one .csv file of several sites: the column saying train or "
+                                             "test for each row")
 
 
 @dataclass
@@ -143,17 +173,47 @@ def scan_client(folder: str | Path, options: ClientsOptions) -> ClientInfo:
         return ClientInfo(folder.name, client_domain(folder), "images", names, declared, None, [3, size, size],
                           *(sum(len(files) for files in splits.get(split, {}).values())
                             for split in ("train", "test")))
-    pairs = {split: _read_tensor_file(path, options.max_classes)
-             for split, path in _tensor_files(folder).items()}
+    pairs = {split: _read_split(path, options) for split, path in _tensor_files(folder).items()}
     shapes = {split: list(x.shape[1:]) for split, (x, _) in pairs.items()}
     if len({tuple(s) for s in shapes.values()}) > 1:
         raise DataError(f"client folder {folder}: train and test inputs differ in shape ({shapes['train']} vs "
                         f"{shapes['test']}); give both the same features")
-    labels = [y for _, y in pairs.values() if y.numel()]
-    max_label = max(int(y.max()) for y in labels) if labels else None
+    class_names, max_label = _label_summary(folder.name, [labels for _, labels in pairs.values()])
     sizes = [int(pairs[split][1].shape[0]) if split in pairs else 0 for split in ("train", "test")]
-    return ClientInfo(folder.name, client_domain(folder), "tensors", None, declared, max_label, shapes["train"],
-                      *sizes)
+    return ClientInfo(folder.name, client_domain(folder), "tensors", class_names, declared, max_label,
+                      shapes["train"], *sizes)
+
+
+def _read_split(path: Path, options: ClientsOptions) -> tuple[Tensor, Tensor | np.ndarray]:
+    """``(x, labels)`` of one split file: a ``.csv``'s rows (labels: int64 class indices, or the names of an
+    object array), else a tensor file's ``x`` and ``y``."""
+    if path.suffix != ".csv":
+        return _read_tensor_file(path, options.max_classes)
+    return _rows_tensors(frame_rows(read_csv(path), f"client {path.parent.name}: {path}", options.label_column),
+                         options.max_classes)
+
+
+def _rows_tensors(rows: Rows, max_classes: int) -> tuple[Tensor, Tensor | np.ndarray]:
+    """A table's rows as float32 ``x`` and its labels: int64 class indices checked as a tensor file's ``y``
+    (:func:`_labels`), or the names as they are (classes are named across clients: :func:`resolve_classes`)."""
+    x = torch.from_numpy(rows.x)
+    if rows.named:
+        return x, rows.labels
+    return x, _labels(torch.from_numpy(rows.labels), Path(rows.where), rows.where, max_classes)
+
+
+def _label_summary(name: str, labels: Sequence[Tensor | np.ndarray]) -> tuple[list[str] | None, int | None]:
+    """``(class names, largest label)`` of one client's splits: the sorted names where its labels are names,
+    else None and its largest integer label (None: no rows); one DataError line if the splits mix both."""
+    present = [values for values in labels if len(values)]  # a split without rows names nothing
+    named = [values for values in present if isinstance(values, np.ndarray)]
+    if named and len(named) != len(present):
+        raise DataError(f"client {name}: its train and test labels mix class names and class indices; give both "
+                        "splits' labels the same way (names such as 'benign', or integers 0..C-1)")
+    if named:
+        return label_names(np.concatenate(named)), None
+    found = [y for y in labels if isinstance(y, Tensor) and y.numel()]
+    return None, (max(int(y.max()) for y in found) if found else None)
 
 
 def resolve_classes(infos: Sequence[ClientInfo], options: ClientsOptions) -> list[str]:
@@ -212,6 +272,9 @@ def resolve_classes(infos: Sequence[ClientInfo], options: ClientsOptions) -> lis
                               f"classes ({', '.join(names)}); leave data.num_classes unset or list the classes in "
                               "data.classes")
         return names
+    named = [info for info in infos if info.class_names is not None]
+    if named:
+        return _named_labels(infos, named, names, source, options)
     if names is not None and options.num_classes is not None and options.num_classes != len(names):
         raise ConfigError(f"data.num_classes={options.num_classes} but {source} names {len(names)} classes; "
                           "set one of them")
@@ -226,6 +289,32 @@ def resolve_classes(infos: Sequence[ClientInfo], options: ClientsOptions) -> lis
                                                               f"{i.max_label}" for i in too_large)
                         + f", but {limit} allows 0..{num_classes - 1}; fix the labels or raise the class count")
     return names if names is not None else [str(c) for c in range(num_classes)]
+
+
+def _named_labels(infos: Sequence[ClientInfo], named: Sequence[ClientInfo], names: list[str] | None, source: str,
+                  options: ClientsOptions) -> list[str]:
+    """The classes of tensor clients whose labels are names (a CSV's label column of text): ``names`` (from
+    data.classes or classes.txt), else the sorted union of the clients' names, as image clients' folders."""
+    unnamed = [info.name for info in infos if info.class_names is None and info.max_label is not None]
+    if unnamed:
+        raise DataError(f"clients {', '.join(i.name for i in named)} name their labels (such as "
+                        f"{(named[0].class_names or ['?'])[0]!r}) but {', '.join(unnamed)} give class indices; give "
+                        "every client's labels the same way")
+    where = {c: info.name for info in named for c in info.class_names or []}
+    refuse_lookalikes(sorted(where), "label", "give each class one spelling on every client",
+                      where=lambda c: f"client {where[c]}")
+    if names is None:
+        names, source = sorted(where), "the labels"
+    for info in named:
+        unknown = sorted(set(info.class_names or []) - set(names))
+        if unknown:
+            raise DataError(f"client {info.name} has labels {unknown[:10]} that {source} does not list; add them to "
+                            "it or fix the labels")
+    if options.num_classes is not None and options.num_classes != len(names):
+        raise ConfigError(f"data.num_classes={options.num_classes} but the clients' labels name {len(names)} "
+                          f"classes ({', '.join(names[:20])}); leave data.num_classes unset or list the classes in "
+                          "data.classes")
+    return names
 
 
 def folded(name: str) -> str:
@@ -289,7 +378,7 @@ def load_client(folder: str | Path, options: ClientsOptions,
     classes = [str(c) for c in classes]
     if info.kind == "images":
         return (*_load_images(folder, info, options, classes), info)
-    train, test = _load_tensors(folder, info, len(classes), options.max_classes)
+    train, test = _load_tensors(folder, info, classes, options)
     return (*standardized(train, test, options.standardize), info)
 
 
@@ -312,12 +401,15 @@ def client_folders(data_dir: str | Path | None) -> list[Path]:
 
 def build(options: ClientsOptions, clients: int | None, seed: int, data_dir: Any = None, progress: bool = False,
           partition: Any = None) -> Federation:
-    """The federation of ``data_dir``'s client folders (the :class:`DatasetSpec` build; ``seed`` is unused:
-    the split is the folders')."""
+    """The federation of ``data_dir``'s client folders, or of the sites of one table (:func:`is_table`) (the
+    :class:`DatasetSpec` build; ``seed`` is unused: the split is the folders' or the table's)."""
     if partition is not None and (partition.scheme != "auto" or partition.load):
         what = f"partition={partition.scheme}" if partition.scheme != "auto" else "partition.load"
         raise ConfigError(f"{what} does not apply to dataset=clients: the data is already split, one client per "
                           "folder; leave partition unset (or use dataset=imagefolder to split one data set)")
+    if is_table(data_dir):
+        sites = table_sites(data_dir, options.label_column, options.site_column, options.split_column)
+        return sites_federation(sites, options, clients, str(Path(data_dir).expanduser()))
     folders = client_folders(data_dir)
     if clients is not None and clients != len(folders):
         raise ConfigError(f"clients={clients} but {data_dir} holds {len(folders)} client folders; leave clients "
@@ -326,45 +418,124 @@ def build(options: ClientsOptions, clients: int | None, seed: int, data_dir: Any
     bound = _label_bound(infos, options)
     for folder, info in zip(folders, infos):
         if info.kind == "tensors" and bound is not None and info.max_label is not None and info.max_label >= bound:
-            _load_tensors(folder, info, bound, options.max_classes)  # the DataError naming the file with the label
+            # the DataError naming the file with the label
+            _load_tensors(folder, info, [str(c) for c in range(bound)], options)
     classes = resolve_classes(infos, options)
     if not any(info.test_size for info in infos):
         raise DataError(f"no client in {data_dir} has test data; give at least one client test/<class>/ images "
-                        "or a test.pt/test.npz")
+                        "or a test.pt/test.npz/test.csv")
     train, tests = [], []
     for folder, info in zip(folders, infos):
         loaded = (_load_images(folder, info, options, classes) if info.kind == "images"
-                  else _load_tensors(folder, info, len(classes), options.max_classes))
+                  else _load_tensors(folder, info, classes, options))
         train.append(loaded[0])
         tests.append(loaded[1])
     converted = _features_as_floats(folders, infos, train, tests)
+    columns = _csv_columns(folders, infos, options)
+    notes = [f"clients: {len(infos)} client folders of {data_dir} ({infos[0].kind}), {len(classes)} classes"]
+    if converted:
+        notes.append(f"clients: the integer x of {', '.join(converted)} converted to float32 (exactly), as the other "
+                     "clients hold float features")
+    return _federation(infos, classes, train, tests, options, str(Path(data_dir).expanduser()), notes,
+                       _class_folder_notes(folders, infos, classes, tests), columns)
+
+
+def sites_federation(sites: Sequence[SiteRows], options: ClientsOptions, clients: int | None,
+                     source: str, statistics: bool = False) -> Federation:
+    """The federation of a table's sites (one CSV with a site column, or DataFrames given from Python): the
+    same tensors, standardisation, classes and record as client folders holding each site's ``train.csv``
+    and ``test.csv`` (:func:`build`). ``statistics``: the record also holds the standardisation statistics
+    (:func:`standardization_statistics`' content) as ``"statistics"``, for data that no file can rebuild."""
+    if clients is not None and clients != len(sites):
+        raise ConfigError(f"clients={clients} but {source} holds {len(sites)} sites; leave clients unset (each site "
+                          "is a client)")
+    refuse_lookalikes([site.name for site in sites], "site", "give each site one spelling")
+    columns = sites[0].train.columns
+    for site in sites:
+        for rows in (site.train, site.test):
+            if rows is not None and rows.columns != columns:
+                raise DataError(f"{rows.where} has the feature columns {rows.columns[:20]}, not those of site "
+                                f"{sites[0].name} ({columns[:20]}); give every site the same columns in the same "
+                                "order (e.g. frame[columns])")
+    limit = int(options.max_classes)
+    parts = [[_rows_tensors(rows, limit) for rows in (site.train, site.test) if rows is not None] for site in sites]
+    infos = []
+    for site, loaded in zip(sites, parts):
+        class_names, max_label = _label_summary(site.name, [labels for _, labels in loaded])
+        match = _NUMBERED.match(site.name)
+        infos.append(ClientInfo(site.name, match.group("prefix") if match else None, "tensors", class_names, None,
+                                max_label, [len(columns)], site.train.x.shape[0],
+                                0 if site.test is None else site.test.x.shape[0]))
+    classes = resolve_classes(infos, options)
+    if not any(info.test_size for info in infos):
+        raise DataError(f"no site of {source} has test rows; give at least one site test rows")
+    train, tests = [], []
+    for site, loaded in zip(sites, parts):
+        given = [rows for rows in (site.train, site.test) if rows is not None]
+        pairs = [(x, class_indices(labels, classes, rows.where)) for (x, labels), rows in zip(loaded, given)]
+        train.append(pairs[0])
+        empty = (torch.empty((0, len(columns))), torch.empty(0, dtype=torch.int64))
+        tests.append(pairs[1] if len(pairs) > 1 else empty)
+    notes = [f"clients: {len(sites)} sites of {source} (tensors), {len(classes)} classes"]
+    found = _statistics(infos, train) if statistics and options.standardize == "client" else None
+    federation = _federation(infos, classes, train, tests, options, source, notes, [], columns)
+    if found is not None:
+        federation.partition["statistics"] = found
+    return federation
+
+
+def _federation(infos: Sequence[ClientInfo], classes: Sequence[str], train: list[tuple[Tensor, Tensor]],
+                tests: list[tuple[Tensor, Tensor]], options: ClientsOptions, source: str, notes: list[str],
+                more_notes: list[str], columns: list[str] | None) -> Federation:
+    """The federation of loaded clients: standardised (``data.standardize``), with its record and notes."""
     scaled = []
     for k in range(len(train)):
         before = train[k][0]
         train[k], tests[k] = standardized(train[k], tests[k], options.standardize)
         scaled += [infos[k].name] if train[k][0] is not before else []
     num_classes = len(classes)
-    record = {
-        "dataset": "clients", "scheme": "given", "data_dir": str(Path(data_dir).expanduser()),
+    record: dict[str, Any] = {
+        "dataset": "clients", "scheme": "given", "data_dir": source,
         "kind": infos[0].kind, "num_classes": num_classes, "classes": list(classes),
         "clients": [{"client": k, "name": info.name, "domain": info.domain, "size": info.train_size,
                      "test_size": info.test_size,
                      "class_counts": torch.bincount(train[k][1], minlength=num_classes).tolist()}
                     for k, info in enumerate(infos)],
     }
-    notes = [f"clients: {len(infos)} client folders of {data_dir} ({infos[0].kind}), {num_classes} classes"]
-    if converted:
-        notes.append(f"clients: the integer x of {', '.join(converted)} converted to float32 (exactly), as the other "
-                     "clients hold float features")
     if scaled:
         notes.append(f"clients: features standardised with each client's own training mean and std "
                      f"(data.standardize=client; data.standardize=none keeps them as saved): {', '.join(scaled)}")
     notes += client_notes(infos)
-    notes += _class_folder_notes(folders, infos, classes, tests)
+    notes += more_notes
     if infos[0].kind == "tensors":
         record["standardize"] = options.standardize
+    if columns is not None:
+        # the tables' feature columns, in order, and the label column: what predict takes from a CSV of rows
+        record["columns"] = list(columns)
+        record["label_column"] = options.label_column
     return Federation.from_tensors(train, tests, num_classes=num_classes, domains=[i.domain for i in infos],
                                    names=[i.name for i in infos], name="clients", partition=record, notes=notes)
+
+
+def _csv_columns(folders: Sequence[Path], infos: Sequence[ClientInfo], options: ClientsOptions) -> list[str] | None:
+    """The feature columns every CSV client file holds (the same in each, else one DataError line), or None
+    where the clients hold no CSV."""
+    if infos[0].kind != "tensors":
+        return None
+    found: dict[str, list[str]] = {}
+    for folder in folders:
+        for path in _tensor_files(folder).values():
+            if path.suffix == ".csv":
+                header = [str(c) for c in read_csv_header(path)]
+                found[str(path)] = [c for c in header if c != options.label_column]
+    if not found:
+        return None
+    first, columns = next(iter(found.items()))
+    for where, other in found.items():
+        if other != columns:
+            raise DataError(f"{where} has the feature columns {other[:20]}, not those of {first} ({columns[:20]}); "
+                            "give every client the same columns in the same order (e.g. frame[columns].to_csv)")
+    return columns
 
 
 def _features_as_floats(folders: Sequence[Path], infos: Sequence[ClientInfo], train: list[tuple[Tensor, Tensor]],
@@ -414,7 +585,7 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
     for split in ("train", "test"):
         present = [folder / f"{split}{suffix}" for suffix in TENSOR_SUFFIXES if (folder / f"{split}{suffix}").is_file()]
         if len(present) > 1:
-            raise DataError(f"client folder {folder} holds both {split}.pt and {split}.npz; keep one of them")
+            raise DataError(f"client folder {folder} holds {' and '.join(p.name for p in present)}; keep one of them")
         if present:
             found[split] = present[0]
     return found
@@ -438,8 +609,8 @@ def _kind(folder: Path) -> str:
             raise DataError(f"client folder {folder} holds train{suffix} and a {test_folder.name}/ folder; save its "
                             f"test data as test{suffix} instead")
         return "tensors"
-    raise DataError(f"client folder {folder} has no training data; give it train/<class>/<image> files or "
-                    "train.pt / train.npz (x, y), or move it out of data_dir")
+    raise DataError(f"client folder {folder} has no training data; give it train/<class>/<image> files, "
+                    "train.pt / train.npz (x, y) or train.csv (a label column), or move it out of data_dir")
 
 
 def _image_splits(folder: Path) -> dict[str, dict[str, list[Path]]]:
@@ -529,6 +700,12 @@ def standardization_statistics(options: ClientsOptions, data_dir: Any) -> dict[s
     Rebuilt from ``data_dir`` as :func:`build` reads it (the same files, conversions and map)."""
     if options.standardize == "none":
         return None
+    if is_table(data_dir):
+        sites = table_sites(data_dir, options.label_column, options.site_column, options.split_column)
+        infos = [ClientInfo(site.name, None, "tensors", None, None, None, [site.train.x.shape[1]], 0, 0)
+                 for site in sites]
+        train = [(torch.from_numpy(site.train.x), torch.empty(0)) for site in sites]
+        return _statistics(infos, train)
     folders = client_folders(data_dir)
     infos = [scan_client(folder, options) for folder in folders]
     if infos[0].kind != "tensors":
@@ -536,10 +713,15 @@ def standardization_statistics(options: ClientsOptions, data_dir: Any) -> dict[s
     classes = resolve_classes(infos, options)
     train, tests = [], []
     for folder, info in zip(folders, infos):
-        loaded = _load_tensors(folder, info, len(classes), options.max_classes)
+        loaded = _load_tensors(folder, info, classes, options)
         train.append(loaded[0])
         tests.append(loaded[1])
     _features_as_floats(folders, infos, train, tests)
+    return _statistics(infos, train)
+
+
+def _statistics(infos: Sequence[ClientInfo], train: Sequence[tuple[Tensor, Tensor]]) -> dict[str, Any] | None:
+    """:func:`standardization_statistics` of the clients' raw training features."""
     sites: dict[str, Any] = {}
     rows = []
     for info, (x, _) in zip(infos, train):
@@ -711,23 +893,36 @@ def _load_images(folder: Path, info: ClientInfo, options: ClientsOptions,
     return (to_float(decoded[0][0], bits), decoded[0][1]), (to_float(decoded[1][0], bits), decoded[1][1])
 
 
-def _load_tensors(folder: Path, info: ClientInfo, num_classes: int,
-                  max_classes: int = 100_000) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+def _load_tensors(folder: Path, info: ClientInfo, classes: Sequence[str],
+                  options: ClientsOptions) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
     files = _tensor_files(folder)
     pairs = []
     for split in ("train", "test"):
         if split not in files:
             pairs.append((torch.empty((0, *info.input_shape), dtype=torch.float32), torch.empty(0, dtype=torch.int64)))
             continue
-        x, y = _read_tensor_file(files[split], max_classes)
-        if y.numel() and int(y.max()) >= num_classes:
-            raise DataError(f"{files[split]}: label {int(y.max())} is out of range for {num_classes} classes; fix "
-                            "the labels or set data.num_classes")
-        pairs.append((x, y))
+        x, labels = _read_split(files[split], options)
+        pairs.append((x, class_indices(labels, classes, str(files[split]))))
     if pairs[1][0].dtype != pairs[0][0].dtype and pairs[1][1].numel():  # int64 and float32: features as floats
         return (as_float(pairs[0][0], files["train"]), pairs[0][1]), (as_float(pairs[1][0], files["test"]),
                                                                       pairs[1][1])
     return pairs[0], (pairs[1][0].to(pairs[0][0].dtype), pairs[1][1])
+
+
+def class_indices(labels: Tensor | np.ndarray, classes: Sequence[str], where: str) -> Tensor:
+    """int64 labels indexing ``classes``: names looked up, class indices checked to be below their count;
+    one DataError line naming ``where`` otherwise."""
+    if isinstance(labels, np.ndarray):
+        codes = name_codes(labels, [str(name) for name in classes])
+        if bool((codes < 0).any()):
+            unknown = label_names(labels[codes < 0])
+            raise DataError(f"{where}: labels {unknown[:10]} are not among the federation's classes "
+                            f"({', '.join(map(str, classes[:20]))}); fix the labels or list them in data.classes")
+        return torch.from_numpy(codes)
+    if labels.numel() and int(labels.max()) >= len(classes):
+        raise DataError(f"{where}: label {int(labels.max())} is out of range for {len(classes)} classes; fix "
+                        "the labels or set data.num_classes")
+    return labels
 
 
 def as_float(x: Tensor, path: Path) -> Tensor:
@@ -772,7 +967,7 @@ DATASET = DatasetSpec(
     options=ClientsOptions,
     build=build,
     description="your federation, already split: data_dir=PATH with one folder per client (train/<class>/ images "
-                "or train.npz/.pt tensors, optional test split)",
+                "or train.npz/.pt/.csv tables, optional test split), or one CSV table with a site column",
     image_input=image_input,
 )
 

@@ -1,6 +1,7 @@
 """Predict's inputs made as the run made its inputs: image files decoded, resized and normalised as model.json's
 ``input`` says (what the run's data set declared: :attr:`fedhpro.data.spec.DatasetSpec.image_input`), tensor files
-read without unpickling, tabular rows of ``data.standardize=client`` scaled by standardize.json."""
+read without unpickling, CSV rows read with pandas (the run's feature columns, by name), tabular rows of
+``data.standardize=client`` scaled by standardize.json."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from fedhpro.data.benchmarks import to_float as preset_float
 from fedhpro.data.clients import apply_statistics
 from fedhpro.data.images import decode_file, open_image, to_float
 from fedhpro.data.loaders import IMAGE_EXTENSIONS, Preset
+from fedhpro.data.tables import feature_matrix, read_csv
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.trained.checks import read_info, read_statistics, shown
 from fedhpro.trained.folder import MODEL_INFO, POOLED, STATISTICS_FILE, ModelFileError
@@ -175,24 +177,77 @@ def _as_input_tensor(value: Any, path: Path, shape: Sequence[int]) -> Tensor:
     raise DataError(f"{path} holds {what}; save one numeric tensor, N x {wanted}")
 
 
-def gather_inputs(paths: Iterable[str | os.PathLike], info: Mapping[str, Any]) -> tuple[list[str], Tensor]:
-    """``(names, inputs)``: every image file given (or found in a given folder) and every row of a given
-    ``.pt`` / ``.npz`` tensor file (named ``file.pt[i]``), as the model's inputs; one DataError line for a wrong
-    path. Tensor rows are returned as the file holds them (:func:`prepare_inputs` scales them as training did)."""
+#: the columns of a CSV of rows that are never features when the run does not name its feature columns (a run
+#: on .npz/.pt files): the default label, site and split columns of own tabular data
+NOT_FEATURES = ("label", "site", "split")
+
+
+def csv_inputs(path: Path, info: Mapping[str, Any], columns: Sequence[str] | None) -> Tensor:
+    """The rows of the CSV file ``path`` as the model's float32 inputs: the run's feature ``columns`` by name
+    (any order, other columns ignored: a label column is kept out), else every column but ``label``, ``site``
+    and ``split``; read by :func:`fedhpro.data.tables.read_csv` (bounded), checked as training rows are."""
+    shape = [int(n) for n in info["input_shape"]]
+    inputs = info.get("input", {})
+    if inputs.get("kind") != "tensor" or len(shape) != 1 or not str(inputs.get("dtype", "float32")).startswith("float"):
+        raise DataError(f"{path}: this run's model takes {'images' if inputs.get('kind') == 'image' else 'inputs'} "
+                        f"of shape {tuple(shape)}, not rows of a table; give the inputs it was trained on")
+    frame = read_csv(path)
+    frame = frame.set_axis([str(c) for c in frame.columns], axis=1)
+    if columns is not None:
+        missing = [c for c in columns if c not in frame.columns]
+        if missing:
+            raise DataError(f"{path} has no column {', '.join(map(repr, missing[:10]))} of the {len(columns)} this "
+                            "run was trained on; give every feature column, named as in training")
+        features = list(columns)
+    else:
+        features = [c for c in frame.columns if c not in NOT_FEATURES]
+    if len(features) != shape[0]:
+        raise DataError(f"{path} has {len(features)} feature columns ({', '.join(features[:10])}); this run's model "
+                        f"takes {shape[0]} features: give those columns only (a label, site or split column is "
+                        "left out by name)")
+    return torch.from_numpy(feature_matrix(frame, features, str(path)))
+
+
+def gather_inputs(paths: Iterable[str | os.PathLike], info: Mapping[str, Any],
+                  columns: Sequence[str] | None = None) -> tuple[list[str], Tensor]:
+    """``(names, inputs)`` of :func:`gathered`."""
+    names, inputs, _ = gathered(paths, info, columns)
+    return names, inputs
+
+
+def gathered(paths: Iterable[str | os.PathLike], info: Mapping[str, Any],
+             columns: Sequence[str] | None = None) -> tuple[list[str], Tensor, list[int]]:
+    """``(names, inputs)``: every image file given (or found in a given folder), every row of a given
+    ``.pt`` / ``.npz`` tensor file (named ``file.pt[i]``) and of a ``.csv`` file of rows (``file.csv[i]``; the
+    run's feature ``columns`` by name, :func:`csv_inputs`), as the model's inputs; one DataError line for a
+    wrong path. Tensor rows are returned as the file holds them (:func:`prepare_inputs` scales them as
+    training did). Also the number of inputs each path gave, in order."""
     inputs, shape = info.get("input", {}), info["input_shape"]
+    counts: list[int] = []
     names: list[str] = []
     rows: list[Tensor] = []
     given = [Path(p) for p in paths]
     if not given:
-        raise ConfigError("give at least one input: image files, folders of images or a .pt/.npz tensor file")
+        raise ConfigError("give at least one input: image files, folders of images, a .pt/.npz tensor file or a "
+                          ".csv file of rows")
     for path in given:
+        counts.append(-len(names))
         if not path.exists():
-            raise DataError(f"{path}: no such file or folder; give image files, folders of images or a .pt/.npz "
-                            "tensor file")
+            raise DataError(f"{path}: no such file or folder; give image files, folders of images, a .pt/.npz "
+                            "tensor file or a .csv file of rows")
+        if path.is_file() and path.suffix.lower() == ".csv":
+            batch = csv_inputs(path, info, columns)
+            if not batch.shape[0]:
+                raise DataError(f"{path} has no rows; give at least one row to classify")
+            names += [f"{path}[{i}]" for i in range(batch.shape[0])]
+            rows += list(batch)
+            counts[-1] += len(names)
+            continue
         if path.is_file() and path.suffix.lower() in (".pt", ".npz"):
             batch = _tensor_inputs(path, inputs, shape)
             names += [f"{path}[{i}]" for i in range(batch.shape[0])]
             rows += list(batch)
+            counts[-1] += len(names)
             continue
         files = _image_files(path) if path.is_dir() else [path]
         if path.is_dir() and not files:
@@ -206,4 +261,5 @@ def gather_inputs(paths: Iterable[str | os.PathLike], info: Mapping[str, Any]) -
                                 "file")
             names.append(str(file))
             rows.append(_image_input(file, inputs))
-    return names, torch.stack(rows)
+        counts[-1] += len(names)
+    return names, torch.stack(rows), counts

@@ -1,22 +1,30 @@
 """``fedhpro predict``: a run's trained model on new inputs, as a CSV of the predicted class and every class's
-probability."""
+probability; a CSV of rows gets its predictions beside its own columns."""
 
 from __future__ import annotations
 
 import csv
 import io
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from fedhpro.bounded import read_json_file
+from fedhpro.data.tables import read_csv
+from fedhpro.errors import DataError
 from fedhpro.files import write_atomic
 from fedhpro.trained.checks import read_info
 from fedhpro.trained.folder import ModelFileError
-from fedhpro.trained.inputs import gather_inputs, prepared
+from fedhpro.trained.inputs import gathered, prepared
 from fedhpro.trained.load import load_model
+
+#: the record of the run's data in its folder, which names the feature columns of a run on CSV tables
+PARTITION_FILE = "partition.json"
+#: what a CSV of rows' predictions is called beside it: ``rows.csv`` -> ``rows.predictions.csv``
+PREDICTIONS_SUFFIX = ".predictions.csv"
 
 
 @torch.no_grad()
@@ -29,17 +37,24 @@ def class_probabilities(module: nn.Module, inputs: Tensor, batch_size: int = 256
 def predict(run_folder: str | os.PathLike, paths: Iterable[str | os.PathLike], out: str | os.PathLike | None = None,
             *, client: int | None = None, model: Callable[..., nn.Module] | None = None,
             batch_size: int = 256, site: str | None = None) -> str:
-    """Classify image files, folders of images or ``.pt`` / ``.npz`` tensor files with a run's trained model;
-    returns the CSV text (and writes it to ``out`` atomically when given): ``path, predicted, p_<class>...``,
-    the predicted class's name and the probability of every class (softmax of the model's logits).
+    """Classify image files, folders of images, ``.pt`` / ``.npz`` tensor files or ``.csv`` files of rows with a
+    run's trained model; returns the CSV text (and writes it to ``out`` atomically when given): ``path,
+    predicted, p_<class>...``, the predicted class's name and the probability of every class (softmax of the
+    model's logits).
 
     Every input is made as the run made its inputs: images decoded, resized and normalised as its data set
     did; tabular rows of a run trained with ``data.standardize=client`` scaled by the statistics in
-    standardize.json: those of ``site`` (a site folder's name), by default all sites' training rows pooled."""
+    standardize.json: those of ``site`` (a site folder's name), by default all sites' training rows pooled.
+
+    A ``.csv`` file of rows (the run's feature columns, found by name; a label or any other column is kept
+    but not used) gets its predictions beside its rows: the file's own columns, then ``predicted`` and the
+    ``p_<class>`` columns, written atomically to ``<file>.predictions.csv`` next to it (``rows.csv`` ->
+    ``rows.predictions.csv``), or to ``out`` when it is the only input; that table is then what is returned."""
     folder = Path(run_folder)
     info = read_info(folder)
     module = load_model(folder, client=client, model=model)
-    names, inputs = gather_inputs(paths, info)
+    given = [Path(p) for p in paths]
+    names, inputs, counts = gathered(given, info, trained_columns(folder))
     inputs = prepared(folder, info, inputs, site)
     probabilities = class_probabilities(module, inputs, batch_size)
     if not bool(torch.isfinite(probabilities).all()):  # never a CSV of NaN: whatever the cause, say it
@@ -50,6 +65,18 @@ def predict(run_folder: str | os.PathLike, paths: Iterable[str | os.PathLike], o
         raise ModelFileError(f"{folder}: the probabilities of {names[first]} are not finite numbers ({why}); "
                              "nothing written: run again, or check the inputs and the run folder")
     classes = list(info["classes"])
+    tables = [path for path in given if path.is_file() and path.suffix.lower() == ".csv"]
+    only_table = len(given) == 1 and len(tables) == 1
+    start = 0
+    text = ""
+    for path, count in zip(given, counts):
+        if path in tables:
+            target = Path(out) if only_table and out is not None else predictions_path(path)
+            text = _rows_with_predictions(path, probabilities[start:start + count], classes)
+            write_atomic(target, text)
+        start += count
+    if only_table:
+        return text
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(["path", "predicted"] + [f"p_{name}" for name in classes])
@@ -59,3 +86,69 @@ def predict(run_folder: str | os.PathLike, paths: Iterable[str | os.PathLike], o
     if out is not None:
         write_atomic(out, text)
     return text
+
+
+def labelled_accuracy(run_folder: str | os.PathLike, text: str) -> tuple[int, int] | None:
+    """``(correct, rows)`` of :func:`predict`'s table of a CSV whose rows carry their class in the run's label
+    column (partition.json's ``label_column``, else ``label``): rows whose label, as text, is the predicted
+    class's name (class indices match the names ``"0"``... of a run trained on indices); None when the table
+    has no such column or no labelled row."""
+    folder = Path(run_folder)
+    label = "label"
+    path = folder / PARTITION_FILE
+    if path.is_file():
+        record = read_json_file(path, ModelFileError)
+        if isinstance(record, dict) and isinstance(record.get("label_column"), str):
+            label = record["label_column"]
+    rows = list(csv.DictReader(io.StringIO(text)))
+    if not rows or label not in rows[0] or "predicted" not in rows[0]:
+        return None
+    labelled = [row for row in rows if (row[label] or "").strip()]
+    if not labelled:
+        return None
+    correct = sum(_label_text(row[label]) == row["predicted"] for row in labelled)
+    return correct, len(labelled)
+
+
+def _label_text(value: str) -> str:
+    """A label cell as a class name: ``"2.0"`` (a column of indices pandas wrote as floats) is ``"2"``."""
+    value = value.strip()
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    return str(int(number)) if number.is_integer() else value
+
+
+def predictions_path(path: str | os.PathLike) -> Path:
+    """Where the predictions of the CSV of rows ``path`` go by default: ``rows.csv`` -> ``rows.predictions.csv``."""
+    path = Path(path)
+    return path.with_name(path.stem + PREDICTIONS_SUFFIX)
+
+
+def trained_columns(folder: Path) -> list[str] | None:
+    """The feature columns, in order, of a run trained on CSV tables (its partition.json's ``columns``), else
+    None (the run's data had no column names)."""
+    path = folder / PARTITION_FILE
+    if not path.is_file():
+        return None
+    record = read_json_file(path, ModelFileError)
+    columns = record.get("columns") if isinstance(record, dict) else None
+    if columns is None:
+        return None
+    if not isinstance(columns, list) or not all(isinstance(c, str) for c in columns):
+        raise ModelFileError(f"{path}: its columns are not a list of column names; run again")
+    return columns
+
+
+def _rows_with_predictions(path: Path, probabilities: Tensor, classes: Sequence[str]) -> str:
+    """The CSV ``path``'s rows (every column as read) with ``predicted`` and one ``p_<class>`` column each."""
+    frame = read_csv(path)
+    added = ["predicted"] + [f"p_{name}" for name in classes]
+    taken = [name for name in added if name in [str(c) for c in frame.columns]]
+    if taken:
+        raise DataError(f"{path} already has the column {taken[0]!r}, which predict adds; rename or drop it")
+    frame["predicted"] = [classes[int(i)] for i in probabilities.argmax(dim=1).tolist()]
+    for k, name in enumerate(classes):
+        frame[f"p_{name}"] = [float(f"{float(p):.6g}") for p in probabilities[:, k].tolist()]
+    return frame.to_csv(index=False, lineterminator="\n")
