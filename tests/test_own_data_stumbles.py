@@ -415,3 +415,13 @@ def test_image_folder_class_or_domain_folders_differing_only_in_case_are_refused
             _png(tmp_path / "domains" / domain / split / "a" / "0.png", colour, rng)
     with pytest.raises(DataError, match="domain folders"):
         _build("imagefolder", f"data_dir={tmp_path / 'domains'}", "clients=2")
+
+
+def test_4_a_csv_table_as_data_dir_without_dataset_names_dataset_clients(tmp_path, capsys):
+    table = tmp_path / "cancer.csv"
+    table.write_text("site,split,x,label\na,train,1.0,benign\n")
+    with pytest.raises(ConfigError, match="is a CSV table but no dataset= is given; did you mean dataset=clients"):
+        load_config(None, [f"data_dir={table}"])
+    code = cli.main(["run", f"data_dir={table}", "rounds=1", "progress=false", f"out={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and "\n" not in err and "dataset=clients" in err and not (tmp_path / "run").exists()

@@ -687,6 +687,9 @@ def refuse_data_dir_without_dataset(data_dir: str) -> None:
     folder that holds anything but their cache (``digits-offline/``) is the user's data, meant for another
     data set. One ConfigError then, before anything is written into it."""
     root = Path(data_dir).expanduser()
+    if root.suffix.lower() == ".csv":  # a table, never a folder the default data set could build in
+        raise ConfigError(f"data_dir={data_dir} is a CSV table but no dataset= is given; did you mean dataset=clients? "
+                          "(a site and a split column, or one folder per site with train.csv and test.csv)")
     try:
         held = sorted(p.name for p in root.iterdir()
                       if not p.name.startswith(".") and p.name != DEFAULT_DATASET_FOLDER) if root.is_dir() else []
