@@ -25,7 +25,7 @@ from fedhpro.bounded import read_json_file
 from fedhpro.config import Config, RunOptions, load_config, parse_override
 from fedhpro.data.federation import Federation
 from fedhpro.engines import checkpoint, driver
-from fedhpro.errors import ConfigError, DataError
+from fedhpro.errors import ConfigError, DataError, RunInterrupted
 from fedhpro.experiment import build_experiment, build_simulator, resolve_device
 from fedhpro.files import RunFolderClaim, claim_run_folder
 from fedhpro.measurements import observers_for
@@ -136,8 +136,14 @@ def _run(config: Config | str | os.PathLike | Mapping[str, Any] | None,
         device = resolve_device(config.run.device)
         # on the CPU: denormals flushed (restored afterwards), freed memory reused (fedhpro.runtime); the run's
         # thread count set (threads=, auto: the cores this process may run on), the caller's put back afterwards
-        with cpu_runtime(enabled=device.type == "cpu"), torch_threads(resolve_threads(config.run.threads)):
-            return _run_resolved(config, device, federation, model_factory, resume_from, echo, folder)
+        try:
+            with cpu_runtime(enabled=device.type == "cpu"), torch_threads(resolve_threads(config.run.threads)):
+                return _run_resolved(config, device, federation, model_factory, resume_from, echo, folder)
+        except RunInterrupted:
+            raise
+        except KeyboardInterrupt as interrupt:  # Ctrl-C: the folder and its newest checkpoint, to say how to go on
+            saved = checkpoint.saved_rounds(folder)
+            raise RunInterrupted(str(folder), saved[-1] if saved else None) from interrupt
 
 
 def _run_folder(config: Config, federation: Federation | None) -> tuple[Path, str]:

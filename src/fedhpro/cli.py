@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from types import ModuleType
 
 from fedhpro import __version__
-from fedhpro.errors import FedHProError
+from fedhpro.errors import FedHProError, RunInterrupted
 
 
 def _commands() -> ModuleType:
@@ -160,11 +161,22 @@ def main(argv: list[str] | None = None) -> int:
     except FedHProError as error:
         print(f"fedhpro: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("fedhpro: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:
+        print(f"fedhpro: interrupted{_how_to_continue(interrupt) if args.handler == 'run' else ''}", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return _reader_went_away()
+
+
+def _how_to_continue(interrupt: KeyboardInterrupt) -> str:
+    """The rest of ``fedhpro run``'s interrupted line: the command that continues the run from its newest
+    checkpoint, or that none was written yet; nothing when the run had not started (no folder known)."""
+    if not isinstance(interrupt, RunInterrupted):
+        return ""
+    if interrupt.completed_rounds is None:
+        return f"; no checkpoint in {interrupt.out} yet, nothing to resume: run it again"
+    return (f"; its checkpoint after round {interrupt.completed_rounds} is kept, continue with: "
+            f"fedhpro run resume={shlex.quote(interrupt.out)}")
 
 
 def _reader_went_away() -> int:
