@@ -1,5 +1,8 @@
 """What each ``fedhpro`` command does, given its parsed arguments; :mod:`fedhpro.cli` parses the command line
-and imports this module only when a command runs (``fedhpro --help`` and usage errors answer without it)."""
+and imports this module only when a command runs (``fedhpro --help`` and usage errors answer without it).
+
+Each command imports what it runs inside its handler: ``fedhpro predict`` does not load Optuna, the sweeps or
+the reports, ``fedhpro config`` not the engines (start-up time: every command paid for all of them)."""
 
 from __future__ import annotations
 
@@ -12,22 +15,14 @@ from typing import Any
 
 import yaml
 
-from fedhpro import api, reports
-from fedhpro.compare import main as compare_main
 from fedhpro.config import SECTIONS, RunOptions, load_config, parse_override
-from fedhpro.data import get_dataset
-from fedhpro.data.describe import plot_heatmap, table
 from fedhpro.errors import ConfigError
 from fedhpro.methods import all_methods
-from fedhpro.models import MODELS
-from fedhpro.models.summary import describe_models, format_model_table
-from fedhpro.reports.runs import report
-from fedhpro.reproduce import main as reproduce_main
-from fedhpro.trained import class_accuracy, predict
-from fedhpro.tune import main as tune_main
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from fedhpro import api  # per command: start-up time (module docstring)
+
     source = None
     overrides = list(args.settings)
     if overrides and "=" not in overrides[0]:
@@ -82,6 +77,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 def _cmd_models(args: argparse.Namespace) -> int:
     """Print every registered model with its parameter count and forward FLOPs at its usual input size."""
+    from fedhpro.models import MODELS  # per command: start-up time (module docstring)
+    from fedhpro.models.summary import describe_models, format_model_table
+
     unknown = [name for name in args.names if name not in MODELS]
     if unknown:
         raise ConfigError(f"unknown model {unknown[0]!r}; choose from: {', '.join(MODELS)}")
@@ -91,6 +89,10 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 def _cmd_data_describe(args: argparse.Namespace) -> int:
     """Build the configured federation and print who holds what; write partition.png and partition.json."""
+    from fedhpro import reports  # per command: start-up time (module docstring)
+    from fedhpro.data import get_dataset
+    from fedhpro.data.describe import plot_heatmap, table
+
     overrides = list(args.settings)
     source = overrides.pop(0) if overrides and "=" not in overrides[0] else None
     config = load_config(source, overrides)
@@ -108,6 +110,8 @@ def _cmd_data_describe(args: argparse.Namespace) -> int:
 
 def _cmd_predict(args: argparse.Namespace) -> int:
     """Classify images or tensors with a finished run's model; the CSV to --out or stdout."""
+    from fedhpro.trained import predict  # per command: start-up time (module docstring)
+
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be at least 1")
     text = predict(args.run_folder, args.paths, args.out, client=args.client, batch_size=args.batch_size,
@@ -121,18 +125,27 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    return compare_main(args.settings)
+    from fedhpro.compare import main  # per command: start-up time (module docstring)
+
+    return main(args.settings)
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    return tune_main(args.settings)
+    from fedhpro.tune import main  # per command: start-up time (module docstring)
+
+    return main(args.settings)
 
 
 def _cmd_reproduce(args: argparse.Namespace) -> int:
-    return reproduce_main(args.settings)
+    from fedhpro.reproduce import main  # per command: start-up time (module docstring)
+
+    return main(args.settings)
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    from fedhpro.reports.runs import report  # per command: start-up time (module docstring)
+    from fedhpro.trained import class_accuracy
+
     folders = [item for item in args.settings if "=" not in item]
     pairs = dict(parse_override(item) for item in args.settings if "=" in item)
     unknown = set(pairs) - {"out", "force", "per_class"}
