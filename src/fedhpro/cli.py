@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     _settings_command(
         commands, "run", "run", help="train one method on one federation",
         description="Train one method on one federation. With no arguments: FedHPro on digits-offline. "
-                    "Settings: an optional CONFIG.yaml, then KEY=VALUE pairs (see `fedhpro config --keys`).")
+                    "Settings: an optional CONFIG.yaml, then KEY=VALUE pairs (see `fedhpro config --keys`). "
+                    "Ctrl-C stops it and says how to go on: `fedhpro run resume=<out>` continues from the newest "
+                    "checkpoint (written every checkpoint_every= rounds), which the resumed run names.")
     config_parser = _settings_command(commands, "config", "config",
                                       help="print the resolved config (or --keys: every key)")
     config_parser.add_argument("--keys", action="store_true",
