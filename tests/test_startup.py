@@ -1,8 +1,9 @@
 """Start-up: a command loads what it runs and no more. ``fedhpro --help``, ``--version``, a command's ``--help``
-and usage errors answer without torch (~2-4 s of a start-up on a loaded machine); ``fedhpro config --keys`` and
-``fedhpro predict`` leave the engines, the sweeps, Optuna's tuning and the reports unloaded (each command used to
+and usage errors answer without torch (~2-4 s of a start-up on a loaded machine); ``fedhpro config --keys``
+leaves the engines, the run API, the trained model, the sweeps, the tuning and the reports unloaded (it used to
 import every command's modules). Held without timing: the modules a fresh process has loaded after the command,
-read in that process (``sys.modules``)."""
+read in that process (``sys.modules``). Not held yet: ``config`` without torch (the methods, data sets and models
+that declare the keys are torch modules)."""
 
 from __future__ import annotations
 
@@ -62,11 +63,3 @@ def test_config_keys_loads_no_engine_sweep_or_report(tmp_path):
     assert {field.name for field in dataclasses.fields(RunOptions)} <= set(keys)  # the listing is whole
     assert [name for name in NOT_FOR_CONFIG if name in result["modules"]] == []
 
-
-def test_predict_loads_no_sweep_tuning_or_report(tmp_path):
-    result = _probe("predict", str(tmp_path / "no-run"), str(tmp_path / "x.png"), cwd=tmp_path)
-    assert result["code"] == 2 and "no-run" in result["err"]  # one line: no run there
-    assert "fedhpro.trained" in result["modules"]
-    loaded = [name for name in ("fedhpro.compare", "fedhpro.tune", "fedhpro.sweeps", "fedhpro.reproduce", "optuna",
-                                "fedhpro.reports.runs") if name in result["modules"]]
-    assert loaded == []

@@ -12,17 +12,25 @@ from fedhpro import __version__
 from fedhpro.errors import FedHProError, RunInterrupted
 
 
+def _config_command() -> ModuleType:
+    """:mod:`fedhpro.config_command`, what ``fedhpro config`` does."""
+    # lazy, as below: `fedhpro config` loads the config's modules, not the engines, sweeps and reports
+    from fedhpro import config_command
+
+    return config_command
+
+
 def _commands() -> ModuleType:
-    """:mod:`fedhpro.commands`, what the commands do."""
-    # lazy, the one place: --help, --version and usage errors answer in ~0.2 s without loading torch (~2-4 s)
+    """:mod:`fedhpro.commands`, what the other commands do."""
+    # lazy: --help, --version and usage errors answer in ~0.05 s without loading torch (~1-3 s)
     from fedhpro import commands
 
     return commands
 
 
 def key_lines(dataset: str) -> list[str]:
-    """Every config key with its choices, help and default: :func:`fedhpro.commands.key_lines`."""
-    return _commands().key_lines(dataset)
+    """Every config key with its choices, help and default: :func:`fedhpro.config_command.key_lines`."""
+    return _config_command().key_lines(dataset)
 
 
 #: how compare and reproduce run their runs in parallel (fedhpro.sweeps), in both commands' help
@@ -60,7 +68,7 @@ _REPRODUCE_DESCRIPTION = (
 def _settings_command(commands, name: str, handler: str, *, help: str, description: str | None = None,
                       metavar: str = "[CONFIG.yaml] KEY=VALUE") -> argparse.ArgumentParser:
     """A subcommand that takes free ``settings`` (a YAML path and KEY=VALUE pairs, or names) and a handler (its
-    name in :data:`fedhpro.commands.HANDLERS`)."""
+    name in :data:`fedhpro.commands.HANDLERS`, or ``config``: :func:`fedhpro.config_command.cmd_config`)."""
     parser = commands.add_parser(name, help=help, description=description)
     parser.add_argument("settings", nargs="*", metavar=metavar)
     parser.set_defaults(handler=handler)
@@ -157,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "handler", None):
         return _usage(getattr(args, "usage", parser))
     try:
-        code = _commands().HANDLERS[args.handler](args)
+        handler = _config_command().cmd_config if args.handler == "config" else _commands().HANDLERS[args.handler]
+        code = handler(args)
         sys.stdout.flush()  # a closed pipe shows here, not at exit where it could not be caught
         return code
     except FedHProError as error:
