@@ -25,7 +25,7 @@ from fedhpro.bounded import read_json_file
 from fedhpro.config import Config, RunOptions, load_config, parse_override
 from fedhpro.data.federation import Federation
 from fedhpro.engines import checkpoint, driver
-from fedhpro.errors import ConfigError, DataError
+from fedhpro.errors import ConfigError, DataError, RunInterrupted
 from fedhpro.experiment import build_experiment, build_simulator, resolve_device
 from fedhpro.files import RunFolderClaim, claim_run_folder
 from fedhpro.measurements import observers_for
@@ -139,8 +139,14 @@ def _run(config: Config | str | os.PathLike | Mapping[str, Any] | None,
         device = resolve_device(config.run.device)
         # on the CPU: denormals flushed (restored afterwards), freed memory reused (fedhpro.runtime); the run's
         # thread count set (threads=, auto: the cores this process may run on), the caller's put back afterwards
-        with cpu_runtime(enabled=device.type == "cpu"), torch_threads(resolve_threads(config.run.threads)):
-            return _run_resolved(config, device, federation, model_factory, resume_from, echo, folder)
+        try:
+            with cpu_runtime(enabled=device.type == "cpu"), torch_threads(resolve_threads(config.run.threads)):
+                return _run_resolved(config, device, federation, model_factory, resume_from, echo, folder)
+        except RunInterrupted:
+            raise
+        except KeyboardInterrupt as interrupt:  # Ctrl-C: the folder and its newest checkpoint, to say how to go on
+            saved = checkpoint.saved_rounds(folder)
+            raise RunInterrupted(str(folder), saved[-1] if saved else None) from interrupt
 
 
 def _run_folder(config: Config, federation: Federation | None) -> tuple[Path, str]:
@@ -188,11 +194,13 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
     started = time.perf_counter()
     parts = build_experiment(config, device, federation=federation, model_factory=model_factory)
     voice = driver.ConsoleVoice(echo)
-    hardware = bf16_note(options.amp, device)  # said only: summary.json does not depend on the CPU
-    if hardware:
-        voice.note(hardware)
     observers = observers_for(options, out, driver.warn_line, driver.run_title(options, data_name))
     simulator = build_simulator(config, parts, device, observers)
+    # said only: summary.json does not depend on the CPU; decided on the models built (no extra build, no draws)
+    hardware = bf16_note(options.amp, device, [simulator.models.global_model,
+                                               *getattr(simulator.models, "working_models", {}).values()])
+    if hardware:
+        voice.note(hardware)
     run = driver.Run(out, options, simulator.protocol, started=started)
     trained: list[TrainedModels] = []
 

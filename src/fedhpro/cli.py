@@ -4,24 +4,33 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from types import ModuleType
 
 from fedhpro import __version__
-from fedhpro.errors import FedHProError
+from fedhpro.errors import FedHProError, RunInterrupted
+
+
+def _config_command() -> ModuleType:
+    """:mod:`fedhpro.config_command`, what ``fedhpro config`` does."""
+    # lazy, as below: `fedhpro config` loads the config's modules, not the engines, sweeps and reports
+    from fedhpro import config_command
+
+    return config_command
 
 
 def _commands() -> ModuleType:
-    """:mod:`fedhpro.commands`, what the commands do."""
-    # lazy, the one place: --help, --version and usage errors answer in ~0.2 s without loading torch (~2-4 s)
+    """:mod:`fedhpro.commands`, what the other commands do."""
+    # lazy: --help, --version and usage errors answer in ~0.05 s without loading torch (~1-3 s)
     from fedhpro import commands
 
     return commands
 
 
 def key_lines(dataset: str) -> list[str]:
-    """Every config key with its choices, help and default: :func:`fedhpro.commands.key_lines`."""
-    return _commands().key_lines(dataset)
+    """Every config key with its choices, help and default: :func:`fedhpro.config_command.key_lines`."""
+    return _config_command().key_lines(dataset)
 
 
 #: how compare and reproduce run their runs in parallel (fedhpro.sweeps), in both commands' help
@@ -59,7 +68,7 @@ _REPRODUCE_DESCRIPTION = (
 def _settings_command(commands, name: str, handler: str, *, help: str, description: str | None = None,
                       metavar: str = "[CONFIG.yaml] KEY=VALUE") -> argparse.ArgumentParser:
     """A subcommand that takes free ``settings`` (a YAML path and KEY=VALUE pairs, or names) and a handler (its
-    name in :data:`fedhpro.commands.HANDLERS`)."""
+    name in :data:`fedhpro.commands.HANDLERS`, or ``config``: :func:`fedhpro.config_command.cmd_config`)."""
     parser = commands.add_parser(name, help=help, description=description)
     parser.add_argument("settings", nargs="*", metavar=metavar)
     parser.set_defaults(handler=handler)
@@ -75,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     _settings_command(
         commands, "run", "run", help="train one method on one federation",
         description="Train one method on one federation. With no arguments: FedHPro on digits-offline. "
-                    "Settings: an optional CONFIG.yaml, then KEY=VALUE pairs (see `fedhpro config --keys`).")
+                    "Settings: an optional CONFIG.yaml, then KEY=VALUE pairs (see `fedhpro config --keys`). "
+                    "Ctrl-C stops it and says how to go on: `fedhpro run resume=<out>` continues from the newest "
+                    "checkpoint (written every checkpoint_every= rounds), which the resumed run names.")
     config_parser = _settings_command(commands, "config", "config",
                                       help="print the resolved config (or --keys: every key)")
     config_parser.add_argument("--keys", action="store_true",
@@ -154,17 +165,29 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "handler", None):
         return _usage(getattr(args, "usage", parser))
     try:
-        code = _commands().HANDLERS[args.handler](args)
+        handler = _config_command().cmd_config if args.handler == "config" else _commands().HANDLERS[args.handler]
+        code = handler(args)
         sys.stdout.flush()  # a closed pipe shows here, not at exit where it could not be caught
         return code
     except FedHProError as error:
         print(f"fedhpro: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("fedhpro: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:
+        print(f"fedhpro: interrupted{_how_to_continue(interrupt) if args.handler == 'run' else ''}", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return _reader_went_away()
+
+
+def _how_to_continue(interrupt: KeyboardInterrupt) -> str:
+    """The rest of ``fedhpro run``'s interrupted line: the command that continues the run from its newest
+    checkpoint, or that none was written yet; nothing when the run had not started (no folder known)."""
+    if not isinstance(interrupt, RunInterrupted):
+        return ""
+    if interrupt.completed_rounds is None:
+        return f"; no checkpoint in {interrupt.out} yet, nothing to resume: run it again"
+    return (f"; its checkpoint after round {interrupt.completed_rounds} is kept, continue with: "
+            f"fedhpro run resume={shlex.quote(interrupt.out)}")
 
 
 def _reader_went_away() -> int:

@@ -1,24 +1,19 @@
 """What each ``fedhpro`` command does, given its parsed arguments; :mod:`fedhpro.cli` parses the command line
-and imports this module only when a command runs (``fedhpro --help`` and usage errors answer without it)."""
+and imports this module only when a command runs (``fedhpro --help`` and usage errors answer without it;
+``fedhpro config`` is :mod:`fedhpro.config_command`, which loads the config's modules only)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import yaml
 
 from fedhpro import api, reports
 from fedhpro.compare import main as compare_main
-from fedhpro.config import SECTIONS, RunOptions, load_config, parse_override
+from fedhpro.config import load_config, parse_override
 from fedhpro.data import get_dataset
 from fedhpro.data.describe import plot_heatmap, table
 from fedhpro.errors import ConfigError
-from fedhpro.methods import all_methods
 from fedhpro.models import MODELS
 from fedhpro.models.summary import describe_models, format_model_table
 from fedhpro.reports.runs import report
@@ -33,50 +28,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if overrides and "=" not in overrides[0]:
         source = overrides.pop(0)
     api.run(source, overrides, echo=True)
-    return 0
-
-
-def _shown(value: object) -> str:
-    """A default as it is typed on the command line: ``true``, ``null``, ``0.01``, ``[1, 2]``, ``cnn``."""
-    return value if isinstance(value, str) else json.dumps(value)
-
-
-def key_lines(dataset: str) -> list[str]:
-    """``key [choices]: help (default: value)`` for every config key: the run's, every method's, the data
-    set's (its ``data.*`` keys), ``faults.*``, ``partition`` / ``partition.*`` and ``aggregation`` /
-    ``aggregation.*``. Defaults are the
-    values a run of ``dataset`` gets when the key is not set (a data set's own run settings included);
-    an unset (null) default whose help already says what it means is not repeated."""
-    defaults = load_config(None, {"dataset": dataset})
-    groups: list[tuple[str, type[Any], Any]] = [("", RunOptions, defaults.run)]
-    groups += [(f"{name}.", spec.options, defaults.methods[name]) for name, spec in all_methods().items()]
-    groups += [(f"{section.name}.", section.options_for(dataset), getattr(defaults, section.name))
-               for section in SECTIONS]
-    lines = []
-    for prefix, cls, values in groups:
-        for field in dataclasses.fields(cls):
-            choices = field.metadata.get("choices")
-            extra = f" [{'|'.join(map(str, choices))}]" if choices else ""
-            text, value = field.metadata.get("help", ""), getattr(values, field.name)
-            if not (value is None and "default" in text):  # else the help says what an unset key means
-                text += f" (default: {_shown(value)})"
-            lines.append(f"{prefix}{field.name}{extra}: {text}")
-    for section in SECTIONS:
-        if section.shorthand:
-            value = getattr(getattr(defaults, section.name), section.shorthand)
-            lines.append(f"{section.name}: short for {section.name}.{section.shorthand} (default: {_shown(value)})")
-    return lines
-
-
-def _cmd_config(args: argparse.Namespace) -> int:
-    """Print the resolved config, or (``--keys``) every key with its choices, help and default."""
-    overrides = list(args.settings)
-    source = overrides.pop(0) if overrides and "=" not in overrides[0] else None
-    config = load_config(source, overrides)
-    if args.keys:
-        print("\n".join(key_lines(config.run.dataset)))
-        return 0
-    print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
     return 0
 
 
@@ -151,5 +102,5 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 #: the handler of each command (``fedhpro.cli`` sets its name as the parser's ``handler``)
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "run": _cmd_run, "config": _cmd_config, "compare": _cmd_compare, "tune": _cmd_tune, "reproduce": _cmd_reproduce,
+    "run": _cmd_run, "compare": _cmd_compare, "tune": _cmd_tune, "reproduce": _cmd_reproduce,
     "report": _cmd_report, "predict": _cmd_predict, "models": _cmd_models, "data describe": _cmd_data_describe}

@@ -842,7 +842,7 @@ def execute(engine: Engine, run: Run, config: Config, *, data_name: str, partiti
         voice.warning(line)
     run.open(config.to_dict(), partition, engine.load_state_dict, resume_from)
     if resume_from is not None:
-        voice.note(f"resuming {run.out} after round {run.first_round} of {options.rounds}")
+        voice.note(f"resuming {run.out} from round {run.first_round + 1} of {options.rounds}")
     train(engine, run, f"{options.method} on {data_name}", options.progress, voice)
     other_engine = run.engine if run.engine != "simulator" else None
     summary = run_summary(options, data_name, engine.protocol.num_clients, engine.device, run.rows.metrics,

@@ -9,6 +9,7 @@ when the runs are planned.
 
 from __future__ import annotations
 
+import sysconfig
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,10 +96,19 @@ class Target:
     notes: list[str]
 
 
+#: where a wheel installs ``configs/paper`` (pyproject's ``[tool.setuptools.data-files]``), below the environment's
+#: data prefix (``sysconfig.get_path("data")``: the virtualenv's folder)
+INSTALLED_CONFIGS = Path("share") / "fedhpro" / "configs" / "paper"
+
+
 def configs_dir() -> Path:
-    """``configs/paper`` of the source tree (next to ``src/``), or of the working directory."""
-    here = Path(__file__).resolve().parents[3] / "configs" / "paper"
-    return here if here.is_dir() else Path.cwd() / "configs" / "paper"
+    """``configs/paper`` of the source tree (next to ``src/``), else of the installed wheel, else of the working
+    directory."""
+    for here in (Path(__file__).resolve().parents[3] / "configs" / "paper",
+                 Path(sysconfig.get_path("data")) / INSTALLED_CONFIGS):
+        if here.is_dir():
+            return here
+    return Path.cwd() / "configs" / "paper"
 
 
 def available_targets() -> list[str]:

@@ -1,0 +1,59 @@
+"""What ``fedhpro config`` does: print the resolved config, or every key with its choices, help and default.
+A module of its own, apart from :mod:`fedhpro.commands`, so that the command loads the config's modules only,
+not the engines, the trained model, the sweeps or the reports (:mod:`fedhpro.cli` imports it for ``config``)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+import yaml
+
+from fedhpro.config import SECTIONS, RunOptions, load_config
+from fedhpro.methods import all_methods
+
+
+def _shown(value: object) -> str:
+    """A default as it is typed on the command line: ``true``, ``null``, ``0.01``, ``[1, 2]``, ``cnn``."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def key_lines(dataset: str) -> list[str]:
+    """``key [choices]: help (default: value)`` for every config key: the run's, every method's, the data
+    set's (its ``data.*`` keys), ``faults.*``, ``partition`` / ``partition.*`` and ``aggregation`` /
+    ``aggregation.*``. Defaults are the
+    values a run of ``dataset`` gets when the key is not set (a data set's own run settings included);
+    an unset (null) default whose help already says what it means is not repeated."""
+    defaults = load_config(None, {"dataset": dataset})
+    groups: list[tuple[str, type[Any], Any]] = [("", RunOptions, defaults.run)]
+    groups += [(f"{name}.", spec.options, defaults.methods[name]) for name, spec in all_methods().items()]
+    groups += [(f"{section.name}.", section.options_for(dataset), getattr(defaults, section.name))
+               for section in SECTIONS]
+    lines = []
+    for prefix, cls, values in groups:
+        for field in dataclasses.fields(cls):
+            choices = field.metadata.get("choices")
+            extra = f" [{'|'.join(map(str, choices))}]" if choices else ""
+            text, value = field.metadata.get("help", ""), getattr(values, field.name)
+            if not (value is None and "default" in text):  # else the help says what an unset key means
+                text += f" (default: {_shown(value)})"
+            lines.append(f"{prefix}{field.name}{extra}: {text}")
+    for section in SECTIONS:
+        if section.shorthand:
+            value = getattr(getattr(defaults, section.name), section.shorthand)
+            lines.append(f"{section.name}: short for {section.name}.{section.shorthand} (default: {_shown(value)})")
+    return lines
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """Print the resolved config, or (``--keys``) every key with its choices, help and default."""
+    overrides = list(args.settings)
+    source = overrides.pop(0) if overrides and "=" not in overrides[0] else None
+    config = load_config(source, overrides)
+    if args.keys:
+        print("\n".join(key_lines(config.run.dataset)))
+        return 0
+    print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
+    return 0
