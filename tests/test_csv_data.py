@@ -190,7 +190,8 @@ def test_predict_on_a_csv_writes_names_beside_the_rows(data, named_run, tmp_path
     source[["label"] + FEATURES[::-1]].to_csv(rows, index=False)  # columns in another order: found by name
     assert json.loads((named_run.out / "model.json").read_text())["classes"] == sorted(NAMES.tolist())
     assert cli.main(["predict", str(named_run.out), str(rows)]) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     written = (tmp_path / "rows.predictions.csv").read_text()
     assert printed == written
     table = pd.read_csv(tmp_path / "rows.predictions.csv")
@@ -201,6 +202,7 @@ def test_predict_on_a_csv_writes_names_beside_the_rows(data, named_run, tmp_path
     assert (table["predicted"] == table[probabilities].idxmax(axis=1).str.removeprefix("p_")).all()
     correct, total = labelled_accuracy(named_run.out, written)
     assert (correct, total) == (int((table["predicted"] == table["label"]).sum()), len(source))
+    assert f"accuracy {100 * correct / total:.1f} % on {total} labelled rows" in captured.err  # the CLI says it
     assert labelled_accuracy(named_run.out, predict(named_run.out, [data["npz"] / "site-0" / "test.npz"])) is None
 
 

@@ -127,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "it goes to stdout unless --out is given.")
     predict_parser.add_argument("run_folder", metavar="RUN_FOLDER", help="the folder of a finished run (its out=)")
     predict_parser.add_argument("paths", nargs="+", metavar="PATH",
-                                help="image files, folders of images, .pt/.npz files (or a training file's x)")
+                                help="image files, folders of images, .pt/.npz files (or a training file's x), "
+                                     ".csv files of rows (written with their predictions to FILE.predictions.csv; "
+                                     "rows that carry their label also give an accuracy line)")
     predict_parser.add_argument("--out", metavar="FILE.csv", help="write the CSV here (atomically) instead of stdout")
     predict_parser.add_argument("--client", type=int, metavar="K",
                                 help="client K's personal model (runs whose clients keep their own models)")

@@ -5,6 +5,7 @@ and imports this module only when a command runs (``fedhpro --help`` and usage e
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from fedhpro.models.summary import describe_models, format_model_table
 from fedhpro.reports.runs import report
 from fedhpro.reproduce import main as reproduce_main
 from fedhpro.trained import class_accuracy, predict
+from fedhpro.trained.prediction import labelled_accuracy
 from fedhpro.tune import main as tune_main
 
 
@@ -68,6 +70,9 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     else:
         rows = text.count("\n") - 1
         print(f"{rows} prediction{'s' if rows != 1 else ''} written to {args.out}")
+    labelled = labelled_accuracy(args.run_folder, text)  # CSV rows that carry their class
+    if labelled is not None:
+        print(f"accuracy {100 * labelled[0] / labelled[1]:.1f} % on {labelled[1]} labelled rows", file=sys.stderr)
     return 0
 
 
