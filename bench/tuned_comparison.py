@@ -13,7 +13,7 @@ Per setting, under ``--root``:
 then ``table`` prints, per setting and method, the test AVG at the defaults and tuned (mean ± std over the
 seeds), the difference, and the tuned settings; ``fedhpro report <setting>/tuned`` rebuilds each table.
 
-    python bench/tuned_comparison.py run --root runs/tuned-comparison --trials 6
+    python bench/tuned_comparison.py run --root runs/tuned-comparison --trials 12
     python bench/tuned_comparison.py table --root runs/tuned-comparison
 """
 
@@ -112,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", choices=("run", "table"))
     parser.add_argument("--root", type=Path, default=Path("runs/tuned-comparison"))
-    parser.add_argument("--trials", type=int, default=6, help="the trial budget of every method")
+    parser.add_argument("--trials", type=int, default=12, help="the trial budget of every method")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     args = parser.parse_args(argv)
