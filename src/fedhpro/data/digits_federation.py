@@ -34,7 +34,13 @@ import numpy as np
 import torch
 
 from fedhpro.bounded import read_json_file
-from fedhpro.data.federation import ClientData, Federation, domains_without_clients_note, normalize_images
+from fedhpro.data.federation import (
+    ClientData,
+    CompactClientData,
+    Federation,
+    domains_without_clients_note,
+    normalize_images,
+)
 from fedhpro.data.partition import (
     Partition,
     PartitionError,
@@ -164,7 +170,7 @@ def _client(data: Any, index: np.ndarray) -> tuple[ClientData, list[int]]:
     """Client data of the training ``index`` rows of a domain, and its class counts."""
     index_t = torch.from_numpy(index)
     y = data.train_y[index_t]
-    return (ClientData(normalize_images(data.train_x[index_t]), y.clone(), 10),
+    return (CompactClientData(data.train_x[index_t], y.clone(), 10, normalize_images),
             torch.bincount(y, minlength=10).tolist())
 
 

@@ -32,6 +32,41 @@ class ClientData:
     def __len__(self) -> int:
         return int(self.y.shape[0])
 
+    def to(self, device: torch.device) -> ClientData:
+        """This client's data on ``device``."""
+        return ClientData(self.x.to(device), self.y.to(device), self.num_classes, self.augment)
+
+    def select(self, index: Tensor) -> ClientData:
+        """The samples at ``index`` (a copy)."""
+        return ClientData(self.x[index], self.y[index], self.num_classes, self.augment)
+
+
+class CompactClientData(ClientData):
+    """A client's 8-bit images kept as read (``uint8``: a quarter of float32's memory, which decides how many
+    clients a machine holds), decoded by ``decode`` at each access of :attr:`x`. The decoding is elementwise
+    (``normalize_images``), so the floats are those a decoding up front gives, to the bit."""
+
+    def __init__(self, pixels: Tensor, y: Tensor, num_classes: int, decode: Callable[[Tensor], Tensor],
+                 augment: Augment | None = None):
+        if pixels.dtype != torch.uint8:
+            raise DataError(f"compact client data holds uint8 pixels, got {pixels.dtype}")
+        self.pixels, self.decode = pixels, decode
+        self.y, self.num_classes, self.augment = y, num_classes, augment
+
+    @property
+    def x(self) -> Tensor:
+        return self.decode(self.pixels)
+
+    @x.setter
+    def x(self, value: Tensor) -> None:
+        raise AttributeError("compact client data is read-only: build a ClientData from its x instead")
+
+    def to(self, device: torch.device) -> ClientData:
+        return CompactClientData(self.pixels.to(device), self.y.to(device), self.num_classes, self.decode, self.augment)
+
+    def select(self, index: Tensor) -> ClientData:
+        return CompactClientData(self.pixels[index], self.y[index], self.num_classes, self.decode, self.augment)
+
 
 @dataclass
 class UnseenClients:
@@ -46,7 +81,7 @@ class UnseenClients:
 
     def to(self, device: torch.device) -> UnseenClients:
         """Move every tensor to ``device``."""
-        self.clients = [ClientData(c.x.to(device), c.y.to(device), c.num_classes, c.augment) for c in self.clients]
+        self.clients = [c.to(device) for c in self.clients]
         self.tests = [(x.to(device), y.to(device)) for x, y in self.tests]
         return self
 
@@ -115,7 +150,7 @@ class Federation:
 
     def to(self, device: torch.device) -> Federation:
         """Move every tensor to ``device`` (once, before training: data stays resident)."""
-        self.clients = [ClientData(c.x.to(device), c.y.to(device), c.num_classes, c.augment) for c in self.clients]
+        self.clients = [c.to(device) for c in self.clients]
         self.test_sets = {name: (x.to(device), y.to(device)) for name, (x, y) in self.test_sets.items()}
         if self.client_tests is not None:
             self.client_tests = [(x.to(device), y.to(device)) for x, y in self.client_tests]

@@ -59,7 +59,7 @@ def hold_out_validation(federation: Federation, share: float, seed: int) -> Fede
         held = held_out_positions(data.y, share, seed, k)
         keep = np.setdiff1d(np.arange(len(data)), held)
         held_t, keep_t = torch.from_numpy(held).to(data.y.device), torch.from_numpy(keep).to(data.y.device)
-        clients.append(ClientData(data.x[keep_t], data.y[keep_t], data.num_classes, data.augment))
+        clients.append(data.select(keep_t))
         parts.append((data.x[held_t], data.y[held_t]))
         record.append({"client": k, "positions": held.tolist(),
                        "class_counts": torch.bincount(data.y[held_t].cpu(), minlength=data.num_classes).tolist()})
