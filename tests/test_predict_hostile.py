@@ -74,7 +74,7 @@ def test_an_honest_folder_predicts_what_the_model_gives_by_hand(tabular, capsys)
     x = np.load(data / "south" / "test.npz")["x"]
     scaled = torch.from_numpy(((x.astype(np.float64) - mean) / std).astype(np.float32))
     with torch.no_grad():
-        probabilities = torch.softmax(fedhpro.load_model(result.out)(scaled).double(), dim=1)
+        probabilities = torch.softmax(fedhpro.load_model(result.out, preprocess=False)(scaled).double(), dim=1)
     classes = json.loads((result.out / "model.json").read_text())["classes"]
     lines = ["path,predicted," + ",".join(f"p_{name}" for name in classes)]
     for i, row in enumerate(probabilities.tolist()):

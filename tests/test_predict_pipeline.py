@@ -91,7 +91,7 @@ def test_predict_scales_as_numpy_does_per_site_and_pooled(wine):
     """The statistics saved are those computed here by hand: each site's own, and all training rows pooled
     (predict's default, for a new site); the predicted classes are the model's on rows scaled by hand."""
     data, result = wine
-    module = fedhpro.load_model(result.out)
+    module = fedhpro.load_model(result.out, preprocess=False)  # the bare network: rows scaled by hand
     trains = {name: np.load(data / name / "train.npz")["x"] for name in SITES}
     pooled = np.concatenate(list(trains.values()))
     classes = json.loads((result.out / "model.json").read_text())["classes"]

@@ -127,7 +127,7 @@ def class_accuracy(run_folder: str | os.PathLike, *, model: Callable[..., nn.Mod
             pooled[1] += tested.total
             rows.setdefault(name, []).append(tested)
 
-        global_model = None if not info.get("global") else load_model(folder, model=model)
+        global_model = None if not info.get("global") else load_model(folder, model=model, preprocess=False)
         if global_model is not None and federation.client_tests is None:
             # simulator.evaluate: each test set once, plain pooling
             for name, (x, y) in federation.test_sets.items():
@@ -138,8 +138,9 @@ def class_accuracy(run_folder: str | os.PathLike, *, model: Callable[..., nn.Mod
             for k in range(federation.num_clients):
                 name = federation.client_test_name(k)
                 x, y = federation.client_tests[k] if federation.client_tests is not None else federation.test_sets[name]
-                test(name, global_model if global_model is not None else load_model(folder, client=k, model=model),
-                     x, y)
+                personal = global_model if global_model is not None else load_model(folder, client=k, model=model,
+                                                                                        preprocess=False)
+                test(name, personal, x, y)
             aggregation = Aggregation(**dataclasses.asdict(config.aggregation))
             accuracy = pool_accuracy(counts, list(federation.test_sets), aggregation.max_share)
     if not any(count.total for count in counts):

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from torch import Tensor
+from torch import Tensor, nn
 
 from fedhpro.arrays import ArrayFileError, load_npz, load_torch
 from fedhpro.data.benchmarks import to_float as preset_float
@@ -67,6 +67,58 @@ def prepared(folder: Path, info: Mapping[str, Any], x: Tensor, site: str | None)
     return scaled
 
 
+def attach_preprocessing(module: nn.Module, folder: Path, info: Mapping[str, Any], site: str | None) -> nn.Module:
+    """``module`` made to take raw inputs, as :func:`predict` does (a forward pre-hook: the module, its class
+    and its state dict stay the network's). Tabular rows of a ``data.standardize=client`` run: float rows as the
+    files held them, scaled by ``site``'s training statistics (default every site's pooled), as
+    :func:`prepare_inputs` scales them. Images: ``uint8`` (or, where the run kept 16-bit depth, ``uint16``)
+    pixel tensors ``N x 3 x S x S`` at the model's size, scaled and normalised as the run's data set did;
+    float images are taken as already prepared. Other runs' inputs need nothing. Returns ``module``."""
+    inputs = info.get("input", {})
+    if inputs.get("kind") == "image":
+        if site is not None:
+            raise ConfigError(f"{folder}'s inputs are images, which are not scaled per site; leave out the site")
+        size = int(inputs["size"])
+
+        def prepare_images(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+            x = args[0] if args else None
+            if not isinstance(x, Tensor) or x.is_floating_point():
+                return None  # prepared floats (or not a tensor: the network says what it takes)
+            if x.dtype not in (torch.uint8, torch.uint16, torch.int32, torch.int64) or x.dim() != 4 \
+                    or tuple(x.shape[1:]) != (3, size, size):
+                raise DataError(f"this model takes N x 3 x {size} x {size} pixels (uint8, or uint16 for 16-bit "
+                                f"runs) or prepared float32 images; got {x.dtype} {tuple(x.shape)}")
+            pixels = x.detach().cpu().numpy()
+            if pixels.dtype not in (np.uint8, np.uint16):
+                if pixels.size and (int(pixels.min()) < 0 or int(pixels.max()) > 65535):
+                    raise DataError("pixel values must lie in 0..255 (uint8) or 0..65535 (uint16)")
+                pixels = pixels.astype(np.uint16 if inputs.get("bit_depth") is not None else np.uint8)
+            return (pixels_to_input(pixels, inputs, "the input").to(x.device), *args[1:])
+
+        module.register_forward_pre_hook(prepare_images)
+        return module
+    if inputs.get("standardize", "none") == "none" or inputs.get("kind") != "tensor":
+        prepared(folder, info, torch.zeros(0), site)  # a site for a run without per-site scaling: one line
+        return module
+    probe = prepared(folder, info, torch.zeros(1, *[int(n) for n in inputs["shape"]]), site)  # checks the site
+    del probe
+    statistics = read_statistics(folder, info)
+    entry = statistics[POOLED] if site is None else statistics["sites"][site]
+    mean = torch.tensor(entry["mean"], dtype=torch.float64)
+    std = torch.tensor(entry["std"], dtype=torch.float64)
+
+    def standardize(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        x = args[0] if args else None
+        if not isinstance(x, Tensor):
+            return None
+        if not x.is_floating_point():
+            raise DataError(f"this model takes raw feature rows as floats (N x {len(entry['mean'])}); got {x.dtype}")
+        return (apply_statistics(x, mean.to(x.device), std.to(x.device)), *args[1:])
+
+    module.register_forward_pre_hook(standardize)
+    return module
+
+
 def _image_files(folder: Path) -> list[Path]:
     """The image files in ``folder`` and below (hidden ones skipped), sorted by path."""
     found = [p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
@@ -89,23 +141,30 @@ def _image_input(path: Path, inputs: Mapping[str, Any]) -> Tensor:
         if (width, height) != (size, size):
             raise DataError(f"{path} is {width}x{height} pixels; this run's model takes {size}x{size} images "
                             f"({inputs.get('dataset', 'its data set')} does not resize): resize it to {size}x{size}")
+    pixels = decode_file(path, size, depth=inputs.get("bit_depth") is not None)[None]
+    return pixels_to_input(pixels, inputs, str(path))[0]
+
+
+def pixels_to_input(pixels: np.ndarray, inputs: Mapping[str, Any], what: str = "the pixels") -> Tensor:
+    """``N x 3 x S x S`` decoded pixels (``uint8``, or ``uint16`` for a run that kept 16-bit depth) made what
+    the run's model takes, as model.json's ``input`` (an image input) says: scaled by the bit depth,
+    normalised as the data set normalises, then by the run's channel statistics. float32."""
+    size = int(inputs["size"])
     bits = inputs.get("bit_depth")
     if bits is not None:
         # as the image folder decoded its data set: 16-bit values kept, an 8-bit image as its 16-bit equivalent
-        pixels = decode_file(path, size, depth=True)[None]
         if pixels.dtype != np.uint16:
             pixels = pixels.astype(np.uint16) * 257
         try:
-            x = to_float(pixels, int(bits))[0]
+            x = to_float(pixels, int(bits))
         except DataError:
-            raise DataError(f"{path} holds values above {bits} bits, the depth of this run's images; give "
+            raise DataError(f"{what} holds values above {bits} bits, the depth of this run's images; give "
                             f"{bits}-bit images") from None
     else:
-        pixels = decode_file(path, size)[None]
         if inputs.get("normalize") == "preset":
             preset = Preset(size, tuple(inputs["mean"]), tuple(inputs["std"]))  # type: ignore[arg-type]
-            return preset_float(pixels, preset, size)[0]
-        x = to_float(pixels)[0]
+            return preset_float(pixels, preset, size)
+        x = to_float(pixels)
     channels = inputs.get("standardize")
     if isinstance(channels, Mapping):
         # recorded in 0..1 units; training scaled [-1, 1] inputs by 2 * mean - 1 and 2 * std, in float32

@@ -22,6 +22,7 @@ from fedhpro.experiment import model_factories
 from fedhpro.methods import get_method
 from fedhpro.trained.checks import check_state, inside_folder, read_info, read_state
 from fedhpro.trained.folder import HEAD, MODEL_INFO, ModelFileError, no_client_message, personal_message
+from fedhpro.trained.inputs import attach_preprocessing
 from fedhpro.user_models import python_name
 
 
@@ -78,13 +79,23 @@ def run_config(folder: Path, info: Mapping[str, Any], model: Callable[..., nn.Mo
 
 
 def load_model(run_folder: str | os.PathLike, *, client: int | None = None,
-               model: Callable[..., nn.Module] | None = None, device: str | torch.device = "cpu") -> nn.Module:
-    """The trained model of a finished run, rebuilt from its folder alone (eval mode, on ``device``).
+               model: Callable[..., nn.Module] | None = None, device: str | torch.device = "cpu",
+               preprocess: bool = True, site: str | None = None) -> nn.Module:
+    """The trained model of a finished run, rebuilt from its folder alone (eval mode, on ``device``), taking
+    raw inputs as :func:`~fedhpro.trained.prediction.predict` does.
 
     The folder's ``config.yaml`` and ``model.json`` rebuild the module the run tested (the same model
     factory as the run: the registered ``model=``, the method's wrapper, a projection head, the
     nearest-prototype rule); ``model.pt`` is read with ``torch.load(weights_only=True)`` and every key
     and shape is checked first (one :class:`ModelFileError` line otherwise).
+
+    With ``preprocess`` (the default) the module applies the run's input preprocessing first
+    (:func:`~fedhpro.trained.inputs.attach_preprocessing`, a forward pre-hook; its class and state dict are the
+    network's): tabular rows of a ``data.standardize=client`` run are taken raw, as the files held them, and
+    scaled by ``site``'s training statistics (default: every site's training rows pooled, for a new site);
+    images are taken as ``uint8`` pixel tensors (``uint16`` for a run that kept 16-bit depth) at the model's
+    size, or as float images already prepared. ``preprocess=False`` gives the bare network, for inputs
+    prepared by :func:`~fedhpro.trained.inputs.prepare_inputs` (or as the run's data set made them).
 
     Args:
         run_folder: the run's folder (its ``out=``).
@@ -93,6 +104,8 @@ def load_model(run_folder: str | os.PathLike, *, client: int | None = None,
         model: the model callable, for a run whose model came from Python (``model: python:...`` in
             its config.yaml): the same callable passed to :func:`fedhpro.run`.
         device: where the module is put (default the CPU).
+        preprocess: apply the run's input preprocessing (default); False: the bare network.
+        site: tabular ``data.standardize=client`` runs: the site whose training statistics scale the rows.
     """
     folder = Path(run_folder)
     info = read_info(folder)
@@ -129,4 +142,10 @@ def load_model(run_folder: str | os.PathLike, *, client: int | None = None,
     module = _empty_module(config, info, architecture, model, folder)
     check_state(state, module, path, what)
     module.load_state_dict(state)
-    return module.eval().to(torch.device(device))
+    module = module.eval().to(torch.device(device))
+    if preprocess:
+        attach_preprocessing(module, folder, info, site)
+    elif site is not None:
+        raise ConfigError("site= chooses the statistics of the preprocessing; with preprocess=False scale the "
+                          "inputs yourself: fedhpro.trained.prepare_inputs(run_folder, x, site=...)")
+    return module

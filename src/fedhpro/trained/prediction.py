@@ -52,7 +52,7 @@ def predict(run_folder: str | os.PathLike, paths: Iterable[str | os.PathLike], o
     ``rows.predictions.csv``), or to ``out`` when it is the only input; that table is then what is returned."""
     folder = Path(run_folder)
     info = read_info(folder)
-    module = load_model(folder, client=client, model=model)
+    module = load_model(folder, client=client, model=model, preprocess=False)  # its inputs are prepared here
     given = [Path(p) for p in paths]
     names, inputs, counts = gathered(given, info, trained_columns(folder))
     inputs = prepared(folder, info, inputs, site)
