@@ -78,7 +78,8 @@ def test_personal_models_are_written_per_client_and_score_what_the_run_reported(
     result = fedhpro.run(**tiny(digits_data_dir, tmp_path / "run", method="fedproto",
                                 **{"fedproto.protocol": "proto-only", "fedproto.inference": "nearest-prototype"}))
     assert not (result.out / "model.pt").exists()
-    assert sorted(p.name for p in (result.out / "models").iterdir()) == ["client_0.pt", "client_1.pt", "client_2.pt"]
+    assert sorted(p.name for p in (result.out / "models").iterdir()) == [
+        f"client_{k}.{kind}" for k in range(3) for kind in ("pt", "safetensors")]  # safetensors: fedhpro[export]
     with pytest.raises(ConfigError, match="no global model.*client=0..2") as error:
         fedhpro.load_model(result.out)
     assert "\n" not in str(error.value)

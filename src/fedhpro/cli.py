@@ -139,6 +139,19 @@ def build_parser() -> argparse.ArgumentParser:
     predict_parser.add_argument("--batch-size", type=int, default=256, metavar="N",
                                 help="inputs per forward pass (default 256)")
     predict_parser.set_defaults(handler="predict")
+    export_parser = commands.add_parser(
+        "export", help="write a finished run's model as ONNX, with its input preprocessing",
+        description="Write the run's trained model as ONNX (opset 18, a dynamic batch), preceded by the run's "
+                    "input preprocessing where it is a few tensor operations: tabular rows taken raw and scaled "
+                    "by the training statistics; uint8 images converted as the run converted them. Check it with "
+                    "onnxruntime. model.safetensors, beside model.pt in every run folder where safetensors is "
+                    "installed, holds the weights for other tools. Needs pip install 'fedhpro[export]'.")
+    export_parser.add_argument("run_folder", metavar="RUN_FOLDER", help="the folder of a finished run (its out=)")
+    export_parser.add_argument("--out", metavar="FILE.onnx", help="where to write it (default RUN_FOLDER/model.onnx)")
+    export_parser.add_argument("--client", type=int, metavar="K", help="client K's personal model")
+    export_parser.add_argument("--site", metavar="NAME", help="tabular runs: scale by this site's statistics "
+                                                              "(default: every site's training rows pooled)")
+    export_parser.set_defaults(handler="export")
     models_parser = commands.add_parser(
         "models", help="list the model zoo: parameters and forward FLOPs (torch.utils.flop_counter)")
     models_parser.add_argument("names", nargs="*", help="only these models")

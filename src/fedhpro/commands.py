@@ -20,6 +20,7 @@ from fedhpro.models.summary import describe_models, format_model_table
 from fedhpro.reports.runs import report
 from fedhpro.reproduce import main as reproduce_main
 from fedhpro.trained import class_accuracy, predict
+from fedhpro.trained.onnx_export import export_onnx
 from fedhpro.trained.prediction import labelled_accuracy
 from fedhpro.tune import main as tune_main
 
@@ -76,6 +77,13 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    """The run's model as ONNX with its preprocessing."""
+    exported = export_onnx(args.run_folder, args.out, client=args.client, site=args.site)
+    print(f"wrote {exported.path}: input {exported.input}, shape {exported.shape}")
+    return 0
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     return compare_main(args.settings)
 
@@ -108,4 +116,5 @@ def _cmd_report(args: argparse.Namespace) -> int:
 #: the handler of each command (``fedhpro.cli`` sets its name as the parser's ``handler``)
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": _cmd_run, "compare": _cmd_compare, "tune": _cmd_tune, "reproduce": _cmd_reproduce,
-    "report": _cmd_report, "predict": _cmd_predict, "models": _cmd_models, "data describe": _cmd_data_describe}
+    "report": _cmd_report, "predict": _cmd_predict, "export": _cmd_export, "models": _cmd_models,
+    "data describe": _cmd_data_describe}

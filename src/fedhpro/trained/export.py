@@ -36,6 +36,15 @@ from fedhpro.trained.folder import (
     client_file,
 )
 
+try:  # the optional extra fedhpro[export]: model.safetensors beside model.pt where it is installed
+    from safetensors.torch import save as save_safetensors
+except ImportError:  # pragma: no cover - the extra is missing
+    save_safetensors = None  # type: ignore[assignment]
+
+
+#: the suffix of the safetensors copy of each model file (model.safetensors, models/client_<k>.safetensors)
+SAFETENSORS_SUFFIX = ".safetensors"
+
 
 def input_description(config: Config, input_shape: Sequence[int], dtype: torch.dtype,
                       partition: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -127,9 +136,13 @@ def tensors_only(module: nn.Module) -> dict[str, Tensor]:
 
 
 def save_state(path: Path, module: nn.Module) -> None:
-    """``module``'s state dict to ``path``, atomically (:func:`fedhpro.files.write_atomic_with`)."""
+    """``module``'s state dict to ``path``, atomically (:func:`fedhpro.files.write_atomic_with`), and, where
+    safetensors is installed (``pip install fedhpro[export]``), the same tensors beside it as
+    ``<name>.safetensors``, which other tools load without torch's pickle format."""
     state = tensors_only(module)
     write_atomic_with(path, lambda handle: torch.save(state, handle))
+    if save_safetensors is not None:
+        write_atomic(path.with_suffix(SAFETENSORS_SUFFIX), save_safetensors(state))
 
 
 def write_models(out: str | os.PathLike, models: TrainedModels) -> None:
