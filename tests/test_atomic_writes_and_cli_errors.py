@@ -62,8 +62,9 @@ def test_a_plot_gets_the_umask_mode_too(tmp_path, umask):
     path = tmp_path / "curve.png"
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_mode & 0o777 == 0o660
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["curve.png", "curve.svg"]  # a vector copy beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curve.pdf", "curve.png", "curve.svg"]  # vector copies
     assert (tmp_path / "curve.svg").stat().st_mode & 0o777 == 0o660
+    assert (tmp_path / "curve.pdf").stat().st_mode & 0o777 == 0o660
 
 
 def test_a_crash_mid_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):

@@ -214,7 +214,7 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
                              voice=voice)
     if echo:
         saved = MODEL_FILE if trained[0].global_model is not None else "models/client_<k>.pt"
-        print(f"results in {out}/ (summary.json, metrics.jsonl, timing.jsonl, accuracy.png and .svg, "
+        print(f"results in {out}/ (summary.json, metrics.jsonl, timing.jsonl, accuracy.png, .svg and .pdf, "
               f"config.yaml); trained model: {saved} (fedhpro.load_model, fedhpro predict)")
     return RunResult(summary=summary, metrics=run.rows.metrics, out=out, config=config, trained=trained[0])
 

@@ -44,10 +44,16 @@ def vector_path(path: str | os.PathLike) -> Path:
     return Path(path).with_suffix(".svg")
 
 
+def pdf_path(path: str | os.PathLike) -> Path:
+    """Where the PDF copy of a PNG figure goes (for LaTeX): the same name, ``.pdf``."""
+    return Path(path).with_suffix(".pdf")
+
+
 def save_figure(figure, path: str | os.PathLike, tight_layout: bool = True, vector: bool = True) -> None:
     """Save a matplotlib figure to ``path`` atomically and close it (``tight_layout=False`` keeps a
-    layout the caller arranged, e.g. room for a figure-level legend). A PNG gets its vector copy beside it
-    (:func:`vector_path`) unless ``vector=False``."""
+    layout the caller arranged, e.g. room for a figure-level legend). A PNG gets its vector copies beside it,
+    SVG (:func:`vector_path`) and PDF (:func:`pdf_path`, for LaTeX; no creation date, so the same figure gives
+    the same bytes), unless ``vector=False``."""
     import matplotlib
 
     plt = pyplot()
@@ -60,6 +66,8 @@ def save_figure(figure, path: str | os.PathLike, tight_layout: bool = True, vect
             with matplotlib.rc_context(SVG_SETTINGS):
                 write_atomic_with(vector_path(path), lambda handle: figure.savefig(
                     handle, format="svg", metadata={"Date": None}))
+            write_atomic_with(pdf_path(path), lambda handle: figure.savefig(
+                handle, format="pdf", metadata={"CreationDate": None, "ModDate": None}))
     finally:
         plt.close(figure)
 

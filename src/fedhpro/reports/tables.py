@@ -20,10 +20,18 @@ def dotted_keys(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+#: a whole float at least this large is a count (samples, bytes, parameters: a mean over seeds of equal
+#: counts), shown without decimals; accuracies (at most 100) and losses keep theirs
+WHOLE_COUNT = 1000.0
+
+
 def format_number(value: Any, digits: int = 2) -> str:
-    """``None``/NaN -> "–"; floats with ``digits`` decimals; anything else as text."""
+    """``None``/NaN -> "–"; a whole float of at least :data:`WHOLE_COUNT` as an integer (317928, never
+    317928.00); other floats with ``digits`` decimals; anything else as text."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer() and abs(value) >= WHOLE_COUNT:
+        return str(int(value))
     if isinstance(value, float):
         return f"{value:.{digits}f}"
     return str(value)

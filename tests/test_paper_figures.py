@@ -1,0 +1,28 @@
+"""Figures and tables a paper takes: a PDF beside every PNG/SVG (LaTeX), the same bytes for the same figure, and
+counts printed as integers.
+
+References: the PDF's own header and matplotlib's output twice; hand-written expected cells.
+"""
+
+from __future__ import annotations
+
+from fedhpro.reports.plots import plot_curves
+from fedhpro.reports.tables import format_number, markdown_table
+
+
+def test_every_figure_gets_a_pdf_with_the_same_bytes_each_time(tmp_path):
+    for name in ("a", "b"):
+        plot_curves({"FedAvg": ([1, 2, 3], [10.0, 20.0, 30.0])}, tmp_path / name / "curve.png", ylabel="accuracy (%)")
+    first, second = (tmp_path / "a" / "curve.pdf").read_bytes(), (tmp_path / "b" / "curve.pdf").read_bytes()
+    assert first.startswith(b"%PDF-") and first.rstrip().endswith(b"%%EOF")
+    assert first == second  # no creation date: a figure rebuilt from the same runs is the same file
+    assert b"CreationDate" not in first
+
+
+def test_counts_print_as_integers_and_accuracies_keep_their_decimals():
+    assert format_number(317928.0) == "317928"
+    assert format_number(-2048.0) == "-2048"
+    assert format_number(90.0) == "90.00" and format_number(99.5) == "99.50" and format_number(1234.5) == "1234.50"
+    assert format_number(float("nan")) == "–" and format_number(None) == "–" and format_number(12) == "12"
+    table = markdown_table(["method", "bytes up", "AVG"], [["fedavg", 317928.0, 88.0]])
+    assert "| fedavg | 317928 | 88.00 |" in table
