@@ -11,9 +11,10 @@ from pathlib import Path
 
 from fedhpro import api, reports
 from fedhpro.compare import main as compare_main
-from fedhpro.config import load_config, parse_override
+from fedhpro.config import load_config, parse_override, read_yaml
 from fedhpro.data import get_dataset
 from fedhpro.data.describe import plot_heatmap, table
+from fedhpro.engines.driver import RUN_FILES
 from fedhpro.errors import ConfigError
 from fedhpro.models import MODELS
 from fedhpro.models.summary import describe_models, format_model_table
@@ -30,8 +31,34 @@ def _cmd_run(args: argparse.Namespace) -> int:
     overrides = list(args.settings)
     if overrides and "=" not in overrides[0]:
         source = overrides.pop(0)
+        overrides += _fresh_out(source, overrides)
     api.run(source, overrides, echo=True)
     return 0
+
+
+def _fresh_out(source: str, overrides: list[str]) -> list[str]:
+    """``fedhpro run runs/x/config.yaml`` runs that configuration again: when the file's ``out=`` holds a run
+    (the one that wrote it) and no ``out=`` is given, the ``out=`` of a fresh folder beside it (``runs/x-2``,
+    ``-3``, ...), said in one line; else nothing."""
+    if any(item.split("=", 1)[0].strip() == "out" for item in overrides) or not Path(source).is_file():
+        return []
+    try:
+        named = read_yaml(Path(source)).get("out")
+    except (ConfigError, OSError, AttributeError):
+        return []  # the run's own loading says what is wrong with the file
+    if not isinstance(named, str) or not named:
+        return []
+    taken = Path(named)
+    if not any((taken / name).exists() for name in RUN_FILES):
+        return []
+    number = 2
+    while Path(f"{named}-{number}").exists():
+        number += 1
+    fresh = f"{named}-{number}"
+    unfinished = "" if (taken / "summary.json").exists() else f", or resume={named} to continue that one"
+    print(f"note: {source} names out={named}, which holds a run; this run writes to {fresh} (give out= to choose "
+          f"another{unfinished})")
+    return [f"out={fresh}"]
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
