@@ -34,7 +34,7 @@ LAYERS = {
     1: ("methods", "privacy"),
     2: ("engines", "config"),
     # below the API: modules that drive runs they are given; deploy: operations tooling below the Flower apps
-    3: ("sweeps", "measurements", "experiment", "resume", "user_models", "trained", "deploy"),
+    3: ("sweeps", "measurements", "trackers", "experiment", "resume", "user_models", "trained", "deploy"),
     4: ("api", "compare", "tune", "cli", "commands", "config_command", "reproduce", "bench",
         "flower", "__main__", ""),
 }

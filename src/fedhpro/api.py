@@ -194,7 +194,7 @@ def _run_resolved(config: Config, device: torch.device, federation: Federation |
     started = time.perf_counter()
     parts = build_experiment(config, device, federation=federation, model_factory=model_factory)
     voice = driver.ConsoleVoice(echo)
-    observers = observers_for(options, out, driver.warn_line, driver.run_title(options, data_name))
+    observers = observers_for(options, out, driver.warn_line, driver.run_title(options, data_name), config.to_dict())
     simulator = build_simulator(config, parts, device, observers)
     # said only: summary.json does not depend on the CPU; decided on the models built (no extra build, no draws)
     hardware = bf16_note(options.amp, device, [simulator.models.global_model,

@@ -323,6 +323,15 @@ class RunOptions:
     tensorboard: bool = option(False, help="also write TensorBoard logs to <out>/tensorboard (needs the "
                                            "tensorboard package: pip install tensorboard)",
                                tags=("presentation", "resumable", "observer"))
+    tracker: str = option("none", choices=("none", "mlflow", "wandb"),
+                          help="also log the run to an experiment tracker: its config, every round's metrics, the "
+                               "privacy ledger and the final files (mlflow: pip install fedhpro[mlflow]; wandb: pip "
+                               "install fedhpro[wandb], offline)", tags=("presentation", "resumable", "observer"))
+    tracker_uri: str = option("", help="tracker=mlflow: the tracking URI (default a file store in <out>/mlruns); "
+                                       "tracker=wandb: online to upload as the run goes (default offline, in "
+                                       "<out>/wandb)", tags=("presentation", "resumable"))
+    tracker_project: str = option("fedhpro", help="the tracker's experiment (MLflow) or project (W&B)",
+                                  tags=("presentation", "resumable"))
 
 
 #: run keys that change where and how a run is shown or stored, never its numbers

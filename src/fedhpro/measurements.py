@@ -8,7 +8,7 @@ a layer above the engines.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,7 @@ from fedhpro.engines.observers import RoundObserver, measurements
 from fedhpro.files import write_atomic_with
 from fedhpro.metrics.embedding import tsne_embedding
 from fedhpro.reports.plots import plot_tsne
+from fedhpro.trackers import tracker_for
 
 if TYPE_CHECKING:
     from fedhpro.engines.driver import InProcessEngine
@@ -102,15 +103,19 @@ def write_tsne(simulator: InProcessEngine, out: Path, seed: int, title: str, per
         prototype_points=embedded[n:], prototype_labels=prototype_classes))
 
 
-def observers_for(options: Any, out: Path, warn: Callable[[str], None], title: str) -> list[RoundObserver]:
+def observers_for(options: Any, out: Path, warn: Callable[[str], None], title: str,
+                  config: Mapping[str, Any] | None = None) -> list[RoundObserver]:
     """The observers a run's options (:class:`~fedhpro.config.RunOptions`) switch on
     (:data:`fedhpro.config.OBSERVER_KEYS`): ``flops``, ``prototype_distance``, ``tensorboard`` (skipped
     with one warning if the package is missing) and ``tsne``, writing into ``out``; ``title`` names the run
-    on the t-SNE plot."""
+    on the t-SNE plot; ``tracker`` (:mod:`fedhpro.trackers`) logs ``config`` (the resolved config) and the rows."""
     chosen = measurements(flops=options.flops, prototype_distance=options.prototype_distance)
     board = tensorboard_log(out, warn) if options.tensorboard else None
     if board is not None:
         chosen.append(board)
     if options.tsne:
         chosen.append(TSNEPlot(out, options.seed, title))
+    tracker = tracker_for(options, out, config or {}, out.name)
+    if tracker is not None:
+        chosen.append(tracker)
     return chosen

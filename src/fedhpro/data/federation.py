@@ -40,6 +40,10 @@ class ClientData:
         """The samples at ``index`` (a copy)."""
         return ClientData(self.x[index], self.y[index], self.num_classes, self.augment)
 
+    def with_augment(self, augment: Augment | None) -> ClientData:
+        """The same data with another training augmentation."""
+        return ClientData(self.x, self.y, self.num_classes, augment)
+
 
 class CompactClientData(ClientData):
     """A client's 8-bit images kept as read (``uint8``: a quarter of float32's memory, which decides how many
@@ -66,6 +70,9 @@ class CompactClientData(ClientData):
 
     def select(self, index: Tensor) -> ClientData:
         return CompactClientData(self.pixels[index], self.y[index], self.num_classes, self.decode, self.augment)
+
+    def with_augment(self, augment: Augment | None) -> ClientData:
+        return CompactClientData(self.pixels, self.y, self.num_classes, self.decode, augment)
 
 
 @dataclass

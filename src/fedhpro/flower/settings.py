@@ -229,8 +229,10 @@ def config_from_run_config(run_config: Mapping[str, Any], base: Mapping[str, Any
     if "checkpoint_every" not in config.given:  # Flower's own default (see the module doc), not the user's
         config = config.updated({"checkpoint_every": FLOWER_CHECKPOINT_EVERY})
     for name in SIMULATOR_ONLY:
-        if getattr(config.run, name, False):
-            raise ConfigError(f"{name}=true is measured only by the in-process simulator (fedhpro run); "
+        value = getattr(config.run, name, False)
+        if value and value != "none":  # a switch, or tracker= naming a tracker
+            shown = "true" if value is True else value
+            raise ConfigError(f"{name}={shown} is measured only by the in-process simulator (fedhpro run); "
                               f"drop it on Flower")
     return config, flower
 

@@ -375,7 +375,7 @@ class Client:
         round = LocalRound(model, payload, data, state, generator)
         augment = self.augment(round)
         if augment is not data.augment:  # the training loops read the round's data's augmentation
-            data = round.data = dataclasses.replace(data, augment=augment)
+            data = round.data = data.with_augment(augment)
         self.prepare(round)
         if self.sample_private:
             losses = self._train_private(round)

@@ -1,0 +1,190 @@
+"""Experiment trackers as observers of a run's rounds (``tracker=mlflow|wandb``): the run's config as parameters,
+every number of each ``metrics.jsonl`` row as a metric at step ``round + 1`` (TensorBoard's), the privacy ledger
+(summary.json's ``privacy``) and the final files (summary.json, metrics.jsonl, config.yaml and the model files)
+as artifacts. They only look, so a run gives the same bytes with a tracker or none.
+
+* MLflow (``pip install fedhpro[mlflow]``): ``tracker_uri`` (default a local SQLite store,
+  ``<out>/mlflow.db``, with the artifacts in ``<out>/mlartifacts``: offline; MLflow 3 keeps its plain file store
+  only in maintenance), experiment ``tracker_project``, one MLflow run per fedhpro run, written through
+  ``MlflowClient`` (no global active run).
+* Weights & Biases (``pip install fedhpro[wandb]``): offline unless ``tracker_uri=online``, its files in
+  ``<out>/wandb`` (``wandb sync`` uploads them later); project ``tracker_project``.
+
+The libraries are imported only when a tracker is asked for (optional extras, slow to import)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from fedhpro.engines.observers import RoundObserver
+from fedhpro.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fedhpro.engines.protocol import RoundRecord
+
+#: the values of ``tracker=``
+TRACKERS = ("none", "mlflow", "wandb")
+#: the run's files a tracker keeps as artifacts, where they exist
+ARTIFACTS = ("config.yaml", "summary.json", "metrics.jsonl", "model.json", "model.pt", "model.safetensors",
+             "standardize.json", "accuracy.png", "accuracy.pdf")
+
+
+def row_metrics(row: Mapping[str, Any]) -> Iterator[tuple[str, float]]:
+    """Every number of a ``metrics.jsonl`` row as ``(name, value)``: nested keys joined with ``/``
+    (``accuracy/AVG``, ``train/ce``, ``privacy/epsilon``); the round itself and lists left out."""
+    def walk(prefix: str, value: Any) -> Iterator[tuple[str, float]]:
+        if isinstance(value, bool):
+            return
+        if isinstance(value, (int, float)):
+            yield prefix, float(value)
+        elif isinstance(value, Mapping):
+            for key, inner in value.items():
+                yield from walk(f"{prefix}/{key}" if prefix else str(key), inner)
+
+    for key, value in row.items():
+        if key != "round":
+            yield from walk(key, value)
+
+
+def flat_params(config: Mapping[str, Any]) -> dict[str, str]:
+    """The config's keys as dotted names and text values (what trackers take as parameters)."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for key, inner in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), inner)
+        else:
+            out[prefix] = json.dumps(value) if isinstance(value, (list, tuple)) else str(value)
+
+    walk("", config)
+    return out
+
+
+class MlflowTracker(RoundObserver):
+    """The run in MLflow (module doc): created at the first round, metrics every round, artifacts at the end."""
+
+    def __init__(self, out: Path, uri: str, project: str, config: Mapping[str, Any], name: str):
+        try:
+            from mlflow.entities import Metric, Param  # an optional extra; a slow import
+            from mlflow.tracking import MlflowClient
+        except ImportError:
+            raise ConfigError("tracker=mlflow needs MLflow; pip install 'fedhpro[mlflow]'") from None
+        self.out, self.name = Path(out), name
+        self.local = not uri
+        self.uri = uri or f"sqlite:///{(Path(out) / 'mlflow.db').resolve()}"
+        self.client = MlflowClient(tracking_uri=self.uri)
+        self.metric, self.param = Metric, Param
+        self.project, self.config = project, dict(config)
+        self.run_id: str | None = None
+
+    def _start(self) -> str:
+        self.out.mkdir(parents=True, exist_ok=True)
+        found = self.client.get_experiment_by_name(self.project)
+        location = (self.out / "mlartifacts").resolve().as_uri() if self.local else None
+        experiment = (found.experiment_id if found is not None
+                      else self.client.create_experiment(self.project, artifact_location=location))
+        run = self.client.create_run(experiment, run_name=self.name, tags={"fedhpro.out": str(self.out)})
+        params = [self.param(key[:250], value[:6000]) for key, value in flat_params(self.config).items()]
+        for start in range(0, len(params), 100):  # MLflow takes at most 100 parameters a batch
+            self.client.log_batch(run.info.run_id, params=params[start:start + 100])
+        return str(run.info.run_id)
+
+    def on_round_end(self, record: RoundRecord) -> None:
+        self.log_row(record.to_json())
+
+    def log_row(self, row: Mapping[str, Any]) -> None:
+        """One ``metrics.jsonl`` row's numbers at step ``round + 1``."""
+        if self.run_id is None:
+            self.run_id = self._start()
+        stamp = int(time.time() * 1000)
+        step = int(row["round"]) + 1
+        metrics = [self.metric(name, value, stamp, step) for name, value in row_metrics(row)]
+        for start in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
+
+    def on_run_end(self) -> None:
+        self.finish()
+
+    def finish(self) -> None:
+        """The privacy ledger and the final files, then the run marked finished."""
+        if self.run_id is None:
+            self.run_id = self._start()
+        summary = _summary(self.out)
+        for name, value in row_metrics({"privacy": summary.get("privacy") or {}}):
+            self.client.log_metric(self.run_id, name, value)
+        for name in ARTIFACTS:
+            if (self.out / name).is_file():
+                self.client.log_artifact(self.run_id, str(self.out / name))
+        self.client.set_terminated(self.run_id)
+
+
+class WandbTracker(RoundObserver):
+    """The run in Weights & Biases, offline by default (module doc)."""
+
+    def __init__(self, out: Path, uri: str, project: str, config: Mapping[str, Any], name: str):
+        os.environ.setdefault("WANDB_SILENT", "true")
+        try:
+            import wandb  # an optional extra; a slow import
+        except ImportError:
+            raise ConfigError("tracker=wandb needs Weights & Biases; pip install 'fedhpro[wandb]'") from None
+        self.wandb, self.out = wandb, Path(out)
+        self.mode: Literal["online", "offline"] = "online" if uri == "online" else "offline"
+        self.project, self.config, self.name = project, dict(config), name
+        self.run: Any = None
+
+    def _start(self) -> Any:
+        self.out.mkdir(parents=True, exist_ok=True)
+        return self.wandb.init(project=self.project, name=self.name, dir=str(self.out), mode=self.mode,
+                               config=self.config, reinit="create_new",
+                               settings=self.wandb.Settings(console="off", x_disable_stats=True))
+
+    def on_round_end(self, record: RoundRecord) -> None:
+        self.log_row(record.to_json())
+
+    def log_row(self, row: Mapping[str, Any]) -> None:
+        if self.run is None:
+            self.run = self._start()
+        self.run.log(dict(row_metrics(row)), step=int(row["round"]) + 1)
+
+    def on_run_end(self) -> None:
+        if self.run is None:
+            self.run = self._start()
+        summary = _summary(self.out)
+        for name, value in row_metrics({"privacy": summary.get("privacy") or {}}):
+            self.run.summary[name] = value
+        artifact = self.wandb.Artifact(f"fedhpro-{self.run.id}", type="model")
+        for name in ARTIFACTS:
+            if (self.out / name).is_file():
+                artifact.add_file(str(self.out / name))
+        self.run.log_artifact(artifact)
+        self.run.finish()
+
+
+def _summary(out: Path) -> dict[str, Any]:
+    path = out / "summary.json"
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def tracker_for(options: Any, out: Path, config: Mapping[str, Any], name: str) -> RoundObserver | None:
+    """The tracker ``options.tracker`` names (``tracker.uri``, ``tracker.project``), or None."""
+    kind = str(getattr(options, "tracker", "none"))
+    if kind == "none":
+        return None
+    makers: dict[str, Callable[..., RoundObserver]] = {"mlflow": MlflowTracker, "wandb": WandbTracker}
+    if kind not in makers:
+        raise ConfigError(f"tracker={kind!r} is not a tracker; use one of {', '.join(TRACKERS)}")
+    return makers[kind](out, str(getattr(options, "tracker_uri", "") or ""),
+                        str(getattr(options, "tracker_project", "fedhpro") or "fedhpro"), config, name)
+
+
+__all__ = ["ARTIFACTS", "MlflowTracker", "TRACKERS", "WandbTracker", "flat_params", "row_metrics", "tracker_for"]

@@ -1,0 +1,107 @@
+"""Experiment trackers (``tracker=mlflow|wandb``), read back by the libraries' own readers, offline.
+
+References: MLflow's ``MlflowClient`` on the file store (parameters, the metric history per round against
+metrics.jsonl, the artifacts); W&B's own offline run file (``run-*.wandb``) read with its DataStore and protobuf
+records; and the run's bytes with and without a tracker.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
+
+import fedhpro
+from fedhpro.trackers import row_metrics
+
+
+def _run(data_dir, out, **extra):
+    return fedhpro.run(method="fedavg", rounds=2, clients=4, local_epochs=1, feature_dim=16, progress=False,
+                       threads=1, data_dir=str(data_dir), out=str(out),
+                       **{"data.fraction": 0.02, "data.syn_size": DIGITS_SYN_SIZE,
+                          "data.test_fraction": DIGITS_TEST_FRACTION, **extra})
+
+
+def wandb_records(blob: bytes):
+    """The records of a W&B run file: a 7-byte header (``:W&B``, magic 0xBEE1, version 0), then LevelDB's log
+    format (32 KiB blocks of records, each ``crc32, length (2, little-endian), type``: full, first, middle,
+    last), each record one serialised ``wandb_internal_pb2.Record`` (W&B's own protobuf definitions)."""
+    assert blob[:4] == b":W&B" and int.from_bytes(blob[4:6], "little") == 0xBEE1, blob[:7]
+    position, pending = 7, b""
+    while position + 7 <= len(blob):
+        room = 32768 - position % 32768
+        if room < 7:  # a block's tail too short for a header is padding
+            position += room
+            continue
+        length, kind = int.from_bytes(blob[position + 4:position + 6], "little"), blob[position + 6]
+        data = blob[position + 7:position + 7 + length]
+        position += 7 + length
+        if kind == 0 and length == 0:
+            continue
+        if kind == 1:
+            yield data
+        elif kind == 2:
+            pending = data
+        elif kind == 3:
+            pending += data
+        elif kind == 4:
+            yield pending + data
+
+
+def _rows(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, digits_data_dir):
+    return _run(digits_data_dir, tmp_path_factory.mktemp("plain") / "run")
+
+
+def test_mlflow_holds_the_config_every_rounds_metrics_and_the_files(digits_data_dir, tmp_path, plain):
+    from mlflow.tracking import MlflowClient
+
+    result = _run(digits_data_dir, tmp_path / "run", tracker="mlflow")
+    for name in ("metrics.jsonl", "model.pt", "summary.json"):  # a tracker only looks
+        if name != "summary.json":
+            assert (result.out / name).read_bytes() == (plain.out / name).read_bytes(), name
+    client = MlflowClient(tracking_uri=f"sqlite:///{(result.out / 'mlflow.db').resolve()}")
+    experiment = client.get_experiment_by_name("fedhpro")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.data.params["method"] == "fedavg" and run.data.params["rounds"] == "2"
+    assert run.info.status == "FINISHED"
+    rows = _rows(result.out)
+    for name in ("accuracy/AVG", "bytes_up"):
+        history = client.get_metric_history(run.info.run_id, name)
+        assert [(m.step, m.value) for m in history] == [
+            (row["round"] + 1, dict(row_metrics(row))[name]) for row in rows if name in dict(row_metrics(row))]
+    artifacts = {item.path for item in client.list_artifacts(run.info.run_id)}
+    assert run.info.artifact_uri.startswith((result.out / "mlartifacts").resolve().as_uri())
+    assert {"config.yaml", "summary.json", "metrics.jsonl", "model.pt", "model.json"} <= artifacts
+
+
+def test_wandb_offline_files_hold_the_history_and_the_config(digits_data_dir, tmp_path, plain):
+    from wandb.proto import wandb_internal_pb2
+
+    result = _run(digits_data_dir, tmp_path / "run", tracker="wandb")
+    assert (result.out / "metrics.jsonl").read_bytes() == (plain.out / "metrics.jsonl").read_bytes()
+    (path,) = sorted((result.out / "wandb").glob("offline-run-*/run-*.wandb"))
+    history, config, kinds = [], {}, set()
+    for data in wandb_records(path.read_bytes()):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        if record.WhichOneof("record_type") == "history":
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            history.append(items)
+        elif record.WhichOneof("record_type") in ("run", "config"):
+            updates = record.run.config.update if record.WhichOneof("record_type") == "run" else record.config.update
+            for item in updates:
+                config[item.key] = json.loads(item.value_json)
+        kinds.add(record.WhichOneof("record_type"))
+    rows = _rows(result.out)
+    assert [entry["_step"] for entry in history] == [row["round"] + 1 for row in rows]
+    for entry, row in zip(history, rows):
+        for name, value in row_metrics(row):
+            assert entry[name] == pytest.approx(value), name
+    assert config["method"] == "fedavg" and config["rounds"] == 2
+    assert {"artifact", "exit"} <= kinds  # the final files were logged and the run finished
