@@ -26,3 +26,25 @@ def test_counts_print_as_integers_and_accuracies_keep_their_decimals():
     assert format_number(float("nan")) == "–" and format_number(None) == "–" and format_number(12) == "12"
     table = markdown_table(["method", "bytes up", "AVG"], [["fedavg", 317928.0, 88.0]])
     assert "| fedavg | 317928 | 88.00 |" in table
+
+
+def test_a_single_domain_run_draws_one_curve_named_by_its_domain(tmp_path):
+    from fedhpro.reports.plots import plot_run_accuracy
+
+    one = [{"round": r, "accuracy": {"mnist": 50.0 + r, "AVG": 50.0 + r}} for r in range(3)]
+    figure = plot_run_accuracy(one, tmp_path / "one.png")
+    assert [line.get_label() for line in figure.axes[0].get_lines()] == ["mnist"]  # no AVG hiding it
+    two = [{"round": r, "accuracy": {"mnist": 50.0, "syn": 60.0, "AVG": 55.0}} for r in range(3)]
+    figure = plot_run_accuracy(two, tmp_path / "two.png")
+    assert [line.get_label() for line in figure.axes[0].get_lines()] == ["mnist", "syn", "AVG"]
+
+
+def test_the_reports_title_says_avg_over_domains_only_with_several():
+    from types import SimpleNamespace
+
+    from fedhpro.reports.runs import avg_title
+
+    one = SimpleNamespace(evaluated=[{"accuracy": {"mnist": 90.0, "AVG": 90.0}}])
+    two = SimpleNamespace(evaluated=[{"accuracy": {"mnist": 90.0, "syn": 80.0, "AVG": 85.0}}])
+    assert avg_title([one, one]) == "test accuracy (mnist)"
+    assert avg_title([two]) == "test accuracy (AVG over domains)"

@@ -181,11 +181,15 @@ def plot_run_accuracy(history: Sequence[Mapping[str, Any]], path: str | os.PathL
     figure, axis = plt.subplots(figsize=(6.4, 4.0), dpi=120)
     rounds = [int(row["round"]) + 1 for row in rows]
     names = [name for name in rows[0]["accuracy"] if name != "AVG"]
+    if len(names) == 1:  # one test set: its AVG is its accuracy; one curve, named by it, not two on one line
+        axis.plot(rounds, [row["accuracy"].get(names[0]) for row in rows], label=names[0], color="black",
+                  linewidth=2.4, linestyle="-", marker="o", markersize=4)
+        names = []
     for index, name in enumerate(names):
         # index + 1: the first style (solid, circles) is AVG's
         axis.plot(rounds, [row["accuracy"].get(name) for row in rows], label=name, linewidth=1.3, markersize=4,
                   **line_style(index + 1))
-    if "AVG" in rows[0]["accuracy"]:
+    if "AVG" in rows[0]["accuracy"] and names:
         axis.plot(rounds, [row["accuracy"].get("AVG") for row in rows], label="AVG", color="black", linewidth=2.4,
                   linestyle="-", marker="o", markersize=4)
     _finish(axis, title, "round", "test accuracy (%)")

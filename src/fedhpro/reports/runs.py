@@ -42,6 +42,15 @@ def accuracy_series(run: RunData, key: str = "AVG") -> tuple[list[int], list[flo
     return [row["round"] + 1 for row in rows], [row["accuracy"][key] for row in rows]
 
 
+def avg_title(runs: Sequence[RunData]) -> str:
+    """What the report's curves show: "AVG over domains" where the runs have several test sets, else the one
+    test set's name (a single-domain run's AVG is that domain's accuracy)."""
+    names = {name for run in runs for row in run.evaluated[:1] for name in row["accuracy"] if name != "AVG"}
+    if len(names) == 1:
+        return f"test accuracy ({next(iter(names))})"
+    return "test accuracy (AVG over domains)"
+
+
 def gm_series(run: RunData) -> dict[str, tuple[list[int], list[float]]]:
     """L_GM before and after the M matching steps per round (Figure 4); empty if the run has none."""
     rows = [row for row in run.rows if "gm_loss_before" in row.get("server", {})]
@@ -226,7 +235,7 @@ def _report_runs(runs: list[RunData], out: str | Path | None, echo: bool, force:
     write_atomic(out / "table.csv", csv_text(header, rows))
     written = ["table.md", "table.csv"]
     plot_curves({label: accuracy_series(run) for label, run in zip(labels, runs)}, out / "accuracy.png",
-                title="test accuracy (AVG over domains) per round", ylabel="test accuracy (%)")
+                title=f"{avg_title(runs)} per round", ylabel="test accuracy (%)")
     written.append("accuracy.png")
     gm = {f"{label}: L_GM {when}": series for label, run in zip(labels, runs)
           for when, series in gm_series(run).items()}
@@ -365,7 +374,7 @@ def report_seeds(runs: Sequence[RunData], out: Path, echo: bool = True, force: b
     write_atomic(out / "table.md", markdown_table(header, markdown, caption, notes))
     write_atomic(out / "table.csv", csv_text(csv_header, table))
     plot_mean_curves(curves, out / "accuracy.png", ylabel="test accuracy (%)",
-                     title="test accuracy (AVG over domains): mean over seeds, band min-max")
+                     title=f"{avg_title(runs)}: mean over seeds, band min-max")
     write_json(out / "report.json", {"runs": _report_sources(runs)})
     if echo:
         print(markdown_table(header, markdown, caption, notes))
