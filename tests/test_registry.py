@@ -162,9 +162,11 @@ def test_key_kinds_are_declared_with_the_keys():
     from fedhpro.config import OBSERVER_KEYS, PRESENTATION_KEYS, RESUMABLE_KEYS
 
     assert PRESENTATION_KEYS == {"out", "progress", "device", "threads", "parallel_clients", "resume", "tensorboard",
-                                 "checkpoint_every", "checkpoint_minutes", "keep_checkpoints"}
+                                 "checkpoint_every", "checkpoint_minutes", "keep_checkpoints", "tracker",
+                                 "tracker_uri", "tracker_project"}
     assert RESUMABLE_KEYS == PRESENTATION_KEYS - {"out"} | {"tsne"}
-    assert OBSERVER_KEYS == ("flops", "prototype_distance", "tsne", "tensorboard")
+    # the simulator-only observers; tensorboard and tracker read round records, so Flower runs them too
+    assert OBSERVER_KEYS == ("flops", "prototype_distance", "tsne")
 
 
 def test_checked_spec_takes_a_spec_or_a_factory_renames_it_and_refuses_in_one_line():

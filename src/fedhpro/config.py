@@ -322,11 +322,11 @@ class RunOptions:
                                     "(Figures 3 and 6; needs scikit-learn)", tags=("resumable", "observer"))
     tensorboard: bool = option(False, help="also write TensorBoard logs to <out>/tensorboard (needs the "
                                            "tensorboard package: pip install tensorboard)",
-                               tags=("presentation", "resumable", "observer"))
+                               tags=("presentation", "resumable"))  # both engines: it reads round records only
     tracker: str = option("none", choices=("none", "mlflow", "wandb"),
                           help="also log the run to an experiment tracker: its config, every round's metrics, the "
                                "privacy ledger and the final files (mlflow: pip install fedhpro[mlflow]; wandb: pip "
-                               "install fedhpro[wandb], offline)", tags=("presentation", "resumable", "observer"))
+                               "install fedhpro[wandb], offline)", tags=("presentation", "resumable"))
     tracker_uri: str = option("", help="tracker=mlflow: the tracking URI (default a file store in <out>/mlruns); "
                                        "tracker=wandb: online to upload as the run goes (default offline, in "
                                        "<out>/wandb)", tags=("presentation", "resumable"))

@@ -110,12 +110,18 @@ def observers_for(options: Any, out: Path, warn: Callable[[str], None], title: s
     with one warning if the package is missing) and ``tsne``, writing into ``out``; ``title`` names the run
     on the t-SNE plot; ``tracker`` (:mod:`fedhpro.trackers`) logs ``config`` (the resolved config) and the rows."""
     chosen = measurements(flops=options.flops, prototype_distance=options.prototype_distance)
-    board = tensorboard_log(out, warn) if options.tensorboard else None
-    if board is not None:
-        chosen.append(board)
+    board, tracker = record_observers(options, out, warn, config)
+    chosen += board
     if options.tsne:
         chosen.append(TSNEPlot(out, options.seed, title))
+    return chosen + tracker
+
+
+def record_observers(options: Any, out: Path, warn: Callable[[str], None], config: Mapping[str, Any] | None = None
+                     ) -> tuple[list[RoundObserver], list[RoundObserver]]:
+    """The observers that read only the round records, so that every engine runs them (the Flower ServerApp
+    too): ``tensorboard``, and ``tracker`` (:mod:`fedhpro.trackers`, logging ``config``), each a list of at most
+    one."""
+    board = tensorboard_log(out, warn) if options.tensorboard else None
     tracker = tracker_for(options, out, config or {}, out.name)
-    if tracker is not None:
-        chosen.append(tracker)
-    return chosen
+    return ([board] if board is not None else []), ([tracker] if tracker is not None else [])

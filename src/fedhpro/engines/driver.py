@@ -237,7 +237,7 @@ class RunRows:
 #: what a run writes into its folder: a new run never writes where any of it is (the two runs' files would mix)
 RUN_FILES = ("summary.json", "config.yaml", "metrics.jsonl", "timing.jsonl", "partition.json", "accuracy.png",
              "tsne.png", "tsne.npz", "tensorboard", "checkpoints", "server_state.pt", "model.pt", "model.json",
-             "models")
+             "models", "mlflow.db", "mlartifacts", "wandb")
 
 #: how to resume a run whose checkpoint another engine wrote (keyed by the engine that wrote it)
 _OTHER_ENGINE = {

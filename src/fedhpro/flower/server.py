@@ -50,6 +50,8 @@ from flwr.supercore import log
 from fedhpro.config import PRESENTATION_KEYS, Config
 from fedhpro.data.clients import client_notes
 from fedhpro.engines import driver
+from fedhpro.engines.observers import RoundObserver
+from fedhpro.engines.protocol import RoundRecord
 from fedhpro.errors import ConfigError, FedHProError
 from fedhpro.flower import secagg
 from fedhpro.flower.engine import ServerSide, build_server_side, own_data
@@ -57,6 +59,7 @@ from fedhpro.flower.nodes import Nodes, _client_keys, discover_nodes, discover_o
 from fedhpro.flower.records import EVAL_RECORD, HEADER, NODE_RECORD, PRIVACY, SERVER_STATE
 from fedhpro.flower.settings import FlowerSettings, config_from_run_config, experiment_keys
 from fedhpro.flower.strategy import FlowerEngine, MethodStrategy, round_timeout, secure_for
+from fedhpro.measurements import record_observers
 from fedhpro.privacy import is_private
 from fedhpro.resume import claimed_config
 from fedhpro.trained import server_models, write_models
@@ -113,12 +116,35 @@ def _run_server(grid: Grid, config: Config, settings: FlowerSettings, out: Path 
                                                  _client_keys(grid, nodes, settings)),
                               run_key(config, secrets.token_hex(8)), settings.node_auth,
                               secure_for(config, side, settings), run)
-    engine = FlowerEngine(strategy, grid, timeout, partition)
+    board, tracker = record_observers(config.run, out, ServerLog().warning, config.to_dict()) \
+        if out is not None else ([], [])  # TensorBoard and the tracker write into the run folder
+    engine = ObservedFlowerEngine(strategy, grid, timeout, partition, board + tracker)
     driver.execute(engine, run, config, data_name=config.run.dataset, partition=partition, notes=notes,
                    resume_from=resume_from, voice=ServerLog(),
                    write_model=lambda folder: write_models(folder, server_models(side, partition)))
     forget_client_state(grid, strategy, timeout)
     return strategy
+
+
+class ObservedFlowerEngine(FlowerEngine):
+    """The Flower engine that shows each round's record to ``observers`` (TensorBoard, the tracker: they only
+    read records) and ends them at the run's end, as the simulator does."""
+
+    def __init__(self, strategy: MethodStrategy, grid: Grid, timeout: float, partition: Mapping[str, Any],
+                 observers: list[RoundObserver]):
+        super().__init__(strategy, grid, timeout, partition)
+        self.observers = observers
+
+    def run_round(self, round: int) -> RoundRecord:
+        record = super().run_round(round)
+        for observer in self.observers:
+            observer.on_round_end(record)
+        return record
+
+    def end_run(self) -> None:
+        super().end_run()
+        for observer in self.observers:
+            observer.on_run_end()
 
 
 class ServerLog:

@@ -17,7 +17,8 @@ from fedhpro.reports.tables import dotted_keys
 #: run settings that do not tell two runs of a comparison apart (each seed's run differs in them only; the
 #: presentational ones)
 NOT_A_SETTING = frozenset({"seed", "out", "resume", "progress", "threads", "parallel_clients", "device", "tensorboard",
-                           "checkpoint_every", "checkpoint_minutes", "keep_checkpoints"})
+                           "checkpoint_every", "checkpoint_minutes", "keep_checkpoints", "tracker", "tracker_uri",
+                           "tracker_project"})
 
 
 @dataclass
