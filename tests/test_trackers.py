@@ -105,3 +105,65 @@ def test_wandb_offline_files_hold_the_history_and_the_config(digits_data_dir, tm
             assert entry[name] == pytest.approx(value), name
     assert config["method"] == "fedavg" and config["rounds"] == 2
     assert {"artifact", "exit"} <= kinds  # the final files were logged and the run finished
+
+
+class RecordingWriter:
+    """A SummaryWriter that keeps its scalars (the tensorboard package is optional and not installed here)."""
+
+    made: list[RecordingWriter] = []
+
+    def __init__(self, log_dir: str, purge_step: int):
+        self.log_dir, self.scalars, self.closed = log_dir, [], False
+        RecordingWriter.made.append(self)
+
+    def add_scalar(self, tag, value, step):
+        self.scalars.append((tag, value, step))
+
+    def flush(self):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+def test_flower_accepts_tensorboard_and_a_tracker_and_shows_each_round_to_them(monkeypatch, tmp_path):
+    """From the trackers helper: the Flower settings accept both keys (refused before) and the ServerApp's engine
+    hands each round's record to the observers and ends them, as the simulator does."""
+    import sys
+    import types
+
+    from fedhpro.config import RunOptions
+    from fedhpro.engines.protocol import RoundRecord
+    from fedhpro.flower import server
+    from fedhpro.flower.settings import config_from_run_config
+    from fedhpro.flower.strategy import FlowerEngine
+    from fedhpro.measurements import TensorBoardLog
+
+    config, _ = config_from_run_config({"tensorboard": "true", "tracker": "mlflow"})
+    assert config.run.tensorboard and config.run.tracker == "mlflow"
+    board = types.ModuleType("torch.utils.tensorboard")
+    board.SummaryWriter = RecordingWriter  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", board)
+    (observer,), tracker = server.record_observers(RunOptions(tensorboard=True), tmp_path, print)
+    assert isinstance(observer, TensorBoardLog) and tracker == []
+    records = {r: RoundRecord(round=r, participants=[0], train={"loss": 1.0 / (r + 1)}, server={},
+                              accuracy=None, bytes_up=0, bytes_down=0, seconds={}) for r in range(2)}
+    monkeypatch.setattr(FlowerEngine, "__init__", lambda self, *args: None)
+    monkeypatch.setattr(FlowerEngine, "run_round", lambda self, r: records[r])
+    monkeypatch.setattr(FlowerEngine, "end_run", lambda self: None)
+    engine = server.ObservedFlowerEngine(None, None, 1.0, {}, [observer])
+    assert [engine.run_round(r) for r in range(2)] == [records[0], records[1]]
+    engine.end_run()
+    (writer,) = RecordingWriter.made
+    assert [s for s in writer.scalars if s[0] == "train/loss"] == [("train/loss", 1.0, 1), ("train/loss", 0.5, 2)]
+    assert writer.closed
+
+
+def test_the_tracker_libraries_are_not_imported_unless_asked_for():
+    import subprocess
+    import sys
+
+    code = ("import sys, fedhpro.api, fedhpro.measurements, fedhpro.flower.server; "
+            "print(sorted(m for m in ('mlflow', 'wandb') if m in sys.modules))")
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert shown.stdout.strip() == "[]"
