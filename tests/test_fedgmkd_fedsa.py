@@ -772,4 +772,5 @@ def test_fedsa_proto_only_runs_from_the_cli_with_personal_models(digits_data_dir
                 data_dir=str(digits_data_dir), out=str(tmp_path / "run"),
                 **{"fedsa.protocol": "proto-only", "data.fraction": 0.02, "data.syn_size": DIGITS_SYN_SIZE,
                    "data.test_fraction": DIGITS_TEST_FRACTION})
-    assert sorted(p.name for p in (tmp_path / "run" / "models").iterdir()) == [f"client_{k}.pt" for k in range(3)]
+    assert sorted(p.name for p in (tmp_path / "run" / "models").iterdir()) == [
+        f"client_{k}.{kind}" for k in range(3) for kind in ("pt", "safetensors")]  # safetensors: fedhpro[export]
