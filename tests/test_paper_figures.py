@@ -48,3 +48,22 @@ def test_the_reports_title_says_avg_over_domains_only_with_several():
     two = SimpleNamespace(evaluated=[{"accuracy": {"mnist": 90.0, "syn": 80.0, "AVG": 85.0}}])
     assert avg_title([one, one]) == "test accuracy (mnist)"
     assert avg_title([two]) == "test accuracy (AVG over domains)"
+
+
+def test_a_bar_figure_of_62_classes_fits_a_page_with_labelled_axes(tmp_path):
+    from PIL import Image
+
+    from fedhpro.reports.plots import PAGE_WIDTH, plot_bars
+
+    classes = [f"c{k}" for k in range(62)]
+    groups = {name: {c: float(k % 100) for k, c in enumerate(classes)} for name in ("fedavg", "fedhpro")}
+    figure = plot_bars(groups, tmp_path / "per_class.png", ylabel="test accuracy (%)", xlabel="class")
+    width, height = figure.get_size_inches()
+    assert width <= PAGE_WIDTH and height <= 9.5  # was 31 x 4 in
+    assert all(axis.get_xlabel() == "class" and axis.get_ylabel() for axis in figure.axes)
+    shown = [tick.get_text() for axis in figure.axes for tick in axis.get_xticklabels()]
+    assert shown == classes  # every class, in order, across the rows
+    with Image.open(tmp_path / "per_class.png") as image:
+        assert image.size[0] <= PAGE_WIDTH * 130 + 1
+    small = plot_bars({"fedavg": {"head": 90.0, "tail": 20.0}}, tmp_path / "groups.png", xlabel="class group")
+    assert small.get_size_inches()[0] >= 3.4 and len(small.axes) == 1

@@ -128,6 +128,7 @@ def write_class_report(out: str | os.PathLike, groups: Mapping[str, Sequence[tup
     shown = {label: {name: float("nan") if value is None else value for name, value in values.items()}
              for label, values in bars.items()}
     plot_bars(shown, out / "per_class.png", errors=spread if split else None, ylabel="test accuracy (%)",
+              xlabel="class group (by training images)" if split else "class (ordered by training images)",
               title="test accuracy of the head, middle and tail classes (mean over seeds, bar: std)" if split
               else "test accuracy per class (mean over seeds)")
     figures_text = _write_figures(out, groups, names)

@@ -234,28 +234,47 @@ def mean_band(curves: Sequence[tuple[Sequence[float], Sequence[float]]]
     return (shared, [sum(v) / len(v) for v in values], [min(v) for v in values], [max(v) for v in values])
 
 
+#: figure widths a paper takes (inches): one column, and the page
+COLUMN_WIDTH, PAGE_WIDTH = 3.4, 7.0
+#: the most bars one row of a bar figure holds before the groups wrap into another row
+BARS_PER_ROW = 64
+
+
 def plot_bars(groups: Mapping[str, Mapping[str, float]], path: str | os.PathLike, *, title: str = "",
-              ylabel: str = "", errors: Mapping[str, Mapping[str, float]] | None = None) -> None:
-    """Grouped bars: one group per metric (the inner keys), one bar per entry of ``groups`` (e.g. a method)."""
+              ylabel: str = "", xlabel: str = "", errors: Mapping[str, Mapping[str, float]] | None = None):
+    """Grouped bars: one group per metric (the inner keys), one bar per entry of ``groups`` (e.g. a method).
+    Sized for a paper: between a column and a page wide (:data:`COLUMN_WIDTH`, :data:`PAGE_WIDTH`); more than
+    :data:`BARS_PER_ROW` bars wrap into rows (62 classes never make a 31-inch figure), each row with ``xlabel``.
+    Returns the figure (closed, written to ``path``)."""
     plt = pyplot()
     labels = list(groups)
     metrics = list(next(iter(groups.values()))) if groups else []
+    per_row = max(1, BARS_PER_ROW // max(len(labels), 1))
+    chunks = [metrics[i:i + per_row] for i in range(0, len(metrics), per_row)] or [[]]
+    inches = min(PAGE_WIDTH, max(COLUMN_WIDTH, 0.17 * len(chunks[0]) * max(len(labels), 1) + 1.2))
+    figure, axes = plt.subplots(len(chunks), 1, figsize=(inches, 2.6 * len(chunks) + 0.6), dpi=130, squeeze=False)
     width = 0.8 / max(len(labels), 1)
-    figure, axis = plt.subplots(figsize=(max(5.5, 1.3 * len(metrics) * max(len(labels), 1) * 0.6), 4.0), dpi=130)
-    for i, label in enumerate(labels):
-        x = np.arange(len(metrics)) + (i - (len(labels) - 1) / 2) * width
-        values = [groups[label].get(m, np.nan) for m in metrics]
-        spread = [(errors or {}).get(label, {}).get(m, 0.0) for m in metrics]
-        bars = axis.bar(x, values, width, yerr=spread if errors else None, capsize=3, label=display_label(label),
-                        hatch=BAR_HATCHES[i % len(BAR_HATCHES)], edgecolor="white", linewidth=0.5)
-        axis.bar_label(bars, fmt="%.1f", fontsize=7, padding=2)
-    axis.set_xticks(np.arange(len(metrics)), metrics)
-    axis.set_ylabel(ylabel)
-    if title:
-        axis.set_title(title, fontsize=10)
-    axis.grid(alpha=0.3, axis="y")
-    axis.legend(fontsize=8)
+    for row, (axis, chunk) in enumerate(zip(axes[:, 0], chunks)):
+        for i, label in enumerate(labels):
+            x = np.arange(len(chunk)) + (i - (len(labels) - 1) / 2) * width
+            values = [groups[label].get(m, np.nan) for m in chunk]
+            spread = [(errors or {}).get(label, {}).get(m, 0.0) for m in chunk]
+            bars = axis.bar(x, values, width, yerr=spread if errors else None, capsize=2,
+                            label=display_label(label), hatch=BAR_HATCHES[i % len(BAR_HATCHES)], edgecolor="white",
+                            linewidth=0.5)
+            if len(chunk) * len(labels) <= 20:  # values on the bars only where they stay readable
+                axis.bar_label(bars, fmt="%.1f", fontsize=7, padding=2)
+        axis.set_xticks(np.arange(len(chunk)), chunk, fontsize=7 if len(chunk) > 12 else 9,
+                        rotation=90 if len(chunk) > 12 else 0)
+        axis.set_ylabel(ylabel, fontsize=8)
+        axis.set_xlabel(xlabel, fontsize=8)
+        axis.grid(alpha=0.3, axis="y")
+        if row == 0:
+            if title:
+                axis.set_title(title, fontsize=9)
+            axis.legend(fontsize=7)
     save_figure(figure, path)
+    return figure
 
 
 def plot_sweep(x: Sequence[float | str], series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
