@@ -100,8 +100,7 @@ def attach_preprocessing(module: nn.Module, folder: Path, info: Mapping[str, Any
     if inputs.get("standardize", "none") == "none" or inputs.get("kind") != "tensor":
         prepared(folder, info, torch.zeros(0), site)  # a site for a run without per-site scaling: one line
         return module
-    probe = prepared(folder, info, torch.zeros(1, *[int(n) for n in inputs["shape"]]), site)  # checks the site
-    del probe
+    prepared(folder, info, torch.zeros(1, *[int(n) for n in inputs["shape"]]), site)  # an unknown site: one line
     statistics = read_statistics(folder, info)
     entry = statistics[POOLED] if site is None else statistics["sites"][site]
     mean = torch.tensor(entry["mean"], dtype=torch.float64)
