@@ -47,7 +47,9 @@ from typing import Any
 
 import privacy_utility
 
+import fedhpro.methods  # noqa: F401  (its registry gives display_name the paper's names: FedAvg, FedHPro)
 from fedhpro.files import write_atomic
+from fedhpro.reports.plots import display_name
 
 #: the study's shared settings (FedAvg on the synthetic digits, the cnn with 64 features: 156,810 weights)
 SETTINGS = ("dataset=digits-offline data.domains=[syn] data.syn_size=60000 partition=iid feature_dim=64 "
@@ -181,6 +183,207 @@ def _panel(axis: Any, rows: Sequence[dict[str, Any]], epsilon: str, title: str) 
     axis.legend(fontsize=8)
 
 
+#: the per-method study's clip arms: the fixed clip ``privacy.clip`` and adaptive clipping to the median update norm
+#: (Andrew et al. 2021's choice of quantile, learning rate 0.2, starting at ``privacy.clip``)
+CLIP_ARMS = {"fixed": [], "adaptive": ["privacy.clip_quantile=0.5"]}
+
+
+def method_cohort_settings(settings: Sequence[str], clients: int, trained: int, cohort: int) -> list[str]:
+    """The per-method study's settings of one cohort size: ``trained`` clients a round train (Poisson, rate
+    ``trained / clients``); a cohort above it is a noise cohort (``privacy.noise_cohort``: the noise and the epsilon of
+    ``cohort`` clients a round, a simulation said so in every run's summary), the trained cohort itself a real one."""
+    if not 0 < trained <= cohort <= clients:
+        raise ValueError(f"need 0 < trained ({trained}) <= cohort ({cohort}) <= clients ({clients})")
+    more = [f"privacy.noise_cohort={cohort}"] if cohort > trained else []
+    return [*cohort_settings(settings, clients, trained), *more]
+
+
+def method_commands(out: Path, settings: Sequence[str], methods: Sequence[str], clients: int, trained: int,
+                    cohorts: Sequence[int], seeds: Sequence[int], epsilon: str, jobs: int,
+                    tuned: Path | None = None) -> list[list[str]]:
+    """Seed by seed: the run without DP (``<out>/no-dp``, the trained cohort's), then per cohort and clip arm the DP
+    run (``<out>/cohort-<m>/<arm>``), every one a ``fedhpro compare`` of all ``methods`` (``fedhpro report`` of a
+    folder rebuilds its row of the table); ``tuned``: the ``tuned.yaml`` of ``fedhpro tune`` (each method at its
+    own tuned settings, found without DP on validation data)."""
+    commands = []
+    for seed in seeds:
+        base = [sys.executable, "-m", "fedhpro", "compare", f"methods=[{','.join(methods)}]", f"seeds=[{seed}]",
+                f"jobs={jobs}", *([f"tuned={tuned}"] if tuned is not None else [])]
+        commands.append([*base, f"out={out / 'no-dp'}", *cohort_settings(settings, clients, trained)])
+        for cohort in cohorts:
+            for arm, keys in CLIP_ARMS.items():
+                commands.append([*base, f"out={out / f'cohort-{cohort}' / arm}",
+                                 *method_cohort_settings(settings, clients, trained, cohort),
+                                 *privacy_utility.privacy_keys("client", epsilon), *keys])
+    return commands
+
+
+def _final(folder: Path, method: str, seeds: Sequence[int]) -> tuple[list[float], dict[str, Any]]:
+    values, privacy = [], {}
+    for seed in seeds:
+        path = folder / f"{method}-seed{seed}" / "summary.json"
+        if path.is_file():
+            summary = json.loads(path.read_text())
+            if summary.get("accuracy") is not None:
+                values.append(float(summary["accuracy"]))
+                privacy = summary.get("privacy") or privacy
+    return values, privacy
+
+
+def _stats(values: Sequence[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    mean = sum(values) / len(values)
+    std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+    return mean, std
+
+
+def collect_methods(out: Path, methods: Sequence[str], cohorts: Sequence[int], seeds: Sequence[int],
+                    trained: int) -> list[dict[str, Any]]:
+    """One row per (method, cohort): the final AVG accuracy of each seed without DP (the trained cohort's run, the
+    same for every cohort), with DP at the fixed clip and with adaptive clipping; means, stds, the gaps to no DP,
+    sigma, the clip, whether the cohort is a noise cohort and the largest epsilon reached."""
+    rows = []
+    for method in methods:
+        public, _ = _final(out / "no-dp", method, seeds)
+        for cohort in cohorts:
+            row: dict[str, Any] = {"method": method, "cohort": cohort, "trained": trained,
+                                   "noise_cohort": cohort > trained, "no_dp": public}
+            row["no_dp_mean"], row["no_dp_std"] = _stats(public)
+            reached = []
+            for arm in CLIP_ARMS:
+                values, privacy = _final(out / f"cohort-{cohort}" / arm, method, seeds)
+                row[arm] = values
+                row[f"{arm}_mean"], row[f"{arm}_std"] = _stats(values)
+                row[f"{arm}_gap"] = (row["no_dp_mean"] - row[f"{arm}_mean"]
+                                     if row["no_dp_mean"] is not None and row[f"{arm}_mean"] is not None else None)
+                if privacy:
+                    row["noise_multiplier"], row["clip"] = privacy.get("noise_multiplier"), privacy.get("clip")
+                    if isinstance(privacy.get("epsilon"), (int, float)):
+                        reached.append(float(privacy["epsilon"]))
+            row.setdefault("noise_multiplier", None)
+            row.setdefault("clip", None)
+            row["epsilon_reached"] = max(reached) if reached else None
+            rows.append(row)
+    return rows
+
+
+def methods_markdown(rows: Sequence[dict[str, Any]], epsilon: str, seeds: Sequence[int], caption: str) -> str:
+    lines = [caption, "", f"| method | clients a round | sigma | no DP | eps = {epsilon}, fixed clip | gap | "
+             f"eps = {epsilon}, adaptive clip | gap | epsilon reached |", "|---" * 9 + "|"]
+    for row in rows:
+        cohort = f"{row['cohort']:,}" + (f" (noise cohort; {row['trained']:,} train)" if row["noise_cohort"] else "")
+        sigma = "–" if row["noise_multiplier"] is None else f"{row['noise_multiplier']:.3f}"
+        cells = []
+        for key in ("no_dp", "fixed", "adaptive"):
+            cells.append(_cell(row[key], row[f"{key}_mean"], row[f"{key}_std"], len(seeds)))
+            if key != "no_dp":
+                cells.append("–" if row[f"{key}_gap"] is None else f"{row[f'{key}_gap']:.2f}")
+        reached = "–" if row["epsilon_reached"] is None else f"{row['epsilon_reached']:.2f}"
+        lines.append(f"| {display_name(row['method'])} | {cohort} | {sigma} | {' | '.join(cells)} | {reached} |")
+    return "\n".join(lines) + "\n"
+
+
+def methods_csv(rows: Sequence[dict[str, Any]]) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    keys = ["method", "cohort", "trained", "noise_cohort", "noise_multiplier", "clip", "no_dp_mean", "no_dp_std",
+            "fixed_mean", "fixed_std", "fixed_gap", "adaptive_mean", "adaptive_std", "adaptive_gap", "epsilon_reached"]
+    writer.writerow([*keys, "no_dp_per_seed", "fixed_per_seed", "adaptive_per_seed"])
+    for row in rows:
+        writer.writerow([row[k] for k in keys] + [" ".join(f"{v:.4f}" for v in row[k])
+                                                  for k in ("no_dp", "fixed", "adaptive")])
+    return buffer.getvalue()
+
+
+def plot_methods(rows: Sequence[dict[str, Any]], methods: Sequence[str], epsilon: str, path: Path, title: str) -> None:
+    """One panel per method: final accuracy against the cohort size without DP (a line: the trained cohort's run),
+    with DP at the fixed clip and with adaptive clipping."""
+    import matplotlib  # only the figure needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(methods), figsize=(3.2 * len(methods), 3.4), squeeze=False, sharey=True)
+    for axis, method in zip(axes[0], methods):
+        mine = [r for r in rows if r["method"] == method]
+        public = next((r for r in mine if r["no_dp_mean"] is not None), None)
+        if public is not None:
+            axis.axhspan(public["no_dp_mean"] - public["no_dp_std"], public["no_dp_mean"] + public["no_dp_std"],
+                         color="C0", alpha=0.15)
+            axis.axhline(public["no_dp_mean"], color="C0", label="no DP")
+        for key, label, style in (("fixed", f"eps = {epsilon}, fixed clip", "s--"),
+                                  ("adaptive", f"eps = {epsilon}, adaptive clip", "^-")):
+            points = [(r["cohort"], r[f"{key}_mean"], r[f"{key}_std"]) for r in mine if r[key]]
+            if points:
+                xs, ys, errors = zip(*points)
+                axis.errorbar(xs, ys, yerr=errors, fmt=style, capsize=3, label=label)
+        axis.axhline(10.0, color="grey", linewidth=0.8, linestyle=":", label="chance")
+        axis.set_xscale("log")
+        axis.set_xticks([r["cohort"] for r in mine])
+        axis.set_xticklabels([f"{r['cohort']:,}" for r in mine])
+        axis.xaxis.set_minor_formatter("")
+        axis.set_xlabel("clients a round (noise cohort)")
+        axis.set_title(display_name(method), fontsize=9)
+        axis.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("final accuracy (%)")
+    axes[0][0].legend(fontsize=7)
+    figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    for suffix in ("png", "pdf"):
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format=suffix, dpi=150, metadata={"Creator": None} if suffix == "pdf"
+                       else {"Software": None})
+        write_atomic(path.with_suffix(f".{suffix}"), buffer.getvalue())
+    plt.close(figure)
+
+
+def tuned_summary(path: Path) -> str:
+    """Each method's tuned settings in ``tuned.yaml``, one ``FedAvg lr=0.05`` phrase each."""
+    import yaml  # the tuned settings only where the study was tuned
+
+    methods = (yaml.safe_load(path.read_text()) or {}).get("methods") or {}
+    return "; ".join(f"{display_name(name)} " + " ".join(f"{key}={value:.3g}" if isinstance(value, float)
+                                                          else f"{key}={value}" for key, value in values.items())
+                     for name, values in methods.items())
+
+
+def methods_study(args: argparse.Namespace, settings: list[str]) -> int:
+    """``--methods``: every method at every cohort size, fixed and adaptive clip, against its run without DP."""
+    saved = args.out / "dp-methods.json"
+    if args.collect and saved.is_file():
+        study = json.loads(saved.read_text())
+        settings, args.clients, args.trained = study["settings"], study["clients"], study["trained"]
+        args.methods, args.cohorts, args.seeds = study["methods"], study["cohorts"], study["seeds"]
+        args.tuned = Path(study["tuned"]) if study.get("tuned") else None
+    trained = args.trained or min(args.cohorts)
+    commands = method_commands(args.out, settings, args.methods, args.clients, trained, args.cohorts, args.seeds,
+                               args.epsilon, args.jobs, args.tuned)
+    if not args.collect:
+        privacy_utility.run_commands(commands)
+    rows = collect_methods(args.out, args.methods, args.cohorts, args.seeds, trained)
+    caption = (f"Final accuracy (%) on the synthetic digits, {args.clients:,} clients (iid), {trained:,} of them "
+               f"trained a round; a larger cohort is a noise cohort (privacy.noise_cohort: noise and epsilon of that "
+               f"many clients a round, simulated); client-level DP with central noise, delta = 1/N^1.1; mean ± std "
+               f"over seeds {list(args.seeds)}; settings: `{' '.join(settings)}`")
+    if args.tuned is not None:
+        caption += f"; each method at its settings tuned without DP (`{args.tuned}`: {tuned_summary(args.tuned)})"
+    write_atomic(saved, json.dumps({"settings": settings, "clients": args.clients, "trained": trained,
+                                    "tuned": None if args.tuned is None else str(args.tuned),
+                                    "methods": list(args.methods), "cohorts": list(args.cohorts),
+                                    "seeds": list(args.seeds), "epsilon": args.epsilon, "rows": rows,
+                                    "commands": [shlex.join(["fedhpro", *c[3:]]) for c in commands]},
+                                   indent=1) + "\n")
+    write_atomic(args.out / "dp-methods.csv", methods_csv(rows))
+    table = methods_markdown(rows, args.epsilon, args.seeds, caption)
+    write_atomic(args.out / "dp-methods.md", table)
+    plot_methods(rows, args.methods, args.epsilon, args.figure,
+                 f"synthetic digits, {args.clients:,} clients, {trained:,} train a round: client-level DP "
+                 f"eps = {args.epsilon}")
+    print(table)
+    return 0 if all(r["no_dp"] and r["fixed"] and r["adaptive"] for r in rows) else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -196,10 +399,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--collect", action="store_true", help="only collect finished runs into the table")
     parser.add_argument("--panel", type=Path, action="append", default=[],
                         help="the --out of another finished study (e.g. more rounds), drawn as a panel of the figure")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="the per-method study: these methods at every cohort, fixed and adaptive clip "
+                             "(files dp-methods.*; --figure default docs/images/dp-methods.png)")
+    parser.add_argument("--trained", type=int, default=0,
+                        help="--methods: the clients that train a round (default the smallest cohort); larger "
+                             "cohorts are noise cohorts")
+    parser.add_argument("--tuned", type=Path, default=None,
+                        help="--methods: the tuned.yaml of fedhpro tune (each method at its tuned settings)")
+    parser.add_argument("--jobs", type=int, default=1, help="--methods: runs at once (fedhpro compare's jobs=)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    saved = args.out / "dp-cohorts.json"
     settings = shlex.split(args.settings) + shlex.split(args.more)
+    if args.methods:
+        if args.figure == parser.get_default("figure"):
+            args.figure = ROOT / "docs" / "images" / "dp-methods.png"
+        return methods_study(args, settings)
+    saved = args.out / "dp-cohorts.json"
     if args.collect and saved.is_file():  # the study's own settings, cohorts and seeds, unless given
         study = json.loads(saved.read_text())
         settings, args.clients = study["settings"], study["clients"]

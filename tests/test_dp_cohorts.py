@@ -76,3 +76,54 @@ def test_the_clip_only_control_gets_its_own_column(script, tmp_path):
     command = script.clip_only_command(tmp_path / "cohort-100", ["rounds=30"], 2)
     assert f"out={tmp_path / 'cohort-100' / 'client' / 'eps-clip-only'}" in command
     assert command[-3:] == ["privacy=client", "privacy.noise=central", "privacy.noise_multiplier=0.01"]
+
+
+def write_method_summary(folder: Path, method: str, seed: int, accuracy: float, sigma: float | None = None,
+                         epsilon: float = 7.9) -> None:
+    run = folder / f"{method}-seed{seed}"
+    run.mkdir(parents=True)
+    summary: dict = {"accuracy": accuracy}
+    if sigma is not None:
+        summary["privacy"] = {"noise_multiplier": sigma, "clip": 3.0, "epsilon": epsilon}
+    (run / "summary.json").write_text(json.dumps(summary))
+
+
+def test_per_method_study_noise_cohorts_above_the_trained_cohort(script, tmp_path):
+    assert script.method_cohort_settings(["rounds=40"], 2000, 50, 50) == ["rounds=40", "clients=2000",
+                                                                         "participation=0.025"]
+    assert script.method_cohort_settings([], 2000, 50, 1000)[-1] == "privacy.noise_cohort=1000"
+    with pytest.raises(ValueError, match="trained"):
+        script.method_cohort_settings([], 2000, 100, 50)  # a noise cohort smaller than the trained one
+    commands = script.method_commands(tmp_path, ["rounds=40"], ["fedavg", "fedhpro"], 2000, 50, [50, 300], [0, 1],
+                                      "8", 2, tmp_path / "tuned.yaml")
+    # seed by seed: no DP, then per cohort the fixed and the adaptive clip
+    outs = [next(c for c in command if c.startswith("out=")) for command in commands]
+    assert outs[:5] == [f"out={tmp_path / 'no-dp'}", f"out={tmp_path / 'cohort-50' / 'fixed'}",
+                        f"out={tmp_path / 'cohort-50' / 'adaptive'}", f"out={tmp_path / 'cohort-300' / 'fixed'}",
+                        f"out={tmp_path / 'cohort-300' / 'adaptive'}"] and len(commands) == 10
+    assert all(f"tuned={tmp_path / 'tuned.yaml'}" in command and "methods=[fedavg,fedhpro]" in command
+               for command in commands)
+    assert "privacy.target_epsilon=8" not in commands[0] and "privacy.target_epsilon=8" in commands[1]
+    assert "privacy.clip_quantile=0.5" in commands[2] and "privacy.clip_quantile=0.5" not in commands[1]
+    assert "privacy.noise_cohort=300" in commands[3] and not any("noise_cohort" in c for c in commands[1])
+
+
+def test_per_method_study_table_against_hand_values(script, tmp_path):
+    write_method_summary(tmp_path / "no-dp", "fedhpro", 0, 90.0)
+    write_method_summary(tmp_path / "no-dp", "fedhpro", 1, 94.0)
+    write_method_summary(tmp_path / "cohort-50" / "fixed", "fedhpro", 0, 20.0, sigma=0.6)
+    write_method_summary(tmp_path / "cohort-50" / "fixed", "fedhpro", 1, 30.0, sigma=0.6)
+    write_method_summary(tmp_path / "cohort-1000" / "adaptive", "fedhpro", 0, 88.0, sigma=1.1, epsilon=8.0)
+    rows = script.collect_methods(tmp_path, ["fedhpro"], [50, 1000], [0, 1], 50)
+    small, large = rows
+    assert small["no_dp_mean"] == 92.0 and small["fixed_mean"] == 25.0 and small["fixed_gap"] == 67.0
+    assert small["fixed_std"] == pytest.approx(math.sqrt(50)) and small["adaptive"] == [] and not small["noise_cohort"]
+    assert large["noise_cohort"] and large["adaptive_gap"] == 4.0 and large["fixed"] == []
+    assert large["noise_multiplier"] == 1.1 and large["epsilon_reached"] == 8.0
+    table = script.methods_markdown(rows, "8", [0, 1], "caption")
+    assert "| FedHPro | 50 | 0.600 | 92.00 ± 2.83 | 25.00 ± 7.07 | 67.00 | not run | – | 7.90 |" in table
+    assert ("| FedHPro | 1,000 (noise cohort; 50 train) | 1.100 | 92.00 ± 2.83 | not run | – | "
+            "88.00 ± 0.00 (1 seed) | 4.00 | 8.00 |") in table
+    lines = script.methods_csv(rows).splitlines()
+    assert lines[0].startswith("method,cohort,trained,noise_cohort") and lines[1].endswith(",90.0000 94.0000,20.0000 "
+                                                                                           "30.0000,")
