@@ -218,16 +218,21 @@ def method_commands(out: Path, settings: Sequence[str], methods: Sequence[str], 
     return commands
 
 
-def _final(folder: Path, method: str, seeds: Sequence[int]) -> tuple[list[float], dict[str, Any]]:
-    values, privacy = [], {}
+def _final(folder: Path, method: str, seeds: Sequence[int]) -> tuple[list[float], dict[str, Any], list[int]]:
+    """The final AVG accuracy of each seed's run that finished, the privacy summary of one, and the seeds whose run
+    started (its metrics.jsonl) but wrote no summary: a run stopped by a non-finite loss (the study's log says)."""
+    values, privacy, failed = [], {}, []
     for seed in seeds:
-        path = folder / f"{method}-seed{seed}" / "summary.json"
+        run = folder / f"{method}-seed{seed}"
+        path = run / "summary.json"
         if path.is_file():
             summary = json.loads(path.read_text())
             if summary.get("accuracy") is not None:
                 values.append(float(summary["accuracy"]))
                 privacy = summary.get("privacy") or privacy
-    return values, privacy
+        elif (run / "metrics.jsonl").is_file():
+            failed.append(seed)
+    return values, privacy, failed
 
 
 def _stats(values: Sequence[float]) -> tuple[float | None, float | None]:
@@ -245,15 +250,15 @@ def collect_methods(out: Path, methods: Sequence[str], cohorts: Sequence[int], s
     sigma, the clip, whether the cohort is a noise cohort and the largest epsilon reached."""
     rows = []
     for method in methods:
-        public, _ = _final(out / "no-dp", method, seeds)
+        public, _, public_failed = _final(out / "no-dp", method, seeds)
         for cohort in cohorts:
             row: dict[str, Any] = {"method": method, "cohort": cohort, "trained": trained,
-                                   "noise_cohort": cohort > trained, "no_dp": public}
+                                   "noise_cohort": cohort > trained, "no_dp": public, "no_dp_failed": public_failed}
             row["no_dp_mean"], row["no_dp_std"] = _stats(public)
             reached = []
             for arm in CLIP_ARMS:
-                values, privacy = _final(out / f"cohort-{cohort}" / arm, method, seeds)
-                row[arm] = values
+                values, privacy, failed = _final(out / f"cohort-{cohort}" / arm, method, seeds)
+                row[arm], row[f"{arm}_failed"] = values, failed
                 row[f"{arm}_mean"], row[f"{arm}_std"] = _stats(values)
                 row[f"{arm}_gap"] = (row["no_dp_mean"] - row[f"{arm}_mean"]
                                      if row["no_dp_mean"] is not None and row[f"{arm}_mean"] is not None else None)
@@ -268,6 +273,15 @@ def collect_methods(out: Path, methods: Sequence[str], cohorts: Sequence[int], s
     return rows
 
 
+def _failed_cell(values: Sequence[float], mean: float | None, std: float | None, seeds: int,
+                 failed: Sequence[int]) -> str:
+    """:func:`_cell`, saying how many seeds' runs stopped on a non-finite loss ("diverged")."""
+    if not values:
+        return f"diverged ({len(failed)} of {seeds} seeds)" if failed else "not run"
+    cell = _cell(values, float(mean or 0.0), float(std or 0.0), seeds)
+    return cell + (f"; {len(failed)} diverged" if failed else "")
+
+
 def methods_markdown(rows: Sequence[dict[str, Any]], epsilon: str, seeds: Sequence[int], caption: str) -> str:
     lines = [caption, "", f"| method | clients a round | sigma | no DP | eps = {epsilon}, fixed clip | gap | "
              f"eps = {epsilon}, adaptive clip | gap | epsilon reached |", "|---" * 9 + "|"]
@@ -276,7 +290,8 @@ def methods_markdown(rows: Sequence[dict[str, Any]], epsilon: str, seeds: Sequen
         sigma = "–" if row["noise_multiplier"] is None else f"{row['noise_multiplier']:.3f}"
         cells = []
         for key in ("no_dp", "fixed", "adaptive"):
-            cells.append(_cell(row[key], row[f"{key}_mean"], row[f"{key}_std"], len(seeds)))
+            cells.append(_failed_cell(row[key], row[f"{key}_mean"], row[f"{key}_std"], len(seeds),
+                                      row[f"{key}_failed"]))
             if key != "no_dp":
                 cells.append("–" if row[f"{key}_gap"] is None else f"{row[f'{key}_gap']:.2f}")
         reached = "–" if row["epsilon_reached"] is None else f"{row['epsilon_reached']:.2f}"
@@ -289,10 +304,11 @@ def methods_csv(rows: Sequence[dict[str, Any]]) -> str:
     writer = csv.writer(buffer, lineterminator="\n")
     keys = ["method", "cohort", "trained", "noise_cohort", "noise_multiplier", "clip", "no_dp_mean", "no_dp_std",
             "fixed_mean", "fixed_std", "fixed_gap", "adaptive_mean", "adaptive_std", "adaptive_gap", "epsilon_reached"]
-    writer.writerow([*keys, "no_dp_per_seed", "fixed_per_seed", "adaptive_per_seed"])
+    arms = ("no_dp", "fixed", "adaptive")
+    writer.writerow([*keys, *(f"{arm}_per_seed" for arm in arms), *(f"{arm}_diverged_seeds" for arm in arms)])
     for row in rows:
-        writer.writerow([row[k] for k in keys] + [" ".join(f"{v:.4f}" for v in row[k])
-                                                  for k in ("no_dp", "fixed", "adaptive")])
+        writer.writerow([row[k] for k in keys] + [" ".join(f"{v:.4f}" for v in row[arm]) for arm in arms]
+                        + [" ".join(str(seed) for seed in row[f"{arm}_failed"]) for arm in arms])
     return buffer.getvalue()
 
 

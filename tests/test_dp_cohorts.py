@@ -114,16 +114,21 @@ def test_per_method_study_table_against_hand_values(script, tmp_path):
     write_method_summary(tmp_path / "cohort-50" / "fixed", "fedhpro", 0, 20.0, sigma=0.6)
     write_method_summary(tmp_path / "cohort-50" / "fixed", "fedhpro", 1, 30.0, sigma=0.6)
     write_method_summary(tmp_path / "cohort-1000" / "adaptive", "fedhpro", 0, 88.0, sigma=1.1, epsilon=8.0)
+    stopped = tmp_path / "cohort-1000" / "adaptive" / "fedhpro-seed1"  # started, stopped on a non-finite loss
+    stopped.mkdir()
+    (stopped / "metrics.jsonl").write_text('{"round": 0}\n')
     rows = script.collect_methods(tmp_path, ["fedhpro"], [50, 1000], [0, 1], 50)
     small, large = rows
     assert small["no_dp_mean"] == 92.0 and small["fixed_mean"] == 25.0 and small["fixed_gap"] == 67.0
     assert small["fixed_std"] == pytest.approx(math.sqrt(50)) and small["adaptive"] == [] and not small["noise_cohort"]
     assert large["noise_cohort"] and large["adaptive_gap"] == 4.0 and large["fixed"] == []
+    assert large["adaptive_failed"] == [1] and large["fixed_failed"] == [] and small["no_dp_failed"] == []
     assert large["noise_multiplier"] == 1.1 and large["epsilon_reached"] == 8.0
     table = script.methods_markdown(rows, "8", [0, 1], "caption")
     assert "| FedHPro | 50 | 0.600 | 92.00 ± 2.83 | 25.00 ± 7.07 | 67.00 | not run | – | 7.90 |" in table
     assert ("| FedHPro | 1,000 (noise cohort; 50 train) | 1.100 | 92.00 ± 2.83 | not run | – | "
-            "88.00 ± 0.00 (1 seed) | 4.00 | 8.00 |") in table
+            "88.00 ± 0.00 (1 seed); 1 diverged | 4.00 | 8.00 |") in table
     lines = script.methods_csv(rows).splitlines()
-    assert lines[0].startswith("method,cohort,trained,noise_cohort") and lines[1].endswith(",90.0000 94.0000,20.0000 "
-                                                                                           "30.0000,")
+    assert lines[0].startswith("method,cohort,trained,noise_cohort") and lines[0].endswith(",adaptive_diverged_seeds")
+    assert lines[1].endswith(",90.0000 94.0000,20.0000 30.0000,,,,") and lines[2].endswith(",88.0000,,,1")
+    assert script._failed_cell([], None, None, 2, [0, 1]) == "diverged (2 of 2 seeds)"
