@@ -47,7 +47,7 @@ from fedhpro.methods import METHODS, method_names
 from fedhpro.options import fields_of
 from fedhpro.reports import write_atomic, write_json
 from fedhpro.reports.captions import data_sentence, data_text
-from fedhpro.reports.plots import display_label, display_name
+from fedhpro.reports.plots import display_label, display_name, paper_order
 from fedhpro.reports.runs import COMPARE_RECORD
 from fedhpro.sweeps import Failure, Sweep, SweepFailed, execute, make_sweep, sweep_options
 
@@ -55,11 +55,7 @@ from fedhpro.sweeps import Failure, Sweep, SweepFailed, execute, make_sweep, swe
 def table_order(names: Iterable[str]) -> list[str]:
     """``names`` in the order of the paper's tables, as the registered methods declare it
     (:attr:`~fedhpro.methods.MethodSpec.paper_order`), the others (plug-ins, unknown names) after them by name."""
-    def place(name: str) -> tuple[float, str]:
-        spec = METHODS.get(name)
-        order = spec.paper_order if spec is not None and spec.paper_order is not None else float("inf")
-        return order, name
-    return sorted(names, key=place)
+    return paper_order(names)
 
 
 def baseline_method() -> str | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,12 +79,26 @@ _LEADING_NAME = re.compile(r"^([A-Za-z][A-Za-z0-9_-]*)(?=$|[\s:(])")
 #: how a method's description is looked up (its registry entry's), set by :mod:`fedhpro.methods` when it is
 #: imported: the reports sit below the methods and never import them
 _describe: Callable[[str], str | None] = lambda method: None  # noqa: E731
+#: a method's place in the paper's tables (its registry entry's ``paper_order``), set likewise
+_place: Callable[[str], int | None] = lambda method: None  # noqa: E731
 
 
-def set_describer(describe: Callable[[str], str | None]) -> None:
-    """Where :func:`display_name` reads a method's description (``fedhpro.methods`` gives its registry's)."""
-    global _describe
+def set_describer(describe: Callable[[str], str | None], place: Callable[[str], int | None] | None = None) -> None:
+    """Where :func:`display_name` reads a method's description and :func:`paper_order` its place
+    (``fedhpro.methods`` gives its registry's)."""
+    global _describe, _place
     _describe = describe
+    if place is not None:
+        _place = place
+
+
+def paper_order(methods: Iterable[str]) -> list[str]:
+    """``methods`` in the order of the paper's tables (each registered method's ``paper_order``), the others
+    (plug-ins without one, unknown names) after them by name."""
+    def key(name: str) -> tuple[float, str]:
+        place = _place(name)
+        return (float("inf") if place is None else float(place)), name
+    return sorted(methods, key=key)
 
 
 def display_name(method: str) -> str:

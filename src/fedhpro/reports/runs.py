@@ -35,7 +35,7 @@ from fedhpro.reports import write_atomic, write_json
 from fedhpro.reports.captions import data_sentence, data_text
 from fedhpro.reports.classes import CLASS_FILES, write_class_report
 from fedhpro.reports.parity import PARITY_FILES, mixes_precisions, pair_precisions, write_parity
-from fedhpro.reports.plots import display_label, mean_band, plot_bars, plot_curves, plot_mean_curves
+from fedhpro.reports.plots import display_label, mean_band, paper_order, plot_bars, plot_curves, plot_mean_curves
 from fedhpro.reports.run_data import NOT_A_SETTING, RunData, load_run, run_labels
 from fedhpro.reports.tables import csv_text, dotted_keys, markdown_table, mean_pm_std, mean_std
 
@@ -143,13 +143,6 @@ def recorded_order(comparison: Path) -> list[str] | None:
     return names
 
 
-def paper_order(methods: Sequence[str]) -> list[str]:
-    """``methods`` in the order of the paper's tables (:func:`fedhpro.compare.table_order`, from the registry)."""
-    from fedhpro.compare import table_order  # lazy: compare reads the method registry, which imports the reports
-
-    return table_order(methods)
-
-
 def in_given_order(comparison: Path, runs: Sequence[RunData]) -> list[RunData]:
     """The runs of ``comparison`` in the order its methods were given (:func:`recorded_order`); runs it does not
     record (all of them, without a record) after those, in the paper's order of their methods, then by folder."""
@@ -212,7 +205,6 @@ def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: 
     """
     if not run_dirs:
         raise ConfigError("give at least one run folder: fedhpro report RUN_DIR [RUN_DIR ...] [out=DIR]")
-    import fedhpro.methods  # noqa: F401 - lazy: the registry names the methods (display_name); it imports the reports
     groups: list[Path] = []
     runs: list[RunData] = []
     for given in map(Path, run_dirs):  # the runs in the order given, a comparison's as its methods were
