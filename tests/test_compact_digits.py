@@ -1,8 +1,10 @@
 """digits-offline in a quarter of the memory: clients gather their rows of the domain's one uint8 tensor (mapped
-from the cache file), the ``syn`` build draws its noise a chunk at a time and splits its rows in place.
+from the cache file), test sets stay uint8 and are decoded a batch at a time, the ``syn`` build draws its noise
+a chunk at a time and splits its rows in place.
 
 References: hand-computed decoded values, ``normalize_images`` of a copy (the floats must be the same, to the
-bit), torch's own indexing ``x[train]`` / ``x[test]``, and the build with its noise drawn in one call.
+bit), ``count_correct`` on the float test set, torch's own indexing ``x[train]`` / ``x[test]``, and the build
+with its noise drawn in one call.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from fedhpro.data import digits_offline as do
 from fedhpro.data.digits_federation import DomainRows
 from fedhpro.data.federation import ClientData, CompactClientData, normalize_images
+from fedhpro.data.pixels import CompactImages
 from fedhpro.errors import DataError
 
 
@@ -102,3 +105,54 @@ def test_first_run_and_cached_run_give_the_same_mapped_tensors(tmp_path):
     train[0].fill_(0)
     again = do.build_digits_offline(tmp_path, syn_size=60)
     assert torch.equal(again["syn"].train_x, fresh["syn"].train_x)
+
+
+def test_compact_images_read_as_their_decoded_floats():
+    pixels = torch.randint(0, 256, (10, 3, 4, 4), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    images = CompactImages(pixels, normalize_images)
+    floats = normalize_images(pixels.clone())  # the test set held before
+    assert (images.shape, images.device, images.dtype, len(images), images.dim()) == (
+        floats.shape, floats.device, torch.float32, 10, 4)
+    assert torch.equal(images[2:7], floats[2:7]) and torch.equal(images[torch.tensor([9, 0])], floats[[9, 0]])
+    assert type(images[:3]) is torch.Tensor and images[:3].dtype == torch.float32
+    assert torch.equal(torch.cat([images, images]), torch.cat([floats, floats]))
+    assert torch.equal(images + 1, floats + 1) and images.is_floating_point()
+    assert images.to("cpu") is images and torch.equal(images.to(torch.float64), floats.double())
+    assert images.pixels.nbytes * 4 == floats.nbytes
+    hand = CompactImages(torch.tensor([0, 255, 51], dtype=torch.uint8), normalize_images)
+    assert torch.equal(hand[:], torch.tensor([-1.0, 1.0, np.float32(51 / 127.5) - np.float32(1.0)]))
+    with pytest.raises(DataError, match="read-only"):
+        images[0] = 0
+    with pytest.raises(DataError, match="read-only"):
+        images.mul_(2)
+    with pytest.raises(DataError, match="uint8"):
+        CompactImages(floats, normalize_images)
+
+
+def test_compact_test_sets_count_as_the_float_ones():
+    from fedhpro.engines.driver import count_correct
+
+    generator = torch.Generator().manual_seed(5)
+    pixels = torch.randint(0, 256, (150, 3, 8, 8), dtype=torch.uint8, generator=generator)
+    y = torch.randint(0, 4, (150,), generator=generator)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(192, 4))
+    compact, floats = CompactImages(pixels, normalize_images), normalize_images(pixels.clone())
+    for batch in (7, 64, None):
+        assert count_correct(model, compact, y, batch) == count_correct(model, floats, y, batch)
+    with torch.no_grad():
+        assert torch.equal(model(compact[:64]), model(floats[:64]))
+
+
+def test_digits_offline_test_sets_are_compact(digits_data_dir):
+    from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
+
+    from fedhpro.data.digits_federation import DigitsOfflineOptions, build
+
+    options = DigitsOfflineOptions(domains=["syn", "mnist"], syn_size=DIGITS_SYN_SIZE,
+                                   test_fraction=DIGITS_TEST_FRACTION)
+    federation = build(options, 4, 0, digits_data_dir)
+    domains = do.build_digits_offline(digits_data_dir, syn_size=DIGITS_SYN_SIZE, test_fraction=DIGITS_TEST_FRACTION)
+    for name, (x, y) in federation.test_sets.items():
+        assert isinstance(x, CompactImages) and x.pixels.dtype == torch.uint8
+        assert torch.equal(x[:], normalize_images(domains[name].test_x)) and torch.equal(y, domains[name].test_y)
+    assert all(isinstance(c, DomainRows) for c in federation.clients)
