@@ -146,7 +146,11 @@ def digits_command(clients: int, images: int, per_round: int, data_dir: str, out
 
 
 def peak_of(command: list[str]) -> tuple[float, float]:
-    """``(seconds, peak resident GiB)`` of ``command`` run to its end (its own ``ru_maxrss``, by ``wait4``)."""
+    """``(seconds, peak resident GiB)`` of ``command`` run to its end (its own ``ru_maxrss``, by ``wait4``).
+
+    On Linux a child started by vfork (as subprocess does) begins with its parent's high-water mark in
+    ``ru_maxrss``, so this reads the child's own peak only from a parent that stays below it: this script's
+    process (torch imported, a few hundred MB, under the GiB runs it measures), as ``/usr/bin/time -v`` is."""
     started = time.perf_counter()
     child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     assert child.stderr is not None
