@@ -16,6 +16,15 @@ samples (the same model, optimiser and settings), interleaved, median over repea
     python bench/cohorts.py --clients 100 1000 --rounds 3
     python bench/cohorts.py --threads 2 --parallel-clients 2 --skip-overhead   # two clients side by side
 
+``--digits K [K ...]`` measures instead the memory of ``fedhpro run`` on digits-offline: K clients of
+``--images`` syn images each (``data.syn_size = images * K``, of which the default test_fraction leaves 80%
+to train: 16 training images a client at 20), ``partition=iid``, ``privacy=client``, one round,
+``participation = --per-round / K``; each K twice, in a fresh process each: the first run, building the
+images into an empty data folder, then the run from that cache. The peak resident memory is the process's
+own ``ru_maxrss`` (``os.wait4``), what ``/usr/bin/time -v`` reports:
+
+    python bench/cohorts.py --digits 5000                   # first run and cached run, ~5 min
+
 ``--parallel-clients N`` trains N clients at once (the simulator's ``parallel_clients``, each with
 ``threads // N`` threads); the per-client overhead is a one-at-a-time measure (one client of 1,700 samples
 cannot be split), so it is measured only with ``--parallel-clients 1``.
@@ -30,6 +39,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import harness
@@ -126,6 +136,49 @@ def child_overhead(clients: int, per_client: int, repeats: int, threads: int | N
             "per_client_ms_all": per_client_ms}
 
 
+def digits_command(clients: int, images: int, per_round: int, data_dir: str, out: str) -> list[str]:
+    """``fedhpro run`` of ``clients`` digits-offline clients of ``images`` syn images each (train and test)."""
+    syn_size = images * clients  # the issue's "20 images each": syn_size 100,000 for 5,000 clients
+    return [sys.executable, "-m", "fedhpro", "run", "dataset=digits-offline", "data.domains=[syn]",
+            f"data.syn_size={syn_size}", "partition=iid", f"clients={clients}",
+            f"participation={min(1.0, per_round / clients)}", "rounds=1", "local_epochs=1", "feature_dim=64",
+            "privacy=client", "privacy.noise_multiplier=1", "threads=1", f"data_dir={data_dir}", f"out={out}"]
+
+
+def peak_of(command: list[str]) -> tuple[float, float]:
+    """``(seconds, peak resident GiB)`` of ``command`` run to its end (its own ``ru_maxrss``, by ``wait4``).
+
+    On Linux a child started by vfork (as subprocess does) begins with its parent's high-water mark in
+    ``ru_maxrss``, so this reads the child's own peak only from a parent that stays below it: this script's
+    process (torch imported, a few hundred MB, under the GiB runs it measures), as ``/usr/bin/time -v`` is."""
+    started = time.perf_counter()
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert child.stderr is not None
+    errors = child.stderr.read()
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode:
+        sys.stderr.write(errors.decode(errors="replace")[-4000:])
+        raise SystemExit(f"{' '.join(command)} failed")
+    return time.perf_counter() - started, usage.ru_maxrss / 2 ** 20
+
+
+def digits_memory(counts: list[int], images: int, per_round: int) -> None:
+    """The first run and the cached run of each K: seconds and peak resident memory."""
+    print(f"digits-offline memory: privacy=client, partition=iid, {images} syn images a client (80% train), "
+          f"{per_round} clients a round, one round, 1 thread, one fresh process a run")
+    print(f"  cpu    {cpu_model()}, {os.cpu_count()} logical cores")
+    print(f"  load   {loadavg()} (/proc/loadavg, before)")
+    print(f"  {'K':>7s} {'first run: s':>13s} {'peak':>10s} {'cached: s':>10s} {'peak':>10s}")
+    for clients in counts:
+        with tempfile.TemporaryDirectory(prefix="fedhpro-digits-") as folder:
+            first = peak_of(digits_command(clients, images, per_round, folder, os.path.join(folder, "first")))
+            cached = peak_of(digits_command(clients, images, per_round, folder, os.path.join(folder, "cached")))
+        print(f"  {clients:7d} {first[0]:13.0f} {first[1]:6.2f} GiB {cached[0]:10.0f} {cached[1]:6.2f} GiB",
+              flush=True)
+    print(f"  load   {loadavg()} (/proc/loadavg, after)")
+
+
 def run_child(*args: str) -> dict:
     result = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
     if result.returncode:
@@ -145,8 +198,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--parallel-clients", type=int, default=1, help="clients trained at once (default 1)")
     parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument("--digits", nargs="+", type=int, metavar="K",
+                        help="measure fedhpro run's memory on digits-offline with K clients instead (see above)")
+    parser.add_argument("--images", type=int, default=20, help="syn images a client with --digits (80%% train)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.digits:
+        digits_memory(args.digits, args.images, args.per_round)
+        return
     if args.child:
         kind, *values = args.child
         figures = (child_cohort(*(int(v) for v in values), args.threads, args.parallel_clients) if kind == "cohort"

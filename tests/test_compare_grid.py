@@ -37,7 +37,7 @@ def test_a_list_for_a_one_value_key_is_a_grid_of_named_rows(digits_data_dir, tmp
     table = compare(["fedavg"], [0], dict(learns, lr=[0.001, 0.05]), out, echo=False)
     rows = table_rows(out)
     assert list(rows) == ["fedavg lr=0.001", "fedavg lr=0.05"]
-    assert "| fedavg lr=0.05 |" in table["markdown"]
+    assert "| FedAvg lr=0.05 |" in table["markdown"]
     for lr in (0.001, 0.05):  # each row is the run at its point, run here on its own
         alone = api.run(dict(learns, method="fedavg", seed=0, lr=lr, out=str(tmp_path / f"a{lr}")))
         assert float(rows[f"fedavg lr={lr:g}"][1 + 4]) == pytest.approx(alone.accuracy, abs=5e-5)  # AVG_mean

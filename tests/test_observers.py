@@ -262,10 +262,10 @@ def test_report_marks_an_unfinished_run(tmp_path):
     out = report([done, cut], echo=False)
     assert out == tmp_path / "runs" / "report"
     table = (out / "table.md").read_text()
-    assert "| fedavg | 20.00 |" in table
-    assert "| fedhpro (4/10 rounds, unfinished) | 14.00 |" in table
-    assert "fedhpro (4/10 rounds, unfinished): no summary.json" in table and "(round 4)" in table
-    assert "unfinished" not in (table.split("fedhpro")[0])  # the finished run is not marked
+    assert "| FedAvg | 20.00 |" in table
+    assert "| FedHPro (4/10 rounds, unfinished) | 14.00 |" in table
+    assert "FedHPro (4/10 rounds, unfinished): no summary.json" in table and "(round 4)" in table
+    assert "unfinished" not in (table.split("FedHPro")[0])  # the finished run is not marked
     assert json.loads((out / "report.json").read_text())["runs"] == sorted([str(done.resolve()),
                                                                            str(cut.resolve())])
 
@@ -287,7 +287,7 @@ def test_report_refuses_to_overwrite_a_report_of_other_runs(tmp_path, capsys):
     assert report([a], echo=False) == out  # the same runs: refreshed
     assert main(["report", str(b)]) == 2 and "force=true" in capsys.readouterr().err
     assert main(["report", str(b), "force=true"]) == 0
-    assert "| fedhpro | 40.00 |" in (out / "table.md").read_text()
+    assert "| FedHPro | 40.00 |" in (out / "table.md").read_text()
     assert report([a, b], out=tmp_path / "both", echo=False) == tmp_path / "both"  # a new out=
     assert main(["report", str(a), "force=maybe"]) == 2
 

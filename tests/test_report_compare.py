@@ -19,6 +19,8 @@ from tests.conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 METHODS = ["fedavg", "fedprox"]
+#: how table.md names them (the paper's spelling)
+SHOWN = {"fedavg": "FedAvg", "fedprox": "FedProx"}
 SEEDS = [0, 1]
 
 
@@ -64,7 +66,7 @@ def test_report_of_a_compare_folder_is_the_mean_and_std_over_seeds(compared, tmp
         assert float(row["best AVG_mean"]) == pytest.approx(statistics.mean(best), abs=5e-4)
         markdown = (out / "table.md").read_text()
         shown = f"{statistics.mean(accuracy):.2f} ± {statistics.stdev(accuracy):.2f}"
-        assert f"| {method} | 0,1 |" in markdown and shown in markdown
+        assert f"| {SHOWN[method]} | 0,1 |" in markdown and shown in markdown
     png = (out / "accuracy.png").read_bytes()
     assert png[:8] == PNG_MAGIC
     from PIL import Image

@@ -104,7 +104,7 @@ def test_report_per_class_over_seeds_writes_tables_that_match_the_counts(compare
     balanced = [sum(a) / len(a) for a in by_class]
     assert float(rows[0]["balanced_mean"]) == pytest.approx(sum(balanced) / 2, rel=1e-5)
     text = (report / "per_class.md").read_text()
-    assert "| fedavg | 1,2 |" in text and "training images" in text
+    assert "| FedAvg | 1,2 |" in text and "training images" in text
     assert "changed since the run" not in text
     capsys.readouterr()
     assert cli_main(["report", str(compare_folder), "per_class=maybe", "force=true"]) != 0
@@ -142,4 +142,4 @@ def test_an_unfinished_run_is_left_out_of_the_per_class_tables_and_named(compare
     (folder / "fedavg-seed2" / "summary.json").unlink()  # as a run still training looks
     report([folder], out=tmp_path / "report", echo=False, class_accuracy=class_accuracy)
     text = (tmp_path / "report" / "per_class.md").read_text()
-    assert "left out, unfinished (no saved model yet): fedavg-seed2" in text and "| fedavg | 1 |" in text
+    assert "left out, unfinished (no saved model yet): fedavg-seed2" in text and "| FedAvg | 1 |" in text

@@ -87,7 +87,7 @@ def test_a_failed_run_is_reported_and_the_others_finish(sequential, digits_data_
     assert "failed: fedavg seed 1" in capsys.readouterr().err  # reported when it happened
     assert (tmp_path / "fedavg-seed0" / "metrics.jsonl").read_bytes() == \
         (sequential / "fedavg-seed0" / "metrics.jsonl").read_bytes()
-    assert "| fedavg |" in (tmp_path / "table.md").read_text()  # the table of what finished
+    assert "| FedAvg |" in (tmp_path / "table.md").read_text()  # the table of what finished
 
 
 def test_threads_key_auto_or_a_whole_number_and_presentational():

@@ -9,7 +9,10 @@ faults, partition); otherwise the comparison stops before it runs anything and
 names the settings that differ, instead of mixing old numbers into a new
 table. The table is written as ``table.md`` and ``table.csv``: accuracy per domain and
 AVG, mean ± std over the seeds, and the difference of AVG to FedAvg (the
-paper's Table A3 layout).
+paper's Table A3 layout). Its rows are in the order the methods were given (a default comparison's: the paper's),
+named in ``table.md`` as the paper writes them (FedAvg, FedHPro) and in ``table.csv`` by their registered names;
+its caption names the data set and the partition with its parameters. ``compare.json`` records that order
+(``runs``: the run folders, in it) for ``fedhpro report``.
 
 A key given several values where it takes one (``lr=[0.01,0.05]``) is a grid:
 one row per method and point, named ``fedavg lr=0.05``. ``tuned=`` (the
@@ -42,19 +45,17 @@ from fedhpro.errors import ConfigError, FedHProError
 from fedhpro.files import claim_run_folder
 from fedhpro.methods import METHODS, method_names
 from fedhpro.options import fields_of
-from fedhpro.reports import write_atomic
-from fedhpro.reports.plots import display_name
+from fedhpro.reports import write_atomic, write_json
+from fedhpro.reports.captions import data_sentence, data_text
+from fedhpro.reports.plots import display_label, display_name, paper_order
+from fedhpro.reports.runs import COMPARE_RECORD
 from fedhpro.sweeps import Failure, Sweep, SweepFailed, execute, make_sweep, sweep_options
 
 
 def table_order(names: Iterable[str]) -> list[str]:
     """``names`` in the order of the paper's tables, as the registered methods declare it
     (:attr:`~fedhpro.methods.MethodSpec.paper_order`), the others (plug-ins, unknown names) after them by name."""
-    def place(name: str) -> tuple[float, str]:
-        spec = METHODS.get(name)
-        order = spec.paper_order if spec is not None and spec.paper_order is not None else float("inf")
-        return order, name
-    return sorted(names, key=place)
+    return paper_order(names)
 
 
 def baseline_method() -> str | None:
@@ -295,6 +296,9 @@ def compare(methods: Sequence[str], seeds: Sequence[int], settings: Mapping[str,
     # the comparison's folder is this comparison's until it ends (its table is written there); each run's
     # own folder is claimed by the process that runs it (fedhpro.api.run_or_continue)
     with claim_run_folder(out):
+        # written first, so that the report of a comparison cut short still lists its methods as given
+        write_json(out / COMPARE_RECORD, {"methods": list(methods), "seeds": [int(seed) for seed in seeds],
+                                          "runs": [folder.name for *_, folder in runs]})
         return _compare_claimed([(row_label(m, p), m, seed, folder) for m, p, seed, folder in runs], seeds, tasks,
                                 labels, sweep, out, echo, caption)
 
@@ -323,20 +327,23 @@ def _compare_claimed(runs: list[tuple[str, str, int, Path]], seeds: Sequence[int
         failures: list[Failure] = []
     else:
         results, failures = run_sweep(tasks, labels, sweep, echo=echo)
-    summaries: dict[str, list[dict[str, Any]]] = {}
+    summaries: dict[str, list[dict[str, Any]]] = {label: [] for label, *_ in runs}  # the rows in the order given
     method_of: dict[str, str] = {}
-    for (label, method, seed, _), summary in zip(runs, results):
+    data: dict[str, str | None] = {}
+    for (label, method, seed, folder), (config, _), summary in zip(runs, tasks, results):
         if summary is None:
             continue
         if summary["accuracy"] is None:  # no round evaluated (privacy.max_epsilon before round 0): no number
             if echo:
                 print(f"{label:10s} seed {seed}: no round evaluated (left out of the table)", flush=True)
             continue
-        summaries.setdefault(label, []).append(summary)
+        summaries[label].append(summary)
         method_of[label] = method
+        data.setdefault(label, data_text(config.to_dict(), folder))
         if echo:
             print(f"{label:10s} seed {seed}: AVG {summary['accuracy']:.2f}", flush=True)
-    table = _table(summaries, seeds, method_of, caption) if summaries else {"markdown": "", "csv": ""}
+    summaries = {label: found for label, found in summaries.items() if found}
+    table = _table(summaries, seeds, method_of, caption, data) if summaries else {"markdown": "", "csv": ""}
     if summaries:
         write_atomic(out / "table.md", table["markdown"])
         write_atomic(out / "table.csv", table["csv"])
@@ -351,10 +358,12 @@ def _compare_claimed(runs: list[tuple[str, str, int, Path]], seeds: Sequence[int
 
 
 def _table(summaries: dict[str, list[dict[str, Any]]], seeds: Sequence[int], method_of: Mapping[str, str],
-           caption: str = "") -> dict[str, Any]:
-    """The table of ``summaries`` (row name -> its runs' summaries; ``method_of``: each row's method): the rows in
-    the paper's order of their methods (a method's grid points in the order run), Δ to the baseline method's first
-    row."""
+           caption: str = "", data: Mapping[str, str | None] | None = None) -> dict[str, Any]:
+    """The table of ``summaries`` (row name -> its runs' summaries, in the order the rows are shown: the methods as
+    given, a method's grid points as run; ``method_of``: each row's method; ``data``: each row's data set and
+    partition in words, :func:`fedhpro.reports.captions.data_text`), Δ to the baseline method's first row.
+    ``table.md`` names the rows as the paper writes the methods (``FedAvg lr=0.05``), ``table.csv`` by the
+    registered names (``fedavg lr=0.05``), what scripts select rows by."""
     first = next(iter(summaries.values()))[0]
     domains = list(first["per_domain"])
     columns = domains + ["AVG"] if len(domains) > 1 else ["AVG"]
@@ -366,8 +375,7 @@ def _table(summaries: dict[str, list[dict[str, Any]]], seeds: Sequence[int], met
         spread = statistics.stdev(numbers) if len(numbers) > 1 else 0.0
         return f"{statistics.mean(numbers):.2f} ± {spread:.2f}"
 
-    order = {method: place for place, method in enumerate(table_order(dict.fromkeys(method_of.values())))}
-    rows = sorted(summaries, key=lambda label: order[method_of[label]])  # stable: grid points as run
+    rows = list(summaries)
     reference_method = baseline_method()
     reference = next((label for label in rows if method_of[label] == reference_method), None)
     baseline = statistics.mean(values(reference, "AVG")) if reference is not None else None
@@ -380,13 +388,18 @@ def _table(summaries: dict[str, list[dict[str, Any]]], seeds: Sequence[int], met
         avg = statistics.mean(values(method, "AVG"))
         gain = None if baseline is None or method == reference else avg - baseline
         delta = "–" if gain is None else f"{gain:+.2f}"
-        lines.append(f"| {method} | " + " | ".join(cell(values(method, c)) for c in columns) + f" | {delta} |")
+        cells = " | ".join(cell(values(method, c)) for c in columns)
+        lines.append(f"| {display_label(method)} | {cells} | {delta} |")
         means = [statistics.mean(values(method, c)) for c in columns]
         stds = [statistics.stdev(values(method, c)) if len(values(method, c)) > 1 else 0.0 for c in columns]
         writer.writerow([method] + [f"{v:.4f}" for v in means + stds] + ["" if gain is None else f"{gain:.4f}"])
-    named = (display_name(reference_method) if reference == reference_method else reference) if reference else None
-    caption = (f"Test accuracy (%) on {first['dataset']}, mean ± std over seeds {list(seeds)}; "
-               f"Δ = AVG minus {named or 'the baseline'}'s AVG.\n\n") + caption
+    named = (display_name(reference_method) if reference == reference_method else display_label(reference)) \
+        if reference else None
+    described = data_sentence({row: (data or {}).get(row) for row in rows}, [display_label(row) for row in rows])
+    where = "" if described else f" on {first['dataset']}"  # the data sentence names the data set
+    caption = (f"Test accuracy (%){where}, mean ± std over seeds {list(seeds)}; "
+               f"Δ = AVG minus {named or 'the baseline'}'s AVG." + (f" {described}" if described else "")
+               + "\n\n") + caption
     return {"markdown": caption + "\n".join(lines) + "\n", "csv": buffer.getvalue()}
 
 

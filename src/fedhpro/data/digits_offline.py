@@ -51,7 +51,9 @@ Caching
     ``<data_dir>/digits-offline/``; the file name encodes the format version and
     all parameters.  The file is written atomically (temporary file in the same
     folder, then :func:`os.replace`), and a cache file that cannot be read is
-    rebuilt with a warning.
+    rebuilt with a warning.  The file is memory-mapped rather than read (a
+    first run, too, maps the file it has just written): only the pages a run
+    uses become resident.
 
 Example::
 
@@ -74,7 +76,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedhpro.arrays import Bound, load_torch
+from fedhpro.arrays import Bound, check_torch_file
 from fedhpro.errors import DataError
 from fedhpro.files import write_atomic_with
 
@@ -147,6 +149,9 @@ _STREAM_OPTDIGITS_SPLIT = 1
 _STREAM_SYN = 2
 _STREAM_MNISTM = 3
 
+#: ``syn`` images whose noise is drawn at once (12 KiB of float32 an image)
+_SYN_CHUNK = 4096
+
 
 class DomainData(NamedTuple):
     """Train/test tensors of one domain.
@@ -204,7 +209,11 @@ def cache_path(
 
 def _load_cache(path: Path, params: dict) -> dict[str, DomainData]:
     """Load and validate a cache file; raise on any problem."""
-    blob = load_torch(path, Bound.state())  # checked from its zip directory before torch.load reads it
+    with open(path, "rb") as handle:  # checked from its zip directory before torch.load reads it
+        check_torch_file(handle, str(path), Bound.state())
+    # mapped, not read: only the pages a run touches become resident (a run of one domain leaves the others
+    # on disk; clients gather their rows at each access); private, so nothing written reaches the file
+    blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     if not isinstance(blob, dict) or blob.get("format_version") != FORMAT_VERSION:
         raise ValueError("unexpected format version")
     if blob.get("params") != params:
@@ -260,6 +269,32 @@ def _stratified_split(labels: np.ndarray, test_fraction: float, rng: np.random.G
     test_idx = np.concatenate(test)
     # Shuffle so the data is not sorted by class (consumers may slice it).
     return train_idx[rng.permutation(len(train_idx))], test_idx[rng.permutation(len(test_idx))]
+
+
+def _split_rows(x: torch.Tensor, train: np.ndarray, test: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x[train], x[test])`` as two views of ``x``, its rows moved in place (``train`` and ``test`` together
+    index every row once): indexing would copy them, twice the memory of the largest domain."""
+    permutation = np.concatenate([train, test])
+    if not np.array_equal(np.sort(permutation), np.arange(x.shape[0])):
+        raise ValueError(f"the train and test rows must index each of the {x.shape[0]} rows once")
+    order = permutation.tolist()
+    rows = x.numpy()
+    done = bytearray(len(order))
+    held = np.empty_like(rows[0])
+    for start in range(len(order)):  # each cycle of the permutation: one row held aside, the others moved up
+        if done[start]:
+            continue
+        held[...] = rows[start]
+        at = start
+        while True:
+            done[at] = 1
+            source = order[at]
+            if source == start:
+                rows[at] = held
+                break
+            rows[at] = rows[source]
+            at = source
+    return x[:len(train)], x[len(train):]
 
 
 def _resize_grey_to_rgb(images: np.ndarray) -> torch.Tensor:
@@ -368,8 +403,11 @@ def _contrasting_colours(rng: np.random.Generator, n: int, min_contrast: float =
     return fg, bg
 
 
-def _build_syn(labels: np.ndarray, rng: np.random.Generator) -> torch.Tensor:
-    """Render one printed digit per label; returns ``N x 3 x 32 x 32`` uint8."""
+def _build_syn(labels: np.ndarray, rng: np.random.Generator, chunk: int = _SYN_CHUNK) -> torch.Tensor:
+    """Render one printed digit per label; returns ``N x 3 x 32 x 32`` uint8. ``chunk``: images whose noise
+    is drawn at once (any value gives the same images)."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be at least 1, got {chunk}")
     from PIL import Image, ImageDraw, ImageFilter
 
     n = len(labels)
@@ -394,10 +432,14 @@ def _build_syn(labels: np.ndarray, rng: np.random.Generator) -> torch.Tensor:
     has_left = rng.random(n) < 0.3
     has_right = rng.random(n) < 0.3
     neighbours = rng.integers(0, NUM_CLASSES, size=(n, 2))
-    noise = rng.standard_normal((n, IMAGE_SIZE, IMAGE_SIZE, 3)).astype(np.float32)
 
-    out = np.empty((n, IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8)
+    # Written channel-first in place and the noise drawn a chunk at a time: the generator yields the same
+    # normals in chunks as in one call, and no float copy of every image (12x the uint8 result) is held.
+    out = np.empty((n, 3, IMAGE_SIZE, IMAGE_SIZE), dtype=np.uint8)
+    noise = np.empty((0, IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.float32)
     for i in range(n):
+        if i % chunk == 0:
+            noise = rng.standard_normal((min(chunk, n - i), IMAGE_SIZE, IMAGE_SIZE, 3)).astype(np.float32)
         font = cache.get(fonts[font_idx[i]], int(font_size[i]))
         mask = Image.new("L", (canvas, canvas), 0)
         draw = ImageDraw.Draw(mask)
@@ -419,9 +461,9 @@ def _build_syn(labels: np.ndarray, rng: np.random.Generator) -> torch.Tensor:
         if blur[i] > 0:
             pil = Image.fromarray(np.clip(np.rint(img), 0, 255).astype(np.uint8), "RGB")
             img = np.asarray(pil.filter(ImageFilter.GaussianBlur(radius=float(blur[i]))), dtype=np.float32)
-        img = img + noise_std[i] * noise[i]
-        out[i] = np.clip(np.rint(img), 0, 255).astype(np.uint8)
-    return torch.from_numpy(out).permute(0, 3, 1, 2).contiguous()
+        img = img + noise_std[i] * noise[i % chunk]
+        out[i] = np.clip(np.rint(img), 0, 255).astype(np.uint8).transpose(2, 0, 1)
+    return torch.from_numpy(out)
 
 
 # --------------------------------------------------------------------------- #
@@ -544,7 +586,8 @@ def _build(seed: int, test_fraction: float, syn_size: int, progress: bool) -> di
     sy = sy[rng.permutation(syn_size)]
     syn_x = _build_syn(sy, rng)
     tr, te = _stratified_split(sy, test_fraction, rng)
-    data["syn"] = DomainData(syn_x[tr], torch.from_numpy(sy[tr]), syn_x[te], torch.from_numpy(sy[te]))
+    syn_train, syn_test = _split_rows(syn_x, tr, te)
+    data["syn"] = DomainData(syn_train, torch.from_numpy(sy[tr]), syn_test, torch.from_numpy(sy[te]))
     log(f"syn done ({time.perf_counter() - t0:.1f}s)")
 
     # mnistm -- train from MNIST-train digits only, test from MNIST-test only,
@@ -610,4 +653,5 @@ def build_digits_offline(
     _save_cache_atomic(path, data, params)
     if progress:
         print(f"[digits-offline] built and cached in {time.perf_counter() - t0:.1f}s: {path}", file=sys.stderr)
-    return data
+    del data  # the file's mapping replaces the built copy: a first run holds what a cached one does
+    return _load_cache(path, params)

@@ -74,8 +74,10 @@ METHODS: dict[str, MethodSpec] = REGISTRY.entries
 RECIPES: dict[str, dict[str, dict[str, Any]]] = {}
 
 
-# figures name a method as its description leads ("FedAvg: ..."); the reports cannot import this package
-_plots.set_describer(lambda name: getattr(METHODS.get(name), "description", None))
+# figures name a method as its description leads ("FedAvg: ...") and tables order methods as the paper does;
+# the reports cannot import this package
+_plots.set_describer(lambda name: getattr(METHODS.get(name), "description", None),
+                     lambda name: getattr(METHODS.get(name), "paper_order", None))
 
 
 def register(name: str, spec: MethodSpec, *, replace: bool = False,

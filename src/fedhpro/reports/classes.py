@@ -17,7 +17,7 @@ from typing import Any
 
 from fedhpro.errors import ConfigError
 from fedhpro.files import write_atomic
-from fedhpro.reports.plots import plot_bars
+from fedhpro.reports.plots import display_label, plot_bars
 from fedhpro.reports.tables import csv_text, format_number, markdown_table, mean_pm_std, mean_std
 
 #: the files this report adds beside a run report's
@@ -67,7 +67,8 @@ def summarize(measured: Mapping[str, Any]) -> dict[str, float | None]:
 def write_class_report(out: str | os.PathLike, groups: Mapping[str, Sequence[tuple[Path, Mapping[str, Any]]]],
                        echo: bool = True, notes: Sequence[str] = ()) -> list[str]:
     """Write ``per_class.md`` / ``.csv`` / ``.png`` for ``groups`` (label -> its runs' ``(folder, counts)``,
-    one run per group or a group's seeds; ``notes`` go under the first table); returns the names written."""
+    one run per group or a group's seeds; ``notes`` go under the first table); returns the names written. The
+    Markdown names each group as the paper writes its method (FedAvg), the CSVs by its registered name (fedavg)."""
     out = Path(out)
     notes = list(notes)
     if not groups:
@@ -102,7 +103,7 @@ def write_class_report(out: str | os.PathLike, groups: Mapping[str, Sequence[tup
         seeds = ",".join(folder.name.rsplit("seed", 1)[-1] if "seed" in folder.name else folder.name
                          for folder, _ in runs)
         stats = {key: mean_std([p[key] for p in parts]) for key in keys}
-        markdown.append([label, seeds] + [mean_pm_std([p[key] for p in parts]) for key in keys])
+        markdown.append([display_label(label), seeds] + [mean_pm_std([p[key] for p in parts]) for key in keys])
         table.append([label, seeds] + [stats[key][0] for key in keys] + [stats[key][1] for key in keys])
         if split:
             bars[label] = {f"{key} {n}": stats[key][0] for key, n in zip(keys[1:], (head, middle, tail))}
@@ -113,7 +114,7 @@ def write_class_report(out: str | os.PathLike, groups: Mapping[str, Sequence[tup
     class_header = ["method"] + [names[c] for c in ranked]
     class_rows: list[list[Any]] = [["training images"] + [counts[c] for c in ranked]]
     for label, means in class_means.items():
-        class_rows.append([label] + [means[c] for c in ranked])
+        class_rows.append([display_label(label)] + [means[c] for c in ranked])
     caption = ("Test accuracy (%) by class of each run's final model, re-tested on its rebuilt test sets: "
                "mean ± sample std over seeds of the balanced accuracy (mean over classes) and of the head, middle "
                "and tail classes (ranked by training images summed over the clients).")
@@ -150,7 +151,8 @@ def _write_figures(out: Path, groups: Mapping[str, Sequence[tuple[Path, Mapping[
         pooled = [p for p in pooled if p is not None]
         values = {key: [p[key] for p in pooled if p[key] is not None] for key, _ in FIGURES}
         seeds = str(len(pooled))
-        markdown.append([label, seeds] + [mean_pm_std(values[key]) if values[key] else "–" for key, _ in FIGURES])
+        markdown.append([display_label(label), seeds]
+                        + [mean_pm_std(values[key]) if values[key] else "–" for key, _ in FIGURES])
         stats = [mean_std(values[key]) if values[key] else (None, None) for key, _ in FIGURES]
         table.append([label, seeds] + [m for m, _ in stats] + [s for _, s in stats])
         if pooled:

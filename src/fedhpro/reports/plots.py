@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,12 +79,26 @@ _LEADING_NAME = re.compile(r"^([A-Za-z][A-Za-z0-9_-]*)(?=$|[\s:(])")
 #: how a method's description is looked up (its registry entry's), set by :mod:`fedhpro.methods` when it is
 #: imported: the reports sit below the methods and never import them
 _describe: Callable[[str], str | None] = lambda method: None  # noqa: E731
+#: a method's place in the paper's tables (its registry entry's ``paper_order``), set likewise
+_place: Callable[[str], int | None] = lambda method: None  # noqa: E731
 
 
-def set_describer(describe: Callable[[str], str | None]) -> None:
-    """Where :func:`display_name` reads a method's description (``fedhpro.methods`` gives its registry's)."""
-    global _describe
+def set_describer(describe: Callable[[str], str | None], place: Callable[[str], int | None] | None = None) -> None:
+    """Where :func:`display_name` reads a method's description and :func:`paper_order` its place
+    (``fedhpro.methods`` gives its registry's)."""
+    global _describe, _place
     _describe = describe
+    if place is not None:
+        _place = place
+
+
+def paper_order(methods: Iterable[str]) -> list[str]:
+    """``methods`` in the order of the paper's tables (each registered method's ``paper_order``), the others
+    (plug-ins without one, unknown names) after them by name."""
+    def key(name: str) -> tuple[float, str]:
+        place = _place(name)
+        return (float("inf") if place is None else float(place)), name
+    return sorted(methods, key=key)
 
 
 def display_name(method: str) -> str:
@@ -99,6 +113,17 @@ def display_label(label: str) -> str:
     """A curve's label with its leading method name as the paper writes it (``fedhpro tau=0.1`` ->
     ``FedHPro tau=0.1``); a label that does not start with a method's name (a run folder's) is kept."""
     return _LEADING_NAME.sub(lambda match: display_name(match.group(1)), label, count=1)
+
+
+#: the token that marks FedHPro's curves (a label naming it: ``fedhpro``, ``fedhpro lr=0.05``, ``fedhpro: L_GM``)
+HIGHLIGHTED = "fedhpro"
+
+
+def highlighted(labels: Sequence[str]) -> set[str]:
+    """The labels whose curves are drawn thicker: FedHPro's, when it is compared with others (some label does
+    not name it); none in a figure of FedHPro alone or of its variants only (nothing to stand out from)."""
+    named = {label for label in labels if HIGHLIGHTED in label.lower()}
+    return named if len(named) < len(set(labels)) else set()
 
 
 #: line styles that tell curves apart without colour too (grey print, colour blindness): cycled with the colours
@@ -137,13 +162,13 @@ def plot_curves(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], p
     import re
 
     figure, axis = plt.subplots(figsize=(6.8, 4.2), dpi=130)
-    highlight = not all("fedhpro" in label.lower() for label in series)  # FedHPro thicker among others
+    thick = highlighted(list(series))
     pairs: dict[str, int] = {}
     for label, (x, y) in series.items():
         # "<run>: ... before" / "... after" pairs share a colour and marker; "after" is dashed
         pair = re.sub(r"(before|after)( matching)?$", "", label)
         index = pairs.setdefault(pair, len(pairs))
-        style = dict(line_style(index), linewidth=2.6 if highlight and "fedhpro" in label.lower() else 1.6,
+        style = dict(line_style(index), linewidth=2.6 if label in thick else 1.6,
                      markersize=4)
         if pair != label:
             style["linestyle"] = "--" if label.rstrip().endswith(("after", "after matching")) else "-"
@@ -202,9 +227,11 @@ def plot_mean_curves(groups: Mapping[str, Sequence[tuple[Sequence[float], Sequen
                      path: str | os.PathLike, *, title: str = "", xlabel: str = "round", ylabel: str = ""):
     """Per group (label -> one ``(x, y)`` curve per seed): the mean curve over its curves, with a shaded band
     from their minimum to their maximum, at the x every curve has. Each group in its own colour, line style
-    and marker (:func:`line_style`); whole-number round ticks. Returns the figure (closed, written to ``path``)."""
+    and marker (:func:`line_style`), in the order of ``groups`` (the legend's order too), FedHPro's line
+    thicker (:func:`highlighted`); whole-number round ticks. Returns the figure (closed, written to ``path``)."""
     plt = pyplot()
     figure, axis = plt.subplots(figsize=(6.8, 4.2), dpi=130)
+    thick = highlighted(list(groups))
     for index, (label, curves) in enumerate(groups.items()):
         x, mean, low, high = mean_band(curves)
         if not x:
@@ -212,8 +239,8 @@ def plot_mean_curves(groups: Mapping[str, Sequence[tuple[Sequence[float], Sequen
         style = line_style(index)
         seeds = len(curves)
         shown = display_label(label)
-        axis.plot(x, mean, label=f"{shown} (mean of {seeds})" if seeds > 1 else shown, linewidth=1.8,
-                  markersize=4, **style)
+        axis.plot(x, mean, label=f"{shown} (mean of {seeds})" if seeds > 1 else shown,
+                  linewidth=2.9 if label in thick else 1.8, markersize=4, **style)
         if seeds > 1:
             axis.fill_between(x, low, high, color=style["color"], alpha=0.18, linewidth=0)
     _finish(axis, title, xlabel, ylabel)
@@ -279,17 +306,20 @@ def plot_bars(groups: Mapping[str, Mapping[str, float]], path: str | os.PathLike
 
 def plot_sweep(x: Sequence[float | str], series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
                path: str | os.PathLike, *, title: str = "", xlabel: str = "", ylabel: str = "test accuracy (%)",
-               reference: Mapping[str, Sequence[float | None]] | None = None) -> None:
-    """Accuracy against a swept setting: our mean ± std (error bars) per series; the paper's values, where
-    given in ``reference`` (label -> values aligned with ``x``), as dashed lines."""
+               reference: Mapping[str, Sequence[float | None]] | None = None):
+    """Accuracy against a swept setting: our mean ± std (error bars) per series, FedHPro's line thicker
+    (:func:`highlighted`); the paper's values, where given in ``reference`` (label -> values aligned with
+    ``x``), as dashed lines. Returns the figure (closed, written to ``path``)."""
     plt = pyplot()
+    thick = highlighted(list(series))
     figure, axis = plt.subplots(figsize=(6.0, 4.0), dpi=130)
     positions = np.arange(len(x))
     colours = {}
     base = lambda label: label.replace(" (ours)", "").replace(" (paper)", "")  # noqa: E731
     for index, (label, (means, stds)) in enumerate(series.items()):
         line = axis.errorbar(positions, means, yerr=stds, marker=LINE_MARKERS[index % len(LINE_MARKERS)],
-                             capsize=3, linewidth=2, label=display_label(label))
+                             capsize=3, linewidth=3.2 if label in thick else 2,
+                             label=display_label(label))
         colours[base(label)] = line.lines[0].get_color()
     for label, values in (reference or {}).items():
         points = [(p, v) for p, v in zip(positions, values) if v is not None]
@@ -304,6 +334,7 @@ def plot_sweep(x: Sequence[float | str], series: Mapping[str, tuple[Sequence[flo
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
     save_figure(figure, path)
+    return figure
 
 
 def plot_tsne(points: np.ndarray, labels: Sequence[int] | np.ndarray, domains: Sequence[str] | np.ndarray,

@@ -27,12 +27,15 @@ from fedhpro.bounded import (
     MAX_JSON_CHARS,
     parse_json,
     read_bounded,
+    read_json_file,
+    run_file,
 )
-from fedhpro.errors import ConfigError, FedHProError
+from fedhpro.errors import ConfigError, DataError, FedHProError
 from fedhpro.reports import write_atomic, write_json
+from fedhpro.reports.captions import data_sentence, data_text
 from fedhpro.reports.classes import CLASS_FILES, write_class_report
 from fedhpro.reports.parity import PARITY_FILES, mixes_precisions, pair_precisions, write_parity
-from fedhpro.reports.plots import mean_band, plot_bars, plot_curves, plot_mean_curves
+from fedhpro.reports.plots import display_label, mean_band, paper_order, plot_bars, plot_curves, plot_mean_curves
 from fedhpro.reports.run_data import NOT_A_SETTING, RunData, load_run, run_labels
 from fedhpro.reports.tables import csv_text, dotted_keys, markdown_table, mean_pm_std, mean_std
 
@@ -122,6 +125,40 @@ def runs_in(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".") and is_run_folder(p))
 
 
+#: the record ``fedhpro compare`` leaves in its folder: its methods, seeds and run folders in the order given
+COMPARE_RECORD = "compare.json"
+
+
+def recorded_order(comparison: Path) -> list[str] | None:
+    """The run folders of ``comparison`` in the order its ``fedhpro compare`` was given the methods (its
+    :data:`COMPARE_RECORD`); None when it has none (a comparison of an older fedhpro, a folder made by hand)."""
+    path = run_file(comparison, COMPARE_RECORD)
+    if not path.is_file():
+        return None
+    record = read_json_file(path, DataError)
+    names = record.get("runs") if isinstance(record, dict) else None
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise DataError(f"{path} is not the record of fedhpro compare (no runs: list of folder names); delete it, "
+                        "and the report lists the methods in the paper's order")
+    return names
+
+
+def in_given_order(comparison: Path, runs: Sequence[RunData]) -> list[RunData]:
+    """The runs of ``comparison`` in the order its methods were given (:func:`recorded_order`); runs it does not
+    record (all of them, without a record) after those, in the paper's order of their methods, then by folder."""
+    place = {name: index for index, name in enumerate(recorded_order(comparison) or [])}
+    paper = {method: index for index, method in enumerate(paper_order(list(dict.fromkeys(run.method
+                                                                                         for run in runs))))}
+    return sorted(runs, key=lambda run: (place.get(run.path.name, len(place)), paper[run.method], run.path.name))
+
+
+def data_title(title: str, described: Mapping[str, str | None]) -> str:
+    """A figure's ``title``, and below it the data set and partition when every curve shares them (the caption
+    of ``table.md`` says each where they differ)."""
+    texts = set(described.values())
+    return f"{title}\n{texts.pop()}" if len(texts) == 1 and None not in texts else title
+
+
 #: how deep below a given folder :func:`comparisons_below` looks (``study/<setting>/<precision>/`` is 2)
 STUDY_DEPTH = 3
 
@@ -147,6 +184,12 @@ def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: 
     (:func:`report_seeds`) of all the runs given; run folders alone, one line per run. A folder holding
     comparison folders below it (:func:`comparisons_below`) stands for them.
 
+    One naming and one order in every table and figure: the methods as the paper writes them (FedAvg, FedHPro;
+    ``table.csv`` keeps the registered names, what scripts select rows by), in the order given: the run folders
+    as ``run_dirs`` lists them, a comparison's runs as its methods were given (:func:`in_given_order`). The
+    captions name the data set and the partition with its parameters
+    (:func:`fedhpro.reports.captions.data_sentence`), each where the runs differ in them.
+
     When the comparisons' runs were trained at more than one precision (``amp``), the report also pairs each
     setting's float32 and mixed-precision runs (:func:`fedhpro.reports.parity.pair_precisions`: refused in one
     line when folders differ besides the precision) and writes ``parity.md``, ``.csv`` and ``.json``; its
@@ -162,17 +205,16 @@ def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: 
     """
     if not run_dirs:
         raise ConfigError("give at least one run folder: fedhpro report RUN_DIR [RUN_DIR ...] [out=DIR]")
-    folders: list[Path] = []
     groups: list[Path] = []
-    for given in map(Path, run_dirs):
+    runs: list[RunData] = []
+    for given in map(Path, run_dirs):  # the runs in the order given, a comparison's as its methods were
         for comparison in comparisons_below(given) or [given]:
             inside = runs_in(comparison)
             if inside:
                 groups.append(comparison)
-                folders += inside
+                runs += in_given_order(comparison, [load_run(path) for path in inside])
             else:
-                folders.append(comparison)  # load_run says what is wrong with a folder that is not a run's
-    runs = [load_run(path) for path in folders]
+                runs.append(load_run(comparison))  # it says what is wrong with a folder that is not a run's
     # refused (one line) before anything is written when the folders differ besides the precision
     parity = pair_precisions(runs) if groups and mixes_precisions(runs) else None
     # an unfinished run has no saved model yet: left out of the per-class tables (and named there)
@@ -220,22 +262,25 @@ def _report_runs(runs: list[RunData], out: str | Path | None, echo: bool, force:
         rounds = len(run.rows)
         flops = [row["flops_train"] for row in run.rows if "flops_train" in row]
         chosen = ([final.get("validation", {}).get("AVG"), run.test_at_best_validation()] if validated else [])
-        rows.append([label] + [final["accuracy"].get(d) for d in domains] + [
+        rows.append([display_label(label)] + [final["accuracy"].get(d) for d in domains] + [
             final["accuracy"]["AVG"], max(row["accuracy"]["AVG"] for row in run.evaluated), *chosen, rounds,
             fairness.get("worst_10"), fairness.get("best_10"), fairness.get("mean"), fairness.get("variance"),
             sum(row.get("bytes_up", 0) for row in run.rows) / rounds / 1e6,
             (sum(row.get("params_up", 0) for row in run.rows) / rounds) if "params_up" in run.rows[0] else None,
             (sum(flops) / len(flops) / 1e9) if flops else None])
+    described = {label: data_text(run.config, run.path) for label, run in zip(labels, runs)}
+    data = data_sentence(described, [display_label(label) for label in labels])
     caption = (f"Final test accuracy (%) of {len(runs)} run(s); fairness over clients (Table A8) at the last "
-               "evaluated round; communication and FLOPs averaged per round. "
+               "evaluated round; communication and FLOPs averaged per round. " + (f"{data} " if data else "")
                + splits_caption(validated, any(run.config.get("client_test") == "matched" for run in runs)))
-    notes = [f"{label}: no summary.json, the numbers are those of its last evaluated round (round "
+    notes = [f"{display_label(label)}: no summary.json, the numbers are those of its last evaluated round (round "
              f"{run.final['round'] + 1})" for label, run in zip(labels, runs) if not run.finished]
     write_atomic(out / "table.md", markdown_table(header, rows, caption, notes))
-    write_atomic(out / "table.csv", csv_text(header, rows))
+    # the CSV names each run by its registered method, what scripts select rows by
+    write_atomic(out / "table.csv", csv_text(header, [[label, *row[1:]] for label, row in zip(labels, rows)]))
     written = ["table.md", "table.csv"]
     plot_curves({label: accuracy_series(run) for label, run in zip(labels, runs)}, out / "accuracy.png",
-                title=f"{avg_title(runs)} per round", ylabel="test accuracy (%)")
+                title=data_title(f"{avg_title(runs)} per round", described), ylabel="test accuracy (%)")
     written.append("accuracy.png")
     gm = {f"{label}: L_GM {when}": series for label, run in zip(labels, runs)
           for when, series in gm_series(run).items()}
@@ -306,7 +351,8 @@ def hyper_movement(run: RunData) -> float | None:
 
 
 def seed_table(groups: dict[str, list[RunData]]) -> tuple[list[str], list[list[Any]], list[list[Any]]]:
-    """``(header, markdown rows, csv rows)`` of a report over seeds: per group its seeds, then per final
+    """``(header, markdown rows, csv rows)`` of a report over seeds (the markdown naming each group as the paper
+    writes its method, the CSV by its registered name): per group its seeds, then per final
     accuracy (each domain, AVG), best AVG and worst 10% the mean ± sample std over its runs (their last
     evaluated round: summary.json's numbers for a finished run); when some run logged it, also how far
     gradient matching moved FedHPro's hyper-prototypes (:func:`hyper_movement`, "–" for other methods)."""
@@ -338,7 +384,7 @@ def seed_table(groups: dict[str, list[RunData]]) -> tuple[list[str], list[list[A
         numbers = {column: [values(run, column) for run in members] for column in columns}
         rounds = sorted({len(run.rows) for run in members})
         shown_rounds = str(rounds[0]) if len(rounds) == 1 else f"{rounds[0]}-{rounds[-1]}"
-        markdown.append([label, seeds] + [mean_pm_std(numbers[c]) for c in columns] + [shown_rounds])
+        markdown.append([display_label(label), seeds] + [mean_pm_std(numbers[c]) for c in columns] + [shown_rounds])
         stats = [mean_std(numbers[c]) for c in columns]
         table.append([label, seeds] + [m for m, _ in stats] + [s for _, s in stats] + [shown_rounds])
     return header, markdown, table
@@ -360,21 +406,23 @@ def report_seeds(runs: Sequence[RunData], out: Path, echo: bool = True, force: b
     header, markdown, table = seed_table(groups)
     columns = header[2:-1]
     csv_header = ["method", "seeds"] + [f"{c}_mean" for c in columns] + [f"{c}_std" for c in columns] + ["rounds"]
+    described = {label: data_text(members[0].config, members[0].path) for label, members in groups.items()}
+    data = data_sentence(described, [display_label(label) for label in groups])
     caption = (f"Final test accuracy (%) of {len(runs)} runs in {len(groups)} groups: mean ± sample std over the "
                "seeds (one seed: its value); worst 10% of clients at the last evaluated round. "
-               + splits_caption(any(run.validated for run in runs),
+               + (f"{data} " if data else "") + splits_caption(any(run.validated for run in runs),
                                 any(run.config.get("client_test") == "matched" for run in runs)))
-    notes = [f"{label}: {run.path.name} is unfinished ({run.progress}), its numbers are those of its last "
-             f"evaluated round" for label, members in groups.items() for run in members if not run.finished]
+    notes = [f"{display_label(label)}: {run.path.name} is unfinished ({run.progress}), its numbers are those of "
+             "its last evaluated round" for label, members in groups.items() for run in members if not run.finished]
     curves = {label: [accuracy_series(run) for run in members] for label, members in groups.items()}
     cut = [label for label, series in curves.items()
            if len(mean_band(series)[0]) < max(len(x) for x, _ in series)]
     if cut:
-        notes.append(f"{', '.join(cut)}: the curve ends at the last round every seed evaluated")
+        notes.append(f"{', '.join(map(display_label, cut))}: the curve ends at the last round every seed evaluated")
     write_atomic(out / "table.md", markdown_table(header, markdown, caption, notes))
     write_atomic(out / "table.csv", csv_text(csv_header, table))
     plot_mean_curves(curves, out / "accuracy.png", ylabel="test accuracy (%)",
-                     title=f"{avg_title(runs)}: mean over seeds, band min-max")
+                     title=data_title(f"{avg_title(runs)}: mean over seeds, band min-max", described))
     write_json(out / "report.json", {"runs": _report_sources(runs)})
     if echo:
         print(markdown_table(header, markdown, caption, notes))

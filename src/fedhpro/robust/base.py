@@ -16,10 +16,10 @@ value. Every rule weights the clients equally: a client's ``num_examples`` is wh
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 class RobustRule:
@@ -57,6 +57,9 @@ def stacked(tensors: Sequence[Tensor]) -> Tensor:
     """The tensors of one shape stacked along a new first dimension (detached); a ValueError for none."""
     if len(tensors) == 0:
         raise ValueError("a robust aggregate needs at least one tensor")
+    # torch only when a round is aggregated: the rules are listed (`fedhpro config`) without it
+    import torch
+
     return torch.stack([t.detach() for t in tensors])
 
 

@@ -24,9 +24,10 @@ holder's row becoming the chosen row; the rows of a class a reply does not hold 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
 from fedhpro.errors import ConfigError
 from fedhpro.robust.base import RobustRule

@@ -4,9 +4,10 @@ cannot move a coordinate outside the honest clients' range."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
 from fedhpro.robust.base import RobustRule, coordinatewise, stacked
 
@@ -28,6 +29,9 @@ def coordinate_median(tensors: Sequence[Tensor]) -> Tensor:
 def median_value(values: Sequence[float]) -> float:
     """The median of a few numbers (the mean of the two middle ones for an even count), as
     :func:`coordinate_median` takes it."""
+    # torch only when a round is aggregated: the rules are listed (`fedhpro config`) without it
+    import torch
+
     return float(coordinate_median([torch.tensor(float(v), dtype=torch.float64) for v in values]))
 
 

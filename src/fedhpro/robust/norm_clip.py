@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
 from fedhpro.robust.base import RobustRule
 from fedhpro.robust.median import coordinate_median, median_value
@@ -91,7 +91,7 @@ class NormClip(RobustRule):
         distances = [float(d) for d in offsets.reshape(rows.shape[0], -1).double().norm(dim=1)]
         limit = self.norm_multiple * median_value(distances)
         factors = [clip_factor(d, limit) for d in distances]
-        scale = torch.tensor(factors, dtype=rows.dtype, device=rows.device).reshape(-1, *([1] * (rows.dim() - 1)))
+        scale = rows.new_tensor(factors).reshape(-1, *([1] * (rows.dim() - 1)))
         return centre + scale * offsets, sum(f < 1.0 for f in factors)
 
 
