@@ -326,14 +326,21 @@ def plot_methods(rows: Sequence[dict[str, Any]], methods: Sequence[str], epsilon
         public = next((r for r in mine if r["no_dp_mean"] is not None), None)
         if public is not None:
             axis.axhspan(public["no_dp_mean"] - public["no_dp_std"], public["no_dp_mean"] + public["no_dp_std"],
-                         color="C0", alpha=0.15)
-            axis.axhline(public["no_dp_mean"], color="C0", label="no DP")
-        for key, label, style in (("fixed", f"eps = {epsilon}, fixed clip", "s--"),
-                                  ("adaptive", f"eps = {epsilon}, adaptive clip", "^-")):
+                         color="black", alpha=0.08)
+            lost = f" ({len(public['no_dp'])} seed; {len(public['no_dp_failed'])} diverged)" \
+                if public["no_dp_failed"] else ""
+            axis.axhline(public["no_dp_mean"], color="black", linewidth=1.2, label=f"no DP{lost}")
+        for key, label, style, colour in (("fixed", f"eps = {epsilon}, fixed clip", "s--", "C0"),
+                                          ("adaptive", f"eps = {epsilon}, adaptive clip", "^-", "C1")):
             points = [(r["cohort"], r[f"{key}_mean"], r[f"{key}_std"]) for r in mine if r[key]]
             if points:
                 xs, ys, errors = zip(*points)
-                axis.errorbar(xs, ys, yerr=errors, fmt=style, capsize=3, label=label)
+                axis.errorbar(xs, ys, yerr=errors, fmt=style, color=colour, capsize=3, label=label)
+            for row in mine:  # every seed stopped on a non-finite loss: said where its point would be
+                if not row[key] and row[f"{key}_failed"]:
+                    axis.plot([row["cohort"]], [10.0], "x", color=colour, markersize=9)
+                    axis.annotate("diverged", (row["cohort"], 10.0), textcoords="offset points", xytext=(0, 7),
+                                  ha="center", fontsize=7, color=colour)
         axis.axhline(10.0, color="grey", linewidth=0.8, linestyle=":", label="chance")
         axis.set_xscale("log")
         axis.set_xticks([r["cohort"] for r in mine])
