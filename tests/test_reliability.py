@@ -129,6 +129,9 @@ def test_corrupt_updates_are_dropped_reported_and_harmless():
         assert all("non-finite" in d["reason"] for d in record.dropped)
     assert len(messages) == sum(len(c) for _, c in expected)
     assert all("dropped" in m for m in messages)
+    # the warnings count rounds from 1, as the plots and checkpoints do (metrics.jsonl's round r is round r + 1)
+    said = [(r + 1, k) for r, (_, corrupted) in enumerate(expected) for k in corrupted]
+    assert [m.split(" dropped")[0] for m in messages] == [f"round {r}: client {k}" for r, k in said]
     for tensor in faulty.server.global_weights().values():
         assert torch.isfinite(tensor.float()).all()
     assert torch.isfinite(faulty.server.hyper).all()

@@ -500,15 +500,15 @@ class OpenRound(RoundState):
             first = self.failures[0]
             if isinstance(first, Exception):
                 raise first
-            raise FedHProError(f"round {self.round}: every client failed; {first}")
+            raise FedHProError(f"round {self.round + 1}: every client failed; {first}")
         if protocol.on_drop is not None:
             for item in self.dropped:
-                protocol.on_drop(f"round {self.round}: client {item['client']} dropped: {item['reason']}")
+                protocol.on_drop(f"round {self.round + 1}: client {item['client']} dropped: {item['reason']}")
         if self.fold.skips:
             self.skipped = self.accepted < protocol.min_clients
             if self.skipped:
                 if protocol.on_drop is not None:
-                    protocol.on_drop(f"round {self.round}: only {self.accepted} valid updates "
+                    protocol.on_drop(f"round {self.round + 1}: only {self.accepted} valid updates "
                                      f"(min_clients={protocol.min_clients}); the round is skipped and the global "
                                      "model kept")
                 return {}

@@ -204,7 +204,7 @@ class WeightCap(ReplyStep):
             protocol.warned_caps.add(client)
             claimed = protocol.sizes_claimed
             protocol.on_drop(
-                f"round {round.round}: client {client}'s weight is capped at {weight} (it reports "
+                f"round {round.round + 1}: client {client}'s weight is capped at {weight} (it reports "
                 f"{int(reply['num_examples'])} training samples, more than "
                 f"{bound_text(protocol.aggregation, claimed)} of {sum(protocol.client_sizes or [])}); "
                 + ("if that size is right, vouch for it in flower.roster (or raise aggregation.max_ratio, 0: no "

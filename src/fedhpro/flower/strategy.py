@@ -402,7 +402,7 @@ class MethodStrategy(Strategy):
         reasons.update({k: f"refused reply: {why}" for k, why in unbound.items()})
         if self._sent and len(own_errors) == len(self._sent):
             first = min(own_errors)
-            raise FedHProError(f"round {round}: every client failed to evaluate; client {first}: {reasons[first]}")
+            raise FedHProError(f"round {round + 1}: every client failed to evaluate; client {first}: {reasons[first]}")
         asked = dict(self._sent)
         missing = []
         for k in sorted(set(self.nodes) - set(counts)):
