@@ -213,3 +213,9 @@ def test_fedhpro_is_thicker_in_every_figure_that_compares_it(tmp_path):
     (axis,) = plot_mean_curves({"fedhpro": curves["fedhpro"], "fedhpro tau=0.1": curves["fedhpro"]},
                                tmp_path / "variants.png").axes
     assert len({line.get_linewidth() for line in axis.get_lines()}) == 1
+
+
+def test_compares_printout_names_the_methods_as_its_table(no_training, tmp_path, capsys):
+    compare(GIVEN, [0], SETTINGS, tmp_path / "cmp", echo=True)
+    lines = [line for line in capsys.readouterr().out.splitlines() if " seed 0: AVG " in line]
+    assert [line.split(" seed")[0].strip() for line in lines] == [shown.split()[0] for shown in GIVEN_SHOWN]

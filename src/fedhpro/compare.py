@@ -335,13 +335,13 @@ def _compare_claimed(runs: list[tuple[str, str, int, Path]], seeds: Sequence[int
             continue
         if summary["accuracy"] is None:  # no round evaluated (privacy.max_epsilon before round 0): no number
             if echo:
-                print(f"{label:10s} seed {seed}: no round evaluated (left out of the table)", flush=True)
+                print(f"{display_label(label):10s} seed {seed}: no round evaluated (left out of the table)", flush=True)
             continue
         summaries[label].append(summary)
         method_of[label] = method
         data.setdefault(label, data_text(config.to_dict(), folder))
         if echo:
-            print(f"{label:10s} seed {seed}: AVG {summary['accuracy']:.2f}", flush=True)
+            print(f"{display_label(label):10s} seed {seed}: AVG {summary['accuracy']:.2f}", flush=True)
     summaries = {label: found for label, found in summaries.items() if found}
     table = _table(summaries, seeds, method_of, caption, data) if summaries else {"markdown": "", "csv": ""}
     if summaries:
