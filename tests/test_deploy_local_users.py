@@ -25,6 +25,7 @@ import http.client
 import io
 import json
 import os
+import re
 import shutil
 import socket
 import ssl
@@ -154,7 +155,7 @@ def outcome(reply: dict) -> str:
         return "success"
     message = str(reply.get("error-message", ""))
     for word in ("400", "401", "403", "404", "502", "unavailable"):
-        if word in message:
+        if re.search(rf"\b{word}\b", message):  # a whole word: port 40139 in the message is no 401
             return word
     return "failed: " + " ".join(message.split())[-160:]
 
