@@ -521,7 +521,7 @@ def test_hyper_client_gradients_come_from_the_trained_model():
     for c in (0, 3):
         torch.testing.assert_close(reply["class_gradients"][c], per_sample[data.y == c].mean(0), rtol=1e-5,
                                    atol=1e-7)
-        torch.testing.assert_close(reply["prototypes"][c], z.detach()[data.y == c].mean(0), rtol=1e-5, atol=1e-6)
+    assert "prototypes" not in reply  # FedHPro's server step replaces FedProto's: it reads no prototypes
     assert reply["class_counts"].tolist() == [9, 0, 0, 9]
 
 

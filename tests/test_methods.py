@@ -44,9 +44,13 @@ def fedhpro_payload(model, seed=0, num_hyper=5, dtype=torch.float32) -> dict:
 
 
 def fit_fedhpro(options, data, *, model_cls=TinyNet, model_seed=0, train=TRAIN, gen_seed=5, dtype=torch.float32):
-    """Run FedHProClient.fit once; returns (received weights, payload, reply, metrics)."""
+    """Run FedHProClient.fit once; returns (received weights, payload, reply, metrics). With Table 6's global
+    prototypes (``options.prototypes != "hyper"``) the payload's P holds no class yet (round 0)."""
     model = seeded_model(model_cls, model_seed, dtype)
     payload = fedhpro_payload(model, num_hyper=options.num_hyper, dtype=dtype)
+    if options.prototypes != "hyper":
+        payload.update(global_prototypes=torch.zeros(NUM_CLASSES, FEATURE_DIM, dtype=dtype),
+                       global_mask=torch.zeros(NUM_CLASSES, dtype=torch.bool))
     received = copy.deepcopy(payload["weights"])
     client = FedHProClient(context(options, model=model_cls, train=train))
     reply, metrics = client.fit(model, payload, data, {}, generator(gen_seed))
@@ -331,12 +335,12 @@ def fitted():
 
 def test_client_reply_fields_and_counts(fitted):
     data, received, payload, reply, metrics = fitted
-    assert set(reply) == {"weights", "num_examples", "class_counts", "class_gradients", "prototypes"}
+    # prototypes=hyper: the server reads no prototypes, so none are sent
+    assert set(reply) == {"weights", "num_examples", "class_counts", "class_gradients"}
     assert reply["num_examples"] == 30
     assert reply["class_counts"].tolist() == [10, 10, 0, 10]
     assert reply["class_counts"].tolist() == torch.bincount(data.y, minlength=NUM_CLASSES).tolist()
     assert reply["class_gradients"].shape == (NUM_CLASSES, FEATURE_DIM)
-    assert reply["prototypes"].shape == (NUM_CLASSES, FEATURE_DIM)
     assert set(reply["weights"]) == set(received)
     assert any(not torch.equal(reply["weights"][n], received[n]) for n in received)  # it trained
     assert {"ce", "hpcl", "hpal", "loss", "margin"} <= set(metrics)
@@ -355,8 +359,10 @@ def test_client_class_gradients_match_per_sample_autograd_with_the_trained_model
     assert float((reply["class_gradients"].double() - before).abs().max()) > 1e-3
 
 
-def test_client_prototypes_are_class_means_of_the_trained_features(fitted):
-    data, received, payload, reply, metrics = fitted
+def test_client_prototypes_are_class_means_of_the_trained_features():
+    data = make_client(30, HELD, seed=4)
+    _, _, reply, _ = fit_fedhpro(FedHProOptions(num_hyper=3, tau=0.2, prototypes="global"), data)
+    assert set(reply) == {"weights", "num_examples", "class_counts", "class_gradients", "prototypes"}
     expected = loop_prototypes(model_with(reply["weights"]), data.x, data.y, NUM_CLASSES)
     torch.testing.assert_close(reply["prototypes"].double(), expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(reply["prototypes"][2], torch.zeros(FEATURE_DIM))
@@ -483,6 +489,9 @@ def test_gradient_timing_before_uses_the_received_model():
     received, _, reply, _ = fit_fedhpro(FedHProOptions(num_hyper=2, gradient_timing="before"), data)
     expected, _ = loop_class_gradients(model_with(received), data.x, data.y, NUM_CLASSES)
     torch.testing.assert_close(reply["class_gradients"].double(), expected, rtol=1e-4, atol=1e-6)
+    assert "prototypes" not in reply  # prototypes=hyper: not read, not sent
+    received, _, reply, _ = fit_fedhpro(FedHProOptions(num_hyper=2, gradient_timing="before", prototypes="global"),
+                                        data)
     protos = loop_prototypes(model_with(received), data.x, data.y, NUM_CLASSES)
     torch.testing.assert_close(reply["prototypes"].double(), protos, rtol=1e-5, atol=1e-6)
 

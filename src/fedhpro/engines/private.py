@@ -2,8 +2,9 @@
 
 Each reply arrives privatized (the engine ran :func:`~fedhpro.privacy.client.privatize_upload` on the client's
 side: its ``weights`` are the clipped update, its counts public constants). The chain a privatized upload goes
-through (:func:`private_chain`): the injected faults (hostility scales the update around zero, since the upload
-is the update itself), the method's checks of the upload as the method sees it (:func:`method_view`), the privacy
+through (:func:`private_chain`): the method's declared layout as privatized (exactly its keys and the privacy's,
+:func:`~fedhpro.privacy.client.privatized_layout`), the injected faults (hostility scales the update around zero,
+since the upload is the update itself), the method's checks of the upload as the method sees it (:func:`method_view`), the privacy
 checks (:class:`PrivateChecks`: finite, the right shapes, the holder vector), the bytes measured; then
 :class:`PrivateFold` adds it to a :class:`~fedhpro.privacy.client.PrivateSum` instead of the method's replies.
 At close the fold releases the noised sum with public denominators and hands the method ONE reply carrying the
@@ -22,13 +23,14 @@ from typing import Any, ClassVar
 
 from fedhpro.engines.chain import Fold, Incoming, ReplyStep, RoundState
 from fedhpro.engines.faults import InjectedFaults
-from fedhpro.engines.replies import Measured, MethodChecks
+from fedhpro.engines.replies import LayoutChecks, Measured, MethodChecks
 from fedhpro.privacy.client import (
     HOLDERS_KEY,
     PRIVATIZED_KEY,
     ClientPrivacy,
     PrivateSum,
     private_reply,
+    privatized_layout,
     upload_noise_generator,
 )
 
@@ -84,8 +86,10 @@ class PrivateFold(Fold):
 def private_chain(round: RoundState, settings: ClientPrivacy) -> tuple[list[ReplyStep], PrivateFold]:
     """The steps a privatized upload goes through, and the fold that releases the round's private sum."""
     fold = PrivateFold(round, settings)
-    return [InjectedFaults(view=method_view, deltas=True), MethodChecks(view=method_view), PrivateChecks(fold.total),
-            Measured()], fold
+    layout = privatized_layout(round.protocol.server.reply_layout(),
+                               round.num_classes if round.num_classes is not None else 0, settings.adaptive)
+    return [LayoutChecks(layout), InjectedFaults(view=method_view, deltas=True), MethodChecks(view=method_view),
+            PrivateChecks(fold.total), Measured()], fold
 
 
 __all__ = ["PrivateChecks", "PrivateFold", "method_view", "private_chain"]

@@ -28,11 +28,13 @@ the privacy options): every reply goes through the same per-reply steps in
 order, and the accepted ones into one fold, which hands the method what it
 aggregates at close. Without privacy::
 
-    SizeChecks -> InjectedFaults -> MethodChecks -> Measured
+    LayoutChecks -> SizeChecks -> InjectedFaults -> MethodChecks -> Measured
       [-> RowBound] -> WeightCap -> TrainingMetrics -> PlainFold | RobustFold(rule)
 
-* :mod:`fedhpro.engines.replies`: ``num_examples`` and ``class_counts`` must
-  be what the client can hold, the method's own checks, the bytes measured,
+* :mod:`fedhpro.engines.replies`: the reply's keys must be exactly those the
+  method's ``Server.reply_layout()`` declares (an undeclared or missing key is
+  refused, on every engine, as the Flower server refuses it before decoding),
+  ``num_examples`` and ``class_counts`` must be what the client can hold, the method's own checks, the bytes measured,
   ``aggregation.max_row_norm`` and the weight cap (``aggregation.max_share`` /
   ``max_ratio``);
 * :mod:`fedhpro.engines.faults`: the seeded fault draws and what a hostile
@@ -86,6 +88,7 @@ from fedhpro.engines.evaluation import TestCount, pool_accuracy, weighted_mean
 from fedhpro.engines.faults import FAULT, InjectedFaults, corrupted, draw_faults, hostile, hostile_factor
 from fedhpro.engines.private import method_view, private_chain
 from fedhpro.engines.replies import (
+    LayoutChecks,
     Measured,
     MethodChecks,
     RowBound,
@@ -397,13 +400,14 @@ class RoundProtocol:
     def chain(self, current: RoundState) -> tuple[list[ReplyStep], Fold]:
         """The steps every reply of ``current`` goes through, in order, and the fold the accepted ones go into,
         composed from the run's options: under ``privacy=client`` the privacy's chain
-        (:func:`~fedhpro.engines.private.private_chain`); otherwise the size checks, the injected faults, the
-        method's checks, the bytes measured, the row bound (``aggregation.max_row_norm > 0``), the weight cap
-        and the training metrics, into the method's running sum or, with a robust rule, the replies kept whole
+        (:func:`~fedhpro.engines.private.private_chain`); otherwise the declared layout, the size checks, the
+        injected faults, the method's checks, the bytes measured, the row bound (``aggregation.max_row_norm >
+        0``), the weight cap and the training metrics, into the method's running sum or, with a robust rule, the replies kept whole
         for the rule at close."""
         if self.client_privacy is not None:
             return private_chain(current, self.client_privacy)
-        steps: list[ReplyStep] = [SizeChecks(), InjectedFaults(), MethodChecks(), Measured()]
+        steps: list[ReplyStep] = [LayoutChecks(self.server.reply_layout()), SizeChecks(), InjectedFaults(),
+                                  MethodChecks(), Measured()]
         if self.aggregation.max_row_norm > 0:  # a class row is a claim about a class: bounded like a size
             steps.append(RowBound(declared_class_keys(self.server), self.aggregation.max_row_norm))
         steps += [WeightCap(self.weight_cap()), TrainingMetrics()]

@@ -22,6 +22,7 @@ from fedhpro.aggregation import claim_cap
 from fedhpro.engines.chain import Incoming, ReplyStep, RoundState
 from fedhpro.engines.faults import method_problem, same
 from fedhpro.errors import ConfigError
+from fedhpro.methods.layout import layout_problem
 from fedhpro.metrics import payload_bytes, payload_parameters
 
 
@@ -139,6 +140,23 @@ def check_bounds(aggregation: Any) -> None:
         raise ConfigError(f"aggregation.max_ratio must be 0 or >= 1, got {aggregation.max_ratio!r}")
 
 
+class LayoutChecks(ReplyStep):
+    """The reply's keys must be exactly those the method's reply layout declares (``layout``: the server's
+    :meth:`~fedhpro.methods.base.Server.reply_layout`, privatized under ``privacy=client``), its tensors of the
+    declared shapes (:func:`~fedhpro.methods.layout.layout_problem`): what the Flower server refuses before it
+    decodes a reply, refused here on every engine, so that a client uploads only what its server reads. A set
+    comparison of the keys and a look at each tensor's shape: nothing of an honest reply changes."""
+
+    def __init__(self, layout: Mapping[str, Any]) -> None:
+        self.layout = layout
+
+    def receive(self, incoming: Incoming, round: RoundState) -> str | None:
+        if not isinstance(incoming.reply, Mapping):
+            return None  # the method's checks name what the reply is
+        problem = layout_problem(incoming.reply, self.layout)
+        return None if problem is None else f"invalid update: {problem}"
+
+
 class SizeChecks(ReplyStep):
     """The reply's ``num_examples`` (:func:`examples_problem`) and ``class_counts`` (:func:`counts_problem`)
     must be what its client can hold."""
@@ -222,5 +240,5 @@ class TrainingMetrics(ReplyStep):
         return None
 
 
-__all__ = ["MethodChecks", "Measured", "RowBound", "SizeChecks", "TrainingMetrics", "WeightCap", "bound_text",
+__all__ = ["LayoutChecks", "MethodChecks", "Measured", "RowBound", "SizeChecks", "TrainingMetrics", "WeightCap", "bound_text",
            "bounded_rows", "capped_reply", "check_bounds", "counts_problem", "examples_problem", "weight_cap"]

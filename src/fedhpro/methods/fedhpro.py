@@ -5,8 +5,9 @@ matching (Eq. 6-9) on the hyper-prototypes S (C x |I| x d), which persist
 across rounds. Client: CE + HPCL (Eq. 11-12, with the margin of Eq. 10) +
 HPAL (Eq. 13) against S, then the class-wise feature gradients of Eq. 5.
 
-Table 6's ablation, ``prototypes=global|global-hpcl|global-hpal``: the server
-also aggregates the uploaded local prototypes into the global prototypes P of
+Table 6's ablation, ``prototypes=global|global-hpcl|global-hpal``: the clients
+also upload their local prototypes (only then: the method itself never reads
+them), and the server aggregates them into the global prototypes P of
 Eq. 4 (as printed, so scaled by 1/|A^c|; both losses are scale-free in the
 default normalised HPAL) and sends them; clients then use P (as ``C x 1 x d``)
 in place of S in both losses, in HPCL only or in HPAL only. A class nobody has
@@ -226,15 +227,18 @@ class FedHProServer(Server):
         return payload
 
     def reply_layout(self) -> ReplyLayout:
-        """The base layout plus ``class_counts`` (C, int64), ``class_gradients`` and ``prototypes`` (C x d,
-        the model's dtype), under every option; with ``classifier_step=synthetic`` also the classifier
-        gradients; all of them per class (:class:`ClassRows`). The server averages the gradients over the
-        clients that hold a class (Eq. 6), the prototypes by the clients' class counts (Eq. 4)."""
+        """What the server reads of a reply: the base layout plus ``class_counts`` (C, int64) and
+        ``class_gradients`` (C x d, the model's dtype) under every option; the clients' ``prototypes`` (C x d)
+        only for Table 6's global prototypes (``prototypes != hyper``: the method itself never reads them, so
+        its clients do not send them); with ``classifier_step=synthetic`` also the classifier gradients; all
+        of them per class (:class:`ClassRows`). The server averages the gradients over the clients that hold
+        a class (Eq. 6), the prototypes by the clients' class counts (Eq. 4)."""
         classes, dim = self.num_classes, self.global_prototypes.shape[1]
         dtype = classifier_of(self.scratch).weight.dtype
         layout: ReplyLayout = {**super().reply_layout(), "class_counts": ClassRows((classes,), torch.int64),
-                               "class_gradients": ClassRows((classes, dim), dtype, HOLDERS),
-                               "prototypes": ClassRows((classes, dim), dtype, COUNTS)}
+                               "class_gradients": ClassRows((classes, dim), dtype, HOLDERS)}
+        if self.uses_global:
+            layout["prototypes"] = ClassRows((classes, dim), dtype, COUNTS)
         if self.synthetic is not None:  # classifier_step=synthetic: C x C x d and C x C classifier gradients
             layout.update(classifier_weight_gradients=ClassRows((classes, classes, dim), dtype, HOLDERS),
                           classifier_bias_gradients=ClassRows((classes, classes), dtype, HOLDERS))
@@ -487,8 +491,11 @@ class FedHProClient(Client):
         return terms
 
     def upload(self, round: LocalRound) -> Payload:
-        """The class counts, gradients g_k^c (Eq. 5; after training unless ``gradient_timing=before``) and
-        prototypes, and the classifier gradients of ``classifier_step=synthetic``; the margin as a note."""
+        """The class counts and gradients g_k^c (Eq. 5; after training unless ``gradient_timing=before``), the
+        prototypes p_k^c only for Table 6's global prototypes (``prototypes != hyper``: what the server's
+        :meth:`FedHProServer.reply_layout` declares; under ``privacy=sample`` the released prototypes stay
+        with the client for its margin), and the classifier gradients of ``classifier_step=synthetic``; the
+        margin as a note."""
         if self.sample_private and self.options.gradient_timing == "after":
             released = self._release(round)
             gradients, counts, prototypes = (released["class_gradients"], released["class_counts"],
@@ -498,8 +505,10 @@ class FedHProClient(Client):
         else:
             gradients, counts, prototypes = round.scratch["statistics"]
         round.notes["margin"] = float(round.scratch["margin"])
-        return {"class_counts": counts.cpu(), "class_gradients": gradients.cpu(), "prototypes": prototypes.cpu(),
-                **round.scratch["classifier_uploads"]}
+        upload: Payload = {"class_counts": counts.cpu(), "class_gradients": gradients.cpu()}
+        if self.options.prototypes != "hyper":
+            upload["prototypes"] = prototypes.cpu()
+        return {**upload, **round.scratch["classifier_uploads"]}
 
     def _class_gradients(self, round: LocalRound) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(g_k^c, n_k^c, p_k^c)`` of the model as it is now, on the samples the options choose."""

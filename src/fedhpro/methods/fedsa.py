@@ -38,7 +38,8 @@ update; ``proto-only``: only the anchor update (engine ``shared="none"``).
 ``prototypes=hyper`` (paper Table 3): ``H`` (C x d, FedHPro's averaged
 hyper-prototypes, matched against the new global head each round) replaces
 the anchors in all three terms and in the global gap; clients upload
-``class_gradients`` (Eq. 5) from the same eval pass; needs ``protocol=dagger``.
+``class_gradients`` (Eq. 5) from the same eval pass in place of their prototypes
+(which they keep for the local gap); needs ``protocol=dagger``.
 """
 
 from __future__ import annotations
@@ -209,11 +210,12 @@ class FedSAClient(PrototypeClient):
         return terms
 
     def upload(self, round: LocalRound) -> Payload:
-        """The default uploads, also kept in ``state`` for the local gap of the next participation."""
-        upload = super().upload(round)
-        round.state["last_prototypes"] = upload["prototypes"]
-        round.state["last_present"] = upload["class_counts"] > 0
-        return upload
+        """The default uploads; the prototypes and presence are also kept in ``state`` for the local gap of the
+        next participation (with ``prototypes=hyper`` too, where they are not sent)."""
+        statistics = self.class_statistics(round)
+        round.state["last_prototypes"] = statistics["prototypes"]
+        round.state["last_present"] = statistics["class_counts"] > 0
+        return self.sent(statistics)
 
 
 METHOD = MethodSpec(

@@ -27,7 +27,8 @@ Server, every round (after FedAvg on the weights in ``dagger``):
    untrained and is not sent as a target).
 
 ``prototypes=hyper`` replaces steps 1-3 by FedHPro's server step (the TGP is not trained then, as
-its output would not be used), so FedTGP+hyper and FedProto+hyper are the same algorithm here.
+its output would not be used; the clients send their class gradients and counts, not their prototypes),
+so FedTGP+hyper and FedProto+hyper are the same algorithm here.
 """
 
 from __future__ import annotations

@@ -89,3 +89,37 @@ def class_keys(layout: Mapping[str, Any]) -> list[str]:
 def weights_layout(weights: Mapping[str, Tensor]) -> dict[str, TensorLayout]:
     """``{name: (shape, dtype)}`` of a model's weights, in their order: their entry in a reply layout."""
     return {name: tensor_layout(tensor) for name, tensor in weights.items()}
+
+
+def layout_problem(reply: Mapping[str, Any], layout: Mapping[str, Any]) -> str | None:
+    """Why ``reply`` does not fit the declared ``layout`` (one line naming the key and the fix), or None.
+
+    Checked: the reply's keys are exactly the layout's (an undeclared key would leave the client without the
+    server reading it; a missing one is read as absent), a dict of tensors holds exactly its declared names, and
+    a declared tensor is a tensor of its declared shape. The values are not looked at (the method's own checks
+    do), nor the dtypes (the in-process engines hand tensors over as the client made them); the Flower server
+    checks the same before it decodes a reply (:func:`fedhpro.flower.records.check_layout`)."""
+    extra = [key for key in reply if key not in layout]
+    if extra:
+        return (f"the reply holds '{extra[0]}', which the method's reply layout does not declare (a method whose "
+                "client uploads it must declare it in Server.reply_layout(), and one whose server does not read it "
+                "must not upload it)")
+    missing = [key for key in layout if key not in reply]
+    if missing:
+        return f"the reply lacks '{missing[0]}', which the method's reply layout declares in Server.reply_layout()"
+    for key, form in layout.items():
+        value = reply[key]
+        if isinstance(form, Mapping):
+            if not isinstance(value, Mapping):
+                return f"'{key}' must be a dict of tensors, the reply holds a {type(value).__name__}"
+            if value.keys() != form.keys():
+                names = [name for name in value if name not in form] or [name for name in form if name not in value]
+                return (f"'{key}' holds '{names[0]}', which the method's reply layout does not declare"
+                        if names[0] in value else
+                        f"'{key}' lacks '{names[0]}', which the method's reply layout declares")
+        elif isinstance(form, tuple):
+            if not isinstance(value, Tensor):
+                return f"'{key}' must be a tensor of shape {tuple(form[0])}, the reply holds a {type(value).__name__}"
+            if tuple(value.shape) != tuple(form[0]):
+                return f"'{key}' has shape {tuple(value.shape)}, the method's reply layout declares {tuple(form[0])}"
+    return None

@@ -21,8 +21,9 @@ Payload keys. Server -> client: ``weights`` (``{}`` in proto-only), ``prototypes
 always present; zeros where absent) and ``prototype_mask`` (C bool: which rows are real
 prototypes; all False before the first aggregation). Client -> server: ``weights``,
 ``num_examples``, ``prototypes`` (C x d, Eq. 2 under the trained model, zeros for classes
-the client does not hold), ``class_counts`` (C), plus ``class_gradients`` (C x d, Eq. 5)
-with ``prototypes=hyper``. FedGMKD adds soft predictions both ways; FedSA broadcasts its
+the client does not hold), ``class_counts`` (C); with ``prototypes=hyper`` ``class_gradients``
+(C x d, Eq. 5) in place of the prototypes, which FedHPro's server step does not read (FedGMKD,
+whose knowledge step reads them, sends both). FedGMKD adds soft predictions both ways; FedSA broadcasts its
 ``anchors`` in place of ``prototypes`` and ``prototype_mask``.
 """
 
@@ -93,6 +94,15 @@ def check_prototype_reply(reply: Payload, num_classes: int, feature_dim: int, wh
     return holds
 
 
+def check_class_counts(reply: Payload, num_classes: int, who: str = "reply") -> Tensor:
+    """UpdateError unless ``reply`` has ``class_counts`` (C); returns the ``C`` bool mask of the classes the
+    client holds (count > 0): :func:`check_prototype_reply` for a reply without prototypes."""
+    n = reply.get("class_counts")
+    if not isinstance(n, Tensor) or tuple(n.shape) != (num_classes,):
+        raise UpdateError(f"{who}: class_counts must be a tensor of {num_classes} counts")
+    return n.detach().cpu() > 0
+
+
 def check_class_tensor(reply: Payload, key: str, shape: tuple[int, ...], who: str,
                        held: Tensor | None = None) -> Tensor:
     """``reply[key]`` as a tensor of ``shape``, finite on the rows of ``held`` (all rows if None);
@@ -132,6 +142,16 @@ def stack_prototypes(replies: Sequence[Payload], num_classes: int, feature_dim: 
         present.append(holds)
         counts.append(reply["class_counts"].detach().cpu().clamp(min=0))
     return Uploads(torch.stack(prototypes), torch.stack(present), torch.stack(counts))
+
+
+def stack_presence(replies: Sequence[Payload], num_classes: int) -> Tensor:
+    """``K x C`` bool: which classes each reply's client holds (``class_counts > 0``), for a server that reads
+    the counts but not the prototypes (the prototype methods with ``prototypes=hyper``); UpdateError if
+    malformed. The same mask as :func:`stack_prototypes`' ``present``."""
+    if not replies:
+        raise UpdateError("no replies to aggregate")
+    return torch.stack([check_class_counts(reply, num_classes, who=f"reply {index}")
+                        for index, reply in enumerate(replies)])
 
 
 def merge_prototypes(previous: Tensor, previous_mask: Tensor, new: Tensor, held: Tensor) -> tuple[Tensor, Tensor]:
@@ -395,6 +415,13 @@ class PrototypeServer(Server, ABC):
     def exchanges_weights(self) -> bool:
         return self.options.protocol == "dagger"
 
+    @property
+    def reads_prototypes(self) -> bool:
+        """Whether the server reads the clients' prototypes: in its own prototype step, which
+        ``prototypes=hyper`` replaces by FedHPro's unless :attr:`steps_with_hyper`. Only then does
+        :meth:`reply_layout` declare them (and the clients send them: :attr:`PrototypeClient.sends_prototypes`)."""
+        return self.bank is None or self.steps_with_hyper
+
     def broadcast_weights(self) -> Weights:
         """The global weights in ``dagger``; ``{}`` in ``proto-only`` (every client keeps its own model)."""
         return self.weights if self.exchanges_weights else {}
@@ -419,39 +446,44 @@ class PrototypeServer(Server, ABC):
         return prototype_inference(self.options.inference, model, *self.broadcast_prototypes())
 
     def reply_layout(self) -> ReplyLayout:
-        """The base layout (weights, ``{}`` in proto-only; num_examples), ``prototypes`` (C x d, the model's
-        dtype), ``class_counts`` (C, int64) and, with ``prototypes=hyper``, ``class_gradients`` (C x d); all
-        but the weights per class (:class:`ClassRows`, averaged as :attr:`rows_averaged` says)."""
+        """What the server reads of a reply: the base layout (weights, ``{}`` in proto-only; num_examples),
+        ``class_counts`` (C, int64), ``prototypes`` (C x d, the model's dtype) when it reads them
+        (:attr:`reads_prototypes`) and, with ``prototypes=hyper``, ``class_gradients`` (C x d); all but the
+        weights per class (:class:`ClassRows`, averaged as :attr:`rows_averaged` says)."""
         rows = ClassRows((self.num_classes, self.feature_dim), classifier_of(self.scratch).weight.dtype,
                          self.rows_averaged)
-        layout: ReplyLayout = {**super().reply_layout(), "prototypes": rows,
-                               "class_counts": ClassRows((self.num_classes,), torch.int64)}
+        layout: ReplyLayout = super().reply_layout()
+        if self.reads_prototypes:
+            layout["prototypes"] = rows
+        layout["class_counts"] = ClassRows((self.num_classes,), torch.int64)
         if self.bank is not None:
             layout["class_gradients"] = rows
         return layout
 
     def validate_reply(self, reply: Payload, who: str = "reply") -> None:
-        """The base checks (weights, ``{}`` in proto-only; num_examples), the prototype fields and, with
-        ``prototypes=hyper``, the class gradients."""
+        """The base checks (weights, ``{}`` in proto-only; num_examples), the class counts, the prototypes
+        when the server reads them and, with ``prototypes=hyper``, the class gradients."""
         super().validate_reply(reply, who)
-        held = check_prototype_reply(reply, self.num_classes, self.feature_dim, who)
+        held = (check_prototype_reply(reply, self.num_classes, self.feature_dim, who) if self.reads_prototypes
+                else check_class_counts(reply, self.num_classes, who))
         if self.bank is not None:
             check_class_tensor(reply, "class_gradients", (self.num_classes, self.feature_dim), who, held)
 
     def aggregate(self, round: int, replies: Sequence[Payload]) -> dict[str, float]:
         # validate everything before changing any state: a rejected round leaves the server as it was
         self.validate_replies(replies)
-        uploads = stack_prototypes(replies, self.num_classes, self.feature_dim)
+        uploads = stack_prototypes(replies, self.num_classes, self.feature_dim) if self.reads_prototypes else None
+        present = uploads.present if uploads is not None else stack_presence(replies, self.num_classes)
         gradients = self.bank.validate(replies)[0] if self.bank is not None else None
-        metrics: dict[str, float] = {"classes_held": float(uploads.present.any(0).sum())}
-        if self.bank is None or self.steps_with_hyper:
+        metrics: dict[str, float] = {"classes_held": float(present.any(0).sum())}
+        if uploads is not None:
             metrics.update(self.prototype_step(round, uploads, replies))
         if self.exchanges_weights:
             self.weights = self.aggregate_weights(replies)
         if self.bank is not None:
             assert gradients is not None  # stacked and validated above, with the bank
             load_weights(self.scratch, self.weights)
-            metrics.update(self.bank.update(gradients, uploads.present, classifier_of(self.scratch)))
+            metrics.update(self.bank.update(gradients, present, classifier_of(self.scratch)))
         return metrics
 
     @abstractmethod
@@ -498,10 +530,31 @@ class PrototypeClient(Client):
         regularizer = prototype_regularizer(prototypes, mask, float(self.options.lam))
         return None if regularizer is None else regularizer_terms(regularizer)
 
-    def upload(self, round: LocalRound) -> Payload:
+    @property
+    def sends_prototypes(self) -> bool:
+        """Whether the reply carries the local prototypes: not with ``prototypes=hyper``, whose server step
+        replaces the method's own and reads only the counts and class gradients
+        (:attr:`PrototypeServer.reads_prototypes`; FedGMKD, whose knowledge step reads them either way, uploads
+        by its own :meth:`upload`)."""
+        return self.options.prototypes != "hyper"
+
+    def class_statistics(self, round: LocalRound) -> Payload:
+        """The client's class statistics of its trained model (one eval-mode pass): prototypes, counts and, with
+        ``prototypes=hyper``, class gradients (:func:`class_uploads`; under ``privacy=sample`` the round's one
+        release of them, :func:`private_class_uploads`), whether or not the reply carries the prototypes."""
         features = extract_features(round.model, round.data.x)
         if self.sample_private:
             return private_class_uploads(self, round, classifier_of(round.model), features, round.data.y,
                                          with_gradients=self.options.prototypes == "hyper")
         return class_uploads(classifier_of(round.model), features, round.data.y, self.num_classes,
                              with_gradients=self.options.prototypes == "hyper")
+
+    def sent(self, statistics: Payload) -> Payload:
+        """What of :meth:`class_statistics` the reply carries: all of it, less the prototypes unless
+        :attr:`sends_prototypes`."""
+        if self.sends_prototypes:
+            return statistics
+        return {key: value for key, value in statistics.items() if key != "prototypes"}
+
+    def upload(self, round: LocalRound) -> Payload:
+        return self.sent(self.class_statistics(round))
