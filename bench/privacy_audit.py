@@ -1,10 +1,10 @@
 """Privacy audit: an honest-but-curious server reads every reply the round protocol receives.
 
-For each method (FedAvg, FedProto, FedSA, FedHPro) and privacy setting (off, and client-level DP at a
-few epsilons), one run of the in-process simulator. The server's view is captured where the round
-protocol is handed each reply (``OpenRound.receive``; with ``privacy=client`` the client's privatized
-upload, whose ``weights`` are its clipped update and whose counts are public constants). The client's
-truth (its class counts, its class-mean features under the model it trained) is taken where the
+For each method (by default every registered one: the nine of the paper's tables) and privacy setting
+(off, and client-level DP at a few epsilons), one run of the in-process simulator. The server's view is
+captured where the round protocol is handed each reply (``OpenRound.receive``; with ``privacy=client``
+the client's privatized upload, whose ``weights`` are its clipped update and whose counts are public
+constants). The client's truth (its class counts, its class-mean features under the model it trained) is taken where the
 simulator shows an accepted client to its observers. On the final round's replies the attacks of
 :mod:`fedhpro.privacy.audit` run:
 
@@ -19,6 +19,11 @@ simulator shows an accepted client to its observers. On the final round's replie
 Channels: ``weights`` (the classifier update, every method that sends weights), ``rows+counts`` (the
 uploaded prototypes and class counts), ``rows`` (the prototypes alone, as if counts were not sent),
 ``class gradients`` (FedHPro's Eq. 5 tensors, inverted through the client's returned head).
+
+Beside the attacks, each run's "sent, not read" column: the keys of the clients' replies that the method's
+server never reads (:mod:`fedhpro.methods.reads`: the replies the engine hands its ``aggregate`` record every key
+looked up, over every round); the privacy's own keys under ``privacy=client`` (``dp_*``, read by the private sum)
+are not counted. Every key there left the clients for nothing; "-" is none.
 
     nice -n 10 python bench/privacy_audit.py --out /work/results/privacy-audit
 
@@ -49,8 +54,10 @@ from fedhpro.engines.observers import RoundObserver
 from fedhpro.errors import FedHProError
 from fedhpro.experiment import build_experiment, build_simulator
 from fedhpro.files import write_atomic
+from fedhpro.methods import method_names
 from fedhpro.methods.no_grad import extract_features
 from fedhpro.methods.parts import classifier_of
+from fedhpro.methods.reads import RecordedReplies, sent_not_read
 from fedhpro.privacy.audit import (
     class_means_from_class_gradients,
     class_means_from_classifier_update,
@@ -62,8 +69,10 @@ from fedhpro.privacy.audit import (
     membership_advantage,
     total_variation,
 )
+from fedhpro.privacy.client import BELOW_CLIP_KEY, HOLDERS_KEY, PRIVATIZED_KEY
 
-METHODS = ("fedavg", "fedproto", "fedsa", "fedhpro")
+#: the reply keys of client-level DP itself (read by its private sum, not by the method's server)
+PRIVACY_KEYS = (HOLDERS_KEY, PRIVATIZED_KEY, BELOW_CLIP_KEY)
 
 #: the audit's federation: 10 label-skewed clients of digits-offline, small enough for two shared cores
 #: (two of the four domains, ~480 training samples a client; label partitions split whole domains)
@@ -73,13 +82,16 @@ BASE = ["dataset=digits-offline", "data.domains=[mnist,syn]", "data.syn_size=100
 
 
 class Capture(RoundObserver):
-    """Keeps what the server was handed in each round (client -> reply, a deep copy) and each accepted
-    client's truth: its class counts and class-mean features under the model it trained."""
+    """Keeps what the server was handed in each round (client -> reply, a deep copy), each accepted
+    client's truth (its class counts and class-mean features under the model it trained) and every key of a
+    reply the method's server read (``reads``: its round containers are :class:`RecordedReplies`, which fold
+    and aggregate as the engine's own)."""
 
     def __init__(self) -> None:
         self.replies: dict[int, dict[int, dict[str, Any]]] = {}
         self.truth: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.payloads: dict[int, dict[str, Any]] = {}
+        self.reads: set[str] = set()
         self.round = -1
 
     def attach(self, simulator) -> None:
@@ -87,6 +99,13 @@ class Capture(RoundObserver):
         protocol = simulator.protocol
         opened = protocol.open
         capture = self
+        server = protocol.server
+        new_replies = server.new_replies
+
+        def recorded_replies() -> RecordedReplies:
+            return RecordedReplies(capture.reads, fold_weights=new_replies().folds_weights)
+
+        server.new_replies = recorded_replies  # type: ignore[method-assign]
 
         def open_round(round: int):
             current = opened(round)
@@ -95,11 +114,12 @@ class Capture(RoundObserver):
             capture.replies[round] = {}
             receive = current.receive
 
-            def receive_and_keep(client, reply, metrics, num_samples):
+            def receive_and_keep(client, reply, metrics, num_samples, borrowed=False):
                 # exactly what the protocol is handed: the reply as it left the client (privatized when
-                # privacy=client: the clipped, and under local noise noised, update and class rows)
+                # privacy=client: the clipped, and under local noise noised, update and class rows); copied
+                # now, as borrowed weights are the working model's own tensors
                 capture.replies[round][client] = copy.deepcopy(reply)
-                return receive(client, reply, metrics, num_samples)
+                return receive(client, reply, metrics, num_samples, borrowed=borrowed)
 
             current.receive = receive_and_keep  # type: ignore[method-assign]
             return current
@@ -260,7 +280,10 @@ def run_one(method: str, setting: str, seed: int, base: Sequence[str]) -> dict[s
     done = [round for round in capture.replies if record is not None and round <= record.round]
     last = max(done) if done else None
     channels = audit_round(sim, capture, last, noise_std_of(sim)) if last is not None else {}
+    sent = [{key: None for key in reply if key not in PRIVACY_KEYS}
+            for replies in capture.replies.values() for reply in replies.values()]
     row = {"method": method, "privacy": setting, "seed": seed, "audited_round": last, "stopped": stopped,
+           "sent_not_read": sent_not_read(sent, capture.reads),
            "accuracy": (record.accuracy or {}).get("AVG") if record is not None else None,
            "epsilon": (record.extra.get("privacy") or {}).get("epsilon") if record is not None else None,
            "seconds": round_to(time.perf_counter() - started, 1), "command": "fedhpro run " + " ".join(overrides),
@@ -279,8 +302,8 @@ COLUMNS = ("label_accuracy", "label_f1", "label_tv", "cos_true", "cos_other", "m
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
-    head = ("| method | privacy | eps | AVG % | channel | label acc | label F1 | label TV | cos true | cos other "
-            "| MI adv | MI AUC | MI adv (global) |")
+    head = ("| method | privacy | eps | AVG % | sent, not read | channel | label acc | label F1 | label TV | cos true "
+            "| cos other | MI adv | MI AUC | MI adv (global) |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for row in rows:
         setting = row["privacy"]
@@ -289,20 +312,28 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         for channel, scores in (row["channels"] or {"(none)": {}}).items():
             cells = [row["method"], setting,
                      "-" if row["epsilon"] is None else f"{row['epsilon']:.2f}",
-                     "-" if row["accuracy"] is None else f"{row['accuracy']:.1f}", channel]
+                     "-" if row["accuracy"] is None else f"{row['accuracy']:.1f}", unread_text(row), channel]
             cells += ["" if key not in scores or math.isnan(scores[key]) else f"{scores[key]:.3f}" for key in COLUMNS]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
+def unread_text(row: dict[str, Any]) -> str:
+    """The run's "sent, not read" keys as one cell: "-" for none (rows of an audit.json written before the
+    column have no entry: "")."""
+    if "sent_not_read" not in row:
+        return ""
+    return " ".join(row["sent_not_read"]) or "-"
+
+
 def csv_text(rows: Sequence[dict[str, Any]]) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(["method", "privacy", "seed", "epsilon", "accuracy", "channel", *COLUMNS])
+    writer.writerow(["method", "privacy", "seed", "epsilon", "accuracy", "sent_not_read", "channel", *COLUMNS])
     for row in rows:
         for channel, scores in row["channels"].items():
-            writer.writerow([row["method"], row["privacy"], row["seed"], row["epsilon"], row["accuracy"], channel,
-                             *[scores.get(key, "") for key in COLUMNS]])
+            writer.writerow([row["method"], row["privacy"], row["seed"], row["epsilon"], row["accuracy"],
+                             unread_text(row), channel, *[scores.get(key, "") for key in COLUMNS]])
     return buffer.getvalue()
 
 
@@ -327,7 +358,7 @@ def chance_reference(base: Sequence[str], seed: int) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for audit.json / audit.csv / audit.md")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=method_names(), help="default: every registered method")
     parser.add_argument("--settings", nargs="+", default=["off"],
                         help="off, or NOISE:EPSILON with NOISE local|central (client-level DP), e.g. local:4")
     parser.add_argument("--seed", type=int, default=0)

@@ -129,7 +129,7 @@ def test_fedhpro_matches_hyper_prototypes_with_the_shared_classifier():
     assert not torch.equal(start, sim.server.hyper)
     # only the classifier travels: bytes up = K x (classifier + FedHPro's per-class tensors)
     classifier_bytes = (NUM_CLASSES * FEATURE_DIM + NUM_CLASSES) * 4
-    extra = (NUM_CLASSES * FEATURE_DIM * 2) * 4 + NUM_CLASSES * 8 + 8  # gradients, prototypes, counts, n_k
+    extra = NUM_CLASSES * FEATURE_DIM * 4 + NUM_CLASSES * 8 + 8  # gradients, counts, n_k (no prototypes: unread)
     assert record.bytes_up == sim.federation.num_clients * (classifier_bytes + extra)
 
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 import torch
-
 from conftest import NUM_CLASSES, TinyNet, make_client
+
 from fedhpro.errors import ConfigError
 from fedhpro.methods import MethodContext, TrainSettings, get_method, method_names
 from fedhpro.methods.layout import ClassRows, layout_problem

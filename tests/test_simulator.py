@@ -438,8 +438,9 @@ def test_fedhpro_bytes_are_hand_counted():
     options = FedHProOptions(num_hyper=3, match_steps=1)
     weights = _state_bytes(TinyNet())
     hyper = NUM_CLASSES * 3 * FEATURE_DIM * 4
-    # reply: weights, num_examples (8), class_counts (C int64), class_gradients and prototypes (C x d float32)
-    reply = weights + 8 + NUM_CLASSES * 8 + 2 * NUM_CLASSES * FEATURE_DIM * 4
+    # reply: weights, num_examples (8), class_counts (C int64), class_gradients (C x d float32); no prototypes,
+    # which the server reads only under fedhpro.prototypes=global*
+    reply = weights + 8 + NUM_CLASSES * 8 + NUM_CLASSES * FEATURE_DIM * 4
     federation = make_federation([6, 7, 8, 9], seed=12)
     sim = simulator(federation, "fedhpro", options, participation=0.75, seed=2)
     record = sim.run_round(0)

@@ -4,8 +4,9 @@ Each reply arrives privatized (the engine ran :func:`~fedhpro.privacy.client.pri
 side: its ``weights`` are the clipped update, its counts public constants). The chain a privatized upload goes
 through (:func:`private_chain`): the method's declared layout as privatized (exactly its keys and the privacy's,
 :func:`~fedhpro.privacy.client.privatized_layout`), the injected faults (hostility scales the update around zero,
-since the upload is the update itself), the method's checks of the upload as the method sees it (:func:`method_view`), the privacy
-checks (:class:`PrivateChecks`: finite, the right shapes, the holder vector), the bytes measured; then
+since the upload is the update itself), the method's checks of the upload as the method sees it
+(:func:`method_view`), the privacy checks (:class:`PrivateChecks`: finite, the right shapes, the holder vector),
+the bytes measured; then
 :class:`PrivateFold` adds it to a :class:`~fedhpro.privacy.client.PrivateSum` instead of the method's replies.
 At close the fold releases the noised sum with public denominators and hands the method ONE reply carrying the
 privatized values (:func:`~fedhpro.privacy.client.private_reply`), so every method's mean is the privatized

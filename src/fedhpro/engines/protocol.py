@@ -402,8 +402,8 @@ class RoundProtocol:
         composed from the run's options: under ``privacy=client`` the privacy's chain
         (:func:`~fedhpro.engines.private.private_chain`); otherwise the declared layout, the size checks, the
         injected faults, the method's checks, the bytes measured, the row bound (``aggregation.max_row_norm >
-        0``), the weight cap and the training metrics, into the method's running sum or, with a robust rule, the replies kept whole
-        for the rule at close."""
+        0``), the weight cap and the training metrics, into the method's running sum or, with a robust rule, the
+        replies kept whole for the rule at close."""
         if self.client_privacy is not None:
             return private_chain(current, self.client_privacy)
         steps: list[ReplyStep] = [LayoutChecks(self.server.reply_layout()), SizeChecks(), InjectedFaults(),

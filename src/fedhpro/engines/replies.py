@@ -240,5 +240,6 @@ class TrainingMetrics(ReplyStep):
         return None
 
 
-__all__ = ["LayoutChecks", "MethodChecks", "Measured", "RowBound", "SizeChecks", "TrainingMetrics", "WeightCap", "bound_text",
-           "bounded_rows", "capped_reply", "check_bounds", "counts_problem", "examples_problem", "weight_cap"]
+__all__ = ["LayoutChecks", "MethodChecks", "Measured", "RowBound", "SizeChecks", "TrainingMetrics", "WeightCap",
+           "bound_text", "bounded_rows", "capped_reply", "check_bounds", "counts_problem", "examples_problem",
+           "weight_cap"]
