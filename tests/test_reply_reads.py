@@ -23,8 +23,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import NUM_CLASSES, TinyNet, make_client
+from conftest import NUM_CLASSES, TinyNet, make_client, make_federation
 
+from fedhpro.config import PrivacyOptions
+from fedhpro.engines.chain import Reception
+from fedhpro.engines.protocol import client_step
+from fedhpro.engines.simulator import Simulator
 from fedhpro.errors import ConfigError
 from fedhpro.methods import MethodContext, TrainSettings, get_method, method_names
 from fedhpro.methods.layout import ClassRows, layout_problem
@@ -194,3 +198,29 @@ def test_the_recorder_sees_what_fedhpro_would_have_sent_unread():
     assert sent_not_read(padded, reads) == ["prototypes"]
     problem = layout_problem(padded[0], server.reply_layout())
     assert problem is not None and "'prototypes'" in problem and "Server.reply_layout()" in problem
+
+
+@pytest.mark.parametrize("privacy", ["none", "client"])
+def test_the_round_chain_refuses_an_undeclared_or_missing_key_in_one_line(privacy):
+    """Every engine's round chain (:class:`~fedhpro.engines.replies.LayoutChecks`) refuses a reply whose keys are
+    not the declared layout (privatized under ``privacy=client``), naming the key and the fix; an honest reply
+    of the same round passes."""
+    options = get_method("fedproto").options()
+    federation = make_federation([16, 16, 16], classes=[list(c) for c in (*CLIENT_CLASSES, [0, 2])], seed=3)
+    sim = Simulator(get_method("fedproto"), options, federation, TinyNet, TRAIN, rounds=1, seed=5,
+                    privacy=PrivacyOptions(mode="client", clip=1.0, noise_multiplier=0.5) if privacy == "client"
+                    else None)
+    current = sim.protocol.open(0)
+    replies = []
+    for k in range(3):
+        reply, _ = client_step(sim.server, sim.client, sim.models.model_for(k), current.payload,
+                               federation.clients[k], {}, sim.seed, 0, k, sim.protocol.client_privacy)
+        replies.append(reply)
+    assert current.receive(0, {**replies[0], "secret": torch.ones(3)}, {}, 16) is Reception.INVALID
+    reason = current.dropped[-1]["reason"]
+    assert "'secret'" in reason and "Server.reply_layout()" in reason and "\n" not in reason
+    missing = "prototypes" if privacy == "none" else HOLDERS_KEY
+    assert current.receive(1, {key: value for key, value in replies[1].items() if key != missing}, {}, 16) \
+        is Reception.INVALID
+    assert f"'{missing}'" in current.dropped[-1]["reason"]
+    assert current.receive(2, replies[2], {}, 16) is Reception.ACCEPTED
