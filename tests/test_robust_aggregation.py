@@ -335,7 +335,8 @@ def test_fedhpro_class_gradients_are_the_median_over_each_classs_holders():
     sim.server.aggregate = aggregate
     sim.run_round(0)
     assert len(handed) == 5
-    for key in ("class_gradients", "prototypes"):
+    assert "prototypes" not in handed[0]  # fedhpro.prototypes=hyper: not read, not sent
+    for key in ("class_gradients",):
         for c in range(4):
             holders = [k for k in range(5) if c in classes[k]]
             sent = [computed[k][key][c] * (100.0 if k == bad else 1.0) for k in holders]
