@@ -15,6 +15,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
 from torch import nn
 
 from fedhpro import cli
@@ -25,8 +26,6 @@ from fedhpro.experiment import model_factories
 from fedhpro.methods import METHODS
 from fedhpro.methods.base import Client, MethodContext
 from fedhpro.methods.training import DIVERGENCE_FACTOR, TrainSettings, divergence, train_epochs
-
-from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
 
 #: the input of the one-parameter model: its gradient at w = 0 is -X (below)
 X = 20.0

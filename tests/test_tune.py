@@ -54,11 +54,11 @@ def test_tune_finds_a_better_learning_rate_than_a_bad_one(digits_data_dir, tmp_p
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("fedavg trial")]
     assert len(lines) == 6  # one line per finished trial
     best = tuned["methods"]["fedavg"]
-    assert set(best) == {"lr"}  # local_epochs was given: fixed, not searched
+    assert set(best) == {"lr", "max_grad_norm"}  # local_epochs was given: fixed, not searched
     # the reference, measured apart from the study: the bad lr and the tuned one, each run here on its own
     reference = dict(settings(digits_data_dir), method="fedavg", seed=TUNING_SEED, validation=0.2, progress=False)
     bad = api.run(reference, {"lr": 0.001, "out": str(tmp_path / "bad")}).summary["validation"]["accuracy"]
-    good = api.run(reference, {"lr": best["lr"], "out": str(tmp_path / "good")}).summary["validation"]["accuracy"]
+    good = api.run(reference, {**best, "out": str(tmp_path / "good")}).summary["validation"]["accuracy"]
     assert good >= bad + 20
     assert 0.005 <= best["lr"] <= 0.2
     # the study's value is that run's validation accuracy (the same bytes), and every trial reported each round
@@ -125,12 +125,12 @@ def test_a_plug_in_method_declaring_a_space_is_tuned_the_same_way(digits_data_di
         trials = trials_of(out, "scaled")
         assert len(trials) == 3
         for trial in trials:
-            assert set(trial.params) == {"lr", "scaled.weight", "scaled.mode"}
+            assert set(trial.params) == {"lr", "max_grad_norm", "scaled.weight", "scaled.mode"}
             assert 0.5 <= trial.params["scaled.weight"] <= 2.0 and trial.params["scaled.mode"] in ("a", "b")
             saved = yaml.safe_load((out / "scaled" / f"trial-{trial.number:04d}" / "config.yaml").read_text())
             assert saved["scaled"]["weight"] == trial.params["scaled.weight"]  # the run got the trial's value
             assert saved["scaled"]["fixed"] == 3 and saved["validation"] == 0.2
-        assert set(tuned["methods"]["scaled"]) == {"lr", "scaled.weight", "scaled.mode"}
+        assert set(tuned["methods"]["scaled"]) == {"lr", "max_grad_norm", "scaled.weight", "scaled.mode"}
 
         methods.register("silent", MethodSpec(name="silent", options=SilentOptions, server=Server,
                                               client=Client))
