@@ -248,12 +248,12 @@ class RunOptions:
     weight_decay: float = option(1e-5, min=0.0, help="local SGD weight decay")
     max_grad_norm: float | None = option(None, min=0.0,
                                          help="cap the local gradient's global L2 norm at this before each SGD "
-                                              "step (privacy=sample: the noisy gradient's); 0: off; unset: the "
-                                              "method's default (FedRCL 10, as its authors; the others off, as "
-                                              "the paper). Cosine losses at a small temperature (FedHPro's HPCL, "
-                                              "tau=0.05) have gradients ~1/(tau |z|): on small features one step "
-                                              "at lr >= 0.05 can blow them up and the cross-entropy with them; "
-                                              "10 stops that")
+                                              "step (privacy=sample: the noisy gradient's); 0: off. Cosine losses "
+                                              "at a small temperature (FedHPro's HPCL, tau=0.05) have gradients "
+                                              "~1/(tau |z|): on small features one step at lr >= 0.05 can blow "
+                                              "them up and the cross-entropy with them; 10 stops that (default: "
+                                              "unset, the method's own cap: FedRCL 10, as its authors; the others "
+                                              "none, as the paper)")
     seed: int = option(0, min=0, help="seed of the model init, partition, client sampling and batches")
     device: str = option("auto", help="auto (CUDA if available), cpu, cuda or cuda:N",
                          tags=("presentation", "resumable"))
