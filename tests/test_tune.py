@@ -49,16 +49,17 @@ def trials_of(out: Path, method: str) -> list[optuna.trial.FrozenTrial]:
 
 def test_tune_finds_a_better_learning_rate_than_a_bad_one(digits_data_dir, tmp_path, capsys):
     out = tmp_path / "tune"
+    # the gradient cap fixed (off), so that the six draws search lr alone, as this test's thresholds were set for
     tuned = tune(parse(["methods=[fedavg]", "trials=6", "pruner=none", f"out={out}",
-                        *argv(settings(digits_data_dir))]))
+                        *argv(settings(digits_data_dir, max_grad_norm=0))]))
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("fedavg trial")]
     assert len(lines) == 6  # one line per finished trial
     best = tuned["methods"]["fedavg"]
-    assert set(best) == {"lr"}  # local_epochs was given: fixed, not searched
+    assert set(best) == {"lr"}  # local_epochs and max_grad_norm were given: fixed, not searched
     # the reference, measured apart from the study: the bad lr and the tuned one, each run here on its own
     reference = dict(settings(digits_data_dir), method="fedavg", seed=TUNING_SEED, validation=0.2, progress=False)
     bad = api.run(reference, {"lr": 0.001, "out": str(tmp_path / "bad")}).summary["validation"]["accuracy"]
-    good = api.run(reference, {"lr": best["lr"], "out": str(tmp_path / "good")}).summary["validation"]["accuracy"]
+    good = api.run(reference, {**best, "out": str(tmp_path / "good")}).summary["validation"]["accuracy"]
     assert good >= bad + 20
     assert 0.005 <= best["lr"] <= 0.2
     # the study's value is that run's validation accuracy (the same bytes), and every trial reported each round
@@ -125,12 +126,12 @@ def test_a_plug_in_method_declaring_a_space_is_tuned_the_same_way(digits_data_di
         trials = trials_of(out, "scaled")
         assert len(trials) == 3
         for trial in trials:
-            assert set(trial.params) == {"lr", "scaled.weight", "scaled.mode"}
+            assert set(trial.params) == {"lr", "max_grad_norm", "scaled.weight", "scaled.mode"}
             assert 0.5 <= trial.params["scaled.weight"] <= 2.0 and trial.params["scaled.mode"] in ("a", "b")
             saved = yaml.safe_load((out / "scaled" / f"trial-{trial.number:04d}" / "config.yaml").read_text())
             assert saved["scaled"]["weight"] == trial.params["scaled.weight"]  # the run got the trial's value
             assert saved["scaled"]["fixed"] == 3 and saved["validation"] == 0.2
-        assert set(tuned["methods"]["scaled"]) == {"lr", "scaled.weight", "scaled.mode"}
+        assert set(tuned["methods"]["scaled"]) == {"lr", "max_grad_norm", "scaled.weight", "scaled.mode"}
 
         methods.register("silent", MethodSpec(name="silent", options=SilentOptions, server=Server,
                                               client=Client))
@@ -155,8 +156,8 @@ def test_bad_input_is_refused_in_one_line_before_any_trial(tmp_path, capsys, giv
 
 def test_the_median_pruner_stops_trials_below_the_median_of_the_finished_ones(digits_data_dir, tmp_path):
     out = tmp_path / "tune"
-    tune(parse(["methods=[fedavg]", "trials=8", "pruner=median", f"out={out}", *argv(settings(digits_data_dir))]),
-         echo=False)
+    tune(parse(["methods=[fedavg]", "trials=8", "pruner=median", f"out={out}",
+                *argv(settings(digits_data_dir, max_grad_norm=0))]), echo=False)  # the draws of lr alone
     trials = trials_of(out, "fedavg")
     assert len(trials) == 8
     pruned = [t for t in trials if t.state.name == "PRUNED"]
@@ -210,7 +211,7 @@ def test_a_diverging_trial_counts_as_the_worst_result_and_the_study_goes_on(digi
                 *argv(settings(digits_data_dir, rounds=1, lr=1e30))]))
     trials = trials_of(out, "fedprox")
     assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"] and [t.value for t in trials] == [0.0, 0.0]
-    assert all("non-finite" in t.user_attrs["diverged"] for t in trials)
+    assert all("diverged in round 1: its mean cross-entropy" in t.user_attrs["diverged"] for t in trials)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("fedprox trial")]
     assert len(lines) == 2 and all("diverged" in line for line in lines)
     assert "fedprox.mu" in yaml.safe_load((out / "tuned.yaml").read_text())["methods"]["fedprox"]

@@ -23,6 +23,7 @@ import copy
 import dataclasses
 import difflib
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,6 +246,14 @@ class RunOptions:
     lr: float = option(0.01, gt=0.0, help="local SGD learning rate")
     momentum: float = option(0.9, min=0.0, max=1.0, help="local SGD momentum")
     weight_decay: float = option(1e-5, min=0.0, help="local SGD weight decay")
+    max_grad_norm: float | None = option(None, min=0.0,
+                                         help="cap the local gradient's global L2 norm at this before each SGD "
+                                              "step (privacy=sample: the noisy gradient's); 0: off. Cosine losses "
+                                              "at a small temperature (FedHPro's HPCL, tau=0.05) have gradients "
+                                              "~1/(tau |z|): on small features one step at lr >= 0.05 can blow "
+                                              "them up and the cross-entropy with them; 10 stops that (default: "
+                                              "unset, the method's own cap: FedRCL 10, as its authors; the others "
+                                              "none, as the paper)")
     seed: int = option(0, min=0, help="seed of the model init, partition, client sampling and batches")
     device: str = option("auto", help="auto (CUDA if available), cpu, cuda or cuda:N",
                          tags=("presentation", "resumable"))
@@ -683,8 +692,29 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
                for name, spec in registry.items()}
     built = {section.name: _build(section.options_for(dataset), sections.get(section.name, {}),
                                   f"{section.name}.", dataset) for section in SECTIONS}
+    check_aliases(run, methods[run.method])
     config = Config(run=run, methods=methods, **built, federation=federation, given=given)
     return dataclasses.replace(config, _resolved=config.to_dict())
+
+
+def check_aliases(run: RunOptions, options: Any) -> None:
+    """The knobs of the run's method declared the old spelling of a run key (``option(alias_of=...)``:
+    ``fedrcl.max_grad_norm`` of ``max_grad_norm``): one off its default warns once, naming the run key to write
+    instead, and is refused in one line beside that run key set (not None) to another value. Told by value, not
+    by what was given: a saved config.yaml holds every knob at its value, so a resumed run raises nothing new.
+    The method reads the knob as its own default of the run key (:meth:`~fedhpro.methods.base.Client.
+    default_max_grad_norm`), which the run key, when set, overrides."""
+    for item in dataclasses.fields(options):
+        key = item.metadata.get("alias_of")
+        value = getattr(options, item.name)
+        if key is None or value == item.default:
+            continue
+        old, run_value = f"{run.method}.{item.name}", getattr(run, key)
+        if run_value is not None and run_value != value:
+            raise ConfigError(f"{old}={shown(value)} and {key}={shown(run_value)} disagree: {old} is the old "
+                              f"spelling of {key}; set only {key}")
+        warnings.warn(f"{old} is the old spelling of {key}: write {key}={shown(value)}", FutureWarning,
+                      stacklevel=3)
 
 
 #: what the default data set keeps in a ``data_dir=`` folder (its cache): the only thing it may hold then

@@ -22,6 +22,23 @@ class UpdateError(FedHProError):
     """A malformed or non-finite client update."""
 
 
+class TrainingDiverged(UpdateError):
+    """A client's local training exploded: its mean cross-entropy over the round is non-finite or far above its
+    first batch's (:func:`fedhpro.methods.training.divergence`). Not a faulty client but the run's settings (the
+    learning rate, the gradient cap), so the in-process simulator stops the run with it instead of dropping the
+    client. ``detail`` says what rose and which lr and cap trained; the message, ``local training diverged:
+    <detail>``, stands alone (a Flower node sends it as its error); :meth:`at` names the client and the round."""
+
+    def __init__(self, detail: str, subject: str = "local training diverged"):
+        super().__init__(f"{subject}: {detail}")
+        self.detail = detail
+
+    def at(self, client: int, round: int) -> TrainingDiverged:
+        """The same divergence said of client ``client`` in round ``round`` (counted from 1, as people read it):
+        ``client 7 diverged in round 1: <detail>``."""
+        return TrainingDiverged(self.detail, f"client {client} diverged in round {round}")
+
+
 class RunInterrupted(KeyboardInterrupt):
     """A run stopped by Ctrl-C (SIGINT) in its folder ``out``: ``completed_rounds`` is the round of its newest
     checkpoint (what ``resume=`` continues from), None when none was written yet. A KeyboardInterrupt still, so

@@ -186,7 +186,8 @@ def model_factories(config: Config, method: MethodSpec, num_classes: int, input_
         return architecture_factory(options.model)
 
     train = TrainSettings(epochs=options.local_epochs, batch_size=options.batch_size, lr=options.lr,
-                          momentum=options.momentum, weight_decay=options.weight_decay, amp=options.amp,
+                          momentum=options.momentum, weight_decay=options.weight_decay,
+                          max_grad_norm=options.max_grad_norm, amp=options.amp,
                           channels_last=channels_last_setting(options.channels_last), compile=options.compile)
     architectures = None
     if options.heterogeneity != "none":

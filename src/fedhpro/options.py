@@ -34,10 +34,14 @@ TAGS = frozenset({
 
 def option(default: Any = dataclasses.MISSING, *, help: str = "", choices: Sequence[Any] | None = None,
            min: float | None = None, max: float | None = None, gt: float | None = None,
-           default_factory: Any = dataclasses.MISSING, tags: Sequence[str] = (), search: Any = None) -> Any:
+           default_factory: Any = dataclasses.MISSING, tags: Sequence[str] = (), search: Any = None,
+           alias_of: str | None = None) -> Any:
     """A dataclass field with validation metadata. ``choices`` may be a live sequence (read at each use:
     :class:`fedhpro.registry.LiveChoices`); ``tags`` (of :data:`TAGS`) say what kind of key it is; ``search``
-    (a :mod:`fedhpro.search_space` range) is where ``fedhpro tune`` searches it."""
+    (a :mod:`fedhpro.search_space` range) is where ``fedhpro tune`` searches it; ``alias_of`` (a method's knob
+    only) names the run key this knob is the old spelling of: the config warns when the run's method has it
+    off its default, and refuses it beside that run key set to another value
+    (:func:`fedhpro.config.check_aliases`)."""
     unknown = set(tags) - TAGS
     if unknown:
         raise ValueError(f"unknown option tags {sorted(unknown)}; choose from {sorted(TAGS)}")
@@ -45,7 +49,7 @@ def option(default: Any = dataclasses.MISSING, *, help: str = "", choices: Seque
         kinds = ", ".join(kind.__name__ for kind in SPACES)
         raise ValueError(f"search={search!r} is not a range of fedhpro.search_space ({kinds})")
     metadata = {"help": help, "choices": choices, "min": min, "max": max, "gt": gt, "tags": frozenset(tags),
-                "search": search}
+                "search": search, "alias_of": alias_of}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)

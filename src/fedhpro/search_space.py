@@ -5,8 +5,8 @@ A method declares where ``fedhpro tune`` may look for each of its knobs with ``s
 
     mu: float = option(0.01, min=0.0, help="...", search=LogUniform(1e-4, 1.0))
 
-The shared run keys a tuning searches for every method (``lr``, ``local_epochs``) are declared in
-:mod:`fedhpro.tune`. The classes only describe a range; :mod:`fedhpro.tune` turns them into an
+The shared run keys a tuning searches for every method (``lr``, ``local_epochs``, ``max_grad_norm``) are
+declared in :mod:`fedhpro.tune`. The classes only describe a range; :mod:`fedhpro.tune` turns them into an
 optimiser's suggestions.
 """
 

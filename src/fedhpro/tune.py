@@ -5,8 +5,8 @@ RDB URL given as ``storage=``) runs ``trials=`` trials. A trial is one run of th
 the settings describe, with ``validation=`` (0.2 unless given; 0 is refused) held out of each client's
 training data, at the tuning seed (``seed=``, 1000 unless given, apart from ``fedhpro compare``'s 0, 1, 2).
 Its value is the last round's validation AVG; test accuracy is never read. The search covers the shared
-run keys of :data:`SHARED` (``lr``, ``local_epochs``) and the method's own knobs that declare ``search=``
-(:mod:`fedhpro.search_space`); a key given on the command line is fixed, not searched. The sampler is
+run keys of :data:`SHARED` (``lr``, ``local_epochs``, ``max_grad_norm``) and the method's own knobs that declare
+``search=`` (:mod:`fedhpro.search_space`); a key given on the command line is fixed, not searched. The sampler is
 TPE; the pruner (``pruner=median``, the default, or ``none``) sees every evaluated round's validation AVG
 (:class:`ValidationReporter`, an observer of the trial's run).
 
@@ -54,8 +54,11 @@ from fedhpro.options import fields_of
 from fedhpro.runtime import cpu_runtime, resolve_threads, torch_threads
 from fedhpro.search_space import Categorical, IntRange, LogUniform, Space, Uniform, declared, describe
 
-#: the run keys every method's search covers (declared here, next to the tuning, not in the run's options)
-SHARED: dict[str, Space] = {"lr": LogUniform(1e-3, 0.5), "local_epochs": IntRange(1, 5)}
+#: the run keys every method's search covers (declared here, next to the tuning, not in the run's options);
+#: ``max_grad_norm``: off (0) or a cap of 1 or 10, so a method whose loss explodes at a large lr (a cosine loss at
+#: a small temperature on small features) can have that lr with a cap
+SHARED: dict[str, Space] = {"lr": LogUniform(1e-3, 0.5), "local_epochs": IntRange(1, 5),
+                            "max_grad_norm": Categorical([0, 1, 10])}
 #: the validation share a tuning holds out when the settings give none
 DEFAULT_VALIDATION = 0.2
 #: the tuning runs' seed when the settings give none: apart from compare's default seeds 0, 1, 2
@@ -238,7 +241,7 @@ def tune_method(tuning: Tuning, method: str, worker: int = 0, echo: bool = True)
         reporter = ValidationReporter(trial)
         try:
             summary = trial_run(trial_config(tuning, method, values, folder), folder, reporter)
-        except UpdateError as error:  # the settings diverged (a NaN loss): a result, the worst one
+        except UpdateError as error:  # the settings diverged (TrainingDiverged, a NaN): a result, the worst one
             trial.set_user_attr("diverged", str(error))
             return 0.0
         finally:
@@ -251,7 +254,7 @@ def tune_method(tuning: Tuning, method: str, worker: int = 0, echo: bool = True)
             return
         outcome = f"{trial.state.name.lower()}, validation " + ("-" if trial.value is None else f"{trial.value:.2f}")
         if trial.user_attrs.get("diverged"):
-            outcome = "diverged (a non-finite loss), counted as validation 0"
+            outcome = "diverged (its local training exploded), counted as validation 0"
         if trial.state.name == "PRUNED" and trial.intermediate_values:
             step = max(trial.intermediate_values)
             outcome = f"pruned after round {step + 1}, validation {trial.intermediate_values[step]:.2f}"

@@ -40,7 +40,7 @@ from fedhpro.engines.protocol import (
     client_step,
     derive_seed,
 )
-from fedhpro.errors import ConfigError, DataError
+from fedhpro.errors import ConfigError, DataError, TrainingDiverged
 from fedhpro.methods.base import MethodContext, MethodSpec, lends_weights
 from fedhpro.methods.no_grad import extract_features
 from fedhpro.methods.training import TrainSettings
@@ -489,6 +489,8 @@ class Simulator:
         its personal model and is shown to the observers; the client's own invalid update rolls its state back.
         ``borrowed``: the reply's weights are still the working model's tensors."""
         k = trained.k
+        if isinstance(trained.error, TrainingDiverged):  # the run's lr or cap, not the client: the run stops
+            raise trained.error.at(k, current.round + 1) from None
         if trained.error is not None:
             self.client_states[k] = trained.state_before
             current.fail(k, f"raised {type(trained.error).__name__}: {trained.error}", trained.error)

@@ -290,6 +290,8 @@ class Client:
         self.options = context.options
         self.num_classes = context.num_classes
         self.train = context.train
+        if self.train.max_grad_norm is None:  # the run leaves the cap to the method
+            self.train = dataclasses.replace(self.train, max_grad_norm=self.default_max_grad_norm())
         if self.train.dp_clip is not None:
             self.check_sample_privacy(context.model)
 
@@ -297,6 +299,12 @@ class Client:
     def sample_private(self) -> bool:
         """Whether this run trains with DP-SGD (``privacy=sample``: :attr:`TrainSettings.dp_clip` is set)."""
         return self.train.dp_clip is not None
+
+    def default_max_grad_norm(self) -> float | None:
+        """The cap on the local gradient's global L2 norm this method trains with when the run leaves
+        ``max_grad_norm`` unset (:attr:`TrainSettings.max_grad_norm`; None or 0: no cap, the default, as the
+        paper trains). A method whose authors clip says so here (FedRCL: 10); the run key, when set, wins."""
+        return None
 
     def sample_privacy_problem(self) -> str | None:
         """Why this method, under its options, cannot run with ``privacy=sample`` (a loss that couples the samples

@@ -44,7 +44,8 @@ taken after the block's last activation (the authors use pre-ReLU block outputs,
 has no same-class batch-mate, here such a sample has no contrastive term (as the
 brief requires); no learning-rate decay or AMP (the shared ``train_epochs``
 SGD loop of all methods). The authors' gradient clipping (global norm 10) is
-kept, as ``max_grad_norm``: without it the 1/tau = 20 gradients of the
+kept, as FedRCL's default of the run key ``max_grad_norm`` (:meth:`FedRCLClient.default_max_grad_norm`;
+``fedrcl.max_grad_norm`` is its old spelling): without it the 1/tau = 20 gradients of the
 contrastive terms swamp the cross-entropy with this loop's SGD (measured on
 digits-offline, 3 rounds: AVG 8.6% without clipping, the CE rising to 19;
 42.2% with it, FedAvg 42.0%).
@@ -52,7 +53,6 @@ digits-offline, 3 rounds: AVG 8.6% without clipping, the CE rising to 19;
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedhpro.methods.base import Client, MethodSpec, Server
-from fedhpro.methods.training import Batch, LocalRound, LossTerms, TrainSettings
+from fedhpro.methods.training import Batch, LocalRound, LossTerms
 from fedhpro.options import option
 from fedhpro.search_space import LogUniform
 
@@ -78,9 +78,11 @@ class FedRCLOptions:
                               help="similarity threshold of the penalty: m' = least similar same-class "
                                    "similarity if >= threshold, else -1 (the authors' 0.7)")
     num_negatives: int = option(2, min=1, help="hardest negatives per sample (the authors' topk_neg = 2)")
-    max_grad_norm: float = option(10.0, min=0.0,
-                                  help="clip the local gradient's L2 norm to this before each SGD step "
-                                       "(the authors' 10; 0 = no clipping)")
+    max_grad_norm: float = option(10.0, min=0.0, alias_of="max_grad_norm",
+                                  help="FedRCL's own cap on the local gradient's L2 norm (the authors' 10; 0 = no "
+                                       "clipping), used when the run key max_grad_norm is unset; the old spelling "
+                                       "of max_grad_norm: setting it warns, and both set to different values is "
+                                       "refused")
 
 
 _LOCAL_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
@@ -199,8 +201,8 @@ class FedRCLClient(Client):
 
         return terms
 
-    def train_settings(self, round: LocalRound) -> TrainSettings:
-        return dataclasses.replace(self.train, max_grad_norm=float(self.options.max_grad_norm) or None)
+    def default_max_grad_norm(self) -> float | None:
+        return float(self.options.max_grad_norm)  # the authors' 10 (or fedrcl.max_grad_norm's value, 0: off)
 
 
 METHOD = MethodSpec(

@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedhpro.errors import ConfigError, UpdateError
+from fedhpro.errors import ConfigError, TrainingDiverged, UpdateError
+from fedhpro.methods.training import DIVERGENCE_FACTOR, divergence, settings_hint
 
 #: the one line shown when Opacus is missing
 INSTALL_HINT = 'privacy=sample needs Opacus and dp-accounting: pip install "fedhpro[privacy]"'
@@ -208,6 +209,10 @@ def train_private(model: nn.Module, features: Callable[[Tensor], Tensor], classi
                                 weight_decay=train.weight_decay)
     parameters = [p for p in model.parameters() if p.requires_grad]
     steps = 0
+    # the divergence check's cross-entropies (:func:`~fedhpro.methods.training.divergence`), kept on the device
+    first_ce: Tensor | None = None
+    ce_total: Tensor | None = None
+    ce_batches, num_classes = 0, 0
     with _not_inplace(model), warnings.catch_warnings():
         # Opacus's full backward hooks warn on the first layer (its input needs no gradient): expected here
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -222,14 +227,19 @@ def train_private(model: nn.Module, features: Callable[[Tensor], Tensor], classi
                     # the batch: every sample in with probability q, drawn on the CPU (the same on every device)
                     index = (torch.rand(n, generator=batches) < plan.rate).nonzero().squeeze(1).to(device)
                     private.zero_grad(set_to_none=True)
-                    public = _private_backward(hooks, parameters, features, classifier, data, index, generator,
-                                               batch_terms, public_terms)
+                    public, ce, classes = _private_backward(hooks, parameters, features, classifier, data, index,
+                                                            generator, batch_terms, public_terms)
+                    if ce is not None:
+                        ce_total = ce if ce_total is None else ce_total + ce
+                        if first_ce is None:
+                            first_ce, num_classes = ce, classes
+                        ce_batches += 1
                     private.pre_step()  # clip each sample's gradient, sum, add the noise, divide by q n
                     for parameter, gradient in zip(parameters, public):
                         if gradient is not None:
                             assert parameter.grad is not None  # pre_step set every noisy mean
                             parameter.grad = parameter.grad + gradient
-                    if train.max_grad_norm is not None:  # post-processing of the noisy gradient
+                    if train.max_grad_norm:  # post-processing of the noisy gradient (run key max_grad_norm)
                         torch.nn.utils.clip_grad_norm_(parameters, train.max_grad_norm)
                     optimizer.step()
                     steps += 1
@@ -244,6 +254,12 @@ def train_private(model: nn.Module, features: Callable[[Tensor], Tensor], classi
                 for name in ("activations", "max_batch_len"):
                     if name in submodule.__dict__:
                         delattr(submodule, name)
+    if first_ce is not None and ce_total is not None and divergence(
+            float(first_ce), float(ce_total) / ce_batches, num_classes, train) is not None:
+        # the cross-entropies are functions of the data the epsilon does not cover: the line says no number
+        raise TrainingDiverged(f"its mean cross-entropy became non-finite or rose past {DIVERGENCE_FACTOR:g}x its "
+                               "first batch's (privacy=sample: the values stay on the client) "
+                               f"({settings_hint(train)}")
     for parameter in parameters:
         if not bool(torch.isfinite(parameter).all()):
             raise UpdateError("DP-SGD produced non-finite weights; lower lr or raise privacy.clip")
@@ -253,13 +269,14 @@ def train_private(model: nn.Module, features: Callable[[Tensor], Tensor], classi
 def _private_backward(hooks: Any, parameters: Sequence[nn.Parameter], features: Callable[[Tensor], Tensor],
                       classifier: nn.Module, data: Any, index: Tensor, generator: torch.Generator,
                       batch_terms: Callable[[Tensor, Tensor, Tensor, Tensor], dict[str, Tensor]] | None,
-                      public_terms: frozenset[str]) -> list[Tensor | None]:
+                      public_terms: frozenset[str]) -> tuple[list[Tensor | None], Tensor | None, int]:
     """One batch's backward passes: the public terms' gradient (returned, hooks off), then the per-sample loss's
-    per-sample gradients (``grad_sample``, hooks on). An empty batch has zero per-sample gradients."""
+    per-sample gradients (``grad_sample``, hooks on). An empty batch has zero per-sample gradients. Returns
+    ``(public gradients, the batch's cross-entropy (detached; None for an empty batch), the number of classes)``."""
     if index.numel() == 0:
         for parameter in parameters:
             parameter.grad_sample = parameter.new_zeros((0, *parameter.shape))  # type: ignore[attr-defined]
-        return [None] * len(parameters)
+        return [None] * len(parameters), None, 0
     x, y = data.x[index], data.y[index]
     if data.augment is not None:
         x = data.augment(x, generator)
@@ -291,7 +308,7 @@ def _private_backward(hooks: Any, parameters: Sequence[nn.Parameter], features: 
             hooks.enable_hooks()
     first, *rest = per_sample
     sum(rest, first).backward()
-    return [None if g is None else g.detach() for g in public]
+    return [None if g is None else g.detach() for g in public], terms["ce"].detach(), logits.shape[-1]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ opt-in fast paths (amp, channels_last, ``torch.compile``: :func:`compiled_featur
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from torch import Tensor, nn
 
 from fedhpro import runtime
 from fedhpro.data.federation import ClientData
-from fedhpro.errors import UpdateError
+from fedhpro.errors import TrainingDiverged
 from fedhpro.methods.layout import Payload
 from fedhpro.methods.no_grad import AUTOCAST_DTYPES
 from fedhpro.methods.parts import classifier_of, features_of
@@ -31,8 +32,9 @@ class TrainSettings:
     lr: float = 0.01
     momentum: float = 0.9
     weight_decay: float = 1e-5
-    #: clip the gradient's global L2 norm to this before each step (None: no clipping); a method's
-    #: recipe may set it (FedRCL's authors clip at 10)
+    #: clip the local gradient's global L2 norm to this before each step (the run key ``max_grad_norm``): > 0 the
+    #: cap, 0 off, None the method's own default (:meth:`fedhpro.methods.base.Client.default_max_grad_norm`:
+    #: FedRCL's authors clip at 10, the others do not; :func:`train_epochs` called directly does not clip)
     max_grad_norm: float | None = None
     #: mixed precision of the training forward pass: "off" (float32, the default) or "bf16" (the model's
     #: forward under ``torch.autocast(bfloat16)``; the losses and the weights stay float32, no loss scaling; on a
@@ -163,6 +165,8 @@ def _train_loop(model: nn.Module, data: ClientData, train: TrainSettings, genera
     n = len(data)
     totals: dict[str, Tensor] = {}
     steps = 0
+    first_ce: Tensor | None = None  # the first batch's cross-entropy: the reference of the divergence check
+    num_classes = 0
     for _ in range(train.epochs):
         # one host-to-device copy per epoch; the batch loop itself never waits for the device (FedAvg's and
         # FedHPro's losses do not either; tests/test_performance.py counts the synchronisations on a GPU)
@@ -200,12 +204,12 @@ def _train_loop(model: nn.Module, data: ClientData, train: TrainSettings, genera
             optimizer.zero_grad(set_to_none=True)
             if scaler is None:
                 loss.backward()
-                if train.max_grad_norm is not None:
+                if train.max_grad_norm:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_grad_norm)
                 optimizer.step()
             else:  # fp16: the scaled loss's gradients, unscaled (before any clipping) by the scaler's step
                 scaler.scale(loss).backward()
-                if train.max_grad_norm is not None:
+                if train.max_grad_norm:
                     scaler.unscale_(optimizer)
                     torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_grad_norm)
                 scaler.step(optimizer)
@@ -213,10 +217,55 @@ def _train_loop(model: nn.Module, data: ClientData, train: TrainSettings, genera
             terms["loss"] = loss
             for name, value in terms.items():
                 totals[name] = totals.get(name, 0.0) + value.detach()
+            if first_ce is None:  # kept on the device: read once, at the end of the round
+                first_ce, num_classes = terms["ce"].detach(), logits.shape[-1]
             steps += 1
         if "loss" in totals and not bool(torch.isfinite(totals["loss"])):
-            raise UpdateError("local training produced a non-finite loss (NaN/Inf); lower lr or check the data")
-    return {name: float(total) / max(steps, 1) for name, total in totals.items()}
+            assert first_ce is not None
+            raise nonfinite_divergence(float(first_ce), float(totals["ce"]) / steps, train)
+    means = {name: float(total) / max(steps, 1) for name, total in totals.items()}
+    if first_ce is not None:
+        diverged = divergence(float(first_ce), means["ce"], num_classes, train)
+        if diverged is not None:
+            raise diverged
+    return means
+
+
+#: a local round whose mean cross-entropy exceeds this many times its first batch's has diverged
+#: (:func:`divergence`)
+DIVERGENCE_FACTOR = 100.0
+
+
+def divergence(first_ce: float, mean_ce: float, num_classes: int, train: TrainSettings) -> TrainingDiverged | None:
+    """The :class:`~fedhpro.errors.TrainingDiverged` of a local round whose mean cross-entropy term ``mean_ce`` is
+    non-finite or above :data:`DIVERGENCE_FACTOR` x its first batch's ``first_ce``, else None. The cross-entropy
+    alone, not the total loss: a method's own terms may be large by design (FedHPro's raw margin adds d_k/tau
+    to HPCL). A first batch below the chance level ``ln(num_classes)`` is measured against the chance level
+    instead: a well-trained model's first batch may have a cross-entropy near 0 and its next ones 0.2, which is
+    no explosion; an explosion (a cosine loss at a small temperature blowing up small features) is 1e3..1e22."""
+    if math.isfinite(mean_ce) and mean_ce <= DIVERGENCE_FACTOR * max(first_ce, math.log(max(num_classes, 1))):
+        return None
+    ratio = mean_ce / first_ce if first_ce > 0 else math.inf
+    times = "from" if not math.isfinite(ratio) else f"{ratio:.0f}x" if ratio < 1e5 else f"{ratio:.2g}x"
+    return TrainingDiverged(f"its mean cross-entropy rose to {mean_ce:.2g}, {times} its first batch's {first_ce:.3g} "
+                            f"({settings_hint(train)}")
+
+
+def nonfinite_divergence(first_ce: float, mean_ce: float, train: TrainSettings) -> TrainingDiverged:
+    """The :class:`~fedhpro.errors.TrainingDiverged` of a local round whose loss became NaN or infinite: its
+    cross-entropy if that is what did, else the method's terms."""
+    if not math.isfinite(mean_ce):
+        return TrainingDiverged(f"its mean cross-entropy rose to {mean_ce:.2g} from its first batch's "
+                                f"{first_ce:.3g} ({settings_hint(train)}")
+    return TrainingDiverged(f"its loss (cross-entropy {mean_ce:.3g} plus the method's terms) became non-finite "
+                            f"({settings_hint(train)}")
+
+
+def settings_hint(train: TrainSettings) -> str:
+    """The end of a divergence's line: the lr and the cap that trained, and what to change."""
+    if train.max_grad_norm:
+        return (f"lr={train.lr:g}, max_grad_norm={train.max_grad_norm:g}); lower lr or max_grad_norm")
+    return f"lr={train.lr:g}, max_grad_norm off); lower lr or set max_grad_norm=10"
 
 
 #: the SGD optimiser of each working model and the settings and parameters it was built for (dropped with the model)
