@@ -371,6 +371,15 @@ def tuned_summary(path: Path) -> str:
                      for name, values in methods.items())
 
 
+def settings_chosen(path: Path) -> str | None:
+    """How a settings file's methods' settings were chosen when not by ``fedhpro tune`` (its ``tuning.chosen``
+    line), else None."""
+    import yaml  # the tuned settings only where the study was tuned
+
+    chosen = ((yaml.safe_load(path.read_text()) or {}).get("tuning") or {}).get("chosen")
+    return chosen if isinstance(chosen, str) else None
+
+
 def methods_study(args: argparse.Namespace, settings: list[str]) -> int:
     """``--methods``: every method at every cohort size, fixed and adaptive clip, against its run without DP."""
     saved = args.out / "dp-methods.json"
@@ -390,7 +399,11 @@ def methods_study(args: argparse.Namespace, settings: list[str]) -> int:
                f"many clients a round, simulated); client-level DP with central noise, delta = 1/N^1.1; mean ± std "
                f"over seeds {list(args.seeds)}; settings: `{' '.join(settings)}`")
     if args.tuned is not None:
-        caption += f"; each method at its settings tuned without DP (`{args.tuned}`: {tuned_summary(args.tuned)})"
+        chosen = settings_chosen(args.tuned)
+        caption += (f"; each method at its settings tuned without DP (`{args.tuned}`: {tuned_summary(args.tuned)})"
+                    if chosen is None else
+                    f"; each method at settings chosen without DP, not tuned by this study (`{args.tuned}`: "
+                    f"{tuned_summary(args.tuned)}; {chosen})")
     write_atomic(saved, json.dumps({"settings": settings, "clients": args.clients, "trained": trained,
                                     "tuned": None if args.tuned is None else str(args.tuned),
                                     "methods": list(args.methods), "cohorts": list(args.cohorts),

@@ -315,6 +315,8 @@ def tuned_caption(tuned: Mapping[str, Any], path: str | os.PathLike, per_method:
     shown = "; ".join(f"{method}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                                for k, v in values.items())
                       for method, values in per_method.items())
+    if isinstance(how.get("chosen"), str):  # settings a study chose by other means, which its file says
+        return f"Each method at its settings from {path} (not tuned here: {how['chosen']}): {shown}.\n\n"
     return (f"Each method at its tuned settings ({path}: fedhpro tune, {how.get('trials', '?')} trials each on "
             f"validation accuracy, validation={how.get('validation', '?')}, seed {how.get('seed', '?')}): {shown}.\n\n")
 

@@ -181,9 +181,11 @@ class PrivacyOptions:
                             "its data privatized too; needs pip install fedhpro[privacy])")
     clip: float = option(1.0, gt=0.0, help="the L2 bound C: of each client's upload (privacy=client), of each "
                                            "sample's gradient and feature (privacy=sample)")
-    clipping: str = option("joint", choices=("joint", "per-group"),
+    clipping: str = option("auto", choices=("auto", "joint", "per-group"),
                            help="privacy=client: clip the whole upload (weight update and every class tensor) "
-                                "to clip jointly, or each tensor group to clip/sqrt(groups) (the same joint bound)")
+                                "to clip jointly, or each tensor group to clip/sqrt(groups) (the same joint bound); "
+                                "auto: the method's measured choice (MethodSpec.dp_clipping: per-group for the "
+                                "methods whose raw class rows would take the clip from the update, else joint)")
     noise: str = option("central", choices=("central", "local"),
                         help="privacy=client: the server noises the sum of the clipped uploads (central), or each "
                              "client noises its own upload so the server never sees a clean one (local)")

@@ -69,7 +69,16 @@ def protocol_settings(config: Config) -> dict[str, Any]:
     return {"rounds": options.rounds, "participation": options.participation, "seed": options.seed,
             "eval_every": options.eval_every, "faults": config.faults, "aggregation": config.aggregation,
             "min_clients": options.min_clients,
-            "privacy": config.privacy}
+            "privacy": resolved_privacy(config)}
+
+
+def resolved_privacy(config: Config) -> Any:
+    """``config.privacy`` with ``privacy.clipping=auto`` replaced by the run's method's declared choice
+    (:attr:`MethodSpec.dp_clipping`), so the protocol, the ledger and summary.json hold joint or per-group."""
+    privacy = config.privacy
+    if getattr(privacy, "clipping", None) != "auto":
+        return privacy
+    return dataclasses.replace(privacy, clipping=get_method(config.run.method).dp_clipping)
 
 
 @dataclass

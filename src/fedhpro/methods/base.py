@@ -491,3 +491,13 @@ class MethodSpec:
     paper_order: int | None = None
     #: the method a comparison's gain column is measured against (one method: FedAvg)
     baseline: bool = False
+    #: how ``privacy=client`` clips this method's upload under ``privacy.clipping=auto`` (the default): "joint" (the
+    #: whole upload to the clip) or "per-group" (the weight update and each class tensor to clip/sqrt(groups)), the
+    #: choice measured for the method (docs/how-to/privacy.md): a method whose raw class rows (prototypes) are far
+    #: longer than its update loses the update's signal under a joint clip
+    dp_clipping: str = "joint"
+
+    def __post_init__(self) -> None:
+        if self.dp_clipping not in ("joint", "per-group"):
+            raise ConfigError(f"MethodSpec(name={self.name!r}, dp_clipping={self.dp_clipping!r}): say 'joint' or "
+                              "'per-group'")
