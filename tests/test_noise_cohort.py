@@ -73,7 +73,7 @@ def test_the_sums_noise_is_scaled_by_the_trained_over_the_noise_cohort():
 
 
 def test_client_privacy_carries_the_ledgers_scale_and_refuses_it_under_local_noise():
-    options = PrivacyOptions(mode="client", noise_multiplier=1.0, noise_cohort=400)
+    options = PrivacyOptions(mode="client", noise_multiplier=1.0, noise_cohort=400, clipping="joint")
     assert client_privacy(options, 1.0, 0.25).noise_scale == 0.25
     with pytest.raises(ValueError, match="central"):
         ClientPrivacy(clip=1.0, noise_multiplier=1.0, noise="local", noise_scale=0.5)

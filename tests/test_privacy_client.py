@@ -373,7 +373,7 @@ def test_secure_noise_unset_or_false_is_the_seeded_noise_true_the_operating_syst
     broadcast = {"w": torch.zeros(2)}
 
     def draw(secure_noise):
-        options = PrivacyOptions(mode="client", noise=noise, secure_noise=secure_noise)
+        options = PrivacyOptions(mode="client", noise=noise, secure_noise=secure_noise, clipping="joint")
         settings = client_privacy(options, 1.0)
         client = None if noise == "central" else 3
         generator = upload_noise_generator(settings, 11, 4, client)

@@ -225,9 +225,14 @@ class RoundProtocol:
                  eval_every: int = 1, faults: FaultOptions | None = None, min_clients: int = 1,
                  on_drop: Callable[[str], None] | None = None, aggregation: AggregationOptions | None = None,
                  privacy: Any = None, ledger: Any = None, client_sizes: Sequence[int] | None = None,
-                 sizes_claimed: bool = False):
+                 sizes_claimed: bool = False, dp_clipping: str = "joint"):
+        """``dp_clipping``: what ``privacy.clipping=auto`` means for this method (its
+        :attr:`~fedhpro.methods.base.MethodSpec.dp_clipping`; the engines pass it, protocol_settings resolves it
+        for the Flower ServerApp)."""
         self.server = server
         self.num_clients = num_clients
+        if dataclasses.is_dataclass(privacy) and getattr(privacy, "clipping", None) == "auto":
+            privacy = dataclasses.replace(privacy, clipping=dp_clipping)
         #: each client's training-set size as the engine knows it (in own-data Flower: what its node
         #: declared), from which a round's weight cap is drawn (:meth:`weight_cap`); None: no cap
         self.client_sizes = list(client_sizes) if client_sizes is not None else None

@@ -255,7 +255,8 @@ class Simulator:
         self.protocol = RoundProtocol(self.server, federation.num_clients, rounds=rounds, participation=participation,
                                       seed=seed, eval_every=eval_every, faults=faults, min_clients=min_clients,
                                       on_drop=on_drop, aggregation=aggregation, privacy=privacy, ledger=ledger,
-                                      client_sizes=[len(data) for data in federation.clients])
+                                      client_sizes=[len(data) for data in federation.clients],
+                                      dp_clipping=method.dp_clipping)
         self.tests = ClientTests(federation, self.models, self.server, self.protocol, train.amp,
                                  finetune=FineTune(train, unseen_finetune, seed))
         self.client_states: list[dict[str, Any]] = [{} for _ in range(federation.num_clients)]
