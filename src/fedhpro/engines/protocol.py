@@ -231,7 +231,8 @@ class RoundProtocol:
         for the Flower ServerApp)."""
         self.server = server
         self.num_clients = num_clients
-        if dataclasses.is_dataclass(privacy) and getattr(privacy, "clipping", None) == "auto":
+        if (dataclasses.is_dataclass(privacy) and not isinstance(privacy, type)
+                and getattr(privacy, "clipping", None) == "auto"):
             privacy = dataclasses.replace(privacy, clipping=dp_clipping)
         #: each client's training-set size as the engine knows it (in own-data Flower: what its node
         #: declared), from which a round's weight cap is drawn (:meth:`weight_cap`); None: no cap
