@@ -25,7 +25,7 @@ server never reads (:mod:`fedhpro.methods.reads`: the replies the engine hands i
 looked up, over every round); the privacy's own keys under ``privacy=client`` (``dp_*``, read by the private sum)
 are not counted. Every key there left the clients for nothing; "-" is none.
 
-    nice -n 10 python bench/privacy_audit.py --out /work/results/privacy-audit
+    nice -n 10 python bench/privacy_audit.py --out results/audit
 
 writes ``audit.json``, ``audit.csv`` and ``audit.md`` there (atomically) and prints the commands it ran.
 """

@@ -58,7 +58,7 @@ METHOD = MethodSpec(
     name="fedproto",
     paper_order=3,
     # privacy=client: its raw prototypes (norm far above the update) share a joint clip with the update and drown it;
-    # per-group clipping measured 78-81 % against 22-54 % joint (docs/how-to/privacy.md)
+    # per-group clipping measured 78-81 % against 22-54 % joint (FedProto, FedTGP, FedSA) (docs/how-to/privacy.md)
     dp_clipping="per-group",
     options=FedProtoOptions,
     server=FedProtoServer,
