@@ -8,9 +8,9 @@ atomically from the runs' ``summary.json``: ``<out>/<kind>/utility.json``, ``uti
 (mean ± std over the seeds) and ``utility.png`` (accuracy against epsilon, one line per method, the
 non-private runs drawn at the right edge).
 
-    nice -n 10 python bench/privacy_utility.py --kind client --out /work/results/privacy-utility \\
+    nice -n 10 python bench/privacy_utility.py --kind client --out results/privacy-utility \\
         --settings "$(cat settings.txt)"
-    python bench/privacy_utility.py --kind client --out /work/results/privacy-utility --collect
+    python bench/privacy_utility.py --kind client --out results/privacy-utility --collect
 
 The second form only collects finished runs (the table and plot again).
 """
