@@ -493,7 +493,8 @@ def test_secagg_on_flowers_simulation_engine(digits_data_dir, tmp_path):
 
 
 @pytest.mark.parametrize("extra", [
-    {"method": "fedproto", "privacy": "client", "privacy.noise": "local", "privacy.clip": 0.5},
+    {"method": "fedproto", "privacy": "client", "privacy.noise": "local", "privacy.clip": 0.5,
+     "privacy.noise_multiplier": 0.05},  # more local noise garbles the tiny model: its loss explodes (a diverged run)
     {"method": "fedhpro", "privacy": "client", "privacy.noise": "central", "privacy.noise_multiplier": 0.3},
     {"method": "fedavg", "privacy": "client", "privacy.noise_multiplier": 0.05, "privacy.clip": 5.0,
      "privacy.clip_quantile": 0.5, "participation": 0.67, "privacy.noise_cohort": 3},  # adaptive clip, noise cohort

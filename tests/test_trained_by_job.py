@@ -25,6 +25,7 @@ from fedhpro.data.spec import DatasetSpec, preset_image
 from fedhpro.methods.base import InferenceRule, Server
 from fedhpro.methods.fedavg import METHOD as FEDAVG
 from fedhpro.reports.runs import report
+from fedhpro.runtime import cpu_features
 from fedhpro.trained import class_accuracy
 from tests.conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
 from tests.test_plugins import restored
@@ -42,8 +43,15 @@ def tiny(data_dir: Path, out: Path, **extra) -> dict:
 CHANGED = "changed since the run"
 
 
-@pytest.mark.parametrize("settings", [{"method": "fedavg"}, {"method": "fedavg", "amp": "bf16"},
-                                      {"method": "fedproto", "fedproto.protocol": "proto-only", "amp": "bf16"}],
+NATIVE_BF16 = cpu_features().native_bf16
+NO_BF16 = pytest.mark.skipif(not NATIVE_BF16, reason="amp=bf16 trains only on a CPU with native bfloat16 "
+                                                     "(AVX512-BF16, AMX)")
+
+
+@pytest.mark.parametrize("settings", [{"method": "fedavg"},
+                                      pytest.param({"method": "fedavg", "amp": "bf16"}, marks=NO_BF16),
+                                      pytest.param({"method": "fedproto", "fedproto.protocol": "proto-only",
+                                                    "amp": "bf16"}, marks=NO_BF16)],
                          ids=["float32", "bf16", "personal-bf16"])
 def test_per_class_accuracy_is_the_summarys_to_the_bit_and_notes_only_a_changed_file(digits_data_dir, tmp_path,
                                                                                      settings):

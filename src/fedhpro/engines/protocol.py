@@ -412,8 +412,9 @@ class RoundProtocol:
         replies kept whole for the rule at close."""
         if self.client_privacy is not None:
             return private_chain(current, self.client_privacy)
-        steps: list[ReplyStep] = [LayoutChecks(self.server.reply_layout()), SizeChecks(), InjectedFaults(),
-                                  MethodChecks(), Measured()]
+        # a server without a declared layout (a bare stand-in, not a Server) is checked by its own validate_reply only
+        layout = [LayoutChecks(self.server.reply_layout())] if hasattr(self.server, "reply_layout") else []
+        steps: list[ReplyStep] = [*layout, SizeChecks(), InjectedFaults(), MethodChecks(), Measured()]
         if self.aggregation.max_row_norm > 0:  # a class row is a claim about a class: bounded like a size
             steps.append(RowBound(declared_class_keys(self.server), self.aggregation.max_row_norm))
         steps += [WeightCap(self.weight_cap()), TrainingMetrics()]
