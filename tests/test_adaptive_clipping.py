@@ -159,3 +159,41 @@ def test_a_run_moves_its_clip_by_the_rule_and_resumes_to_the_same_bytes(digits_d
     assert checkpoint.latest(killed).name == "round-000003.pt" and clips[3] != clips[0]
     assert cli.main(["run", f"resume={killed}", "progress=false"]) == 0
     assert (killed / "metrics.jsonl").read_bytes() == (reference / "metrics.jsonl").read_bytes()
+
+
+@pytest.mark.parametrize("below", [-50.0, -1e6, 1e6, 50.0, float("-inf")])
+def test_one_round_moves_the_clip_by_at_most_exp_lr_whatever_the_release(below):
+    # the released fraction is clamped to [0, 1] before the step: by hand, clip x exp(-lr (0 - q)) for a release
+    # below 0 and clip x exp(-lr (1 - q)) above 1 (before: -50 took the clip 1 -> 6.7 in one round at lr 0.2,
+    # -1e6 raised OverflowError and +1e6 gave a clip of 0, refused as "clip must be > 0")
+    quantile, lr = 0.5, 0.2
+    clip = next_clip(1.0, below, quantile, lr)
+    fraction = 0.0 if below < 0 else 1.0
+    assert clip == pytest.approx(math.exp(-lr * (fraction - quantile)), rel=1e-15)
+    assert math.exp(-lr) <= clip <= math.exp(lr)
+    ClientPrivacy(clip=clip, noise_multiplier=0.0, adaptive=True)  # a valid clip for the next round
+
+
+def test_a_released_fraction_inside_0_1_moves_the_clip_as_before():
+    assert next_clip(2.0, 0.3, 0.5, 0.2) == 2.0 * math.exp(-0.2 * (0.3 - 0.5))
+
+
+def test_a_local_noise_indicator_beyond_half_plus_six_sigma_is_refused_and_an_honest_one_never():
+    sigma = 0.25
+    settings = ClientPrivacy(clip=1.0, noise_multiplier=0.0, noise="local", adaptive=True, quantile_noise=sigma)
+    broadcast = {"w": torch.zeros(4)}
+    layout = {"weights": {"w": ((4,), torch.float32)}}
+    total = PrivateSum(settings, broadcast, layout, 2, expected_clients=3)
+    honest = [privatize_upload(_upload(norm), broadcast, [], settings,
+                               generator=torch.Generator().manual_seed(seed))
+              for seed, norm in enumerate([0.5, 2.0] * 200)]
+    assert all(total.problem(upload) is None for upload in honest)
+    limit = 0.5 + 6 * sigma
+    assert total.problem(dict(honest[0], **{BELOW_CLIP_KEY: torch.tensor([limit * 0.999])})) is None
+    for lie in (-50.0, limit * 1.001, -1e6, 1e6):
+        reason = total.problem(dict(honest[0], **{BELOW_CLIP_KEY: torch.tensor([lie])}))
+        assert reason is not None and BELOW_CLIP_KEY in reason and "quantile_noise" in reason
+    # under central noise the server clamps each indicator itself: nothing is refused for its size
+    central = PrivateSum(ClientPrivacy(clip=1.0, noise_multiplier=0.0, adaptive=True, quantile_noise=sigma),
+                         broadcast, layout, 2, expected_clients=3)
+    assert central.problem(dict(honest[0], **{BELOW_CLIP_KEY: torch.tensor([-50.0])})) is None

@@ -127,8 +127,14 @@ def next_clip(clip: float, below: float, quantile: float, lr: float) -> float:
     """Adaptive clipping's geometric update (Andrew et al. 2021, Algorithm 1): ``clip x exp(-lr (below -
     quantile))``, ``below`` the round's released (noised) fraction of clients whose update norm was at most
     ``clip``: the clip shrinks while more than the target ``quantile`` of the updates fit under it, and grows
-    while fewer do."""
-    return float(clip) * math.exp(-float(lr) * (float(below) - float(quantile)))
+    while fewer do.
+
+    The released fraction is clamped to ``[0, 1]`` first (post-processing of a released value: no privacy
+    cost): noise, or one client's indicator under local noise, can push it outside, and a fraction outside
+    ``[0, 1]`` is no fraction. So one round moves the clip by at most ``exp(+-lr)``: it can neither overflow
+    nor reach zero, whatever the release."""
+    fraction = min(max(float(below), 0.0), 1.0)
+    return float(clip) * math.exp(-float(lr) * (fraction - float(quantile)))
 
 
 def upload_noise_generator(settings: ClientPrivacy, seed: int, round: int, client: int | None = None
@@ -383,13 +389,27 @@ class PrivateSum:
             if (not isinstance(below, Tensor) or tuple(below.shape) != (1,) or not below.is_floating_point()
                     or not bool(torch.isfinite(below).all())):
                 return f"it has no finite {BELOW_CLIP_KEY} of shape (1,) (adaptive clipping: privatize_upload makes it)"
+            limit = self.indicator_limit
+            if limit is not None and abs(float(below.detach().cpu().double()[0])) > limit:
+                return (f"its {BELOW_CLIP_KEY} {float(below[0]):.4g} is beyond +-{limit:.4g} (an indicator of +-1/2 "
+                        "plus privacy.quantile_noise's local noise cannot reach it: 6 standard deviations)")
         return None
+
+    @property
+    def indicator_limit(self) -> float | None:
+        """Under local noise, the largest ``|indicator|`` an honest client sends but with probability ~2e-9
+        (``1/2 + 6 quantile_noise``: +-1/2 plus its own Gaussian noise); None under central noise, where the
+        server clamps each indicator to +-1/2 itself (:meth:`add`)."""
+        if self.settings.noise != "local":
+            return None
+        return 0.5 + 6.0 * self.settings.quantile_noise
 
     def add(self, reply: Mapping[str, Any]) -> None:
         """Fold one privatized upload (checked by :meth:`problem` first). Under central noise the server
         clips it again (a no-op for an honest client) and projects its holders into ``[0, 1]``, so no
         client can weigh more than the bound the accountant assumes; under local noise it cannot (the
-        upload is noised), so the bound rests on the clients' honesty."""
+        upload is noised), so the bound rests on the clients' honesty, but for the clip's indicator, refused beyond
+        :attr:`indicator_limit` (:meth:`problem`)."""
         groups: dict[str, dict[str, Tensor]] = {
             "weights": {key: reply["weights"][key].detach().to(device=total.device, dtype=torch.float64).clone()
                         for key, total in self.weight_sums.items()}}
