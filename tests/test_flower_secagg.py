@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import dataclasses
 import math
 from pathlib import Path
@@ -587,3 +588,53 @@ def test_flower_sample_level_dp_draws_os_noise_unless_told_otherwise(digits_data
     _, state = run_in_process(seeded, {}, WireGrid(), tmp_path / "seeded")
     _, expected = reference(seeded, tmp_path / "simulator")
     assert_same_state(state, expected)
+
+
+def lying_packer(monkeypatch, rounds: set[int] | None, nodes: int = 3):
+    """Make the first node to pack in each round of ``rounds`` (all rounds: None) add 1 to the num_examples it
+    packs (it claims one more sample than it holds: the sum cannot come from the summed clients)."""
+    real = secagg.client_vector
+    calls = []
+
+    def lying(layout, server, reply, global_weights, metrics, num_samples, scale, clipping_range):
+        vector = real(layout, server, reply, global_weights, metrics, num_samples, scale, clipping_range)
+        round, position = divmod(len(calls), nodes)
+        calls.append(round)
+        if position == 0 and (rounds is None or round in rounds):
+            start = 0
+            for entry in layout.entries:
+                if entry.name == "num_examples":
+                    break
+                start += entry.size
+            vector = vector.copy()
+            vector[start] += 1.0 / scale
+        return vector
+
+    monkeypatch.setattr(secagg, "client_vector", lying)
+
+
+def test_an_invalid_secure_sum_skips_its_round_and_the_run_goes_on(digits_data_dir, tmp_path, inside_a_run,
+                                                                  monkeypatch):
+    """One node packs one sample more than it holds in round 0 (before: "every client failed ... invalid secure
+    sum", the run ended naming no one). Round 0 is skipped with the global model kept, the summed clients named
+    as the ones among whom the liar is (SecAgg+ hides which); round 1 sums as usual."""
+    settings = tiny_config(digits_data_dir, method="fedavg", rounds=2)
+    lying_packer(monkeypatch, {0})
+    secure, _ = run_in_process(settings, SECURE, WireGrid(), tmp_path / "secure")
+    first, second = secure.rows
+    assert first["skipped"] is True
+    assert [d["client"] for d in first["dropped"]] == [0, 1, 2]
+    assert all("invalid secure sum (one or more of clients 0, 1, 2 sent it" in d["reason"] for d in first["dropped"])
+    assert not second.get("skipped") and not second.get("dropped")
+    assert secure.failed_sums == 0
+
+
+def test_three_invalid_secure_sums_in_a_row_stop_the_run_in_one_line(digits_data_dir, tmp_path, inside_a_run,
+                                                                     monkeypatch):
+    settings = tiny_config(digits_data_dir, method="fedavg", rounds=4)
+    lying_packer(monkeypatch, None)
+    with pytest.raises(FedHProError, match="secure sum was invalid in 3 rounds in a row") as error:
+        run_in_process(settings, SECURE, WireGrid(), tmp_path / "out")
+    assert "\n" not in str(error.value)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["skipped"] for row in rows] == [True, True]

@@ -38,6 +38,10 @@ from fedhpro.flower.settings import FlowerSettings, SecureSettings, auto_round_t
 from fedhpro.privacy.client import privatized_layout
 
 
+#: rounds in a row with an invalid secure sum (each skipped) after which a SecAgg+ run stops
+MAX_FAILED_SUMS = 3
+
+
 @dataclasses.dataclass(frozen=True)
 class Secure:
     """A run under ``flower.secure-aggregation=secagg+``: the vector layout, SecAgg+'s settings, the scale of
@@ -119,6 +123,8 @@ class MethodStrategy(Strategy):
         self.node_auth = node_auth
         self._tests: dict[int, tuple[str, int]] | None = None  # client -> (its test set, its size)
         self._sent: list[tuple[int, Message]] = []  # (client, message) of the current train or evaluate step
+        #: rounds in a row whose secure sum was invalid (flower.secure-aggregation=secagg+)
+        self.failed_sums = 0
 
     @property
     def run(self) -> Run:
@@ -308,13 +314,33 @@ class MethodStrategy(Strategy):
                                                       current.payload.get("weights") or {}, num_samples,
                                                       self.secure.scale, self.secure.settings.step, names)
         except UpdateError as error:  # the sum cannot come from these clients: none of it is used
-            for k in clients:
-                current.fail(k, f"invalid secure sum: {error}")
-                self.refused[k] = current.round
+            self._skip_invalid_sum(current, clients, error)
             return
+        self.failed_sums = 0
         for k, reply in zip(clients, replies, strict=True):
             if current.receive(k, reply, dict(metrics), self.side.num_samples[k]) is Reception.INVALID:
                 self.refused[k] = current.round
+
+    def _skip_invalid_sum(self, current: OpenRound, clients: list[int], error: UpdateError) -> None:
+        """A secure sum no honest set of these clients can give (one of them packed what it cannot hold): the
+        round is skipped and the global model kept, with a warning. SecAgg+ hides who sent what, so the
+        warning can name only the summed clients, one or more of whom lied; each goes back to its state from
+        before the round. :data:`MAX_FAILED_SUMS` such rounds in a row stop the run in one line (a node that
+        spoils every sum would otherwise stall it silently)."""
+        self.failed_sums += 1
+        who = ", ".join(str(k) for k in clients)
+        reason = f"invalid secure sum (one or more of clients {who} sent it; SecAgg+ hides which): {error}"
+        for k in clients:
+            # dropped without a failure: the round is skipped for too few valid updates, not ended as a bug
+            current.dropped.append({"client": k, "reason": reason})
+            self.refused[k] = current.round
+        log(WARNING, "fedhpro: round %d: %s; the round is skipped and the global model kept (%d of %d in a row)",
+            current.round + 1, reason, self.failed_sums, MAX_FAILED_SUMS)
+        if self.failed_sums >= MAX_FAILED_SUMS:
+            raise FedHProError(f"round {current.round + 1}: the secure sum was invalid in {MAX_FAILED_SUMS} rounds "
+                               f"in a row, the last of clients {who} ({error}); stopped with the model of the last "
+                               "valid round. Find the node packing what it cannot hold (run a round without "
+                               "flower.secure-aggregation, or with a roster of trusted nodes) and restart")
 
     # ------------------------------------------------------------------ evaluation
 
