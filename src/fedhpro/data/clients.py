@@ -624,11 +624,12 @@ def _image_splits(folder: Path) -> dict[str, dict[str, list[Path]]]:
     return splits
 
 
-def client_notes(infos: Sequence[ClientInfo]) -> list[str]:
+def client_notes(infos: Sequence[ClientInfo], claimed: bool = False) -> list[str]:
     """What a run must say about the clients' test splits, from their :class:`ClientInfo` alone (a Flower
     server has nothing else): the clients without a test split (not tested: no accuracy of their own, left
     out of the fairness statistics), the domains none of whose clients is tested, and what AVG is over the
-    tested clients' test sets (:func:`~fedhpro.data.federation.avg_note`)."""
+    tested clients' test sets (:func:`~fedhpro.data.federation.avg_note`; ``claimed``: no roster vouches for
+    the clients)."""
     notes = []
     untested = [info.name for info in infos if not info.test_size]
     if untested:
@@ -637,7 +638,7 @@ def client_notes(infos: Sequence[ClientInfo]) -> list[str]:
                                                                if info.test_size})
     if empty:
         notes.append(untested_domains_note(empty))
-    avg = avg_note([(info.name, info.domain or "all") for info in infos if info.test_size])
+    avg = avg_note([(info.name, info.domain or "all") for info in infos if info.test_size], claimed)
     return notes + ([avg] if avg is not None else [])
 
 

@@ -434,7 +434,7 @@ def _listed(names: Sequence[str], what: str) -> str:
     return ", ".join(names[:MAX_LISTED]) + f", ... ({len(names)} {what})"
 
 
-def avg_note(sites: Sequence[tuple[str, str]]) -> str | None:
+def avg_note(sites: Sequence[tuple[str, str]], claimed: bool = False) -> str | None:
     """The note saying what AVG is where it is not the obvious one: a federation that arrives split (each site
     tested on its own test split) with more than one site tested. ``sites``: ``(site name, test set)`` of each
     tested site, in the sites' order; a site's test set is its domain, else ``"all"``
@@ -446,7 +446,11 @@ def avg_note(sites: Sequence[tuple[str, str]]) -> str | None:
     of several sites (``hospital-0..2`` by the name-prefix rule, or sites without a domain, all in ``all``)
     makes AVG the pooled accuracy, and a test set per site (``domain.txt`` naming each its own) makes it the
     unweighted mean over the sites. None for one site, or none (shared test sets, as the built-in data sets and
-    ``dataset=imagefolder`` have, make AVG the unweighted mean over their domains: the paper's AVG)."""
+    ``dataset=imagefolder`` have, make AVG the unweighted mean over their domains: the paper's AVG).
+
+    ``claimed``: nobody vouches for the sites (Flower's own-data mode without a roster), so AVG weighs each test
+    set by its number of sites, up to the median site's test set's (``engines.evaluation.headline_weights``);
+    the note says so where that differs from the unweighted mean."""
     if len(sites) < 2:
         return None
     members: dict[str, list[str]] = {}
@@ -464,6 +468,11 @@ def avg_note(sites: Sequence[tuple[str, str]]) -> str | None:
         line = (f"AVG is the unweighted mean over {len(members)} test sets: {_listed(entries, 'test sets')}; "
                 f"each test set counts alike, whatever its size, and one of several sites pools their test "
                 f"counts ({pooled})")
+    sizes = sorted(len(names) for names in members.values())
+    if claimed and len(members) > 1 and sizes[0] != sizes[-1]:
+        line = line.replace("AVG is the unweighted mean", "AVG is the mean", 1)
+        line += ("; no roster vouches for the sites, so each test set weighs by its number of sites, up to the "
+                 "typical site's test set's (one site naming a test set of its own weighs as one site)")
     return line + "; a site's test set is its domain, else all"
 
 

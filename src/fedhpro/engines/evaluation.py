@@ -47,6 +47,12 @@ def pool_accuracy(counts: Sequence[TestCount], order: Sequence[str] | None = Non
     are claims: ``aggregation.max_ratio``): nor more than that many times the median count of the test set's
     clients (:func:`~fedhpro.aggregation.claim_cap`). Where no cap binds the result is the plain pooled
     ratio, to the bit.
+
+    Where test sets are claims too (``max_ratio > 0``: nobody vouches for the sites, who name their own test
+    set), ``AVG`` weighs each test set by its number of tested clients, up to the median client's test set's
+    (:func:`headline_weights`): one site naming a test set of its own weighs in ``AVG`` as one site of the
+    typical test set, not as much as all the others. Where every test set has as many clients (one each, or
+    the same number) that is the unweighted mean, to the bit.
     """
     correct: dict[str, float] = {}
     total: dict[str, float] = {}
@@ -63,8 +69,30 @@ def pool_accuracy(counts: Sequence[TestCount], order: Sequence[str] | None = Non
         total[count.name] = total.get(count.name, 0) + size
     names = [name for name in (order if order is not None else correct) if total.get(name, 0) > 0]
     accuracy = {name: 100.0 * correct[name] / total[name] for name in names}
-    accuracy["AVG"] = float(np.mean([accuracy[name] for name in names])) if names else float("nan")
+    if not names:
+        accuracy["AVG"] = float("nan")
+    elif max_ratio > 0:
+        weights = headline_weights([c.name for c in counts])
+        if all(weights[name] == 1.0 for name in names):
+            accuracy["AVG"] = float(np.mean([accuracy[name] for name in names]))
+        else:
+            mass = sum(weights[name] for name in names)
+            accuracy["AVG"] = float(sum(weights[name] * accuracy[name] for name in names) / mass)
+    else:
+        accuracy["AVG"] = float(np.mean([accuracy[name] for name in names]))
     return accuracy
 
 
-__all__ = ["TestCount", "pool_accuracy", "weighted_mean"]
+def headline_weights(names: Sequence[str]) -> dict[str, float]:
+    """Each test set's weight in ``AVG`` where test sets are claims: ``min(1, n_d / m)``, ``n_d`` the clients
+    tested on test set ``d`` (``names``: one entry a client) and ``m`` the median over clients of their test
+    set's ``n_d``. Examples: ``[all] x 9 + [lab]`` gives ``all`` 1 and ``lab`` 1/9; one test set a client, or
+    the same number each, gives 1 each."""
+    sizes: dict[str, int] = {}
+    for name in names:
+        sizes[name] = sizes.get(name, 0) + 1
+    typical = float(np.median([sizes[name] for name in names])) if names else 1.0
+    return {name: min(1.0, size / typical) for name, size in sizes.items()}
+
+
+__all__ = ["TestCount", "pool_accuracy", "headline_weights", "weighted_mean"]

@@ -196,7 +196,8 @@ def _federation(grid: Grid, config: Config, settings: FlowerSettings
                      "clients": [{"client": k, "node": nodes[k], **dataclasses.asdict(info)}
                                  for k, info in enumerate(infos)]}
         notes = [f"clients: {len(infos)} SuperNodes holding their own data ({infos[0].kind}), {len(classes)} classes"]
-        return side, config, nodes, partition, notes + client_notes(infos)  # clients without a test split, ...
+        # clients without a test split, what AVG is (weighted by sites where nobody vouches for them), ...
+        return side, config, nodes, partition, notes + client_notes(infos, claimed=not settings.roster)
     nodes, clients = discover_nodes(grid, config.run.clients, settings)
     if config.run.clients is None:
         config = config.updated({"clients": clients})
