@@ -86,6 +86,9 @@ class RoundState:
     #: the replies a weight cap lowered, and the class rows aggregation.max_row_norm scaled down
     capped: list[dict[str, Any]] = field(default_factory=list)
     rows_bounded: list[dict[str, int]] = field(default_factory=list)
+    #: the replies aggregation.update_bound scaled down at close: ``{"client", "factor"}`` (the update) and/or
+    #: ``"rows"`` (how many class rows)
+    bounded: list[dict[str, Any]] = field(default_factory=list)
     train_metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     bytes_up: int = 0
     params_up: int = 0
