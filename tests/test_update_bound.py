@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import TinyNet, make_federation
 from flwr.app import Message, MessageType, RecordDict
 from test_flower_own_data import write_site
 
@@ -30,7 +31,11 @@ from fedhpro.engines.robust import RobustFold
 from fedhpro.errors import ConfigError
 from fedhpro.flower import records
 from fedhpro.flower.local_grid import LocalGrid, inside_a_run
+from fedhpro.engines.simulator import Simulator
 from fedhpro.flower.server import run_server
+from fedhpro.methods import METHODS, TrainSettings
+
+TRAIN = TrainSettings(epochs=1, batch_size=8, lr=0.05, momentum=0.9, weight_decay=0.0)
 
 # ---------------------------------------------------------------------------- the bound, against a hand clip
 
@@ -120,12 +125,57 @@ def test_a_bad_setting_is_one_line(key, value, words):
     assert "\n" not in str(error.value)
 
 
+def boosted_round(bound: str) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, torch.Tensor],
+                                        list[dict[str, torch.Tensor]]]:
+    """One simulator round of three equal clients, the third sending ``g + 5 (w - g)`` (its own update x 5):
+    ``(the new global weights, the round's row, the broadcast weights, each client's weights as sent)``."""
+    sim = Simulator(METHODS["fedavg"], METHODS["fedavg"].options(), make_federation([24, 24, 24], seed=1), TinyNet,
+                    TRAIN, rounds=1, seed=0, aggregation=Aggregation(update_bound=bound))
+    before = {k: v.clone() for k, v in sim.server.global_weights().items()}
+    sent: list[dict[str, torch.Tensor]] = []
+    original = sim.client.fit
+
+    def fit(model, payload, data, state, generator):
+        reply, metrics = original(model, payload, data, state, generator)
+        weights = {k: v.clone() for k, v in reply["weights"].items()}
+        if data is sim.federation.clients[2]:
+            weights = {k: before[k] + 5 * (v - before[k]) if v.is_floating_point() else v for k, v in weights.items()}
+        sent.append(weights)
+        return {**reply, "weights": weights}, metrics
+
+    sim.client.fit = fit
+    row = sim.run_round(0).to_json()
+    return sim.server.global_weights(), row, before, sent
+
+
+def test_simulator_asked_for_the_bound_gives_the_hand_computed_mean():
+    """update_bound=on in the simulator: the FedAvg mean of the replies with each update scaled by
+    min(1, 2 x median pull / its pull), computed here from the replies as sent (equal weights 24)."""
+    model, row, glob, sent = boosted_round("on")
+    floats = [k for k in glob if glob[k].is_floating_point()]
+    norms = [sum(float((w[k].double() - glob[k].double()).pow(2).sum()) for k in floats) ** 0.5 for w in sent]
+    limit = 2 * sorted(norms)[1]
+    factors = [min(1.0, limit / norm) for norm in norms]
+    assert factors[:2] == [1.0, 1.0] and factors[2] < 1.0  # the x5 update is the one scaled
+    for k in floats:
+        expected = glob[k].double() + sum(f * (w[k].double() - glob[k].double()) for f, w in zip(factors, sent)) / 3
+        assert torch.allclose(model[k].double(), expected, atol=1e-6), k
+    assert row["bounded"] == [{"client": 2, "factor": pytest.approx(factors[2], rel=1e-5)}]
+    assert row["server"]["bounded_updates"] == 1.0
+    # auto: the simulator knows its clients, so nothing is bounded and the row is as before
+    model, row, glob, sent = boosted_round("auto")
+    assert "bounded" not in row and "bounded_updates" not in row["server"]
+    for k in floats:
+        expected = sum(w[k].double() for w in sent) / 3
+        assert torch.allclose(model[k].double(), expected, atol=1e-6), k
+
+
 # ---------------------------------------------------------------------------- the attack on Flower
 
 
-def boosted(claim: int, boost: float):
+def boosted(claim: int, boost: float, target: str = "swap"):
     """The liar: declares ``claim`` training samples, trains honestly, sends ``g + boost (T - g)`` with ``T``
-    its model, the classifier's two class rows swapped."""
+    its model with the classifier's two class rows swapped (``target="swap"``) or zero (``"zero"``)."""
 
     def forge(kind, header, reply, message):
         if kind == MessageType.QUERY and str(header["query"]) == "data":
@@ -137,13 +187,30 @@ def boosted(claim: int, boost: float):
         if kind == MessageType.TRAIN:
             payload = records.decode_payload(reply.content)
             glob = records.decode_payload(message.content)["weights"]
-            mine = dict(payload["weights"])
-            key = [k for k, v in mine.items() if v.dim() == 2 and v.shape[0] == 2][-1]
+            aim = dict(payload["weights"])
+            key = [k for k, v in aim.items() if v.dim() == 2 and v.shape[0] == 2][-1]
             for name in (key, key[:-len("weight")] + "bias"):
-                mine[name] = mine[name].flip(0)
+                aim[name] = aim[name].flip(0)
+            if target == "zero":
+                aim = {k: torch.zeros_like(v) for k, v in aim.items()}
             payload["weights"] = {k: glob[k] + boost * (v - glob[k]) if v.is_floating_point() else v
-                                  for k, v in mine.items()}
+                                  for k, v in aim.items()}
             payload["num_examples"] = claim
+            return Message(RecordDict({**records.encode_payload(payload),
+                                       records.METRICS: reply.content[records.METRICS]}), reply_to=message)
+        return reply
+
+    return forge
+
+
+def reversed_rows(norm: float):
+    """FedProto's row liar: its prototypes reversed, each row scaled to L2 norm ``norm``, its size true."""
+
+    def forge(kind, header, reply, message):
+        if kind == MessageType.TRAIN:
+            payload = records.decode_payload(reply.content)
+            rows = payload["prototypes"].double()
+            payload["prototypes"] = (-rows / rows.norm(dim=1, keepdim=True).clamp(min=1e-12) * norm).float()
             return Message(RecordDict({**records.encode_payload(payload),
                                        records.METRICS: reply.content[records.METRICS]}), reply_to=message)
         return reply
@@ -179,14 +246,45 @@ def own_run(sites: list[Path], tmp: Path, forge=None, **config) -> dict[str, Any
     return {"sites": summary["site_accuracy"]["per_client"], "rows": rows}
 
 
-def test_flower_a_boosted_liar_at_twice_the_median_size_no_longer_owns_the_model(sites, tmp_path):
-    """Three sites, the liar claiming 48 of 96: boost 2. Unbounded (update_bound=off, today's behaviour) every
-    honest site is at chance; by default every honest site stays within 5 points of the honest run."""
-    honest = own_run(sites, tmp_path / "honest")["sites"]
-    attack = {102: boosted(48, 96 / 48)}
+@pytest.fixture(scope="module")
+def honest(sites, tmp_path_factory) -> dict[str, list[float]]:
+    """Each site's accuracy in the honest runs (FedAvg, FedProto): the reference of every attack."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = {name: getattr(TaskIdentity, name, None) for name in ("_run_id", "_node_id", "_task_id")}
+    inside_a_run()  # before the per-test fixture: this one is the module's
+    try:
+        return {method: own_run(sites, tmp_path_factory.mktemp(f"honest-{method}"), method=method)["sites"]
+                for method in ("fedavg", "fedproto")}
+    finally:
+        for name, value in saved.items():
+            setattr(TaskIdentity, name, value)
+
+
+@pytest.mark.parametrize(("claim", "boost", "target"), [
+    (48, 96 / 48, "swap"),  # twice the median claim (48 of 96), T = its model with the class rows swapped
+    (48, 96 / 48, "zero"),  # ... T = 0
+    (24, 72 / 24, "zero"),  # its true size, boosted by the round's total over its weight
+])
+def test_flower_a_boosted_liar_no_longer_owns_the_model(sites, honest, tmp_path, claim, boost, target):
+    """Three sites, the last one lying. Unbounded (update_bound=off, as before the bound) every honest site is at
+    chance; by default every honest site stays within 5 points of the honest run, and the rows say whose reply
+    was scaled."""
+    attack = {102: boosted(claim, boost, target)}
     unbounded = own_run(sites, tmp_path / "off", attack, **{"aggregation.update_bound": "off"})
-    assert max(unbounded["sites"][:2]) <= 60.0  # the attack as found: the honest sites at chance
+    assert max(unbounded["sites"][:2]) <= 60.0  # the attack as found
     bounded = own_run(sites, tmp_path / "default", attack)
-    assert all(after >= before - 5.0 for before, after in zip(honest[:2], bounded["sites"][:2]))
+    assert all(after >= before - 5.0 for before, after in zip(honest["fedavg"][:2], bounded["sites"][:2]))
     assert all(entry["client"] == 2 for row in bounded["rows"] for entry in row.get("bounded", []))
-    assert any(row.get("bounded") for row in bounded["rows"]) and bounded["rows"][-1]["server"]["bounded_updates"] >= 1
+    assert all(row["bounded"][0]["factor"] < 1.0 for row in bounded["rows"])
+    assert [row["server"]["bounded_updates"] for row in bounded["rows"]] == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("norm", [1e6, 1e30])
+def test_flower_fedproto_rows_reversed_and_huge_are_bounded(sites, honest, tmp_path, norm):
+    """FedProto, the last site sending its prototypes reversed at norm 1e6 (unbounded: every site at chance) or
+    1e30 (unbounded: every client's next loss is non-finite and the run stops); by default each of its rows is
+    scaled to twice its class's median pull and the honest sites keep the honest run's accuracy."""
+    bounded = own_run(sites, tmp_path / "default", {102: reversed_rows(norm)}, method="fedproto")
+    assert all(after >= before - 5.0 for before, after in zip(honest["fedproto"][:2], bounded["sites"][:2]))
+    assert all(row["bounded"] == [{"client": 2, "rows": 2}] for row in bounded["rows"])

@@ -7,7 +7,8 @@ wrappers): what a reply goes through on its way in, and what the round makes of 
 * :class:`Fold`: where an accepted reply goes (:meth:`Fold.add`) and what the round hands the method at close
   (:meth:`Fold.aggregate`): the method's running sum as replies arrive (:class:`PlainFold`), the replies kept
   whole for a robust rule (:class:`fedhpro.engines.robust.RobustFold`), or a private sum released with noise
-  (:class:`fedhpro.engines.private.PrivateFold`).
+  (:class:`fedhpro.engines.private.PrivateFold`); :class:`fedhpro.engines.content.BoundedFold` holds the
+  replies until close and hands another fold each one bounded (``aggregation.update_bound``).
 
 :class:`RoundState` is what steps read and write of the round in progress (the round protocol's
 :class:`~fedhpro.engines.protocol.OpenRound` is one); :class:`Incoming` is one reply on its way in.

@@ -74,7 +74,9 @@ def bounded_updates(replies: Sequence[Mapping[str, Any]], global_weights: Mappin
     if not out:
         return out, {"bounded_updates": 0.0, "bounded_rows": 0.0}, []
     weights = [_weight(reply) if weighted else 1.0 for reply in out]
-    if all(isinstance(reply.get("weights"), Mapping) and reply["weights"] for reply in out):
+    if all(isinstance(reply.get("weights"), Mapping) and reply["weights"]
+           and all(name in global_weights for name, value in reply["weights"].items()
+                   if isinstance(value, Tensor) and value.is_floating_point()) for reply in out):
         pulls = [n * update_norm(reply["weights"], global_weights) for n, reply in zip(weights, out)]
         limit = multiple * median_value(pulls)
         for index, (reply, pull) in enumerate(zip(out, pulls)):
