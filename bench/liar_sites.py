@@ -15,10 +15,23 @@ every evaluation with all 10^9 right. For each K the bench runs
 
 and prints, as a Markdown table, the global model's L2 norm, the headline (pooled) accuracy, the median of
 the sites' own accuracies, the mean accuracy of the honest sites in the liar's run, and the liar's weight
-against the total weight of a round (``metrics.jsonl``'s ``capped``).
+against the total weight of a round (``metrics.jsonl``'s ``capped``) (``--study claims``).
 
-    python bench/liar_sites.py                         # K in 3 5 10 50, ratios 1 2 4 (~2-5 min)
-    python bench/liar_sites.py --sites 3 10 --ratios 2
+``--study content``: liars of their content rather than their size, with ``aggregation.update_bound=off``
+against the default (on, since the nodes hold their own data), at K in 3 5 10: the boosted liar (claims
+twice the median, 48, or its true 24, trains honestly, sends ``g + boost (T - g)`` with ``boost`` the round's
+total weight over its own and ``T`` its model with the classifier rows swapped, or zero), 2 and 3 boosted
+colluders at 10 sites (also under ``aggregation=median`` and ``norm-clip``), FedProto's liar reversing its
+prototype rows at norm 1e6 and 1e30, and the honest runs: equal sites, label skew and quantity skew (a
+harder task). Each cell: model norm / headline % / worst honest site %.
+
+``--study sweep``: ``aggregation.update_multiple`` (``--multiples``) against the liars (worst honest site %)
+and the honest heterogeneous federations (headline change), for the weighted pull ``n_k ||Delta_k||`` (the
+shipped bound) and the plain norm.
+
+    python bench/liar_sites.py                         # claims (K in 3 5 10 50) and content (~20 min)
+    python bench/liar_sites.py --study claims --sites 3 10 --ratios 2
+    python bench/liar_sites.py --study sweep           # ~20 min on 2 shared cores
 """
 
 from __future__ import annotations
@@ -333,7 +346,7 @@ def sweep_study(args: argparse.Namespace, training: dict[str, Any], sites: Sites
                     before = base[layout, count]
                     values.append("-" if result is None or before is None
                                   else f"{result['headline'] - before['headline']:+.1f}")
-            print(f"| {'n_k ||Delta_k||' if weighted else '||Delta_k||'} | {multiple:g} | "
+            print(f"| {'n_k x norm' if weighted else 'norm'} | {multiple:g} | "
                   + " | ".join(values) + " |", flush=True)
     BoundedFold.weighted = True
 

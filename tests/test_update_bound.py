@@ -28,10 +28,10 @@ from fedhpro.engines.chain import PlainFold, RoundState
 from fedhpro.engines.content import BoundedFold, bounded_updates
 from fedhpro.engines.protocol import Aggregation, RoundProtocol
 from fedhpro.engines.robust import RobustFold
+from fedhpro.engines.simulator import Simulator
 from fedhpro.errors import ConfigError
 from fedhpro.flower import records
 from fedhpro.flower.local_grid import LocalGrid, inside_a_run
-from fedhpro.engines.simulator import Simulator
 from fedhpro.flower.server import run_server
 from fedhpro.methods import METHODS, TrainSettings
 

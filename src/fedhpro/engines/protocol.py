@@ -88,8 +88,8 @@ import torch
 
 from fedhpro.config import AggregationOptions, FaultOptions
 from fedhpro.engines.chain import Fold, Incoming, PlainFold, Reception, ReplyStep, RoundState
-from fedhpro.engines.content import BoundedFold
 from fedhpro.engines.class_rows import class_tensor_keys, declared_class_keys
+from fedhpro.engines.content import BoundedFold
 from fedhpro.engines.evaluation import TestCount, pool_accuracy, weighted_mean
 from fedhpro.engines.faults import FAULT, InjectedFaults, corrupted, draw_faults, hostile, hostile_factor
 from fedhpro.engines.private import method_view, private_chain
