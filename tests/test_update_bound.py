@@ -113,6 +113,9 @@ def test_the_bound_is_on_only_where_the_content_is_a_claim_or_asked_for():
     assert isinstance(robust, BoundedFold) and type(robust.inner) is RobustFold and robust.multiple == 3.0
     assert type(chain_of(content_claimed=True, update_bound="off")) is PlainFold
     assert isinstance(chain_of(update_bound="on"), BoundedFold)  # asked for in the simulator
+    protocol = RoundProtocol(Stand(), 3, rounds=1, aggregation=Aggregation(update_bound="on"), content_claimed=True)
+    protocol.client_privacy = object()  # privacy=client: its clip bounds every upload; the sum is released whole
+    assert not protocol.bounds_content
 
 
 @pytest.mark.parametrize(("key", "value", "words"), [
