@@ -308,8 +308,8 @@ def test_flower_a_node_claiming_a_billion_samples_buys_only_the_capped_weight(si
     evaluation. Unbounded it owns the model and the accuracy; bounded the run equals one where that node
     honestly holds the capped sizes and answers as well as it can (all of its test samples right)."""
     hostile = 102
-    owned = own_run(sites, tmp_path / "unbounded", {hostile: liar(CLAIM, CLAIM, CLAIM)},
-                    **{"aggregation.max_share": 1.0, "aggregation.max_ratio": 0.0})
+    owned = own_run(sites, tmp_path / "unbounded", {hostile: liar(CLAIM, CLAIM, CLAIM)},  # no bound at all
+                    **{"aggregation.max_share": 1.0, "aggregation.max_ratio": 0.0, "aggregation.update_bound": "off"})
     summary = read_json(owned / "summary.json")
     assert summary["accuracy"] > 99.99 and model_norm(owned) < 1e-6  # what the attacker bought before
 

@@ -162,6 +162,18 @@ class AggregationOptions:
                                       "method's reply_layout): longer rows are scaled down to it before any rule "
                                       "aggregates, so one client's row of +1000 cannot drag every class mean; set "
                                       "it a few times above the honest rows' norms (0: no bound)")
+    update_bound: str = option("auto", choices=("auto", "on", "off"),
+                               help="bound what one reply's content can buy: at close, each reply's pull n_k x "
+                                    "||w_k - w_global|| is scaled to at most update_multiple x the round's median "
+                                    "pull, and each class row's n_kc x ||row|| to that multiple of the class's "
+                                    "median over the clients that hold it, before the method or the robust rule "
+                                    "aggregates; auto: on where the nodes hold their own data (a Flower "
+                                    "dataset=clients run, roster or not: it vouches for sizes, not content), off "
+                                    "in the simulator and partition mode, whose clients the run knows; never under "
+                                    "privacy=client (its clip bounds each upload) or SecAgg+ (the server sees only "
+                                    "the sum)")
+    update_multiple: float = option(2.0, min=1.0, help="update_bound's kappa: how many times the round's median "
+                                                       "pull one reply (and one class row) may pull")
 
     def __post_init__(self) -> None:
         if not self.trim < 0.5:

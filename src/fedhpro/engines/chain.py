@@ -7,7 +7,8 @@ wrappers): what a reply goes through on its way in, and what the round makes of 
 * :class:`Fold`: where an accepted reply goes (:meth:`Fold.add`) and what the round hands the method at close
   (:meth:`Fold.aggregate`): the method's running sum as replies arrive (:class:`PlainFold`), the replies kept
   whole for a robust rule (:class:`fedhpro.engines.robust.RobustFold`), or a private sum released with noise
-  (:class:`fedhpro.engines.private.PrivateFold`).
+  (:class:`fedhpro.engines.private.PrivateFold`); :class:`fedhpro.engines.content.BoundedFold` holds the
+  replies until close and hands another fold each one bounded (``aggregation.update_bound``).
 
 :class:`RoundState` is what steps read and write of the round in progress (the round protocol's
 :class:`~fedhpro.engines.protocol.OpenRound` is one); :class:`Incoming` is one reply on its way in.
@@ -86,6 +87,9 @@ class RoundState:
     #: the replies a weight cap lowered, and the class rows aggregation.max_row_norm scaled down
     capped: list[dict[str, Any]] = field(default_factory=list)
     rows_bounded: list[dict[str, int]] = field(default_factory=list)
+    #: the replies aggregation.update_bound scaled down at close: ``{"client", "factor"}`` (the update) and/or
+    #: ``"rows"`` (how many class rows)
+    bounded: list[dict[str, Any]] = field(default_factory=list)
     train_metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     bytes_up: int = 0
     params_up: int = 0

@@ -29,7 +29,7 @@ order, and the accepted ones into one fold, which hands the method what it
 aggregates at close. Without privacy::
 
     LayoutChecks -> SizeChecks -> InjectedFaults -> MethodChecks -> Measured
-      [-> RowBound] -> WeightCap -> TrainingMetrics -> PlainFold | RobustFold(rule)
+      [-> RowBound] -> WeightCap -> TrainingMetrics [-> BoundedFold] -> PlainFold | RobustFold(rule)
 
 * :mod:`fedhpro.engines.replies`: the reply's keys must be exactly those the
   method's ``Server.reply_layout()`` declares (an undeclared or missing key is
@@ -37,6 +37,11 @@ aggregates at close. Without privacy::
   ``num_examples`` and ``class_counts`` must be what the client can hold, the method's own checks, the bytes measured,
   ``aggregation.max_row_norm`` and the weight cap (``aggregation.max_share`` /
   ``max_ratio``);
+* :mod:`fedhpro.engines.content`: ``aggregation.update_bound`` (by default on
+  where the nodes hold their own data): the accepted replies held until
+  close, each one's pull ``n_k ||Delta_k||`` and each class row's scaled to
+  at most ``aggregation.update_multiple`` x the round's median, then handed
+  to the fold;
 * :mod:`fedhpro.engines.faults`: the seeded fault draws and what a hostile
   (``faults.scale``, ``faults.sign_flip``: ``w_global + factor * Delta`` and
   the class tensors times the factor) or corrupted reply is;
@@ -84,6 +89,7 @@ import torch
 from fedhpro.config import AggregationOptions, FaultOptions
 from fedhpro.engines.chain import Fold, Incoming, PlainFold, Reception, ReplyStep, RoundState
 from fedhpro.engines.class_rows import class_tensor_keys, declared_class_keys
+from fedhpro.engines.content import BoundedFold
 from fedhpro.engines.evaluation import TestCount, pool_accuracy, weighted_mean
 from fedhpro.engines.faults import FAULT, InjectedFaults, corrupted, draw_faults, hostile, hostile_factor
 from fedhpro.engines.private import method_view, private_chain
@@ -225,7 +231,7 @@ class RoundProtocol:
                  eval_every: int = 1, faults: FaultOptions | None = None, min_clients: int = 1,
                  on_drop: Callable[[str], None] | None = None, aggregation: AggregationOptions | None = None,
                  privacy: Any = None, ledger: Any = None, client_sizes: Sequence[int] | None = None,
-                 sizes_claimed: bool = False, dp_clipping: str = "joint"):
+                 sizes_claimed: bool = False, content_claimed: bool = False, dp_clipping: str = "joint"):
         """``dp_clipping``: what ``privacy.clipping=auto`` means for this method (its
         :attr:`~fedhpro.methods.base.MethodSpec.dp_clipping`; the engines pass it, protocol_settings resolves it
         for the Flower ServerApp)."""
@@ -241,6 +247,9 @@ class RoundProtocol:
         #: nodes holding their own data, without a roster): they are then bounded by the median claim too
         #: (``aggregation.max_ratio``); the simulator and partition mode know every size
         self.sizes_claimed = sizes_claimed
+        #: whether each reply's content is a claim nobody can check (a Flower deployment whose nodes train on
+        #: their own data, roster or not): ``aggregation.update_bound=auto`` then bounds what it can buy
+        self.content_claimed = content_claimed
         self.warned_caps: set[int] = set()  # clients whose capped weight was reported (once each)
         self.rounds = rounds
         self.participation = participation
@@ -409,7 +418,8 @@ class RoundProtocol:
         (:func:`~fedhpro.engines.private.private_chain`); otherwise the declared layout, the size checks, the
         injected faults, the method's checks, the bytes measured, the row bound (``aggregation.max_row_norm >
         0``), the weight cap and the training metrics, into the method's running sum or, with a robust rule, the
-        replies kept whole for the rule at close."""
+        replies kept whole for the rule at close; with :attr:`bounds_content` that fold behind the bound on each
+        reply's pull (``aggregation.update_bound``), which holds the replies until close."""
         if self.client_privacy is not None:
             return private_chain(current, self.client_privacy)
         # a server without a declared layout (a bare stand-in, not a Server) is checked by its own validate_reply only
@@ -418,7 +428,20 @@ class RoundProtocol:
         if self.aggregation.max_row_norm > 0:  # a class row is a claim about a class: bounded like a size
             steps.append(RowBound(declared_class_keys(self.server), self.aggregation.max_row_norm))
         steps += [WeightCap(self.weight_cap()), TrainingMetrics()]
-        return steps, RobustFold(current, self.rule) if self.rule.needs else PlainFold(current)
+        fold: Fold = RobustFold(current, self.rule) if self.rule.needs else PlainFold(current)
+        if self.bounds_content:  # one reply's content buys at most kappa x the round's median pull
+            fold = BoundedFold(current, fold, self.aggregation.update_multiple)
+        return steps, fold
+
+    @property
+    def bounds_content(self) -> bool:
+        """Whether the round bounds each reply's pull at close (:class:`~fedhpro.engines.content.BoundedFold`):
+        ``aggregation.update_bound=on``, or ``auto`` where the replies' content is a claim
+        (:attr:`content_claimed`); never under ``privacy=client``, whose clip bounds every upload already."""
+        if self.client_privacy is not None:
+            return False
+        mode = self.aggregation.update_bound
+        return mode == "on" or (mode == "auto" and self.content_claimed)
 
 
 class OpenRound(RoundState):
@@ -540,6 +563,8 @@ class OpenRound(RoundState):
             extra = {**(extra or {}), "capped": self.capped}
         if self.rows_bounded:  # the class rows aggregation.max_row_norm scaled down
             extra = {**(extra or {}), "rows_bounded": self.rows_bounded}
+        if self.bounded:  # the updates and class rows aggregation.update_bound scaled down
+            extra = {**(extra or {}), "bounded": self.bounded}
         participants: list[int] | None = self.participants
         dropped = self.dropped
         if not self.protocol.publishes_participants:  # who took part stays out of the run folder (DP's sampling)

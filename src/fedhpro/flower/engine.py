@@ -94,13 +94,15 @@ def prepare_torch(device: torch.device) -> None:
 
 def protocol_for(config: Config, server: Any, num_samples: list[int],
                  on_drop: Callable[[str], None] | None = None, ledger: Any = None,
-                 sizes_claimed: bool = False) -> RoundProtocol:
+                 sizes_claimed: bool = False, content_claimed: bool = False) -> RoundProtocol:
     """The run's round protocol, from the settings the simulator gets (:func:`fedhpro.experiment.protocol_settings`);
     ``num_samples``: the clients' declared training-set sizes, which cap a round's weights (sizes are claims);
     ``ledger``: privacy=sample's (built from the clients' sizes); ``sizes_claimed``: nobody vouches for the sizes
-    (own data without a roster), so they are bounded by the median claim too (``aggregation.max_ratio``)."""
+    (own data without a roster), so they are bounded by the median claim too (``aggregation.max_ratio``);
+    ``content_claimed``: the nodes train on data the server never sees (own data, roster or not), so
+    ``aggregation.update_bound=auto`` bounds what each reply's content buys."""
     return RoundProtocol(server, len(num_samples), on_drop=on_drop, ledger=ledger, client_sizes=num_samples,
-                         sizes_claimed=sizes_claimed, **protocol_settings(config))
+                         sizes_claimed=sizes_claimed, content_claimed=content_claimed, **protocol_settings(config))
 
 
 def build_engine(config: Config, on_drop=None) -> InProcessEngine:
@@ -136,11 +138,13 @@ class ServerSide:
 
 
 def build_server_side(config: Config, *, num_classes: int | None = None, input_shape: tuple[int, ...] | None = None,
-                      num_samples: list[int] | None = None, on_drop=None, sizes_claimed: bool = False) -> ServerSide:
+                      num_samples: list[int] | None = None, on_drop=None, sizes_claimed: bool = False,
+                      content_claimed: bool = True) -> ServerSide:
     """Partition mode: the federation (data included), the method's server part and the clients' models as the
     simulator builds them, and no client part. Own-data mode: the method's server part for ``num_classes`` and
     ``input_shape`` (as the nodes reported them), and no data; ``sizes_claimed``: the nodes' declared sizes are
-    claims nobody vouches for (no roster)."""
+    claims nobody vouches for (no roster); ``content_claimed`` (own data only): the server sees each node's reply,
+    whose content nobody vouches for (False under SecAgg+, where it sees only the sum)."""
     device = resolve_device(config.run.device)
     prepare_torch(device)
     method, options = get_method(config.run.method), config.run
@@ -170,8 +174,8 @@ def build_server_side(config: Config, *, num_classes: int | None = None, input_s
                               "cannot calibrate one sigma without every client's size; give "
                               "privacy.noise_multiplier instead (the run reports the epsilon it reaches)")
         ledger = ledger_for(config, list(num_samples), train)
-    return ServerSide(config, server, protocol_for(config, server, list(num_samples), on_drop, ledger, sizes_claimed),
-                      models, device, list(num_samples))
+    protocol = protocol_for(config, server, list(num_samples), on_drop, ledger, sizes_claimed, content_claimed)
+    return ServerSide(config, server, protocol, models, device, list(num_samples))
 
 
 @dataclass

@@ -190,7 +190,9 @@ def _federation(grid: Grid, config: Config, settings: FlowerSettings
         config = config.updated({"data.classes": classes})
         side = build_server_side(config, num_classes=len(classes), input_shape=tuple(infos[0].input_shape),
                                  num_samples=[info.train_size for info in infos], on_drop=warn,
-                                 sizes_claimed=not settings.roster)  # with a roster the operator vouches for them
+                                 sizes_claimed=not settings.roster,  # with a roster the operator vouches for them
+                                 # a roster vouches for sizes, not content; under SecAgg+ only the sum is seen
+                                 content_claimed=settings.secure_aggregation != "secagg+")
         partition = {"dataset": "clients", "scheme": "given", "engine": "flower", "num_classes": len(classes),
                      "classes": classes,
                      "clients": [{"client": k, "node": nodes[k], **dataclasses.asdict(info)}
