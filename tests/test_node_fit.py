@@ -1,0 +1,267 @@
+"""A node that does not fit is refused, not the run.
+
+The attacks, as found on an own-data Flower deployment (three sites holding cat and dog images):
+
+1. a node describes data of another kind or input shape than the others', or 100,000 class names: the run
+   stopped with a ConfigError at discovery, with or without a roster admitting the node. Now the node is left
+   out with a warning (and partition.json's ``refused``) and the two others run; with no strict majority of
+   kind and shape the run stops in one line;
+2. a node declares 99,990 extra class names (under ``data.max_classes``): every round's download grew 208x and
+   every site fell to chance. Now it adds more than the bound (the lower median of the nodes' class counts) and
+   is left out; a class only one node holds (honest label skew) is named in a warning, not refused;
+3. a FedProto node sends class rows of 1e30 (finite, but their squares overflow float32): every client's loss
+   became non-finite and the run aborted in round 2. Now such rows (and non-finite ones) are refused as an
+   invalid update by every engine;
+4. a node's training metrics are inf, NaN or 1e308: they were accepted (the round's train loss became null).
+   Now the reply is refused whole, as an invalid update.
+
+The grid is ``run_server`` (the real ServerApp code) over the in-process grid whose nodes run the real
+ClientApp on their own site folders (the pattern of test_discovery_denial.py); a hostile node is that
+ClientApp with its answers rewritten on the way out. The expected values are written out by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pip install -e '.[flower]'")
+
+from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
+from test_flower_own_data import write_site  # noqa: E402
+
+from fedhpro.data.clients import ClientInfo, ClientsOptions  # noqa: E402
+from fedhpro.errors import ConfigError  # noqa: E402
+from fedhpro.flower import records  # noqa: E402
+from fedhpro.flower.local_grid import LocalGrid, inside_a_run  # noqa: E402
+from fedhpro.flower.nodes import class_bound, misfits, node_classes, single_holders  # noqa: E402
+from fedhpro.flower.records import NODE_RECORD  # noqa: E402
+from fedhpro.flower.server import run_server  # noqa: E402
+
+SITES = {"clinic-0": ["cat", "dog"], "clinic-1": ["cat", "dog"], "clinic-2": ["cat", "dog"]}
+HOSTILE = 102  # the node of clinic-2
+
+
+# ---------------------------------------------------------------------------- the rule, at the unit level
+
+
+def info(name: str, classes: list[str] | None = None, kind: str = "images", shape: tuple[int, ...] = (3, 16, 16),
+         max_label: int | None = None, declared: list[str] | None = None) -> ClientInfo:
+    return ClientInfo(name, None, kind, classes, declared, max_label, list(shape), 24, 12)
+
+
+def test_honest_nodes_fit_and_label_skew_is_named_not_refused():
+    # test_flower_own_data's sites: counts 2, 2, 3; the bound is 2 and lab-0 adds one class (owl)
+    skewed = {1: info("clinic-0", ["cat", "dog"]), 2: info("clinic-1", ["dog", "fox"]),
+              3: info("lab-0", ["cat", "fox", "owl"])}
+    assert misfits(skewed, ClientsOptions()) == {}
+    assert single_holders(list(skewed.values())) == [("owl", "lab-0")]
+    # every node's classes its own (disjoint label skew): each holds no more than the bound
+    disjoint = {k: info(f"s{k}", [f"c{2 * k}", f"c{2 * k + 1}"]) for k in range(5)}
+    assert misfits(disjoint, ClientsOptions()) == {}
+    assert len(single_holders(list(disjoint.values()))) == 10
+    # a node of more classes than the median that adds no more than the median: 3 new > ... no, 2 new <= 2
+    wider = {1: info("a", ["cat", "dog"]), 2: info("b", ["cat", "dog"]), 3: info("c", ["cat", "dog", "fox", "owl"])}
+    assert misfits(wider, ClientsOptions()) == {}
+
+
+def test_a_node_adding_more_classes_than_the_bound_is_refused():
+    extra = [f"x{i}" for i in range(99_990)]
+    liar = {1: info("clinic-0", ["cat", "dog"]), 2: info("clinic-1", ["cat", "dog"]),
+            3: info("clinic-2", ["cat", "dog", *extra])}
+    refused = misfits(liar, ClientsOptions())
+    assert list(refused) == [3] and refused[3].startswith("it names 99990 classes that no node of at most 2 classes "
+                                                          "names ('x0', 'x1', 'x10', 'x100', 'x1000', ... 99985 more),"
+                                                          " more than 2")
+    assert "list the federation's classes in data.classes" in refused[3]
+    # one more than the bound: refused; exactly the bound: not
+    assert list(misfits({**liar, 3: info("clinic-2", ["cat", "dog", "x", "y", "z"])}, ClientsOptions())) == [3]
+    assert misfits({**liar, 3: info("clinic-2", ["cat", "dog", "x", "y"])}, ClientsOptions()) == {}
+    # two liars sharing their invented names gain nothing by it (neither is a node of at most 2 classes)
+    pair = {**liar, 4: info("clinic-3", ["cat", "dog", *extra]), 5: info("clinic-4", ["cat", "dog"])}
+    assert sorted(misfits(pair, ClientsOptions())) == [3, 4]
+    # labels by index count as classes 0..max_label; classes.txt counts too
+    tensors = {k: info(f"t{k}", None, "tensors", (5,), max_label=1) for k in range(3)}
+    assert misfits({**tensors, 2: info("t2", None, "tensors", (5,), max_label=99_999)}, ClientsOptions()) \
+        .keys() == {2}
+    assert node_classes(info("t", None, "tensors", (5,), max_label=2)) == {"0", "1", "2"}
+    declared = {k: info(f"d{k}", ["cat"], declared=["cat", "dog"]) for k in range(3)}
+    assert misfits({**declared, 2: info("d2", ["cat"], declared=["cat", "dog", *extra[:10]])}, ClientsOptions()) \
+        .keys() == {2}
+
+
+@pytest.mark.parametrize(("counts", "bound"), [([2, 2, 100_000], 2), ([2, 100_000], 2), ([1, 3, 5, 7], 3),
+                                               ([0, 0, 0], 1), ([], 1)])
+def test_the_class_bound_is_the_lower_median_at_least_one(counts, bound):
+    assert class_bound(counts) == bound
+
+
+def test_a_node_of_another_kind_or_shape_than_the_strict_majority_is_refused():
+    nodes = {1: info("a", ["cat", "dog"]), 2: info("b", ["cat", "dog"]), 5: info("e", ["cat", "dog"]),
+             3: info("c", None, "tensors", (5,), max_label=1), 4: info("d", ["cat", "dog"], shape=(3, 32, 32))}
+    refused = misfits(nodes, ClientsOptions())
+    assert sorted(refused) == [3, 4]
+    assert refused[3] == ("its data (tensors of shape [5]) differ from those of the strict majority of the "
+                          "admitted nodes (images of shape [3, 16, 16], 3 of 5); give it the same kind of data and "
+                          "features")
+    assert refused[4].startswith("its data (images of shape [3, 32, 32]) differ")
+    # no strict majority (3 of 6, or 2 of 4, is not one): nobody can say who is right; one line naming the groups
+    for more in ({6: info("f", None, "tensors", (5,), max_label=1)}, {}):
+        crowd = {**nodes, **more} if more else {k: v for k, v in nodes.items() if k != 5}
+        with pytest.raises(ConfigError) as caught:
+            misfits(crowd, ClientsOptions())
+        message = str(caught.value)
+        assert "\n" not in message and message.startswith("the admitted nodes' data differ in kind or input shape "
+                                                          "and no strict majority agrees (images of shape "
+                                                          "[3, 16, 16]: a, b"), message
+        assert "tensors of shape [5]: c" in message and "images of shape [3, 32, 32]: d" in message
+    # two nodes that disagree: no majority either
+    with pytest.raises(ConfigError, match="no strict majority agrees"):
+        misfits({1: nodes[1], 3: nodes[3]}, ClientsOptions())
+
+
+def test_with_data_classes_a_node_naming_other_classes_is_refused_and_the_bound_is_the_list():
+    options = ClientsOptions(classes=["cat", "dog", "fox"])
+    nodes = {1: info("a", ["cat", "dog"]), 2: info("b", ["fox"]), 3: info("c", ["cat", "owl"]),
+             4: info("d", None, "tensors", (5,), max_label=3)}
+    refused = misfits({k: v for k, v in nodes.items() if k != 4}, options)
+    assert refused == {3: "it names 1 classes that data.classes does not list ('owl'); add them to data.classes or "
+                          "fix its labels"}
+    tensors = {k: info(f"t{k}", None, "tensors", (5,), max_label=2) for k in range(3)}
+    assert misfits({**tensors, 2: info("t2", None, "tensors", (5,), max_label=3)}, options).keys() == {2}
+    assert misfits({**tensors, 2: info("t2", None, "tensors", (5,), max_label=3)},
+                   ClientsOptions(num_classes=3)).keys() == {2}
+
+
+# ---------------------------------------------------------------------------- on the ServerApp, over a grid
+
+
+def describing(**changes: Any):
+    """A node that describes its folder with ``changes`` made to its true description."""
+
+    def forge(kind, header, reply, message):
+        if kind == MessageType.QUERY and str(header["query"]) == "data":
+            described = json.loads(str(reply.content.config_records[NODE_RECORD]["info"]))
+            described.update(changes)
+            return Message(RecordDict({NODE_RECORD: ConfigRecord({"info": json.dumps(described)})}),
+                           reply_to=message)
+        return reply
+
+    return forge
+
+
+@pytest.fixture(autouse=True)
+def _inside_a_run(monkeypatch):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name in ("_run_id", "_node_id", "_task_id"):  # put back after the test
+        monkeypatch.setattr(TaskIdentity, name, getattr(TaskIdentity, name, None))
+    inside_a_run()  # outside a run, flwr refuses to address a Message
+
+
+@pytest.fixture(scope="module")
+def sites(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sites")
+    for k, (site, classes) in enumerate(SITES.items()):
+        write_site(root / site, classes, seed=k, train=12, test=6)  # 24 training, 12 test images each
+    return {site: root / site for site in SITES}
+
+
+def own_run(sites: dict[str, Path], tmp: Path, forge=None, **config) -> Path:
+    folders = {100 + k: folder for k, folder in enumerate(sites.values())}
+    out = tmp / "out"
+    settings = {"dataset": "clients", "method": "fedavg", "rounds": 1, "clients": 3, "feature_dim": 8,
+                "local_epochs": 1, "batch_size": 8, "data.image_size": 16, "device": "cpu", "progress": False,
+                "seed": 3, "flower.node-wait": 2, "out": str(out), **config}
+    run_server(LocalGrid(folders, tmp / "state", forge), settings)
+    return out
+
+
+def rows(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def partition(out: Path) -> dict[str, Any]:
+    return json.loads((out / "partition.json").read_text())
+
+
+def write_roster(tmp: Path) -> Path:
+    roster = tmp / "roster.yaml"
+    roster.write_text("sites:\n" + "".join(f"  {site}: {{train: 24, test: 12}}\n" for site in SITES))
+    return roster
+
+
+EXTRA = [f"class-{i:05d}" for i in range(99_990)]
+MISFITS = {
+    "99990-extra-classes": ({"class_names": ["cat", "dog", *EXTRA]}, "it names 99990 classes that no node of at most "
+                                                                     "2 classes names"),
+    "100000-classes": ({"class_names": [f"c{i:06d}" for i in range(100_000)]}, "it names 100000 classes"),
+    "input-shape": ({"input_shape": [3, 32, 32]}, "its data (images of shape [3, 32, 32]) differ from those of the "
+                                                  "strict majority of the admitted nodes (images of shape "
+                                                  "[3, 16, 16], 2 of 3)"),
+    "data-kind": ({"kind": "tensors", "class_names": None, "max_label": 1, "input_shape": [5]},
+                  "its data (tensors of shape [5]) differ"),
+}
+
+
+@pytest.mark.parametrize("roster", [False, True], ids=["no-roster", "roster-admits-it"])
+@pytest.mark.parametrize("attack", list(MISFITS))
+def test_a_node_that_does_not_fit_is_refused_and_the_run_goes_on(sites, tmp_path, caplog, attack, roster):
+    changes, why = MISFITS[attack]
+    extra = {"clients": None, "flower.roster": str(write_roster(tmp_path))} if roster else {}
+    with caplog.at_level(logging.WARNING):
+        out = own_run(sites, tmp_path, {HOSTILE: describing(**changes)}, **extra)
+    record = partition(out)
+    assert [client["name"] for client in record["clients"]] == ["clinic-0", "clinic-1"]
+    assert record["classes"] == ["cat", "dog"] and record["num_classes"] == 2  # the run's size is the honest one
+    assert [item["node"] for item in record["refused"]] == [HOSTILE] and why in record["refused"][0]["reason"]
+    assert f"node {HOSTILE} is refused: {why}" in caplog.text
+    warning = next(line for line in caplog.text.splitlines() if "the run goes on" in line)
+    assert "2 of 3 data-holding SuperNodes were admitted (clinic-0, clinic-1)" in warning and "after" not in warning
+    if roster:
+        assert warning.endswith("the roster's sites without a node: clinic-2"), warning
+    (row,) = rows(out)
+    assert row["participants"] == [0, 1] and "dropped" not in row
+    model = torch.load(out / "model.pt", weights_only=True)
+    # 54,234 parameters of 2 classes (a head of 100,000 classes alone would hold 800,000 at d = 8)
+    assert sum(value.numel() for value in model.get("weights", model).values()) < 100_000
+    assert "takes no part in this run" not in caplog.text  # refused at discovery: never asked again
+
+
+def test_with_no_strict_majority_of_kind_and_shape_the_run_stops_in_one_line(sites, tmp_path):
+    forge = {101: describing(input_shape=[3, 32, 32]), HOSTILE: describing(**MISFITS["data-kind"][0])}
+    with pytest.raises(ConfigError) as caught:
+        own_run(sites, tmp_path, forge)
+    message = str(caught.value)
+    assert "\n" not in message and message == (
+        "the admitted nodes' data differ in kind or input shape and no strict majority agrees (images of shape "
+        "[3, 16, 16]: clinic-0; images of shape [3, 32, 32]: clinic-1; tensors of shape [5]: clinic-2); give every "
+        "SuperNode the same kind of data and features")
+
+
+def test_too_few_fitting_nodes_stop_the_run_in_one_line(sites, tmp_path):
+    # flower.min-clients=3: the operator needs all three; one refused for its classes leaves two
+    with pytest.raises(ConfigError) as caught:
+        own_run(sites, tmp_path, {HOSTILE: describing(**MISFITS["99990-extra-classes"][0])},
+                **{"flower.min-clients": 3})
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith("only 2 of 3 data-holding SuperNodes answered (clinic-0, "
+                                                      "clinic-1; at least 3 needed); refused: node 102: it names "
+                                                      "99990 classes"), message
+
+
+def test_a_class_only_one_node_holds_is_named_not_refused(tmp_path, caplog):
+    root = tmp_path / "skewed"
+    skewed = {"clinic-0": ["cat", "dog"], "clinic-1": ["dog", "fox"], "lab-0": ["cat", "fox", "owl"]}
+    for k, (site, classes) in enumerate(skewed.items()):
+        write_site(root / site, classes, seed=k, train=4, test=2)
+    with caplog.at_level(logging.WARNING):
+        out = own_run({site: root / site for site in skewed}, tmp_path)
+    assert partition(out)["classes"] == ["cat", "dog", "fox", "owl"] and "refused" not in partition(out)
+    assert "classes only one node holds: 'owl' (lab-0); not refused (honest label skew has them)" in caplog.text
