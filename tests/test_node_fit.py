@@ -30,6 +30,12 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import TinyNet, make_federation
+
+from fedhpro.engines.replies import MAX_METRIC_VALUE, MAX_ROW_NORM, metrics_problem, rows_problem
+from fedhpro.engines.simulator import Simulator
+from fedhpro.errors import UpdateError
+from fedhpro.methods import METHODS, TrainSettings
 
 pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pip install -e '.[flower]'")
 
@@ -46,6 +52,7 @@ from fedhpro.flower.server import run_server  # noqa: E402
 
 SITES = {"clinic-0": ["cat", "dog"], "clinic-1": ["cat", "dog"], "clinic-2": ["cat", "dog"]}
 HOSTILE = 102  # the node of clinic-2
+TRAIN = TrainSettings(epochs=1, batch_size=8, lr=0.05, momentum=0.9, weight_decay=0.0)
 
 
 # ---------------------------------------------------------------------------- the rule, at the unit level
@@ -210,8 +217,9 @@ MISFITS = {
 }
 
 
-@pytest.mark.parametrize("roster", [False, True], ids=["no-roster", "roster-admits-it"])
-@pytest.mark.parametrize("attack", list(MISFITS))
+@pytest.mark.parametrize(("attack", "roster"), [(attack, False) for attack in MISFITS]
+                         + [("99990-extra-classes", True), ("input-shape", True)],
+                         ids=[*MISFITS, "99990-extra-classes-roster-admits-it", "input-shape-roster-admits-it"])
 def test_a_node_that_does_not_fit_is_refused_and_the_run_goes_on(sites, tmp_path, caplog, attack, roster):
     changes, why = MISFITS[attack]
     extra = {"clients": None, "flower.roster": str(write_roster(tmp_path))} if roster else {}
@@ -265,3 +273,144 @@ def test_a_class_only_one_node_holds_is_named_not_refused(tmp_path, caplog):
         out = own_run({site: root / site for site in skewed}, tmp_path)
     assert partition(out)["classes"] == ["cat", "dog", "fox", "owl"] and "refused" not in partition(out)
     assert "classes only one node holds: 'owl' (lab-0); not refused (honest label skew has them)" in caplog.text
+
+
+# ---------------------------------------------------------------------------- class rows and metrics, every engine
+
+
+@pytest.mark.parametrize(("value", "refused"), [
+    (0.5, None), (-3, None), (MAX_METRIC_VALUE, None), (-MAX_METRIC_VALUE, None), (torch.tensor(2.0), None),
+    (math.inf, "training metric 'loss' is inf, not a finite number"),
+    (-math.inf, "training metric 'loss' is -inf, not a finite number"),
+    (math.nan, "training metric 'loss' is nan, not a finite number"),
+    (1e308, "training metric 'loss' is 1e+308, beyond +-1e+30"),
+    (-1e31, "training metric 'loss' is -1e+31, beyond +-1e+30"),
+    (True, "training metric 'loss' is a bool, not a number"), ("0.5", "training metric 'loss' is a str, not a number"),
+])
+def test_a_training_metric_must_be_a_finite_bounded_number(value, refused):
+    assert metrics_problem({"accuracy": 50.0, "loss": value}) == refused
+    # n_k-weighted sums of bounded metrics cannot overflow: a billion samples at the bound, a million clients
+    assert math.isfinite(1e9 * MAX_METRIC_VALUE * 1e6)
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan, 1e308])
+def test_flower_metric_records_refuse_non_finite_and_unbounded_values(value):
+    content = RecordDict({records.METRICS: MetricRecord({"loss": value})})
+    with pytest.raises(UpdateError, match="training metric 'loss' is") as caught:
+        records.decode_metrics(content)
+    assert "\n" not in str(caught.value)
+    assert records.decode_metrics(RecordDict({records.METRICS: MetricRecord({"loss": 1e30})})) == {"loss": 1e30}
+
+
+def test_class_rows_a_client_holds_must_be_finite_and_bounded():
+    counts = torch.tensor([3, 0, 2])
+    rows = torch.ones(3, 4)
+    assert rows_problem({"prototypes": rows, "class_counts": counts}, ["prototypes"]) is None
+    for bad, words in [(math.nan, "NaN or Inf"), (math.inf, "NaN or Inf"), (1e30, "L2 norm 2e+30, beyond 1e+15")]:
+        held = rows.clone()
+        held[2] = bad
+        problem = rows_problem({"prototypes": held, "class_counts": counts}, ["prototypes"])
+        assert problem is not None and words in problem, problem
+        unheld = rows.clone()
+        unheld[1] = bad  # a class the client does not hold: never read, as the methods' own checks skip it
+        assert rows_problem({"prototypes": unheld, "class_counts": counts}, ["prototypes"]) is None
+    # the bound itself passes (a row of norm exactly 1e15: 4 entries of 5e14), one step above does not
+    edge = torch.zeros(3, 4, dtype=torch.float64)
+    edge[0] = MAX_ROW_NORM / 2
+    assert rows_problem({"prototypes": edge, "class_counts": counts}, ["prototypes"]) is None
+    edge[0] *= 1.0001
+    assert "beyond 1e+15" in rows_problem({"prototypes": edge, "class_counts": counts}, ["prototypes"])
+    # without counts every row is held; undeclared keys are not looked at
+    assert "soft_predictions" in rows_problem({"soft_predictions": torch.full((2, 2), 1e30)}, ["soft_predictions"])
+    assert rows_problem({"other": torch.full((2, 2), math.nan)}, ["prototypes"]) is None
+
+
+def liar_in_simulator(method: str, rows: float | None = None, metrics: dict[str, float] | None = None) -> Simulator:
+    """A 3-client simulator whose client 2 sends its held class rows as ``rows`` or its metrics as ``metrics``."""
+    federation = make_federation([24, 24, 24], seed=1)
+    sim = Simulator(METHODS[method], METHODS[method].options(), federation, TinyNet, TRAIN, rounds=2, seed=0)
+    original = sim.client.fit
+
+    def fit(model, payload, data, state, generator):
+        reply, measured = original(model, payload, data, state, generator)
+        if data is sim.federation.clients[2]:
+            if rows is not None:
+                reply = {**reply, "prototypes": torch.full_like(reply["prototypes"], rows)}
+            if metrics is not None:
+                measured = {**measured, **metrics}
+        return reply, measured
+
+    sim.client.fit = fit
+    return sim
+
+
+def test_simulator_fedproto_rows_of_1e30_are_refused_and_the_run_goes_on():
+    sim = liar_in_simulator("fedproto", rows=1e30)
+    records_ = [sim.run_round(0).to_json(), sim.run_round(1).to_json()]  # the attack aborted round 2
+    for row in records_:
+        assert row["participants"] == [0, 1, 2]
+        assert row["dropped"] == [{"client": 2, "reason": "invalid update: prototypes holds a class row of L2 norm "
+                                                          "4e+30, beyond 1e+15 (its square would overflow the "
+                                                          "model's arithmetic)"}]
+        assert all(math.isfinite(value) for value in row["train"].values()), row["train"]
+    assert bool(torch.isfinite(sim.server.prototypes).all())
+    assert float(sim.server.prototypes.abs().max()) < 1e3  # the honest clients' mean, not the liar's
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan, 1e308])
+def test_simulator_a_reply_with_non_finite_metrics_is_refused_whole(value):
+    honest = liar_in_simulator("fedavg")
+    honest_row = honest.run_round(0).to_json()
+    sim = liar_in_simulator("fedavg", metrics={"loss": value})
+    row = sim.run_round(0).to_json()
+    (dropped,) = row["dropped"]
+    assert dropped["client"] == 2 and dropped["reason"].startswith("invalid update: training metric 'loss' is")
+    assert row["train"]["loss"] is not None and math.isfinite(row["train"]["loss"])
+    # refused whole: the global model is the mean of clients 0 and 1 alone, by hand from the honest replies
+    assert row["bytes_up"] == honest_row["bytes_up"] * 2 // 3  # a refused reply is not measured
+    assert row["train"]["loss"] != honest_row["train"]["loss"]
+
+
+def test_simulator_honest_rounds_are_unchanged_by_the_checks():
+    # the checks only look: an honest FedProto round passes every reply untouched (no drop, finite rows)
+    sim = liar_in_simulator("fedproto")
+    row = sim.run_round(0).to_json()
+    assert "dropped" not in row and row["participants"] == [0, 1, 2]
+
+
+def forged_train(rows: float | None = None, metrics: dict[str, float] | None = None):
+    """A node whose training replies carry its prototypes as ``rows`` (every held row) or ``metrics``."""
+
+    def forge(kind, header, reply, message):
+        if kind != MessageType.TRAIN:
+            return reply
+        payload = records.decode_payload(reply.content)
+        if rows is not None:
+            payload["prototypes"] = torch.full_like(payload["prototypes"], rows)
+        measured = records.decode_metrics(reply.content)
+        if metrics is not None:
+            measured = {**measured, **metrics}
+        content = RecordDict({**records.encode_payload(payload), records.METRICS: MetricRecord(measured)})
+        return Message(content, reply_to=message)
+
+    return forge
+
+
+def test_flower_fedproto_rows_of_1e30_are_refused_and_the_run_goes_on(sites, tmp_path):
+    out = own_run(sites, tmp_path, {HOSTILE: forged_train(rows=1e30)}, method="fedproto", rounds=2)
+    for row in rows(out):  # the attack: "every client failed ... non-finite loss" in round 2
+        assert row["participants"] == [0, 1, 2]
+        assert row["dropped"] == [{"client": 2, "reason": "invalid update: prototypes holds a class row of L2 norm "
+                                                          "2.83e+30, beyond 1e+15 (its square would overflow the "
+                                                          "model's arithmetic)"}]
+        assert all(math.isfinite(value) for value in row["train"].values()), row["train"]
+    assert json.loads((out / "summary.json").read_text())["accuracy"] is not None
+
+
+def test_flower_a_reply_with_non_finite_metrics_is_refused_whole(sites, tmp_path):
+    # NaN and 1e308 take the same path (decode_metrics, above)
+    out = own_run(sites, tmp_path, {HOSTILE: forged_train(metrics={"loss": math.inf})})
+    (row,) = rows(out)
+    (dropped,) = row["dropped"]
+    assert dropped["client"] == 2 and dropped["reason"].startswith("invalid update: training metric 'loss' is")
+    assert row["train"]["loss"] is not None and math.isfinite(row["train"]["loss"])
