@@ -384,12 +384,16 @@ def misfits(known: Mapping[int, ClientInfo], options: Any) -> dict[int, str]:
     if len(groups) > 1:
         (kind, shape), held = max(groups.items(), key=lambda item: len(item[1]))
         if 2 * len(held) <= len(known):
-            listing = "; ".join(f"{k} of shape {list(s)}: " + ", ".join(known[n].name for n in nodes[:MAX_SHOWN])
-                                for (k, s), nodes in sorted(groups.items(), key=lambda item: -len(item[1])))
+            largest = sorted(groups.items(), key=lambda item: -len(item[1]))
+            listing = "; ".join(f"{k} of shape {list(s)}: " + _shown([known[n].name for n in nodes], quote=False)
+                                for (k, s), nodes in largest[:MAX_SHOWN])
+            more = f"; and {len(largest) - MAX_SHOWN} more" if len(largest) > MAX_SHOWN else ""
             raise ConfigError(f"the admitted nodes' data differ in kind or input shape and no strict majority agrees "
-                              f"({listing}); give every SuperNode the same kind of data and features")
+                              f"({listing}{more}); give every SuperNode the same kind of data and features")
         for (other, other_shape), nodes in groups.items():
-            for node in nodes if (other, other_shape) != (kind, shape) else []:
+            if (other, other_shape) == (kind, shape):
+                continue
+            for node in nodes:
                 refused[node] = (f"its data ({other} of shape {list(other_shape)}) differ from those of the strict "
                                  f"majority of the admitted nodes ({kind} of shape {list(shape)}, {len(held)} of "
                                  f"{len(known)}); give it the same kind of data and features")
@@ -438,9 +442,9 @@ def single_holders(infos: list[ClientInfo]) -> list[tuple[str, str]]:
     return sorted((name, held[0]) for name, held in holders.items() if len(held) == 1)
 
 
-def _shown(names: list[str], most: int = 5) -> str:
-    """The first ``most`` names, quoted and cut to 40 characters each, and how many more."""
-    shown = ", ".join(repr(name[:40]) for name in names[:most])
+def _shown(names: list[str], most: int = 5, quote: bool = True) -> str:
+    """The first ``most`` names, cut to 40 characters each (quoted unless ``quote`` is false), and how many more."""
+    shown = ", ".join(repr(name[:40]) if quote else name[:40] for name in names[:most])
     return shown + (f", ... {len(names) - most} more" if len(names) > most else "")
 
 
