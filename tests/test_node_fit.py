@@ -73,7 +73,7 @@ def test_honest_nodes_fit_and_label_skew_is_named_not_refused():
     disjoint = {k: info(f"s{k}", [f"c{2 * k}", f"c{2 * k + 1}"]) for k in range(5)}
     assert misfits(disjoint, ClientsOptions()) == {}
     assert len(single_holders(list(disjoint.values()))) == 10
-    # a node of more classes than the median that adds no more than the median: 3 new > ... no, 2 new <= 2
+    # a node of more classes than the bound (4 > 2) adding no more than it (fox, owl: 2 <= 2)
     wider = {1: info("a", ["cat", "dog"]), 2: info("b", ["cat", "dog"]), 3: info("c", ["cat", "dog", "fox", "owl"])}
     assert misfits(wider, ClientsOptions()) == {}
 
@@ -330,9 +330,11 @@ def liar_in_simulator(method: str, rows: float | None = None, metrics: dict[str,
     federation = make_federation([24, 24, 24], seed=1)
     sim = Simulator(METHODS[method], METHODS[method].options(), federation, TinyNet, TRAIN, rounds=2, seed=0)
     original = sim.client.fit
+    sim.measured = {}  # client -> the metrics its training measured (before the liar's are rewritten)
 
     def fit(model, payload, data, state, generator):
         reply, measured = original(model, payload, data, state, generator)
+        sim.measured[next(k for k, client in enumerate(sim.federation.clients) if client is data)] = measured
         if data is sim.federation.clients[2]:
             if rows is not None:
                 reply = {**reply, "prototypes": torch.full_like(reply["prototypes"], rows)}
@@ -365,10 +367,11 @@ def test_simulator_a_reply_with_non_finite_metrics_is_refused_whole(value):
     row = sim.run_round(0).to_json()
     (dropped,) = row["dropped"]
     assert dropped["client"] == 2 and dropped["reason"].startswith("invalid update: training metric 'loss' is")
-    assert row["train"]["loss"] is not None and math.isfinite(row["train"]["loss"])
-    # refused whole: the global model is the mean of clients 0 and 1 alone, by hand from the honest replies
-    assert row["bytes_up"] == honest_row["bytes_up"] * 2 // 3  # a refused reply is not measured
-    assert row["train"]["loss"] != honest_row["train"]["loss"]
+    # refused whole: not measured (the bytes of the two others), its metrics not in the round's mean, which is
+    # clients 0 and 1's (24 samples each), by hand from what their training measured
+    assert row["bytes_up"] == honest_row["bytes_up"] * 2 // 3
+    for name in ("ce", "loss"):
+        assert row["train"][name] == pytest.approx((sim.measured[0][name] + sim.measured[1][name]) / 2, rel=1e-12)
 
 
 def test_simulator_honest_rounds_are_unchanged_by_the_checks():
