@@ -417,3 +417,18 @@ def test_flower_a_reply_with_non_finite_metrics_is_refused_whole(sites, tmp_path
     (dropped,) = row["dropped"]
     assert dropped["client"] == 2 and dropped["reason"].startswith("invalid update: training metric 'loss' is")
     assert row["train"]["loss"] is not None and math.isfinite(row["train"]["loss"])
+
+
+def test_a_classes_txt_other_than_the_strict_majority_s_is_refused():
+    listed = ["cat", "dog"]
+    nodes = {k: info(f"s{k}", ["cat"], declared=listed) for k in range(3)}
+    refused = misfits({**nodes, 2: info("s2", ["cat"], declared=["cat", "dog", "fox"])}, ClientsOptions())
+    assert refused == {2: "its classes.txt (3 classes) differs from that of the strict majority of the nodes that have "
+                          "one (2 classes, 2 of 3); give it the same class list, or set data.classes"}
+    # nodes without a classes.txt do not vote; one against one is no majority (resolve_classes names them)
+    pair = {0: nodes[0], 1: info("s1", ["cat"], declared=["dog", "cat"]), 2: info("s2", ["cat"])}
+    assert misfits(pair, ClientsOptions()) == {}
+    # data.num_classes bounds labels by index, and a named node is still bounded by the class counts
+    extra = [f"x{i}" for i in range(50)]
+    named = {k: info(f"n{k}", ["cat", "dog"]) for k in range(3)}
+    assert misfits({**named, 2: info("n2", ["cat", "dog", *extra])}, ClientsOptions(num_classes=2)).keys() == {2}

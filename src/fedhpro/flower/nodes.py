@@ -372,6 +372,8 @@ def misfits(known: Mapping[int, ClientInfo], options: Any) -> dict[int, str]:
       one-line ConfigError naming the groups, since nobody can say who is right);
     * with ``data.classes`` (``options``: the run's ``data.*``): a class, or an index label, outside that list;
       with ``data.num_classes`` (tensors labelled by index): a label at or above it;
+    * without ``data.classes``, a ``classes.txt`` other than that of a strict majority of the nodes that have one
+      (none has one: :func:`~fedhpro.data.clients.resolve_classes` names them in one line);
     * otherwise a class list adding more than ``M`` classes (:func:`class_bound`: the lower median of the
       admitted nodes' class counts) that no other node of at most ``M`` classes names. Such nodes are at least
       half of all; a node of at most ``M`` classes is never refused, so honest label skew (a class only one
@@ -409,12 +411,28 @@ def misfits(known: Mapping[int, ClientInfo], options: Any) -> dict[int, str]:
                 refused[node] = (f"its labels go up to {info.max_label} but data.classes lists {len(allowed)} "
                                  "classes; fix its labels or list its classes")
         return refused
-    if options.num_classes is not None:
+    if options.num_classes is not None:  # the bound of labels by index; named classes are bounded below
         for node, info in fitting.items():
             if info.class_names is None and info.max_label is not None and info.max_label >= options.num_classes:
                 refused[node] = (f"its labels go up to {info.max_label} but data.num_classes={options.num_classes}; "
                                  "fix its labels or raise data.num_classes")
-        return refused
+        fitting = {node: info for node, info in fitting.items() if node not in refused}
+    declared: dict[tuple[str, ...], list[int]] = {}
+    for node, info in sorted(fitting.items()):
+        if info.declared_classes is not None:
+            declared.setdefault(tuple(info.declared_classes), []).append(node)
+    if len(declared) > 1:  # no strict majority: resolve_classes names the nodes whose classes.txt differ
+        agreed, held = max(declared.items(), key=lambda item: len(item[1]))
+        voters = sum(len(nodes) for nodes in declared.values())
+        if 2 * len(held) > voters:
+            for listed, nodes in declared.items():
+                if listed == agreed:
+                    continue
+                for node in nodes:
+                    refused[node] = (f"its classes.txt ({len(listed)} classes) differs from that of the strict "
+                                     f"majority of the nodes that have one ({len(agreed)} classes, {len(held)} of "
+                                     f"{voters}); give it the same class list, or set data.classes")
+            fitting = {node: info for node, info in fitting.items() if node not in refused}
     classes = {node: node_classes(info) for node, info in fitting.items()}
     bound = class_bound([len(names) for names in classes.values()])
     within = [node for node, names in classes.items() if len(names) <= bound]
