@@ -20,6 +20,7 @@ from torch import Tensor
 
 from fedhpro.aggregation import claim_cap
 from fedhpro.engines.chain import Incoming, ReplyStep, RoundState
+from fedhpro.engines.class_rows import declared_class_keys
 from fedhpro.engines.faults import method_problem, same
 from fedhpro.errors import ConfigError
 from fedhpro.methods.layout import layout_problem
@@ -73,6 +74,78 @@ def counts_problem(reply: Any, num_classes: int | None) -> str | None:
     held = int(values.to(torch.float64).sum().item()) if values.is_floating_point() else int(values.sum().item())
     if held != int(total):
         return f"class_counts sum to {held} but num_examples={total}"
+    return None
+
+
+#: the largest magnitude a training metric may have: n_k-weighted sums of such values (n_k up to 10^9 samples,
+#: any realistic number of clients) stay far below float64's 1.8e308, so a round's weighted mean cannot
+#: overflow; an honest loss or accuracy is many orders below
+MAX_METRIC_VALUE = 1e30
+#: the largest L2 norm a class row a client holds may have: its square (1e30) stays eight orders below float32's
+#: largest value (3.4e38), so squared distances to it, summed over a batch and the classes, cannot overflow to
+#: inf (a FedProto row of 1e30 made every client's loss non-finite); honest rows (features, gradients,
+#: probabilities) are many orders below. Rows large against the other clients' rows are another bound's matter.
+MAX_ROW_NORM = 1e15
+
+
+def metrics_problem(metrics: Any) -> str | None:
+    """Why a reply's training metrics cannot be folded into the round's n_k-weighted mean, or None when each is
+    a finite number of magnitude at most :data:`MAX_METRIC_VALUE` (an inf or a NaN made the round's train row
+    null; a 1e308 overflows the weighted sum)."""
+    if not isinstance(metrics, Mapping):
+        return f"its training metrics are a {type(metrics).__name__}, not named numbers"
+    for name, value in metrics.items():
+        problem = metric_problem(str(name), value)
+        if problem is not None:
+            return problem
+    return None
+
+
+def metric_problem(name: str, value: Any) -> str | None:
+    """Why one training metric ``name = value`` is not a finite number within :data:`MAX_METRIC_VALUE`, or None."""
+    shown = name[:40]
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating, Tensor)):
+        return f"training metric '{shown}' is a {type(value).__name__}, not a number"
+    if isinstance(value, Tensor) and (value.numel() != 1 or value.is_complex()):
+        return f"training metric '{shown}' is a tensor of {value.numel()} values, not a number"
+    number = float(value)
+    if not math.isfinite(number):
+        return f"training metric '{shown}' is {number}, not a finite number"
+    if abs(number) > MAX_METRIC_VALUE:
+        return f"training metric '{shown}' is {number:g}, beyond +-{MAX_METRIC_VALUE:g}"
+    return None
+
+
+def rows_problem(reply: Any, class_keys: Sequence[str], max_norm: float = MAX_ROW_NORM) -> str | None:
+    """Why the rows of the reply's class tensors ``class_keys`` (the method's declared ones) that its client
+    holds (``class_counts > 0``; every row without counts) cannot be aggregated, or None when each is finite with
+    an L2 norm of at most ``max_norm`` (:data:`MAX_ROW_NORM`). Rows of classes the client does not hold are never
+    read (the methods' own checks skip them too)."""
+    if not isinstance(reply, Mapping):
+        return None  # the method's checks name what the reply is
+    counts = reply.get("class_counts")
+    for key in class_keys:
+        rows = reply.get(key)
+        if not isinstance(rows, Tensor) or rows.dim() == 0 or not rows.is_floating_point():
+            continue
+        flat = rows.detach().reshape(rows.shape[0], -1)
+        if flat.numel() == 0:
+            continue
+        peaks = flat.abs().amax(dim=1)  # one pass in the tensor's own dtype; a NaN stays NaN
+        held = torch.ones(flat.shape[0], dtype=torch.bool, device=flat.device)
+        if isinstance(counts, Tensor) and counts.dim() == 1 and counts.shape[0] == flat.shape[0]:
+            held = counts.detach().to(flat.device) > 0
+        peaks = peaks[held]
+        if peaks.numel() == 0:
+            continue
+        if not bool(torch.isfinite(peaks).all()):
+            return f"{key} holds NaN or Inf in a row of a class it holds"
+        if float(peaks.max()) * math.sqrt(flat.shape[1]) <= max_norm:
+            continue  # no row's norm can exceed the bound: the exact norms are not needed
+        norms = flat[held].double().norm(dim=1)  # in float64: a float32 row of 1e30 entries has a finite norm
+        if bool((norms > max_norm).any()):
+            return (f"{key} holds a class row of L2 norm {float(norms.max()):.3g}, beyond {max_norm:g} (its square "
+                    "would overflow the model's arithmetic)")
     return None
 
 
@@ -159,24 +232,38 @@ class LayoutChecks(ReplyStep):
 
 class SizeChecks(ReplyStep):
     """The reply's ``num_examples`` (:func:`examples_problem`) and ``class_counts`` (:func:`counts_problem`)
-    must be what its client can hold."""
+    must be what its client can hold, and its training metrics finite and bounded (:func:`metrics_problem`): a
+    reply with an inf, NaN or 1e308 metric is refused whole, like an invalid update, before anything of it is
+    measured or folded (the first checks of the chain, before the injected faults: the client's own fault)."""
 
     def receive(self, incoming: Incoming, round: RoundState) -> str | None:
         problem = examples_problem(incoming.reply, incoming.client, incoming.num_samples)
         if problem is None:
             problem = counts_problem(incoming.reply, round.num_classes)
+        if problem is None:
+            problem = metrics_problem(incoming.metrics)
         return None if problem is None else f"invalid update: {problem}"
 
 
 class MethodChecks(ReplyStep):
     """The method's own checks (its server's ``validate_reply``) of the reply as it now is (as ``view`` shows
-    it to the method)."""
+    it to the method), then, for every method alike, its declared class tensors' held rows
+    (:func:`~fedhpro.engines.class_rows.declared_class_keys`): finite and of L2 norm at most :data:`MAX_ROW_NORM`
+    (:func:`rows_problem`). After the injected faults: a hostile factor that makes a row unbounded is the fault's."""
 
     def __init__(self, view: Callable[[Any], Any] = same) -> None:
         self.view = view
+        self.class_keys: list[str] | None = None  # the server's declared class tensors, read once
 
     def receive(self, incoming: Incoming, round: RoundState) -> str | None:
-        return method_problem(round, self.view(incoming.reply))
+        reply = self.view(incoming.reply)
+        problem = method_problem(round, reply)
+        if problem is not None:
+            return problem
+        if self.class_keys is None:
+            self.class_keys = declared_class_keys(round.protocol.server)
+        problem = rows_problem(reply, self.class_keys)
+        return None if problem is None else f"invalid update: {problem}"
 
 
 class Measured(ReplyStep):
@@ -233,13 +320,14 @@ class WeightCap(ReplyStep):
 
 
 class TrainingMetrics(ReplyStep):
-    """The client's training metrics, weighted by what its reply weighs (its sample count, or the cap)."""
+    """The client's training metrics, weighted by what its reply weighs (its sample count, or the cap); finite and
+    at most :data:`MAX_METRIC_VALUE` in magnitude (:class:`SizeChecks`, earlier in the chain, refused any other)."""
 
     def receive(self, incoming: Incoming, round: RoundState) -> str | None:
         round.train_metrics.append((min(int(incoming.num_samples), incoming.weight), incoming.metrics))
         return None
 
 
-__all__ = ["LayoutChecks", "MethodChecks", "Measured", "RowBound", "SizeChecks", "TrainingMetrics", "WeightCap",
-           "bound_text", "bounded_rows", "capped_reply", "check_bounds", "counts_problem", "examples_problem",
-           "weight_cap"]
+__all__ = ["MAX_METRIC_VALUE", "MAX_ROW_NORM", "LayoutChecks", "MethodChecks", "Measured", "RowBound", "SizeChecks",
+           "TrainingMetrics", "WeightCap", "bound_text", "bounded_rows", "capped_reply", "check_bounds",
+           "counts_problem", "examples_problem", "metric_problem", "metrics_problem", "rows_problem", "weight_cap"]

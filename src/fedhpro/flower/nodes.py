@@ -11,6 +11,7 @@ comes back with a new node id (:meth:`Nodes.rejoin`, before every step).
 from __future__ import annotations
 
 import hashlib
+import statistics
 import time
 from collections.abc import Container, Mapping
 from logging import INFO, WARNING
@@ -38,6 +39,8 @@ REJOIN_WAIT = 120.0
 #: the fewest data-holding nodes an own-data run goes on with when some of those it waited for were refused
 #: (unless ``flower.min-clients`` says otherwise): one node's "federation" is that node's model
 MIN_FEDERATION = 2
+#: how many names (classes, sites) one warning or error line shows
+MAX_SHOWN = 10
 
 
 class Nodes(dict[int, int]):
@@ -45,8 +48,9 @@ class Nodes(dict[int, int]):
     in own-data mode each client's ClientInfo (``infos``, in client order; None in partition mode, where a
     node's partition-id says it), ``client_keys`` (each client's node's public key as the SuperLink listed
     it at discovery; empty: none), ``client_of`` (node id -> client), ``strangers`` (node ids asked once
-    that hold no client of this run: not asked again) and ``waiting`` (new node id -> the client it
-    claims, whose node was still online: it takes over once that node is gone)."""
+    that hold no client of this run: not asked again), ``waiting`` (new node id -> the client it
+    claims, whose node was still online: it takes over once that node is gone) and ``refused`` (node id -> why
+    it was refused at discovery: the run's record of the nodes left out)."""
 
     def __init__(self, nodes: Mapping[int, int], infos: list[Any] | None = None,
                  keys: Mapping[int, bytes] | None = None):
@@ -56,6 +60,8 @@ class Nodes(dict[int, int]):
         self.client_of = {node: k for k, node in nodes.items()}
         self.strangers: set[int] = set()
         self.waiting: dict[int, int] = {}
+        #: node id -> why it was refused at discovery (partition.json's ``refused``; empty: none)
+        self.refused: dict[int, str] = {}
 
     def rejoin(self, grid: Grid, config_json: str, classes_bound: int, node_auth: bool = False) -> set[int]:
         """The node ids the SuperLink lists as online, after mapping any new node back to its client.
@@ -237,8 +243,14 @@ def discover_own_data(grid: Grid, config: Config,
     fewer than ``clients`` nodes admitted, the run goes on with those admitted
     if they are at least :func:`needed_nodes` (one warning naming the refused
     nodes and the roster's sites without a node), else it stops with one line
-    naming them. One-line errors name the nodes that do not fit together
-    (classes, input shape).
+    naming them. A node whose data do not fit the others' (:func:`misfits`: a
+    kind or input shape other than the strict majority's, a class list adding
+    more classes than the bound, classes outside ``data.classes``) is refused
+    in the same way once the waiting is over, and the run goes on while
+    :func:`needed_nodes` remain; no strict majority of kind and input shape
+    stops the run with one line. Classes only one node holds are named in one
+    warning (honest label skew has them). Other one-line errors name the nodes
+    that do not fit together (classes.txt, label ranges).
     """
     roster = load_roster(settings.roster) if settings.roster else None
     expected = config.run.clients
@@ -293,6 +305,12 @@ def discover_own_data(grid: Grid, config: Config,
             break
         if len(known) < expected:
             time.sleep(0.2)
+    waited = time.monotonic() > deadline
+    for node, why in sorted(misfits(known, config.data).items()):  # after admission: the majority is known
+        _refuse(node, why, ignored)
+        name = known.pop(node).name
+        del by_name[name]
+        places[node] = name if roster is not None and name in roster.sites else None
     if len(known) < expected:
         accounted = sum(1 for claim in places.values() if claim is None) + \
             len({claim for claim in places.values() if claim is not None and claim not in by_name})
@@ -300,14 +318,21 @@ def discover_own_data(grid: Grid, config: Config,
         missing = sorted(set(roster.sites) - set(by_name)) if roster is not None else []
         shown = ", ".join(missing[:10]) + (", ..." if len(missing) > 10 else "")
         absent = f"; the roster's sites without a node: {shown}" if missing else ""
+        after = f"after {settings.node_wait:.0f} s " if waited else ""  # else: every node answered, some refused
         if len(known) < needed:
-            raise ConfigError(f"after {settings.node_wait:.0f} s only {len(known)} of {expected} data-holding "
+            raise ConfigError(f"{after}only {len(known)} of {expected} data-holding "
                               f"SuperNodes answered ({', '.join(sorted(by_name)) or 'none'}; at least {needed} "
                               f"needed){_refused_text(ignored)}{absent}; start the missing SuperNodes, set "
                               "clients= to the number running, or raise flower.node-wait")
-        log(WARNING, "fedhpro: after %.0f s %d of %d data-holding SuperNodes were admitted (%s); the run goes on "
-            "without the others (at least %d needed, flower.min-clients)%s%s", settings.node_wait, len(known),
+        log(WARNING, "fedhpro: %s%d of %d data-holding SuperNodes were admitted (%s); the run goes on "
+            "without the others (at least %d needed, flower.min-clients)%s%s", after, len(known),
             expected, ", ".join(sorted(by_name)), needed, _refused_text(ignored), absent)
+    single = single_holders(list(known.values()))
+    if single:
+        shown = ", ".join(f"{c!r} ({name})" for c, name in single[:MAX_SHOWN])
+        more = f" (and {len(single) - MAX_SHOWN} more)" if len(single) > MAX_SHOWN else ""
+        log(WARNING, "fedhpro: classes only one node holds: %s%s; not refused (honest label skew has them), but "
+            "only that node's data speak for them", shown, more)
     names = sorted(by_name)
     infos = [known[by_name[name]] for name in names]
     try:
@@ -319,7 +344,126 @@ def discover_own_data(grid: Grid, config: Config,
                           f"{max_classes(config)}; raise data.max_classes if that many is right")
     nodes = Nodes({k: by_name[name] for k, name in enumerate(names)}, infos)
     nodes.strangers.update(ignored)  # refused at discovery: not asked again when a round looks for new nodes
+    nodes.refused.update(ignored)
     return nodes, infos, classes
+
+
+def node_classes(info: ClientInfo) -> set[str]:
+    """The classes a node's description names: its class folders or label names, its ``classes.txt``, and for
+    tensors labelled by index ``"0"`` ... ``max_label`` (what the federation's class count grows to with it)."""
+    names = set(info.class_names or []) | set(info.declared_classes or [])
+    if info.class_names is None and info.declared_classes is None and info.max_label is not None:
+        names |= {str(label) for label in range(info.max_label + 1)}
+    return names
+
+
+def class_bound(counts: list[int]) -> int:
+    """The most classes a node may add that no node of at most that many classes names: the lower median of
+    the admitted nodes' class counts, at least 1 (at least half the nodes hold no more; a minority cannot move
+    it above an honest node's count)."""
+    return max(1, int(statistics.median_low(counts))) if counts else 1
+
+
+def misfits(known: Mapping[int, ClientInfo], options: Any) -> dict[int, str]:
+    """``{node id: why}`` for the admitted nodes (``known``: node id -> description) whose data do not fit the
+    others', each left out of the run (not the run refused):
+
+    * a data kind or input shape other than that of a strict majority of the admitted nodes (none has one: a
+      one-line ConfigError naming the groups, since nobody can say who is right);
+    * with ``data.classes`` (``options``: the run's ``data.*``): a class, or an index label, outside that list;
+      with ``data.num_classes`` (tensors labelled by index): a label at or above it;
+    * without ``data.classes``, a ``classes.txt`` other than that of a strict majority of the nodes that have one
+      (none has one: :func:`~fedhpro.data.clients.resolve_classes` names them in one line);
+    * otherwise a class list adding more than ``M`` classes (:func:`class_bound`: the lower median of the
+      admitted nodes' class counts) that no other node of at most ``M`` classes names. Such nodes are at least
+      half of all; a node of at most ``M`` classes is never refused, so honest label skew (a class only one
+      node holds) passes, and liars sharing their invented names gain nothing by it.
+    """
+    refused: dict[int, str] = {}
+    groups: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    for node, info in sorted(known.items()):
+        groups.setdefault((info.kind, tuple(info.input_shape)), []).append(node)
+    if len(groups) > 1:
+        (kind, shape), held = max(groups.items(), key=lambda item: len(item[1]))
+        if 2 * len(held) <= len(known):
+            largest = sorted(groups.items(), key=lambda item: -len(item[1]))
+            listing = "; ".join(f"{k} of shape {list(s)}: " + _shown([known[n].name for n in nodes], quote=False)
+                                for (k, s), nodes in largest[:MAX_SHOWN])
+            more = f"; and {len(largest) - MAX_SHOWN} more" if len(largest) > MAX_SHOWN else ""
+            raise ConfigError(f"the admitted nodes' data differ in kind or input shape and no strict majority agrees "
+                              f"({listing}{more}); give every SuperNode the same kind of data and features")
+        for (other, other_shape), nodes in groups.items():
+            if (other, other_shape) == (kind, shape):
+                continue
+            for node in nodes:
+                refused[node] = (f"its data ({other} of shape {list(other_shape)}) differ from those of the strict "
+                                 f"majority of the admitted nodes ({kind} of shape {list(shape)}, {len(held)} of "
+                                 f"{len(known)}); give it the same kind of data and features")
+    fitting = {node: info for node, info in known.items() if node not in refused}
+    if options.classes is not None:
+        allowed = [str(c) for c in options.classes]
+        for node, info in fitting.items():
+            outside = sorted(set(info.class_names or []) - set(allowed))
+            if outside:
+                refused[node] = (f"it names {len(outside)} classes that data.classes does not list "
+                                 f"({_shown(outside)}); add them to data.classes or fix its labels")
+            elif info.class_names is None and info.max_label is not None and info.max_label >= len(allowed):
+                refused[node] = (f"its labels go up to {info.max_label} but data.classes lists {len(allowed)} "
+                                 "classes; fix its labels or list its classes")
+        return refused
+    if options.num_classes is not None:  # the bound of labels by index; named classes are bounded below
+        for node, info in fitting.items():
+            if info.class_names is None and info.max_label is not None and info.max_label >= options.num_classes:
+                refused[node] = (f"its labels go up to {info.max_label} but data.num_classes={options.num_classes}; "
+                                 "fix its labels or raise data.num_classes")
+        fitting = {node: info for node, info in fitting.items() if node not in refused}
+    declared: dict[tuple[str, ...], list[int]] = {}
+    for node, info in sorted(fitting.items()):
+        if info.declared_classes is not None:
+            declared.setdefault(tuple(info.declared_classes), []).append(node)
+    if len(declared) > 1:  # no strict majority: resolve_classes names the nodes whose classes.txt differ
+        agreed, held = max(declared.items(), key=lambda item: len(item[1]))
+        voters = sum(len(nodes) for nodes in declared.values())
+        if 2 * len(held) > voters:
+            for listed, nodes in declared.items():
+                if listed == agreed:
+                    continue
+                for node in nodes:
+                    refused[node] = (f"its classes.txt ({len(listed)} classes) differs from that of the strict "
+                                     f"majority of the nodes that have one ({len(agreed)} classes, {len(held)} of "
+                                     f"{voters}); give it the same class list, or set data.classes")
+            fitting = {node: info for node, info in fitting.items() if node not in refused}
+    classes = {node: node_classes(info) for node, info in fitting.items()}
+    bound = class_bound([len(names) for names in classes.values()])
+    within = [node for node, names in classes.items() if len(names) <= bound]
+    for node, names in sorted(classes.items()):
+        if len(names) <= bound:
+            continue
+        known_elsewhere = set().union(*(classes[other] for other in within if other != node))
+        added = sorted(names - known_elsewhere)
+        if len(added) > bound:
+            refused[node] = (f"it names {len(added)} classes that no node of at most {bound} classes names "
+                             f"({_shown(added)}), more than {bound} (the lower median of the admitted nodes' class "
+                             "counts); if they are right, list the federation's classes in data.classes")
+    return refused
+
+
+def single_holders(infos: list[ClientInfo]) -> list[tuple[str, str]]:
+    """``[(class, node's client name)]``, sorted: the named classes (class folders or label names) exactly one
+    of ``infos`` holds, when there are at least two."""
+    if len(infos) < 2:
+        return []
+    holders: dict[str, list[str]] = {}
+    for info in infos:
+        for name in set(info.class_names or []):
+            holders.setdefault(name, []).append(info.name)
+    return sorted((name, held[0]) for name, held in holders.items() if len(held) == 1)
+
+
+def _shown(names: list[str], most: int = 5, quote: bool = True) -> str:
+    """The first ``most`` names, cut to 40 characters each (quoted unless ``quote`` is false), and how many more."""
+    shown = ", ".join(repr(name[:40]) if quote else name[:40] for name in names[:most])
+    return shown + (f", ... {len(names) - most} more" if len(names) > most else "")
 
 
 def _refused_text(refused: Mapping[int, str], most: int = 5) -> str:

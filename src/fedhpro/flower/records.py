@@ -42,6 +42,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from torch import Tensor
 
+from fedhpro.engines.replies import metric_problem
 from fedhpro.errors import ConfigError, UpdateError
 
 #: record names this module reserves in a RecordDict (payload keys may not take them)
@@ -283,7 +284,8 @@ def encode_metrics(metrics: Mapping[str, float]) -> MetricRecord:
 
 def decode_metrics(content: RecordDict) -> dict[str, float]:
     """A client's training metrics (``fedhpro.metrics``; none: ``{}``); UpdateError (one line) for a metric
-    that is not one number (a MetricRecord may also hold lists), for more than :data:`MAX_METRICS` metrics, a
+    that is not one number (a MetricRecord may also hold lists), not finite or beyond
+    :data:`~fedhpro.engines.replies.MAX_METRIC_VALUE` in magnitude, for more than :data:`MAX_METRICS` metrics, a
     name longer than :data:`MAX_METRIC_NAME` characters or names longer than :data:`MAX_METRIC_CHARS`
     together (counted before any is read: the metrics go into every round's row)."""
     record = content.metric_records.get(METRICS)
@@ -300,6 +302,9 @@ def decode_metrics(content: RecordDict) -> dict[str, float]:
                               f"{MAX_METRIC_CHARS} together ({name[:40]!r}...)")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UpdateError(f"training metric '{name[:40]}' is a {type(value).__name__}, not a number")
+        problem = metric_problem(name, value)  # inf, NaN, 1e308: the reply is refused whole
+        if problem is not None:
+            raise UpdateError(problem)
         metrics[name] = float(value)
     return metrics
 

@@ -112,8 +112,9 @@ def _run_server(grid: Grid, config: Config, settings: FlowerSettings, out: Path 
         log(INFO, "fedhpro: flower.round-timeout (auto): %.0f s a round", timeout)
     settings = dataclasses.replace(settings, round_timeout=timeout)  # what SecAgg+'s stages wait too
     run = driver.Run(out, config.run, side.protocol, engine="flower", started=started)
-    strategy = MethodStrategy(side, config, Nodes(nodes, getattr(nodes, "infos", None),
-                                                 _client_keys(grid, nodes, settings)),
+    known = Nodes(nodes, getattr(nodes, "infos", None), _client_keys(grid, nodes, settings))
+    known.strangers.update(getattr(nodes, "strangers", ()))  # refused at discovery: a round does not ask them again
+    strategy = MethodStrategy(side, config, known,
                               run_key(config, secrets.token_hex(8)), settings.node_auth,
                               secure_for(config, side, settings), run)
     board, tracker = record_observers(config.run, out, ServerLog().warning, config.to_dict()) \
@@ -197,6 +198,9 @@ def _federation(grid: Grid, config: Config, settings: FlowerSettings
                      "classes": classes,
                      "clients": [{"client": k, "node": nodes[k], **dataclasses.asdict(info)}
                                  for k, info in enumerate(infos)]}
+        if nodes.refused:  # the nodes left out at discovery, and why (no key when none: honest runs keep their bytes)
+            partition["refused"] = [{"node": node, "reason": why}
+                                    for node, why in sorted(nodes.refused.items())[:MAX_REFUSED_RECORDED]]
         notes = [f"clients: {len(infos)} SuperNodes holding their own data ({infos[0].kind}), {len(classes)} classes"]
         # clients without a test split, what AVG is (weighted by sites where nobody vouches for them), ...
         return side, config, nodes, partition, notes + client_notes(infos, claimed=not settings.roster)
@@ -210,6 +214,10 @@ def _federation(grid: Grid, config: Config, settings: FlowerSettings
         raise ConfigError(f"the federation has {federation.num_clients} clients but {clients} SuperNodes "
                           f"hold partitions; set clients={federation.num_clients} or run that many SuperNodes")
     return side, config, nodes, federation.partition, list(federation.notes)
+
+
+#: the most refused nodes partition.json names (a flood of nodes must not make it grow without bound)
+MAX_REFUSED_RECORDED = 100
 
 
 def run_key(config: Config, token: str) -> str:
