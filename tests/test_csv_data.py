@@ -26,6 +26,7 @@ from fedhpro.data import get_dataset
 from fedhpro.data.clients import ClientInfo, load_client, resolve_classes, scan_client
 from fedhpro.data.tables import read_csv
 from fedhpro.errors import DataError
+from fedhpro.reports.tables import csv_text
 from fedhpro.trained import predict
 from fedhpro.trained.prediction import labelled_accuracy
 
@@ -318,3 +319,45 @@ def test_predict_refuses_a_csv_without_the_run_s_columns_in_one_line(data, named
     err = capsys.readouterr().err.strip()
     assert "'f7'" in err and "\n" not in err and "Traceback" not in err
     assert not (tmp_path / "short.predictions.csv").exists()
+
+
+# ----------------------------------------------------------------------------------- formula-looking cells
+
+#: class names a spreadsheet would take for formulas (OWASP's list: = + - @)
+FORMULA_NAMES = np.array(["=1+2", "@SUM(A1)", "-2+3"])
+
+
+def test_predictions_csvs_escape_formula_looking_cells(tmp_path):
+    """Class names, kept cells and column names that start like a formula are written with a leading ``'``
+    (OWASP), in both predictions CSVs; numbers (negative ones included) and other text are as they were. The
+    reference: every cell as Python's csv reads it, against the rows and names given."""
+    parts = wine_parts()
+    for name, splits in parts.items():
+        (tmp_path / "data" / name).mkdir(parents=True)
+        for split, (x, y) in splits.items():
+            frame = pd.DataFrame(x, columns=FEATURES)
+            frame["label"] = FORMULA_NAMES[y]
+            frame.to_csv(tmp_path / "data" / name / f"{split}.csv", index=False)
+    run = fedhpro.run(**TINY, dataset="clients", data_dir=str(tmp_path / "data"), out=str(tmp_path / "run"))
+    x, _ = parts["site-0"]["test"]
+    rows = pd.DataFrame(x[:4], columns=FEATURES)
+    notes = ['=HYPERLINK("http://x","y")', "+cmd", "plain", "-0.5"]
+    rows["=note"] = notes
+    rows["offset"] = [-1.5, 2.0, -3.0, 4.0]
+    rows.to_csv(tmp_path / "rows.csv", index=False)
+    predict(run.out, [tmp_path / "rows.csv"])
+    header, *cells = list(csv.reader(io.StringIO((tmp_path / "rows.predictions.csv").read_text())))
+    assert header == FEATURES + ["'=note", "offset", "predicted"] + [f"p_{n}" for n in sorted(FORMULA_NAMES)]
+    assert [row[len(FEATURES)] for row in cells] == ["'" + notes[0], "'+cmd", "plain", "-0.5"]
+    assert [float(row[len(FEATURES) + 1]) for row in cells] == [-1.5, 2.0, -3.0, 4.0]
+    assert {row[len(FEATURES) + 2] for row in cells} <= {"'" + name for name in FORMULA_NAMES}
+    np.savez(tmp_path / "rows.npz", x=x[:4], y=np.zeros(4, dtype=np.int64))
+    table = list(csv.DictReader(io.StringIO(predict(run.out, [tmp_path / "rows.npz"]))))
+    assert table and {row["predicted"] for row in table} <= {"'" + name for name in FORMULA_NAMES}
+
+
+def test_report_tables_escape_formula_looking_text_but_not_numbers():
+    """``csv_text`` (every report's table.csv): text starting with = + - @ (or a tab) gets a leading ``'``."""
+    text = csv_text(["=name", "value"], [["@evil", -1.25], ["-x", "-3"], ["ok", None]])
+    assert list(csv.reader(io.StringIO(text))) == [["'=name", "value"], ["'@evil", "-1.25"], ["'-x", "-3"],
+                                                   ["ok", ""]]

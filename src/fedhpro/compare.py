@@ -42,7 +42,7 @@ from fedhpro.bounded import MAX_YAML_CHARS, load_yaml, read_bounded
 from fedhpro.config import PRESENTATION_KEYS, Config, load_config, numbers_settings, parse_override
 from fedhpro.engines import checkpoint
 from fedhpro.errors import ConfigError, FedHProError
-from fedhpro.files import claim_run_folder
+from fedhpro.files import claim_run_folder, spreadsheet_cell
 from fedhpro.methods import METHODS, method_names
 from fedhpro.options import fields_of
 from fedhpro.reports import write_atomic, write_json
@@ -385,7 +385,8 @@ def _table(summaries: dict[str, list[dict[str, Any]]], seeds: Sequence[int], met
     lines = [header, "|---" * (len(columns) + 2) + "|"]
     buffer = io.StringIO()
     writer = csv.writer(buffer)
-    writer.writerow(["method"] + [f"{c}_mean" for c in columns] + [f"{c}_std" for c in columns] + ["delta_avg"])
+    writer.writerow([spreadsheet_cell(name) for name in
+                     ["method"] + [f"{c}_mean" for c in columns] + [f"{c}_std" for c in columns] + ["delta_avg"]])
     for method in rows:
         avg = statistics.mean(values(method, "AVG"))
         gain = None if baseline is None or method == reference else avg - baseline
@@ -394,7 +395,7 @@ def _table(summaries: dict[str, list[dict[str, Any]]], seeds: Sequence[int], met
         lines.append(f"| {display_label(method)} | {cells} | {delta} |")
         means = [statistics.mean(values(method, c)) for c in columns]
         stds = [statistics.stdev(values(method, c)) if len(values(method, c)) > 1 else 0.0 for c in columns]
-        writer.writerow([method] + [f"{v:.4f}" for v in means + stds] + ["" if gain is None else f"{gain:.4f}"])
+        writer.writerow([spreadsheet_cell(method)] + [f"{v:.4f}" for v in means + stds] + ["" if gain is None else f"{gain:.4f}"])
     named = (display_name(reference_method) if reference == reference_method else display_label(reference)) \
         if reference else None
     described = data_sentence({row: (data or {}).get(row) for row in rows}, [display_label(row) for row in rows])
