@@ -43,12 +43,13 @@ from fedhpro.config import PRESENTATION_KEYS, Config, load_config, numbers_setti
 from fedhpro.engines import checkpoint
 from fedhpro.errors import ConfigError, FedHProError
 from fedhpro.files import claim_run_folder, spreadsheet_cell
-from fedhpro.methods import METHODS, method_names
+from fedhpro.methods import METHODS, get_method, method_names
 from fedhpro.options import fields_of
 from fedhpro.reports import write_atomic, write_json
 from fedhpro.reports.captions import data_sentence, data_text
 from fedhpro.reports.plots import display_label, display_name, paper_order
 from fedhpro.reports.runs import COMPARE_RECORD
+from fedhpro.search_space import searched
 from fedhpro.sweeps import Failure, Sweep, SweepFailed, execute, make_sweep, sweep_options
 
 
@@ -230,13 +231,23 @@ def read_tuned(path: str | os.PathLike) -> dict[str, Any]:
 def tuned_settings(tuned: Mapping[str, Any], path: str | os.PathLike, methods: Sequence[str], seeds: Sequence[int],
                    pairs: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """Each of ``methods``' settings in ``tuned`` (:func:`read_tuned`), checked against the comparison's: every
-    method tuned, no key set both here and there, no seed the tuning ran at."""
+    method tuned, only keys ``fedhpro tune`` searches (:func:`fedhpro.search_space.searched`: a file handed over
+    cannot set a tracker, an output or anything else), each one value, no key set both here and there, no seed the
+    tuning ran at."""
     settings: dict[str, dict[str, Any]] = {}
     for method in methods:
         found = tuned["methods"].get(method)
         if not isinstance(found, dict):
             raise ConfigError(f"{method} is not in {path} (tuned: {', '.join(tuned['methods']) or 'none'}); tune it "
                               f"(fedhpro tune methods=[{method}] ...) or leave it out of methods=")
+        allowed = searched(method, get_method(method).options)
+        for key, value in found.items():
+            if key not in allowed:
+                raise ConfigError(f"{path} sets {key}= for {method}, which fedhpro tune does not search (a tuned file "
+                                  f"holds only {', '.join(allowed)}); remove it from the file, or give it here")
+            if not isinstance(value, (bool, int, float, str)):
+                raise ConfigError(f"{path} gives {key}= of {method} as {type(value).__name__}, not one value; give a "
+                                  "number or a choice (as fedhpro tune writes it)")
         both = sorted(set(found) & set(pairs))
         if both:
             raise ConfigError(f"{both[0]}= is set by {path} for {method}; remove it (or compare without tuned=)")

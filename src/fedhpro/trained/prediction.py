@@ -16,7 +16,7 @@ from fedhpro.bounded import read_json_file
 from fedhpro.data.tables import read_csv
 from fedhpro.errors import DataError
 from fedhpro.files import spreadsheet_cell, write_atomic
-from fedhpro.trained.checks import read_info
+from fedhpro.trained.checks import NOT_FINITE_WEIGHTS, read_info
 from fedhpro.trained.folder import ModelFileError
 from fedhpro.trained.inputs import gathered, prepared
 from fedhpro.trained.load import load_model
@@ -60,7 +60,7 @@ def predict(run_folder: str | os.PathLike, paths: Iterable[str | os.PathLike], o
     if not bool(torch.isfinite(probabilities).all()):  # never a CSV of NaN: whatever the cause, say it
         first = int((~torch.isfinite(probabilities)).any(dim=1).nonzero()[0])
         finite_input = bool(torch.isfinite(inputs[first]).all())
-        why = ("the model's weights give NaN or infinite outputs: model file damaged, or the run diverged"
+        why = (f"the model's weights give NaN or infinite outputs: {NOT_FINITE_WEIGHTS}"
                if finite_input else "its preprocessing (model.json's input) turns it into NaN or infinite values")
         raise ModelFileError(f"{folder}: the probabilities of {names[first]} are not finite numbers ({why}); "
                              "nothing written: run again, or check the inputs and the run folder")
