@@ -24,11 +24,11 @@ import torch
 
 import fedhpro
 from fedhpro import cli
+from fedhpro.arrays import MAX_ARRAY_BYTES_VARIABLE
 from fedhpro.config import load_config
 from fedhpro.data import get_dataset
 from fedhpro.data.clients import ClientInfo, load_client, resolve_classes, scan_client
 from fedhpro.data.tables import read_csv
-from fedhpro.arrays import MAX_ARRAY_BYTES_VARIABLE
 from fedhpro.errors import DataError
 from fedhpro.reports.tables import csv_text
 from fedhpro.trained import predict

@@ -406,7 +406,8 @@ def _table(summaries: dict[str, list[dict[str, Any]]], seeds: Sequence[int], met
         lines.append(f"| {display_label(method)} | {cells} | {delta} |")
         means = [statistics.mean(values(method, c)) for c in columns]
         stds = [statistics.stdev(values(method, c)) if len(values(method, c)) > 1 else 0.0 for c in columns]
-        writer.writerow([spreadsheet_cell(method)] + [f"{v:.4f}" for v in means + stds] + ["" if gain is None else f"{gain:.4f}"])
+        writer.writerow([spreadsheet_cell(method)] + [f"{v:.4f}" for v in means + stds]
+                        + ["" if gain is None else f"{gain:.4f}"])
     named = (display_name(reference_method) if reference == reference_method else display_label(reference)) \
         if reference else None
     described = data_sentence({row: (data or {}).get(row) for row in rows}, [display_label(row) for row in rows])

@@ -52,8 +52,7 @@ from fedhpro.files import claim_run_folder, spreadsheet_cell, write_atomic
 from fedhpro.methods import get_method
 from fedhpro.options import fields_of
 from fedhpro.runtime import cpu_runtime, resolve_threads, torch_threads
-from fedhpro.search_space import (SHARED, Categorical, IntRange, LogUniform, Space, Uniform, contains, declared,
-                                  describe, searched)
+from fedhpro.search_space import SHARED, Categorical, IntRange, LogUniform, Space, Uniform, contains, declared, describe
 
 #: the validation share a tuning holds out when the settings give none
 DEFAULT_VALIDATION = 0.2
@@ -95,7 +94,7 @@ def space_of(method: str, fixed: Mapping[str, Any] | None = None) -> dict[str, S
         raise ConfigError(f"method {method!r} declares no search space; give some of its options search= "
                           "(fedhpro.search_space, e.g. option(0.1, search=LogUniform(0.01, 1.0))) or leave it out "
                           "of methods=")
-    space = searched(method, spec.options)
+    space = {**SHARED, **{f"{method}.{name}": knob for name, knob in own.items()}}  # search_space.searched's
     return {key: knob for key, knob in space.items() if key not in (fixed or {})}
 
 
