@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
+import network_guard
 import pytest
 import torch
 from torch import nn
@@ -27,6 +28,10 @@ torch.set_num_threads(1)
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+# every name lookup and connection of this process outside loopback is refused and recorded from here on
+# (tests/network_guard.py); a test that reached out fails (_no_network), one that looks at the record itself
+# asks for the network_attempts fixture
+network_guard.install()
 
 
 # ---------------------------------------------------------------------------- parallel runs (pytest-xdist)
@@ -163,6 +168,29 @@ def _denormals_as_by_default():
     float draws (it refuses to run where subnormals cannot be represented)."""
     yield
     torch.set_flush_denormal(False)
+
+
+@pytest.fixture
+def network_attempts():
+    """The lookups and connections outside loopback the network guard refused during the test (a list of
+    :class:`network_guard.Attempt`, filled as they happen); a test that asks for it checks them itself."""
+    network_guard.take()
+    return network_guard.attempts
+
+
+@pytest.fixture(autouse=True)
+def _no_network(request):
+    """A test fails when it (or a thread of a library it drove) tried to reach a host outside loopback: the
+    guard refused it, and this names it."""
+    network_guard.take()
+    yield
+    if "network_attempts" in request.fixturenames:
+        network_guard.take()
+        return
+    reached = network_guard.take()
+    if reached:
+        pytest.fail("reached outside loopback (refused by the network guard): "
+                    + ", ".join(sorted({str(attempt) for attempt in reached})), pytrace=False)
 
 
 NUM_CLASSES = 4

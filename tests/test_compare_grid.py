@@ -5,6 +5,7 @@ seed; a tuning trial stops where its pruner says."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import optuna
@@ -104,3 +105,19 @@ def test_a_trial_reports_each_rounds_validation_and_stops_where_its_pruner_says(
     assert [row["round"] for row in rows] == [0] and sorted(trial.reported) == [0, 1]
     assert trial.reported[0] == rows[0]["validation"]["AVG"]
     assert not (tmp_path / "t" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("entry, problem", [
+    ({"lr": 0.1, "tracker": "mlflow", "tracker_uri": "http://127.0.0.1:18765"}, "sets tracker= for fedavg"),
+    ({"out": "/tmp/elsewhere"}, "sets out= for fedavg"),
+    ({"lr": {"nested": 1}}, "gives lr= of fedavg as dict"),
+])
+def test_a_tuned_file_setting_more_than_searched_keys_is_refused_before_any_run(tmp_path, entry, problem):
+    """A tuned.yaml handed over may set only what fedhpro tune searches: a tracker destination (before: the whole
+    run uploaded to it) or any other key is one line, before anything is written."""
+    tuned = tmp_path / "tuned.yaml"
+    tuned.write_text(yaml.safe_dump({"tuning": {"trials": 4, "seed": 1000}, "methods": {"fedavg": entry}}))
+    out = tmp_path / "cmp"
+    with pytest.raises(ConfigError, match=re.escape(problem)) as refused:
+        compare(["fedavg"], [0], {"rounds": 1}, out, echo=False, tuned=tuned)
+    assert "\n" not in str(refused.value) and not out.exists()

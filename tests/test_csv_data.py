@@ -12,6 +12,9 @@ import csv
 import dataclasses
 import io
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,11 +24,13 @@ import torch
 
 import fedhpro
 from fedhpro import cli
+from fedhpro.arrays import MAX_ARRAY_BYTES_VARIABLE
 from fedhpro.config import load_config
 from fedhpro.data import get_dataset
 from fedhpro.data.clients import ClientInfo, load_client, resolve_classes, scan_client
 from fedhpro.data.tables import read_csv
 from fedhpro.errors import DataError
+from fedhpro.reports.tables import csv_text
 from fedhpro.trained import predict
 from fedhpro.trained.prediction import labelled_accuracy
 
@@ -318,3 +323,95 @@ def test_predict_refuses_a_csv_without_the_run_s_columns_in_one_line(data, named
     err = capsys.readouterr().err.strip()
     assert "'f7'" in err and "\n" not in err and "Traceback" not in err
     assert not (tmp_path / "short.predictions.csv").exists()
+
+
+# ----------------------------------------------------------------------------------- formula-looking cells
+
+#: class names a spreadsheet would take for formulas (OWASP's list: = + - @)
+FORMULA_NAMES = np.array(["=1+2", "@SUM(A1)", "-2+3"])
+
+
+def test_predictions_csvs_escape_formula_looking_cells(tmp_path):
+    """Class names, kept cells and column names that start like a formula are written with a leading ``'``
+    (OWASP), in both predictions CSVs; numbers (negative ones included) and other text are as they were. The
+    reference: every cell as Python's csv reads it, against the rows and names given."""
+    parts = wine_parts()
+    for name, splits in parts.items():
+        (tmp_path / "data" / name).mkdir(parents=True)
+        for split, (x, y) in splits.items():
+            frame = pd.DataFrame(x, columns=FEATURES)
+            frame["label"] = FORMULA_NAMES[y]
+            frame.to_csv(tmp_path / "data" / name / f"{split}.csv", index=False)
+    run = fedhpro.run(**TINY, dataset="clients", data_dir=str(tmp_path / "data"), out=str(tmp_path / "run"))
+    x, _ = parts["site-0"]["test"]
+    rows = pd.DataFrame(x[:4], columns=FEATURES)
+    notes = ['=HYPERLINK("http://x","y")', "+cmd", "plain", "-0.5"]
+    rows["=note"] = notes
+    rows["offset"] = [-1.5, 2.0, -3.0, 4.0]
+    rows.to_csv(tmp_path / "rows.csv", index=False)
+    predict(run.out, [tmp_path / "rows.csv"])
+    header, *cells = list(csv.reader(io.StringIO((tmp_path / "rows.predictions.csv").read_text())))
+    assert header == FEATURES + ["'=note", "offset", "predicted"] + [f"p_{n}" for n in sorted(FORMULA_NAMES)]
+    assert [row[len(FEATURES)] for row in cells] == ["'" + notes[0], "'+cmd", "plain", "-0.5"]
+    assert [float(row[len(FEATURES) + 1]) for row in cells] == [-1.5, 2.0, -3.0, 4.0]
+    assert {row[len(FEATURES) + 2] for row in cells} <= {"'" + name for name in FORMULA_NAMES}
+    np.savez(tmp_path / "rows.npz", x=x[:4], y=np.zeros(4, dtype=np.int64))
+    table = list(csv.DictReader(io.StringIO(predict(run.out, [tmp_path / "rows.npz"]))))
+    assert table and {row["predicted"] for row in table} <= {"'" + name for name in FORMULA_NAMES}
+
+
+def test_report_tables_escape_formula_looking_text_but_not_numbers():
+    """``csv_text`` (every report's table.csv): text starting with = + - @ (or a tab) gets a leading ``'``."""
+    text = csv_text(["=name", "value"], [["@evil", -1.25], ["-x", "-3"], ["ok", None]])
+    assert list(csv.reader(io.StringIO(text))) == [["'=name", "value"], ["'@evil", "-1.25"], ["'-x", "-3"],
+                                                   ["ok", ""]]
+
+
+# ----------------------------------------------------------------------------------- a long CSV, bounded
+
+#: the limit of the test below (FEDHPRO_MAX_ARRAY_BYTES): 16 MiB, a bound of 4 Mi rows of one column
+SMALL_LIMIT = 16 << 20
+#: a child process: the growth of its peak resident memory (ru_maxrss, KiB) while read_csv reads argv[1]
+PEAK_CHILD = """
+import resource, sys
+from fedhpro.data.tables import read_csv
+from fedhpro.errors import DataError
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    outcome = f"rows {len(read_csv(sys.argv[1]))}"
+except DataError as error:
+    outcome = str(error)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+print(outcome)
+"""
+
+
+@pytest.mark.parametrize("header", [b"x\n", b'"x"\n'])  # a quoted field: the rows counted by the parser
+def test_a_long_csv_is_refused_before_its_rows_are_held(tmp_path, header):
+    """A file within the byte limit whose rows are over it (8 Mi one-byte rows at a bound of 4 Mi): refused while
+    its process's peak memory grows by less than an eighth of the limit (before: 4 Mi rows parsed first, +57 MB
+    here, +984 MB at a limit of 128 MiB)."""
+    path = tmp_path / "long.csv"
+    path.write_bytes(header + b"1\n" * (SMALL_LIMIT // 2 - 4))  # 8 Mi - 4 rows, each "1"
+    shown = subprocess.run([sys.executable, "-c", PEAK_CHILD, str(path)], capture_output=True, text=True, check=True,
+                           timeout=300, env={**os.environ, MAX_ARRAY_BYTES_VARIABLE: str(SMALL_LIMIT)}).stdout
+    grown_kib, outcome = shown.strip().splitlines()
+    assert f"has more than {SMALL_LIMIT // 4:,} rows of 1 columns" in outcome
+    assert int(grown_kib) * 1024 < SMALL_LIMIT // 8, f"{int(grown_kib):,} KiB more"
+
+
+def test_a_csv_at_its_row_bound_with_blank_lines_and_quoted_breaks_is_read(tmp_path, monkeypatch):
+    """Line breaks that are no rows (blank lines, a line break inside a quoted cell) do not count: a file of
+    exactly the bound's rows is read whole, as Python's csv module reads it."""
+    monkeypatch.setenv(MAX_ARRAY_BYTES_VARIABLE, str(4 * 2 * 100))  # two columns: a bound of 100 rows
+    rows = [[str(k), "a\nb" if k % 10 == 0 else "c"] for k in range(100)]
+    text = "x,note\n" + "\n\n".join(",".join(f'"{cell}"' if "\n" in cell else cell for cell in row) for row in rows)
+    path = tmp_path / "edge.csv"
+    path.write_text(text + "\n\n\n")
+    with path.open(newline="") as handle:
+        assert [row for row in csv.reader(handle) if row][1:] == rows
+    frame = read_csv(path)
+    assert frame["x"].tolist() == list(range(100)) and frame["note"].tolist() == [row[1] for row in rows]
+    path.write_text(text + "\n100,c\n")
+    with pytest.raises(DataError, match="has more than 100 rows"):
+        read_csv(path)

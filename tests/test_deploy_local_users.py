@@ -253,8 +253,10 @@ def _attack(state: Path, ports: list[int], ca: Path, pids: dict[str, int], home:
 
 
 # ---------------------------------------------------------------------------- without a deployment
-def test_flower_takes_no_unix_socket(tmp_path):
-    """The facts behind ``up``'s first line (:data:`fedhpro.deploy.up.NO_UNIX_SOCKETS`)."""
+def test_flower_takes_no_unix_socket(tmp_path, network_attempts):
+    """The facts behind ``up``'s first line (:data:`fedhpro.deploy.up.NO_UNIX_SOCKETS`). flwr, in this process,
+    takes ``unix:/path`` for a host named ``unix`` and looks it up (a name lookup that may leave the machine: the
+    test suite's network guard refuses it, and it is the only one)."""
     env = {**os.environ, **up.FLOWER_ENV, "FLWR_HOME": str(tmp_path / "home")}
     sock = tmp_path / "link.sock"
     link_code, link = finished([tool("flower-superlink"), "--insecure", "--host", f"unix:{sock}", "--port", "9",
@@ -270,6 +272,7 @@ def test_flower_takes_no_unix_socket(tmp_path):
         config.write(f'\n[superlink.unixy]\naddress = "unix:{sock}"\ninsecure = true\n')
     reply = flwr_in_process(home, "ls", "unixy")
     assert not reply["success"] and "Connection to the SuperLink is unavailable" in reply["error-message"]
+    assert {attempt.host for attempt in network_attempts} <= {"unix"}
 
 
 def finished(args: list[str], env: dict[str, str], log: Path) -> tuple[int, str]:

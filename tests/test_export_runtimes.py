@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import io
+import shutil
 
 import numpy as np
 import onnxruntime
@@ -19,7 +20,7 @@ from safetensors.torch import load_file
 
 import fedhpro
 from fedhpro.cli import main as cli_main
-from fedhpro.trained import predict
+from fedhpro.trained import ModelFileError, predict
 from fedhpro.trained.onnx_export import export_onnx
 
 TOLERANCE = 1e-5  # absolute, on softmax probabilities
@@ -87,3 +88,24 @@ def test_onnx_of_a_tabular_model_takes_raw_rows_and_matches_predict(tmp_path):
         for row, p in zip(reference, theirs):
             assert row["predicted"] == classes[int(p.argmax())]
             assert max(abs(float(row[f"p_{c}"]) - float(p[i])) for i, c in enumerate(classes)) < TOLERANCE
+
+
+def test_export_refuses_weights_that_are_not_finite_as_predict_does(image_run, tmp_path, capsys):
+    """A run folder whose model.pt holds a NaN and an infinity (a damaged file, a diverged run): export writes no
+    ONNX (before: one that answers NaN), one line naming the tensor; predict refuses the same folder."""
+    folder = tmp_path / "run"
+    shutil.copytree(image_run.out, folder, ignore=shutil.ignore_patterns("checkpoints", "*.onnx"))
+    state = torch.load(folder / "model.pt", weights_only=True)
+    name = next(key for key, value in state.items() if value.is_floating_point() and value.numel() > 1)
+    state[name] = state[name].clone()
+    state[name].view(-1)[:2] = torch.tensor([float("nan"), float("inf")])
+    torch.save(state, folder / "model.pt")
+    (folder / "model.safetensors").unlink(missing_ok=True)
+    capsys.readouterr()
+    assert cli_main(["export", str(folder), "--out", str(tmp_path / "m.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"2 in {name}" in err and "NaN or infinite" in err and not (tmp_path / "m.onnx").exists()
+    np.savez(tmp_path / "one.npz", x=np.zeros((1, 3, 32, 32), dtype=np.float32), y=np.zeros(1, dtype=np.int64))
+    with pytest.raises(ModelFileError, match="not finite numbers"):
+        predict(folder, [tmp_path / "one.npz"])

@@ -167,3 +167,51 @@ def test_the_tracker_libraries_are_not_imported_unless_asked_for():
             "print(sorted(m for m in ('mlflow', 'wandb') if m in sys.modules))")
     shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert shown.stdout.strip() == "[]"
+
+
+#: what the child runs: the network guard, then a tracker's first round (and W&B's end of the run), then at its
+#: exit the refused lookups and connections as one line
+TRACKER_CHILD = """
+import atexit, sys, types
+from pathlib import Path
+sys.path.insert(0, sys.argv[3])
+import network_guard
+network_guard.install()
+# registered before the tracker's library is imported, so run after its own exit handlers (which send)
+atexit.register(lambda: print("REFUSED", sorted({str(attempt) for attempt in network_guard.attempts}), flush=True))
+from fedhpro.trackers import tracker_for
+kind, out = sys.argv[1], Path(sys.argv[2])
+tracker = tracker_for(types.SimpleNamespace(tracker=kind, tracker_uri="", tracker_project="p"), out, {"lr": 0.1}, "n")
+tracker.log_row({"round": 0, "accuracy": {"AVG": 50.0}})
+if kind == "wandb":
+    tracker.on_run_end()
+"""
+#: variables that turn a tracker library's telemetry off (theirs to set) or mark a CI machine or a test, which
+#: MLflow takes as "off": the child runs as on a user's machine
+TELEMETRY_VARIABLES = ("MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK", "PYTEST_CURRENT_TEST", "CI", "GITHUB_ACTIONS",
+                       "GITLAB_CI", "JENKINS_URL", "BUILDKITE", "TF_BUILD", "CIRCLECI", "TRAVIS")
+
+
+def test_the_trackers_offline_look_up_no_host(tmp_path):
+    """MLflow's local store and W&B offline, each in a fresh process as on a user's machine (no CI marker, no
+    opt-out of their telemetry) under the test suite's network guard: no name lookup and no connection outside
+    loopback (before: MLflow looked up config.mlflow-telemetry.io, W&B its analytics host api.forge.coreweave.com)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "child.py"
+    script.write_text(TRACKER_CHILD)
+    env = {key: value for key, value in os.environ.items()
+           if key not in TELEMETRY_VARIABLES and not key.startswith("WANDB_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(fedhpro.__file__).parents[1]), env.get("PYTHONPATH"))
+                                        if p)
+    children = {kind: subprocess.Popen([sys.executable, str(script), kind, str(tmp_path / kind),
+                                        str(Path(__file__).parent)], env=env, cwd=tmp_path,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for kind in ("mlflow", "wandb")}
+    for kind, child in children.items():
+        shown, _ = child.communicate(timeout=180)
+        assert child.returncode == 0, shown[-2000:]
+        assert shown.strip().splitlines()[-1] == "REFUSED []", (kind, shown[-2000:])

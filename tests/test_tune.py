@@ -215,3 +215,41 @@ def test_a_diverging_trial_counts_as_the_worst_result_and_the_study_goes_on(digi
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("fedprox trial")]
     assert len(lines) == 2 and all("diverged" in line for line in lines)
     assert "fedprox.mu" in yaml.safe_load((out / "tuned.yaml").read_text())["methods"]["fedprox"]
+
+
+def hostile_study(tuning: fedhpro.tune.Tuning, params: dict, distributions: dict) -> None:
+    """``tuning``'s study of fedavg made by hand (as a study.db handed over would be): the settings it records are
+    this tuning's, and it holds one finished trial of ``params``."""
+    tuning.out.mkdir(parents=True)
+    study = optuna.create_study(study_name="fedavg", storage=tuning.storage_url, direction="maximize")
+    study.set_user_attr("settings", json.loads(json.dumps(fedhpro.tune._fixed_settings(tuning, "fedavg"),
+                                                          default=str)))
+    study.add_trial(optuna.trial.create_trial(params=params, distributions=distributions, value=99.0))
+
+
+@pytest.mark.parametrize("params, problem", [
+    ({"lr": 0.1, "tracker": "mlflow", "tracker_uri": "http://127.0.0.1:18765"}, "tracker=, a key it does not search"),
+    ({"lr": "=HYPERLINK(1)"}, "lr='=HYPERLINK(1)' outside its space"),
+    ({"lr": 7.5}, "lr=7.5 outside its space"),
+])
+def test_a_study_holding_other_keys_or_values_is_refused_and_nothing_is_written(tmp_path, capsys, params, problem):
+    """A study.db whose best trial carries a tracker destination, a formula or a value outside the space: one
+    line, and no best.yaml, tuned.yaml or trials.csv (before: copied into all three)."""
+    out = tmp_path / "tune"
+    given = ["methods=[fedavg]", "trials=1", f"out={out}", "local_epochs=1", "max_grad_norm=0"]
+    distributions = {key: optuna.distributions.CategoricalDistribution([value]) for key, value in params.items()}
+    hostile_study(parse(given), params, distributions)
+    assert cli_main(["tune", *given]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and problem in err[0] and "was not written by this tuning" in err[0], err
+    assert not any((out / name).exists() for name in ("tuned.yaml", "fedavg/best.yaml", "fedavg/trials.csv"))
+
+
+def test_a_study_of_searched_values_is_written_with_its_best_trial(tmp_path):
+    """The same hand-made study holding only a searched value in its space gives that value in tuned.yaml."""
+    out = tmp_path / "tune"
+    tuning = parse(["methods=[fedavg]", "trials=1", f"out={out}", "local_epochs=1", "max_grad_norm=0"])
+    hostile_study(tuning, {"lr": 0.125}, {"lr": optuna.distributions.FloatDistribution(1e-3, 0.5, log=True)})
+    assert tune(tuning, echo=False)["methods"] == {"fedavg": {"lr": 0.125}}
+    assert list(csv.reader((out / "fedavg" / "trials.csv").open())) == [
+        ["number", "state", "validation", "rounds_reported", "lr"], ["0", "complete", "99.0000", "0", "0.125"]]

@@ -42,13 +42,14 @@ from fedhpro.bounded import MAX_YAML_CHARS, load_yaml, read_bounded
 from fedhpro.config import PRESENTATION_KEYS, Config, load_config, numbers_settings, parse_override
 from fedhpro.engines import checkpoint
 from fedhpro.errors import ConfigError, FedHProError
-from fedhpro.files import claim_run_folder
-from fedhpro.methods import METHODS, method_names
+from fedhpro.files import claim_run_folder, spreadsheet_cell
+from fedhpro.methods import METHODS, get_method, method_names
 from fedhpro.options import fields_of
 from fedhpro.reports import write_atomic, write_json
 from fedhpro.reports.captions import data_sentence, data_text
 from fedhpro.reports.plots import display_label, display_name, paper_order
 from fedhpro.reports.runs import COMPARE_RECORD
+from fedhpro.search_space import searched
 from fedhpro.sweeps import Failure, Sweep, SweepFailed, execute, make_sweep, sweep_options
 
 
@@ -230,13 +231,23 @@ def read_tuned(path: str | os.PathLike) -> dict[str, Any]:
 def tuned_settings(tuned: Mapping[str, Any], path: str | os.PathLike, methods: Sequence[str], seeds: Sequence[int],
                    pairs: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """Each of ``methods``' settings in ``tuned`` (:func:`read_tuned`), checked against the comparison's: every
-    method tuned, no key set both here and there, no seed the tuning ran at."""
+    method tuned, only keys ``fedhpro tune`` searches (:func:`fedhpro.search_space.searched`: a file handed over
+    cannot set a tracker, an output or anything else), each one value, no key set both here and there, no seed the
+    tuning ran at."""
     settings: dict[str, dict[str, Any]] = {}
     for method in methods:
         found = tuned["methods"].get(method)
         if not isinstance(found, dict):
             raise ConfigError(f"{method} is not in {path} (tuned: {', '.join(tuned['methods']) or 'none'}); tune it "
                               f"(fedhpro tune methods=[{method}] ...) or leave it out of methods=")
+        allowed = searched(method, get_method(method).options)
+        for key, value in found.items():
+            if key not in allowed:
+                raise ConfigError(f"{path} sets {key}= for {method}, which fedhpro tune does not search (a tuned file "
+                                  f"holds only {', '.join(allowed)}); remove it from the file, or give it here")
+            if not isinstance(value, (bool, int, float, str)):
+                raise ConfigError(f"{path} gives {key}= of {method} as {type(value).__name__}, not one value; give a "
+                                  "number or a choice (as fedhpro tune writes it)")
         both = sorted(set(found) & set(pairs))
         if both:
             raise ConfigError(f"{both[0]}= is set by {path} for {method}; remove it (or compare without tuned=)")
@@ -385,7 +396,8 @@ def _table(summaries: dict[str, list[dict[str, Any]]], seeds: Sequence[int], met
     lines = [header, "|---" * (len(columns) + 2) + "|"]
     buffer = io.StringIO()
     writer = csv.writer(buffer)
-    writer.writerow(["method"] + [f"{c}_mean" for c in columns] + [f"{c}_std" for c in columns] + ["delta_avg"])
+    writer.writerow([spreadsheet_cell(name) for name in
+                     ["method"] + [f"{c}_mean" for c in columns] + [f"{c}_std" for c in columns] + ["delta_avg"]])
     for method in rows:
         avg = statistics.mean(values(method, "AVG"))
         gain = None if baseline is None or method == reference else avg - baseline
@@ -394,7 +406,8 @@ def _table(summaries: dict[str, list[dict[str, Any]]], seeds: Sequence[int], met
         lines.append(f"| {display_label(method)} | {cells} | {delta} |")
         means = [statistics.mean(values(method, c)) for c in columns]
         stds = [statistics.stdev(values(method, c)) if len(values(method, c)) > 1 else 0.0 for c in columns]
-        writer.writerow([method] + [f"{v:.4f}" for v in means + stds] + ["" if gain is None else f"{gain:.4f}"])
+        writer.writerow([spreadsheet_cell(method)] + [f"{v:.4f}" for v in means + stds]
+                        + ["" if gain is None else f"{gain:.4f}"])
     named = (display_name(reference_method) if reference == reference_method else display_label(reference)) \
         if reference else None
     described = data_sentence({row: (data or {}).get(row) for row in rows}, [display_label(row) for row in rows])

@@ -114,6 +114,23 @@ def finite_or_none(value: Any) -> Any:
     return value
 
 
+#: how a spreadsheet recognises a formula (OWASP's CSV injection list): a cell starting with one of these
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def spreadsheet_cell(value: Any) -> Any:
+    """A CSV cell that a spreadsheet shows as text: text starting like a formula (``=HYPERLINK(...)``, ``@SUM``,
+    ``-2+3``) gets a leading ``'``, as OWASP recommends; a number (``-0.5``, ``+1e3``) and anything not text
+    stay as they are."""
+    if not isinstance(value, str) or not value.startswith(FORMULA_STARTS):
+        return value
+    try:
+        float(value)
+    except ValueError:
+        return "'" + value
+    return value
+
+
 def write_atomic(path: str | os.PathLike, content: str | bytes) -> None:
     """Write ``content`` (text as UTF-8, or bytes) to ``path`` atomically (:func:`write_atomic_with`)."""
     data = content.encode("utf-8") if isinstance(content, str) else bytes(content)

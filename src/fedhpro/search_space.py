@@ -6,8 +6,9 @@ A method declares where ``fedhpro tune`` may look for each of its knobs with ``s
     mu: float = option(0.01, min=0.0, help="...", search=LogUniform(1e-4, 1.0))
 
 The shared run keys a tuning searches for every method (``lr``, ``local_epochs``, ``max_grad_norm``) are
-declared in :mod:`fedhpro.tune`. The classes only describe a range; :mod:`fedhpro.tune` turns them into an
-optimiser's suggestions.
+:data:`SHARED` (also ``fedhpro.tune.SHARED``). The classes only describe a range; :mod:`fedhpro.tune` turns them
+into an optimiser's suggestions. :func:`searched` is every key a tuning of a method may set: what a tuned file
+(``tuned.yaml``) may carry, and all it may carry.
 """
 
 from __future__ import annotations
@@ -70,11 +71,37 @@ class Categorical:
 Space = LogUniform | Uniform | IntRange | Categorical
 SPACES = (LogUniform, Uniform, IntRange, Categorical)
 
+#: the run keys every method's search covers (not options of a method); ``max_grad_norm``: off (0) or a cap of
+#: 1 or 10, so a method whose loss explodes at a large lr (a cosine loss at a small temperature on small
+#: features) can have that lr with a cap
+SHARED: dict[str, Space] = {"lr": LogUniform(1e-3, 0.5), "local_epochs": IntRange(1, 5),
+                            "max_grad_norm": Categorical([0, 1, 10])}
+
 
 def declared(options: type) -> dict[str, Space]:
     """``{field name: its space}`` of the fields of the options dataclass ``options`` that declare ``search=``."""
     return {f.name: f.metadata["search"] for f in dataclasses.fields(options)
             if f.metadata.get("search") is not None}
+
+
+def searched(method: str, options: type) -> dict[str, Space]:
+    """``{config key: space}`` of every key a tuning of ``method`` (whose options dataclass is ``options``) may
+    search: :data:`SHARED` and its declared knobs as ``method.knob``."""
+    own = declared(options) if options is not None else {}  # a method without options: the shared keys only
+    return {**SHARED, **{f"{method}.{name}": knob for name, knob in own.items()}}
+
+
+def contains(space: Space, value: Any) -> bool:
+    """Whether ``value`` is one ``space`` can give (a number in its range, an integer on its steps, one of its
+    choices)."""
+    if isinstance(value, bool):
+        return isinstance(space, Categorical) and any(value is choice for choice in space.choices)
+    if isinstance(space, Categorical):
+        return any(value == choice and type(value) is type(choice) for choice in space.choices)
+    if isinstance(space, IntRange):
+        return (isinstance(value, int) and space.low <= value <= space.high
+                and (value - space.low) % space.step == 0)
+    return isinstance(value, (int, float)) and space.low <= value <= space.high
 
 
 def describe(space: Space) -> str:

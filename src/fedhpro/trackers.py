@@ -10,7 +10,10 @@ as artifacts. They only look, so a run gives the same bytes with a tracker or no
 * Weights & Biases (``pip install fedhpro[wandb]``): offline unless ``tracker_uri=online``, its files in
   ``<out>/wandb`` (``wandb sync`` uploads them later); project ``tracker_project``.
 
-The libraries are imported only when a tracker is asked for (optional extras, slow to import)."""
+The libraries are imported only when a tracker is asked for (optional extras, slow to import). Their telemetry
+and analytics are off unless the environment turns them on (:data:`QUIET_MLFLOW`, :data:`QUIET_WANDB`, set
+before the import where unset): a tracker contacts nothing but the ``tracker_uri`` given (MLflow's local store and
+W&B offline: nothing at all)."""
 
 from __future__ import annotations
 
@@ -32,6 +35,18 @@ TRACKERS = ("none", "mlflow", "wandb")
 #: the run's files a tracker keeps as artifacts, where they exist
 ARTIFACTS = ("config.yaml", "summary.json", "metrics.jsonl", "model.json", "model.pt", "model.safetensors",
              "standardize.json", "accuracy.png", "accuracy.pdf")
+
+#: MLflow's telemetry (a config fetch at import, then usage records) off: read at ``import mlflow`` (MLflow 3)
+QUIET_MLFLOW = {"MLFLOW_DISABLE_TELEMETRY": "true"}
+#: W&B's error reports and OpenTelemetry analytics off (its Python recorder and wandb-core's
+#: ``--no-observability``), no code saved, no console lines
+QUIET_WANDB = {"WANDB_ERROR_REPORTING": "false", "WANDB_DISABLE_CODE": "true", "WANDB_SILENT": "true"}
+
+
+def quiet_environment(defaults: Mapping[str, str]) -> None:
+    """``defaults`` into ``os.environ`` where unset: a value the user set stays (theirs to turn on)."""
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
 
 
 def row_metrics(row: Mapping[str, Any]) -> Iterator[tuple[str, float]]:
@@ -70,6 +85,7 @@ class MlflowTracker(RoundObserver):
     """The run in MLflow (module doc): created at the first round, metrics every round, artifacts at the end."""
 
     def __init__(self, out: Path, uri: str, project: str, config: Mapping[str, Any], name: str):
+        quiet_environment(QUIET_MLFLOW)  # before the import, which starts MLflow's telemetry
         try:
             from mlflow.entities import Metric, Param  # an optional extra; a slow import
             from mlflow.tracking import MlflowClient
@@ -128,13 +144,15 @@ class WandbTracker(RoundObserver):
     """The run in Weights & Biases, offline by default (module doc)."""
 
     def __init__(self, out: Path, uri: str, project: str, config: Mapping[str, Any], name: str):
-        os.environ.setdefault("WANDB_SILENT", "true")
+        self.mode: Literal["online", "offline"] = "online" if uri == "online" else "offline"
+        # offline in W&B's process-wide settings too, not only the run's: its analytics are set up from those,
+        # and would otherwise probe W&B's servers from an offline run
+        quiet_environment({**QUIET_WANDB, **({"WANDB_MODE": "offline"} if self.mode == "offline" else {})})
         try:
             import wandb  # an optional extra; a slow import
         except ImportError:
             raise ConfigError("tracker=wandb needs Weights & Biases; pip install 'fedhpro[wandb]'") from None
         self.wandb, self.out = wandb, Path(out)
-        self.mode: Literal["online", "offline"] = "online" if uri == "online" else "offline"
         self.project, self.config, self.name = project, dict(config), name
         self.run: Any = None
 
@@ -187,4 +205,5 @@ def tracker_for(options: Any, out: Path, config: Mapping[str, Any], name: str) -
                         str(getattr(options, "tracker_project", "fedhpro") or "fedhpro"), config, name)
 
 
-__all__ = ["ARTIFACTS", "MlflowTracker", "TRACKERS", "WandbTracker", "flat_params", "row_metrics", "tracker_for"]
+__all__ = ["ARTIFACTS", "MlflowTracker", "QUIET_MLFLOW", "QUIET_WANDB", "TRACKERS", "WandbTracker", "flat_params",
+           "quiet_environment", "row_metrics", "tracker_for"]

@@ -48,17 +48,12 @@ from fedhpro.engines.observers import RoundObserver
 from fedhpro.engines.protocol import RoundRecord
 from fedhpro.errors import ConfigError, UpdateError
 from fedhpro.experiment import build_experiment, build_simulator, resolve_device
-from fedhpro.files import claim_run_folder, write_atomic
+from fedhpro.files import claim_run_folder, spreadsheet_cell, write_atomic
 from fedhpro.methods import get_method
 from fedhpro.options import fields_of
 from fedhpro.runtime import cpu_runtime, resolve_threads, torch_threads
-from fedhpro.search_space import Categorical, IntRange, LogUniform, Space, Uniform, declared, describe
+from fedhpro.search_space import SHARED, Categorical, IntRange, LogUniform, Space, Uniform, contains, declared, describe
 
-#: the run keys every method's search covers (declared here, next to the tuning, not in the run's options);
-#: ``max_grad_norm``: off (0) or a cap of 1 or 10, so a method whose loss explodes at a large lr (a cosine loss at
-#: a small temperature on small features) can have that lr with a cap
-SHARED: dict[str, Space] = {"lr": LogUniform(1e-3, 0.5), "local_epochs": IntRange(1, 5),
-                            "max_grad_norm": Categorical([0, 1, 10])}
 #: the validation share a tuning holds out when the settings give none
 DEFAULT_VALIDATION = 0.2
 #: the tuning runs' seed when the settings give none: apart from compare's default seeds 0, 1, 2
@@ -99,7 +94,7 @@ def space_of(method: str, fixed: Mapping[str, Any] | None = None) -> dict[str, S
         raise ConfigError(f"method {method!r} declares no search space; give some of its options search= "
                           "(fedhpro.search_space, e.g. option(0.1, search=LogUniform(0.01, 1.0))) or leave it out "
                           "of methods=")
-    space = {**SHARED, **{f"{method}.{name}": knob for name, knob in own.items()}}
+    space = {**SHARED, **{f"{method}.{name}": knob for name, knob in own.items()}}  # search_space.searched's
     return {key: knob for key, knob in space.items() if key not in (fixed or {})}
 
 
@@ -342,6 +337,22 @@ def check(tuning: Tuning) -> None:
                           f"give validation={DEFAULT_VALIDATION} or leave validation= out")
 
 
+def check_trials(tuning: Tuning, method: str, trials: Sequence[Any]) -> None:
+    """Refuse, in one line, a study whose trials hold a key this tuning does not search or a value outside its
+    space (a study this tuning did not write: a tracker or any other setting in it would go into best.yaml,
+    tuned.yaml and trials.csv, and from there into the runs of ``fedhpro compare tuned=``)."""
+    space = space_of(method, tuning.settings)
+    for trial in trials:
+        for key, value in trial.params.items():
+            if key not in space or not contains(space[key], value):
+                shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+                what = (f"{key}={shown} outside its space ({describe(space[key])})" if key in space else
+                        f"{key}=, a key it does not search (searched: {', '.join(space)})")
+                raise ConfigError(f"the study of {method} in {tuning.storage_url} was not written by this tuning: "
+                                  f"its trial {trial.number} holds {what}; give another out= (or storage=) or "
+                                  "delete the study")
+
+
 def write_results(tuning: Tuning, echo: bool = True) -> dict[str, Any]:
     """Every method's ``trials.csv`` and ``best.yaml``, and ``tuned.yaml``, from the studies as they are now."""
     optuna = _optuna()
@@ -349,14 +360,15 @@ def write_results(tuning: Tuning, echo: bool = True) -> dict[str, Any]:
     for method in tuning.methods:
         study = optuna.load_study(study_name=method, storage=tuning.storage_url)
         trials = study.get_trials(deepcopy=False)
+        check_trials(tuning, method, trials)
         keys = sorted({key for trial in trials for key in trial.params})
         buffer = io.StringIO()
         writer = csv.writer(buffer)
         writer.writerow(["number", "state", "validation", "rounds_reported", *keys])
-        for trial in trials:
+        for trial in trials:  # a categorical choice of text may start like a formula: escaped as every table's
             writer.writerow([trial.number, trial.state.name.lower(), "" if trial.value is None else
                              f"{trial.value:.4f}", len(trial.intermediate_values),
-                             *[trial.params.get(key, "") for key in keys]])
+                             *[spreadsheet_cell(trial.params.get(key, "")) for key in keys]])
         write_atomic(tuning.out / method / "trials.csv", buffer.getvalue())
         complete = [trial for trial in trials if trial.state.name == "COMPLETE"]
         if not complete:

@@ -11,7 +11,8 @@ the number of rows. Labels are integers (class indices, as ``y`` of a ``.npz``) 
 
 What a file can make fedhpro allocate is bounded as a ``.npz``'s is (:mod:`fedhpro.arrays`): the file's
 bytes, and its rows times columns as float32, may not exceed ``FEDHPRO_MAX_ARRAY_BYTES`` (1 GiB); the
-header is read first, a bounded line, and the rows are read only up to that bound.
+header is read first, a bounded line, then the file's lines are counted (streamed, a chunk at a time), so that a
+file with more rows than the bound is refused before any row is held; only a file within it is parsed.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ from fedhpro.errors import DataError
 MAX_HEADER_CHARS = 1 << 20
 #: the most columns a table may have
 MAX_COLUMNS = 100_000
+#: the bytes read at a time when a file's lines are counted, and the rows parsed at a time when they must be
+#: counted by the parser (a file with quoted fields, whose cells may hold line breaks)
+COUNT_CHUNK_BYTES = 1 << 20
+COUNT_CHUNK_ROWS = 1 << 14
 #: pandas 2 parses floats exactly only when asked to (its default parser may be off by one unit in the last
 #: place); pandas 3 parses them exactly by default and deprecates the argument
 EXACT_FLOATS: dict[str, Any] = {"float_precision": "round_trip"} if int(pd.__version__.split(".")[0]) < 3 else {}
@@ -89,16 +94,46 @@ def read_csv(path: str | os.PathLike) -> pd.DataFrame:
                         "feature columns")
     max_rows = max(1, limit // (4 * columns))
     try:
-        frame = pd.read_csv(path, nrows=max_rows + 1, low_memory=False, **EXACT_FLOATS)
+        over = _more_rows_than(path, max_rows)
+        frame = None if over else pd.read_csv(path, nrows=max_rows + 1, low_memory=False, **EXACT_FLOATS)
     except (ValueError, pd.errors.ParserError, UnicodeDecodeError, OSError) as error:
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         raise DataError(f"cannot read {path} as CSV ({reason}); give a comma-separated file whose first line "
                         "names the columns") from None
-    if len(frame) > max_rows:
+    if frame is None or len(frame) > max_rows:
         raise DataError(f"{path} has more than {max_rows:,} rows of {columns} columns, over fedhpro's limit of "
                         f"{limit:,} bytes of float32 values for one data file; split the rows over several sites or "
                         f"set {MAX_ARRAY_BYTES_VARIABLE}=BYTES")
     return frame
+
+
+def _more_rows_than(path: Path, max_rows: int) -> bool:
+    """Whether the CSV ``path`` has more than ``max_rows`` data rows, found without holding them: its line breaks
+    counted a chunk at a time (every row ends in one), and where that count is over but may overstate the rows
+    (a quoted cell can hold a line break, a blank line is no row), the rows counted by the parser a chunk at a
+    time."""
+    breaks, unsure, tail = 0, False, b""
+    with path.open("rb") as handle:
+        while chunk := handle.read(COUNT_CHUNK_BYTES):
+            # a lone "\r" ends a line too (old Mac files): the larger count bounds the rows either way
+            breaks += max(chunk.count(b"\n"), chunk.count(b"\r"))
+            if not unsure:  # a blank line may straddle two chunks: their seam is looked at too
+                seam = tail + chunk[:2]
+                unsure = b'"' in chunk or any(blank in part for part in (chunk, seam)
+                                              for blank in (b"\n\n", b"\r\r", b"\n\r\n"))
+            tail = chunk[-2:]
+    lines = breaks + (1 if tail[-1:] not in (b"", b"\n", b"\r") else 0)  # the last line may have no line break
+    if lines - 1 <= max_rows:
+        return False
+    if not unsure:
+        return True
+    rows = 0
+    with pd.read_csv(path, chunksize=COUNT_CHUNK_ROWS, usecols=[0], dtype=str, low_memory=True) as chunks:
+        for part in chunks:
+            rows += len(part)
+            if rows > max_rows:
+                return True
+    return False
 
 
 def read_csv_header(path: str | os.PathLike) -> list[str]:

@@ -8,6 +8,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from fedhpro.files import spreadsheet_cell
+
 
 def dotted_keys(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """A nested config as one level: ``{"fedhpro": {"tau": 0.05}}`` -> ``{"fedhpro.tau": 0.05}``."""
@@ -55,13 +57,14 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]], caption
 
 
 def csv_text(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """CSV with full precision floats (empty cells for None/NaN)."""
+    """CSV with full precision floats (empty cells for None/NaN); text that starts like a spreadsheet formula
+    escaped (:func:`fedhpro.files.spreadsheet_cell`)."""
     buffer = io.StringIO()
     writer = csv.writer(buffer)
-    writer.writerow(header)
+    writer.writerow([spreadsheet_cell(name) for name in header])
     for row in rows:
         writer.writerow(["" if cell is None or (isinstance(cell, float) and math.isnan(cell))
-                         else (f"{cell:.6g}" if isinstance(cell, float) else cell) for cell in row])
+                         else (f"{cell:.6g}" if isinstance(cell, float) else spreadsheet_cell(cell)) for cell in row])
     return buffer.getvalue()
 
 

@@ -209,6 +209,20 @@ def check_state(state: Mapping[str, Tensor], module: nn.Module, path: Path, what
                              "or version: give the run folder it belongs to")
 
 
+#: why a model's numbers are not finite, as ``predict`` and ``export`` say it
+NOT_FINITE_WEIGHTS = "model file damaged, or the run diverged"
+
+
+def check_finite_weights(module: nn.Module, folder: Path) -> None:
+    """One ModelFileError line when a floating-point parameter or buffer of ``module`` holds NaN or an infinite
+    value: such a model's outputs are not numbers (``predict`` refuses them), and nothing should be written."""
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            count = int((~torch.isfinite(tensor)).sum())
+            raise ModelFileError(f"{folder}: the model's weights hold NaN or infinite values ({count} in {name}: "
+                                 f"{NOT_FINITE_WEIGHTS}); nothing written: run again, or check the run folder")
+
+
 def read_statistics(folder: Path, info: Mapping[str, Any]) -> dict[str, Any]:
     """standardize.json of a run folder whose model.json names it, checked: every site's and the pooled
     ``mean`` and ``std`` are lists of the model's feature count of finite numbers that float32 features can

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from fedhpro.errors import ConfigError
 from fedhpro.files import write_atomic
-from fedhpro.trained.checks import read_info, read_statistics
+from fedhpro.trained.checks import check_finite_weights, read_info, read_statistics
 from fedhpro.trained.folder import POOLED, client_file
 from fedhpro.trained.inputs import prepared
 from fedhpro.trained.load import load_model
@@ -84,10 +84,12 @@ def export_onnx(run_folder: str | os.PathLike, path: str | os.PathLike | None = 
     """Write the run's trained model (``client=k``: client k's personal model) as ONNX with its preprocessing
     (module doc) to ``path`` (default ``<run>/model.onnx``, or ``<run>/models/client_<k>.onnx``), atomically.
     ``site``: tabular ``data.standardize=client`` runs, the site whose statistics scale the rows (default every
-    site's pooled). A model the exporter cannot trace is refused in one line."""
+    site's pooled). A model the exporter cannot trace, or whose weights are not finite numbers (a graph that
+    would answer NaN, which ``predict`` refuses), is refused in one line."""
     folder = Path(run_folder)
     info = read_info(folder)
     network = load_model(folder, client=client, preprocess=False)
+    check_finite_weights(network, folder)
     shape = [int(n) for n in info["input_shape"]]
     inputs = info.get("input", {})
     module: nn.Module = network

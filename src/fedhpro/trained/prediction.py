@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from fedhpro.bounded import read_json_file
 from fedhpro.data.tables import read_csv
 from fedhpro.errors import DataError
-from fedhpro.files import write_atomic
-from fedhpro.trained.checks import read_info
+from fedhpro.files import spreadsheet_cell, write_atomic
+from fedhpro.trained.checks import NOT_FINITE_WEIGHTS, read_info
 from fedhpro.trained.folder import ModelFileError
 from fedhpro.trained.inputs import gathered, prepared
 from fedhpro.trained.load import load_model
@@ -60,7 +60,7 @@ def predict(run_folder: str | os.PathLike, paths: Iterable[str | os.PathLike], o
     if not bool(torch.isfinite(probabilities).all()):  # never a CSV of NaN: whatever the cause, say it
         first = int((~torch.isfinite(probabilities)).any(dim=1).nonzero()[0])
         finite_input = bool(torch.isfinite(inputs[first]).all())
-        why = ("the model's weights give NaN or infinite outputs: model file damaged, or the run diverged"
+        why = (f"the model's weights give NaN or infinite outputs: {NOT_FINITE_WEIGHTS}"
                if finite_input else "its preprocessing (model.json's input) turns it into NaN or infinite values")
         raise ModelFileError(f"{folder}: the probabilities of {names[first]} are not finite numbers ({why}); "
                              "nothing written: run again, or check the inputs and the run folder")
@@ -79,9 +79,10 @@ def predict(run_folder: str | os.PathLike, paths: Iterable[str | os.PathLike], o
         return text
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(["path", "predicted"] + [f"p_{name}" for name in classes])
+    writer.writerow(["path", "predicted"] + [spreadsheet_cell(f"p_{name}") for name in classes])
     for name, row in zip(names, probabilities):
-        writer.writerow([name, classes[int(row.argmax())]] + [f"{float(p):.6g}" for p in row])
+        writer.writerow([spreadsheet_cell(name), spreadsheet_cell(classes[int(row.argmax())])]
+                        + [f"{float(p):.6g}" for p in row])
     text = buffer.getvalue()
     if out is not None:
         write_atomic(out, text)
@@ -142,7 +143,9 @@ def trained_columns(folder: Path) -> list[str] | None:
 
 
 def _rows_with_predictions(path: Path, probabilities: Tensor, classes: Sequence[str]) -> str:
-    """The CSV ``path``'s rows (every column as read) with ``predicted`` and one ``p_<class>`` column each."""
+    """The CSV ``path``'s rows (every column as read) with ``predicted`` and one ``p_<class>`` column each; text
+    that starts like a spreadsheet formula, in any cell or column name, escaped (``'=...``:
+    :func:`fedhpro.files.spreadsheet_cell`), numbers as they are."""
     frame = read_csv(path)
     added = ["predicted"] + [f"p_{name}" for name in classes]
     taken = [name for name in added if name in [str(c) for c in frame.columns]]
@@ -151,4 +154,9 @@ def _rows_with_predictions(path: Path, probabilities: Tensor, classes: Sequence[
     frame["predicted"] = [classes[int(i)] for i in probabilities.argmax(dim=1).tolist()]
     for k, name in enumerate(classes):
         frame[f"p_{name}"] = [float(f"{float(p):.6g}") for p in probabilities[:, k].tolist()]
+    for column in frame.columns:
+        # only a column with a cell to escape is replaced (the others keep their dtype, and their bytes)
+        if any(spreadsheet_cell(value) is not value for value in frame[column]):
+            frame[column] = frame[column].map(spreadsheet_cell)
+    frame.columns = [spreadsheet_cell(name) for name in frame.columns]
     return frame.to_csv(index=False, lineterminator="\n")
