@@ -37,7 +37,6 @@ from fedhpro.flower.records import EVAL_RECORD, HEADER, PRIVACY, SERVER_STATE
 from fedhpro.flower.settings import FlowerSettings, SecureSettings, auto_round_timeout
 from fedhpro.privacy.client import privatized_layout
 
-
 #: rounds in a row with an invalid secure sum (each skipped) after which a SecAgg+ run stops
 MAX_FAILED_SUMS = 3
 
