@@ -286,8 +286,15 @@ def test_flower_a_boosted_liar_no_longer_owns_the_model(sites, honest, tmp_path,
 @pytest.mark.parametrize("norm", [1e6, 1e30])
 def test_flower_fedproto_rows_reversed_and_huge_are_bounded(sites, honest, tmp_path, norm):
     """FedProto, the last site sending its prototypes reversed at norm 1e6 (unbounded: every site at chance) or
-    1e30 (unbounded: every client's next loss is non-finite and the run stops); by default each of its rows is
-    scaled to twice its class's median pull and the honest sites keep the honest run's accuracy."""
+    1e30 (unbounded: every client's next loss is non-finite and the run stops). By default a row of 1e6 is scaled
+    to twice its class's median pull; a row of 1e30 (its square overflows float32) is refused with the reply, which
+    drops that client for the round; either way the run goes on and the honest sites keep the honest run's
+    accuracy."""
     bounded = own_run(sites, tmp_path / "default", {102: reversed_rows(norm)}, method="fedproto")
     assert all(after >= before - 5.0 for before, after in zip(honest["fedproto"][:2], bounded["sites"][:2]))
-    assert all(row["bounded"] == [{"client": 2, "rows": 2}] for row in bounded["rows"])
+    if norm < 1e15:
+        assert all(row["bounded"] == [{"client": 2, "rows": 2}] for row in bounded["rows"])
+    else:
+        assert all("bounded" not in row for row in bounded["rows"])
+        assert all([entry["client"] for entry in row["dropped"]] == [2] for row in bounded["rows"])
+        assert all("beyond 1e+15" in row["dropped"][0]["reason"] for row in bounded["rows"])
