@@ -154,6 +154,9 @@ def test_a_node_holding_one_csv_folder_loads_the_federation_s_client(data):
     classes = resolve_classes(echoed, options)
     assert classes == sorted(NAMES.tolist()) and infos[1].class_names == classes
     federation = build(data["named"])
+    # data.standardize=federated: the node scales by the shared statistics the server sends it in the config
+    scaling = federation.partition["scaling"]
+    options = dataclasses.replace(options, feature_mean=scaling["mean"], feature_std=scaling["std"])
     for k, name in enumerate(SITES):
         (x, y), (xt, yt), _ = load_client(data["named"] / name, options, classes)
         assert torch.equal(x, federation.clients[k].x) and torch.equal(y, federation.clients[k].y)

@@ -270,7 +270,7 @@ def _wine_sites(root: Path) -> Path:
 
 def test_6_tabular_features_are_standardised_by_each_clients_own_statistics(tmp_path):
     root = _wine_sites(tmp_path / "wine")
-    federation = _build("clients", f"data_dir={root}")
+    federation = _build("clients", f"data_dir={root}", "data.standardize=client")
     raw = _build("clients", f"data_dir={root}", "data.standardize=none")
     for k, folder in enumerate(client_folders(root)):
         with np.load(folder / "train.npz") as train, np.load(folder / "test.npz") as test:
@@ -281,7 +281,7 @@ def test_6_tabular_features_are_standardised_by_each_clients_own_statistics(tmp_
         np.testing.assert_allclose(federation.client_tests[k][0].numpy(), expected[1], rtol=0, atol=1e-5)
         np.testing.assert_array_equal(raw.clients[k].x.numpy(), np.load(folder / "train.npz")["x"])
         # a Flower node, holding only its own folder, gets the same tensors
-        options = ClientsOptions()
+        options = ClientsOptions(standardize="client")
         classes = resolve_classes([scan_client(f, options) for f in client_folders(root)], options)
         (train_x, _), (test_x, _), _ = load_client(folder, options, classes)
         assert torch.equal(train_x, federation.clients[k].x) and torch.equal(test_x, federation.client_tests[k][0])

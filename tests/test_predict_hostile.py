@@ -45,7 +45,8 @@ def tabular(tmp_path_factory):
         x = (rng.normal(size=(24, FEATURES)) * [1, 10, 100, 0.1, 5] + k).astype(np.float32)
         np.savez(site / "train.npz", x=x, y=np.arange(24) % 3)
         np.savez(site / "test.npz", x=x[:6], y=np.arange(6) % 3)
-    result = fedhpro.run(**TINY, dataset="clients", data_dir=str(base / "data"), out=str(base / "run"))
+    result = fedhpro.run(**TINY, dataset="clients", data_dir=str(base / "data"), out=str(base / "run"),
+                         **{"data.standardize": "client"})
     return base / "data", result
 
 

@@ -67,7 +67,7 @@ def wine(tmp_path_factory):
     base = tmp_path_factory.mktemp("wine")
     data = write_wine_sites(base / "data")
     result = fedhpro.run(**{**TINY, "rounds": 5, "local_epochs": 2, "batch_size": 16}, dataset="clients",
-                         data_dir=str(data), out=str(base / "run"))
+                         data_dir=str(data), out=str(base / "run"), **{"data.standardize": "client"})
     return data, result
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from fedhpro import api, reports
 from fedhpro.compare import main as compare_main
-from fedhpro.config import load_config, parse_override, read_yaml
+from fedhpro.config import applied_data_options, load_config, parse_override, read_yaml
 from fedhpro.data import get_dataset
 from fedhpro.data.describe import plot_heatmap, table
 from fedhpro.engines.driver import RUN_FILES
@@ -76,7 +76,7 @@ def _cmd_data_describe(args: argparse.Namespace) -> int:
     source = overrides.pop(0) if overrides and "=" not in overrides[0] else None
     config = load_config(source, overrides)
     options = config.run
-    federation = get_dataset(options.dataset).build(config.data, options.clients, options.seed,
+    federation = get_dataset(options.dataset).build(applied_data_options(config), options.clients, options.seed,
                                                     data_dir=options.data_dir, progress=options.progress,
                                                     partition=config.partition)
     out = Path(options.out) if options.out else Path("runs") / f"data-{options.dataset}"

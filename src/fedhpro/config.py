@@ -35,13 +35,14 @@ from fedhpro import options as opt
 from fedhpro.aggregation import AGGREGATION_RULES
 from fedhpro.bounded import MAX_YAML_CHARS, LimitError, load_yaml
 from fedhpro.data import DATASETS, get_dataset
+from fedhpro.data.feature_statistics import FEDERATED, resolved_standardize
 from fedhpro.data.matched_tests import CLIENT_TESTS
 from fedhpro.data.partition import PartitionOptions, partition_options_class
 from fedhpro.errors import ConfigError
 from fedhpro.methods import METHODS, all_methods, get_method, method_names, recipes_of
 from fedhpro.models import MODELS
 from fedhpro.options import fields_of, option, tagged
-from fedhpro.privacy import PRIVACY_MODES
+from fedhpro.privacy import PRIVACY_MODES, is_private
 from fedhpro.registry import LiveChoices
 
 DATA_SECTION = "data"
@@ -852,3 +853,16 @@ def _build(cls: type, values: dict[str, Any], prefix: str, dataset: str) -> Any:
         if name not in known:
             raise _unknown(prefix + name, dataset)
     return opt.build(cls, values, prefix)
+
+
+def applied_data_options(config: Config) -> Any:
+    """``config.data`` as a run applies it: ``data.standardize=auto`` resolved to ``federated``, or to
+    ``client`` under differential privacy (the shared scaling's feature sums carry no noise), and
+    ``federated`` under privacy refused in one line
+    (:func:`~fedhpro.data.feature_statistics.resolved_standardize`). Other data options as they are."""
+    data = config.data
+    mode = getattr(data, "standardize", None)
+    if mode not in ("auto", FEDERATED):
+        return data
+    resolved, _ = resolved_standardize(mode, is_private(config.privacy))
+    return dataclasses.replace(data, standardize=resolved)

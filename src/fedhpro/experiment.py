@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from fedhpro import runtime
-from fedhpro.config import Config, channels_last_setting
+from fedhpro.config import Config, applied_data_options, channels_last_setting
 from fedhpro.data import get_dataset
 from fedhpro.data.federation import Federation
 from fedhpro.data.matched_tests import match_client_tests
@@ -115,8 +115,8 @@ def build_experiment(config: Config, device: torch.device | str = "cpu", federat
     check_precision(config, torch.device(device))
     if federation is None:
         dataset = get_dataset(options.dataset)
-        federation = dataset.build(config.data, options.clients, options.seed, data_dir=options.data_dir,
-                                   progress=options.progress, partition=config.partition)
+        federation = dataset.build(applied_data_options(config), options.clients, options.seed,
+                                   data_dir=options.data_dir, progress=options.progress, partition=config.partition)
     else:
         check_federation(federation, options.clients)
         federation = dataclasses.replace(federation)

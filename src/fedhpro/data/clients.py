@@ -69,6 +69,15 @@ import torch
 from torch import Tensor
 
 from fedhpro.arrays import ArrayFileError, load_npz, load_torch
+from fedhpro.data.feature_statistics import (
+    CLIENT,
+    FEDERATED,
+    STANDARDIZE_CHOICES,
+    STATISTICS_LIMIT,
+    FeatureSums,
+    feature_sums,
+    shared_scaling,
+)
 from fedhpro.data.federation import Federation, avg_note, untested_domains_note, untested_note
 from fedhpro.data.images import (
     CACHE_FOLDER,
@@ -97,8 +106,6 @@ from fedhpro.options import option
 #: ``<prefix>-<digits>`` or ``<prefix>_<digits>``: the prefix is the client's domain
 _NUMBERED = re.compile(r"^(?P<prefix>.+)[-_]\d+$")
 TENSOR_SUFFIXES = (".pt", ".npz", ".csv")
-#: ``data.standardize``: each client's own feature statistics, or the features as saved
-STANDARDIZE_CHOICES = ("client", "none")
 
 
 @dataclass
@@ -119,10 +126,23 @@ class ClientsOptions:
                             help="image clients: bits of 16-bit grey images' values, which scale them to [-1, 1]; "
                                  "0: 16 bits, and a site whose 16-bit images all hold fewer bits is refused (each "
                                  "site decodes alone: every site must scale alike)")
-    standardize: str = option("client", choices=STANDARDIZE_CHOICES,
-                              help="tensor clients with float N x F features: client (each feature scaled to mean 0, "
-                                   "std 1 by the client's own training mean and std, applied to its training and "
-                                   "test data: what a site can compute without sharing anything) or none (as saved)")
+    standardize: str = option("auto", choices=STANDARDIZE_CHOICES,
+                              help="tensor clients with float N x F features, scaled to mean 0 and std 1 per "
+                                   "feature: federated (one scaling shared by every site: the mean and std of all "
+                                   "sites' training rows pooled, combined from each site's count, sum and sum of "
+                                   "squares), client (each site's own training mean and std: nothing leaves it, but "
+                                   "sites of different classes are mapped onto each other), none (as saved), or "
+                                   "auto (federated; client under privacy=, whose noise the sums do not carry)")
+    statistics_limit: float = option(STATISTICS_LIMIT, min=0.0,
+                                     help="data.standardize=federated with 3 sites or more: a site whose feature "
+                                          "sums make a feature's pooled std more than this many times what the "
+                                          "other sites give is left out of the shared scaling, with a warning "
+                                          "(a guard against one site's sums squashing every site's inputs); 0: off")
+    feature_mean: list[float] | None = option(None, help="data.standardize=federated: the shared mean per feature "
+                                                         "(default: combined from the sites' sums; a resumed run "
+                                                         "and late Flower nodes get the run's own)")
+    feature_std: list[float] | None = option(None, help="data.standardize=federated: the shared std per feature, "
+                                                        "each > 0 (with data.feature_mean)")
     label_column: str = option("label", help="CSV clients and tables: the column of labels, class indices 0..C-1 or "
                                              "class names (text); every other column is a numeric feature")
     site_column: str = option("site", help="data_dir=one table (a .csv file, or a folder with train.csv and "
@@ -379,7 +399,7 @@ def load_client(folder: str | Path, options: ClientsOptions,
     if info.kind == "images":
         return (*_load_images(folder, info, options, classes), info)
     train, test = _load_tensors(folder, info, classes, options)
-    return (*standardized(train, test, options.standardize), info)
+    return (*standardized(train, test, applied_mode(options.standardize), given_scaling(options)), info)
 
 
 # --------------------------------------------------------------------------- the federation
@@ -489,9 +509,12 @@ def _federation(infos: Sequence[ClientInfo], classes: Sequence[str], train: list
                 more_notes: list[str], columns: list[str] | None) -> Federation:
     """The federation of loaded clients: standardised (``data.standardize``), with its record and notes."""
     scaled = []
+    mode = applied_mode(options.standardize)
+    shared = federation_scaling(infos, train, options, columns) if mode == FEDERATED else None
     for k in range(len(train)):
         before = train[k][0]
-        train[k], tests[k] = standardized(train[k], tests[k], options.standardize)
+        pair = None if shared is None else (shared.mean, shared.std)
+        train[k], tests[k] = standardized(train[k], tests[k], mode, pair)
         scaled += [infos[k].name] if train[k][0] is not before else []
     num_classes = len(classes)
     record: dict[str, Any] = {
@@ -502,13 +525,23 @@ def _federation(infos: Sequence[ClientInfo], classes: Sequence[str], train: list
                      "class_counts": torch.bincount(train[k][1], minlength=num_classes).tolist()}
                     for k, info in enumerate(infos)],
     }
-    if scaled:
+    if scaled and mode == FEDERATED:
+        notes.append(f"clients: features standardised by one scaling shared by every site (data.standardize="
+                     f"federated): the pooled training mean and std of {len(shared.sites) if shared else 0} "
+                     f"sites{'' if shared is None or shared.given is None else ' (' + shared.given + ')'}")
+        notes += [f"warning: client {name}'s feature sums are left out of the shared scaling: {why}"
+                  for name, why in sorted((shared.left_out if shared else {}).items())]
+    elif scaled:
         notes.append(f"clients: features standardised with each client's own training mean and std "
                      f"(data.standardize=client; data.standardize=none keeps them as saved): {', '.join(scaled)}")
+        notes += skewed_scaling_warning([infos[k].name for k in range(len(train))], [y for _, y in train],
+                                        len(classes))
     notes += client_notes(infos)
     notes += more_notes
     if infos[0].kind == "tensors":
-        record["standardize"] = options.standardize
+        record["standardize"] = mode
+        if shared is not None:
+            record["scaling"] = shared.as_record()
     if columns is not None:
         # the tables' feature columns, in order, and the label column: what predict takes from a CSV of rows
         record["columns"] = list(columns)
@@ -662,17 +695,128 @@ def _class_folder_notes(folders: Sequence[Path], infos: Sequence[ClientInfo], cl
     return notes
 
 
-def standardized(train: tuple[Tensor, Tensor], test: tuple[Tensor, Tensor],
-                 mode: str) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
-    """``data.standardize=client``: float ``N x F`` features scaled to mean 0 and std 1 per feature by the
-    client's own training mean and (population) std, the same map applied to its test data; a feature
-    that is constant in training is only centred. Other inputs (images, integer token ids), and
+def standardized(train: tuple[Tensor, Tensor], test: tuple[Tensor, Tensor], mode: str,
+                 shared: tuple[Tensor, Tensor] | None = None) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """Float ``N x F`` features scaled to mean 0 and std 1 per feature, the same map applied to the test
+    data: ``mode="client"`` by the client's own training mean and (population) std (a feature constant in
+    training is only centred), ``mode="federated"`` by ``shared``, the ``(mean, std)`` every site uses
+    (:mod:`fedhpro.data.feature_statistics`). Other inputs (images, integer token ids), and
     ``mode="none"``, are returned as they are (the same objects)."""
     x, y = train
     if mode == "none" or not scales(x):
         return train, test
-    mean, std = feature_statistics(x)
+    if mode == FEDERATED:
+        if shared is None:
+            raise DataError("data.standardize=federated but no shared scaling was given for these features (a "
+                            "node of another fedhpro version?); run the same fedhpro on the server and every node")
+        mean, std = shared
+        if mean.numel() != x.shape[1] or std.numel() != x.shape[1]:
+            raise DataError(f"the shared scaling has {mean.numel()} features but these rows have {x.shape[1]}; "
+                            "give every site the same feature columns")
+    else:
+        mean, std = feature_statistics(x)
     return (apply_statistics(x, mean, std), y), (apply_statistics(test[0], mean, std), test[1])
+
+
+def applied_mode(mode: str) -> str:
+    """The scaling ``data.standardize=mode`` applies to data: ``auto`` is ``federated`` here (a run under
+    privacy has already resolved it: :func:`fedhpro.config.applied_data_options`)."""
+    return FEDERATED if mode == "auto" else mode
+
+
+def given_scaling(options: ClientsOptions) -> tuple[Tensor, Tensor] | None:
+    """``(data.feature_mean, data.feature_std)`` as float64 tensors, checked (as long as each other, every std
+    > 0), or None when not given."""
+    mean, std = options.feature_mean, options.feature_std
+    if mean is None and std is None:
+        return None
+    if mean is None or std is None or len(mean) != len(std) or not mean:
+        raise ConfigError("data.feature_mean and data.feature_std go together, as two lists of one number per "
+                          "feature; give both (or neither: the sites' sums give them)")
+    if any(not value > 0 for value in std):
+        raise ConfigError("data.feature_std holds a value <= 0; each feature's std must be > 0 (1 for a "
+                          "constant feature)")
+    return torch.tensor(mean, dtype=torch.float64), torch.tensor(std, dtype=torch.float64)
+
+
+@dataclass
+class FederationScaling:
+    """The shared scaling of a simulated federation: what :func:`~fedhpro.data.feature_statistics.shared_scaling`
+    gives, or the one the config gives (``given`` says where it came from)."""
+
+    mean: Tensor
+    std: Tensor
+    sites: list[str]
+    left_out: dict[str, str]
+    given: str | None = None
+
+    def as_record(self) -> dict[str, Any]:
+        record: dict[str, Any] = {"mean": self.mean.tolist(), "std": self.std.tolist(), "sites": list(self.sites)}
+        if self.left_out:
+            record["left_out"] = dict(self.left_out)
+        if self.given is not None:
+            record["given"] = self.given
+        return record
+
+
+def federation_scaling(infos: Sequence[ClientInfo], train: Sequence[tuple[Tensor, Tensor]], options: ClientsOptions,
+                       columns: Sequence[str] | None = None) -> FederationScaling | None:
+    """``data.standardize=federated`` over loaded clients: the scaling of ``data.feature_mean`` /
+    ``feature_std`` when given, else combined from each scaled client's :func:`feature_sums` (each counting
+    as its rows: the simulator knows its clients), with ``data.statistics_limit``'s guard; None when no
+    client holds features to scale."""
+    given = given_scaling(options)
+    names = [info.name for info, (x, _) in zip(infos, train) if scales(x)]
+    if not names:
+        return None
+    if given is not None:
+        return FederationScaling(given[0], given[1], names, {}, "data.feature_mean and data.feature_std")
+    parts = {info.name: feature_sums(x) for info, (x, _) in zip(infos, train) if scales(x)}
+    shared = shared_scaling(parts, limit=options.statistics_limit, columns=columns)
+    return FederationScaling(shared.mean, shared.std, shared.sites, shared.left_out)
+
+
+def site_feature_sums(folder: str | Path, options: ClientsOptions) -> FeatureSums | None:
+    """What a Flower node releases for ``data.standardize=federated``: the :func:`feature_sums` of its own
+    training features as :func:`load_client` reads them (before any scaling); None when the run gives the
+    scaling already (``data.feature_mean``), another mode, or data without float ``N x F`` features."""
+    if applied_mode(options.standardize) != FEDERATED or options.feature_mean is not None:
+        return None
+    folder = Path(folder).expanduser()
+    info = scan_client(folder, options)
+    if info.kind != "tensors":
+        return None
+    own = resolve_classes([info], options)
+    (x, _), _ = _load_tensors(folder, info, own, options)
+    x = x.float() if not x.is_floating_point() and x.dim() == 2 else x
+    return feature_sums(x) if scales(x) else None
+
+
+#: how far (total variation) a site's class distribution may be from the federation's before per-site scaling
+#: is warned about: a site of one class among three is 0.67 away; a Dirichlet 0.5 split's sites 0.3 to 0.6
+SKEW_WARNING = 0.5
+
+
+def skewed_scaling_warning(names: Sequence[str], labels: Sequence[Tensor], num_classes: int) -> list[str]:
+    """``data.standardize=client`` where sites' class distributions differ: one warning line naming the
+    sites whose classes are furthest from the federation's (per-site scaling maps a site of one class onto the
+    others' classes), or none."""
+    counts = [torch.bincount(y.long(), minlength=num_classes).double() for y in labels if y.numel()]
+    if len(counts) < 2:
+        return []
+    total = torch.stack(counts).sum(dim=0)
+    pooled = total / total.sum()
+    far = []
+    for name, count in zip([n for n, y in zip(names, labels) if y.numel()], counts):
+        distance = 0.5 * float((count / count.sum() - pooled).abs().sum())
+        if distance > SKEW_WARNING:
+            far.append(f"{name} ({distance:.2f})")
+    if not far:
+        return []
+    return [f"warning: data.standardize=client scales each site by its own statistics, but the class "
+            f"distributions of {', '.join(far[:5])}{' and more' if len(far) > 5 else ''} are far from the "
+            f"federation's (total variation above {SKEW_WARNING:g}): per-site scaling maps their classes onto "
+            "the others'; data.standardize=federated shares one scaling"]
 
 
 def scales(x: Tensor) -> bool:
@@ -972,6 +1116,8 @@ DATASET = DatasetSpec(
     image_input=image_input,
 )
 
-__all__ = ["ClientInfo", "ClientsOptions", "DATASET", "STANDARDIZE_CHOICES", "apply_statistics", "build",
+__all__ = ["CLIENT", "ClientInfo", "ClientsOptions", "DATASET", "FederationScaling", "STANDARDIZE_CHOICES",
+           "apply_statistics", "build", "federation_scaling", "given_scaling", "site_feature_sums",
+           "skewed_scaling_warning",
            "client_domain", "client_folders", "client_notes", "feature_statistics", "folded", "load_client",
            "resolve_classes", "scan_client", "standardization_statistics", "standardized"]

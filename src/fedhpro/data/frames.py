@@ -15,7 +15,7 @@ from fedhpro.errors import ConfigError
 
 def from_dataframes(data: Any, test: Any = None, *, label: str = "label", site: str = "site",
                     split: str | None = "split", classes: Sequence[str] | None = None,
-                    standardize: str = "client", max_classes: int = 100_000) -> Federation:
+                    standardize: str = "federated", max_classes: int = 100_000) -> Federation:
     """The federation of sites given as DataFrames.
 
     ``data`` is either a mapping site name -> DataFrame, or -> ``(train, test)`` DataFrames (``test`` None:
@@ -23,15 +23,18 @@ def from_dataframes(data: Any, test: Any = None, *, label: str = "label", site: 
     ``site`` column and a ``split`` column (``train`` or ``test`` per row), or without the split column and
     the test rows in ``test`` (a DataFrame with the same site column), as one CSV table. ``label`` names the
     label column (class indices, or class names mapped to ``classes`` or, by default, their sorted union);
-    every other column is a numeric feature. ``standardize``: ``client`` (each site's features scaled by its
-    own training mean and std) or ``none``; the statistics travel in ``federation.partition["statistics"]``
-    and a run writes them to its folder's standardize.json, so that ``fedhpro predict`` scales raw rows as a
-    CSV run's do. Bad data is one :class:`~fedhpro.errors.DataError` line naming
-    the site and column."""
+    every other column is a numeric feature. ``standardize``: ``federated`` (every site's features scaled by
+    one mean and std per feature, those of all sites' training rows pooled; ``auto`` is the same), ``client``
+    (each site's by its own training mean and std) or ``none``; the statistics travel in
+    ``federation.partition`` (``scaling``, or ``statistics`` per site) and a run writes them to its folder's
+    standardize.json, so that ``fedhpro predict`` scales raw rows as a CSV run's do. Bad data is one
+    :class:`~fedhpro.errors.DataError` line naming the site and column."""
     if standardize not in STANDARDIZE_CHOICES:
         raise ConfigError(f"standardize={standardize!r}; give one of {', '.join(STANDARDIZE_CHOICES)}")
     options = ClientsOptions(classes=None if classes is None else [str(c) for c in classes],
-                             max_classes=int(max_classes), standardize=standardize, label_column=label,
+                             max_classes=int(max_classes),
+                             # the data are all here: "auto" has nothing to hide from (no privacy= is known yet)
+                             standardize="federated" if standardize == "auto" else standardize, label_column=label,
                              site_column=site, split_column=split or "split")
     split_column = None if isinstance(data, Mapping) else split
     sites = frames_sites(data, test, label, site, split_column)

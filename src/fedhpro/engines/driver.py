@@ -802,6 +802,10 @@ def start_notes(config: Config, engine: Engine) -> list[str]:
     return notes + ([few] if few else [])
 
 
+#: how a federation's note that is a warning begins (fedhpro.data: the data layer has no voice of its own)
+WARNING_NOTE = "warning: "
+
+
 def start_warnings(config: Config, engine: Engine) -> list[str]:
     """The run's warnings before its first round, kept in summary.json's notes: where sizes are claims, every
     site claiming far more than the median (:func:`claimed_size_warnings`, training and each test set); a client
@@ -834,10 +838,12 @@ def execute(engine: Engine, run: Run, config: Config, *, data_name: str, partiti
     engine's end and the accuracy plot (:meth:`Run.close`); says the final table (:func:`final_printout`).
     ``voice`` says it all: printed by ``fedhpro run``, logged by the Flower ServerApp."""
     options = config.run
-    notes = [*notes, *start_notes(config, engine)]
+    # the data's notes that are warnings (a federation's "warning: ..." lines) are said as warnings
+    data_warnings = [line.removeprefix(WARNING_NOTE) for line in notes if line.startswith(WARNING_NOTE)]
+    notes = [*(line for line in notes if not line.startswith(WARNING_NOTE)), *start_notes(config, engine)]
     for line in notes:
         voice.note(line)
-    warnings = start_warnings(config, engine)
+    warnings = data_warnings + start_warnings(config, engine)
     for line in warnings:
         voice.warning(line)
     run.open(config.to_dict(), partition, engine.load_state_dict, resume_from)

@@ -18,6 +18,7 @@ from flwr.app import ConfigRecord
 from fedhpro.bounded import LimitError, load_json
 from fedhpro.config import Config
 from fedhpro.data.clients import ClientInfo
+from fedhpro.data.feature_statistics import FeatureSums, sums_from_json
 from fedhpro.engines.protocol import TestCount
 from fedhpro.errors import UpdateError
 from fedhpro.flower.records import EVAL_RECORD, NODE_RECORD
@@ -30,6 +31,8 @@ MAX_INPUT_VALUES = 2 ** 28  # values in one input
 MAX_SAMPLES = 10 ** 9  # training or test samples of one client
 MAX_CLIENTS = 100_000  # num-partitions a node may name
 MAX_INFO_CHARS = 16 * 2 ** 20  # characters of a node's JSON description (read before it is parsed)
+#: the entries of a node's answer to the data query that carry its feature sums (data.standardize=federated)
+SUMS_KEYS = ("feature-count", "feature-sum", "feature-sum-squares")
 #: what a node holding its own data may be: image folders or tensor files (fedhpro.data.clients)
 CLIENT_KINDS = ("images", "tensors")
 
@@ -93,7 +96,8 @@ def client_info(record: ConfigRecord | None, max_classes: int) -> Any:
     kind, at most ``max_classes`` class names (each at most :data:`MAX_CLASS_NAME` characters), ``max_label``
     below ``max_classes``, an input shape of 1 to :data:`MAX_INPUT_DIMS` positive sizes and sizes up to
     :data:`MAX_SAMPLES`. Nothing of it is used before it passed."""
-    text = _answer(record, ("info",))["info"]
+    sums = record is not None and any(key in record for key in SUMS_KEYS)
+    text = _answer(record, ("info", *SUMS_KEYS) if sums else ("info",))["info"]
     if not isinstance(text, str):
         raise UpdateError(f"its description is a {type(text).__name__}, not JSON text")
     if len(text) > MAX_INFO_CHARS:
@@ -127,6 +131,25 @@ def client_info(record: ConfigRecord | None, max_classes: int) -> Any:
         input_shape=shape,
         train_size=_integer(values["train_size"], "train_size", 0, MAX_SAMPLES),
         test_size=_integer(values["test_size"], "test_size", 0, MAX_SAMPLES))
+
+
+def sums_answer(record: ConfigRecord | None, features: int) -> FeatureSums | None:
+    """The feature sums a node's answer to the data query carries (``data.standardize=federated``), checked
+    for form (:func:`~fedhpro.data.feature_statistics.sums_from_json`: a count >= 1 and ``features`` numbers
+    each for the sum and the sum of squares); None when it carries none. UpdateError (one line) otherwise;
+    whether the numbers can be those of rows is :func:`~fedhpro.data.feature_statistics.sums_problem`'s."""
+    if record is None or not any(key in record for key in SUMS_KEYS):
+        return None
+    count, total, squares = (record.get(key) for key in SUMS_KEYS)
+    try:
+        return sums_from_json({"count": count, "sum": total, "sum_squares": squares}, features)
+    except ValueError as error:
+        raise UpdateError(str(error)) from None
+
+
+def sums_entries(sums: FeatureSums) -> dict[str, Any]:
+    """The answer's entries carrying ``sums`` (float64 values: a ConfigRecord keeps them exactly)."""
+    return dict(zip(SUMS_KEYS, (sums.count, sums.sum.tolist(), sums.sum_squares.tolist()), strict=True))
 
 
 def max_classes(config: Config) -> int:

@@ -26,7 +26,8 @@ and a resumed run (a new Flower run, hence a new ``Context``) go on from the
 state the client had before the round they (re)do.
 
 Handlers: ``query`` (which partition this node holds, or what its folder
-holds: name, domain, classes, input shape, sizes; never the data), ``train``
+holds: name, domain, classes, input shape, sizes and, with ``data.standardize=federated``, the count,
+sum and sum of squares of each feature of its training rows; never the data), ``train``
 (the method's ``fit``), ``evaluate`` (the global model, or its personal model
 with the global shared part, on its own test data: correct and total counts).
 A failing handler answers with an error reply whose reason is one line,
@@ -53,7 +54,7 @@ from torch import nn
 
 from fedhpro.arrays import ArrayFileError, Bound, load_torch
 from fedhpro.bounded import LimitError, load_json
-from fedhpro.data.clients import scan_client
+from fedhpro.data.clients import scan_client, site_feature_sums
 from fedhpro.data.digits_offline import default_data_dir
 from fedhpro.engines import checkpoint
 from fedhpro.engines.driver import test_client
@@ -61,6 +62,7 @@ from fedhpro.engines.protocol import client_step
 from fedhpro.errors import ConfigError, DataError, UpdateError
 from fedhpro.files import write_atomic_with
 from fedhpro.flower import records, secagg
+from fedhpro.flower.answers import sums_entries
 from fedhpro.flower.engine import NodeCache, NodeSide, check_partition, config_from_text, node_folder, own_data
 from fedhpro.flower.server import EVAL_RECORD, HEADER, NODE_RECORD, PRIVACY, SERVER_STATE
 from fedhpro.privacy.client import ClientPrivacy
@@ -192,6 +194,9 @@ def query(msg: Message, context: Context) -> Message:
             if node_config.get("name"):
                 info = dataclasses.replace(info, name=str(node_config["name"]))
             answer = {"info": json.dumps(dataclasses.asdict(info))}
+            sums = site_feature_sums(node_folder(node_config), config.data)  # data.standardize=federated only
+            if sums is not None:
+                answer.update(sums_entries(sums))
         elif str(header["query"]) == "forget":  # the run is over: its state on this node is of no more use
             shutil.rmtree(run_folder(node_config, str(header["state-key"])), ignore_errors=True)
             answer = {"forgotten": True}

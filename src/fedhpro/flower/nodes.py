@@ -24,8 +24,9 @@ from flwr.supercore import log
 
 from fedhpro.config import Config
 from fedhpro.data.clients import ClientInfo, resolve_classes
+from fedhpro.data.feature_statistics import FeatureSums, sums_problem
 from fedhpro.errors import ConfigError, DataError, UpdateError
-from fedhpro.flower.answers import client_info, max_classes, partition_answer
+from fedhpro.flower.answers import client_info, max_classes, partition_answer, sums_answer
 from fedhpro.flower.engine import config_text
 from fedhpro.flower.records import HEADER, NODE_RECORD
 from fedhpro.flower.roster import load_roster
@@ -59,6 +60,10 @@ class Nodes(dict[int, int]):
         self.client_keys = dict(keys or {})
         self.client_of = {node: k for k, node in nodes.items()}
         self.strangers: set[int] = set()
+        #: data.standardize=federated: the feature sums of the admitted clients (by name), and why a client's
+        #: sums were left out of the shared scaling (malformed, or not those of its declared rows)
+        self.feature_sums: dict[str, FeatureSums] = {}
+        self.sums_refused: dict[str, str] = {}
         self.waiting: dict[int, int] = {}
         #: node id -> why it was refused at discovery (partition.json's ``refused``; empty: none)
         self.refused: dict[int, str] = {}
@@ -267,6 +272,7 @@ def discover_own_data(grid: Grid, config: Config,
                           f"SuperNodes the run waits for; set flower.min-clients to at most {expected}")
     deadline = time.monotonic() + settings.node_wait
     known: dict[int, ClientInfo] = {}  # node id -> what it holds (admitted)
+    said: dict[int, ConfigRecord | None] = {}  # node id -> its answer (admitted): its feature sums are read at the end
     by_name: dict[str, int] = {}
     ignored: dict[int, str] = {}  # node id -> why it takes no part: warned about once, not asked again
     # refused nodes that may stand for a missing place: None (who they are is unknown: an error or a
@@ -301,6 +307,7 @@ def discover_own_data(grid: Grid, config: Config,
                 _refuse(node, problem, ignored)
                 continue
             known[node], by_name[info.name] = info, node
+            said[node] = answer
         if len(known) < expected and time.monotonic() > deadline:
             break
         if len(known) < expected:
@@ -343,6 +350,18 @@ def discover_own_data(grid: Grid, config: Config,
         raise ConfigError(f"the nodes hold {len(classes)} classes together, more than data.max_classes="
                           f"{max_classes(config)}; raise data.max_classes if that many is right")
     nodes = Nodes({k: by_name[name] for k, name in enumerate(names)}, infos)
+    for name in names:  # the feature sums of data.standardize=federated: a bad release is left out, not its node
+        node, info = by_name[name], known[by_name[name]]
+        try:
+            sums = sums_answer(said[node], int(info.input_shape[0]))
+        except UpdateError as error:
+            nodes.sums_refused[name] = f"its feature sums are malformed: {error}"
+            continue
+        problem = None if sums is None else sums_problem(sums, info.train_size)
+        if problem is not None:
+            nodes.sums_refused[name] = problem
+        elif sums is not None:
+            nodes.feature_sums[name] = sums
     nodes.strangers.update(ignored)  # refused at discovery: not asked again when a round looks for new nodes
     nodes.refused.update(ignored)
     return nodes, infos, classes

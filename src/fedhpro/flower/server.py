@@ -47,8 +47,10 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
+from fedhpro.aggregation import claim_cap
 from fedhpro.config import PRESENTATION_KEYS, Config
 from fedhpro.data.clients import client_notes
+from fedhpro.data.feature_statistics import FEDERATED, resolved_standardize, shared_scaling
 from fedhpro.engines import driver
 from fedhpro.engines.observers import RoundObserver
 from fedhpro.engines.protocol import RoundRecord
@@ -187,8 +189,13 @@ def _federation(grid: Grid, config: Config, settings: FlowerSettings
         if config.run.data_dir:
             raise ConfigError("dataset=clients on Flower: the server holds no data, so data_dir must not be set in "
                               "the run config; give each SuperNode its own with --node-config \"data-dir=...\"")
+        standardize, scaling_note = resolved_standardize(config.data.standardize, is_private(config.privacy),
+                                                         settings.secure_aggregation == "secagg+")
+        config = config.updated({"data.standardize": standardize})  # what the nodes apply (auto resolved)
         nodes, infos, classes = discover_own_data(grid, config, settings)
         config = config.updated({"data.classes": classes})
+        scaling, scaling_notes = shared_node_scaling(config, nodes, infos, claimed=not settings.roster, warn=warn)
+        config = config.updated(scaling)
         side = build_server_side(config, num_classes=len(classes), input_shape=tuple(infos[0].input_shape),
                                  num_samples=[info.train_size for info in infos], on_drop=warn,
                                  sizes_claimed=not settings.roster,  # with a roster the operator vouches for them
@@ -198,10 +205,16 @@ def _federation(grid: Grid, config: Config, settings: FlowerSettings
                      "classes": classes,
                      "clients": [{"client": k, "node": nodes[k], **dataclasses.asdict(info)}
                                  for k, info in enumerate(infos)]}
+        if infos[0].kind == "tensors":
+            partition["standardize"] = standardize
+            if standardize == FEDERATED:
+                partition["scaling"] = {"mean": config.data.feature_mean, "std": config.data.feature_std,
+                                        **nodes_scaling_record(nodes)}
         if nodes.refused:  # the nodes left out at discovery, and why (no key when none: honest runs keep their bytes)
             partition["refused"] = [{"node": node, "reason": why}
                                     for node, why in sorted(nodes.refused.items())[:MAX_REFUSED_RECORDED]]
         notes = [f"clients: {len(infos)} SuperNodes holding their own data ({infos[0].kind}), {len(classes)} classes"]
+        notes += ([scaling_note] if scaling_note and infos[0].kind == "tensors" else []) + scaling_notes
         # clients without a test split, what AVG is (weighted by sites where nobody vouches for them), ...
         return side, config, nodes, partition, notes + client_notes(infos, claimed=not settings.roster)
     nodes, clients = discover_nodes(grid, config.run.clients, settings)
@@ -214,6 +227,48 @@ def _federation(grid: Grid, config: Config, settings: FlowerSettings
         raise ConfigError(f"the federation has {federation.num_clients} clients but {clients} SuperNodes "
                           f"hold partitions; set clients={federation.num_clients} or run that many SuperNodes")
     return side, config, nodes, federation.partition, list(federation.notes)
+
+
+def shared_node_scaling(config: Config, nodes: Nodes, infos: list[Any], claimed: bool,
+                        warn: Any) -> tuple[dict[str, Any], list[str]]:
+    """``data.standardize=federated`` on nodes holding their own data: ``({data.feature_mean, data.feature_std}
+    to set, notes)``, the scaling combined from the feature sums the admitted nodes sent
+    (:func:`~fedhpro.data.feature_statistics.shared_scaling`), each counting as its training size, bounded
+    as ``aggregation.max_ratio`` / ``max_share`` bound sizes where sizes are ``claimed``. Nothing to set
+    where the run gives the scaling already (a resumed run keeps the one it started with; a late node gets
+    it), where the mode is another, or where no node holds features to scale (images)."""
+    data = config.data
+    if data.standardize != FEDERATED or data.feature_mean is not None:
+        return {}, []
+    for name, why in sorted(nodes.sums_refused.items()):
+        warn(f"client {name}'s feature sums are left out of the shared scaling: {why}")
+    if not nodes.feature_sums:
+        if any(info.kind == "tensors" for info in infos) and nodes.sums_refused:
+            raise ConfigError("data.standardize=federated: no node sent feature sums the server could use "
+                              f"({len(nodes.sums_refused)} left out, see the warnings); fix those nodes or set "
+                              "data.standardize=client")
+        return {}, []
+    sizes = {name: float(sums.count) for name, sums in nodes.feature_sums.items()}
+    weights = sizes
+    if claimed:  # a site counts as at most max_ratio median sites and max_share of the total, as in aggregation
+        cap = claim_cap([float(info.train_size) for info in infos], config.aggregation.max_share,
+                        config.aggregation.max_ratio)
+        weights = {name: min(size, cap) for name, size in sizes.items()}
+    scaling = shared_scaling(nodes.feature_sums, weights, limit=data.statistics_limit)
+    for name, why in sorted(scaling.left_out.items()):
+        warn(f"client {name}'s feature sums are left out of the shared scaling: {why}")
+    nodes.sums_refused.update(scaling.left_out)
+    note = (f"clients: features standardised by one scaling shared by every site (data.standardize=federated): "
+            f"the pooled training mean and std of {len(scaling.sites)} sites' feature sums")
+    return {"data.feature_mean": scaling.mean.tolist(), "data.feature_std": scaling.std.tolist()}, [note]
+
+
+def nodes_scaling_record(nodes: Nodes) -> dict[str, Any]:
+    """partition.json's record of whose feature sums the shared scaling pools and whose it left out."""
+    record: dict[str, Any] = {"sites": sorted(nodes.feature_sums.keys() - nodes.sums_refused.keys())}
+    if nodes.sums_refused:
+        record["left_out"] = dict(sorted(nodes.sums_refused.items()))
+    return record
 
 
 #: the most refused nodes partition.json names (a flood of nodes must not make it grow without bound)

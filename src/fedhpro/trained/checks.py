@@ -232,9 +232,10 @@ def read_statistics(folder: Path, info: Mapping[str, Any]) -> dict[str, Any]:
     features = int(info["input_shape"][0])
     if "statistics" not in inputs:
         raise ModelFileError(
-            f"{folder} was trained with data.standardize=client (each site scaled its features by its own mean "
-            f"and std) but its folder records no {STATISTICS_FILE} to scale new rows the same way (a run of an "
-            "older fedhpro or of Flower): run it again with this fedhpro (or train with data.standardize=none)")
+            f"{folder} was trained with data.standardize={inputs.get('standardize', 'client')} (its sites scaled "
+            f"their features) but its folder records no {STATISTICS_FILE} to scale new rows the same way (a run of "
+            "an older fedhpro, or personal models on Flower with data.standardize=client): run it again with this "
+            "fedhpro and data.standardize=federated (or data.standardize=none)")
     path = inside_folder(folder, inputs["statistics"], "input.statistics", folder / MODEL_INFO)
     if not path.is_file():
         raise ModelFileError(f"{path} is missing; the run folder is incomplete (run it again)")

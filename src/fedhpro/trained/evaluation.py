@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from fedhpro.bounded import read_json_file, run_file
+from fedhpro.config import applied_data_options
 from fedhpro.data import get_dataset
 from fedhpro.data.unseen import hold_out_clients
 from fedhpro.data.validation import hold_out_validation
@@ -106,7 +107,7 @@ def class_accuracy(run_folder: str | os.PathLike, *, model: Callable[..., nn.Mod
                           "be rebuilt from the folder: test the model yourself, fedhpro.load_model(folder)")
     # the run's CPU settings: flushed denormals and its thread count change the last digits of a forward pass
     with cpu_runtime(), torch_threads(resolve_threads(options.threads)):
-        federation = get_dataset(options.dataset).build(config.data, options.clients, options.seed,
+        federation = get_dataset(options.dataset).build(applied_data_options(config), options.clients, options.seed,
                                                         data_dir=options.data_dir, progress=False,
                                                         partition=config.partition)
         # the run's clients and training data: without its unseen clients and validation parts

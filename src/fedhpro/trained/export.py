@@ -30,6 +30,7 @@ from fedhpro.trained.folder import (
     HEAD,
     MODEL_FILE,
     MODEL_INFO,
+    POOLED,
     STATISTICS_FILE,
     STATISTICS_FORMAT,
     TrainedModels,
@@ -57,9 +58,10 @@ def input_description(config: Config, input_shape: Sequence[int], dtype: torch.d
     (tabular, tokens, data from Python)."""
     shape = [int(n) for n in input_shape]
     tensor: dict[str, Any] = {"kind": "tensor", "shape": shape, "dtype": str(dtype).removeprefix("torch.")}
-    standardize = getattr(config.data, "standardize", "none")
-    if standardize != "none" and len(shape) == 1 and dtype.is_floating_point:
-        # each client scaled its features by its own statistics: a new input has no one map, the user scales it
+    # the mode the run applied (partition.json records it: data.standardize=auto resolved), else the config's
+    standardize = (partition or {}).get("standardize", getattr(config.data, "standardize", "none"))
+    if standardize in ("client", "federated") and len(shape) == 1 and dtype.is_floating_point:
+        # the sites scaled their features: standardize.json says how, so that a new input is scaled alike
         tensor["standardize"] = standardize
     if config.federation is not None or len(shape) != 3 or shape[0] != 3 or shape[1] != shape[2]:
         return tensor
@@ -177,7 +179,7 @@ def final_models(config: Config, models: Any, server: Any, num_classes: int, inp
     partition.json's record, which names the classes). ``on_nodes``: the personal models live on the Flower
     nodes, which write them on their own disks (:func:`write_node_model`): model.json then only names them."""
     inputs = input_description(config, input_shape, dtype, partition)
-    statistics = None if on_nodes else _statistics_of(config, inputs)
+    statistics = _shared_statistics(inputs, partition) or (None if on_nodes else _statistics_of(config, inputs))
     if statistics is not None:
         inputs["statistics"] = STATISTICS_FILE
     classes = _classes(partition)
@@ -207,6 +209,20 @@ def simulator_models(config: Config, simulator: Any, federation: Any) -> Trained
     """The final models of an in-process run (:func:`final_models` of the simulator's models)."""
     return final_models(config, simulator.models, simulator.server, federation.num_classes, federation.input_shape,
                         federation.clients[0].x.dtype, federation.partition)
+
+
+def _shared_statistics(inputs: Mapping[str, Any], partition: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """standardize.json's content for a run whose sites scaled their features by one shared scaling
+    (``data.standardize=federated``: partition.json's ``scaling``, the server's on Flower): that scaling for
+    every site and for a new one; else None."""
+    scaling = (partition or {}).get("scaling")
+    if inputs.get("standardize") != "federated" or not isinstance(scaling, Mapping) or scaling.get("mean") is None:
+        return None
+    shared = {"mean": [float(v) for v in scaling["mean"]], "std": [float(v) for v in scaling["std"]]}
+    names = [str(client.get("name", client.get("client"))) for client in (partition or {}).get("clients", [])
+             if isinstance(client, Mapping)]
+    return {"format": STATISTICS_FORMAT, "standardize": "federated",
+            "sites": {name: shared for name in names} or {"all": shared}, POOLED: shared}
 
 
 def _statistics_of(config: Config, inputs: Mapping[str, Any]) -> dict[str, Any] | None:

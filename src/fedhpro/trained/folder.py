@@ -14,9 +14,10 @@ A finished run's folder holds
 * ``model.json``: what rebuilds them beside ``config.yaml`` (the run's settings): the model's name, the
   number and names of the classes, the input shape, the inference rule, the files and how an image becomes
   an input (the run's data set's preprocessing, as its spec declares it);
-* ``standardize.json``: tabular own data trained with ``data.standardize=client``: each site's training
-  mean and std per feature, and the pair pooled over every site's training rows (for a new site), with
-  which predict scales new rows as training scaled them.
+* ``standardize.json``: tabular own data whose features the sites scaled: with ``data.standardize=federated``
+  (the default) the one mean and std per feature every site used (under ``pooled`` and under each site's
+  name); with ``data.standardize=client`` each site's own training mean and std, and the pair pooled over
+  every site's training rows (for a new site). predict scales new rows with them as training scaled them.
 """
 
 from __future__ import annotations
