@@ -215,3 +215,13 @@ def test_messages_stay_one_line_through_the_command_line(tmp_path, capsys):
     assert code != 0 and err.startswith("fedhpro: error:") and "\n" not in err and "Traceback" not in err
     assert "'unknown'" in err and "row 8" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_cell_in_test_csv_names_test_csv_not_train_csv(tmp_path):
+    folder = tmp_path / "table"
+    folder.mkdir()
+    (folder / "train.csv").write_text("x,label,site\n1.0,0,a\n2.0,1,a\n3.0,0,b\n4.0,1,b\n")
+    (folder / "test.csv").write_text("x,label,site\n1.5,0,a\n2.5,1,b\nbroken,0,b\n")  # row 4 of test.csv
+    message = _refusal(folder)
+    assert str(folder / "test.csv") in message and "train.csv" not in message
+    assert "site b" in message and "'broken'" in message and "row 4" in message

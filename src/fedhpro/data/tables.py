@@ -130,7 +130,6 @@ def read_csv(path: str | os.PathLike) -> pd.DataFrame:
 def _first_long_row(path: Path, columns: int) -> tuple[int, int]:
     """``(row, cells)`` of the first row of the CSV ``path`` with more than ``columns`` cells (the header is row
     1, blank lines are not counted); ``(2, columns + 1)`` if none is found among the first rows read."""
-    csv.field_size_limit(MAX_HEADER_CHARS)
     try:
         with path.open(newline="", encoding="utf-8", errors="replace") as handle:
             records = (cells for cells in csv.reader(handle) if cells)
@@ -138,7 +137,7 @@ def _first_long_row(path: Path, columns: int) -> tuple[int, int]:
                 if len(cells) > columns:
                     return row, len(cells)
     except (csv.Error, OSError):
-        pass  # the file was parsed once already: the row is only to point the user at it
+        pass  # a cell beyond the csv module's size limit: the row is only to point the user at it
     return 2, columns + 1
 
 
