@@ -254,7 +254,7 @@ def _bad_tables(root: Path) -> dict[str, tuple[Path, list[str], str]]:
                 frame.to_csv(folder / site / f"{split}.csv", index=False)
         cases[name] = (folder, list(overrides), WORDS[name])
 
-    WORDS = {"text column": "'f3' holds text", "no label column": "no label column 'label'",
+    WORDS = {"text column": "'f3' holds 'high' in row 6 of the file", "no label column": "no label column 'label'",
              "missing values": "'f5' has 2 missing values", "missing labels": "'label' has 1 missing value",
              "infinite value": "'f0' holds 1 infinite", "other columns": "not those of",
              "names and indices": "give every client's labels the same way", "label elsewhere": "no label column",

@@ -92,6 +92,8 @@ from fedhpro.data.spec import DatasetSpec, half_range_image
 from fedhpro.data.tables import (
     Rows,
     SiteRows,
+    close_name,
+    close_path,
     frame_rows,
     is_table,
     label_names,
@@ -106,6 +108,8 @@ from fedhpro.options import option
 #: ``<prefix>-<digits>`` or ``<prefix>_<digits>``: the prefix is the client's domain
 _NUMBERED = re.compile(r"^(?P<prefix>.+)[-_]\d+$")
 TENSOR_SUFFIXES = (".pt", ".npz", ".csv")
+#: ``data.untrained_classes``: a class with test samples but no training sample at any client is refused, or kept
+UNTRAINED_CHOICES = ("refuse", "keep")
 
 
 @dataclass
@@ -149,6 +153,10 @@ class ClientsOptions:
                                            "test.csv): the column naming each row's site")
     split_column: str = option("split", help="data_dir=one .csv file of several sites: the column saying train or "
                                              "test for each row")
+    untrained_classes: str = option("refuse", choices=UNTRAINED_CHOICES,
+                                    help="a class with test samples but no training sample at any client, which the "
+                                         "model never learns: refuse (the run stops, naming it) or keep (its test "
+                                         "samples are tested, and count as errors; a note names it)")
 
 
 @dataclass
@@ -182,8 +190,9 @@ def scan_client(folder: str | Path, options: ClientsOptions) -> ClientInfo:
     """What client folder ``folder`` holds (its kind, classes, sizes, shape); decodes no image."""
     folder = Path(folder).expanduser()
     if not folder.is_dir():
-        raise DataError(f"client folder {folder} does not exist; give the folder that holds the client's "
-                        "train/ images or train.pt/train.npz")
+        what = "is a file, not a folder" if folder.exists() else "no such folder"
+        raise DataError(f"client folder {folder}: {what}; give the folder that holds the client's train/ images or "
+                        f"train.pt/train.npz/train.csv{_did_you_mean_path(folder)}")
     kind = _kind(folder)
     declared = _declared_classes(folder)
     if kind == "images":
@@ -285,8 +294,8 @@ def resolve_classes(infos: Sequence[ClientInfo], options: ClientsOptions) -> lis
         for info in infos:
             unknown = sorted(set(info.class_names or []) - set(names))
             if unknown:
-                raise DataError(f"client {info.name} has class folders {unknown} that {source} does not list; add "
-                                "them to it or rename the folders")
+                raise DataError(f"client {info.name} has class folders {unknown} that {source} does not list"
+                                f"{_did_you_mean(unknown, names)}; add them to it or rename the folders")
         if options.num_classes is not None and options.num_classes != len(names):
             raise ConfigError(f"data.num_classes={options.num_classes} but the image clients have {len(names)} "
                               f"classes ({', '.join(names)}); leave data.num_classes unset or list the classes in "
@@ -328,8 +337,8 @@ def _named_labels(infos: Sequence[ClientInfo], named: Sequence[ClientInfo], name
     for info in named:
         unknown = sorted(set(info.class_names or []) - set(names))
         if unknown:
-            raise DataError(f"client {info.name} has labels {unknown[:10]} that {source} does not list; add them to "
-                            "it or fix the labels")
+            raise DataError(f"client {info.name} has labels {unknown[:10]} that {source} does not list"
+                            f"{_did_you_mean(unknown, names)}; add them to it or fix the labels")
     if options.num_classes is not None and options.num_classes != len(names):
         raise ConfigError(f"data.num_classes={options.num_classes} but the clients' labels name {len(names)} "
                           f"classes ({', '.join(names[:20])}); leave data.num_classes unset or list the classes in "
@@ -411,7 +420,10 @@ def client_folders(data_dir: str | Path | None) -> list[Path]:
         raise ConfigError("dataset=clients needs data_dir=PATH, the folder with one subfolder per client")
     root = Path(data_dir).expanduser()
     if not root.is_dir():
-        raise DataError(f"data_dir={data_dir}: no such folder; give the folder with one subfolder per client")
+        wanted = ("a .csv file (one table of several sites)" if root.suffix.lower() == ".csv" else
+                  "a folder with one subfolder per client, or a .csv file of several sites")
+        what = f"is a file, not {wanted}" if root.exists() else f"no such file or folder; give {wanted}"
+        raise DataError(f"data_dir={data_dir}: {what}{_did_you_mean_path(root)}")
     folders = [f for f in subfolders(root) if f.name != CACHE_FOLDER]
     if not folders:
         raise DataError(f"{root} has no client folders; put each client's data in its own subfolder "
@@ -450,6 +462,8 @@ def build(options: ClientsOptions, clients: int | None, seed: int, data_dir: Any
                   else _load_tensors(folder, info, classes, options))
         train.append(loaded[0])
         tests.append(loaded[1])
+    untrained = untrained_classes(classes, train, tests, [_test_source(folder, info) for folder, info in
+                                                          zip(folders, infos)], infos[0], options)
     converted = _features_as_floats(folders, infos, train, tests)
     columns = _csv_columns(folders, infos, options)
     notes = [f"clients: {len(infos)} client folders of {data_dir} ({infos[0].kind}), {len(classes)} classes"]
@@ -457,7 +471,7 @@ def build(options: ClientsOptions, clients: int | None, seed: int, data_dir: Any
         notes.append(f"clients: the integer x of {', '.join(converted)} converted to float32 (exactly), as the other "
                      "clients hold float features")
     return _federation(infos, classes, train, tests, options, str(Path(data_dir).expanduser()), notes,
-                       _class_folder_notes(folders, infos, classes, tests), columns)
+                       _class_folder_notes(folders, infos, classes, tests) + untrained, columns)
 
 
 def sites_federation(sites: Sequence[SiteRows], options: ClientsOptions, clients: int | None,
@@ -496,9 +510,11 @@ def sites_federation(sites: Sequence[SiteRows], options: ClientsOptions, clients
         train.append(pairs[0])
         empty = (torch.empty((0, len(columns))), torch.empty(0, dtype=torch.int64))
         tests.append(pairs[1] if len(pairs) > 1 else empty)
+    untrained = untrained_classes(classes, train, tests, [f"site {site.name} of {source}" for site in sites],
+                                  infos[0], options)
     notes = [f"clients: {len(sites)} sites of {source} (tensors), {len(classes)} classes"]
     found = _statistics(infos, train) if statistics and options.standardize == "client" else None
-    federation = _federation(infos, classes, train, tests, options, source, notes, [], columns)
+    federation = _federation(infos, classes, train, tests, options, source, notes, untrained, columns)
     if found is not None:
         federation.partition["statistics"] = found
     return federation
@@ -550,6 +566,53 @@ def _federation(infos: Sequence[ClientInfo], classes: Sequence[str], train: list
                                    names=[i.name for i in infos], name="clients", partition=record, notes=notes)
 
 
+def untrained_classes(classes: Sequence[str], train: Sequence[tuple[Tensor, Tensor]],
+                      tests: Sequence[tuple[Tensor, Tensor]], sources: Sequence[str], first: ClientInfo,
+                      options: ClientsOptions) -> list[str]:
+    """The classes with test samples but no training sample at any client: the model never learns them, so
+    their test samples can only count as errors. Refused in one DataError line naming each (its test samples,
+    where) and the fix, unless ``data.untrained_classes=keep``: then a note naming them (a list of one note,
+    else empty). ``sources[k]`` names where client k's test samples are; ``first`` tells the kind of data."""
+    trained = {int(label) for _, y in train for label in torch.unique(y).tolist()}
+    found: dict[int, list[tuple[str, int]]] = {}
+    for (_, y), source in zip(tests, sources):
+        labels, counts = torch.unique(y, return_counts=True)
+        for label, count in zip(labels.tolist(), counts.tolist()):
+            if int(label) not in trained:
+                found.setdefault(int(label), []).append((source, int(count)))
+    if not found:
+        return []
+    unit, one = ("images", "image") if first.kind == "images" else ("rows", "row")
+    named = first.kind == "images" or first.class_names is not None
+
+    def described(label: int) -> str:
+        places = found[label]
+        shown = ", ".join(f"{count} at {source}" for source, count in places[:5]) + (", ..." if len(places) > 5
+                                                                                     else "")
+        name = repr(str(classes[label])) if named else str(label)
+        return f"{name} ({sum(count for _, count in places)} test {unit}: {shown})"
+
+    listed = "; ".join(described(label) for label in sorted(found)[:10]) + ("; ..." if len(found) > 10 else "")
+    what = f"class{'es' if len(found) > 1 else ''} {listed}"
+    if options.untrained_classes == "keep":
+        return [f"clients: {what} with test {unit} but no training {one} at any site, never learned: their test "
+                f"{unit} count as errors (data.untrained_classes=keep)"]
+    several = len(found) > 1
+    raise DataError(f"{what} {'have' if several else 'has'} test {unit} but no training {one} at any site: the model "
+                    f"never learns {'them' if several else 'it'}, so those {unit} can only count as errors; give some "
+                    f"site training {unit} of {'each' if several else 'it'}, drop {'their' if several else 'its'} "
+                    f"test {unit}, or set data.untrained_classes=keep to test on them anyway")
+
+
+def _test_source(folder: Path, info: ClientInfo) -> str:
+    """Where a client folder's test samples are: its test file, or its test image folder."""
+    if info.kind == "images":
+        test = split_folders(folder)
+        return f"client {info.name} ({test.get('test', test.get('val', folder / 'test'))})"
+    files = _tensor_files(folder)
+    return f"client {info.name} ({files.get('test', folder / 'test')})"
+
+
 def _csv_columns(folders: Sequence[Path], infos: Sequence[ClientInfo], options: ClientsOptions) -> list[str] | None:
     """The feature columns every CSV client file holds (the same in each, else one DataError line), or None
     where the clients hold no CSV."""
@@ -588,6 +651,18 @@ def _features_as_floats(folders: Sequence[Path], infos: Sequence[ClientInfo], tr
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _did_you_mean_path(path: Path) -> str:
+    """``; did you mean SIBLING?`` for a sibling of ``path`` whose name is close, else nothing."""
+    close = close_path(path)
+    return f"; did you mean {close}?" if close is not None else ""
+
+
+def _did_you_mean(names: Sequence[str], known: Sequence[str]) -> str:
+    """`` (did you mean 'Dear'?)`` where the first of ``names`` is close to one of ``known``, else nothing."""
+    close = close_name(names[0], known) if names else None
+    return f" (did you mean {close!r}?)" if close is not None else ""
 
 
 def _read_text(path: Path) -> str:
@@ -1014,8 +1089,9 @@ def _load_images(folder: Path, info: ClientInfo, options: ClientsOptions,
     index = {name: label for label, name in enumerate(classes)}
     unknown = sorted(set(info.class_names or []) - set(index))
     if unknown:
-        raise DataError(f"client {folder} has class folders {unknown} outside the federation's classes; add them "
-                        "to data.classes / classes.txt or rename the folders")
+        raise DataError(f"client {folder} has class folders {unknown} outside the federation's classes"
+                        f"{_did_you_mean(unknown, classes)}; add them to data.classes / classes.txt or rename the "
+                        "folders")
     size = int(options.image_size)
     cache = folder.parent / CACHE_FOLDER if options.cache else None
     splits = _image_splits(folder)
@@ -1062,7 +1138,8 @@ def class_indices(labels: Tensor | np.ndarray, classes: Sequence[str], where: st
         if bool((codes < 0).any()):
             unknown = label_names(labels[codes < 0])
             raise DataError(f"{where}: labels {unknown[:10]} are not among the federation's classes "
-                            f"({', '.join(map(str, classes[:20]))}); fix the labels or list them in data.classes")
+                            f"({', '.join(map(str, classes[:20]))}){_did_you_mean(unknown, classes)}; fix the labels "
+                            "or list them in data.classes")
         return torch.from_numpy(codes)
     if labels.numel() and int(labels.max()) >= len(classes):
         raise DataError(f"{where}: label {int(labels.max())} is out of range for {len(classes)} classes; fix "
@@ -1117,7 +1194,7 @@ DATASET = DatasetSpec(
 )
 
 __all__ = ["CLIENT", "ClientInfo", "ClientsOptions", "DATASET", "FederationScaling", "STANDARDIZE_CHOICES",
-           "apply_statistics", "build", "federation_scaling", "given_scaling", "site_feature_sums",
-           "skewed_scaling_warning",
-           "client_domain", "client_folders", "client_notes", "feature_statistics", "folded", "load_client",
-           "resolve_classes", "scan_client", "standardization_statistics", "standardized"]
+           "UNTRAINED_CHOICES", "apply_statistics", "build", "client_domain", "client_folders", "client_notes",
+           "feature_statistics", "federation_scaling", "folded", "given_scaling", "load_client", "resolve_classes",
+           "scan_client", "site_feature_sums", "skewed_scaling_warning", "standardization_statistics", "standardized",
+           "untrained_classes"]

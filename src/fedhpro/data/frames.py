@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fedhpro.data.clients import STANDARDIZE_CHOICES, ClientsOptions, sites_federation
+from fedhpro.data.clients import STANDARDIZE_CHOICES, UNTRAINED_CHOICES, ClientsOptions, sites_federation
 from fedhpro.data.federation import Federation
 from fedhpro.data.tables import frames_sites
 from fedhpro.errors import ConfigError
@@ -15,7 +15,8 @@ from fedhpro.errors import ConfigError
 
 def from_dataframes(data: Any, test: Any = None, *, label: str = "label", site: str = "site",
                     split: str | None = "split", classes: Sequence[str] | None = None,
-                    standardize: str = "federated", max_classes: int = 100_000) -> Federation:
+                    standardize: str = "federated", max_classes: int = 100_000,
+                    untrained_classes: str = "refuse") -> Federation:
     """The federation of sites given as DataFrames.
 
     ``data`` is either a mapping site name -> DataFrame, or -> ``(train, test)`` DataFrames (``test`` None:
@@ -27,15 +28,20 @@ def from_dataframes(data: Any, test: Any = None, *, label: str = "label", site: 
     one mean and std per feature, those of all sites' training rows pooled; ``auto`` is the same), ``client``
     (each site's by its own training mean and std) or ``none``; the statistics travel in
     ``federation.partition`` (``scaling``, or ``statistics`` per site) and a run writes them to its folder's
-    standardize.json, so that ``fedhpro predict`` scales raw rows as a CSV run's do. Bad data is one
-    :class:`~fedhpro.errors.DataError` line naming the site and column."""
+    standardize.json, so that ``fedhpro predict`` scales raw rows as a CSV run's do. ``untrained_classes``:
+    ``refuse`` a class with test rows but no training row at any site, or ``keep`` it (a note names it), as
+    ``data.untrained_classes``. Bad data is one :class:`~fedhpro.errors.DataError` line naming the site,
+    column, row (by index label) and value."""
     if standardize not in STANDARDIZE_CHOICES:
         raise ConfigError(f"standardize={standardize!r}; give one of {', '.join(STANDARDIZE_CHOICES)}")
+    if untrained_classes not in UNTRAINED_CHOICES:
+        raise ConfigError(f"untrained_classes={untrained_classes!r}; give one of {', '.join(UNTRAINED_CHOICES)}")
     options = ClientsOptions(classes=None if classes is None else [str(c) for c in classes],
                              max_classes=int(max_classes),
                              # the data are all here: "auto" has nothing to hide from (no privacy= is known yet)
                              standardize="federated" if standardize == "auto" else standardize, label_column=label,
-                             site_column=site, split_column=split or "split")
+                             site_column=site, split_column=split or "split",
+                             untrained_classes=untrained_classes)
     split_column = None if isinstance(data, Mapping) else split
     sites = frames_sites(data, test, label, site, split_column)
     return sites_federation(sites, options, None, "python:DataFrame", statistics=True)

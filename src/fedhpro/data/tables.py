@@ -4,10 +4,14 @@ and labels.
 A table's **label column** is ``data.label_column`` (default ``label``); every other column is a feature,
 except the site and split columns of a table that holds several sites (``data.site_column``, default
 ``site``; ``data.split_column``, default ``split``). Features must be numbers (integers, floats or
-booleans; they become float32, as float features of a ``.npz`` do); a column of text is refused in one
-line naming it, and so is a missing (NaN, an empty cell, ``NA``) or infinite value, with the column and
-the number of rows. Labels are integers (class indices, as ``y`` of a ``.npz``) or names (text such as
-``benign``), which :mod:`fedhpro.data.clients` maps to classes.
+booleans; they become float32, as float features of a ``.npz`` do); a cell that is not a number is
+refused in one line naming the column, the cell's row and its value, and so is a missing (NaN, an empty
+cell, ``NA``) or infinite value. Labels are integers (class indices, as ``y`` of a ``.npz``) or names (text
+such as ``benign``), which :mod:`fedhpro.data.clients` maps to classes.
+
+A message names a CSV file's row as a spreadsheet shows the file: the header is row 1, the first data row
+row 2 (blank lines, which the reader skips, are not counted); a DataFrame's row by its index label. Rows
+are those of the whole file or DataFrame, never of one site's slice.
 
 What a file can make fedhpro allocate is bounded as a ``.npz``'s is (:mod:`fedhpro.arrays`): the file's
 bytes, and its rows times columns as float32, may not exceed ``FEDHPRO_MAX_ARRAY_BYTES`` (1 GiB); the
@@ -17,9 +21,12 @@ file with more rows than the bound is refused before any row is held; only a fil
 
 from __future__ import annotations
 
+import csv
+import difflib
+import itertools
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +50,12 @@ COUNT_CHUNK_ROWS = 1 << 14
 EXACT_FLOATS: dict[str, Any] = {"float_precision": "round_trip"} if int(pd.__version__.split(".")[0]) < 3 else {}
 #: the split column's values: which rows train and which test (compared case-folded)
 SPLIT_VALUES = {"train": "train", "training": "train", "test": "test", "testing": "test"}
+#: how a message names a CSV file's rows: the header is row 1, so a frame's row k (0-based) is row k + 2
+HEADER_ROWS = 2
+#: the share of a column's cells that must be text for a message to advise encoding it as categories
+MOSTLY_TEXT = 0.5
+#: the most entries of a folder looked at for a name close to one that is not there
+MAX_SIBLINGS = 10_000
 
 
 @dataclass
@@ -104,7 +117,28 @@ def read_csv(path: str | os.PathLike) -> pd.DataFrame:
         raise DataError(f"{path} has more than {max_rows:,} rows of {columns} columns, over fedhpro's limit of "
                         f"{limit:,} bytes of float32 values for one data file; split the rows over several sites or "
                         f"set {MAX_ARRAY_BYTES_VARIABLE}=BYTES")
+    if not (isinstance(frame.index, pd.RangeIndex) and frame.index.start == 0 and frame.index.step == 1):
+        # pandas takes the extra first cells of rows longer than the header as the index: every value would sit
+        # one column to the right of its name
+        row, cells = _first_long_row(path, len(frame.columns))
+        raise DataError(f"{path}: row {row} holds {cells} cells but the header (row 1) names {len(frame.columns)} "
+                        "columns, so the values would shift under the names; remove the extra cells (often a "
+                        "trailing comma) or name every column in the header")
     return frame
+
+
+def _first_long_row(path: Path, columns: int) -> tuple[int, int]:
+    """``(row, cells)`` of the first row of the CSV ``path`` with more than ``columns`` cells (the header is row
+    1, blank lines are not counted); ``(2, columns + 1)`` if none is found among the first rows read."""
+    try:
+        with path.open(newline="", encoding="utf-8", errors="replace") as handle:
+            records = (cells for cells in csv.reader(handle) if cells)
+            for row, cells in enumerate(itertools.islice(records, 1, COUNT_CHUNK_ROWS), start=2):
+                if len(cells) > columns:
+                    return row, len(cells)
+    except (csv.Error, OSError):
+        pass  # a cell beyond the csv module's size limit: the row is only to point the user at it
+    return 2, columns + 1
 
 
 def _more_rows_than(path: Path, max_rows: int) -> bool:
@@ -169,51 +203,183 @@ def check_frame(frame: Any, where: str) -> pd.DataFrame:
     return frame
 
 
-def frame_rows(frame: pd.DataFrame, where: str, label_column: str, skip: Sequence[str] = ()) -> Rows:
+def frame_rows(frame: pd.DataFrame, where: str, label_column: str, skip: Sequence[str] = (),
+               file_rows: bool = True) -> Rows:
     """The rows of ``frame``: its ``label_column`` as labels, every other column but ``skip`` as float32
     features, each checked (numbers only, no missing or infinite value): one DataError line naming the
-    column otherwise."""
+    column, the row and the value otherwise. ``file_rows``: ``frame`` (or the slice it is of) was read from
+    a CSV file, whose rows messages number as a spreadsheet does; else rows are named by index label."""
     frame = check_frame(frame, where)
     names = [str(c) for c in frame.columns]
     if label_column not in names:
         shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
-        raise DataError(f"{where} has no label column {label_column!r} (its columns: {shown}); name the label "
-                        "column with data.label_column=NAME")
+        close = close_name(label_column, names)
+        fix = (f"did you mean data.label_column={close}?" if close else
+               "name the label column with data.label_column=NAME")
+        raise DataError(f"{where} has no label column {label_column!r} (its columns: {shown}); {fix}")
     features = [c for c in names if c != label_column and c not in skip]
     if not features:
         raise DataError(f"{where} has no feature column besides {label_column!r}; give at least one column of "
                         "numbers")
     frame = frame.set_axis(names, axis=1)
-    x = feature_matrix(frame, features, where)
-    return Rows(x, _label_values(frame[label_column], label_column, where, frame),
-                features, where)
+    x = feature_matrix(frame, features, where, file_rows)
+    return Rows(x, _label_values(frame[label_column], label_column, where, file_rows), features, where)
 
 
-def feature_matrix(frame: pd.DataFrame, features: Sequence[str], where: str) -> np.ndarray:
+def feature_matrix(frame: pd.DataFrame, features: Sequence[str], where: str, file_rows: bool = True) -> np.ndarray:
     """The ``features`` columns of ``frame`` (its column names as text) as float32 ``N x F``; one DataError line
-    naming a column of text, a missing value or a number beyond float32."""
+    naming the column, the row (``file_rows``: of a CSV file, header = row 1; else the index label) and the
+    value of a cell that is not a number, is missing or is beyond float32. A column of text whose cells all
+    hold numbers (a CSV column is text for the whole file when one site has a word in it) is read as numbers."""
     if not len(frame):  # a header without rows: pandas cannot tell the columns' types
         return np.empty((0, len(features)), dtype=np.float32)
+    read = {}
     for name in features:
         column = frame[name]
         if not (pd.api.types.is_numeric_dtype(column) or pd.api.types.is_bool_dtype(column)):
-            text = column[~column.map(_is_number)]
-            first = f" ({text.iloc[0]!r} in data row {_row(frame, text.index[0])})" if len(text) else ""
-            raise DataError(f"{where}: column {name!r} holds text{first}, not numbers; feature columns must be "
-                            "numbers: map it to numbers (e.g. pandas.get_dummies) or drop it")
-        _refuse_missing(column, name, where, frame)
+            column = read[name] = _numbers(column, name, where, file_rows)
+        _refuse_missing(column, name, where, file_rows)
+    if read:
+        frame = _replaced(frame, read)
     x = frame[list(features)].to_numpy(dtype=np.float64)
     if not bool(np.isfinite(x).all()):
         bad = ~np.isfinite(x)
         index = int(bad.any(axis=0).argmax())
-        raise DataError(f"{where}: column {features[index]!r} holds {int(bad[:, index].sum())} infinite values; "
-                        "clean the data")
+        position = int(bad[:, index].argmax())
+        count = int(bad[:, index].sum())
+        plural = "s" if count != 1 else ""
+        raise DataError(f"{where}: column {features[index]!r} holds {count} infinite value{plural} "
+                        f"({x[position, index]} {_place(frame.index[position], file_rows)}); replace "
+                        f"{'it' if count == 1 else 'them'} with finite numbers or drop the row{plural}")
     with np.errstate(over="ignore"):
         x32 = x.astype(np.float32)
     if not bool(np.isfinite(x32).all()):
-        column = features[int((~np.isfinite(x32)).any(axis=0).argmax())]
-        raise DataError(f"{where}: column {column!r} holds values beyond float32's range; rescale the column")
+        bad = ~np.isfinite(x32)
+        index = int(bad.any(axis=0).argmax())
+        position = int(bad[:, index].argmax())
+        raise DataError(f"{where}: column {features[index]!r} holds {x[position, index]:g} "
+                        f"{_place(frame.index[position], file_rows)}, beyond float32's range (about 3.4e+38); "
+                        "rescale the column")
     return np.ascontiguousarray(x32)
+
+
+def _replaced(frame: pd.DataFrame, columns: Mapping[str, pd.Series]) -> pd.DataFrame:
+    """A copy of ``frame`` with ``columns`` replaced."""
+    frame = frame.copy()
+    for name, column in columns.items():
+        frame[name] = column
+    return frame
+
+
+def _numbers(column: pd.Series, name: str, where: str, file_rows: bool) -> pd.Series:
+    """A column of text (or of mixed objects) as float64, its missing cells NaN; one DataError line where a cell
+    is not a number, naming it (row, value), with advice that fits: one to correct, or a column of categories."""
+    present = ~column.map(_missing).astype(bool)
+    values = column.map(lambda value: math.nan if _missing(value) else _number(value))
+    bad = present & values.isna()
+    if not bool(bad.any()):
+        return values.astype(np.float64)
+    cells = column[bad]
+    count = len(cells)
+    shown = ", ".join(f"{_text(value)} {_place(index, file_rows, convention=False)}"
+                      for index, value in cells.iloc[:3].items())
+    listed = shown + (f" and {count - 3} more" if count > 3 else "") + _convention(file_rows, nested=True)
+    cells_given = int(present.sum())
+    if count > MOSTLY_TEXT * cells_given:
+        raise DataError(f"{where}: column {name!r} holds text ({count} of its {cells_given} cells are not numbers: "
+                        f"{listed}); a feature column holds numbers: encode it as numbers (e.g. pandas.get_dummies "
+                        "for categories) or drop the column")
+    if count == 1:
+        raise DataError(f"{where}: column {name!r} holds {_text(cells.iloc[0])} "
+                        f"{_place(cells.index[0], file_rows)}, which is not a number; a feature column holds numbers "
+                        "only: correct the cell, or drop its row")
+    raise DataError(f"{where}: column {name!r} has {count} cells that are not numbers ({listed}); a feature column "
+                    "holds numbers only: correct those cells, or drop their rows")
+
+
+def _missing(value: Any) -> bool:
+    return value is None or value is pd.NA or value is pd.NaT or (isinstance(value, (float, np.floating))
+                                                                  and math.isnan(value))
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float if it is a number or text that reads as one (as pandas reads a CSV cell), else None."""
+    if isinstance(value, (bool, np.bool_, complex, np.complexfloating)):
+        return None
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond float64: infinite, refused as such
+            return math.inf if value > 0 else -math.inf
+    if isinstance(value, str) and "_" not in value:  # float() reads '1_000'; pandas does not
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _text(value: Any) -> str:
+    """A cell's value as a message shows it: its repr, cut at 60 characters."""
+    shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
+def _place(index: Any, file_rows: bool, convention: bool = True) -> str:
+    """Where the row labelled ``index`` is: ``in row 8 of the file (the header is row 1)`` for a CSV file's
+    frame (its index counts the data rows from 0), else ``at index 'h6'`` (a DataFrame's index label)."""
+    if file_rows and isinstance(index, (int, np.integer)):
+        return f"in row {int(index) + HEADER_ROWS}" + (_convention(file_rows) if convention else "")
+    return f"at index {_label(index)!r}"
+
+
+def _convention(file_rows: bool, nested: bool = False) -> str:
+    """How rows are counted, for a message's row numbers (``nested``: said inside parentheses)."""
+    if not file_rows:
+        return ""
+    return " of the file; the header is row 1" if nested else " of the file (the header is row 1)"
+
+
+def _label(index: Any) -> Any:
+    """An index label as a message shows it: a NumPy scalar as the Python value (7, not np.int64(7))."""
+    return index.item() if isinstance(index, np.generic) else index
+
+
+def _rows(indices: Sequence[Any], count: int, file_rows: bool) -> str:
+    """The rows labelled ``indices`` (the first few of ``count``), named as :func:`_place` names one."""
+    more = ", ..." if count > len(indices) else ""
+    if file_rows and all(isinstance(i, (int, np.integer)) for i in indices):
+        numbers = ", ".join(str(int(i) + HEADER_ROWS) for i in indices)
+        return f"row{'s' if count > 1 else ''} {numbers}{more}{_convention(file_rows, nested=True)}"
+    return f"index label{'s' if count > 1 else ''} {', '.join(repr(_label(i)) for i in indices)}{more}"
+
+
+def close_name(name: str, candidates: Iterable[str]) -> str | None:
+    """The one of ``candidates`` closest to ``name``, compared case-folded (:func:`difflib.get_close_matches`,
+    its default cutoff), or None: what a "did you mean" offers."""
+    folded: dict[str, str] = {}
+    for candidate in candidates:
+        folded.setdefault(str(candidate).casefold(), str(candidate))
+    found = difflib.get_close_matches(str(name).casefold(), list(folded), n=1)
+    return folded[found[0]] if found else None
+
+
+def close_path(path: Path) -> Path | None:
+    """A sibling of the missing ``path`` whose name is close to its name (:func:`close_name` of the names
+    without their suffixes), or None; looks at the first :data:`MAX_SIBLINGS` entries of its folder."""
+    parent = path.parent
+    if not parent.is_dir():
+        return None
+    try:
+        names = [entry.name for entry in itertools.islice(parent.iterdir(), MAX_SIBLINGS)
+                 if not entry.name.startswith(".")]
+    except OSError:
+        return None
+    stems: dict[str, str] = {}
+    for name in names:  # stems compared: a shared suffix (.csv) alone makes two names close
+        stems.setdefault(Path(name).stem, name)
+    close = close_name(path.stem, stems)
+    return parent / stems[close] if close else None
 
 
 def label_names(labels: np.ndarray) -> list[str]:
@@ -226,49 +392,52 @@ def name_codes(labels: np.ndarray, classes: Sequence[str]) -> np.ndarray:
     return np.asarray(pd.Categorical(labels, categories=list(classes)).codes, dtype=np.int64)
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
-
-
-def _row(frame: pd.DataFrame, index: Any) -> int:
-    """The 1-based position of the row labelled ``index`` among the data rows (the header not counted)."""
-    return int(frame.index.get_loc(index)) + 1 if frame.index.is_unique else 0
-
-
-def _refuse_missing(column: pd.Series, name: str, where: str, frame: pd.DataFrame) -> None:
+def _refuse_missing(column: pd.Series, name: str, where: str, file_rows: bool) -> None:
     missing = column.isna()
     if bool(missing.any()):
-        rows = [_row(frame, i) for i in column.index[missing][:3]]
         count = int(missing.sum())
-        shown = ", ".join(map(str, rows)) + (", ..." if count > 3 else "")
-        raise DataError(f"{where}: column {name!r} has {count} missing value{'s' if count != 1 else ''} (data rows "
-                        f"{shown}); fill them (e.g. DataFrame.fillna) or drop those rows")
+        rows = _rows(list(column.index[missing][:3]), count, file_rows)
+        raise DataError(f"{where}: column {name!r} has {count} missing value{'s' if count != 1 else ''} ({rows}); "
+                        "fill them (e.g. DataFrame.fillna) or drop those rows")
 
 
-def _label_values(column: pd.Series, name: str, where: str, frame: pd.DataFrame) -> np.ndarray:
+def _label_values(column: pd.Series, name: str, where: str, file_rows: bool) -> np.ndarray:
     """The labels: int64 class indices (a column of whole numbers) or an object array of names (text)."""
-    _refuse_missing(column, name, where, frame)
+    _refuse_missing(column, name, where, file_rows)
     if not len(column):  # no rows: no label to tell names from indices
         return np.empty(0, dtype=np.int64)
     if pd.api.types.is_bool_dtype(column):
         return column.to_numpy(dtype=np.int64, copy=True)
     if pd.api.types.is_integer_dtype(column):
-        return column.to_numpy(dtype=np.int64, copy=True)
+        return _class_indices(column.to_numpy(dtype=np.int64, copy=True), column, name, where, file_rows)
     if pd.api.types.is_float_dtype(column):
         values = column.to_numpy(dtype=np.float64)
-        if not bool(np.all(np.isfinite(values) & (values == np.round(values)))):
-            raise DataError(f"{where}: label column {name!r} holds numbers that are not whole; labels are class "
+        whole = np.isfinite(values) & (values == np.round(values))
+        if not bool(np.all(whole)):
+            position = int((~whole).argmax())
+            raise DataError(f"{where}: label column {name!r} holds {values[position]:g} "
+                            f"{_place(column.index[position], file_rows)}, not a whole number; labels are class "
                             "indices 0..C-1 or class names")
         if values.size and float(np.abs(values).max()) > 2.0 ** 53:
             raise DataError(f"{where}: label column {name!r} holds labels beyond 2**53; labels are class indices "
                             "0..C-1 or class names")
-        return values.astype(np.int64)
+        return _class_indices(values.astype(np.int64), column, name, where, file_rows)
     names = column.astype(str).str.strip().to_numpy(dtype=object)
-    empty = [_row(frame, i) for i in column.index[names == ""][:3]]
-    if empty:
-        raise DataError(f"{where}: label column {name!r} has empty labels (data rows {', '.join(map(str, empty))}); "
-                        "give every row its class")
+    empty = names == ""
+    if bool(empty.any()):
+        rows = _rows(list(column.index[empty][:3]), int(empty.sum()), file_rows)
+        raise DataError(f"{where}: label column {name!r} has empty labels ({rows}); give every row its class")
     return names
+
+
+def _class_indices(values: np.ndarray, column: pd.Series, name: str, where: str, file_rows: bool) -> np.ndarray:
+    """Integer labels, the first negative one refused naming its row."""
+    if values.size and int(values.min()) < 0:
+        position = int((values < 0).argmax())
+        raise DataError(f"{where}: label column {name!r} holds {int(values[position])} "
+                        f"{_place(column.index[position], file_rows)}; labels are class indices 0..C-1 or class "
+                        "names")
+    return values
 
 
 # --------------------------------------------------------------------------- one table, several sites
@@ -298,19 +467,24 @@ def table_sites(data_dir: str | os.PathLike, label_column: str, site_column: str
 
 
 def split_sites(train: pd.DataFrame, test: pd.DataFrame | None, where: str, label_column: str, site_column: str,
-                split_column: str | None, test_where: str = "the test table") -> list[SiteRows]:
+                split_column: str | None, test_where: str = "the test table", file_rows: bool = True) -> list[SiteRows]:
     """One :class:`SiteRows` per value of ``site_column``, sorted by name (as client folders are): the rows
-    of ``train`` (split by ``split_column`` when given) and of ``test``."""
+    of ``train`` (split by ``split_column`` when given) and of ``test``. ``file_rows``: the tables were read
+    from CSV files (messages number their rows as a spreadsheet does; else by index label)."""
     train = check_frame(train, where)
+    tables = [(train, where)] + ([] if test is None else [(check_frame(test, test_where), test_where)])
+    for table, source in tables:  # the whole table lacks the column: said once, not for its first site
+        _require(table, label_column, source, "label", "give each row its class in it")
     frames: dict[str, pd.DataFrame] = {}
     if split_column is not None:
         _require(train, split_column, where, "split",
                  "give each row train or test in it, or give a folder with train.csv and test.csv")
-        _refuse_missing(train[split_column], split_column, where, train)
+        _refuse_missing(train[split_column], split_column, where, file_rows)
         split = train[split_column].map(lambda value: SPLIT_VALUES.get(str(value).strip().casefold()))
         if bool(split.isna().any()):
-            odd = train[split_column][split.isna()].iloc[0]
-            raise DataError(f"{where}: split column {split_column!r} holds {odd!r}; give train or test for each row")
+            odd = train[split_column][split.isna()]
+            raise DataError(f"{where}: split column {split_column!r} holds {_text(odd.iloc[0])} "
+                            f"{_place(odd.index[0], file_rows)}; give train or test for each row")
         frames["train"] = train[split == "train"]
         frames["test"] = train[split == "test"]
         skip = [site_column, split_column]
@@ -323,7 +497,7 @@ def split_sites(train: pd.DataFrame, test: pd.DataFrame | None, where: str, labe
     for part, frame in frames.items():
         source = test_where if part == "test" and split_column is None else where
         _require(frame, site_column, source, "site", "name each row's site in it")
-        _refuse_missing(frame[site_column], site_column, source, frame)
+        _refuse_missing(frame[site_column], site_column, source, file_rows)
         sites = frame[site_column].map(_site_name)
         for name, rows in frame.groupby(sites, sort=False):
             names.setdefault(str(name), {})[part] = rows
@@ -335,8 +509,9 @@ def split_sites(train: pd.DataFrame, test: pd.DataFrame | None, where: str, labe
     for name in sorted(names):
         parts = names[name]
         site_where = f"{where} (site {name})"
-        rows = {part: frame_rows(frame, site_where + ("" if part == "train" else " test rows"), label_column,
-                                 skip) for part, frame in parts.items() if part == "train" or len(frame)}
+        test_site_where = f"{test_where} (site {name})" if split_column is None else f"{site_where} test rows"
+        rows = {part: frame_rows(frame, site_where if part == "train" else test_site_where, label_column, skip,
+                                 file_rows) for part, frame in parts.items() if part == "train" or len(frame)}
         result.append(SiteRows(name, rows["train"], rows.get("test")))
     if not result:
         raise DataError(f"{where} has no rows; give at least one site's training rows")
@@ -354,8 +529,10 @@ def _require(frame: pd.DataFrame, column: str, where: str, what: str, fix: str) 
     names = [str(c) for c in frame.columns]
     if column not in names:
         shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
-        raise DataError(f"{where} has no {what} column {column!r} (its columns: {shown}); {fix} (or name the "
-                        f"column with data.{what}_column=NAME)")
+        close = close_name(column, names)
+        advice = (f"did you mean data.{what}_column={close}?" if close else
+                  f"{fix} (or name the column with data.{what}_column=NAME)")
+        raise DataError(f"{where} has no {what} column {column!r} (its columns: {shown}); {advice}")
 
 
 def frames_sites(data: Any, test: Any, label_column: str, site_column: str,
@@ -373,16 +550,19 @@ def frames_sites(data: Any, test: Any, label_column: str, site_column: str,
             if isinstance(value, tuple) and len(value) != 2:
                 raise DataError(f"{where}: give a DataFrame or a (train, test) pair of DataFrames")
             train_frame, test_frame = value if isinstance(value, tuple) else (value, None)
-            train_rows = frame_rows(train_frame, f"{where} training rows", label_column)
-            test_rows = None if test_frame is None else frame_rows(test_frame, f"{where} test rows", label_column)
+            train_rows = frame_rows(train_frame, f"{where} training rows", label_column, file_rows=False)
+            test_rows = (None if test_frame is None else
+                         frame_rows(test_frame, f"{where} test rows", label_column, file_rows=False))
             sites.append(SiteRows(name, train_rows, test_rows))
         if not sites:
             raise DataError("no sites; give at least one site's DataFrame")
         return sites
     if split_column is not None and test is None and isinstance(data, pd.DataFrame) and split_column in data.columns:
-        return split_sites(data, None, "the DataFrame", label_column, site_column, split_column)
-    return split_sites(data, test, "the DataFrame", label_column, site_column, None, test_where="the test DataFrame")
+        return split_sites(data, None, "the DataFrame", label_column, site_column, split_column, file_rows=False)
+    return split_sites(data, test, "the DataFrame", label_column, site_column, None, test_where="the test DataFrame",
+                       file_rows=False)
 
 
-__all__ = ["MAX_COLUMNS", "Rows", "SiteRows", "check_frame", "feature_matrix", "frame_rows", "frames_sites",
-           "is_table", "label_names", "name_codes", "read_csv", "read_csv_header", "split_sites", "table_sites"]
+__all__ = ["MAX_COLUMNS", "Rows", "SiteRows", "check_frame", "close_name", "close_path", "feature_matrix",
+           "frame_rows", "frames_sites", "is_table", "label_names", "name_codes", "read_csv", "read_csv_header",
+           "split_sites", "table_sites"]
