@@ -82,7 +82,8 @@ def test_simulator_scales_every_site_by_the_pooled_standard_scaler(sites, pooled
 
 def run(sites: list[Path], out: Path, **settings: Any) -> dict[str, Any]:
     result = fedhpro.run({"dataset": "clients", "data_dir": str(sites[0].parent), "model": "mlp",
-                          "method": "fedavg", "rounds": 12, "local_epochs": 3, "feature_dim": 16, "seed": 0,
+                          "method": "fedavg", "rounds": 10, "local_epochs": 2, "feature_dim": 16, "seed": 0,
+                          "batch_size": 16,
                           "progress": False, "device": "cpu", **settings}, out=str(out))
     return result.summary
 
