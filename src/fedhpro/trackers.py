@@ -45,8 +45,9 @@ ARTIFACTS = ("config.yaml", "summary.json", "metrics.jsonl", "model.json", "mode
 #: the artifact path of the MLflow model (``runs:/<run id>/model``)
 MLFLOW_MODEL = "model"
 
-#: MLflow's telemetry (a config fetch at import, then usage records) off: read at ``import mlflow`` (MLflow 3)
-QUIET_MLFLOW = {"MLFLOW_DISABLE_TELEMETRY": "true"}
+#: MLflow's telemetry (a config fetch at import, then usage records) off: read at ``import mlflow`` (MLflow 3);
+#: and its progress bars, which saving the model as an MLflow model would print
+QUIET_MLFLOW = {"MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
 #: W&B's error reports and OpenTelemetry analytics off (its Python recorder and wandb-core's
 #: ``--no-observability``), no code saved, no console lines
 QUIET_WANDB = {"WANDB_ERROR_REPORTING": "false", "WANDB_DISABLE_CODE": "true", "WANDB_SILENT": "true"}

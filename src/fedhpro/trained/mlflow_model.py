@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -109,8 +110,11 @@ def save_mlflow_model(run_folder: str | os.PathLike, path: str | os.PathLike) ->
         # stated, not inferred: MLflow would otherwise load the model in a subprocess to find its imports
         requirements = [f"fedhpro=={__version__}", f"torch=={torch.__version__.split('+')[0]}",
                         f"pandas=={pd.__version__}"]
-        mlflow.pyfunc.save_model(str(path), python_model=RunFolderModel(), artifacts={RUN_ARTIFACT: str(copy)},
-                                 signature=mlflow_signature(folder, info), pip_requirements=requirements)
+        with warnings.catch_warnings():
+            # its advice on type hints and input examples: the signature states the inputs
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"mlflow\.")
+            mlflow.pyfunc.save_model(str(path), python_model=RunFolderModel(), artifacts={RUN_ARTIFACT: str(copy)},
+                                     signature=mlflow_signature(folder, info), pip_requirements=requirements)
     return Path(path)
 
 
