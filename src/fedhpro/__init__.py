@@ -2,8 +2,9 @@
 
 ``fedhpro.run(config)`` runs one federated training and returns its result, the trained model included
 (``RunResult.model``); ``fedhpro.load_model(run_folder)`` rebuilds that model from the run's folder alone and
-``fedhpro.predict(run_folder, paths)`` classifies new images or tensors with it. ``fedhpro.functional``
-holds the paper's equations as pure functions. Your own data, model and
+``fedhpro.predict(run_folder, paths)`` classifies new images, tensors or rows with it
+(``fedhpro.load_estimator(run_folder)``: a scikit-learn-style classifier, a DataFrame's columns by name).
+``fedhpro.functional`` holds the paper's equations as pure functions. Your own data, model and
 method plug in from Python: ``fedhpro.run(..., federation=Federation.from_datasets(...),
 model=lambda: fedhpro.models.split(my_net, head="fc"))`` and
 ``fedhpro.methods.register(name, spec)`` (or a package's ``fedhpro.methods``
@@ -26,6 +27,8 @@ _LAZY = {"Federation": ("fedhpro.data.federation", "Federation"),
          "split": ("fedhpro.models.split", "split"),
          "load_model": ("fedhpro.trained", "load_model"),
          "predict": ("fedhpro.trained", "predict"),
+         "load_estimator": ("fedhpro.trained", "load_estimator"),
+         "TrainedClassifier": ("fedhpro.trained", "TrainedClassifier"),
          "class_accuracy": ("fedhpro.trained", "class_accuracy"),
          "from_dataframes": ("fedhpro.data.frames", "from_dataframes")}
 _SUBMODULES = ("api", "config", "data", "methods", "models", "functional", "metrics", "reports", "engines",
@@ -49,5 +52,6 @@ def run(*args, **kwargs):
     return _run(*args, **kwargs)
 
 
-__all__ = ["run", "load_model", "predict", "class_accuracy", "Federation", "from_dataframes", "register_method",
+__all__ = ["run", "load_model", "load_estimator", "TrainedClassifier", "predict",
+           "class_accuracy", "Federation", "from_dataframes", "register_method",
            "split", "ConfigError", "DataError", "FedHProError", "UpdateError", "__version__"]

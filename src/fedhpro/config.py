@@ -351,7 +351,8 @@ class RunOptions:
                           help="also log the run to an experiment tracker: its config, every round's metrics, the "
                                "privacy ledger and the final files (mlflow: pip install fedhpro[mlflow]; wandb: pip "
                                "install fedhpro[wandb], offline)", tags=("presentation", "resumable"))
-    tracker_uri: str = option("", help="tracker=mlflow: the tracking URI (default a file store in <out>/mlruns); "
+    tracker_uri: str = option("", help="tracker=mlflow: the tracking URI (default a SQLite store <out>/mlflow.db, "
+                                       "artifacts in <out>/mlartifacts); "
                                        "tracker=wandb: online to upload as the run goes (default offline, in "
                                        "<out>/wandb)", tags=("presentation", "resumable"))
     tracker_project: str = option("fedhpro", help="the tracker's experiment (MLflow) or project (W&B)",

@@ -1,7 +1,10 @@
 """Experiment trackers as observers of a run's rounds (``tracker=mlflow|wandb``): the run's config as parameters,
 every number of each ``metrics.jsonl`` row as a metric at step ``round + 1`` (TensorBoard's), the privacy ledger
-(summary.json's ``privacy``) and the final files (summary.json, metrics.jsonl, config.yaml and the model files)
-as artifacts. They only look, so a run gives the same bytes with a tracker or none.
+(summary.json's ``privacy``), the final files (summary.json, metrics.jsonl, config.yaml and the model files)
+and the run's figures (:func:`figures`: ``accuracy.png`` and its ``.svg`` / ``.pdf``, a t-SNE's ``tsne.png``)
+as artifacts; MLflow also gets the trained model as an MLflow model (``model``: ``mlflow.pyfunc.load_model``
+loads it, :mod:`fedhpro.trained.mlflow_model`). They only look, so a run gives the same bytes with a tracker
+or none.
 
 * MLflow (``pip install fedhpro[mlflow]``): ``tracker_uri`` (default a local SQLite store,
   ``<out>/mlflow.db``, with the artifacts in ``<out>/mlartifacts``: offline; MLflow 3 keeps its plain file store
@@ -19,25 +22,32 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
 
+from fedhpro.engines.driver import run_title
 from fedhpro.engines.observers import RoundObserver
 from fedhpro.errors import ConfigError
+from fedhpro.reports.plots import pdf_path, plot_run_accuracy, vector_path
 
 if TYPE_CHECKING:
     from fedhpro.engines.protocol import RoundRecord
 
 #: the values of ``tracker=``
 TRACKERS = ("none", "mlflow", "wandb")
-#: the run's files a tracker keeps as artifacts, where they exist
+#: the run's files a tracker keeps as artifacts, where they exist (and its figures: :func:`figures`)
 ARTIFACTS = ("config.yaml", "summary.json", "metrics.jsonl", "model.json", "model.pt", "model.safetensors",
-             "standardize.json", "accuracy.png", "accuracy.pdf")
+             "standardize.json", "partition.json")
+#: the artifact path of the MLflow model (``runs:/<run id>/model``)
+MLFLOW_MODEL = "model"
 
-#: MLflow's telemetry (a config fetch at import, then usage records) off: read at ``import mlflow`` (MLflow 3)
-QUIET_MLFLOW = {"MLFLOW_DISABLE_TELEMETRY": "true"}
+#: MLflow's telemetry (a config fetch at import, then usage records) off: read at ``import mlflow`` (MLflow 3);
+#: and its progress bars, which saving the model as an MLflow model would print
+QUIET_MLFLOW = {"MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
 #: W&B's error reports and OpenTelemetry analytics off (its Python recorder and wandb-core's
 #: ``--no-observability``), no code saved, no console lines
 QUIET_WANDB = {"WANDB_ERROR_REPORTING": "false", "WANDB_DISABLE_CODE": "true", "WANDB_SILENT": "true"}
@@ -137,7 +147,27 @@ class MlflowTracker(RoundObserver):
         for name in ARTIFACTS:
             if (self.out / name).is_file():
                 self.client.log_artifact(self.run_id, str(self.out / name))
+        with tempfile.TemporaryDirectory(prefix="fedhpro-tracker-") as scratch:
+            for path in figures(self.out, self.config, Path(scratch)):
+                self.client.log_artifact(self.run_id, str(path))
+            self._log_model(Path(scratch) / MLFLOW_MODEL)
         self.client.set_terminated(self.run_id)
+
+    def _log_model(self, scratch: Path) -> None:
+        """The trained model as an MLflow model, artifact ``model``, where the run has one model that rebuilds
+        from its folder (a tag says why not otherwise)."""
+        assert self.run_id is not None
+        if not (self.out / "model.json").is_file():
+            return
+        # imported here: it imports mlflow.pyfunc, which only this tracker needs
+        from fedhpro.trained.mlflow_model import mlflow_model_note, save_mlflow_model
+
+        note = mlflow_model_note(self.out)
+        if note is not None:
+            self.client.set_tag(self.run_id, "fedhpro.model", f"not logged as an MLflow model: {note}")
+            return
+        save_mlflow_model(self.out, scratch)
+        self.client.log_artifacts(self.run_id, str(scratch), MLFLOW_MODEL)
 
 
 class WandbTracker(RoundObserver):
@@ -180,8 +210,43 @@ class WandbTracker(RoundObserver):
         for name in ARTIFACTS:
             if (self.out / name).is_file():
                 artifact.add_file(str(self.out / name))
-        self.run.log_artifact(artifact)
+        with tempfile.TemporaryDirectory(prefix="fedhpro-tracker-") as scratch:
+            for path in figures(self.out, self.config, Path(scratch)):
+                artifact.add_file(str(path))  # copied into W&B's staging area here
+            self.run.log_artifact(artifact)
         self.run.finish()
+
+
+def figures(out: Path, config: Mapping[str, Any], scratch: Path) -> list[Path]:
+    """The run's figures: ``accuracy.png`` (with its ``.svg`` and ``.pdf``) drawn into ``scratch`` from the
+    run's metrics.jsonl and title as the run draws it into its folder (after the observers' end, so after a
+    tracker's: its own copy would be missing, or a resumed run's earlier one), and the other PNG figures the
+    folder holds (a t-SNE's ``tsne.png``)."""
+    found = [path for path in sorted(out.glob("*.png")) if path.name != "accuracy.png"]
+    rows = _rows(out)
+    summary = _summary(out)
+    if any("accuracy" in row for row in rows):
+        options = SimpleNamespace(method=config.get("method", summary.get("method", "")),
+                                  seed=config.get("seed", summary.get("seed", 0)))
+        title = run_title(options, str(summary.get("dataset", config.get("dataset", ""))))
+        drawn = scratch / "accuracy.png"
+        plot_run_accuracy(rows, drawn, title=title)
+        found = [drawn, *(path for path in (vector_path(drawn), pdf_path(drawn)) if path.is_file()), *found]
+    return found
+
+
+def _rows(out: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's rows (an unreadable line skipped: a figure of what can be read)."""
+    path = out / "metrics.jsonl"
+    rows = []
+    for line in (path.read_text(encoding="utf-8").splitlines() if path.is_file() else []):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("round"), int):
+            rows.append(row)
+    return rows
 
 
 def _summary(out: Path) -> dict[str, Any]:
@@ -205,5 +270,5 @@ def tracker_for(options: Any, out: Path, config: Mapping[str, Any], name: str) -
                         str(getattr(options, "tracker_project", "fedhpro") or "fedhpro"), config, name)
 
 
-__all__ = ["ARTIFACTS", "MlflowTracker", "QUIET_MLFLOW", "QUIET_WANDB", "TRACKERS", "WandbTracker", "flat_params",
-           "quiet_environment", "row_metrics", "tracker_for"]
+__all__ = ["ARTIFACTS", "MLFLOW_MODEL", "MlflowTracker", "QUIET_MLFLOW", "QUIET_WANDB", "TRACKERS", "WandbTracker",
+           "figures", "flat_params", "quiet_environment", "row_metrics", "tracker_for"]

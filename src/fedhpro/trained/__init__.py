@@ -12,12 +12,15 @@ One module per job:
 * :mod:`~fedhpro.trained.load`: :func:`load_model`, the module rebuilt from ``config.yaml`` + ``model.json``;
 * :mod:`~fedhpro.trained.inputs`: predict's inputs made as the run made its inputs (:func:`prepare_inputs`);
 * :mod:`~fedhpro.trained.prediction`: :func:`predict`;
+* :mod:`~fedhpro.trained.estimator`: :class:`TrainedClassifier` (:func:`load_estimator`), scikit-learn's
+  ``predict`` / ``predict_proba`` on DataFrames whose columns are matched by name;
 * :mod:`~fedhpro.trained.evaluation`: :func:`class_accuracy`, through the run's own evaluation.
 """
 
 from __future__ import annotations
 
 from fedhpro.trained.checks import read_state, read_statistics
+from fedhpro.trained.estimator import TrainedClassifier, load_estimator
 from fedhpro.trained.evaluation import class_accuracy
 from fedhpro.trained.export import (
     final_models,
@@ -32,6 +35,7 @@ from fedhpro.trained.inputs import prepare_inputs
 from fedhpro.trained.load import load_model
 from fedhpro.trained.prediction import predict
 
-__all__ = ["MODEL_FILE", "MODEL_INFO", "ModelFileError", "PERSONAL_FOLDER", "TrainedModels", "class_accuracy",
-           "client_file", "final_models", "input_description", "load_model", "predict", "prepare_inputs",
+__all__ = ["MODEL_FILE", "MODEL_INFO", "ModelFileError", "PERSONAL_FOLDER", "TrainedClassifier", "TrainedModels",
+           "class_accuracy", "client_file", "final_models", "input_description", "load_estimator", "load_model",
+           "predict", "prepare_inputs",
            "read_state", "read_statistics", "server_models", "simulator_models", "write_models", "write_node_model"]

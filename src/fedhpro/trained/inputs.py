@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import torch
 from PIL import Image
 from torch import Tensor, nn
 
 from fedhpro.arrays import ArrayFileError, load_npz, load_torch
+from fedhpro.bounded import read_json_file
 from fedhpro.data.benchmarks import to_float as preset_float
 from fedhpro.data.clients import apply_statistics
 from fedhpro.data.images import decode_file, open_image, to_float
@@ -24,6 +26,12 @@ from fedhpro.data.tables import feature_matrix, read_csv
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.trained.checks import read_info, read_statistics, shown
 from fedhpro.trained.folder import MODEL_INFO, POOLED, STATISTICS_FILE, ModelFileError
+
+#: the record of the run's data in its folder, which names the feature columns of a run on tables
+PARTITION_FILE = "partition.json"
+#: model.json's ``input.standardize`` of tabular runs whose rows are scaled by standardize.json's statistics
+#: (each site's own, or statistics the sites share), read through :func:`read_statistics`
+SCALED_BY_STATISTICS = ("client", "federated")
 
 
 def prepare_inputs(run_folder: str | os.PathLike, x: Tensor, *, site: str | None = None) -> Tensor:
@@ -44,9 +52,9 @@ def prepared(folder: Path, info: Mapping[str, Any], x: Tensor, site: str | None)
             raise ConfigError(f"{folder}'s inputs were not scaled per site (no data.standardize=client on tabular "
                               "data); leave out the site")
         return x
-    if inputs["standardize"] != "client":
+    if inputs["standardize"] not in SCALED_BY_STATISTICS:
         raise ModelFileError(f"{folder / MODEL_INFO}: input.standardize is {shown(inputs['standardize'])}, which "
-                             "this fedhpro cannot rebuild (client or none); run again")
+                             f"this fedhpro cannot rebuild ({', '.join(SCALED_BY_STATISTICS)} or none); run again")
     statistics = read_statistics(folder, info)
     if site is None:
         entry = statistics[POOLED]
@@ -73,7 +81,9 @@ def attach_preprocessing(module: nn.Module, folder: Path, info: Mapping[str, Any
     files held them, scaled by ``site``'s training statistics (default every site's pooled), as
     :func:`prepare_inputs` scales them. Images: ``uint8`` (or, where the run kept 16-bit depth, ``uint16``)
     pixel tensors ``N x 3 x S x S`` at the model's size, scaled and normalised as the run's data set did;
-    float images are taken as already prepared. Other runs' inputs need nothing. Returns ``module``."""
+    float images are taken as already prepared. Other runs' inputs need nothing. A tensor of another shape
+    (a row of the wrong number of features) is one DataError line naming the shape the model takes and, for a
+    run on named columns, its features in order. Returns ``module``."""
     inputs = info.get("input", {})
     if inputs.get("kind") == "image":
         if site is not None:
@@ -82,6 +92,9 @@ def attach_preprocessing(module: nn.Module, folder: Path, info: Mapping[str, Any
 
         def prepare_images(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
             x = args[0] if args else None
+            if isinstance(x, Tensor) and x.is_floating_point() and tuple(x.shape[1:]) != (3, size, size):
+                raise DataError(f"this model takes N x 3 x {size} x {size} pixels (uint8, or uint16 for 16-bit "
+                                f"runs) or prepared float32 images; got {x.dtype} {tuple(x.shape)}")
             if not isinstance(x, Tensor) or x.is_floating_point():
                 return None  # prepared floats (or not a tensor: the network says what it takes)
             if x.dtype not in (torch.uint8, torch.uint16, torch.int32, torch.int64) or x.dim() != 4 \
@@ -97,6 +110,16 @@ def attach_preprocessing(module: nn.Module, folder: Path, info: Mapping[str, Any
 
         module.register_forward_pre_hook(prepare_images)
         return module
+    shape = tuple(int(n) for n in info["input_shape"])
+    if inputs.get("kind") == "tensor":
+        columns = trained_columns(folder)
+
+        def check_width(_: nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0] if args else None
+            if isinstance(x, Tensor) and (x.dim() != len(shape) + 1 or tuple(x.shape[1:]) != shape):
+                raise DataError(width_message(shape, tuple(x.shape), columns))
+
+        module.register_forward_pre_hook(check_width)  # before the scaling, which would fail in torch's words
     if inputs.get("standardize", "none") == "none" or inputs.get("kind") != "tensor":
         prepared(folder, info, torch.zeros(0), site)  # a site for a run without per-site scaling: one line
         return module
@@ -244,26 +267,90 @@ def csv_inputs(path: Path, info: Mapping[str, Any], columns: Sequence[str] | Non
     """The rows of the CSV file ``path`` as the model's float32 inputs: the run's feature ``columns`` by name
     (any order, other columns ignored: a label column is kept out), else every column but ``label``, ``site``
     and ``split``; read by :func:`fedhpro.data.tables.read_csv` (bounded), checked as training rows are."""
+    check_tabular(info, str(path))
+    return frame_inputs(read_csv(path), info, columns, str(path))
+
+
+def check_tabular(info: Mapping[str, Any], where: str) -> None:
+    """One DataError line unless the run's model takes rows of float features (``N x F``)."""
     shape = [int(n) for n in info["input_shape"]]
     inputs = info.get("input", {})
     if inputs.get("kind") != "tensor" or len(shape) != 1 or not str(inputs.get("dtype", "float32")).startswith("float"):
-        raise DataError(f"{path}: this run's model takes {'images' if inputs.get('kind') == 'image' else 'inputs'} "
+        raise DataError(f"{where}: this run's model takes {'images' if inputs.get('kind') == 'image' else 'inputs'} "
                         f"of shape {tuple(shape)}, not rows of a table; give the inputs it was trained on")
-    frame = read_csv(path)
+
+
+def frame_inputs(frame: pd.DataFrame, info: Mapping[str, Any], columns: Sequence[str] | None, where: str, *,
+                 strict: bool = False) -> Tensor:
+    """The rows of ``frame`` as the model's raw float32 inputs (``N x F``, unscaled): the run's feature
+    ``columns`` by name, in the run's order whatever the frame's; else (a run whose data had no column names)
+    every column but ``label``, ``site`` and ``split``, in the frame's order. Other columns are ignored, or,
+    ``strict`` (scikit-learn's rule), refused in one line naming them. Values checked as training rows are
+    (:func:`fedhpro.data.tables.feature_matrix`)."""
+    shape = [int(n) for n in info["input_shape"]]
     frame = frame.set_axis([str(c) for c in frame.columns], axis=1)
+    if frame.columns.has_duplicates:
+        twice = sorted({c for c in frame.columns if list(frame.columns).count(c) > 1})
+        raise DataError(f"{where} has the column {', '.join(map(repr, twice[:10]))} more than once; give each "
+                        "feature column once")
     if columns is not None:
         missing = [c for c in columns if c not in frame.columns]
         if missing:
-            raise DataError(f"{path} has no column {', '.join(map(repr, missing[:10]))} of the {len(columns)} this "
+            raise DataError(f"{where} has no column {', '.join(map(repr, missing[:10]))} of the {len(columns)} this "
                             "run was trained on; give every feature column, named as in training")
+        extra = [c for c in frame.columns if c not in columns]
+        if strict and extra:
+            raise DataError(f"{where} has the column {', '.join(map(repr, extra[:10]))}, which this run was not "
+                            f"trained on (its {len(columns)} features: {', '.join(columns[:10])}"
+                            f"{' ...' if len(columns) > 10 else ''}); drop it: X.drop(columns={extra[:10]!r})")
         features = list(columns)
     else:
         features = [c for c in frame.columns if c not in NOT_FEATURES]
     if len(features) != shape[0]:
-        raise DataError(f"{path} has {len(features)} feature columns ({', '.join(features[:10])}); this run's model "
+        raise DataError(f"{where} has {len(features)} feature columns ({', '.join(features[:10])}); this run's model "
                         f"takes {shape[0]} features: give those columns only (a label, site or split column is "
                         "left out by name)")
-    return torch.from_numpy(feature_matrix(frame, features, str(path)))
+    return torch.from_numpy(feature_matrix(frame, features, where))
+
+
+def as_frame(columns: Mapping[Any, Any], where: str) -> pd.DataFrame:
+    """A mapping of column names to sequences of values as a DataFrame; one DataError line when it is not one."""
+    try:
+        return pd.DataFrame({str(name): list(values) if not isinstance(values, (np.ndarray, Tensor)) else values
+                             for name, values in columns.items()})
+    except (TypeError, ValueError) as error:
+        reason = (str(error).splitlines() or [type(error).__name__])[0]
+        raise DataError(f"{where} is not a table of columns ({reason}); give each column name a sequence of "
+                        "values, all of the same length") from None
+
+
+def trained_columns(folder: Path) -> list[str] | None:
+    """The feature columns, in order, of a run trained on tables with named columns (its partition.json's
+    ``columns``: CSV files, DataFrames), else None (the run's data had no column names)."""
+    path = folder / PARTITION_FILE
+    if not path.is_file():
+        return None
+    record = read_json_file(path, ModelFileError)
+    columns = record.get("columns") if isinstance(record, dict) else None
+    if columns is None:
+        return None
+    if not isinstance(columns, list) or not all(isinstance(c, str) for c in columns):
+        raise ModelFileError(f"{path}: its columns are not a list of column names; run again")
+    return columns
+
+
+def width_message(shape: Sequence[int], got: Sequence[int], columns: Sequence[str] | None) -> str:
+    """What a tensor of shape ``got`` given to a model of input shape ``shape`` is told: the shape the model
+    takes and, for a run on named columns, the features in their order, and how to give rows by name."""
+    if len(shape) == 1:
+        named = "" if columns is None else (f" ({', '.join(columns[:20])}{' ...' if len(columns) > 20 else ''}, "
+                                            "in that order)")
+        by_name = "" if columns is None else (": give rows by name instead, fedhpro.load_estimator(run_folder)"
+                                              ".predict(dataframe), or those columns in that order")
+        return (f"this model takes N x {shape[0]} features{named}; got a tensor of shape {tuple(got)}"
+                f"{by_name or ': give N x ' + str(shape[0]) + ' rows'}")
+    wanted = " x ".join(map(str, shape))
+    return f"this model takes N x {wanted} inputs; got a tensor of shape {tuple(got)}"
 
 
 def gather_inputs(paths: Iterable[str | os.PathLike], info: Mapping[str, Any],

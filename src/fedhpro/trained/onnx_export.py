@@ -7,13 +7,19 @@ inference rule), preceded by the run's preprocessing where it is a few tensor op
 :func:`~fedhpro.trained.inputs.prepare_inputs` does; ``uint8`` images of the default normalisation (to [-1, 1],
 then the run's channel statistics) converted as the run converted them. Images normalised by a preset (resized
 and scaled in NumPy) or kept at 16 bits are exported on prepared float32 inputs; :class:`OnnxModel` says which.
-The batch dimension is dynamic. Written with torch's ONNX exporter (``pip install fedhpro[export]``)."""
+The batch dimension is dynamic. Written with torch's ONNX exporter (``pip install fedhpro[export]``).
+
+The file says what it is in its ``metadata_props`` (JSON strings, :data:`METADATA_KEYS`; onnxruntime's
+``session.get_modelmeta().custom_metadata_map``): the class names in the order of the scores, the input and its
+shape, the feature columns in the order the graph takes them (a run on tables with named columns), and the
+preprocessing: what the graph applies itself, with the statistics, or what the caller must apply first."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +30,17 @@ from fedhpro.errors import ConfigError
 from fedhpro.files import write_atomic
 from fedhpro.trained.checks import check_finite_weights, read_info, read_statistics
 from fedhpro.trained.folder import POOLED, client_file
-from fedhpro.trained.inputs import prepared
+from fedhpro.trained.inputs import prepared, trained_columns
 from fedhpro.trained.load import load_model
 
 #: the ONNX opset the graphs are written in
 OPSET = 18
+#: the keys of the graph's ``metadata_props``, each value a JSON string: the class names (``scores``'s columns),
+#: what the input is (``raw rows``, ``uint8 pixels``, ``prepared float32``, ``int64 tokens``) and its shape, the
+#: feature columns in order (a list, or null for data without column names), the preprocessing
+CLASSES_KEY, INPUT_KEY, SHAPE_KEY, FEATURES_KEY, PREPROCESSING_KEY = (
+    "fedhpro.classes", "fedhpro.input", "fedhpro.input_shape", "fedhpro.features", "fedhpro.preprocessing")
+METADATA_KEYS = (CLASSES_KEY, INPUT_KEY, SHAPE_KEY, FEATURES_KEY, PREPROCESSING_KEY)
 
 
 class TabularInput(nn.Module):
@@ -77,6 +89,8 @@ class OnnxModel:
     path: Path
     input: str
     shape: tuple[Any, ...]
+    #: the graph's ``metadata_props`` (:data:`METADATA_KEYS`), JSON strings
+    metadata: dict[str, str] = field(default_factory=dict)
 
 
 def export_onnx(run_folder: str | os.PathLike, path: str | os.PathLike | None = None, *, client: int | None = None,
@@ -95,19 +109,27 @@ def export_onnx(run_folder: str | os.PathLike, path: str | os.PathLike | None = 
     module: nn.Module = network
     kind = "prepared float32"
     example = torch.zeros(2, *shape)
+    # what the graph does to its input before the network (in_graph), else what the caller does first
+    preprocessing: dict[str, Any] = {"in_graph": False, "input": inputs}
     if inputs.get("kind") == "tensor" and inputs.get("standardize", "none") != "none":
         prepared(folder, info, torch.zeros(1, *shape), site)  # an unknown site: one line
         statistics = read_statistics(folder, info)
         entry = statistics[POOLED] if site is None else statistics["sites"][site]
         module = TabularInput(network, torch.tensor(entry["mean"]), torch.tensor(entry["std"]))
         kind = "raw rows"
+        preprocessing = {"in_graph": True, "scaling": "(x - mean) / std in float64, then float32",
+                         "statistics": site or POOLED, "mean": entry["mean"], "std": entry["std"]}
     elif site is not None:
         raise ConfigError(f"{folder}'s inputs are not scaled per site; leave out the site")
+    elif inputs.get("kind") == "tensor" and len(shape) == 1 and inputs.get("dtype", "float32") == "float32":
+        kind = "raw rows"  # rows the run did not scale: the network takes them as the files held them
+        preprocessing = {"in_graph": True, "scaling": "none"}
     elif (inputs.get("kind") == "image" and inputs.get("bit_depth") is None
           and inputs.get("normalize", "half") != "preset"):
         standardize = inputs.get("standardize")
         module = PixelInput(network, standardize if isinstance(standardize, Mapping) else None)
         kind = "uint8 pixels"
+        preprocessing = {"in_graph": True, "input": inputs}
         example = torch.zeros(2, *shape, dtype=torch.uint8)
     elif inputs.get("kind") == "tensor" and inputs.get("dtype") == "int64":
         example = torch.zeros(2, *shape, dtype=torch.int64)
@@ -127,9 +149,18 @@ def export_onnx(run_folder: str | os.PathLike, path: str | os.PathLike | None = 
                           "fedhpro.load_model in PyTorch") from None
     if program is None:
         raise ConfigError(f"{folder}'s model cannot be exported to ONNX (the exporter returned nothing)")
+    metadata = {CLASSES_KEY: json.dumps(list(info["classes"])), INPUT_KEY: json.dumps(kind),
+                SHAPE_KEY: json.dumps(["batch", *shape]),
+                FEATURES_KEY: json.dumps(trained_columns(folder) if inputs.get("kind") == "tensor" else None),
+                PREPROCESSING_KEY: json.dumps(preprocessing)}
+    proto = program.model_proto
+    for key, value in metadata.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = key, value
     target.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(target, program.model_proto.SerializeToString())
-    return OnnxModel(target, kind, ("batch", *shape))
+    write_atomic(target, proto.SerializeToString())
+    return OnnxModel(target, kind, ("batch", *shape), metadata)
 
 
-__all__ = ["OPSET", "OnnxModel", "PixelInput", "TabularInput", "export_onnx"]
+__all__ = ["CLASSES_KEY", "FEATURES_KEY", "INPUT_KEY", "METADATA_KEYS", "OPSET", "OnnxModel", "PREPROCESSING_KEY",
+           "SHAPE_KEY", "PixelInput", "TabularInput", "export_onnx"]

@@ -6,9 +6,11 @@ from __future__ import annotations
 import csv
 import io
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+import pandas as pd
 import torch
 from torch import Tensor, nn
 
@@ -18,11 +20,17 @@ from fedhpro.errors import DataError
 from fedhpro.files import spreadsheet_cell, write_atomic
 from fedhpro.trained.checks import NOT_FINITE_WEIGHTS, read_info
 from fedhpro.trained.folder import ModelFileError
-from fedhpro.trained.inputs import gathered, prepared
+from fedhpro.trained.inputs import (
+    PARTITION_FILE,
+    as_frame,
+    check_tabular,
+    frame_inputs,
+    gathered,
+    prepared,
+    trained_columns,
+)
 from fedhpro.trained.load import load_model
 
-#: the record of the run's data in its folder, which names the feature columns of a run on CSV tables
-PARTITION_FILE = "partition.json"
 #: what a CSV of rows' predictions is called beside it: ``rows.csv`` -> ``rows.predictions.csv``
 PREDICTIONS_SUFFIX = ".predictions.csv"
 
@@ -34,9 +42,10 @@ def class_probabilities(module: nn.Module, inputs: Tensor, batch_size: int = 256
     return torch.cat(parts)
 
 
-def predict(run_folder: str | os.PathLike, paths: Iterable[str | os.PathLike], out: str | os.PathLike | None = None,
-            *, client: int | None = None, model: Callable[..., nn.Module] | None = None,
-            batch_size: int = 256, site: str | None = None) -> str:
+def predict(run_folder: str | os.PathLike,
+            paths: Iterable[str | os.PathLike] | pd.DataFrame | Mapping[str, Sequence[Any]],
+            out: str | os.PathLike | None = None, *, client: int | None = None,
+            model: Callable[..., nn.Module] | None = None, batch_size: int = 256, site: str | None = None) -> str:
     """Classify image files, folders of images, ``.pt`` / ``.npz`` tensor files or ``.csv`` files of rows with a
     run's trained model; returns the CSV text (and writes it to ``out`` atomically when given): ``path,
     predicted, p_<class>...``, the predicted class's name and the probability of every class (softmax of the
@@ -49,22 +58,36 @@ def predict(run_folder: str | os.PathLike, paths: Iterable[str | os.PathLike], o
     A ``.csv`` file of rows (the run's feature columns, found by name; a label or any other column is kept
     but not used) gets its predictions beside its rows: the file's own columns, then ``predicted`` and the
     ``p_<class>`` columns, written atomically to ``<file>.predictions.csv`` next to it (``rows.csv`` ->
-    ``rows.predictions.csv``), or to ``out`` when it is the only input; that table is then what is returned."""
+    ``rows.predictions.csv``), or to ``out`` when it is the only input; that table is then what is returned.
+
+    A pandas DataFrame of rows (or a mapping of column names to sequences of values), given in place of the
+    paths, is predicted as a ``.csv`` file of the same rows: its feature columns found by name, in any order,
+    and the same table returned (written to ``out`` when given). For numbers and classes as arrays, and
+    scikit-learn's rules (columns beyond the features refused), use :func:`fedhpro.load_estimator`."""
     folder = Path(run_folder)
     info = read_info(folder)
     module = load_model(folder, client=client, model=model, preprocess=False)  # its inputs are prepared here
+    classes = list(info["classes"])
+    if isinstance(paths, (pd.DataFrame, Mapping)):
+        where = "the DataFrame" if isinstance(paths, pd.DataFrame) else "the columns given"
+        check_tabular(info, where)
+        frame = paths if isinstance(paths, pd.DataFrame) else as_frame(paths, where)
+        if not len(frame):
+            raise DataError(f"{where} has no rows; give at least one row to classify")
+        inputs = prepared(folder, info, frame_inputs(frame, info, trained_columns(folder), where), site)
+        probabilities = class_probabilities(module, inputs, batch_size)
+        check_probabilities(folder, probabilities, inputs, [f"row {i}" for i in range(len(frame))])
+        text = _rows_with_predictions(frame.copy(), probabilities, classes, where)
+        if out is not None:
+            write_atomic(out, text)
+        return text
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]  # one path, not its characters
     given = [Path(p) for p in paths]
     names, inputs, counts = gathered(given, info, trained_columns(folder))
     inputs = prepared(folder, info, inputs, site)
     probabilities = class_probabilities(module, inputs, batch_size)
-    if not bool(torch.isfinite(probabilities).all()):  # never a CSV of NaN: whatever the cause, say it
-        first = int((~torch.isfinite(probabilities)).any(dim=1).nonzero()[0])
-        finite_input = bool(torch.isfinite(inputs[first]).all())
-        why = (f"the model's weights give NaN or infinite outputs: {NOT_FINITE_WEIGHTS}"
-               if finite_input else "its preprocessing (model.json's input) turns it into NaN or infinite values")
-        raise ModelFileError(f"{folder}: the probabilities of {names[first]} are not finite numbers ({why}); "
-                             "nothing written: run again, or check the inputs and the run folder")
-    classes = list(info["classes"])
+    check_probabilities(folder, probabilities, inputs, names)
     tables = [path for path in given if path.is_file() and path.suffix.lower() == ".csv"]
     only_table = len(given) == 1 and len(tables) == 1
     start = 0
@@ -72,7 +95,7 @@ def predict(run_folder: str | os.PathLike, paths: Iterable[str | os.PathLike], o
     for path, count in zip(given, counts):
         if path in tables:
             target = Path(out) if only_table and out is not None else predictions_path(path)
-            text = _rows_with_predictions(path, probabilities[start:start + count], classes)
+            text = _rows_with_predictions(read_csv(path), probabilities[start:start + count], classes, str(path))
             write_atomic(target, text)
         start += count
     if only_table:
@@ -87,6 +110,19 @@ def predict(run_folder: str | os.PathLike, paths: Iterable[str | os.PathLike], o
     if out is not None:
         write_atomic(out, text)
     return text
+
+
+def check_probabilities(folder: Path, probabilities: Tensor, inputs: Tensor, names: Sequence[str]) -> None:
+    """One ModelFileError line when a probability is not a finite number (never a table of NaN): whatever the
+    cause, the weights or the preprocessing, it is said, naming the first such input."""
+    if bool(torch.isfinite(probabilities).all()):
+        return
+    first = int((~torch.isfinite(probabilities)).any(dim=1).nonzero()[0])
+    finite_input = bool(torch.isfinite(inputs[first]).all())
+    why = (f"the model's weights give NaN or infinite outputs: {NOT_FINITE_WEIGHTS}"
+           if finite_input else "its preprocessing (model.json's input) turns it into NaN or infinite values")
+    raise ModelFileError(f"{folder}: the probabilities of {names[first]} are not finite numbers ({why}); "
+                         "nothing written: run again, or check the inputs and the run folder")
 
 
 def labelled_accuracy(run_folder: str | os.PathLike, text: str) -> tuple[int, int] | None:
@@ -127,30 +163,14 @@ def predictions_path(path: str | os.PathLike) -> Path:
     return path.with_name(path.stem + PREDICTIONS_SUFFIX)
 
 
-def trained_columns(folder: Path) -> list[str] | None:
-    """The feature columns, in order, of a run trained on CSV tables (its partition.json's ``columns``), else
-    None (the run's data had no column names)."""
-    path = folder / PARTITION_FILE
-    if not path.is_file():
-        return None
-    record = read_json_file(path, ModelFileError)
-    columns = record.get("columns") if isinstance(record, dict) else None
-    if columns is None:
-        return None
-    if not isinstance(columns, list) or not all(isinstance(c, str) for c in columns):
-        raise ModelFileError(f"{path}: its columns are not a list of column names; run again")
-    return columns
-
-
-def _rows_with_predictions(path: Path, probabilities: Tensor, classes: Sequence[str]) -> str:
-    """The CSV ``path``'s rows (every column as read) with ``predicted`` and one ``p_<class>`` column each; text
+def _rows_with_predictions(frame: pd.DataFrame, probabilities: Tensor, classes: Sequence[str], where: str) -> str:
+    """The rows of ``frame`` (every column as read) with ``predicted`` and one ``p_<class>`` column each; text
     that starts like a spreadsheet formula, in any cell or column name, escaped (``'=...``:
     :func:`fedhpro.files.spreadsheet_cell`), numbers as they are."""
-    frame = read_csv(path)
     added = ["predicted"] + [f"p_{name}" for name in classes]
     taken = [name for name in added if name in [str(c) for c in frame.columns]]
     if taken:
-        raise DataError(f"{path} already has the column {taken[0]!r}, which predict adds; rename or drop it")
+        raise DataError(f"{where} already has the column {taken[0]!r}, which predict adds; rename or drop it")
     frame["predicted"] = [classes[int(i)] for i in probabilities.argmax(dim=1).tolist()]
     for k, name in enumerate(classes):
         frame[f"p_{name}"] = [float(f"{float(p):.6g}") for p in probabilities[:, k].tolist()]
@@ -158,5 +178,5 @@ def _rows_with_predictions(path: Path, probabilities: Tensor, classes: Sequence[
         # only a column with a cell to escape is replaced (the others keep their dtype, and their bytes)
         if any(spreadsheet_cell(value) is not value for value in frame[column]):
             frame[column] = frame[column].map(spreadsheet_cell)
-    frame.columns = [spreadsheet_cell(name) for name in frame.columns]
+    frame.columns = [spreadsheet_cell(str(name)) for name in frame.columns]
     return frame.to_csv(index=False, lineterminator="\n")
