@@ -106,3 +106,28 @@ def test_auto_is_federated_except_under_privacy_or_secure_aggregation():
     assert resolved_standardize("client", private=True) == ("client", None)
     with pytest.raises(ConfigError, match="data.standardize=client"):
         resolved_standardize("federated", private=True)
+
+
+def test_packed_range_sums_add_up_to_the_pooled_scaling_of_the_clipped_features():
+    """What SecAgg+ adds up: each site's [w, w mean(u), w mean(u^2)] in [0, clip]; their total unpacks to the
+    pooled mean and std of the features clipped to the public ranges (StandardScaler on the clipped rows)."""
+    from fedhpro.data.feature_statistics import feature_ranges, packed_sums, range_sums, unpacked_scaling
+
+    x, y = load_wine(return_X_y=True)
+    sites = label_skewed_sites(x, y)
+    pooled = np.concatenate([rows.double().numpy() for rows in sites.values()])
+    low, high = feature_ranges(list(np.percentile(pooled, 5, axis=0)), list(np.percentile(pooled, 95, axis=0)), 13)
+    weights = {name: float(len(rows)) for name, rows in sites.items()}
+    bound, clip = max(weights.values()), 64.0
+    vectors = [packed_sums(range_sums(rows, low, high), weights[name], bound, clip) for name, rows in sites.items()]
+    assert all(float(v.min()) >= 0 and float(v.max()) <= clip for v in vectors)
+    mean, std, total = unpacked_scaling(sum(vectors), bound, clip, low, high, tolerance=1e-9)
+    clipped = np.clip(pooled, low.numpy(), high.numpy())
+    reference = StandardScaler().fit(clipped)
+    assert total == pytest.approx(len(pooled))
+    np.testing.assert_allclose(mean.numpy(), reference.mean_, rtol=1e-10)
+    np.testing.assert_allclose(std.numpy(), reference.scale_, rtol=1e-8)
+    with pytest.raises(ValueError, match="outside"):
+        packed_sums(range_sums(sites["site-0"], low, high), bound * 2, bound, clip)
+    with pytest.raises(ConfigError, match="not above"):
+        feature_ranges([0.0, 1.0], [1.0, 1.0])

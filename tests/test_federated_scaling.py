@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from flwr.app import Message, RecordDict
 from sklearn.datasets import load_wine
 from sklearn.linear_model import LogisticRegression
@@ -203,3 +204,55 @@ def test_flower_under_privacy_nothing_is_released(sites, tmp_path):
     assert seen and all(keys == {"info"} for keys in seen)  # the node sent no sums
     assert json.loads((out / "partition.json").read_text())["standardize"] == "client"
     assert json.loads((out / "summary.json").read_text())["rounds"] == 1
+
+
+# --------------------------------------------------------------------------- Flower under SecAgg+
+
+
+def public_ranges(sites: list[Path]) -> dict[str, list[float]]:
+    """Ranges wider than every site's training rows (as public knowledge of the features would give): nothing
+    is clipped, so the secure sum's scaling is the pooled one up to quantization."""
+    rows = pd.concat(raw(sites, "train")).drop(columns="label")
+    return {"data.feature_low": (rows.min() - 1.0).tolist(), "data.feature_high": (rows.max() + 1.0).tolist()}
+
+
+SECURE = {"flower.secure-aggregation": "secagg+"}
+
+
+def test_flower_secagg_adds_up_the_sites_sums_within_the_stated_tolerance(sites, pooled_scaler, tmp_path):
+    seen: list[set[str]] = []
+
+    def watch(kind: str, header: Any, reply: Message, message: Message) -> Message:
+        if header is not None and header.get("query") == "data":
+            seen.append(set(reply.content.config_records[records.NODE_RECORD]))
+        return reply
+
+    out = flower_run(sites, tmp_path, {101: watch}, **SECURE, **public_ranges(sites))
+    assert seen and all(keys == {"info"} for keys in seen)  # no site's own sums in the clear
+    scaling = json.loads((out / "partition.json").read_text())["scaling"]
+    assert scaling["secure"] is True and scaling["sites"] == ["site-0", "site-1", "site-2"]
+    assert 0 < scaling["tolerance"] < 1e-5
+    np.testing.assert_allclose(scaling["mean"], pooled_scaler.mean_, rtol=1e-7)
+    np.testing.assert_allclose(scaling["std"], pooled_scaler.scale_, rtol=1e-5)
+
+
+def test_flower_secagg_a_false_secure_sum_falls_back_to_each_sites_own_scaling(sites, tmp_path, monkeypatch, caplog):
+    from fedhpro.flower import client as client_app
+
+    honest = client_app.packed_sums
+
+    def doubled(sums, weight, bound, clip):  # every site claims twice its weight: the total cannot be theirs
+        return honest(sums, weight, bound, clip) * torch.cat([torch.tensor([2.0]), torch.ones(26)]).double()
+
+    monkeypatch.setattr(client_app, "packed_sums", doubled)
+    out = flower_run(sites, tmp_path, **SECURE, **public_ranges(sites))
+    partition = json.loads((out / "partition.json").read_text())
+    assert partition["standardize"] == "client" and "scaling" not in partition
+    assert any("is not that of their sites" in record.getMessage() for record in caplog.records)
+
+
+def test_flower_secagg_without_ranges_scales_each_site_or_refuses(sites, tmp_path):
+    out = flower_run(sites, tmp_path / "auto", **SECURE)
+    assert json.loads((out / "partition.json").read_text())["standardize"] == "client"
+    with pytest.raises(ConfigError, match="data.feature_low and data.feature_high"):
+        flower_run(sites, tmp_path / "refused", **SECURE, **{"data.standardize": "federated"})

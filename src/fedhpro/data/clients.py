@@ -147,6 +147,12 @@ class ClientsOptions:
                                                          "and late Flower nodes get the run's own)")
     feature_std: list[float] | None = option(None, help="data.standardize=federated: the shared std per feature, "
                                                         "each > 0 (with data.feature_mean)")
+    feature_low: list[float] | None = option(None, help="data.standardize=federated under secure aggregation "
+                                                        "(SecAgg+): each feature's public lower bound; the sums "
+                                                        "the server adds up securely are of features clipped to "
+                                                        "[feature_low, feature_high] (training uses them as they are)")
+    feature_high: list[float] | None = option(None, help="data.standardize=federated under SecAgg+: each feature's "
+                                                         "public upper bound, above its data.feature_low")
     label_column: str = option("label", help="CSV clients and tables: the column of labels, class indices 0..C-1 or "
                                              "class names (text); every other column is a numeric feature")
     site_column: str = option("site", help="data_dir=one table (a .csv file, or a folder with train.csv and "
@@ -857,6 +863,13 @@ def site_feature_sums(folder: str | Path, options: ClientsOptions) -> FeatureSum
     scaling already (``data.feature_mean``), another mode, or data without float ``N x F`` features."""
     if applied_mode(options.standardize) != FEDERATED or options.feature_mean is not None:
         return None
+    x = site_training_features(folder, options)
+    return None if x is None else feature_sums(x)
+
+
+def site_training_features(folder: str | Path, options: ClientsOptions) -> Tensor | None:
+    """A client folder's training features as :func:`load_client` reads them, before any scaling (integer
+    features as float32), or None when they are not float ``N x F`` features (images, token ids)."""
     folder = Path(folder).expanduser()
     info = scan_client(folder, options)
     if info.kind != "tensors":
@@ -864,7 +877,7 @@ def site_feature_sums(folder: str | Path, options: ClientsOptions) -> FeatureSum
     own = resolve_classes([info], options)
     (x, _), _ = _load_tensors(folder, info, own, options)
     x = x.float() if not x.is_floating_point() and x.dim() == 2 else x
-    return feature_sums(x) if scales(x) else None
+    return x if scales(x) else None
 
 
 #: how far (total variation) a site's class distribution may be from the federation's before per-site scaling
@@ -1196,5 +1209,5 @@ DATASET = DatasetSpec(
 __all__ = ["CLIENT", "ClientInfo", "ClientsOptions", "DATASET", "FederationScaling", "STANDARDIZE_CHOICES",
            "UNTRAINED_CHOICES", "apply_statistics", "build", "client_domain", "client_folders", "client_notes",
            "feature_statistics", "federation_scaling", "folded", "given_scaling", "load_client", "resolve_classes",
-           "scan_client", "site_feature_sums", "skewed_scaling_warning", "standardization_statistics", "standardized",
-           "untrained_classes"]
+           "scan_client", "site_feature_sums", "site_training_features", "skewed_scaling_warning",
+           "standardization_statistics", "standardized", "untrained_classes"]

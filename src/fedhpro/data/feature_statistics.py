@@ -193,17 +193,21 @@ def _factor(factor: float) -> str:
     return f"{factor:.3g}" if math.isfinite(factor) and factor < 1e6 else f"{factor:.2e}"
 
 
-def resolved_standardize(mode: str, private: bool, secure: bool = False) -> tuple[str, str | None]:
+def resolved_standardize(mode: str, private: bool, secure: bool = False,
+                         ranges: bool = False) -> tuple[str, str | None]:
     """``(mode, note)``: ``data.standardize`` as a run applies it. ``auto`` is ``federated``, or ``client``
     (each site's own statistics: nothing leaves it) where the sums would leave a site outside the run's
-    guarantee: under differential privacy (``private``: they carry no noise) or secure aggregation
-    (``secure``: the server would see each site's sums). ``federated`` there is refused in one line."""
+    guarantee: under differential privacy (``private``: they carry no noise), or under secure aggregation
+    (``secure``) without public feature ranges (``ranges``: ``data.feature_low`` / ``feature_high``, which
+    bound what SecAgg+ quantizes; with them the server sees only the sites' sums added up).
+    ``federated`` there is refused in one line."""
     if mode not in (FEDERATED, "auto"):
         return mode, None
     why = ("privacy (each site's feature sums would leave it without noise, outside the privacy guarantee)"
            if private else
-           "secure aggregation (the server would see each site's feature sums, not only their total)"
-           if secure else None)
+           "secure aggregation without public feature ranges (SecAgg+ sums values within known bounds: give "
+           "data.feature_low and data.feature_high, one number per feature)"
+           if secure and not ranges else None)
     if why is None:
         return FEDERATED, None
     if mode == FEDERATED:
@@ -214,6 +218,62 @@ def resolved_standardize(mode: str, private: bool, secure: bool = False) -> tupl
                     "feature sums)")
 
 
+def feature_ranges(low: Sequence[float] | None, high: Sequence[float] | None,
+                   features: int | None = None) -> tuple[Tensor, Tensor] | None:
+    """``(low, high)`` of ``data.feature_low`` / ``feature_high`` as float64, checked (both or neither, as long
+    as each other and ``features``, every ``high > low``); None when not given. ConfigError otherwise."""
+    if low is None and high is None:
+        return None
+    if low is None or high is None or len(low) != len(high) or not low:
+        raise ConfigError("data.feature_low and data.feature_high go together, as two lists of one number per "
+                          "feature")
+    if features is not None and len(low) != features:
+        raise ConfigError(f"data.feature_low and data.feature_high give {len(low)} features but the data has "
+                          f"{features}; give one bound per feature, in the columns' order")
+    bad = [j for j, (a, b) in enumerate(zip(low, high)) if not b > a]
+    if bad:
+        raise ConfigError(f"data.feature_high is not above data.feature_low for feature {bad[0]}; give each "
+                          "feature a range it spans")
+    return torch.tensor(list(low), dtype=torch.float64), torch.tensor(list(high), dtype=torch.float64)
+
+
+def range_sums(x: Tensor, low: Tensor, high: Tensor) -> FeatureSums:
+    """:func:`feature_sums` of ``u = clip((x - low) / (high - low), 0, 1)``: the features in units of their
+    public range, each within [0, 1], so that a sum of ``n`` rows is within [0, n] (what SecAgg+ needs)."""
+    u = ((x.detach().to(torch.float64) - low) / (high - low)).clamp(0.0, 1.0)
+    return feature_sums(u)
+
+
+def packed_sums(sums: FeatureSums, weight: float, bound: float, clip: float) -> Tensor:
+    """A site's range sums as the vector SecAgg+ adds up: ``clip / bound * [w, w mean(u), w mean(u^2)]`` with
+    ``w`` the ``weight`` the server counts the site as (its size, bounded as a claim), each entry within
+    ``[0, clip]`` while ``w <= bound`` (the largest weight). ValueError for a weight outside ``(0, bound]``."""
+    if not 0 < weight <= bound:
+        raise ValueError(f"the server counts this site as {weight:g} rows, outside (0, {bound:g}]")
+    per_row = torch.cat([torch.ones(1, dtype=torch.float64), sums.sum / sums.count, sums.sum_squares / sums.count])
+    return per_row * (weight * clip / bound)
+
+
+def unpacked_scaling(total: Tensor, bound: float, clip: float, low: Tensor, high: Tensor,
+                     tolerance: float) -> tuple[Tensor, Tensor, float]:
+    """``(mean, std, weight)`` in the features' own units from the sum of :func:`packed_sums` vectors: the
+    pooled mean and population std of the clipped features, each site counting as its weight, and the
+    weights summed. ``tolerance``: how far each summed entry may be off, in weight units (quantization:
+    ``K * 2 * bound / Q`` for ``K`` sites); a feature whose variance is within what that error makes is
+    constant (std 1)."""
+    values = total.to(torch.float64) * (bound / clip)
+    features = (values.numel() - 1) // 2
+    rows = float(values[0])
+    mean_u = values[1:1 + features] / rows
+    variance_u = (values[1 + features:] / rows - mean_u * mean_u).clamp(min=0.0)
+    span = high - low
+    mean, variance = low + span * mean_u, span * span * variance_u
+    # a constant feature's variance is not 0 after quantization: within 4 x the entries' error over the rows
+    flat = variance_u <= 4.0 * tolerance / max(rows, 1.0)
+    return mean, torch.where(flat, torch.ones_like(variance), scaling_of(mean, variance, rows)), rows
+
+
 __all__ = ["CLIENT", "FEDERATED", "FeatureSums", "MAX_FEATURES", "NONE", "STANDARDIZE_CHOICES", "STATISTICS_LIMIT",
-           "SharedScaling", "constant", "feature_sums", "influence", "moments", "resolved_standardize",
-           "scaling_of", "shared_scaling", "sums_from_json", "sums_problem"]
+           "SharedScaling", "constant", "feature_ranges", "feature_sums", "influence", "moments", "packed_sums",
+           "range_sums", "resolved_standardize", "scaling_of", "shared_scaling", "sums_from_json", "sums_problem",
+           "unpacked_scaling"]

@@ -54,8 +54,9 @@ from torch import nn
 
 from fedhpro.arrays import ArrayFileError, Bound, load_torch
 from fedhpro.bounded import LimitError, load_json
-from fedhpro.data.clients import scan_client, site_feature_sums
+from fedhpro.data.clients import scan_client, site_feature_sums, site_training_features
 from fedhpro.data.digits_offline import default_data_dir
+from fedhpro.data.feature_statistics import feature_ranges, packed_sums, range_sums
 from fedhpro.engines import checkpoint
 from fedhpro.engines.driver import test_client
 from fedhpro.engines.protocol import client_step
@@ -70,6 +71,9 @@ from fedhpro.seeds import derive_seed
 from fedhpro.trained import write_node_model
 
 logger = logging.getLogger("fedhpro.flower")
+
+#: the seed stream of a statistics round's stochastic rounding (data.standardize=federated under SecAgg+)
+STATISTICS_STREAM = 0x57A75
 
 #: Context.state record names
 STATE_PREFIX = "state/"  # the method's per-client state
@@ -194,7 +198,9 @@ def query(msg: Message, context: Context) -> Message:
             if node_config.get("name"):
                 info = dataclasses.replace(info, name=str(node_config["name"]))
             answer = {"info": json.dumps(dataclasses.asdict(info))}
-            sums = site_feature_sums(node_folder(node_config), config.data)  # data.standardize=federated only
+            # data.standardize=federated only, and never under SecAgg+ (its sums are then added up securely)
+            sums = site_feature_sums(node_folder(node_config), config.data) \
+                if header.get("feature-sums") is True else None
             if sums is not None:
                 answer.update(sums_entries(sums))
         elif str(header["query"]) == "forget":  # the run is over: its state on this node is of no more use
@@ -214,6 +220,8 @@ def train(msg: Message, context: Context) -> Message:
     its scale; :mod:`fedhpro.flower.secagg`) the reply is the vector SecAgg+ masks and sums, not the payload:
     ``secagg.node_mod`` (Flower's ``secaggplus_mod``) calls this handler in its collect stage."""
     try:
+        if secagg.STATISTICS in msg.content.config_records[HEADER]:  # SecAgg+ adds up the sites' feature sums
+            return Message(_statistics_content(msg, context), reply_to=msg)
         node, round, store = _setup(msg, context, training=True)
         payload = records.decode_payload(msg.content, node.device)
         state = _load_state(context, node)
@@ -240,6 +248,31 @@ def train(msg: Message, context: Context) -> Message:
         header = msg.content.config_records[HEADER]
         store.prune(int(cast(int, header.get("keep-from", round))))
     return Message(content, reply_to=msg)
+
+
+def _statistics_content(msg: Message, context: Context) -> RecordDict:
+    """The reply of a SecAgg+ round of feature statistics (``data.standardize=federated`` under SecAgg+): this
+    site's sums of its training features clipped to their public ranges, weighed as the server counts the
+    site and packed into ``[0, clip]`` (:func:`~fedhpro.data.feature_statistics.packed_sums`), in the form
+    ``secaggplus_mod`` masks. Its stochastic rounding is seeded from (seed, client), so runs repeat."""
+    node_config = dict(context.node_config)
+    header = msg.content.config_records[HEADER]
+    config = config_from_text(str(header["config"]), _node_overrides(node_config))
+    _check_dataset(node_config, config.run.dataset)
+    x = site_training_features(node_folder(node_config), config.data)
+    if x is None:
+        raise DataError("the server asked for feature sums but this site holds no float N x F features")
+    ranges = feature_ranges(config.data.feature_low, config.data.feature_high, int(x.shape[1]))
+    assert ranges is not None, "the server sends the ranges with a statistics round"
+    try:
+        vector = packed_sums(range_sums(x, *ranges), float(cast(float, header[secagg.WEIGHT])),
+                             float(cast(float, header[secagg.STATISTICS])), float(cast(float, header[secagg.CLIP])))
+    except ValueError as error:
+        raise UpdateError(str(error)) from None
+    # its own stream: no training round's (seed, QUANTIZATION, round, client) draws the same rounding
+    client = int(cast(int, header["client"]))
+    np.random.seed(derive_seed(config.run.seed, secagg.QUANTIZATION, STATISTICS_STREAM, client) % 2 ** 32)
+    return secagg.client_content(vector.numpy(), [])
 
 
 def _privacy_settings(header: ConfigRecord) -> ClientPrivacy:

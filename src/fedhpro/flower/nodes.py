@@ -278,7 +278,9 @@ def discover_own_data(grid: Grid, config: Config,
     # refused nodes that may stand for a missing place: None (who they are is unknown: an error or a
     # malformed answer) or the roster site they claimed (their sizes or key did not agree with it)
     places: dict[int, str | None] = {}
-    query = {"query": "data", "config": config_text(config)}
+    # data.standardize=federated: the nodes' feature sums come with their answers, unless SecAgg+ adds them up
+    query = {"query": "data", "config": config_text(config),
+             "feature-sums": settings.secure_aggregation != "secagg+"}
     keys = node_keys(grid) if roster is not None and any(site.key for site in roster.sites.values()) else {}
     while len(known) < expected:
         errors: dict[int, str] = {}

@@ -61,6 +61,7 @@ from torch import Tensor
 from fedhpro.aggregation import AGGREGATION_RULES
 from fedhpro.engines.protocol import counts_problem, examples_problem
 from fedhpro.errors import ConfigError, FedHProError, UpdateError
+from fedhpro.flower.records import HEADER
 from fedhpro.flower.secure_sum import METRIC_SCALE, SecureLayout, holder_counts, rebuild_replies
 from fedhpro.flower.settings import SecureSettings
 from fedhpro.methods import get_method
@@ -70,7 +71,7 @@ from fedhpro.privacy import client_level
 #: the summed vector's layout and the replies rebuilt from the sum (fedhpro.flower.secure_sum), as the ClientApp
 #: and the strategy use them from here
 __all__ = ["METRIC_SCALE", "SecureLayout", "check_secure_config", "check_secure_run", "client_content",
-           "client_vector", "holder_counts", "node_mod", "rebuild_replies", "run_round"]
+           "client_vector", "holder_counts", "node_mod", "rebuild_replies", "run_round", "statistics_round"]
 
 #: the ConfigRecord in a node's masked reply naming its training metrics (names only, no values)
 NAMES_RECORD = "fedhpro.secagg"
@@ -78,6 +79,9 @@ MAX_METRICS = 256  # metric names a node may name
 MAX_METRIC_NAME = 128  # characters of one metric name
 #: header entries of a SecAgg+ round: the scale s of the summed values, SecAgg+'s clipping range
 SCALE, CLIP = "secagg-scale", "secagg-clip"
+#: header entries of a SecAgg+ round of feature statistics (data.standardize=federated): the largest weight a
+#: site counts as (the packing's bound) and the asked site's own weight
+STATISTICS, WEIGHT = "secagg-statistics", "secagg-weight"
 #: the stream of the seed a node gives SecAgg+'s stochastic rounding (numpy's global generator), so that the
 #: same seed and config give the same sums
 QUANTIZATION = 0x5EC
@@ -386,3 +390,18 @@ def run_round(grid: Grid, round: int, contents: Mapping[int, RecordDict], settin
         outcome.summed, outcome.total = [], None
     return outcome
 
+
+
+def statistics_round(grid: Grid, nodes: Mapping[int, int], config_json: str, weights: Mapping[int, float],
+                     settings: SecureSettings, features: int, timeout: float,
+                     describe_error: Callable[[Error], str]) -> SecureOutcome:
+    """One SecAgg+ round before training that adds up the sites' feature statistics
+    (``data.standardize=federated`` under SecAgg+): client ``k`` (node ``nodes[k]``) packs its range sums
+    weighed as ``weights[k]`` (:func:`~fedhpro.data.feature_statistics.packed_sums`), and the server sees
+    only their total (``2 * features + 1`` values)."""
+    bound = max(weights.values())
+    contents = {node: RecordDict({HEADER: ConfigRecord({
+        "client": k, "config": config_json, "num-clients": len(nodes), "round": 0,
+        STATISTICS: float(bound), WEIGHT: float(weights[k]), CLIP: settings.clipping_range})})
+        for k, node in nodes.items()}
+    return run_round(grid, 0, contents, settings, 2 * features + 1, timeout, describe_error)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import secrets
 import sys
 import time
@@ -43,6 +44,8 @@ from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
@@ -50,14 +53,21 @@ from flwr.supercore import log
 from fedhpro.aggregation import claim_cap
 from fedhpro.config import PRESENTATION_KEYS, Config
 from fedhpro.data.clients import client_notes
-from fedhpro.data.feature_statistics import FEDERATED, resolved_standardize, shared_scaling
+from fedhpro.data.feature_statistics import (
+    CLIENT,
+    FEDERATED,
+    feature_ranges,
+    resolved_standardize,
+    shared_scaling,
+    unpacked_scaling,
+)
 from fedhpro.engines import driver
 from fedhpro.engines.observers import RoundObserver
 from fedhpro.engines.protocol import RoundRecord
 from fedhpro.errors import ConfigError, FedHProError
 from fedhpro.flower import secagg
-from fedhpro.flower.engine import ServerSide, build_server_side, own_data
-from fedhpro.flower.nodes import Nodes, _client_keys, discover_nodes, discover_own_data
+from fedhpro.flower.engine import ServerSide, build_server_side, config_text, own_data
+from fedhpro.flower.nodes import Nodes, _client_keys, discover_nodes, discover_own_data, error_reason
 from fedhpro.flower.records import EVAL_RECORD, HEADER, NODE_RECORD, PRIVACY, SERVER_STATE
 from fedhpro.flower.settings import FlowerSettings, config_from_run_config, experiment_keys
 from fedhpro.flower.strategy import FlowerEngine, MethodStrategy, round_timeout, secure_for
@@ -189,13 +199,17 @@ def _federation(grid: Grid, config: Config, settings: FlowerSettings
         if config.run.data_dir:
             raise ConfigError("dataset=clients on Flower: the server holds no data, so data_dir must not be set in "
                               "the run config; give each SuperNode its own with --node-config \"data-dir=...\"")
+        secure = settings.secure_aggregation == "secagg+"
         standardize, scaling_note = resolved_standardize(config.data.standardize, is_private(config.privacy),
-                                                         settings.secure_aggregation == "secagg+")
+                                                         secure, config.data.feature_low is not None)
         config = config.updated({"data.standardize": standardize})  # what the nodes apply (auto resolved)
         nodes, infos, classes = discover_own_data(grid, config, settings)
         config = config.updated({"data.classes": classes})
-        scaling, scaling_notes = shared_node_scaling(config, nodes, infos, claimed=not settings.roster, warn=warn)
+        scaling, scaling_notes, scaling_record = (secure_node_scaling(grid, config, nodes, infos, settings, warn)
+                                                  if secure else
+                                                  shared_node_scaling(config, nodes, infos, not settings.roster, warn))
         config = config.updated(scaling)
+        standardize = config.data.standardize  # a failed secure sum falls back to each site's own statistics
         side = build_server_side(config, num_classes=len(classes), input_shape=tuple(infos[0].input_shape),
                                  num_samples=[info.train_size for info in infos], on_drop=warn,
                                  sizes_claimed=not settings.roster,  # with a roster the operator vouches for them
@@ -209,7 +223,7 @@ def _federation(grid: Grid, config: Config, settings: FlowerSettings
             partition["standardize"] = standardize
             if standardize == FEDERATED:
                 partition["scaling"] = {"mean": config.data.feature_mean, "std": config.data.feature_std,
-                                        **nodes_scaling_record(nodes)}
+                                        **scaling_record}
         if nodes.refused:  # the nodes left out at discovery, and why (no key when none: honest runs keep their bytes)
             partition["refused"] = [{"node": node, "reason": why}
                                     for node, why in sorted(nodes.refused.items())[:MAX_REFUSED_RECORDED]]
@@ -230,16 +244,17 @@ def _federation(grid: Grid, config: Config, settings: FlowerSettings
 
 
 def shared_node_scaling(config: Config, nodes: Nodes, infos: list[Any], claimed: bool,
-                        warn: Any) -> tuple[dict[str, Any], list[str]]:
+                        warn: Any) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
     """``data.standardize=federated`` on nodes holding their own data: ``({data.feature_mean, data.feature_std}
     to set, notes)``, the scaling combined from the feature sums the admitted nodes sent
     (:func:`~fedhpro.data.feature_statistics.shared_scaling`), each counting as its training size, bounded
     as ``aggregation.max_ratio`` / ``max_share`` bound sizes where sizes are ``claimed``. Nothing to set
     where the run gives the scaling already (a resumed run keeps the one it started with; a late node gets
-    it), where the mode is another, or where no node holds features to scale (images)."""
+    it), where the mode is another, or where no node holds features to scale (images). The third item is
+    partition.json's record of whose sums it pools and whose it left out."""
     data = config.data
     if data.standardize != FEDERATED or data.feature_mean is not None:
-        return {}, []
+        return {}, [], {"given": "the run's config (data.feature_mean, data.feature_std)"}
     for name, why in sorted(nodes.sums_refused.items()):
         warn(f"client {name}'s feature sums are left out of the shared scaling: {why}")
     if not nodes.feature_sums:
@@ -247,7 +262,7 @@ def shared_node_scaling(config: Config, nodes: Nodes, infos: list[Any], claimed:
             raise ConfigError("data.standardize=federated: no node sent feature sums the server could use "
                               f"({len(nodes.sums_refused)} left out, see the warnings); fix those nodes or set "
                               "data.standardize=client")
-        return {}, []
+        return {}, [], {}
     sizes = {name: float(sums.count) for name, sums in nodes.feature_sums.items()}
     weights = sizes
     if claimed:  # a site counts as at most max_ratio median sites and max_share of the total, as in aggregation
@@ -260,15 +275,61 @@ def shared_node_scaling(config: Config, nodes: Nodes, infos: list[Any], claimed:
     nodes.sums_refused.update(scaling.left_out)
     note = (f"clients: features standardised by one scaling shared by every site (data.standardize=federated): "
             f"the pooled training mean and std of {len(scaling.sites)} sites' feature sums")
-    return {"data.feature_mean": scaling.mean.tolist(), "data.feature_std": scaling.std.tolist()}, [note]
-
-
-def nodes_scaling_record(nodes: Nodes) -> dict[str, Any]:
-    """partition.json's record of whose feature sums the shared scaling pools and whose it left out."""
     record: dict[str, Any] = {"sites": sorted(nodes.feature_sums.keys() - nodes.sums_refused.keys())}
     if nodes.sums_refused:
         record["left_out"] = dict(sorted(nodes.sums_refused.items()))
-    return record
+    return {"data.feature_mean": scaling.mean.tolist(), "data.feature_std": scaling.std.tolist()}, [note], record
+
+
+def secure_node_scaling(grid: Grid, config: Config, nodes: Nodes, infos: list[Any], settings: FlowerSettings,
+                        warn: Any) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
+    """``data.standardize=federated`` under SecAgg+: the shared scaling from one SecAgg+ round before
+    training (:func:`~fedhpro.flower.secagg.statistics_round`) in which each site adds its sums of features
+    clipped to their public ranges (``data.feature_low`` / ``feature_high``), weighed as its training size
+    bounded as a claim; the server sees only the total. The sum's quantization leaves each summed entry off
+    by less than ``K * 2 r / Q`` of the largest weight (``K`` sites), stated in the note and the record. A
+    sum that fails (fewer than 2 sites summed, weights other than those asked for, means outside the
+    ranges: one site lied, SecAgg+ hides which) falls back to each site's own statistics with a warning:
+    the run goes on."""
+    data = config.data
+    if data.standardize != FEDERATED or data.feature_mean is not None or infos[0].kind != "tensors":
+        return {}, [], {"given": "the run's config (data.feature_mean, data.feature_std)"} \
+            if data.feature_mean is not None else {}
+    features = int(infos[0].input_shape[0])
+    ranges = feature_ranges(data.feature_low, data.feature_high, features)
+    assert ranges is not None, "resolved_standardize refuses federated under SecAgg+ without ranges"
+    sizes = [float(info.train_size) for info in infos]
+    cap = claim_cap(sizes, config.aggregation.max_share, config.aggregation.max_ratio) if not settings.roster \
+        else math.inf
+    weights = {k: min(size, cap) for k, size in enumerate(sizes) if size > 0}
+    secure = settings.secagg
+    outcome = secagg.statistics_round(grid, {k: nodes[k] for k in weights}, config_text(config), weights, secure,
+                                      features, float(settings.node_wait), error_reason)
+    summed = [k for k in weights if nodes[k] in outcome.summed]
+    bound = max(weights.values())
+    tolerance = len(summed) * secure.step * bound / secure.clipping_range  # in weight units, each entry
+    why = None
+    if outcome.total is None or len(summed) < 2:
+        why = f"SecAgg+ summed {len(summed)} sites ({outcome.halted or 'too few answered'})"
+    else:
+        total = torch.from_numpy(np.asarray(outcome.total, dtype=np.float64))
+        expected = sum(weights[k] for k in summed)
+        found = float(total[0]) * bound / secure.clipping_range
+        mean, std, _ = unpacked_scaling(total, bound, secure.clipping_range, *ranges, tolerance)
+        inside = bool(((mean >= ranges[0] - tolerance) & (mean <= ranges[1] + tolerance)).all())
+        if abs(found - expected) > tolerance + 1e-9 * expected or not inside:
+            why = (f"the secure sum of clients {', '.join(infos[k].name for k in summed)} is not that of their "
+                   f"sites (weights {found:.6g} against {expected:.6g}{'' if inside else ', means outside the ranges'}"
+                   "): one or more of them sent it, SecAgg+ hides which")
+    if why is not None:
+        warn(f"data.standardize=federated: {why}; each site scales by its own statistics instead "
+             "(data.standardize=client)")
+        return {"data.standardize": CLIENT}, [], {}
+    note = (f"clients: features standardised by one scaling shared by every site (data.standardize=federated), "
+            f"added up under SecAgg+ from {len(summed)} sites' sums of features clipped to data.feature_low/high; "
+            f"quantization leaves each summed entry within {tolerance:.3g} of {bound:g} rows")
+    record = {"sites": sorted(infos[k].name for k in summed), "secure": True, "tolerance": tolerance}
+    return {"data.feature_mean": mean.tolist(), "data.feature_std": std.tolist()}, [note], record
 
 
 #: the most refused nodes partition.json names (a flood of nodes must not make it grow without bound)
