@@ -183,7 +183,7 @@ def test_flower_nodes_share_the_simulators_scaling_and_numbers(sites, pooled_sca
     (lambda n, s, q: (n, s[:3], q), "malformed"),
 ])
 def test_flower_a_nodes_false_sums_are_left_out(sites, pooled_scaler, tmp_path, change, why, caplog):
-    out = flower_run(sites, tmp_path, {102: forged_sums(change)})
+    out = flower_run(sites, tmp_path, {102: forged_sums(change)}, rounds=1)
     scaling = json.loads((out / "partition.json").read_text())["scaling"]
     assert scaling["sites"] == ["site-0", "site-1"] and why in scaling["left_out"]["site-2"]
     honest = pd.concat(raw(sites[:2], "train")).drop(columns="label").to_numpy(dtype=np.float32)
@@ -227,7 +227,7 @@ def test_flower_secagg_adds_up_the_sites_sums_within_the_stated_tolerance(sites,
             seen.append(set(reply.content.config_records[records.NODE_RECORD]))
         return reply
 
-    out = flower_run(sites, tmp_path, {101: watch}, **SECURE, **public_ranges(sites))
+    out = flower_run(sites, tmp_path, {101: watch}, rounds=1, **SECURE, **public_ranges(sites))
     assert seen and all(keys == {"info"} for keys in seen)  # no site's own sums in the clear
     scaling = json.loads((out / "partition.json").read_text())["scaling"]
     assert scaling["secure"] is True and scaling["sites"] == ["site-0", "site-1", "site-2"]
@@ -245,14 +245,14 @@ def test_flower_secagg_a_false_secure_sum_falls_back_to_each_sites_own_scaling(s
         return honest(sums, weight, bound, clip) * torch.cat([torch.tensor([2.0]), torch.ones(26)]).double()
 
     monkeypatch.setattr(client_app, "packed_sums", doubled)
-    out = flower_run(sites, tmp_path, **SECURE, **public_ranges(sites))
+    out = flower_run(sites, tmp_path, rounds=1, **SECURE, **public_ranges(sites))
     partition = json.loads((out / "partition.json").read_text())
     assert partition["standardize"] == "client" and "scaling" not in partition
     assert any("is not that of their sites" in record.getMessage() for record in caplog.records)
 
 
 def test_flower_secagg_without_ranges_scales_each_site_or_refuses(sites, tmp_path):
-    out = flower_run(sites, tmp_path / "auto", **SECURE)
+    out = flower_run(sites, tmp_path / "auto", rounds=1, **SECURE)
     assert json.loads((out / "partition.json").read_text())["standardize"] == "client"
     with pytest.raises(ConfigError, match="data.feature_low and data.feature_high"):
         flower_run(sites, tmp_path / "refused", **SECURE, **{"data.standardize": "federated"})

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from fedhpro.bounded import read_json_file
-from fedhpro.errors import FedHProError
+from fedhpro.errors import ConfigError, FedHProError
 from fedhpro.files import write_atomic
 from fedhpro.options import option
 from fedhpro.registry import LiveChoices, Registry, checked_spec
@@ -660,8 +660,6 @@ def _label_spec(name: str, function: Callable[..., Partition], split: Callable[.
 
 def _partitioner_checks(spec: PartitionerSpec, where: str) -> None:
     """A label-skew partitioner's ``split`` is callable; its own knobs do not take a :class:`PartitionOptions` name."""
-    from fedhpro.errors import ConfigError
-
     if spec.labels and not callable(spec.split):
         raise ConfigError(f"{where}: PartitionerSpec.split must be callable (options, labels, num_clients, rng, "
                           "num_classes) -> Partition")
@@ -802,8 +800,6 @@ def chosen_scheme(options: PartitionOptions, default: str, allowed: Sequence[str
                   note: str = "") -> str:
     """The scheme ``partition=`` asks for (``auto``: the data set's ``default``), checked against the
     schemes data set ``name`` accepts; one-line ConfigError listing them (and ``note``) otherwise."""
-    from fedhpro.errors import ConfigError
-
     scheme = default if options.scheme == "auto" else options.scheme
     allowed = [*allowed, *(added for added in added_label_schemes() if added not in allowed)]
     if scheme not in allowed:

@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,6 @@ from mlflow.models import ModelSignature
 from mlflow.pyfunc import PythonModel
 from mlflow.types import ColSpec, Schema, TensorSpec
 
-from fedhpro import __version__
 from fedhpro.config import is_from_python, read_yaml
 from fedhpro.trained.checks import read_info
 from fedhpro.trained.estimator import TrainedClassifier, load_estimator
@@ -108,7 +108,7 @@ def save_mlflow_model(run_folder: str | os.PathLike, path: str | os.PathLike) ->
                 (copy / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(folder / name, copy / name)
         # stated, not inferred: MLflow would otherwise load the model in a subprocess to find its imports
-        requirements = [f"fedhpro=={__version__}", f"torch=={torch.__version__.split('+')[0]}",
+        requirements = [f"fedhpro=={version('fedhpro')}", f"torch=={torch.__version__.split('+')[0]}",
                         f"pandas=={pd.__version__}"]
         with warnings.catch_warnings():
             # its advice on type hints and input examples: the signature states the inputs
