@@ -75,6 +75,7 @@ from fedhpro.data.feature_statistics import (
     STANDARDIZE_CHOICES,
     STATISTICS_LIMIT,
     FeatureSums,
+    SharedScaling,
     feature_sums,
     shared_scaling,
 )
@@ -820,28 +821,8 @@ def given_scaling(options: ClientsOptions) -> tuple[Tensor, Tensor] | None:
     return torch.tensor(mean, dtype=torch.float64), torch.tensor(std, dtype=torch.float64)
 
 
-@dataclass
-class FederationScaling:
-    """The shared scaling of a simulated federation: what :func:`~fedhpro.data.feature_statistics.shared_scaling`
-    gives, or the one the config gives (``given`` says where it came from)."""
-
-    mean: Tensor
-    std: Tensor
-    sites: list[str]
-    left_out: dict[str, str]
-    given: str | None = None
-
-    def as_record(self) -> dict[str, Any]:
-        record: dict[str, Any] = {"mean": self.mean.tolist(), "std": self.std.tolist(), "sites": list(self.sites)}
-        if self.left_out:
-            record["left_out"] = dict(self.left_out)
-        if self.given is not None:
-            record["given"] = self.given
-        return record
-
-
 def federation_scaling(infos: Sequence[ClientInfo], train: Sequence[tuple[Tensor, Tensor]], options: ClientsOptions,
-                       columns: Sequence[str] | None = None) -> FederationScaling | None:
+                       columns: Sequence[str] | None = None) -> SharedScaling | None:
     """``data.standardize=federated`` over loaded clients: the scaling of ``data.feature_mean`` /
     ``feature_std`` when given, else combined from each scaled client's :func:`feature_sums` (each counting
     as its rows: the simulator knows its clients), with ``data.statistics_limit``'s guard; None when no
@@ -851,10 +832,9 @@ def federation_scaling(infos: Sequence[ClientInfo], train: Sequence[tuple[Tensor
     if not names:
         return None
     if given is not None:
-        return FederationScaling(given[0], given[1], names, {}, "data.feature_mean and data.feature_std")
+        return SharedScaling(given[0], given[1], names, given="data.feature_mean and data.feature_std")
     parts = {info.name: feature_sums(x) for info, (x, _) in zip(infos, train) if scales(x)}
-    shared = shared_scaling(parts, limit=options.statistics_limit, columns=columns)
-    return FederationScaling(shared.mean, shared.std, shared.sites, shared.left_out)
+    return shared_scaling(parts, limit=options.statistics_limit, columns=columns)
 
 
 def site_feature_sums(folder: str | Path, options: ClientsOptions) -> FeatureSums | None:
@@ -1206,7 +1186,7 @@ DATASET = DatasetSpec(
     image_input=image_input,
 )
 
-__all__ = ["CLIENT", "ClientInfo", "ClientsOptions", "DATASET", "FederationScaling", "STANDARDIZE_CHOICES",
+__all__ = ["CLIENT", "ClientInfo", "ClientsOptions", "DATASET", "STANDARDIZE_CHOICES",
            "UNTRAINED_CHOICES", "apply_statistics", "build", "client_domain", "client_folders", "client_notes",
            "feature_statistics", "federation_scaling", "folded", "given_scaling", "load_client", "resolve_classes",
            "scan_client", "site_feature_sums", "site_training_features", "skewed_scaling_warning",

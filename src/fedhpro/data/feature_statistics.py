@@ -68,17 +68,21 @@ class FeatureSums:
 @dataclass
 class SharedScaling:
     """The combined statistics: ``mean`` and ``std`` per feature (float64; ``std`` 1 where a feature is
-    constant, so that it is only centred), the sites they pool and the sites left out, with why."""
+    constant, so that it is only centred), the sites they pool and the sites left out, with why; ``given``:
+    where they came from when no sums were combined (the config's ``data.feature_mean`` / ``feature_std``)."""
 
     mean: Tensor
     std: Tensor
     sites: list[str]
     left_out: dict[str, str] = field(default_factory=dict)
+    given: str | None = None
 
     def as_record(self) -> dict[str, Any]:
         record: dict[str, Any] = {"mean": self.mean.tolist(), "std": self.std.tolist(), "sites": list(self.sites)}
         if self.left_out:
             record["left_out"] = dict(self.left_out)
+        if self.given is not None:
+            record["given"] = self.given
         return record
 
 
