@@ -73,23 +73,23 @@ def federations(root: Path) -> dict[str, Path]:
     site = np.array([f"hospital-{k}" for k in docs.integers(0, 3, len(frame))], dtype=object)
     write_sites(root / "cancer-docs", frame, site, docs.random(len(frame)) < 0.25)
     made["cancer-docs"] = root / "cancer-docs"
-    frame = table(load_wine)  # tests/test_csv_data.py's wine_parts
-    order = np.random.default_rng(0).permutation(len(frame))
-    site, test = np.empty(len(frame), dtype=object), np.zeros(len(frame), dtype=bool)
-    for k, rows in enumerate(np.array_split(order, 3)):
-        site[rows] = f"site-{k}"
-        test[rows[int(len(rows) * 0.7):]] = True
-    write_sites(root / "wine-csv", frame, site, test)
-    made["wine-csv"] = root / "wine-csv"
-    frame = table(load_digits)
-    order = np.random.default_rng(1).permutation(len(frame))
-    site, test = np.empty(len(frame), dtype=object), np.zeros(len(frame), dtype=bool)
-    for k, rows in enumerate(np.array_split(order, 5)):
-        site[rows] = f"site-{k}"
-        test[rows[int(len(rows) * 0.7):]] = True
-    write_sites(root / "digits-iid", frame, site, test)
-    made["digits-iid"] = root / "digits-iid"
+    # wine as tests/test_csv_data.py's wine_parts splits it; digits in 5 IID sites
+    for name, loader, sites, seed in (("wine-csv", load_wine, 3, 0), ("digits-iid", load_digits, 5, 1)):
+        frame = table(loader)
+        write_sites(root / name, frame, *random_sites(len(frame), sites, seed))
+        made[name] = root / name
     return made
+
+
+def random_sites(rows: int, sites: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(site of each row, whether it is a test row)``: a random permutation cut into ``sites`` equal parts,
+    the last 30 % of each part its test rows."""
+    order = np.random.default_rng(seed).permutation(rows)
+    site, test = np.empty(rows, dtype=object), np.zeros(rows, dtype=bool)
+    for k, part in enumerate(np.array_split(order, sites)):
+        site[part] = f"site-{k}"
+        test[part[int(len(part) * 0.7):]] = True
+    return site, test
 
 
 def pooled_regression(folder: Path) -> float:
