@@ -14,11 +14,9 @@ import numpy as np
 import pandas as pd
 import pytest
 from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
-from sklearn.datasets import load_wine
+from wine_table import FEATURES, wine_site_table
 
 import fedhpro
-
-FEATURES = list(load_wine().feature_names)
 
 
 def _tracked(out) -> tuple:
@@ -33,15 +31,7 @@ def _tracked(out) -> tuple:
 @pytest.fixture(scope="module")
 def table_run(tmp_path_factory):
     base = tmp_path_factory.mktemp("mlflow-table")
-    x, y = load_wine(return_X_y=True)
-    order = np.random.default_rng(0).permutation(len(y))
-    parts = []
-    for k, rows in enumerate(np.array_split(order, 3)):
-        cut = int(len(rows) * 0.7)
-        for split, part in (("train", rows[:cut]), ("test", rows[cut:])):
-            frame = pd.DataFrame(x[part], columns=FEATURES)
-            parts.append(frame.assign(label=y[part], site=f"site-{k}", split=split))
-    table = pd.concat(parts, ignore_index=True)
+    table = wine_site_table()
     table.to_csv(base / "table.csv", index=False)
     run = fedhpro.run(dataset="clients", data_dir=str(base / "table.csv"), method="fedavg", model="mlp", rounds=2,
                       local_epochs=2, batch_size=16, feature_dim=16, progress=False, threads=1, seed=3,

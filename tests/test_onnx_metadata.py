@@ -16,12 +16,10 @@ import onnx
 import onnxruntime
 import pandas as pd
 from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
-from sklearn.datasets import load_wine
+from wine_table import FEATURES, wine_site_table
 
 import fedhpro
 from fedhpro.trained.onnx_export import METADATA_KEYS, export_onnx
-
-FEATURES = list(load_wine().feature_names)
 
 
 def _metadata(path) -> tuple[onnxruntime.InferenceSession, dict]:
@@ -30,16 +28,7 @@ def _metadata(path) -> tuple[onnxruntime.InferenceSession, dict]:
 
 
 def test_a_tabular_model_onnx_names_its_classes_and_columns(tmp_path):
-    x, y = load_wine(return_X_y=True)
-    order = np.random.default_rng(0).permutation(len(y))
-    parts = []
-    for k, rows in enumerate(np.array_split(order, 3)):
-        cut = int(len(rows) * 0.7)
-        for split, part in (("train", rows[:cut]), ("test", rows[cut:])):
-            frame = pd.DataFrame(x[part], columns=FEATURES)
-            parts.append(frame.assign(label=np.array(["barolo", "merlot", "shiraz"])[y[part]], site=f"s{k}",
-                                      split=split))
-    table = pd.concat(parts, ignore_index=True)
+    table = wine_site_table(labels=["barolo", "merlot", "shiraz"], site_prefix="s")
     table.to_csv(tmp_path / "table.csv", index=False)
     run = fedhpro.run(dataset="clients", data_dir=str(tmp_path / "table.csv"), method="fedavg", model="mlp",
                       rounds=2, local_epochs=2, batch_size=16, feature_dim=16, progress=False, threads=1, seed=3,

@@ -18,13 +18,12 @@ import pytest
 import torch
 from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
 from PIL import Image
-from sklearn.datasets import load_wine
+from wine_table import FEATURES, wine_site_table
 
 import fedhpro
 from fedhpro.errors import DataError
 
 #: named features, none of them in the order wine's columns come in sorted order
-FEATURES = list(load_wine().feature_names)
 TINY = {"rounds": 3, "local_epochs": 2, "feature_dim": 16, "progress": False, "threads": 1, "device": "cpu",
         "seed": 3, "method": "fedavg", "model": "mlp", "batch_size": 16}
 
@@ -34,15 +33,7 @@ def table_run(tmp_path_factory):
     """A run on one CSV table with site and split columns (wine: 13 named features, 3 sites), as the issue's
     user trained it, and the table."""
     base = tmp_path_factory.mktemp("by-name")
-    x, y = load_wine(return_X_y=True)
-    order = np.random.default_rng(0).permutation(len(y))
-    parts = []
-    for k, rows in enumerate(np.array_split(order, 3)):
-        cut = int(len(rows) * 0.7)
-        for split, part in (("train", rows[:cut]), ("test", rows[cut:])):
-            frame = pd.DataFrame(x[part].astype(np.float32), columns=FEATURES)
-            parts.append(frame.assign(label=y[part], site=f"site-{k}", split=split))
-    table = pd.concat(parts, ignore_index=True)
+    table = wine_site_table(float32=True)
     table.to_csv(base / "table.csv", index=False)
     run = fedhpro.run(**TINY, dataset="clients", data_dir=str(base / "table.csv"), out=str(base / "run"))
     return run, table, base
