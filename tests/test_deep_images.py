@@ -20,6 +20,7 @@ import fedhpro
 from fedhpro.config import load_config
 from fedhpro.data import get_dataset, images
 from fedhpro.data.federation import Federation
+from fedhpro.errors import ConfigError
 from fedhpro.errors import DataError
 
 
@@ -65,8 +66,8 @@ def test_low_contrast_16_bit_images_are_learned(tmp_path):
     assert detected["accuracy"] >= 90  # measured 100 %; 50 % before
     assert any("read as 14-bit" in note for note in detected["notes"])
     full = _run(tmp_path, root, "full", **{"data.bit_depth": 16})  # told they are 16-bit: the fixed scaling
-    assert any("data.standardize=train may learn better" in note for note in full["notes"])
-    standardized = _run(tmp_path, root, "standardized", **{"data.bit_depth": 16, "data.standardize": "train"})
+    assert any("data.standardize=federated may learn better" in note for note in full["notes"])
+    standardized = _run(tmp_path, root, "standardized", **{"data.bit_depth": 16, "data.standardize": "federated"})
     assert standardized["accuracy"] >= 90  # measured 100 %; 50 % at the fixed [-1, 1] scaling (full)
     assert full["accuracy"] <= 60
     assert any("standardised per channel" in note for note in standardized["notes"])
@@ -156,15 +157,25 @@ def test_a_bit_depth_too_small_for_the_values_is_refused_in_one_line(tmp_path):
     assert any("data.bit_depth=12 not used: every image is 8-bit" in note for note in federation.notes)
 
 
-def test_standardize_train_gives_the_training_images_mean_0_and_std_1_per_channel(tmp_path):
+def test_standardize_federated_gives_the_training_images_mean_0_and_std_1_per_channel(tmp_path):
+    """data.standardize has one meaning on images and tables: federated is the pooled training statistics
+    (per channel here), train its former image-folder name (the same bytes), client refused in one line."""
     root = _eight_bit_folder(tmp_path / "eight")
-    federation = _build(root, "data.image_size=6", "data.standardize=train")
+    federation = _build(root, "data.image_size=6", "data.standardize=federated")
+    former = _build(root, "data.image_size=6", "data.standardize=train")
+    assert all(torch.equal(a.x, b.x) for a, b in zip(federation.clients, former.clients, strict=True))
+    plain, auto = _build(root, "data.image_size=6", "data.standardize=none"), _build(root, "data.image_size=6")
+    assert all(torch.equal(a.x, b.x) for a, b in zip(plain.clients, auto.clients, strict=True))
+    assert "standardize" not in auto.partition
+    with pytest.raises(ConfigError, match="data.standardize=client .* use data.standardize=federated") as error:
+        _build(root, "data.image_size=6", "data.standardize=client")
+    assert "\n" not in str(error.value)
     x = torch.cat([client.x for client in federation.clients]).double()
     torch.testing.assert_close(x.mean(dim=(0, 2, 3)), torch.zeros(3, dtype=torch.float64), rtol=0, atol=1e-5)
     torch.testing.assert_close(x.std(dim=(0, 2, 3)), torch.ones(3, dtype=torch.float64), rtol=0, atol=1e-4)
     statistics = federation.partition["standardize"]
     assert len(statistics["mean"]) == 3 and all(0 < s < 1 for s in statistics["std"])
-    assert any("standardised per channel (data.standardize=train)" in note for note in federation.notes)
+    assert any("standardised per channel (data.standardize=federated)" in note for note in federation.notes)
 
 
 def test_predict_scales_new_images_as_the_run_did(tmp_path):

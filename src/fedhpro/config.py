@@ -35,7 +35,7 @@ from fedhpro import options as opt
 from fedhpro.aggregation import AGGREGATION_RULES
 from fedhpro.bounded import MAX_YAML_CHARS, LimitError, load_yaml
 from fedhpro.data import DATASETS, get_dataset
-from fedhpro.data.feature_statistics import FEDERATED, resolved_standardize
+from fedhpro.data.feature_statistics import FEDERATED, FORMER_FEDERATED, resolved_standardize
 from fedhpro.data.matched_tests import CLIENT_TESTS
 from fedhpro.data.partition import PartitionOptions, partition_options_class
 from fedhpro.errors import ConfigError
@@ -857,13 +857,15 @@ def _build(cls: type, values: dict[str, Any], prefix: str, dataset: str) -> Any:
 
 
 def applied_data_options(config: Config) -> Any:
-    """``config.data`` as a run applies it: ``data.standardize=auto`` resolved to ``federated``, or to
-    ``client`` under differential privacy (the shared scaling's feature sums carry no noise), and
-    ``federated`` under privacy refused in one line
-    (:func:`~fedhpro.data.feature_statistics.resolved_standardize`). Other data options as they are."""
+    """``config.data`` as a run applies it: ``data.standardize=auto`` resolved to the data set's ``auto``
+    (``STANDARDIZE_AUTO`` on its options: ``none`` for image folders) or to ``federated``, or to ``client``
+    under differential privacy (the shared scaling's feature sums carry no noise), and ``federated`` under
+    privacy refused in one line (:func:`~fedhpro.data.feature_statistics.resolved_standardize`). Other data
+    options as they are."""
     data = config.data
     mode = getattr(data, "standardize", None)
-    if mode not in ("auto", FEDERATED):
+    if mode not in ("auto", FEDERATED, FORMER_FEDERATED):
         return data
-    resolved, _ = resolved_standardize(mode, is_private(config.privacy))
+    resolved, _ = resolved_standardize(mode, is_private(config.privacy),
+                                       auto=getattr(type(data), "STANDARDIZE_AUTO", FEDERATED))
     return dataclasses.replace(data, standardize=resolved)

@@ -47,6 +47,8 @@ from fedhpro.errors import ConfigError
 #: sites' pooled statistics, each site's own, or the features as saved
 STANDARDIZE_CHOICES = ("auto", "federated", "client", "none")
 FEDERATED, CLIENT, NONE = "federated", "client", "none"
+#: the image-folder data set's former name of ``federated`` (the pooled training images' channel statistics)
+FORMER_FEDERATED = "train"
 #: ``data.statistics_limit``'s default: how many times a feature's pooled std one site may make it
 STATISTICS_LIMIT = 20.0
 #: the most features whose sums one answer may carry (a bound on what a node's claim allocates)
@@ -197,14 +199,18 @@ def _factor(factor: float) -> str:
     return f"{factor:.3g}" if math.isfinite(factor) and factor < 1e6 else f"{factor:.2e}"
 
 
-def resolved_standardize(mode: str, private: bool, secure: bool = False,
-                         ranges: bool = False) -> tuple[str, str | None]:
-    """``(mode, note)``: ``data.standardize`` as a run applies it. ``auto`` is ``federated``, or ``client``
+def resolved_standardize(mode: str, private: bool, secure: bool = False, ranges: bool = False,
+                         auto: str = FEDERATED) -> tuple[str, str | None]:
+    """``(mode, note)``: ``data.standardize`` as a run applies it. ``auto`` is the data set's ``auto``: ``none``
+    for image folders (their fixed [-1, 1] scaling), else ``federated``, or ``client``
     (each site's own statistics: nothing leaves it) where the sums would leave a site outside the run's
     guarantee: under differential privacy (``private``: they carry no noise), or under secure aggregation
     (``secure``) without public feature ranges (``ranges``: ``data.feature_low`` / ``feature_high``, which
     bound what SecAgg+ quantizes; with them the server sees only the sites' sums added up).
-    ``federated`` there is refused in one line."""
+    ``federated`` there is refused in one line; ``train`` is the former image-folder name of ``federated``."""
+    mode = FEDERATED if mode == FORMER_FEDERATED else mode
+    if mode == "auto" and auto != FEDERATED:
+        return auto, None
     if mode not in (FEDERATED, "auto"):
         return mode, None
     why = ("privacy (each site's feature sums would leave it without noise, outside the privacy guarantee)"
@@ -277,7 +283,7 @@ def unpacked_scaling(total: Tensor, bound: float, clip: float, low: Tensor, high
     return mean, torch.where(flat, torch.ones_like(variance), scaling_of(mean, variance, rows)), rows
 
 
-__all__ = ["CLIENT", "FEDERATED", "FeatureSums", "MAX_FEATURES", "NONE", "STANDARDIZE_CHOICES", "STATISTICS_LIMIT",
+__all__ = ["CLIENT", "FEDERATED", "FORMER_FEDERATED", "FeatureSums", "MAX_FEATURES", "NONE", "STANDARDIZE_CHOICES", "STATISTICS_LIMIT",
            "SharedScaling", "constant", "feature_ranges", "feature_sums", "influence", "moments", "packed_sums",
            "range_sums", "resolved_standardize", "scaling_of", "shared_scaling", "sums_from_json", "sums_problem",
            "unpacked_scaling"]

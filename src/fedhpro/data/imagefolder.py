@@ -37,9 +37,12 @@ scaled by their bit depth, resized to ``data.image_size`` and normalised to
 the one thing a run writes into ``PATH``). 16-bit grey images keep their
 precision and are scaled by the bit depth of the whole data set, detected
 (a 12-bit camera's 0..4095 in 16-bit PNGs is 12-bit) or given as
-``data.bit_depth``, and the run's notes say which. ``data.standardize=train``
-standardises the inputs per channel by the training images' mean and
-standard deviation instead of the fixed ``[-1, 1]`` scaling.
+``data.bit_depth``, and the run's notes say which. ``data.standardize`` has
+the tabular data's meaning per channel: ``federated`` standardises the inputs
+per channel by the mean and standard deviation of every client's training
+images pooled (``train`` is its former name), ``none`` (and ``auto``) keeps
+the fixed ``[-1, 1]`` scaling; ``client`` is refused (the clients share their
+domain's test set, which one scaling per client would not fit).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ import numpy as np
 import torch
 
 from fedhpro.data.clients import refuse_lookalikes
+from fedhpro.data.feature_statistics import CLIENT, FEDERATED, FORMER_FEDERATED, NONE, STANDARDIZE_CHOICES
 from fedhpro.data.federation import Federation, domains_without_clients_note
 from fedhpro.data.images import (
     CACHE_FOLDER,
@@ -88,6 +92,9 @@ DEFAULT_CLIENTS = 10
 class ImageFolderOptions:
     """``data.*`` of ``dataset=imagefolder``."""
 
+    #: what ``data.standardize=auto`` is here: the fixed [-1, 1] scaling (the paper's and the built-ins')
+    STANDARDIZE_AUTO = NONE
+
     image_size: int = option(32, min=1, help="side of the square images every image is resized to")
     test_fraction: float = option(0.2, gt=0.0, max=0.9, help="share of each class held out for testing where a "
                                                              "folder has no test/ split")
@@ -102,11 +109,12 @@ class ImageFolderOptions:
                             help="bits of 16-bit grey images' values, which scale them to [-1, 1]: 0 detects it "
                                  "from the whole data set (the smallest of 8, 10, 12, 14, 16 bits holding its "
                                  "largest value; said in the run's notes); 8-bit images are not affected")
-    standardize: str = option("none", choices=("none", "train"),
-                              help="train: standardise the inputs per channel by the mean and standard deviation of "
-                                   "all the training images (after bit-depth scaling), as torchvision's Normalize "
-                                   "with the data set's statistics; helps low-contrast images. none: the fixed "
-                                   "[-1, 1] scaling")
+    standardize: str = option("auto", choices=(*STANDARDIZE_CHOICES, FORMER_FEDERATED),
+                              help="the tabular data's option, per channel: federated (train is its former name) "
+                                   "standardises the inputs by the mean and standard deviation of every client's "
+                                   "training images pooled (after bit-depth scaling), as torchvision's Normalize "
+                                   "with the data set's statistics; helps low-contrast images. none, and auto: the "
+                                   "fixed [-1, 1] scaling. client is refused: clients share their domain's test set")
 
 
 @dataclass
@@ -279,6 +287,11 @@ def build(options: ImageFolderOptions, clients: int | None, seed: int, data_dir:
     root = Path(data_dir).expanduser()
     if not root.is_dir():
         raise DataError(f"data_dir={data_dir}: no such folder; give the folder of class subfolders")
+    standardize = {"auto": NONE, FORMER_FEDERATED: FEDERATED}.get(options.standardize, options.standardize)
+    if standardize == CLIENT:
+        raise ConfigError("data.standardize=client scales each site's own tabular features; image-folder clients "
+                          "share their domain's test set, which one scaling per client would not fit: use "
+                          "data.standardize=federated (every client's training images pooled) or none")
     found, classes = discover(root, options)
     index = {name: label for label, name in enumerate(classes)}
     num_classes = len(classes)
@@ -314,8 +327,8 @@ def build(options: ImageFolderOptions, clients: int | None, seed: int, data_dir:
     tests = {d or "all": (to_float(test_pixels[d], bits),
                           torch.tensor([index[n] for n in found[d].test_classes], dtype=torch.int64)) for d in used}
     statistics = None
-    if options.standardize == "train":
-        statistics = _standardize(train, tests, [train_pixels[d] for d in used], bits)
+    if standardize == FEDERATED:
+        statistics = _standardize(train, tests)
         depth_notes.append(statistics.pop("note"))
 
     record = {"dataset": "imagefolder",
@@ -347,16 +360,16 @@ def build(options: ImageFolderOptions, clients: int | None, seed: int, data_dir:
                                    partition=record, notes=notes)
 
 
-def _standardize(train: list[tuple[torch.Tensor, torch.Tensor]], tests: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                 pooled: list[np.ndarray], bits: int | None) -> dict[str, Any]:
-    """``data.standardize=train``: every input, training and test, as ``(x - mean) / std`` per channel, with
-    the statistics of all the training images (``pooled``, the decoded pixels, scaled as the inputs are);
-    in place. Returns the statistics in ``0..1`` units (torchvision's ``Normalize`` of pixels in ``0..1``)
-    and the run's note."""
+def _standardize(train: list[tuple[torch.Tensor, torch.Tensor]],
+                 tests: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+    """``data.standardize=federated``: every input, training and test, as ``(x - mean) / std`` per channel,
+    with the statistics of every client's training images pooled (each client's count, sum and sum of
+    squares per channel, in float64); in place. Returns the statistics in ``0..1`` units (torchvision's
+    ``Normalize`` of pixels in ``0..1``) and the run's note."""
     total, squares, count = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64), 0
-    for pixels in pooled:
-        for start in range(0, len(pixels), 4096):  # in chunks: no float copy of the whole data set at once
-            chunk = to_float(pixels[start:start + 4096], bits).double()
+    for images, _ in train:
+        for start in range(0, len(images), 4096):  # in chunks: no float64 copy of a client's images at once
+            chunk = images[start:start + 4096].double()
             total += chunk.sum(dim=(0, 2, 3))
             squares += chunk.square().sum(dim=(0, 2, 3))
             count += chunk.shape[0] * chunk.shape[2] * chunk.shape[3]
@@ -369,8 +382,9 @@ def _standardize(train: list[tuple[torch.Tensor, torch.Tensor]], tests: dict[str
     # x in [-1, 1] is 2p - 1 for p in 0..1: (x - m) / s = (p - (m + 1) / 2) / (s / 2)
     unit_mean, unit_std = ((mean + 1) / 2).tolist(), (std / 2).tolist()
     shown = ", ".join(f"{m:.4g}/{s:.4g}" for m, s in zip(unit_mean, unit_std, strict=True))
-    note = (f"imagefolder: inputs standardised per channel (data.standardize=train) by the mean/std of all "
-            f"{sum(len(pixels) for pixels in pooled)} training images, of pixels in 0..1: {shown}")
+    note = (f"imagefolder: inputs standardised per channel (data.standardize=federated) by the mean/std of the "
+            f"{sum(len(images) for images, _ in train)} training images of every client pooled, of pixels in "
+            f"0..1: {shown}")
     return {"mean": unit_mean, "std": unit_std, "note": note}
 
 
@@ -440,7 +454,7 @@ def _partition(options: PartitionOptions, scheme: str, labels: dict[str, np.ndar
 
 def image_input(options: ImageFolderOptions, partition: Mapping[str, Any], size: int) -> dict[str, Any]:
     """A new image as this data set's input: resized to ``size``, scaled to [-1, 1] as the run's partition.json
-    recorded: by its bit depth (16-bit images by ``2**bits - 1``) and, with ``data.standardize=train``, by the
+    recorded: by its bit depth (16-bit images by ``2**bits - 1``) and, with ``data.standardize=federated``, by the
     training images' per-channel mean and std (of pixels in 0..1), which a new image must get too."""
     image = half_range_image("imagefolder", size, resize=True)
     if isinstance(partition.get("bit_depth"), int):

@@ -284,7 +284,7 @@ def depth_note(arrays: Sequence[np.ndarray], bits: int, given: bool) -> str:
               "16-bit images"
     else:
         how = "detected"
-    narrow = "; they span little of that range: data.standardize=train may learn better" if (
+    narrow = "; they span little of that range: data.standardize=federated may learn better" if (
         high - low) * 4 < scale and bits == 16 else ""
     return (f"16-bit images read as {bits}-bit ({how}; values {low}..{high}): pixels scaled by 1/{scale} to "
             f"[-1, 1], their precision kept{narrow}")
