@@ -177,7 +177,8 @@ def comparisons_below(folder: Path, depth: int = STUDY_DEPTH) -> list[Path]:
 
 
 def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: bool = True,
-           force: bool = False, class_accuracy: Callable[[Path], Mapping[str, Any]] | None = None) -> Path:
+           force: bool = False, class_accuracy: Callable[[Path], Mapping[str, Any]] | None = None,
+           class_options: Mapping[str, Any] | None = None) -> Path:
     """Build the table and the plots of ``run_dirs``; returns the output folder.
 
     A folder of run folders (``fedhpro compare``'s ``out``) among ``run_dirs`` gives the report over seeds
@@ -201,7 +202,8 @@ def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: 
 
     ``class_accuracy`` (``fedhpro report ... per_class=true`` passes :func:`fedhpro.trained.class_accuracy`):
     each run's per-class test counts, from its folder; with it the report adds ``per_class.md``, ``.csv`` and
-    ``.png`` (:func:`fedhpro.reports.classes.write_class_report`): head / middle / tail and per-class accuracy.
+    ``.png`` (:func:`fedhpro.reports.classes.write_class_report`): head / middle / tail and per-class accuracy;
+    ``class_options``: that function's keyword options (``fedhpro report``'s keys for it).
     """
     if not run_dirs:
         raise ConfigError("give at least one run folder: fedhpro report RUN_DIR [RUN_DIR ...] [out=DIR]")
@@ -238,7 +240,7 @@ def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: 
                   for label, members in by_label.items()}
         write_class_report(written, {label: members for label, members in tested.items() if members}, echo=echo,
                            notes=[f"left out, unfinished (no saved model yet): {', '.join(left_out)}"]
-                           if left_out else [])
+                           if left_out else [], **dict(class_options or {}))
         if echo:
             print(f"written to {written}/: {', '.join(CLASS_FILES)}")
     return written
