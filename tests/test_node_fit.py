@@ -42,11 +42,11 @@ pytest.importorskip("flwr", reason="the Flower engine needs the flower extra: pi
 from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
 from test_flower_own_data import write_site  # noqa: E402
 
-from fedhpro.data.clients import ClientInfo, ClientsOptions  # noqa: E402
+from fedhpro.data.clients import ClientInfo, ClientsOptions, scan_client  # noqa: E402
 from fedhpro.errors import ConfigError  # noqa: E402
 from fedhpro.flower import records  # noqa: E402
 from fedhpro.flower.local_grid import LocalGrid, inside_a_run  # noqa: E402
-from fedhpro.flower.nodes import class_bound, misfits, node_classes, single_holders  # noqa: E402
+from fedhpro.flower.nodes import class_bound, misfits, node_classes, single_holders, untrained_tests  # noqa: E402
 from fedhpro.flower.records import NODE_RECORD  # noqa: E402
 from fedhpro.flower.server import run_server  # noqa: E402
 
@@ -432,3 +432,40 @@ def test_a_classes_txt_other_than_the_strict_majority_s_is_refused():
     extra = [f"x{i}" for i in range(50)]
     named = {k: info(f"n{k}", ["cat", "dog"]) for k in range(3)}
     assert misfits({**named, 2: info("n2", ["cat", "dog", *extra])}, ClientsOptions(num_classes=2)).keys() == {2}
+
+
+# ---------------------------------------------------------------------------- a class tested where none trains it
+
+
+def test_untrained_tests_names_the_classes_some_node_tests_and_none_trains():
+    nodes = {1: ClientInfo("a", None, "tensors", None, None, 2, [4], 10, 5, ["0", "1"], ["0", "2"]),
+             2: ClientInfo("b", None, "tensors", None, None, 3, [4], 10, 5, ["1"], ["1", "3"]),
+             3: ClientInfo("c", None, "tensors", None, None, 1, [4], 10, 5, ["2"], ["1"])}
+    assert untrained_tests(nodes) == {2: ["3"]}  # "2" is tested at a, trained at c: learned
+    assert untrained_tests({1: nodes[1]}) == {1: ["2"]}
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["refused", "kept"])
+def test_flower_a_node_testing_a_class_no_node_trains_is_named(tmp_path, caplog, keep):
+    """Each node sees its own data only, so the server tells a class tested but trained nowhere from the
+    nodes' class lists per split: the node is left out (the run goes on), or, with
+    data.untrained_classes=keep, the class is named in a warning."""
+    root = tmp_path / "sites"
+    for k, site in enumerate(SITES):
+        write_site(root / site, ["cat", "dog"], seed=k, train=4, test=2)
+    write_site(root / "owl-tests", ["owl"], seed=9, train=0, test=2)  # test/owl/ only
+    (root / "owl-tests" / "test" / "owl").rename(root / "clinic-2" / "test" / "owl")
+    assert scan_client(root / "clinic-2", ClientsOptions()).test_classes == ["cat", "dog", "owl"]
+    extra = {"data.untrained_classes": "keep"} if keep else {}
+    with caplog.at_level(logging.WARNING):
+        out = own_run({site: root / site for site in SITES}, tmp_path, **extra)
+    record = partition(out)
+    if keep:
+        assert record["classes"] == ["cat", "dog", "owl"] and "refused" not in record
+        assert ("test samples of classes no admitted node trains (clinic-2: 'owl'): never learned, they count as "
+                "errors (data.untrained_classes=keep)") in caplog.text
+    else:
+        assert record["classes"] == ["cat", "dog"] and [c["name"] for c in record["clients"]] == ["clinic-0",
+                                                                                                  "clinic-1"]
+        assert ("its test samples hold 1 class that no admitted node trains ('owl'): the model never learns them"
+                in record["refused"][0]["reason"])

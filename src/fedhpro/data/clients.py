@@ -179,6 +179,10 @@ class ClientInfo:
     input_shape: list[int]  # images: [3, S, S] with S = data.image_size; tensors: x.shape[1:]
     train_size: int
     test_size: int
+    # the classes with samples in each split (class names, or labels by index as text): what tells a class
+    # some site tests but no site trains (data.untrained_classes) where the sites are apart (Flower)
+    train_classes: list[str] | None = None
+    test_classes: list[str] | None = None
 
 
 # --------------------------------------------------------------------------- one folder
@@ -206,9 +210,10 @@ def scan_client(folder: str | Path, options: ClientsOptions) -> ClientInfo:
         splits = _image_splits(folder)
         names = sorted({name for classes in splits.values() for name, files in classes.items() if files})
         size = int(options.image_size)
+        held = [sorted(name for name, files in splits.get(split, {}).items() if files) for split in ("train", "test")]
         return ClientInfo(folder.name, client_domain(folder), "images", names, declared, None, [3, size, size],
                           *(sum(len(files) for files in splits.get(split, {}).values())
-                            for split in ("train", "test")))
+                            for split in ("train", "test")), *held)
     pairs = {split: _read_split(path, options) for split, path in _tensor_files(folder).items()}
     shapes = {split: list(x.shape[1:]) for split, (x, _) in pairs.items()}
     if len({tuple(s) for s in shapes.values()}) > 1:
@@ -216,8 +221,17 @@ def scan_client(folder: str | Path, options: ClientsOptions) -> ClientInfo:
                         f"{shapes['test']}); give both the same features")
     class_names, max_label = _label_summary(folder.name, [labels for _, labels in pairs.values()])
     sizes = [int(pairs[split][1].shape[0]) if split in pairs else 0 for split in ("train", "test")]
+    held = [split_classes(pairs[split][1]) if split in pairs else [] for split in ("train", "test")]
     return ClientInfo(folder.name, client_domain(folder), "tensors", class_names, declared, max_label,
-                      shapes["train"], *sizes)
+                      shapes["train"], *sizes, *held)
+
+
+def split_classes(labels: Tensor | np.ndarray) -> list[str]:
+    """The classes one split's labels hold, as :class:`ClientInfo` names them: the sorted names, or the
+    labels by index as text in their order (``"0"``, ``"2"``)."""
+    if isinstance(labels, np.ndarray):
+        return label_names(labels) if len(labels) else []
+    return [str(label) for label in torch.unique(labels).tolist()]
 
 
 def _read_split(path: Path, options: ClientsOptions) -> tuple[Tensor, Tensor | np.ndarray]:

@@ -130,7 +130,9 @@ def client_info(record: ConfigRecord | None, max_classes: int) -> Any:
                                                                     max_classes - 1),
         input_shape=shape,
         train_size=_integer(values["train_size"], "train_size", 0, MAX_SAMPLES),
-        test_size=_integer(values["test_size"], "test_size", 0, MAX_SAMPLES))
+        test_size=_integer(values["test_size"], "test_size", 0, MAX_SAMPLES),
+        train_classes=_names(values["train_classes"], "train_classes", max_classes),
+        test_classes=_names(values["test_classes"], "test_classes", max_classes))
 
 
 def sums_answer(record: ConfigRecord | None, features: int) -> FeatureSums | None:

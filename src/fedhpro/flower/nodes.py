@@ -315,7 +315,19 @@ def discover_own_data(grid: Grid, config: Config,
         if len(known) < expected:
             time.sleep(0.2)
     waited = time.monotonic() > deadline
-    for node, why in sorted(misfits(known, config.data).items()):  # after admission: the majority is known
+    refusals = misfits(known, config.data)  # after admission: the majority is known
+    untrained = untrained_tests({node: info for node, info in known.items() if node not in refusals})
+    if untrained and config.data.untrained_classes == "keep":
+        shown = "; ".join(f"{known[node].name}: {_shown(names)}" for node, names in sorted(untrained.items())[:5])
+        log(WARNING, "fedhpro: test samples of classes no admitted node trains (%s): never learned, they count "
+            "as errors (data.untrained_classes=keep)", shown)
+    elif untrained:  # the node whose test data the model cannot learn is left out, not the run
+        refusals.update({node: (f"its test samples hold {len(names)} class{'es' if len(names) > 1 else ''} that no "
+                                f"admitted node trains ({_shown(names)}): the model never learns them; give a site "
+                                "training samples of them, drop those test samples, or set "
+                                "data.untrained_classes=keep to test on them anyway")
+                         for node, names in untrained.items()})
+    for node, why in sorted(refusals.items()):
         _refuse(node, why, ignored)
         name = known.pop(node).name
         del by_name[name]
@@ -467,6 +479,16 @@ def misfits(known: Mapping[int, ClientInfo], options: Any) -> dict[int, str]:
                              f"({_shown(added)}), more than {bound} (the lower median of the admitted nodes' class "
                              "counts); if they are right, list the federation's classes in data.classes")
     return refused
+
+
+def untrained_tests(known: Mapping[int, ClientInfo]) -> dict[int, list[str]]:
+    """``{node id: classes}``: for each node (``known``: node id -> description) the classes its test split
+    holds that no node of ``known`` holds in its training split (class names, or labels by index as text),
+    sorted; nodes without such classes are left out. The model never learns those classes, so their test
+    samples can only count as errors (``data.untrained_classes``)."""
+    trained = set().union(*(set(info.train_classes or []) for info in known.values()))
+    found = {node: sorted(set(info.test_classes or []) - trained) for node, info in known.items()}
+    return {node: names for node, names in found.items() if names}
 
 
 def single_holders(infos: list[ClientInfo]) -> list[tuple[str, str]]:
