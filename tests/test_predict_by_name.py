@@ -152,3 +152,22 @@ def test_the_estimator_of_an_image_run_takes_pixels_flat_arrays_and_files(image_
         estimator.predict(pd.DataFrame({"a": [1.0]}))
     with pytest.raises(DataError, match="N x 3 x 32 x 32"):
         estimator.predict(pixels[:, :, :16])
+
+
+def test_score_is_scikit_learns_accuracy_by_name_or_index(table_run):
+    from sklearn.metrics import accuracy_score
+
+    run, table, _ = table_run
+    test = table[table["split"] == "test"].reset_index(drop=True)
+    estimator = fedhpro.load_estimator(run.out)
+    predicted = estimator.predict(test[FEATURES])
+    reference = accuracy_score(test["label"].astype(str), predicted.astype(str))
+    assert reference > 0.8  # a model that learnt
+    assert estimator.score(test[FEATURES], test["label"]) == pytest.approx(reference)  # indices 0..2
+    assert estimator.score(test[FEATURES], test["label"].astype(str)) == pytest.approx(reference)  # names
+    for y, message in ((np.full(len(test), 5), "y holds the class index 5, outside 0..2"),
+                       (["malbec"] * len(test), "y holds 'malbec', which is not one of the run's classes"),
+                       (test["label"][:3], f"y has 3 labels for {len(test)} inputs")):
+        with pytest.raises(DataError, match=message) as error:
+            estimator.score(test[FEATURES], y)
+        assert "\n" not in str(error.value)

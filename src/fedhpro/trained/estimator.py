@@ -89,6 +89,33 @@ class TrainedClassifier:
         """The predicted class of each input, by name (:attr:`classes_`)."""
         return self.classes_[self.predict_proba(X).argmax(axis=1)]
 
+    def score(self, X: Any, y: Any) -> float:
+        """The mean accuracy of :meth:`predict` on ``X`` against ``y`` (scikit-learn's ``score``): ``y`` holds
+        class names (:attr:`classes_`), or class indices 0..C-1, one per input. A label that is neither is
+        refused in one line (scored as an error it would lower the accuracy silently)."""
+        predicted = self.predict(X)
+        truth = self._labels(y, len(predicted))
+        return float(np.mean(predicted == truth))
+
+    def _labels(self, y: Any, count: int) -> np.ndarray:
+        """``y`` as class names: names kept, whole numbers 0..C-1 as the names they index."""
+        values = np.asarray(y.to_numpy() if isinstance(y, (pd.Series, pd.DataFrame)) else y, dtype=object).ravel()
+        if len(values) != count:
+            raise DataError(f"y has {len(values)} labels for {count} inputs; give one label per input")
+        names = {str(name) for name in self.classes_}
+        indices = all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values)
+        if indices and not all(str(v) in names for v in values):
+            bad = [int(v) for v in values if not 0 <= int(v) < len(self.classes_)]
+            if bad:
+                raise DataError(f"y holds the class index {bad[0]}, outside 0..{len(self.classes_) - 1}; give "
+                                f"class names ({', '.join(map(str, self.classes_[:5]))}...) or indices in range")
+            return self.classes_[[int(v) for v in values]]
+        unknown = sorted({str(v) for v in values} - names)
+        if unknown:
+            raise DataError(f"y holds {unknown[0]!r}, which is not one of the run's classes ("
+                            f"{', '.join(map(str, self.classes_[:10]))}); give the class names the run trained on")
+        return np.array([str(v) for v in values], dtype=object)
+
     def _raw_inputs(self, X: Any) -> tuple[Tensor, list[str]]:
         """``X`` as the tensor the wrapped module takes raw (its pre-hooks scale it), with a name per input."""
         if isinstance(X, (pd.DataFrame, Mapping)):
