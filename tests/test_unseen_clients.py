@@ -109,3 +109,20 @@ def test_personal_models_are_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="personal models"):
         fedhpro.run(federation=domains_federation(), out=str(tmp_path / "p"), unseen_domain="b",
                     **{**SETTINGS, "method": "fedproto", "fedproto.protocol": "proto-only"})
+
+
+def test_a_class_only_the_held_out_clients_train_is_named():
+    """Held out of training, domain b's clients take the only training samples of the last class with them:
+    its test samples (in domain a's test set) count as errors, and the run says so; nothing is said when the
+    training clients keep every tested class."""
+    federation = domains_federation()
+    last = federation.num_classes - 1
+    assert (federation.test_sets["a"][1] == last).any()
+    plain = hold_out_clients(federation, 0.0, "b", seed=0)
+    assert not any("no training client holds" in note for note in plain.notes)
+    for k, client in enumerate(federation.clients):
+        client.y[:] = torch.where(client.y == last, 0, client.y) if k % 2 == 0 else last
+    split = hold_out_clients(federation, 0.0, "b", seed=0)
+    (warning,) = [note for note in split.notes if "no training client holds" in note]
+    assert warning.startswith(f"warning: unseen: class {last}: no training client holds it once the unseen clients "
+                              "are held out")

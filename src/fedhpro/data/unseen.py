@@ -85,6 +85,7 @@ def hold_out_clients(federation: Federation, share: float, domain: str | None, s
             + (f"; the whole domain {domain}, whose test set leaves the accuracy per domain and AVG" if domain else
                "; each tested on its own test data or on test samples that follow its training labels")
             + "); metrics.jsonl's unseen is the global model on them")
+    notes = [*federation.notes, note, *_untrained_after(federation, kept, [*test_sets.values(), *tests])]
     partition = dict(federation.partition)
     records = partition.get("clients")
     held_records = []
@@ -98,7 +99,25 @@ def hold_out_clients(federation: Federation, share: float, domain: str | None, s
         client_domains=[domains[k] for k in kept] if federation.client_domains else federation.client_domains,
         client_names=[names[k] for k in kept] if federation.client_names else None,
         client_tests=[federation.client_tests[k] for k in kept] if federation.client_tests is not None else None,
-        test_sets=test_sets, partition=partition, notes=[*federation.notes, note], unseen=unseen)
+        test_sets=test_sets, partition=partition, notes=notes, unseen=unseen)
+
+
+def _untrained_after(federation: Federation, kept: list[int], tests: list[tuple[Tensor, Tensor]]) -> list[str]:
+    """A warning naming the classes tested (headline, the kept clients' and the unseen clients' tests) that no
+    kept client trains: only held-out clients held them, so the model never learns them and their test
+    samples count as errors. Held-out clients are meant to differ, so this is said, not refused."""
+    trained = {int(c) for k in kept for c in torch.unique(federation.clients[k].y).tolist()}
+    kept_tests = [federation.client_tests[k] for k in kept] if federation.client_tests is not None else []
+    tested = {int(c) for _, y in [*tests, *kept_tests] if len(y) for c in torch.unique(y).tolist()}
+    untrained = sorted(tested - trained)
+    if not untrained:
+        return []
+    names = federation.partition.get("classes")
+    shown = [repr(str(names[c])) if isinstance(names, list) and c < len(names) else str(c) for c in untrained]
+    listed = ", ".join(shown[:10]) + (", ..." if len(shown) > 10 else "")
+    return [f"warning: unseen: class{'es' if len(untrained) > 1 else ''} {listed}: no training client holds "
+            f"{'them' if len(untrained) > 1 else 'it'} once the unseen clients are held out, so the model never "
+            "learns it and its test samples count as errors; hold out other clients (another seed) or fewer"]
 
 
 def _joined(federation: Federation) -> tuple[Tensor, Tensor]:
