@@ -20,8 +20,7 @@ import fedhpro
 from fedhpro.config import load_config
 from fedhpro.data import get_dataset, images
 from fedhpro.data.federation import Federation
-from fedhpro.errors import ConfigError
-from fedhpro.errors import DataError
+from fedhpro.errors import ConfigError, DataError
 
 
 def _two_classes(root: Path, low: float, high: float, noise: float, top: int, eight: bool = False) -> Path:

@@ -278,7 +278,8 @@ def test_load_client_gives_the_federation_s_tensors(data):
     classes = resolve_classes(echoed, options)
     assert classes == ["cat", "dog", "fox", "owl"]
     assert infos[0] == ClientInfo("photos-0", "photos", "images", ["cat", "dog", "fox"], None, None, [3, 8, 8],
-                                  sum((n + 1) // 2 for n in DOMAINS["photos"].values()), 3)
+                                  sum((n + 1) // 2 for n in DOMAINS["photos"].values()), 3,
+                                  ["cat", "dog", "fox"], ["cat", "dog", "fox"])  # one test image a class
     federation = _build("clients", f"data_dir={data['clients']}", "data.image_size=8")
     for k, folder in enumerate(folders):
         (train_x, train_y), (test_x, test_y), info = load_client(folder, options, classes)

@@ -210,20 +210,21 @@ def scan_client(folder: str | Path, options: ClientsOptions) -> ClientInfo:
         splits = _image_splits(folder)
         names = sorted({name for classes in splits.values() for name, files in classes.items() if files})
         size = int(options.image_size)
-        held = [sorted(name for name, files in splits.get(split, {}).items() if files) for split in ("train", "test")]
+        train, test = ([name for name, files in sorted(splits.get(split, {}).items()) if files]
+                       for split in ("train", "test"))
         return ClientInfo(folder.name, client_domain(folder), "images", names, declared, None, [3, size, size],
-                          *(sum(len(files) for files in splits.get(split, {}).values())
-                            for split in ("train", "test")), *held)
+                          sum(len(files) for files in splits.get("train", {}).values()),
+                          sum(len(files) for files in splits.get("test", {}).values()), train, test)
     pairs = {split: _read_split(path, options) for split, path in _tensor_files(folder).items()}
     shapes = {split: list(x.shape[1:]) for split, (x, _) in pairs.items()}
     if len({tuple(s) for s in shapes.values()}) > 1:
         raise DataError(f"client folder {folder}: train and test inputs differ in shape ({shapes['train']} vs "
                         f"{shapes['test']}); give both the same features")
     class_names, max_label = _label_summary(folder.name, [labels for _, labels in pairs.values()])
-    sizes = [int(pairs[split][1].shape[0]) if split in pairs else 0 for split in ("train", "test")]
-    held = [split_classes(pairs[split][1]) if split in pairs else [] for split in ("train", "test")]
+    sizes = {split: int(pairs[split][1].shape[0]) if split in pairs else 0 for split in ("train", "test")}
+    held = {split: split_classes(pairs[split][1]) if split in pairs else [] for split in ("train", "test")}
     return ClientInfo(folder.name, client_domain(folder), "tensors", class_names, declared, max_label,
-                      shapes["train"], *sizes, *held)
+                      shapes["train"], sizes["train"], sizes["test"], held["train"], held["test"])
 
 
 def split_classes(labels: Tensor | np.ndarray) -> list[str]:
@@ -304,24 +305,7 @@ def resolve_classes(infos: Sequence[ClientInfo], options: ClientsOptions) -> lis
                             "list every class once, in label order")
         refuse_lookalikes(names, source, "list every class once, in one spelling")
     if infos[0].kind == "images":
-        folders = {c: info.name for info in infos for c in info.class_names or []}
-        refuse_lookalikes(sorted(folders), "class folders", "rename one of them (the same class needs one spelling on "
-                          "every client)", where=lambda c: f"client {folders[c]}")
-        if names is None:
-            names = sorted(folders)
-        refuse_lookalikes(sorted(set(names) | set(folders)), f"{source} and the class folders",
-                          "give each class one spelling everywhere",
-                          where=lambda c: f"client {folders[c]}" if c in folders else source)
-        for info in infos:
-            unknown = sorted(set(info.class_names or []) - set(names))
-            if unknown:
-                raise DataError(f"client {info.name} has class folders {unknown} that {source} does not list"
-                                f"{_did_you_mean(unknown, names)}; add them to it or rename the folders")
-        if options.num_classes is not None and options.num_classes != len(names):
-            raise ConfigError(f"data.num_classes={options.num_classes} but the image clients have {len(names)} "
-                              f"classes ({', '.join(names)}); leave data.num_classes unset or list the classes in "
-                              "data.classes")
-        return names
+        return _named_classes(infos, names, source, options, IMAGE_CLASSES)
     named = [info for info in infos if info.class_names is not None]
     if named:
         return _named_labels(infos, named, names, source, options)
@@ -350,19 +334,51 @@ def _named_labels(infos: Sequence[ClientInfo], named: Sequence[ClientInfo], name
         raise DataError(f"clients {', '.join(i.name for i in named)} name their labels (such as "
                         f"{(named[0].class_names or ['?'])[0]!r}) but {', '.join(unnamed)} give class indices; give "
                         "every client's labels the same way")
+    return _named_classes(named, names, source, options, LABEL_CLASSES)
+
+
+@dataclass(frozen=True)
+class _ClassWords:
+    """How the messages of :func:`_named_classes` name a kind of client's classes and their fixes."""
+
+    what: str  # what holds the names: "class folders", "label"
+    spelling_fix: str
+    found: str  # the union's source when nothing lists the classes
+    unknown: str  # "has {unknown} ..."
+    unknown_fix: str
+    counted: str  # "data.num_classes=N but {counted} N classes"
+    union_check: bool  # the listed names and the found ones must not be two spellings of one class
+
+
+IMAGE_CLASSES = _ClassWords("class folders", "rename one of them (the same class needs one spelling on every client)",
+                            "the class folders", "class folders", "rename the folders", "the image clients have",
+                            True)
+LABEL_CLASSES = _ClassWords("label", "give each class one spelling on every client", "the labels", "labels",
+                            "fix the labels", "the clients' labels name", False)
+
+
+def _named_classes(named: Sequence[ClientInfo], names: list[str] | None, source: str, options: ClientsOptions,
+                   words: _ClassWords) -> list[str]:
+    """The classes of clients that name theirs (image class folders, tables' label names): ``names`` (from
+    data.classes or classes.txt), else the sorted union of the clients' names; one DataError line for two
+    spellings of one class, or a client naming a class ``names`` does not list; a ConfigError line for a
+    ``data.num_classes`` other than their count."""
     where = {c: info.name for info in named for c in info.class_names or []}
-    refuse_lookalikes(sorted(where), "label", "give each class one spelling on every client",
-                      where=lambda c: f"client {where[c]}")
+    refuse_lookalikes(sorted(where), words.what, words.spelling_fix, where=lambda c: f"client {where[c]}")
     if names is None:
-        names, source = sorted(where), "the labels"
+        names, source = sorted(where), words.found
+    if words.union_check:
+        refuse_lookalikes(sorted(set(names) | set(where)), f"{source} and the class folders",
+                          "give each class one spelling everywhere",
+                          where=lambda c: f"client {where[c]}" if c in where else source)
     for info in named:
         unknown = sorted(set(info.class_names or []) - set(names))
         if unknown:
-            raise DataError(f"client {info.name} has labels {unknown[:10]} that {source} does not list"
-                            f"{_did_you_mean(unknown, names)}; add them to it or fix the labels")
+            raise DataError(f"client {info.name} has {words.unknown} {unknown[:10]} that {source} does not list"
+                            f"{_did_you_mean(unknown, names)}; add them to it or {words.unknown_fix}")
     if options.num_classes is not None and options.num_classes != len(names):
-        raise ConfigError(f"data.num_classes={options.num_classes} but the clients' labels name {len(names)} "
-                          f"classes ({', '.join(names[:20])}); leave data.num_classes unset or list the classes in "
+        raise ConfigError(f"data.num_classes={options.num_classes} but {words.counted} {len(names)} classes "
+                          f"({', '.join(names[:20])}); leave data.num_classes unset or list the classes in "
                           "data.classes")
     return names
 

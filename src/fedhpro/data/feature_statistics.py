@@ -283,7 +283,8 @@ def unpacked_scaling(total: Tensor, bound: float, clip: float, low: Tensor, high
     return mean, torch.where(flat, torch.ones_like(variance), scaling_of(mean, variance, rows)), rows
 
 
-__all__ = ["CLIENT", "FEDERATED", "FORMER_FEDERATED", "FeatureSums", "MAX_FEATURES", "NONE", "STANDARDIZE_CHOICES", "STATISTICS_LIMIT",
+__all__ = ["CLIENT", "FEDERATED", "FORMER_FEDERATED", "FeatureSums", "MAX_FEATURES", "NONE", "STANDARDIZE_CHOICES",
+           "STATISTICS_LIMIT",
            "SharedScaling", "constant", "feature_ranges", "feature_sums", "influence", "moments", "packed_sums",
            "range_sums", "resolved_standardize", "scaling_of", "shared_scaling", "sums_from_json", "sums_problem",
            "unpacked_scaling"]

@@ -411,10 +411,7 @@ class FedHProClient(Client):
             else:
                 margin_prototypes, present = HF.local_prototypes(extract_features(model, data.x), data.y,
                                                                  self.num_classes)
-            if options.margin == "dot":
-                margin = authors_code.dot_product_margin(margin_prototypes, present)
-            else:
-                margin = HF.client_margin(margin_prototypes, present, normalized=options.margin == "normalized")
+            margin = self._margin(margin_prototypes, present)
         scratch["margin"] = margin
 
     def _prepare_private(self, round: LocalRound) -> None:
@@ -437,12 +434,15 @@ class FedHProClient(Client):
                         "class_counts": round.state["released_counts"]}
         margin = torch.zeros((), device=device)
         if released is not None and options.margin != "off" and options.hpcl_weight > 0:
-            prototypes, present = released["prototypes"].to(device), released["class_counts"].to(device) > 0
-            if options.margin == "dot":
-                margin = authors_code.dot_product_margin(prototypes, present)
-            else:
-                margin = HF.client_margin(prototypes, present, normalized=options.margin == "normalized")
+            margin = self._margin(released["prototypes"].to(device), released["class_counts"].to(device) > 0)
         scratch["margin"] = margin
+
+    def _margin(self, prototypes: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+        """The margin d_k (Eq. 10) of the client's class prototypes (``present``: the classes it holds), as
+        ``fedhpro.margin`` computes it: the authors' dot products, or feature distances (raw or normalized)."""
+        if self.options.margin == "dot":
+            return authors_code.dot_product_margin(prototypes, present)
+        return HF.client_margin(prototypes, present, normalized=self.options.margin == "normalized")
 
     def _release(self, round: LocalRound) -> Payload:
         """The round's one release of the class statistics of the working model as it is now (eval mode);
