@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     _settings_command(
         commands, "report", "report", metavar="RUN_DIR",
         help="tables and plots from finished runs or a comparison (accuracy curves, L_GM, fairness)",
-        description="fedhpro report RUN_DIR [RUN_DIR ...] [out=DIR] [force=true] [per_class=true]: table.md/table.csv "
+        description="fedhpro report RUN_DIR [RUN_DIR ...] [out=DIR] [force=true] [per_class=true [tail_ratio=R]]: "
+                    "table.md/table.csv "
                     "(final "
                     "accuracy, fairness, communication, FLOPs) and accuracy.png, gm_loss.png, fairness.png, "
                     "prototype_distance.png (default out=<first run's parent>/report). The out= folder of "
@@ -110,9 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "the mean accuracy curve with a min-max band over the seeds (default out=<that folder>/report). "
                     "A run without summary.json is marked unfinished (4/10 rounds). An out= holding a report of "
                     "other runs is refused unless force=true; a report of the same runs is refreshed. per_class=true "
-                    "re-tests each run's saved model on its rebuilt test sets and adds per_class.md/.csv/.png: the "
-                    "balanced accuracy, the head / middle / tail classes (ranked by training images) and every "
-                    "class's accuracy. Comparison folders at two precisions (amp=off and amp=bf16, the other "
+                    "re-tests each run's saved model on its rebuilt test sets and adds per_class.md/.csv/.png, "
+                    "classification.csv, confusion.csv and a confusion-matrix figure per method "
+                    "(confusion_<method>.png/.pdf): the balanced accuracy, every class's accuracy and, only when "
+                    "the largest class has at least tail_ratio (default 2) times the smallest's training samples, "
+                    "the head / middle / tail classes (else one line says the classes are balanced); with several "
+                    "methods each mean has its 95 % t-interval over seeds and a method is marked only by paired "
+                    "t-tests over the shared seeds with Holm's correction. Comparison folders at two precisions (amp=off and amp=bf16, the other "
                     "settings the same) also give parity.md/.csv/.json: per setting the float32 and bf16 mean ± "
                     "std, the difference of means, the larger seed std and whether the difference lies within it "
                     "(default out=<the folder they share>/report); folders that differ in anything else are "
