@@ -82,11 +82,12 @@ def _mean(values: Sequence[float | None]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
-def summarize(measured: Mapping[str, Any], tail_ratio: float = DEFAULT_TAIL_RATIO) -> dict[str, float | None]:
-    """One run's balanced accuracy (mean over classes) and its head / middle / tail means (None without a
-    split: balanced classes)."""
+def summarize(measured: Mapping[str, Any], tail_ratio: float = DEFAULT_TAIL_RATIO,
+              grouped: bool = True) -> dict[str, float | None]:
+    """One run's balanced accuracy (mean over classes) and its head / middle / tail means by its own training
+    counts (None without a split: balanced classes, or ``grouped=False``)."""
     accuracy = per_class_accuracy(measured)
-    split = class_split(measured["train_counts"], tail_ratio)
+    split = class_split(measured["train_counts"], tail_ratio) if grouped else None
     out: dict[str, float | None] = {"balanced": _mean(accuracy)}
     for name, classes in zip(("head", "middle", "tail"), split or ((), (), ())):
         out[name] = _mean([accuracy[c] for c in classes]) if split else None
@@ -133,23 +134,33 @@ def _data(runs: Sequence[tuple[Path, Mapping[str, Any]]]) -> str | None:
 
 
 class _Column:
-    """One compared quantity (a class group or a class) over the methods: per method its per-seed values, the
-    verdicts and each method's cell."""
+    """One compared quantity (a class group or a class) over the methods: per method (its label) its per-seed
+    values, the verdicts and each method's cell. The verdicts name the rows as the tables show them (the
+    caption's baseline reads FedAvg), unless two labels would show alike."""
 
     def __init__(self, values: Mapping[str, Mapping[Any, float | None]], baseline: str | None):
         self.values = values
-        self.verdicts = significance.verdicts(values, baseline=baseline)
+        shown = {label: display_label(label) for label in values}
+        self.keys = shown if len(set(shown.values())) == len(shown) else {label: label for label in values}
+        self.verdicts = significance.verdicts({self.keys[label]: per_seed for label, per_seed in values.items()},
+                                              baseline=None if baseline is None else self.keys[baseline])
 
     def mean(self, label: str) -> float | None:
         return _mean(list(self.values[label].values()))
 
+    def interval(self, label: str) -> tuple[float, float] | None:
+        return self.verdicts.intervals.get(self.keys[label])
+
+    def mark(self, label: str) -> str:
+        return self.verdicts.mark(self.keys[label])
+
     def half_width(self, label: str) -> float:
-        interval = self.verdicts.intervals.get(label)
+        interval = self.interval(label)
         return 0.0 if interval is None else (interval[1] - interval[0]) / 2
 
     def cell(self, label: str, digits: int) -> str:
-        text = significance.interval_cell(self.mean(label), self.verdicts.intervals.get(label), digits)
-        mark = self.verdicts.mark(label)
+        text = significance.interval_cell(self.mean(label), self.interval(label), digits)
+        mark = self.mark(label)
         return f"{text} {mark}" if mark and text != "–" else text
 
 
@@ -189,13 +200,16 @@ def write_class_report(out: str | os.PathLike, groups: Mapping[str, Sequence[tup
     first = next(iter(groups.values()))[0][1]
     counts = list(first["train_counts"])
     num_classes = len(counts)
-    split = class_split(counts, tail_ratio)
+    every = [list(m["train_counts"]) for runs in groups.values() for _, m in runs]
+    # head and tail only where every run has a tail: a group mean over runs some of which have none is no group
+    split = class_split(counts, tail_ratio) if all(class_split(c, tail_ratio) for c in every) else None
     names = first.get("classes") or [str(c) for c in range(num_classes)]
     noun = samples_word(first)
     labels = list(groups)
     shown = [display_label(label) for label in labels]
     baseline = labels[0] if len(labels) > 1 else None
-    if any(list(m["train_counts"]) != counts for runs in groups.values() for _, m in runs):
+    differ = any(c != counts for c in every)
+    if differ:
         notes.append(f"the runs' training {noun} per class differ (other data or partitions): head and tail are "
                      f"taken per run, the training {noun} shown are the first run's")
     for runs in groups.values():
@@ -206,13 +220,18 @@ def write_class_report(out: str | os.PathLike, groups: Mapping[str, Sequence[tup
                              f"{float(reported):.2f} %: the data or the model files changed since the run")
     ratio = f"{tail_ratio:g}"
     if split is None:
-        notes.append(f"the classes are balanced: {min(counts)} to {max(counts)} training {noun} a class (the "
-                     f"largest has less than {ratio}x the smallest's; tail_ratio={ratio}), so no head, middle or "
-                     "tail classes are formed")
+        balanced = [c for c in every if not class_split(c, tail_ratio)]
+        shown_counts = balanced[0] if balanced else counts
+        notes.append(f"the classes are balanced{' in ' + str(len(balanced)) + ' of the runs' if differ else ''}: "
+                     f"{min(shown_counts)} to {max(shown_counts)} training {noun} a class"
+                     f"{' (the first such run)' if differ and len(balanced) > 1 else ''} (the largest has less "
+                     f"than {ratio}x the smallest's; tail_ratio={ratio}), so no head, middle or tail classes are "
+                     "formed")
     sizes = [len(part) for part in split] if split else []
     keys = ("balanced", "head", "middle", "tail") if split else ("balanced",)
     seeds = {label: _seed_keys(runs) for label, runs in groups.items()}
-    summaries = {label: [summarize(m, tail_ratio) for _, m in runs] for label, runs in groups.items()}
+    summaries = {label: [summarize(m, tail_ratio, split is not None) for _, m in runs]
+                 for label, runs in groups.items()}
     accuracies = {label: [per_class_accuracy(m) for _, m in runs] for label, runs in groups.items()}
     group_columns = {key: _Column({label: dict(zip(seeds[label], (s[key] for s in summaries[label])))
                                    for label in labels}, baseline) for key in keys}
@@ -262,12 +281,12 @@ def write_class_report(out: str | os.PathLike, groups: Mapping[str, Sequence[tup
     for label in labels:
         row: list[Any] = [label, ",".join(str(s) for s in seeds[label])]
         for column in [group_columns[key] for key in keys]:
-            interval = column.verdicts.intervals.get(label)
+            interval = column.interval(label)
             row += [column.mean(label), mean_std(list(column.values[label].values()))[1],
-                    *(interval or (None, None)), column.verdicts.mark(label)]
+                    *(interval or (None, None)), column.mark(label)]
         for column in class_columns:
-            interval = column.verdicts.intervals.get(label)
-            row += [column.mean(label), *(interval or (None, None)), column.verdicts.mark(label)]
+            interval = column.interval(label)
+            row += [column.mean(label), *(interval or (None, None)), column.mark(label)]
         table.append(row)
     write_atomic(out / "per_class.csv", csv_text(csv_header, table))
 
@@ -318,9 +337,9 @@ def _write_figures(out: Path, groups: Mapping[str, Sequence[tuple[Path, Mapping[
         markdown.append([display_label(label), str(len(present))] + [columns[key].cell(label, 2) for key, _ in FIGURES])
         row: list[Any] = [label, str(len(present))]
         for key, _ in FIGURES:
-            interval = columns[key].verdicts.intervals.get(label)
+            interval = columns[key].interval(label)
             row += [columns[key].mean(label), mean_std(list(columns[key].values[label].values()))[1],
-                    *(interval or (None, None)), columns[key].verdicts.mark(label)]
+                    *(interval or (None, None)), columns[key].mark(label)]
         table.append(row)
         if present:
             summed = [[sum(p["confusion_matrix"][t][q] for p in present) for q in range(len(names))]
@@ -341,6 +360,6 @@ def _write_figures(out: Path, groups: Mapping[str, Sequence[tuple[Path, Mapping[
                "(binary: the positive class's score; else one-vs-rest, macro) of each run's final model, every "
                "tested row pooled, from the same re-test (%). Columns: method; runs (how many were re-tested); "
                "each figure's mean over the runs. " + _test_sentence(list(columns.values()), len(labels), "column")
-               + " Confusion matrices, summed over the runs: confusion.csv, and drawn per method in "
-               + ", ".join(written[::3]) + ".")
+               + " Confusion matrices, summed over the runs: confusion.csv"
+               + (f", drawn per method in {', '.join(written[::3])} (with PDF and SVG copies)." if written else "."))
     return markdown_table(header, markdown, caption), written

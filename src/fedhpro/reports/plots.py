@@ -64,6 +64,10 @@ def save_figure(figure, path: str | os.PathLike, tight_layout: bool = True, vect
         if tight_layout:
             figure.tight_layout()
         write_atomic_with(path, lambda handle: figure.savefig(handle, format=kind))
+        if figure.get_layout_engine() is not None:
+            # the layout the first file was drawn with holds for the copies (it is in inches and points, the same
+            # at any resolution): not worked out twice more
+            figure.set_layout_engine("none")
         if vector and kind == "png":
             with matplotlib.rc_context(SVG_SETTINGS):
                 write_atomic_with(vector_path(path), lambda handle: figure.savefig(
@@ -295,9 +299,9 @@ def plot_bars(groups: Mapping[str, Mapping[str, float]], path: str | os.PathLike
     ``errors`` (same keys) drawn as symmetric error bars. Sized for a paper: ``width`` inches, default between
     a column and a page wide (:data:`COLUMN_WIDTH`, :data:`PAGE_WIDTH`) by the bars' count, at
     :data:`PRINT_DPI`; more than :data:`BARS_PER_ROW` bars wrap into rows (62 classes never make a 31-inch
-    figure), each row with ``xlabel``. Nothing is cut at any width: the title (above the legend) and the
-    group names wrap to fit, the legend goes below the axes, the layout is matplotlib's constrained one. Each bar's value stands above its
-    error bar, upright where it fits the bar's width, else turned, else (bars too thin to read) left out.
+    figure), each row with ``xlabel``. Nothing is cut at any width: the title and the group names wrap to fit,
+    the legend goes below the axes, the layout is matplotlib's constrained one. Each bar's value stands above
+    its error bar, upright where it fits the bar's width, else turned, else (bars too thin to read) left out.
     Returns the figure (closed, written to ``path``)."""
     plt = pyplot()
     labels = list(groups)
