@@ -331,8 +331,8 @@ def plot_bars(groups: Mapping[str, Mapping[str, float]], path: str | os.PathLike
                      error_kw={"elinewidth": 0.8, "capthick": 0.8}, label=names[i],
                      hatch=BAR_HATCHES[i % len(BAR_HATCHES)], edgecolor="white", linewidth=0.5,
                      color=plt.get_cmap("tab10")(i % 10))
-            tops += [(at, value, value + err if math.isfinite(err) else value)
-                     for at, value, err in zip(x, values, spread) if math.isfinite(value)]
+            tops += [(at, value, value + err if math.isfinite(err) else value, value - err if math.isfinite(err)
+                      else value) for at, value, err in zip(x, values, spread) if math.isfinite(value)]
         _value_labels(axis, tops, bar_inches)
         _tick_labels(axis, chunk, axis_inches)
         axis.set_ylabel(ylabel, fontsize=8)
@@ -349,26 +349,27 @@ def plot_bars(groups: Mapping[str, Mapping[str, float]], path: str | os.PathLike
     return figure
 
 
-def _value_labels(axis, tops: Sequence[tuple[float, float, float]], bar_inches: float) -> None:
-    """Each bar's value (``(x, value, top of its error bar)``) just above the top of its error bar: upright
+def _value_labels(axis, tops: Sequence[tuple[float, float, float, float]], bar_inches: float) -> None:
+    """Each bar's value (``(x, value, top of its error bar, its bottom)``) just above the top of its error bar
+    (a negative bar's at zero): upright
     where the widest value fits the bar, else turned a quarter, else none (the bars are too thin to read);
     the y axis raised so that every label stays inside it."""
     if not tops:
         return
-    texts = [f"{value:.1f}" for _, value, _ in tops]
+    texts = [f"{value:.1f}" for _, value, _, _ in tops]
     wide = max(_text_inches(text, VALUE_FONT) for text in texts)
     upright = wide <= bar_inches * 1.05
     turned = not upright and VALUE_FONT / 72 * 1.25 <= bar_inches
-    low = min(0.0, min(value for _, value, _ in tops))
-    high = max(0.0, max(top for _, _, top in tops))
+    low = min(0.0, min(bottom for _, _, _, bottom in tops))
+    high = max(0.0, max(top for _, _, top, _ in tops))
     if upright or turned:
-        for (at, _, top), text in zip(tops, texts):
+        for (at, _, top, _), text in zip(tops, texts):
             axis.annotate(text, (at, max(top, 0.0)), xytext=(0, 2), textcoords="offset points", ha="center",
                           va="bottom", fontsize=VALUE_FONT, rotation=0 if upright else 90)
         # the labels' height as a share of the axis (about 1.9 in tall): the room added above the highest top
         label_inches = (VALUE_FONT / 72 * 1.3 if upright else wide) + 4 / 72
         share = min(0.6, label_inches / 1.6)
-        axis.set_ylim(low, high + (high - low) * share / (1 - share))
+        axis.set_ylim(low, high + ((high - low) or 1.0) * share / (1 - share))
     else:
         axis.set_ylim(low, high * 1.05 if high > 0 else 1.0)
     # no tick past the highest value shown (an accuracy axis reading 120 %)
