@@ -103,9 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         commands, "report", "report", metavar="RUN_DIR",
         help="tables and plots from finished runs or a comparison (accuracy curves, L_GM, fairness)",
         description="fedhpro report RUN_DIR [RUN_DIR ...] [out=DIR] [force=true] [per_class=true [tail_ratio=R]]: "
-                    "table.md/table.csv "
-                    "(final "
-                    "accuracy, fairness, communication, FLOPs) and accuracy.png, gm_loss.png, fairness.png, "
+                    "table.md/table.csv (final accuracy, fairness, communication, FLOPs) and accuracy.png, "
+                    "gm_loss.png, fairness.png, "
                     "prototype_distance.png (default out=<first run's parent>/report). The out= folder of "
                     "`fedhpro compare` gives the report over seeds instead: per method the mean ± std table and "
                     "the mean accuracy curve with a min-max band over the seeds (default out=<that folder>/report). "
