@@ -48,6 +48,11 @@ def test_a_balanced_split_reports_no_tail(tmp_path):
     assert "tail_mean" not in row and "head_mean" not in row
     assert float(row["balanced_mean"]) == pytest.approx(np.mean(correct) / TOTAL * 100)
     assert class_split(counts) is None
+    # two classes, one 100x the other: not "balanced", only too few classes for groups
+    write_class_report(tmp_path, {"fedavg": [(tmp_path / "fedavg-seed1", measured([150, 20], [1000, 10]))]},
+                       echo=False)
+    text = (tmp_path / "per_class.md").read_text()
+    assert "2 classes: too few for head, middle and tail groups" in text and "balanced:" not in text
 
 
 def test_an_imbalanced_split_keeps_its_hand_computed_groups(tmp_path):

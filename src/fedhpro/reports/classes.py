@@ -219,7 +219,9 @@ def write_class_report(out: str | os.PathLike, groups: Mapping[str, Sequence[tup
                 notes.append(f"{folder.name}: re-tested at {m['accuracy']['AVG']:.2f} %, its summary says "
                              f"{float(reported):.2f} %: the data or the model files changed since the run")
     ratio = f"{tail_ratio:g}"
-    if split is None:
+    if split is None and num_classes < 3:
+        notes.append(f"{num_classes} classes: too few for head, middle and tail groups")
+    elif split is None:
         balanced = [c for c in every if not class_split(c, tail_ratio)]
         shown_counts = balanced[0] if balanced else counts
         notes.append(f"the classes are balanced{' in ' + str(len(balanced)) + ' of the runs' if differ else ''}: "
@@ -297,12 +299,14 @@ def write_class_report(out: str | os.PathLike, groups: Mapping[str, Sequence[tup
     spread = {label: {name: column.half_width(label) for column, name in plotted} for label in labels}
     texts = set(described.values())
     where = texts.pop() if len(texts) == 1 and None not in texts else None
-    what = ("test accuracy of the head, middle and tail classes" if split
-            else f"test accuracy per class (balanced: {min(counts)}–{max(counts)} training {noun} a class)")
-    plot_bars(bars, out / "per_class.png", errors=spread if any(v for s in spread.values() for v in s.values())
-              else None, ylabel="test accuracy (%)",
+    what = ("test accuracy of the head, middle and tail classes" if split else "test accuracy per class"
+            + (f" (balanced: {min(counts)}–{max(counts)} training {noun} a class)" if num_classes >= 3 else ""))
+    intervals = any(v for per_label in spread.values() for v in per_label.values())
+    over = (" (mean over seeds; bars: 95 % t-interval)" if intervals
+            else " (mean over seeds)" if any(len(runs) > 1 for runs in groups.values()) else "")
+    plot_bars(bars, out / "per_class.png", errors=spread if intervals else None, ylabel="test accuracy (%)",
               xlabel=f"class group (by training {noun})" if split else f"class (by training {noun}, most first)",
-              title=(f"{where}: " if where else "") + what + " (mean over seeds; bars: 95 % t-interval)")
+              title=(f"{where}: " if where else "") + what + over)
     figures_text, confusions = _write_figures(out, groups, names, seeds, baseline, where)
     write_atomic(out / "per_class.md", text + "\n" + figures_text)
     if echo:
