@@ -53,6 +53,7 @@ def test_the_reports_title_says_avg_over_domains_only_with_several():
 def test_a_bar_figure_of_62_classes_fits_a_page_with_labelled_axes(tmp_path):
     from PIL import Image
 
+    import fedhpro.methods  # noqa: F401  (the methods' names as the paper writes them)
     from fedhpro.reports.plots import PAGE_WIDTH, PRINT_DPI, plot_bars
 
     classes = [f"c{k}" for k in range(62)]
@@ -63,6 +64,8 @@ def test_a_bar_figure_of_62_classes_fits_a_page_with_labelled_axes(tmp_path):
     assert all(axis.get_xlabel() == "class" and axis.get_ylabel() for axis in figure.axes)
     shown = [tick.get_text() for axis in figure.axes for tick in axis.get_xticklabels()]
     assert shown == classes  # every class, in order, across the rows
+    assert [t.get_text() for t in figure.legends[0].get_texts()] == ["FedAvg", "FedHPro"]  # once, not per row
+    assert figure.axes[0].get_ylim() == figure.axes[1].get_ylim()  # rows compared on one scale
     with Image.open(tmp_path / "per_class.png") as image:
         assert image.size[0] <= PAGE_WIDTH * PRINT_DPI + 1
     small = plot_bars({"fedavg": {"head": 90.0, "tail": 20.0}}, tmp_path / "groups.png", xlabel="class group")

@@ -317,9 +317,10 @@ def plot_bars(groups: Mapping[str, Mapping[str, float]], path: str | os.PathLike
                                                                                           default=""), 7) + 0.45))))
     extra = (0.16 * (shown_title.count("\n") + 1) if title else 0) + 0.16 * -(-len(labels) // legend_columns)
     figure = plt.figure(figsize=(inches, 2.4 * len(chunks) + 0.5 + extra), dpi=PRINT_DPI, layout="constrained")
-    axes = figure.subplots(len(chunks), 1, squeeze=False)
+    axes = figure.subplots(len(chunks), 1, squeeze=False, sharey=True)
     width_share = 0.8 / max(len(labels), 1)
     axis_inches = inches - 0.75  # the y axis's label and ticks take the rest
+    limits = []  # each row's (lowest, highest, axis top): every row gets one y range, to compare across rows
     for axis, chunk in zip(axes[:, 0], chunks):
         bar_inches = axis_inches / max(len(chunk), 1) * width_share
         tops = []
@@ -333,47 +334,53 @@ def plot_bars(groups: Mapping[str, Mapping[str, float]], path: str | os.PathLike
                      color=plt.get_cmap("tab10")(i % 10))
             tops += [(at, value, value + err if math.isfinite(err) else value, value - err if math.isfinite(err)
                       else value) for at, value, err in zip(x, values, spread) if math.isfinite(value)]
-        _value_labels(axis, tops, bar_inches)
+        if tops:
+            limits.append(_value_labels(axis, tops, bar_inches))
         _tick_labels(axis, chunk, axis_inches)
         axis.set_ylabel(ylabel, fontsize=8)
         axis.set_xlabel(xlabel, fontsize=8)
         axis.tick_params(axis="y", labelsize=7)
         axis.grid(alpha=0.3, axis="y")
         axis.set_axisbelow(True)
+    if limits:
+        low, high, top = min(v[0] for v in limits), max(v[1] for v in limits), max(v[2] for v in limits)
+        for axis in axes[:, 0]:
+            axis.set_ylim(low, top)
+            # no tick past the highest value shown (an accuracy axis reading 120 %)
+            axis.set_yticks([tick for tick in axis.get_yticks() if low <= tick <= max(high, 1e-12) * 1.0001])
     if labels:
-        # below the axes: above them it would meet the title, inside it would cover bars
-        figure.legend(loc="outside lower center", ncols=legend_columns, fontsize=7, frameon=False)
+        # below the axes: above them it would meet the title, inside it would cover bars; one entry per bar
+        # series (the first row's: every row holds the same series)
+        handles, entries = axes[0, 0].get_legend_handles_labels()
+        figure.legend(handles, entries, loc="outside lower center", ncols=legend_columns, fontsize=7,
+                      frameon=False)
     if title:
         figure.suptitle(shown_title, fontsize=title_font)
     save_figure(figure, path, tight_layout=False)
     return figure
 
 
-def _value_labels(axis, tops: Sequence[tuple[float, float, float, float]], bar_inches: float) -> None:
+def _value_labels(axis, tops: Sequence[tuple[float, float, float, float]],
+                  bar_inches: float) -> tuple[float, float, float]:
     """Each bar's value (``(x, value, top of its error bar, its bottom)``) just above the top of its error bar
-    (a negative bar's at zero): upright
-    where the widest value fits the bar, else turned a quarter, else none (the bars are too thin to read);
-    the y axis raised so that every label stays inside it."""
-    if not tops:
-        return
+    (a negative bar's at zero): upright where the widest value fits the bar, else turned a quarter, else none
+    (the bars are too thin to read). Returns the y range the row needs: its lowest point, its highest and the
+    axis top that leaves every label inside the axis."""
     texts = [f"{value:.1f}" for _, value, _, _ in tops]
     wide = max(_text_inches(text, VALUE_FONT) for text in texts)
     upright = wide <= bar_inches * 1.05
     turned = not upright and VALUE_FONT / 72 * 1.25 <= bar_inches
     low = min(0.0, min(bottom for _, _, _, bottom in tops))
     high = max(0.0, max(top for _, _, top, _ in tops))
-    if upright or turned:
-        for (at, _, top, _), text in zip(tops, texts):
-            axis.annotate(text, (at, max(top, 0.0)), xytext=(0, 2), textcoords="offset points", ha="center",
-                          va="bottom", fontsize=VALUE_FONT, rotation=0 if upright else 90)
-        # the labels' height as a share of the axis (about 1.9 in tall): the room added above the highest top
-        label_inches = (VALUE_FONT / 72 * 1.3 if upright else wide) + 4 / 72
-        share = min(0.6, label_inches / 1.6)
-        axis.set_ylim(low, high + ((high - low) or 1.0) * share / (1 - share))
-    else:
-        axis.set_ylim(low, high * 1.05 if high > 0 else 1.0)
-    # no tick past the highest value shown (an accuracy axis reading 120 %)
-    axis.set_yticks([tick for tick in axis.get_yticks() if low <= tick <= max(high, 1e-12) * 1.0001])
+    if not (upright or turned):
+        return low, high, high * 1.05 if high > 0 else 1.0
+    for (at, _, top, _), text in zip(tops, texts):
+        axis.annotate(text, (at, max(top, 0.0)), xytext=(0, 2), textcoords="offset points", ha="center",
+                      va="bottom", fontsize=VALUE_FONT, rotation=0 if upright else 90)
+    # the labels' height as a share of the axis (about 1.9 in tall): the room added above the highest top
+    label_inches = (VALUE_FONT / 72 * 1.3 if upright else wide) + 4 / 72
+    share = min(0.6, label_inches / 1.6)
+    return low, high, high + ((high - low) or 1.0) * share / (1 - share)
 
 
 def _tick_labels(axis, chunk: Sequence[str], axis_inches: float) -> None:
