@@ -364,13 +364,15 @@ def _value_labels(axis, tops: Sequence[tuple[float, float, float, float]],
                   bar_inches: float) -> tuple[float, float, float]:
     """Each bar's value (``(x, value, top of its error bar, its bottom)``) just above the top of its error bar
     (a negative bar's at zero): upright where the widest value fits the bar, else turned a quarter, else none
-    (the bars are too thin to read). Returns the y range the row needs: its lowest point, its highest and the
-    axis top that leaves every label inside the axis."""
+    (the bars are too thin to read). Returns the y range the row needs: its lowest point (zero unless a value
+    is negative), its highest and the axis top that leaves every label inside the axis."""
     texts = [f"{value:.1f}" for _, value, _, _ in tops]
     wide = max(_text_inches(text, VALUE_FONT) for text in texts)
     upright = wide <= bar_inches * 1.05
     turned = not upright and VALUE_FONT / 72 * 1.25 <= bar_inches
-    low = min(0.0, min(bottom for _, _, _, bottom in tops))
+    # the axis starts at zero when no value is negative (an interval past zero, of an accuracy, is cut there)
+    low = min(bottom for _, _, _, bottom in tops) if any(value < 0 for _, value, _, _ in tops) else 0.0
+    low = min(0.0, low)
     high = max(0.0, max(top for _, _, top, _ in tops))
     if not (upright or turned):
         return low, high, high * 1.05 if high > 0 else 1.0
