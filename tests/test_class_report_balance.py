@@ -156,3 +156,13 @@ def test_marks_and_intervals_per_class_group_follow_scipy_over_five_seeds_and_no
     assert "No significance test is possible with 2 shared seeds" in text
     assert not any(mark in text for mark in "★▲▼")
     assert all(not value for row in rows_of(few).values() for key, value in row.items() if key.endswith("_mark"))
+
+
+def test_what_a_runs_examples_are_called_comes_from_its_model_json():
+    from fedhpro.trained.evaluation import samples_kind
+
+    assert samples_kind({"input_shape": [13], "input": {"kind": "tensor", "shape": [13], "dtype": "float32"}}) == "rows"
+    assert samples_kind({"input_shape": [3, 32, 32], "input": {"kind": "image", "size": 32}}) == "images"
+    assert samples_kind({"input_shape": [1, 28, 28], "input": {"kind": "tensor", "dtype": "float32"}}) == "images"
+    assert samples_kind({"input_shape": [64], "input": {"kind": "tensor", "dtype": "int64"}}) == "sequences"
+    assert samples_kind({"input_shape": [4, 4], "input": {"kind": "tensor", "dtype": "float32"}}) == "samples"
