@@ -53,7 +53,8 @@ def test_the_reports_title_says_avg_over_domains_only_with_several():
 def test_a_bar_figure_of_62_classes_fits_a_page_with_labelled_axes(tmp_path):
     from PIL import Image
 
-    from fedhpro.reports.plots import PAGE_WIDTH, plot_bars
+    import fedhpro.methods  # noqa: F401  (the methods' names as the paper writes them)
+    from fedhpro.reports.plots import PAGE_WIDTH, PRINT_DPI, plot_bars
 
     classes = [f"c{k}" for k in range(62)]
     groups = {name: {c: float(k % 100) for k, c in enumerate(classes)} for name in ("fedavg", "fedhpro")}
@@ -63,7 +64,9 @@ def test_a_bar_figure_of_62_classes_fits_a_page_with_labelled_axes(tmp_path):
     assert all(axis.get_xlabel() == "class" and axis.get_ylabel() for axis in figure.axes)
     shown = [tick.get_text() for axis in figure.axes for tick in axis.get_xticklabels()]
     assert shown == classes  # every class, in order, across the rows
+    assert [t.get_text() for t in figure.legends[0].get_texts()] == ["FedAvg", "FedHPro"]  # once, not per row
+    assert figure.axes[0].get_ylim() == figure.axes[1].get_ylim()  # rows compared on one scale
     with Image.open(tmp_path / "per_class.png") as image:
-        assert image.size[0] <= PAGE_WIDTH * 130 + 1
+        assert image.size[0] <= PAGE_WIDTH * PRINT_DPI + 1
     small = plot_bars({"fedavg": {"head": 90.0, "tail": 20.0}}, tmp_path / "groups.png", xlabel="class group")
     assert small.get_size_inches()[0] >= 3.4 and len(small.axes) == 1

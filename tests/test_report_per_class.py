@@ -34,6 +34,8 @@ def test_head_middle_tail_are_thirds_by_training_images_and_balanced_data_has_no
     counts = [400, 239, 143, 86, 51, 30, 18, 11, 6, 4]
     assert class_split(counts) == ([0, 1, 2], [3, 4, 5, 6], [7, 8, 9])
     assert class_split([5, 9, 9, 1, 7, 3]) == ([1, 2], [4, 0], [5, 3])  # ties by class index
+    assert class_split([10, 6, 6, 5, 5, 5]) == ([0, 1], [2, 3], [4, 5])  # 10 = 2 x 5: a tail
+    assert class_split([9, 6, 6, 5, 5, 5]) is None  # under 2x: balanced
     assert class_split([400] * 10) is None
     assert class_split([3, 1]) is None
 
@@ -104,12 +106,23 @@ def test_report_per_class_over_seeds_writes_tables_that_match_the_counts(compare
     balanced = [sum(a) / len(a) for a in by_class]
     assert float(rows[0]["balanced_mean"]) == pytest.approx(sum(balanced) / 2, rel=1e-5)
     text = (report / "per_class.md").read_text()
-    assert "| FedAvg | 1,2 |" in text and "training images" in text
+    assert "| FedAvg | 1,2 |" in text and "training images" in text  # digits are images: named so
     assert "changed since the run" not in text
+    assert "One method: nothing is compared or marked." in text and "Data: digits-offline" in text
+    # the confusion figure of the method, with its PDF, from the counts confusion.csv holds
+    assert {"confusion_fedavg.png", "confusion_fedavg.pdf"} <= {p.name for p in report.iterdir()}
+    assert measured[0]["seed"] == 1 and measured[0]["samples"] == "images"
     capsys.readouterr()
     assert cli_main(["report", str(compare_folder), "per_class=maybe", "force=true"]) != 0
     error = capsys.readouterr().err.strip()
     assert "per_class='maybe' is not a boolean; use per_class=true" in error and "\n" not in error
+    for wrong, said in (("tail_ratio=0.5", "tail_ratio=0.5 is not a number of at least 1"),
+                        ("tail_ratio=two", "tail_ratio='two' is not a number of at least 1")):
+        assert cli_main(["report", str(compare_folder), "per_class=true", wrong, "force=true"]) != 0
+        error = capsys.readouterr().err.strip()
+        assert said in error and "\n" not in error
+    assert cli_main(["report", str(compare_folder), "tail_ratio=3"]) != 0
+    assert "add per_class=true" in capsys.readouterr().err
 
 
 def test_a_model_changed_after_the_run_is_said_in_the_report(compare_folder, tmp_path):

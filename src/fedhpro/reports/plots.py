@@ -10,8 +10,10 @@ figure as SVG (vector, its text kept as text). Every file is written atomically
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import textwrap
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -62,6 +64,10 @@ def save_figure(figure, path: str | os.PathLike, tight_layout: bool = True, vect
         if tight_layout:
             figure.tight_layout()
         write_atomic_with(path, lambda handle: figure.savefig(handle, format=kind))
+        if figure.get_layout_engine() is not None:
+            # the layout the first file was drawn with holds for the copies (it is in inches and points, the same
+            # at any resolution): not worked out twice more
+            figure.set_layout_engine("none")
         if vector and kind == "png":
             with matplotlib.rc_context(SVG_SETTINGS):
                 write_atomic_with(vector_path(path), lambda handle: figure.savefig(
@@ -263,44 +269,168 @@ def mean_band(curves: Sequence[tuple[Sequence[float], Sequence[float]]]
 
 #: figure widths a paper takes (inches): one column, and the page
 COLUMN_WIDTH, PAGE_WIDTH = 3.4, 7.0
+#: the resolution of the figures a paper prints (bar and confusion figures): 3.4 in are 1020 pixels
+PRINT_DPI = 300
 #: the most bars one row of a bar figure holds before the groups wrap into another row
 BARS_PER_ROW = 64
+#: the size (points) of the numbers on bars, the smallest that still prints readably at a column's width
+VALUE_FONT = 6.5
+#: an average glyph's width as a share of the font size (DejaVu Sans), to judge what fits before drawing
+GLYPH_WIDTH = 0.6
+
+
+def _text_inches(text: str, fontsize: float) -> float:
+    """About how wide ``text`` is set at ``fontsize`` points (inches), its longest line."""
+    return max((len(line) for line in text.split("\n")), default=0) * GLYPH_WIDTH * fontsize / 72
+
+
+def wrap_text(text: str, inches: float, fontsize: float) -> str:
+    """``text`` broken at spaces into lines that fit ``inches`` at ``fontsize`` points (existing line breaks
+    kept): a title never runs past the figure's edges."""
+    chars = max(8, int(inches * 72 / (GLYPH_WIDTH * fontsize)))
+    return "\n".join(textwrap.fill(line, chars, break_on_hyphens=False) if line else line
+                     for line in text.split("\n"))
 
 
 def plot_bars(groups: Mapping[str, Mapping[str, float]], path: str | os.PathLike, *, title: str = "",
-              ylabel: str = "", xlabel: str = "", errors: Mapping[str, Mapping[str, float]] | None = None):
-    """Grouped bars: one group per metric (the inner keys), one bar per entry of ``groups`` (e.g. a method).
-    Sized for a paper: between a column and a page wide (:data:`COLUMN_WIDTH`, :data:`PAGE_WIDTH`); more than
-    :data:`BARS_PER_ROW` bars wrap into rows (62 classes never make a 31-inch figure), each row with ``xlabel``.
+              ylabel: str = "", xlabel: str = "", errors: Mapping[str, Mapping[str, float]] | None = None,
+              width: float | None = None):
+    """Grouped bars: one group per metric (the inner keys), one bar per entry of ``groups`` (e.g. a method),
+    ``errors`` (same keys) drawn as symmetric error bars. Sized for a paper: ``width`` inches, default between
+    a column and a page wide (:data:`COLUMN_WIDTH`, :data:`PAGE_WIDTH`) by the bars' count, at
+    :data:`PRINT_DPI`; more than :data:`BARS_PER_ROW` bars wrap into rows (62 classes never make a 31-inch
+    figure), each row with ``xlabel``. Nothing is cut at any width: the title and the group names wrap to fit,
+    the legend goes below the axes, the layout is matplotlib's constrained one. Each bar's value stands above
+    its error bar, upright where it fits the bar's width, else turned, else (bars too thin to read) left out.
     Returns the figure (closed, written to ``path``)."""
     plt = pyplot()
     labels = list(groups)
     metrics = list(next(iter(groups.values()))) if groups else []
     per_row = max(1, BARS_PER_ROW // max(len(labels), 1))
     chunks = [metrics[i:i + per_row] for i in range(0, len(metrics), per_row)] or [[]]
-    inches = min(PAGE_WIDTH, max(COLUMN_WIDTH, 0.17 * len(chunks[0]) * max(len(labels), 1) + 1.2))
-    figure, axes = plt.subplots(len(chunks), 1, figsize=(inches, 2.6 * len(chunks) + 0.6), dpi=130, squeeze=False)
-    width = 0.8 / max(len(labels), 1)
-    for row, (axis, chunk) in enumerate(zip(axes[:, 0], chunks)):
+    inches = width if width is not None else \
+        min(PAGE_WIDTH, max(COLUMN_WIDTH, 0.17 * len(chunks[0]) * max(len(labels), 1) + 1.2))
+    title_font = 8 if inches < 5 else 9
+    shown_title = wrap_text(title, inches - 0.2, title_font) if title else ""
+    names = [display_label(label) for label in labels]
+    legend_columns = max(1, min(len(labels), int((inches - 0.3) // max(0.5, _text_inches(max(names, key=len,
+                                                                                          default=""), 7) + 0.45))))
+    extra = (0.16 * (shown_title.count("\n") + 1) if title else 0) + 0.16 * -(-len(labels) // legend_columns)
+    figure = plt.figure(figsize=(inches, 2.4 * len(chunks) + 0.5 + extra), dpi=PRINT_DPI, layout="constrained")
+    axes = figure.subplots(len(chunks), 1, squeeze=False, sharey=True)
+    width_share = 0.8 / max(len(labels), 1)
+    axis_inches = inches - 0.75  # the y axis's label and ticks take the rest
+    limits = []  # each row's (lowest, highest, axis top): every row gets one y range, to compare across rows
+    for axis, chunk in zip(axes[:, 0], chunks):
+        bar_inches = axis_inches / max(len(chunk), 1) * width_share
+        tops = []
         for i, label in enumerate(labels):
-            x = np.arange(len(chunk)) + (i - (len(labels) - 1) / 2) * width
-            values = [groups[label].get(m, np.nan) for m in chunk]
-            spread = [(errors or {}).get(label, {}).get(m, 0.0) for m in chunk]
-            bars = axis.bar(x, values, width, yerr=spread if errors else None, capsize=2,
-                            label=display_label(label), hatch=BAR_HATCHES[i % len(BAR_HATCHES)], edgecolor="white",
-                            linewidth=0.5)
-            if len(chunk) * len(labels) <= 20:  # values on the bars only where they stay readable
-                axis.bar_label(bars, fmt="%.1f", fontsize=7, padding=2)
-        axis.set_xticks(np.arange(len(chunk)), chunk, fontsize=7 if len(chunk) > 12 else 9,
-                        rotation=90 if len(chunk) > 12 else 0)
+            x = np.arange(len(chunk)) + (i - (len(labels) - 1) / 2) * width_share
+            values = [float(groups[label].get(m, np.nan)) for m in chunk]
+            spread = [float((errors or {}).get(label, {}).get(m, 0.0) or 0.0) for m in chunk]
+            axis.bar(x, values, width_share, yerr=spread if errors else None, capsize=2,
+                     error_kw={"elinewidth": 0.8, "capthick": 0.8}, label=names[i],
+                     hatch=BAR_HATCHES[i % len(BAR_HATCHES)], edgecolor="white", linewidth=0.5,
+                     color=plt.get_cmap("tab10")(i % 10))
+            tops += [(at, value, value + err if math.isfinite(err) else value, value - err if math.isfinite(err)
+                      else value) for at, value, err in zip(x, values, spread) if math.isfinite(value)]
+        if tops:
+            limits.append(_value_labels(axis, tops, bar_inches))
+        _tick_labels(axis, chunk, axis_inches)
         axis.set_ylabel(ylabel, fontsize=8)
         axis.set_xlabel(xlabel, fontsize=8)
+        axis.tick_params(axis="y", labelsize=7)
         axis.grid(alpha=0.3, axis="y")
-        if row == 0:
-            if title:
-                axis.set_title(title, fontsize=9)
-            axis.legend(fontsize=7)
-    save_figure(figure, path)
+        axis.set_axisbelow(True)
+    if limits:
+        low, high, top = min(v[0] for v in limits), max(v[1] for v in limits), max(v[2] for v in limits)
+        for axis in axes[:, 0]:
+            axis.set_ylim(low, top)
+            # no tick past the highest value shown (an accuracy axis reading 120 %)
+            axis.set_yticks([tick for tick in axis.get_yticks() if low <= tick <= max(high, 1e-12) * 1.0001])
+    if labels:
+        # below the axes: above them it would meet the title, inside it would cover bars; one entry per bar
+        # series (the first row's: every row holds the same series)
+        handles, entries = axes[0, 0].get_legend_handles_labels()
+        figure.legend(handles, entries, loc="outside lower center", ncols=legend_columns, fontsize=7,
+                      frameon=False)
+    if title:
+        figure.suptitle(shown_title, fontsize=title_font)
+    save_figure(figure, path, tight_layout=False)
+    return figure
+
+
+def _value_labels(axis, tops: Sequence[tuple[float, float, float, float]],
+                  bar_inches: float) -> tuple[float, float, float]:
+    """Each bar's value (``(x, value, top of its error bar, its bottom)``) just above the top of its error bar
+    (a negative bar's at zero): upright where the widest value fits the bar, else turned a quarter, else none
+    (the bars are too thin to read). Returns the y range the row needs: its lowest point (zero unless a value
+    is negative), its highest and the axis top that leaves every label inside the axis."""
+    texts = [f"{value:.1f}" for _, value, _, _ in tops]
+    wide = max(_text_inches(text, VALUE_FONT) for text in texts)
+    upright = wide <= bar_inches * 1.05
+    turned = not upright and VALUE_FONT / 72 * 1.25 <= bar_inches
+    # the axis starts at zero when no value is negative (an interval past zero, of an accuracy, is cut there)
+    low = min(bottom for _, _, _, bottom in tops) if any(value < 0 for _, value, _, _ in tops) else 0.0
+    low = min(0.0, low)
+    high = max(0.0, max(top for _, _, top, _ in tops))
+    if not (upright or turned):
+        return low, high, high * 1.05 if high > 0 else 1.0
+    for (at, _, top, _), text in zip(tops, texts):
+        axis.annotate(text, (at, max(top, 0.0)), xytext=(0, 2), textcoords="offset points", ha="center",
+                      va="bottom", fontsize=VALUE_FONT, rotation=0 if upright else 90)
+    # the labels' height as a share of the axis (about 1.9 in tall): the room added above the highest top
+    label_inches = (VALUE_FONT / 72 * 1.3 if upright else wide) + 4 / 72
+    share = min(0.6, label_inches / 1.6)
+    return low, high, high + ((high - low) or 1.0) * share / (1 - share)
+
+
+def _tick_labels(axis, chunk: Sequence[str], axis_inches: float) -> None:
+    """The groups' names under their bars: broken at spaces to fit a group's width, turned a quarter when a
+    word still does not (or there are many groups)."""
+    fontsize = 7 if len(chunk) > 12 else 8
+    group_inches = axis_inches / max(len(chunk), 1)
+    # "head (3 classes)" too wide for one line breaks before its parenthesis first
+    shown = [wrap_text(name if _text_inches(name, fontsize) <= group_inches * 0.95 else name.replace(" (", "\n(", 1),
+                       group_inches * 0.95, fontsize) for name in chunk]
+    turned = len(chunk) > 12 or any(_text_inches(name, fontsize) > group_inches * 0.95 for name in shown)
+    axis.set_xticks(np.arange(len(chunk)), list(chunk) if turned else shown, fontsize=fontsize,
+                    rotation=90 if turned else 0)
+
+
+def plot_confusion(matrix: Sequence[Sequence[int]], names: Sequence[str], path: str | os.PathLike, *,
+                   title: str = "", width: float | None = None):
+    """A confusion matrix as scikit-learn's :class:`~sklearn.metrics.ConfusionMatrixDisplay` draws it (rows
+    the true class, columns the predicted one, counts in the cells, a colour bar), sized for a paper:
+    ``width`` inches, default a column's for up to 8 classes and growing to a page's, at :data:`PRINT_DPI`.
+    The counts are written in the cells only where they fit. Returns the figure (closed, written to
+    ``path``, with its PDF and SVG)."""
+    from sklearn.metrics import ConfusionMatrixDisplay  # lazy: scikit-learn takes ~1.5 s to import, for one figure
+
+    plt = pyplot()
+    counts = np.asarray(matrix, dtype=np.int64)
+    n = len(names)
+    inches = width if width is not None else min(PAGE_WIDTH, max(COLUMN_WIDTH, 0.3 * n + 1.4))
+    title_font = 8 if inches < 5 else 9
+    shown_title = wrap_text(title, inches - 0.2, title_font) if title else ""
+    cell = (inches - 1.5) / max(n, 1)  # the colour bar and the true-class axis take the rest
+    digits = len(str(int(counts.max()))) if counts.size else 1
+    fontsize = min(8.0, cell * 72 / (GLYPH_WIDTH * max(digits, 2) * 1.15))
+    figure = plt.figure(figsize=(inches, inches - 0.6 + 0.16 * (shown_title.count("\n") + 1)), dpi=PRINT_DPI,
+                        layout="constrained")
+    axis = figure.subplots()
+    tick_font = min(8.0, max(5.0, cell * 72 * 0.7))
+    turned = any(_text_inches(str(name), tick_font) > cell * 0.9 for name in names)
+    ConfusionMatrixDisplay(counts, display_labels=[str(name) for name in names]).plot(
+        ax=axis, cmap="Blues", colorbar=True, include_values=fontsize >= 4.5, values_format="d",
+        xticks_rotation="vertical" if turned else "horizontal", text_kw={"fontsize": max(fontsize, 4.5)})
+    axis.set_xlabel("predicted class", fontsize=8)
+    axis.set_ylabel("true class", fontsize=8)
+    axis.tick_params(labelsize=tick_font)
+    figure.axes[-1].tick_params(labelsize=7)  # the colour bar's counts
+    if title:
+        axis.set_title(shown_title, fontsize=title_font)
+    save_figure(figure, path, tight_layout=False)
     return figure
 
 

@@ -92,11 +92,12 @@ def class_accuracy(run_folder: str | os.PathLike, *, model: Callable[..., nn.Mod
     sets) client by client, the counts pooled per test set under ``aggregation.max_share``. ``batch_size``:
     rows per forward pass; None (the default) is the run's own (another can change the last float digits).
 
-    Returns a JSON-ready dict: ``classes`` (names, or None), ``train_counts`` (training images per class summed
+    Returns a JSON-ready dict: ``classes`` (names, or None), ``train_counts`` (training samples per class summed
     over the clients), ``test_sets`` (per test set ``correct`` and ``total`` per class), ``accuracy`` (per test
     set and ``AVG``, their unweighted mean: the run's own accuracy, recomputed) and ``reported`` (summary.json's
     final accuracy, None if absent). ``reported`` differing from ``accuracy["AVG"]`` means the data or the
-    model files changed since the run.
+    model files changed since the run. ``seed``: the run's seed (what pairs it with another method's run);
+    ``samples``: what its data's examples are (:func:`samples_kind`: images, rows, sequences or samples).
     """
     folder = Path(run_folder)
     info = read_info(folder)
@@ -161,8 +162,22 @@ def class_accuracy(run_folder: str | os.PathLike, *, model: Callable[..., nn.Mod
             "train_counts": [int(v) for v in train_counts],
             "test_sets": {name: {"correct": [int(v) for v in pair[0]], "total": [int(v) for v in pair[1]]}
                           for name, pair in tested.items()},
-            "accuracy": accuracy, "reported": reported,
+            "accuracy": accuracy, "reported": reported, "seed": options.seed, "samples": samples_kind(info),
             "classification": _figures(rows, num_classes)}
+
+
+def samples_kind(info: dict[str, Any]) -> str:
+    """What one example of the run's data is, from its model.json: "images" (an image input, or a channels x
+    height x width tensor), "rows" (a table's row of float features), "sequences" (integer tokens), else
+    "samples"."""
+    inputs = info.get("input") or {}
+    shape = [int(n) for n in info.get("input_shape") or []]
+    floating = str(inputs.get("dtype", "float32")).startswith("float")
+    if inputs.get("kind") == "image" or (len(shape) == 3 and floating):
+        return "images"
+    if len(shape) == 1:
+        return "rows" if floating else "sequences"
+    return "samples"
 
 
 def _figures(rows: dict[str, list[Tested]], num_classes: int) -> dict[str, Any]:
