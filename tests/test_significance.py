@@ -35,6 +35,12 @@ def test_the_interval_is_scipys_t_interval_of_the_mean():
     assert low == pytest.approx(reference[0], abs=1e-12) and high == pytest.approx(reference[1], abs=1e-12)
     assert t_interval([81.0]) is None and t_interval([81.0, None, float("nan")]) is None
     assert t_interval([5.0, 5.0, 5.0]) == (5.0, 5.0)
+    # an accuracy's interval stops at 100 % (the mean cannot be above): the lower end is scipy's
+    wide = [99.0, 92.0, 100.0]
+    cut = t_interval(wide, bounds=(0.0, 100.0))
+    open_ended = stats.t.interval(0.95, 2, loc=sum(wide) / 3, scale=stats.sem(wide))
+    assert open_ended[1] > 100 and cut == (pytest.approx(open_ended[0]), 100.0)
+    assert "cut to the measure's range 0..100" in caption(verdicts({"a": dict(enumerate(wide))}, bounds=(0, 100)))
     assert interval_cell(80.0, (78.5, 81.5)) == "80.00 [78.50, 81.50]" and interval_cell(80.0, None) == "80.00"
 
 

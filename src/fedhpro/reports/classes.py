@@ -142,8 +142,10 @@ class _Column:
         self.values = values
         shown = {label: display_label(label) for label in values}
         self.keys = shown if len(set(shown.values())) == len(shown) else {label: label for label in values}
+        # every compared quantity here is a percentage: its intervals stop at 0 and 100
         self.verdicts = significance.verdicts({self.keys[label]: per_seed for label, per_seed in values.items()},
-                                              baseline=None if baseline is None else self.keys[baseline])
+                                              baseline=None if baseline is None else self.keys[baseline],
+                                              bounds=(0.0, 100.0))
 
     def mean(self, label: str) -> float | None:
         return _mean(list(self.values[label].values()))
@@ -154,9 +156,12 @@ class _Column:
     def mark(self, label: str) -> str:
         return self.verdicts.mark(self.keys[label])
 
-    def half_width(self, label: str) -> float:
-        interval = self.interval(label)
-        return 0.0 if interval is None else (interval[1] - interval[0]) / 2
+    def error(self, label: str) -> tuple[float, float]:
+        """``(below, above)`` the mean: the error bar of its interval (cut at 0 and 100), (0, 0) without one."""
+        interval, mean = self.interval(label), self.mean(label)
+        if interval is None or mean is None:
+            return 0.0, 0.0
+        return mean - interval[0], interval[1] - mean
 
     def cell(self, label: str, digits: int) -> str:
         text = significance.interval_cell(self.mean(label), self.interval(label), digits)
@@ -296,12 +301,12 @@ def write_class_report(out: str | os.PathLike, groups: Mapping[str, Sequence[tup
     plotted = [(group_columns[key], name) for key, name in zip(keys[1:], group_heads)] if split else \
         [(class_columns[c], names[c]) for c in ranked]
     bars = {label: {name: _nan(column.mean(label)) for column, name in plotted} for label in labels}
-    spread = {label: {name: column.half_width(label) for column, name in plotted} for label in labels}
+    spread = {label: {name: column.error(label) for column, name in plotted} for label in labels}
     texts = set(described.values())
     where = texts.pop() if len(texts) == 1 and None not in texts else None
     what = ("test accuracy of the head, middle and tail classes" if split else "test accuracy per class"
             + (f" (balanced: {min(counts)}–{max(counts)} training {noun} a class)" if num_classes >= 3 else ""))
-    intervals = any(v for per_label in spread.values() for v in per_label.values())
+    intervals = any(any(v) for per_label in spread.values() for v in per_label.values())
     over = (" (mean over seeds; bars: 95 % t-interval)" if intervals
             else " (mean over seeds)" if any(len(runs) > 1 for runs in groups.values()) else "")
     plot_bars(bars, out / "per_class.png", errors=spread if intervals else None, ylabel="test accuracy (%)",

@@ -293,10 +293,12 @@ def wrap_text(text: str, inches: float, fontsize: float) -> str:
 
 
 def plot_bars(groups: Mapping[str, Mapping[str, float]], path: str | os.PathLike, *, title: str = "",
-              ylabel: str = "", xlabel: str = "", errors: Mapping[str, Mapping[str, float]] | None = None,
+              ylabel: str = "", xlabel: str = "",
+              errors: Mapping[str, Mapping[str, float | tuple[float, float]]] | None = None,
               width: float | None = None):
     """Grouped bars: one group per metric (the inner keys), one bar per entry of ``groups`` (e.g. a method),
-    ``errors`` (same keys) drawn as symmetric error bars. Sized for a paper: ``width`` inches, default between
+    ``errors`` (same keys) drawn as error bars: symmetric (one number) or ``(below, above)`` (an interval cut
+    to the range of its measure). Sized for a paper: ``width`` inches, default between
     a column and a page wide (:data:`COLUMN_WIDTH`, :data:`PAGE_WIDTH`) by the bars' count, at
     :data:`PRINT_DPI`; more than :data:`BARS_PER_ROW` bars wrap into rows (62 classes never make a 31-inch
     figure), each row with ``xlabel``. Nothing is cut at any width: the title and the group names wrap to fit,
@@ -327,13 +329,14 @@ def plot_bars(groups: Mapping[str, Mapping[str, float]], path: str | os.PathLike
         for i, label in enumerate(labels):
             x = np.arange(len(chunk)) + (i - (len(labels) - 1) / 2) * width_share
             values = [float(groups[label].get(m, np.nan)) for m in chunk]
-            spread = [float((errors or {}).get(label, {}).get(m, 0.0) or 0.0) for m in chunk]
-            axis.bar(x, values, width_share, yerr=spread if errors else None, capsize=2,
+            spread = [_error_pair((errors or {}).get(label, {}).get(m)) for m in chunk]
+            axis.bar(x, values, width_share, yerr=np.array(spread).T if errors and chunk else None, capsize=2,
                      error_kw={"elinewidth": 0.8, "capthick": 0.8}, label=names[i],
                      hatch=BAR_HATCHES[i % len(BAR_HATCHES)], edgecolor="white", linewidth=0.5,
                      color=plt.get_cmap("tab10")(i % 10))
-            tops += [(at, value, value + err if math.isfinite(err) else value, value - err if math.isfinite(err)
-                      else value) for at, value, err in zip(x, values, spread) if math.isfinite(value)]
+            tops += [(at, value, value + above if math.isfinite(above) else value,
+                      value - below if math.isfinite(below) else value)
+                     for at, value, (below, above) in zip(x, values, spread) if math.isfinite(value)]
         if tops:
             limits.append(_value_labels(axis, tops, bar_inches))
         _tick_labels(axis, chunk, axis_inches)
@@ -358,6 +361,13 @@ def plot_bars(groups: Mapping[str, Mapping[str, float]], path: str | os.PathLike
         figure.suptitle(shown_title, fontsize=title_font)
     save_figure(figure, path, tight_layout=False)
     return figure
+
+
+def _error_pair(error: float | tuple[float, float] | None) -> tuple[float, float]:
+    """``(below, above)`` of one bar's error: a number is both, None none."""
+    if isinstance(error, tuple):
+        return float(error[0] or 0.0), float(error[1] or 0.0)
+    return float(error or 0.0), float(error or 0.0)
 
 
 def _value_labels(axis, tops: Sequence[tuple[float, float, float, float]],

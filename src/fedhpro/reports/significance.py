@@ -29,10 +29,12 @@ def _finite(values: Sequence[float | None]) -> list[float]:
     return [float(v) for v in values if v is not None and math.isfinite(float(v))]
 
 
-def t_interval(values: Sequence[float | None], alpha: float = ALPHA) -> tuple[float, float] | None:
+def t_interval(values: Sequence[float | None], alpha: float = ALPHA,
+               bounds: tuple[float, float] | None = None) -> tuple[float, float] | None:
     """The ``1 - alpha`` t-interval ``mean ± t(1 - alpha/2, n - 1) s / sqrt(n)`` of the mean of ``values`` (the
     finite ones; ``s`` the sample std), or None for fewer than 2 values. Equal values give a zero-width
-    interval."""
+    interval. ``bounds``: the range the mean can take (0..100 for an accuracy in percent); the interval is
+    cut to it, which keeps its coverage (the mean is never outside) and never shows 107 %."""
     present = _finite(values)
     n = len(present)
     if n < 2:
@@ -40,6 +42,8 @@ def t_interval(values: Sequence[float | None], alpha: float = ALPHA) -> tuple[fl
     mean = math.fsum(present) / n
     std = math.sqrt(math.fsum((v - mean) ** 2 for v in present) / (n - 1))
     half = float(stats.t.ppf(1 - alpha / 2, n - 1)) * std / math.sqrt(n)
+    if bounds is not None:
+        return max(mean - half, bounds[0]), min(mean + half, bounds[1])
     return mean - half, mean + half
 
 
@@ -90,6 +94,8 @@ class Verdicts:
     p_best_holm: dict[str, float] = field(default_factory=dict)
     baseline: str | None = None
     alpha: float = ALPHA
+    #: the range the intervals are cut to (None: not cut)
+    bounds: tuple[float, float] | None = None
 
     def mark(self, row: str) -> str:
         """The marks of ``row``'s cell: BEST and/or BETTER/WORSE, or ""."""
@@ -97,16 +103,18 @@ class Verdicts:
 
 
 def verdicts(values: Mapping[str, Mapping[int, float | None]], baseline: str | None = None,
-             alpha: float = ALPHA, higher_is_better: bool = True) -> Verdicts:
+             alpha: float = ALPHA, higher_is_better: bool = True,
+             bounds: tuple[float, float] | None = None) -> Verdicts:
     """The :class:`Verdicts` of rows measured on seeds (``values[row][seed]``; None or NaN counts as not
     measured). Intervals per row over its own seeds. Tests only over the seeds every row has, and only
     with at least :data:`MIN_SEEDS` of them: each row against ``baseline`` (Holm across those rows), and
     the row of the highest mean (lowest, ``higher_is_better=False``) against each other row (Holm across
-    them), marked best only when it beats every one."""
-    result = Verdicts(baseline=baseline if baseline in values else None, alpha=alpha)
+    them), marked best only when it beats every one. ``bounds``: the range of the measure, which the
+    intervals are cut to (:func:`t_interval`)."""
+    result = Verdicts(baseline=baseline if baseline in values else None, alpha=alpha, bounds=bounds)
     clean = {row: {seed: float(v) for seed, v in per_seed.items() if v is not None and math.isfinite(float(v))}
              for row, per_seed in values.items()}
-    result.intervals = {row: t_interval(list(per_seed.values()), alpha) for row, per_seed in clean.items()}
+    result.intervals = {row: t_interval(list(per_seed.values()), alpha, bounds) for row, per_seed in clean.items()}
     if not clean:
         return result
     shared = set.intersection(*(set(per_seed) for per_seed in clean.values()))
@@ -147,7 +155,9 @@ def caption(result: Verdicts, what: str = "methods") -> str:
     """The sentence a table's caption carries: the interval, the test, alpha, the shared seeds, the correction
     and the marks, or why nothing is marked."""
     level = f"{100 * (1 - result.alpha):g} %"
-    text = f"Brackets: the {level} t-interval of the mean over each row's seeds."
+    cut = (f", cut to the measure's range {result.bounds[0]:g}..{result.bounds[1]:g}"
+           if result.bounds is not None else "")
+    text = f"Brackets: the {level} t-interval of the mean over each row's seeds{cut}."
     if not result.tested:
         n = len(result.shared_seeds)
         return (text + f" No significance test is possible with {n} shared seed{'s' if n != 1 else ''} (a paired "
