@@ -166,22 +166,24 @@ def recorded_order(comparison: Path) -> list[str] | None:
 #: the most methods, settings per method and characters per value a report names from a tuning's record (it is
 #: read within fedhpro's bounds; what it shows stays a caption's length)
 MAX_TUNED_METHODS, MAX_TUNED_KEYS, MAX_TUNED_TEXT = 32, 16, 60
+#: the most characters of the tuned file's path a report shows
+MAX_PATH_TEXT = 300
 
 
-def _short_text(value: Any) -> str:
+def _short_text(value: Any, limit: int = MAX_TUNED_TEXT) -> str:
     """A recorded value as a caption shows it: a float with 4 significant digits, anything else as one line of
-    at most :data:`MAX_TUNED_TEXT` characters."""
+    at most ``limit`` characters."""
     if isinstance(value, float):
         return f"{value:.4g}"
     text = " ".join(str(value).split())
-    return text if len(text) <= MAX_TUNED_TEXT else text[:MAX_TUNED_TEXT - 1] + "…"
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def _tuned_record(record: Mapping[str, Any], where: Path) -> tuple[Any, Any, str]:
     """``(methods, tuning, file)`` of a comparison record's ``tuned`` entry; the settings read from the tuned
     file it names when the record holds none (a DataError line when that file cannot be read)."""
     entry = record["tuned"]
-    file = _short_text(entry.get("file", "?")) if isinstance(entry, dict) else "?"
+    file = _short_text(entry.get("file", "?"), MAX_PATH_TEXT) if isinstance(entry, dict) else "?"
     if isinstance(entry, dict) and isinstance(entry.get("methods"), dict):
         return entry["methods"], entry.get("tuning"), file
     named = entry.get("file") if isinstance(entry, dict) else None
