@@ -346,8 +346,9 @@ def test_the_emitter_writes_the_same_table_for_the_same_rows(tmp_path):
                          started=time.perf_counter(), echo=False)
         assert written == [folder / "table.md", folder / "table.csv"]
     expected_md = (
-        "# Table T: t\n\nReproduced with `fedhpro reproduce t scale=smoke` (seeds [0]); ours: mean ± std over seeds; "
-        "paper: the published number. Wall time 0 s.\n\n" + R.emitter.SMOKE_WARNING + "\n\n- a target note\n\n"
+        "# Table T: t\n\nReproduced with `fedhpro reproduce t scale=smoke` (seeds [0]); ours: the mean over seeds "
+        "with its 95 % t-interval in brackets (table.csv: also the std, the p values and the marks); paper: the "
+        "published number. Wall time 0 s.\n\n" + R.emitter.SMOKE_WARNING + "\n\n- a target note\n\n"
         "## Digits\n\n| Methods | AVG |\n|---|---|\n| FedAvg | 50.00 / 78.82 |\n| FedHPro | 60.00 / – |\n\n"
         "- a note\n\n"
         "## CIFAR10\n\nnot run: CIFAR10: no data\n\n## Ordering against the paper\n\n- Digits (AVG): a check\n")
