@@ -34,6 +34,7 @@ from fedhpro.reproduce.table import (
     compare_rows,
     difference,
     fedhpro_row,
+    final_value,
     mean_curve,
     ordering_check,
     ours,
@@ -77,7 +78,7 @@ def build_domains(target: Target, result: PartResult) -> Table:
     ours_avg: list[float | None] = []
     paper_avg: list[float | None] = []
     tested = {domain: compare_rows({variant.label: by_seed(result.runs[(scenario, variant.label)],
-                                                           lambda run, d=domain: run.final["accuracy"][d])
+                                                           final_value("accuracy", domain))
                                     for variant in part.variants})
               for domain in result.domains + ["AVG"]}
     for variant in part.variants:
@@ -127,7 +128,7 @@ def _scenario_cells(part: Part, result: PartResult, average: bool):
     ours: dict[str, list[float | None]] = {c: [] for c in columns}
     paper: dict[str, list[float | None]] = {c: [] for c in columns}
     tested = {scenario.label: compare_rows({variant.label: by_seed(result.runs[(scenario.label, variant.label)],
-                                                                   lambda run: run.final["accuracy"]["AVG"])
+                                                                   final_value("accuracy", "AVG"))
                                             for variant in part.variants})
               for scenario in part.scenarios}
     for variant in part.variants:
@@ -238,7 +239,7 @@ def build_convergence(target: Target, result: PartResult) -> Table:
     baseline = part.variants[0].label
     rows, csv_rows, ours_r, paper_r = [], [], [], []
     tested = compare_rows({variant.label: by_seed(result.runs[(scenario, variant.label)],
-                                                  lambda run: run.final["accuracy"]["AVG"])
+                                                  final_value("accuracy", "AVG"))
                            for variant in part.variants})
     for variant in part.variants:
         runs = result.runs[(scenario, variant.label)]
@@ -296,7 +297,7 @@ def build_fairness(target: Target, result: PartResult) -> Table:
     errors: dict[str, dict[str, Any]] = {}
     means: dict[str, dict[str, Any]] = {}  # row -> fairness key -> mean
     tested = {key: compare_rows({variant.label: by_seed(result.runs[(scenario, variant.label)],
-                                                        lambda run, k=key: run.final["fairness"][k])
+                                                        final_value("fairness", key))
                                  for variant in part.variants}, higher_is_better=higher)
               for key, _, higher in FAIRNESS_COLUMNS}
     for variant in part.variants:

@@ -25,6 +25,7 @@ from fedhpro.reproduce.table import (
     paper_value,
     part_note,
     signed,
+    summary_accuracy,
     tested_note,
 )
 from fedhpro.reproduce.targets import Part, Target
@@ -239,11 +240,9 @@ def build_faithfulness(target: Target, result: PartResult) -> Table:
     domains = result.domains
     columns = [*domains, "AVG"]
     rows, csv_rows = [], []
-    tested = {column: compare_rows({variant.label: by_seed(
-        _finished(result.runs.get((scenario, variant.label), [])),
-        lambda run, c=column: None if run.summary is None else float(
-            run.summary["accuracy"] if c == "AVG" else run.summary["per_domain"][c]))
-        for variant in part.variants}) for column in columns}
+    tested = {column: compare_rows({variant.label: by_seed(_finished(result.runs.get((scenario, variant.label), [])),
+                                                           summary_accuracy(column))
+                                    for variant in part.variants}) for column in columns}
     for variant in part.variants:
         summaries = [run.summary for run in _finished(result.runs.get((scenario, variant.label), []))
                      if run.summary is not None]

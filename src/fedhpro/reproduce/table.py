@@ -92,6 +92,23 @@ def by_seed(runs: Sequence[RunData], value: Callable[[RunData], float | None]) -
     return {run_seed(run, index): value(run) for index, run in enumerate(runs)}
 
 
+def final_value(section: str, key: str) -> Callable[[RunData], float | None]:
+    """A run's ``key`` in its last evaluated row's ``section`` (``final_value("accuracy", "AVG")``,
+    ``final_value("fairness", "worst_10")``), None where it has none."""
+    def value(run: RunData) -> float | None:
+        return run.final.get(section, {}).get(key)
+    return value
+
+
+def summary_accuracy(name: str) -> Callable[[RunData], float | None]:
+    """A finished run's final accuracy on ``name`` (a domain, or AVG) as its summary.json says."""
+    def value(run: RunData) -> float | None:
+        if run.summary is None:
+            return None
+        return float(run.summary["accuracy"] if name == "AVG" else run.summary["per_domain"][name])
+    return value
+
+
 def compare_rows(per_row: Mapping[str, Mapping[int, float | None]], higher_is_better: bool = True) -> Verdicts:
     """The verdicts of one column of a table that compares its rows (methods, variants) over seeds
     (``per_row[row][seed]``): paired t-tests over the shared seeds against the first row, which the paper's
