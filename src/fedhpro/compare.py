@@ -457,7 +457,7 @@ def _table(summaries: dict[str, list[dict[str, Any]]], seeds: Sequence[int], met
     scope = (" Tested: the AVG column; the domain columns show intervals only." if len(columns) > 1 else "")
     columns_said = (" Each domain column: the accuracy on that domain's test set; AVG: their unweighted mean."
                     if len(columns) > 1 else "")
-    caption = (f"Test accuracy (%){where} at the last round, mean over seeds {list(seeds)}; "
+    caption = (f"Test accuracy (%){where}, mean over seeds {list(seeds)}; "
                f"Δ = AVG minus {named or 'the baseline'}'s AVG." + columns_said
                + (f" {described}" if described else "")
                + "\n\n" + significance.caption(tested["AVG"]) + scope + "\n\n") + caption
