@@ -98,6 +98,13 @@ def load_run(path: str | Path) -> RunData:
     return RunData(path, config or {}, rows, summary)
 
 
+def run_seed(run: RunData, index: int) -> int:
+    """The seed ``run`` ran at (its config.yaml's ``seed``); a run that records none gets a key of its own
+    (``-1 - index``), paired with no other run."""
+    seed = run.config.get("seed")
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0 else -1 - index
+
+
 def _strict_mode(values: Sequence[str]) -> str | None:
     """The value more of ``values`` hold than any other; None on a tie."""
     ranked = sorted(((values.count(v), v) for v in set(values)), reverse=True)

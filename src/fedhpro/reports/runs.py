@@ -46,7 +46,7 @@ from fedhpro.reports.plots import (
     plot_curves,
     plot_mean_curves,
 )
-from fedhpro.reports.run_data import NOT_A_SETTING, RunData, load_run, run_labels
+from fedhpro.reports.run_data import NOT_A_SETTING, RunData, load_run, run_labels, run_seed
 from fedhpro.reports.significance import Verdicts, verdicts
 from fedhpro.reports.tables import (
     TEST_COLUMNS,
@@ -478,13 +478,6 @@ def seed_values(run: RunData, column: str) -> float | None:
     if column == MOVEMENT:
         return hyper_movement(run)
     return run.final["accuracy"].get(column)
-
-
-def run_seed(run: RunData, index: int) -> int:
-    """The seed ``run`` ran at (its config.yaml's ``seed``); a run that records none gets a key of its own
-    (``-1 - index``), paired with no other run."""
-    seed = run.config.get("seed")
-    return seed if isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0 else -1 - index
 
 
 def baseline_group(groups: Mapping[str, Sequence[RunData]]) -> str | None:

@@ -11,7 +11,7 @@ import math
 import statistics
 from typing import Any
 
-from fedhpro.reports.runs import RunData, run_seed
+from fedhpro.reports.run_data import RunData, run_seed
 from fedhpro.reports.significance import Verdicts
 from fedhpro.reproduce.running import PartResult
 from fedhpro.reproduce.table import (

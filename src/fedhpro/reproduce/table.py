@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedhpro.reports import significance
-from fedhpro.reports.runs import RunData, run_seed
+from fedhpro.reports.run_data import RunData, run_seed
 from fedhpro.reports.significance import Verdicts, t_interval, verdicts
 from fedhpro.reports.tables import interval_bounds, marked_cell, mean_std, verdict_fields
 from fedhpro.reproduce.targets import Part
@@ -88,7 +88,7 @@ def column_names(part: Part, domains: list[str]) -> list[str]:
 
 def by_seed(runs: Sequence[RunData], value: Callable[[RunData], float | None]) -> dict[int, float | None]:
     """``value`` of each of ``runs`` (one per seed) keyed by the seed it ran at
-    (:func:`fedhpro.reports.runs.run_seed`)."""
+    (:func:`fedhpro.reports.run_data.run_seed`)."""
     return {run_seed(run, index): value(run) for index, run in enumerate(runs)}
 
 
