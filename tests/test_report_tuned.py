@@ -89,3 +89,12 @@ def test_the_tuned_file_is_read_when_the_record_holds_only_its_name(tuned_compar
     record_path.write_text(json.dumps(record))
     table = (report([tuned_comparison], echo=False, force=True) / "table.md").read_text()
     assert "FedProx: lr=0.05, fedprox.mu=0.5" in table and "tuning seed 1000" in table
+
+
+def test_the_per_class_report_names_them_too(tuned_comparison):
+    """``per_class=true``: the tuned line is among ``per_class.md``'s notes (counts set here by hand)."""
+    def counts(folder: Path) -> dict:
+        return {"train_counts": [10, 10], "test_sets": {"mnist": {"correct": [5, 6], "total": [10, 10]}}}
+
+    out = report([tuned_comparison], echo=False, force=True, class_accuracy=counts)
+    assert "FedProx: lr=0.05, fedprox.mu=0.5" in (out / "per_class.md").read_text()

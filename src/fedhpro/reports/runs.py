@@ -306,6 +306,9 @@ def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: 
     each run's per-class test counts, from its folder; with it the report adds ``per_class.md``, ``.csv`` and
     ``.png`` (:func:`fedhpro.reports.classes.write_class_report`): head / middle / tail and per-class accuracy;
     ``class_options``: that function's keyword options (``fedhpro report``'s keys for it).
+
+    Runs of a comparison made with ``tuned=`` (``fedhpro compare tuned=...``): ``table.md`` and ``per_class.md``
+    name each method's tuned settings, the tuning budget and seed (:func:`tuned_notes`).
     """
     if not run_dirs:
         raise ConfigError("give at least one run folder: fedhpro report RUN_DIR [RUN_DIR ...] [out=DIR]")
