@@ -372,7 +372,7 @@ def _compare_claimed(runs: list[tuple[str, str, int, Path]], seeds: Sequence[int
             if echo:
                 print(f"{display_label(label):10s} seed {seed}: no round evaluated (left out of the table)", flush=True)
             continue
-        summaries[label].append(summary)
+        summaries[label].append({**summary, "seed": int(seed)})  # the seed that pairs it in the table's tests
         method_of[label] = method
         data.setdefault(label, data_text(config.to_dict(), folder))
         if echo:
@@ -413,9 +413,7 @@ def _table(summaries: dict[str, list[dict[str, Any]]], seeds: Sequence[int], met
         return [s["accuracy"] if column == "AVG" else s["per_domain"][column] for s in summaries[method]]
 
     def by_seed(method: str, column: str) -> dict[int, float]:
-        # a summary records its seed; one without (never written so by fedhpro) is paired with no other row
-        return {int(s["seed"]) if isinstance(s.get("seed"), int) else -1 - index: value
-                for index, (s, value) in enumerate(zip(summaries[method], values(method, column)))}
+        return {int(s["seed"]): value for s, value in zip(summaries[method], values(method, column))}
 
     rows = list(summaries)
     reference_method = baseline_method()
