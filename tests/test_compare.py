@@ -50,9 +50,14 @@ def test_table_is_the_mean_and_std_of_each_runs_summary(compared):
             assert float(rows[method][1 + d]) == pytest.approx(statistics.mean(values), abs=5e-5)
             assert float(rows[method][6 + d]) == pytest.approx(statistics.stdev(values), abs=5e-5)
     delta = statistics.mean(s["accuracy"] for s in summaries(compared, "fedprox")) - fedavg_avg
-    assert float(rows["fedprox"][-1]) == pytest.approx(delta, abs=5e-5) and rows["fedavg"][-1] == ""
+    at = header.index("delta_avg")
+    assert at == 11  # the mean and std columns and delta where scripts read them; the intervals and tests after
+    assert float(rows["fedprox"][at]) == pytest.approx(delta, abs=5e-5) and rows["fedavg"][at] == ""
+    assert header[-3:] == ["AVG_p_vs_baseline", "AVG_p_vs_baseline_holm", "AVG_mark"]
+    assert rows["fedprox"][-3:] == ["", "", ""]  # 2 seeds: no test, no mark
     markdown = (compared / "table.md").read_text()
     assert "| FedAvg |" in markdown and f"{delta:+.2f}" in markdown  # named as the paper writes it
+    assert "No significance test is possible with 2 shared seeds" in markdown
 
 
 def test_finished_runs_with_the_same_settings_are_reused_not_rerun(compared, digits_data_dir, monkeypatch):

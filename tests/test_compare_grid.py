@@ -70,7 +70,7 @@ def test_tuned_settings_are_run_on_other_seeds_and_named(digits_data_dir, tmp_pa
         summary = json.loads((out / f"{method}-seed0" / "summary.json").read_text())
         assert summary["accuracy"] == alone.accuracy
     assert yaml.safe_load((out / "fedprox-seed0" / "config.yaml").read_text())["fedprox"]["mu"] == 0.5
-    caption = table["markdown"].split("\n\n")[1]
+    caption = table["markdown"].split("\n\n")[2]  # after the table's caption and its significance sentence
     assert caption.startswith("Each method at its tuned settings") and "seed 1000" in caption
     assert "fedavg: lr=0.2;" in caption and "fedprox.mu=0.5" in caption.split("fedprox:")[1]
     with pytest.raises(ConfigError, match="seed 1000 is the seed"):

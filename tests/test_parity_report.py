@@ -21,9 +21,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from scipy import stats
 
 from fedhpro.cli import main as cli_main
 from fedhpro.errors import ConfigError
+from fedhpro.reports.run_data import RunData
 from fedhpro.reports.runs import report
 from fedhpro.runtime import cpu_features
 from tests.conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
@@ -149,8 +151,14 @@ def test_the_verdict_is_within_or_outside_the_larger_seed_spread(study, tmp_path
         assert got == pytest.approx([mean32, std32, mean16, std16, difference, larger], abs=1e-5)
         assert row["verdict"] == verdict
     markdown = (out / "parity.md").read_text()
-    assert "| default | 0,1 | 81.00 ± 1.41 | 82.00 ± 2.12 | +1.00 | 2.12 | within |" in markdown
-    assert "| faster | 0,1 | 70.00 ± 0.00 | 72.50 ± 0.71 | +2.50 | 0.71 | outside |" in markdown
+    assert "| default | 0,1 | 81.00 ± 1.41 | 82.00 ± 2.12 | +1.00 | 2.12 | within | no test (2 shared seeds) |" \
+        in markdown
+    assert "| faster | 0,1 | 70.00 ± 0.00 | 72.50 ± 0.71 | +2.50 | 0.71 | outside | no test (2 shared seeds) |" \
+        in markdown
+    assert rows[("default", "AVG")]["p_paired"] == ""  # 2 seeds: no test
+    low, high = stats.t.interval(0.95, 1, loc=81.0, scale=stats.sem([80.0, 82.0]))
+    assert float(rows[("default", "AVG")]["reference_ci_low"]) == pytest.approx(low, abs=1e-4)
+    assert float(rows[("default", "AVG")]["reference_ci_high"]) == pytest.approx(high, abs=1e-4)
     # the same runs given as their four comparison folders: the same table, the report refreshed in place
     folders = [str(copy / name / precision) for name in SETTINGS for precision in PRECISIONS]
     assert report(folders, echo=False) == out
@@ -217,3 +225,24 @@ def test_the_study_script_reuses_finished_runs_and_writes_the_parity_report(stud
     assert script.main(["--out", str(copy), "--seeds", "0", "1", "--threads", "1", "--settings", *settings]) == 0
     assert {path: path.stat().st_mtime_ns for path in copy.glob("*/*/*/summary.json")} == stamps  # nothing rerun
     assert {setting for setting, _ in parity_rows(copy / "report")} == set(SETTINGS)
+
+
+def test_the_paired_test_over_three_shared_seeds_is_scipys():
+    """Hand-made runs: float32 80, 82, 81 and bf16 79, 80.5, 79.5 on seeds 0-2 (bf16 lower on every seed, by
+    varying margins); the p value is scipy's ttest_rel on them, and bf16 is marked worse."""
+    from fedhpro.reports.parity import PrecisionGroup, _measures
+
+    def run(seed: int, accuracy: float, amp: str) -> RunData:
+        rows = [{"round": 0, "accuracy": {"mnist": accuracy, "AVG": accuracy}}]
+        return RunData(Path(f"{amp}-seed{seed}"), {"method": "fedhpro", "seed": seed, "amp": amp}, rows,
+                       {"accuracy": accuracy})
+
+    float32, bf16 = [80.0, 82.0, 81.0], [79.0, 80.5, 79.5]
+    reference = PrecisionGroup({"amp": "off"}, [run(seed, value, "off") for seed, value in enumerate(float32)])
+    compared = PrecisionGroup({"amp": "bf16"}, [run(seed, value, "bf16") for seed, value in enumerate(bf16)])
+    measure = _measures(reference, compared)["AVG"]
+    p = stats.ttest_rel(bf16, float32).pvalue
+    assert measure.p_paired == pytest.approx(p, rel=1e-9) and p < 0.05
+    assert measure.test_text == f"p = {p:.3g} ▼"
+    low, high = stats.t.interval(0.95, 2, loc=statistics.mean(bf16), scale=stats.sem(bf16))
+    assert measure.intervals[2:] == pytest.approx([low, high])

@@ -1,6 +1,6 @@
 """Reports for people (issue 26, stumble 11): ``fedhpro report <compare folder>`` gives per-method mean curves with
-a band over seeds and a mean ± std table; every curve is told apart by colour, line style and marker; rounds get
-whole-number ticks.
+a band over seeds and a table of means with their 95 % t-intervals; every curve is told apart by colour, line
+style and marker; rounds get whole-number ticks.
 
 The reference numbers are computed here by hand from the runs' summary.json and metrics.jsonl."""
 
@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+from scipy import stats
 
 from fedhpro.cli import main as cli_main
 from fedhpro.errors import ConfigError
@@ -46,7 +47,7 @@ def avg_curve(folder: Path, method: str, seed: int) -> dict[int, float]:
     return {row["round"] + 1: row["accuracy"]["AVG"] for row in rows if "accuracy" in row}
 
 
-def test_report_of_a_compare_folder_is_the_mean_and_std_over_seeds(compared, tmp_path):
+def test_report_of_a_compare_folder_is_the_mean_std_and_interval_over_seeds(compared, tmp_path):
     out = tmp_path / "report"
     assert cli_main(["report", str(compared), f"out={out}"]) == 0
     rows = {row["method"]: row for row in csv.DictReader((out / "table.csv").open())}
@@ -65,8 +66,11 @@ def test_report_of_a_compare_folder_is_the_mean_and_std_over_seeds(compared, tmp
         best = [max(avg_curve(compared, method, seed).values()) for seed in SEEDS]
         assert float(row["best AVG_mean"]) == pytest.approx(statistics.mean(best), abs=5e-4)
         markdown = (out / "table.md").read_text()
-        shown = f"{statistics.mean(accuracy):.2f} ± {statistics.stdev(accuracy):.2f}"
+        half = stats.t.ppf(0.975, 1) * statistics.stdev(accuracy) / 2 ** 0.5  # the 95 % t-interval of 2 seeds
+        mean = statistics.mean(accuracy)
+        shown = f"{mean:.2f} [{mean - half:.2f}, {mean + half:.2f}]"
         assert f"| {SHOWN[method]} | 0,1 |" in markdown and shown in markdown
+        assert "No significance test is possible with 2 shared seeds" in markdown
     png = (out / "accuracy.png").read_bytes()
     assert png[:8] == PNG_MAGIC
     from PIL import Image
@@ -168,8 +172,9 @@ def test_the_seed_table_shows_how_far_matching_moved_the_hyper_prototypes():
 
     groups = {"fedhpro": [run("fedhpro", 0, [0.001, 0.004]), run("fedhpro", 1, [0.002, 0.006])],
               "fedavg": [run("fedavg", 0, None), run("fedavg", 1, None)]}
-    header, markdown, table = seed_table(groups)
+    header, markdown, table, _ = seed_table(groups)
     assert header[-2] == MOVEMENT
-    assert markdown[0][-2] == f"{0.5:.2f} ± {statistics.stdev([0.4, 0.6]):.2f}" and markdown[1][-2] == "–"
-    header, _, _ = seed_table({"fedavg": groups["fedavg"]})
+    half = stats.t.ppf(0.975, 1) * statistics.stdev([0.4, 0.6]) / 2 ** 0.5
+    assert markdown[0][-2] == f"{0.5:.2f} [{0.5 - half:.2f}, {0.5 + half:.2f}]" and markdown[1][-2] == "–"
+    header, _, _, _ = seed_table({"fedavg": groups["fedavg"]})
     assert MOVEMENT not in header

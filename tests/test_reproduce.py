@@ -271,6 +271,40 @@ def test_prototype_layout_finds_the_closest_prototypes(tmp_path):
     assert all(f.read_bytes()[:8] == PNG_MAGIC for f in figures)
 
 
+def test_domains_layout_marks_a_row_only_where_scipys_paired_test_says_so(tmp_path):
+    """Three seeds per row, numbers set by hand: FedHPro above FedAvg on every seed by 5, 6 and 5 points. The
+    interval and the p value are scipy's on those numbers; with one seed the same rows are not marked."""
+    from scipy import stats
+
+    variants = [R.Variant("FedAvg", "fedavg"), R.Variant("FedHPro", "fedhpro")]
+    part = R.Part("Digits", "digits", {}, [R.Scenario("Digits")], [],
+                  {"FedAvg": [96.68, 78.82], "FedHPro": [98.52, 84.80]}, {}, variants)
+    numbers = {"FedAvg": [50.0, 52.0, 51.0], "FedHPro": [55.0, 58.0, 56.0]}
+    runs = {}
+    for variant in variants:
+        runs[("Digits", variant.label)] = []
+        for seed, value in enumerate(numbers[variant.label]):
+            run = fake_run(tmp_path / f"{variant.method}-{seed}", variant.method, [value - 10, value])
+            run.config["seed"] = seed
+            runs[("Digits", variant.label)].append(run)
+    target = R.Target("t", "Table 3: t", "domains", [0, 1, 2], {}, variants, [part], [])
+    table = R.build_table(target, [R.PartResult(part, "", runs, ["mnist"])])
+    markdown = R.section_markdown(table.sections[0])
+    low, high = stats.t.interval(0.95, 2, loc=stats.tmean(numbers["FedHPro"]), scale=stats.sem(numbers["FedHPro"]))
+    p = stats.ttest_rel(numbers["FedHPro"], numbers["FedAvg"]).pvalue
+    assert p < 0.05
+    assert f"| FedHPro | {stats.tmean(numbers['FedHPro']):.2f} [{low:.2f}, {high:.2f}] ★▲ / 98.52 |" in markdown
+    assert "over the 3 seeds every row shares (0, 1, 2)" in markdown and "better/worse than FedAvg" in markdown
+    rows = {(row[1], row[2]): dict(zip(table.csv_header, row)) for row in table.csv_rows}
+    assert rows[("FedHPro", "AVG")]["p_vs_first_row"] == pytest.approx(p, rel=1e-9)
+    assert rows[("FedHPro", "AVG")]["ours_ci_low"] == pytest.approx(low)
+    assert rows[("FedHPro", "AVG")]["mark"] == "★▲" and rows[("FedAvg", "AVG")]["mark"] == ""
+    one = {key: value[:1] for key, value in runs.items()}
+    single = R.section_markdown(R.build_table(target, [R.PartResult(part, "", one, ["mnist"])]).sections[0])
+    assert "| FedHPro | 55.00 / 98.52 | 55.00 / 84.80 | +5.00 / +5.98 |" in single
+    assert "No significance test is possible with 1 shared seed" in single
+
+
 # ----------------------------------------------------------------------------
 # strict target files, the emitter, the data check
 # ----------------------------------------------------------------------------
@@ -346,8 +380,9 @@ def test_the_emitter_writes_the_same_table_for_the_same_rows(tmp_path):
                          started=time.perf_counter(), echo=False)
         assert written == [folder / "table.md", folder / "table.csv"]
     expected_md = (
-        "# Table T: t\n\nReproduced with `fedhpro reproduce t scale=smoke` (seeds [0]); ours: mean ± std over seeds; "
-        "paper: the published number. Wall time 0 s.\n\n" + R.emitter.SMOKE_WARNING + "\n\n- a target note\n\n"
+        "# Table T: t\n\nReproduced with `fedhpro reproduce t scale=smoke` (seeds [0]); ours: the mean over seeds "
+        "with its 95 % t-interval in brackets (table.csv: also the std, the p values and the marks); paper: the "
+        "published number. Wall time 0 s.\n\n" + R.emitter.SMOKE_WARNING + "\n\n- a target note\n\n"
         "## Digits\n\n| Methods | AVG |\n|---|---|\n| FedAvg | 50.00 / 78.82 |\n| FedHPro | 60.00 / – |\n\n"
         "- a note\n\n"
         "## CIFAR10\n\nnot run: CIFAR10: no data\n\n## Ordering against the paper\n\n- Digits (AVG): a check\n")

@@ -8,11 +8,15 @@ the run keys but the presentational ones, the method's own options, data,
 faults, partition); otherwise the comparison stops before it runs anything and
 names the settings that differ, instead of mixing old numbers into a new
 table. The table is written as ``table.md`` and ``table.csv``: accuracy per domain and
-AVG, mean ± std over the seeds, and the difference of AVG to FedAvg (the
-paper's Table A3 layout). Its rows are in the order the methods were given (a default comparison's: the paper's),
+AVG, the mean over the seeds with its 95 % t-interval, and the difference of AVG to FedAvg (the
+paper's Table A3 layout); an AVG cell is marked best, or better / worse than FedAvg, only where paired t-tests
+over the shared seeds say so after Holm's correction (:func:`fedhpro.reports.significance.verdicts`; none with
+fewer than 3 seeds), as its caption says. ``table.csv`` keeps the mean and std columns and adds the intervals,
+the p values and the marks. Its rows are in the order the methods were given (a default comparison's: the paper's),
 named in ``table.md`` as the paper writes them (FedAvg, FedHPro) and in ``table.csv`` by their registered names;
 its caption names the data set and the partition with its parameters. ``compare.json`` records that order
-(``runs``: the run folders, in it) for ``fedhpro report``.
+(``runs``: the run folders, in it) and, with ``tuned=``, each method's tuned settings and how they were tuned
+(``tuned``) for ``fedhpro report``.
 
 A key given several values where it takes one (``lr=[0.01,0.05]``) is a grid:
 one row per method and point, named ``fedavg lr=0.05``. ``tuned=`` (the
@@ -45,10 +49,12 @@ from fedhpro.errors import ConfigError, FedHProError
 from fedhpro.files import claim_run_folder, spreadsheet_cell
 from fedhpro.methods import METHODS, get_method, method_names
 from fedhpro.options import fields_of
-from fedhpro.reports import write_atomic, write_json
+from fedhpro.reports import significance, write_atomic, write_json
 from fedhpro.reports.captions import data_sentence, data_text
 from fedhpro.reports.plots import display_label, display_name, paper_order
 from fedhpro.reports.runs import COMPARE_RECORD
+from fedhpro.reports.significance import verdicts
+from fedhpro.reports.tables import TEST_COLUMNS, interval_bounds, marked_cell, verdict_fields
 from fedhpro.search_space import searched
 from fedhpro.sweeps import Failure, Sweep, SweepFailed, execute, make_sweep, sweep_options
 
@@ -308,8 +314,11 @@ def compare(methods: Sequence[str], seeds: Sequence[int], settings: Mapping[str,
     # own folder is claimed by the process that runs it (fedhpro.api.run_or_continue)
     with claim_run_folder(out):
         # written first, so that the report of a comparison cut short still lists its methods as given
-        write_json(out / COMPARE_RECORD, {"methods": list(methods), "seeds": [int(seed) for seed in seeds],
-                                          "runs": [folder.name for *_, folder in runs]})
+        record: dict[str, Any] = {"methods": list(methods), "seeds": [int(seed) for seed in seeds],
+                                  "runs": [folder.name for *_, folder in runs]}
+        if tuned is not None and tuned_data is not None:  # for fedhpro report, which names the tuned settings
+            record["tuned"] = tuned_record(tuned_data, tuned, per_method)
+        write_json(out / COMPARE_RECORD, record)
         return _compare_claimed([(row_label(m, p), m, seed, folder) for m, p, seed, folder in runs], seeds, tasks,
                                 labels, sweep, out, echo, caption)
 
@@ -317,6 +326,19 @@ def compare(methods: Sequence[str], seeds: Sequence[int], settings: Mapping[str,
 def row_label(method: str, point: Mapping[str, Any]) -> str:
     """A table row's name: the method, and its grid point if any (``fedavg lr=0.05``)."""
     return f"{method} {point_name(point)}".strip()
+
+
+#: what of a tuned file's ``tuning:`` (how the settings were found) a comparison records for its report
+TUNING_RECORDED = ("trials", "seed", "validation", "objective", "chosen")
+
+
+def tuned_record(tuned: Mapping[str, Any], path: str | os.PathLike, per_method: Mapping[str, Mapping[str, Any]]
+                 ) -> dict[str, Any]:
+    """The ``tuned`` entry of :data:`~fedhpro.reports.runs.COMPARE_RECORD`: the tuned file, each method's settings
+    run and how they were found (:data:`TUNING_RECORDED`), as JSON values."""
+    how = tuned.get("tuning", {})
+    return json.loads(json.dumps({"file": str(path), "methods": {m: dict(v) for m, v in per_method.items()},
+                                  "tuning": {k: how[k] for k in TUNING_RECORDED if k in how}}, default=str))
 
 
 def tuned_caption(tuned: Mapping[str, Any], path: str | os.PathLike, per_method: Mapping[str, Mapping[str, Any]]
@@ -350,7 +372,7 @@ def _compare_claimed(runs: list[tuple[str, str, int, Path]], seeds: Sequence[int
             if echo:
                 print(f"{display_label(label):10s} seed {seed}: no round evaluated (left out of the table)", flush=True)
             continue
-        summaries[label].append(summary)
+        summaries[label].append({**summary, "seed": int(seed)})  # the seed that pairs it in the table's tests
         method_of[label] = method
         data.setdefault(label, data_text(config.to_dict(), folder))
         if echo:
@@ -376,7 +398,13 @@ def _table(summaries: dict[str, list[dict[str, Any]]], seeds: Sequence[int], met
     given, a method's grid points as run; ``method_of``: each row's method; ``data``: each row's data set and
     partition in words, :func:`fedhpro.reports.captions.data_text`), Δ to the baseline method's first row.
     ``table.md`` names the rows as the paper writes the methods (``FedAvg lr=0.05``), ``table.csv`` by the
-    registered names (``fedavg lr=0.05``), what scripts select rows by."""
+    registered names (``fedavg lr=0.05``), what scripts select rows by.
+
+    Each cell is the mean over the row's seeds with its 95 % t-interval; the AVG column is tested
+    (:func:`fedhpro.reports.significance.verdicts` over the seeds every row shares, paired by the seed each
+    summary records: a row marked best, or better / worse than the baseline row, only after Holm's correction;
+    nothing marked with fewer than 3 shared seeds), the domain columns get intervals only. ``table.csv`` keeps
+    the mean and std columns, then Δ, then each column's interval bounds and AVG's p values and marks."""
     first = next(iter(summaries.values()))[0]
     domains = list(first["per_domain"])
     columns = domains + ["AVG"] if len(domains) > 1 else ["AVG"]
@@ -384,37 +412,53 @@ def _table(summaries: dict[str, list[dict[str, Any]]], seeds: Sequence[int], met
     def values(method: str, column: str) -> list[float]:
         return [s["accuracy"] if column == "AVG" else s["per_domain"][column] for s in summaries[method]]
 
-    def cell(numbers: list[float]) -> str:
-        spread = statistics.stdev(numbers) if len(numbers) > 1 else 0.0
-        return f"{statistics.mean(numbers):.2f} ± {spread:.2f}"
+    def by_seed(method: str, column: str) -> dict[int, float]:
+        return {int(s["seed"]): value for s, value in zip(summaries[method], values(method, column))}
 
     rows = list(summaries)
     reference_method = baseline_method()
     reference = next((label for label in rows if method_of[label] == reference_method), None)
+    # keyed by the names table.md shows, so that the caption names the baseline as the table does
+    shown = {row: display_label(row) for row in rows}
+    tested = {column: verdicts({shown[row]: by_seed(row, column) for row in rows},
+                               baseline=shown[reference] if column == "AVG" and reference else None)
+              for column in columns}
     baseline = statistics.mean(values(reference, "AVG")) if reference is not None else None
     header = "| Methods | " + " | ".join(columns) + " | Δ |"
     lines = [header, "|---" * (len(columns) + 2) + "|"]
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     writer.writerow([spreadsheet_cell(name) for name in
-                     ["method"] + [f"{c}_mean" for c in columns] + [f"{c}_std" for c in columns] + ["delta_avg"]])
+                     ["method"] + [f"{c}_mean" for c in columns] + [f"{c}_std" for c in columns] + ["delta_avg"]
+                     + [f"{c}_ci_{end}" for c in columns for end in ("low", "high")]
+                     + [f"AVG_{name}" for name in TEST_COLUMNS]])
     for method in rows:
         avg = statistics.mean(values(method, "AVG"))
         gain = None if baseline is None or method == reference else avg - baseline
         delta = "–" if gain is None else f"{gain:+.2f}"
-        cells = " | ".join(cell(values(method, c)) for c in columns)
-        lines.append(f"| {display_label(method)} | {cells} | {delta} |")
         means = [statistics.mean(values(method, c)) for c in columns]
+        cells = " | ".join(marked_cell(mean, tested[c].intervals[shown[method]],
+                                       tested[c].mark(shown[method]) if c == "AVG" else "")
+                           for c, mean in zip(columns, means))
+        lines.append(f"| {display_label(method)} | {cells} | {delta} |")
         stds = [statistics.stdev(values(method, c)) if len(values(method, c)) > 1 else 0.0 for c in columns]
+        bounds = [bound for c in columns for bound in interval_bounds(tested[c], shown[method])]
+        p_raw, p_holm, mark = verdict_fields(tested["AVG"], shown[method])
         writer.writerow([spreadsheet_cell(method)] + [f"{v:.4f}" for v in means + stds]
-                        + ["" if gain is None else f"{gain:.4f}"])
+                        + ["" if gain is None else f"{gain:.4f}"]
+                        + ["" if bound is None else f"{bound:.4f}" for bound in bounds]
+                        + ["" if p is None else f"{p:.6g}" for p in (p_raw, p_holm)] + [mark])
     named = (display_name(reference_method) if reference == reference_method else display_label(reference)) \
         if reference else None
     described = data_sentence({row: (data or {}).get(row) for row in rows}, [display_label(row) for row in rows])
     where = "" if described else f" on {first['dataset']}"  # the data sentence names the data set
-    caption = (f"Test accuracy (%){where}, mean ± std over seeds {list(seeds)}; "
-               f"Δ = AVG minus {named or 'the baseline'}'s AVG." + (f" {described}" if described else "")
-               + "\n\n") + caption
+    scope = (" Tested: the AVG column; the domain columns show intervals only." if len(columns) > 1 else "")
+    columns_said = (" Each domain column: the accuracy on that domain's test set; AVG: their unweighted mean."
+                    if len(columns) > 1 else "")
+    caption = (f"Test accuracy (%){where}, mean over seeds {list(seeds)}; "
+               f"Δ = AVG minus {named or 'the baseline'}'s AVG." + columns_said
+               + (f" {described}" if described else "")
+               + "\n\n" + significance.caption(tested["AVG"]) + scope + "\n\n") + caption
     return {"markdown": caption + "\n".join(lines) + "\n", "csv": buffer.getvalue()}
 
 

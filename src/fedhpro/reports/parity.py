@@ -9,7 +9,9 @@ is one *setting*. Within a setting, each float32 group (``amp=off``) is paired w
 row says, for the final AVG accuracy and each domain: the float32 mean ± sample std over its seeds, the
 mixed-precision mean ± std, the difference of means (mixed minus float32), the larger of the two seed stds
 and the verdict: *within* when ``|difference| <= larger std`` (the difference of means lies within the
-larger seed spread), else *outside*.
+larger seed spread), else *outside*; beside it the two-sided paired t-test of the two sides over the seeds they
+share (``scipy.stats.ttest_rel`` through :func:`fedhpro.reports.significance.verdicts`, alpha 0.05, none with
+fewer than 3 shared seeds), and in ``parity.csv`` each side's 95 % t-interval and the p value.
 
 Nothing names a setting: a setting is labelled by the folder its comparison folders share (``default`` for
 ``study/default/float32`` and ``study/default/bf16``), or by the settings that tell it from the others. A
@@ -28,8 +30,9 @@ from typing import Any
 
 from fedhpro.errors import ConfigError
 from fedhpro.reports import write_atomic, write_json
-from fedhpro.reports.run_data import NOT_A_SETTING, RunData, run_labels
-from fedhpro.reports.tables import csv_text, dotted_keys, format_number, markdown_table, mean_std
+from fedhpro.reports.run_data import NOT_A_SETTING, RunData, run_labels, run_seed
+from fedhpro.reports.significance import MIN_SEEDS, Verdicts, verdicts
+from fedhpro.reports.tables import csv_text, dotted_keys, format_number, interval_bounds, markdown_table, mean_std
 
 #: the run settings that make a run's precision: ``amp`` and ``channels_last`` (on with ``amp`` for conv models
 #: under ``auto``); two comparison folders that differ only in these are the two precisions of one setting
@@ -127,10 +130,34 @@ def mixes_precisions(runs: Sequence[RunData]) -> bool:
 
 @dataclass
 class Measure:
-    """One accuracy (AVG or a domain) of a pair: the seeds' mean and sample std on each side."""
+    """One accuracy (AVG or a domain) of a pair: the seeds' mean and sample std on each side, and the paired
+    t-test over the seeds both sides share (:func:`fedhpro.reports.significance.verdicts`: the p value, the 95 %
+    t-intervals, ▲ / ▼ where the compared side is better / worse at alpha 0.05; no test with fewer than 3 shared
+    seeds)."""
 
     reference: tuple[float | None, float | None]
     compared: tuple[float | None, float | None]
+    tested: Verdicts | None = None
+
+    @property
+    def p_paired(self) -> float | None:
+        return None if self.tested is None else self.tested.p_baseline.get(COMPARED)
+
+    @property
+    def intervals(self) -> list[float | None]:
+        """``[reference low, reference high, compared low, compared high]`` (None with fewer than 2 seeds)."""
+        if self.tested is None:
+            return [None] * 4
+        return interval_bounds(self.tested, REFERENCE) + interval_bounds(self.tested, COMPARED)
+
+    @property
+    def test_text(self) -> str:
+        """The paired test's cell: ``p = 0.031 ▼``, or why there is none."""
+        if self.tested is None or not self.tested.tested:
+            shared = 0 if self.tested is None else len(self.tested.shared_seeds)
+            return f"no test ({shared} shared seed{'s' if shared != 1 else ''})"
+        mark = self.tested.against_baseline.get(COMPARED, "")
+        return f"p = {self.p_paired:.3g}" + (f" {mark}" if mark else "")
 
     @property
     def difference(self) -> float | None:
@@ -176,10 +203,20 @@ def _final_accuracy(run: RunData, measure: str) -> float | None:
     return None if value is None else float(value)
 
 
+#: the two sides as the paired test names them
+REFERENCE, COMPARED = "reference", "compared"
+
+
+def _by_seed(group: PrecisionGroup, measure: str) -> dict[int, float | None]:
+    return {run_seed(run, index): _final_accuracy(run, measure) for index, run in enumerate(group.finished)}
+
+
 def _measures(reference: PrecisionGroup, compared: PrecisionGroup) -> dict[str, Measure]:
     domains = [name for name in reference.finished[0].final["accuracy"] if name != AVERAGE]
     return {measure: Measure(mean_std([_final_accuracy(run, measure) for run in reference.finished]),
-                             mean_std([_final_accuracy(run, measure) for run in compared.finished]))
+                             mean_std([_final_accuracy(run, measure) for run in compared.finished]),
+                             verdicts({REFERENCE: _by_seed(reference, measure), COMPARED: _by_seed(compared, measure)},
+                                      baseline=REFERENCE))
             for measure in [AVERAGE] + domains}
 
 
@@ -298,7 +335,8 @@ def parity_markdown(parity: Parity) -> str:
     reference, compared = _sides(rows)
     named = (reference, compared) != ("reference", "compared")
     lead = ["setting", "seeds"] + ([] if named else ["precisions"])
-    header = lead + [f"{reference} AVG", f"{compared} AVG", "difference", "larger seed std", "verdict"]
+    header = lead + [f"{reference} AVG", f"{compared} AVG", "difference", "larger seed std", "verdict",
+                     "paired test"]
     body = []
     for row in rows:
         measure = row.measures[AVERAGE]
@@ -306,10 +344,13 @@ def parity_markdown(parity: Parity) -> str:
                  else f"{row.reference.seeds} / {row.compared.seeds}")
         body.append([row.setting, seeds] + ([] if named else [f"{row.reference.precision} / {row.compared.precision}"])
                     + [_cell(*measure.reference), _cell(*measure.compared), _signed(measure.difference),
-                       format_number(measure.larger_std), measure.verdict or "–"])
+                       format_number(measure.larger_std), measure.verdict or "–", measure.test_text])
     caption = (f"{reference} against {compared}: final test accuracy (%), mean ± sample std over each side's seeds; "
                f"difference = {compared} mean − {reference} mean; verdict: within when |difference| ≤ the larger "
-               "of the two seed stds (the larger seed spread), else outside.")
+               "of the two seed stds (the larger seed spread), else outside; paired test: the two-sided paired "
+               "t-test (scipy.stats.ttest_rel) of the two sides over the seeds they share, alpha = 0.05, one test "
+               f"per row and measure (no correction), ▲ / ▼ where {compared} is better / worse; no test with fewer "
+               f"than {MIN_SEEDS} shared seeds. parity.csv adds each side's 95 % t-interval and the p value.")
     precisions = sorted({f"{group.precision}: {group.described}" for row in rows
                          for group in (row.reference, row.compared)})
     notes = [f"precision {text}" for text in precisions]
@@ -317,24 +358,24 @@ def parity_markdown(parity: Parity) -> str:
     notes += parity.left_out
     text = markdown_table(header, body, caption, notes)
     domain_rows = [[row.setting, name, _cell(*m.reference), _cell(*m.compared), _signed(m.difference),
-                    format_number(m.larger_std), m.verdict or "–"]
+                    format_number(m.larger_std), m.verdict or "–", m.test_text]
                    for row in rows for name, m in row.measures.items() if name != AVERAGE]
     if domain_rows:
         text += "\n" + markdown_table(["setting", "domain", reference, compared, "difference", "larger seed std",
-                                       "verdict"], domain_rows, "Per domain, the same comparison:")
+                                       "verdict", "paired test"], domain_rows, "Per domain, the same comparison:")
     return text
 
 
 CSV_HEADER = ["setting", "settings", "measure", "reference", "compared", "reference_seeds", "compared_seeds",
               "reference_mean", "reference_std", "compared_mean", "compared_std", "difference", "larger_std",
-              "verdict"]
+              "verdict", "reference_ci_low", "reference_ci_high", "compared_ci_low", "compared_ci_high", "p_paired"]
 
 
 def parity_csv(parity: Parity) -> str:
     """parity.csv: one line per pair and measure (AVG, then each domain), full precision."""
     lines = [[row.setting, row.settings, name, row.reference.precision, row.compared.precision,
               row.reference.seeds, row.compared.seeds, *m.reference, *m.compared, m.difference, m.larger_std,
-              m.verdict] for row in parity.rows for name, m in row.measures.items()]
+              m.verdict, *m.intervals, m.p_paired] for row in parity.rows for name, m in row.measures.items()]
     return csv_text(CSV_HEADER, lines)
 
 
@@ -355,7 +396,10 @@ def parity_record(parity: Parity) -> dict[str, Any]:
                    "measures": {name: {"reference_mean": m.reference[0], "reference_std": m.reference[1],
                                        "compared_mean": m.compared[0], "compared_std": m.compared[1],
                                        "difference": m.difference, "larger_std": m.larger_std,
-                                       "verdict": m.verdict} for name, m in row.measures.items()}}
+                                       "verdict": m.verdict, "p_paired": m.p_paired,
+                                       "intervals": dict(zip(("reference_low", "reference_high", "compared_low",
+                                                              "compared_high"), m.intervals))}
+                                for name, m in row.measures.items()}}
                   for row in parity.rows],
         "left_out": parity.left_out,
     }

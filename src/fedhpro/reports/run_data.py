@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,17 @@ def load_run(path: str | Path) -> RunData:
         raise DataError(f"{summary_path} holds a JSON {type(summary).__name__}, not an object; it is damaged: "
                         "delete it or the run folder")
     return RunData(path, config or {}, rows, summary)
+
+
+def run_seed(run: RunData, index: int = 0) -> int:
+    """The seed ``run`` ran at (its config.yaml's ``seed``), what pairs it with the other rows' runs in a paired
+    test. A run that records none (a folder not written by fedhpro) gets a negative key from its folder's path,
+    paired with no other run. ``index`` is unused (kept for callers that number their runs)."""
+    del index
+    seed = run.config.get("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0:
+        return seed
+    return -1 - zlib.crc32(str(run.path.resolve()).encode())
 
 
 def _strict_mode(values: Sequence[str]) -> str | None:

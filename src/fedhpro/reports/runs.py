@@ -28,16 +28,36 @@ from fedhpro.bounded import (
     parse_json,
     read_bounded,
     read_json_file,
+    read_yaml_file,
     run_file,
 )
 from fedhpro.errors import ConfigError, DataError, FedHProError
-from fedhpro.reports import write_atomic, write_json
+from fedhpro.methods import METHODS
+from fedhpro.reports import significance, write_atomic, write_json
 from fedhpro.reports.captions import data_sentence, data_text
 from fedhpro.reports.classes import CLASS_FILES, write_class_report
 from fedhpro.reports.parity import PARITY_FILES, mixes_precisions, pair_precisions, write_parity
-from fedhpro.reports.plots import display_label, mean_band, paper_order, plot_bars, plot_curves, plot_mean_curves
-from fedhpro.reports.run_data import NOT_A_SETTING, RunData, load_run, run_labels
-from fedhpro.reports.tables import csv_text, dotted_keys, markdown_table, mean_pm_std, mean_std
+from fedhpro.reports.plots import (
+    display_label,
+    display_name,
+    mean_band,
+    paper_order,
+    plot_bars,
+    plot_curves,
+    plot_mean_curves,
+)
+from fedhpro.reports.run_data import NOT_A_SETTING, RunData, load_run, run_labels, run_seed
+from fedhpro.reports.significance import Verdicts, verdicts
+from fedhpro.reports.tables import (
+    TEST_COLUMNS,
+    csv_text,
+    dotted_keys,
+    interval_bounds,
+    markdown_table,
+    marked_cell,
+    mean_std,
+    verdict_fields,
+)
 
 
 def accuracy_series(run: RunData, key: str = "AVG") -> tuple[list[int], list[float]]:
@@ -143,6 +163,88 @@ def recorded_order(comparison: Path) -> list[str] | None:
     return names
 
 
+#: the most methods, settings per method and characters per value a report names from a tuning's record (it is
+#: read within fedhpro's bounds; what it shows stays a caption's length)
+MAX_TUNED_METHODS, MAX_TUNED_KEYS, MAX_TUNED_TEXT = 32, 16, 60
+#: the most characters of the tuned file's path a report shows
+MAX_PATH_TEXT = 300
+
+
+def _short_text(value: Any, limit: int = MAX_TUNED_TEXT) -> str:
+    """A recorded value as a caption shows it: a float with 4 significant digits, anything else as one line of
+    at most ``limit`` characters."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    text = " ".join(str(value).split())
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _tuned_record(record: Mapping[str, Any], where: Path) -> tuple[Any, Any, str]:
+    """``(methods, tuning, file)`` of a comparison record's ``tuned`` entry; the settings read from the tuned
+    file it names when the record holds none (a DataError line when that file cannot be read)."""
+    entry = record["tuned"]
+    file = _short_text(entry.get("file", "?"), MAX_PATH_TEXT) if isinstance(entry, dict) else "?"
+    if isinstance(entry, dict) and isinstance(entry.get("methods"), dict):
+        return entry["methods"], entry.get("tuning"), file
+    named = entry.get("file") if isinstance(entry, dict) else None
+    if not isinstance(named, str):
+        raise DataError(f"{where} records tuned runs but neither their settings nor their tuned file")
+    data = read_yaml_file(Path(named), DataError)
+    if not isinstance(data, dict) or not isinstance(data.get("methods"), dict):
+        raise DataError(f"{named} is not the tuned.yaml of fedhpro tune (no methods: mapping)")
+    return data["methods"], data.get("tuning"), file
+
+
+def _tuned_note(folder: Path, members: Sequence[RunData]) -> str | None:
+    """The line naming the tuned settings of ``members`` (runs of the comparison in ``folder``), from its
+    :data:`COMPARE_RECORD`; None when that comparison ran no tuned settings."""
+    try:
+        path = run_file(folder, COMPARE_RECORD)
+        if not path.is_file():
+            return None
+        record = read_json_file(path, DataError)
+        if not isinstance(record, dict) or "tuned" not in record:
+            return None
+        methods, tuning, file = _tuned_record(record, path)
+    except (FedHProError, OSError, ValueError, TypeError) as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        return f"Tuned settings not named: {reason}."
+    tuning = tuning if isinstance(tuning, dict) else {}
+    names = list(dict.fromkeys(run.method for run in members))[:MAX_TUNED_METHODS]
+    shown = []
+    for method in names:
+        values = methods.get(method)
+        if not isinstance(values, dict):
+            shown.append(f"{display_name(method)}: not recorded")
+            continue
+        pairs = list(values.items())
+        text = ", ".join(f"{_short_text(key)}={_short_text(value)}" for key, value in pairs[:MAX_TUNED_KEYS])
+        shown.append(f"{display_name(method)}: {text or 'the defaults'}"
+                     + (f" and {len(pairs) - MAX_TUNED_KEYS} more" if len(pairs) > MAX_TUNED_KEYS else ""))
+    if isinstance(tuning.get("chosen"), str):  # settings chosen by other means, as the file says
+        return (f"Tuned settings: each method at its settings from {file} (not tuned by fedhpro tune: "
+                f"{_short_text(tuning['chosen'])}): {'; '.join(shown)}.")
+    budget = [f"{_short_text(tuning['trials'])} trials per method" if "trials" in tuning else "trials not recorded",
+              f"objective: {_short_text(tuning['objective'])}" if "objective" in tuning else None,
+              f"validation={_short_text(tuning['validation'])}" if "validation" in tuning else None,
+              f"tuning seed {_short_text(tuning['seed'])}" if "seed" in tuning else "tuning seed not recorded"]
+    return (f"Tuned settings: each method ran at the settings fedhpro tune chose on the clients' validation parts "
+            f"({file}: {', '.join(part for part in budget if part)}), on seeds apart from the tuning's: "
+            f"{'; '.join(shown)}.")
+
+
+def tuned_notes(runs: Sequence[RunData]) -> list[str]:
+    """One line per comparison among ``runs``' folders that ran tuned settings (``fedhpro compare tuned=``): each
+    method's tuned settings, the tuning budget and seed, as the comparison recorded them; a record that cannot
+    be read is one line saying so (never an error: the table does not depend on it)."""
+    lines = []
+    for folder in dict.fromkeys(run.path.parent for run in runs):
+        note = _tuned_note(folder, [run for run in runs if run.path.parent == folder])
+        if note:
+            lines.append(note)
+    return lines
+
+
 def in_given_order(comparison: Path, runs: Sequence[RunData]) -> list[RunData]:
     """The runs of ``comparison`` in the order its methods were given (:func:`recorded_order`); runs it does not
     record (all of them, without a record) after those, in the paper's order of their methods, then by folder."""
@@ -204,6 +306,9 @@ def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: 
     each run's per-class test counts, from its folder; with it the report adds ``per_class.md``, ``.csv`` and
     ``.png`` (:func:`fedhpro.reports.classes.write_class_report`): head / middle / tail and per-class accuracy;
     ``class_options``: that function's keyword options (``fedhpro report``'s keys for it).
+
+    Runs of a comparison made with ``tuned=`` (``fedhpro compare tuned=...``): ``table.md`` and ``per_class.md``
+    name each method's tuned settings, the tuning budget and seed (:func:`tuned_notes`).
     """
     if not run_dirs:
         raise ConfigError("give at least one run folder: fedhpro report RUN_DIR [RUN_DIR ...] [out=DIR]")
@@ -238,12 +343,22 @@ def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: 
         left_out = [run.path.name for run in runs if run.path not in measured]
         tested = {label: [(run.path, measured[run.path]) for run in members if run.path in measured]
                   for label, members in by_label.items()}
+        notes = [f"left out, unfinished (no saved model yet): {', '.join(left_out)}"] if left_out else []
         write_class_report(written, {label: members for label, members in tested.items() if members}, echo=echo,
-                           notes=[f"left out, unfinished (no saved model yet): {', '.join(left_out)}"]
-                           if left_out else [], **dict(class_options or {}))
+                           notes=notes + tuned_notes(runs), **dict(class_options or {}))
         if echo:
             print(f"written to {written}/: {', '.join(CLASS_FILES)}")
     return written
+
+
+#: what the single-run table's columns beyond the splits (:func:`splits_caption`) hold
+RUN_COLUMNS_CAPTION = ("run: the run's method (and the settings that tell the runs apart); rounds: the rounds it "
+                       "logged; accuracy across its clients at the last evaluated round: worst 10% / best 10%, the "
+                       "mean accuracy of the tenth of clients with the lowest / highest accuracy (at least one "
+                       "client), client mean, their mean, variance, their population variance (%²); MB up/round: "
+                       "megabytes (10^6 bytes) all clients sent to the server per round; params up/round: the "
+                       "model parameters they sent per round; GFLOPs train/round: 10^9 floating-point "
+                       "operations of all clients' local training per round (– where not counted).")
 
 
 def _report_runs(runs: list[RunData], out: str | Path | None, echo: bool, force: bool) -> Path:
@@ -272,9 +387,10 @@ def _report_runs(runs: list[RunData], out: str | Path | None, echo: bool, force:
             (sum(flops) / len(flops) / 1e9) if flops else None])
     described = {label: data_text(run.config, run.path) for label, run in zip(labels, runs)}
     data = data_sentence(described, [display_label(label) for label in labels])
-    caption = (f"Final test accuracy (%) of {len(runs)} run(s); fairness over clients (Table A8) at the last "
-               "evaluated round; communication and FLOPs averaged per round. " + (f"{data} " if data else "")
-               + splits_caption(validated, any(run.config.get("client_test") == "matched" for run in runs)))
+    caption = (f"Final test accuracy (%) of {len(runs)} run(s), one row each (no seeds pooled, so no interval or "
+               "test). " + (f"{data} " if data else "")
+               + splits_caption(validated, any(run.config.get("client_test") == "matched" for run in runs))
+               + " " + RUN_COLUMNS_CAPTION + "".join(f"\n\n{line}" for line in tuned_notes(runs)))
     notes = [f"{display_label(label)}: no summary.json, the numbers are those of its last evaluated round (round "
              f"{run.final['round'] + 1})" for label, run in zip(labels, runs) if not run.finished]
     write_atomic(out / "table.md", markdown_table(header, rows, caption, notes))
@@ -294,13 +410,13 @@ def _report_runs(runs: list[RunData], out: str | Path | None, echo: bool, force:
                     "best 10%": run.final["fairness"]["best_10"], "std": run.final["fairness"]["std"]}
             for label, run in zip(labels, runs) if "fairness" in run.final}
     if fair:
-        plot_bars(fair, out / "fairness.png", title="accuracy across clients (Table A8)", ylabel="test accuracy (%)")
+        plot_bars(fair, out / "fairness.png", title="accuracy across clients", ylabel="test accuracy (%)")
         written.append("fairness.png")
     distances = {f"{label}: {name}": series for label, run in zip(labels, runs)
                  for name, series in prototype_series(run).items()}
     if distances:
         plot_curves(distances, out / "prototype_distance.png", ylabel="L2 distance",
-                    title="distance to the centralized prototypes (Figure 2)")
+                    title="distance to the centralized prototypes")
         written.append("prototype_distance.png")
     write_json(out / "report.json", {"runs": _report_sources(runs)})
     written.append("report.json")
@@ -352,12 +468,43 @@ def hyper_movement(run: RunData) -> float | None:
     return float(moved[-1]) * 100 if moved else None
 
 
-def seed_table(groups: dict[str, list[RunData]]) -> tuple[list[str], list[list[Any]], list[list[Any]]]:
-    """``(header, markdown rows, csv rows)`` of a report over seeds (the markdown naming each group as the paper
-    writes its method, the CSV by its registered name): per group its seeds, then per final
-    accuracy (each domain, AVG), best AVG and worst 10% the mean ± sample std over its runs (their last
-    evaluated round: summary.json's numbers for a finished run); when some run logged it, also how far
-    gradient matching moved FedHPro's hyper-prototypes (:func:`hyper_movement`, "–" for other methods)."""
+def seed_values(run: RunData, column: str) -> float | None:
+    """``run``'s number in the seed table's ``column`` (None where it has none)."""
+    if column == "best AVG":
+        return max(row["accuracy"]["AVG"] for row in run.evaluated)
+    if column == VALIDATION_COLUMNS[0]:
+        return run.final.get("validation", {}).get("AVG")
+    if column == VALIDATION_COLUMNS[1]:
+        return run.test_at_best_validation()
+    if column == "worst 10%":
+        return run.final.get("fairness", {}).get("worst_10")
+    if column == MOVEMENT:
+        return hyper_movement(run)
+    return run.final["accuracy"].get(column)
+
+
+def baseline_group(groups: Mapping[str, Sequence[RunData]]) -> str | None:
+    """The group the seed table tests the others against: the first of the baseline method
+    (``MethodSpec.baseline``: FedAvg), None when no group runs it."""
+    baseline = next((name for name, spec in METHODS.items() if spec.baseline), None)
+    return next((label for label, members in groups.items() if members[0].method == baseline), None)
+
+
+#: the seed table's column its marks test (each group's final test AVG over its seeds)
+TESTED_COLUMN = "AVG"
+
+
+def seed_table(groups: dict[str, list[RunData]]) -> tuple[list[str], list[list[Any]], list[list[Any]], Verdicts]:
+    """``(header, markdown rows, csv rows, verdicts)`` of a report over seeds (the markdown naming each group as
+    the paper writes its method, the CSV by its registered name): per group its seeds, then per final
+    accuracy (each domain, AVG), best AVG and worst 10% the mean over its runs (their last evaluated round:
+    summary.json's numbers for a finished run) with its 95 % t-interval; when some run logged it, also how far
+    gradient matching moved FedHPro's hyper-prototypes (:func:`hyper_movement`, "–" for other methods).
+
+    The AVG column is tested (:func:`fedhpro.reports.significance.verdicts`, the returned verdicts: paired
+    t-tests over the seeds every group shares, Holm's correction, against the baseline method's group,
+    :func:`baseline_group`): its cells carry the marks. The CSV rows: the means, the sample stds, the rounds,
+    then each column's interval bounds and AVG's raw and Holm-adjusted p value against the baseline and marks."""
     first = next(iter(groups.values()))[0]
     domains = [name for name in first.final["accuracy"] if name != "AVG"]
     columns = domains + ["AVG", "best AVG", "worst 10%"]
@@ -365,39 +512,52 @@ def seed_table(groups: dict[str, list[RunData]]) -> tuple[list[str], list[list[A
         columns[len(domains) + 2:len(domains) + 2] = VALIDATION_COLUMNS
     if any(hyper_movement(run) is not None for members in groups.values() for run in members):
         columns.append(MOVEMENT)
-
-    def values(run: RunData, column: str) -> float | None:
-        if column == "best AVG":
-            return max(row["accuracy"]["AVG"] for row in run.evaluated)
-        if column == VALIDATION_COLUMNS[0]:
-            return run.final.get("validation", {}).get("AVG")
-        if column == VALIDATION_COLUMNS[1]:
-            return run.test_at_best_validation()
-        if column == "worst 10%":
-            return run.final.get("fairness", {}).get("worst_10")
-        if column == MOVEMENT:
-            return hyper_movement(run)
-        return run.final["accuracy"].get(column)
-
+    shown = {label: display_label(label) for label in groups}
+    reference = baseline_group(groups)
+    tested = {column: verdicts({shown[label]: {run_seed(run, index): seed_values(run, column)
+                                               for index, run in enumerate(members)}
+                                for label, members in groups.items()},
+                               baseline=shown[reference] if column == TESTED_COLUMN and reference else None)
+              for column in columns}
     header = ["method", "seeds"] + columns + ["rounds"]
     markdown, table = [], []
     for label, members in groups.items():
         seeds = ",".join(str(run.config.get("seed", "?")) for run in members)
-        numbers = {column: [values(run, column) for run in members] for column in columns}
+        numbers = {column: [seed_values(run, column) for run in members] for column in columns}
         rounds = sorted({len(run.rows) for run in members})
         shown_rounds = str(rounds[0]) if len(rounds) == 1 else f"{rounds[0]}-{rounds[-1]}"
-        markdown.append([display_label(label), seeds] + [mean_pm_std(numbers[c]) for c in columns] + [shown_rounds])
         stats = [mean_std(numbers[c]) for c in columns]
-        table.append([label, seeds] + [m for m, _ in stats] + [s for _, s in stats] + [shown_rounds])
-    return header, markdown, table
+        markdown.append([display_label(label), seeds]
+                        + [marked_cell(mean, tested[c].intervals.get(shown[label]),
+                                       tested[c].mark(shown[label]) if c == TESTED_COLUMN else "")
+                           for c, (mean, _) in zip(columns, stats)] + [shown_rounds])
+        table.append([label, seeds] + [m for m, _ in stats] + [s for _, s in stats] + [shown_rounds]
+                     + [bound for c in columns for bound in interval_bounds(tested[c], shown[label])]
+                     + verdict_fields(tested[TESTED_COLUMN], shown[label]))
+    return header, markdown, table, tested[TESTED_COLUMN]
+
+
+def seed_columns_caption(columns: Sequence[str]) -> str:
+    """What the seed table's columns beyond the splits (:func:`splits_caption`) hold."""
+    text = ("method: the group's method (and the settings that tell groups apart); seeds: the seeds its runs ran "
+            "at; worst 10%: the mean accuracy of the tenth of clients with the lowest accuracy (at least one "
+            "client) at the last evaluated round")
+    if MOVEMENT in columns:
+        text += ("; S moved %: how far gradient matching moved FedHPro's hyper-prototypes S over the run, "
+                 "100 ||S_last - S_0|| / ||S_0|| (– for methods without them)")
+    return text + "; rounds: the rounds each run logged."
 
 
 def report_seeds(runs: Sequence[RunData], out: Path, echo: bool = True, force: bool = False) -> Path:
     """The report over seeds (a comparison: ``fedhpro report <compare out>``): the runs grouped by their
     settings but the seed (:func:`seed_groups`), written to ``out``:
 
-    * ``table.md`` / ``table.csv``: per group (method) its seeds and the mean ± sample standard deviation over
-      them of the final accuracy per domain and AVG, the best AVG and the worst 10% of clients;
+    * ``table.md`` / ``table.csv``: per group (method) its seeds and the mean over them of the final accuracy
+      per domain and AVG, the best AVG and the worst 10% of clients, each with its 95 % t-interval; the AVG
+      cells marked best, or better / worse than FedAvg's group, only where paired t-tests over the shared seeds
+      say so after Holm's correction (:func:`seed_table`); the CSV with the sample stds, the interval bounds
+      and the p values; the caption names the tuned settings of runs compared with ``tuned=``
+      (:func:`tuned_notes`);
     * ``accuracy.png``: per group the mean AVG curve over its seeds with a shaded band from the lowest to the
       highest seed (min-max), each group in its own colour, line style and marker, whole-number round ticks;
     * ``report.json``: the runs it was built from.
@@ -405,15 +565,20 @@ def report_seeds(runs: Sequence[RunData], out: Path, echo: bool = True, force: b
     runs = list(runs)
     prepare_report_folder(out, runs, force)
     groups = seed_groups(runs)
-    header, markdown, table = seed_table(groups)
+    header, markdown, table, tested = seed_table(groups)
     columns = header[2:-1]
-    csv_header = ["method", "seeds"] + [f"{c}_mean" for c in columns] + [f"{c}_std" for c in columns] + ["rounds"]
+    csv_header = (["method", "seeds"] + [f"{c}_mean" for c in columns] + [f"{c}_std" for c in columns] + ["rounds"]
+                  + [f"{c}_ci_{end}" for c in columns for end in ("low", "high")]
+                  + [f"{TESTED_COLUMN}_{name}" for name in TEST_COLUMNS])
     described = {label: data_text(members[0].config, members[0].path) for label, members in groups.items()}
     data = data_sentence(described, [display_label(label) for label in groups])
-    caption = (f"Final test accuracy (%) of {len(runs)} runs in {len(groups)} groups: mean ± sample std over the "
-               "seeds (one seed: its value); worst 10% of clients at the last evaluated round. "
+    caption = (f"Final test accuracy (%) of {len(runs)} runs in {len(groups)} groups: the mean over each group's "
+               "seeds (one seed: its value) at the last evaluated round. "
                + (f"{data} " if data else "") + splits_caption(any(run.validated for run in runs),
-                                any(run.config.get("client_test") == "matched" for run in runs)))
+                                any(run.config.get("client_test") == "matched" for run in runs))
+               + " " + seed_columns_caption(columns) + "\n\n" + significance.caption(tested, what="groups")
+               + f" Tested: the {TESTED_COLUMN} column; the other columns show intervals only."
+               + "".join(f"\n\n{line}" for line in tuned_notes(runs)))
     notes = [f"{display_label(label)}: {run.path.name} is unfinished ({run.progress}), its numbers are those of "
              "its last evaluated round" for label, members in groups.items() for run in members if not run.finished]
     curves = {label: [accuracy_series(run) for run in members] for label, members in groups.items()}

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fedhpro.files import spreadsheet_cell
+from fedhpro.reports.significance import Verdicts, interval_cell
 
 
 def dotted_keys(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -86,3 +87,27 @@ def mean_pm_std(values: Sequence[float | None], digits: int = 2) -> str:
         return "–"
     count = sum(1 for v in values if v is not None)
     return f"{mean:.{digits}f} ± {std:.{digits}f}" if count > 1 else f"{mean:.{digits}f}"
+
+
+#: the CSV columns a comparison table adds for its tested column (after the interval columns of every column):
+#: the raw and Holm-adjusted p value of the paired test against the baseline row, and the row's marks
+TEST_COLUMNS = ("p_vs_baseline", "p_vs_baseline_holm", "mark")
+
+
+def marked_cell(mean: float | None, interval: tuple[float, float] | None, mark: str = "", digits: int = 2) -> str:
+    """``"81.25 [78.28, 84.22] ★▲"``: the mean, its 95 % t-interval (:func:`~fedhpro.reports.significance.
+    interval_cell`) and the marks :meth:`~fedhpro.reports.significance.Verdicts.mark` gives, if any."""
+    text = interval_cell(mean, interval, digits)
+    return f"{text} {mark}" if mark and text != "–" else text
+
+
+def interval_bounds(result: Verdicts, row: str) -> list[float | None]:
+    """``[low, high]`` of ``row``'s interval in ``result`` (``[None, None]`` with fewer than 2 seeds)."""
+    interval = result.intervals.get(row)
+    return [None, None] if interval is None else [float(interval[0]), float(interval[1])]
+
+
+def verdict_fields(result: Verdicts, row: str) -> list[Any]:
+    """``row``'s :data:`TEST_COLUMNS`: its raw and Holm-adjusted p value against the baseline (None for the
+    baseline itself, or when nothing was tested) and its marks ("" for none)."""
+    return [result.p_baseline.get(row), result.p_baseline_holm.get(row), result.mark(row)]

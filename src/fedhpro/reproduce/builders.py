@@ -16,7 +16,8 @@ from fedhpro.errors import DataError
 from fedhpro.metrics import rounds_to_accuracy, speedup
 from fedhpro.reports import read_jsonl
 from fedhpro.reports.runs import RunData, gm_series
-from fedhpro.reports.tables import mean_pm_std, mean_std
+from fedhpro.reports.significance import Verdicts
+from fedhpro.reports.tables import mean_std
 from fedhpro.reproduce.running import PartResult
 from fedhpro.reproduce.studies import build_faithfulness, build_gradient_matching, build_label_skew, build_robustness
 from fedhpro.reproduce.table import (
@@ -26,17 +27,23 @@ from fedhpro.reproduce.table import (
     Section,
     Table,
     best_row_check,
+    by_seed,
     cell,
+    cell_columns,
     column_names,
+    compare_rows,
     difference,
     fedhpro_row,
+    final_value,
     mean_curve,
     ordering_check,
+    ours,
     paper_value,
     part_note,
     short_title,
     signed,
     slug,
+    tested_note,
 )
 from fedhpro.reproduce.targets import Part, Target
 
@@ -70,21 +77,27 @@ def build_domains(target: Target, result: PartResult) -> Table:
     rows, csv_rows = [], []
     ours_avg: list[float | None] = []
     paper_avg: list[float | None] = []
+    tested = {domain: compare_rows({variant.label: by_seed(result.runs[(scenario, variant.label)],
+                                                           final_value("accuracy", domain))
+                                    for variant in part.variants})
+              for domain in result.domains + ["AVG"]}
     for variant in part.variants:
         runs = result.runs[(scenario, variant.label)]
         row = [variant.label]
         for c, domain in enumerate(result.domains + ["AVG"]):
             values = [run.final["accuracy"][domain] for run in runs]
-            row.append(cell(values, paper_value(part, variant.label, c)))
+            row.append(cell(values, paper_value(part, variant.label, c), tested[domain], variant.label))
             csv_rows.append([part.name, variant.label, columns[c], *mean_std(values),
-                             paper_value(part, variant.label, c)])
+                             paper_value(part, variant.label, c), *cell_columns(values, tested[domain],
+                                                                                variant.label)])
         ours_avg.append(mean_std([run.final["accuracy"]["AVG"] for run in runs])[0])
         paper_avg.append(paper_value(part, variant.label, len(result.domains)))
         if delta:  # the first row's AVG is the reference
             row.append("–" if len(ours_avg) == 1 else f"{signed(difference(ours_avg[-1], ours_avg[0]))} / "
                                                       f"{signed(difference(paper_avg[-1], paper_avg[0]))}")
         rows.append(row)
-    notes = ["each cell: ours (mean ± std over seeds) / the paper's published number"]
+    notes = ["each cell: ours (the mean over seeds, its 95 % t-interval in brackets) / the paper's published "
+             "number", tested_note(tested["AVG"])]
     if delta:
         notes.append(f"Δ = AVG minus the first row's ({part.variants[0].label}) AVG")
     labels = [v.label for v in part.variants]
@@ -114,17 +127,22 @@ def _scenario_cells(part: Part, result: PartResult, average: bool):
     rows, csv_rows = [], []
     ours: dict[str, list[float | None]] = {c: [] for c in columns}
     paper: dict[str, list[float | None]] = {c: [] for c in columns}
+    tested = {scenario.label: compare_rows({variant.label: by_seed(result.runs[(scenario.label, variant.label)],
+                                                                   final_value("accuracy", "AVG"))
+                                            for variant in part.variants})
+              for scenario in part.scenarios}
     for variant in part.variants:
         row, means = [variant.label], []
         for c, scenario in enumerate(part.scenarios):
             values = _final_avg(result, scenario.label, variant.label)
             published = paper_value(part, variant.label, c)
-            row.append(cell(values, published))
+            row.append(cell(values, published, tested[scenario.label], variant.label))
             mean, std = mean_std(values)
             means.append(mean)
             ours[scenario.label].append(mean)
             paper[scenario.label].append(published)
-            csv_rows.append([part.name, variant.label, scenario.label, mean, std, published])
+            csv_rows.append([part.name, variant.label, scenario.label, mean, std, published,
+                             *cell_columns(values, tested[scenario.label], variant.label)])
         if average:
             present = [m for m in means if m is not None]  # the AVG column needs every scenario's mean
             average_mean = sum(present) / len(present) if len(present) == len(means) else None
@@ -135,7 +153,7 @@ def _scenario_cells(part: Part, result: PartResult, average: bool):
             paper["AVG"].append(published)
             csv_rows.append([part.name, variant.label, "AVG", average_mean, None, published])
         rows.append(row)
-    return columns, rows, csv_rows, ours, paper
+    return columns, rows, csv_rows, ours, paper, tested
 
 
 def _delta_rows_note(labels: list[str], columns: list[str], ours: dict[str, list[float | None]],
@@ -163,9 +181,14 @@ def _sweep_figure(target: Target, part: Part, result: PartResult) -> Figure:
 
 def build_scenarios(target: Target, result: PartResult) -> Table:
     part = result.part
-    columns, rows, csv_rows, ours, paper = _scenario_cells(part, result, bool(part.extra.get("average_column")))
+    average = bool(part.extra.get("average_column"))
+    columns, rows, csv_rows, ours, paper, tested = _scenario_cells(part, result, average)
     labels = [v.label for v in part.variants]
-    notes = ["each cell: ours (final AVG test accuracy, mean ± std over seeds) / the paper's published number"]
+    notes = ["each cell: ours (final AVG test accuracy, the mean over seeds with its 95 % t-interval in brackets) / "
+             "the paper's published number", tested_note(next(iter(tested.values())),
+                                                          "Each column is tested on its own"
+                                                          + ("; AVG: the mean of the row's columns, not tested."
+                                                             if average else "."))]
     notes += part_note(result.note)
     if part.extra.get("delta_rows"):
         notes.append(_delta_rows_note(labels, columns, ours, paper))
@@ -188,7 +211,7 @@ def _rounds_cell(reached: list[int | None], paper: float | None) -> str:
 
 
 def _convergence_row(part: Part, label: str, runs: list[RunData], baseline: list[RunData], thresholds: list[float],
-                     speed_at: float, columns: list[str]) -> tuple[list[str], list[list[Any]]]:
+                     speed_at: float, columns: list[str], tested: Verdicts) -> tuple[list[str], list[list[Any]]]:
     """One method's row: rounds to each threshold, final AVG, and how much faster than the baseline."""
     row, csv_rows = [label], []
     for c, threshold in enumerate(thresholds):
@@ -196,8 +219,9 @@ def _convergence_row(part: Part, label: str, runs: list[RunData], baseline: list
         row.append(_rounds_cell(reached, paper_value(part, label, c)))
         csv_rows.append([part.name, label, columns[c], *mean_std(reached), paper_value(part, label, c)])
     avg_values = [run.final["accuracy"]["AVG"] for run in runs]
-    row.append(cell(avg_values, paper_value(part, label, len(thresholds))))
-    csv_rows.append([part.name, label, "AVG", *mean_std(avg_values), paper_value(part, label, len(thresholds))])
+    row.append(cell(avg_values, paper_value(part, label, len(thresholds)), tested, label))
+    csv_rows.append([part.name, label, "AVG", *mean_std(avg_values), paper_value(part, label, len(thresholds)),
+                     *cell_columns(avg_values, tested, label)])
     up = mean_std([speedup(rounds_to_accuracy(run.rows, speed_at), rounds_to_accuracy(base.rows, speed_at))
                    for run, base in zip(runs, baseline)])[0]
     paper_up = paper_value(part, label, len(thresholds) + 1)
@@ -214,17 +238,22 @@ def build_convergence(target: Target, result: PartResult) -> Table:
     columns = [f"R_{t:g}%" for t in thresholds] + ["AVG", f"Δ_{speed_at:g}%"]
     baseline = part.variants[0].label
     rows, csv_rows, ours_r, paper_r = [], [], [], []
+    tested = compare_rows({variant.label: by_seed(result.runs[(scenario, variant.label)],
+                                                  final_value("accuracy", "AVG"))
+                           for variant in part.variants})
     for variant in part.variants:
         runs = result.runs[(scenario, variant.label)]
         row, cells = _convergence_row(part, variant.label, runs, result.runs[(scenario, baseline)], thresholds,
-                                      speed_at, columns)
+                                      speed_at, columns, tested)
         rows.append(row)
         csv_rows += cells
         ours_r.append(mean_std([rounds_to_accuracy(run.rows, speed_at) for run in runs])[0])
         paper_r.append(paper_value(part, variant.label, thresholds.index(speed_at))
                        if speed_at in thresholds else None)
     notes = ["R_acc: the first round whose AVG test accuracy reaches acc (mean over seeds; – never reached); "
-             f"Δ: fewer rounds than {baseline} to reach {speed_at:g}% (positive = faster); ours / paper"]
+             f"AVG: the final AVG test accuracy, the mean over seeds with its 95 % t-interval in brackets; "
+             f"Δ: fewer rounds than {baseline} to reach {speed_at:g}% (positive = faster); ours / paper",
+             tested_note(tested, "Tested: the AVG column.")]
     line = ordering_check(part.name, [v.label for v in part.variants], ours_r, paper_r, higher_is_better=False,
                           what=f"rounds to {speed_at:g}%")
     curves = {v.label: mean_curve(result.runs[(scenario, v.label)]) for v in part.variants}
@@ -267,28 +296,37 @@ def build_fairness(target: Target, result: PartResult) -> Table:
     bars: dict[str, dict[str, Any]] = {}  # row -> column -> mean (the bars drawn) and their spread
     errors: dict[str, dict[str, Any]] = {}
     means: dict[str, dict[str, Any]] = {}  # row -> fairness key -> mean
+    tested = {key: compare_rows({variant.label: by_seed(result.runs[(scenario, variant.label)],
+                                                        final_value("fairness", key))
+                                 for variant in part.variants}, higher_is_better=higher)
+              for key, _, higher in FAIRNESS_COLUMNS}
     for variant in part.variants:
         runs = result.runs[(scenario, variant.label)]
         row, means[variant.label] = [variant.label], {}
         bars[variant.label], errors[variant.label] = {}, {}
         for c, (key, column, _) in enumerate(FAIRNESS_COLUMNS):
             values = [run.final["fairness"][key] for run in runs]
-            row.append(cell(values, paper_value(part, variant.label, c)))
+            row.append(cell(values, paper_value(part, variant.label, c), tested[key], variant.label))
             means[variant.label][key], spread = mean_std(values)
-            csv_rows.append([part.name, variant.label, column, *mean_std(values), paper_value(part, variant.label, c)])
+            csv_rows.append([part.name, variant.label, column, *mean_std(values), paper_value(part, variant.label, c),
+                             *cell_columns(values, tested[key], variant.label)])
             if key != "variance":
                 bars[variant.label][column], errors[variant.label][column] = means[variant.label][key], spread
         stds = [run.final["fairness"]["std"] for run in runs]
-        row.append(mean_pm_std(stds))
-        csv_rows.append([part.name, variant.label, "Std", *mean_std(stds), None])
+        row.append(ours(stds))
+        csv_rows.append([part.name, variant.label, "Std", *mean_std(stds), None, *cell_columns(stds)])
         bars[variant.label]["Std"] = mean_std(stds)[0]
         rows.append(row)
     clients = len(result.runs[(scenario, part.variants[0].label)][0].final["client_accuracy"])
     notes = [f"accuracy of each of the {clients} clients on its own test distribution at the last round; "
              "ours / paper. With one global model, clients of one domain share their domain's test set, so "
              "their accuracies are equal",
-             "Variance: population variance of the clients' accuracies (%²); Std: its square root. The paper's "
-             "'Variance' values (8-13) are on the scale of a standard deviation: compare them with Std"]
+             "Worst 10% / Best 10%: the mean accuracy of the tenth of clients with the lowest / highest accuracy "
+             "(at least one client); Average: the mean over clients. Variance: population variance of the clients' "
+             "accuracies (%²); Std: its square root. The paper's 'Variance' values (8-13) are on the scale of a "
+             "standard deviation: compare them with Std",
+             tested_note(tested["worst_10"], "Each column is tested on its own (Variance: lower is better); Std "
+                                             "(ours): intervals only.")]
     figure = Figure(f"fairness_{slug(part.name)}.png", "bars", (bars,), {
         "errors": errors, "ylabel": "test accuracy (%)",
         "title": f"{short_title(target.title)} -- {part.name}: accuracy across clients"})
@@ -395,13 +433,15 @@ def build_prototypes(target: Target, result: PartResult) -> Table:
         curves[variant.label], normalized[variant.label] = series["l2"], series["l2_normalized"]
         l2, l2n = [d[source]["l2"] for d in last], [d[source]["l2_normalized"] for d in last]
         finals[variant.label] = mean_std(l2)[0]
-        rows.append([variant.label, source, mean_pm_std(l2, 3), mean_pm_std(l2n, 3),
-                     mean_pm_std([d["centralized_norm"] for d in last], 3)])
-        csv_rows.append([part.name, variant.label, "l2", *mean_std(l2), None])
-        csv_rows.append([part.name, variant.label, "l2_normalized", *mean_std(l2n), None])
+        rows.append([variant.label, source, ours(l2, digits=3), ours(l2n, digits=3),
+                     ours([d["centralized_norm"] for d in last], digits=3)])
+        csv_rows.append([part.name, variant.label, "l2", *mean_std(l2), None, *cell_columns(l2)])
+        csv_rows.append([part.name, variant.label, "l2_normalized", *mean_std(l2n), None, *cell_columns(l2n)])
     notes = ["distance at the last round: mean over classes of ||p_c - q_c||_2, q_c the centralized prototype "
              "(class mean of all clients' training features under the global model); 'normalized' compares "
-             "unit vectors; the paper gives this only as a figure (no numbers)",
+             "unit vectors; the paper gives this only as a figure (no numbers). Each value: the mean over seeds "
+             "with its 95 % t-interval in brackets (one seed: its value); not tested (the rows' prototypes come "
+             "from different sources)",
              "source: server = the method's global prototypes (FedHPro: the averaged hyper-prototypes H); "
              "clients_mean = the unweighted mean of the clients' class means after local training (FedAvg's "
              "prototypes, Eq. 4)"]
@@ -466,10 +506,11 @@ def build_tsne(target: Target, result: PartResult) -> Table:
         panels.append((variant.label, run_file(runs[0].path, "tsne.npz")))
         score = [_silhouette(run) for run in runs]
         scores[variant.label] = mean_std(score)[0]
-        rows.append([variant.label, mean_pm_std(score, 3)])
-        csv_rows.append([part.name, variant.label, "silhouette", *mean_std(score), None])
+        rows.append([variant.label, ours(score, digits=3)])
+        csv_rows.append([part.name, variant.label, "silhouette", *mean_std(score), None, *cell_columns(score)])
     notes = ["silhouette score of the test features by class in the 2-D t-SNE embedding (higher: classes more "
-             "separated and compact; the paper argues this visually, without numbers)"]
+             "separated and compact; the paper argues this visually, without numbers); the mean over seeds with its "
+             "95 % t-interval in brackets (one seed: its value), not tested"]
     figure = Figure(f"tsne_{slug(part.name)}.png", "tsne_panels", (panels,), {
         "title": f"{short_title(target.title)} -- {part.name}: t-SNE of test features "
                  "(colour = class, marker = domain, stars = prototypes)"})
@@ -511,6 +552,9 @@ def build_table(target: Target, results: list[PartResult]) -> Table:
     for result in results:
         if result.runs:
             part_table = build(target, result)
+            # rows without an interval or a test (an AVG of means, a speed-up) leave those columns empty
+            part_table.csv_rows = [row + [None] * (len(header) - len(row)) if header and len(row) < len(header)
+                                   else row for row in part_table.csv_rows]
             table.extend(part_table)
             table.csv_header = part_table.csv_header or table.csv_header
         else:

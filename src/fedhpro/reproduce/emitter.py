@@ -80,7 +80,8 @@ def markdown(target: Target, table: Table, scale: str, seeds: Sequence[int], sec
     the ordering against the paper."""
     header = [f"# {target.title}", "",
               f"Reproduced with `fedhpro reproduce {target.name} scale={scale}` (seeds {list(seeds)}); "
-              f"ours: mean ± std over seeds; paper: the published number. Wall time {seconds:.0f} s.", ""]
+              f"ours: the mean over seeds with its 95 % t-interval in brackets (table.csv: also the std, the "
+              f"p values and the marks); paper: the published number. Wall time {seconds:.0f} s.", ""]
     if scale == "smoke":
         header += [SMOKE_WARNING, ""]
     header += [f"- {note}" for note in target.notes]
