@@ -54,7 +54,9 @@ def per_seed(out: Path, row: str, seeds=SEEDS) -> list[float]:
 
 
 def scipy_interval(values: list[float]) -> tuple[float, float]:
-    return stats.t.interval(0.95, len(values) - 1, loc=stats.tmean(values), scale=stats.sem(values))
+    """scipy's 95 % t-interval of the mean, cut to 0..100 (an accuracy's mean cannot leave it)."""
+    low, high = stats.t.interval(0.95, len(values) - 1, loc=stats.tmean(values), scale=stats.sem(values))
+    return max(low, 0.0), min(high, 100.0)
 
 
 def check_against_scipy(row: dict[str, str], values: list[float], base: list[float] | None, digits: float) -> None:

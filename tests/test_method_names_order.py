@@ -77,7 +77,7 @@ def test_compare_names_the_methods_as_the_paper_in_the_order_given(no_training, 
     assert table_rows(markdown) == GIVEN_SHOWN
     assert csv_column(tmp_path / "cmp" / "table.csv") == GIVEN  # registered names: what scripts select by
     # the gain column is still against FedAvg, wherever its row is: FedHPro's mean 61 - FedAvg's 52
-    assert "| FedHPro | 61.00 ± 1.41 | +9.00 |" in markdown
+    assert "| FedHPro | 61.00 [48.29, 73.71] | +9.00 |" in markdown  # 61 ± t(0.975, 1) x 1.41 / sqrt(2)
     assert "Δ = AVG minus FedAvg's AVG" in markdown
     record = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     assert record["methods"] == GIVEN and record["seeds"] == [0, 1]
@@ -88,7 +88,7 @@ def test_compare_names_the_methods_as_the_paper_in_the_order_given(no_training, 
 def test_compare_caption_states_the_partition_and_alpha(no_training, tmp_path):
     compare(["fedavg", "fedhpro"], [0], SETTINGS, tmp_path / "cmp", echo=False)
     caption = (tmp_path / "cmp" / "table.md").read_text().split("\n\n")[0]
-    assert caption == ("Test accuracy (%), mean ± std over seeds [0]; Δ = AVG minus FedAvg's AVG. "
+    assert caption == ("Test accuracy (%), mean over seeds [0]; Δ = AVG minus FedAvg's AVG. "
                        "Data: digits-offline, Dirichlet label skew (alpha = 0.3).")
 
 

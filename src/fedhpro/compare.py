@@ -420,8 +420,10 @@ def _table(summaries: dict[str, list[dict[str, Any]]], seeds: Sequence[int], met
     reference = next((label for label in rows if method_of[label] == reference_method), None)
     # keyed by the names table.md shows, so that the caption names the baseline as the table does
     shown = {row: display_label(row) for row in rows}
+    # every column is an accuracy in percent: the intervals stop at 0 and 100
     tested = {column: verdicts({shown[row]: by_seed(row, column) for row in rows},
-                               baseline=shown[reference] if column == "AVG" and reference else None)
+                               baseline=shown[reference] if column == "AVG" and reference else None,
+                               bounds=(0.0, 100.0))
               for column in columns}
     baseline = statistics.mean(values(reference, "AVG")) if reference is not None else None
     header = "| Methods | " + " | ".join(columns) + " | Δ |"

@@ -344,10 +344,10 @@ def report(run_dirs: Sequence[str | Path], out: str | Path | None = None, echo: 
         tested = {label: [(run.path, measured[run.path]) for run in members if run.path in measured]
                   for label, members in by_label.items()}
         notes = [f"left out, unfinished (no saved model yet): {', '.join(left_out)}"] if left_out else []
-        write_class_report(written, {label: members for label, members in tested.items() if members}, echo=echo,
-                           notes=notes + tuned_notes(runs), **dict(class_options or {}))
+        files = write_class_report(written, {label: members for label, members in tested.items() if members},
+                                   echo=echo, notes=notes + tuned_notes(runs), **dict(class_options or {}))
         if echo:
-            print(f"written to {written}/: {', '.join(CLASS_FILES)}")
+            print(f"written to {written}/: {', '.join(files)}")
     return written
 
 
@@ -517,7 +517,9 @@ def seed_table(groups: dict[str, list[RunData]]) -> tuple[list[str], list[list[A
     tested = {column: verdicts({shown[label]: {run_seed(run, index): seed_values(run, column)
                                                for index, run in enumerate(members)}
                                 for label, members in groups.items()},
-                               baseline=shown[reference] if column == TESTED_COLUMN and reference else None)
+                               baseline=shown[reference] if column == TESTED_COLUMN and reference else None,
+                               # accuracies in percent stop at 0 and 100; S moved % has no top
+                               bounds=None if column == MOVEMENT else (0.0, 100.0))
               for column in columns}
     header = ["method", "seeds"] + columns + ["rounds"]
     markdown, table = [], []
