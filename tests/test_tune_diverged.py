@@ -1,0 +1,87 @@
+"""``fedhpro tune``: a trial whose run diverged is recorded as diverged (trials.csv, the study, tuned.yaml's counts,
+tuning.md, the printed lines), counted in the budget, shown apart from the complete trials and never chosen as the
+best; the shared learning-rate range stays below where the built-in settings diverge."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import optuna
+import pytest
+import yaml
+from test_tune import argv, settings, trials_of
+
+import fedhpro.tune
+from fedhpro.search_space import SHARED
+from fedhpro.tune import DIVERGED_VALUE, parse, tune
+
+
+def test_a_run_whose_final_model_went_nan_without_the_check_firing_is_recorded_as_diverged(digits_data_dir, tmp_path,
+                                                                                          capsys):
+    """One local SGD step a round (a batch holds a client's whole data) at lr 1e30: the step's loss is finite, so the
+    local training's check has nothing to see, but the weights it leaves give NaN logits; in the last round no later
+    round's first batch stops the run. Before, such a trial was "complete" at a chance-level validation."""
+    out = tmp_path / "tune"
+    tune(parse(["methods=[fedprox]", "trials=2", "pruner=none", f"out={out}",
+                *argv(settings(digits_data_dir, rounds=1, local_epochs=1, batch_size=1024, max_grad_norm=0,
+                               lr=1e30))]))
+    printed = capsys.readouterr().out
+    trials = trials_of(out, "fedprox")
+    # the study: complete (counted in the budget), the worst value to the sampler, and why, per trial
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
+    assert [t.value for t in trials] == [DIVERGED_VALUE, DIVERGED_VALUE]
+    assert all("non-finite outputs" in t.user_attrs["diverged"] for t in trials)
+    # each run itself finished (its summary written) at a validation AVG a learning-nothing model also reaches
+    for t in trials:
+        summary = yaml.safe_load((out / "fedprox" / f"trial-{t.number:04d}" / "summary.json").read_text())
+        assert 0 < summary["validation"]["accuracy"] < 20
+    rows = list(csv.DictReader((out / "fedprox" / "trials.csv").open()))
+    assert [row["state"] for row in rows] == ["diverged", "diverged"]
+    assert all("non-finite outputs" in row["why"] and row["validation"] == "" for row in rows)
+    tuned = yaml.safe_load((out / "tuned.yaml").read_text())
+    assert "fedprox" not in tuned["methods"]  # a diverged trial is never the best: nothing to choose here
+    assert tuned["tuning"]["outcomes"]["fedprox"] == {"trials": 2, "complete": 0, "diverged": 2, "pruned": 0,
+                                                      "failed": 0, "running": 0,
+                                                      "summary": "2 trials: 0 complete, 2 diverged"}
+    assert not (out / "fedprox" / "best.yaml").exists()
+    summary_md = (out / "tuning.md").read_text()
+    assert "| fedprox | 2 | 0 | 2 | 0 | 0 | – | – | no complete trial: nothing chosen |" in summary_md
+    assert summary_md.count("| fedprox | 0 | the final global model gives non-finite outputs") == 1
+    lines = [line for line in printed.splitlines() if line.startswith("fedprox")]
+    assert len(lines) == 3 and all("diverged (the final global model" in line for line in lines[:2])
+    assert lines[2].startswith("fedprox: 2 trials: 0 complete, 2 diverged; no complete trial")
+
+
+def test_the_best_trial_is_never_a_diverged_one_and_every_outcome_is_counted_apart(tmp_path):
+    """A study holding a diverged trial of a higher value (as one recorded before the value was the worst), a
+    complete, a pruned and a failed one: the complete one is chosen, each is named and counted by its outcome."""
+    out = tmp_path / "tune"
+    tuning = parse(["methods=[fedavg]", "trials=3", f"out={out}", "local_epochs=1", "max_grad_norm=0"])
+    lr = optuna.distributions.FloatDistribution(SHARED["lr"].low, SHARED["lr"].high, log=True)
+    tuning.out.mkdir(parents=True)  # the study made by hand, with this tuning's settings (as tune_method makes it)
+    study = optuna.create_study(study_name="fedavg", storage=tuning.storage_url, direction="maximize")
+    study.set_user_attr("settings", json.loads(json.dumps(fedhpro.tune._fixed_settings(tuning, "fedavg"),
+                                                          default=str)))
+    state = optuna.trial.TrialState
+    for params, value, trial_state, attrs, curve in [
+            (0.125, 99.0, state.COMPLETE, {"diverged": "client 1 diverged in round 2: x"}, {}),
+            (0.01, 40.0, state.COMPLETE, {}, {}),
+            (0.002, None, state.PRUNED, {}, {1: 12.5}),
+            (0.003, None, state.FAIL, {}, {})]:
+        study.add_trial(optuna.trial.create_trial(params={"lr": params}, distributions={"lr": lr}, value=value,
+                                                  state=trial_state, user_attrs=attrs, intermediate_values=curve))
+    tuned = tune(tuning, echo=False)  # three counted trials: none run
+    assert tuned["methods"] == {"fedavg": {"lr": 0.01}}
+    assert tuned["tuning"]["outcomes"]["fedavg"]["summary"] == ("3 trials: 1 complete, 1 diverged, 1 pruned; 1 failed "
+                                                                "(not counted)")
+    assert yaml.safe_load((out / "fedavg" / "best.yaml").read_text())["trial"] == 1
+    rows = list(csv.DictReader((out / "fedavg" / "trials.csv").open()))
+    assert [(row["state"], row["validation"]) for row in rows] == [
+        ("diverged", ""), ("complete", "40.0000"), ("pruned", ""), ("failed", "")]
+    assert rows[0]["why"] == "client 1 diverged in round 2: x (counted as validation 0)"
+    assert rows[2]["why"] == "stopped by the pruner after round 2 at validation 12.50"
+    assert "not counted" in rows[3]["why"] and rows[1]["why"] == ""
+    summary_md = (out / "tuning.md").read_text()
+    assert "| fedavg | 3 | 1 | 1 | 1 | 1 | 40.00 | 1 | lr=0.01 |" in summary_md
+    assert "| fedavg | 0 | client 1 diverged in round 2: x | lr=0.125 |" in summary_md
