@@ -1,6 +1,6 @@
 """``fedhpro tune``: a trial whose run diverged is recorded as diverged (trials.csv, the study, tuned.yaml's counts,
 tuning.md, the printed lines), counted in the budget, shown apart from the complete trials and never chosen as the
-best; the shared learning-rate range stays below where the built-in settings diverge."""
+best."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import csv
 import json
 
 import optuna
-import pytest
 import yaml
 from test_tune import argv, settings, trials_of
 

@@ -485,7 +485,8 @@ def summary_markdown(tuning: Tuning, config: Config, results: Mapping[str, Mappi
              f"{DIVERGED_VALUE:g} and never chosen; *pruned*, runs the pruner stopped below the median; *failed*, "
              "runs whose process stopped (not counted); *best validation*, *best trial* and *best settings*, the "
              "complete trial of highest validation AVG (what tuned.yaml holds).", "",
-             "| method | trials | complete | diverged | pruned | failed | best validation | best trial | best settings |",
+             "| method | trials | complete | diverged | pruned | failed | best validation | best trial "
+             "| best settings |",
              "|---|---|---|---|---|---|---|---|---|"]
     for method, result in results.items():
         counts, top = result["counts"], result["best"]
