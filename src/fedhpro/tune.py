@@ -19,9 +19,9 @@ failed at once, before it runs, and not counted.
 
 A trial whose run diverged counts in the budget as validation :data:`DIVERGED_VALUE` and is recorded as
 diverged (the trial's ``diverged`` user attribute, why): the local training's divergence check stopped it (an
-:class:`~fedhpro.errors.UpdateError`), or a round's mean training loss was NaN or infinite, or the final models give
-non-finite outputs on the validation data (an explosion in the last round, which no later round's check sees).
-It is never chosen as the best.
+:class:`~fedhpro.errors.UpdateError`), or :class:`ValidationReporter` did: a round's mean training loss was NaN or
+infinite, or an evaluated round's models give NaN or infinite outputs on the validation data, or one output for
+every input (their features died). It is never chosen as the best.
 
 Written (atomically): ``<out>/<method>/trials.csv`` (every trial: number, state (complete, diverged, pruned,
 failed), why, value, its settings), ``<out>/<method>/best.yaml``, ``<out>/tuned.yaml`` (``methods``: each
@@ -49,6 +49,7 @@ from typing import Any
 import numpy
 import torch
 import yaml
+from torch import Tensor
 
 from fedhpro.compare import as_list, setting_differences
 from fedhpro.config import Config, load_config, parse_override
@@ -84,7 +85,7 @@ DIVERGED_VALUE = 0.0
 #: a trial's outcomes, in the order trials.csv's ``state``, tuning.md and tuned.yaml's ``outcomes`` count them;
 #: complete, diverged and pruned trials count in the budget, failed ones were run again in their place
 OUTCOMES = ("complete", "diverged", "pruned", "failed", "running")
-#: validation samples of each client the final models are run on to find non-finite outputs
+#: validation samples of each client the models are run on at each evaluated round to find a diverged model
 FINITE_CHECK_SAMPLES = 64
 
 
@@ -147,25 +148,29 @@ class ValidationReporter(RoundObserver):
     """Reports each evaluated round's validation AVG to the Optuna ``trial`` and raises ``TrialPruned`` when
     its pruner says so (the run then stops; its folder keeps the rounds it ran).
 
-    It also watches for a run that diverged without the local training's check stopping it: ``diverged`` is
-    set to why when a round's mean training loss is non-finite, or when the final models give non-finite
-    outputs (NaN or inf logits) on the clients' validation data. The latter is what an explosion in the last
-    round leaves: the next round's first batch would have stopped the run, but there is none, and the
-    evaluation's argmax of NaN logits reads as a constant guess (chance-level validation), not as an error."""
+    Before that it stops, with :class:`RunDiverged`, a run that diverged without the local training's check
+    stopping it: a round whose mean training loss is NaN or infinite, or an evaluated round whose models
+    (:func:`diverged_models`) give NaN or infinite outputs, or one output for every input. Both read as a
+    chance-level validation AVG, not as an error: the argmax of NaN logits is a constant guess, and so is a model
+    whose features died (a step too large drove every unit of a layer below zero). An explosion in the last
+    round is caught only so: no later round's first batch is there to stop the run."""
 
     def __init__(self, trial: Any) -> None:
         self.trial = trial
         self.curve: list[tuple[int, float]] = []
-        self.diverged: str | None = None
 
     def on_round_end(self, record: RoundRecord) -> None:
         losses = {name: value for name, value in record.train.items() if isinstance(value, float)}
         bad = [name for name, value in losses.items() if not math.isfinite(value)]
-        if bad and self.diverged is None:
-            self.diverged = (f"its mean training loss ({bad[0]}) was {losses[bad[0]]} in round {record.round + 1} "
-                             "without the divergence check stopping the run")
+        if bad:
+            raise RunDiverged(f"its mean training loss ({bad[0]}) was {losses[bad[0]]} in round {record.round + 1}")
         validation = record.extra.get("validation")
-        if not validation or validation.get("AVG") is None or not math.isfinite(validation["AVG"]):
+        if not validation:
+            return
+        diverged = diverged_models(self.simulator, record.round)
+        if diverged is not None:
+            raise RunDiverged(diverged)
+        if validation.get("AVG") is None or not math.isfinite(validation["AVG"]):
             return
         value = float(validation["AVG"])
         self.curve.append((record.round, value))
@@ -173,17 +178,38 @@ class ValidationReporter(RoundObserver):
         if self.trial.should_prune():
             raise _optuna().TrialPruned(f"pruned after round {record.round + 1} at validation {value:.2f}")
 
-    def on_run_end(self) -> None:
-        if self.diverged is None:
-            self.diverged = nonfinite_outputs(self.simulator)
+
+class RunDiverged(UpdateError):
+    """A trial's run diverged without the local training's check stopping it (:class:`ValidationReporter`)."""
 
 
-def nonfinite_outputs(simulator: Any) -> str | None:
-    """Why the run's final models diverged, or None: the first client whose validation samples (the first
-    :data:`FINITE_CHECK_SAMPLES`) the model it is validated with (the global one, or its personal model with the
-    global shared part) maps through the server's inference rule to a NaN or infinite output, in the run's
-    evaluation precision. Non-finite weights give such outputs, and so do finite weights grown so large that the
-    logits overflow. No validation parts: None (tuning always holds some out)."""
+def nonfinite_outputs(outputs: Tensor) -> bool:
+    """Whether a model's outputs (logits, one row a sample) hold what a diverged model gives: a NaN or +inf
+    anywhere, or a row without any finite value. ``-inf`` alone is no sign: a nearest-prototype rule gives it to
+    the classes without a prototype."""
+    if not outputs.is_floating_point() or all_finite(outputs):
+        return False
+    rows = outputs.reshape(outputs.shape[0], -1)
+    return bool(torch.isnan(rows).any() or torch.isposinf(rows).any() or (~torch.isfinite(rows)).all(dim=1).any())
+
+
+def collapsed_outputs(outputs: Tensor, inputs: Tensor) -> bool:
+    """Whether a model gives exactly the same output for every one of ``inputs`` (at least two different ones):
+    its features died, every input gets one prediction. A model that only learned little still tells inputs
+    apart; one whose every unit of a layer is stuck at zero cannot."""
+    flat = inputs.reshape(inputs.shape[0], -1)
+    if flat.shape[0] < 2 or bool((flat == flat[0]).all()):
+        return False
+    rows = outputs.reshape(outputs.shape[0], -1)
+    return bool((rows == rows[0]).all())
+
+
+def diverged_models(simulator: Any, round: int) -> str | None:
+    """Why the run's models diverged by ``round`` (0-based), or None: the first client whose validation samples
+    (the first :data:`FINITE_CHECK_SAMPLES`) the model it is validated with (the global one, or its personal model
+    with the global shared part) maps through the server's inference rule, in the run's evaluation precision,
+    to :func:`nonfinite_outputs` (exploded weights, or finite ones so large that the logits overflow) or to
+    :func:`collapsed_outputs`. No validation parts: None (a tuning always holds some out)."""
     parts = simulator.federation.client_validation
     if parts is None:
         return None
@@ -198,12 +224,16 @@ def nonfinite_outputs(simulator: Any) -> str | None:
         if models.personal:
             load_weights(model, dict(shared))
         model.eval()
+        inputs = x[:FINITE_CHECK_SAMPLES]
         with torch.no_grad(), no_grad_precision(simulator.tests.amp, x.device), no_grad_pass(x.device):
-            outputs = eval_forward(server.inference_model(model), x[:FINITE_CHECK_SAMPLES])
-        if outputs.is_floating_point() and not all_finite(outputs):
-            return (f"the final {'personal model of client ' + str(k) if models.personal else 'global model'} "
-                    f"gives non-finite outputs (NaN or inf logits) on client {k}'s validation data: its weights "
-                    "exploded in the last round")
+            outputs = eval_forward(server.inference_model(model), inputs)
+        which = f"client {k}'s personal model" if models.personal else "the global model"
+        if nonfinite_outputs(outputs):
+            return (f"after round {round + 1} {which} gives NaN or infinite outputs on client {k}'s validation data "
+                    "(its weights exploded)")
+        if collapsed_outputs(outputs, inputs):
+            return (f"after round {round + 1} {which} gives the same output for every one of client {k}'s "
+                    "validation samples (its features died: one prediction for every input)")
     return None
 
 
@@ -303,14 +333,11 @@ def tune_method(tuning: Tuning, method: str, worker: int = 0, echo: bool = True)
         reporter = ValidationReporter(trial)
         try:
             summary = trial_run(trial_config(tuning, method, values, folder), folder, reporter)
-        except UpdateError as error:  # the settings diverged (TrainingDiverged, a NaN): a result, the worst one
+        except UpdateError as error:  # the settings diverged (TrainingDiverged, RunDiverged): a result, the worst one
             trial.set_user_attr("diverged", str(error))
             return DIVERGED_VALUE
         finally:
             trial.set_user_attr("curve", reporter.curve)
-        if reporter.diverged is not None:  # diverged without the check firing (a NaN loss, NaN final outputs)
-            trial.set_user_attr("diverged", reporter.diverged)
-            return DIVERGED_VALUE
         validation = summary.get("validation", {}).get("accuracy")
         return 0.0 if validation is None else float(validation)  # a run no client could be tested on: 0
 
@@ -481,7 +508,8 @@ def summary_markdown(tuning: Tuning, config: Config, results: Mapping[str, Mappi
              f"one was run again), seed {config.run.seed}, validation={config.run.validation}; a trial's value is "
              "its last round's validation AVG (%). Columns: *trials*, the trials the budget counted; *complete*, "
              "runs that finished; *diverged*, runs whose training exploded (the divergence check stopped them, or "
-             "their loss or final model's outputs were NaN or infinite), counted as validation "
+             "their loss or their model's outputs became NaN or infinite, or the model gave one output for every "
+             "input), counted as validation "
              f"{DIVERGED_VALUE:g} and never chosen; *pruned*, runs the pruner stopped below the median; *failed*, "
              "runs whose process stopped (not counted); *best validation*, *best trial* and *best settings*, the "
              "complete trial of highest validation AVG (what tuned.yaml holds).", "",
