@@ -61,7 +61,7 @@ def test_the_best_trial_is_never_a_diverged_one_and_every_outcome_is_counted_apa
                                                           default=str)))
     state = optuna.trial.TrialState
     for params, value, trial_state, attrs, curve in [
-            (0.125, 99.0, state.COMPLETE, {"diverged": "client 1 diverged in round 2: x"}, {}),
+            (0.0625, 99.0, state.COMPLETE, {"diverged": "client 1 diverged in round 2: x"}, {}),
             (0.01, 40.0, state.COMPLETE, {}, {}),
             (0.002, None, state.PRUNED, {}, {1: 12.5}),
             (0.003, None, state.FAIL, {}, {})]:
@@ -80,7 +80,7 @@ def test_the_best_trial_is_never_a_diverged_one_and_every_outcome_is_counted_apa
     assert "not counted" in rows[3]["why"] and rows[1]["why"] == ""
     summary_md = (out / "tuning.md").read_text()
     assert "| fedavg | 3 | 1 | 1 | 1 | 1 | 40.00 | 1 | lr=0.01 |" in summary_md
-    assert "| fedavg | 0 | client 1 diverged in round 2: x | lr=0.125 |" in summary_md
+    assert "| fedavg | 0 | client 1 diverged in round 2: x | lr=0.0625 |" in summary_md
 
 
 def test_a_run_whose_features_died_is_recorded_as_diverged(digits_data_dir, tmp_path):

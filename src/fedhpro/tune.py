@@ -146,17 +146,18 @@ def _optuna() -> Any:
 
 class ValidationReporter(RoundObserver):
     """Reports each evaluated round's validation AVG to the Optuna ``trial`` and raises ``TrialPruned`` when
-    its pruner says so (the run then stops; its folder keeps the rounds it ran).
+    its pruner says so before ``last_round`` (0-based; the run then stops; its folder keeps the rounds it ran).
 
     Before that it stops, with :class:`RunDiverged`, a run that diverged without the local training's check
-    stopping it: a round whose mean training loss is NaN or infinite, or an evaluated round whose models
-    (:func:`diverged_models`) give NaN or infinite outputs, or one output for every input. Both read as a
-    chance-level validation AVG, not as an error: the argmax of NaN logits is a constant guess, and so is a model
-    whose features died (a step too large drove every unit of a layer below zero). An explosion in the last
-    round is caught only so: no later round's first batch is there to stop the run."""
+    stopping it: a round whose mean training loss is NaN or infinite, an evaluated round whose models
+    (:func:`diverged_models`) give NaN or infinite outputs, or a last round whose models give one output for every
+    input. Both read as a chance-level validation AVG, not as an error: the argmax of NaN logits is a constant
+    guess, and so is a model whose features died (steps too large drove every unit of a layer below zero). An
+    explosion in the last round is caught only so: no later round's first batch is there to stop the run."""
 
-    def __init__(self, trial: Any) -> None:
+    def __init__(self, trial: Any, last_round: int | None = None) -> None:
         self.trial = trial
+        self.last_round = last_round
         self.curve: list[tuple[int, float]] = []
 
     def on_round_end(self, record: RoundRecord) -> None:
@@ -167,7 +168,10 @@ class ValidationReporter(RoundObserver):
         validation = record.extra.get("validation")
         if not validation:
             return
-        diverged = diverged_models(self.simulator, record.round)
+        # NaN never recovers: stopped at once; dead features may come back to life in a later round (momentum,
+        # the other clients' updates): judged on the last round's models only
+        last = self.last_round is None or record.round == self.last_round
+        diverged = diverged_models(self.simulator, record.round, collapse=last)
         if diverged is not None:
             raise RunDiverged(diverged)
         if validation.get("AVG") is None or not math.isfinite(validation["AVG"]):
@@ -175,7 +179,8 @@ class ValidationReporter(RoundObserver):
         value = float(validation["AVG"])
         self.curve.append((record.round, value))
         self.trial.report(value, step=record.round)
-        if self.trial.should_prune():
+        # the last round is never pruned: its run is done, and its value is the trial's, complete
+        if record.round != self.last_round and self.trial.should_prune():
             raise _optuna().TrialPruned(f"pruned after round {record.round + 1} at validation {value:.2f}")
 
 
@@ -204,12 +209,12 @@ def collapsed_outputs(outputs: Tensor, inputs: Tensor) -> bool:
     return bool((rows == rows[0]).all())
 
 
-def diverged_models(simulator: Any, round: int) -> str | None:
+def diverged_models(simulator: Any, round: int, collapse: bool = True) -> str | None:
     """Why the run's models diverged by ``round`` (0-based), or None: the first client whose validation samples
     (the first :data:`FINITE_CHECK_SAMPLES`) the model it is validated with (the global one, or its personal model
     with the global shared part) maps through the server's inference rule, in the run's evaluation precision,
-    to :func:`nonfinite_outputs` (exploded weights, or finite ones so large that the logits overflow) or to
-    :func:`collapsed_outputs`. No validation parts: None (a tuning always holds some out)."""
+    to :func:`nonfinite_outputs` (exploded weights, or finite ones so large that the logits overflow) or, with
+    ``collapse``, to :func:`collapsed_outputs`. No validation parts: None (a tuning always holds some out)."""
     parts = simulator.federation.client_validation
     if parts is None:
         return None
@@ -231,7 +236,7 @@ def diverged_models(simulator: Any, round: int) -> str | None:
         if nonfinite_outputs(outputs):
             return (f"after round {round + 1} {which} gives NaN or infinite outputs on client {k}'s validation data "
                     "(its weights exploded)")
-        if collapsed_outputs(outputs, inputs):
+        if collapse and collapsed_outputs(outputs, inputs):
             return (f"after round {round + 1} {which} gives the same output for every one of client {k}'s "
                     "validation samples (its features died: one prediction for every input)")
     return None
@@ -330,9 +335,10 @@ def tune_method(tuning: Tuning, method: str, worker: int = 0, echo: bool = True)
             raise _OverBudget()
         values = {key: suggest(trial, key, knob) for key, knob in space.items()}
         folder = tuning.out / method / f"trial-{trial.number:04d}"
-        reporter = ValidationReporter(trial)
+        config = trial_config(tuning, method, values, folder)
+        reporter = ValidationReporter(trial, last_round=config.run.rounds - 1)
         try:
-            summary = trial_run(trial_config(tuning, method, values, folder), folder, reporter)
+            summary = trial_run(config, folder, reporter)
         except UpdateError as error:  # the settings diverged (TrainingDiverged, RunDiverged): a result, the worst one
             trial.set_user_attr("diverged", str(error))
             return DIVERGED_VALUE
