@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+from types import SimpleNamespace
 
 import optuna
 import torch
@@ -14,7 +15,7 @@ from test_tune import argv, settings, trials_of
 
 import fedhpro.tune
 from fedhpro.search_space import SHARED
-from fedhpro.tune import DIVERGED_VALUE, collapsed_outputs, nonfinite_outputs, parse, tune
+from fedhpro.tune import DIVERGED_VALUE, collapsed_outputs, diverged_models, nonfinite_outputs, parse, tune
 
 
 def test_a_run_whose_model_went_nan_without_the_check_firing_is_recorded_as_diverged(digits_data_dir, tmp_path,
@@ -83,20 +84,36 @@ def test_the_best_trial_is_never_a_diverged_one_and_every_outcome_is_counted_apa
     assert "| fedavg | 0 | client 1 diverged in round 2: x | lr=0.0625 |" in summary_md
 
 
-def test_a_run_whose_features_died_is_recorded_as_diverged(digits_data_dir, tmp_path):
-    """FedAvg at lr 0.3 on the tiny federation: steps too large drive every unit of a layer below zero, and by the
-    second round the model gives one output for every input (a chance-level validation, before recorded as a
-    complete trial)."""
-    out = tmp_path / "tune"
-    tuned = tune(parse(["methods=[fedavg]", "trials=1", "pruner=none", f"out={out}",
-                        *argv(settings(digits_data_dir, rounds=2, max_grad_norm=0, lr=0.3))]), echo=False)
-    trial, = trials_of(out, "fedavg")
-    assert trial.value == DIVERGED_VALUE
-    assert trial.user_attrs["diverged"].startswith("after round 2 the global model gives the same output for every "
-                                                   "one of client 0's validation samples")
-    assert len(trial.intermediate_values) == 1  # round 1 (its model still told inputs apart) reported, then stopped
-    assert [row["state"] for row in csv.DictReader((out / "fedavg" / "trials.csv").open())] == ["diverged"]
-    assert tuned["methods"] == {} and tuned["tuning"]["outcomes"]["fedavg"]["diverged"] == 1
+def simulator_of(model: torch.nn.Module, parts: list[torch.Tensor]) -> SimpleNamespace:
+    """What :func:`diverged_models` reads of an engine: one global ``model`` validated on each client's ``parts``."""
+    return SimpleNamespace(federation=SimpleNamespace(client_validation=[(x, torch.zeros(len(x))) for x in parts]),
+                           models=SimpleNamespace(personal=False, eval_model=model),
+                           server=SimpleNamespace(global_weights=model.state_dict, inference_model=lambda m: m),
+                           tests=SimpleNamespace(amp="off"))
+
+
+def test_a_model_whose_features_died_on_every_clients_data_is_diverged_not_one_dead_on_a_single_domain():
+    """A hidden layer whose every unit is below zero for every input gives one output for all (the issue's 10.01:
+    one prediction for every image); a layer dead on one client's inputs only still tells the others apart."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, -1.0]]))
+        model[0].bias.zero_()
+    positive, negative = torch.rand(8, 2) + 0.1, -torch.rand(8, 2) - 0.1  # two clients' inputs
+    assert diverged_models(simulator_of(model, [positive, negative]), 2) is None  # most units dead on the negatives
+    with torch.no_grad():
+        model[0].bias.fill_(-100.0)  # every unit below zero for every input
+    why = diverged_models(simulator_of(model, [positive, negative]), 2)
+    assert why == ("after round 3 the global model gives the same output for every validation sample of every client "
+                   "(its features died: one prediction for every input)")
+    assert diverged_models(simulator_of(model, [positive, negative]), 2, collapse=False) is None  # before the last
+    with torch.no_grad():
+        model[2].weight[0, 0] = float("nan")
+        model[0].bias.zero_()
+    assert diverged_models(simulator_of(model, [positive, negative]), 0) == (
+        "after round 1 the global model gives NaN or infinite outputs on client 0's validation data (its weights "
+        "exploded)")
 
 
 def test_outputs_count_as_diverged_on_a_nan_or_inf_or_one_output_for_all_not_on_a_class_without_a_prototype():

@@ -210,11 +210,14 @@ def collapsed_outputs(outputs: Tensor, inputs: Tensor) -> bool:
 
 
 def diverged_models(simulator: Any, round: int, collapse: bool = True) -> str | None:
-    """Why the run's models diverged by ``round`` (0-based), or None: the first client whose validation samples
-    (the first :data:`FINITE_CHECK_SAMPLES`) the model it is validated with (the global one, or its personal model
-    with the global shared part) maps through the server's inference rule, in the run's evaluation precision,
-    to :func:`nonfinite_outputs` (exploded weights, or finite ones so large that the logits overflow) or, with
-    ``collapse``, to :func:`collapsed_outputs`. No validation parts: None (a tuning always holds some out)."""
+    """Why the run's models diverged by ``round`` (0-based), or None. Each client's validation samples (the first
+    :data:`FINITE_CHECK_SAMPLES`) go through the model it is validated with (the global one, or its personal model
+    with the global shared part) and the server's inference rule, in the run's evaluation precision: diverged when
+    one client's outputs are :func:`nonfinite_outputs` (exploded weights, or finite ones so large that the logits
+    overflow) or, with ``collapse``, when they are :func:`collapsed_outputs` for every client together (the global
+    model: one output for every sample of every client; personal models: each client's for all its samples). A
+    model dead on one domain's inputs but alive on the others' still learned something. No validation parts:
+    None (a tuning always holds some out)."""
     parts = simulator.federation.client_validation
     if parts is None:
         return None
@@ -222,6 +225,7 @@ def diverged_models(simulator: Any, round: int, collapse: bool = True) -> str | 
     shared = server.global_weights()
     if not models.personal:
         models.eval_model.load_state_dict(shared)
+    seen: list[tuple[Tensor, Tensor]] = []
     for k, (x, _) in enumerate(parts):
         if not len(x):
             continue
@@ -232,13 +236,21 @@ def diverged_models(simulator: Any, round: int, collapse: bool = True) -> str | 
         inputs = x[:FINITE_CHECK_SAMPLES]
         with torch.no_grad(), no_grad_precision(simulator.tests.amp, x.device), no_grad_pass(x.device):
             outputs = eval_forward(server.inference_model(model), inputs)
-        which = f"client {k}'s personal model" if models.personal else "the global model"
         if nonfinite_outputs(outputs):
+            which = f"client {k}'s personal model" if models.personal else "the global model"
             return (f"after round {round + 1} {which} gives NaN or infinite outputs on client {k}'s validation data "
                     "(its weights exploded)")
-        if collapse and collapsed_outputs(outputs, inputs):
-            return (f"after round {round + 1} {which} gives the same output for every one of client {k}'s "
-                    "validation samples (its features died: one prediction for every input)")
+        seen.append((outputs, inputs))
+    if not collapse or not seen:
+        return None
+    if models.personal:
+        if all(collapsed_outputs(outputs, inputs) for outputs, inputs in seen):
+            return (f"after round {round + 1} every client's personal model gives one output for all its validation "
+                    "samples (their features died: one prediction for every input)")
+        return None
+    if collapsed_outputs(torch.cat([outputs for outputs, _ in seen]), torch.cat([inputs for _, inputs in seen])):
+        return (f"after round {round + 1} the global model gives the same output for every validation sample of "
+                "every client (its features died: one prediction for every input)")
     return None
 
 
