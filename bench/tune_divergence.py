@@ -8,7 +8,6 @@ tune`` records it (``diverged`` in trials.csv). Run it once per range, in its ow
 
     python bench/tune_divergence.py --lr-high 0.5 --out runs/tune-divergence/0.5
     python bench/tune_divergence.py --lr-high 0.1 --out runs/tune-divergence/0.1
-    python bench/tune_divergence.py --lr-high 0.5 --label-skew --methods fedavg --trials 5 --out runs/td/ls-0.5
 """
 
 from __future__ import annotations
@@ -27,10 +26,6 @@ from fedhpro.tune import parse, tune
 #: a tenth of each domain, small synthetic and test sets (the test suite's build), 3 rounds
 SETTINGS = ["rounds=3", "clients=4", "data.fraction=0.1", "data.syn_size=200", "data.test_fraction=0.05",
             "feature_dim=64", "device=cpu", "threads=1", "pruner=none"]
-#: label skew: the mnist domain alone, Dirichlet 0.2 over 5 clients (the whole domain, a few minutes a trial)
-LABEL_SKEW = ["rounds=3", "clients=5", "data.domains=[mnist]", "partition=dirichlet", "partition.alpha=0.2",
-              "data.syn_size=200", "data.test_fraction=0.05", "feature_dim=64", "device=cpu", "threads=1",
-              "pruner=none"]
 
 
 def main() -> None:
@@ -40,13 +35,12 @@ def main() -> None:
     parser.add_argument("--methods", default="fedavg,fedsa,fedhpro")
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--data-dir", type=Path, default=Path("runs/tune-divergence/data"))
-    parser.add_argument("--label-skew", action="store_true", help="the LABEL_SKEW setting instead of SETTINGS")
     arguments = parser.parse_args()
     build_digits_offline(arguments.data_dir, seed=0, test_fraction=0.05, syn_size=200)  # cached after the first
     search_space.SHARED["lr"] = search_space.LogUniform(search_space.SHARED["lr"].low, arguments.lr_high)
     started = time.perf_counter()
     tune(parse([f"methods=[{arguments.methods}]", f"trials={arguments.trials}", f"out={arguments.out}",
-                f"data_dir={arguments.data_dir}", *(LABEL_SKEW if arguments.label_skew else SETTINGS)]), echo=False)
+                f"data_dir={arguments.data_dir}", *SETTINGS]), echo=False)
     seconds = time.perf_counter() - started
     print(f"lr log-uniform [{search_space.SHARED['lr'].low:g}, {arguments.lr_high:g}], {arguments.trials} trials a "
           f"method, {seconds / 60:.1f} min, load {os.getloadavg()[0]:.1f}")
