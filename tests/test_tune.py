@@ -27,7 +27,7 @@ from fedhpro.cli import main as cli_main
 from fedhpro.errors import ConfigError
 from fedhpro.methods import Client, MethodSpec, Server
 from fedhpro.options import option
-from fedhpro.search_space import Categorical, LogUniform
+from fedhpro.search_space import SHARED, Categorical, LogUniform
 from fedhpro.tune import STUDY_FILE, TUNING_SEED, parse, tune
 
 
@@ -161,7 +161,7 @@ def test_the_median_pruner_stops_trials_below_the_median_of_the_finished_ones(di
     trials = trials_of(out, "fedavg")
     assert len(trials) == 8
     pruned = [t for t in trials if t.state.name == "PRUNED"]
-    assert pruned  # the learning rates spread over [0.001, 0.5]: some trials fall behind
+    assert pruned  # the learning rates spread over [0.001, 0.1]: some trials fall behind
     for trial in pruned:
         step = max(trial.intermediate_values)
         assert 1 <= step < 2  # not in the first third of the 3 rounds, and before the last
@@ -200,11 +200,13 @@ def test_a_tuning_killed_mid_trial_resumes_running_that_trials_place_again(digit
     states = [t.state.name for t in trials_of(out, "fedavg")]
     assert states[0] == "FAIL" and states[1:] == ["COMPLETE", "COMPLETE"]  # the budget: two finished trials
     rows = list(csv.DictReader((out / "fedavg" / "trials.csv").open()))
-    assert [row["state"] for row in rows] == ["fail", "complete", "complete"]
+    assert [row["state"] for row in rows] == ["failed", "complete", "complete"]
+    assert "not counted, its place was run again" in rows[0]["why"]
 
 
 def test_a_diverging_trial_counts_as_the_worst_result_and_the_study_goes_on(digits_data_dir, tmp_path, capsys):
-    """Before, one learning rate that diverged (a NaN loss) stopped the whole tuning with an error."""
+    """Before, one learning rate that diverged (a NaN loss) stopped the whole tuning with an error; then it was
+    chosen as the best when every trial diverged."""
     out = tmp_path / "tune"
     # FedProx's mu is searched; the learning rate is fixed where SGD with momentum 0.9 blows up
     tune(parse(["methods=[fedprox]", "trials=2", "pruner=none", f"out={out}",
@@ -213,8 +215,11 @@ def test_a_diverging_trial_counts_as_the_worst_result_and_the_study_goes_on(digi
     assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"] and [t.value for t in trials] == [0.0, 0.0]
     assert all("diverged in round 1: its mean cross-entropy" in t.user_attrs["diverged"] for t in trials)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("fedprox trial")]
-    assert len(lines) == 2 and all("diverged" in line for line in lines)
-    assert "fedprox.mu" in yaml.safe_load((out / "tuned.yaml").read_text())["methods"]["fedprox"]
+    assert len(lines) == 2 and all("diverged (client 0 diverged in round 1" in line for line in lines)
+    rows = list(csv.DictReader((out / "fedprox" / "trials.csv").open()))
+    assert [row["state"] for row in rows] == ["diverged", "diverged"]
+    assert all(row["why"].startswith("client 0 diverged in round 1: its mean cross-entropy") for row in rows)
+    assert yaml.safe_load((out / "tuned.yaml").read_text())["methods"] == {}  # no complete trial: none chosen
 
 
 def hostile_study(tuning: fedhpro.tune.Tuning, params: dict, distributions: dict) -> None:
@@ -249,7 +254,9 @@ def test_a_study_of_searched_values_is_written_with_its_best_trial(tmp_path):
     """The same hand-made study holding only a searched value in its space gives that value in tuned.yaml."""
     out = tmp_path / "tune"
     tuning = parse(["methods=[fedavg]", "trials=1", f"out={out}", "local_epochs=1", "max_grad_norm=0"])
-    hostile_study(tuning, {"lr": 0.125}, {"lr": optuna.distributions.FloatDistribution(1e-3, 0.5, log=True)})
-    assert tune(tuning, echo=False)["methods"] == {"fedavg": {"lr": 0.125}}
+    lr = optuna.distributions.FloatDistribution(SHARED["lr"].low, SHARED["lr"].high, log=True)
+    hostile_study(tuning, {"lr": 0.0625}, {"lr": lr})
+    assert tune(tuning, echo=False)["methods"] == {"fedavg": {"lr": 0.0625}}
     assert list(csv.reader((out / "fedavg" / "trials.csv").open())) == [
-        ["number", "state", "validation", "rounds_reported", "lr"], ["0", "complete", "99.0000", "0", "0.125"]]
+        ["number", "state", "why", "validation", "rounds_reported", "lr"],
+        ["0", "complete", "", "99.0000", "0", "0.0625"]]

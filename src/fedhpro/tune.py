@@ -17,9 +17,17 @@ the same command with one ``storage=`` URL each); a lock around "count, then sta
 total at the budget on one machine, and a trial started past it anyway (another machine won the race) is
 failed at once, before it runs, and not counted.
 
-Written (atomically): ``<out>/<method>/trials.csv`` (every trial: number, state, value, its settings),
-``<out>/<method>/best.yaml`` and ``<out>/tuned.yaml`` (``methods``: each method's best settings, and
-``tuning``: how they were found), which ``fedhpro compare tuned=<out>/tuned.yaml`` runs on the test set.
+A trial whose run diverged counts in the budget as validation :data:`DIVERGED_VALUE` and is recorded as
+diverged (the trial's ``diverged`` user attribute, why): the local training's divergence check stopped it (an
+:class:`~fedhpro.errors.UpdateError`), or :class:`ValidationReporter` did: a round's mean training loss was NaN or
+infinite, or an evaluated round's models give NaN or infinite outputs on the validation data, or one output for
+every input (their features died). It is never chosen as the best.
+
+Written (atomically): ``<out>/<method>/trials.csv`` (every trial: number, state (complete, diverged, pruned,
+failed), why, value, its settings), ``<out>/<method>/best.yaml``, ``<out>/tuned.yaml`` (``methods``: each
+method's best settings, and ``tuning``: how they were found, with each method's trials counted by outcome), which
+``fedhpro compare tuned=<out>/tuned.yaml`` runs on the test set, and ``<out>/tuning.md`` (the counts, the best
+trials, the diverged trials apart).
 """
 
 from __future__ import annotations
@@ -39,7 +47,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy
+import torch
 import yaml
+from torch import Tensor
 
 from fedhpro.compare import as_list, setting_differences
 from fedhpro.config import Config, load_config, parse_override
@@ -50,6 +60,8 @@ from fedhpro.errors import ConfigError, UpdateError
 from fedhpro.experiment import build_experiment, build_simulator, resolve_device
 from fedhpro.files import claim_run_folder, spreadsheet_cell, write_atomic
 from fedhpro.methods import get_method
+from fedhpro.methods.base import all_finite, load_weights
+from fedhpro.methods.no_grad import eval_forward, no_grad_pass, no_grad_precision
 from fedhpro.options import fields_of
 from fedhpro.runtime import cpu_runtime, resolve_threads, torch_threads
 from fedhpro.search_space import SHARED, Categorical, IntRange, LogUniform, Space, Uniform, contains, declared, describe
@@ -64,6 +76,17 @@ HEARTBEAT_SECONDS = 10
 GRACE_SECONDS = 60
 STUDY_FILE = "study.db"
 TUNED_FILE = "tuned.yaml"
+SUMMARY_FILE = "tuning.md"
+#: the value the sampler sees for a diverged trial: below any accuracy, so that TPE learns the region is bad. Not a
+#: failed state: TPE leaves failed trials out (it would draw the diverging learning rates again), and a failed trial
+#: does not count in the budget (its place would be run again); the trial stays complete, with its ``diverged``
+#: user attribute, and is shown apart and never chosen as the best
+DIVERGED_VALUE = 0.0
+#: a trial's outcomes, in the order trials.csv's ``state``, tuning.md and tuned.yaml's ``outcomes`` count them;
+#: complete, diverged and pruned trials count in the budget, failed ones were run again in their place
+OUTCOMES = ("complete", "diverged", "pruned", "failed", "running")
+#: validation samples of each client the models are run on at each evaluated round to find a diverged model
+FINITE_CHECK_SAMPLES = 64
 
 
 @dataclass(frozen=True)
@@ -123,21 +146,112 @@ def _optuna() -> Any:
 
 class ValidationReporter(RoundObserver):
     """Reports each evaluated round's validation AVG to the Optuna ``trial`` and raises ``TrialPruned`` when
-    its pruner says so (the run then stops; its folder keeps the rounds it ran)."""
+    its pruner says so before ``last_round`` (0-based; the run then stops; its folder keeps the rounds it ran).
 
-    def __init__(self, trial: Any) -> None:
+    Before that it stops, with :class:`RunDiverged`, a run that diverged without the local training's check
+    stopping it: a round whose mean training loss is NaN or infinite, an evaluated round whose models
+    (:func:`diverged_models`) give NaN or infinite outputs, or a last round whose models give one output for every
+    input. Both read as a chance-level validation AVG, not as an error: the argmax of NaN logits is a constant
+    guess, and so is a model whose features died (steps too large drove every unit of a layer below zero). An
+    explosion in the last round is caught only so: no later round's first batch is there to stop the run."""
+
+    def __init__(self, trial: Any, last_round: int | None = None) -> None:
         self.trial = trial
+        self.last_round = last_round
         self.curve: list[tuple[int, float]] = []
 
     def on_round_end(self, record: RoundRecord) -> None:
+        losses = {name: value for name, value in record.train.items() if isinstance(value, float)}
+        bad = [name for name, value in losses.items() if not math.isfinite(value)]
+        if bad:
+            raise RunDiverged(f"its mean training loss ({bad[0]}) was {losses[bad[0]]} in round {record.round + 1}")
         validation = record.extra.get("validation")
-        if not validation or validation.get("AVG") is None or not math.isfinite(validation["AVG"]):
+        if not validation:
+            return
+        # NaN never recovers: stopped at once; dead features may come back to life in a later round (momentum,
+        # the other clients' updates): judged on the last round's models only
+        last = self.last_round is None or record.round == self.last_round
+        diverged = diverged_models(self.simulator, record.round, collapse=last)
+        if diverged is not None:
+            raise RunDiverged(diverged)
+        if validation.get("AVG") is None or not math.isfinite(validation["AVG"]):
             return
         value = float(validation["AVG"])
         self.curve.append((record.round, value))
         self.trial.report(value, step=record.round)
-        if self.trial.should_prune():
+        # the last round is never pruned: its run is done, and its value is the trial's, complete
+        if record.round != self.last_round and self.trial.should_prune():
             raise _optuna().TrialPruned(f"pruned after round {record.round + 1} at validation {value:.2f}")
+
+
+class RunDiverged(UpdateError):
+    """A trial's run diverged without the local training's check stopping it (:class:`ValidationReporter`)."""
+
+
+def nonfinite_outputs(outputs: Tensor) -> bool:
+    """Whether a model's outputs (logits, one row a sample) hold what a diverged model gives: a NaN or +inf
+    anywhere, or a row without any finite value. ``-inf`` alone is no sign: a nearest-prototype rule gives it to
+    the classes without a prototype."""
+    if not outputs.is_floating_point() or all_finite(outputs):
+        return False
+    rows = outputs.reshape(outputs.shape[0], -1)
+    return bool(torch.isnan(rows).any() or torch.isposinf(rows).any() or (~torch.isfinite(rows)).all(dim=1).any())
+
+
+def collapsed_outputs(outputs: Tensor, inputs: Tensor) -> bool:
+    """Whether a model gives exactly the same output for every one of ``inputs`` (at least two different ones):
+    its features died, every input gets one prediction. A model that only learned little still tells inputs
+    apart; one whose every unit of a layer is stuck at zero cannot."""
+    flat = inputs.reshape(inputs.shape[0], -1)
+    if flat.shape[0] < 2 or bool((flat == flat[0]).all()):
+        return False
+    rows = outputs.reshape(outputs.shape[0], -1)
+    return bool((rows == rows[0]).all())
+
+
+def diverged_models(simulator: Any, round: int, collapse: bool = True) -> str | None:
+    """Why the run's models diverged by ``round`` (0-based), or None. Each client's validation samples (the first
+    :data:`FINITE_CHECK_SAMPLES`) go through the model it is validated with (the global one, or its personal model
+    with the global shared part) and the server's inference rule, in the run's evaluation precision: diverged when
+    one client's outputs are :func:`nonfinite_outputs` (exploded weights, or finite ones so large that the logits
+    overflow) or, with ``collapse``, when they are :func:`collapsed_outputs` for every client together (the global
+    model: one output for every sample of every client; personal models: each client's for all its samples). A
+    model dead on one domain's inputs but alive on the others' still learned something. No validation parts:
+    None (a tuning always holds some out)."""
+    parts = simulator.federation.client_validation
+    if parts is None:
+        return None
+    models, server = simulator.models, simulator.server
+    shared = server.global_weights()
+    if not models.personal:
+        models.eval_model.load_state_dict(shared)
+    seen: list[tuple[Tensor, Tensor]] = []
+    for k, (x, _) in enumerate(parts):
+        if not len(x):
+            continue
+        model = models.model_for(k) if models.personal else models.eval_model
+        if models.personal:
+            load_weights(model, dict(shared))
+        model.eval()
+        inputs = x[:FINITE_CHECK_SAMPLES]
+        with torch.no_grad(), no_grad_precision(simulator.tests.amp, x.device), no_grad_pass(x.device):
+            outputs = eval_forward(server.inference_model(model), inputs)
+        if nonfinite_outputs(outputs):
+            which = f"client {k}'s personal model" if models.personal else "the global model"
+            return (f"after round {round + 1} {which} gives NaN or infinite outputs on client {k}'s validation data "
+                    "(its weights exploded)")
+        seen.append((outputs, inputs))
+    if not collapse or not seen:
+        return None
+    if models.personal:
+        if all(collapsed_outputs(outputs, inputs) for outputs, inputs in seen):
+            return (f"after round {round + 1} every client's personal model gives one output for all its validation "
+                    "samples (their features died: one prediction for every input)")
+        return None
+    if collapsed_outputs(torch.cat([outputs for outputs, _ in seen]), torch.cat([inputs for _, inputs in seen])):
+        return (f"after round {round + 1} the global model gives the same output for every validation sample of "
+                "every client (its features died: one prediction for every input)")
+    return None
 
 
 def trial_run(config: Config, folder: Path, observer: RoundObserver) -> dict[str, Any]:
@@ -233,12 +347,13 @@ def tune_method(tuning: Tuning, method: str, worker: int = 0, echo: bool = True)
             raise _OverBudget()
         values = {key: suggest(trial, key, knob) for key, knob in space.items()}
         folder = tuning.out / method / f"trial-{trial.number:04d}"
-        reporter = ValidationReporter(trial)
+        config = trial_config(tuning, method, values, folder)
+        reporter = ValidationReporter(trial, last_round=config.run.rounds - 1)
         try:
-            summary = trial_run(trial_config(tuning, method, values, folder), folder, reporter)
-        except UpdateError as error:  # the settings diverged (TrainingDiverged, a NaN): a result, the worst one
+            summary = trial_run(config, folder, reporter)
+        except UpdateError as error:  # the settings diverged (TrainingDiverged, RunDiverged): a result, the worst one
             trial.set_user_attr("diverged", str(error))
-            return 0.0
+            return DIVERGED_VALUE
         finally:
             trial.set_user_attr("curve", reporter.curve)
         validation = summary.get("validation", {}).get("accuracy")
@@ -248,8 +363,8 @@ def tune_method(tuning: Tuning, method: str, worker: int = 0, echo: bool = True)
         if not echo or trial.user_attrs.get("over_budget"):
             return
         outcome = f"{trial.state.name.lower()}, validation " + ("-" if trial.value is None else f"{trial.value:.2f}")
-        if trial.user_attrs.get("diverged"):
-            outcome = "diverged (its local training exploded), counted as validation 0"
+        if outcome_of(trial) == "diverged":
+            outcome = f"diverged ({trial.user_attrs['diverged']}), counted as validation {DIVERGED_VALUE:g}"
         if trial.state.name == "PRUNED" and trial.intermediate_values:
             step = max(trial.intermediate_values)
             outcome = f"pruned after round {step + 1}, validation {trial.intermediate_values[step]:.2f}"
@@ -353,10 +468,101 @@ def check_trials(tuning: Tuning, method: str, trials: Sequence[Any]) -> None:
                                   "delete the study")
 
 
+def outcome_of(trial: Any) -> str:
+    """A trial's outcome (:data:`OUTCOMES`): ``diverged`` for a complete trial whose run diverged (its
+    ``diverged`` user attribute), else its Optuna state (``fail`` named ``failed``)."""
+    state = trial.state.name
+    if state == "COMPLETE":
+        return "diverged" if trial.user_attrs.get("diverged") else "complete"
+    return {"PRUNED": "pruned", "FAIL": "failed", "RUNNING": "running"}.get(state, state.lower())
+
+
+def why_of(trial: Any) -> str:
+    """Why a trial ended as it did, in a few words (empty for a complete one): what diverged, the round its
+    pruner stopped it, why it failed."""
+    outcome = outcome_of(trial)
+    if outcome == "diverged":
+        return f"{trial.user_attrs['diverged']} (counted as validation {DIVERGED_VALUE:g})"
+    if outcome == "pruned" and trial.intermediate_values:
+        step = max(trial.intermediate_values)
+        return f"stopped by the pruner after round {step + 1} at validation {trial.intermediate_values[step]:.2f}"
+    if outcome == "failed":
+        if trial.user_attrs.get("over_budget"):
+            return "started past the budget (another worker's trial took its place); not run, not counted"
+        return "its process stopped before it finished; not counted, its place was run again"
+    return ""
+
+
+def outcome_counts(trials: Sequence[Any]) -> dict[str, int]:
+    """``{"trials": the ones the budget counts (complete, diverged, pruned), each outcome: how many}``."""
+    outcomes = [outcome_of(trial) for trial in trials]
+    counts = {outcome: outcomes.count(outcome) for outcome in OUTCOMES}
+    return {"trials": counts["complete"] + counts["diverged"] + counts["pruned"], **counts}
+
+
+def counts_line(counts: Mapping[str, int]) -> str:
+    """``5 trials: 3 complete, 2 diverged`` (outcomes with none left out, complete always said; failed trials,
+    not counted in the budget, after a semicolon)."""
+    said = [f"{counts['complete']} complete"] + [f"{counts[outcome]} {outcome}" for outcome in ("diverged", "pruned")
+                                                 if counts[outcome]]
+    line = f"{counts['trials']} trial{'s' if counts['trials'] != 1 else ''}: {', '.join(said)}"
+    extra = [f"{counts[outcome]} {outcome}" for outcome in ("failed", "running") if counts[outcome]]
+    return line + (f"; {', '.join(extra)} (not counted)" if extra else "")
+
+
+def _settings_text(params: Mapping[str, Any]) -> str:
+    return ", ".join(f"{key}={_short(value)}" for key, value in params.items())
+
+
+def _markdown_cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def summary_markdown(tuning: Tuning, config: Config, results: Mapping[str, Mapping[str, Any]]) -> str:
+    """``tuning.md``: each method's trials counted by outcome and its best trial, then the diverged trials apart
+    (each with why and its settings), every column explained."""
+    lines = [f"# Tuning of {', '.join(tuning.methods)}", "",
+             f"{tuning.trials} trials per method (the budget: complete, diverged and pruned trials count; a failed "
+             f"one was run again), seed {config.run.seed}, validation={config.run.validation}; a trial's value is "
+             "its last round's validation AVG (%). Columns: *trials*, the trials the budget counted; *complete*, "
+             "runs that finished; *diverged*, runs whose training exploded (the divergence check stopped them, or "
+             "their loss or their model's outputs became NaN or infinite, or the model gave one output for every "
+             "input), counted as validation "
+             f"{DIVERGED_VALUE:g} and never chosen; *pruned*, runs the pruner stopped below the median; *failed*, "
+             "runs whose process stopped (not counted); *best validation*, *best trial* and *best settings*, the "
+             "complete trial of highest validation AVG (what tuned.yaml holds).", "",
+             "| method | trials | complete | diverged | pruned | failed | best validation | best trial "
+             "| best settings |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for method, result in results.items():
+        counts, top = result["counts"], result["best"]
+        best_cells = ([f"{top.value:.2f}", str(top.number), _markdown_cell(_settings_text(top.params))]
+                      if top is not None else ["–", "–", "no complete trial: nothing chosen"])
+        lines.append(f"| {method} | {counts['trials']} | {counts['complete']} | {counts['diverged']} | "
+                     f"{counts['pruned']} | {counts['failed']} | " + " | ".join(best_cells) + " |")
+    diverged = [(method, trial) for method, result in results.items() for trial in result["trials"]
+                if outcome_of(trial) == "diverged"]
+    lines += ["", "## Diverged trials", ""]
+    if not diverged:
+        lines.append("None: no trial diverged.")
+    else:
+        lines += ["Each diverged trial: its method, its number (its run in `<method>/trial-NNNN/`), why it counts "
+                  "as diverged, and the settings it ran.", "",
+                  "| method | trial | why | settings |", "|---|---|---|---|"]
+        lines += [f"| {method} | {trial.number} | {_markdown_cell(trial.user_attrs['diverged'])} | "
+                  f"{_markdown_cell(_settings_text(trial.params))} |" for method, trial in diverged]
+    return "\n".join(lines) + "\n"
+
+
 def write_results(tuning: Tuning, echo: bool = True) -> dict[str, Any]:
-    """Every method's ``trials.csv`` and ``best.yaml``, and ``tuned.yaml``, from the studies as they are now."""
+    """Every method's ``trials.csv`` and ``best.yaml``, ``tuned.yaml`` and ``tuning.md``, from the studies as they
+    are now. A diverged trial is ``diverged`` in trials.csv (its ``why`` says what exploded), counted apart
+    (tuned.yaml's ``tuning.outcomes``, tuning.md, the printed lines) and never the best: the best is the complete
+    trial of highest validation AVG; a method without one (every trial diverged or was pruned) has no best
+    settings, and tuned.yaml leaves it out."""
     optuna = _optuna()
     best: dict[str, dict[str, Any]] = {}
+    results: dict[str, dict[str, Any]] = {}
     for method in tuning.methods:
         study = optuna.load_study(study_name=method, storage=tuning.storage_url)
         trials = study.get_trials(deepcopy=False)
@@ -364,32 +570,45 @@ def write_results(tuning: Tuning, echo: bool = True) -> dict[str, Any]:
         keys = sorted({key for trial in trials for key in trial.params})
         buffer = io.StringIO()
         writer = csv.writer(buffer)
-        writer.writerow(["number", "state", "validation", "rounds_reported", *keys])
+        writer.writerow(["number", "state", "why", "validation", "rounds_reported", *keys])
         for trial in trials:  # a categorical choice of text may start like a formula: escaped as every table's
-            writer.writerow([trial.number, trial.state.name.lower(), "" if trial.value is None else
-                             f"{trial.value:.4f}", len(trial.intermediate_values),
+            outcome = outcome_of(trial)
+            shown_value = "" if trial.value is None or outcome == "diverged" else f"{trial.value:.4f}"
+            writer.writerow([trial.number, outcome, spreadsheet_cell(why_of(trial)), shown_value,
+                             len(trial.intermediate_values),
                              *[spreadsheet_cell(trial.params.get(key, "")) for key in keys]])
         write_atomic(tuning.out / method / "trials.csv", buffer.getvalue())
-        complete = [trial for trial in trials if trial.state.name == "COMPLETE"]
-        if not complete:
+        counts = outcome_counts(trials)
+        complete = [trial for trial in trials if outcome_of(trial) == "complete"]
+        top = max(complete, key=lambda trial: (trial.value, -trial.number)) if complete else None  # earliest of equals
+        results[method] = {"counts": counts, "best": top, "trials": trials}
+        if top is None:
+            if echo:
+                print(f"{method}: {counts_line(counts)}; no complete trial, no best settings (a diverged trial is "
+                      "never chosen): lower the lr range (give lr=) or set max_grad_norm=10 and tune again",
+                      flush=True)
             continue
-        top = max(complete, key=lambda trial: (trial.value, -trial.number))  # the earliest of equals
         best[method] = dict(top.params)
         write_atomic(tuning.out / method / "best.yaml", yaml.safe_dump(
-            {"settings": best[method], "validation": top.value, "trial": top.number}, sort_keys=False))
+            {"settings": best[method], "validation": top.value, "trial": top.number,
+             "trials": counts_line(counts)}, sort_keys=False))
         if echo:
-            shown = ", ".join(f"{k}={_short(v)}" for k, v in top.params.items())
-            print(f"{method}: best validation {top.value:.2f} (trial {top.number}): {shown}", flush=True)
+            print(f"{method}: {counts_line(counts)}; best validation {top.value:.2f} (trial {top.number}): "
+                  f"{_settings_text(top.params)}", flush=True)
     config = load_config(tuning.source, {**tuning.settings, "method": tuning.methods[0]})
     tuned = {"tuning": {"trials": tuning.trials, "seed": config.run.seed, "validation": config.run.validation,
                         "storage": tuning.storage_url if tuning.storage else STUDY_FILE,
                         "settings": {k: tuning.settings[k] for k in sorted(tuning.settings)},
-                        "objective": "last round's validation AVG"},
+                        "objective": "last round's validation AVG",
+                        "outcomes": {method: {**result["counts"], "summary": counts_line(result["counts"])}
+                                     for method, result in results.items()}},
              "methods": best}
     write_atomic(tuning.out / TUNED_FILE, yaml.safe_dump(json.loads(json.dumps(tuned, default=str)),
                                                          sort_keys=False))
+    write_atomic(tuning.out / SUMMARY_FILE, summary_markdown(tuning, config, results))
     if echo:
-        print(f"written: {tuning.out / TUNED_FILE} (fedhpro compare tuned={tuning.out / TUNED_FILE} ...)")
+        print(f"written: {tuning.out / TUNED_FILE} (fedhpro compare tuned={tuning.out / TUNED_FILE} ...), "
+              f"{tuning.out / SUMMARY_FILE}")
     return tuned
 
 
