@@ -21,7 +21,8 @@ from fedhpro.reports.runs import report
 
 ACCURACY = {"fedavg": [50.0, 54.0], "fedprox": [51.0, 53.0]}
 SETTINGS = {"rounds": 2, "progress": False}
-TUNED = {"tuning": {"trials": 5, "seed": 1000, "validation": 0.2, "objective": "last round's validation AVG"},
+TUNED = {"tuning": {"trials": 5, "seed": 1000, "validation": 0.2, "objective": "last round's validation AVG",
+                    "outcomes": {"fedavg": {"complete": 3, "diverged": 2, "summary": "5 trials: 3 complete, 2 diverged"}}},
          "methods": {"fedavg": {"lr": 0.0312}, "fedprox": {"lr": 0.05, "fedprox.mu": 0.5}}}
 
 
@@ -54,11 +55,13 @@ def test_the_report_names_the_tuned_settings_budget_and_seed(tuned_comparison, t
     (line,) = [text for text in table.split("\n\n") if text.startswith("Tuned settings")]
     assert "FedAvg: lr=0.0312" in line and "FedProx: lr=0.05, fedprox.mu=0.5" in line
     assert "5 trials per method" in line and "tuning seed 1000" in line and "validation=0.2" in line
+    assert "FedAvg: lr=0.0312 (of 5 trials: 3 complete, 2 diverged); FedProx: lr=0.05, fedprox.mu=0.5." in line
     assert str(tmp_path / "tuned.yaml") in line
     # the report of the runs themselves (one row per run) says it too
     out = report([tuned_comparison / "fedavg-seed0", tuned_comparison / "fedprox-seed1"], out=tmp_path / "runs",
                  echo=False)
-    assert "FedAvg: lr=0.0312; FedProx: lr=0.05, fedprox.mu=0.5" in (out / "table.md").read_text()
+    assert "FedAvg: lr=0.0312 (of 5 trials: 3 complete, 2 diverged); FedProx: lr=0.05, fedprox.mu=0.5" in \
+        (out / "table.md").read_text()
 
 
 def test_an_untuned_comparison_says_nothing_of_tuning(monkeypatch, tmp_path):

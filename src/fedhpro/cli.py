@@ -56,7 +56,9 @@ _TUNE_DESCRIPTION = (
     "validation AVG) of trials= runs over lr, local_epochs and the knobs the method declares (a key given here is "
     "fixed), on validation= (default 0.2; never test accuracy) at seed= (default 1000). Resumable: the studies live "
     "in DIR/study.db (storage= any RDB URL Optuna accepts); jobs=N workers share them, the total staying trials=. "
-    "Writes DIR/<method>/trials.csv and best.yaml, and DIR/tuned.yaml for `fedhpro compare tuned=DIR/tuned.yaml`.")
+    "Writes DIR/<method>/trials.csv (each trial complete, diverged, pruned or failed) and best.yaml, DIR/tuning.md "
+    "(the counts, the best trials, the diverged ones apart) and DIR/tuned.yaml for `fedhpro compare "
+    "tuned=DIR/tuned.yaml`.")
 _REPRODUCE_DESCRIPTION = (
     "fedhpro reproduce NAME [scale=paper|smoke] [seeds=[0,1,2]] [out=DIR] [KEY=VALUE ...]: runs the target's "
     "methods x seeds (finished runs are reused) and writes table.md, table.csv and PNG figures with the paper's "

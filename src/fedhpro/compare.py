@@ -329,7 +329,7 @@ def row_label(method: str, point: Mapping[str, Any]) -> str:
 
 
 #: what of a tuned file's ``tuning:`` (how the settings were found) a comparison records for its report
-TUNING_RECORDED = ("trials", "seed", "validation", "objective", "chosen")
+TUNING_RECORDED = ("trials", "seed", "validation", "objective", "chosen", "outcomes")
 
 
 def tuned_record(tuned: Mapping[str, Any], path: str | os.PathLike, per_method: Mapping[str, Mapping[str, Any]]

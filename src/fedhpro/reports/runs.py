@@ -219,8 +219,11 @@ def _tuned_note(folder: Path, members: Sequence[RunData]) -> str | None:
             continue
         pairs = list(values.items())
         text = ", ".join(f"{_short_text(key)}={_short_text(value)}" for key, value in pairs[:MAX_TUNED_KEYS])
+        outcome = (tuning.get("outcomes") or {}).get(method) if isinstance(tuning.get("outcomes"), dict) else None
+        summary = outcome.get("summary") if isinstance(outcome, dict) else None  # "5 trials: 3 complete, 2 diverged"
         shown.append(f"{display_name(method)}: {text or 'the defaults'}"
-                     + (f" and {len(pairs) - MAX_TUNED_KEYS} more" if len(pairs) > MAX_TUNED_KEYS else ""))
+                     + (f" and {len(pairs) - MAX_TUNED_KEYS} more" if len(pairs) > MAX_TUNED_KEYS else "")
+                     + (f" (of {_short_text(summary)})" if isinstance(summary, str) else ""))
     if isinstance(tuning.get("chosen"), str):  # settings chosen by other means, as the file says
         return (f"Tuned settings: each method at its settings from {file} (not tuned by fedhpro tune: "
                 f"{_short_text(tuning['chosen'])}): {'; '.join(shown)}.")
