@@ -77,7 +77,8 @@ RECIPES: dict[str, dict[str, dict[str, Any]]] = {}
 # figures name a method as its description leads ("FedAvg: ...") and tables order methods as the paper does;
 # the reports cannot import this package
 _plots.set_describer(lambda name: getattr(METHODS.get(name), "description", None),
-                     lambda name: getattr(METHODS.get(name), "paper_order", None))
+                     lambda name: getattr(METHODS.get(name), "paper_order", None),
+                     lambda name: bool(getattr(METHODS.get(name), "baseline", False)))
 
 
 def register(name: str, spec: MethodSpec, *, replace: bool = False,

@@ -87,15 +87,25 @@ _LEADING_NAME = re.compile(r"^([A-Za-z][A-Za-z0-9_-]*)(?=$|[\s:(])")
 _describe: Callable[[str], str | None] = lambda method: None  # noqa: E731
 #: a method's place in the paper's tables (its registry entry's ``paper_order``), set likewise
 _place: Callable[[str], int | None] = lambda method: None  # noqa: E731
+#: whether a method is the one comparisons measure the others against (its entry's ``baseline``), likewise
+_baseline: Callable[[str], bool] = lambda method: False  # noqa: E731
 
 
-def set_describer(describe: Callable[[str], str | None], place: Callable[[str], int | None] | None = None) -> None:
-    """Where :func:`display_name` reads a method's description and :func:`paper_order` its place
-    (``fedhpro.methods`` gives its registry's)."""
-    global _describe, _place
+def set_describer(describe: Callable[[str], str | None], place: Callable[[str], int | None] | None = None,
+                  baseline: Callable[[str], bool] | None = None) -> None:
+    """Where :func:`display_name` reads a method's description, :func:`paper_order` its place and
+    :func:`is_baseline` whether it is the baseline (``fedhpro.methods`` gives its registry's)."""
+    global _describe, _place, _baseline
     _describe = describe
     if place is not None:
         _place = place
+    if baseline is not None:
+        _baseline = baseline
+
+
+def is_baseline(method: str) -> bool:
+    """Whether ``method`` is the registered baseline of comparisons (FedAvg's ``MethodSpec.baseline``)."""
+    return bool(_baseline(method))
 
 
 def paper_order(methods: Iterable[str]) -> list[str]:

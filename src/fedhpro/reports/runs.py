@@ -32,7 +32,6 @@ from fedhpro.bounded import (
     run_file,
 )
 from fedhpro.errors import ConfigError, DataError, FedHProError
-from fedhpro.methods import METHODS
 from fedhpro.reports import significance, write_atomic, write_json
 from fedhpro.reports.captions import data_sentence, data_text
 from fedhpro.reports.classes import CLASS_FILES, write_class_report
@@ -40,6 +39,7 @@ from fedhpro.reports.parity import PARITY_FILES, mixes_precisions, pair_precisio
 from fedhpro.reports.plots import (
     display_label,
     display_name,
+    is_baseline,
     mean_band,
     paper_order,
     plot_bars,
@@ -489,8 +489,7 @@ def seed_values(run: RunData, column: str) -> float | None:
 def baseline_group(groups: Mapping[str, Sequence[RunData]]) -> str | None:
     """The group the seed table tests the others against: the first of the baseline method
     (``MethodSpec.baseline``: FedAvg), None when no group runs it."""
-    baseline = next((name for name, spec in METHODS.items() if spec.baseline), None)
-    return next((label for label, members in groups.items() if members[0].method == baseline), None)
+    return next((label for label, members in groups.items() if is_baseline(members[0].method)), None)
 
 
 #: the seed table's column its marks test (each group's final test AVG over its seeds)
