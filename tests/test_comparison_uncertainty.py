@@ -14,9 +14,10 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
 from scipy import stats
+
+from fake_runs import finished_run_writer
 
 import fedhpro.methods  # noqa: F401 - the registry that names the methods
 from fedhpro import api
@@ -120,18 +121,7 @@ ACCURACY = {"fedavg": [50.0, 54.0, 52.0, 51.0, 53.0],
             "fedhpro": [55.0, 58.0, 58.5, 55.5, 57.5]}
 
 
-def fake_run(config, folder) -> dict:
-    """A finished run's folder and summary, as the engine writes them, without training."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    final = ACCURACY[config.run.method][config.run.seed]
-    rows = [{"round": r, "accuracy": {"mnist": value, "AVG": value}} for r, value in enumerate([final - 10, final])]
-    (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    (folder / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-    summary = {"method": config.run.method, "dataset": config.run.dataset, "seed": config.run.seed,
-               "accuracy": final, "per_domain": {"mnist": final}}
-    (folder / "summary.json").write_text(json.dumps(summary))
-    return summary
+fake_run = finished_run_writer(ACCURACY)
 
 
 @pytest.fixture()

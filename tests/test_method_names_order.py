@@ -18,7 +18,8 @@ import re
 from pathlib import Path
 
 import pytest
-import yaml
+
+from fake_runs import finished_run_writer
 
 import fedhpro.methods  # noqa: F401 - the registry that names the methods
 from fedhpro import api
@@ -36,19 +37,7 @@ ACCURACY = {"fedhpro": (60.0, 62.0), "fedavg": (50.0, 54.0), "fedproto": (55.0, 
 SETTINGS = {"partition.scheme": "dirichlet", "partition.alpha": 0.3, "rounds": 2, "progress": False}
 
 
-def fake_run(config, folder) -> dict:
-    """A finished run's folder and summary, as the engine writes them, without training."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    final = ACCURACY[config.run.method][config.run.seed]
-    rows = [{"round": r, "accuracy": {"mnist": value, "AVG": value}}
-            for r, value in enumerate([final - 10.0, final])]
-    (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    (folder / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-    summary = {"method": config.run.method, "dataset": config.run.dataset, "seed": config.run.seed,
-               "accuracy": final, "per_domain": {"mnist": final}}
-    (folder / "summary.json").write_text(json.dumps(summary))
-    return summary
+fake_run = finished_run_writer(ACCURACY)
 
 
 @pytest.fixture()

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fake_runs import finished_run_writer
+
 import fedhpro.methods  # noqa: F401 - the registry that names the methods
 from fedhpro import api
 from fedhpro.cli import main as cli_main
@@ -26,17 +28,7 @@ TUNED = {"tuning": {"trials": 5, "seed": 1000, "validation": 0.2, "objective": "
          "methods": {"fedavg": {"lr": 0.0312}, "fedprox": {"lr": 0.05, "fedprox.mu": 0.5}}}
 
 
-def fake_run(config, folder) -> dict:
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    final = ACCURACY[config.run.method][config.run.seed]
-    rows = [{"round": r, "accuracy": {"mnist": value, "AVG": value}} for r, value in enumerate([final - 10, final])]
-    (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    (folder / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-    summary = {"method": config.run.method, "dataset": config.run.dataset, "seed": config.run.seed,
-               "accuracy": final, "per_domain": {"mnist": final}}
-    (folder / "summary.json").write_text(json.dumps(summary))
-    return summary
+fake_run = finished_run_writer(ACCURACY)
 
 
 @pytest.fixture()
