@@ -13,9 +13,9 @@ from __future__ import annotations
 import hashlib
 import statistics
 import time
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Container, Mapping
 from logging import INFO, WARNING
-from typing import Any
+from typing import Any, TypeVar
 
 from flwr.app import ConfigRecord, Error, Message, MessageType, RecordDict
 from flwr.common.constant import ErrorCode
@@ -397,6 +397,22 @@ def class_bound(counts: list[int]) -> int:
     return max(1, int(statistics.median_low(counts))) if counts else 1
 
 
+#: what the nodes vote by: their data's (kind, input shape), or their classes.txt
+Vote = TypeVar("Vote")
+
+
+def _outvoted(groups: Mapping[Vote, list[int]], why: Callable[[Vote, Vote, int, int], str]) -> dict[int, str] | None:
+    """``{node id: why}`` for the nodes outside the group holding a strict majority of all the nodes in ``groups``
+    (vote -> node ids); ``why(their vote, the majority's vote, the majority's size, all nodes)`` says why; None
+    when no group holds a strict majority."""
+    agreed, held = max(groups.items(), key=lambda item: len(item[1]))
+    voters = sum(len(nodes) for nodes in groups.values())
+    if 2 * len(held) <= voters:
+        return None
+    return {node: why(vote, agreed, len(held), voters) for vote, nodes in groups.items() if vote != agreed
+            for node in nodes}
+
+
 def misfits(known: Mapping[int, ClientInfo], options: Any) -> dict[int, str]:
     """``{node id: why}`` for the admitted nodes (``known``: node id -> description) whose data do not fit the
     others', each left out of the run (not the run refused):
@@ -417,21 +433,18 @@ def misfits(known: Mapping[int, ClientInfo], options: Any) -> dict[int, str]:
     for node, info in sorted(known.items()):
         groups.setdefault((info.kind, tuple(info.input_shape)), []).append(node)
     if len(groups) > 1:
-        (kind, shape), held = max(groups.items(), key=lambda item: len(item[1]))
-        if 2 * len(held) <= len(known):
+        outvoted = _outvoted(groups, lambda other, major, held, voters: (
+            f"its data ({other[0]} of shape {list(other[1])}) differ from those of the strict majority of the "
+            f"admitted nodes ({major[0]} of shape {list(major[1])}, {held} of {voters}); give it the same kind of "
+            "data and features"))
+        if outvoted is None:
             largest = sorted(groups.items(), key=lambda item: -len(item[1]))
             listing = "; ".join(f"{k} of shape {list(s)}: " + _shown([known[n].name for n in nodes], quote=False)
                                 for (k, s), nodes in largest[:MAX_SHOWN])
             more = f"; and {len(largest) - MAX_SHOWN} more" if len(largest) > MAX_SHOWN else ""
             raise ConfigError(f"the admitted nodes' data differ in kind or input shape and no strict majority agrees "
                               f"({listing}{more}); give every SuperNode the same kind of data and features")
-        for (other, other_shape), nodes in groups.items():
-            if (other, other_shape) == (kind, shape):
-                continue
-            for node in nodes:
-                refused[node] = (f"its data ({other} of shape {list(other_shape)}) differ from those of the strict "
-                                 f"majority of the admitted nodes ({kind} of shape {list(shape)}, {len(held)} of "
-                                 f"{len(known)}); give it the same kind of data and features")
+        refused.update(outvoted)
     fitting = {node: info for node, info in known.items() if node not in refused}
     if options.classes is not None:
         allowed = [str(c) for c in options.classes]
@@ -455,16 +468,11 @@ def misfits(known: Mapping[int, ClientInfo], options: Any) -> dict[int, str]:
         if info.declared_classes is not None:
             declared.setdefault(tuple(info.declared_classes), []).append(node)
     if len(declared) > 1:  # no strict majority: resolve_classes names the nodes whose classes.txt differ
-        agreed, held = max(declared.items(), key=lambda item: len(item[1]))
-        voters = sum(len(nodes) for nodes in declared.values())
-        if 2 * len(held) > voters:
-            for listed, nodes in declared.items():
-                if listed == agreed:
-                    continue
-                for node in nodes:
-                    refused[node] = (f"its classes.txt ({len(listed)} classes) differs from that of the strict "
-                                     f"majority of the nodes that have one ({len(agreed)} classes, {len(held)} of "
-                                     f"{voters}); give it the same class list, or set data.classes")
+        outvoted = _outvoted(declared, lambda listed, agreed, held, voters: (
+            f"its classes.txt ({len(listed)} classes) differs from that of the strict majority of the nodes that "
+            f"have one ({len(agreed)} classes, {held} of {voters}); give it the same class list, or set data.classes"))
+        if outvoted is not None:
+            refused.update(outvoted)
             fitting = {node: info for node, info in fitting.items() if node not in refused}
     classes = {node: node_classes(info) for node, info in fitting.items()}
     bound = class_bound([len(names) for names in classes.values()])
