@@ -45,7 +45,7 @@ import torch
 from fedhpro.engines.simulator import Simulator
 from fedhpro.methods import METHODS, TrainSettings
 from fedhpro.methods.base import load_weights
-from fedhpro.methods.hyper import class_statistics
+from fedhpro.methods.fedhpro.hyper import class_statistics
 from fedhpro.methods.parts import features_of
 from fedhpro.methods.training import Batch, LocalRound, train_epochs
 

@@ -53,7 +53,7 @@ import torch
 
 from fedhpro.engines.simulator import Simulator
 from fedhpro.methods import METHODS, TrainSettings, no_grad
-from fedhpro.methods.fedhpro import FedHProClient
+from fedhpro.methods.fedhpro.client import FedHProClient
 from fedhpro.methods.no_grad import extract_features
 
 TARGET = 1.15

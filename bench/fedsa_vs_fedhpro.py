@@ -248,9 +248,10 @@ def client_margins(run: Path) -> str:
     beside the number of classes the client holds: how the margin scales under label skew."""
     import torch
 
-    from fedhpro import functional as HF
+    from fedhpro import functional
     from fedhpro.config import load_config
     from fedhpro.data import get_dataset
+    from fedhpro.methods.fedhpro import equations
     from fedhpro.methods.no_grad import extract_features
     from fedhpro.trained import load_model
 
@@ -263,10 +264,10 @@ def client_margins(run: Path) -> str:
     rows = []
     with torch.no_grad():
         for k, client in enumerate(federation.clients):
-            prototypes, present = HF.local_prototypes(extract_features(model, client.x), client.y,
+            prototypes, present = functional.local_prototypes(extract_features(model, client.x), client.y,
                                                       federation.num_classes)
-            raw = float(HF.client_margin(prototypes, present))
-            normalized = float(HF.client_margin(prototypes, present, normalized=True))
+            raw = float(equations.client_margin(prototypes, present))
+            normalized = float(equations.client_margin(prototypes, present, normalized=True))
             rows.append((int(present.sum()), len(client.y), raw, normalized, k))
     lines = [f"d_k per client, {run.parent.parent.name}/{run.parent.name}/{run.name} (final global model)", "",
              "| client | classes held | images | d_k raw | d_k / tau | d_k normalized |", "|---|---|---|---|---|---|"]

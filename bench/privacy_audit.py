@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fedhpro import functional as HF
+from fedhpro import functional
 from fedhpro.config import load_config
 from fedhpro.engines.observers import RoundObserver
 from fedhpro.errors import FedHProError
@@ -129,7 +129,7 @@ class Capture(RoundObserver):
     def client_trained(self, k: int, model: torch.nn.Module) -> None:
         data = self.simulator.federation.clients[k]
         num_classes = self.simulator.federation.num_classes
-        means, _ = HF.local_prototypes(extract_features(model, data.x), data.y, num_classes)
+        means, _ = functional.local_prototypes(extract_features(model, data.x), data.y, num_classes)
         counts = torch.bincount(data.y, minlength=num_classes)[:num_classes]
         self.truth.setdefault(self.round, {})[k] = (counts.cpu(), means.detach().cpu())
 

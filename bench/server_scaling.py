@@ -30,7 +30,7 @@ import statistics
 import harness
 import torch
 
-from fedhpro.methods.hyper import HyperPrototypeBank
+from fedhpro.methods.fedhpro.hyper import HyperPrototypeBank
 
 
 class AutogradHead(torch.nn.Module):

@@ -25,7 +25,7 @@ from fedhpro.methods import fedsa as S
 from fedhpro.methods.base import MethodContext, clone_weights
 from fedhpro.methods.fedavg import METHOD as FEDAVG
 from fedhpro.methods.fedavg import FedAvgOptions
-from fedhpro.methods.hyper import HyperPrototypeBank, class_statistics
+from fedhpro.methods.fedhpro.hyper import HyperPrototypeBank, class_statistics
 from fedhpro.methods.prototypes import clamped_distances
 from fedhpro.methods.training import TrainSettings
 

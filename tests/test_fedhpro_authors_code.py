@@ -21,13 +21,13 @@ from conftest import NUM_CLASSES, make_client
 from test_methods import TRAIN, context, fit_fedhpro, generator, model_with
 from torch import nn
 
-from fedhpro import authors_code
-from fedhpro import functional as HF
 from fedhpro.data.federation import ClientData
 from fedhpro.errors import ConfigError
 from fedhpro.methods import MethodContext
-from fedhpro.methods.fedhpro import LAST_CLIENT_WARNING, FedHProClient, FedHProOptions, FedHProServer
-from fedhpro.methods.hyper import divide_by_counts, sampled_features
+from fedhpro.methods.fedhpro import FedHProOptions, authors_code, equations
+from fedhpro.methods.fedhpro.client import FedHProClient
+from fedhpro.methods.fedhpro.hyper import divide_by_counts, sampled_features
+from fedhpro.methods.fedhpro.server import LAST_CLIENT_WARNING, FedHProServer
 from fedhpro.models import build_model
 from fedhpro.models.authors_resnet import AuthorsResNet10
 
@@ -54,13 +54,13 @@ def test_elementwise_distance_against_a_loop_over_scalars_of_their_formula():
     g_hyper = torch.randn(4, 7, generator=g, dtype=torch.float64) * 1e-2
     g_hyper[1, 2] = 0.0  # a zero element: 1 - 0/eps = 1
     present = torch.tensor([True, False, True, True])
-    got = float(HF.elementwise_matching_loss(g_real, g_hyper, present))
+    got = float(equations.elementwise_matching_loss(g_real, g_hyper, present))
     assert got == pytest.approx(their_distance_over_floats(g_real, g_hyper, present), rel=1e-12)
     # the hand value of one pair: a = 1e-3, b = -2e-3: 1 + 2e-6 / (2e-6 + 1e-6) = 5/3
-    one = HF.elementwise_matching_loss(torch.tensor([[1e-3]], dtype=torch.float64),
+    one = equations.elementwise_matching_loss(torch.tensor([[1e-3]], dtype=torch.float64),
                                        torch.tensor([[-2e-3]], dtype=torch.float64), torch.tensor([True]))
     assert float(one) == pytest.approx(5.0 / 3.0, rel=1e-12)
-    assert float(HF.elementwise_matching_loss(g_real, g_hyper, torch.zeros(4, dtype=torch.bool))) == 0.0
+    assert float(equations.elementwise_matching_loss(g_real, g_hyper, torch.zeros(4, dtype=torch.bool))) == 0.0
 
 
 def test_elementwise_distance_gradient_is_the_hand_derivative():
@@ -68,7 +68,7 @@ def test_elementwise_distance_gradient_is_the_hand_derivative():
     g = torch.Generator().manual_seed(4)
     a = torch.randn(2, 5, generator=g, dtype=torch.float64) * 1e-3
     b = (torch.randn(2, 5, generator=g, dtype=torch.float64) * 1e-3).requires_grad_(True)
-    (grad,) = torch.autograd.grad(HF.elementwise_matching_loss(a, b, torch.tensor([True, True])), b)
+    (grad,) = torch.autograd.grad(equations.elementwise_matching_loss(a, b, torch.tensor([True, True])), b)
     expected = -a * EPS / (a.abs() * b.detach().abs() + EPS) ** 2
     torch.testing.assert_close(grad, expected, rtol=1e-10, atol=0)
 
@@ -102,12 +102,12 @@ def test_matching_with_the_elementwise_distance_against_their_autograd_loop():
     hyper = torch.randn(3, 2, 3, generator=g, dtype=torch.float64)
     g_real = torch.randn(3, 3, generator=g, dtype=torch.float64) * 1e-3
     present = torch.tensor([True, False, True])
-    matched, before, after = HF.match_hyper_prototypes(hyper, head, g_real, present, steps=3, lr=0.1,
+    matched, before, after = equations.match_hyper_prototypes(hyper, head, g_real, present, steps=3, lr=0.1,
                                                        distance="elementwise")
     expected = their_matching_steps(hyper, head, g_real, present, steps=3, lr=0.1)
     torch.testing.assert_close(matched, expected, rtol=1e-9, atol=1e-12)
     assert torch.equal(matched[1], hyper[1])  # a class nobody holds keeps its vectors
-    g_hp = HF.hyper_prototype_gradients(hyper, head) / 2
+    g_hp = equations.hyper_prototype_gradients(hyper, head) / 2
     assert before == pytest.approx(their_distance_over_floats(g_real, g_hp, present), rel=1e-9)
     assert after < before
 
@@ -120,8 +120,8 @@ def test_server_passes_the_distance_to_the_bank_and_refuses_an_unknown_one():
     server = FedHProServer(MethodContext(model=model, num_classes=2, options=options, train=TRAIN, seed=1))
     assert server.bank.distance == "elementwise"
     with pytest.raises(ValueError, match="distance must be one of"):
-        HF.match_hyper_prototypes(server.hyper, model.classifier, torch.zeros(2, 3), torch.ones(2, dtype=torch.bool),
-                                  steps=1, lr=0.1, distance="euclid")
+        equations.match_hyper_prototypes(server.hyper, model.classifier, torch.zeros(2, 3),
+                                         torch.ones(2, dtype=torch.bool), steps=1, lr=0.1, distance="euclid")
 
 
 # ---------------------------------------------------------------------------- the batch augmentation

@@ -20,11 +20,11 @@ from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION, NUM_CLASSES, TinyNet
 from test_methods import fit_fedhpro, loop_prototypes, model_with
 from torch import nn
 
-from fedhpro import authors_code
-from fedhpro import functional as HF
+from fedhpro import functional
 from fedhpro.config import load_config
 from fedhpro.methods import MethodContext, TrainSettings
-from fedhpro.methods.fedhpro import AUTHORS_RECIPE, FedHProOptions, FedHProServer
+from fedhpro.methods.fedhpro import AUTHORS_RECIPE, FedHProOptions, authors_code, equations
+from fedhpro.methods.fedhpro.server import FedHProServer
 
 TRAIN = TrainSettings(epochs=1, batch_size=8, lr=0.1, momentum=0.0, weight_decay=0.0)
 
@@ -283,7 +283,7 @@ def test_dot_product_margin_and_its_log_term_in_hpcl():
     assert float(authors_code.hpcl_loss_log_margin(z, y, hyper, k, tau)) == pytest.approx(total / 5, rel=1e-10)
     # without a margin it is Eq. 12 with d_k = 0
     assert float(authors_code.hpcl_loss_log_margin(z, y, hyper, 0.0, tau)) == pytest.approx(
-        float(HF.hpcl_loss(z, y, hyper, 0.0, tau)), rel=1e-10)
+        float(equations.hpcl_loss(z, y, hyper, 0.0, tau)), rel=1e-10)
 
 
 # ---------------------------------------------------------------------------- the client
@@ -385,15 +385,15 @@ def test_server_step_against_a_hand_computation(monkeypatch):
     torch.testing.assert_close(server.weights["classifier.bias"].double(), eb, rtol=1e-4, atol=1e-5)
 
     # everything else is FedAvg, and the hyper-prototypes were matched against the new classifier
-    average = HF.weighted_average([r["weights"] for r in replies], [8, 4])
+    average = functional.weighted_average([r["weights"] for r in replies], [8, 4])
     for key in average:
         if not key.startswith("classifier."):
             assert torch.equal(server.weights[key], average[key])
     head = nn.Linear(3, 2)
     head.load_state_dict({"weight": server.weights["classifier.weight"], "bias": server.weights["classifier.bias"]})
-    g_real, held = HF.aggregate_class_gradients(torch.stack([r["class_gradients"] for r in replies]),
+    g_real, held = equations.aggregate_class_gradients(torch.stack([r["class_gradients"] for r in replies]),
                                                 torch.tensor([[True, True], [False, True]]))
-    expected_hyper, _, _ = HF.match_hyper_prototypes(hyper0, head, g_real, held, steps=2, lr=0.1)
+    expected_hyper, _, _ = equations.match_hyper_prototypes(hyper0, head, g_real, held, steps=2, lr=0.1)
     torch.testing.assert_close(server.hyper, expected_hyper)
 
 
@@ -461,7 +461,7 @@ def test_reply_layout_declares_the_classifier_gradients():
 def test_a_loss_weight_of_one_returns_the_term_itself_and_other_weights_multiply():
     """``weighted``: lambda = 1 (the default) is the term itself (x * 1.0 is x, value and gradient); others
     multiply."""
-    from fedhpro.methods.fedhpro import weighted
+    from fedhpro.methods.fedhpro.client import weighted
 
     term = torch.tensor(0.731, requires_grad=True)
     assert weighted(1.0, term) is term

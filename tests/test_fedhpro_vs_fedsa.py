@@ -12,7 +12,7 @@ from conftest import NUM_CLASSES, TinyNet
 
 from fedhpro.errors import ConfigError
 from fedhpro.methods import MethodContext, TrainSettings, get_method
-from fedhpro.methods.hyper import HyperPrototypeBank, initial_hyper_prototypes
+from fedhpro.methods.fedhpro.hyper import HyperPrototypeBank, initial_hyper_prototypes
 
 C, PER_CLASS, D = 5, 3, 40
 

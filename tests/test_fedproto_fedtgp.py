@@ -14,25 +14,25 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import FEATURE_DIM, NUM_CLASSES, TinyNet, make_client, make_federation
+
 from fedhpro.engines.simulator import Simulator
 from fedhpro.errors import ConfigError, UpdateError
 from fedhpro.methods.base import Client, MethodContext, clone_weights
 from fedhpro.methods.fedavg import FedAvgOptions
+from fedhpro.methods.fedhpro.hyper import HyperPrototypeBank
 from fedhpro.methods.fedproto import METHOD as FEDPROTO
 from fedhpro.methods.fedproto import FedProtoClient, FedProtoOptions, FedProtoServer
 from fedhpro.methods.fedtgp import METHOD as FEDTGP
-from fedhpro.methods.no_grad import extract_features
-from fedhpro.methods.training import TrainSettings
 from fedhpro.methods.fedtgp import (
     FedTGPClient,
     FedTGPOptions,
     FedTGPServer,
     tgp_margin,
 )
-from fedhpro.methods.hyper import HyperPrototypeBank
+from fedhpro.methods.no_grad import extract_features
 from fedhpro.methods.prototypes import margin_ce, prototype_mse, prototype_regularizer
+from fedhpro.methods.training import TrainSettings
 from fedhpro.seeds import derive_seed
 
 TRAIN = TrainSettings(epochs=2, batch_size=8, lr=0.1, momentum=0.9, weight_decay=1e-4)

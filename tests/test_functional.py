@@ -1,4 +1,5 @@
-"""Tests of ``fedhpro.functional`` against independent references.
+"""Tests of ``fedhpro.functional`` and FedHPro's equations (``fedhpro.methods.fedhpro.equations``) against
+independent references.
 
 Every expected value below comes from something other than the function under
 test: slow per-sample Python loops, ``torch.autograd`` applied one sample at a
@@ -18,9 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedhpro import authors_code
-from fedhpro import functional as HF
-from fedhpro.functional import (
+from fedhpro import functional
+from fedhpro.functional import local_prototypes, weighted_average
+from fedhpro.methods.fedhpro import authors_code, equations
+from fedhpro.methods.fedhpro.equations import (
     class_gradients,
     client_margin,
     global_prototypes,
@@ -29,9 +31,7 @@ from fedhpro.functional import (
     hpcl_loss,
     hyper_prototype_gradients,
     hyper_similarity,
-    local_prototypes,
     match_hyper_prototypes,
-    weighted_average,
 )
 
 DT = torch.float64
@@ -480,7 +480,7 @@ def _forbid_autograd_path(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a plain nn.Linear head must take the closed form, not autograd")
 
-    monkeypatch.setattr(HF, "_per_sample_input_gradients", forbidden)
+    monkeypatch.setattr(functional, "per_sample_input_gradients", forbidden)
 
 
 @pytest.mark.parametrize("C", [2, 7])
@@ -492,7 +492,8 @@ def test_hyper_prototype_gradients_closed_form_equals_per_sample_autograd(C, bia
     hyper = randn(C, num_hyper, d, seed=310 + C, scale=2.0)
     # the reference: the autograd path's per-sample input gradients, averaged over the |I| vectors
     labels = torch.arange(C).repeat_interleave(num_hyper)
-    per_sample = HF._per_sample_input_gradients(hyper.reshape(C * num_hyper, d), labels, head, create_graph=False)
+    per_sample = functional.per_sample_input_gradients(hyper.reshape(C * num_hyper, d), labels, head,
+                                                       create_graph=False)
     ref = per_sample.reshape(C, num_hyper, d).mean(1)
     assert not torch.allclose(ref, torch.zeros_like(ref), atol=1e-3)
     _forbid_autograd_path(monkeypatch)
@@ -1044,10 +1045,10 @@ def test_hyper_prototype_losses_equal_the_two_losses_and_their_gradients(normali
     y = torch.randint(0, 6, (9,), generator=g)
     z0 = torch.relu(torch.randn(9, 16, generator=g))
     z_joint, z_apart = z0.clone().requires_grad_(True), z0.clone().requires_grad_(True)
-    hpcl, hpal = HF.hyper_prototype_losses(z_joint, y, hyper, 0.3, 0.05, normalized=normalized)
+    hpcl, hpal = equations.hyper_prototype_losses(z_joint, y, hyper, 0.3, 0.05, normalized=normalized)
     (hpcl + 2 * hpal).backward()
-    hpcl_apart = HF.hpcl_loss(z_apart, y, hyper, 0.3, 0.05)
-    hpal_apart = HF.hpal_loss(z_apart, y, hyper, normalized=normalized)
+    hpcl_apart = equations.hpcl_loss(z_apart, y, hyper, 0.3, 0.05)
+    hpal_apart = equations.hpal_loss(z_apart, y, hyper, normalized=normalized)
     (hpcl_apart + 2 * hpal_apart).backward()
     torch.testing.assert_close(hpcl, hpcl_apart, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(hpal, hpal_apart, rtol=1e-6, atol=1e-6)
@@ -1063,12 +1064,12 @@ def test_hyper_similarity_is_the_mean_cosine_per_sample_and_follows_in_place_cha
         return torch.tensor([[sum(float(F.cosine_similarity(z[b], hyper[c, j], dim=0)) for j in range(3)) / 3
                               for c in range(4)] for b in range(5)], dtype=torch.float64)
 
-    torch.testing.assert_close(HF.hyper_similarity(z, hyper), by_hand(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(equations.hyper_similarity(z, hyper), by_hand(), rtol=0, atol=1e-12)
     # the class directions are cached per tensor: an in-place change and a new tensor are both seen
     hyper.mul_(-1.0)
-    torch.testing.assert_close(HF.hyper_similarity(z, hyper), by_hand(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(equations.hyper_similarity(z, hyper), by_hand(), rtol=0, atol=1e-12)
     hyper = torch.randn(4, 3, 8, generator=g, dtype=torch.float64)
-    torch.testing.assert_close(HF.hyper_similarity(z, hyper), by_hand(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(equations.hyper_similarity(z, hyper), by_hand(), rtol=0, atol=1e-12)
 
 
 def _hpcl_by_one_hot_mask(similarity, y, margin, tau):
@@ -1091,7 +1092,7 @@ def test_hpcl_positive_removed_by_scatter_is_the_one_hot_mask_bit_for_bit(dtype)
         tau = (0.05, 0.1, 1.0)[seed % 3]
         got_input = similarity.clone().requires_grad_(True)
         ref_input = similarity.clone().requires_grad_(True)
-        got = HF._hpcl_of_similarity(got_input, y, margin, tau)
+        got = equations._hpcl_of_similarity(got_input, y, margin, tau)
         ref = _hpcl_by_one_hot_mask(ref_input, y, margin, tau)
         got.backward()
         ref.backward()
@@ -1131,7 +1132,7 @@ def _both_paths(z, y, hyper, margin, tau, hpcl_weight=1.0, hpal_weight=1.0):
     def composite(*args):
         return hpcl_loss(*args), hpal_loss(*args[:3], normalized=True)
 
-    for losses in (partial(HF.hyper_prototype_losses, normalized=True), composite):
+    for losses in (partial(equations.hyper_prototype_losses, normalized=True), composite):
         leaf = z.clone().requires_grad_(True)
         hpcl, hpal = losses(leaf, y, hyper, margin, tau)
         (hpcl_weight * hpcl + hpal_weight * hpal).backward()
@@ -1182,7 +1183,7 @@ def test_closed_form_gradient_scales_exactly_with_a_power_of_two_row_scale():
     results = []
     for scaled in (z, z * factors[rows].unsqueeze(1)):
         leaf = scaled.clone().requires_grad_(True)
-        hpcl, hpal = HF.hyper_prototype_losses(leaf, y, hyper, margin, tau, normalized=True)
+        hpcl, hpal = equations.hyper_prototype_losses(leaf, y, hyper, margin, tau, normalized=True)
         assert _closed_form(hpcl)
         (hpcl + hpal).backward()
         results.append((hpcl.detach(), hpal.detach(), leaf.grad))
@@ -1205,7 +1206,7 @@ def test_closed_form_losses_pass_gradcheck(case):
     tau = 0.1 if case == "two-classes" else 0.5
 
     def losses(leaf):
-        hpcl, hpal = HF.hyper_prototype_losses(leaf, y, hyper, margin, tau, normalized=True)
+        hpcl, hpal = equations.hyper_prototype_losses(leaf, y, hyper, margin, tau, normalized=True)
         assert _closed_form(hpcl)
         return hpcl, hpal
 
@@ -1218,11 +1219,11 @@ def test_closed_form_node_only_where_z_alone_needs_a_gradient():
     tests) or the margin, no gradient at all, one class, the paper's unnormalised HPAL."""
     z, y, hyper, margin, tau = _random_case(2, dtype=DT)
     leaf = z.clone().requires_grad_(True)
-    assert _closed_form(HF.hyper_prototype_losses(leaf, y, hyper, margin, tau, normalized=True)[0])
-    assert not _closed_form(HF.hyper_prototype_losses(leaf, y, hyper, margin, tau, normalized=False)[0])
+    assert _closed_form(equations.hyper_prototype_losses(leaf, y, hyper, margin, tau, normalized=True)[0])
+    assert not _closed_form(equations.hyper_prototype_losses(leaf, y, hyper, margin, tau, normalized=False)[0])
     # hyper requires grad: its gradient flows, equal to the separate losses'
     hyper_leaf = hyper.clone().requires_grad_(True)
-    hpcl, hpal = HF.hyper_prototype_losses(leaf, y, hyper_leaf, margin, tau, normalized=True)
+    hpcl, hpal = equations.hyper_prototype_losses(leaf, y, hyper_leaf, margin, tau, normalized=True)
     assert not _closed_form(hpcl)
     (hyper_grad,) = torch.autograd.grad(hpcl + hpal, hyper_leaf)
     ref_leaf = hyper.clone().requires_grad_(True)
@@ -1231,22 +1232,22 @@ def test_closed_form_node_only_where_z_alone_needs_a_gradient():
     torch.testing.assert_close(hyper_grad, ref, rtol=1e-10, atol=1e-12)
     # margin requires grad
     margin_leaf = torch.tensor(0.3, dtype=DT, requires_grad=True)
-    hpcl, _ = HF.hyper_prototype_losses(leaf, y, hyper, margin_leaf, tau, normalized=True)
+    hpcl, _ = equations.hyper_prototype_losses(leaf, y, hyper, margin_leaf, tau, normalized=True)
     assert not _closed_form(hpcl)
     (margin_grad,) = torch.autograd.grad(hpcl, margin_leaf)
     assert margin_grad > 0  # a larger margin makes the negatives' terms larger
     # no gradient needed: the same values
     with torch.no_grad():
-        values = HF.hyper_prototype_losses(leaf, y, hyper, margin, tau, normalized=True)
-    graded = HF.hyper_prototype_losses(leaf, y, hyper, margin, tau, normalized=True)
+        values = equations.hyper_prototype_losses(leaf, y, hyper, margin, tau, normalized=True)
+    graded = equations.hyper_prototype_losses(leaf, y, hyper, margin, tau, normalized=True)
     assert values[0].grad_fn is None and all(torch.equal(a, b.detach()) for a, b in zip(values, graded))
     # one class: HPCL is 0 (no negative)
-    one = HF.hyper_prototype_losses(leaf, torch.zeros_like(y), hyper[:1], margin, tau, normalized=True)
+    one = equations.hyper_prototype_losses(leaf, torch.zeros_like(y), hyper[:1], margin, tau, normalized=True)
     assert not _closed_form(one[0]) and one[0].item() == 0.0
     # under autocast (the package computes its losses outside it; a caller may not)
     leaf32 = z.float().requires_grad_(True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        hpcl, hpal = HF.hyper_prototype_losses(leaf32, y, hyper.float(), 0.3, tau, normalized=True)
+        hpcl, hpal = equations.hyper_prototype_losses(leaf32, y, hyper.float(), 0.3, tau, normalized=True)
     assert not _closed_form(hpcl)
     (hpcl + hpal).backward()
     assert leaf32.grad.dtype == torch.float32 and torch.isfinite(leaf32.grad).all()
@@ -1260,7 +1261,7 @@ def test_closed_form_node_second_derivative_is_the_composite_paths():
     for closed_form in (True, False):
         leaf = z.clone().requires_grad_(True)
         if closed_form:
-            hpcl, hpal = HF.hyper_prototype_losses(leaf, y, hyper, margin, tau, normalized=True)
+            hpcl, hpal = equations.hyper_prototype_losses(leaf, y, hyper, margin, tau, normalized=True)
             assert _closed_form(hpcl)
         else:
             hpcl, hpal = hpcl_loss(leaf, y, hyper, margin, tau), hpal_loss(leaf, y, hyper, normalized=True)

@@ -29,7 +29,6 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / "fedhpro"
 LAYERS = {
     0: ("errors", "bounded", "arrays", "files", "seeds", "runtime", "search_space", "options", "registry", "averaging",
         "functional",
-        "authors_code",
         "robust", "aggregation", "metrics", "reports", "data", "models"),
     1: ("methods", "privacy"),
     2: ("engines", "config"),

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import FEATURE_DIM, TinyNet, make_federation
 
 import fedhpro
-import fedhpro.functional as HF
-from conftest import FEATURE_DIM, TinyNet, make_federation
+from fedhpro.methods.fedhpro import equations
 
 
 def tiny_settings(out: Path, **extra) -> dict:
@@ -26,10 +26,10 @@ def tiny_settings(out: Path, **extra) -> dict:
 
 def loss_values(z, y, hyper):
     """Every public loss of hyper-prototypes on one batch, as plain floats."""
-    hpcl, hpal = HF.hyper_prototype_losses(z, y, hyper, 0.2, 0.5, normalized=True)
-    hpcl_raw, hpal_raw = HF.hyper_prototype_losses(z, y, hyper, 0.2, 0.5, normalized=False)
-    return [HF.hyper_similarity(z, hyper).sum().item(), HF.hpcl_loss(z, y, hyper, 0.2, 0.5).item(),
-            HF.hpal_loss(z, y, hyper).item(), HF.hpal_loss(z, y, hyper, normalized=True).item(),
+    hpcl, hpal = equations.hyper_prototype_losses(z, y, hyper, 0.2, 0.5, normalized=True)
+    hpcl_raw, hpal_raw = equations.hyper_prototype_losses(z, y, hyper, 0.2, 0.5, normalized=False)
+    return [equations.hyper_similarity(z, hyper).sum().item(), equations.hpcl_loss(z, y, hyper, 0.2, 0.5).item(),
+            equations.hpal_loss(z, y, hyper).item(), equations.hpal_loss(z, y, hyper, normalized=True).item(),
             hpcl.item(), hpal.item(), hpcl_raw.item(), hpal_raw.item()]
 
 
@@ -51,9 +51,9 @@ def test_the_losses_under_inference_mode_equal_those_outside_it():
 def test_a_value_computed_under_inference_mode_is_not_reused_by_training():
     z, y, hyper = batch(1)
     with torch.inference_mode():
-        validation = HF.hpcl_loss(z, y, hyper, 0.2, 0.5).item()
+        validation = equations.hpcl_loss(z, y, hyper, 0.2, 0.5).item()
     trained = z.clone().requires_grad_(True)
-    loss = HF.hpcl_loss(trained, y, hyper, 0.2, 0.5)  # would use an inference tensor if one had been cached
+    loss = equations.hpcl_loss(trained, y, hyper, 0.2, 0.5)  # would use an inference tensor if one had been cached
     loss.backward()
     assert loss.item() == validation and torch.isfinite(trained.grad).all()
 
@@ -69,11 +69,11 @@ def margin_bound(num_classes: int) -> float:
 def test_the_normalized_margin_reaches_its_bound_which_exceeds_2():
     angles = torch.tensor([0.0, 2 * math.pi / 3, 4 * math.pi / 3], dtype=torch.float64)
     triangle = torch.stack([angles.cos(), angles.sin()], dim=1) * 7.0  # any length: normalised inside
-    three = HF.client_margin(triangle, torch.ones(3, dtype=torch.bool), normalized=True).item()
+    three = equations.client_margin(triangle, torch.ones(3, dtype=torch.bool), normalized=True).item()
     assert three == pytest.approx(6 * math.sqrt(3) / 4)  # 6 ordered pairs at distance sqrt(3), over (C-1)^2 = 4
     assert three == pytest.approx(margin_bound(3)) and three > 2
     opposite = torch.tensor([[3.0, 0.0], [-0.5, 0.0]], dtype=torch.float64)
-    two = HF.client_margin(opposite, torch.ones(2, dtype=torch.bool), normalized=True).item()
+    two = equations.client_margin(opposite, torch.ones(2, dtype=torch.bool), normalized=True).item()
     assert two == pytest.approx(4.0) == pytest.approx(margin_bound(2))
     # random prototypes (some classes absent) stay below the bound
     g = torch.Generator().manual_seed(0)
@@ -81,12 +81,12 @@ def test_the_normalized_margin_reaches_its_bound_which_exceeds_2():
         for _ in range(20):
             prototypes = torch.randn(num_classes, 4, generator=g, dtype=torch.float64)
             present = torch.rand(num_classes, generator=g) < 0.8
-            margin = HF.client_margin(prototypes, present, normalized=True).item()
+            margin = equations.client_margin(prototypes, present, normalized=True).item()
             assert margin <= margin_bound(num_classes) + 1e-9
 
 
 def test_the_docs_state_the_true_bound_not_2():
-    doc = HF.client_margin.__doc__
+    doc = equations.client_margin.__doc__
     assert "<= 2)" not in doc and "d_k <= 2" not in doc
     assert "sqrt(2) * (C/(C-1))^1.5" in doc and "at most 4" in doc
 
@@ -99,7 +99,7 @@ def test_unit_has_a_bounded_gradient_at_an_exactly_zero_row():
     x[1] = torch.tensor([1.0, -2.0, 0.5, 3.0])
     x.requires_grad_(True)
     upstream = torch.tensor([[1.0, -2.0, 3.0, 0.5]] * 3)
-    unit = HF._unit(x, dim=1)
+    unit = equations._unit(x, dim=1)
     (unit * upstream).sum().backward()
     assert torch.equal(unit[0].detach(), torch.zeros(4))  # a zero row stays zero
     assert x.grad[0].abs().max() <= 2 * upstream[0].abs().max()  # was ~3e12 (1 / F.normalize's eps 1e-12)
@@ -123,7 +123,7 @@ def test_unit_of_nonzero_rows_is_bit_identical_to_before(dtype):
     rows[2] = torch.tensor(1e30, dtype=dtype)
     upstream = torch.randn(64, 16, generator=g, dtype=dtype)
     gradients = []
-    for unit in (HF._unit, previous_unit):
+    for unit in (equations._unit, previous_unit):
         x = rows.clone().requires_grad_(True)
         value = unit(x, 1)
         (value * upstream).sum().backward()

@@ -14,13 +14,15 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import FEATURE_DIM, NUM_CLASSES, TinyBNNet, TinyNet, make_client
+
 from fedhpro.errors import UpdateError
 from fedhpro.methods import METHODS, MethodContext, TrainSettings
 from fedhpro.methods.base import clone_weights
 from fedhpro.methods.fedavg import FedAvgOptions
-from fedhpro.methods.fedhpro import FedHProClient, FedHProOptions, FedHProServer
+from fedhpro.methods.fedhpro import FedHProOptions
+from fedhpro.methods.fedhpro.client import FedHProClient
+from fedhpro.methods.fedhpro.server import FedHProServer
 
 TRAIN = TrainSettings(epochs=2, batch_size=8, lr=0.1, momentum=0.9, weight_decay=1e-4)
 
@@ -214,16 +216,16 @@ def test_aggregate_class_gradients_are_unweighted_means_over_holders(monkeypatch
     server = FedHProServer(context(FedHProOptions(match_steps=4), seed=1))
     replies, counts = hand_replies(server)
     captured = {}
-    import fedhpro.functional as HF
+    from fedhpro.methods.fedhpro import equations
 
-    original = HF.match_hyper_prototypes
+    original = equations.match_hyper_prototypes
 
     def spy(hyper, classifier, g_real, present, **kwargs):
         captured["g_real"], captured["present"] = g_real.clone(), present.clone()
         captured["W"], captured["b"] = classifier.weight.detach().clone(), classifier.bias.detach().clone()
         return original(hyper, classifier, g_real, present, **kwargs)
 
-    monkeypatch.setattr(HF, "match_hyper_prototypes", spy)
+    monkeypatch.setattr(equations, "match_hyper_prototypes", spy)
     hyper_before = server.hyper.clone()
     metrics = server.aggregate(0, replies)
 

@@ -28,9 +28,9 @@ from torch import nn
 from fedhpro.config import load_config
 from fedhpro.errors import ConfigError
 from fedhpro.methods import TrainSettings
-from fedhpro.methods import fedhpro as fedhpro_module
-from fedhpro.methods import hyper as hyper_module
 from fedhpro.methods.fedhpro import FedHProOptions
+from fedhpro.methods.fedhpro import client as fedhpro_module
+from fedhpro.methods.fedhpro import hyper as hyper_module
 from fedhpro.methods.training import train_epochs
 from fedhpro.models import build_model
 
@@ -172,14 +172,15 @@ def test_gpu_batch_loop_does_not_synchronise(conv_model, fast):
     """Host-device synchronisations per client must not grow with the number of batches: the same
     count for 6 and for 12 batches per epoch (what remains is per epoch or per client: the epoch's
     order copied to the device, the finite-loss check, the logged means). FedHPro's losses included."""
-    from fedhpro import functional as HF
+    from fedhpro.methods.fedhpro import equations
 
     device = torch.device("cuda")
     hyper = torch.randn(NUM_CLASSES, 3, 16, device=device)
     margin = torch.tensor(0.3, device=device)
 
     def regularizer(z, y, logits):
-        return {"hpcl": HF.hpcl_loss(z, y, hyper, margin, 0.05), "hpal": HF.hpal_loss(z, y, hyper, normalized=True)}
+        return {"hpcl": equations.hpcl_loss(z, y, hyper, margin, 0.05),
+                "hpal": equations.hpal_loss(z, y, hyper, normalized=True)}
 
     model = copy.deepcopy(conv_model).to(device)
     train = TrainSettings(epochs=2, batch_size=8, amp="bf16" if fast else "off", channels_last=fast)

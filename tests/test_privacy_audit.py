@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedhpro import functional as HF
+from fedhpro import functional
+from fedhpro.methods.fedhpro import equations
 from fedhpro.privacy.audit import (
     class_means_from_class_gradients,
     class_means_from_classifier_update,
@@ -43,7 +44,7 @@ def test_prototype_rows_and_counts_reveal_the_labels_exactly():
     counts = torch.tensor([5, 0, 3, 0, 2])
     features = torch.rand(10, 4)
     labels = torch.tensor([0] * 5 + [2] * 3 + [4] * 2)
-    rows, present = HF.local_prototypes(features, labels, 5)  # the clean upload: zero rows for absent classes
+    rows, present = functional.local_prototypes(features, labels, 5)  # the clean upload: zero rows for absent classes
     from_counts = labels_from_class_rows(rows, counts)
     assert from_counts.present.tolist() == present.tolist()
     assert total_variation(from_counts.distribution, counts) == pytest.approx(0.0)
@@ -82,7 +83,7 @@ def test_one_sgd_step_of_a_head_gives_away_its_label_set_and_shares():
     # without the bias, the row sums of Delta W decide (features are non-negative): same set
     assert labels_from_classifier_update(delta_w, None).present.tolist() == [False, True, False, True, False]
     # the row of a held class is lr * mean((1 - 1/C) z_i of that class - 1/C z_j of others): towards its class
-    means, present = HF.local_prototypes(z, y, 5)
+    means, present = functional.local_prototypes(z, y, 5)
     cosine = cosine_rows(class_means_from_classifier_update(delta_w), means, present)
     reference = cosine_to_other_classes(class_means_from_classifier_update(delta_w), means, present)
     assert bool((cosine > reference).all())
@@ -96,13 +97,13 @@ def test_class_gradients_inverted_to_a_feature_with_the_class_softmax():
     head = nn.Linear(8, 5).double()
     z = torch.randn(5, 8, dtype=torch.float64)
     y = torch.arange(5)
-    gradients, counts = HF.class_gradients(z, y, head, 5)
+    gradients, counts = equations.class_gradients(z, y, head, 5)
     estimate = class_means_from_class_gradients(gradients, head.weight, head.bias)
     assert torch.allclose(torch.softmax(head(estimate), dim=1), torch.softmax(head(z), dim=1), atol=1e-6)
     # a feature in the row space of the centred head (I - 11^T/C) W is recovered itself
     centre = torch.eye(5, dtype=torch.float64) - 1.0 / 5
     z_in = (head.weight.detach().T @ centre @ torch.randn(5, 5, dtype=torch.float64)).T
-    estimate = class_means_from_class_gradients(HF.class_gradients(z_in, y, head, 5)[0], head.weight, head.bias)
+    estimate = class_means_from_class_gradients(equations.class_gradients(z_in, y, head, 5)[0], head.weight, head.bias)
     assert cosine_rows(estimate, z_in, counts > 0).tolist() == pytest.approx([1.0] * 5, abs=1e-6)
 
 

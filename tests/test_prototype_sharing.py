@@ -12,8 +12,7 @@ import pytest
 import torch
 from conftest import NUM_CLASSES, TinyNet, make_federation
 
-from fedhpro import functional as HF
-from fedhpro import metrics
+from fedhpro import functional, metrics
 from fedhpro.engines import protocol
 from fedhpro.engines.simulator import Simulator
 from fedhpro.methods import METHODS
@@ -90,19 +89,19 @@ def test_metrics_class_means_are_the_functional_ones_in_float64():
             reference[c] = sum(rows) / len(rows)
     assert means.dtype == torch.float32 and present.tolist() == [True, True, True, True, False]
     torch.testing.assert_close(means, reference.float(), rtol=0, atol=0)
-    functional, _ = HF.local_prototypes(features.double(), labels, 5)
-    assert torch.equal(means, functional.float())
+    in_double, _ = functional.local_prototypes(features.double(), labels, 5)
+    assert torch.equal(means, in_double.float())
 
 
 def test_mean_client_prototypes_is_one_function_and_skips_what_absent_classes_hold():
-    assert metrics.mean_client_prototypes is HF.mean_client_prototypes
+    assert metrics.mean_client_prototypes is functional.mean_client_prototypes
     prototypes = torch.tensor([[[1.0, 2.0], [float("nan"), 0.0]],
                                [[3.0, 6.0], [5.0, 1.0]],
                                [[float("inf"), 0.0], [7.0, 3.0]]])  # 3 clients, 2 classes, d = 2
     present = torch.tensor([[True, False], [True, True], [False, True]])
-    mean, held = HF.mean_client_prototypes(prototypes, present)
+    mean, held = functional.mean_client_prototypes(prototypes, present)
     reference = [[sum(float(prototypes[k, c, j]) for k in range(3) if present[k, c])
                   / sum(bool(present[k, c]) for k in range(3)) for j in range(2)] for c in range(2)]
     assert mean.tolist() == reference and held.tolist() == [True, True]
-    nobody, held = HF.mean_client_prototypes(prototypes, torch.zeros(3, 2, dtype=torch.bool))
+    nobody, held = functional.mean_client_prototypes(prototypes, torch.zeros(3, 2, dtype=torch.bool))
     assert nobody.tolist() == [[0.0, 0.0], [0.0, 0.0]] and held.tolist() == [False, False]

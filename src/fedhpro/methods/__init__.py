@@ -21,8 +21,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from fedhpro.data.federation import ClientData
-from fedhpro.methods import fedavg, fedgmkd, fedhpro, fedproto, fedprox, fedrcl, fedsa, fedtgp, moon
+from fedhpro.methods import fedavg, fedgmkd, fedproto, fedprox, fedrcl, fedsa, fedtgp, moon
 from fedhpro.methods.base import Client, InferenceRule, MethodContext, MethodSpec, Replies, Server
+from fedhpro.methods.fedhpro import method as fedhpro
 from fedhpro.methods.layout import ClassRows
 from fedhpro.methods.training import Batch, LocalRound, LossTerms, TrainSettings
 from fedhpro.registry import Registry, checked_spec

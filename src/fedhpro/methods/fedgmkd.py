@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from fedhpro import functional as HF
+from fedhpro import functional
 from fedhpro.errors import UpdateError
 from fedhpro.functional import weighted_average
 from fedhpro.methods.base import MethodContext, MethodSpec
@@ -126,7 +126,7 @@ def gmm_prototypes(features: Tensor, labels: Tensor, num_classes: int, *, max_co
 
 def soft_predictions(logits: Tensor, labels: Tensor, num_classes: int, temperature: float) -> Tensor:
     """``S_k^c``: the mean of ``softmax(logits / T)`` over the samples of class c (zeros if absent), C x C."""
-    means, _ = HF.local_prototypes(torch.softmax(logits / temperature, dim=1), labels, num_classes)
+    means, _ = functional.local_prototypes(torch.softmax(logits / temperature, dim=1), labels, num_classes)
     return means
 
 

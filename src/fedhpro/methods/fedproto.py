@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fedhpro import functional as HF
+from fedhpro import functional
 from fedhpro.methods.base import MethodSpec
 from fedhpro.methods.layout import HOLDERS, Payload
 from fedhpro.methods.prototypes import (
@@ -45,7 +45,7 @@ class FedProtoServer(PrototypeServer):
     rows_averaged = HOLDERS  # P^c: the unweighted mean over the clients that hold class c
 
     def prototype_step(self, round: int, uploads: Uploads, replies: Sequence[Payload]) -> dict[str, float]:
-        new, held = HF.mean_client_prototypes(uploads.prototypes, uploads.present)
+        new, held = functional.mean_client_prototypes(uploads.prototypes, uploads.present)
         self.prototypes, self.prototype_mask = merge_prototypes(self.prototypes, self.prototype_mask, new, held)
         return {}
 

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fedhpro import functional as HF
+from fedhpro import functional
 from fedhpro.methods.base import MethodContext, MethodSpec
 from fedhpro.methods.layout import HOLDERS, Payload
 from fedhpro.methods.parts import classifier_of
@@ -158,7 +158,7 @@ class FedSAServer(PrototypeServer):
 
     def prototype_step(self, round: int, uploads: Uploads, replies: Sequence[Payload]) -> dict[str, float]:
         # the unweighted mean over the holders of each class, in float64
-        pbar, held = HF.mean_client_prototypes(uploads.prototypes.double(), uploads.present)
+        pbar, held = functional.mean_client_prototypes(uploads.prototypes.double(), uploads.present)
         before = self.prototypes
         self.prototypes = ema_anchors(before, pbar, held, self.options.anchor_momentum)
         return {"anchor_shift": float((self.prototypes - before).norm())}

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedhpro import functional as HF
+from fedhpro import functional
 from fedhpro.methods.base import MethodContext, MethodSpec
 from fedhpro.methods.layout import Payload
 from fedhpro.methods.prototypes import (
@@ -131,7 +131,7 @@ class FedTGPServer(PrototypeServer):
 
     def prototype_step(self, round: int, uploads: Uploads, replies: Sequence[Payload]) -> dict[str, float]:
         o = self.options
-        mean, held = HF.mean_client_prototypes(uploads.prototypes, uploads.present)
+        mean, held = functional.mean_client_prototypes(uploads.prototypes, uploads.present)
         delta = tgp_margin(mean, held, o.margin_cap)
         index = uploads.present.nonzero()  # (k, c) pairs, client-major: the order of the uploads
         pairs = uploads.prototypes[index[:, 0], index[:, 1]]

@@ -38,10 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedhpro import functional as HF
+from fedhpro import functional
 from fedhpro.errors import ConfigError, UpdateError
 from fedhpro.methods.base import Client, InferenceRule, MethodContext, Server, load_weights
-from fedhpro.methods.hyper import HyperPrototypeBank, feature_statistics
+from fedhpro.methods.fedhpro.hyper import HyperPrototypeBank, feature_statistics
 from fedhpro.methods.layout import ClassRows, Payload, ReplyLayout, Weights
 from fedhpro.methods.no_grad import extract_features
 from fedhpro.methods.parts import classifier_of, features_of
@@ -257,7 +257,7 @@ def class_uploads(classifier: nn.Module, features: Tensor, labels: Tensor, num_c
         gradients, prototypes = feature_statistics(classifier, features, labels, num_classes)
         upload["class_gradients"] = gradients.cpu()
     else:
-        prototypes, _ = HF.local_prototypes(features, labels, num_classes)
+        prototypes, _ = functional.local_prototypes(features, labels, num_classes)
     upload["prototypes"] = prototypes.detach().cpu()
     upload["class_counts"] = counts.cpu()
     return upload
@@ -277,7 +277,7 @@ def private_class_uploads(client: Client, round: LocalRound, classifier: nn.Modu
     try:
         if with_gradients:
             with torch.enable_grad():  # the per-sample terms of Eq. 5's class means
-                parts["class_gradients"] = HF._per_sample_input_gradients(features, labels, classifier,
+                parts["class_gradients"] = functional.per_sample_input_gradients(features, labels, classifier,
                                                                           create_graph=False).detach()
         if temperature is not None:
             with torch.no_grad():

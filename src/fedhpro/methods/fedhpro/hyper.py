@@ -13,10 +13,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fedhpro import authors_code
-from fedhpro import functional as HF
+from fedhpro import functional
 from fedhpro.data.federation import ClientData
 from fedhpro.errors import ConfigError, UpdateError
+from fedhpro.methods.fedhpro import authors_code, equations
+from fedhpro.methods.fedhpro.options import HYPER_INITS, MATCHING_DISTANCES, SAMPLE_CHOICES
 from fedhpro.methods.layout import Payload
 from fedhpro.methods.no_grad import extract_features
 from fedhpro.methods.parts import classifier_of
@@ -26,8 +27,6 @@ from fedhpro.seeds import derive_seed
 _SYNTHETIC_FEATURES, _SYNTHETIC_HEAD = 51, 52
 
 
-#: ``init`` of :func:`initial_hyper_prototypes`: the paper's N(0, 1), then two geometries that are not the paper's
-HYPER_INITS = ("gaussian", "simplex", "orthogonal-nonnegative")
 
 
 def initial_hyper_prototypes(num_classes: int, num_hyper: int, feature_dim: int, generator: torch.Generator,
@@ -71,8 +70,8 @@ class HyperPrototypeBank:
     def __init__(self, num_classes: int, feature_dim: int, seed: int, *, num_hyper: int = 5,
                  match_steps: int = 30, lr: float = 0.1, optimizer: str = "sgd", init: str = "gaussian",
                  distance: str = "cosine"):
-        if distance not in HF.MATCHING_DISTANCES:
-            raise ConfigError(f"unknown matching distance {distance!r}: use one of {', '.join(HF.MATCHING_DISTANCES)}")
+        if distance not in MATCHING_DISTANCES:
+            raise ConfigError(f"unknown matching distance {distance!r}: use one of {', '.join(MATCHING_DISTANCES)}")
         generator = torch.Generator().manual_seed(seed)
         # drawn on the CPU: the same values on every device
         self.hyper = initial_hyper_prototypes(num_classes, num_hyper, feature_dim, generator, init)
@@ -94,9 +93,9 @@ class HyperPrototypeBank:
 
     def update(self, gradients: Tensor, present: Tensor, classifier: nn.Linear) -> dict[str, float]:
         """Eq. 6 then Eq. 9 against the (new global) ``classifier``; returns L_GM before/after and the movement."""
-        g_real, held = HF.aggregate_class_gradients(gradients, present)
+        g_real, held = equations.aggregate_class_gradients(gradients, present)
         device = classifier.weight.device
-        hyper, before, after = HF.match_hyper_prototypes(
+        hyper, before, after = equations.match_hyper_prototypes(
             self.hyper.to(device), classifier, g_real.to(device), held.to(device),
             steps=self.match_steps, lr=self.lr, optimizer=self.optimizer, distance=self.distance)
         self.hyper = hyper.to(self.hyper.device)
@@ -121,7 +120,7 @@ class SyntheticClassifier:
     1. Clients upload, per class ``c`` they hold, the gradient of the mean CE
        of that class's sampled features (the received model's, detached)
        w.r.t. the classifier's weight and bias
-       (:func:`~fedhpro.authors_code.classifier_class_gradients`; their
+       (:func:`~fedhpro.methods.fedhpro.authors_code.classifier_class_gradients`; their
        ``compute_gradient``, at most 100 samples per class). Being a mean,
        each is ``1/n_c`` times the summed per-sample gradients; the
        distance below is a cosine, blind to that scale up to its ``eps``.
@@ -134,19 +133,19 @@ class SyntheticClassifier:
     4. ``match_steps`` (100) steps of plain SGD (step ``lr``, FedHPro's
        ``hyper_lr``, 0.1 in their code) move the features to minimise, over
        the classes with real gradients, the layer-wise distance
-       (:func:`~fedhpro.authors_code.classifier_matching_loss`; their
+       (:func:`~fedhpro.methods.fedhpro.authors_code.classifier_matching_loss`; their
        ``distance_wb``: for the ``C x d`` weight the sum over output rows of
        ``1 - cos``, for the bias one row) between the averaged real gradients
        and the gradients of ``CE(h(s^c), c)`` (mean over the class's ``m``
        features) w.r.t. ``(W, b)`` of a linear layer ``h`` loaded with the
        classifier the clients used (the one broadcast this round); their code
        differentiates those with ``create_graph``, here they are in closed
-       form (:func:`~fedhpro.authors_code.synthetic_classifier_gradients`).
+       form (:func:`~fedhpro.methods.fedhpro.authors_code.synthetic_classifier_gradients`).
     5. A fresh ``Linear(d, C)`` (seeded per round) is trained on all ``C m``
        matched features and their labels: ``epochs`` (100) epochs, batches
        of ``batch_size`` (50), shuffled (seeded), plain SGD with step
        ``train_lr`` (0.01), mean CE
-       (:func:`~fedhpro.authors_code.train_linear_classifier`).
+       (:func:`~fedhpro.methods.fedhpro.authors_code.train_linear_classifier`).
     6. Its weight and bias replace the aggregated global model's classifier;
        the hyper-prototypes are then matched against this classifier, and
        it is what the clients receive next round.
@@ -186,9 +185,9 @@ class SyntheticClassifier:
         (on that head's device and dtype) and the matching loss before and after."""
         device, dtype = weight.device, weight.dtype
         num_clients, num_classes = present.shape
-        weight_real, held = HF.aggregate_class_gradients(weight_gradients.reshape(num_clients, num_classes, -1),
+        weight_real, held = equations.aggregate_class_gradients(weight_gradients.reshape(num_clients, num_classes, -1),
                                                          present)
-        bias_real, _ = HF.aggregate_class_gradients(bias_gradients, present)
+        bias_real, _ = equations.aggregate_class_gradients(bias_gradients, present)
         weight_real = weight_real.reshape(num_classes, num_classes, -1)
         features, before, after = authors_code.match_classifier_features(
             self.features.to(device, dtype), weight, bias, weight_real.to(device, dtype),
@@ -264,8 +263,6 @@ def class_statistics(model: nn.Module, data: ClientData, num_classes: int,
     return gradients, counts, prototypes
 
 
-#: ``choice`` of :func:`sampled_features`: the first samples of each class, or random ones (the authors' code)
-SAMPLE_CHOICES = ("first", "random")
 
 
 def sampled_features(model: nn.Module, data: ClientData, samples_per_class: int = 0, *, choice: str = "first",
@@ -322,7 +319,7 @@ def feature_statistics(classifier: nn.Module, features: Tensor, labels: Tensor,
     gradients through ``classifier`` in eval mode (its previous mode is restored)."""
     was_training = classifier.training
     classifier.eval()
-    gradients, _ = HF.class_gradients(features, labels, classifier, num_classes)
+    gradients, _ = equations.class_gradients(features, labels, classifier, num_classes)
     classifier.train(was_training)
-    prototypes, _ = HF.local_prototypes(features, labels, num_classes)
+    prototypes, _ = functional.local_prototypes(features, labels, num_classes)
     return gradients, prototypes

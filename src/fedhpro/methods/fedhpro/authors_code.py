@@ -1,8 +1,8 @@
 """What the FedHPro authors' code computes where it is not the paper (github.com/mala-lab/FedHPro): the
 functions behind the options ``fedhpro.recipe=authors`` sets, each docstring naming the file and lines of their
-code it follows. Pure functions on tensors, like :mod:`fedhpro.functional` (the paper's equations), whose
-helpers they share; the authors' element-wise matching distance stays there, beside Eq. 8
-(:func:`fedhpro.functional.elementwise_matching_loss`).
+code it follows. Pure functions on tensors, like :mod:`fedhpro.methods.fedhpro.equations` (the paper's
+equations), whose helpers they share; the authors' element-wise matching distance stays there, beside Eq. 8
+(:func:`fedhpro.methods.fedhpro.equations.elementwise_matching_loss`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fedhpro.functional import _over_class_pairs, hyper_similarity
+from fedhpro.methods.fedhpro.equations import hyper_similarity, over_class_pairs
 
 __all__ = [
     "dot_product_margin",
@@ -52,7 +52,7 @@ def dot_product_margin(prototypes: Tensor, present: Tensor) -> Tensor:
         products = held @ held.T
         return products.sum() - products.diagonal().sum()
 
-    return _over_class_pairs(prototypes, present, off_diagonal_products)
+    return over_class_pairs(prototypes, present, off_diagonal_products)
 
 
 def hpcl_loss_log_margin(z: Tensor, y: Tensor, hyper: Tensor, margin: float | Tensor, tau: float) -> Tensor:
