@@ -21,10 +21,12 @@ Every random draw comes from a generator derived from ``(seed, stream, round,
 client)`` (:func:`derive_seed`), so the same seed and config give the same
 numbers whatever ran before and on whichever engine.
 
-A round is a chain of steps (:mod:`fedhpro.engines.chain`), composed once per
-round by :meth:`RoundProtocol.chain` from the run's options
+A round is a chain of steps (:mod:`fedhpro.engines.chain`): the protocol composes
+one :class:`~fedhpro.engines.chain.RoundChain` per run from the run's options
 (:class:`~fedhpro.config.FaultOptions`, :class:`~fedhpro.config.AggregationOptions`,
-the privacy options): every reply goes through the same per-reply steps in
+the privacy options), a list of links the caller may extend (``steps=``, or
+``protocol.round_chain.links`` / ``.wrappers``), and each round opens it: every
+reply goes through the same per-reply steps in
 order, and the accepted ones into one fold, which hands the method what it
 aggregates at close. Without privacy::
 
@@ -51,8 +53,13 @@ aggregates at close. Without privacy::
   and hands them to the method's own ``aggregate``, unchanged: the method's
   mean of equal robust values is that value, so every method aggregates
   robustly without knowing;
-* :mod:`fedhpro.engines.private`: client-level differential privacy
-  (``privacy=client``, :mod:`fedhpro.privacy`) as a chain of its own steps:
+* :mod:`fedhpro.engines.sampling` and :mod:`fedhpro.engines.private`: the run's
+  privacy as objects the protocol holds (:attr:`RoundProtocol.round_privacy`,
+  chosen once by :func:`~fedhpro.engines.private.round_privacy`): who takes part
+  (:attr:`RoundProtocol.sampling`: a fixed-size draw, a Poisson draw, or a secret
+  one), the :attr:`RoundProtocol.accountant` (epsilon after each round, the
+  budget stop) and what privacy does to the replies; client-level differential
+  privacy (``privacy=client``, :mod:`fedhpro.privacy`) is a chain of its own steps:
   each reply arrives privatized (the engine ran
   :func:`~fedhpro.privacy.client.privatize_upload` on the client's side), the
   same fault and method checks run on it, the privacy's checks follow, and
@@ -401,8 +408,7 @@ class OpenRound(RoundState):
         #: the steps every reply goes through, and the fold the accepted ones go into
         self.steps, self.fold = protocol.chain(self)
         #: privacy=client: the round's clip (adaptive clipping's released fraction below it: ``below_clip``)
-        settings = protocol.client_privacy
-        self.clip = settings.clip if settings is not None else None
+        self.clip = protocol.round_privacy.clip
         self.failures: list[Exception | str] = []
         self.skipped = False
 
