@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from fedhpro.config import Config
 from fedhpro.engines.driver import round_extra, test_client
-from fedhpro.engines.protocol import RoundProtocol, RoundRecord, client_step, pool_accuracy
+from fedhpro.engines.evaluation import pool_accuracy
+from fedhpro.engines.protocol import RoundProtocol, RoundRecord, client_step
 from fedhpro.engines.simulator import ClientModels, build_method
 from fedhpro.experiment import Experiment, protocol_settings
 

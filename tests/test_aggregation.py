@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import TinyBNNet, make_federation
-from fedhpro.engines.simulator import Faults, Simulator
+
 from fedhpro.averaging import WeightedSum
+from fedhpro.config import FaultOptions
+from fedhpro.engines.simulator import Simulator
 from fedhpro.functional import weighted_average
 from fedhpro.methods import METHODS, MethodContext, Replies, Server, TrainSettings
 from fedhpro.methods.fedavg import FedAvgOptions
@@ -130,7 +131,7 @@ def test_servers_fold_by_default_and_fedgmkd_keeps_full_replies():
     assert len(captured[0]) == 3 and all("weights" in reply for reply in captured[0])
 
 
-def run(method: str, options, folds: bool, faults: Faults | None = None, rounds: int = 2):
+def run(method: str, options, folds: bool, faults: FaultOptions | None = None, rounds: int = 2):
     federation = make_federation([10, 12, 9, 14], classes=[[0, 1], [1, 2, 3], [0, 3], [0, 1, 2, 3]])
     sim = Simulator(METHODS[method], options, federation, TinyBNNet, TRAIN, rounds=rounds, seed=3, faults=faults)
     sim.server.folds_weights = folds  # the instance overrides the class's choice
@@ -175,7 +176,7 @@ def test_simulator_gives_the_same_model_whether_the_server_folds_or_not(method, 
 
 
 def test_invalid_replies_are_dropped_before_they_are_folded():
-    faults = Faults(corrupt=0.4)
+    faults = FaultOptions(corrupt=0.4)
     folded, records, uploads, _ = run("fedavg", FedAvgOptions(), True, faults=faults, rounds=2)
     listed, records_listed, _, _ = run("fedavg", FedAvgOptions(), False, faults=faults, rounds=2)
     dropped = [item for record in records for item in record.dropped]

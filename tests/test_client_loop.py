@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from conftest import NUM_CLASSES, TinyBNNet, TinyNet, make_client
 
 import fedhpro.methods
-from fedhpro.engines.protocol import class_tensor_keys, declared_class_keys, hostile
+from fedhpro.engines.class_rows import class_tensor_keys, declared_class_keys
+from fedhpro.engines.faults import hostile
 from fedhpro.methods import MethodContext, TrainSettings
 from fedhpro.methods.base import Client, Server, clone_weights
 from fedhpro.methods.fedavg import FedAvgOptions

@@ -15,8 +15,8 @@
 from __future__ import annotations
 
 import copy
-import json
 import dataclasses
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ from test_flower import tiny_config  # noqa: E402
 
 from fedhpro import methods  # noqa: E402
 from fedhpro.config import load_config  # noqa: E402
-from fedhpro.engines.protocol import declared_class_keys  # noqa: E402
+from fedhpro.engines.class_rows import declared_class_keys  # noqa: E402
 from fedhpro.errors import ConfigError, FedHProError  # noqa: E402
 from fedhpro.flower import client as client_app  # noqa: E402
 from fedhpro.flower import secagg  # noqa: E402

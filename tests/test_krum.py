@@ -20,8 +20,9 @@ import torch
 from test_robust_aggregation import SIZES, _hostile_round, fault_draws, float_weights
 
 from fedhpro.aggregation import AGGREGATION_RULES, krum_choice, krum_scores
-from fedhpro.config import load_config
-from fedhpro.engines.protocol import Aggregation, RoundProtocol, robust_replies
+from fedhpro.config import AggregationOptions, load_config
+from fedhpro.engines.protocol import RoundProtocol
+from fedhpro.engines.robust import robust_replies
 from fedhpro.errors import ConfigError
 from fedhpro.privacy import check_combinations
 from fedhpro.robust import REGISTRY, RobustRule
@@ -76,7 +77,7 @@ def test_every_reply_gets_the_chosen_weights_and_the_holders_krum_row():
                 "prototypes": torch.tensor([class0[k], class1[k]], dtype=torch.float32),
                 "class_counts": torch.tensor(counts[k])} for k in range(5)]
     reference = {"w": torch.zeros(2), "steps": torch.tensor(0)}
-    out, metrics = robust_replies(replies, reference, Aggregation("krum"), num_classes=2,
+    out, metrics = robust_replies(replies, reference, AggregationOptions("krum"), num_classes=2,
                                   clients=[10, 11, 12, 13, 14])
     assert metrics == {"robust_updates": 5.0, "robust_krum_chosen": 10.0, "robust_krum_neighbours": 2.0}
     for k in range(5):
@@ -119,13 +120,13 @@ def test_a_rule_is_one_class_and_one_registry_line():
         server = SimpleNamespace(new_replies=list, broadcast=lambda round: {"weights": {"w": torch.ones(2)}},
                                  validate_reply=lambda reply: None,
                                  aggregate=lambda round, replies: {"got": float(replies[0]["weights"]["w"].sum())})
-        protocol = RoundProtocol(server, 2, rounds=1, aggregation=Aggregation(rule="zero-test"))
+        protocol = RoundProtocol(server, 2, rounds=1, aggregation=AggregationOptions(rule="zero-test"))
         current = protocol.open(0)
         for k in (0, 1):
             assert current.receive(k, {"weights": {"w": torch.full((2,), 5.0)}, "num_examples": 3}, {}, 3)
         assert current.close() == {"got": 0.0, "robust_updates": 2.0, "zeroed": 1.0}
         with pytest.raises(ConfigError, match="choose one of: mean, median, trimmed-mean, norm-clip, krum"):
-            RoundProtocol(server, 2, rounds=1, aggregation=Aggregation(rule="krun"))
+            RoundProtocol(server, 2, rounds=1, aggregation=AggregationOptions(rule="krun"))
     finally:
         REGISTRY.unregister("zero-test")
     assert "zero-test" not in AGGREGATION_RULES
@@ -135,7 +136,7 @@ def test_a_rule_is_one_class_and_one_registry_line():
 
 
 def test_simulator_krum_never_chooses_the_scaled_client_and_takes_the_hand_computed_choice():
-    initial, result, computed, bad, record = _hostile_round(Aggregation("krum"))
+    initial, result, computed, bad, record = _hostile_round(AggregationOptions("krum"))
     w0 = float_weights(initial)
     sent = []
     for k in range(5):  # the replies as sent: the hostile one is w0 + 100 * delta

@@ -12,9 +12,8 @@ import pytest
 import torch
 from conftest import TinyBNNet, TinyNet, make_federation
 
-from fedhpro.config import load_config
+from fedhpro.config import FaultOptions, load_config
 from fedhpro.engines.observers import FlopCount, PrototypeDistance
-from fedhpro.engines.protocol import Faults
 from fedhpro.engines.simulator import Simulator
 from fedhpro.errors import ConfigError
 from fedhpro.methods import METHODS, TrainSettings
@@ -123,7 +122,7 @@ def test_out_of_order_replies_are_copied_and_handed_in_order():
 
 def test_personal_models_and_faults_side_by_side():
     kwargs = dict(client_architectures=["model"] * len(SIZES), architecture_factory=lambda name: TinyBNNet(),
-                  shared="classifier", faults=Faults(dropout=0.2, corrupt=0.2), model=TinyBNNet, rounds=3)
+                  shared="classifier", faults=FaultOptions(dropout=0.2, corrupt=0.2), model=TinyBNNet, rounds=3)
     reference = build("fedavg", 1, **kwargs)
     expected = run(reference)
     parallel = build("fedavg", 3, **kwargs)

@@ -22,7 +22,8 @@ from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION, TinyBNNet, TinyNet, 
 
 from fedhpro.config import PrivacyOptions, load_config
 from fedhpro.data.federation import ClientData
-from fedhpro.engines.protocol import declared_class_keys, train_generator
+from fedhpro.engines.class_rows import declared_class_keys
+from fedhpro.engines.protocol import train_generator
 from fedhpro.engines.simulator import Simulator, derive_seed
 from fedhpro.errors import ConfigError
 from fedhpro.experiment import protocol_settings

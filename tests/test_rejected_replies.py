@@ -7,9 +7,10 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-
 from conftest import TinyNet, make_federation
-from fedhpro.engines.simulator import Faults, Simulator, derive_seed
+
+from fedhpro.config import FaultOptions
+from fedhpro.engines.simulator import Simulator, derive_seed
 from fedhpro.methods import METHODS, TrainSettings
 
 #: one step per round (batches larger than any client): a step that goes non-finite is the last one, so
@@ -20,7 +21,7 @@ TRAIN = TrainSettings(epochs=1, batch_size=64, lr=0.05, momentum=0.9, weight_dec
 # ---------------------------------------------------------------------------- 1. rejected replies
 
 
-def small_simulator(method: str, faults: Faults | None = None, seed: int = 3) -> Simulator:
+def small_simulator(method: str, faults: FaultOptions | None = None, seed: int = 3) -> Simulator:
     spec = METHODS[method]
     options = spec.options()
     factory = TinyNet
@@ -92,7 +93,7 @@ def first_seed_with_corruption(rate: float) -> int:
 
 def test_a_transmission_fault_keeps_the_state_the_client_computed():
     seed = first_seed_with_corruption(0.3)
-    faulty = small_simulator("moon", Faults(corrupt=0.3), seed=seed)
+    faulty = small_simulator("moon", FaultOptions(corrupt=0.3), seed=seed)
     clean = small_simulator("moon", seed=seed)
     for r in (0, 1):
         record = faulty.run_round(r)
@@ -104,9 +105,9 @@ def test_a_transmission_fault_keeps_the_state_the_client_computed():
 
 
 def test_receive_says_why_a_reply_is_refused():
-    from fedhpro.engines.protocol import Reception
+    from fedhpro.engines.chain import Reception
 
-    sim = small_simulator("fedavg", Faults(corrupt=1.0))
+    sim = small_simulator("fedavg", FaultOptions(corrupt=1.0))
     current = sim.protocol.open(0)
     good = {"weights": {k: v.clone() for k, v in sim.server.global_weights().items()}, "num_examples": 5}
     bad = {"weights": {k: torch.full_like(v, float("nan")) for k, v in good["weights"].items()}, "num_examples": 5}

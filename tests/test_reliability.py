@@ -13,11 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION, TinyNet, make_federation
+
 from fedhpro.cli import main as cli_main
+from fedhpro.config import FaultOptions
 from fedhpro.engines import checkpoint
-from fedhpro.engines.simulator import Faults, Simulator, derive_seed
+from fedhpro.engines.simulator import Simulator, derive_seed
 from fedhpro.errors import UpdateError
 from fedhpro.methods import METHODS, TrainSettings
 
@@ -117,7 +118,7 @@ def expected_fault_draws(seed, rounds, clients, dropout, corrupt):
 
 def test_corrupt_updates_are_dropped_reported_and_harmless():
     messages: list[str] = []
-    faulty = fault_simulator(faults=Faults(corrupt=0.3), messages=messages)
+    faulty = fault_simulator(faults=FaultOptions(corrupt=0.3), messages=messages)
     clean = fault_simulator()
     for r in range(6):
         faulty.run_round(r)
@@ -139,7 +140,7 @@ def test_corrupt_updates_are_dropped_reported_and_harmless():
 
 
 def test_dropout_is_seeded_and_only_answering_clients_count():
-    faulty = fault_simulator(method="fedavg", faults=Faults(dropout=0.4))
+    faulty = fault_simulator(method="fedavg", faults=FaultOptions(dropout=0.4))
     for r in range(6):
         faulty.run_round(r)
     expected = expected_fault_draws(3, 6, 6, 0.4, 0.0)
@@ -149,7 +150,7 @@ def test_dropout_is_seeded_and_only_answering_clients_count():
 
 
 def test_too_few_valid_updates_skip_the_round_and_keep_the_model():
-    sim = fault_simulator(method="fedavg", faults=Faults(corrupt=1.0), min_clients=1)
+    sim = fault_simulator(method="fedavg", faults=FaultOptions(corrupt=1.0), min_clients=1)
     before = {k: v.clone() for k, v in sim.server.global_weights().items()}
     record = sim.run_round(0)
     assert record.skipped and record.to_json()["skipped"] is True

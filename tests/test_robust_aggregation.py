@@ -16,8 +16,8 @@ import torch
 from conftest import TinyNet, make_federation
 
 from fedhpro.aggregation import clip_factor, clip_update, coordinate_median, trimmed_mean, update_norm
-from fedhpro.config import load_config
-from fedhpro.engines.protocol import Aggregation, Faults, Reception
+from fedhpro.config import AggregationOptions, FaultOptions, load_config
+from fedhpro.engines.chain import Reception
 from fedhpro.engines.simulator import Simulator, derive_seed
 from fedhpro.errors import ConfigError
 from fedhpro.experiment import protocol_settings
@@ -132,8 +132,8 @@ def test_aggregation_config_shorthand_defaults_and_one_line_errors():
             defaults.aggregation.norm_multiple) == ("mean", 0.2, 0.0, 1.0)
     assert (defaults.faults.scale, defaults.faults.scale_factor, defaults.faults.sign_flip) == (0.0, 100.0, 0.0)
     settings = protocol_settings(config)
-    assert settings["aggregation"] == Aggregation(rule="trimmed-mean", trim=0.1)
-    assert settings["faults"] == Faults(scale=0.2)
+    assert settings["aggregation"] == AggregationOptions(rule="trimmed-mean", trim=0.1)
+    assert settings["faults"] == FaultOptions(scale=0.2)
     for bad, words in [(["aggregation=mode"], "choose one of: mean, median, trimmed-mean, norm-clip"),
                        (["aggregation.trim=0.5"], "aggregation.trim=0.5"),
                        (["aggregation.max_norm=-1"], "aggregation.max_norm=-1"),
@@ -153,8 +153,8 @@ def test_both_engines_build_their_protocol_from_the_same_settings():
     server = METHODS["fedavg"].server(_context())
     protocol = protocol_for(config, server, [10, 20, 30, 40, 50])
     settings = protocol_settings(config)
-    assert protocol.aggregation == settings["aggregation"] == Aggregation(rule="norm-clip", max_norm=3.0)
-    assert protocol.faults == settings["faults"] == Faults(dropout=0.1, sign_flip=0.4)
+    assert protocol.aggregation == settings["aggregation"] == AggregationOptions(rule="norm-clip", max_norm=3.0)
+    assert protocol.faults == settings["faults"] == FaultOptions(dropout=0.1, sign_flip=0.4)
     assert (protocol.rounds, protocol.min_clients, protocol.num_clients) == (4, 2, 5)
     assert protocol.client_sizes == [10, 20, 30, 40, 50]  # the sizes that cap a round's weights
 
@@ -178,15 +178,15 @@ def _context():
 
 
 def test_hostile_draws_are_seeded_and_leave_dropout_and_corrupt_draws_unchanged():
-    faults = Faults(dropout=0.25, corrupt=0.25, scale=0.3, sign_flip=0.2, scale_factor=7.0)
+    faults = FaultOptions(dropout=0.25, corrupt=0.25, scale=0.3, sign_flip=0.2, scale_factor=7.0)
     seen_hostile = set()
     for seed in range(6):
         sim = simulator(faults=faults, seed=seed)
-        plain = simulator(faults=Faults(dropout=0.25, corrupt=0.25), seed=seed)
+        plain = simulator(faults=FaultOptions(dropout=0.25, corrupt=0.25), seed=seed)
         for round in range(3):
             current, before = sim.protocol.open(round), plain.protocol.open(round)
             assert current.dropped == before.dropped and current.to_ask == before.to_ask
-            assert current._corrupt == before._corrupt
+            assert current.corrupt == before.corrupt
             expected = {}
             for k in range(len(SIZES)):
                 draw_dropout, _, draw_hostile = fault_draws(seed, round, k)
@@ -208,7 +208,7 @@ def test_hostile_draws_are_seeded_and_leave_dropout_and_corrupt_draws_unchanged(
 def test_default_mean_is_the_methods_own_fedavg_bit_for_bit():
     """aggregation=mean hands the replies to the method as they came: the global model is
     weighted_average of the replies the clients computed, to the last bit, and no robust metric appears."""
-    sim = simulator(aggregation=Aggregation("mean"), seed=3)
+    sim = simulator(aggregation=AggregationOptions("mean"), seed=3)
     computed = spy_on_fit(sim)
     record = sim.run_round(0)
     expected = weighted_average([computed[k]["weights"] for k in range(5)], SIZES)
@@ -225,11 +225,11 @@ def test_default_mean_is_the_methods_own_fedavg_bit_for_bit():
 # ----------------------------------------------------------------------------- one hostile client of five
 
 
-def _hostile_round(rule: Aggregation, factor: float = 100.0):
+def _hostile_round(rule: AggregationOptions, factor: float = 100.0):
     """Round 0 of FedAvg with exactly one of five clients scaling its update by ``factor``: (global weights
     before, after, the computed replies, the hostile client, the record)."""
     seed, bad = seed_with_one_hostile(0.2)
-    sim = simulator(faults=Faults(scale=0.2, scale_factor=factor), aggregation=rule, seed=seed)
+    sim = simulator(faults=FaultOptions(scale=0.2, scale_factor=factor), aggregation=rule, seed=seed)
     initial = {k: v.clone() for k, v in sim.server.global_weights().items()}
     computed = spy_on_fit(sim)
     record = sim.run_round(0)
@@ -238,7 +238,7 @@ def _hostile_round(rule: Aggregation, factor: float = 100.0):
 
 
 def test_one_scaled_client_drags_the_mean_by_its_closed_form():
-    initial, result, computed, bad, record = _hostile_round(Aggregation("mean"))
+    initial, result, computed, bad, record = _hostile_round(AggregationOptions("mean"))
     total = sum(SIZES)
     for name, w0 in float_weights(initial).items():
         honest_mean = sum(computed[k]["weights"][name].double() * (n / total) for k, n in enumerate(SIZES))
@@ -258,7 +258,7 @@ def _within_range(weights: dict, replies: list[dict], slack: float = 1e-6) -> bo
     return True
 
 
-@pytest.mark.parametrize("rule", [Aggregation("median"), Aggregation("trimmed-mean", trim=0.2)],
+@pytest.mark.parametrize("rule", [AggregationOptions("median"), AggregationOptions("trimmed-mean", trim=0.2)],
                          ids=["median", "trimmed-mean"])
 def test_median_and_trimmed_mean_stay_within_the_honest_clients_range(rule):
     initial, result, computed, bad, record = _hostile_round(rule)
@@ -275,7 +275,7 @@ def test_median_and_trimmed_mean_stay_within_the_honest_clients_range(rule):
 
 
 def test_norm_clip_clips_exactly_the_hostile_update():
-    initial, result, computed, bad, record = _hostile_round(Aggregation("norm-clip", norm_multiple=3.0))
+    initial, result, computed, bad, record = _hostile_round(AggregationOptions("norm-clip", norm_multiple=3.0))
     assert record.server["robust_clipped"] == 1.0
     w0 = float_weights(initial)
     norms = []
@@ -296,8 +296,8 @@ def test_norm_clip_clips_exactly_the_hostile_update():
             parts.append((w0[name] + delta) * (n / total))
         torch.testing.assert_close(result[name].double(), sum(parts), rtol=0, atol=1e-5)
     # a generous absolute limit clips nothing: the plain mean of the replies as sent
-    _, loose, _, _, loose_record = _hostile_round(Aggregation("norm-clip", max_norm=1e9))
-    mean_result = _hostile_round(Aggregation("mean"))[1]
+    _, loose, _, _, loose_record = _hostile_round(AggregationOptions("norm-clip", max_norm=1e9))
+    mean_result = _hostile_round(AggregationOptions("mean"))[1]
     assert loose_record.server["robust_clipped"] == 0.0
     for name in w0:
         torch.testing.assert_close(loose[name], mean_result[name], rtol=0, atol=1e-6)
@@ -305,7 +305,7 @@ def test_norm_clip_clips_exactly_the_hostile_update():
 
 def test_a_sign_flipped_client_sends_the_negated_update():
     seed, bad = seed_with_one_hostile(0.2)
-    sim = simulator(faults=Faults(sign_flip=0.2), seed=seed)
+    sim = simulator(faults=FaultOptions(sign_flip=0.2), seed=seed)
     initial = {k: v.clone() for k, v in sim.server.global_weights().items()}
     computed = spy_on_fit(sim)
     sim.run_round(0)
@@ -322,7 +322,7 @@ def test_a_sign_flipped_client_sends_the_negated_update():
 def test_fedhpro_class_gradients_are_the_median_over_each_classs_holders():
     classes = [[0, 1], [0, 1, 2], [1, 2, 3], [0, 3], [0, 1, 2, 3]]
     seed, bad = seed_with_one_hostile(0.2)
-    sim = simulator("fedhpro", faults=Faults(scale=0.2), aggregation=Aggregation("median"), seed=seed,
+    sim = simulator("fedhpro", faults=FaultOptions(scale=0.2), aggregation=AggregationOptions("median"), seed=seed,
                     classes=classes)
     computed = spy_on_fit(sim)
     handed: list[dict] = []
@@ -356,14 +356,14 @@ def test_fedhpro_class_gradients_are_the_median_over_each_classs_holders():
 
 
 def test_norm_clip_of_class_rows_pulls_the_far_holder_to_the_median_distance():
-    from fedhpro.engines.protocol import robust_replies
+    from fedhpro.engines.robust import robust_replies
 
     centre_rows = [torch.tensor([[0.0, 0.0], [1.0, 1.0]]), torch.tensor([[1.0, 0.0], [1.0, 2.0]]),
                    torch.tensor([[0.0, 1.0], [9.0, 9.0]]), torch.tensor([[30.0, 40.0], [5.0, 5.0]])]
     counts = [torch.tensor([1, 1]), torch.tensor([1, 1]), torch.tensor([1, 0]), torch.tensor([1, 1])]
     replies = [{"weights": {}, "num_examples": 1, "prototypes": p, "class_counts": n}
                for p, n in zip(centre_rows, counts)]
-    out, metrics = robust_replies(replies, {}, Aggregation("norm-clip", norm_multiple=1.0), num_classes=2)
+    out, metrics = robust_replies(replies, {}, AggregationOptions("norm-clip", norm_multiple=1.0), num_classes=2)
     # class 0, four holders: median row (0.5, 0.5); distances 0.707, 0.707, 0.707, 49.3 -> limit 0.707
     far = torch.tensor([30.0, 40.0]) - torch.tensor([0.5, 0.5])
     limit = math.sqrt(0.5)
@@ -422,7 +422,7 @@ def test_num_examples_must_be_a_whole_number_between_one_and_the_clients_samples
 def test_a_hostile_reply_that_fails_the_methods_checks_keeps_the_clients_state():
     """FedGMKD's soft predictions must be probabilities: negated by a sign flip, the reply is refused as
     HOSTILE (the client computed a good one), not INVALID."""
-    sim = simulator("fedgmkd", faults=Faults(sign_flip=1.0))
+    sim = simulator("fedgmkd", faults=FaultOptions(sign_flip=1.0))
     current = sim.protocol.open(0)
     k = current.to_ask[0]
     reply, _ = sim.client.fit(sim.models.model_for(k), current.payload, sim.federation.clients[k], {},

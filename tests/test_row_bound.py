@@ -18,8 +18,8 @@ import pytest
 import torch
 from conftest import FEATURE_DIM, TinyNet, make_federation
 
-from fedhpro.config import ConfigError, load_config
-from fedhpro.engines.protocol import Aggregation, bounded_rows
+from fedhpro.config import AggregationOptions, ConfigError, load_config
+from fedhpro.engines.replies import bounded_rows
 from fedhpro.engines.simulator import Simulator
 from fedhpro.methods import METHODS, TrainSettings
 
@@ -58,7 +58,7 @@ def hostile_prototypes(sim: Simulator, hostile: int, change) -> None:
 def fedproto_round(change, max_row_norm: float) -> tuple[torch.Tensor, dict]:
     federation = make_federation([16] * 10, seed=2)
     sim = Simulator(METHODS["fedproto"], METHODS["fedproto"].options(), federation, TinyNet, TRAIN, rounds=1,
-                    seed=0, aggregation=Aggregation(max_row_norm=max_row_norm))
+                    seed=0, aggregation=AggregationOptions(max_row_norm=max_row_norm))
     hostile_prototypes(sim, 9, change)
     row = sim.run_round(0).to_json()
     return sim.server.prototypes.clone(), row

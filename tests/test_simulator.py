@@ -14,9 +14,10 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from conftest import FEATURE_DIM, NUM_CLASSES, TinyBNNet, TinyNet, make_federation
 from torch import nn
 
-from conftest import FEATURE_DIM, NUM_CLASSES, TinyBNNet, TinyNet, make_federation
+from fedhpro.config import AggregationOptions
 from fedhpro.engines.client_tests import evaluate
 from fedhpro.engines.simulator import Simulator, derive_seed
 from fedhpro.methods import METHODS, MethodContext, TrainSettings
@@ -540,14 +541,13 @@ def test_replies_fold_from_the_working_model_without_copies_and_give_the_copies_
     """The simulator's replies are the working model's own tensors (no clone a client), folded before the next
     client loads; replies the round keeps whole (a robust rule, a method that does not fold) are copied when
     received. Against the copying path (a wrapped fit gets copies, as every reply did before): the same bits."""
-    from fedhpro.engines.protocol import Aggregation
     from fedhpro.methods import base
 
     federation = make_federation([16, 20, 24], shifts=[0.0, 0.8, -0.8], seed=7)
 
     def build() -> Simulator:
         return Simulator(METHODS[method], METHODS[method].options(), federation, TinyBNNet, TRAIN, rounds=2,
-                         seed=4, aggregation=Aggregation(rule=rule))
+                         seed=4, aggregation=AggregationOptions(rule=rule))
 
     copying = build()
     copying_fit(copying)
@@ -565,21 +565,21 @@ def test_replies_fold_from_the_working_model_without_copies_and_give_the_copies_
 
 
 def test_a_borrowed_reply_is_copied_only_when_the_round_keeps_it_whole():
-    from fedhpro.engines.protocol import Aggregation, RoundProtocol
+    from fedhpro.engines.protocol import RoundProtocol
     from fedhpro.methods import base
 
     model = TinyNet()
     context = MethodContext(model=model, num_classes=NUM_CLASSES, options=FedAvgOptions(), train=TRAIN)
     for rule, kept in (("mean", False), ("median", True)):
         server = METHODS["fedavg"].server(context)
-        protocol = RoundProtocol(server, 2, rounds=1, aggregation=Aggregation(rule=rule))
+        protocol = RoundProtocol(server, 2, rounds=1, aggregation=AggregationOptions(rule=rule))
         current = protocol.open(0)
         views = base.model_weights(model)
         assert all(views[n].data_ptr() == t.data_ptr() for n, t in model.state_dict().items())
         before = snapshot(views)
         current.receive(0, {"weights": views, "num_examples": 5}, {}, 5, borrowed=True)
         if kept:
-            held = current._held[0]["weights"]
+            held = current.held[0]["weights"]
             assert all(held[n].data_ptr() != views[n].data_ptr() for n in views)
             assert_weights_equal(held, views)
         else:
@@ -588,7 +588,7 @@ def test_a_borrowed_reply_is_copied_only_when_the_round_keeps_it_whole():
             for parameter in model.parameters():
                 parameter.add_(1.0)  # the next client trains on the model: what the round holds does not move
         if kept:
-            assert_weights_equal(current._held[0]["weights"], before)
+            assert_weights_equal(current.held[0]["weights"], before)
 
 
 def test_one_optimizer_per_working_model_gives_a_new_optimizers_bits(monkeypatch):

@@ -28,8 +28,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedhpro.aggregation import claim_cap, lower_median, share_cap
-from fedhpro.engines.protocol import Aggregation, capped_reply, pool_accuracy
-from fedhpro.engines.protocol import TestCount as Count
+from fedhpro.config import AggregationOptions
+from fedhpro.engines.evaluation import TestCount as Count
+from fedhpro.engines.evaluation import pool_accuracy
+from fedhpro.engines.replies import capped_reply
 from fedhpro.engines.simulator import Simulator
 from fedhpro.methods import METHODS, TrainSettings
 
@@ -168,7 +170,7 @@ def zeros_from(sim: Simulator, hostile: int) -> None:
 def first_round(sizes: list[int], max_share: float) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     federation = make_federation(sizes, seed=1)
     sim = Simulator(METHODS["fedavg"], METHODS["fedavg"].options(), federation, TinyNet, TRAIN, rounds=1, seed=0,
-                    aggregation=Aggregation(max_share=max_share))
+                    aggregation=AggregationOptions(max_share=max_share))
     zeros_from(sim, hostile=2)
     before = {k: v.clone() for k, v in sim.server.global_weights().items()}
     row = sim.run_round(0).to_json()
@@ -197,7 +199,7 @@ def test_simulator_knows_the_sizes_so_the_median_bound_leaves_a_skewed_federatio
     rows, models = [], []
     for ratio in (2.0, 0.0):
         sim = Simulator(METHODS["fedavg"], METHODS["fedavg"].options(), federation, TinyNet, TRAIN, rounds=1,
-                        seed=0, aggregation=Aggregation(max_share=1.0, max_ratio=ratio))
+                        seed=0, aggregation=AggregationOptions(max_share=1.0, max_ratio=ratio))
         assert not sim.protocol.sizes_claimed and math.isinf(sim.protocol.weight_cap())
         rows.append(sim.run_round(0).to_json())
         models.append(sim.server.global_weights())
@@ -463,7 +465,7 @@ def test_no_claim_buys_more_than_the_share_of_the_aggregate(honest, claim, share
     sizes = [*honest, claim]
     federation = make_federation([4] * len(sizes), seed=1)
     sim = Simulator(METHODS["fedavg"], METHODS["fedavg"].options(), federation, TinyNet, TRAIN, rounds=1, seed=0,
-                    aggregation=Aggregation(max_share=share), on_drop=lambda line: None)
+                    aggregation=AggregationOptions(max_share=share), on_drop=lambda line: None)
     sim.protocol.client_sizes = sizes
     current = sim.protocol.open(0)
     base = current.payload["weights"]

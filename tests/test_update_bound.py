@@ -23,17 +23,20 @@ from conftest import TinyNet, make_federation
 from flwr.app import Message, MessageType, RecordDict
 from test_flower_own_data import write_site
 
-from fedhpro.config import load_config
+from fedhpro.config import AggregationOptions, load_config
 from fedhpro.engines.chain import PlainFold, RoundState
 from fedhpro.engines.content import BoundedFold, bounded_updates
-from fedhpro.engines.protocol import Aggregation, RoundProtocol
+from fedhpro.engines.private import ClientLevel, NoAccountant
+from fedhpro.engines.protocol import RoundProtocol
 from fedhpro.engines.robust import RobustFold
+from fedhpro.engines.sampling import PoissonSampling
 from fedhpro.engines.simulator import Simulator
 from fedhpro.errors import ConfigError
 from fedhpro.flower import records
 from fedhpro.flower.local_grid import LocalGrid, inside_a_run
 from fedhpro.flower.server import run_server
 from fedhpro.methods import METHODS, TrainSettings
+from fedhpro.privacy.client import ClientPrivacy
 
 TRAIN = TrainSettings(epochs=1, batch_size=8, lr=0.05, momentum=0.9, weight_decay=0.0)
 
@@ -98,7 +101,7 @@ class Stand:
 
 
 def chain_of(**options: Any):
-    aggregation = Aggregation(**{k: v for k, v in options.items() if k != "content_claimed"})
+    aggregation = AggregationOptions(**{k: v for k, v in options.items() if k != "content_claimed"})
     protocol = RoundProtocol(Stand(), 3, rounds=1, aggregation=aggregation,
                              content_claimed=options.get("content_claimed", False))
     return protocol.chain(RoundState(protocol=protocol, round=0, payload={}, num_classes=2))[1]
@@ -113,8 +116,10 @@ def test_the_bound_is_on_only_where_the_content_is_a_claim_or_asked_for():
     assert isinstance(robust, BoundedFold) and type(robust.inner) is RobustFold and robust.multiple == 3.0
     assert type(chain_of(content_claimed=True, update_bound="off")) is PlainFold
     assert isinstance(chain_of(update_bound="on"), BoundedFold)  # asked for in the simulator
-    protocol = RoundProtocol(Stand(), 3, rounds=1, aggregation=Aggregation(update_bound="on"), content_claimed=True)
-    protocol.client_privacy = object()  # privacy=client: its clip bounds every upload; the sum is released whole
+    protocol = RoundProtocol(Stand(), 3, rounds=1, aggregation=AggregationOptions(update_bound="on"),
+                             content_claimed=True)
+    # privacy=client: its clip bounds every upload; the sum is released whole
+    protocol.round_privacy = ClientLevel(PoissonSampling(0, 3, 1.0), NoAccountant(), ClientPrivacy(1.0, 1.0), None)
     assert not protocol.bounds_content
 
 
@@ -133,7 +138,7 @@ def boosted_round(bound: str) -> tuple[dict[str, torch.Tensor], dict[str, Any], 
     """One simulator round of three equal clients, the third sending ``g + 5 (w - g)`` (its own update x 5):
     ``(the new global weights, the round's row, the broadcast weights, each client's weights as sent)``."""
     sim = Simulator(METHODS["fedavg"], METHODS["fedavg"].options(), make_federation([24, 24, 24], seed=1), TinyNet,
-                    TRAIN, rounds=1, seed=0, aggregation=Aggregation(update_bound=bound))
+                    TRAIN, rounds=1, seed=0, aggregation=AggregationOptions(update_bound=bound))
     before = {k: v.clone() for k, v in sim.server.global_weights().items()}
     sent: list[dict[str, torch.Tensor]] = []
     original = sim.client.fit

@@ -17,7 +17,7 @@ wrappers): what a reply goes through on its way in, and what the round makes of 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -105,6 +105,12 @@ class RoundState:
 class ReplyStep:
     """One step of the chain every reply goes through (the base class passes every reply unchanged)."""
 
+    def for_round(self, round: RoundState, fold: Fold) -> ReplyStep | None:
+        """The step this link of a :class:`RoundChain` is in ``round``, whose accepted replies go into ``fold``:
+        itself (the default), a step made for the round (one that reads what only the round knows: the
+        method's layout now, the weight cap, the round's private sum), or None to sit the round out."""
+        return self
+
     def receive(self, incoming: Incoming, round: RoundState) -> str | None:
         """Look at (and possibly change) ``incoming.reply``; return the reason to refuse it (the ``reason`` of the
         round's ``dropped`` entry), or None to pass it on."""
@@ -143,9 +149,42 @@ class PlainFold(Fold):
     weights, one model's memory), aggregated by the method's own rule."""
 
 
+#: a fold around the round's fold, as Flower's strategy wrappers wrap a strategy: it takes the accepted replies
+#: and hands the inner fold what it makes of them (:class:`fedhpro.engines.content.BoundedFold`)
+FoldWrapper = Callable[[RoundState, Fold], Fold]
+
+
+@dataclass
+class RoundChain:
+    """The chain every round is composed from, built once a run (the shape of pfl-research's postprocessor list):
+    ``links``, the steps every reply goes through in order (each link made the round's step by
+    :meth:`ReplyStep.for_round`); ``fold``, the round's fold of the accepted replies; ``wrappers``, folds around
+    it, innermost first. A list a user extends::
+
+        protocol.round_chain.links.append(MyStep())                      # after the built-in steps
+        index = next(i for i, link in enumerate(protocol.round_chain.links) if isinstance(link, WeightCap))
+        protocol.round_chain.links.insert(index, MyStep())               # or before one of them
+        protocol.round_chain.wrappers.append(lambda round, fold: MyFold(round, fold))
+
+    (the round protocol's ``steps=`` appends to ``links``); a round opened after the change goes through it."""
+
+    links: list[ReplyStep]
+    fold: Callable[[RoundState], Fold]
+    wrappers: list[FoldWrapper] = field(default_factory=list)
+
+    def open(self, round: RoundState) -> tuple[list[ReplyStep], Fold]:
+        """``round``'s steps, in order, and the fold its accepted replies go into."""
+        fold = self.fold(round)
+        for wrap in self.wrappers:
+            fold = wrap(round, fold)
+        steps = [link.for_round(round, fold) for link in self.links]
+        return [step for step in steps if step is not None], fold
+
+
 def zeros_like_weights(weights: Mapping[str, Any]) -> dict[str, Tensor]:
     """Zeros of the shape of each tensor of ``weights`` (the reference of an upload that is its own update)."""
     return {key: torch.zeros_like(value) for key, value in weights.items() if isinstance(value, Tensor)}
 
 
-__all__ = ["Fold", "Incoming", "PlainFold", "Reception", "ReplyStep", "RoundState", "zeros_like_weights"]
+__all__ = ["Fold", "FoldWrapper", "Incoming", "PlainFold", "Reception", "ReplyStep", "RoundChain", "RoundState",
+           "zeros_like_weights"]

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from fedhpro.data.federation import Federation
 from fedhpro.engines.driver import count_correct, test_client
-from fedhpro.engines.protocol import RoundProtocol, TestCount, pool_accuracy
+from fedhpro.engines.evaluation import TestCount, pool_accuracy
+from fedhpro.engines.protocol import RoundProtocol
 from fedhpro.errors import ConfigError
 from fedhpro.methods.no_grad import no_grad_precision
 from fedhpro.methods.training import TrainSettings, train_epochs

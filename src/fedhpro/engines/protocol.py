@@ -21,10 +21,12 @@ Every random draw comes from a generator derived from ``(seed, stream, round,
 client)`` (:func:`derive_seed`), so the same seed and config give the same
 numbers whatever ran before and on whichever engine.
 
-A round is a chain of steps (:mod:`fedhpro.engines.chain`), composed once per
-round by :meth:`RoundProtocol.chain` from the run's options
+A round is a chain of steps (:mod:`fedhpro.engines.chain`): the protocol composes
+one :class:`~fedhpro.engines.chain.RoundChain` per run from the run's options
 (:class:`~fedhpro.config.FaultOptions`, :class:`~fedhpro.config.AggregationOptions`,
-the privacy options): every reply goes through the same per-reply steps in
+the privacy options), a list of links the caller may extend (``steps=``, or
+``protocol.round_chain.links`` / ``.wrappers``), and each round opens it: every
+reply goes through the same per-reply steps in
 order, and the accepted ones into one fold, which hands the method what it
 aggregates at close. Without privacy::
 
@@ -51,8 +53,13 @@ aggregates at close. Without privacy::
   and hands them to the method's own ``aggregate``, unchanged: the method's
   mean of equal robust values is that value, so every method aggregates
   robustly without knowing;
-* :mod:`fedhpro.engines.private`: client-level differential privacy
-  (``privacy=client``, :mod:`fedhpro.privacy`) as a chain of its own steps:
+* :mod:`fedhpro.engines.sampling` and :mod:`fedhpro.engines.private`: the run's
+  privacy as objects the protocol holds (:attr:`RoundProtocol.round_privacy`,
+  chosen once by :func:`~fedhpro.engines.private.round_privacy`): who takes part
+  (:attr:`RoundProtocol.sampling`: a fixed-size draw, a Poisson draw, or a secret
+  one), the :attr:`RoundProtocol.accountant` (epsilon after each round, the
+  budget stop) and what privacy does to the replies; client-level differential
+  privacy (``privacy=client``, :mod:`fedhpro.privacy`) is a chain of its own steps:
   each reply arrives privatized (the engine ran
   :func:`~fedhpro.privacy.client.privatize_upload` on the client's side), the
   same fault and method checks run on it, the privacy's checks follow, and
@@ -75,24 +82,21 @@ aggregates at close. Without privacy::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
-import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from fedhpro.config import AggregationOptions, FaultOptions
-from fedhpro.engines.chain import Fold, Incoming, PlainFold, Reception, ReplyStep, RoundState
-from fedhpro.engines.class_rows import class_tensor_keys, declared_class_keys
+from fedhpro.engines.chain import Fold, Incoming, PlainFold, Reception, ReplyStep, RoundChain, RoundState
+from fedhpro.engines.class_rows import declared_class_keys
 from fedhpro.engines.content import BoundedFold
 from fedhpro.engines.evaluation import TestCount, pool_accuracy, weighted_mean
-from fedhpro.engines.faults import FAULT, InjectedFaults, corrupted, draw_faults, hostile, hostile_factor
-from fedhpro.engines.private import method_view, private_chain
+from fedhpro.engines.faults import InjectedFaults, draw_faults
+from fedhpro.engines.private import Accountant, RoundPrivacy, round_privacy
 from fedhpro.engines.replies import (
     LayoutChecks,
     Measured,
@@ -101,32 +105,23 @@ from fedhpro.engines.replies import (
     SizeChecks,
     TrainingMetrics,
     WeightCap,
-    bound_text,
-    bounded_rows,
     capped_reply,
     check_bounds,
     counts_problem,
     examples_problem,
 )
 from fedhpro.engines.replies import weight_cap as claims_cap
-from fedhpro.engines.robust import RobustFold, robust_replies
+from fedhpro.engines.robust import RobustFold
+from fedhpro.engines.sampling import SAMPLE, Sampling, round_half_up
 from fedhpro.errors import FedHProError
 from fedhpro.metrics import payload_bytes, payload_parameters
-from fedhpro.privacy import client_level, is_private, privacy_mode
-from fedhpro.privacy.accounting import ClientLedger
-from fedhpro.privacy.client import (
-    ClientPrivacy,
-    client_privacy,
-    next_clip,
-    poisson_participants,
-    privatize_upload,
-    upload_noise_generator,
-)
+from fedhpro.privacy.client import ClientPrivacy, privatize_upload, upload_noise_generator
 from fedhpro.robust import rule_for
 from fedhpro.seeds import derive_seed
 
-# stream tags: each kind of randomness gets its own stream (FAULT = 5: fedhpro.engines.faults)
-INIT, SAMPLE, TRAIN, SERVER = 1, 2, 3, 4
+# stream tags: each kind of randomness gets its own stream (SAMPLE = 2: fedhpro.engines.sampling; FAULT = 5:
+# fedhpro.engines.faults)
+INIT, TRAIN, SERVER = 1, 3, 4
 # (6 and 7, the privacy noise's streams, are fedhpro.privacy.client's PRIVACY and CENTRAL_NOISE)
 
 
@@ -157,16 +152,9 @@ def client_step(server: Any, client: Any, model: torch.nn.Module, payload: Mappi
                             upload_noise_generator(privacy, seed, round, k), int(server.num_classes)), {}
 
 
-#: the ``faults.*`` options the protocol takes (:class:`fedhpro.config.FaultOptions` itself; this name is kept
-#: for callers that build them in Python: ``Faults(scale=0.2)``); what a client's draw makes of it:
-#: fedhpro.engines.faults.hostile_factor
+# the option classes under their old names, for the modules that still import them from here (the simulator's
+# signature, trained.evaluation): the classes are fedhpro.config's FaultOptions and AggregationOptions
 Faults = FaultOptions
-
-
-#: the ``aggregation.*`` options the protocol takes (:class:`fedhpro.config.AggregationOptions` itself; this name is
-#: kept for callers that build them in Python: ``Aggregation("median")``). What the rule does is
-#: :data:`fedhpro.robust.REGISTRY`'s (:func:`fedhpro.robust.rule_for`); the weight cap is
-#: :func:`fedhpro.engines.replies.weight_cap`
 Aggregation = AggregationOptions
 
 
@@ -207,10 +195,6 @@ class RoundRecord:
         return out
 
 
-def round_half_up(value: float) -> int:
-    return int(np.floor(value + 0.5))
-
-
 class RoundProtocol:
     """Sampling, fault draws, reply validation, drops, skipped rounds and metrics of every round.
 
@@ -224,22 +208,23 @@ class RoundProtocol:
     ConfigError here.
     ``privacy``: the run's ``privacy.*`` options (:class:`~fedhpro.config.PrivacyOptions`; None or
     ``mode=none``: off); ``ledger``: its privacy ledger (:func:`fedhpro.privacy.ledger_for`; built here for
-    ``privacy=client`` when not given, needed for ``privacy=sample``).
+    ``privacy=client`` when not given, needed for ``privacy=sample``). Both become :attr:`round_privacy`
+    (:func:`~fedhpro.engines.private.round_privacy`): the participants' :attr:`sampling`, the
+    :attr:`accountant` and what privacy does to the replies.
+    ``steps``: reply steps of the caller's own, after the chain's (:attr:`round_chain`, a list it may extend).
     """
 
     def __init__(self, server: Any, num_clients: int, *, rounds: int, participation: float = 1.0, seed: int = 0,
                  eval_every: int = 1, faults: FaultOptions | None = None, min_clients: int = 1,
                  on_drop: Callable[[str], None] | None = None, aggregation: AggregationOptions | None = None,
                  privacy: Any = None, ledger: Any = None, client_sizes: Sequence[int] | None = None,
-                 sizes_claimed: bool = False, content_claimed: bool = False, dp_clipping: str = "joint"):
+                 sizes_claimed: bool = False, content_claimed: bool = False, dp_clipping: str = "joint",
+                 steps: Sequence[ReplyStep] = ()):
         """``dp_clipping``: what ``privacy.clipping=auto`` means for this method (its
         :attr:`~fedhpro.methods.base.MethodSpec.dp_clipping`; the engines pass it, protocol_settings resolves it
         for the Flower ServerApp)."""
         self.server = server
         self.num_clients = num_clients
-        if (dataclasses.is_dataclass(privacy) and not isinstance(privacy, type)
-                and getattr(privacy, "clipping", None) == "auto"):
-            privacy = dataclasses.replace(privacy, clipping=dp_clipping)
         #: each client's training-set size as the engine knows it (in own-data Flower: what its node
         #: declared), from which a round's weight cap is drawn (:meth:`weight_cap`); None: no cap
         self.client_sizes = list(client_sizes) if client_sizes is not None else None
@@ -262,58 +247,46 @@ class RoundProtocol:
         self.rule = rule_for(self.aggregation)
         self.min_clients = min_clients
         self.on_drop = on_drop
-        #: the privacy.* options when privacy is on (None: off, every number as without privacy)
-        self.privacy = privacy if is_private(privacy) else None
-        #: the rounds' participants drawn from the operating system (privacy=client with privacy.secure_noise):
-        #: kept in memory only, so that a round's draw is asked for more than once gives one answer
-        self._secret_draws: dict[int, list[int]] = {}
-        #: client-level DP's settings (privacy=client), else None
-        self.client_privacy: ClientPrivacy | None = None
-        #: the run's privacy ledger (None: privacy off)
-        self.ledger = ledger
-        if client_level(privacy):
-            if self.rule.needs:
-                raise FedHProError(f"privacy=client cannot go with aggregation={self.aggregation.rule}: it needs "
-                                   "each client's own update; use aggregation=mean")
-            if ledger is None:
-                self.ledger = ClientLedger(privacy, num_clients, rounds, participation,
-                                           bool(declared_class_keys(server)))
-            self.client_privacy = client_privacy(privacy, self.ledger.noise_multiplier,
-                                                 getattr(self.ledger, "noise_scale", 1.0),
-                                                 getattr(self.ledger, "quantile_noise", None))
-        elif is_private(privacy) and ledger is None:
-            raise FedHProError(f"privacy={privacy_mode(privacy)} needs the run's privacy ledger "
-                               "(fedhpro.privacy.ledger_for) given to the round protocol as ledger=")
+        #: the run's privacy: who takes part, its accountant, what it does to the replies (off: plain rounds)
+        self.round_privacy: RoundPrivacy = round_privacy(
+            privacy, ledger, server, seed=seed, num_clients=num_clients, rounds=rounds,
+            participation=participation, robust_needs=bool(self.rule.needs), rule_name=self.aggregation.rule,
+            dp_clipping=dp_clipping)
+        #: the chain every round's replies go through, a list the caller may extend (:class:`RoundChain`)
+        self.round_chain: RoundChain = self.round_privacy.chain(self.plain_chain())
+        self.round_chain.links.extend(steps)
 
     @property
-    def secret_sampling(self) -> bool:
-        """Whether the participants are drawn from the operating system's randomness (``privacy=client`` with
-        ``privacy.secure_noise``): the accountant's amplification by sampling assumes that nobody who sees
-        the released model knows who took part, which a draw from the config's seed would not keep."""
-        return self.client_privacy is not None and self.client_privacy.secure_noise
+    def sampling(self) -> Sampling:
+        """Who takes part in each round (:mod:`fedhpro.engines.sampling`)."""
+        return self.round_privacy.sampling
+
+    @property
+    def accountant(self) -> Accountant:
+        """The run's privacy accountant (epsilon, the budget stop; :class:`~fedhpro.engines.private.NoAccountant`
+        without privacy)."""
+        return self.round_privacy.accountant
+
+    @property
+    def ledger(self) -> Any:
+        """The run's privacy ledger (None: privacy off)."""
+        return self.accountant.ledger
+
+    @property
+    def client_privacy(self) -> ClientPrivacy | None:
+        """What each client privatizes its upload with before it leaves (``privacy=client``; None: nothing):
+        what an engine hands :func:`client_step`."""
+        return self.round_privacy.settings
 
     @property
     def publishes_participants(self) -> bool:
         """Whether a round's row names its participants (and dropped clients): always, except under
         ``privacy=client`` unless ``privacy.publish_participants``."""
-        return self.client_privacy is None or bool(getattr(self.privacy, "publish_participants", False))
+        return self.round_privacy.publishes_participants
 
     def sample_clients(self, round: int) -> list[int]:
-        """The participants of ``round``: a seeded draw without replacement, sorted; under ``privacy=client`` a
-        Poisson draw (each client with probability ``participation``: the accountant's sampling rate), from
-        the operating system's randomness with ``privacy.secure_noise`` (:attr:`secret_sampling`)."""
-        total = self.num_clients
-        if self.secret_sampling:
-            if round not in self._secret_draws:
-                self._secret_draws[round] = poisson_participants(secrets.randbits(63), total, self.participation)
-            return list(self._secret_draws[round])
-        if self.client_privacy is not None:
-            return poisson_participants(derive_seed(self.seed, SAMPLE, round), total, self.participation)
-        count = max(1, int(round_half_up(self.participation * total)))
-        if count >= total:
-            return list(range(total))
-        rng = np.random.default_rng(derive_seed(self.seed, SAMPLE, round))
-        return sorted(int(k) for k in rng.choice(total, size=count, replace=False))
+        """The participants of ``round``, sorted (:attr:`sampling`'s draw)."""
+        return self.sampling.draw(round)
 
     def weight_cap(self) -> float:
         """The most aggregation weight one client may hold: the water-filling cap
@@ -323,9 +296,9 @@ class RoundProtocol:
         clients) and, where sizes are claims (:attr:`sizes_claimed`), at most ``aggregation.max_ratio``
         times the median claim. inf when nothing binds, the sizes are unknown, or under ``privacy=client``
         (its denominators are public constants, not the clients' counts)."""
-        if self.client_sizes is None or self.client_privacy is not None:
+        if self.client_sizes is None:
             return math.inf
-        return claims_cap(self.aggregation, self.client_sizes, self.sizes_claimed)
+        return self.round_privacy.weight_cap(claims_cap(self.aggregation, self.client_sizes, self.sizes_claimed))
 
     def pooled_accuracy(self, counts: Sequence[TestCount], order: Sequence[str] | None = None) -> dict[str, float]:
         """:func:`pool_accuracy` of ``counts`` under this run's bounds on test counts: ``aggregation.max_share``
@@ -346,102 +319,69 @@ class RoundProtocol:
                 or (round + 1 < self.rounds and self.budget_stop(round + 1) is not None))
 
     def participations(self, rounds_done: int) -> dict[int, int]:
-        """How many of the first ``rounds_done`` rounds each client was sampled in (the seeded draws, so a
-        resumed run counts the same). With :attr:`secret_sampling` a round not drawn in this process (one
-        still to come, or one before a resume) counts as taken part in by every client: the draws are kept
-        nowhere, and the worst case bounds them."""
-        counts: dict[int, int] = {}
-        for round in range(rounds_done):
-            drawn = self._secret_draws.get(round) if self.secret_sampling else None
-            if drawn is None and self.secret_sampling:
-                drawn = list(range(self.num_clients))
-            for k in drawn if drawn is not None else self.sample_clients(round):
-                counts[k] = counts.get(k, 0) + 1
-        return counts
+        """How many of the first ``rounds_done`` rounds each client was sampled in (:attr:`sampling`'s count: the
+        seeded draws, so a resumed run counts the same; a secret draw not made in this process counts as
+        taken part in by every client)."""
+        return self.sampling.participations(rounds_done)
 
     def epsilon_after(self, round: int) -> float | None:
         """The privacy ledger's epsilon once ``round`` (from 0) is complete; None without privacy."""
-        if self.ledger is None:
-            return None
-        return float(self.ledger.epsilon(self.participations(round + 1), round + 1))
+        return self.accountant.epsilon_after(round)
 
     def budget_stop(self, round: int) -> str | None:
         """The line that stops the run before ``round`` when completing it would take epsilon above
         ``privacy.max_epsilon``; None when it may run (or there is no limit)."""
-        limit = float(getattr(self.privacy, "max_epsilon", 0.0) or 0.0) if self.privacy is not None else 0.0
-        if limit <= 0:
-            return None
-        epsilon = self.epsilon_after(round)
-        if epsilon is None or epsilon <= limit:
-            return None
-        spent = self.epsilon_after(round - 1) if round > 0 else 0.0
-        return (f"privacy budget: stopped before round {round} of {self.rounds}: it would take epsilon to "
-                f"{epsilon:.4g} > privacy.max_epsilon={limit:g} (delta={self.ledger.delta:.3g}); the {round} "
-                f"rounds run (epsilon {spent:.4g}) are kept")
-
-    def adapt_clip(self, below: float | None) -> None:
-        """Adaptive clipping (``privacy.clip_quantile``): the next round's clip from this round's released
-        fraction of clients below the clip (:func:`~fedhpro.privacy.client.next_clip`); nothing otherwise."""
-        if self.client_privacy is None or not self.client_privacy.adaptive or below is None or self.privacy is None:
-            return
-        clip = next_clip(self.client_privacy.clip, below, float(self.privacy.clip_quantile),
-                         float(self.privacy.clip_lr))
-        self.client_privacy = dataclasses.replace(self.client_privacy, clip=clip)
+        return self.accountant.budget_stop(round)
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs of the protocol besides the seeds: adaptive clipping's current clip (``{}``
         without it, so that other runs' checkpoints keep their bytes)."""
-        if self.client_privacy is not None and self.client_privacy.adaptive:
-            return {"clip": float(self.client_privacy.clip)}
-        return {}
+        return self.round_privacy.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict`'s ``state`` (a checkpoint's: a positive finite clip, else a ValueError
         the run's resume turns into one line)."""
-        if self.client_privacy is None or not self.client_privacy.adaptive:
-            return
-        clip = state.get("clip") if isinstance(state, Mapping) else None
-        if not isinstance(clip, float) or not math.isfinite(clip) or not clip > 0:
-            raise ValueError(f"the checkpoint's adaptive clip {clip!r} is not a positive number")
-        self.client_privacy = dataclasses.replace(self.client_privacy, clip=clip)
+        self.round_privacy.load_state_dict(state)
 
     def privacy_summary(self) -> dict[str, Any] | None:
         """The privacy ledger's settings for ``summary.json`` (None without privacy)."""
-        return None if self.ledger is None else dict(self.ledger.describe())
+        return self.accountant.summary()
 
     def open(self, round: int) -> OpenRound:
         return OpenRound(self, round)
 
-    def chain(self, current: RoundState) -> tuple[list[ReplyStep], Fold]:
-        """The steps every reply of ``current`` goes through, in order, and the fold the accepted ones go into,
-        composed from the run's options: under ``privacy=client`` the privacy's chain
-        (:func:`~fedhpro.engines.private.private_chain`); otherwise the declared layout, the size checks, the
-        injected faults, the method's checks, the bytes measured, the row bound (``aggregation.max_row_norm >
-        0``), the weight cap and the training metrics, into the method's running sum or, with a robust rule, the
-        replies kept whole for the rule at close; with :attr:`bounds_content` that fold behind the bound on each
-        reply's pull (``aggregation.update_bound``), which holds the replies until close."""
-        if self.client_privacy is not None:
-            return private_chain(current, self.client_privacy)
+    def plain_chain(self) -> RoundChain:
+        """The chain the run's options compose for replies that are not privatized: the declared layout, the
+        size checks, the injected faults, the method's checks, the bytes measured, the row bound
+        (``aggregation.max_row_norm > 0``), the weight cap and the training metrics, into the method's running
+        sum or, with a robust rule, the replies kept whole for the rule at close; with :attr:`bounds_content`
+        that fold behind the bound on each reply's pull (``aggregation.update_bound``), which holds the replies
+        until close."""
         # a server without a declared layout (a bare stand-in, not a Server) is checked by its own validate_reply only
-        layout = [LayoutChecks(self.server.reply_layout())] if hasattr(self.server, "reply_layout") else []
-        steps: list[ReplyStep] = [*layout, SizeChecks(), InjectedFaults(), MethodChecks(), Measured()]
+        layout = [LayoutChecks()] if hasattr(self.server, "reply_layout") else []
+        links: list[ReplyStep] = [*layout, SizeChecks(), InjectedFaults(), MethodChecks(), Measured()]
         if self.aggregation.max_row_norm > 0:  # a class row is a claim about a class: bounded like a size
-            steps.append(RowBound(declared_class_keys(self.server), self.aggregation.max_row_norm))
-        steps += [WeightCap(self.weight_cap()), TrainingMetrics()]
-        fold: Fold = RobustFold(current, self.rule) if self.rule.needs else PlainFold(current)
+            links.append(RowBound(None, self.aggregation.max_row_norm))
+        links += [WeightCap(), TrainingMetrics()]
+        rule = self.rule
+        chain = RoundChain(links, (lambda round: RobustFold(round, rule)) if rule.needs else PlainFold)
         if self.bounds_content:  # one reply's content buys at most kappa x the round's median pull
-            fold = BoundedFold(current, fold, self.aggregation.update_multiple)
-        return steps, fold
+            multiple = self.aggregation.update_multiple
+            chain.wrappers.append(lambda round, fold: BoundedFold(round, fold, multiple))
+        return chain
+
+    def chain(self, current: RoundState) -> tuple[list[ReplyStep], Fold]:
+        """The steps every reply of ``current`` goes through, in order, and the fold the accepted ones go into:
+        :attr:`round_chain` made the round's (:meth:`RoundChain.open`)."""
+        return self.round_chain.open(current)
 
     @property
     def bounds_content(self) -> bool:
         """Whether the round bounds each reply's pull at close (:class:`~fedhpro.engines.content.BoundedFold`):
         ``aggregation.update_bound=on``, or ``auto`` where the replies' content is a claim
         (:attr:`content_claimed`); never under ``privacy=client``, whose clip bounds every upload already."""
-        if self.client_privacy is not None:
-            return False
         mode = self.aggregation.update_bound
-        return mode == "on" or (mode == "auto" and self.content_claimed)
+        return self.round_privacy.bounds_content(mode == "on" or (mode == "auto" and self.content_claimed))
 
 
 class OpenRound(RoundState):
@@ -468,13 +408,9 @@ class OpenRound(RoundState):
         #: the steps every reply goes through, and the fold the accepted ones go into
         self.steps, self.fold = protocol.chain(self)
         #: privacy=client: the round's clip (adaptive clipping's released fraction below it: ``below_clip``)
-        self.clip = protocol.client_privacy.clip if protocol.client_privacy is not None else None
+        self.clip = protocol.round_privacy.clip
         self.failures: list[Exception | str] = []
         self.skipped = False
-
-    @property
-    def _corrupt(self) -> dict[int, bool]:
-        return self.corrupt
 
     @property
     def replies(self) -> Any:
@@ -482,7 +418,7 @@ class OpenRound(RoundState):
         return self.fold.replies
 
     @property
-    def _held(self) -> list[dict[str, Any]]:
+    def held(self) -> list[dict[str, Any]]:
         """The replies kept whole until :meth:`close` (a robust rule's; none otherwise)."""
         return self.fold.held
 
@@ -553,12 +489,8 @@ class OpenRound(RoundState):
                seconds: dict[str, float], extra: dict[str, Any] | None = None) -> RoundRecord:
         """The round's row: what the protocol measured plus the engine's accuracy, times and extras (and,
         with privacy on, ``privacy: {epsilon, delta}`` after this round)."""
-        epsilon = self.protocol.epsilon_after(self.round)
-        if epsilon is not None:
-            privacy = {"epsilon": epsilon, "delta": float(self.protocol.ledger.delta)}
-            if self.below_clip is not None and self.clip is not None:  # adaptive clipping: the round's clip, and
-                privacy.update(clip=self.clip, below_clip=self.below_clip)  # its released fraction below
-            extra = {**(extra or {}), "privacy": privacy}
+        # with privacy on: epsilon and delta after this round (adaptive clipping: the round's clip, the fraction below)
+        extra = {**(extra or {}), **self.protocol.round_privacy.round_row(self)}
         if self.capped:  # the weights a cap changed (every other reply weighed its num_examples)
             extra = {**(extra or {}), "capped": self.capped}
         if self.rows_bounded:  # the class rows aggregation.max_row_norm scaled down
@@ -576,8 +508,9 @@ class OpenRound(RoundState):
                            extra={"params_up": self.params_up, "params_down": self.params_down, **(extra or {})})
 
 
-__all__ = ["FAULT", "INIT", "SAMPLE", "SERVER", "TRAIN", "Aggregation", "Faults", "OpenRound", "Reception",
-           "RoundProtocol", "RoundRecord", "TestCount", "bound_text", "bounded_rows", "capped_reply",
-           "class_tensor_keys", "client_step", "corrupted", "counts_problem", "declared_class_keys", "derive_seed",
-           "examples_problem", "hostile", "hostile_factor", "method_view", "pool_accuracy", "robust_replies",
-           "round_half_up", "train_generator", "weighted_mean"]
+__all__ = ["INIT", "SAMPLE", "SERVER", "TRAIN", "OpenRound", "RoundProtocol", "RoundRecord", "client_step",
+           "round_half_up", "train_generator",
+           # imported from here by modules outside the engines' core (their homes: chain, evaluation, replies,
+           # seeds, config)
+           "Aggregation", "Faults", "Reception", "TestCount", "capped_reply", "counts_problem", "derive_seed",
+           "examples_problem", "pool_accuracy", "weighted_mean"]

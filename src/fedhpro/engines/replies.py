@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from fedhpro.aggregation import claim_cap
-from fedhpro.engines.chain import Incoming, ReplyStep, RoundState
+from fedhpro.engines.chain import Fold, Incoming, ReplyStep, RoundState
 from fedhpro.engines.class_rows import declared_class_keys
 from fedhpro.engines.faults import method_problem, same
 from fedhpro.errors import ConfigError
@@ -220,13 +220,17 @@ class LayoutChecks(ReplyStep):
     decodes a reply, refused here on every engine, so that a client uploads only what its server reads. A set
     comparison of the keys and a look at each tensor's shape: nothing of an honest reply changes."""
 
-    def __init__(self, layout: Mapping[str, Any]) -> None:
+    def __init__(self, layout: Mapping[str, Any] | None = None) -> None:
         self.layout = layout
+
+    def for_round(self, round: RoundState, fold: Fold) -> ReplyStep:
+        """Without a ``layout`` given: the checks of the layout the server declares now."""
+        return self if self.layout is not None else LayoutChecks(round.protocol.server.reply_layout())
 
     def receive(self, incoming: Incoming, round: RoundState) -> str | None:
         if not isinstance(incoming.reply, Mapping):
             return None  # the method's checks name what the reply is
-        problem = layout_problem(incoming.reply, self.layout)
+        problem = layout_problem(incoming.reply, self.layout or {})
         return None if problem is None else f"invalid update: {problem}"
 
 
@@ -279,12 +283,16 @@ class RowBound(ReplyStep):
     """``aggregation.max_row_norm``: every class-tensor row (``keys``: the method's declared class tensors) longer
     than ``max_norm`` scaled down to it (:func:`bounded_rows`); the round's ``rows_bounded`` says whose."""
 
-    def __init__(self, keys: Sequence[str], max_norm: float) -> None:
-        self.keys = list(keys)
+    def __init__(self, keys: Sequence[str] | None, max_norm: float) -> None:
+        self.keys = list(keys) if keys is not None else None
         self.max_norm = max_norm
 
+    def for_round(self, round: RoundState, fold: Fold) -> ReplyStep:
+        """Without ``keys`` given: the class tensors the server declares now."""
+        return self if self.keys is not None else RowBound(declared_class_keys(round.protocol.server), self.max_norm)
+
     def receive(self, incoming: Incoming, round: RoundState) -> str | None:
-        incoming.reply, scaled = bounded_rows(incoming.reply, self.keys, self.max_norm)
+        incoming.reply, scaled = bounded_rows(incoming.reply, self.keys or [], self.max_norm)
         if scaled:
             round.rows_bounded.append({"client": incoming.client, "rows": scaled})
         return None
@@ -296,14 +304,19 @@ class WeightCap(ReplyStep):
     (:func:`capped_reply`); the round's ``capped`` lists it, and the first time a client is capped the protocol's
     ``on_drop`` says so."""
 
-    def __init__(self, cap: float) -> None:
+    def __init__(self, cap: float | None = None) -> None:
         self.cap = cap
+
+    def for_round(self, round: RoundState, fold: Fold) -> ReplyStep:
+        """Without a ``cap`` given: the protocol's weight cap now."""
+        return self if self.cap is not None else WeightCap(round.protocol.weight_cap())
 
     def receive(self, incoming: Incoming, round: RoundState) -> str | None:
         reply, client, protocol = incoming.reply, incoming.client, round.protocol
-        if int(reply["num_examples"]) <= self.cap:
+        cap = self.cap if self.cap is not None else math.inf
+        if int(reply["num_examples"]) <= cap:
             return None
-        weight = incoming.weight = max(1, math.floor(self.cap))
+        weight = incoming.weight = max(1, math.floor(cap))
         round.capped.append({"client": client, "claimed": int(reply["num_examples"]), "weight": weight})
         if client not in protocol.warned_caps and protocol.on_drop is not None:
             protocol.warned_caps.add(client)
