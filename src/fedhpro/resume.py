@@ -21,7 +21,7 @@ from fedhpro.config import (
 )
 from fedhpro.data.federation import Federation
 from fedhpro.engines import checkpoint
-from fedhpro.engines.driver import check_new_run_folder
+from fedhpro.engines.lifecycle import check_new_run_folder
 from fedhpro.errors import ConfigError
 from fedhpro.user_models import python_name, with_python_objects
 
