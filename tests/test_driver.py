@@ -49,8 +49,8 @@ def test_a_sequential_engine_through_the_driver_gives_the_simulators_bytes(metho
         engine = SequentialEngine(config, parts, device)
         run = lifecycle.Run(out, config.run, engine.protocol, started=started)
         lifecycle.execute(engine, run, config, data_name=federation.name, partition=parts.federation.partition,
-                       notes=parts.federation.notes, resume_from=None, write_model=lambda folder: None,
-                       voice=printout.ConsoleVoice())
+                          notes=parts.federation.notes, resume_from=None, write_model=lambda folder: None,
+                          voice=printout.ConsoleVoice())
     for name in ("metrics.jsonl", "config.yaml", "partition.json"):
         assert (out / name).read_bytes() == (expected.out / name).read_bytes(), name
     assert without_seconds(out / "summary.json") == without_seconds(expected.out / "summary.json")
