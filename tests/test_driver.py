@@ -1,4 +1,4 @@
-"""The run driver (fedhpro.engines.driver) is the one run around any engine: a second, sequential engine
+"""The run lifecycle (fedhpro.engines.lifecycle) is the one run around any engine: a second, sequential engine
 (tests/sequential_engine.py) run through it writes the simulator's bytes."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from conftest import FEATURE_DIM, TinyNet, make_federation
 from sequential_engine import SequentialEngine
 
 import fedhpro
-from fedhpro.engines import driver
+from fedhpro.engines import lifecycle, printout, size_claims
+from fedhpro.engines import summary as summaries
 from fedhpro.experiment import build_experiment
 from fedhpro.runtime import cpu_runtime, resolve_threads, torch_threads
 
@@ -46,10 +47,10 @@ def test_a_sequential_engine_through_the_driver_gives_the_simulators_bytes(metho
     with cpu_runtime(), torch_threads(resolve_threads(config.run.threads)):  # as fedhpro.run runs
         parts = build_experiment(config, device, federation=federation, model_factory=TinyNet)
         engine = SequentialEngine(config, parts, device)
-        run = driver.Run(out, config.run, engine.protocol, started=started)
-        driver.execute(engine, run, config, data_name=federation.name, partition=parts.federation.partition,
-                       notes=parts.federation.notes, resume_from=None, write_model=lambda folder: None,
-                       voice=driver.ConsoleVoice())
+        run = lifecycle.Run(out, config.run, engine.protocol, started=started)
+        lifecycle.execute(engine, run, config, data_name=federation.name, partition=parts.federation.partition,
+                          notes=parts.federation.notes, resume_from=None, write_model=lambda folder: None,
+                          voice=printout.ConsoleVoice())
     for name in ("metrics.jsonl", "config.yaml", "partition.json"):
         assert (out / name).read_bytes() == (expected.out / name).read_bytes(), name
     assert without_seconds(out / "summary.json") == without_seconds(expected.out / "summary.json")
@@ -71,19 +72,19 @@ def test_site_accuracy_is_the_unweighted_mean_and_median_of_the_last_evaluated_r
     rows = [{"round": 0, "accuracy": {"all": 50.0, "AVG": 50.0}, "client_accuracy": [10.0, 20.0, 30.0]},
             {"round": 1, "accuracy": {"all": 99.99994, "AVG": 99.99994}, "client_accuracy": [100.0, 0.0, 100.0]},
             {"round": 2}]  # not evaluated: the figures are round 1's
-    site = driver.site_accuracy(rows)
+    site = summaries.site_accuracy(rows)
     assert site["mean"] == pytest.approx(200.0 / 3) and site["median"] == 100.0
     assert site["tested"] == 3 and site["per_client"] == [100.0, 0.0, 100.0]
     # an untested client (None) is left out of both; an even count's median is the mean of the middle two
-    site = driver.site_accuracy([{"accuracy": {"AVG": 1.0}, "client_accuracy": [90.0, None, 10.0, 40.0, 20.0]}])
+    site = summaries.site_accuracy([{"accuracy": {"AVG": 1.0}, "client_accuracy": [90.0, None, 10.0, 40.0, 20.0]}])
     assert (site["mean"], site["median"], site["tested"]) == (pytest.approx(40.0), 30.0, 4)
-    assert driver.site_accuracy_line(site, 5) == "per client (unweighted, 4 of 5 tested): mean 40.0, median 30.0"
+    assert printout.site_accuracy_line(site, 5) == "per client (unweighted, 4 of 5 tested): mean 40.0, median 30.0"
     # no evaluated round: None, which summary.json writes as null
-    assert driver.site_accuracy([{"round": 0}]) == {"mean": None, "median": None, "tested": 0, "per_client": []}
+    assert summaries.site_accuracy([{"round": 0}]) == {"mean": None, "median": None, "tested": 0, "per_client": []}
 
 
 def test_no_evaluated_round_gives_none_not_nan():
-    assert driver.final_accuracy([{"round": 0}, {"round": 1}]) == {"AVG": None}
+    assert summaries.final_accuracy([{"round": 0}, {"round": 1}]) == {"AVG": None}
 
 
 @pytest.mark.parametrize("sizes, max_share, warned", [
@@ -99,7 +100,7 @@ def test_no_evaluated_round_gives_none_not_nan():
     ([], 0.5, {}),  # one global model on shared test sets: no client's count is pooled
 ])
 def test_pooled_share_warnings_name_each_client_above_max_share(sizes, max_share, warned):
-    lines = driver.pooled_share_warnings(sizes, max_share)
+    lines = size_claims.pooled_share_warnings(sizes, max_share)
     assert len(lines) == len(warned)
     for line, (k, words) in zip(lines, sorted(warned.items())):
         assert line.startswith(f"client {k} holds {words[0]} test samples of test set '{sizes[k][0]}' {words[1]}")
@@ -108,10 +109,10 @@ def test_pooled_share_warnings_name_each_client_above_max_share(sizes, max_share
 
 def test_the_privacy_line_carries_epsilon_delta_and_the_stop():
     privacy = {"mode": "client", "delta": 3 ** -1.1, "epsilon": 1.23456, "rounds_run": 2}
-    assert driver.privacy_line(privacy) == "privacy (client): (epsilon, delta) = (1.235, 0.299) after 2 rounds"
+    assert printout.privacy_line(privacy) == "privacy (client): (epsilon, delta) = (1.235, 0.299) after 2 rounds"
     stopped = {**privacy, "epsilon": 0.0, "rounds_run": 0, "stopped": "privacy budget: stopped before round 0"}
-    assert driver.privacy_line(stopped) == ("privacy (client): (epsilon, delta) = (0, 0.299) after 0 rounds; "
-                                            "stopped at privacy.max_epsilon")
+    assert printout.privacy_line(stopped) == ("privacy (client): (epsilon, delta) = (0, 0.299) after 0 rounds; "
+                                              "stopped at privacy.max_epsilon")
 
 
 def test_a_summary_holds_null_where_no_round_has_a_finite_accuracy():
@@ -121,10 +122,10 @@ def test_a_summary_holds_null_where_no_round_has_a_finite_accuracy():
     row = {"bytes_up": 1, "bytes_down": 2}
     rows = [{"round": 0, **row}, {"round": 1, **row, "accuracy": {"AVG": float("nan")}},  # every client untested
             {"round": 2, **row}]
-    summary = driver.run_summary(options, "d", 2, "cpu", rows, 1.0, [])
+    summary = summaries.run_summary(options, "d", 2, "cpu", rows, 1.0, [])
     assert (summary["accuracy"], summary["best_accuracy"]) == (None, None)
     text = json.dumps(summary, allow_nan=False)  # strict JSON: NaN would raise here
     assert json.loads(text)["accuracy"] is None
     rows[2]["accuracy"] = {"a": 40.0, "AVG": 40.0}
-    summary = driver.run_summary(options, "d", 2, "cpu", rows, 1.0, [])
+    summary = summaries.run_summary(options, "d", 2, "cpu", rows, 1.0, [])
     assert (summary["accuracy"], summary["best_accuracy"], summary["per_domain"]) == (40.0, 40.0, {"a": 40.0})

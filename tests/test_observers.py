@@ -12,7 +12,7 @@ from conftest import FEATURE_DIM, TinyNet, make_federation
 
 import fedhpro
 from fedhpro.config import OBSERVER_KEYS
-from fedhpro.engines import driver
+from fedhpro.engines import lifecycle, printout
 from fedhpro.engines.observers import FlopCount, PrototypeDistance, RoundObserver
 from fedhpro.engines.simulator import Simulator
 from fedhpro.errors import ConfigError
@@ -160,7 +160,7 @@ def rounds_take(monkeypatch, minutes: float, killed_at: int | None = None) -> Fa
     """Make the checkpoint schedule read a fake clock on which every round takes ``minutes`` minutes (and
     round ``killed_at``, if given, is interrupted as by Ctrl-C)."""
     clock = FakeClock()
-    monkeypatch.setattr(driver, "_now", clock)
+    monkeypatch.setattr(lifecycle, "_now", clock)
     real_round = Simulator.run_round
 
     def timed_round(self, round):
@@ -176,8 +176,8 @@ def rounds_take(monkeypatch, minutes: float, killed_at: int | None = None) -> Fa
 
 def test_schedule_is_due_by_count_by_time_and_at_the_end(monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr(driver, "_now", clock)
-    schedule = driver.CheckpointSchedule(every=3, minutes=5, rounds=10)
+    monkeypatch.setattr(lifecycle, "_now", clock)
+    schedule = lifecycle.CheckpointSchedule(every=3, minutes=5, rounds=10)
     assert not schedule.due(1)
     clock.now += 4 * 60
     assert not schedule.due(2)
@@ -188,7 +188,7 @@ def test_schedule_is_due_by_count_by_time_and_at_the_end(monkeypatch):
     schedule.written()
     assert not schedule.due(5) and schedule.due(10)
     clock.now += 60 * 60
-    assert not driver.CheckpointSchedule(every=0, minutes=0, rounds=10).due(7)
+    assert not lifecycle.CheckpointSchedule(every=0, minutes=0, rounds=10).due(7)
 
 
 def checkpoints(folder: Path) -> list[str]:
@@ -228,15 +228,15 @@ def test_a_run_killed_before_checkpoint_every_came_resumes_from_its_timed_checkp
 
 def test_the_bar_shows_the_cross_entropy_labelled_else_the_whole_loss():
     hpro = {"ce": 0.25, "hpcl": 150.0, "hpal": 0.5, "loss": 150.75, "margin": 0.6}
-    assert driver.progress_text(hpro, {"a": 40.0, "AVG": 45.678}) == "train CE 0.250  AVG 45.68%"
-    assert driver.progress_text({"loss": 1.5}, None) == "train loss 1.500  AVG -"
-    assert driver.progress_text({}, {"AVG": 10.0}) == "AVG 10.00%"  # a skipped round: no training metrics
+    assert printout.progress_text(hpro, {"a": 40.0, "AVG": 45.678}) == "train CE 0.250  AVG 45.68%"
+    assert printout.progress_text({"loss": 1.5}, None) == "train loss 1.500  AVG -"
+    assert printout.progress_text({}, {"AVG": 10.0}) == "AVG 10.00%"  # a skipped round: no training metrics
 
 
 def test_fedhpro_reports_the_cross_entropy_the_bar_shows():
     record = simulator().run_round(0)
     assert {"ce", "hpcl", "loss"} <= set(record.train)
-    assert driver.progress_text(record.train, None).startswith(f"train CE {record.train['ce']:.3f}")
+    assert printout.progress_text(record.train, None).startswith(f"train CE {record.train['ce']:.3f}")
 
 
 # ---------------------------------------------------------------------------- fedhpro report

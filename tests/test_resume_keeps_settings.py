@@ -22,7 +22,7 @@ from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
 
 from fedhpro.api import run
 from fedhpro.config import load_config
-from fedhpro.engines import driver
+from fedhpro.engines import lifecycle
 
 
 class Writer:
@@ -69,7 +69,7 @@ def test_a_resumed_run_keeps_tensorboard_and_progress_writes_each_round_once_and
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", board)
     Writer.opened = []
     out = tmp_path / "run"
-    round_done = driver.Run.round_done
+    round_done = lifecycle.Run.round_done
 
     def interrupted(self, record, state):
         written = round_done(self, record, state)
@@ -78,10 +78,10 @@ def test_a_resumed_run_keeps_tensorboard_and_progress_writes_each_round_once_and
             raise KeyboardInterrupt
         return written
 
-    monkeypatch.setattr(driver.Run, "round_done", interrupted)
+    monkeypatch.setattr(lifecycle.Run, "round_done", interrupted)
     with pytest.raises(KeyboardInterrupt):
         run(overrides=settings(digits_data_dir, out), echo=False)
-    monkeypatch.setattr(driver.Run, "round_done", round_done)
+    monkeypatch.setattr(lifecycle.Run, "round_done", round_done)
     first_part = [json.loads(line) for line in (out / "timing.jsonl").read_text().splitlines()]
     assert [row["round"] for row in first_part] == [0, 1, 2] and not (out / "summary.json").exists()
 
@@ -99,7 +99,7 @@ def test_a_resumed_run_keeps_tensorboard_and_progress_writes_each_round_once_and
     # a key set again on the resume line wins
     again = tmp_path / "again"
     with pytest.raises(KeyboardInterrupt):
-        monkeypatch.setattr(driver.Run, "round_done", interrupted)
+        monkeypatch.setattr(lifecycle.Run, "round_done", interrupted)
         run(overrides=settings(digits_data_dir, again), echo=False)
-    monkeypatch.setattr(driver.Run, "round_done", round_done)
+    monkeypatch.setattr(lifecycle.Run, "round_done", round_done)
     assert run(overrides=[f"resume={again}", "tensorboard=false"], echo=False).config.run.tensorboard is False

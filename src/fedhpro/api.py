@@ -1,9 +1,10 @@
 """``fedhpro.run(config) -> RunResult``: one federated run, from Python or the CLI.
 
-The run's jobs live in their own modules: building the experiment (:mod:`fedhpro.experiment`), the run
-around the rounds for every engine (:class:`fedhpro.engines.driver.Run`), resuming (:mod:`fedhpro.resume`),
-models or data given from Python (:mod:`fedhpro.user_models`). This module is the facade: :func:`run`,
-:class:`RunResult` and :func:`run_or_continue` for drivers of many runs.
+The run's jobs live in their own modules: building the experiment and the one run setup of every entry point
+(:mod:`fedhpro.experiment`), the run around the rounds for every engine (:class:`fedhpro.engines.lifecycle.Run`),
+resuming (:mod:`fedhpro.resume`), models or data given from Python (:mod:`fedhpro.user_models`). This module is
+the facade: :func:`run`, :class:`RunResult`, :class:`InProcessRun` (the in-process simulator's builder, which
+``fedhpro tune`` uses too) and :func:`run_or_continue` for drivers of many runs.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import dataclasses
 import os
 import re
 import shutil
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -24,12 +25,15 @@ import torch
 from fedhpro.bounded import read_json_file
 from fedhpro.config import Config, RunOptions, load_config, parse_override
 from fedhpro.data.federation import Federation
-from fedhpro.engines import checkpoint, driver
+from fedhpro.engines import checkpoint
+from fedhpro.engines.lifecycle import RUN_FILES, run_title
+from fedhpro.engines.observers import RoundObserver
+from fedhpro.engines.printout import ConsoleVoice, warn_line
+from fedhpro.engines.simulator import Simulator
 from fedhpro.errors import ConfigError, DataError, RunInterrupted
-from fedhpro.experiment import build_experiment, build_simulator, resolve_device
+from fedhpro.experiment import EngineRun, RunStart, build_experiment, build_simulator, resolve_device, run_with_engine
 from fedhpro.files import RunFolderClaim, claim_run_folder
 from fedhpro.measurements import observers_for
-from fedhpro.resume import claimed_config
 from fedhpro.runtime import bf16_note, cpu_runtime, resolve_threads, torch_threads
 from fedhpro.trained import MODEL_FILE, TrainedModels, load_model, simulator_models, write_models
 from fedhpro.trained.folder import STATISTICS_FILE, STATISTICS_FORMAT
@@ -72,7 +76,7 @@ class RunResult:
 
 def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
         overrides: Iterable[str] | Mapping[str, Any] | None = None, *, echo: bool = False,
-        federation: Federation | None = None, **kwargs: Any) -> RunResult:
+        federation: Federation | None = None, observers: Sequence[RoundObserver] = (), **kwargs: Any) -> RunResult:
     """Run one federated training and write its results.
 
     Args:
@@ -99,6 +103,24 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
             ``input_shape`` and ``feature_dim`` that it names as parameters.
             ``config.yaml`` records ``model: python:<module>.<name>``;
             resuming needs the same callable passed again.
+        observers: callbacks on the run's rounds, as pfl-research's training
+            loop takes them: :class:`~fedhpro.engines.observers.RoundObserver`
+            objects, each overriding the hooks it needs: ``attach(engine)``
+            before the first round (raise a ConfigError to refuse the run),
+            ``on_round_start(round, evaluating)``, ``watch_client(k)`` and
+            ``client_trained(k, model)`` around each client's training,
+            ``watch_server()`` around the aggregation,
+            ``training_measurements()`` and ``evaluation_measurements()``
+            (keys added to the round's ``metrics.jsonl`` row),
+            ``on_round_end(record)`` with the round's
+            :class:`~fedhpro.engines.protocol.RoundRecord`, and
+            ``on_run_end()`` once the summary is written. They are called
+            after those the config switches on (``flops``, ``tensorboard``,
+            ...), in the order given. An observer only looks: none may change a
+            weight or a random draw, so a run gives the same numbers with any
+            observers or none. An exception raised in a hook stops the run
+            there (``fedhpro tune``'s pruner stops a trial so), its rows and
+            checkpoints so far kept.
 
     On the CPU the run flushes denormal floats to zero and sets glibc's
     allocator to keep freed memory (:mod:`fedhpro.runtime`). The
@@ -123,30 +145,83 @@ def run(config: Config | str | os.PathLike | Mapping[str, Any] | None = None,
     """
     if federation is not None:
         check_federation(federation, None)
-    return _run(config, overrides, kwargs, federation, echo)
+    return _run(config, overrides, kwargs, federation, echo, observers=observers)
 
 
 def _run(config: Config | str | os.PathLike | Mapping[str, Any] | None,
          overrides: Iterable[str] | Mapping[str, Any] | None, kwargs: Mapping[str, Any],
-         federation: Federation | None, echo: bool, claim: RunFolderClaim | None = None) -> RunResult:
+         federation: Federation | None, echo: bool, claim: RunFolderClaim | None = None,
+         observers: Sequence[RoundObserver] = ()) -> RunResult:
     """:func:`run` once its arguments are checked: the run's folder is claimed (:func:`claim_run_folder`)
     for the whole run, new or resumed, unless the caller holds its ``claim`` already (:func:`run_or_continue`)."""
     config, model_factory = _resolve_run_config(config, overrides, kwargs)
     folder, setting = _run_folder(config, federation)
-    with driver.claimed_run_folder(folder, setting, claim):
-        # read under the claim: the folder holds no other live run
-        config, resume_from = claimed_config(config, folder, federation, model_factory)
+    build = InProcessRun(federation, model_factory, echo=echo, observers=observers)
+    summary, built = run_with_engine(config, folder, setting, build, held=claim, federation=federation,
+                                     model_factory=model_factory)
+    return RunResult(summary=summary, metrics=built.run.rows.metrics, out=folder, config=built.config,
+                     trained=build.trained[0] if build.trained else None)
+
+
+class InProcessRun:
+    """The builder (:data:`~fedhpro.experiment.EngineBuilder`) of a run on the in-process simulator: its
+    experiment built (``federation``, ``model_factory``: the data and model given from Python), the simulator
+    watched by the observers the config switches on (``config_observers``:
+    :func:`~fedhpro.measurements.observers_for`) and then ``observers``, its trained models written
+    (``model_files``; kept in :attr:`trained`), ``echo``: notes, the final table and where the results are
+    printed. While the rounds run, on the CPU denormal floats are flushed (restored afterwards), freed memory
+    reused (:mod:`fedhpro.runtime`) and the run's thread count set (the caller's put back afterwards); Ctrl-C
+    is a :class:`~fedhpro.errors.RunInterrupted` naming the folder's newest checkpoint."""
+
+    def __init__(self, federation: Federation | None = None,
+                 model_factory: Callable[..., torch.nn.Module] | None = None, *, echo: bool = False,
+                 observers: Sequence[RoundObserver] = (), config_observers: bool = True, model_files: bool = True):
+        self.federation, self.model_factory, self.echo = federation, model_factory, echo
+        self.observers, self.config_observers, self.model_files = list(observers), config_observers, model_files
+        #: the run's trained models, once written (``model_files``)
+        self.trained: list[TrainedModels] = []
+
+    @contextmanager
+    def __call__(self, start: RunStart) -> Iterator[EngineRun]:
+        config, out = start.config, start.out
+        assert out is not None, "an in-process run always has its folder"
         device = resolve_device(config.run.device)
-        # on the CPU: denormals flushed (restored afterwards), freed memory reused (fedhpro.runtime); the run's
-        # thread count set (threads=, auto: the cores this process may run on), the caller's put back afterwards
         try:
             with cpu_runtime(enabled=device.type == "cpu"), torch_threads(resolve_threads(config.run.threads)):
-                return _run_resolved(config, device, federation, model_factory, resume_from, echo, folder)
+                yield self._built(start, config, out, device)
+                if self.echo:
+                    saved = MODEL_FILE if self.trained and self.trained[0].global_model is not None \
+                        else "models/client_<k>.pt"
+                    print(f"results in {out}/ (summary.json, metrics.jsonl, timing.jsonl, accuracy.png, .svg and "
+                          f".pdf, config.yaml); trained model: {saved} (fedhpro.load_model, fedhpro predict)")
         except RunInterrupted:
             raise
         except KeyboardInterrupt as interrupt:  # Ctrl-C: the folder and its newest checkpoint, to say how to go on
-            saved = checkpoint.saved_rounds(folder)
-            raise RunInterrupted(str(folder), saved[-1] if saved else None) from interrupt
+            saved_rounds = checkpoint.saved_rounds(out)
+            raise RunInterrupted(str(out), saved_rounds[-1] if saved_rounds else None) from interrupt
+
+    def _built(self, start: RunStart, config: Config, out: Path, device: torch.device) -> EngineRun:
+        options, federation = config.run, self.federation
+        data_name = federation.name if federation is not None else options.dataset
+        parts = build_experiment(config, device, federation=federation, model_factory=self.model_factory)
+        voice = ConsoleVoice(self.echo)
+        chosen = observers_for(options, out, warn_line, run_title(options, data_name), config.to_dict()) \
+            if self.config_observers else []
+        simulator = build_simulator(config, parts, device, [*chosen, *self.observers])
+        # said only: summary.json does not depend on the CPU; decided on the models built (no extra build, no draws)
+        hardware = bf16_note(options.amp, device, [simulator.models.global_model,
+                                                   *getattr(simulator.models, "working_models", {}).values()])
+        if hardware:
+            voice.note(hardware)
+
+        def write_model(folder: Path) -> None:
+            if self.model_files:
+                self.trained.append(with_federation_statistics(
+                    simulator_models(config, simulator, parts.federation), parts.federation))
+                write_models(folder, self.trained[0])
+
+        return EngineRun(simulator, start.run(simulator.protocol, Simulator.kind), config, data_name,
+                         parts.federation.partition, parts.federation.notes, voice, write_model)
 
 
 def _run_folder(config: Config, federation: Federation | None) -> tuple[Path, str]:
@@ -182,41 +257,6 @@ def _resolve_run_config(config: Config | str | os.PathLike | Mapping[str, Any] |
         merged.update(overrides if isinstance(overrides, Mapping) else map(parse_override, overrides))
     merged.update(kwargs)
     return load_config(config, merged), model_factory
-
-
-def _run_resolved(config: Config, device: torch.device, federation: Federation | None,
-                  model_factory: Callable[..., torch.nn.Module] | None, resume_from: Path | None,
-                  echo: bool, out: Path) -> RunResult:
-    """The run of a resolved ``config`` (:func:`run` after its checks): build the in-process engine, then the
-    run around its rounds (:func:`fedhpro.engines.driver.execute`, the same for every engine)."""
-    options = config.run
-    data_name = federation.name if federation is not None else options.dataset
-    started = time.perf_counter()
-    parts = build_experiment(config, device, federation=federation, model_factory=model_factory)
-    voice = driver.ConsoleVoice(echo)
-    observers = observers_for(options, out, driver.warn_line, driver.run_title(options, data_name), config.to_dict())
-    simulator = build_simulator(config, parts, device, observers)
-    # said only: summary.json does not depend on the CPU; decided on the models built (no extra build, no draws)
-    hardware = bf16_note(options.amp, device, [simulator.models.global_model,
-                                               *getattr(simulator.models, "working_models", {}).values()])
-    if hardware:
-        voice.note(hardware)
-    run = driver.Run(out, options, simulator.protocol, started=started)
-    trained: list[TrainedModels] = []
-
-    def write_model(folder: Path) -> None:
-        trained.append(with_federation_statistics(simulator_models(config, simulator, parts.federation),
-                                                  parts.federation))
-        write_models(folder, trained[0])
-
-    summary = driver.execute(simulator, run, config, data_name=data_name, partition=parts.federation.partition,
-                             notes=parts.federation.notes, resume_from=resume_from, write_model=write_model,
-                             voice=voice)
-    if echo:
-        saved = MODEL_FILE if trained[0].global_model is not None else "models/client_<k>.pt"
-        print(f"results in {out}/ (summary.json, metrics.jsonl, timing.jsonl, accuracy.png, .svg and .pdf, "
-              f"config.yaml); trained model: {saved} (fedhpro.load_model, fedhpro predict)")
-    return RunResult(summary=summary, metrics=run.rows.metrics, out=out, config=config, trained=trained[0])
 
 
 def with_federation_statistics(models: TrainedModels, federation: Federation) -> TrainedModels:
@@ -259,7 +299,7 @@ def run_or_continue(config: Config, folder: str | os.PathLike) -> dict[str, Any]
         if (folder / "config.yaml").is_file() and checkpoint.latest(folder) is not None:
             return _run(None, {"resume": str(folder), "progress": config.run.progress,
                                "threads": config.run.threads}, {}, None, False, claim).summary
-        for name in driver.RUN_FILES:
+        for name in RUN_FILES:
             path = folder / name
             if path.is_dir():
                 shutil.rmtree(path)

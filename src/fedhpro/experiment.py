@@ -1,11 +1,17 @@
 """Building an experiment: the federation, the model factories, the method and the round protocol's settings
-of a config, the same for the in-process simulator and the Flower apps."""
+of a config, the same for the in-process simulator and the Flower apps; and the one setup every run goes
+through (:func:`run_with_engine`: ``fedhpro.run``, ``fedhpro tune``'s trials and the Flower ServerApp): its
+folder claimed, its config resolved, its engine and :class:`~fedhpro.engines.lifecycle.Run` built by the
+caller's builder, then the run around the rounds."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,8 +23,11 @@ from fedhpro.data.federation import Federation
 from fedhpro.data.matched_tests import match_client_tests
 from fedhpro.data.unseen import hold_out_clients
 from fedhpro.data.validation import hold_out_validation
-from fedhpro.engines.driver import warn_line
+from fedhpro.engines.interface import SIMULATOR, Engine, EngineKind
+from fedhpro.engines.lifecycle import Run, claimed_run_folder, execute
 from fedhpro.engines.observers import RoundObserver
+from fedhpro.engines.printout import Voice, warn_line
+from fedhpro.engines.protocol import RoundProtocol
 from fedhpro.engines.simulator import Simulator
 from fedhpro.errors import ConfigError
 from fedhpro.methods import MethodSpec, TrainSettings, get_method
@@ -26,6 +35,7 @@ from fedhpro.methods.sample_dp import model_problem, settings_problem
 from fedhpro.models import build_model, with_projection_head
 from fedhpro.models.heterogeneity import architecture_for_client
 from fedhpro.privacy import Ledger, check_combinations, ledger_for, private_train_settings, sample_level
+from fedhpro.resume import claimed_config
 from fedhpro.user_models import check_federation, user_model_builder
 
 
@@ -211,3 +221,65 @@ def _shared(config: Config) -> str:
     if declared is not None and declared(config.method_options) == "none":
         return "none"
     return "classifier" if config.run.heterogeneity != "none" else "all"
+
+
+# ---------------------------------------------------------------------------- the run setup, once for every entry
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """A run once its folder is claimed and its config resolved (:func:`run_with_engine`): what an engine's
+    builder needs. ``out``: the run's folder (None: a Flower run without ``out=``); ``resume_from``: the
+    checkpoint a resumed run continues from (None: a new run); ``started``: when the run started (its
+    summary's seconds count from there)."""
+
+    config: Config
+    out: Path | None
+    resume_from: Path | None
+    started: float = field(default_factory=time.perf_counter)
+
+    def run(self, protocol: RoundProtocol, kind: EngineKind = SIMULATOR) -> Run:
+        """The :class:`~fedhpro.engines.lifecycle.Run` of an engine of ``kind`` whose round protocol is
+        ``protocol`` (built before the engine's rounds are driven: Flower's strategy holds it)."""
+        return Run(self.out, self.config.run, protocol, engine=kind, started=self.started)
+
+
+@dataclass
+class EngineRun:
+    """What an engine's builder hands :func:`run_with_engine`: the ``engine`` and its ``run``
+    (:meth:`RunStart.run`), the ``config`` it runs (the claimed one, or what the engine learned besides: Flower's
+    nodes), the data's name, partition.json's record and notes, the ``voice`` the run speaks with and
+    ``write_model(out)``, which writes the trained model into the folder (or nothing)."""
+
+    engine: Engine
+    run: Run
+    config: Config
+    data_name: str
+    partition: Any
+    notes: Sequence[str]
+    voice: Voice
+    write_model: Callable[[Path], None]
+
+
+#: an engine's builder: given the claimed run, a context (entered around the rounds) that yields the engine
+EngineBuilder = Callable[[RunStart], AbstractContextManager[EngineRun]]
+
+
+def run_with_engine(config: Config, folder: Path | None, setting: str, build: EngineBuilder, *, held: Any = None,
+                    federation: Federation | None = None,
+                    model_factory: Callable[..., torch.nn.Module] | None = None) -> tuple[dict[str, Any], EngineRun]:
+    """One run, the same setup for every entry point (``fedhpro.run``, ``fedhpro tune``'s trials, the Flower
+    ServerApp): ``folder`` (named by the key ``setting``: ``"out"`` or ``"resume"``) claimed for the whole run
+    (:func:`~fedhpro.engines.lifecycle.claimed_run_folder`; ``held``: the caller's claim on it already), the
+    config resolved under the claim (:func:`~fedhpro.resume.claimed_config`: a resumed run's saved config and
+    checkpoint, or a new run's folder checked), the engine and its ``Run`` built by ``build`` (whose context
+    stays entered while the rounds run: a CPU runtime, an observer's end), then the run around the rounds
+    (:func:`~fedhpro.engines.lifecycle.execute`). Returns ``(summary, what build gave)``."""
+    with claimed_run_folder(folder, setting, held):
+        # read under the claim: the folder holds no other live run
+        config, resume_from = claimed_config(config, folder, federation, model_factory)
+        with build(RunStart(config, folder, resume_from)) as built:
+            summary = execute(built.engine, built.run, built.config, data_name=built.data_name,
+                              partition=built.partition, notes=built.notes, resume_from=resume_from,
+                              write_model=built.write_model, voice=built.voice)
+        return summary, built

@@ -21,7 +21,7 @@ from fedhpro.config import (
 )
 from fedhpro.data.federation import Federation
 from fedhpro.engines import checkpoint
-from fedhpro.engines.driver import check_new_run_folder
+from fedhpro.engines.lifecycle import check_new_run_folder
 from fedhpro.errors import ConfigError
 from fedhpro.user_models import python_name, with_python_objects
 
@@ -30,8 +30,9 @@ from fedhpro.user_models import python_name, with_python_objects
 _RESUME_SETTINGS = RESUMABLE_KEYS
 
 
-def _changed_on_resume(stored: Mapping[str, Any], given: Mapping[str, Any]) -> list[str]:
-    """The keys of ``given`` (bar :data:`_RESUME_SETTINGS`) that would change the saved config ``stored``.
+def _changed_on_resume(stored: Mapping[str, Any], given: Mapping[str, Any], saved: Config) -> list[str]:
+    """The keys of ``given`` (bar :data:`_RESUME_SETTINGS`) that would change the saved config ``stored``, whose
+    resolved form is ``saved`` (with resumable keys of the resume line only, which no other key depends on).
 
     Each key is resolved against the saved config, as the run would read it
     (``tau=0.1`` and ``tau=1e-1`` are the same value), and compared with the
@@ -39,8 +40,9 @@ def _changed_on_resume(stored: Mapping[str, Any], given: Mapping[str, Any]) -> l
     ``dataset=`` change) counts as changed.
     """
     keys = {key: value for key, value in given.items() if key not in _RESUME_SETTINGS}
-    saved = load_config(stored)
-    try:  # all at once: nothing changed (the usual resume) costs one load; else each key on its own, to name it
+    if not keys:  # the usual resume: nothing more to load
+        return []
+    try:  # all at once: nothing changed costs one load; else each key on its own, to name it
         together = load_config(stored, keys)
         if all(setting_value(together, key) == setting_value(saved, key) for key in keys):
             return []
@@ -94,14 +96,14 @@ def _resume_config(config: Config, federation: Federation | None = None,
     stored = read_yaml(saved)
     model = stored.pop("model", None) if is_from_python(stored.get("model")) else None
     given = config.set_keys()
-    changed = _changed_on_resume(stored, given)
-    if changed:
-        raise ConfigError(f"resume takes its settings from {saved}; remove {', '.join(changed)} "
-                          f"(only {', '.join(sorted(_RESUME_SETTINGS - {'resume'}))} may change)")
     # the saved run's own values of the resumable keys, except those set again on the resume line: a key left
     # unset there (tensorboard, progress, parallel_clients, ...) keeps what the run had, not the default
     keep = {name: getattr(config.run, name) for name in _RESUME_SETTINGS if name in given or name == "resume"}
-    resumed = load_config(stored, keep)
+    resumed = load_config(stored, keep)  # the saved config, loaded once: what the checks compare with, and the run's
+    changed = _changed_on_resume(stored, given, resumed)
+    if changed:
+        raise ConfigError(f"resume takes its settings from {saved}; remove {', '.join(changed)} "
+                          f"(only {', '.join(sorted(_RESUME_SETTINGS - {'resume'}))} may change)")
     where = f"resume={str(run_dir)!r}"
     if resumed.federation is not None:
         if federation is None:

@@ -51,19 +51,19 @@ import torch
 import yaml
 from torch import Tensor
 
+from fedhpro.api import InProcessRun
 from fedhpro.compare import as_list, setting_differences
 from fedhpro.config import Config, load_config, parse_override
-from fedhpro.engines import driver
 from fedhpro.engines.observers import RoundObserver
 from fedhpro.engines.protocol import RoundRecord
 from fedhpro.errors import ConfigError, UpdateError
-from fedhpro.experiment import build_experiment, build_simulator, resolve_device
-from fedhpro.files import claim_run_folder, spreadsheet_cell, write_atomic
+from fedhpro.experiment import run_with_engine
+from fedhpro.files import spreadsheet_cell, write_atomic
 from fedhpro.methods import get_method
 from fedhpro.methods.base import all_finite, load_weights
 from fedhpro.methods.no_grad import eval_forward, no_grad_pass, no_grad_precision
 from fedhpro.options import fields_of
-from fedhpro.runtime import cpu_runtime, resolve_threads, torch_threads
+from fedhpro.runtime import resolve_threads
 from fedhpro.search_space import SHARED, Categorical, IntRange, LogUniform, Space, Uniform, contains, declared, describe
 
 #: the validation share a tuning holds out when the settings give none
@@ -257,17 +257,11 @@ def diverged_models(simulator: Any, round: int, collapse: bool = True) -> str | 
 def trial_run(config: Config, folder: Path, observer: RoundObserver) -> dict[str, Any]:
     """``config`` run in the new ``folder`` with ``observer`` watching its rounds; its summary.
 
-    :func:`fedhpro.api.run`'s in-process run with one more observer (the API takes none), a fresh folder,
-    no model written."""
-    device = resolve_device(config.run.device)
-    with claim_run_folder(folder), cpu_runtime(enabled=device.type == "cpu"), \
-            torch_threads(resolve_threads(config.run.threads)):
-        parts = build_experiment(config, device)
-        simulator = build_simulator(config, parts, device, [observer])
-        run = driver.Run(folder, config.run, simulator.protocol, started=time.perf_counter())
-        return driver.execute(simulator, run, config, data_name=config.run.dataset,
-                              partition=parts.federation.partition, notes=parts.federation.notes, resume_from=None,
-                              write_model=lambda _: None, voice=driver.ConsoleVoice(False))
+    :func:`fedhpro.run`'s setup and in-process engine (:class:`~fedhpro.api.InProcessRun`) with ``observer``
+    as the only one (the config's measurements are not a trial's) and no model written."""
+    build = InProcessRun(observers=[observer], config_observers=False, model_files=False)
+    summary, _ = run_with_engine(config, folder, "out", build)
+    return summary
 
 
 def _fixed_settings(tuning: Tuning, method: str) -> dict[str, Any]:

@@ -38,13 +38,13 @@ from fedhpro.methods.no_grad import extract_features
 from fedhpro.metrics import FlopCounter, class_means, mean_client_prototypes, prototype_distance
 
 if TYPE_CHECKING:
-    from fedhpro.engines.driver import InProcessEngine
+    from fedhpro.engines.interface import InProcessEngine
     from fedhpro.engines.protocol import RoundRecord
 
 
 class RoundObserver:
-    """Watches an engine's rounds (:class:`~fedhpro.engines.driver.InProcessEngine`); every hook does nothing unless
-    overridden.
+    """Watches an engine's rounds (:class:`~fedhpro.engines.interface.InProcessEngine`); every hook does nothing
+    unless overridden.
 
     ``attach`` is called once, by the engine's constructor, before any round:
     the place to refuse an engine the measurement cannot observe (a ConfigError).

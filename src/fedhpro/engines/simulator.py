@@ -18,7 +18,7 @@ import functools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -26,8 +26,9 @@ from torch import Tensor, nn
 from fedhpro import runtime
 from fedhpro.data.federation import Federation
 from fedhpro.engines.client_tests import ClientTests, FineTune
-from fedhpro.engines.driver import RoundClock, round_extra
+from fedhpro.engines.interface import SIMULATOR, EngineKind
 from fedhpro.engines.observers import RoundObserver, measurements, watching
+from fedhpro.engines.one_round import RoundClock, round_extra
 from fedhpro.engines.protocol import (
     INIT,
     SERVER,
@@ -191,6 +192,8 @@ def build_method(method: MethodSpec, options: Any, models: ClientModels, num_cla
 
 class Simulator:
     """Runs one method on one federation for a number of rounds."""
+
+    kind: ClassVar[EngineKind] = SIMULATOR
 
     def __init__(self, method: MethodSpec, options: Any, federation: Federation,
                  model_factory: Callable[[], nn.Module], train: TrainSettings, *, rounds: int,

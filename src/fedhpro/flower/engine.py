@@ -38,7 +38,7 @@ from fedhpro.config import Config, load_config
 from fedhpro.data.clients import load_client
 from fedhpro.data.federation import ClientData, Federation
 from fedhpro.engines.client_tests import ClientTests
-from fedhpro.engines.driver import InProcessEngine
+from fedhpro.engines.interface import InProcessEngine
 from fedhpro.engines.protocol import RoundProtocol
 from fedhpro.engines.simulator import ClientModels, build_method
 from fedhpro.errors import ConfigError

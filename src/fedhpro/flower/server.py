@@ -38,8 +38,8 @@ import json
 import math
 import secrets
 import sys
-import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
@@ -61,19 +61,18 @@ from fedhpro.data.feature_statistics import (
     shared_scaling,
     unpacked_scaling,
 )
-from fedhpro.engines import driver
 from fedhpro.engines.observers import RoundObserver
 from fedhpro.engines.protocol import RoundRecord
 from fedhpro.errors import ConfigError, FedHProError
+from fedhpro.experiment import EngineRun, RunStart, run_with_engine
 from fedhpro.flower import secagg
 from fedhpro.flower.engine import ServerSide, build_server_side, config_text, own_data
 from fedhpro.flower.nodes import Nodes, _client_keys, discover_nodes, discover_own_data, error_reason
 from fedhpro.flower.records import EVAL_RECORD, HEADER, NODE_RECORD, PRIVACY, SERVER_STATE
-from fedhpro.flower.settings import FlowerSettings, config_from_run_config, experiment_keys
+from fedhpro.flower.settings import FlowerSettings, config_from_run_config
 from fedhpro.flower.strategy import FlowerEngine, MethodStrategy, round_timeout, secure_for
 from fedhpro.measurements import record_observers
 from fedhpro.privacy import is_private
-from fedhpro.resume import claimed_config
 from fedhpro.trained import server_models, write_models
 
 #: what this module's users import from it besides the ServerApp: the message records' names (the ClientApp's too)
@@ -88,55 +87,66 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], base: Mapping[str, Any
     that run's config (``fedhpro run``'s rule: keys that would change what it computes are refused).
     """
     config, settings = config_from_run_config(run_config, base)
-    base = experiment_keys(base)  # its flower.* settings are in `settings`
     folder = config.run.resume or config.run.out
     out = Path(folder) if folder else None
     # the out folder is this ServerApp's until it ends (fedhpro run's rule): a second run on it is refused in
-    # one line; claimed before the folder is read, so a resume reads no files a live run is writing
-    with driver.claimed_run_folder(out, "resume" if config.run.resume else "out"):
-        config, resume_from = claimed_config(config, out)  # before any node is asked
-        return _run_server(grid, config, settings, out, resume_from)
+    # one line; claimed before the folder is read, so a resume reads no files a live run is writing, and the
+    # config resolved before any node is asked
+    build = FlowerRun(grid, settings)
+    run_with_engine(config, out, "resume" if config.run.resume else "out", build)
+    assert build.strategy is not None, "the builder made the strategy before the rounds"
+    return build.strategy
 
 
-def _run_server(grid: Grid, config: Config, settings: FlowerSettings, out: Path | None,
-                resume_from: Path | None) -> MethodStrategy:
-    """:func:`run_server` once its out folder (if any) is claimed and its config resolved: the nodes found, then
-    the run around the rounds as ``fedhpro run`` does it (:func:`fedhpro.engines.driver.execute`) with Flower
-    as the engine (:class:`~fedhpro.flower.strategy.FlowerEngine`)."""
-    # no progress bars in a server log; a deployment's noise must not be redrawable from the config: the OS's
-    # randomness unless the run asks for seeded noise (privacy.secure_noise=false, e.g. to compare with the simulator)
-    config = config.updated({"progress": False, **({"privacy.secure_noise": True} if is_private(config.privacy)
-                                                  and config.privacy.secure_noise is None else {})})
-    if settings.secure_aggregation == "secagg+":
-        secagg.check_secure_config(config)  # before any node is asked
-    started = time.perf_counter()
-    if config.run.unseen_clients > 0 or config.run.unseen_domain is not None:
-        raise ConfigError("unseen_clients / unseen_domain are not available on Flower yet (every SuperNode is a "
-                          "client that trains); measure unseen clients in simulation (fedhpro run)")
-    needs_server_tests = config.run.validation > 0 or config.run.client_test != "shared"
-    if needs_server_tests and own_data(config):  # before any node is waited for
-        raise ConfigError(SERVER_TESTS_ONLY)
-    side, config, nodes, partition, notes = _federation(grid, config, settings)
-    if needs_server_tests and side.federated_evaluation:
-        raise ConfigError(SERVER_TESTS_ONLY)
-    timeout = round_timeout(settings.round_timeout, config, side)  # unset ("auto"): sized from the run's clients
-    if settings.round_timeout is None:
-        log(INFO, "fedhpro: flower.round-timeout (auto): %.0f s a round", timeout)
-    settings = dataclasses.replace(settings, round_timeout=timeout)  # what SecAgg+'s stages wait too
-    run = driver.Run(out, config.run, side.protocol, engine="flower", started=started)
-    known = Nodes(nodes, getattr(nodes, "infos", None), _client_keys(grid, nodes, settings))
-    known.strangers.update(getattr(nodes, "strangers", ()))  # refused at discovery: a round does not ask them again
-    strategy = MethodStrategy(side, config, known,
-                              run_key(config, secrets.token_hex(8)), settings.node_auth,
-                              secure_for(config, side, settings), run)
-    board, tracker = record_observers(config.run, out, ServerLog().warning, config.to_dict()) \
-        if out is not None else ([], [])  # TensorBoard and the tracker write into the run folder
-    engine = ObservedFlowerEngine(strategy, grid, timeout, partition, board + tracker)
-    driver.execute(engine, run, config, data_name=config.run.dataset, partition=partition, notes=notes,
-                   resume_from=resume_from, voice=ServerLog(),
-                   write_model=lambda folder: write_models(folder, server_models(side, partition)))
-    forget_client_state(grid, strategy, timeout)
-    return strategy
+class FlowerRun:
+    """The builder (:data:`~fedhpro.experiment.EngineBuilder`) of a run on the nodes of ``grid``: the nodes
+    found, then Flower as the engine (:class:`ObservedFlowerEngine`) of the run around the rounds as ``fedhpro
+    run`` does it (:func:`fedhpro.experiment.run_with_engine`); at the end the nodes forget the run's client
+    state. The strategy it made is kept in :attr:`strategy`."""
+
+    def __init__(self, grid: Grid, settings: FlowerSettings):
+        self.grid, self.settings = grid, settings
+        self.strategy: MethodStrategy | None = None
+
+    @contextmanager
+    def __call__(self, start: RunStart) -> Iterator[EngineRun]:
+        engine, built = self._built(start)
+        yield built
+        forget_client_state(self.grid, engine.strategy, engine.timeout)
+
+    def _built(self, start: RunStart) -> tuple[ObservedFlowerEngine, EngineRun]:
+        grid, settings, out = self.grid, self.settings, start.out
+        # no progress bars in a server log; a deployment's noise must not be redrawable from the config: the OS's
+        # randomness unless the run asks for seeded noise (privacy.secure_noise=false, e.g. to compare with the
+        # simulator)
+        config = start.config.updated({"progress": False, **(
+            {"privacy.secure_noise": True} if is_private(start.config.privacy)
+            and start.config.privacy.secure_noise is None else {})})
+        if settings.secure_aggregation == "secagg+":
+            secagg.check_secure_config(config)  # before any node is asked
+        if config.run.unseen_clients > 0 or config.run.unseen_domain is not None:
+            raise ConfigError("unseen_clients / unseen_domain are not available on Flower yet (every SuperNode is a "
+                              "client that trains); measure unseen clients in simulation (fedhpro run)")
+        needs_server_tests = config.run.validation > 0 or config.run.client_test != "shared"
+        if needs_server_tests and own_data(config):  # before any node is waited for
+            raise ConfigError(SERVER_TESTS_ONLY)
+        side, config, nodes, partition, notes = _federation(grid, config, settings)
+        if needs_server_tests and side.federated_evaluation:
+            raise ConfigError(SERVER_TESTS_ONLY)
+        timeout = round_timeout(settings.round_timeout, config, side)  # unset ("auto"): sized from the run's clients
+        if settings.round_timeout is None:
+            log(INFO, "fedhpro: flower.round-timeout (auto): %.0f s a round", timeout)
+        settings = dataclasses.replace(settings, round_timeout=timeout)  # what SecAgg+'s stages wait too
+        run = start.run(side.protocol, FlowerEngine.kind)
+        known = Nodes(nodes, getattr(nodes, "infos", None), _client_keys(grid, nodes, settings))
+        known.strangers.update(getattr(nodes, "strangers", ()))  # refused at discovery: a round does not ask them again
+        self.strategy = strategy = MethodStrategy(side, config, known, run_key(config, secrets.token_hex(8)),
+                                                  settings.node_auth, secure_for(config, side, settings), run)
+        board, tracker = record_observers(config.run, out, ServerLog().warning, config.to_dict()) \
+            if out is not None else ([], [])  # TensorBoard and the tracker write into the run folder
+        engine = ObservedFlowerEngine(strategy, grid, timeout, partition, board + tracker)
+        return engine, EngineRun(engine, run, config, config.run.dataset, partition, notes, ServerLog(),
+                                 lambda folder: write_models(folder, server_models(side, partition)))
 
 
 class ObservedFlowerEngine(FlowerEngine):
@@ -161,7 +171,7 @@ class ObservedFlowerEngine(FlowerEngine):
 
 
 class ServerLog:
-    """The ServerApp's :class:`~fedhpro.engines.driver.Voice`: every line in Flower's log."""
+    """The ServerApp's :class:`~fedhpro.engines.printout.Voice`: every line in Flower's log."""
 
     def note(self, line: str) -> None:
         log(INFO, "fedhpro: note: %s", line)

@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Iterable, Mapping
 from logging import INFO, WARNING
-from typing import Any
+from typing import Any, ClassVar
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
@@ -26,7 +26,9 @@ from flwr.supercore import log
 
 from fedhpro.config import Config
 from fedhpro.engines import checkpoint
-from fedhpro.engines.driver import RoundClock, Run, round_extra
+from fedhpro.engines.interface import FLOWER, EngineKind
+from fedhpro.engines.lifecycle import Run
+from fedhpro.engines.one_round import RoundClock, round_extra
 from fedhpro.engines.protocol import OpenRound, Reception, RoundRecord, TestCount, weighted_mean
 from fedhpro.errors import FedHProError, UpdateError
 from fedhpro.flower import records, secagg
@@ -97,8 +99,10 @@ class MethodStrategy(Strategy):
         its client's node had at discovery (``nodes.client_keys``). ``secure``
         (``flower.secure-aggregation=secagg+``): the uploads are summed by Flower's SecAgg+ and the protocol
         gets replies rebuilt from the sum (:mod:`fedhpro.flower.secagg`). ``run``: the run around the rounds
-        (:class:`~fedhpro.engines.driver.Run`: its rows, checkpoints and folder); default: one that writes no
-        folder."""
+        (:class:`~fedhpro.engines.lifecycle.Run`: its rows, checkpoints and folder), given by the run setup, whose
+        loop (:func:`~fedhpro.engines.lifecycle.train` through :class:`FlowerEngine`) keeps each round's rows;
+        default: one that writes no folder, whose rows this strategy keeps itself, as it must when Flower's own
+        ``Strategy.start`` drives it."""
         self.side = side
         self.secure = secure
         self._outcome: secagg.SecureOutcome | None = None
@@ -112,9 +116,9 @@ class MethodStrategy(Strategy):
         self._clock = RoundClock(time.perf_counter())
         #: the latest round's record (its row)
         self.last_record: RoundRecord | None = None
-        #: whether the strategy keeps each round's rows and checkpoints itself (:meth:`Run.round_done`), as it
-        #: must when Flower's own ``Strategy.start`` drives it; :class:`FlowerEngine` leaves that to the run
-        self.keeps_rows = True
+        #: whether the strategy keeps each round's rows and checkpoints itself (:meth:`Run.round_done`): only
+        #: without a given run (Flower's own ``Strategy.start`` drives it); a given run's loop keeps them
+        self.keeps_rows = run is None
         self._server_metrics: dict[str, float] = {}
         self.refused: dict[int, int] = {}  # client -> the round of its latest reply refused as invalid
         self.run_key = run_key
@@ -130,7 +134,7 @@ class MethodStrategy(Strategy):
         """The run around the rounds: each round's rows, and its checkpoints when it has a folder (made on
         first use when none was given: a run that writes no folder)."""
         if self._run is None:
-            self._run = Run(None, self.config.run, self.side.protocol, engine="flower")
+            self._run = Run(None, self.config.run, self.side.protocol, engine=FLOWER)
         return self._run
 
     @property
@@ -175,7 +179,7 @@ class MethodStrategy(Strategy):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint's state (its rows and round: :meth:`driver.Run.open`)."""
+        """Continue from a checkpoint's state (its rows and round: :meth:`~fedhpro.engines.lifecycle.Run.open`)."""
         self.side.protocol.load_state_dict(state.get("protocol") or {})
         self.server.load_state_dict(state["server"])
         self.refused = {int(k): int(r) for k, r in state["refused"].items()}
@@ -445,15 +449,17 @@ class MethodStrategy(Strategy):
 
 
 class FlowerEngine:
-    """The Flower ServerApp as an :class:`~fedhpro.engines.driver.Engine`, so that
-    :func:`~fedhpro.engines.driver.execute` runs it as it runs the in-process simulator: a round is the
+    """The Flower ServerApp as an :class:`~fedhpro.engines.interface.Engine`, so that
+    :func:`~fedhpro.engines.lifecycle.execute` runs it as it runs the in-process simulator: a round is the
     strategy's training messages sent to the nodes through ``grid`` and their replies handed back, then its
     evaluation messages likewise (the calls Flower's ``Strategy.start`` makes, each waiting at most
     ``timeout`` seconds). ``partition``: partition.json's record of the nodes (own data: what each declared)."""
 
+    kind: ClassVar[EngineKind] = FLOWER
+
     def __init__(self, strategy: MethodStrategy, grid: Grid, timeout: float, partition: Mapping[str, Any]):
+        assert not strategy.keeps_rows, "the strategy of an engine is given the run, whose loop keeps the rows"
         self.strategy, self.grid, self.timeout, self.partition = strategy, grid, timeout, partition
-        strategy.keeps_rows = False  # the run keeps them (driver.train)
         side = strategy.side
         self.protocol, self.server, self.models, self.device = side.protocol, side.server, side.models, side.device
 
