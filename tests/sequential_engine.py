@@ -1,7 +1,7 @@
 """A second engine, for tests: the participants trained one after another through the shared round protocol,
-no observers, no drop handling beyond the protocol's. It implements :class:`fedhpro.engines.driver.Engine`
+no observers, no drop handling beyond the protocol's. It implements :class:`fedhpro.engines.interface.Engine`
 and nothing else, with the driver's row and client-evaluation functions, so a run through
-:func:`~fedhpro.engines.driver.execute` gives the simulator's bytes (one global model, test sets shared
+:func:`~fedhpro.engines.lifecycle.execute` gives the simulator's bytes (one global model, test sets shared
 per domain: FedAvg, FedHPro)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from fedhpro.config import Config
-from fedhpro.engines.driver import round_extra, test_client
+from fedhpro.engines.one_round import round_extra, test_client
 from fedhpro.engines.evaluation import pool_accuracy
 from fedhpro.engines.protocol import RoundProtocol, RoundRecord, client_step
 from fedhpro.engines.simulator import ClientModels, build_method

@@ -130,7 +130,7 @@ def test_compact_images_read_as_their_decoded_floats():
 
 
 def test_compact_test_sets_count_as_the_float_ones():
-    from fedhpro.engines.driver import count_correct
+    from fedhpro.engines.one_round import count_correct
 
     generator = torch.Generator().manual_seed(5)
     pixels = torch.randint(0, 256, (150, 3, 8, 8), dtype=torch.uint8, generator=generator)

@@ -301,8 +301,6 @@ BF16_FEATURE_TOLERANCE = 0.02
 def autocast_seen(monkeypatch) -> list[tuple[bool, bool, torch.dtype]]:
     """Every no-grad forward of :func:`fedhpro.methods.no_grad.eval_forward` (features, evaluation), as
     ``(grad enabled, autocast on the CPU, dtype handed back)``, whichever engine called it."""
-    from fedhpro.engines import driver
-
     seen: list[tuple[bool, bool, torch.dtype]] = []
     original = no_grad_module.eval_forward
 
@@ -312,12 +310,11 @@ def autocast_seen(monkeypatch) -> list[tuple[bool, bool, torch.dtype]]:
         return output
 
     monkeypatch.setattr(no_grad_module, "eval_forward", spy)
-    monkeypatch.setattr(driver, "eval_forward", spy)
     return seen
 
 
 def test_bf16_no_grad_passes_run_under_autocast_and_return_float32_close_to_float32(monkeypatch):
-    from fedhpro.engines.driver import count_correct
+    from fedhpro.engines.one_round import count_correct
 
     torch.manual_seed(0)
     model = TinyBNNet().eval()
@@ -341,7 +338,7 @@ def test_bf16_no_grad_passes_run_under_autocast_and_return_float32_close_to_floa
 def test_amp_off_no_grad_passes_equal_the_old_code(monkeypatch):
     """amp=off: the features and the counts are bit for bit what the passes computed before (by hand here:
     eval mode, batches of 64 in channels_last, float32), inside the block and outside it."""
-    from fedhpro.engines.driver import count_correct, test_client
+    from fedhpro.engines.one_round import count_correct, test_client
 
     torch.manual_seed(0)
     model = TinyBNNet()

@@ -12,7 +12,7 @@ import pytest
 from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
 
 from fedhpro.api import run
-from fedhpro.engines import driver
+from fedhpro.engines import lifecycle
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "reference" / "run-folder.md"
 
@@ -59,7 +59,7 @@ def test_the_matcher_reads_the_tables_patterns():
 def run_folders(digits_data_dir, tmp_path_factory) -> list[Path]:
     root = tmp_path_factory.mktemp("folders")
     resumed = root / "resumed"
-    round_done = driver.Run.round_done
+    round_done = lifecycle.Run.round_done
 
     def interrupted(self, record, state):
         done = round_done(self, record, state)
@@ -68,7 +68,7 @@ def run_folders(digits_data_dir, tmp_path_factory) -> list[Path]:
         return done
 
     patch = pytest.MonkeyPatch()
-    patch.setattr(driver.Run, "round_done", interrupted)
+    patch.setattr(lifecycle.Run, "round_done", interrupted)
     try:
         with pytest.raises(KeyboardInterrupt):
             run(overrides=tiny(digits_data_dir, resumed, "method=fedhpro", "checkpoint_every=1", "tsne=true"))
@@ -94,7 +94,7 @@ def test_every_file_a_run_writes_has_a_row(run_folders):
 
 
 def test_every_name_the_driver_guards_has_a_row():
-    # driver.RUN_FILES: what a new run refuses to write over; each of them is a file or folder of the table
+    # lifecycle.RUN_FILES: what a new run refuses to write over; each of them is a file or folder of the table
     names = table_names()
-    for held in driver.RUN_FILES:
+    for held in lifecycle.RUN_FILES:
         assert any(name == held or name.startswith(f"{held}/") for name in names), held

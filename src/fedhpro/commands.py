@@ -14,7 +14,7 @@ from fedhpro.compare import main as compare_main
 from fedhpro.config import applied_data_options, load_config, parse_override, read_yaml
 from fedhpro.data import get_dataset
 from fedhpro.data.describe import plot_heatmap, table
-from fedhpro.engines.driver import RUN_FILES
+from fedhpro.engines.lifecycle import RUN_FILES
 from fedhpro.errors import ConfigError
 from fedhpro.models import MODELS
 from fedhpro.models.summary import describe_models, format_model_table

@@ -21,7 +21,7 @@ from fedhpro.reports.plots import plot_tsne
 from fedhpro.trackers import tracker_for
 
 if TYPE_CHECKING:
-    from fedhpro.engines.driver import InProcessEngine
+    from fedhpro.engines.interface import InProcessEngine
     from fedhpro.engines.protocol import RoundRecord
 
 

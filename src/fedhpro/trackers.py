@@ -29,7 +29,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
 
-from fedhpro.engines.driver import run_title
+from fedhpro.engines.lifecycle import run_title
 from fedhpro.engines.observers import RoundObserver
 from fedhpro.errors import ConfigError
 from fedhpro.reports.plots import pdf_path, plot_run_accuracy, vector_path

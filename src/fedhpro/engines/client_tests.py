@@ -4,7 +4,7 @@ Flower ServerApp in partition mode (it builds the data set, not a simulator).
 One global model on test sets shared per domain is tested once per test set; personal models, or a
 federation that arrives split (each client with its own test split), are tested client by client and the
 counts pooled per test set (:meth:`~fedhpro.engines.protocol.RoundProtocol.pooled_accuracy`). A Flower node
-computes one client's count with the same :func:`~fedhpro.engines.driver.test_client`.
+computes one client's count with the same :func:`~fedhpro.engines.one_round.test_client`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from fedhpro.data.federation import Federation
-from fedhpro.engines.driver import count_correct, test_client
 from fedhpro.engines.evaluation import TestCount, pool_accuracy
+from fedhpro.engines.one_round import count_correct, test_client
 from fedhpro.engines.protocol import RoundProtocol
 from fedhpro.errors import ConfigError
 from fedhpro.methods.no_grad import no_grad_precision
@@ -83,7 +83,7 @@ class ClientTests:
         """Each client's ``(test-set name, size)`` when :meth:`evaluate_clients` pools the clients' test counts
         (personal models, or a federation that arrives split); ``[]`` for one global model on shared test sets,
         which is tested once per test set (no client's count is pooled). What
-        :func:`~fedhpro.engines.driver.pooled_share_warnings` reads."""
+        :func:`~fedhpro.engines.size_claims.pooled_share_warnings` reads."""
         if not self.personal and self.federation.client_tests is None:
             return []
         return [(name, int(y.shape[0])) for name, (_, y) in map(self.client_test, range(self.federation.num_clients))]

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fedhpro.engines.protocol import TestCount
+from fedhpro.engines.evaluation import TestCount
 from fedhpro.methods import no_grad
 from fedhpro.methods.base import load_weights
 from fedhpro.methods.no_grad import eval_batch_size, no_grad_pass, no_grad_precision

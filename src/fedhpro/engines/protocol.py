@@ -105,10 +105,7 @@ from fedhpro.engines.replies import (
     SizeChecks,
     TrainingMetrics,
     WeightCap,
-    capped_reply,
     check_bounds,
-    counts_problem,
-    examples_problem,
 )
 from fedhpro.engines.replies import weight_cap as claims_cap
 from fedhpro.engines.robust import RobustFold
@@ -150,12 +147,6 @@ def client_step(server: Any, client: Any, model: torch.nn.Module, payload: Mappi
         return reply, metrics
     return privatize_upload(reply, payload.get("weights") or {}, declared_class_keys(server), privacy,
                             upload_noise_generator(privacy, seed, round, k), int(server.num_classes)), {}
-
-
-# the option classes under their old names, for the modules that still import them from here (the simulator's
-# signature, trained.evaluation): the classes are fedhpro.config's FaultOptions and AggregationOptions
-Faults = FaultOptions
-Aggregation = AggregationOptions
 
 
 @dataclass
@@ -509,8 +500,4 @@ class OpenRound(RoundState):
 
 
 __all__ = ["INIT", "SAMPLE", "SERVER", "TRAIN", "OpenRound", "RoundProtocol", "RoundRecord", "client_step",
-           "round_half_up", "train_generator",
-           # imported from here by modules outside the engines' core (their homes: chain, evaluation, replies,
-           # seeds, config)
-           "Aggregation", "Faults", "Reception", "TestCount", "capped_reply", "counts_problem", "derive_seed",
-           "examples_problem", "pool_accuracy", "weighted_mean"]
+           "round_half_up", "train_generator"]

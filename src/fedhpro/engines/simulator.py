@@ -24,7 +24,9 @@ import torch
 from torch import Tensor, nn
 
 from fedhpro import runtime
+from fedhpro.config import AggregationOptions, FaultOptions
 from fedhpro.data.federation import Federation
+from fedhpro.engines.chain import Reception
 from fedhpro.engines.client_tests import ClientTests, FineTune
 from fedhpro.engines.interface import SIMULATOR, EngineKind
 from fedhpro.engines.observers import RoundObserver, measurements, watching
@@ -32,20 +34,17 @@ from fedhpro.engines.one_round import RoundClock, round_extra
 from fedhpro.engines.protocol import (
     INIT,
     SERVER,
-    Aggregation,
-    Faults,
     OpenRound,
-    Reception,
     RoundProtocol,
     RoundRecord,
     client_step,
-    derive_seed,
 )
 from fedhpro.errors import ConfigError, DataError, TrainingDiverged
 from fedhpro.methods.base import MethodContext, MethodSpec, lends_weights
 from fedhpro.methods.no_grad import extract_features
 from fedhpro.methods.training import TrainSettings
 from fedhpro.metrics import class_means
+from fedhpro.seeds import derive_seed
 
 
 def _seeded(factory: Callable[[], nn.Module], seed: int, device: torch.device) -> nn.Module:
@@ -200,9 +199,9 @@ class Simulator:
                  participation: float = 1.0, seed: int = 0, eval_every: int = 1,
                  device: torch.device | str = "cpu", client_architectures: Sequence[str] | None = None,
                  architecture_factory: Callable[[str], nn.Module] | None = None, shared: str | None = None,
-                 faults: Faults | None = None, min_clients: int = 1, on_drop: Callable[[str], None] | None = None,
+                 faults: FaultOptions | None = None, min_clients: int = 1, on_drop: Callable[[str], None] | None = None,
                  count_flops: bool = False, prototype_distance: bool = False,
-                 observers: Sequence[RoundObserver] = (), aggregation: Aggregation | None = None,
+                 observers: Sequence[RoundObserver] = (), aggregation: AggregationOptions | None = None,
                  privacy: Any = None, ledger: Any = None, parallel_clients: int = 1,
                  client_threads: int | None = None, unseen_finetune: int = 0):
         """``client_architectures`` (one name per client, built by ``architecture_factory``) switches on

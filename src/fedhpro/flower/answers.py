@@ -19,7 +19,7 @@ from fedhpro.bounded import LimitError, load_json
 from fedhpro.config import Config
 from fedhpro.data.clients import ClientInfo
 from fedhpro.data.feature_statistics import FeatureSums, sums_from_json
-from fedhpro.engines.protocol import TestCount
+from fedhpro.engines.evaluation import TestCount
 from fedhpro.errors import UpdateError
 from fedhpro.flower.records import EVAL_RECORD, NODE_RECORD
 

@@ -58,7 +58,7 @@ from fedhpro.data.clients import scan_client, site_feature_sums, site_training_f
 from fedhpro.data.digits_offline import default_data_dir
 from fedhpro.data.feature_statistics import feature_ranges, packed_sums, range_sums
 from fedhpro.engines import checkpoint
-from fedhpro.engines.driver import test_client
+from fedhpro.engines.one_round import test_client
 from fedhpro.engines.protocol import client_step
 from fedhpro.errors import ConfigError, DataError, UpdateError
 from fedhpro.files import write_atomic_with

@@ -59,7 +59,7 @@ from flwr.serverapp import Grid
 from torch import Tensor
 
 from fedhpro.aggregation import AGGREGATION_RULES
-from fedhpro.engines.protocol import counts_problem, examples_problem
+from fedhpro.engines.replies import counts_problem, examples_problem
 from fedhpro.errors import ConfigError, FedHProError, UpdateError
 from fedhpro.flower.records import HEADER
 from fedhpro.flower.secure_sum import METRIC_SCALE, SecureLayout, holder_counts, rebuild_replies

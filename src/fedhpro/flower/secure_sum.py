@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedhpro.engines.protocol import capped_reply
+from fedhpro.engines.replies import capped_reply
 from fedhpro.errors import ConfigError, FedHProError, UpdateError
 from fedhpro.methods.base import Server
 from fedhpro.methods.layout import COUNTS, HOLDERS, ClassRows

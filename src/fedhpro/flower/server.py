@@ -19,7 +19,7 @@ One run, as the in-process simulator does it (see :mod:`fedhpro.flower.engine`):
 4. evaluation: with one global model in partition mode, on the server's test
    sets; otherwise federated: every node tests (the global model, or its
    personal model) on its own test data and the server pools the counts per
-   test set (:func:`~fedhpro.engines.protocol.pool_accuracy`);
+   test set (:func:`~fedhpro.engines.evaluation.pool_accuracy`);
 5. if ``out`` is set, write ``metrics.jsonl`` (same rows as ``fedhpro run``),
    ``summary.json``, ``config.yaml``, ``partition.json`` and ``server_state.pt``,
    and after every round its rows and, when one is due, a checkpoint

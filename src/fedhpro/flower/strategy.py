@@ -26,10 +26,12 @@ from flwr.supercore import log
 
 from fedhpro.config import Config
 from fedhpro.engines import checkpoint
+from fedhpro.engines.chain import Reception
+from fedhpro.engines.evaluation import TestCount, weighted_mean
 from fedhpro.engines.interface import FLOWER, EngineKind
 from fedhpro.engines.lifecycle import Run
 from fedhpro.engines.one_round import RoundClock, round_extra
-from fedhpro.engines.protocol import OpenRound, Reception, RoundRecord, TestCount, weighted_mean
+from fedhpro.engines.protocol import OpenRound, RoundRecord
 from fedhpro.errors import FedHProError, UpdateError
 from fedhpro.flower import records, secagg
 from fedhpro.flower.answers import eval_count, max_classes

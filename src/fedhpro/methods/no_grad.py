@@ -59,7 +59,7 @@ def no_grad_precision(amp: str, device: torch.device) -> Iterator[None]:
     compute under the autocast local training uses for ``amp`` on ``device`` (:func:`fedhpro.runtime.amp_precision`:
     bfloat16, or float16 on a GPU without native bfloat16) and hand back float32 features and logits. ``amp=off``:
     float32, exactly the operations they ran before. A client's :meth:`~fedhpro.methods.base.Client.fit` and the
-    engines' evaluation (:func:`fedhpro.engines.driver.test_client`) enter it; the server's step stays float32."""
+    engines' evaluation (:func:`fedhpro.engines.one_round.test_client`) enter it; the server's step stays float32."""
     token = _NO_GRAD_AUTOCAST.set(AUTOCAST_DTYPES.get(runtime.amp_precision(amp, device)))
     try:
         yield

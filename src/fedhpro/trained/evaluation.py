@@ -1,7 +1,7 @@
 """A finished run's trained model(s) re-tested from the folder alone, per class (``fedhpro report ...
 per_class=true``), through the run's own evaluation: the same forward passes
-(:func:`fedhpro.engines.driver.count_correct` in the run's ``amp`` precision, evaluation batch size and layout),
-the same pooling of the clients' counts under the run's caps (:func:`fedhpro.engines.protocol.pool_accuracy`), in
+(:func:`fedhpro.engines.one_round.count_correct` in the run's ``amp`` precision, evaluation batch size and layout),
+the same pooling of the clients' counts under the run's caps (:func:`fedhpro.engines.evaluation.pool_accuracy`), in
 the run's CPU settings (denormals flushed, its thread count). Its accuracy is then the summary's to the bit unless
 the data or the model files changed."""
 
@@ -17,12 +17,12 @@ import torch
 from torch import Tensor, nn
 
 from fedhpro.bounded import read_json_file, run_file
-from fedhpro.config import applied_data_options
+from fedhpro.config import AggregationOptions, applied_data_options
 from fedhpro.data import get_dataset
 from fedhpro.data.unseen import hold_out_clients
 from fedhpro.data.validation import hold_out_validation
-from fedhpro.engines.driver import count_correct
-from fedhpro.engines.protocol import Aggregation, TestCount, pool_accuracy
+from fedhpro.engines.evaluation import TestCount, pool_accuracy
+from fedhpro.engines.one_round import count_correct
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.methods.no_grad import no_grad_precision
 from fedhpro.metrics.classification import classification_figures
@@ -66,7 +66,7 @@ def _tested(module: nn.Module, name: str, x: Tensor, y: Tensor, num_classes: int
             batch_size: int | None) -> Tested:
     """:class:`Tested` of ``module`` (a module loaded from the folder, which applies the run's inference rule)
     on ``(x, y)``: the run's own test (:func:`~fedhpro.engines.simulator.evaluate`:
-    :func:`~fedhpro.engines.driver.count_correct` in the run's
+    :func:`~fedhpro.engines.one_round.count_correct` in the run's
     :func:`~fedhpro.methods.no_grad.no_grad_precision`), its predictions kept."""
     recorded = _Recorded(module)
     with no_grad_precision(amp, x.device):
@@ -143,7 +143,7 @@ def class_accuracy(run_folder: str | os.PathLike, *, model: Callable[..., nn.Mod
                 personal = global_model if global_model is not None else load_model(folder, client=k, model=model,
                                                                                         preprocess=False)
                 test(name, personal, x, y)
-            aggregation = Aggregation(**dataclasses.asdict(config.aggregation))
+            aggregation = AggregationOptions(**dataclasses.asdict(config.aggregation))
             accuracy = pool_accuracy(counts, list(federation.test_sets), aggregation.max_share)
     if not any(count.total for count in counts):
         accuracy["AVG"] = 0.0  # nothing tested: no NaN in a JSON-ready result

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from fedhpro.config import Config
 from fedhpro.data import get_dataset
 from fedhpro.data.clients import standardization_statistics
-from fedhpro.engines.driver import warn_line
+from fedhpro.engines.printout import warn_line
 from fedhpro.files import strict_json, write_atomic, write_atomic_with
 from fedhpro.methods import get_method
 from fedhpro.methods.base import InferenceRule, load_weights
