@@ -215,6 +215,7 @@ def flower_runs(digits_data_dir, tmp_path_factory):
     return outcomes
 
 
+@pytest.mark.ray
 @pytest.mark.xdist_group(RAY_GROUP)  # one Ray instance at a time (conftest.py), with test_flower.py's
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
 def test_every_option_on_flower_equals_the_simulator(case, flower_runs, digits_data_dir, simulator_root):

@@ -327,6 +327,7 @@ def test_resume_with_nothing_to_resume_ends_the_serverapp_with_one_line(tmp_path
 # ---------------------------------------------------------------------------- on loopback: real processes
 
 
+@pytest.mark.deploy
 def test_resume_with_nothing_to_resume_is_finished_failed_in_flwr_ls(tmp_path):
     folder = nothing_to_resume(tmp_path / "out")
     with Loopback(tmp_path) as net:
@@ -361,6 +362,7 @@ def node_config(k: int, state_dir: Path) -> str:
     return f'partition-id={k} num-partitions=2 state-dir="{state_dir}"'
 
 
+@pytest.mark.deploy
 def test_a_killed_superlink_is_restarted_and_resume_finishes_the_run_like_the_simulator(digits_data_dir, tmp_path):
     out, state_dir = tmp_path / "out", tmp_path / "node-state"
     # 3 rounds: killed once 1 has completed, the resumed run does the other 2 (its state across a round too)
@@ -387,6 +389,7 @@ def test_a_killed_superlink_is_restarted_and_resume_finishes_the_run_like_the_si
     assert not any(state_dir.iterdir())  # the finished run's client state was forgotten
 
 
+@pytest.mark.deploy
 def test_a_killed_supernode_is_restarted_and_its_client_goes_on_like_the_simulator(digits_data_dir, tmp_path):
     out, state_dir = tmp_path / "out", tmp_path / "node-state"
     # one client per round, seed 12: client 1 trains in rounds 0 and 1, sits out 2 and 3, trains in round 4

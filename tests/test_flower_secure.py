@@ -369,6 +369,7 @@ def check_other_user(net: Deployment, isolated: bool, first: str, registered: se
               f"after the other user: nodes {after}, runs {len(runs)}")
 
 
+@pytest.mark.deploy
 @pytest.mark.skipif(shutil.which("nginx") is None and not Path("/usr/sbin/nginx").exists(),
                     reason="nginx is not installed (apt-get install nginx-light)")
 def test_secured_deployment_refuses_strangers_and_nodes_and_runs_fedhpro_like_the_simulator(tmp_path):
