@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import network_guard
 import pytest
 import torch
+from finished_runs import FinishedRuns
 from torch import nn
 
 from fedhpro.data.federation import ClientData, Federation
@@ -303,6 +304,16 @@ def digits_data_dir(tmp_path_factory):
     build_digits_offline(root, seed=DIGITS_BUILD_SEED, test_fraction=DIGITS_TEST_FRACTION,
                          syn_size=DIGITS_SYN_SIZE)
     return root
+
+
+@pytest.fixture(scope="session")
+def finished_runs(tmp_path_factory) -> FinishedRuns:
+    """Tiny finished runs (tests/finished_runs.py), built once per test run: under pytest-xdist in the folder
+    the workers' temporary folders share, so that one worker builds each and the others read it.
+    ``finished_runs.copy("image", tmp_path)`` gives a test its own copy."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # this run's, never an earlier one's
+    return FinishedRuns(shared / "finished-runs")
 
 
 def run_flower_simulation(server_app, client_app, num_supernodes: int = 3) -> None:

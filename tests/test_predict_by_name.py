@@ -16,7 +16,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
 from PIL import Image
 from wine_table import FEATURES, wine_site_table
 
@@ -125,12 +124,8 @@ def test_a_tensor_of_the_wrong_width_is_one_line_naming_the_features(table_run):
 
 
 @pytest.fixture(scope="module")
-def image_run(tmp_path_factory, digits_data_dir):
-    out = tmp_path_factory.mktemp("image") / "run"
-    return fedhpro.run(method="fedavg", rounds=1, clients=4, local_epochs=1, feature_dim=16, progress=False,
-                       threads=1, data_dir=str(digits_data_dir), out=str(out),
-                       **{"data.fraction": 0.02, "data.syn_size": DIGITS_SYN_SIZE,
-                          "data.test_fraction": DIGITS_TEST_FRACTION})
+def image_run(finished_runs, tmp_path_factory):
+    return finished_runs.copy("image", tmp_path_factory.mktemp("image"))
 
 
 def test_the_estimator_of_an_image_run_takes_pixels_flat_arrays_and_files(image_run, tmp_path):
