@@ -38,6 +38,8 @@ from fedhpro.cli import main
 from fedhpro.errors import FedHProError
 from fedhpro.methods import METHODS, recipes_of
 
+pytestmark = pytest.mark.slow
+
 # as test_flower.py: no telemetry or update check, Ray quiet and on loopback only (before ray is imported)
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")

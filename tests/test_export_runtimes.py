@@ -58,6 +58,7 @@ def test_the_cli_exports_and_safetensors_hold_model_pt(image_run, tmp_path, caps
         assert torch.equal(copy[name], tensor), name
 
 
+@pytest.mark.slow
 def test_onnx_of_a_tabular_model_takes_raw_rows_and_matches_predict(tmp_path):
     from sklearn.datasets import load_breast_cancer
 

@@ -51,7 +51,7 @@ from fedhpro.flower.settings import (  # noqa: E402
 )
 from fedhpro.methods import METHODS  # noqa: E402
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
 

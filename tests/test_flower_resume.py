@@ -219,6 +219,7 @@ def assert_like_the_simulator(out: Path, settings: dict[str, Any], reference_dir
     assert_same_state(torch.load(out / "server_state.pt", weights_only=True)["server"], expected_state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(STATEFUL))
 def test_a_killed_server_resumes_from_its_checkpoint_like_an_uninterrupted_run(name, digits_data_dir, tmp_path,
                                                                                inside_a_run, capsys):
@@ -251,6 +252,7 @@ def test_a_killed_server_resumes_from_its_checkpoint_like_an_uninterrupted_run(n
                                fedhpro.load_model(reference, client=k)(x))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(STATEFUL))
 def test_a_restarted_node_continues_from_its_disk(name, digits_data_dir, tmp_path, inside_a_run):
     out, state_dir = tmp_path / "out", tmp_path / "node-state"
@@ -275,6 +277,7 @@ def test_resume_refuses_a_changed_experiment_and_a_folder_without_checkpoint(tmp
         run_server(UntouchableGrid(), {"resume": str(tmp_path), "rounds": 4})
 
 
+@pytest.mark.slow
 def test_a_run_killed_with_the_default_checkpoints_resumes(digits_data_dir, tmp_path, inside_a_run):
     """No checkpoint_every in the run config (the README's flags): on Flower a checkpoint follows every round,
     so a ServerApp killed in round 2 resumes after round 1 (fedhpro run's default, 5, left nothing)."""

@@ -460,6 +460,7 @@ def test_a_plug_in_method_that_needs_each_upload_is_refused_quoting_its_reason(r
                                 "the clients' own updates, and the server learns only the sum of the uploads")
 
 
+@pytest.mark.slow
 def test_secagg_on_flowers_simulation_engine(digits_data_dir, tmp_path):
     """Flower's own simulation engine (Ray: each node's messages cross processes), 3 SuperNodes, FedHPro for
     2 rounds under SecAgg+: the simulator's accuracies, and its server state within the quantization bound."""
@@ -542,6 +543,7 @@ def test_flower_draws_privacy_noise_from_the_os_unless_told_otherwise(digits_dat
     assert max_difference(state_a, state_b) > 0 and max_difference(state_a, expected) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("limit_rounds", [0, 2])
 def test_privacy_budget_stops_a_flower_run_where_the_simulator_stops(limit_rounds, digits_data_dir, tmp_path,
                                                                     inside_a_run):

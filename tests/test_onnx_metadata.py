@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 import onnxruntime
 import pandas as pd
+import pytest
 from wine_table import FEATURES, wine_site_table
 
 import fedhpro
@@ -26,6 +27,7 @@ def _metadata(path) -> tuple[onnxruntime.InferenceSession, dict]:
     return session, {key: json.loads(value) for key, value in session.get_modelmeta().custom_metadata_map.items()}
 
 
+@pytest.mark.slow
 def test_a_tabular_model_onnx_names_its_classes_and_columns(tmp_path):
     table = wine_site_table(labels=["barolo", "merlot", "shiraz"], site_prefix="s")
     table.to_csv(tmp_path / "table.csv", index=False)

@@ -367,6 +367,7 @@ def test_amp_off_no_grad_passes_equal_the_old_code(monkeypatch):
     assert seen and all(not autocast for _, autocast, _ in seen)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("amp", ["off", "bf16"])
 def test_both_engines_run_their_no_grad_passes_in_the_runs_precision(fake_cpu, monkeypatch, digits_data_dir,
                                                                      tmp_path, amp):

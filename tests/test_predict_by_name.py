@@ -38,6 +38,7 @@ def table_run(tmp_path_factory):
     return run, table, base
 
 
+@pytest.mark.slow
 def test_a_shuffled_dataframe_gives_the_predictions_of_the_csv_and_of_rows_scaled_by_hand(table_run, tmp_path):
     run, table, _ = table_run
     test = table[table["split"] == "test"].reset_index(drop=True)
@@ -70,6 +71,7 @@ def test_a_shuffled_dataframe_gives_the_predictions_of_the_csv_and_of_rows_scale
     pd.testing.assert_frame_equal(by_mapping[added], table_out[added])
 
 
+@pytest.mark.slow
 def test_a_site_s_statistics_by_name_equal_predict_on_the_csv(table_run, tmp_path):
     run, table, _ = table_run
     test = table[(table["split"] == "test") & (table["site"] == "site-2")]
@@ -82,6 +84,7 @@ def test_a_site_s_statistics_by_name_equal_predict_on_the_csv(table_run, tmp_pat
     assert list(estimator.predict(test[FEATURES[::-1]])) == list(reference["predicted"].astype(str))
 
 
+@pytest.mark.slow
 def test_missing_or_extra_columns_are_refused_in_one_line_naming_them(table_run):
     run, table, _ = table_run
     estimator = fedhpro.load_estimator(run.out)
@@ -103,6 +106,7 @@ def test_missing_or_extra_columns_are_refused_in_one_line_naming_them(table_run)
         estimator.predict(rows.astype(str).assign(hue="pale"))
 
 
+@pytest.mark.slow
 def test_a_tensor_of_the_wrong_width_is_one_line_naming_the_features(table_run):
     run, table, _ = table_run
     module = fedhpro.load_model(run.out)
@@ -149,6 +153,7 @@ def test_the_estimator_of_an_image_run_takes_pixels_flat_arrays_and_files(image_
         estimator.predict(pixels[:, :, :16])
 
 
+@pytest.mark.slow
 def test_score_is_scikit_learns_accuracy_by_name_or_index(table_run):
     from sklearn.metrics import accuracy_score
 

@@ -367,6 +367,7 @@ def test_a_term_declared_public_that_reads_the_batch_is_refused():
         client.fit(model, {"weights": clone_weights(model)}, data, {}, torch.Generator().manual_seed(0))
 
 
+@pytest.mark.slow
 def test_a_batchnorm_architecture_of_model_heterogeneity_is_refused_before_the_run(tmp_path):
     """Under heterogeneity=htfe5 some clients train googlenet (BatchNorm): refused at build, in one line, not a
     client dropped every round."""

@@ -24,6 +24,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PROBE = """
 import contextlib, io, json, sys
 from fedhpro import cli
+
+pytestmark = pytest.mark.slow
 out, err = io.StringIO(), io.StringIO()
 with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
     try:

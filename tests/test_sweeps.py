@@ -13,7 +13,7 @@ from fedhpro.config import PRESENTATION_KEYS, load_config
 from fedhpro.errors import ConfigError
 from fedhpro.sweeps import SweepFailed, auto_threads, make_sweep
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 METHODS = ["fedavg", "fedhpro"]
 SEEDS = [0, 1]
