@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import network_guard
 import pytest
 import torch
+from filelock import FileLock  # a dependency of torch
 from finished_runs import FinishedRuns
 from torch import nn
 
@@ -296,24 +298,31 @@ def tiny_federation() -> Callable[..., Federation]:
     return make_federation
 
 
+def test_run_folder(tmp_path_factory) -> Path:
+    """A folder of this test run that its xdist workers share (the parent of their temporary folders; without
+    xdist, the session's own): never an earlier run's."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def digits_data_dir(tmp_path_factory):
-    """A data_dir holding a cached digits-offline build (syn_size=DIGITS_SYN_SIZE), built once per session."""
+    """A data_dir holding a cached digits-offline build (syn_size=DIGITS_SYN_SIZE), built once per test run: the
+    first worker to ask builds it, under a file lock, and the others read it."""
     from fedhpro.data.digits_offline import build_digits_offline
-    root = tmp_path_factory.mktemp("digits-data")
-    build_digits_offline(root, seed=DIGITS_BUILD_SEED, test_fraction=DIGITS_TEST_FRACTION,
-                         syn_size=DIGITS_SYN_SIZE)
+    shared = test_run_folder(tmp_path_factory)
+    root = shared / "digits-data"  # nothing else in it: a data_dir holding other files is refused as the user's
+    with FileLock(str(shared / "digits-data.lock")):
+        build_digits_offline(root, seed=DIGITS_BUILD_SEED, test_fraction=DIGITS_TEST_FRACTION,
+                             syn_size=DIGITS_SYN_SIZE)  # reads the cache once it is there
     return root
 
 
 @pytest.fixture(scope="session")
-def finished_runs(tmp_path_factory) -> FinishedRuns:
-    """Tiny finished runs (tests/finished_runs.py), built once per test run: under pytest-xdist in the folder
-    the workers' temporary folders share, so that one worker builds each and the others read it.
-    ``finished_runs.copy("image", tmp_path)`` gives a test its own copy."""
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # this run's, never an earlier one's
-    return FinishedRuns(shared / "finished-runs")
+def finished_runs(tmp_path_factory, digits_data_dir) -> FinishedRuns:
+    """Tiny finished runs (tests/finished_runs.py) on ``digits_data_dir``, built once per test run and shared by
+    the xdist workers. ``finished_runs.copy("image", tmp_path)`` gives a test its own copy."""
+    return FinishedRuns(test_run_folder(tmp_path_factory) / "finished-runs", digits_data_dir)
 
 
 def run_flower_simulation(server_app, client_app, num_supernodes: int = 3) -> None:

@@ -19,10 +19,9 @@ from filelock import FileLock  # a dependency of torch
 
 import fedhpro
 from fedhpro.config import Config, load_config
-from fedhpro.data.digits_offline import build_digits_offline
 
-#: the digits-offline cache the runs read (tests/conftest.py's digits_data_dir has the same parameters)
-DIGITS = {"seed": 0, "test_fraction": 0.05, "syn_size": 200}
+#: the digits-offline cache the runs read: tests/conftest.py's digits_data_dir
+DIGITS = {"syn_size": 200, "test_fraction": 0.05}
 #: the runs by name: keyword arguments of fedhpro.run (data_dir and out are set here)
 RUNS: Mapping[str, Mapping[str, Any]] = {
     # fedavg on 2% of digits-offline, 4 clients, 1 round: a trained image model (model.pt, model.json)
@@ -49,10 +48,11 @@ class FinishedRun:
 
 
 class FinishedRuns:
-    """The runs of :data:`RUNS`, each built at its first use under ``root``."""
+    """The runs of :data:`RUNS` on the digits-offline cache in ``data_dir``, each built at its first use under
+    ``root``."""
 
-    def __init__(self, root: Path):
-        self.root = root
+    def __init__(self, root: Path, data_dir: Path):
+        self.root, self.data_dir = root, data_dir
         root.mkdir(parents=True, exist_ok=True)
 
     def built(self, name: str) -> Path:
@@ -60,10 +60,8 @@ class FinishedRuns:
         folder = self.root / name
         with FileLock(str(self.root / "build.lock")):
             if not (folder / "summary.json").is_file():
-                data = self.root / "digits-data"
-                build_digits_offline(data, **DIGITS)  # reads its cache when it is there
                 shutil.rmtree(folder, ignore_errors=True)  # a build killed half-way
-                fedhpro.run(**RUNS[name], data_dir=str(data), out=str(folder))
+                fedhpro.run(**RUNS[name], data_dir=str(self.data_dir), out=str(folder))
         return folder
 
     def copy(self, name: str, where: Path) -> FinishedRun:

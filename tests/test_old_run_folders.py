@@ -18,6 +18,7 @@ import pytest
 import torch
 import yaml
 from conftest import DIGITS_BUILD_SEED, DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
+from finished_runs import DIGITS
 
 import fedhpro
 from fedhpro.api import run
@@ -51,6 +52,7 @@ def test_the_stored_folders_were_made_on_the_cache_the_tests_build():
     from tests.data.old_runs.make import BUILD_SEED, SYN_SIZE, TEST_FRACTION
 
     assert (SYN_SIZE, TEST_FRACTION, BUILD_SEED) == (DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION, DIGITS_BUILD_SEED)
+    assert (DIGITS["syn_size"], DIGITS["test_fraction"]) == (DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION)  # finished_runs
 
 
 def test_an_interrupted_run_resumes_from_its_checkpoint_and_ends_as_the_uninterrupted_run_did(stored):
