@@ -22,6 +22,8 @@ from fedhpro.cli import main as cli_main
 from fedhpro.trained import ModelFileError, predict
 from fedhpro.trained.onnx_export import export_onnx
 
+pytestmark = pytest.mark.slow
+
 TOLERANCE = 1e-5  # absolute, on softmax probabilities
 
 

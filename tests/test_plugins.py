@@ -193,6 +193,7 @@ def test_an_entry_point_does_not_replace_a_built_in(registry, monkeypatch, capsy
     assert "the method 'fedavg' of package plugin_module_for_tests is ignored" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_cli_reports_a_broken_installed_method_in_one_line(tmp_path):
     from test_examples import run_python, write_dist_info
 
@@ -455,6 +456,7 @@ def write_plugin_dist_info(root: Path, package: str, groups: dict[str, dict[str,
     (folder / "entry_points.txt").write_text(text)
 
 
+@pytest.mark.slow
 def test_an_installed_data_set_and_partitioner_are_config_keys_and_run_from_the_cli(tmp_path):
     from test_examples import run_python
 
