@@ -18,14 +18,14 @@ import pytest
 
 from fedhpro.config import RunOptions
 
+pytestmark = pytest.mark.slow
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 #: runs ``fedhpro.cli.main(argv)`` with stdout kept, then prints the exit code, the output and the modules loaded
 PROBE = """
 import contextlib, io, json, sys
 from fedhpro import cli
-
-pytestmark = pytest.mark.slow
 out, err = io.StringIO(), io.StringIO()
 with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
     try:
