@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import network_guard
 import pytest
 import torch
+from filelock import FileLock  # a dependency of torch
+from finished_runs import FinishedRuns
 from torch import nn
 
 from fedhpro.data.federation import ClientData, Federation
@@ -39,19 +42,19 @@ network_guard.install()
 # of its own, except the groups below, whose tests run one after another on one worker. Every test still
 # runs alone as well (python -m pytest -n 0 tests/x.py::test_y).
 
-#: tests that start a Flower deployment on loopback (a SuperLink, SuperNodes and their flwr-clientapp
-#: processes, nginx): one at a time. Their readiness limits are sized for one deployment on a busy 2-core
-#: machine, test_flower_node_failure bounds a round's wall time, and two at once would share the cores.
-#: A test is one when its own code calls one of these helpers (by name, as imported from their module).
+#: tests marked ``deploy`` start a Flower deployment on loopback (a SuperLink, SuperNodes and their
+#: flwr-clientapp processes, nginx): one at a time. Their readiness limits are sized for one deployment on a
+#: busy 2-core machine, test_flower_node_failure bounds a round's wall time, and two at once would share the
+#: cores.
 DEPLOYMENT_GROUP = "flower-deployment"
+#: tests marked ``ray`` start Ray (Flower's simulation engine run_simulation, executor=ray, ray.init): one Ray
+#: instance at a time (each one's dashboard agent wants the same fixed port, and each spawns workers).
+RAY_GROUP = "ray"
+#: the helpers that start a deployment, as imported from their modules: a test whose own code calls one must be
+#: marked ``deploy`` (collection stops naming it otherwise, so that a lost mark cannot put two deployments
+#: side by side)
 DEPLOYMENT_HELPERS = {"Loopback": "test_flower_deployment", "loopback_run": "test_flower_deployment",
                       "Deployment": "test_flower_secure"}
-#: tests that start Ray (Flower's simulation engine run_simulation, executor=ray): one Ray instance at a
-#: time (each one's dashboard agent wants the same fixed port, and each spawns workers). Whole modules:
-#: test_flower.py (its module fixture runs every simulated config in one run_simulation) and test_sweeps.py
-#: (ray.init, and module fixtures the other tests share); elsewhere, a test whose code imports run_simulation.
-RAY_GROUP = "ray"
-RAY_MODULES = {"test_flower.py", "test_sweeps.py"}
 #: modules whose tests share state beyond a fixture: a last test checks counts the others accumulated
 SHARED_STATE_MODULES = {"test_fuzz_data.py", "test_fuzz_messages.py"}
 #: above this many workers the one-at-a-time deployment group (~40% of the serial time) is the whole wall
@@ -90,15 +93,21 @@ def _module_shares_fixtures(item: pytest.Item) -> bool:
     return False
 
 
+def calls_a_deployment_helper(item: pytest.Item) -> bool:
+    """Whether the test's own code (nested functions included) calls one of :data:`DEPLOYMENT_HELPERS`."""
+    function = getattr(item, "function", None)
+    if not hasattr(function, "__code__"):
+        return False
+    return any(getattr(function.__globals__.get(name), "__module__", None) == DEPLOYMENT_HELPERS[name]
+               for name in _code_names(function.__code__) & DEPLOYMENT_HELPERS.keys())
+
+
 def xdist_group_of(item: pytest.Item) -> str | None:
     """The group whose tests run one after another on one worker, or None (a work unit of its own)."""
-    function = getattr(item, "function", None)
     module = item.nodeid.split("::")[0].rsplit("/", 1)[-1]  # test_x.py
-    names = _code_names(function.__code__) if hasattr(function, "__code__") else set()
-    for name in names & DEPLOYMENT_HELPERS.keys():
-        if getattr(function.__globals__.get(name), "__module__", None) == DEPLOYMENT_HELPERS[name]:
-            return DEPLOYMENT_GROUP
-    if module in RAY_MODULES or "run_simulation" in names:
+    if item.get_closest_marker("deploy"):
+        return DEPLOYMENT_GROUP
+    if item.get_closest_marker("ray"):
         return RAY_GROUP
     if module in SHARED_STATE_MODULES or _module_shares_fixtures(item):
         return module.removesuffix(".py")
@@ -114,7 +123,13 @@ def _group_mark(item: pytest.Item) -> str | None:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
 def pytest_collection_modifyitems(config, items):
-    """Put each test in its xdist group, unless it names one itself."""
+    """Refuse a test that starts a deployment without the ``deploy`` mark; put each test in its xdist group,
+    unless it names one itself."""
+    unmarked = [item.nodeid for item in items
+                if not item.get_closest_marker("deploy") and calls_a_deployment_helper(item)]
+    if unmarked:
+        raise pytest.UsageError(f"{', '.join(unmarked)} start(s) a Flower deployment without the deploy mark; "
+                                "add @pytest.mark.deploy (tests/conftest.py: one deployment at a time)")
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
@@ -283,14 +298,31 @@ def tiny_federation() -> Callable[..., Federation]:
     return make_federation
 
 
+def test_run_folder(tmp_path_factory) -> Path:
+    """A folder of this test run that its xdist workers share (the parent of their temporary folders; without
+    xdist, the session's own): never an earlier run's."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def digits_data_dir(tmp_path_factory):
-    """A data_dir holding a cached digits-offline build (syn_size=DIGITS_SYN_SIZE), built once per session."""
+    """A data_dir holding a cached digits-offline build (syn_size=DIGITS_SYN_SIZE), built once per test run: the
+    first worker to ask builds it, under a file lock, and the others read it."""
     from fedhpro.data.digits_offline import build_digits_offline
-    root = tmp_path_factory.mktemp("digits-data")
-    build_digits_offline(root, seed=DIGITS_BUILD_SEED, test_fraction=DIGITS_TEST_FRACTION,
-                         syn_size=DIGITS_SYN_SIZE)
+    shared = test_run_folder(tmp_path_factory)
+    root = shared / "digits-data"  # nothing else in it: a data_dir holding other files is refused as the user's
+    with FileLock(str(shared / "digits-data.lock")):
+        build_digits_offline(root, seed=DIGITS_BUILD_SEED, test_fraction=DIGITS_TEST_FRACTION,
+                             syn_size=DIGITS_SYN_SIZE)  # reads the cache once it is there
     return root
+
+
+@pytest.fixture(scope="session")
+def finished_runs(tmp_path_factory, digits_data_dir) -> FinishedRuns:
+    """Tiny finished runs (tests/finished_runs.py) on ``digits_data_dir``, built once per test run and shared by
+    the xdist workers. ``finished_runs.copy("image", tmp_path)`` gives a test its own copy."""
+    return FinishedRuns(test_run_folder(tmp_path_factory) / "finished-runs", digits_data_dir)
 
 
 def run_flower_simulation(server_app, client_app, num_supernodes: int = 3) -> None:

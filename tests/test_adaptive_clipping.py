@@ -131,6 +131,7 @@ def _tiny(data_dir, out, **extra) -> list[str]:
     return ["run", *[f"{key}={value}" for key, value in settings.items()]]
 
 
+@pytest.mark.slow
 def test_a_run_moves_its_clip_by_the_rule_and_resumes_to_the_same_bytes(digits_data_dir, tmp_path):
     from fedhpro import cli
     from fedhpro.engines import checkpoint

@@ -147,6 +147,7 @@ def test_a_header_declaring_more_than_its_member_holds_is_refused(tmp_path, monk
     assert "1,920,000,000 bytes but holds 8" in message
 
 
+@pytest.mark.slow
 def test_own_data_with_the_bomb_is_refused_in_one_line(tmp_path, capsys):
     """``dataset=clients``: a site's train.npz is the bomb; the run stops in one line before reading it."""
     for name in ("site-0", "site-1"):

@@ -114,6 +114,7 @@ def test_the_writer_is_low_level_and_nothing_low_imports_reports():
 # ---------------------------------------------------------------------------- 2. a closed stdout
 
 
+@pytest.mark.slow
 def test_a_reader_that_closes_the_pipe_gets_no_traceback(tmp_path):
     if not hasattr(fcntl, "F_SETPIPE_SZ"):
         pytest.skip("needs Linux pipes whose size can be set")

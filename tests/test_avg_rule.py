@@ -78,6 +78,7 @@ def _site_counts(run: Path, root: Path, names: tuple[str, ...]) -> list[tuple[in
     return counts
 
 
+@pytest.mark.slow
 def test_sites_each_their_own_domain_make_avg_the_unweighted_mean_over_sites(tmp_path, capsys):
     names = ("north", "south", "west")
     root = _sites(tmp_path / "sites", names, own_domain=True)
@@ -95,6 +96,7 @@ def test_sites_each_their_own_domain_make_avg_the_unweighted_mean_over_sites(tmp
     assert summary["notes"].count(note) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("names", "test_set"), [(("hospital-0", "hospital-1", "hospital-2"), "hospital"),
                                                  (("north", "south", "west"), "all")])
 def test_sites_of_one_test_set_make_avg_the_pooled_accuracy(tmp_path, capsys, names, test_set):

@@ -94,12 +94,14 @@ def expanded_size(value, memo=None) -> int:
 # ---------------------------------------------------------------------------- the hangs, end to end
 
 
+@pytest.mark.slow
 def test_a_billion_laughs_on_the_command_line_is_one_line(tmp_path):
     code, err, seconds = cli("config", f"rounds={laughs(flow=True)}")
     line = one_error_line(code, err)
     assert "the value of rounds=" in line and f"more than {MAX_NODES:,} values" in line and "aliases" in line
 
 
+@pytest.mark.slow
 def test_a_billion_laughs_config_file_is_one_line(tmp_path):
     path = tmp_path / "bomb.yaml"
     path.write_text(laughs())
@@ -108,6 +110,7 @@ def test_a_billion_laughs_config_file_is_one_line(tmp_path):
     assert str(path) in line and "aliases" in line
 
 
+@pytest.mark.slow
 def test_predict_on_a_run_folder_whose_config_is_a_billion_laughs_is_one_line(tmp_path):
     folder = tmp_path / "run"
     folder.mkdir()
@@ -131,6 +134,7 @@ def _fake_run(folder: Path, config_text: str) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_report_on_run_folders_whose_config_is_a_billion_laughs_is_one_line(tmp_path):
     first = _fake_run(tmp_path / "one", "method: fedavg\n" + laughs())
     second = _fake_run(tmp_path / "two", "method: fedavg\nrounds: 3\n")

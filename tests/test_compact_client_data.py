@@ -34,6 +34,7 @@ def test_compact_data_decodes_to_the_same_floats_in_a_quarter_of_the_memory():
         CompactClientData(eager.x, y, 3, normalize_images)
 
 
+@pytest.mark.slow
 def test_digits_offline_clients_are_compact_and_train_as_before(digits_data_dir, tmp_path, monkeypatch):
     from fedhpro import api
     from fedhpro.data import digits_federation

@@ -33,6 +33,7 @@ def test_digits_command_is_the_issues_run(cohorts):
                            "out=/out"]
 
 
+@pytest.mark.slow
 def test_peak_of_a_child_is_its_own(cohorts):
     # 300 MiB written (so resident) by the child: its peak is at least that, and far below 1 GiB. Measured from a
     # fresh small parent, as the bench runs: a vfork child starts at its parent's high-water mark (a test worker's

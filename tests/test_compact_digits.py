@@ -92,6 +92,7 @@ def test_syn_noise_in_chunks_gives_the_one_call_images(chunk):
         do._build_syn(labels, np.random.default_rng(0), chunk=0)
 
 
+@pytest.mark.slow
 def test_first_run_and_cached_run_give_the_same_mapped_tensors(tmp_path):
     first = do.build_digits_offline(tmp_path, syn_size=60)
     cached = do.build_digits_offline(tmp_path, syn_size=60)

@@ -35,6 +35,7 @@ def summaries(out: Path, method: str) -> list[dict]:
     return [json.loads((out / f"{method}-seed{seed}" / "summary.json").read_text()) for seed in SEEDS]
 
 
+@pytest.mark.slow
 def test_table_is_the_mean_and_std_of_each_runs_summary(compared):
     rows = {row[0]: row for row in (line.split(",") for line in (compared / "table.csv").read_text().splitlines())}
     header = rows.pop("method")
@@ -60,6 +61,7 @@ def test_table_is_the_mean_and_std_of_each_runs_summary(compared):
     assert "No significance test is possible with 2 shared seeds" in markdown
 
 
+@pytest.mark.slow
 def test_finished_runs_with_the_same_settings_are_reused_not_rerun(compared, digits_data_dir, monkeypatch):
     import fedhpro.api
 
@@ -73,6 +75,7 @@ def test_finished_runs_with_the_same_settings_are_reused_not_rerun(compared, dig
     assert (compared / "table.csv").read_text() == before
 
 
+@pytest.mark.slow
 def test_a_finished_run_with_other_settings_stops_the_comparison_before_anything_runs(
         compared, digits_data_dir, monkeypatch):
     import fedhpro.api
@@ -119,6 +122,7 @@ def test_channels_last_false_is_the_default_without_amp(stored, same):
     assert (differences == []) is same, differences
 
 
+@pytest.mark.slow
 def test_an_unreadable_stored_config_is_one_clear_error(compared, digits_data_dir, tmp_path):
     out = tmp_path / "broken"
     folder = out / "fedavg-seed0"
@@ -136,6 +140,7 @@ def test_an_unreadable_stored_config_is_one_clear_error(compared, digits_data_di
         assert "\n" not in message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, words", [
     (["methods=[fedavg,fedfoo]"], "unknown method 'fedfoo'"),
     (["methods=[fedavg]", "seed=3"], "seed= is set by compare"),
@@ -147,6 +152,7 @@ def test_compare_cli_errors_are_one_line(args, words, capsys, tmp_path):
     assert words in err and "\n" not in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_stored_config_round_trip_matches_what_compare_asks(compared, digits_data_dir):
     # the check compares config.yaml as written by a run with the config resolved now
     from fedhpro.config import load_config
@@ -157,6 +163,7 @@ def test_stored_config_round_trip_matches_what_compare_asks(compared, digits_dat
     assert setting_differences(run_settings(stored, "fedavg"), run_settings(asked, "fedavg")) == []
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_continues_from_its_checkpoint_one_without_starts_again(digits_data_dir, tmp_path,
                                                                                    monkeypatch):
     import fedhpro.api
@@ -193,6 +200,7 @@ def test_an_interrupted_run_continues_from_its_checkpoint_one_without_starts_aga
     assert yaml.safe_load((folder / "config.yaml").read_text())["lr"] == 0.02
 
 
+@pytest.mark.slow
 def test_a_comparison_folder_in_use_is_refused_before_any_run(digits_data_dir, tmp_path):
     from fedhpro.files import RunFolderInUse, claim_run_folder
 

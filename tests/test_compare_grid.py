@@ -32,6 +32,7 @@ def table_rows(out: Path) -> dict[str, list[str]]:
     return rows
 
 
+@pytest.mark.slow
 def test_a_list_for_a_one_value_key_is_a_grid_of_named_rows(digits_data_dir, tmp_path):
     out = tmp_path / "grid"
     learns = settings(digits_data_dir, rounds=3, local_epochs=2, **{"data.fraction": 0.1})  # lr 0.001 does not
@@ -56,6 +57,7 @@ def test_list_valued_keys_are_not_grids(digits_data_dir):
     assert grid_points(settings(digits_data_dir, **{"data.domains": ["mnist", "syn"]})) == [{}]
 
 
+@pytest.mark.slow
 def test_tuned_settings_are_run_on_other_seeds_and_named(digits_data_dir, tmp_path):
     tuned = tmp_path / "tuned.yaml"
     tuned.write_text(yaml.safe_dump({"tuning": {"trials": 4, "seed": 1000, "validation": 0.2},
@@ -107,6 +109,7 @@ def test_a_trial_reports_each_rounds_validation_and_stops_where_its_pruner_says(
     assert not (tmp_path / "t" / "summary.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry, problem", [
     ({"lr": 0.1, "tracker": "mlflow", "tracker_uri": "http://127.0.0.1:18765"}, "sets tracker= for fedavg"),
     ({"out": "/tmp/elsewhere"}, "sets out= for fedavg"),

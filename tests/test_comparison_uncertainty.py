@@ -24,6 +24,8 @@ from fedhpro import api
 from fedhpro.compare import compare
 from fedhpro.reports.runs import report
 
+pytestmark = pytest.mark.slow
+
 SEEDS = [0, 1, 2]
 #: the rows: FedAvg at two learning rates (a grid), the first its baseline; their numbers differ by seed
 ROWS = ["fedavg lr=0.01", "fedavg lr=0.1"]

@@ -280,6 +280,7 @@ def cli(args: list[str], cwd: Path, script: bool = False) -> subprocess.Complete
     return subprocess.run(command + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,words,script", [
     (["run", "method=nosuch"], ["method='nosuch'", "fedavg, fedhpro"], False),
     (["run", "rounds=-1"], ["rounds=-1", ">= 1"], False),
@@ -300,6 +301,7 @@ def test_cli_errors_are_one_line_without_traceback(tmp_path, args, words, script
     assert not (tmp_path / "runs").exists()  # nothing was started
 
 
+@pytest.mark.slow
 def test_cli_config_prints_a_loadable_resolved_config(tmp_path):
     result = cli(["config", "rounds=3", "fedhpro.tau=0.2", "data.clients_per_domain.mnist=1"], tmp_path)
     assert result.returncode == 0, result.stderr
@@ -335,6 +337,7 @@ def two_runs(digits_data_dir, tmp_path_factory):
     return tiny_run(digits_data_dir, out / "first"), tiny_run(digits_data_dir, out / "second")
 
 
+@pytest.mark.slow
 def test_run_writes_config_metrics_summary_and_plot(two_runs):
     result, _ = two_runs
     out = result.out
@@ -374,6 +377,7 @@ def test_run_writes_config_metrics_summary_and_plot(two_runs):
     assert (out / "partition.json").is_file()
 
 
+@pytest.mark.slow
 def test_same_seed_runs_give_identical_metrics_jsonl(two_runs):
     first, second = two_runs
     assert (first.out / "metrics.jsonl").read_bytes() == (second.out / "metrics.jsonl").read_bytes()

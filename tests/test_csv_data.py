@@ -166,6 +166,7 @@ def test_a_node_holding_one_csv_folder_loads_the_federation_s_client(data):
 # ----------------------------------------------------------------------------------- DataFrames
 
 
+@pytest.mark.slow
 def test_dataframes_give_the_csv_federation_and_the_same_run_bytes(data, tmp_path):
     parts = wine_parts()
     per_site = {name: (frame_of(*splits["train"], names=True), frame_of(*splits["test"], names=True))
@@ -192,6 +193,7 @@ def named_run(data, tmp_path_factory):
                        out=str(tmp_path_factory.mktemp("named") / "run"))
 
 
+@pytest.mark.slow
 def test_predict_on_a_csv_writes_names_beside_the_rows(data, named_run, tmp_path, capsys):
     rows = tmp_path / "rows.csv"
     source = pd.read_csv(data["named"] / "site-1" / "test.csv")
@@ -214,6 +216,7 @@ def test_predict_on_a_csv_writes_names_beside_the_rows(data, named_run, tmp_path
     assert labelled_accuracy(named_run.out, predict(named_run.out, [data["npz"] / "site-0" / "test.npz"])) is None
 
 
+@pytest.mark.slow
 def test_predict_on_csv_rows_equals_predict_on_the_same_rows_as_npz(data, tmp_path):
     run = fedhpro.run(**TINY, dataset="clients", data_dir=str(data["npz"]), out=str(tmp_path / "run"))
     for site in (None, "site-2"):
@@ -278,6 +281,7 @@ def _bad_tables(root: Path) -> dict[str, tuple[Path, list[str], str]]:
     return cases
 
 
+@pytest.mark.slow
 def test_each_bad_table_is_one_line_naming_the_column(tmp_path, capsys):
     for name, (data_dir, overrides, word) in _bad_tables(tmp_path / "bad").items():
         out = tmp_path / "runs" / name.replace(" ", "-")
@@ -319,6 +323,7 @@ def test_a_csv_is_bounded_as_a_npz_is(data, tmp_path, monkeypatch):
         read_csv(small)
 
 
+@pytest.mark.slow
 def test_predict_refuses_a_csv_without_the_run_s_columns_in_one_line(data, named_run, tmp_path, capsys):
     pd.read_csv(data["named"] / "site-0" / "test.csv").drop(columns="f7").to_csv(tmp_path / "short.csv",
                                                                                index=False)
@@ -334,6 +339,7 @@ def test_predict_refuses_a_csv_without_the_run_s_columns_in_one_line(data, named
 FORMULA_NAMES = np.array(["=1+2", "@SUM(A1)", "-2+3"])
 
 
+@pytest.mark.slow
 def test_predictions_csvs_escape_formula_looking_cells(tmp_path):
     """Class names, kept cells and column names that start like a formula are written with a leading ``'``
     (OWASP), in both predictions CSVs; numbers (negative ones included) and other text are as they were. The
@@ -389,6 +395,7 @@ print(outcome)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("header", [b"x\n", b'"x"\n'])  # a quoted field: the rows counted by the parser
 def test_a_long_csv_is_refused_before_its_rows_are_held(tmp_path, header):
     """A file within the byte limit whose rows are over it (8 Mi one-byte rows at a bound of 4 Mi): refused while

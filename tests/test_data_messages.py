@@ -206,6 +206,7 @@ def test_a_close_class_folder_name_in_data_classes_is_offered(tmp_path):
     assert "'dog'" in message and "did you mean 'dogs'" in message
 
 
+@pytest.mark.slow
 def test_messages_stay_one_line_through_the_command_line(tmp_path, capsys):
     from fedhpro import cli
 

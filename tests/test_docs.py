@@ -139,6 +139,7 @@ def test_marker_rules():
         parse_blocks("```bash\nls\n", "page.md")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES, ids=_page_id)
 def test_page_blocks_run(page: Path, tmp_path: Path, docs_data_dir: Path):
     """Every bash/python block of the page, in order, in one folder; a failing block names page and line."""
@@ -186,6 +187,7 @@ def built_site(tmp_path_factory) -> Path:
     return site
 
 
+@pytest.mark.slow
 def test_site_builds_strict(built_site: Path):
     """The strict build passed (the fixture), and wrote a page for every nav entry."""
     nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))["nav"]
@@ -194,6 +196,7 @@ def test_site_builds_strict(built_site: Path):
         assert built.is_file(), f"{page} ({title}) was not built"
 
 
+@pytest.mark.slow
 def test_config_reference_lists_every_key(built_site: Path):
     """The generated config reference holds every key `fedhpro config --keys` lists, for every data set."""
     from fedhpro.cli import key_lines
@@ -249,6 +252,7 @@ def _browser_dom(page: Path, window: str = "1280,900") -> str:
     return dom
 
 
+@pytest.mark.slow
 def test_home_page_in_a_browser_shows_the_navigation(built_site: Path):
     """Headless Chromium renders the built home page; its DOM links every nav entry under its title."""
     dom = _browser_dom(built_site / "index.html")
@@ -295,6 +299,7 @@ def _measured(built_site: Path, page: str, selector: str, window: str) -> list[t
     return [tuple(row) for row in json.loads(html.unescape(found.group(1)))]
 
 
+@pytest.mark.slow
 def test_config_keys_do_not_break_mid_word(built_site: Path):
     """In the rendered config reference, at a laptop's width, every key name is on one line (a name broken as
     ``feature_di`` / ``m`` takes two client rectangles)."""
@@ -305,6 +310,7 @@ def test_config_keys_do_not_break_mid_word(built_site: Path):
     assert any(text == "data.clients_per_domain" for text, _, _ in keys)
 
 
+@pytest.mark.slow
 def test_long_commands_wrap_in_code_blocks(built_site: Path):
     """In the rendered own-images tutorial, at a narrow width, no code block's text runs past its box: the long
     ``fedhpro run`` command wraps onto more lines instead of hiding behind a scroll bar."""

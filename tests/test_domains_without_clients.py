@@ -74,6 +74,7 @@ def test_one_wording_for_the_downloaded_domain_benchmarks():
     assert domains_without_clients_note("digits", ["mnist", "usps"], {"mnist": 3}, None, ["usps"]) is None
 
 
+@pytest.mark.slow
 def test_a_run_says_it_at_start_and_avg_covers_the_named_domains(digits_data_dir, tmp_path, capsys):
     out = tmp_path / "three"
     code = cli.main(["run", "method=fedavg", "rounds=1", "clients=3", "local_epochs=1", "feature_dim=16",
@@ -94,6 +95,7 @@ def _readme_tiny_run() -> list[str]:
     return shlex.split(line)[1:]
 
 
+@pytest.mark.slow
 def test_the_readme_tiny_example_keeps_every_domain(digits_data_dir, tmp_path):
     args = [arg for arg in _readme_tiny_run() if not arg.startswith("out=")]
     assert cli.main([*args, "threads=1", f"data_dir={digits_data_dir}", f"out={tmp_path / 'readme'}",

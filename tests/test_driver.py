@@ -37,6 +37,7 @@ def without_seconds(path: Path) -> dict:
     return summary
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["fedavg", "fedhpro", "fedavg-private"])
 def test_a_sequential_engine_through_the_driver_gives_the_simulators_bytes(method, tmp_path):
     federation = make_federation([10, 12, 14], seed=3)

@@ -38,6 +38,8 @@ from fedhpro.cli import main
 from fedhpro.errors import FedHProError
 from fedhpro.methods import METHODS, recipes_of
 
+pytestmark = pytest.mark.slow
+
 # as test_flower.py: no telemetry or update check, Ray quiet and on loopback only (before ray is imported)
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
@@ -215,6 +217,7 @@ def flower_runs(digits_data_dir, tmp_path_factory):
     return outcomes
 
 
+@pytest.mark.ray
 @pytest.mark.xdist_group(RAY_GROUP)  # one Ray instance at a time (conftest.py), with test_flower.py's
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
 def test_every_option_on_flower_equals_the_simulator(case, flower_runs, digits_data_dir, simulator_root):

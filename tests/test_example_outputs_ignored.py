@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 WRITES = re.compile(r"""(?:\bout=|--out |--state |\.save\(\s*(?:Path\()?['"]|mkdir -p |> )["']?([A-Za-z0-9_./$-]+)""")

@@ -36,6 +36,7 @@ def run_python(args: list[str], cwd: Path, pythonpath: list[Path] = (), timeout:
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_own_datasets_example_trains_both_methods_on_the_three_sites(tmp_path):
     result = run_python([str(EXAMPLES / "own_datasets.py"), "--rounds", "1", "--out", str(tmp_path)], tmp_path)
     assert result.returncode == 0, result.stderr
@@ -51,6 +52,7 @@ def test_own_datasets_example_trains_both_methods_on_the_three_sites(tmp_path):
     assert "clinic-a: " in result.stdout and "classes [0, 1, 2, 3, 4, 5]" in result.stdout
 
 
+@pytest.mark.slow
 def test_own_model_example_trains_a_split_torchvision_resnet(tmp_path):
     result = run_python([str(EXAMPLES / "own_model.py"), "--samples", "16", "--out", str(tmp_path / "run")],
                         tmp_path)
@@ -71,6 +73,7 @@ def write_dist_info(root: Path, package: str, version: str, entry_points: dict[s
     (folder / "entry_points.txt").write_text("[fedhpro.methods]\n" + "\n".join(lines) + "\n")
 
 
+@pytest.mark.slow
 def test_an_installed_entry_point_adds_the_method_to_the_cli(tmp_path, digits_data_dir):
     write_dist_info(tmp_path / "site", "fedhpro_fedavgm", "0.1", {"fedavgm": "fedhpro_fedavgm:METHOD"})
     pythonpath = [tmp_path / "site", EXAMPLES / "own_method"]

@@ -15,13 +15,14 @@ import numpy as np
 import onnxruntime
 import pytest
 import torch
-from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
 from safetensors.torch import load_file
 
 import fedhpro
 from fedhpro.cli import main as cli_main
 from fedhpro.trained import ModelFileError, predict
 from fedhpro.trained.onnx_export import export_onnx
+
+pytestmark = pytest.mark.slow
 
 TOLERANCE = 1e-5  # absolute, on softmax probabilities
 
@@ -31,12 +32,8 @@ def _session(path) -> onnxruntime.InferenceSession:
 
 
 @pytest.fixture(scope="module")
-def image_run(tmp_path_factory, digits_data_dir):
-    out = tmp_path_factory.mktemp("image") / "run"
-    return fedhpro.run(method="fedavg", rounds=1, clients=4, local_epochs=1, feature_dim=16, progress=False,
-                       threads=1, data_dir=str(digits_data_dir), out=str(out),
-                       **{"data.fraction": 0.02, "data.syn_size": DIGITS_SYN_SIZE,
-                          "data.test_fraction": DIGITS_TEST_FRACTION})
+def image_run(finished_runs, tmp_path_factory):
+    return finished_runs.copy("image", tmp_path_factory.mktemp("image"))
 
 
 def test_onnx_of_an_image_model_takes_uint8_pixels_as_load_model_does(image_run):
@@ -63,6 +60,7 @@ def test_the_cli_exports_and_safetensors_hold_model_pt(image_run, tmp_path, caps
         assert torch.equal(copy[name], tensor), name
 
 
+@pytest.mark.slow
 def test_onnx_of_a_tabular_model_takes_raw_rows_and_matches_predict(tmp_path):
     from sklearn.datasets import load_breast_cancer
 

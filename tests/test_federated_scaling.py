@@ -89,6 +89,7 @@ def run(sites: list[Path], out: Path, **settings: Any) -> dict[str, Any]:
     return result.summary
 
 
+@pytest.mark.slow
 def test_a_label_skewed_table_trains_to_within_two_points_of_a_pooled_logistic_regression(sites, tmp_path):
     train, test = pd.concat(raw(sites, "train")), pd.concat(raw(sites, "test"))
     pooled = make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000))
@@ -110,6 +111,7 @@ def test_a_label_skewed_table_trains_to_within_two_points_of_a_pooled_logistic_r
     assert saved["standardize"] == "federated" and saved["pooled"] == saved["sites"]["site-0"]
 
 
+@pytest.mark.slow
 def test_privacy_avoids_or_refuses_the_release(sites, tmp_path):
     common = {"dataset": "clients", "data_dir": str(sites[0].parent), "model": "mlp", "rounds": 1,
               "local_epochs": 1, "progress": False, "privacy": "client", "privacy.noise_multiplier": 0.5}
@@ -157,6 +159,7 @@ def forged_sums(change):
     return forge
 
 
+@pytest.mark.slow
 def test_flower_nodes_share_the_simulators_scaling_and_numbers(sites, pooled_scaler, tmp_path):
     out = flower_run(sites, tmp_path)
     partition = json.loads((out / "partition.json").read_text())

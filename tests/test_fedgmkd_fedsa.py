@@ -767,6 +767,7 @@ def test_nearest_prototype_inference_uses_fedsa_anchors_and_fedgmkd_prototypes()
         assert sim.server.inference_model(model) is model
 
 
+@pytest.mark.slow
 def test_fedsa_proto_only_runs_from_the_cli_with_personal_models(digits_data_dir, tmp_path):
     """FedSA's protocol=proto-only exchanges no weights: its MethodSpec declares so (weights_travel), so the run
     keeps each client's own model (it stopped with a one-line error when the declaration was missing)."""

@@ -428,6 +428,7 @@ def test_server_refuses_a_reply_without_classifier_gradients():
 # ---------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow
 def test_fedhpro_run_with_the_authors_recipe(digits_data_dir, tmp_path, capsys):
     from fedhpro.cli import main
 

@@ -59,6 +59,7 @@ def _sites(root: Path, sizes: list[int]) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_a_run_says_so_at_start_and_in_its_notes(tmp_path, capsys):
     root = _sites(tmp_path / "wine", [48, 47, 47])
     args = ["run", "dataset=clients", f"data_dir={root}", "model=mlp", "rounds=1", "local_epochs=1",

@@ -80,6 +80,7 @@ def check_value_labels(figure, renderer, groups, errors) -> int:
     return count
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width", [COLUMN_WIDTH, PAGE_WIDTH])
 def test_bar_figures_fit_a_column_and_a_page(tmp_path, width):
     path = tmp_path / "groups.png"

@@ -51,6 +51,8 @@ from fedhpro.flower.settings import (  # noqa: E402
 )
 from fedhpro.methods import METHODS  # noqa: E402
 
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
 REPO = Path(__file__).resolve().parents[1]
 
 #: the metrics.jsonl keys both engines write (the simulator's opt-in measurements are simulator-only)

@@ -463,6 +463,7 @@ def loopback_run(tmp_path: Path, node_configs: list[str], run_config: dict) -> d
         return net.assert_completed(net.flwr_run(run_config))
 
 
+@pytest.mark.deploy
 def test_superlink_and_two_supernodes_run_fedhpro_like_the_simulator(digits_data_dir, tmp_path):
     out = tmp_path / "out"
     # every fedhpro key through --run-config; clients comes from the nodes' num-partitions (2)

@@ -43,6 +43,7 @@ def post_status(port: int, ca: Path, path: str, authorization: str | None = None
     finally:
         connection.close()
 
+@pytest.mark.slow
 def test_gate_certificates_carry_the_role_and_serve_both_ends(tmp_path, capsys):
     folder = tmp_path / "certs"
     assert main(["certificates", str(folder), "--host", "superlink.example.org", "--nodes", "2", "--gate"]) == 0
@@ -78,6 +79,7 @@ def test_one_more_client_certificate_never_replaces_a_file(tmp_path, capsys):
         certificates.issue_client(tmp_path, "a,OU=operator", "node")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NGINX is None, reason="nginx is not installed (apt-get install nginx-light)")
 def test_nginx_accepts_the_configs(tmp_path):
     certificates.create(tmp_path / "certs", ["gate.example.org"], nodes=1, gate=True)
@@ -103,6 +105,7 @@ def test_nginx_accepts_the_configs(tmp_path):
         gate.forward_config(tmp_path / "f2", tmp_path / "certs", "operator", "gate.example.org:1", "0.0.0.0:18001")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NGINX is None, reason="nginx is not installed (apt-get install nginx-light)")
 def test_bridge_local_socket_and_token_configs_pass_nginx_and_the_token_reaches_flwr(tmp_path, monkeypatch):
     """The pieces ``up`` adds for local users: the gate's Unix socket and bridge upstream, the bridge, and the
@@ -245,6 +248,7 @@ def test_the_supervisor_ends_a_dead_node_s_processes_and_restarts_it(tmp_path, m
     assert node.process.poll() is not None
 
 
+@pytest.mark.slow
 def test_stop_ends_what_a_killed_up_left_behind(tmp_path, capsys):
     """``up --stop`` after ``up`` itself was killed with SIGKILL: the process groups in STATE/run are ended."""
     (tmp_path / "run").mkdir()
@@ -260,6 +264,7 @@ def test_stop_ends_what_a_killed_up_left_behind(tmp_path, capsys):
         left.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NGINX is None, reason="nginx is not installed (apt-get install nginx-light)")
 def test_the_operator_s_forwarder_passes_only_requests_with_its_token(tmp_path):
     """The gate and the operator's forwarder, running, with no SuperLink behind (its socket is missing): a
@@ -301,6 +306,7 @@ def test_the_operator_s_forwarder_passes_only_requests_with_its_token(tmp_path):
     assert passed and all(" 502 " in line and "role=operator" in line for line in passed), passed
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NGINX is None, reason="nginx is not installed (apt-get install nginx-light)")
 def test_a_node_s_entry_reaches_the_gate_through_its_forwarder_s_socket(tmp_path):
     """A node on a machine of its own, its processes in a private namespace: entry (TLS on loopback) -> the
@@ -361,6 +367,7 @@ def test_the_gate_logs_a_role_only_for_a_verified_certificate(tmp_path):
     assert "role=$fedhpro_role" not in text  # the subject's role alone is never what the log shows
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NGINX is None, reason="nginx is not installed (apt-get install nginx-light)")
 def test_an_expired_operator_certificate_is_logged_without_a_role(tmp_path):
     """The running gate (no SuperLink behind: what it passes gets 502): the CA's operator certificate passes

@@ -55,6 +55,7 @@ def wait_received(net: Loopback, name: str, count: int) -> None:
         time.sleep(0.5)
 
 
+@pytest.mark.deploy
 def test_a_killed_supernode_is_dropped_and_a_restarted_one_rejoins(digits_data_dir, tmp_path):
     out = tmp_path / "out"
     partition = "partition-id={} num-partitions=3".format

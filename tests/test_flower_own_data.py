@@ -57,6 +57,7 @@ def settings(**extra):
             "data.image_size": 16, "device": "cpu", "progress": False, "seed": 3, **extra}
 
 
+@pytest.mark.deploy
 def test_three_supernodes_with_their_own_folders_equal_the_simulator(tmp_path):
     everything = tmp_path / "all-sites"  # the simulator's view: one folder of client folders
     for k, (site, classes) in enumerate(SITES.items()):

@@ -219,6 +219,7 @@ def assert_like_the_simulator(out: Path, settings: dict[str, Any], reference_dir
     assert_same_state(torch.load(out / "server_state.pt", weights_only=True)["server"], expected_state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(STATEFUL))
 def test_a_killed_server_resumes_from_its_checkpoint_like_an_uninterrupted_run(name, digits_data_dir, tmp_path,
                                                                                inside_a_run, capsys):
@@ -251,6 +252,7 @@ def test_a_killed_server_resumes_from_its_checkpoint_like_an_uninterrupted_run(n
                                fedhpro.load_model(reference, client=k)(x))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(STATEFUL))
 def test_a_restarted_node_continues_from_its_disk(name, digits_data_dir, tmp_path, inside_a_run):
     out, state_dir = tmp_path / "out", tmp_path / "node-state"
@@ -275,6 +277,7 @@ def test_resume_refuses_a_changed_experiment_and_a_folder_without_checkpoint(tmp
         run_server(UntouchableGrid(), {"resume": str(tmp_path), "rounds": 4})
 
 
+@pytest.mark.slow
 def test_a_run_killed_with_the_default_checkpoints_resumes(digits_data_dir, tmp_path, inside_a_run):
     """No checkpoint_every in the run config (the README's flags): on Flower a checkpoint follows every round,
     so a ServerApp killed in round 2 resumes after round 1 (fedhpro run's default, 5, left nothing)."""
@@ -327,6 +330,7 @@ def test_resume_with_nothing_to_resume_ends_the_serverapp_with_one_line(tmp_path
 # ---------------------------------------------------------------------------- on loopback: real processes
 
 
+@pytest.mark.deploy
 def test_resume_with_nothing_to_resume_is_finished_failed_in_flwr_ls(tmp_path):
     folder = nothing_to_resume(tmp_path / "out")
     with Loopback(tmp_path) as net:
@@ -361,6 +365,7 @@ def node_config(k: int, state_dir: Path) -> str:
     return f'partition-id={k} num-partitions=2 state-dir="{state_dir}"'
 
 
+@pytest.mark.deploy
 def test_a_killed_superlink_is_restarted_and_resume_finishes_the_run_like_the_simulator(digits_data_dir, tmp_path):
     out, state_dir = tmp_path / "out", tmp_path / "node-state"
     # 3 rounds: killed once 1 has completed, the resumed run does the other 2 (its state across a round too)
@@ -387,6 +392,7 @@ def test_a_killed_superlink_is_restarted_and_resume_finishes_the_run_like_the_si
     assert not any(state_dir.iterdir())  # the finished run's client state was forgotten
 
 
+@pytest.mark.deploy
 def test_a_killed_supernode_is_restarted_and_its_client_goes_on_like_the_simulator(digits_data_dir, tmp_path):
     out, state_dir = tmp_path / "out", tmp_path / "node-state"
     # one client per round, seed 12: client 1 trains in rounds 0 and 1, sits out 2 and 3, trains in round 4

@@ -240,6 +240,7 @@ def received_arrays(reply: Message) -> list[np.ndarray]:
     return arrays
 
 
+@pytest.mark.slow
 def test_the_server_sees_only_masked_vectors_and_the_sum(digits_data_dir, tmp_path, inside_a_run, monkeypatch):
     settings = tiny_config(digits_data_dir, method="fedhpro", rounds=2)
     # ground truth, recorded on the nodes: each client's real reply and the vector it hands to SecAgg+
@@ -304,6 +305,7 @@ def test_the_server_sees_only_masked_vectors_and_the_sum(digits_data_dir, tmp_pa
     assert 0 < max_difference(secure_state, plain_state) < 1e-4
 
 
+@pytest.mark.slow
 def test_a_node_dropping_after_sharing_its_keys_is_recovered(digits_data_dir, tmp_path, inside_a_run):
     """Node 102 (client 2) vanishes in round 0 after the key sharing, before its masked vector: SecAgg+
     rebuilds its pairwise masks from its neighbours' shares of its key, so the round sums clients 0 and 1.
@@ -320,6 +322,7 @@ def test_a_node_dropping_after_sharing_its_keys_is_recovered(digits_data_dir, tm
     assert 0 < max_difference(secure_state, plain_state) < 1e-4
 
 
+@pytest.mark.slow
 def test_a_node_dropping_while_unmasking_still_counts(digits_data_dir, tmp_path, inside_a_run):
     """Node 102 sent its masked vector, then vanishes before the unmask stage: its vector is in the sum
     and the others' shares of its mask seed remove its private mask. The round equals the plain one."""
@@ -331,6 +334,7 @@ def test_a_node_dropping_while_unmasking_still_counts(digits_data_dir, tmp_path,
     assert 0 < max_difference(secure_state, plain_state) < 1e-5
 
 
+@pytest.mark.slow
 def test_the_same_seed_gives_the_same_sums(digits_data_dir, tmp_path, inside_a_run):
     """The masks come from the operating system but cancel exactly; the stochastic rounding is seeded per
     (seed, round, client): two runs give the same server state to the last bit."""
@@ -460,6 +464,7 @@ def test_a_plug_in_method_that_needs_each_upload_is_refused_quoting_its_reason(r
                                 "the clients' own updates, and the server learns only the sum of the uploads")
 
 
+@pytest.mark.slow
 def test_secagg_on_flowers_simulation_engine(digits_data_dir, tmp_path):
     """Flower's own simulation engine (Ray: each node's messages cross processes), 3 SuperNodes, FedHPro for
     2 rounds under SecAgg+: the simulator's accuracies, and its server state within the quantization bound."""
@@ -493,6 +498,7 @@ def test_secagg_on_flowers_simulation_engine(digits_data_dir, tmp_path):
 # ---------------------------------------------------------------------------- privacy=client on Flower
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [
     {"method": "fedproto", "privacy": "client", "privacy.noise": "local", "privacy.clip": 0.5,
      "privacy.noise_multiplier": 0.05},  # more local noise garbles the tiny model: its loss explodes (a diverged run)
@@ -526,6 +532,7 @@ def test_client_level_dp_on_flower_equals_the_simulator(extra, digits_data_dir, 
         assert dict(reply.content.metric_records["fedhpro.metrics"]) == {}
 
 
+@pytest.mark.slow
 def test_flower_draws_privacy_noise_from_the_os_unless_told_otherwise(digits_data_dir, tmp_path, inside_a_run):
     """privacy.secure_noise unset: seeded noise in the simulator (reproducible), the operating system's on Flower
     (anyone who knows the config could redraw seeded noise): two Flower runs of one config differ from each
@@ -542,6 +549,7 @@ def test_flower_draws_privacy_noise_from_the_os_unless_told_otherwise(digits_dat
     assert max_difference(state_a, state_b) > 0 and max_difference(state_a, expected) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("limit_rounds", [0, 2])
 def test_privacy_budget_stops_a_flower_run_where_the_simulator_stops(limit_rounds, digits_data_dir, tmp_path,
                                                                     inside_a_run):
@@ -573,6 +581,7 @@ def test_privacy_budget_stops_a_flower_run_where_the_simulator_stops(limit_round
     assert max_difference(model_f, model_s) == 0.0
 
 
+@pytest.mark.slow
 def test_flower_sample_level_dp_draws_os_noise_unless_told_otherwise(digits_data_dir, tmp_path, inside_a_run):
     """privacy=sample on Flower: the nodes' DP-SGD noise comes from the operating system when
     privacy.secure_noise is unset (two runs of one config differ), and is the simulator's seeded noise with

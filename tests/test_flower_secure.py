@@ -105,6 +105,7 @@ def test_certificates_command_writes_a_ca_a_server_certificate_and_node_keys(tmp
     assert other.public_numbers() != public.public_numbers()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
 def test_openssl_accepts_the_server_certificate_for_its_hosts_only(tmp_path):
     certificates.create(tmp_path, ["127.0.0.1", "localhost"])
@@ -121,6 +122,7 @@ def test_openssl_accepts_the_server_certificate_for_its_hosts_only(tmp_path):
     assert verify("-verify_hostname", "elsewhere.example.org").returncode != 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("ssh-keygen") is None, reason="ssh-keygen is not installed")
 def test_ssh_keygen_reads_the_node_keys_as_ecdsa_384(tmp_path):
     certificates.create(tmp_path, ["127.0.0.1"], nodes=1)
@@ -369,6 +371,7 @@ def check_other_user(net: Deployment, isolated: bool, first: str, registered: se
               f"after the other user: nodes {after}, runs {len(runs)}")
 
 
+@pytest.mark.deploy
 @pytest.mark.skipif(shutil.which("nginx") is None and not Path("/usr/sbin/nginx").exists(),
                     reason="nginx is not installed (apt-get install nginx-light)")
 def test_secured_deployment_refuses_strangers_and_nodes_and_runs_fedhpro_like_the_simulator(tmp_path):

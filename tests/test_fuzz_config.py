@@ -170,6 +170,7 @@ DEFAULTS_AT_IMPORT = package_defaults()
 # ---------------------------------------------------------------------------- the properties
 
 
+@pytest.mark.slow
 @fuzz(200)
 @given(st.lists(OVERRIDE, min_size=1, max_size=4))
 def test_key_value_strings_give_a_config_or_one_line(overrides):
@@ -178,6 +179,7 @@ def test_key_value_strings_give_a_config_or_one_line(overrides):
     outcome(lambda: load_config(None, overrides))
 
 
+@pytest.mark.slow
 @fuzz(200)
 @given(MAPPING, st.one_of(st.none(), MAPPING))
 def test_mappings_of_junk_give_a_config_or_one_line_and_stay_as_given(source, overrides):
@@ -319,6 +321,7 @@ def graph_fuzz(examples: int) -> settings:
                                            HealthCheck.filter_too_much])
 
 
+@pytest.mark.slow
 @graph_fuzz(300)
 @given(st.one_of(yaml_graphs(), laughs_graphs()))
 def test_yaml_graphs_load_as_safe_load_or_are_refused_in_one_line_exactly_past_a_bound(text):
@@ -352,6 +355,7 @@ def test_yaml_graphs_load_as_safe_load_or_are_refused_in_one_line_exactly_past_a
             assert "contains itself" in message or "values once" in message or "levels deep" in message
 
 
+@pytest.mark.slow
 @graph_fuzz(120)
 @given(st.one_of(yaml_graphs(), laughs_graphs()), st.sampled_from(["file", "override", "cli"]))
 def test_yaml_graphs_give_a_config_or_one_line_within_the_deadline(text, where):

@@ -176,6 +176,7 @@ def no_marker():
     assert not MARKER.exists(), "a fuzzed file ran code"
 
 
+@pytest.mark.slow
 @FUZZ
 @given(suffix=st.sampled_from([".pt", ".npz"]), content=CONTENT, mutation=MUTATION, test_too=st.booleans())
 def test_malformed_tensor_files_give_one_line_errors_only(suffix, content, mutation, test_too):
@@ -232,5 +233,6 @@ def test_corrupted_cifar_pickles_give_one_line_errors_only(source, mutation):
     assert not MARKER.exists()
 
 
+@pytest.mark.slow
 def test_the_fuzzers_ran_their_examples():
     assert COUNT["tensor files"] >= 300 and COUNT["pickles"] >= 100, COUNT

@@ -331,6 +331,7 @@ def bad_replies(draw, reply: dict[str, Any], metrics: dict[str, float]) -> Recor
     return content
 
 
+@pytest.mark.slow
 @fuzz(TRAINING)
 @given(data=st.data())
 def test_training_replies(honest, reference, data):
@@ -404,6 +405,7 @@ def test_evaluation_replies_through_the_server(rejoining, values):
     assert [item["client"] for item in row.get("not_evaluated", [])] == ([] if valid else [1])
 
 
+@pytest.mark.slow
 def test_enough_messages_were_generated():
     assert sum(GENERATED.values()) >= 700, GENERATED
     print(f"generated messages: {GENERATED} (total {sum(GENERATED.values())})")

@@ -146,6 +146,7 @@ def test_the_check_against_hand_values():
     assert divergence(0.001, 231.0, 10, train) is not None
 
 
+@pytest.mark.slow
 def test_an_exploding_run_stops_with_one_line_and_the_cap_keeps_it_training(digits_data_dir, tmp_path, capsys):
     tiny = ["run", "method=fedavg", "lr=50", "rounds=2", "clients=2", "local_epochs=1", "data.fraction=0.02",
             f"data.syn_size={DIGITS_SYN_SIZE}", f"data.test_fraction={DIGITS_TEST_FRACTION}", "feature_dim=16",

@@ -63,6 +63,7 @@ def one_line_error(capsys) -> str:
 # ----------------------------------------------------------------------------- CIFAR: no pickle runs code
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("verify", [True, False])
 def test_tampered_cifar_folder_runs_no_code_and_is_one_line(tmp_path, capsys, verify):
     marker = tmp_path / "MARKER"
@@ -159,6 +160,7 @@ def _tensor_client(root: Path, name: str, x, y, test: tuple | None = None) -> Pa
     return folder
 
 
+@pytest.mark.slow
 def test_huge_label_in_a_tensor_client_is_refused_before_allocating(tmp_path, capsys):
     _tensor_client(tmp_path / "fed", "site-0", torch.randn(4, 3), torch.tensor([0, 1, 2, 2**31 - 1]),
                    (torch.randn(2, 3), torch.tensor([0, 1])))
@@ -280,6 +282,7 @@ def _run_clients(tmp_path: Path, capsys, *args: str) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_integer_x_with_mlp_is_one_line(tmp_path, capsys):
     for k in range(2):
         _tensor_client(tmp_path / "fed", f"site-{k}", torch.randint(0, 5, (8, 4)), torch.arange(8) % 2,
@@ -289,6 +292,7 @@ def test_integer_x_with_mlp_is_one_line(tmp_path, capsys):
     assert "model=mlp takes float features, but the inputs are torch.int64" in err.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_integer_and_float_x_across_clients_become_float32(tmp_path, capsys):
     ints = torch.randint(0, 5, (8, 4))
     _tensor_client(tmp_path / "fed", "site-0", ints, torch.arange(8) % 2, (torch.randint(0, 5, (4, 4)),
@@ -309,6 +313,7 @@ def test_integer_x_beyond_float32_beside_float_x_is_one_line(tmp_path):
         load_client(tmp_path / "fed" / "site-0", ClientsOptions(), ["0", "1"])
 
 
+@pytest.mark.slow
 def test_sparse_x_is_densified_and_a_huge_one_refused(tmp_path, capsys):
     dense = torch.randn(8, 4) * (torch.rand(8, 4) > 0.5)
     _tensor_client(tmp_path / "fed", "site-0", dense.to_sparse(), torch.arange(8) % 2,
@@ -421,6 +426,7 @@ def _in_a_fresh_process(code: str, timeout: int = 60) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_compare_reading_back_a_stored_run_whose_config_is_a_bomb_is_one_line(tmp_path):
     folder = _report_folder(tmp_path / "run", "method: fedavg\n" + BOMB)
     (folder / "summary.json").write_text('{"accuracy": 50.0}')
@@ -437,6 +443,7 @@ except ConfigError as error:
     assert out.count("\n") == 1 and "config.yaml cannot be read" in out and "aliases" in out, out
 
 
+@pytest.mark.slow
 def test_resume_of_a_folder_whose_config_is_a_bomb_is_one_line(tmp_path):
     import subprocess
     import sys

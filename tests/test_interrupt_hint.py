@@ -13,9 +13,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
 
 from fedhpro.engines import checkpoint
+
+pytestmark = pytest.mark.slow
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 ROUNDS = 20

@@ -172,6 +172,7 @@ def _seed_with_one_hostile(clients: int, scale: float) -> tuple[int, int]:
     raise AssertionError("no seed found")
 
 
+@pytest.mark.slow
 def test_flower_and_the_simulator_give_krum_the_same_numbers(digits_data_dir, tmp_path, monkeypatch):
     """The real ServerApp (run_server) over a grid whose five nodes run the real ClientApp (partition mode), and
     fedhpro.run: metrics.jsonl equal to the byte under aggregation=krum with a x100 hostile client, which is not

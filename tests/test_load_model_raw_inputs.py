@@ -23,6 +23,8 @@ import fedhpro
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.trained import predict, prepare_inputs
 
+pytestmark = pytest.mark.slow
+
 SITES = ("north", "south", "west")
 TINY = {"rounds": 5, "local_epochs": 2, "feature_dim": 16, "progress": False, "threads": 1, "device": "cpu",
         "seed": 1, "method": "fedavg", "model": "mlp", "batch_size": 16}

@@ -142,6 +142,7 @@ def denormals_flushed() -> bool:
     return (torch.tensor(1e-40) * 1).item() == 0.0
 
 
+@pytest.mark.slow
 def test_run_leaves_the_flush_denormal_state_as_it_found_it(tmp_path):
     before = denormals_flushed()
     if not torch.set_flush_denormal(False):

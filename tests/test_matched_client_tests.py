@@ -61,6 +61,7 @@ def test_a_federation_with_its_own_test_splits_is_refused():
         match_client_tests(own, seed=0)
 
 
+@pytest.mark.slow
 def test_a_run_measures_each_client_on_its_matched_set_and_keeps_the_headline(tmp_path):
     settings = dict(model=TinyNet, method="fedavg", rounds=2, local_epochs=1, batch_size=8, lr=0.05,
                     progress=False, device="cpu", feature_dim=FEATURE_DIM, seed=2)

@@ -60,6 +60,7 @@ def svg_texts(path: Path) -> list[str]:
     return [t.strip() for t in re.findall(r"<text[^>]*>([^<]*)</text>", path.read_text(encoding="utf-8"))]
 
 
+@pytest.mark.slow
 def test_compare_names_the_methods_as_the_paper_in_the_order_given(no_training, tmp_path):
     compare(GIVEN, [0, 1], SETTINGS, tmp_path / "cmp", echo=False)
     markdown = (tmp_path / "cmp" / "table.md").read_text()
@@ -74,6 +75,7 @@ def test_compare_names_the_methods_as_the_paper_in_the_order_given(no_training, 
                               "fedproto-seed1"]
 
 
+@pytest.mark.slow
 def test_compare_caption_states_the_partition_and_alpha(no_training, tmp_path):
     compare(["fedavg", "fedhpro"], [0], SETTINGS, tmp_path / "cmp", echo=False)
     caption = (tmp_path / "cmp" / "table.md").read_text().split("\n\n")[0]
@@ -81,6 +83,7 @@ def test_compare_caption_states_the_partition_and_alpha(no_training, tmp_path):
                        "Data: digits-offline, Dirichlet label skew (alpha = 0.3).")
 
 
+@pytest.mark.slow
 def test_a_grid_over_alpha_says_each_rows_partition(no_training, tmp_path):
     compare(["fedavg"], [0], {**SETTINGS, "partition.alpha": [0.1, 0.5]}, tmp_path / "cmp", echo=False)
     markdown = (tmp_path / "cmp" / "table.md").read_text()
@@ -89,6 +92,7 @@ def test_a_grid_over_alpha_says_each_rows_partition(no_training, tmp_path):
             "digits-offline, Dirichlet label skew (alpha = 0.5), for FedAvg partition.alpha=0.5.") in markdown
 
 
+@pytest.mark.slow
 def test_report_of_a_comparison_keeps_its_order_names_and_partition(no_training, tmp_path, monkeypatch):
     compare(GIVEN, [0, 1], SETTINGS, tmp_path / "cmp", echo=False)
     figures = []
@@ -110,6 +114,7 @@ def test_report_of_a_comparison_keeps_its_order_names_and_partition(no_training,
         texts.index(f"{name} (mean of 2)") for name in GIVEN_SHOWN)
 
 
+@pytest.mark.slow
 def test_a_comparison_without_its_record_is_in_the_papers_order(no_training, tmp_path):
     compare(GIVEN, [0], SETTINGS, tmp_path / "cmp", echo=False)
     (tmp_path / "cmp" / "compare.json").unlink(missing_ok=True)  # a comparison of an older fedhpro
@@ -117,6 +122,7 @@ def test_a_comparison_without_its_record_is_in_the_papers_order(no_training, tmp
     assert table_rows((out / "table.md").read_text()) == ["FedAvg", "FedProto", "FedHPro"]  # Tables 1-3
 
 
+@pytest.mark.slow
 def test_a_damaged_record_is_one_line_naming_the_fix(no_training, tmp_path):
     from fedhpro.errors import DataError
 
@@ -127,6 +133,7 @@ def test_a_damaged_record_is_one_line_naming_the_fix(no_training, tmp_path):
     assert "\n" not in str(error.value) and "compare.json" in str(error.value) and "delete it" in str(error.value)
 
 
+@pytest.mark.slow
 def test_report_of_run_folders_keeps_the_order_given(no_training, tmp_path):
     compare(GIVEN, [0], SETTINGS, tmp_path / "cmp", echo=False)
     folders = [tmp_path / "cmp" / f"{method}-seed0" for method in ("fedproto", "fedhpro", "fedavg")]
@@ -139,6 +146,7 @@ def test_report_of_run_folders_keeps_the_order_given(no_training, tmp_path):
     assert texts.index("FedProto") < texts.index("FedHPro") < texts.index("FedAvg")
 
 
+@pytest.mark.slow
 def test_runs_of_other_partitions_are_never_given_one(no_training, tmp_path):
     compare(["fedavg"], [0], SETTINGS, tmp_path / "a", echo=False)
     compare(["fedhpro"], [0], {**SETTINGS, "partition.scheme": "iid"}, tmp_path / "b", echo=False)
@@ -204,6 +212,7 @@ def test_fedhpro_is_thicker_in_every_figure_that_compares_it(tmp_path):
     assert len({line.get_linewidth() for line in axis.get_lines()}) == 1
 
 
+@pytest.mark.slow
 def test_compares_printout_names_the_methods_as_its_table(no_training, tmp_path, capsys):
     compare(GIVEN, [0], SETTINGS, tmp_path / "cmp", echo=True)
     lines = [line for line in capsys.readouterr().out.splitlines() if " seed 0: AVG " in line]

@@ -18,6 +18,8 @@ from wine_table import FEATURES, wine_site_table
 
 import fedhpro
 
+pytestmark = pytest.mark.slow
+
 
 def _tracked(out) -> tuple:
     from mlflow.tracking import MlflowClient

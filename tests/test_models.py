@@ -57,6 +57,7 @@ def test_registry_holds_the_zoo():
     assert set(USUAL_INPUT_SHAPES) == set(MODELS)
 
 
+@pytest.mark.slow
 def test_importing_the_zoo_does_not_import_torchvision():
     code = "import sys, fedhpro.models as m; assert 'torchvision' not in sys.modules; m.ResNetFE; " \
            "assert 'torchvision' in sys.modules"

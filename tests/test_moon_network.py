@@ -211,6 +211,7 @@ def run_cli(out, *extra) -> int:
                  "progress=false", "checkpoint_every=0", f"out={out}", *extra])
 
 
+@pytest.mark.slow
 def test_cli_runs_moon_on_both_networks(digits_data_dir, tmp_path, capsys):
     rows = {}
     for name, extra in [("none", []), ("authors", ["moon.projection_head=authors"])]:

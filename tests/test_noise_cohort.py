@@ -98,6 +98,7 @@ def test_a_noise_cohort_without_client_level_dp_is_one_line():
         assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_a_run_says_its_epsilon_is_the_larger_cohorts(digits_data_dir, tmp_path, capsys):
     from fedhpro import cli
 

@@ -195,6 +195,7 @@ def checkpoints(folder: Path) -> list[str]:
     return sorted(p.name for p in (folder / "checkpoints").iterdir())
 
 
+@pytest.mark.slow
 def test_a_checkpoint_is_written_once_the_minutes_pass_and_changes_no_number(monkeypatch, tmp_path):
     federation = make_federation([10, 12])
     plain = fedhpro.run(federation=federation, model=TinyNet, **tiny_settings(
@@ -209,6 +210,7 @@ def test_a_checkpoint_is_written_once_the_minutes_pass_and_changes_no_number(mon
     assert timed.metrics == plain.metrics
 
 
+@pytest.mark.slow
 def test_a_run_killed_before_checkpoint_every_came_resumes_from_its_timed_checkpoint(monkeypatch, tmp_path):
     federation = make_federation([10, 12])
     whole = fedhpro.run(federation=federation, model=TinyNet, **tiny_settings(tmp_path / "whole"))

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import onnxruntime
 import pandas as pd
-from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
+import pytest
 from wine_table import FEATURES, wine_site_table
 
 import fedhpro
@@ -27,6 +27,7 @@ def _metadata(path) -> tuple[onnxruntime.InferenceSession, dict]:
     return session, {key: json.loads(value) for key, value in session.get_modelmeta().custom_metadata_map.items()}
 
 
+@pytest.mark.slow
 def test_a_tabular_model_onnx_names_its_classes_and_columns(tmp_path):
     table = wine_site_table(labels=["barolo", "merlot", "shiraz"], site_prefix="s")
     table.to_csv(tmp_path / "table.csv", index=False)
@@ -52,11 +53,8 @@ def test_a_tabular_model_onnx_names_its_classes_and_columns(tmp_path):
     assert (reference["predicted"].to_numpy() == test["label"].to_numpy()).mean() > 0.6  # a model that learnt
 
 
-def test_an_image_model_onnx_names_its_classes_and_no_columns(tmp_path, digits_data_dir):
-    run = fedhpro.run(method="fedavg", rounds=1, clients=4, local_epochs=1, feature_dim=16, progress=False,
-                      threads=1, data_dir=str(digits_data_dir), out=str(tmp_path / "run"),
-                      **{"data.fraction": 0.02, "data.syn_size": DIGITS_SYN_SIZE,
-                         "data.test_fraction": DIGITS_TEST_FRACTION})
+def test_an_image_model_onnx_names_its_classes_and_no_columns(tmp_path, finished_runs):
+    run = finished_runs.copy("image", tmp_path)
     session, meta = _metadata(export_onnx(run.out).path)
     assert meta["fedhpro.features"] is None and meta["fedhpro.input"] == "uint8 pixels"
     assert meta["fedhpro.classes"] == json.loads((run.out / "model.json").read_text())["classes"]

@@ -135,6 +135,7 @@ def _files(folder: Path) -> Counter:
 # ----------------------------------------------------------------------------------- runs from the command line
 
 
+@pytest.mark.slow
 def test_imagefolder_two_domains_runs_and_reports_each_domain(data, tmp_path):
     out = tmp_path / "run"
     result = _cli_run(["dataset=imagefolder", f"data_dir={data['imagefolder']}", "partition=dirichlet",
@@ -157,6 +158,7 @@ def test_imagefolder_two_domains_runs_and_reports_each_domain(data, tmp_path):
     assert record["test_sizes"] == {d: TEST_PER_CLASS * len(c) for d, c in DOMAINS.items()}
 
 
+@pytest.mark.slow
 def test_clients_folders_run_with_per_client_tests(data, tmp_path):
     out = tmp_path / "run"
     result = _cli_run(["dataset=clients", f"data_dir={data['clients']}", "data.image_size=16", f"out={out}"],
@@ -175,6 +177,7 @@ def test_clients_folders_run_with_per_client_tests(data, tmp_path):
     assert record["clients"][3]["test_size"] == 0
 
 
+@pytest.mark.slow
 def test_huggingface_saved_to_disk_runs(tmp_path):
     datasets = pytest.importorskip("datasets")
     rng = np.random.default_rng(2)
@@ -198,6 +201,7 @@ def test_huggingface_saved_to_disk_runs(tmp_path):
     assert [sum(c["class_counts"]) for c in record["clients"]] == [10, 10, 10]
 
 
+@pytest.mark.slow
 def test_tabular_clients_run_with_mlp(data, tmp_path):
     out = tmp_path / "run"
     result = _cli_run(["dataset=clients", f"data_dir={data['tabular']}", "model=mlp", f"out={out}"], tmp_path)
@@ -534,6 +538,7 @@ def _bad_inputs(root: Path) -> dict[str, tuple[list[str], str]]:
     }
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_without_traceback(tmp_path, capsys):
     cases = _bad_inputs(tmp_path)
     for name, (args, word) in cases.items():
@@ -546,6 +551,7 @@ def test_bad_input_is_one_line_without_traceback(tmp_path, capsys):
         assert not out.exists(), name  # nothing half-written
 
 
+@pytest.mark.slow
 def test_bad_input_from_a_subprocess(tmp_path):
     args, word = _bad_inputs(tmp_path)["image that does not decode"]
     result = subprocess.run([sys.executable, "-m", "fedhpro", "run", *args, f"out={tmp_path / 'run'}"], cwd=tmp_path,
@@ -582,6 +588,7 @@ def test_mixed_and_mismatched_clients_name_them(tmp_path):
 # ----------------------------------------------------------------------------------- names that differ only in case
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("other", ["Cat", "CAT", " cat", "cat\u00a0"])
 def test_class_folders_differing_only_in_case_or_whitespace_are_refused(tmp_path, other, capsys):
     """One site's ``cat`` spelled ``Cat`` would otherwise be a fourth class (and half the cats' accuracy)."""

@@ -128,6 +128,7 @@ def test_2_sixteen_bit_and_float_images_are_scaled_by_their_bit_depth(tmp_path):
         images.decode_files([floats], 4)
 
 
+@pytest.mark.slow
 def test_2_two_classes_differing_only_in_16_bit_intensity_are_learned(tmp_path):
     rng = np.random.default_rng(2)
     root = tmp_path / "scans"
@@ -190,6 +191,7 @@ def test_3_clients_per_domain_for_all_domains(three_domains):
 # ----------------------------------------------------------------------------------- 4. data_dir without dataset=
 
 
+@pytest.mark.slow
 def test_4_data_dir_without_dataset_is_refused_and_nothing_is_written(tmp_path, capsys):
     rng = np.random.default_rng(4)
     mine = tmp_path / "my-images"
@@ -288,6 +290,7 @@ def test_6_tabular_features_are_standardised_by_each_clients_own_statistics(tmp_
     assert any("standardised with each client's own training mean and std" in note for note in federation.notes)
 
 
+@pytest.mark.slow
 def test_6_wine_is_learned_with_the_default(tmp_path):
     pytest.importorskip("sklearn")
     root = _wine_sites(tmp_path / "wine")
@@ -379,6 +382,7 @@ def test_9_huggingface_columns_are_found_from_their_feature_types(tmp_path):
     assert given.partition["classes"] == ["calm", "wild"]
 
 
+@pytest.mark.slow
 def test_8_a_site_without_a_test_split_has_no_accuracy_of_its_own_in_the_run(tmp_path, capsys):
     """The run's rows and summary: the untested site's accuracy is None (not the pooled AVG), the fairness
     statistics are those of the tested sites alone, and the CLI-style echo names it before training."""
@@ -417,6 +421,7 @@ def test_image_folder_class_or_domain_folders_differing_only_in_case_are_refused
         _build("imagefolder", f"data_dir={tmp_path / 'domains'}", "clients=2")
 
 
+@pytest.mark.slow
 def test_4_a_csv_table_as_data_dir_without_dataset_names_dataset_clients(tmp_path, capsys):
     table = tmp_path / "cancer.csv"
     table.write_text("site,split,x,label\na,train,1.0,benign\n")

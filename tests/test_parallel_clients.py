@@ -185,6 +185,7 @@ def test_bad_parallel_clients_is_one_line(given, problem):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_the_summary_says_how_clients_trained(digits_data_dir, tmp_path):
     from fedhpro import api
 
@@ -216,6 +217,7 @@ def test_worker_threads_flush_denormals_as_the_engine_does(flush):
     assert seen == [not flush] * len(SIZES) + [flush] * len(SIZES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("privacy", [[], ["privacy=client", "privacy.clip=0.5", "privacy.noise_multiplier=1.2"],
                                      ["privacy=client", "privacy.clip=0.5", "privacy.noise_multiplier=1.2",
                                       "privacy.noise=local"],

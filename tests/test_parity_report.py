@@ -81,6 +81,7 @@ def parity_rows(out: Path) -> dict[tuple[str, str], dict]:
     return {(row["setting"], row["measure"]): row for row in csv.DictReader((out / "parity.csv").open())}
 
 
+@pytest.mark.slow
 def test_parity_of_a_study_folder_is_the_hand_computed_mean_std_difference_and_verdict(study, tmp_path):
     out = tmp_path / "report"
     assert cli_main(["report", str(study), f"out={out}"]) == 0
@@ -128,6 +129,7 @@ def final_row(run: Path, accuracy: float) -> None:
     (run / "summary.json").write_text(json.dumps(summary))
 
 
+@pytest.mark.slow
 def test_the_verdict_is_within_or_outside_the_larger_seed_spread(study, tmp_path):
     """Numbers set by hand. default: float32 80, 82 (mean 81, std sqrt(2) = 1.414), bf16 80.5, 83.5 (mean 82,
     std sqrt(4.5) = 2.121): difference +1.00 within 2.12. faster: float32 70, 70 (std 0), bf16 72, 73
@@ -165,6 +167,7 @@ def test_the_verdict_is_within_or_outside_the_larger_seed_spread(study, tmp_path
     assert parity_rows(out) == rows
 
 
+@pytest.mark.slow
 def test_folders_that_differ_besides_the_precision_are_refused_in_one_line(study, tmp_path, capsys):
     out = tmp_path / "report"
     with pytest.raises(ConfigError) as refused:
@@ -179,6 +182,7 @@ def test_folders_that_differ_besides_the_precision_are_refused_in_one_line(study
     assert capsys.readouterr().err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_a_setting_at_one_precision_is_named_and_left_out(study, tmp_path, capsys):
     out = tmp_path / "report"
     assert cli_main(["report", str(study / "default" / "float32"), str(study / "default" / "bf16"),
@@ -191,6 +195,7 @@ def test_a_setting_at_one_precision_is_named_and_left_out(study, tmp_path, capsy
     assert json.loads((out / "parity.json").read_text())["left_out"] == [line]
 
 
+@pytest.mark.slow
 def test_an_unfinished_run_is_left_out_of_its_side_and_named(study, tmp_path):
     copy = tmp_path / "study"
     shutil.copytree(study / "default", copy / "default")
@@ -204,11 +209,13 @@ def test_an_unfinished_run_is_left_out_of_its_side_and_named(study, tmp_path):
                ["left_out"])
 
 
+@pytest.mark.slow
 def test_a_report_of_one_precision_has_no_parity_table(study, tmp_path):
     out = report([study / "default" / "float32", study / "faster" / "float32"], tmp_path / "report", echo=False)
     assert (out / "table.md").is_file() and not (out / "parity.md").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not NATIVE_BF16, reason="amp=bf16 trains only on a CPU with native bfloat16 (AVX512-BF16, AMX)")
 def test_the_study_script_reuses_finished_runs_and_writes_the_parity_report(study, digits_data_dir, tmp_path):
     copy = tmp_path / "study"

@@ -219,6 +219,7 @@ def _runtime_probe(env_value: str | None) -> str:
                           check=True).stdout.strip()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt is Linux-only")
 def test_runtime_keeps_freed_memory_on_glibc_and_the_switch_turns_it_off():
     import ctypes
@@ -247,6 +248,7 @@ def _openmp_probe(code: str, **env_values: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_import_fedhpro_lets_openmp_threads_sleep_unless_the_user_chose_or_torch_is_loaded():
     from fedhpro.runtime import OPENMP_DEFAULTS
 

@@ -103,6 +103,7 @@ def _federation() -> Federation:
     return Federation.from_tensors(pairs, {"all": (torch.randn(20, 6, generator=generator), torch.arange(20) % 2)})
 
 
+@pytest.mark.slow
 def test_a_run_and_its_report_write_the_figures_in_the_style(tmp_path):
     import fedhpro
 

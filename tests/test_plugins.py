@@ -99,6 +99,7 @@ def one_line(error: pytest.ExceptionInfo) -> str:
 # ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_registered_method_runs_and_its_knobs_are_config_keys(registry, tmp_path):
     registry.register("counting", COUNTING)
     federation = make_federation([12, 12, 12])
@@ -192,6 +193,7 @@ def test_an_entry_point_does_not_replace_a_built_in(registry, monkeypatch, capsy
     assert "the method 'fedavg' of package plugin_module_for_tests is ignored" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_cli_reports_a_broken_installed_method_in_one_line(tmp_path):
     from test_examples import run_python, write_dist_info
 
@@ -221,6 +223,7 @@ def test_compare_runs_a_registered_method_and_keeps_its_own_section_only(registr
 # ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_federation_from_python_is_recorded_and_clients_must_match(tmp_path):
     federation = make_federation([10, 14, 12])
     result = fedhpro.run(method="fedavg", federation=federation, model=TinyNet, **tiny_settings(tmp_path / "run"))
@@ -241,6 +244,7 @@ def test_a_federation_from_python_is_recorded_and_clients_must_match(tmp_path):
         fedhpro.run(str(tmp_path / "run" / "config.yaml"), out=str(tmp_path / "again"), model="cnn")
 
 
+@pytest.mark.slow
 def test_resume_needs_the_same_federation_and_model_again(tmp_path):
     federation = make_federation([10, 14, 12])
     out = tmp_path / "run"
@@ -263,6 +267,7 @@ def test_resume_needs_the_same_federation_and_model_again(tmp_path):
     assert resumed.summary["accuracy"] == first.summary["accuracy"]  # continued to the same numbers
 
 
+@pytest.mark.slow
 def test_a_model_callable_gets_the_arguments_it_names_and_methods_still_wrap_it(tmp_path):
     seen = {}
 
@@ -295,6 +300,7 @@ class WrongFeatures(TinyNet):
         self.features = nn.Sequential(nn.Conv2d(3, 2, 3), nn.ReLU())  # B x 2 x 6 x 6: not flat
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("factory,words", [
     (NoClassifier, ["has no `classifier`", "fedhpro.models.split(model, head='fc')"]),
     (lambda: TinyNet(num_classes=3), ["classifier has 3 outputs", "4 classes"]),
@@ -418,6 +424,7 @@ def test_split_a_dotted_head_and_a_new_number_of_classes():
         fedhpro.models.split(original, head="neck.1")
 
 
+@pytest.mark.slow
 def test_a_split_torchvision_model_trains_in_a_run(tmp_path):
     import torchvision
 
@@ -449,6 +456,7 @@ def write_plugin_dist_info(root: Path, package: str, groups: dict[str, dict[str,
     (folder / "entry_points.txt").write_text(text)
 
 
+@pytest.mark.slow
 def test_an_installed_data_set_and_partitioner_are_config_keys_and_run_from_the_cli(tmp_path):
     from test_examples import run_python
 

@@ -255,6 +255,7 @@ def test_the_fp16_path_scales_the_loss_and_keeps_float32_weights(monkeypatch):
 # ---------------------------------------------------------------------------- summary.json and the start-up note
 
 
+@pytest.mark.slow
 def test_summary_records_the_machine(fake_cpu, digits_data_dir, tmp_path, capsys):
     fake_cpu(AMX)
     assert cli.main(tiny_run(digits_data_dir, tmp_path / "bf16", "amp=bf16")) == 0
@@ -274,6 +275,7 @@ def test_summary_records_the_machine(fake_cpu, digits_data_dir, tmp_path, capsys
     assert (machine["precision"], machine["memory_format"]) == ("float32", "contiguous")
 
 
+@pytest.mark.slow
 def test_the_start_up_note_is_printed_and_not_kept(fake_cpu, digits_data_dir, tmp_path, capsys):
     fake_cpu(AMX)
     assert cli.main(tiny_run(digits_data_dir, tmp_path / "note")) == 0
@@ -364,6 +366,7 @@ def test_amp_off_no_grad_passes_equal_the_old_code(monkeypatch):
     assert seen and all(not autocast for _, autocast, _ in seen)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("amp", ["off", "bf16"])
 def test_both_engines_run_their_no_grad_passes_in_the_runs_precision(fake_cpu, monkeypatch, digits_data_dir,
                                                                      tmp_path, amp):

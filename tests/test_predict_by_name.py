@@ -16,7 +16,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
 from PIL import Image
 from wine_table import FEATURES, wine_site_table
 
@@ -39,6 +38,7 @@ def table_run(tmp_path_factory):
     return run, table, base
 
 
+@pytest.mark.slow
 def test_a_shuffled_dataframe_gives_the_predictions_of_the_csv_and_of_rows_scaled_by_hand(table_run, tmp_path):
     run, table, _ = table_run
     test = table[table["split"] == "test"].reset_index(drop=True)
@@ -71,6 +71,7 @@ def test_a_shuffled_dataframe_gives_the_predictions_of_the_csv_and_of_rows_scale
     pd.testing.assert_frame_equal(by_mapping[added], table_out[added])
 
 
+@pytest.mark.slow
 def test_a_site_s_statistics_by_name_equal_predict_on_the_csv(table_run, tmp_path):
     run, table, _ = table_run
     test = table[(table["split"] == "test") & (table["site"] == "site-2")]
@@ -83,6 +84,7 @@ def test_a_site_s_statistics_by_name_equal_predict_on_the_csv(table_run, tmp_pat
     assert list(estimator.predict(test[FEATURES[::-1]])) == list(reference["predicted"].astype(str))
 
 
+@pytest.mark.slow
 def test_missing_or_extra_columns_are_refused_in_one_line_naming_them(table_run):
     run, table, _ = table_run
     estimator = fedhpro.load_estimator(run.out)
@@ -104,6 +106,7 @@ def test_missing_or_extra_columns_are_refused_in_one_line_naming_them(table_run)
         estimator.predict(rows.astype(str).assign(hue="pale"))
 
 
+@pytest.mark.slow
 def test_a_tensor_of_the_wrong_width_is_one_line_naming_the_features(table_run):
     run, table, _ = table_run
     module = fedhpro.load_model(run.out)
@@ -125,12 +128,8 @@ def test_a_tensor_of_the_wrong_width_is_one_line_naming_the_features(table_run):
 
 
 @pytest.fixture(scope="module")
-def image_run(tmp_path_factory, digits_data_dir):
-    out = tmp_path_factory.mktemp("image") / "run"
-    return fedhpro.run(method="fedavg", rounds=1, clients=4, local_epochs=1, feature_dim=16, progress=False,
-                       threads=1, data_dir=str(digits_data_dir), out=str(out),
-                       **{"data.fraction": 0.02, "data.syn_size": DIGITS_SYN_SIZE,
-                          "data.test_fraction": DIGITS_TEST_FRACTION})
+def image_run(finished_runs, tmp_path_factory):
+    return finished_runs.copy("image", tmp_path_factory.mktemp("image"))
 
 
 def test_the_estimator_of_an_image_run_takes_pixels_flat_arrays_and_files(image_run, tmp_path):
@@ -154,6 +153,7 @@ def test_the_estimator_of_an_image_run_takes_pixels_flat_arrays_and_files(image_
         estimator.predict(pixels[:, :, :16])
 
 
+@pytest.mark.slow
 def test_score_is_scikit_learns_accuracy_by_name_or_index(table_run):
     from sklearn.metrics import accuracy_score
 

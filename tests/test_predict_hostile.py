@@ -29,6 +29,8 @@ from fedhpro.arrays import MAX_ARRAY_BYTES_VARIABLE
 from fedhpro.cli import main
 from fedhpro.trained import ModelFileError, predict
 
+pytestmark = pytest.mark.slow
+
 TINY = {"rounds": 1, "local_epochs": 1, "feature_dim": 8, "progress": False, "threads": 1, "device": "cpu",
         "seed": 1, "method": "fedavg", "model": "mlp", "batch_size": 4}
 FEATURES = 5

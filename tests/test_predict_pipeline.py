@@ -26,6 +26,8 @@ from fedhpro.data.federation import Federation
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.trained import ModelFileError, predict, prepare_inputs
 
+pytestmark = pytest.mark.slow
+
 SITES = ("alpha", "beta", "gamma")
 TINY = {"rounds": 1, "local_epochs": 1, "feature_dim": 16, "progress": False, "threads": 1, "device": "cpu",
         "seed": 1, "method": "fedavg", "model": "mlp", "batch_size": 4}

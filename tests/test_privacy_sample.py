@@ -232,6 +232,7 @@ def test_ledger_epsilon_is_the_largest_client_composition_checked_against_opacus
     assert ledger.epsilon({0: 1}, 1) < ledger.epsilon({0: 2}, 2)
 
 
+@pytest.mark.slow
 def test_ledger_delta_default_and_target_epsilon_within_one_percent():
     train = TrainSettings(epochs=1, batch_size=32)
     ledger = SampleLedger(Options(target_epsilon=4.0), [90, 200, 300], train, rounds=3, participation=0.5)
@@ -367,6 +368,7 @@ def test_a_term_declared_public_that_reads_the_batch_is_refused():
         client.fit(model, {"weights": clone_weights(model)}, data, {}, torch.Generator().manual_seed(0))
 
 
+@pytest.mark.slow
 def test_a_batchnorm_architecture_of_model_heterogeneity_is_refused_before_the_run(tmp_path):
     """Under heterogeneity=htfe5 some clients train googlenet (BatchNorm): refused at build, in one line, not a
     client dropped every round."""
@@ -462,6 +464,7 @@ def prv_bounds(history, delta):
     return float(lower), float(upper)
 
 
+@pytest.mark.slow
 def test_pld_ledger_lies_within_opacus_prv_bounds_and_below_rdp():
     """Each client's DP-SGD steps and release, composed over its rounds by PLD, against Opacus's PRV accountant
     on the same history; and 5-20 % below the RDP ledger (measured 0.91-0.93 here)."""

@@ -69,6 +69,7 @@ def test_local_noise_counts_undrawn_rounds_as_taken_part_by_everyone():
     assert max(seeded.participations(4).values()) < 4  # the seeded draw is known: its own counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("publish", [False, True])
 def test_a_dp_run_folder_names_no_participant_unless_asked(publish, digits_data_dir, tmp_path):
     out = tmp_path / "run"

@@ -40,6 +40,7 @@ def read_rows(path: Path) -> list[dict]:
 # ---------------------------------------------------------------------------- resume
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_uninterrupted_result(digits_data_dir, tmp_path):
     reference = tmp_path / "reference"
     assert cli_main(["run", *tiny_settings(digits_data_dir, reference)]) == 0
@@ -69,6 +70,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(digits_data_dir, tmp_pat
     assert [row["round"] for row in read_rows(killed / "timing.jsonl")] == list(range(6))
 
 
+@pytest.mark.slow
 def test_checkpoints_are_weights_only_and_pruned(digits_data_dir, tmp_path):
     out = tmp_path / "run"
     assert cli_main(["run", *tiny_settings(digits_data_dir, out, rounds=4, keep_checkpoints=2)]) == 0
@@ -80,6 +82,7 @@ def test_checkpoints_are_weights_only_and_pruned(digits_data_dir, tmp_path):
     assert "hyper_prototypes" in blob[checkpoint.STATE]["server"]
 
 
+@pytest.mark.slow
 def test_resume_refuses_changed_settings_and_missing_runs(digits_data_dir, tmp_path, capsys):
     out = tmp_path / "run"
     assert cli_main(["run", *tiny_settings(digits_data_dir, out, rounds=2)]) == 0
@@ -286,6 +289,7 @@ def test_every_method_resumes_bit_for_bit_from_a_weights_only_checkpoint(method,
 # ---------------------------------------------------------------------------- run folders
 
 
+@pytest.mark.slow
 def test_a_new_run_never_writes_into_another_runs_folder(digits_data_dir, tmp_path, capsys):
     folder = tmp_path / "run"
     assert cli_main(["run", *tiny_settings(digits_data_dir, folder, rounds=2)]) == 0

@@ -47,6 +47,7 @@ def avg_curve(folder: Path, method: str, seed: int) -> dict[int, float]:
     return {row["round"] + 1: row["accuracy"]["AVG"] for row in rows if "accuracy" in row}
 
 
+@pytest.mark.slow
 def test_report_of_a_compare_folder_is_the_mean_std_and_interval_over_seeds(compared, tmp_path):
     out = tmp_path / "report"
     assert cli_main(["report", str(compared), f"out={out}"]) == 0
@@ -81,6 +82,7 @@ def test_report_of_a_compare_folder_is_the_mean_std_and_interval_over_seeds(comp
         str((compared / f"{m}-seed{s}").resolve()) for m in METHODS for s in SEEDS)
 
 
+@pytest.mark.slow
 def test_the_default_out_is_the_compare_folders_report(compared):
     from fedhpro.reports.runs import report
 
@@ -90,6 +92,7 @@ def test_the_default_out_is_the_compare_folders_report(compared):
     assert report([compared], echo=False) == compared / "report"
 
 
+@pytest.mark.slow
 def test_mean_curves_band_and_integer_ticks(compared, tmp_path):
     from fedhpro.reports.plots import plot_mean_curves
     from fedhpro.reports.runs import accuracy_series, load_run

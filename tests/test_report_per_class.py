@@ -58,6 +58,7 @@ def compare_folder(digits_data_dir, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_class_accuracy_counts_what_a_per_sample_loop_counts_and_what_the_run_reported(compare_folder):
     run = compare_folder / "fedavg-seed1"
     measured = class_accuracy(run)
@@ -83,6 +84,7 @@ def test_class_accuracy_counts_what_a_per_sample_loop_counts_and_what_the_run_re
                                         for c in range(10)]
 
 
+@pytest.mark.slow
 def test_personal_models_are_tested_client_by_client_as_the_run_did(digits_data_dir, tmp_path):
     result = fedhpro.run(**tiny(digits_data_dir, tmp_path / "run", method="fedproto",
                                 **{"fedproto.protocol": "proto-only", "fedproto.inference": "nearest-prototype"}))
@@ -92,6 +94,7 @@ def test_personal_models_are_tested_client_by_client_as_the_run_did(digits_data_
         assert measured["accuracy"][name] == value
 
 
+@pytest.mark.slow
 def test_report_per_class_over_seeds_writes_tables_that_match_the_counts(compare_folder, capsys):
     assert cli_main(["report", str(compare_folder), "per_class=true"]) == 0
     report = compare_folder / "report"
@@ -125,6 +128,7 @@ def test_report_per_class_over_seeds_writes_tables_that_match_the_counts(compare
     assert "add per_class=true" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_model_changed_after_the_run_is_said_in_the_report(compare_folder, tmp_path):
     import shutil
 
@@ -136,6 +140,7 @@ def test_a_model_changed_after_the_run_is_said_in_the_report(compare_folder, tmp
     assert "fedavg-seed1: re-tested at" in (tmp_path / "report" / "per_class.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_run_without_its_model_files_is_refused_in_one_line(compare_folder, tmp_path):
     import shutil
 
@@ -147,6 +152,7 @@ def test_a_run_without_its_model_files_is_refused_in_one_line(compare_folder, tm
     assert "model.json" in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_an_unfinished_run_is_left_out_of_the_per_class_tables_and_named(compare_folder, tmp_path):
     import shutil
 

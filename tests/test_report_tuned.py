@@ -21,6 +21,8 @@ from fedhpro.cli import main as cli_main
 from fedhpro.compare import compare
 from fedhpro.reports.runs import report
 
+pytestmark = pytest.mark.slow
+
 ACCURACY = {"fedavg": [50.0, 54.0], "fedprox": [51.0, 53.0]}
 SETTINGS = {"rounds": 2, "progress": False}
 TUNED = {"tuning": {"trials": 5, "seed": 1000, "validation": 0.2, "objective": "last round's validation AVG",

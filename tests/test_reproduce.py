@@ -119,6 +119,7 @@ def reproduced(targets, tmp_path_factory):
     return out, buffer.getvalue()
 
 
+@pytest.mark.slow
 def test_absent_data_set_is_one_line_naming_it_and_digits_falls_back_to_digits_offline(reproduced):
     out, printed = reproduced
     absent = [line for line in printed.splitlines() if line.startswith("fedhpro reproduce tiny_domains:")]
@@ -128,6 +129,7 @@ def test_absent_data_set_is_one_line_naming_it_and_digits_falls_back_to_digits_o
     assert "not run: CIFAR10" in table
 
 
+@pytest.mark.slow
 def test_domains_table_puts_ours_beside_the_papers_numbers(reproduced):
     out, _ = reproduced
     table = (out / "tiny_domains" / "table.md").read_text()
@@ -141,12 +143,14 @@ def test_domains_table_puts_ours_beside_the_papers_numbers(reproduced):
     assert (out / "tiny_domains" / "accuracy_digits.png").read_bytes()[:8] == PNG_MAGIC
 
 
+@pytest.mark.slow
 def test_runs_are_shared_between_targets(reproduced):
     out, printed = reproduced
     assert len(list((out / "runs").glob("fedavg-*-seed0"))) == 2  # tiny_domains' run and tiny_tsne's (tsne=true)
     assert "reused" in printed
 
 
+@pytest.mark.slow
 def test_fairness_convergence_gm_and_tsne_outputs(reproduced):
     out, _ = reproduced
     fairness = (out / "tiny_fairness" / "table.md").read_text()
@@ -160,6 +164,7 @@ def test_fairness_convergence_gm_and_tsne_outputs(reproduced):
     assert "silhouette" in (out / "tiny_tsne" / "table.md").read_text()
 
 
+@pytest.mark.slow
 def test_report_builds_tables_and_plots_from_run_folders(reproduced, tmp_path):
     from fedhpro.reports.runs import report
 

@@ -40,6 +40,7 @@ def test_the_studies_are_targets_with_their_paper_numbers_as_data():
     assert [s.label for s in R.load_target("robustness").parts[0].scenarios][0] == "clean-mean"
 
 
+@pytest.mark.slow
 def test_label_skew_table_and_csv(out, digits_data_dir):
     table, rows, header = smoke("label_skew", out, digits_data_dir)
     assert "| Methods | NID1_0.2 (Δ) | paper Δ | NID2 (Δ) | paper Δ |" in table
@@ -51,6 +52,7 @@ def test_label_skew_table_and_csv(out, digits_data_dir):
     assert all(0.0 <= float(r["NID2 mean"]) <= 100.0 and r["NID2 runs"] == "1" for r in rows)
 
 
+@pytest.mark.slow
 def test_gradient_matching_table_and_csv(out, digits_data_dir):
     table, rows, header = smoke("gradient_matching", out, digits_data_dir)
     assert header == ["setting", "variant", "seed", "accuracy", "accuracy_last3", "gm_loss_before", "gm_loss_after",
@@ -62,6 +64,7 @@ def test_gradient_matching_table_and_csv(out, digits_data_dir):
     assert len(list((out / "runs").glob("fedhpro-*-seed0"))) >= 3
 
 
+@pytest.mark.slow
 def test_robustness_table_and_csv(out, digits_data_dir):
     table, rows, header = smoke("robustness", out, digits_data_dir)
     assert header == ["method", "attack", "clean (mean)", "mean", "median", "trimmed-mean", "norm-clip"]
@@ -72,6 +75,7 @@ def test_robustness_table_and_csv(out, digits_data_dir):
     assert "| fedhpro | sign-flip |" in table
 
 
+@pytest.mark.slow
 def test_a_study_table_is_rebuilt_from_its_run_folders(out, digits_data_dir, tmp_path, capsys):
     """Reproducing again reuses every run and writes the same CSV; ``fedhpro report`` reads the same folders."""
     from fedhpro.reports.runs import report
@@ -89,6 +93,7 @@ def test_a_study_table_is_rebuilt_from_its_run_folders(out, digits_data_dir, tmp
     assert (written / "table.md").is_file() and (written / "table.csv").is_file()
 
 
+@pytest.mark.slow
 def test_faithfulness_table_and_csv(out, digits_data_dir):
     table, rows, header = smoke("faithfulness", out, digits_data_dir)
     assert header == ["variant", "seed", "mnist", "optdigits", "mnistm", "syn", "AVG", "seconds"]
@@ -96,6 +101,7 @@ def test_faithfulness_table_and_csv(out, digits_data_dir):
     assert len(rows) == 9 and rows[-1]["variant"] == "fedavg recipe=authors"
 
 
+@pytest.mark.slow
 def test_a_run_that_diverges_is_kept_and_counted_and_a_bad_setting_still_stops(out, digits_data_dir, monkeypatch):
     """run_part(tolerate_diverged=True): "every client failed" stops that run only; a ConfigError stops all."""
     import fedhpro.api

@@ -7,9 +7,12 @@ disk.
 
 from __future__ import annotations
 
+import pytest
 from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
 
 from fedhpro.cli import main
+
+pytestmark = pytest.mark.slow
 
 
 def _settings(data_dir, out) -> list[str]:

@@ -24,6 +24,8 @@ from fedhpro.api import run
 from fedhpro.config import load_config
 from fedhpro.engines import lifecycle
 
+pytestmark = pytest.mark.slow
+
 
 class Writer:
     """``SummaryWriter`` as the run calls it, keeping every event in :data:`EVENTS`."""

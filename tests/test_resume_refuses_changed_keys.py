@@ -11,6 +11,8 @@ import fedhpro
 from conftest import FEATURE_DIM, TinyNet, make_federation
 from fedhpro.errors import ConfigError
 
+pytestmark = pytest.mark.slow
+
 
 def tiny_settings(out: Path, **extra) -> dict:
     return {"rounds": 2, "local_epochs": 1, "batch_size": 8, "progress": False, "device": "cpu", "out": str(out),

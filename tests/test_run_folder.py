@@ -61,6 +61,7 @@ def wait_for(path: Path, process: subprocess.Popen, seconds: float = 300) -> Non
 # ---------------------------------------------------------------------------- the claim itself
 
 
+@pytest.mark.slow
 def test_a_claim_is_exclusive_hidden_released_and_freed_by_a_dead_holder(tmp_path):
     folder = tmp_path / "run"
     claim = claim_run_folder(folder)
@@ -127,6 +128,7 @@ def test_a_file_or_an_unusable_path_is_refused_in_one_line(tmp_path):
 # ---------------------------------------------------------------------------- two runs, one out=
 
 
+@pytest.mark.slow
 def test_two_runs_started_together_on_one_out_folder_one_is_refused_and_nothing_mixes(digits_data_dir, tmp_path):
     """Before the claim both runs passed the 'no run files here' check (neither had written yet) and both
     finished, leaving one run's config.yaml beside the other's metrics."""
@@ -152,6 +154,7 @@ def test_two_runs_started_together_on_one_out_folder_one_is_refused_and_nothing_
     assert not (out / LOCK_NAME).exists()
 
 
+@pytest.mark.slow
 def test_a_run_started_while_another_builds_its_data_is_refused_and_nothing_mixes(digits_data_dir, tmp_path,
                                                                                     capsys, monkeypatch):
     """The race made certain: the second run starts while the first builds its data (before it wrote any file).
@@ -182,6 +185,7 @@ def test_a_run_started_while_another_builds_its_data_is_refused_and_nothing_mixe
     assert sorted(path.name for path in (out / "checkpoints").iterdir()) == ["round-000001.pt", "round-000002.pt"]
 
 
+@pytest.mark.slow
 def test_a_live_run_holds_its_folder_and_a_resume_works_after_it_ends(digits_data_dir, tmp_path, capsys):
     out = tmp_path / "run"
     first = subprocess.Popen([sys.executable, "-m", "fedhpro", "run", *tiny_settings(digits_data_dir, out, rounds=6)],
@@ -210,6 +214,7 @@ def test_a_live_run_holds_its_folder_and_a_resume_works_after_it_ends(digits_dat
     assert not (out / LOCK_NAME).exists()
 
 
+@pytest.mark.slow
 def test_out_naming_an_existing_file_is_one_line(digits_data_dir, tmp_path, capsys):
     afile = tmp_path / "results.txt"
     afile.write_text("keep me")
@@ -222,6 +227,7 @@ def test_out_naming_an_existing_file_is_one_line(digits_data_dir, tmp_path, caps
 # ---------------------------------------------------------------------------- checkpoints that cannot be written
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_a_checkpoint_keeps_the_previous_one_stops_in_one_line_and_resumes(
         digits_data_dir, tmp_path, capsys, monkeypatch):
     reference = tmp_path / "reference"
@@ -259,6 +265,7 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_previous_one_stops_in_one_line_an
     assert (out / "metrics.jsonl").read_bytes() == (reference / "metrics.jsonl").read_bytes()
 
 
+@pytest.mark.slow
 def test_a_checkpoint_past_the_file_size_limit_is_one_line_not_torchs_zip_error(digits_data_dir, tmp_path):
     """A real failing write (RLIMIT_FSIZE; Python ignores SIGXFSZ, so write() fails with EFBIG): torch.save
     alone reports it as 'unexpected pos ...'; the run names the disk's own error."""
@@ -327,6 +334,7 @@ def damage_foreign_objects(path: Path, tmp: Path) -> str:
     return f"checkpoint {path} cannot be loaded (it holds objects other than tensors, which are never unpickled)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", [damage_missing_rng, damage_truncated, damage_garbage, damage_foreign_objects])
 def test_a_damaged_checkpoint_at_resume_is_one_line_naming_the_earlier_one(damage, interrupted, tmp_path, capsys):
     newest = interrupted / "checkpoints" / "round-000002.pt"
@@ -352,6 +360,7 @@ def test_checkpoints_are_loaded_weights_only(tmp_path, monkeypatch):
     assert seen == [True]
 
 
+@pytest.mark.slow
 def test_report_and_resume_pass_a_stale_lock_file_by(digits_data_dir, tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
@@ -362,6 +371,7 @@ def test_report_and_resume_pass_a_stale_lock_file_by(digits_data_dir, tmp_path, 
     assert not (out / LOCK_NAME).exists()
 
 
+@pytest.mark.slow
 def test_a_resume_removes_what_a_killed_write_left_half_written(interrupted, capsys):
     partial = interrupted / "checkpoints" / ".round-000003.pt.4242.0badf00d.tmp"
     partial.write_bytes(b"half a checkpoint")

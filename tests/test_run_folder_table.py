@@ -81,6 +81,7 @@ def run_folders(digits_data_dir, tmp_path_factory) -> list[Path]:
     return [resumed, personal]
 
 
+@pytest.mark.slow
 def test_every_file_a_run_writes_has_a_row(run_folders):
     names = table_names()
     resumed, personal = run_folders

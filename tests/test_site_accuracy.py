@@ -25,6 +25,8 @@ from torch import nn
 import fedhpro
 from fedhpro.data.federation import Federation
 
+pytestmark = pytest.mark.slow
+
 SHAPE = (4,)
 
 

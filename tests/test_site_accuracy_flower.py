@@ -17,6 +17,8 @@ from test_flower_resume import InProcessGrid, inside_a_run, node_contexts  # noq
 import fedhpro  # noqa: E402
 from fedhpro.flower.server import run_server  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 
 def test_a_flower_run_has_the_simulators_site_accuracy(digits_data_dir, tmp_path, inside_a_run):  # noqa: F811
     settings = tiny_config(digits_data_dir, method="fedproto", rounds=2, **{"fedproto.protocol": "proto-only"})

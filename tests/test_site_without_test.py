@@ -80,6 +80,7 @@ def test_no_test_set_anywhere_or_in_a_mapping_is_one_line(tmp_path):
         Federation.from_datasets(train, {"all": None})
 
 
+@pytest.mark.slow
 def test_a_run_tests_only_the_sites_with_a_test_set(tmp_path):
     """The run's accuracy is the global model's on a's and b's test images pooled, counted here by hand."""
     import fedhpro

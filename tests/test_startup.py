@@ -18,6 +18,8 @@ import pytest
 
 from fedhpro.config import RunOptions
 
+pytestmark = pytest.mark.slow
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 #: runs ``fedhpro.cli.main(argv)`` with stdout kept, then prints the exit code, the output and the modules loaded

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import fedhpro.registry
 from fedhpro.registry import Registry
 
@@ -31,6 +33,7 @@ def _modules_after(code: str) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_the_robust_rules_are_listed_without_torch():
     result = _modules_after(
         "from fedhpro.aggregation import AGGREGATION_RULES, claim_cap\n"

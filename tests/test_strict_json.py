@@ -53,6 +53,7 @@ def tiny(data_dir: Path, out: Path, *extra: str) -> list[str]:
             f"data.syn_size={DIGITS_SYN_SIZE}", f"data.test_fraction={DIGITS_TEST_FRACTION}", *extra]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, extra", [
     ("fedavg", ["method=fedavg"]),
     ("fedhpro", ["method=fedhpro", "prototype_distance=true", "eval_every=2"]),
@@ -67,6 +68,7 @@ def test_every_json_file_of_a_run_is_strict_json(digits_data_dir, tmp_path, name
         assert {"metrics.jsonl", "timing.jsonl"} <= found
 
 
+@pytest.mark.slow
 def test_a_resumed_run_and_its_checkpoint_metrics_are_strict_json(digits_data_dir, tmp_path):
     from fedhpro.engines import checkpoint
 

@@ -13,6 +13,8 @@ from fedhpro.config import PRESENTATION_KEYS, load_config
 from fedhpro.errors import ConfigError
 from fedhpro.sweeps import SweepFailed, auto_threads, make_sweep
 
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
 METHODS = ["fedavg", "fedhpro"]
 SEEDS = [0, 1]
 RUNS = [f"{method}-seed{seed}" for method in METHODS for seed in SEEDS]

@@ -74,12 +74,14 @@ def _run(tmp_path: Path, present: set[str], root: bool = True, ensurepip: bool =
     return calls.read_text().splitlines()
 
 
+@pytest.mark.slow
 def test_on_a_machine_with_everything_it_installs_nothing_from_debian(tmp_path):
     calls = _run(tmp_path, {"nginx", "chromium"})
     assert calls == ["python3 -c import ensurepip", "python3 -m venv .venv", "pip install -e .[dev]",
                      "ruff check src bench", "mypy ", "mkdocs build --strict", "python -m pytest -k readme"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("present", "root", "ensurepip", "packages"), [
     (set(), True, True, "nginx-light chromium"),
     ({"nginx"}, True, True, "chromium"),

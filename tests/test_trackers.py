@@ -58,6 +58,7 @@ def plain(tmp_path_factory, digits_data_dir):
     return _run(digits_data_dir, tmp_path_factory.mktemp("plain") / "run")
 
 
+@pytest.mark.slow
 def test_mlflow_holds_the_config_every_rounds_metrics_and_the_files(digits_data_dir, tmp_path, plain):
     from mlflow.tracking import MlflowClient
 
@@ -80,6 +81,7 @@ def test_mlflow_holds_the_config_every_rounds_metrics_and_the_files(digits_data_
     assert {"config.yaml", "summary.json", "metrics.jsonl", "model.pt", "model.json"} <= artifacts
 
 
+@pytest.mark.slow
 def test_wandb_offline_files_hold_the_history_and_the_config(digits_data_dir, tmp_path, plain):
     from wandb.proto import wandb_internal_pb2
 
@@ -159,6 +161,7 @@ def test_flower_accepts_tensorboard_and_a_tracker_and_shows_each_round_to_them(m
     assert writer.closed
 
 
+@pytest.mark.slow
 def test_the_tracker_libraries_are_not_imported_unless_asked_for():
     import subprocess
     import sys
@@ -192,6 +195,7 @@ TELEMETRY_VARIABLES = ("MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK", "PYTEST_CURRE
                        "GITLAB_CI", "JENKINS_URL", "BUILDKITE", "TF_BUILD", "CIRCLECI", "TRAVIS")
 
 
+@pytest.mark.slow
 def test_the_trackers_offline_look_up_no_host(tmp_path):
     """MLflow's local store and W&B offline, each in a fresh process as on a user's machine (no CI marker, no
     opt-out of their telemetry) under the test suite's network guard: no name lookup and no connection outside

@@ -30,6 +30,8 @@ from fedhpro.trained import class_accuracy
 from tests.conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
 from tests.test_plugins import restored
 
+pytestmark = pytest.mark.slow
+
 
 def tiny(data_dir: Path, out: Path, **extra) -> dict:
     return {"rounds": 2, "clients": 3, "local_epochs": 1, "feature_dim": 16, "progress": False, "threads": 1,

@@ -52,6 +52,7 @@ def accuracy(module, x, y) -> float:
     return 100.0 * float((module(x).argmax(1) == y).double().mean())
 
 
+@pytest.mark.slow
 def test_model_pt_is_a_plain_state_dict_and_load_model_gives_the_same_logits(global_run):
     folder = global_run.out
     state = torch.load(folder / "model.pt", weights_only=True)
@@ -66,6 +67,7 @@ def test_model_pt_is_a_plain_state_dict_and_load_model_gives_the_same_logits(glo
     assert set(rebuilt.state_dict()) == set(state)
 
 
+@pytest.mark.slow
 def test_the_rebuilt_model_scores_what_the_run_reported(global_run):
     """Independent reference: the engine's own evaluation, in summary.json, per test set."""
     model = fedhpro.load_model(global_run.out)
@@ -74,6 +76,7 @@ def test_the_rebuilt_model_scores_what_the_run_reported(global_run):
         assert accuracy(model, x, y) == pytest.approx(global_run.summary["per_domain"][name], abs=1e-9)
 
 
+@pytest.mark.slow
 def test_personal_models_are_written_per_client_and_score_what_the_run_reported(digits_data_dir, tmp_path):
     result = fedhpro.run(**tiny(digits_data_dir, tmp_path / "run", method="fedproto",
                                 **{"fedproto.protocol": "proto-only", "fedproto.inference": "nearest-prototype"}))
@@ -103,6 +106,7 @@ def test_personal_models_are_written_per_client_and_score_what_the_run_reported(
         fedhpro.load_model(result.out, client=7)
 
 
+@pytest.mark.slow
 def test_damaged_or_foreign_model_files_are_one_line_and_never_unpickled(global_run, tmp_path):
     import shutil
 
@@ -143,6 +147,7 @@ def tiny_mlp(num_classes, input_shape, feature_dim):
     return build_model("mlp", num_classes, input_shape, feature_dim)
 
 
+@pytest.mark.slow
 def test_a_model_from_python_needs_the_callable_again(digits_data_dir, tmp_path):
     result = fedhpro.run(**tiny(digits_data_dir, tmp_path / "run", method="fedavg"), model=tiny_mlp)
     with pytest.raises(ConfigError, match="came from Python.*model=tiny_mlp") as error:
@@ -171,6 +176,7 @@ def read_csv(text: str) -> list[dict]:
     return list(csv.DictReader(io.StringIO(text)))
 
 
+@pytest.mark.slow
 def test_predict_on_a_folder_of_pngs_matches_the_model_on_the_same_pixels(global_run, tmp_path, capsys):
     from PIL import Image
 
@@ -199,6 +205,7 @@ def test_predict_on_a_folder_of_pngs_matches_the_model_on_the_same_pixels(global
     assert from_tensors[3]["path"] == f"{tensors}[3]"
 
 
+@pytest.mark.slow
 def test_predict_refuses_wrong_inputs_in_one_line(global_run, tmp_path, capsys):
     from PIL import Image
 
@@ -255,6 +262,7 @@ def test_the_flower_writers_give_what_load_model_rebuilds(digits_data_dir, tmp_p
     assert torch.equal(fedhpro.load_model(tmp_path / "node", client=1)(x), model.eval()(x))
 
 
+@pytest.mark.slow
 def test_predict_resizes_as_an_image_folder_run_did_and_names_its_classes(tmp_path):
     """dataset=imagefolder resizes every image to data.image_size: predict does too. Reference: Pillow's
     RGB conversion and bilinear resize, and the [-1, 1] scaling, written out here."""
@@ -295,6 +303,7 @@ class ScaledLogits(torch.nn.Module):
         return 2.0 * self.model(x)
 
 
+@pytest.mark.slow
 def test_a_plug_in_inference_rule_is_not_saved_and_says_so(digits_data_dir, tmp_path, capsys):
     import dataclasses
 
@@ -345,6 +354,7 @@ def predict_error(folder: Path, capsys, *inputs: str) -> str:
     return err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("changes, message", [
     ({"num_classes": "abc"}, "num_classes is 'abc', not a whole number"),
     ({"num_classes": 10**12}, "num_classes is 1000000000000, not a whole number from 1 to 1,000,000"),
@@ -366,6 +376,7 @@ def test_a_model_json_of_wrong_types_or_ranges_is_one_line(global_run, tmp_path,
         fedhpro.load_model(folder)
 
 
+@pytest.mark.slow
 def test_model_json_cannot_name_files_outside_its_folder(global_run, tmp_path, capsys):
     """The weights read are the folder's own: an absolute path, a ``..`` path or a symbolic link that leads
     out of the folder is refused, even when the file it names is a valid model of the right shapes."""
@@ -398,6 +409,7 @@ def test_model_json_cannot_name_files_outside_its_folder(global_run, tmp_path, c
     assert torch.equal(fedhpro.load_model(folder)(x), global_run.model(x))
 
 
+@pytest.mark.slow
 def test_a_model_json_past_the_bounds_is_one_line(global_run, tmp_path, capsys):
     folder = hostile_copy(global_run, tmp_path)
     (folder / "model.json").write_text('{"format": "fedhpro-model/1", "x": ' + "[" * 50_000 + "]" * 50_000 + "}")
@@ -406,6 +418,7 @@ def test_a_model_json_past_the_bounds_is_one_line(global_run, tmp_path, capsys):
     assert "not valid JSON" in predict_error(folder, capsys, str(tmp_path))
 
 
+@pytest.mark.slow
 def test_summary_json_of_another_shape_is_one_line_in_class_accuracy(global_run, tmp_path):
     from fedhpro.trained import class_accuracy
 
@@ -431,6 +444,7 @@ def huge_png(path: Path, side: int) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_predict_refuses_an_image_of_too_many_pixels_before_decoding_it(global_run, tmp_path, capsys, monkeypatch):
     """A model that resizes its inputs (an image-folder run) takes images of any size: a 144-megapixel PNG
     of a few KB is refused from its header, and no pixel of it is decoded (decoding is made to fail)."""

@@ -30,6 +30,8 @@ from fedhpro.options import option
 from fedhpro.search_space import SHARED, Categorical, LogUniform
 from fedhpro.tune import STUDY_FILE, TUNING_SEED, parse, tune
 
+pytestmark = pytest.mark.slow
+
 
 def settings(data_dir: Path, **extra) -> dict:
     """A tiny digits federation on which the learning rate matters: lr 0.001 stays near chance in 3 rounds,

@@ -9,6 +9,7 @@ import json
 from types import SimpleNamespace
 
 import optuna
+import pytest
 import torch
 import yaml
 from test_tune import argv, settings, trials_of
@@ -18,6 +19,7 @@ from fedhpro.search_space import SHARED
 from fedhpro.tune import DIVERGED_VALUE, collapsed_outputs, diverged_models, nonfinite_outputs, parse, tune
 
 
+@pytest.mark.slow
 def test_a_run_whose_model_went_nan_without_the_check_firing_is_recorded_as_diverged(digits_data_dir, tmp_path,
                                                                                     capsys):
     """One local SGD step a round (a batch holds a client's whole data) at lr 1e30: the step's loss is finite, so the
@@ -50,6 +52,7 @@ def test_a_run_whose_model_went_nan_without_the_check_firing_is_recorded_as_dive
     assert lines[1].startswith("fedprox: 1 trial: 0 complete, 1 diverged; no complete trial")
 
 
+@pytest.mark.slow
 def test_the_best_trial_is_never_a_diverged_one_and_every_outcome_is_counted_apart(tmp_path):
     """A study holding a diverged trial of a higher value (as one recorded before the value was the worst), a
     complete, a pruned and a failed one: the complete one is chosen, each is named and counted by its outcome."""

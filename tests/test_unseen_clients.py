@@ -59,6 +59,7 @@ def test_impossible_hold_outs_are_refused_in_one_line(share, domain, words):
         hold_out_clients(one, 0.0, "a", seed=0)
 
 
+@pytest.mark.slow
 def test_unseen_clients_never_train_and_are_tested_with_the_global_model(tmp_path):
     federation = domains_federation()
     held = unseen_indices(6, 0.34, seed=3)  # 2 of 6
@@ -91,6 +92,7 @@ def test_unseen_clients_never_train_and_are_tested_with_the_global_model(tmp_pat
     assert "unseen_finetuned" not in rows[-1]
 
 
+@pytest.mark.slow
 def test_fine_tuning_happens_at_the_last_round_only_and_changes_the_figure(tmp_path):
     settings = {**SETTINGS, "lr": 0.005}  # the global model far from perfect on domain b
     result = fedhpro.run(federation=domains_federation(), out=str(tmp_path / "tuned"), unseen_domain="b",
@@ -105,6 +107,7 @@ def test_fine_tuning_happens_at_the_last_round_only_and_changes_the_figure(tmp_p
     assert again.summary["unseen"] == result.summary["unseen"]  # seeded: the same figures
 
 
+@pytest.mark.slow
 def test_personal_models_are_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="personal models"):
         fedhpro.run(federation=domains_federation(), out=str(tmp_path / "p"), unseen_domain="b",

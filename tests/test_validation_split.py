@@ -72,6 +72,7 @@ def test_the_experiment_trains_without_the_validation_part():
     assert parts.federation.client_validation is not None
 
 
+@pytest.mark.slow
 def test_a_run_records_validation_and_selects_the_round_on_it(tmp_path):
     federation = make_federation([24, 20, 16], seed=3)
     result = fedhpro.run(federation=federation, model=TinyNet, method="fedavg", rounds=4, local_epochs=1,
@@ -101,6 +102,7 @@ def test_a_run_records_validation_and_selects_the_round_on_it(tmp_path):
     assert run.test_at_best_validation() == rows[best]["accuracy"]["AVG"]
 
 
+@pytest.mark.slow
 def test_a_run_without_validation_has_no_validation_keys(tmp_path):
     result = fedhpro.run(federation=make_federation([12, 12]), model=TinyNet, method="fedavg", rounds=1,
                          local_epochs=1, batch_size=8, progress=False, device="cpu", out=str(tmp_path / "run"),

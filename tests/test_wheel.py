@@ -15,8 +15,11 @@ import tomllib
 import zipfile
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT_FILES = ("pyproject.toml", "README.md", "LICENSE")
