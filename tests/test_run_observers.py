@@ -18,6 +18,9 @@ from fedhpro.engines.simulator import Simulator
 from fedhpro.engines.summary import run_summary
 from fedhpro.tune import trial_run
 
+#: every test starts whole (tiny) runs
+pytestmark = pytest.mark.slow
+
 
 def settings(out: Path, **extra) -> dict:
     return {"rounds": 3, "local_epochs": 1, "batch_size": 8, "progress": False, "device": "cpu", "out": str(out),
