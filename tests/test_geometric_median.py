@@ -114,6 +114,54 @@ def test_protocol_applies_the_rule_with_its_own_knob():
     np.testing.assert_allclose(once[0]["weights"]["w"].numpy(), first, rtol=0, atol=1e-6)
 
 
+def test_a_registered_rule_brings_its_own_knobs_and_a_taken_name_is_refused():
+    """The shape docs/how-to/robust-aggregation.md shows: a rule registered from Python with an options class; its
+    knob is a config key at once (checked, listed, handed to the rule), and gone with the rule."""
+    from dataclasses import dataclass
+
+    from fedhpro.options import option
+    from fedhpro.robust import RobustRule, rule_for
+
+    @dataclass
+    class ShrinkOptions:
+        shrink_factor: float = option(0.5, gt=0.0, max=1.0, help="shrink: each update times this")
+
+    class Shrink(RobustRule):
+        needs = "each update"
+        options_class = ShrinkOptions
+
+        def __init__(self, options: ShrinkOptions) -> None:
+            super().__init__(options)
+            self.factor = options.shrink_factor
+
+    REGISTRY.register("shrink-test", Shrink)
+    try:
+        config = load_config(None, ["aggregation=shrink-test", "aggregation.shrink_factor=0.2"])
+        assert config.aggregation.shrink_factor == 0.2 and config.aggregation.trim == 0.2
+        rule = rule_for(config.aggregation)
+        assert isinstance(rule, Shrink) and rule.factor == 0.2
+        # the chosen rule's knob after the knobs config.yaml always held; geometric-median's, at its default, left out
+        assert list(config.to_dict()["aggregation"])[:7] == ["rule", "trim", "max_norm", "norm_multiple", "byzantine",
+                                                             "shrink_factor", "max_share"]
+        assert any(line.startswith("aggregation.shrink_factor: shrink") for line in key_lines("digits-offline"))
+        with pytest.raises(ConfigError, match=r"aggregation.shrink_factor=2.0 is too large; it must be <= 1.0"):
+            load_config(None, ["aggregation.shrink_factor=2"])
+
+        @dataclass
+        class Clash:
+            trim: float = option(0.1)
+
+        class Clashing(RobustRule):
+            options_class = Clash
+
+        with pytest.raises(ConfigError, match=r"the knob aggregation.trim of Clash is already trimmed-mean's"):
+            REGISTRY.register("clash-test", Clashing)
+    finally:
+        REGISTRY.unregister("shrink-test")
+    with pytest.raises(ConfigError, match=r"unknown config key 'aggregation.shrink_factor'"):
+        load_config(None, ["aggregation.shrink_factor=0.2"])
+
+
 # ----------------------------------------------------------------------------- the simulator
 
 
