@@ -56,63 +56,66 @@ class FlowerSettings:
     min_clients: int | None = None  # own data: the fewest admitted nodes a run goes on with (None: auto)
 
 
-def _seconds(key: str, raw: Any, value: Any) -> float:
+def _seconds(key: str, raw: object, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ConfigError(f"{key}={raw!r} must be a number of seconds > 0")
     return float(value)
 
 
-def _round_timeout(key: str, raw: Any, value: Any) -> float | None:
+def _round_timeout(key: str, raw: object, value: object) -> float | None:
     return None if value is None or value == "auto" else _seconds(key, raw, value)
 
 
-def _node_auth(key: str, raw: Any, value: Any) -> bool:
+def _node_auth(key: str, raw: object, value: object) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{key}={raw!r} must be true or false")
     return value
 
 
-def _secure_aggregation(key: str, raw: Any, value: Any) -> str:
+def _secure_aggregation(key: str, raw: object, value: object) -> str:
     if value not in SECURE_AGGREGATION:
         raise ConfigError(f"{key}={raw!r} must be one of {', '.join(SECURE_AGGREGATION)}")
     return str(value)
 
 
-def _roster(key: str, raw: Any, value: Any) -> str | None:
+def _roster(key: str, raw: object, value: object) -> str | None:
     if value is not None and (not isinstance(value, str) or not value.strip()):
         raise ConfigError(f"{key}={raw!r} must be the path of the roster file on the SuperLink host")
     return value
 
 
-def _min_clients(key: str, raw: Any, value: Any) -> int | None:
+def _min_clients(key: str, raw: object, value: object) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ConfigError(f"{key}={raw!r} must be a whole number of SuperNodes >= 1 (or \"\" for "
                           "those the run waits for less the ones refused, at least 2)")
     return value
 
 
-def _number(key: str, raw: Any, value: Any) -> float:
+def _number(key: str, raw: object, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ConfigError(f"{key}={raw!r} must be a number")
     return float(value)
 
 
-def _clipping_range(key: str, raw: Any, value: Any) -> float:
-    if _number(key, raw, value) <= 0:
+def _clipping_range(key: str, raw: object, value: object) -> float:
+    number = _number(key, raw, value)
+    if number <= 0:
         raise ConfigError(f"{key}={raw!r} must be > 0")
-    return float(value)
+    return number
 
 
-def _quantization_range(key: str, raw: Any, value: Any) -> int:
-    if _number(key, raw, value) != int(value) or not 2 ** 8 <= value <= MAX_QUANTIZATION_RANGE:
+def _quantization_range(key: str, raw: object, value: object) -> int:
+    number = _number(key, raw, value)
+    if number != int(number) or not 2 ** 8 <= number <= MAX_QUANTIZATION_RANGE:
         raise ConfigError(f"{key}={raw!r} must be a whole number in [256, {MAX_QUANTIZATION_RANGE}]")
-    return int(value)
+    return int(number)
 
 
-def _share(key: str, raw: Any, value: Any) -> float:
-    if not 0 < _number(key, raw, value) <= 1:
+def _share(key: str, raw: object, value: object) -> float:
+    number = _number(key, raw, value)
+    if not 0 < number <= 1:
         raise ConfigError(f"{key}={raw!r} must be a share in (0, 1]")
-    return float(value)
+    return number
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,7 @@ class FlowerKey:
     field: str
     declared: str
     help: str
-    read: Callable[[str, Any, Any], Any]
+    read: Callable[[str, object, object], object]
     secagg: bool = False
 
 
@@ -156,7 +159,7 @@ FLOWER_KEYS: tuple[FlowerKey, ...] = (
 _BY_KEY = {entry.key: entry for entry in FLOWER_KEYS}
 
 
-def flower_settings(values: Mapping[str, tuple[Any, Any]]) -> FlowerSettings:
+def flower_settings(values: Mapping[str, tuple[object, object]]) -> FlowerSettings:
     """The settings of ``{key: (raw, value)}`` (the ``flower.*`` keys of a run config, each as given and as read);
     a one-line ConfigError for an unknown key or a bad value."""
     flower: dict[str, Any] = {}
