@@ -1,13 +1,13 @@
 """How long the commands that do not train take to start: wall and CPU seconds of a fresh process each.
 
-Measures ``fedhpro --help``, ``fedhpro config --keys``, ``fedhpro config`` (the resolved config) and
-``python -c "import fedhpro"``, with ``python -c "import torch"`` and ``python -c pass`` as the floor they are
-read against, each as a fresh subprocess (``python -m fedhpro``, the console script's code), the commands
-interleaved so that a change of load hits them all; prints the median and range of ``--repeats`` runs, the
-machine's load (``os.getloadavg``, before and after) and its CPU model. The children write and read
-``__pycache__`` (``PYTHONDONTWRITEBYTECODE`` is dropped for them), as an installed package does. CPU seconds
-(user + system of the child, from ``getrusage``) are what a command costs; they move less with the load of other
-processes than wall seconds, which on a busy machine include waiting for a core.
+Measures ``fedhpro --help``, ``fedhpro config --keys``, ``fedhpro config`` (the resolved config), ``fedhpro run
+roundz=3`` (a mistyped key, refused in one line with exit status 2) and ``python -c "import fedhpro"``, with
+``python -c "import torch"`` and ``python -c pass`` as the floor they are read against, each as a fresh subprocess
+(``python -m fedhpro``, the console script's code), the commands interleaved so that a change of load hits them all;
+prints the median and range of ``--repeats`` runs, the machine's load (``os.getloadavg``, before and after) and its
+CPU model. The children write and read ``__pycache__`` (``PYTHONDONTWRITEBYTECODE`` is dropped for them), as an
+installed package does. CPU seconds (user + system of the child, from ``getrusage``) are what a command costs; they
+move less with the load of other processes than wall seconds, which on a busy machine include waiting for a core.
 
     python bench/startup.py                      # 5 repeats, this checkout's src/
     python bench/startup.py --repeats 9 --src /tmp/other/src   # another checkout, for before / after
@@ -29,6 +29,9 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
+#: the exit status each command is expected to end with when it is not 0: a refused key is a usage error
+EXPECTED_STATUS = {"fedhpro run roundz=3": 2}
+
 #: label -> the arguments after ``python``
 COMMANDS: dict[str, list[str]] = {
     "python -c pass": ["-c", "pass"],
@@ -36,6 +39,7 @@ COMMANDS: dict[str, list[str]] = {
     "fedhpro --help": ["-m", "fedhpro", "--help"],
     "fedhpro config --keys": ["-m", "fedhpro", "config", "--keys"],
     "fedhpro config": ["-m", "fedhpro", "config"],
+    "fedhpro run roundz=3": ["-m", "fedhpro", "run", "roundz=3"],
     "import torch": ["-c", "import torch"],
 }
 
@@ -55,16 +59,16 @@ def load() -> str:
     return " ".join(f"{value:.2f}" for value in os.getloadavg())
 
 
-def run_once(arguments: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """``(wall, cpu)`` seconds of one ``python <arguments>`` with its output discarded; a command that fails
-    stops the benchmark with its error."""
+def run_once(arguments: list[str], env: dict[str, str], status: int = 0) -> tuple[float, float]:
+    """``(wall, cpu)`` seconds of one ``python <arguments>`` with its output discarded; a command that ends with
+    another exit status than ``status`` stops the benchmark with its error."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run([sys.executable, *arguments], env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if done.returncode != 0:
+    if done.returncode != status:
         raise SystemExit(f"python {' '.join(arguments)} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
@@ -84,14 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     env = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
     env["PYTHONPATH"] = str(args.src.resolve())
     # one untimed run of each: the .pyc files are written and the files are in the page cache for every repeat
-    for arguments in COMMANDS.values():
-        run_once(arguments, env)
+    for label, arguments in COMMANDS.items():
+        run_once(arguments, env, EXPECTED_STATUS.get(label, 0))
     load_before = load()
     walls: dict[str, list[float]] = {label: [] for label in COMMANDS}
     cpus: dict[str, list[float]] = {label: [] for label in COMMANDS}
     for _ in range(args.repeats):
         for label, arguments in COMMANDS.items():
-            wall, cpu = run_once(arguments, env)
+            wall, cpu = run_once(arguments, env, EXPECTED_STATUS.get(label, 0))
             walls[label].append(wall)
             cpus[label].append(cpu)
     print(f"fedhpro start-up: {args.src.resolve()}, Python {platform.python_version()}, {cpu_model()}, "

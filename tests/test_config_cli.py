@@ -409,10 +409,15 @@ def test_the_sections_table_orders_config_yaml_keys_and_shorthands():
     assert load_config(private.to_dict()).to_dict() == private.to_dict()  # config.yaml loads back
     assert list(config.sections())[:len(METHODS)] == list(METHODS)
     assert list(config.sections())[len(METHODS):] == ["data", "faults", "partition", "aggregation", "privacy"]
+    from fedhpro.flower.options import FLOWER_KEYS
+
     lines = key_lines("digits-offline")
-    assert lines[-3:] == ["partition: short for partition.scheme (default: auto)",
-                          "aggregation: short for aggregation.rule (default: mean)",
-                          "privacy: short for privacy.mode (default: none)"]
+    flower = len(FLOWER_KEYS)  # the Flower apps' keys end the listing, in the order the app's table declares them
+    assert lines[-3 - flower:-flower] == ["partition: short for partition.scheme (default: auto)",
+                                          "aggregation: short for aggregation.rule (default: mean)",
+                                          "privacy: short for privacy.mode (default: none)"]
+    assert [line.split(":")[0] for line in lines[-flower:]] == [entry.key for entry in FLOWER_KEYS]
+    assert lines[-flower] == "flower.node-wait: Flower only: seconds to wait for the SuperNodes (default: 600.0)"
     for section in SECTIONS:
         assert any(line.startswith(f"{section.name}.") for line in lines)
 

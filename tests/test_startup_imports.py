@@ -42,8 +42,9 @@ def test_the_robust_rules_are_listed_without_torch():
         "           'cap': claim_cap([1, 1, 1, 100], 0.75, 2.0)}")
     assert result["printed"] == {
         "rules": {"mean": "", "median": "a coordinate-wise median", "trimmed-mean": "a trimmed mean",
-                  "norm-clip": "each update's norm", "krum": "pairwise distances"},
-        "classes": ["Mean", "Median", "TrimmedMean", "NormClip", "Krum"],
+                  "norm-clip": "each update's norm", "krum": "pairwise distances",
+                  "geometric-median": "the distances between updates"},
+        "classes": ["Mean", "Median", "TrimmedMean", "NormClip", "Krum", "GeometricMedian"],
         "cap": 2.0}  # twice the (lower) median claim of 1
     assert result["torch"] is False
 

@@ -27,12 +27,11 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from fedhpro import options as opt
-from fedhpro.aggregation import AGGREGATION_RULES
 from fedhpro.bounded import MAX_YAML_CHARS, LimitError, load_yaml
 from fedhpro.data import DATASETS, get_dataset
 from fedhpro.data.feature_statistics import FEDERATED, FORMER_FEDERATED, resolved_standardize
@@ -42,18 +41,16 @@ from fedhpro.errors import ConfigError
 from fedhpro.methods import METHODS, all_methods, get_method, method_names, recipes_of
 from fedhpro.models import MODELS
 from fedhpro.options import fields_of, option, tagged
-from fedhpro.privacy import PRIVACY_MODES, is_private
+from fedhpro.privacy.options import PRIVACY_SECTION, PrivacyOptions, is_private
 from fedhpro.registry import LiveChoices
+from fedhpro.robust import aggregation_options_class
+from fedhpro.robust import written as written_aggregation
+from fedhpro.robust.options import AGGREGATION_SECTION
 
 DATA_SECTION = "data"
 FAULTS_SECTION = "faults"
 #: ``partition=NAME`` is short for ``partition.scheme=NAME``; ``partition.alpha=0.5`` etc. are its knobs
 PARTITION_SECTION = "partition"
-#: ``aggregation=NAME`` is short for ``aggregation.rule=NAME``; ``aggregation.trim=0.1`` etc. are its knobs
-AGGREGATION_SECTION = "aggregation"
-#: ``privacy=MODE`` is short for ``privacy.mode=MODE``; ``privacy.clip=1.0`` etc. are its knobs
-PRIVACY_SECTION = "privacy"
-#: the values of ``privacy=`` (``privacy.mode``)
 
 
 #: ``federation: python:<name>`` in a config.yaml: the run's data were a Federation passed from Python
@@ -125,118 +122,13 @@ class FaultOptions:
                               "decides which a client is); lower one of them")
 
 
-@dataclass
-class AggregationOptions:
-    rule: str = option("mean", choices=LiveChoices(lambda: list(AGGREGATION_RULES)),
-                       help="how the server combines a round's replies before the method aggregates them: mean "
-                            "(the method's own rule), or robustly against hostile clients: median or "
-                            "trimmed-mean (coordinate-wise, of the weights and of each class's rows of the "
-                            "class tensors over its holders), norm-clip (each update's norm clipped), krum (the "
-                            "update closest to its K - f - 2 nearest others, f = aggregation.byzantine), or a "
-                            "rule registered in fedhpro.robust.REGISTRY")
-    trim: float = option(0.2, min=0.0, help="trimmed-mean: the fraction dropped at each end, "
-                                            "floor(trim * K) of K values (0 <= trim < 0.5)")
-    max_norm: float = option(0.0, min=0.0, help="norm-clip: the largest L2 norm of an update w_k - w_global "
-                                                "(0: norm_multiple x the round's median update norm)")
-    norm_multiple: float = option(1.0, gt=0.0, help="norm-clip with max_norm=0: updates longer than this many "
-                                                    "times the round's median update norm are clipped to it "
-                                                    "(class tensors: rows farther from the class's median row)")
-    byzantine: int = option(1, min=0, help="krum: the number f of Byzantine clients it assumes; a reply's score is the "
-                                           "sum of its squared distances to its K - f - 2 nearest others, the lowest "
-                                           "wins (the guarantee needs K > 2f + 2 replies a round)")
-    max_share: float = option(0.75, gt=0.0, max=1.0,
-                              help="the largest share of the federation's total aggregation weight one client "
-                                   "may hold: a client's weight (its num_examples, and its class counts in "
-                                   "proportion) and its test count in the pooled accuracy are capped so that "
-                                   "none exceeds max_share of all clients' sizes (water-filling); sizes are "
-                                   "claims, so one client cannot buy the model or the accuracy by claiming a "
-                                   "huge data set (1: no cap)")
-    max_ratio: float = option(2.0, min=0.0,
-                              help="where sizes are claims nobody vouches for (a Flower deployment whose nodes hold "
-                                   "their own data, without flower.roster), no client's weight or pooled test count "
-                                   "may exceed max_ratio x the median client's claim (the lower median), so one "
-                                   "liar weighs as at most max_ratio honest median sites however many there are; "
-                                   "the simulator and partition mode know the sizes (0: no such bound)")
-    max_row_norm: float = option(0.0, min=0.0,
-                                 help="the largest L2 norm of one class-tensor row a client sends (a prototype, a "
-                                      "class gradient, a class's soft predictions: the per-class tensors of the "
-                                      "method's reply_layout): longer rows are scaled down to it before any rule "
-                                      "aggregates, so one client's row of +1000 cannot drag every class mean; set "
-                                      "it a few times above the honest rows' norms (0: no bound)")
-    update_bound: str = option("auto", choices=("auto", "on", "off"),
-                               help="bound what one reply's content can buy: at close, each reply's pull n_k x "
-                                    "||w_k - w_global|| is scaled to at most update_multiple x the round's median "
-                                    "pull, and each class row's n_kc x ||row|| to that multiple of the class's "
-                                    "median over the clients that hold it, before the method or the robust rule "
-                                    "aggregates; auto: on where the nodes hold their own data (a Flower "
-                                    "dataset=clients run, roster or not: it vouches for sizes, not content), off "
-                                    "in the simulator and partition mode, whose clients the run knows; never under "
-                                    "privacy=client (its clip bounds each upload) or SecAgg+ (the server sees only "
-                                    "the sum)")
-    update_multiple: float = option(2.0, min=1.0, help="update_bound's kappa: how many times the round's median "
-                                                       "pull one reply (and one class row) may pull")
-
-    def __post_init__(self) -> None:
-        if not self.trim < 0.5:
-            raise ConfigError(f"{AGGREGATION_SECTION}.trim={self.trim} is too large; it must be < 0.5 "
-                              "(the fraction trimmed at EACH end), e.g. aggregation.trim=0.2")
-        if 0.0 < self.max_ratio < 1.0:
-            raise ConfigError(f"{AGGREGATION_SECTION}.max_ratio={self.max_ratio:g} would cap the median site itself; "
-                              "give 0 (no such bound) or a ratio >= 1, e.g. aggregation.max_ratio=2")
-
-
-@dataclass
-class PrivacyOptions:
-    mode: str = option("none", choices=PRIVACY_MODES,
-                       help="differential privacy: none; client (client-level DP: every participating client's "
-                            "whole upload clipped to privacy.clip, Gaussian noise added centrally or locally); "
-                            "sample (sample-level DP-SGD with Opacus, and everything else a client computes from "
-                            "its data privatized too; needs pip install fedhpro[privacy])")
-    clip: float = option(1.0, gt=0.0, help="the L2 bound C: of each client's upload (privacy=client), of each "
-                                           "sample's gradient and feature (privacy=sample)")
-    clipping: str = option("auto", choices=("auto", "joint", "per-group"),
-                           help="privacy=client: clip the whole upload (weight update and every class tensor) "
-                                "to clip jointly, or each tensor group to clip/sqrt(groups) (the same joint bound); "
-                                "auto: the method's measured choice (MethodSpec.dp_clipping: per-group for the "
-                                "methods whose raw class rows would take the clip from the update, else joint)")
-    noise: str = option("central", choices=("central", "local"),
-                        help="privacy=client: the server noises the sum of the clipped uploads (central), or each "
-                             "client noises its own upload so the server never sees a clean one (local)")
-    noise_multiplier: float = option(1.0, min=0.0, help="sigma: the Gaussian noise's std is sigma x clip (unused "
-                                                        "when target_epsilon is set)")
-    target_epsilon: float = option(0.0, min=0.0, help="calibrate noise_multiplier so that the planned rounds end at "
-                                                      "this epsilon (0: use noise_multiplier as given)")
-    delta: float = option(0.0, min=0.0, max=1.0, help="the DP delta (0: 1 / n^1.1, n the number of clients "
-                                                      "(client) or of a client's samples (sample))")
-    max_epsilon: float = option(0.0, min=0.0, help="stop the run with a clear line before a round would take "
-                                                   "epsilon above this (0: no limit)")
-    secure_noise: bool | None = option(None, help="draw the privacy noise from the operating system's randomness "
-                                                  "instead of the run's seed (anyone who knows the seed can redraw "
-                                                  "seeded noise; a run is then not reproducible); unset: true on "
-                                                  "Flower, false in the simulator (reproducible)")
-    publish_participants: bool = option(False, help="privacy=client: write each round's participant ids (and the "
-                                                    "ids of dropped clients) into metrics.jsonl; off, the run folder "
-                                                    "holds only their number, since amplification by sampling "
-                                                    "assumes nobody who sees the model knows who took part")
-    clip_quantile: float = option(0.0, min=0.0, max=0.99,
-                                  help="privacy=client: adaptive clipping (Andrew et al. 2021): after every round "
-                                       "the clip moves geometrically towards this quantile of the clients' update "
-                                       "norms, estimated from their noised count of norms below the clip (a "
-                                       "release the accountant counts), starting at privacy.clip; 0: the clip "
-                                       "stays privacy.clip")
-    clip_lr: float = option(0.2, gt=0.0, help="adaptive clipping's step: clip *= exp(-clip_lr x (fraction of "
-                                              "clients below the clip - clip_quantile)) after every round")
-    quantile_noise: float = option(0.0, min=0.0, help="adaptive clipping: the std of the Gaussian noise on the "
-                                                      "count of clients below the clip (0: the expected clients a "
-                                                      "round / 20, Andrew et al.'s choice)")
-    noise_cohort: int = option(0, min=0, help="privacy=client, central noise: calibrate the noise and the "
-                                              "accountant as if this many clients took part each round while "
-                                              "participation x clients train (a simulation of a larger cohort on a "
-                                              "small machine: its epsilon is that cohort's, not this run's); "
-                                              "0: the run's own cohort")
-    accountant: str = option("rdp", choices=("rdp", "pld"),
-                             help="the privacy accountant: rdp (Renyi DP) or pld (privacy loss distributions, "
-                                  "tighter: a smaller epsilon for the same noise)")
+if TYPE_CHECKING:
+    from fedhpro.robust.options import AggregationOptions
+else:
+    #: the ``aggregation.*`` section of the built-in rules: the shared bounds and each rule's own knobs (a rule
+    #: declares them beside its code, :mod:`fedhpro.robust`); a config holds the class of the rules registered when
+    #: it is read (:func:`~fedhpro.robust.aggregation_options_class`), this one when no package adds a rule
+    AggregationOptions = aggregation_options_class(builtin=True)
 
 
 @dataclass
@@ -377,6 +269,8 @@ class Section:
     name: str
     options_for: Callable[[str], type]
     shorthand: str | None = None
+    #: the section's values as config.yaml holds them (default: every field)
+    written: Callable[[Any], dict[str, Any]] = dataclasses.asdict
 
 
 #: the config sections besides the methods', in the order config.yaml and ``fedhpro config --keys`` list
@@ -385,7 +279,9 @@ SECTIONS: tuple[Section, ...] = (
     Section(DATA_SECTION, lambda dataset: get_dataset(dataset).options),
     Section(FAULTS_SECTION, lambda dataset: FaultOptions),
     Section(PARTITION_SECTION, lambda dataset: partition_options_class(), shorthand="scheme"),
-    Section(AGGREGATION_SECTION, lambda dataset: AggregationOptions, shorthand="rule"),
+    # the rules' own knobs (aggregation.trim, ...) are declared by each rule (fedhpro.robust)
+    Section(AGGREGATION_SECTION, lambda dataset: aggregation_options_class(), shorthand="rule",
+            written=written_aggregation),
     Section(PRIVACY_SECTION, lambda dataset: PrivacyOptions, shorthand="mode"),
 )
 SECTION_NAMES = tuple(section.name for section in SECTIONS)
@@ -402,7 +298,7 @@ class Config:
     data: Any
     faults: FaultOptions = dataclasses.field(default_factory=FaultOptions)
     partition: PartitionOptions = dataclasses.field(default_factory=PartitionOptions)
-    aggregation: AggregationOptions = dataclasses.field(default_factory=AggregationOptions)
+    aggregation: AggregationOptions = dataclasses.field(default_factory=lambda: aggregation_options_class()())
     privacy: PrivacyOptions = dataclasses.field(default_factory=PrivacyOptions)
     #: ``"python:<name>"`` when the run's data were a Federation passed from Python (``run.dataset`` is
     #: then unused), else None; written to config.yaml only when set
@@ -425,11 +321,57 @@ class Config:
         """Every section's options, by name: the methods' (``<method>.*``), then :data:`SECTIONS`'."""
         return {**self.methods, **{section.name: getattr(self, section.name) for section in SECTIONS}}
 
+    def replaced(self, section: str, **values: Any) -> Config:
+        """This config with ``values`` set in one section: ``"run"`` (the run keys), a method's name, or one of
+        :data:`SECTIONS` (``config.replaced("data", classes=[...])``: what Flower learns at discovery). Each
+        value is checked and converted as :func:`load_config` checks the key (its type, choices and limits, then
+        the section's own checks), in one line naming the key; nothing else is rebuilt. The program's own
+        settings: the keys the user set (:attr:`given`) stay what they were."""
+        run, methods, sections = self.run, self.methods, {entry.name: getattr(self, entry.name) for entry in SECTIONS}
+        prefix = "" if section == "run" else f"{section}."
+        if section == "run":
+            current: Any = run
+        elif section in methods:
+            current = methods[section]
+        elif section in sections:
+            current = sections[section]
+        else:
+            raise ConfigError(f"{section!r} is not a config section; choose run, a method or one of: "
+                              f"{', '.join(SECTION_NAMES)}")
+        known = opt.fields_of(type(current))
+        for name in values:
+            if name not in known:
+                raise _unknown(prefix + name, self.run.dataset)
+        checked = {name: opt.coerce(prefix + name, _checked_value(prefix + name, value), *known[name])
+                   for name, value in values.items()}
+        changed = dataclasses.replace(current, **checked)
+        if section == "run":
+            changed.threads = threads_setting(changed.threads)
+            changed.parallel_clients = parallel_clients_setting(changed.parallel_clients, changed.threads)
+            run = changed
+        elif section in methods:
+            methods = {**methods, section: changed}
+        else:
+            sections[section] = changed
+        check_aliases(run, methods[run.method])
+        config = Config(run=run, methods=methods, **sections, federation=self.federation, given=self.given)
+        return dataclasses.replace(config, _resolved=config.to_dict())
+
     def updated(self, settings: Mapping[str, Any]) -> Config:
-        """This config with the program's own ``settings`` applied (``{"data.classes": [...]}``, resolved as
-        :func:`load_config` resolves any key): the keys the user set (:attr:`given`) stay what they were."""
-        config = load_config(self.to_dict(), settings)
-        return dataclasses.replace(config, given=self.given)
+        """This config with the program's own ``settings`` applied (``{"data.classes": [...], "clients": 4}``,
+        each key checked as :func:`load_config` checks it): :meth:`replaced`, section by section. The keys the
+        user set (:attr:`given`) stay what they were."""
+        by_section: dict[str, dict[str, Any]] = {}
+        for key, value in flatten_keys(settings, "settings").items():
+            section, _, knob = key.partition(".")
+            if "." in knob:  # one entry of a mapping (data.clients_per_domain.mnist): resolved as a config file is
+                config = load_config(self.to_dict(), settings)
+                return dataclasses.replace(config, given=self.given)
+            by_section.setdefault(section if knob else "run", {})[knob or key] = value
+        config = self
+        for section, values in by_section.items():
+            config = config.replaced(section, **values)
+        return config
 
     def set_keys(self) -> dict[str, Any]:
         """The keys the user set and their values: :attr:`given` and, for a config changed after it was
@@ -456,7 +398,7 @@ class Config:
         for section in SECTIONS:
             if section.name == PRIVACY_SECTION and self.privacy == PrivacyOptions():
                 continue  # privacy off: config.yaml (and all a run writes) stays as before privacy existed
-            out[section.name] = dataclasses.asdict(getattr(self, section.name))
+            out[section.name] = section.written(getattr(self, section.name))
         return out
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from fedhpro.config import SECTIONS, RunOptions, load_config
+from fedhpro.flower import options as flower_options
 from fedhpro.methods import all_methods
 
 
@@ -22,8 +23,9 @@ def _shown(value: object) -> str:
 
 def key_lines(dataset: str) -> list[str]:
     """``key [choices]: help (default: value)`` for every config key: the run's, every method's, the data
-    set's (its ``data.*`` keys), ``faults.*``, ``partition`` / ``partition.*`` and ``aggregation`` /
-    ``aggregation.*``. Defaults are the
+    set's (its ``data.*`` keys), ``faults.*``, ``partition`` / ``partition.*``, ``aggregation`` /
+    ``aggregation.*`` (each robust rule's own knobs among them), ``privacy`` / ``privacy.*`` and the Flower apps'
+    ``flower.*`` (:data:`fedhpro.flower.options.FLOWER_KEYS`). Defaults are the
     values a run of ``dataset`` gets when the key is not set (a data set's own run settings included);
     an unset (null) default whose help already says what it means is not repeated."""
     defaults = load_config(None, {"dataset": dataset})
@@ -44,7 +46,7 @@ def key_lines(dataset: str) -> list[str]:
         if section.shorthand:
             value = getattr(getattr(defaults, section.name), section.shorthand)
             lines.append(f"{section.name}: short for {section.name}.{section.shorthand} (default: {_shown(value)})")
-    return lines
+    return lines + flower_options.key_lines()
 
 
 def cmd_config(args: argparse.Namespace) -> int:

@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import yaml
@@ -51,34 +50,15 @@ from fedhpro.bounded import LimitError, load_yaml
 from fedhpro.config import OBSERVER_KEYS, Config, load_config
 from fedhpro.data import DATASETS, get_dataset
 from fedhpro.errors import ConfigError
-
-FLOWER_PREFIX = "flower."
-
-
-#: the values of ``flower.secure-aggregation``
-SECURE_AGGREGATION = ("none", "secagg+")
-
-
-@dataclass(frozen=True)
-class SecureSettings:
-    """SecAgg+'s knobs (``flower.secagg-*``): the clipping range ``r`` and quantization range ``Q`` of every
-    summed value, the share of the other participants each node shares its keys with, and the share of
-    those needed to rebuild a dropped node's masks (SecAgg+'s threshold, at least 2 nodes)."""
-
-    clipping_range: float = 64.0
-    quantization_range: int = 2 ** 30
-    shares: float = 1.0
-    threshold: float = 0.5
-
-    @property
-    def step(self) -> float:
-        """The quantization step ``2r / Q``: each client's value is off by less than this in the sum."""
-        return 2.0 * self.clipping_range / self.quantization_range
-
-    def modulus(self, participants: int) -> int:
-        """The mask modulus: a power of two above ``participants * Q`` (the sum must not wrap)."""
-        return 2 ** max(32, (participants * self.quantization_range).bit_length())
-
+from fedhpro.flower.options import (  # noqa: F401 (FLOWER_PREFIX, MAX_QUANTIZATION_RANGE, SECURE_AGGREGATION: kept importable here)
+    FLOWER_KEYS,
+    FLOWER_PREFIX,
+    MAX_QUANTIZATION_RANGE,
+    SECURE_AGGREGATION,
+    FlowerSettings,
+    SecureSettings,
+    flower_settings,
+)
 
 #: ``flower.round-timeout`` unset (``auto``): a round waits ``SECONDS_PER_BATCH`` for every local batch of the
 #: largest (capped) client times the clients asked in a round (Flower's simulation runs them on one machine),
@@ -99,28 +79,6 @@ def auto_round_timeout(local_epochs: int, batch_size: int, largest: int, partici
     return min(ROUND_TIMEOUT_CEILING, max(ROUND_TIMEOUT_FLOOR, wanted))
 
 
-@dataclass(frozen=True)
-class FlowerSettings:
-    """How the ServerApp talks to the nodes (not part of what the experiment computes)."""
-
-    node_wait: float = 600.0  # seconds until every partition's node must have connected (Ray + torch start slowly)
-    #: seconds to wait for one round's replies; None (unset, "auto"): sized from the run by the ServerApp once it
-    #: knows the clients (:func:`fedhpro.flower.strategy.round_timeout`), which hands the number on
-    round_timeout: float | None = None
-    node_auth: bool = False  # the SuperLink authenticates SuperNodes: a returning node must show its client's key
-    secure_aggregation: str = "none"  # "secagg+": the server learns only the sum of the uploads
-    secagg: SecureSettings = SecureSettings()
-    roster: str | None = None  # own data: the operator's roster file of sites (fedhpro.flower.roster)
-    min_clients: int | None = None  # own data: the fewest admitted nodes a run goes on with (None: auto)
-
-
-_FLOWER_KEYS = {"flower.node-wait": "node_wait", "flower.round-timeout": "round_timeout",
-                "flower.node-auth": "node_auth", "flower.secure-aggregation": "secure_aggregation",
-                "flower.secagg-clipping-range": "clipping_range", "flower.secagg-quantization-range":
-                "quantization_range", "flower.secagg-shares": "shares", "flower.secagg-threshold": "threshold",
-                "flower.roster": "roster", "flower.min-clients": "min_clients"}
-#: the largest flower.secagg-quantization-range: SecAgg+ quantizes to 32-bit integers
-MAX_QUANTIZATION_RANGE = 2 ** 31 - 1
 #: ``checkpoint_every`` of a Flower run that does not set it: a checkpoint after every round, so that a run
 #: whose SuperLink or ServerApp dies can be resumed (``fedhpro run``'s default, 5, would lose up to 4 rounds
 #: and leave nothing to resume before round 5)
@@ -144,68 +102,17 @@ def _value(raw: Any) -> Any:
 
 
 def split_run_config(run_config: Mapping[str, Any]) -> tuple[dict[str, Any], FlowerSettings]:
-    """``(fedhpro overrides, FlowerSettings)`` from a Flower run config; raises ConfigError on a bad value."""
+    """``(fedhpro overrides, FlowerSettings)`` from a Flower run config; raises ConfigError on a bad value (the
+    ``flower.*`` keys as :data:`fedhpro.flower.options.FLOWER_KEYS` declares them)."""
     overrides: dict[str, Any] = {}
-    flower: dict[str, Any] = {}
-    secure: dict[str, Any] = {}
+    flower: dict[str, tuple[Any, Any]] = {}
     for key, raw in run_config.items():
-        if key.startswith(FLOWER_PREFIX):
-            if key not in _FLOWER_KEYS:
-                raise ConfigError(f"unknown Flower setting '{key}'; valid: {', '.join(_FLOWER_KEYS)}")
-            value = _value(raw)
-            if key == "flower.node-auth":
-                if not isinstance(value, bool):
-                    raise ConfigError(f"{key}={raw!r} must be true or false")
-                flower["node_auth"] = value
-                continue
-            if key == "flower.secure-aggregation":
-                if value not in SECURE_AGGREGATION:
-                    raise ConfigError(f"{key}={raw!r} must be one of {', '.join(SECURE_AGGREGATION)}")
-                flower["secure_aggregation"] = value
-                continue
-            if key == "flower.roster":
-                if value is not None and (not isinstance(value, str) or not value.strip()):
-                    raise ConfigError(f"{key}={raw!r} must be the path of the roster file on the SuperLink host")
-                flower["roster"] = value
-                continue
-            if key == "flower.min-clients":
-                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                    raise ConfigError(f"{key}={raw!r} must be a whole number of SuperNodes >= 1 (or \"\" for "
-                                      "those the run waits for less the ones refused, at least 2)")
-                flower["min_clients"] = value
-                continue
-            if key == "flower.round-timeout" and (value is None or value == "auto"):
-                flower["round_timeout"] = None
-                continue
-            if key.startswith("flower.secagg-"):
-                secure[_FLOWER_KEYS[key]] = _secagg_value(key, raw, value)
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"{key}={raw!r} must be a number of seconds > 0")
-            flower[_FLOWER_KEYS[key]] = float(value)
-            continue
         value = _value(raw)
-        if value is None:
-            continue  # "" = the default
-        overrides[key] = value
-    return overrides, FlowerSettings(**flower, secagg=SecureSettings(**secure))
-
-
-def _secagg_value(key: str, raw: Any, value: Any) -> float | int:
-    """A ``flower.secagg-*`` value within its bounds; ConfigError (one line) otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{key}={raw!r} must be a number")
-    if key == "flower.secagg-quantization-range":
-        if value != int(value) or not 2 ** 8 <= value <= MAX_QUANTIZATION_RANGE:
-            raise ConfigError(f"{key}={raw!r} must be a whole number in [256, {MAX_QUANTIZATION_RANGE}]")
-        return int(value)
-    if key == "flower.secagg-clipping-range":
-        if value <= 0:
-            raise ConfigError(f"{key}={raw!r} must be > 0")
-        return float(value)
-    if not 0 < value <= 1:
-        raise ConfigError(f"{key}={raw!r} must be a share in (0, 1]")
-    return float(value)
+        if key.startswith(FLOWER_PREFIX):
+            flower[key] = (raw, value)
+        elif value is not None:  # "" = the default
+            overrides[key] = value
+    return overrides, flower_settings(flower)
 
 
 def experiment_keys(settings: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -251,8 +158,10 @@ def default_app_config_toml() -> str:
     defaults: dict[str, Any] = dict(dataclasses.asdict(load_config(None).run))
     defaults["checkpoint_every"] = FLOWER_CHECKPOINT_EVERY  # what "" gives on Flower
     defaults_config = load_config(None)
-    # every section, privacy too (config.yaml leaves it out while it is off, the app must still declare it)
-    sections = {**defaults_config.to_dict(), "privacy": dataclasses.asdict(defaults_config.privacy)}
+    # every section, privacy too (config.yaml leaves it out while it is off, the app must still declare it), and
+    # every robust rule's knobs (config.yaml leaves out those of a later rule the run does not choose)
+    sections = {**defaults_config.to_dict(), "privacy": dataclasses.asdict(defaults_config.privacy),
+                "aggregation": dataclasses.asdict(defaults_config.aggregation)}
     for section, values in sections.items():
         if isinstance(values, Mapping) and section not in ("data",):
             defaults.update({f"{section}.{knob}": value for knob, value in values.items()})
@@ -266,17 +175,7 @@ def default_app_config_toml() -> str:
         lines.append(f'"{key}" = ""  # {_comment(value)}')
         if isinstance(value, Mapping):
             lines += [f'"{key}.{item}" = ""  # {_comment(inner)}' for item, inner in value.items()]
-    lines.append(f'"flower.node-wait" = {FlowerSettings.node_wait!r}  # seconds to wait for the SuperNodes')
-    lines.append('"flower.round-timeout" = ""  # seconds to wait for a round\'s replies; "": auto, sized from the run')
-    lines.append('"flower.min-clients" = ""  # own data: fewest admitted nodes to go on with; "": auto')
-    lines.append('"flower.node-auth" = false  # true: the SuperLink runs with --enable-supernode-auth (keys checked)')
-    lines.append('"flower.roster" = ""  # own data: the operator\'s roster file of sites (names, sizes, keys)')
-    secure = SecureSettings()
-    lines.append('"flower.secure-aggregation" = "none"  # "secagg+": Flower\'s SecAgg+, the server learns only sums')
-    lines.append(f'"flower.secagg-clipping-range" = {secure.clipping_range!r}  # every summed value lies within it')
-    lines.append(f'"flower.secagg-quantization-range" = {secure.quantization_range!r}  # integers per summed value')
-    lines.append(f'"flower.secagg-shares" = {secure.shares!r}  # share of the participants a node shares keys with')
-    lines.append(f'"flower.secagg-threshold" = {secure.threshold!r}  # share of those needed to recover a dropout')
+    lines += [f'"{entry.key}" = {entry.declared}  # {entry.help}' for entry in FLOWER_KEYS]
     return "\n".join(lines) + "\n"
 
 

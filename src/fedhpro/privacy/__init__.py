@@ -12,55 +12,62 @@ Either way a :class:`Ledger` tracks (epsilon, delta): after every round in ``met
 progress bar and in ``summary.json``; :func:`ledger_for` builds the one of a config (``privacy.accountant``:
 ``rdp`` or ``pld``), :func:`privacy_warnings` the lines a run says before its first round (a delta too large for
 its population), :func:`private_train_settings` the local training settings of ``privacy=sample``.
+
+The options (:class:`~fedhpro.privacy.options.PrivacyOptions`) are declared beside this code in
+:mod:`fedhpro.privacy.options`, torch-free; so is this package's ``__init__``: the client-side mechanism
+(:mod:`fedhpro.privacy.client`) and the DP-SGD ledger (:mod:`fedhpro.privacy.sample`), which import torch, are
+loaded on first use of their names, so that reading a config's ``privacy.*`` keys never loads torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from fedhpro.aggregation import AGGREGATION_RULES
 from fedhpro.errors import ConfigError
 from fedhpro.privacy.accounting import ClientLedger, noise_cohort_line
-from fedhpro.privacy.client import (
-    HOLDERS_KEY,
-    PRIVATIZED_KEY,
-    ClientPrivacy,
-    PrivacyError,
-    PrivateSum,
-    client_privacy,
-    privatize_upload,
-    privatized_layout,
-    upload_noise_generator,
+from fedhpro.privacy.options import (
+    CLIENT_LEVEL,
+    OFF,
+    PRIVACY_MODES,
+    SAMPLE_LEVEL,
+    PrivacyOptions,
+    client_level,
+    is_private,
+    privacy_mode,
+    sample_level,
 )
-from fedhpro.privacy.sample import SampleLedger
 
-#: the values of ``privacy=`` (``privacy.mode``): off, client-level DP, sample-level DP-SGD. Every other module asks
-#: :func:`is_private`, :func:`client_level` and :func:`sample_level` rather than comparing the strings
-OFF, CLIENT_LEVEL, SAMPLE_LEVEL = "none", "client", "sample"
-PRIVACY_MODES = (OFF, CLIENT_LEVEL, SAMPLE_LEVEL)
+if TYPE_CHECKING:
+    from fedhpro.privacy.client import (
+        HOLDERS_KEY,
+        PRIVATIZED_KEY,
+        ClientPrivacy,
+        PrivacyError,
+        PrivateSum,
+        client_privacy,
+        privatize_upload,
+        privatized_layout,
+        upload_noise_generator,
+    )
+    from fedhpro.privacy.sample import SampleLedger
+
+#: names of the modules that import torch, loaded on their first use (:func:`__getattr__`)
+_LAZY = {name: "fedhpro.privacy.client" for name in (
+    "HOLDERS_KEY", "PRIVATIZED_KEY", "ClientPrivacy", "PrivacyError", "PrivateSum", "client_privacy",
+    "privatize_upload", "privatized_layout", "upload_noise_generator")}
+_LAZY["SampleLedger"] = "fedhpro.privacy.sample"
 
 
-def privacy_mode(options: Any) -> str:
-    """``options.mode`` of the ``privacy.*`` options (a :class:`~fedhpro.config.PrivacyOptions`); None: off."""
-    return str(getattr(options, "mode", OFF)) if options is not None else OFF
-
-
-def is_private(options: Any) -> bool:
-    """Whether the ``privacy.*`` options switch differential privacy on (either level)."""
-    return privacy_mode(options) != OFF
-
-
-def client_level(options: Any) -> bool:
-    """Whether they ask for client-level DP (``privacy=client``)."""
-    return privacy_mode(options) == CLIENT_LEVEL
-
-
-def sample_level(options: Any) -> bool:
-    """Whether they ask for sample-level DP-SGD (``privacy=sample``)."""
-    return privacy_mode(options) == SAMPLE_LEVEL
+def __getattr__(name: str) -> Any:
+    # the mechanism's modules import torch: loaded when a run uses them, never to read a config
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'fedhpro.privacy' has no attribute {name!r}")
 
 
 #: a delta at or above this is warned about whatever the population: the guarantee may fail outright with
@@ -102,6 +109,9 @@ def ledger_for(config: Any, client_sizes: Sequence[int], train_settings: Any, *,
     if client_level(options):
         return ClientLedger(options, len(client_sizes), run.rounds, run.participation, class_tensors)
     if sample_level(options):
+        # DP-SGD's ledger imports the training settings (torch): loaded for a privacy=sample run only
+        from fedhpro.privacy.sample import SampleLedger
+
         return SampleLedger(options, client_sizes, train_settings, run.rounds, run.participation)
     raise ConfigError(f"privacy={options.mode!r} is not a privacy mode; use none, client or sample")
 
@@ -182,7 +192,9 @@ def check_combinations(config: Any) -> None:
                           "releases the noised sum of every round instead; use min_clients=1")
 
 
-__all__ = ["HOLDERS_KEY", "PRIVATIZED_KEY", "VACUOUS_DELTA", "ClientLedger", "ClientPrivacy",
+__all__ = ["CLIENT_LEVEL", "HOLDERS_KEY", "OFF", "PRIVACY_MODES", "PRIVATIZED_KEY", "PrivacyOptions", "SAMPLE_LEVEL",
+           "SampleLedger", "VACUOUS_DELTA", "ClientLedger", "ClientPrivacy", "client_level", "is_private",
+           "privacy_mode", "sample_level",
            "Ledger", "PrivacyError", "PrivateSum", "check_combinations", "client_privacy", "ledger_for",
            "noise_cohort_warnings",
            "privacy_warnings", "private_train_settings", "privatize_upload", "privatized_layout",

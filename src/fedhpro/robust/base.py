@@ -16,7 +16,7 @@ value. Every rule weights the clients equally: a client's ``num_examples`` is wh
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -25,10 +25,19 @@ if TYPE_CHECKING:
 class RobustRule:
     """One rule of ``aggregation=``: a subclass, registered by name in :data:`fedhpro.robust.REGISTRY`.
 
-    ``options`` is the run's ``aggregation.*`` options (:class:`fedhpro.config.AggregationOptions`); a rule
-    reads the knobs it needs from them in ``__init__`` (``trim``, ``max_norm``, ...). The base class is the
-    identity: what :meth:`weights` and :meth:`rows` return for a rule that changes nothing.
+    A rule declares its own knobs beside its code: :attr:`options`, a dataclass of ``option(...)`` fields (torch-free;
+    each field becomes the key ``aggregation.<field>``, listed by ``fedhpro config --keys``). It is built with an
+    instance of them (:func:`fedhpro.robust.rule_for` takes the values from the run's ``aggregation.*`` section)
+    and reads them in ``__init__``. The base class is the identity: what :meth:`weights` and :meth:`rows` return for
+    a rule that changes nothing.
     """
+
+    #: the rule's own knobs (a dataclass whose fields all have defaults), None for none
+    options_class: ClassVar[type | None] = None
+    #: whether config.yaml holds the rule's knobs whichever rule a run chooses (the rules whose knobs it has always
+    #: held, so that every run's config.yaml stays as it was); otherwise only when the run chooses the rule or sets
+    #: a knob off its default
+    always_written: ClassVar[bool] = False
 
     #: what the rule needs of each client's own update, in words ("": nothing, the replies reach the method as
     #: they came and the round folds them as they arrive); a server that sees only the replies' noised or
@@ -37,7 +46,7 @@ class RobustRule:
     #: the server metric counting the class-tensor rows :meth:`rows` changed (None: not reported)
     rows_metric: ClassVar[str | None] = None
 
-    def __init__(self, options: Any = None) -> None:
+    def __init__(self, options: object = None) -> None:
         self.options = options
 
     def weights(self, weights: Sequence[Mapping[str, Tensor]], reference: Mapping[str, Tensor],

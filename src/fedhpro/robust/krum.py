@@ -24,17 +24,27 @@ holder's row becoming the chosen row; the rows of a class a reply does not hold 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch import Tensor
 
 from fedhpro.errors import ConfigError
+from fedhpro.options import option
 from fedhpro.robust.base import RobustRule
 
 #: ``aggregation.byzantine``'s default: the number of Byzantine clients Krum assumes (its guarantee then needs
-#: at least 5 replies a round); read from the options when they declare it
+#: at least 5 replies a round)
 BYZANTINE = 1
+
+
+@dataclass
+class KrumOptions:
+    byzantine: int = option(BYZANTINE, min=0,
+                            help="krum: the number f of Byzantine clients it assumes; a reply's score is the sum "
+                                 "of its squared distances to its K - f - 2 nearest others, the lowest wins (the "
+                                 "guarantee needs K > 2f + 2 replies a round)")
 
 
 def krum_neighbours(count: int, byzantine: int) -> int:
@@ -75,10 +85,12 @@ class Krum(RobustRule):
     become the holders' Krum row (``aggregation.byzantine``: the ``f`` it assumes)."""
 
     needs = "pairwise distances"
+    always_written = True  # config.yaml has held its knobs since before rules declared them
+    options_class = KrumOptions
 
-    def __init__(self, options: Any = None) -> None:
+    def __init__(self, options: KrumOptions) -> None:
         super().__init__(options)
-        self.byzantine = int(getattr(options, "byzantine", BYZANTINE))
+        self.byzantine = int(options.byzantine)
         if self.byzantine < 0:
             raise ConfigError(f"aggregation.byzantine={self.byzantine} must be >= 0 (the number of Byzantine clients "
                               "Krum assumes), e.g. aggregation.byzantine=1")
@@ -98,4 +110,4 @@ class Krum(RobustRule):
         return rows[chosen].expand_as(rows), 0
 
 
-__all__ = ["BYZANTINE", "Krum", "krum_choice", "krum_neighbours", "krum_scores", "squared_distances"]
+__all__ = ["BYZANTINE", "Krum", "KrumOptions", "krum_choice", "krum_neighbours", "krum_scores", "squared_distances"]

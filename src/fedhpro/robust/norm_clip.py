@@ -6,13 +6,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch import Tensor
 
+from fedhpro.options import option
 from fedhpro.robust.base import RobustRule
 from fedhpro.robust.median import coordinate_median, median_value
+
+
+@dataclass
+class NormClipOptions:
+    max_norm: float = option(0.0, min=0.0, help="norm-clip: the largest L2 norm of an update w_k - w_global "
+                                                "(0: norm_multiple x the round's median update norm)")
+    norm_multiple: float = option(1.0, gt=0.0, help="norm-clip with max_norm=0: updates longer than this many "
+                                                    "times the round's median update norm are clipped to it "
+                                                    "(class tensors: rows farther from the class's median row)")
 
 
 def update_norm(weights: Mapping[str, Tensor], reference: Mapping[str, Tensor]) -> float:
@@ -65,8 +76,10 @@ class NormClip(RobustRule):
 
     needs = "each update's norm"
     rows_metric = "robust_rows_clipped"
+    always_written = True  # config.yaml has held its knobs since before rules declared them
+    options_class = NormClipOptions
 
-    def __init__(self, options: Any = None) -> None:
+    def __init__(self, options: NormClipOptions) -> None:
         super().__init__(options)
         self.max_norm = float(options.max_norm)
         self.norm_multiple = float(options.norm_multiple)
@@ -95,4 +108,4 @@ class NormClip(RobustRule):
         return centre + scale * offsets, sum(f < 1.0 for f in factors)
 
 
-__all__ = ["NormClip", "clip_factor", "clip_update", "update_norm"]
+__all__ = ["NormClip", "NormClipOptions", "clip_factor", "clip_update", "update_norm"]

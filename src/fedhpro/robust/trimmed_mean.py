@@ -5,12 +5,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch import Tensor
 
+from fedhpro.errors import ConfigError
+from fedhpro.options import option
 from fedhpro.robust.base import RobustRule, coordinatewise, stacked
+
+
+@dataclass
+class TrimmedMeanOptions:
+    trim: float = option(0.2, min=0.0, help="trimmed-mean: the fraction dropped at each end, "
+                                            "floor(trim * K) of K values (0 <= trim < 0.5)")
+
+    def __post_init__(self) -> None:
+        if not self.trim < 0.5:
+            raise ConfigError(f"aggregation.trim={self.trim} is too large; it must be < 0.5 "
+                              "(the fraction trimmed at EACH end), e.g. aggregation.trim=0.2")
 
 
 def trimmed_count(count: int, beta: float) -> int:
@@ -37,8 +51,10 @@ class TrimmedMean(RobustRule):
     of them (``aggregation.trim`` dropped at each end)."""
 
     needs = "a trimmed mean"
+    always_written = True  # config.yaml has held its knobs since before rules declared them
+    options_class = TrimmedMeanOptions
 
-    def __init__(self, options: Any = None) -> None:
+    def __init__(self, options: TrimmedMeanOptions) -> None:
         super().__init__(options)
         self.trim = float(options.trim)
 
@@ -50,4 +66,4 @@ class TrimmedMean(RobustRule):
         return trimmed_mean(list(rows), self.trim).expand_as(rows), 0
 
 
-__all__ = ["TrimmedMean", "trimmed_count", "trimmed_mean"]
+__all__ = ["TrimmedMean", "TrimmedMeanOptions", "trimmed_count", "trimmed_mean"]
