@@ -96,7 +96,7 @@ def test_every_reply_gets_the_chosen_weights_and_the_holders_krum_row():
 
 def test_krum_is_a_registered_rule_named_by_the_config_and_refused_where_only_sums_are_seen():
     assert "krum" in REGISTRY and issubclass(REGISTRY["krum"], RobustRule)
-    assert list(AGGREGATION_RULES) == ["mean", "median", "trimmed-mean", "norm-clip", "krum"]
+    assert list(AGGREGATION_RULES) == ["mean", "median", "trimmed-mean", "norm-clip", "krum", "geometric-median"]
     assert AGGREGATION_RULES["krum"] == "pairwise distances" and AGGREGATION_RULES["mean"] == ""
     assert load_config(None, ["aggregation=krum"]).aggregation.rule == "krum"
     with pytest.raises(ConfigError, match="aggregation=krum: krum needs pairwise distances of each client's own"):

@@ -4,7 +4,8 @@
 (``RunResult.model``); ``fedhpro.load_model(run_folder)`` rebuilds that model from the run's folder alone and
 ``fedhpro.predict(run_folder, paths)`` classifies new images, tensors or rows with it
 (``fedhpro.load_estimator(run_folder)``: a scikit-learn-style classifier, a DataFrame's columns by name).
-``fedhpro.functional`` holds the paper's equations as pure functions. Your own data, model and
+The paper's equations are pure functions: ``fedhpro.functional`` (Eq. 1-3, shared with the baselines)
+and ``fedhpro.methods.fedhpro.equations`` (FedHPro's, Eq. 4-13). Your own data, model and
 method plug in from Python: ``fedhpro.run(..., federation=Federation.from_datasets(...),
 model=lambda: fedhpro.models.split(my_net, head="fc"))`` and
 ``fedhpro.methods.register(name, spec)`` (or a package's ``fedhpro.methods``
