@@ -25,6 +25,7 @@ from fedhpro.methods.base import MethodSpec
 from fedhpro.methods.layout import HOLDERS, Payload
 from fedhpro.methods.prototypes import (
     NEAREST_PROTOTYPE,
+    RAW_PROTOTYPES_CLIPPING,
     PrototypeClient,
     PrototypeOptions,
     PrototypeServer,
@@ -57,9 +58,7 @@ class FedProtoClient(PrototypeClient):
 METHOD = MethodSpec(
     name="fedproto",
     paper_order=3,
-    # privacy=client: its raw prototypes (norm far above the update) share a joint clip with the update and drown it;
-    # per-group clipping measured 78-81 % against 22-54 % joint (FedProto, FedTGP, FedSA) (docs/how-to/privacy.md)
-    dp_clipping="per-group",
+    dp_clipping=RAW_PROTOTYPES_CLIPPING,
     options=FedProtoOptions,
     server=FedProtoServer,
     client=FedProtoClient,

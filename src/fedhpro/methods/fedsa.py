@@ -59,6 +59,7 @@ from fedhpro.methods.layout import HOLDERS, Payload
 from fedhpro.methods.parts import classifier_of
 from fedhpro.methods.prototypes import (
     NEAREST_PROTOTYPE,
+    RAW_PROTOTYPES_CLIPPING,
     PrototypeClient,
     PrototypeOptions,
     PrototypeServer,
@@ -221,9 +222,7 @@ class FedSAClient(PrototypeClient):
 METHOD = MethodSpec(
     name="fedsa",
     paper_order=7,
-    # privacy=client: its raw prototypes (norm far above the update) share a joint clip with the update and drown it;
-    # per-group clipping measured 78-81 % against 22-54 % joint (FedProto, FedTGP, FedSA) (docs/how-to/privacy.md)
-    dp_clipping="per-group",
+    dp_clipping=RAW_PROTOTYPES_CLIPPING,
     options=FedSAOptions,
     server=FedSAServer,
     client=FedSAClient,

@@ -47,6 +47,7 @@ from fedhpro.methods.base import MethodContext, MethodSpec
 from fedhpro.methods.layout import Payload
 from fedhpro.methods.prototypes import (
     NEAREST_PROTOTYPE,
+    RAW_PROTOTYPES_CLIPPING,
     PrototypeClient,
     PrototypeOptions,
     PrototypeServer,
@@ -161,9 +162,7 @@ class FedTGPClient(PrototypeClient):
 METHOD = MethodSpec(
     name="fedtgp",
     paper_order=4,
-    # privacy=client: its raw prototypes (norm far above the update) share a joint clip with the update and drown it;
-    # per-group clipping measured 78-81 % against 22-54 % joint (FedProto, FedTGP, FedSA) (docs/how-to/privacy.md)
-    dp_clipping="per-group",
+    dp_clipping=RAW_PROTOTYPES_CLIPPING,
     options=FedTGPOptions,
     server=FedTGPServer,
     client=FedTGPClient,
