@@ -18,9 +18,9 @@ import pytest
 import torch
 from test_robust_aggregation import SIZES, _hostile_round, float_weights
 
-from fedhpro.config import load_config
+from fedhpro.config import AggregationOptions, load_config
 from fedhpro.config_command import key_lines
-from fedhpro.engines.protocol import Aggregation, robust_replies
+from fedhpro.engines.robust import robust_replies
 from fedhpro.errors import ConfigError
 from fedhpro.privacy import check_combinations
 from fedhpro.robust import AGGREGATION_RULES, REGISTRY
@@ -104,11 +104,11 @@ def test_the_rule_and_its_knob_are_declared_beside_it():
 
 def test_protocol_applies_the_rule_with_its_own_knob():
     replies = [{"weights": {"w": torch.tensor([float(x), 0.0])}, "num_examples": 1} for x in (0, 1, 5)]
-    out, _ = robust_replies(replies, {"w": torch.zeros(2)}, Aggregation("geometric-median", iterations=200),
+    out, _ = robust_replies(replies, {"w": torch.zeros(2)}, AggregationOptions("geometric-median", iterations=200),
                             num_classes=2)
     for reply in out:
         torch.testing.assert_close(reply["weights"]["w"], torch.tensor([1.0, 0.0]), rtol=0, atol=1e-5)
-    once, _ = robust_replies(replies, {"w": torch.zeros(2)}, Aggregation("geometric-median", iterations=1),
+    once, _ = robust_replies(replies, {"w": torch.zeros(2)}, AggregationOptions("geometric-median", iterations=1),
                              num_classes=2)
     first = numpy_weiszfeld(np.array([[0.0, 0.0], [1.0, 0.0], [5.0, 0.0]]), 1)
     np.testing.assert_allclose(once[0]["weights"]["w"].numpy(), first, rtol=0, atol=1e-6)
@@ -166,7 +166,7 @@ def test_a_registered_rule_brings_its_own_knobs_and_a_taken_name_is_refused():
 
 
 def test_simulator_geometric_median_of_the_replies_as_sent():
-    initial, result, computed, bad, record = _hostile_round(Aggregation("geometric-median", iterations=30))
+    initial, result, computed, bad, record = _hostile_round(AggregationOptions("geometric-median", iterations=30))
     w0 = float_weights(initial)
     names = [name for name, value in initial.items() if value.is_floating_point()]  # the replies' key order
     sent = []

@@ -162,10 +162,11 @@ def test_both_engines_build_their_protocol_from_the_same_settings():
 def test_a_resumed_run_refuses_another_aggregation_or_hostile_fault():
     from fedhpro.resume import _changed_on_resume
 
-    stored = load_config(None, ["aggregation=median"]).to_dict()
-    assert _changed_on_resume(stored, load_config(None, {"aggregation": "trimmed-mean", "faults.sign_flip": 0.1}).given
-                              ) == ["aggregation.rule", "faults.sign_flip"]
-    assert _changed_on_resume(stored, load_config(None, {"aggregation.rule": "median"}).given) == []
+    saved = load_config(None, ["aggregation=median"])
+    stored = saved.to_dict()
+    assert _changed_on_resume(stored, load_config(None, {"aggregation": "trimmed-mean", "faults.sign_flip": 0.1}).given,
+                              saved) == ["aggregation.rule", "faults.sign_flip"]
+    assert _changed_on_resume(stored, load_config(None, {"aggregation.rule": "median"}).given, saved) == []
 
 
 def _context():
