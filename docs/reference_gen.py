@@ -21,6 +21,7 @@ from typing import Any
 from fedhpro.cli import build_parser
 from fedhpro.config import SECTIONS, RunOptions, load_config
 from fedhpro.data import DATASETS, get_dataset
+from fedhpro.flower.options import FLOWER_KEYS, FlowerSettings
 from fedhpro.methods import all_methods
 
 DEFAULT_DATASET = RunOptions.dataset
@@ -74,6 +75,13 @@ def config_keys_markdown() -> str:
             out += [f"`{section.name}` is short for `{section.name}.{section.shorthand}`: `{section.name}=VALUE` sets "
                     f"`{section.name}.{section.shorthand}=VALUE` (default `{_shown(value)}`).", ""]
         out += _table(f"{section.name}.", section.options_for(DEFAULT_DATASET), getattr(defaults, section.name))
+    out += ["", "## `flower.*`", "", "Read by Flower runs only (`fedhpro-flower` apps, `flwr run --run-config`); "
+            "`fedhpro run` refuses them.", "", "| key | default | meaning |", "|---|---|---|"]
+    flower_defaults = FlowerSettings()
+    for entry in FLOWER_KEYS:
+        value = getattr(flower_defaults.secagg if entry.secagg else flower_defaults, entry.field)
+        default = f"`{_cell(_shown(value))}`"
+        out.append(f"| {_unbroken(f'`{entry.key}`')} | {_unbroken(default)} | {_cell(entry.help)} |")
     out += ["", "## `data.*`, per data set", "",
             "The `data.*` keys depend on `dataset=`; data sets that share their keys are listed together.", ""]
     groups: dict[type, list[str]] = {}

@@ -429,3 +429,10 @@ def test_a_close_choice_is_suggested_in_one_line():
         load_config(None, {"partition": "dirichlett"})
     with pytest.raises(ConfigError, match=r"method='fedavgg' is not valid \(did you mean 'fedavg'"):
         load_config(None, {"method": "fedavgg"})
+
+
+def test_a_flower_key_given_to_a_plain_run_says_where_it_belongs():
+    # config --keys lists the flower.* keys; a plain run reads none of them and says so, not "unknown key"
+    with pytest.raises(ConfigError, match=r"^'flower.node-wait' is a Flower setting: give it in a Flower run's "
+                                          r"run config \(flwr run --run-config 'flower.node-wait=\.\.\.'\)"):
+        load_config(None, ["flower.node-wait=3"])

@@ -15,7 +15,9 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-WRITES = re.compile(r"""(?:\bout=|--out |--state |\.save\(\s*(?:Path\()?['"]|mkdir -p |> )["']?([A-Za-z0-9_./$-]+)""")
+#: "-> None" (a return annotation) is no redirection
+WRITES = re.compile(r"""(?:\bout=|--out |--state |\.save\(\s*(?:Path\()?['"]|mkdir -p |(?<!-)> )"""
+                    r"""["']?([A-Za-z0-9_./$-]+)""")
 #: what the README's image examples wrote beside the clone before they wrote under runs/ (the issue's report)
 LEFT_BY_OLD_EXAMPLES = ["blank.png", "shapes/train/a/0.png", "shapes-run/summary.json"]
 

@@ -117,12 +117,21 @@ def test_a_run_sets_its_thread_count_and_puts_the_callers_back(threads, expected
 
     import fedhpro.api
 
+    class Built(Exception):
+        """the run stopped where its engine is built, inside the run's thread count"""
+
     seen = []
+
+    def built(*args):
+        seen.append(torch.get_num_threads())
+        raise Built
+
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
-    monkeypatch.setattr(fedhpro.api, "_run_resolved", lambda *args: seen.append(torch.get_num_threads()))
+    monkeypatch.setattr(fedhpro.api.InProcessRun, "_built", built)
     before = torch.get_num_threads()
-    fedhpro.api.run(None, {"threads": threads, "device": "cpu", "out": str(tmp_path / "run")})
+    with pytest.raises(Built):
+        fedhpro.api.run(None, {"threads": threads, "device": "cpu", "out": str(tmp_path / "run")})
     assert seen == [expected] and torch.get_num_threads() == before
 
 

@@ -433,6 +433,9 @@ def _all_keys(dataset: str) -> list[str]:
 
 def _unknown(key: str, dataset: str) -> ConfigError:
     """One short line: the key, up to three close keys (closest first) and where the full list is."""
+    if key.startswith("flower."):  # listed by config --keys too, but read by a Flower run's own settings
+        return ConfigError(f"'{key}' is a Flower setting: give it in a Flower run's run config "
+                           f"(flwr run --run-config '{key}=...'), not to fedhpro run or its config")
     quoted = [f"'{name}'" for name in difflib.get_close_matches(key, _all_keys(dataset), n=3, cutoff=0.6)]
     choices = ", ".join(quoted[:-1]) + " or " + quoted[-1] if len(quoted) > 1 else "".join(quoted)
     hint = f" (did you mean {choices}?)" if quoted else ""
