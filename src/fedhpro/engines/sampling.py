@@ -16,6 +16,7 @@ memory so that a round asked for twice answers once.
 
 from __future__ import annotations
 
+import abc
 import secrets
 
 import numpy as np
@@ -31,7 +32,7 @@ def round_half_up(value: float) -> int:
     return int(np.floor(value + 0.5))
 
 
-class Sampling:
+class Sampling(abc.ABC):
     """The participants of each round of a federation of ``num_clients`` clients, each taking part with rate
     ``participation``; drawn from the run's ``seed``."""
 
@@ -40,9 +41,9 @@ class Sampling:
         self.num_clients = num_clients
         self.participation = participation
 
+    @abc.abstractmethod
     def draw(self, round: int) -> list[int]:
         """The participants of ``round``, sorted."""
-        raise NotImplementedError
 
     def participations(self, rounds_done: int) -> dict[int, int]:
         """How many of the first ``rounds_done`` rounds each client takes part in (the accountant's count)."""
