@@ -43,14 +43,8 @@ def registry(monkeypatch):
 @contextlib.contextmanager
 def restored(registry, monkeypatch):
     """``registry`` (a fedhpro.registry.Registry) as it was, after the block: entries, entry-point state."""
-    saved = dict(registry.entries)
-    monkeypatch.setattr(registry, "_loaded", registry._loaded)
-    monkeypatch.setattr(registry, "_broken", dict(registry._broken))
-    try:
+    with registry.kept():
         yield registry
-    finally:
-        registry.entries.clear()
-        registry.entries.update(saved)
 
 
 def fake_entry_points(monkeypatch, *entries: tuple[str, str], registry=None) -> None:
@@ -163,7 +157,7 @@ def test_entry_points_load_once_a_spec_or_a_factory(registry, monkeypatch):
                   counted=lambda: calls.append(1) or COUNTING)
     fake_entry_points(monkeypatch, ("from-spec", "plugin_module_for_tests:SPEC"),
                       ("from-factory", "plugin_module_for_tests:make"), ("counted", "plugin_module_for_tests:counted"))
-    assert "from-spec" not in registry.METHODS  # lazily: nothing loaded before a lookup
+    assert "from-spec" not in registry.REGISTRY.entries  # lazily: nothing loaded before a lookup
     assert registry.get_method("from-spec").name == "from-spec"  # named by its entry point
     assert registry.get_method("from-factory").server is CountingServer
     registry.get_method("counted")

@@ -11,7 +11,7 @@ import pytest
 
 from fedhpro.errors import ConfigError
 from fedhpro.options import option
-from fedhpro.registry import LiveChoices, Registry
+from fedhpro.registry import Declared, LiveChoices, Registry
 
 
 def make(entries=(), check=None) -> Registry:
@@ -140,7 +140,7 @@ def test_the_packages_registries_share_the_generic_registry():
     groups = {registry.group for registry in (fedhpro.methods.REGISTRY, fedhpro.data.REGISTRY,
                                               fedhpro.data.partition.REGISTRY, fedhpro.models.REGISTRY)}
     assert groups == {"fedhpro.methods", "fedhpro.datasets", "fedhpro.partitioners", "fedhpro.models"}
-    assert fedhpro.methods.METHODS is fedhpro.methods.REGISTRY.entries  # the public names are aliases
+    assert fedhpro.methods.METHODS is fedhpro.methods.REGISTRY  # the public names are aliases
     assert fedhpro.data.DATASETS is fedhpro.data.REGISTRY and fedhpro.models.MODELS is fedhpro.models.REGISTRY
     assert fedhpro.data.partition.PARTITIONERS["ag-nid"] is fedhpro.data.partition.ag_nid
 
@@ -239,3 +239,88 @@ def test_the_three_spec_registries_refuse_options_without_defaults_alike(registr
         module.REGISTRY.register("nodefaults", dataclasses.replace(base, options=NoDefault))
     assert words in str(error.value)
     assert "nodefaults" not in module.REGISTRY.entries
+
+
+# -- declared entries: the declaration now, the code on first lookup ---------------------------------------------
+
+
+@pytest.fixture
+def widget_module(tmp_path, monkeypatch):
+    """A module ``widget_code_<n>`` on sys.path whose import is recorded in ``imports`` (a list it appends to)."""
+    name = f"widget_code_{len(list(tmp_path.parent.iterdir()))}_{tmp_path.name}".replace("-", "_")
+    (tmp_path / f"{name}.py").write_text(
+        "import dataclasses\n"
+        "IMPORTS.append('imported')\n"
+        "@dataclasses.dataclass\n"
+        "class Options:\n"
+        "    size: int = 1\n"
+        "class Widget:\n"
+        "    options = None\n"
+        "WIDGET = Widget()\n")
+    imports: list[str] = []
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr("builtins.IMPORTS", imports, raising=False)
+    yield name, imports
+    sys.modules.pop(name, None)
+
+
+def test_a_declared_entry_is_listed_and_declared_without_importing_its_code(widget_module):
+    name, imports = widget_module
+    declaration = types.SimpleNamespace(options=None, description="a widget")
+    registry = make([("first", 1)])
+    registry.declare("lazy", declaration, f"{name}:WIDGET")
+    assert registry.names() == ["first", "lazy"] and "lazy" in registry and registry.is_builtin("lazy")
+    assert registry.declared("lazy") is declaration and registry.declarations()["lazy"] is declaration
+    assert registry.declared("first") == 1  # a whole entry is its own declaration
+    assert imports == [] and not registry.is_loaded("lazy")
+    widget = registry.lookup("lazy")
+    assert imports == ["imported"] and type(widget).__name__ == "Widget" and registry["lazy"] is widget
+    assert registry.get("lazy") is widget and registry.entries["lazy"] is widget and imports == ["imported"]
+
+
+def test_a_declared_entry_whose_code_has_other_options_is_refused_in_one_line(widget_module):
+    name, _ = widget_module
+
+    class Declared_options:  # not the class the code uses
+        pass
+
+    registry = make(check=lambda _name, loaded, _where: loaded)
+    registry = Registry("widget", None, declaration_of=lambda entry: types.SimpleNamespace(options=entry.options))
+    registry.declare("lazy", types.SimpleNamespace(options=Declared_options), f"{name}:WIDGET")
+    with pytest.raises(ConfigError, match="has options None, not the declared") as error:
+        registry.lookup("lazy")
+    assert "\n" not in str(error.value)
+
+
+def test_a_declared_code_path_that_does_not_import_is_one_line(widget_module):
+    registry = make()
+    registry.declare("gone", None, "no_such_module_anywhere:THING")
+    assert registry.names() == ["gone"]
+    with pytest.raises(ConfigError, match="widget 'gone' .*cannot be imported \\(ModuleNotFoundError"):
+        registry.lookup("gone")
+    with pytest.raises(ConfigError, match="package.module:attribute"):
+        Declared(None, "not a path")
+
+
+def test_an_entry_point_may_name_a_declaration_and_its_code_loads_on_lookup(widget_module, monkeypatch):
+    name, imports = widget_module
+    holder = types.ModuleType("widget_declarations")
+    holder.DECLARED = Declared(types.SimpleNamespace(options=None), f"{name}:WIDGET")  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "widget_declarations", holder)
+    registry = make()
+    entry_points(registry, monkeypatch, plug="widget_declarations:DECLARED")
+    assert registry.names() == ["plug"] and not registry.is_builtin("plug")
+    assert registry.declared("plug") is holder.DECLARED.declaration and imports == []
+    assert type(registry.lookup("plug")).__name__ == "Widget" and imports == ["imported"]
+
+
+def test_kept_puts_back_what_a_block_registered_replaced_or_removed():
+    registry = make([("a", 1), ("b", 2)])
+    registry.declare("c", "declared", "json:dumps")
+    with registry.kept():
+        registry.register("d", 4)
+        registry.register("a", 10, replace=True)
+        del registry["c"]
+        assert registry.names() == ["b", "d", "a"] and not registry.is_builtin("a")
+    assert registry.names() == ["a", "b", "c"] and registry["a"] == 1 and registry.is_builtin("a")
+    assert registry.declared("c") == "declared" and registry.lookup("c") is __import__("json").dumps

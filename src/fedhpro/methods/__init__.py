@@ -64,9 +64,8 @@ REGISTRY.builtin("fedsa", fedsa.METHOD)
 #: the built-in methods, name -> spec
 BUILTIN_METHODS: dict[str, MethodSpec] = REGISTRY.builtins
 
-#: the live registry's entries: the built-ins, then what :func:`register` and the entry points added. Look
-#: methods up with :func:`get_method` and list them with :func:`method_names`, which load the entry points first.
-METHODS: dict[str, MethodSpec] = REGISTRY.entries
+#: the methods as a live mapping name -> spec: the built-ins, then what :func:`register` and the entry points added
+METHODS: Registry[MethodSpec] = REGISTRY
 
 #: recipes given to :func:`register`'s ``recipes=`` for a spec that does not declare them itself:
 #: method -> recipe name -> the settings ``<method>.recipe=<name>`` applies before the user's. A built-in
