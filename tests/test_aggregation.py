@@ -12,7 +12,7 @@ import torch
 from conftest import TinyBNNet, make_federation
 
 from fedhpro.averaging import WeightedSum
-from fedhpro.config import FaultOptions
+from fedhpro.engines.fault_options import FaultOptions
 from fedhpro.engines.simulator import Simulator
 from fedhpro.functional import weighted_average
 from fedhpro.methods import METHODS, MethodContext, Replies, Server, TrainSettings

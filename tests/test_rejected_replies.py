@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import TinyNet, make_federation
 
-from fedhpro.config import FaultOptions
+from fedhpro.engines.fault_options import FaultOptions
 from fedhpro.engines.simulator import Simulator, derive_seed
 from fedhpro.methods import METHODS, TrainSettings
 

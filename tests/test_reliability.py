@@ -16,7 +16,7 @@ import torch
 from conftest import DIGITS_SYN_SIZE, DIGITS_TEST_FRACTION, TinyNet, make_federation
 
 from fedhpro.cli import main as cli_main
-from fedhpro.config import FaultOptions
+from fedhpro.engines.fault_options import FaultOptions
 from fedhpro.engines import checkpoint
 from fedhpro.engines.simulator import Simulator, derive_seed
 from fedhpro.errors import UpdateError

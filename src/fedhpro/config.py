@@ -37,6 +37,7 @@ from fedhpro.data import DATASETS, get_dataset
 from fedhpro.data.feature_statistics import FEDERATED, FORMER_FEDERATED, resolved_standardize
 from fedhpro.data.matched_tests import CLIENT_TESTS
 from fedhpro.data.partition import PartitionOptions, partition_options_class
+from fedhpro.engines.fault_options import FAULTS_SECTION, FaultOptions
 from fedhpro.errors import ConfigError
 from fedhpro.methods import METHODS, all_methods, get_method, method_names, recipes_of
 from fedhpro.models import MODELS
@@ -48,7 +49,6 @@ from fedhpro.robust import written as written_aggregation
 from fedhpro.robust.options import AGGREGATION_SECTION
 
 DATA_SECTION = "data"
-FAULTS_SECTION = "faults"
 #: ``partition=NAME`` is short for ``partition.scheme=NAME``; ``partition.alpha=0.5`` etc. are its knobs
 PARTITION_SECTION = "partition"
 
@@ -99,27 +99,6 @@ class MethodChoices(LiveChoices):
 
     def __init__(self) -> None:
         super().__init__(method_names)
-
-
-@dataclass
-class FaultOptions:
-    dropout: float = option(0.0, min=0.0, max=1.0, help="probability that a sampled client does not answer")
-    corrupt: float = option(0.0, min=0.0, max=1.0,
-                            help="probability that an answering client's reply arrives with NaN weights (a "
-                                 "transmission fault: it is dropped, the client keeps the state it computed)")
-    scale: float = option(0.0, min=0.0, max=1.0,
-                          help="probability that an answering client is hostile and sends w_global + "
-                               "scale_factor * Delta (Delta = its update w_k - w_global) and its class tensors "
-                               "(prototypes, class gradients, soft predictions) times scale_factor")
-    scale_factor: float = option(100.0, help="what a hostile client of faults.scale multiplies its update by")
-    sign_flip: float = option(0.0, min=0.0, max=1.0,
-                              help="probability that an answering client is hostile and sends w_global - Delta "
-                                   "and its class tensors negated (faults.scale + faults.sign_flip <= 1)")
-
-    def __post_init__(self) -> None:
-        if self.scale + self.sign_flip > 1.0:
-            raise ConfigError(f"faults.scale={self.scale} + faults.sign_flip={self.sign_flip} exceeds 1 (one draw "
-                              "decides which a client is); lower one of them")
 
 
 if TYPE_CHECKING:

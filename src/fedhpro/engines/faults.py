@@ -1,6 +1,6 @@
-"""Injected client faults (``faults.*``, :class:`fedhpro.config.FaultOptions`), for tests and robustness studies:
-the seeded draws of a round (:func:`draw_faults`), what a hostile or corrupted reply is (:func:`hostile`,
-:func:`corrupted`), and the step of the reply chain that applies them (:class:`InjectedFaults`).
+"""Injected client faults (``faults.*``, :class:`~fedhpro.engines.fault_options.FaultOptions`), for tests and
+robustness studies: the seeded draws of a round (:func:`draw_faults`), what a hostile or corrupted reply is
+(:func:`hostile`, :func:`corrupted`), and the step of the reply chain that applies them (:class:`InjectedFaults`).
 
 Every draw comes from ``derive_seed(seed, FAULT, round, client)``: three uniforms per client, in this order,
 dropout, corruption, hostility (the third after the first two, so adding hostile faults leaves the dropout and
@@ -31,7 +31,7 @@ FAULT = 5
 
 def hostile_factor(faults: Any, draw: float) -> float | None:
     """The factor a client with uniform ``draw`` multiplies its update by under ``faults``
-    (:class:`~fedhpro.config.FaultOptions`); None: it is honest."""
+    (:class:`~fedhpro.engines.fault_options.FaultOptions`); None: it is honest."""
     if draw < faults.scale:
         return float(faults.scale_factor)
     if draw < faults.scale + faults.sign_flip:

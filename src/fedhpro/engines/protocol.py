@@ -23,7 +23,7 @@ numbers whatever ran before and on whichever engine.
 
 A round is a chain of steps (:mod:`fedhpro.engines.chain`): the protocol composes
 one :class:`~fedhpro.engines.chain.RoundChain` per run from the run's options
-(:class:`~fedhpro.config.FaultOptions`, :class:`~fedhpro.config.AggregationOptions`,
+(:class:`~fedhpro.engines.fault_options.FaultOptions`, :class:`~fedhpro.robust.options.AggregationOptions`,
 the privacy options), a list of links the caller may extend (``steps=``, or
 ``protocol.round_chain.links`` / ``.wrappers``), and each round opens it: every
 reply goes through the same per-reply steps in
@@ -90,11 +90,11 @@ from typing import Any
 
 import torch
 
-from fedhpro.config import AggregationOptions, FaultOptions
 from fedhpro.engines.chain import Fold, Incoming, PlainFold, Reception, ReplyStep, RoundChain, RoundState
 from fedhpro.engines.class_rows import declared_class_keys
 from fedhpro.engines.content import BoundedFold
 from fedhpro.engines.evaluation import TestCount, pool_accuracy, weighted_mean
+from fedhpro.engines.fault_options import FaultOptions
 from fedhpro.engines.faults import InjectedFaults, draw_faults
 from fedhpro.engines.private import Accountant, RoundPrivacy, round_privacy
 from fedhpro.engines.replies import (
@@ -113,7 +113,8 @@ from fedhpro.engines.sampling import SAMPLE, Sampling, round_half_up
 from fedhpro.errors import FedHProError
 from fedhpro.metrics import payload_bytes, payload_parameters
 from fedhpro.privacy.client import ClientPrivacy, privatize_upload, upload_noise_generator
-from fedhpro.robust import rule_for
+from fedhpro.robust import aggregation_options_class, rule_for
+from fedhpro.robust.options import AggregationOptions
 from fedhpro.seeds import derive_seed
 
 # stream tags: each kind of randomness gets its own stream (SAMPLE = 2: fedhpro.engines.sampling; FAULT = 5:
@@ -192,8 +193,8 @@ class RoundProtocol:
     ``server`` is the method's server part; the protocol calls its
     ``broadcast``, ``new_replies``, ``validate_reply`` and ``aggregate``.
     ``on_drop`` receives one line per dropped client or skipped round.
-    ``faults``: the ``faults.*`` options (:class:`~fedhpro.config.FaultOptions`; default: none).
-    ``aggregation``: the ``aggregation.*`` options (:class:`~fedhpro.config.AggregationOptions`; default: the
+    ``faults``: the ``faults.*`` options (:class:`~fedhpro.engines.fault_options.FaultOptions`; default: none).
+    ``aggregation``: the ``aggregation.*`` options (:class:`~fedhpro.robust.options.AggregationOptions`; default: the
     method's own mean, the default bounds); a robust rule makes the replies robust before the method aggregates
     them (:func:`~fedhpro.engines.robust.robust_replies`). An unknown rule or an impossible bound is a one-line
     ConfigError here.
@@ -232,7 +233,7 @@ class RoundProtocol:
         self.seed = seed
         self.eval_every = eval_every
         self.faults = faults if faults is not None else FaultOptions()
-        self.aggregation = aggregation if aggregation is not None else AggregationOptions()
+        self.aggregation = aggregation if aggregation is not None else aggregation_options_class()()
         check_bounds(self.aggregation)
         #: the robust rule the run chose (``aggregation.rule``, from :data:`fedhpro.robust.REGISTRY`)
         self.rule = rule_for(self.aggregation)

@@ -24,10 +24,10 @@ import torch
 from torch import Tensor, nn
 
 from fedhpro import runtime
-from fedhpro.config import AggregationOptions, FaultOptions
 from fedhpro.data.federation import Federation
 from fedhpro.engines.chain import Reception
 from fedhpro.engines.client_tests import ClientTests, FineTune
+from fedhpro.engines.fault_options import FaultOptions
 from fedhpro.engines.interface import SIMULATOR, EngineKind
 from fedhpro.engines.observers import RoundObserver, measurements, watching
 from fedhpro.engines.one_round import RoundClock, round_extra
@@ -44,6 +44,7 @@ from fedhpro.methods.base import MethodContext, MethodSpec, lends_weights
 from fedhpro.methods.no_grad import extract_features
 from fedhpro.methods.training import TrainSettings
 from fedhpro.metrics import class_means
+from fedhpro.robust.options import AggregationOptions
 from fedhpro.seeds import derive_seed
 
 

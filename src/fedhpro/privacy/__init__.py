@@ -95,7 +95,36 @@ class Ledger(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
 
-def ledger_for(config: Any, client_sizes: Sequence[int], train_settings: Any, *,
+class RunSettings(Protocol):
+    """What the privacy of a run reads of its run keys (the fields of :class:`fedhpro.config.RunOptions` of these
+    names): this package sits below the config and may not import it."""
+
+    rounds: int
+    participation: float
+    min_clients: int
+
+
+class RuleSetting(Protocol):
+    """What the privacy of a run reads of its ``aggregation.*`` section: the robust rule's name."""
+
+    rule: str
+
+
+class PrivateConfig(Protocol):
+    """What the privacy of a run reads of its config (a :class:`fedhpro.config.Config` is one): the run keys, the
+    ``privacy.*`` section and the aggregation rule."""
+
+    @property
+    def run(self) -> RunSettings: ...
+
+    @property
+    def privacy(self) -> PrivacyOptions: ...
+
+    @property
+    def aggregation(self) -> RuleSetting: ...
+
+
+def ledger_for(config: PrivateConfig, client_sizes: Sequence[int], train_settings: Any, *,
                class_tensors: bool = True) -> Ledger | None:
     """The privacy ledger of ``config`` (a :class:`~fedhpro.config.Config`) for clients holding
     ``client_sizes`` training samples: None with ``privacy=none``; ``privacy=client``: a
@@ -152,7 +181,7 @@ def privacy_warnings(options: Any, num_clients: int, client_sizes: Sequence[int]
             f"{fix} or set privacy.delta={suggested:g}"]
 
 
-def noise_cohort_warnings(config: Any, num_clients: int) -> list[str]:
+def noise_cohort_warnings(config: PrivateConfig, num_clients: int) -> list[str]:
     """With ``privacy.noise_cohort`` (``privacy=client``), the line that says the run's epsilon is a larger
     cohort's, not its own (:func:`~fedhpro.privacy.accounting.noise_cohort_line`); else ``[]``."""
     cohort = int(getattr(config.privacy, "noise_cohort", 0) or 0)
@@ -161,7 +190,7 @@ def noise_cohort_warnings(config: Any, num_clients: int) -> list[str]:
     return [noise_cohort_line(cohort, float(config.run.participation) * int(num_clients))]
 
 
-def private_train_settings(config: Any, train: Any, ledger: Ledger) -> Any:
+def private_train_settings(config: PrivateConfig, train: Any, ledger: Ledger) -> Any:
     """``privacy=sample``: the local training settings ``train`` (a :class:`~fedhpro.methods.training.TrainSettings`)
     with DP-SGD on: ``dp_clip`` (``privacy.clip``), ``dp_noise_multiplier`` (the ledger's sigma, as given or
     calibrated) and ``dp_secure_noise`` (``privacy.secure_noise``; unset counts as false: seeded noise)."""
@@ -170,7 +199,7 @@ def private_train_settings(config: Any, train: Any, ledger: Ledger) -> Any:
                                dp_secure_noise=bool(config.privacy.secure_noise))
 
 
-def check_combinations(config: Any) -> None:
+def check_combinations(config: PrivateConfig) -> None:
     """One-line ConfigError for settings that cannot go with ``privacy=client``: robust aggregation rules and
     ``min_clients > 1`` read or count individual replies, which client-level DP hides from the server;
     ``privacy.noise_cohort`` without client-level DP's central noise has no noise to calibrate."""
