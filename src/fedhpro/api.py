@@ -205,8 +205,8 @@ class InProcessRun:
         data_name = federation.name if federation is not None else options.dataset
         parts = build_experiment(config, device, federation=federation, model_factory=self.model_factory)
         voice = ConsoleVoice(self.echo)
-        chosen = observers_for(options, out, warn_line, run_title(options, data_name), config.to_dict()) \
-            if self.config_observers else []
+        title = run_title(options.method, options.seed, data_name)
+        chosen = observers_for(options, out, warn_line, title, config.to_dict()) if self.config_observers else []
         simulator = build_simulator(config, parts, device, [*chosen, *self.observers])
         # said only: summary.json does not depend on the CPU; decided on the models built (no extra build, no draws)
         hardware = bf16_note(options.amp, device, [simulator.models.global_model,

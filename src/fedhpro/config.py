@@ -111,7 +111,10 @@ else:
 
 
 @dataclass
-class RunOptions:
+class TrainingOptions:
+    """The run keys of what is trained and how: the method, data, model and the federated optimisation (these
+    keys decide a run's numbers)."""
+
     method: str = option("fedhpro", choices=MethodChoices(), help="the federated method (the built-ins, "
                                                                        "and any registered or installed)")
     dataset: str = option("digits-offline", choices=DATASETS.choices, help="the federation's data set")
@@ -141,20 +144,14 @@ class RunOptions:
                                               "unset, the method's own cap: FedRCL 10, as its authors; the others "
                                               "none, as the paper)")
     seed: int = option(0, min=0, help="seed of the model init, partition, client sampling and batches")
-    device: str = option("auto", help="auto (CUDA if available), cpu, cuda or cuda:N",
-                         tags=("presentation", "resumable"))
-    threads: str = option("auto", help="CPU threads of the run (torch.set_num_threads): a whole number >= 1, or "
-                                       "auto: the cores this process may run on ($OMP_NUM_THREADS if set), "
-                                       "divided among a sweep's jobs; the same seed, config and thread count "
-                                       "give the same bytes, another count differs in the last float digits",
-                          tags=("presentation", "resumable"))
-    parallel_clients: str = option("auto", help="clients the in-process simulator trains at once, each on its own "
-                                                "working model with threads/parallel_clients threads: a whole "
-                                                "number >= 1 (at most threads), or auto: one a thread on the CPU "
-                                                "(small models train faster side by side than on more threads "
-                                                "each), one on a GPU; results depend on the threads a client gets, "
-                                                "never on the order clients finish in",
-                                   tags=("presentation", "resumable"))
+    min_clients: int = option(1, min=1, help="a round with fewer valid client updates is skipped")
+
+
+@dataclass
+class EvaluationOptions:
+    """The run keys of what is measured and on what: the evaluation schedule, the clients' own tests, unseen
+    clients, the validation split and the observers (FLOPs, prototype distance, t-SNE)."""
+
     eval_every: int = option(1, min=1, help="evaluate the global model every this many rounds (and at the end)")
     client_test: str = option("shared", choices=CLIENT_TESTS,
                               help="what each client's own accuracy (client_accuracy, fairness, site_accuracy) is "
@@ -178,22 +175,35 @@ class RunOptions:
                                help="share of each client's training data held out as its validation part, class "
                                     "by class (below 0.5; 0: none): it never trains, every evaluation also tests "
                                     "on it, and the best round is chosen on it instead of the test set")
-    out: str | None = option(None, help="output folder (default runs/<method>-<dataset>-<timestamp>)",
-                             tags=("presentation",))
-    data_dir: str | None = option(None, help="where data sets are read and cached, each in its own folder "
-                                             "(default $FEDHPRO_DATA_DIR, else ~/.cache/fedhpro)")
-    progress: bool = option(True, help="show a progress bar", tags=("presentation", "resumable"))
-    min_clients: int = option(1, min=1, help="a round with fewer valid client updates is skipped")
-    checkpoint_every: int = option(5, min=0, help="write a checkpoint every this many rounds (0: only at the end)",
+    flops: bool = option(False, help="count training FLOPs of every client and the server step with "
+                                     "torch.utils.flop_counter into metrics.jsonl (Table 4; slows training a little)",
+                         tags=("observer",))
+    prototype_distance: bool = option(False, help="each evaluated round, the L2 distance of the method's prototypes "
+                                                  "to the centralized prototypes (Figure 2; one extra pass over "
+                                                  "all training data)", tags=("observer",))
+    tsne: bool = option(False, help="at the end, a t-SNE of the global model's test features: tsne.png "
+                                    "(Figures 3 and 6; needs scikit-learn)", tags=("resumable", "observer"))
+
+
+@dataclass
+class ExecutionOptions:
+    """The run keys of how the run executes on this machine: where its data are read, the device, threads and
+    clients side by side, mixed precision, memory format and compilation, and a run resumed."""
+
+    device: str = option("auto", help="auto (CUDA if available), cpu, cuda or cuda:N",
+                         tags=("presentation", "resumable"))
+    threads: str = option("auto", help="CPU threads of the run (torch.set_num_threads): a whole number >= 1, or "
+                                       "auto: the cores this process may run on ($OMP_NUM_THREADS if set), "
+                                       "divided among a sweep's jobs; the same seed, config and thread count "
+                                       "give the same bytes, another count differs in the last float digits",
+                          tags=("presentation", "resumable"))
+    parallel_clients: str = option("auto", help="clients the in-process simulator trains at once, each on its own "
+                                                "working model with threads/parallel_clients threads: a whole "
+                                                "number >= 1 (at most threads), or auto: one a thread on the CPU "
+                                                "(small models train faster side by side than on more threads "
+                                                "each), one on a GPU; results depend on the threads a client gets, "
+                                                "never on the order clients finish in",
                                    tags=("presentation", "resumable"))
-    checkpoint_minutes: float = option(5.0, min=0.0, help="also write a checkpoint after a round once this many "
-                                                          "minutes passed since the last one (0: off), so a long "
-                                                          "run killed early can be resumed",
-                                       tags=("presentation", "resumable"))
-    keep_checkpoints: int = option(2, min=1, help="keep only the newest this many checkpoints",
-                                   tags=("presentation", "resumable"))
-    resume: str | None = option(None, help="continue the interrupted run in this folder (its config.yaml)",
-                                tags=("presentation", "resumable"))
     amp: str = option("off", choices=("off", "bf16"),
                       help="mixed precision of local training: off (float32) or bf16 (the forward pass under "
                            "bfloat16 autocast; losses, weights, aggregation and privacy noise float32; with "
@@ -207,14 +217,28 @@ class RunOptions:
                                      "float rounding)")
     compile: bool = option(False, help="torch.compile the feature extractor once (the first round pays the "
                                        "compilation; needs a C++ compiler on the CPU)")
-    flops: bool = option(False, help="count training FLOPs of every client and the server step with "
-                                     "torch.utils.flop_counter into metrics.jsonl (Table 4; slows training a little)",
-                         tags=("observer",))
-    prototype_distance: bool = option(False, help="each evaluated round, the L2 distance of the method's prototypes "
-                                                  "to the centralized prototypes (Figure 2; one extra pass over "
-                                                  "all training data)", tags=("observer",))
-    tsne: bool = option(False, help="at the end, a t-SNE of the global model's test features: tsne.png "
-                                    "(Figures 3 and 6; needs scikit-learn)", tags=("resumable", "observer"))
+    resume: str | None = option(None, help="continue the interrupted run in this folder (its config.yaml)",
+                                tags=("presentation", "resumable"))
+    data_dir: str | None = option(None, help="where data sets are read and cached, each in its own folder "
+                                             "(default $FEDHPRO_DATA_DIR, else ~/.cache/fedhpro)")
+
+
+@dataclass
+class OutputOptions:
+    """The run keys of where and how the run is written and shown: its folder, progress, checkpoints, TensorBoard
+    and an experiment tracker."""
+
+    out: str | None = option(None, help="output folder (default runs/<method>-<dataset>-<timestamp>)",
+                             tags=("presentation",))
+    progress: bool = option(True, help="show a progress bar", tags=("presentation", "resumable"))
+    checkpoint_every: int = option(5, min=0, help="write a checkpoint every this many rounds (0: only at the end)",
+                                   tags=("presentation", "resumable"))
+    checkpoint_minutes: float = option(5.0, min=0.0, help="also write a checkpoint after a round once this many "
+                                                          "minutes passed since the last one (0: off), so a long "
+                                                          "run killed early can be resumed",
+                                       tags=("presentation", "resumable"))
+    keep_checkpoints: int = option(2, min=1, help="keep only the newest this many checkpoints",
+                                   tags=("presentation", "resumable"))
     tensorboard: bool = option(False, help="also write TensorBoard logs to <out>/tensorboard (needs the "
                                            "tensorboard package: pip install tensorboard)",
                                tags=("presentation", "resumable"))  # both engines: it reads round records only
@@ -228,6 +252,13 @@ class RunOptions:
                                        "<out>/wandb)", tags=("presentation", "resumable"))
     tracker_project: str = option("fedhpro", help="the tracker's experiment (MLflow) or project (W&B)",
                                   tags=("presentation", "resumable"))
+
+
+@dataclass
+class RunOptions(OutputOptions, ExecutionOptions, EvaluationOptions, TrainingOptions):
+    """Every run key, flat (``rounds=20``, ``config.run.rounds``): the four groups' fields, in this order
+    (config.yaml and ``fedhpro config --keys`` list them so). A lower floor that reads one group takes that
+    group's type (a :class:`TrainingOptions`, an :class:`OutputOptions`, ...), which a RunOptions is."""
 
 
 #: run keys that change where and how a run is shown or stored, never its numbers

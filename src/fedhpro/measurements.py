@@ -21,6 +21,7 @@ from fedhpro.reports.plots import plot_tsne
 from fedhpro.trackers import tracker_for
 
 if TYPE_CHECKING:
+    from fedhpro.config import OutputOptions, RunOptions
     from fedhpro.engines.interface import InProcessEngine
     from fedhpro.engines.protocol import RoundRecord
 
@@ -103,7 +104,7 @@ def write_tsne(simulator: InProcessEngine, out: Path, seed: int, title: str, per
         prototype_points=embedded[n:], prototype_labels=prototype_classes))
 
 
-def observers_for(options: Any, out: Path, warn: Callable[[str], None], title: str,
+def observers_for(options: RunOptions, out: Path, warn: Callable[[str], None], title: str,
                   config: Mapping[str, Any] | None = None) -> list[RoundObserver]:
     """The observers a run's options (:class:`~fedhpro.config.RunOptions`) switch on
     (:data:`fedhpro.config.OBSERVER_KEYS`): ``flops``, ``prototype_distance``, ``tensorboard`` (skipped
@@ -117,8 +118,8 @@ def observers_for(options: Any, out: Path, warn: Callable[[str], None], title: s
     return chosen + tracker
 
 
-def record_observers(options: Any, out: Path, warn: Callable[[str], None], config: Mapping[str, Any] | None = None
-                     ) -> tuple[list[RoundObserver], list[RoundObserver]]:
+def record_observers(options: OutputOptions, out: Path, warn: Callable[[str], None],
+                     config: Mapping[str, Any] | None = None) -> tuple[list[RoundObserver], list[RoundObserver]]:
     """The observers that read only the round records, so that every engine runs them (the Flower ServerApp
     too): ``tensorboard``, and ``tracker`` (:mod:`fedhpro.trackers`, logging ``config``), each a list of at most
     one."""

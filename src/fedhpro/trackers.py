@@ -26,7 +26,6 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
 
 from fedhpro.engines.lifecycle import run_title
@@ -226,9 +225,8 @@ def figures(out: Path, config: Mapping[str, Any], scratch: Path) -> list[Path]:
     rows = _rows(out)
     summary = _summary(out)
     if any("accuracy" in row for row in rows):
-        options = SimpleNamespace(method=config.get("method", summary.get("method", "")),
-                                  seed=config.get("seed", summary.get("seed", 0)))
-        title = run_title(options, str(summary.get("dataset", config.get("dataset", ""))))
+        method, seed = str(config.get("method", summary.get("method", ""))), config.get("seed", summary.get("seed", 0))
+        title = run_title(method, seed, str(summary.get("dataset", config.get("dataset", ""))))
         drawn = scratch / "accuracy.png"
         plot_run_accuracy(rows, drawn, title=title)
         found = [drawn, *(path for path in (vector_path(drawn), pdf_path(drawn)) if path.is_file()), *found]

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from fedhpro import reports
-from fedhpro.config import Config
+from fedhpro.config import Config, RunOptions
 from fedhpro.data.federation import few_batches_note
 from fedhpro.engines import checkpoint
 from fedhpro.engines.interface import SIMULATOR, Engine, EngineKind, kind_named
@@ -156,7 +156,7 @@ class Run:
     :class:`~fedhpro.engines.interface.EngineKind` (whose name its checkpoints and summary carry). A file that
     cannot be written stops the run with one line (:func:`stop_on_write_error`)."""
 
-    def __init__(self, out: Path | None, options: Any, protocol: RoundProtocol, engine: EngineKind = SIMULATOR,
+    def __init__(self, out: Path | None, options: RunOptions, protocol: RoundProtocol, engine: EngineKind = SIMULATOR,
                  started: float | None = None):
         self.out = Path(out) if out is not None else None
         self.options, self.protocol, self.engine = options, protocol, engine
@@ -304,9 +304,9 @@ def train(engine: Engine, run: Run, label: str, progress: bool, voice: Voice = Q
 # ---------------------------------------------------------------------------- the run, once for every engine
 
 
-def run_title(options: Any, data_name: str) -> str:
+def run_title(method: str, seed: int, data_name: str) -> str:
     """The run's title (its accuracy plot's): ``FedHPro on digits-offline (seed 0)``."""
-    return f"{display_name(options.method)} on {data_name} (seed {options.seed})"
+    return f"{display_name(method)} on {data_name} (seed {seed})"
 
 
 def trained_models(models: Any) -> list[nn.Module]:
@@ -379,7 +379,8 @@ def execute(engine: Engine, run: Run, config: Config, *, data_name: str, partiti
                           engine=run.engine, models=trained_models(engine.models))
     if engine.protocol.sizes_claimed:
         summary["size_claims"] = size_claims(engine.protocol, engine.pooled_test_sizes())
-    run.close(summary, engine.server.state_dict(), write_model, run_title(options, data_name), end=engine.end_run)
+    title = run_title(options.method, options.seed, data_name)
+    run.close(summary, engine.server.state_dict(), write_model, title, end=engine.end_run)
     voice.printout(final_printout(summary, f"{options.method} on {data_name}, seed {options.seed}, "
                                            f"{options.rounds} rounds, {summary['seconds']:.0f} s — test accuracy (%):"))
     return summary

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fedhpro import runtime
-from fedhpro.config import channels_last_setting
+from fedhpro.config import RunOptions, channels_last_setting
 from fedhpro.engines.interface import SIMULATOR, EngineKind
 
 
@@ -107,8 +107,8 @@ def summary_measurements(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run_summary(options: Any, data_name: str, clients: int, device: torch.device | str, rows: list[dict[str, Any]],
-                seconds: float, notes: list[str], from_python: bool = False,
+def run_summary(options: RunOptions, data_name: str, clients: int, device: torch.device | str,
+                rows: list[dict[str, Any]], seconds: float, notes: list[str], from_python: bool = False,
                 engine: EngineKind = SIMULATOR, models: Sequence[nn.Module] = ()) -> dict[str, Any]:
     """``summary.json`` of a finished run (``options``: its RunOptions): its settings, the final and best AVG
     (None when no round was evaluated), the final per-domain accuracy, the final per-client accuracies with
