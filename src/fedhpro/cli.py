@@ -6,6 +6,7 @@ import argparse
 import os
 import shlex
 import sys
+import warnings
 from types import ModuleType
 
 from fedhpro import __version__
@@ -26,6 +27,20 @@ def _commands() -> ModuleType:
     from fedhpro import commands
 
     return commands
+
+
+def check_run_settings(settings: list[str]) -> None:
+    """Read ``fedhpro run``'s settings (a YAML path, then KEY=VALUE pairs) as the run will read them, before the
+    engines load: a bad key or value is refused in one line before torch loads. The run reads them again and shows
+    their warnings (silenced here, so each is said once)."""
+    # lazy: the config's modules are torch-free but not free (~0.2 s); --help and --version need none of them
+    from fedhpro.config import load_config
+
+    overrides = list(settings)
+    source = overrides.pop(0) if overrides and "=" not in overrides[0] else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_config(source, overrides)
 
 
 def key_lines(dataset: str) -> list[str]:
@@ -187,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "handler", None):
         return _usage(getattr(args, "usage", parser))
     try:
+        if args.handler == "run":
+            check_run_settings(args.settings)
         handler = _config_command().cmd_config if args.handler == "config" else _commands().HANDLERS[args.handler]
         code = handler(args)
         sys.stdout.flush()  # a closed pipe shows here, not at exit where it could not be caught
