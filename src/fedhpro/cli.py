@@ -33,14 +33,11 @@ def check_run_settings(settings: list[str]) -> None:
     """Read ``fedhpro run``'s settings (a YAML path, then KEY=VALUE pairs) as the run will read them, before the
     engines load: a bad key or value is refused in one line before torch loads. The run reads them again and shows
     their warnings (silenced here, so each is said once)."""
-    # lazy: the config's modules are torch-free but not free (~0.2 s); --help and --version need none of them
-    from fedhpro.config import load_config
-
     overrides = list(settings)
     source = overrides.pop(0) if overrides and "=" not in overrides[0] else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        load_config(source, overrides)
+        _config_command().load_config(source, overrides)
 
 
 def key_lines(dataset: str) -> list[str]:

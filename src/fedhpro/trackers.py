@@ -34,6 +34,7 @@ from fedhpro.errors import ConfigError
 from fedhpro.reports.plots import pdf_path, plot_run_accuracy, vector_path
 
 if TYPE_CHECKING:
+    from fedhpro.config import OutputOptions
     from fedhpro.engines.protocol import RoundRecord
 
 #: the values of ``tracker=``
@@ -256,7 +257,7 @@ def _summary(out: Path) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def tracker_for(options: Any, out: Path, config: Mapping[str, Any], name: str) -> RoundObserver | None:
+def tracker_for(options: OutputOptions, out: Path, config: Mapping[str, Any], name: str) -> RoundObserver | None:
     """The tracker ``options.tracker`` names (``tracker.uri``, ``tracker.project``), or None."""
     kind = str(getattr(options, "tracker", "none"))
     if kind == "none":

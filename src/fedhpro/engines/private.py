@@ -49,6 +49,7 @@ from fedhpro.privacy.client import (
     privatized_layout,
     upload_noise_generator,
 )
+from fedhpro.privacy.options import PrivacyOptions
 
 
 def method_view(reply: Mapping[str, Any]) -> dict[str, Any]:
@@ -233,7 +234,8 @@ class ClientLevel(RoundPrivacy):
     the rows unless ``privacy.publish_participants``; with ``privacy.clip_quantile``, adaptive clipping's clip
     (:meth:`adapt`, kept in checkpoints)."""
 
-    def __init__(self, sampling: Sampling, accountant: Accountant, settings: ClientPrivacy, options: Any) -> None:
+    def __init__(self, sampling: Sampling, accountant: Accountant, settings: ClientPrivacy,
+                 options: PrivacyOptions) -> None:
         super().__init__(sampling, accountant)
         self.settings: ClientPrivacy = settings
         self.options = options
@@ -291,17 +293,16 @@ class ClientLevel(RoundPrivacy):
         self.settings = dataclasses.replace(self.settings, clip=clip)
 
 
-def round_privacy(options: Any, ledger: Any, server: Any, *, seed: int, num_clients: int, rounds: int,
+def round_privacy(options: PrivacyOptions | None, ledger: Any, server: Any, *, seed: int, num_clients: int, rounds: int,
                   participation: float, robust_needs: bool, rule_name: str, dp_clipping: str) -> RoundPrivacy:
     """The run's privacy as the round protocol holds it, chosen once from its ``privacy.*`` options
     (``options``; None or ``mode=none``: off) and ``ledger`` (:func:`fedhpro.privacy.ledger_for`; built here
     for ``privacy=client`` when None, needed for ``privacy=sample``). ``privacy.clipping=auto`` means
     ``dp_clipping`` (the method's :attr:`~fedhpro.methods.base.MethodSpec.dp_clipping`). A robust rule that
     needs each client's update (``robust_needs``) cannot go with ``privacy=client``: one line naming it."""
-    if not is_private(options):
+    if options is None or not is_private(options):
         return RoundPrivacy(FixedSampling(seed, num_clients, participation), NoAccountant())
-    if (dataclasses.is_dataclass(options) and not isinstance(options, type)
-            and getattr(options, "clipping", None) == "auto"):
+    if getattr(options, "clipping", None) == "auto":
         options = dataclasses.replace(options, clipping=dp_clipping)
     max_epsilon = float(getattr(options, "max_epsilon", 0.0) or 0.0)
     if not client_level(options):

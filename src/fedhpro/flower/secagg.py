@@ -59,6 +59,7 @@ from flwr.serverapp import Grid
 from torch import Tensor
 
 from fedhpro.aggregation import AGGREGATION_RULES
+from fedhpro.config import Config
 from fedhpro.engines.replies import counts_problem, examples_problem
 from fedhpro.errors import ConfigError, FedHProError, UpdateError
 from fedhpro.flower.records import HEADER
@@ -90,7 +91,7 @@ QUANTIZATION = 0x5EC
 # ---------------------------------------------------------------------------- what cannot be summed
 
 
-def check_secure_config(config: Any) -> None:
+def check_secure_config(config: Config) -> None:
     """ConfigError (one line, why) for a config secure aggregation cannot run, from the config alone (before
     any node is asked): a robust rule, a fault injected into one client's reply, a method that says its server
     needs each client's own upload (its ``MethodSpec.needs_each_upload``, quoted)."""
@@ -114,7 +115,7 @@ def check_secure_config(config: Any) -> None:
                           "server learns only the sum of the uploads")
 
 
-def check_secure_run(config: Any, server: Server, participants: int, settings: SecureSettings) -> SecureLayout:
+def check_secure_run(config: Config, server: Server, participants: int, settings: SecureSettings) -> SecureLayout:
     """The run's :class:`SecureLayout`, or a one-line ConfigError naming what secure aggregation cannot do
     (:func:`check_secure_config`, then what needs the method's server part and the round's size)."""
     check_secure_config(config)

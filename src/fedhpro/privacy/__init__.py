@@ -145,7 +145,7 @@ def ledger_for(config: PrivateConfig, client_sizes: Sequence[int], train_setting
     raise ConfigError(f"privacy={options.mode!r} is not a privacy mode; use none, client or sample")
 
 
-def privacy_warnings(options: Any, num_clients: int, client_sizes: Sequence[int]) -> list[str]:
+def privacy_warnings(options: PrivacyOptions, num_clients: int, client_sizes: Sequence[int]) -> list[str]:
     """The run's warning lines about its delta (one line each, naming the fix; ``[]`` when there is none):
     ``privacy.delta`` (or the mode's default ``1 / N^1.1``) at least ``1 / N`` or at least :data:`VACUOUS_DELTA`,
     a near-vacuous guarantee (a mechanism that publishes one of the ``N`` records outright with probability

@@ -37,6 +37,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from fedhpro.errors import ConfigError
+from fedhpro.privacy.options import PrivacyOptions
 
 if TYPE_CHECKING:
     import dp_accounting
@@ -206,7 +207,7 @@ def check_noise_cohort(noise_cohort: int, trained_cohort: float, num_clients: in
     return float(trained_cohort) / float(noise_cohort)
 
 
-def quantile_noise_of(options: Any, expected_clients: float) -> float | None:
+def quantile_noise_of(options: PrivacyOptions, expected_clients: float) -> float | None:
     """Adaptive clipping's indicator noise std (``privacy.quantile_noise``, or ``expected_clients / 20``, Andrew et
     al.'s choice, ``expected_clients`` the cohort the noise is calibrated for); None when adaptive clipping is off
     (``privacy.clip_quantile=0``)."""
@@ -240,7 +241,8 @@ class ClientLedger:
         orders: the RDP orders (default: dp-accounting's, fractional ones included; unused by pld).
     """
 
-    def __init__(self, options: Any, num_clients: int, rounds: int, participation: float, class_tensors: bool,
+    def __init__(self, options: PrivacyOptions, num_clients: int, rounds: int, participation: float,
+                 class_tensors: bool,
                  orders: Sequence[float] | None = None):
         self.options = options
         self.orders = list(orders) if orders is not None else None

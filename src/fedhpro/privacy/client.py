@@ -42,6 +42,7 @@ from torch import Tensor
 from fedhpro.aggregation import clip_factor
 from fedhpro.errors import FedHProError
 from fedhpro.methods.layout import ClassRows
+from fedhpro.privacy.options import PrivacyOptions
 from fedhpro.seeds import derive_seed
 
 #: the seed streams of the privacy noise: a client's local noise (PRIVACY, round, client) and the server's
@@ -111,7 +112,7 @@ class ClientPrivacy:
             raise ValueError(f"quantile_noise must be >= 0, got {self.quantile_noise}")
 
 
-def client_privacy(options: Any, noise_multiplier: float, noise_scale: float = 1.0,
+def client_privacy(options: PrivacyOptions, noise_multiplier: float, noise_scale: float = 1.0,
                    quantile_noise: float | None = None) -> ClientPrivacy:
     """The :class:`ClientPrivacy` of ``privacy.*`` options (``config.privacy``) with the ledger's sigma
     (``ledger.noise_multiplier``: ``privacy.noise_multiplier``, or the one calibrated to ``target_epsilon``),

@@ -32,6 +32,7 @@ from fedhpro.methods.sample_dp import INSTALL_HINT, poisson_plan
 from fedhpro.methods.training import TrainSettings
 from fedhpro.privacy import accounting
 from fedhpro.privacy.accounting import PLD_ACCOUNTANT, calibrate, check_accountant
+from fedhpro.privacy.options import PrivacyOptions
 
 #: the name summary.json gives the accountant (``privacy.accountant=rdp``; pld: :data:`PLD_ACCOUNTANT`)
 ACCOUNTANT = "dp-accounting RdpAccountant (Renyi DP; Poisson-subsampled Gaussian, Mironov et al. 2019)"
@@ -63,7 +64,7 @@ class SampleLedger:
         participation: the fraction of clients sampled per round (reported; it amplifies nothing here).
     """
 
-    def __init__(self, options: Any, client_sizes: Sequence[int], train: TrainSettings, rounds: int,
+    def __init__(self, options: PrivacyOptions, client_sizes: Sequence[int], train: TrainSettings, rounds: int,
                  participation: float):
         self.options = options
         self.client_sizes = [int(n) for n in client_sizes]
