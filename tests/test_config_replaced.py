@@ -43,6 +43,16 @@ def test_updated_gives_what_resolving_again_gives(settings):
         assert new.given == config.given and new.set_keys() == reference.set_keys() == config.given
 
 
+def test_updated_sets_one_entry_of_a_mapping_without_resolving_again():
+    config = load_config({"dataset": "digits", "rounds": 3})
+    settings = {"data.clients_per_domain.usps": 2, "data.clients_per_domain.svhn": 5}
+    new = config.updated(settings)
+    assert new.data.clients_per_domain == {"mnist": 3, "usps": 2, "svhn": 5, "syn": 4}  # the paper's layout, 2 set
+    assert new == rebuilt(config, settings) and new.run is config.run and new.methods is config.methods
+    with pytest.raises(ConfigError, match="unknown config key 'data.rounds.x'"):
+        config.updated({"data.rounds.x": 1})
+
+
 def test_replaced_checks_each_value_in_one_line_and_changes_one_section():
     config = load_config({"dataset": "clients"})
     changed = config.replaced("data", classes=["a", "b"])

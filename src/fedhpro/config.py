@@ -374,10 +374,14 @@ class Config:
         by_section: dict[str, dict[str, Any]] = {}
         for key, value in flatten_keys(settings, "settings").items():
             section, _, knob = key.partition(".")
-            if "." in knob:  # one entry of a mapping (data.clients_per_domain.mnist): resolved as a config file is
-                config = load_config(self.to_dict(), settings)
-                return dataclasses.replace(config, given=self.given)
-            by_section.setdefault(section if knob else "run", {})[knob or key] = value
+            knob, _, entry = knob.partition(".")
+            values = by_section.setdefault(section if knob else "run", {})
+            if entry:  # one entry of a mapping (data.clients_per_domain.mnist): the mapping with that entry set
+                current = values.get(knob, getattr(self.sections().get(section), knob, None))
+                if not isinstance(current, Mapping):
+                    raise _unknown(key, self.run.dataset)
+                value = {**current, entry: value}
+            values[knob or key] = value
         config = self
         for section, values in by_section.items():
             config = config.replaced(section, **values)
