@@ -59,6 +59,14 @@ def test_the_declarations_import_no_torch():
     assert lines[0].split(",") == BUILTIN_DATASETS and lines[1] == "tokens any image"
 
 
+def test_fedhpro_models_split_stays_the_function_after_its_module_is_imported():
+    result = fresh_python("import sys, fedhpro.models, fedhpro.models.split\n"
+                          "from fedhpro.models.split import SplitModel\n"
+                          "assert callable(fedhpro.models.split) and fedhpro.models.split.__name__ == 'split'\n"
+                          "assert fedhpro.models.SplitModel is SplitModel\n")
+    assert result.returncode == 0, result.stderr
+
+
 def test_old_import_paths_give_the_torch_free_names():
     from fedhpro.data import client_tests, feature_statistics, matched_tests, standardize_options
     from fedhpro.data.federation import Federation

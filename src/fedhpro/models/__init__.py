@@ -16,6 +16,8 @@ authors' projection head to any of them (the run key ``projection_head=true``). 
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +50,19 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(f"fedhpro.models.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """This package, whose name ``split`` is the function :func:`fedhpro.models.split.split`: importing the module
+    of the same name binds the name to the module, which a lazy name would otherwise never override."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "split" and isinstance(value, types.ModuleType):
+            value = value.split
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def _checked(name: str, loaded: object, where: str) -> Callable[..., nn.Module]:
