@@ -24,6 +24,7 @@ from fedhpro.data.clients_options import ClientsOptions
 from fedhpro.data.imagefolder_options import ImageFolderOptions
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.models import ModelDeclaration, declared_model
+from fedhpro.registry import Declared
 
 SOURCE = Path(__file__).resolve().parents[1] / "src"
 
@@ -119,6 +120,38 @@ def test_a_data_set_registered_whole_answers_its_declaration():
         assert declared_dataset("whole").options is Knobs and get_dataset("whole").build is build
     with pytest.raises(ConfigError, match="is not valid"):
         declared_dataset("whole")
+
+
+def test_a_data_set_registered_as_declared_imports_its_code_on_first_lookup(tmp_path, monkeypatch):
+    (tmp_path / "declared_data_options.py").write_text(
+        "import dataclasses\n"
+        "from fedhpro.data import DatasetDeclaration\n"
+        "@dataclasses.dataclass\n"
+        "class Options:\n"
+        "    size: int = 2\n"
+        "DECLARATION = DatasetDeclaration('mine', Options, 'a declared data set')\n")
+    (tmp_path / "declared_data_code.py").write_text(
+        "import dataclasses\n"
+        "from declared_data_options import DECLARATION\n"
+        "from fedhpro.data import DatasetSpec\n"
+        "@dataclasses.dataclass\n"
+        "class Redefined:\n"
+        "    size: int = 2\n"
+        "DATASET = DatasetSpec.of(DECLARATION, lambda *args, **kwargs: None)\n"
+        "OTHER = DatasetSpec('other', Redefined, lambda *args, **kwargs: None)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import declared_data_options
+
+    with fedhpro.data.REGISTRY.kept():
+        fedhpro.data.register("mine", Declared(declared_data_options.DECLARATION, "declared_data_code:DATASET"))
+        fedhpro.data.register("wrong", Declared(declared_data_options.DECLARATION, "declared_data_code:OTHER"))
+        assert declared_dataset("mine") is declared_data_options.DECLARATION
+        assert "declared_data_code" not in sys.modules  # declared: its code is not imported yet
+        assert get_dataset("mine").options is declared_data_options.Options and "declared_data_code" in sys.modules
+        with pytest.raises(ConfigError, match="has options <class 'declared_data_code.Redefined'>, not the declared"):
+            get_dataset("wrong")
+    monkeypatch.delitem(sys.modules, "declared_data_code")
+    monkeypatch.delitem(sys.modules, "declared_data_options")
 
 
 def test_each_built_in_model_is_declared_with_its_constructors_input_kind():

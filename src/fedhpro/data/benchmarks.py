@@ -436,7 +436,6 @@ AG_NEWS = _spec(TextBenchmark())
 SUN397 = _spec(_label("sun397", "sun397", 397, clients=100, test_fraction=0.2))
 
 
-
 def _factory(spec: DatasetSpec) -> Callable[[], DatasetSpec]:
     return lambda: spec
 

@@ -70,6 +70,7 @@ from torch import Tensor
 
 from fedhpro.arrays import ArrayFileError, load_npz, load_torch
 from fedhpro.data.clients_options import DECLARATION, UNTRAINED_CHOICES, ClientsOptions
+from fedhpro.data.decode_options import DETECTED, scaling_depth
 from fedhpro.data.feature_statistics import (
     CLIENT,
     FEDERATED,
@@ -108,6 +109,8 @@ from fedhpro.errors import ConfigError, DataError
 #: ``<prefix>-<digits>`` or ``<prefix>_<digits>``: the prefix is the client's domain
 _NUMBERED = re.compile(r"^(?P<prefix>.+)[-_]\d+$")
 TENSOR_SUFFIXES = (".pt", ".npz", ".csv")
+
+
 @dataclass
 class ClientInfo:
     """What one client folder holds, found without decoding an image; JSON-able with :func:`dataclasses.asdict`."""
@@ -1070,12 +1073,12 @@ def _load_images(folder: Path, info: ClientInfo, options: ClientsOptions,
         pixels = decode_files(files, size, cache, depth=True) if files else np.empty((0, 3, size, size), np.uint8)
         decoded.append((pixels, torch.tensor(labels, dtype=torch.int64)))
     detected = detected_depth([pixels for pixels, _ in decoded])
-    if detected is not None and detected < 16 and not options.bit_depth:
+    if detected is not None and detected < 16 and options.bit_depth == DETECTED:
         # a site cannot see the others' images: a depth detected per site could scale the sites differently
         raise DataError(f"client {folder}: its 16-bit images all hold values within 0..{2 ** detected - 1} "
                         f"({detected}-bit); set data.bit_depth={detected} for every site (or data.bit_depth=16 if "
                         "they are dark 16-bit images)")
-    bits = options.bit_depth or detected
+    bits = scaling_depth(options.bit_depth, detected)
     return (to_float(decoded[0][0], bits), decoded[0][1]), (to_float(decoded[1][0], bits), decoded[1][1])
 
 

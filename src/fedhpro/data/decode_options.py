@@ -32,4 +32,10 @@ def bit_depth_option() -> Any:
                        "it). 8-bit images are not affected")
 
 
-__all__ = ["BIT_DEPTHS", "DETECTED", "bit_depth_option", "cache_option"]
+def scaling_depth(bit_depth: int, detected: int | None) -> int | None:
+    """The depth 16-bit values are scaled by: ``data.bit_depth`` when set, else (:data:`DETECTED`) the depth
+    ``detected`` from the images decoded together (None: every image is 8-bit)."""
+    return bit_depth if bit_depth != DETECTED else detected
+
+
+__all__ = ["BIT_DEPTHS", "DETECTED", "bit_depth_option", "cache_option", "scaling_depth"]

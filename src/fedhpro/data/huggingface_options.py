@@ -32,6 +32,7 @@ class HuggingFaceOptions:
     vocab_size: int = option(30000, min=3, max=30000, help="text: vocabulary from the training split, incl. "
                                                            "padding (0) and unknown (1)")
 
+
 DECLARATION = DatasetDeclaration(
     name="huggingface",
     options=HuggingFaceOptions,

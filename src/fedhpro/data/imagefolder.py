@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from fedhpro.data.clients import refuse_lookalikes
+from fedhpro.data.decode_options import DETECTED, scaling_depth
 from fedhpro.data.feature_statistics import CLIENT, FEDERATED, FORMER_FEDERATED, NONE
 from fedhpro.data.federation import Federation, domains_without_clients_note
 from fedhpro.data.imagefolder_options import DECLARATION, ImageFolderOptions
@@ -285,11 +286,11 @@ def build(options: ImageFolderOptions, clients: int | None, seed: int, data_dir:
     # stretch a dark 16-bit image as if it were a bright 12-bit one
     arrays = [*train_pixels.values(), *test_pixels.values()]
     detected = detected_depth(arrays)
-    bits = options.bit_depth or detected
+    bits = scaling_depth(options.bit_depth, detected)
     depth_notes = []
     if detected is not None and bits is not None:
-        depth_notes.append(f"imagefolder: {depth_note(arrays, bits, bool(options.bit_depth))}")
-    elif options.bit_depth:
+        depth_notes.append(f"imagefolder: {depth_note(arrays, bits, options.bit_depth != DETECTED)}")
+    elif options.bit_depth != DETECTED:
         depth_notes.append(f"imagefolder: data.bit_depth={options.bit_depth} not used: every image is 8-bit")
     train = []
     for k, rows in enumerate(split.client_indices):

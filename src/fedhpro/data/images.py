@@ -259,7 +259,6 @@ def decode_files(files: Sequence[Path], size: int, cache: Path | None = None, pr
     return out
 
 
-
 def detected_depth(arrays: Sequence[np.ndarray]) -> int | None:
     """The bit depth of a data set decoded with ``depth=True``: None when every array is ``uint8`` (8-bit
     images, scaled as they always were), else the smallest of :data:`BIT_DEPTHS` that holds the largest value
