@@ -39,6 +39,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fedhpro.bounded import read_json_file
+from fedhpro.data.benchmark_options import (  # noqa: F401 (the options: kept importable here)
+    BENCHMARK_DECLARATIONS,
+    DigitsOptions,
+    ImageOptions,
+    OfficeCaltechOptions,
+    TextOptions,
+    code_attribute,
+)
 from fedhpro.data.federation import Augment, ClientData, Federation, domains_without_clients_note
 from fedhpro.data.loaders import (  # noqa: F401 (HALF, IMAGENET_*: kept importable here)
     HALF,
@@ -62,7 +70,6 @@ from fedhpro.data.partition import (
 )
 from fedhpro.data.spec import DatasetSpec, ImageInput, preset_image
 from fedhpro.errors import ConfigError, DataError
-from fedhpro.options import option
 
 # --------------------------------------------------------------------------- transforms
 
@@ -139,97 +146,12 @@ def data_root(data_dir: str | Path | None) -> Path:
     return default_data_dir()
 
 
-@dataclass
-class ImageOptions:
-    """``data.*`` of the label-skew image benchmarks."""
-
-    download: bool = option(False, help="fetch a missing data set with torchvision (mnist, usps, svhn, cifar10, "
-                                        "cifar100, sun397; the others have no automatic download)")
-    image_size: int | None = option(None, min=8, help="side of the square images (default: the paper's size; "
-                                                      "smaller is faster on a CPU, e.g. 64 for ham10000)")
-    augment: bool | None = option(None, help="AutoAugment each training batch (default: on for TinyImageNet, "
-                                             "as the paper; off otherwise)")
-    test_fraction: float | None = option(None, gt=0.0, max=0.9,
-                                         help="held-out share where there is no official test set (ham10000 "
-                                              "default 0.11, sun397 0.2); ignored otherwise")
-    split_seed: int = option(0, min=0, help="seed of that train/test split (fixed, not the run seed)")
-    verify: bool = option(True, help="check CIFAR-10/100 and SVHN files against torchvision's published md5 "
-                                     "before reading them (false: a copy you made yourself; its pickles are "
-                                     "still read without running code)")
-    mean: list[float] | None = option(None, help="per-channel mean of the input normalisation, 3 values "
-                                                 "(default: the data set's own, e.g. CIFAR-10's "
-                                                 "[0.4914,0.4822,0.4465])")
-    std: list[float] | None = option(None, help="per-channel std of the input normalisation, 3 values > 0 "
-                                                "(default: the data set's own, e.g. CIFAR-10's "
-                                                "[0.2470,0.2435,0.2616]; the authors' code: [0.2023,0.1994,0.2010])")
-
-    def __post_init__(self) -> None:
-        for name, values, low in (("mean", self.mean, None), ("std", self.std, 0.0)):
-            if values is None:
-                continue
-            if len(values) != 3:
-                raise ConfigError(f"data.{name}={values} must hold 3 numbers, one a channel "
-                                  f"(e.g. data.{name}=[0.2023,0.1994,0.2010])")
-            if low is not None and min(values) <= low:
-                raise ConfigError(f"data.{name}={values} must hold numbers > 0 (each channel is divided by it)")
-
-
 def normalisation(preset: Preset, options: ImageOptions) -> Preset:
     """``preset`` with the channel statistics ``data.mean``/``data.std`` set (each one that is set)."""
     def three(values: list[float] | None, kept: tuple[float, float, float]) -> tuple[float, float, float]:
         return kept if values is None else (values[0], values[1], values[2])  # 3 values: checked when set
 
     return dataclasses.replace(preset, mean=three(options.mean, preset.mean), std=three(options.std, preset.std))
-
-
-def _layout_option(layout: dict[str, int], paper: str) -> Any:
-    """``data.clients_per_domain`` of a domain-skew benchmark, defaulting to the paper's ``layout``."""
-    return option(default_factory=lambda: dict(layout),
-                  help=f"clients of each domain (the paper: {paper}); `clients=K` spreads K evenly instead")
-
-
-def _fraction_option(default: float) -> Any:
-    return option(default, gt=0.0, max=1.0, help="share of its domain's training set each client samples")
-
-
-_IMAGE_SIZE_HELP = "side of the square images (default 32)"
-
-
-@dataclass
-class DigitsOptions:
-    """``data.*`` of ``digits``."""
-
-    clients_per_domain: dict[str, int] = _layout_option({"mnist": 3, "usps": 7, "svhn": 6, "syn": 4},
-                                                        "M:3 U:7 SV:6 SY:4")
-    fraction: float = _fraction_option(0.01)
-    download: bool = option(False, help="fetch MNIST, USPS and SVHN with torchvision (SYN has no download)")
-    verify: bool = option(True, help="check CIFAR-10/100 and SVHN files against torchvision's published md5 "
-                                     "before reading them (false: a copy you made yourself; its pickles are "
-                                     "still read without running code)")
-    image_size: int | None = option(None, min=8, help=_IMAGE_SIZE_HELP)
-
-
-@dataclass
-class OfficeCaltechOptions:
-    """``data.*`` of ``office-caltech``."""
-
-    clients_per_domain: dict[str, int] = _layout_option({"caltech": 3, "webcam": 1, "amazon": 2, "dslr": 4},
-                                                        "C:3 W:1 A:2 D:4")
-    fraction: float = _fraction_option(0.2)
-    test_fraction: float = option(0.3, gt=0.0, max=0.9,
-                                  help="share of each domain held out for testing (there is no official split)")
-    split_seed: int = option(0, min=0, help="seed of that train/test split (fixed, not the run seed)")
-    image_size: int | None = option(None, min=8, help=_IMAGE_SIZE_HELP)
-
-
-@dataclass
-class TextOptions:
-    """``data.*`` of ``ag-news``."""
-
-    max_length: int = option(256, min=1, help="tokens per text (cut or padded); the model input is (max_length,)")
-    vocab_size: int = option(30000, min=3, max=30000,
-                             help="vocabulary from the training split, incl. padding (0) and unknown (1); at most "
-                                  "textcnn's 30000 embedding rows")
 
 
 # --------------------------------------------------------------------------- shared steps
@@ -468,9 +390,9 @@ class DomainBenchmark:
 # --------------------------------------------------------------------------- the benchmarks
 
 
-def _spec(benchmark: Any, options: type, description: str, run_defaults: dict | None = None) -> DatasetSpec:
-    return DatasetSpec(name=benchmark.name, options=options, build=benchmark.build, description=description,
-                       run_defaults=dict(run_defaults or {}), image_input=_preset_input(benchmark))
+def _spec(benchmark: Any) -> DatasetSpec:
+    """The spec of ``benchmark``: its declaration (:data:`BENCHMARK_DECLARATIONS`) and its code."""
+    return DatasetSpec.of(BENCHMARK_DECLARATIONS[benchmark.name], benchmark.build, _preset_input(benchmark))
 
 
 def _preset_input(benchmark: Any) -> ImageInput | None:
@@ -497,36 +419,27 @@ def _label(name: str, source: str, classes: int, **kwargs: Any) -> LabelSkewBenc
 
 _LT = dict(scheme="longtail", schemes=("longtail",))
 
-#: name -> factory of its spec; ``fedhpro.data`` registers every one as ``dataset=<name>`` (a new benchmark is
-#: one line here, plus its source's line in :data:`fedhpro.data.loaders.LOADERS` when the source is new)
+# each benchmark's spec, the constant :func:`code_attribute` names (``fedhpro.data`` declares each as
+# ``dataset=<name>`` with its declaration, :data:`BENCHMARK_DECLARATIONS`, and this code)
+DIGITS = _spec(DomainBenchmark("digits", (("mnist", "mnist", {}), ("usps", "usps", {}), ("svhn", "svhn", {}),
+                                          ("syn", "syn", {}))))
+OFFICE_CALTECH = _spec(DomainBenchmark("office-caltech", tuple((d, "office-caltech", {"domain": d})
+                                                               for d in ("caltech", "webcam", "amazon", "dslr"))))
+CIFAR10 = _spec(_label("cifar10", "cifar10", 10))
+CIFAR100 = _spec(_label("cifar100", "cifar100", 100))
+HAM10000 = _spec(_label("ham10000", "ham10000", 7, test_fraction=0.11))
+TINYIMAGENET = _spec(_label("tinyimagenet", "tinyimagenet", 200, augment=True))
+CIFAR10_LT = _spec(_label("cifar10-lt", "cifar10", 10, **_LT))
+CIFAR100_LT = _spec(_label("cifar100-lt", "cifar100", 100, **_LT))
+TINYIMAGENET_LT = _spec(_label("tinyimagenet-lt", "tinyimagenet", 200, augment=True, **_LT))
+AG_NEWS = _spec(TextBenchmark())
+SUN397 = _spec(_label("sun397", "sun397", 397, clients=100, test_fraction=0.2))
+
+
+def _factory(spec: DatasetSpec) -> Callable[[], DatasetSpec]:
+    return lambda: spec
+
+
+#: name -> factory of its spec, every declared benchmark (:data:`BENCHMARK_DECLARATIONS`, in its order)
 BENCHMARKS: dict[str, Callable[[], DatasetSpec]] = {
-    "digits": lambda: _spec(
-        DomainBenchmark("digits", (("mnist", "mnist", {}), ("usps", "usps", {}), ("svhn", "svhn", {}),
-                                   ("syn", "syn", {}))),
-        DigitsOptions, "Digits domain skew: MNIST 3, USPS 7, SVHN 6, SYN 4 clients, 1% each (Table A3)"),
-    "office-caltech": lambda: _spec(
-        DomainBenchmark("office-caltech", tuple((d, "office-caltech", {"domain": d})
-                                                for d in ("caltech", "webcam", "amazon", "dslr"))),
-        OfficeCaltechOptions, "Office-Caltech domain skew: Caltech 3, Webcam 1, Amazon 2, DSLR 4, 20% each (Table 2)"),
-    "cifar10": lambda: _spec(_label("cifar10", "cifar10", 10), ImageOptions,
-                             "CIFAR-10, label skew: dirichlet (NID1_alpha, K=10) or nid2 (K=7) (Table 1)"),
-    "cifar100": lambda: _spec(_label("cifar100", "cifar100", 100), ImageOptions,
-                              "CIFAR-100, label skew: dirichlet or nid2 (Table A1)"),
-    "ham10000": lambda: _spec(_label("ham10000", "ham10000", 7, test_fraction=0.11), ImageOptions,
-                              "HAM10000 skin lesions (7 classes, 224 px), label skew: dirichlet or nid2 (Table 1)"),
-    "tinyimagenet": lambda: _spec(_label("tinyimagenet", "tinyimagenet", 200, augment=True), ImageOptions,
-                                  "TinyImageNet (64 px, AutoAugment), label skew: dirichlet or nid2 (Table 1)"),
-    "cifar10-lt": lambda: _spec(_label("cifar10-lt", "cifar10", 10, **_LT), ImageOptions,
-                                "CIFAR10-LT quantity skew: longtail rho (10, 50, 100) then dirichlet 0.5 (Table A2)"),
-    "cifar100-lt": lambda: _spec(_label("cifar100-lt", "cifar100", 100, **_LT), ImageOptions,
-                                 "CIFAR100-LT quantity skew: longtail rho then dirichlet 0.5 (Table A2)"),
-    "tinyimagenet-lt": lambda: _spec(_label("tinyimagenet-lt", "tinyimagenet", 200, augment=True, **_LT),
-                                     ImageOptions, "TinyImageNet-LT quantity skew: longtail rho then dirichlet 0.5 "
-                                                   "(Table A2)"),
-    "ag-news": lambda: _spec(TextBenchmark(), TextOptions,
-                             "AG News text: ag-nid, K=10 (AG-NID_K10) or clients=50 (AG-NID_K50) (Table A10)",
-                             {"model": "textcnn"}),
-    "sun397": lambda: _spec(_label("sun397", "sun397", 397, clients=100, test_fraction=0.2), ImageOptions,
-                            "SUN397 (397 classes): dirichlet, K=100, 20% participation (Table A10)",
-                            {"participation": 0.2}),
-}
+    name: _factory(globals()[code_attribute(name)]) for name in BENCHMARK_DECLARATIONS}

@@ -69,11 +69,12 @@ import torch
 from torch import Tensor
 
 from fedhpro.arrays import ArrayFileError, load_npz, load_torch
+from fedhpro.data.clients_options import DECLARATION, UNTRAINED_CHOICES, ClientsOptions
+from fedhpro.data.decode_options import DETECTED, scaling_depth
 from fedhpro.data.feature_statistics import (
     CLIENT,
     FEDERATED,
     STANDARDIZE_CHOICES,
-    STATISTICS_LIMIT,
     FeatureSums,
     SharedScaling,
     feature_sums,
@@ -104,66 +105,10 @@ from fedhpro.data.tables import (
     table_sites,
 )
 from fedhpro.errors import ConfigError, DataError
-from fedhpro.options import option
 
 #: ``<prefix>-<digits>`` or ``<prefix>_<digits>``: the prefix is the client's domain
 _NUMBERED = re.compile(r"^(?P<prefix>.+)[-_]\d+$")
 TENSOR_SUFFIXES = (".pt", ".npz", ".csv")
-#: ``data.untrained_classes``: a class with test samples but no training sample at any client is refused, or kept
-UNTRAINED_CHOICES = ("refuse", "keep")
-
-
-@dataclass
-class ClientsOptions:
-    """``data.*`` of ``dataset=clients``."""
-
-    image_size: int = option(32, min=1, help="image clients: side of the square images every image is resized to")
-    classes: list[str] | None = option(None, help="class names in label order (default: the clients' classes.txt, "
-                                                  "else the sorted union of their class folders)")
-    num_classes: int | None = option(None, min=1, help="tensor clients: number of classes (default: the largest "
-                                                       "label + 1)")
-    max_classes: int = option(100_000, min=1, help="the most classes a federation may have: a label, a class "
-                                                   "list or a node's description naming more is refused (a "
-                                                   "guard against a corrupt or hostile file exhausting memory)")
-    cache: bool = option(True, help="image clients: keep the decoded pixels in data_dir/.fedhpro-cache (keyed by "
-                                    "the files' names, sizes, mtimes, inodes and ctimes), so later runs skip decoding")
-    bit_depth: int = option(0, choices=(0, 8, 10, 12, 14, 16),
-                            help="image clients: bits of 16-bit grey images' values, which scale them to [-1, 1]; "
-                                 "0: 16 bits, and a site whose 16-bit images all hold fewer bits is refused (each "
-                                 "site decodes alone: every site must scale alike)")
-    standardize: str = option("auto", choices=STANDARDIZE_CHOICES,
-                              help="tensor clients with float N x F features, scaled to mean 0 and std 1 per "
-                                   "feature: federated (one scaling shared by every site: the mean and std of all "
-                                   "sites' training rows pooled, combined from each site's count, sum and sum of "
-                                   "squares), client (each site's own training mean and std: nothing leaves it, but "
-                                   "sites of different classes are mapped onto each other), none (as saved), or "
-                                   "auto (federated; client under privacy=, whose noise the sums do not carry)")
-    statistics_limit: float = option(STATISTICS_LIMIT, min=0.0,
-                                     help="data.standardize=federated with 3 sites or more: a site whose feature "
-                                          "sums make a feature's pooled std more than this many times what the "
-                                          "other sites give is left out of the shared scaling, with a warning "
-                                          "(a guard against one site's sums squashing every site's inputs); 0: off")
-    feature_mean: list[float] | None = option(None, help="data.standardize=federated: the shared mean per feature "
-                                                         "(default: combined from the sites' sums; a resumed run "
-                                                         "and late Flower nodes get the run's own)")
-    feature_std: list[float] | None = option(None, help="data.standardize=federated: the shared std per feature, "
-                                                        "each > 0 (with data.feature_mean)")
-    feature_low: list[float] | None = option(None, help="data.standardize=federated under secure aggregation "
-                                                        "(SecAgg+): each feature's public lower bound; the sums "
-                                                        "the server adds up securely are of features clipped to "
-                                                        "[feature_low, feature_high] (training uses them as they are)")
-    feature_high: list[float] | None = option(None, help="data.standardize=federated under SecAgg+: each feature's "
-                                                         "public upper bound, above its data.feature_low")
-    label_column: str = option("label", help="CSV clients and tables: the column of labels, class indices 0..C-1 or "
-                                             "class names (text); every other column is a numeric feature")
-    site_column: str = option("site", help="data_dir=one table (a .csv file, or a folder with train.csv and "
-                                           "test.csv): the column naming each row's site")
-    split_column: str = option("split", help="data_dir=one .csv file of several sites: the column saying train or "
-                                             "test for each row")
-    untrained_classes: str = option("refuse", choices=UNTRAINED_CHOICES,
-                                    help="a class with test samples but no training sample at any client, which the "
-                                         "model never learns: refuse (the run stops, naming it) or keep (its test "
-                                         "samples are tested, and count as errors; a note names it)")
 
 
 @dataclass
@@ -1128,12 +1073,12 @@ def _load_images(folder: Path, info: ClientInfo, options: ClientsOptions,
         pixels = decode_files(files, size, cache, depth=True) if files else np.empty((0, 3, size, size), np.uint8)
         decoded.append((pixels, torch.tensor(labels, dtype=torch.int64)))
     detected = detected_depth([pixels for pixels, _ in decoded])
-    if detected is not None and detected < 16 and not options.bit_depth:
+    if detected is not None and detected < 16 and options.bit_depth == DETECTED:
         # a site cannot see the others' images: a depth detected per site could scale the sites differently
         raise DataError(f"client {folder}: its 16-bit images all hold values within 0..{2 ** detected - 1} "
                         f"({detected}-bit); set data.bit_depth={detected} for every site (or data.bit_depth=16 if "
                         "they are dark 16-bit images)")
-    bits = options.bit_depth or detected
+    bits = scaling_depth(options.bit_depth, detected)
     return (to_float(decoded[0][0], bits), decoded[0][1]), (to_float(decoded[1][0], bits), decoded[1][1])
 
 
@@ -1207,14 +1152,7 @@ def image_input(options: ClientsOptions, partition: Mapping[str, Any], size: int
     return image
 
 
-DATASET = DatasetSpec(
-    name="clients",
-    options=ClientsOptions,
-    build=build,
-    description="your federation, already split: data_dir=PATH with one folder per client (train/<class>/ images "
-                "or train.npz/.pt/.csv tables, optional test split), or one CSV table with a site column",
-    image_input=image_input,
-)
+DATASET = DatasetSpec.of(DECLARATION, build, image_input)
 
 __all__ = ["CLIENT", "ClientInfo", "ClientsOptions", "DATASET", "STANDARDIZE_CHOICES",
            "UNTRAINED_CHOICES", "apply_statistics", "build", "client_domain", "client_folders", "client_notes",

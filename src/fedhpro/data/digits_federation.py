@@ -27,7 +27,6 @@ AVG over those domains.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,6 +34,7 @@ import torch
 from torch import Tensor
 
 from fedhpro.bounded import read_json_file
+from fedhpro.data.digits_federation_options import DECLARATION, PAPER_CLIENTS, DigitsOfflineOptions
 from fedhpro.data.federation import (
     Augment,
     ClientData,
@@ -53,9 +53,6 @@ from fedhpro.data.partition import (
 from fedhpro.data.pixels import CompactImages
 from fedhpro.data.spec import DatasetSpec, half_range_image
 from fedhpro.errors import ConfigError, DataError
-from fedhpro.options import option
-
-PAPER_CLIENTS = {"mnist": 3, "optdigits": 7, "mnistm": 6, "syn": 4}
 
 #: ``partition=`` schemes this data set accepts (``auto`` means ``domains``)
 SCHEMES = ("domains", "dirichlet", "nid2", "iid", "longtail")
@@ -70,32 +67,6 @@ _FIXES = {
             "(clients=K or data.clients_per_domain), or leave the domain out with data.domains",
     "iid": "give the domain fewer clients (clients=K or data.clients_per_domain)",
 }
-
-
-def _paper_clients() -> dict[str, int]:
-    return dict(PAPER_CLIENTS)
-
-
-def _paper_domains() -> list[str]:
-    return list(PAPER_CLIENTS)
-
-
-@dataclass
-class DigitsOfflineOptions:
-    domains: list[str] = option(
-        default_factory=_paper_domains,
-        help="the domains of the federation (any of mnist, optdigits, mnistm, syn); clients, test sets and AVG "
-             "cover only these")
-    clients_per_domain: dict[str, int] = option(
-        default_factory=_paper_clients,
-        help="clients of each domain (the paper's Digits layout); `clients=K` spreads K evenly instead")
-    fraction: float = option(0.1, gt=0.0, max=1.0,
-                             help="share of its domain's training set each client samples (partition=domains; "
-                                  "label partitions split the whole domain)")
-    test_fraction: float = option(0.2, gt=0.0, max=0.9, help="share of each domain held out for testing")
-    syn_size: int = option(5000, min=100, help="number of rendered synthetic digits")
-    build_seed: int = option(0, help="seed of the data set itself (images, train/test split); the run seed "
-                                     "only changes which samples each client gets")
 
 
 def chosen_domains(names: list[str]) -> list[str]:
@@ -334,11 +305,4 @@ def image_input(options: DigitsOfflineOptions, partition: Mapping[str, Any], siz
     return half_range_image("digits-offline", size, resize=False)
 
 
-DATASET = DatasetSpec(
-    name="digits-offline",
-    options=DigitsOfflineOptions,
-    build=build,
-    description="four digit domains built offline: mnist, optdigits, syn, mnistm (stand-ins for MNIST, USPS, SYN, "
-                "SVHN); partition=domains (default) or dirichlet/nid2/iid/longtail within each domain",
-    image_input=image_input,
-)
+DATASET = DatasetSpec.of(DECLARATION, build, image_input)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import io
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,40 +42,16 @@ import torch
 from torch import Tensor
 
 from fedhpro.data.federation import Federation
+from fedhpro.data.huggingface_options import DECLARATION, HuggingFaceOptions
 from fedhpro.data.images import open_image, rgb_pixels, to_float
 from fedhpro.data.loaders import build_vocab, encode, split_indices
 from fedhpro.data.partition import PartitionError, PartitionOptions, chosen_scheme, label_partition
 from fedhpro.data.spec import DatasetSpec, half_range_image
 from fedhpro.errors import ConfigError, DataError
-from fedhpro.options import option
 
 SCHEMES = ("dirichlet", "nid2", "iid", "longtail")
 DEFAULT_CLIENTS = 10
 MISSING_PACKAGE = 'dataset=huggingface needs the datasets package: pip install "fedhpro[hf]"'
-
-
-@dataclass
-class HuggingFaceOptions:
-    """``data.*`` of ``dataset=huggingface``."""
-
-    path: str | None = option(None, help="a folder saved with save_to_disk, or a hub name (needs the network)")
-    config_name: str | None = option(None, help="hub data sets: the configuration (load_dataset's name=)")
-    image_column: str | None = option(None, help="the column of the images (default: the one column whose "
-                                                  "feature type is datasets.Image, else the column 'image')")
-    text_column: str | None = option(None, help="the column of texts; set it for text (model=textcnn)")
-    label_column: str | None = option(None, help="the column of the class labels (default: the one column whose "
-                                                  "feature type is datasets.ClassLabel, else the column 'label')")
-    max_classes: int = option(100_000, min=1, help="the most classes the data set may have: a larger label is "
-                                                   "refused (a guard against a corrupt file exhausting memory)")
-    train_split: str = option("train", help="the training split of a DatasetDict")
-    test_split: str = option("test", help="the test split of a DatasetDict (absent: held out of the training split)")
-    test_fraction: float = option(0.2, gt=0.0, max=0.9, help="share of each class held out for testing where "
-                                                             "there is no test split")
-    split_seed: int = option(0, min=0, help="seed of that held-out split (fixed, not the run seed)")
-    image_size: int = option(32, min=1, help="side of the square images every image is resized to")
-    max_length: int = option(256, min=1, help="text: tokens per text (cut or padded)")
-    vocab_size: int = option(30000, min=3, max=30000, help="text: vocabulary from the training split, incl. "
-                                                           "padding (0) and unknown (1)")
 
 
 # --------------------------------------------------------------------------- reading
@@ -322,13 +297,6 @@ def image_input(options: HuggingFaceOptions, partition: Mapping[str, Any], size:
     return half_range_image("huggingface", size, resize=True)
 
 
-DATASET = DatasetSpec(
-    name="huggingface",
-    options=HuggingFaceOptions,
-    build=build,
-    description="a Hugging Face data set (data.path=FOLDER from save_to_disk, or a hub name; images or "
-                "data.text_column), split by partition=dirichlet|nid2|iid|longtail; needs fedhpro[hf]",
-    image_input=image_input,
-)
+DATASET = DatasetSpec.of(DECLARATION, build, image_input)
 
 __all__ = ["DATASET", "HuggingFaceOptions", "build", "open_dataset"]

@@ -56,8 +56,10 @@ import numpy as np
 import torch
 
 from fedhpro.data.clients import refuse_lookalikes
-from fedhpro.data.feature_statistics import CLIENT, FEDERATED, FORMER_FEDERATED, NONE, STANDARDIZE_CHOICES
+from fedhpro.data.decode_options import DETECTED, scaling_depth
+from fedhpro.data.feature_statistics import CLIENT, FEDERATED, FORMER_FEDERATED, NONE
 from fedhpro.data.federation import Federation, domains_without_clients_note
+from fedhpro.data.imagefolder_options import DECLARATION, ImageFolderOptions
 from fedhpro.data.images import (
     CACHE_FOLDER,
     class_files,
@@ -81,40 +83,10 @@ from fedhpro.data.partition import (
 )
 from fedhpro.data.spec import DatasetSpec, half_range_image
 from fedhpro.errors import ConfigError, DataError
-from fedhpro.options import option
 
 SCHEMES = ("dirichlet", "nid2", "iid", "longtail")
 #: clients when neither ``clients=K`` nor ``data.clients_per_domain`` says (spread round robin over the domains)
 DEFAULT_CLIENTS = 10
-
-
-@dataclass
-class ImageFolderOptions:
-    """``data.*`` of ``dataset=imagefolder``."""
-
-    #: what ``data.standardize=auto`` is here: the fixed [-1, 1] scaling (the paper's and the built-ins')
-    STANDARDIZE_AUTO = NONE
-
-    image_size: int = option(32, min=1, help="side of the square images every image is resized to")
-    test_fraction: float = option(0.2, gt=0.0, max=0.9, help="share of each class held out for testing where a "
-                                                             "folder has no test/ split")
-    split_seed: int = option(0, min=0, help="seed of that held-out split (fixed, not the run seed)")
-    clients_per_domain: dict[str, int] = option(default_factory=dict,
-                                                help="several domains: clients of the domains named (0 leaves one "
-                                                     "out); the others share clients=K (else 10) less these, round "
-                                                     "robin in sorted order")
-    cache: bool = option(True, help="keep the decoded pixels in data_dir/.fedhpro-cache (keyed by the files' "
-                                    "names, sizes, mtimes, inodes and ctimes), so later runs skip decoding")
-    bit_depth: int = option(0, choices=(0, 8, 10, 12, 14, 16),
-                            help="bits of 16-bit grey images' values, which scale them to [-1, 1]: 0 detects it "
-                                 "from the whole data set (the smallest of 8, 10, 12, 14, 16 bits holding its "
-                                 "largest value; said in the run's notes); 8-bit images are not affected")
-    standardize: str = option("auto", choices=(*STANDARDIZE_CHOICES, FORMER_FEDERATED),
-                              help="the tabular data's option, per channel: federated (train is its former name) "
-                                   "standardises the inputs by the mean and standard deviation of every client's "
-                                   "training images pooled (after bit-depth scaling), as torchvision's Normalize "
-                                   "with the data set's statistics; helps low-contrast images. none, and auto: the "
-                                   "fixed [-1, 1] scaling. client is refused: clients share their domain's test set")
 
 
 @dataclass
@@ -314,11 +286,11 @@ def build(options: ImageFolderOptions, clients: int | None, seed: int, data_dir:
     # stretch a dark 16-bit image as if it were a bright 12-bit one
     arrays = [*train_pixels.values(), *test_pixels.values()]
     detected = detected_depth(arrays)
-    bits = options.bit_depth or detected
+    bits = scaling_depth(options.bit_depth, detected)
     depth_notes = []
     if detected is not None and bits is not None:
-        depth_notes.append(f"imagefolder: {depth_note(arrays, bits, bool(options.bit_depth))}")
-    elif options.bit_depth:
+        depth_notes.append(f"imagefolder: {depth_note(arrays, bits, options.bit_depth != DETECTED)}")
+    elif options.bit_depth != DETECTED:
         depth_notes.append(f"imagefolder: data.bit_depth={options.bit_depth} not used: every image is 8-bit")
     train = []
     for k, rows in enumerate(split.client_indices):
@@ -465,13 +437,6 @@ def image_input(options: ImageFolderOptions, partition: Mapping[str, Any], size:
     return image
 
 
-DATASET = DatasetSpec(
-    name="imagefolder",
-    options=ImageFolderOptions,
-    build=build,
-    description="your images in ImageFolder layout (data_dir=PATH: <class>/, train/ + test/, or <domain>/...), "
-                "split by partition=dirichlet|nid2|iid|longtail",
-    image_input=image_input,
-)
+DATASET = DatasetSpec.of(DECLARATION, build, image_input)
 
 __all__ = ["DATASET", "DEFAULT_CLIENTS", "DomainImages", "ImageFolderOptions", "build", "discover"]

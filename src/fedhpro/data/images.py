@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 from fedhpro.arrays import MAX_ARRAY_BYTES_VARIABLE, ArrayFileError, Bound, load_npy
+from fedhpro.data.decode_options import BIT_DEPTHS
 from fedhpro.data.federation import normalize_images
 from fedhpro.data.loaders import IMAGE_EXTENSIONS, files_key
 from fedhpro.data.pixels import (
@@ -256,10 +257,6 @@ def decode_files(files: Sequence[Path], size: int, cache: Path | None = None, pr
     if path is not None:
         _save_atomic(path, out)
     return out
-
-
-#: the bit depths :func:`detected_depth` chooses from (the usual depths of cameras and scanners)
-BIT_DEPTHS = (8, 10, 12, 14, 16)
 
 
 def detected_depth(arrays: Sequence[np.ndarray]) -> int | None:

@@ -21,14 +21,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fedhpro.data.client_tests import CLIENT_TESTS  # noqa: F401 (kept importable here: declared torch-free there)
 from fedhpro.data.federation import Federation
 from fedhpro.errors import ConfigError
 
 #: the generator stream of the matched draw (any fixed number apart from the run's other streams)
 MATCHED_STREAM = 0x6D7463
-
-#: ``client_test=`` values: ``shared`` (the paper's protocol) and ``matched``
-CLIENT_TESTS = ("shared", "matched")
 
 
 def matched_counts(train_counts: np.ndarray, available: np.ndarray) -> np.ndarray:

@@ -1,5 +1,8 @@
 """What a data set is to the registry (:data:`fedhpro.data.REGISTRY`): its own module, so that the data set
-modules the registry imports never import the package that imports them.
+modules the registry imports never import the package that imports them. It imports no torch: a
+:class:`DatasetDeclaration` (what a config reads of a data set: its name, its ``data.*`` options class, its
+description and the run settings it changes) is known before the data set's code, which holds its
+:class:`DatasetSpec` (the declaration with ``build`` and ``image_input``), is imported.
 
 A data set also says how a new image becomes one of its inputs (:attr:`DatasetSpec.image_input`): written into a
 run folder's model.json, it is what ``fedhpro predict`` applies to an image file, so predicting with a new data
@@ -9,16 +12,33 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fedhpro.data.federation import Federation
+if TYPE_CHECKING:  # the type of what ``build`` returns; the federation's module imports torch
+    from fedhpro.data.federation import Federation
 
 #: ``(options, partition, size) -> description | None``: see :attr:`DatasetSpec.image_input`
 ImageInput = Callable[[Any, Mapping[str, Any], int], "dict[str, Any] | None"]
 
 
 @dataclass(frozen=True)
+class DatasetDeclaration:
+    """What a config reads of a data set without building it: ``dataset=name``, its ``data.*`` options class,
+    its one-line description and the run settings it changes from the defaults (SUN397: participation 0.2; the
+    user's win). Declared in a module that imports no torch; the data set's code makes its :class:`DatasetSpec`
+    from it (:meth:`DatasetSpec.of`)."""
+
+    name: str
+    options: type
+    description: str = ""
+    run_defaults: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class DatasetSpec:
+    """A data set's code: its declaration's fields, ``build(options, clients, seed, data_dir=None,
+    progress=False, partition=None) -> Federation`` and ``image_input``."""
+
     name: str
     options: type
     build: Callable[..., Federation]
@@ -30,6 +50,19 @@ class DatasetSpec:
     #: partition.json record, ``{}`` when none), as model.json's ``input`` (:func:`half_range_image`,
     #: :func:`preset_image`); None (or no function): the inputs are tensors, given to predict as .pt/.npz files
     image_input: ImageInput | None = None
+
+    @classmethod
+    def of(cls, declaration: DatasetDeclaration, build: Callable[..., Federation],
+           image_input: ImageInput | None = None) -> DatasetSpec:
+        """The spec of the data set ``declaration`` declares: its fields, and the code given here."""
+        return cls(declaration.name, declaration.options, build, declaration.description,
+                   dict(declaration.run_defaults), image_input)
+
+    @property
+    def declaration(self) -> DatasetDeclaration:
+        """What a config reads of this data set (:meth:`fedhpro.registry.Registry.declared` of one registered
+        whole); its ``options`` is this spec's class itself."""
+        return DatasetDeclaration(self.name, self.options, self.description, dict(self.run_defaults))
 
 
 def half_range_image(dataset: str, size: int, resize: bool) -> dict[str, Any]:
