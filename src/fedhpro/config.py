@@ -33,10 +33,10 @@ import yaml
 
 from fedhpro import options as opt
 from fedhpro.bounded import MAX_YAML_CHARS, LimitError, load_yaml
-from fedhpro.data import DATASETS, get_dataset
-from fedhpro.data.feature_statistics import FEDERATED, FORMER_FEDERATED, resolved_standardize
-from fedhpro.data.matched_tests import CLIENT_TESTS
+from fedhpro.data import DATASETS, declared_dataset
+from fedhpro.data.client_tests import CLIENT_TESTS
 from fedhpro.data.partition import PartitionOptions, partition_options_class
+from fedhpro.data.standardize_options import FEDERATED, FORMER_FEDERATED, resolved_standardize
 from fedhpro.engines.fault_options import FAULTS_SECTION, FaultOptions
 from fedhpro.errors import ConfigError
 from fedhpro.methods import METHODS, all_methods, get_method, method_names, recipes_of
@@ -286,7 +286,7 @@ class Section:
 #: the config sections besides the methods', in the order config.yaml and ``fedhpro config --keys`` list
 #: them; each is an attribute of :class:`Config` of the same name
 SECTIONS: tuple[Section, ...] = (
-    Section(DATA_SECTION, lambda dataset: get_dataset(dataset).options),
+    Section(DATA_SECTION, lambda dataset: declared_dataset(dataset).options),
     Section(FAULTS_SECTION, lambda dataset: FaultOptions),
     Section(PARTITION_SECTION, lambda dataset: partition_options_class(), shorthand="scheme"),
     # the rules' own knobs (aggregation.trim, ...) are declared by each rule (fedhpro.robust)
@@ -615,7 +615,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
     if not isinstance(dataset, str):
         raise ConfigError(f"dataset={shown(dataset)} is not valid; choose one of: {', '.join(DATASETS)}")
     # a benchmark's own run settings (SUN397's 20% participation) come first: anything the user sets wins
-    assignments = copy.deepcopy(list(get_dataset(dataset).run_defaults.items())) + assignments
+    assignments = copy.deepcopy(list(declared_dataset(dataset).run_defaults.items())) + assignments
     # a method's recipe (fedhpro.recipe=authors), whatever the method run: its settings go first (the
     # benchmark's, which never overlap them, come next), so every key the user sets still wins
     assignments = _recipe_settings(assignments, dataset) + assignments
@@ -743,7 +743,7 @@ def _recipe_settings(assignments: list[tuple[str, Any]], dataset: str) -> list[t
     recipe's ``data.*`` setting applies to the data sets that have that key (the authors' CIFAR
     normalisation to the image benchmarks that take channel statistics), and is left out for the others:
     their data has no such setting to follow."""
-    data_keys = {f"{DATA_SECTION}.{name}" for name in fields_of(get_dataset(dataset).options)}
+    data_keys = {f"{DATA_SECTION}.{name}" for name in fields_of(declared_dataset(dataset).options)}
     settings: list[tuple[str, Any]] = []
     for name in method_names():
         recipes = recipes_of(name)
@@ -819,7 +819,7 @@ def applied_data_options(config: Config) -> Any:
     """``config.data`` as a run applies it: ``data.standardize=auto`` resolved to the data set's ``auto``
     (``STANDARDIZE_AUTO`` on its options: ``none`` for image folders) or to ``federated``, or to ``client``
     under differential privacy (the shared scaling's feature sums carry no noise), and ``federated`` under
-    privacy refused in one line (:func:`~fedhpro.data.feature_statistics.resolved_standardize`). Other data
+    privacy refused in one line (:func:`~fedhpro.data.standardize_options.resolved_standardize`). Other data
     options as they are."""
     data = config.data
     mode = getattr(data, "standardize", None)

@@ -61,7 +61,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedhpro.bounded import load_json, read_json_file
-from fedhpro.data.clients import ClientsOptions, scan_client
+from fedhpro.data.clients import scan_client
+from fedhpro.data.clients_options import ClientsOptions
 from fedhpro.deploy import certificates, gate
 from fedhpro.deploy.namespaces import Namespace, in_namespace, new_namespace
 from fedhpro.deploy.processes import (

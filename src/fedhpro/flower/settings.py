@@ -48,7 +48,7 @@ import yaml
 
 from fedhpro.bounded import LimitError, load_yaml
 from fedhpro.config import OBSERVER_KEYS, Config, load_config
-from fedhpro.data import DATASETS, get_dataset
+from fedhpro.data import DATASETS, declared_dataset
 from fedhpro.errors import ConfigError
 from fedhpro.flower.options import (  # noqa: F401 (FLOWER_PREFIX, MAX_QUANTIZATION_RANGE, SECURE_AGGREGATION: kept importable here)
     FLOWER_KEYS,
@@ -166,8 +166,9 @@ def default_app_config_toml() -> str:
         if isinstance(values, Mapping) and section not in ("data",):
             defaults.update({f"{section}.{knob}": value for knob, value in values.items()})
     for name in DATASETS:  # every data set's layout options (a run uses those of its dataset=)
-        for field in dataclasses.fields(get_dataset(name).options):
-            defaults.setdefault(f"data.{field.name}", dataclasses.asdict(get_dataset(name).options())[field.name])
+        options = declared_dataset(name).options
+        for field in dataclasses.fields(options):
+            defaults.setdefault(f"data.{field.name}", dataclasses.asdict(options())[field.name])
     lines = ["[tool.flwr.app.config]",
              '# Every fedhpro config key; "" means fedhpro\'s default (in the comment). Set values with',
              "# flwr run ... --run-config 'rounds=5 method=\"moon\" fedhpro.tau=0.1'"]

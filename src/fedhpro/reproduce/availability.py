@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fedhpro.config import load_config
-from fedhpro.data import DATASETS, get_dataset
+from fedhpro.data import DATASETS, declared_dataset, get_dataset
 from fedhpro.data.benchmarks import DomainBenchmark, LabelSkewBenchmark, TextBenchmark, data_root
 from fedhpro.data.loaders import LOADERS, missing
 
@@ -52,7 +52,7 @@ LOADER_FILES: dict[str, tuple[tuple[str, ...], ...]] = {
 
 def filter_data_keys(settings: dict[str, Any], dataset: str) -> tuple[dict[str, Any], list[str]]:
     """Drop ``data.*`` keys the data set does not have (smoke sizes written for one benchmark)."""
-    known = {f.name for f in dataclasses.fields(get_dataset(dataset).options)}
+    known = {f.name for f in dataclasses.fields(declared_dataset(dataset).options)}
     kept, dropped = {}, []
     for key, value in settings.items():
         if key.startswith("data.") and key.split(".")[1] not in known:
