@@ -16,6 +16,9 @@ pinned to its thread count (``threads=``, auto: this machine's cores divided
 by ``N``), so a run gives the same bytes as in a sequential sweep with that
 thread count. A run that fails is reported in one line and the others go on;
 the caller lists the failures at the end (:class:`SweepFailed`).
+
+The keys ``jobs``, ``executor`` and ``ray.address`` are declared (help, default, checks) by
+:class:`fedhpro.command_options.sweep.Sweep`, which ``fedhpro config --keys`` lists.
 """
 
 from __future__ import annotations
