@@ -6,6 +6,7 @@ run, and the declarations importable without torch."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from fedhpro.command_options.reproduce import SCALES
 from fedhpro.errors import ConfigError
 from fedhpro.reports.classes import DEFAULT_TAIL_RATIO as REPORTS_TAIL_RATIO
 from fedhpro.reproduce.targets import SCALES as TARGET_SCALES
+from fedhpro.tune import Tuning, check
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -141,3 +143,14 @@ def test_the_declarations_agree_with_the_code_that_reads_them():
 def test_an_option_check_error_without_refuse_text_is_the_checks_own():
     with pytest.raises(ConfigError, match=r"^executor='rey' is not valid \(did you mean 'ray'"):
         take(Sweep, {"executor": "rey"})
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"trials": 0}, "trials=0 gives no trial; give the trials per method"),
+    ({"jobs": 0}, "jobs=0 is not valid; give the worker processes"),
+    ({"pruner": "hyperband"}, "pruner='hyperband' is not valid"),
+])
+def test_a_tuning_made_in_python_is_checked_as_its_command_keys_are(change, said, tmp_path):
+    tuning = Tuning(**{"methods": ("fedavg",), "trials": 2, "settings": {}, "out": tmp_path / "t", **change})
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        check(tuning)

@@ -54,8 +54,8 @@ import yaml
 from torch import Tensor
 
 from fedhpro.api import InProcessRun
-from fedhpro.command_options.keys import take
-from fedhpro.command_options.tune import DEFAULT_LR_SPACE, PRUNERS, TuneOptions
+from fedhpro.command_options.keys import read, take
+from fedhpro.command_options.tune import DEFAULT_LR_SPACE, TuneOptions
 from fedhpro.compare import setting_differences
 from fedhpro.config import Config, load_config, parse_override
 from fedhpro.engines.observers import RoundObserver
@@ -440,10 +440,8 @@ def check(tuning: Tuning) -> None:
         raise ConfigError("methods= is empty; give e.g. methods=[fedavg,fedprox]")
     for method in tuning.methods:
         space_of(method, tuning.settings, tuning.lr_space)  # unknown method, a method without a space
-    if tuning.trials < 1:
-        raise ConfigError(f"trials={tuning.trials} gives no trial; give the trials per method, e.g. trials=20")
-    if tuning.pruner not in PRUNERS:
-        raise ConfigError(f"pruner={tuning.pruner!r} is not valid; choose one of: {', '.join(PRUNERS)}")
+    # a Tuning made in Python is checked as the command line's keys are
+    read(TuneOptions, {"trials": tuning.trials, "jobs": tuning.jobs, "pruner": tuning.pruner})
     for forbidden in ("method", "resume"):
         if forbidden in tuning.settings:
             raise ConfigError(f"{forbidden}= is set by tune for each trial; remove it")
