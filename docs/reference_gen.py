@@ -1,8 +1,9 @@
 """Generated reference pages of the documentation site, written from the code so they cannot go stale.
 
 ``config_keys_markdown()``: every config key (the run's, each method's ``<method>.*``, each section's
-``<section>.*``, and the ``data.*`` keys of every data set) with its choices, default and meaning, read from
-the option metadata in :mod:`fedhpro.config` (the source ``fedhpro config --keys`` prints).
+``<section>.*``, the ``flower.*`` keys, the commands' own keys, and the ``data.*`` keys of every data set) with its
+choices, default and meaning, read from the option metadata in :mod:`fedhpro.config`, :mod:`fedhpro.flower.options`
+and :mod:`fedhpro.command_options` (the source ``fedhpro config --keys`` prints).
 ``cli_markdown()``: the ``--help`` of every ``fedhpro`` command, from the argument parser itself.
 
 docs/hooks.py puts them into reference/config.md and reference/cli.md while MkDocs builds the site.
@@ -19,6 +20,8 @@ import os
 from typing import Any
 
 from fedhpro.cli import build_parser
+from fedhpro.command_options import COMMAND_OPTIONS
+from fedhpro.command_options.keys import defaults_of, key_of
 from fedhpro.config import SECTIONS, RunOptions, load_config
 from fedhpro.data import DATASETS, get_dataset
 from fedhpro.flower.options import FLOWER_KEYS, FlowerSettings
@@ -46,12 +49,31 @@ def _unbroken(markdown: str) -> str:
 def _table(prefix: str, cls: type, values: Any) -> list[str]:
     rows = ["| key | choices | default | meaning |", "|---|---|---|---|"]
     for field in dataclasses.fields(cls):
-        choices = field.metadata.get("choices")
-        shown_choices = ", ".join(f"`{choice}`" for choice in choices) if choices else ""
-        default = f"`{_cell(_shown(getattr(values, field.name)))}`"
-        rows.append(f"| {_unbroken(f'`{prefix}{field.name}`')} | {_unbroken(_cell(shown_choices))} | "
-                    f"{_unbroken(default)} | {_cell(field.metadata.get('help', ''))} |")
+        rows.append(_row(f"{prefix}{field.name}", field, getattr(values, field.name)))
     return rows
+
+
+def _row(key: str, field: dataclasses.Field, value: Any) -> str:
+    """One key's row: its name, choices, default and meaning."""
+    choices = field.metadata.get("choices")
+    shown_choices = ", ".join(f"`{choice}`" for choice in choices) if choices else ""
+    default = f"`{_cell(_shown(value))}`"
+    return (f"| {_unbroken(f'`{key}`')} | {_unbroken(_cell(shown_choices))} | {_unbroken(default)} | "
+            f"{_cell(field.metadata.get('help', ''))} |")
+
+
+def _command_tables() -> list[str]:
+    """A table per command of the keys it takes for itself (:data:`fedhpro.command_options.COMMAND_OPTIONS`)."""
+    out = ["", "## Command keys", "", "Keys a command takes for itself, beside the run keys it hands to its runs "
+           "(`fedhpro compare seeds=[0,1] lr=0.05`: `seeds` is compare's, `lr` every run's); `fedhpro config --keys` "
+           "lists them as `COMMAND: KEY: ...`. A default of `null` means unset: the meaning says what that does."]
+    for command, classes in COMMAND_OPTIONS.items():
+        out += ["", f"### `{command}`", "", f"The keys of `fedhpro {command}`:", "",
+                "| key | choices | default | meaning |", "|---|---|---|---|"]
+        for cls in classes:
+            defaults = defaults_of(cls)
+            out += [_row(key_of(field), field, defaults[key_of(field)]) for field in dataclasses.fields(cls)]
+    return out
 
 
 def config_keys_markdown() -> str:
@@ -82,6 +104,7 @@ def config_keys_markdown() -> str:
         value = getattr(flower_defaults.secagg if entry.secagg else flower_defaults, entry.field)
         default = f"`{_cell(_shown(value))}`"
         out.append(f"| {_unbroken(f'`{entry.key}`')} | {_unbroken(default)} | {_cell(entry.help)} |")
+    out += _command_tables()
     out += ["", "## `data.*`, per data set", "",
             "The `data.*` keys depend on `dataset=`; data sets that share their keys are listed together.", ""]
     groups: dict[type, list[str]] = {}

@@ -262,3 +262,34 @@ def test_a_study_of_searched_values_is_written_with_its_best_trial(tmp_path):
     assert list(csv.reader((out / "fedavg" / "trials.csv").open())) == [
         ["number", "state", "why", "validation", "rounds_reported", "lr"],
         ["0", "complete", "", "99.0000", "0", "0.0625"]]
+
+
+def test_lr_range_narrows_where_lr_is_searched_and_tuned_yaml_says_so(tmp_path, capsys):
+    """``lr_range=[low,high]`` is the lr space: a study's lr of 0.0625 lies outside [0.001, 0.01] (refused, as any
+    value outside the space) and inside [0.01, 0.1] (written, the range recorded in tuned.yaml)."""
+    given = ["methods=[fedavg]", "trials=1", "local_epochs=1", "max_grad_norm=0"]
+    lr = optuna.distributions.FloatDistribution(0.001, 0.1, log=True)
+    narrow = parse([*given, f"out={tmp_path / 'narrow'}", "lr_range=[0.001,0.01]"])
+    assert narrow.lr_space == LogUniform(0.001, 0.01)
+    hostile_study(narrow, {"lr": 0.0625}, {"lr": lr})
+    assert cli_main(["tune", *given, f"out={tmp_path / 'narrow'}", "lr_range=[0.001,0.01]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lr=0.0625 outside its space" in err[0], err
+    wide = parse([*given, f"out={tmp_path / 'wide'}", "lr_range=[0.01,0.1]"])
+    hostile_study(wide, {"lr": 0.0625}, {"lr": lr})
+    tuned = tune(wide, echo=False)
+    assert tuned["methods"] == {"fedavg": {"lr": 0.0625}} and tuned["tuning"]["lr_range"] == [0.01, 0.1]
+    assert yaml.safe_load((tmp_path / "wide" / "tuned.yaml").read_text())["tuning"]["lr_range"] == [0.01, 0.1]
+    # without lr_range= the space is the shared one, and tuned.yaml is as it always was: no lr_range in it
+    default = parse([*given, f"out={tmp_path / 'default'}"])
+    assert default.lr_space == SHARED["lr"] == LogUniform(0.001, 0.1)
+    hostile_study(default, {"lr": 0.0625}, {"lr": lr})
+    assert "lr_range" not in tune(default, echo=False)["tuning"]
+
+
+def test_every_trial_draws_its_lr_inside_lr_range(digits_data_dir, tmp_path):
+    out = tmp_path / "tune"
+    tune(parse(["methods=[fedavg]", "trials=2", "pruner=none", f"out={out}", "lr_range=[0.0002,0.0004]",
+                *argv(settings(digits_data_dir, rounds=1, local_epochs=1, max_grad_norm=0))]), echo=False)
+    drawn = [trial.params["lr"] for trial in trials_of(out, "fedavg")]
+    assert len(drawn) == 2 and all(0.0002 <= lr <= 0.0004 for lr in drawn), drawn

@@ -5,11 +5,14 @@ and imports this module only when a command runs (``fedhpro --help`` and usage e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from fedhpro import api, reports
+from fedhpro.command_options.keys import key_of, take
+from fedhpro.command_options.report import ReportOptions
 from fedhpro.compare import main as compare_main
 from fedhpro.config import applied_data_options, load_config, parse_override, read_yaml
 from fedhpro.data import get_dataset
@@ -18,7 +21,6 @@ from fedhpro.engines.lifecycle import RUN_FILES
 from fedhpro.errors import ConfigError
 from fedhpro.models import MODELS
 from fedhpro.models.summary import describe_models, format_model_table
-from fedhpro.reports.classes import check_tail_ratio
 from fedhpro.reports.runs import report
 from fedhpro.reproduce import main as reproduce_main
 from fedhpro.trained import class_accuracy, predict
@@ -127,22 +129,17 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     folders = [item for item in args.settings if "=" not in item]
     pairs = dict(parse_override(item) for item in args.settings if "=" in item)
-    unknown = set(pairs) - {"out", "force", "per_class", "tail_ratio"}
-    if unknown:
-        raise ConfigError(f"fedhpro report takes run folders, out=DIR, force=true, per_class=true and tail_ratio=R "
-                          f"only, not {', '.join(sorted(unknown))}")
-    flags = {}
-    for name, why in (("force", "to replace an earlier report"), ("per_class", "to add per-class accuracy")):
-        flags[name] = pairs.get(name, False)
-        if not isinstance(flags[name], bool):
-            raise ConfigError(f"{name}={flags[name]!r} is not a boolean; use {name}=true {why}")
-    class_options = {}
-    if "tail_ratio" in pairs:
-        if not flags["per_class"]:
-            raise ConfigError("tail_ratio= shapes the per-class report only; add per_class=true")
-        class_options["tail_ratio"] = check_tail_ratio(pairs["tail_ratio"])
-    report(folders, pairs.get("out"), force=flags["force"],
-           class_accuracy=class_accuracy if flags["per_class"] else None, class_options=class_options)
+    tail_ratio_given = "tail_ratio" in pairs
+    options = take(ReportOptions, pairs)
+    if pairs:
+        keys = [key_of(field) for field in dataclasses.fields(ReportOptions)]
+        raise ConfigError(f"fedhpro report takes run folders and {', '.join(f'{key}=' for key in keys)} only, not "
+                          f"{', '.join(sorted(pairs))}")
+    if tail_ratio_given and not options.per_class:
+        raise ConfigError("tail_ratio= shapes the per-class report only; add per_class=true")
+    report(folders, options.out, force=options.force,
+           class_accuracy=class_accuracy if options.per_class else None,
+           class_options={"tail_ratio": options.tail_ratio} if tail_ratio_given else {})
     return 0
 
 

@@ -43,6 +43,8 @@ import yaml
 
 from fedhpro import api
 from fedhpro.bounded import MAX_YAML_CHARS, load_yaml, read_bounded
+from fedhpro.command_options.compare import CompareOptions
+from fedhpro.command_options.keys import take
 from fedhpro.config import PRESENTATION_KEYS, Config, load_config, numbers_settings, parse_override
 from fedhpro.engines import checkpoint
 from fedhpro.errors import ConfigError, FedHProError
@@ -68,19 +70,6 @@ def table_order(names: Iterable[str]) -> list[str]:
 def baseline_method() -> str | None:
     """The registered method a comparison's gain column is measured against (``MethodSpec.baseline``)."""
     return next((name for name, spec in METHODS.items() if spec.baseline), None)
-
-
-def as_list(value: Any, key: str) -> list[str]:
-    """A list-valued ``key=`` setting as strings: ``"a,b"``, ``"[a,b]"`` or a YAML list; a ConfigError if empty."""
-    if isinstance(value, str):
-        items = [item.strip() for item in value.strip("[]").split(",") if item.strip()]
-    elif isinstance(value, (list, tuple)):
-        items = [str(item) for item in value]
-    else:
-        items = [str(value)]
-    if not items:
-        raise ConfigError(f"{key} is empty; give e.g. {key}=[a,b]")
-    return items
 
 
 def run_settings(config: Mapping[str, Any], method: str) -> dict[str, Any]:
@@ -470,15 +459,9 @@ def main(arguments: Sequence[str]) -> int:
     items = list(arguments)
     source = items.pop(0) if items and "=" not in items[0] else None
     pairs = dict(map(parse_override, items))
-    methods = as_list(pairs.pop("methods", ",".join(table_order(METHODS))), "methods")  # every registered one
-    seeds_raw = as_list(pairs.pop("seeds", "0,1,2"), "seeds")
-    try:
-        seeds = [int(s) for s in seeds_raw]
-    except ValueError:
-        raise ConfigError(f"seeds={seeds_raw} must be integers, e.g. seeds=[0,1,2]") from None
-    out = pairs.pop("out", "runs/compare")
-    tuned = pairs.pop("tuned", None)
-    sweep = sweep_options(pairs)
-    compare(methods, seeds, pairs, out, source=source, jobs=sweep.jobs, executor=sweep.executor,
-            ray_address=sweep.ray_address, tuned=None if tuned is None else str(tuned))
+    options = take(CompareOptions, pairs)
+    sweep = sweep_options(pairs)  # what stays in pairs: the run keys
+    methods = options.methods if options.methods is not None else table_order(METHODS)  # every registered one
+    compare(methods, options.seeds, pairs, options.out, source=source, jobs=sweep.jobs, executor=sweep.executor,
+            ray_address=sweep.ray_address, tuned=options.tuned)
     return 0

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from fedhpro import command_options
 from fedhpro.config import SECTIONS, RunOptions, load_config
 from fedhpro.flower import options as flower_options
 from fedhpro.methods import all_methods
@@ -24,8 +25,10 @@ def _shown(value: object) -> str:
 def key_lines(dataset: str) -> list[str]:
     """``key [choices]: help (default: value)`` for every config key: the run's, every method's, the data
     set's (its ``data.*`` keys), ``faults.*``, ``partition`` / ``partition.*``, ``aggregation`` /
-    ``aggregation.*`` (each robust rule's own knobs among them), ``privacy`` / ``privacy.*`` and the Flower apps'
-    ``flower.*`` (:data:`fedhpro.flower.options.FLOWER_KEYS`). Defaults are the
+    ``aggregation.*`` (each robust rule's own knobs among them), ``privacy`` / ``privacy.*``, the commands' own
+    keys, each line starting with its command (``compare: seeds: ...``,
+    :data:`fedhpro.command_options.COMMAND_OPTIONS`), and the Flower apps' ``flower.*``
+    (:data:`fedhpro.flower.options.FLOWER_KEYS`). Defaults are the
     values a run of ``dataset`` gets when the key is not set (a data set's own run settings included);
     an unset (null) default whose help already says what it means is not repeated."""
     defaults = load_config(None, {"dataset": dataset})
@@ -42,6 +45,8 @@ def key_lines(dataset: str) -> list[str]:
             if not (value is None and "default" in text):  # else the help says what an unset key means
                 text += f" (default: {_shown(value)})"
             lines.append(f"{prefix}{field.name}{extra}: {text}")
+    # the commands' own keys after the run's; the sections' shorthands and the flower.* keys end the listing
+    lines += command_options.key_lines()
     for section in SECTIONS:
         if section.shorthand:
             value = getattr(getattr(defaults, section.name), section.shorthand)

@@ -16,6 +16,9 @@ pinned to its thread count (``threads=``, auto: this machine's cores divided
 by ``N``), so a run gives the same bytes as in a sequential sweep with that
 thread count. A run that fails is reported in one line and the others go on;
 the caller lists the failures at the end (:class:`SweepFailed`).
+
+The keys ``jobs``, ``executor`` and ``ray.address`` are declared (help, default, checks) by
+:class:`fedhpro.command_options.sweep.Sweep`, which ``fedhpro config --keys`` lists.
 """
 
 from __future__ import annotations
@@ -32,29 +35,16 @@ from pathlib import Path
 from typing import Any
 
 from fedhpro.bounded import read_json_file
+from fedhpro.command_options.keys import read, take
+from fedhpro.command_options.sweep import Sweep
 from fedhpro.errors import ConfigError, DataError, FedHProError
 from fedhpro.runtime import auto_threads, available_cores, resolve_threads, torch_threads  # noqa: F401 (kept importable)
 
-EXECUTORS = ("local", "ray")
 RAY_INSTALL = 'pip install "fedhpro[flower]"'
 
 
 class SweepFailed(FedHProError):
     """Some runs of a sweep failed (the others finished); the message lists each with its error."""
-
-
-@dataclass(frozen=True)
-class Sweep:
-    """How a sweep's runs execute: ``jobs`` at a time, on ``executor`` (``ray_address``: None starts a local Ray)."""
-
-    jobs: int = 1
-    executor: str = "local"
-    ray_address: str | None = None
-
-    @property
-    def sequential(self) -> bool:
-        """Whether the runs go one after the other in this process (today's behaviour)."""
-        return self.jobs == 1 and self.executor == "local"
 
 
 @dataclass
@@ -70,21 +60,23 @@ class Failure:
 
 
 def sweep_options(pairs: dict[str, Any]) -> Sweep:
-    """Take ``jobs``, ``executor`` and ``ray.address`` out of command-line ``pairs`` (checked) as a :class:`Sweep`."""
-    return make_sweep(pairs.pop("jobs", 1), pairs.pop("executor", "local"), pairs.pop("ray.address", None))
+    """Take ``jobs``, ``executor`` and ``ray.address`` (:class:`~fedhpro.command_options.sweep.Sweep`'s keys) out
+    of command-line ``pairs`` as a checked :class:`Sweep`."""
+    return checked(take(Sweep, pairs))
 
 
 def make_sweep(jobs: Any = 1, executor: Any = "local", ray_address: Any = None) -> Sweep:
     """A checked :class:`Sweep`: ``jobs`` a whole number >= 1, ``executor`` local or ray."""
-    if isinstance(jobs, bool) or not str(jobs).strip().isdigit() or int(str(jobs).strip()) < 1:
-        raise ConfigError(f"jobs={jobs!r} is not valid; give the number of runs at a time, e.g. jobs=4")
-    if executor not in EXECUTORS:
-        raise ConfigError(f"executor={executor!r} is not valid; choose one of: {', '.join(EXECUTORS)}")
-    if ray_address is not None and executor != "ray":
+    return checked(read(Sweep, {"jobs": jobs, "executor": executor, "ray.address": ray_address}))
+
+
+def checked(sweep: Sweep) -> Sweep:
+    """``sweep``, once its keys agree with each other and Ray is there if it asks for it (before any run starts)."""
+    if sweep.ray_address is not None and sweep.executor != "ray":
         raise ConfigError("ray.address= is used only with executor=ray; add executor=ray")
-    if executor == "ray" and importlib.util.find_spec("ray") is None:  # before any run starts
+    if sweep.executor == "ray" and importlib.util.find_spec("ray") is None:
         raise ConfigError(f"executor=ray needs Ray, which is not installed; {RAY_INSTALL}")
-    return Sweep(int(str(jobs).strip()), str(executor), None if ray_address is None else str(ray_address))
+    return sweep
 
 
 def worker_config(config: Any, jobs: int) -> Any:

@@ -5,8 +5,10 @@ RDB URL given as ``storage=``) runs ``trials=`` trials. A trial is one run of th
 the settings describe, with ``validation=`` (0.2 unless given; 0 is refused) held out of each client's
 training data, at the tuning seed (``seed=``, 1000 unless given, apart from ``fedhpro compare``'s 0, 1, 2).
 Its value is the last round's validation AVG; test accuracy is never read. The search covers the shared
-run keys of :data:`SHARED` (``lr``, ``local_epochs``, ``max_grad_norm``) and the method's own knobs that declare
-``search=`` (:mod:`fedhpro.search_space`); a key given on the command line is fixed, not searched. The sampler is
+run keys of :data:`SHARED` (``lr``, in ``lr_range=`` when given, ``local_epochs``, ``max_grad_norm``) and the
+method's own knobs that declare ``search=`` (:mod:`fedhpro.search_space`); a key given on the command line is fixed,
+not searched. The command's own keys (``methods``, ``trials``, ``out``, ``jobs``, ``storage``, ``pruner``,
+``lr_range``) are declared in :mod:`fedhpro.command_options.tune`. The sampler is
 TPE; the pruner (``pruner=median``, the default, or ``none``) sees every evaluated round's validation AVG
 (:class:`ValidationReporter`, an observer of the trial's run).
 
@@ -52,7 +54,9 @@ import yaml
 from torch import Tensor
 
 from fedhpro.api import InProcessRun
-from fedhpro.compare import as_list, setting_differences
+from fedhpro.command_options.keys import read, take
+from fedhpro.command_options.tune import DEFAULT_LR_SPACE, TuneOptions
+from fedhpro.compare import setting_differences
 from fedhpro.config import Config, load_config, parse_override
 from fedhpro.engines.observers import RoundObserver
 from fedhpro.engines.protocol import RoundRecord
@@ -70,7 +74,6 @@ from fedhpro.search_space import SHARED, Categorical, IntRange, LogUniform, Spac
 DEFAULT_VALIDATION = 0.2
 #: the tuning runs' seed when the settings give none: apart from compare's default seeds 0, 1, 2
 TUNING_SEED = 1000
-PRUNERS = ("median", "none")
 #: Optuna's heartbeat: a running trial whose process stopped beating this long ago is failed (and run again)
 HEARTBEAT_SECONDS = 10
 GRACE_SECONDS = 60
@@ -101,23 +104,26 @@ class Tuning:
     jobs: int = 1
     storage: str | None = None
     pruner: str = "median"
+    lr_space: LogUniform = DEFAULT_LR_SPACE  # where lr is searched (unless the settings fix it)
 
     @property
     def storage_url(self) -> str:
         return self.storage or f"sqlite:///{(self.out / STUDY_FILE).resolve()}"
 
 
-def space_of(method: str, fixed: Mapping[str, Any] | None = None) -> dict[str, Space]:
-    """``{config key: space}`` searched for ``method``: :data:`SHARED` and the knobs its options declare
-    (``method.knob``), less the keys ``fixed`` sets. A ConfigError for a method whose options declare none
-    (a method without options has only the shared keys to search)."""
+def space_of(method: str, fixed: Mapping[str, Any] | None = None,
+             lr_space: LogUniform = DEFAULT_LR_SPACE) -> dict[str, Space]:
+    """``{config key: space}`` searched for ``method``: :data:`SHARED` (``lr`` in ``lr_space``) and the knobs its
+    options declare (``method.knob``), less the keys ``fixed`` sets. A ConfigError for a method whose options
+    declare none (a method without options has only the shared keys to search)."""
     spec = get_method(method)  # a ConfigError naming the registered ones for an unknown name
     own = declared(spec.options)
     if fields_of(spec.options) and not own:
         raise ConfigError(f"method {method!r} declares no search space; give some of its options search= "
                           "(fedhpro.search_space, e.g. option(0.1, search=LogUniform(0.01, 1.0))) or leave it out "
                           "of methods=")
-    space = {**SHARED, **{f"{method}.{name}": knob for name, knob in own.items()}}  # search_space.searched's
+    space = {**SHARED, "lr": lr_space,
+             **{f"{method}.{name}": knob for name, knob in own.items()}}  # search_space.searched's
     return {key: knob for key, knob in space.items() if key not in (fixed or {})}
 
 
@@ -267,7 +273,8 @@ def trial_run(config: Config, folder: Path, observer: RoundObserver) -> dict[str
 def _fixed_settings(tuning: Tuning, method: str) -> dict[str, Any]:
     """The settings every trial of ``method`` shares (what the study records and a resumed one must match)."""
     return {"source": tuning.source, "method": method, **{k: tuning.settings[k] for k in sorted(tuning.settings)},
-            "space": {key: describe(space) for key, space in space_of(method, tuning.settings).items()}}
+            "space": {key: describe(space)
+                      for key, space in space_of(method, tuning.settings, tuning.lr_space).items()}}
 
 
 def trial_config(tuning: Tuning, method: str, values: Mapping[str, Any], folder: Path) -> Config:
@@ -327,7 +334,7 @@ def tune_method(tuning: Tuning, method: str, worker: int = 0, echo: bool = True)
     """Run trials of ``method``'s study until ``tuning.trials`` are finished (this and any other worker's)."""
     optuna = _optuna()
     study = _study(tuning, method, worker)
-    space = space_of(method, tuning.settings)
+    space = space_of(method, tuning.settings, tuning.lr_space)
     lock_path = tuning.out / method / ".trials.lock"
     held: list[Any] = []
 
@@ -432,11 +439,9 @@ def check(tuning: Tuning) -> None:
     if not tuning.methods:
         raise ConfigError("methods= is empty; give e.g. methods=[fedavg,fedprox]")
     for method in tuning.methods:
-        space_of(method, tuning.settings)  # unknown method, a method without a space
-    if tuning.trials < 1:
-        raise ConfigError(f"trials={tuning.trials} gives no trial; give the trials per method, e.g. trials=20")
-    if tuning.pruner not in PRUNERS:
-        raise ConfigError(f"pruner={tuning.pruner!r} is not valid; choose one of: {', '.join(PRUNERS)}")
+        space_of(method, tuning.settings, tuning.lr_space)  # unknown method, a method without a space
+    # a Tuning made in Python is checked as the command line's keys are
+    read(TuneOptions, {"trials": tuning.trials, "jobs": tuning.jobs, "pruner": tuning.pruner})
     for forbidden in ("method", "resume"):
         if forbidden in tuning.settings:
             raise ConfigError(f"{forbidden}= is set by tune for each trial; remove it")
@@ -450,7 +455,7 @@ def check_trials(tuning: Tuning, method: str, trials: Sequence[Any]) -> None:
     """Refuse, in one line, a study whose trials hold a key this tuning does not search or a value outside its
     space (a study this tuning did not write: a tracker or any other setting in it would go into best.yaml,
     tuned.yaml and trials.csv, and from there into the runs of ``fedhpro compare tuned=``)."""
-    space = space_of(method, tuning.settings)
+    space = space_of(method, tuning.settings, tuning.lr_space)
     for trial in trials:
         for key, value in trial.params.items():
             if key not in space or not contains(space[key], value):
@@ -579,8 +584,8 @@ def write_results(tuning: Tuning, echo: bool = True) -> dict[str, Any]:
         if top is None:
             if echo:
                 print(f"{method}: {counts_line(counts)}; no complete trial, no best settings (a diverged trial is "
-                      "never chosen): lower the lr range (give lr=) or set max_grad_norm=10 and tune again",
-                      flush=True)
+                      "never chosen): lower the lr range (lr_range=[low,high], or fix it: lr=) or set "
+                      "max_grad_norm=10 and tune again", flush=True)
             continue
         best[method] = dict(top.params)
         write_atomic(tuning.out / method / "best.yaml", yaml.safe_dump(
@@ -592,6 +597,9 @@ def write_results(tuning: Tuning, echo: bool = True) -> dict[str, Any]:
     config = load_config(tuning.source, {**tuning.settings, "method": tuning.methods[0]})
     tuned = {"tuning": {"trials": tuning.trials, "seed": config.run.seed, "validation": config.run.validation,
                         "storage": tuning.storage_url if tuning.storage else STUDY_FILE,
+                        # where lr was searched, when not the default range (a default tuning's file is as before)
+                        **({"lr_range": [tuning.lr_space.low, tuning.lr_space.high]}
+                           if tuning.lr_space != DEFAULT_LR_SPACE else {}),
                         "settings": {k: tuning.settings[k] for k in sorted(tuning.settings)},
                         "objective": "last round's validation AVG",
                         "outcomes": {method: {**result["counts"], "summary": counts_line(result["counts"])}
@@ -608,21 +616,16 @@ def write_results(tuning: Tuning, echo: bool = True) -> dict[str, Any]:
 
 def parse(arguments: Sequence[str]) -> Tuning:
     """A :class:`Tuning` of the command line ``[CONFIG.yaml] methods=[...] trials=N out=DIR [jobs=N]
-    [storage=URL] [pruner=median|none] KEY=VALUE ...``."""
+    [storage=URL] [pruner=median|none] [lr_range=[low,high]] KEY=VALUE ...`` (the command's keys:
+    :class:`~fedhpro.command_options.tune.TuneOptions`)."""
     items = list(arguments)
     source = items.pop(0) if items and "=" not in items[0] else None
     pairs = dict(map(parse_override, items))
-    methods = tuple(as_list(pairs.pop("methods", "fedavg"), "methods"))
-    trials_raw = pairs.pop("trials", 20)
-    jobs_raw = pairs.pop("jobs", 1)
-    for key, raw in (("trials", trials_raw), ("jobs", jobs_raw)):
-        if isinstance(raw, bool) or not str(raw).strip().lstrip("-").isdigit():
-            raise ConfigError(f"{key}={raw!r} is not a whole number; e.g. {key}=20")
-    if int(jobs_raw) < 1:
-        raise ConfigError(f"jobs={jobs_raw} is not valid; give the worker processes, e.g. jobs=2")
-    out = Path(str(pairs.pop("out", "runs/tune")))
-    storage = pairs.pop("storage", None)
-    pruner = str(pairs.pop("pruner", "median"))
+    lr_range_given = "lr_range" in pairs
+    options = take(TuneOptions, pairs)  # what stays in pairs: the run keys every trial runs with
+    if lr_range_given and "lr" in pairs:
+        raise ConfigError("lr= fixes the learning rate, so lr_range= (where it is searched) has nothing to do; "
+                          "give one of them")
     if "validation" in pairs:
         try:
             given = float(pairs["validation"])
@@ -634,8 +637,8 @@ def parse(arguments: Sequence[str]) -> Tuning:
     elif load_config(source, {}).run.validation <= 0:
         pairs["validation"] = DEFAULT_VALIDATION
     pairs.setdefault("seed", TUNING_SEED)
-    return Tuning(methods, int(trials_raw), pairs, out, source, int(jobs_raw),
-                  None if storage is None else str(storage), pruner)
+    return Tuning(tuple(options.methods), options.trials, pairs, Path(options.out), source, options.jobs,
+                  options.storage, options.pruner, options.lr_space)
 
 
 def main(arguments: Sequence[str]) -> int:

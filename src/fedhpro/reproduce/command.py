@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fedhpro.compare import as_list
+from fedhpro.command_options.keys import take
+from fedhpro.command_options.reproduce import ReproduceOptions
 from fedhpro.config import parse_override
 from fedhpro.errors import ConfigError
 from fedhpro.files import claim_run_folder
@@ -67,28 +68,22 @@ def _list() -> int:
 
 def main(arguments: Sequence[str]) -> int:
     """``fedhpro reproduce NAME|all|list [scale=paper|smoke] [seeds=[..]] [out=DIR] [jobs=N] [executor=local|ray]
-    [ray.address=auto|HOST:PORT] [KEY=VALUE ...]``."""
+    [ray.address=auto|HOST:PORT] [KEY=VALUE ...]`` (the command's keys:
+    :class:`~fedhpro.command_options.reproduce.ReproduceOptions` and the sweep's)."""
     items = list(arguments)
     if not items or items[0] in ("list", "--list"):
         return _list()
     name = items.pop(0)
     pairs = dict(map(parse_override, items))
-    scale = str(pairs.pop("scale", "paper"))
-    seeds = None
-    if "seeds" in pairs:
-        raw = as_list(pairs.pop("seeds"), "seeds")
-        try:
-            seeds = [int(s) for s in raw]
-        except ValueError:
-            raise ConfigError(f"seeds={raw} must be integers, e.g. seeds=[0,1,2]") from None
-    out = pairs.pop("out", None)
-    sweep = sweep_options(pairs)
+    options = take(ReproduceOptions, pairs)
+    sweep = sweep_options(pairs)  # what stays in pairs: the run keys
     available = targets.available_targets()
     if name != "all" and name not in available:
         raise ConfigError(f"no reproduce target {name!r}; choose one of: {', '.join(available)}, all, list")
     for target in available if name == "all" else [name]:
         started = time.perf_counter()
-        reproduce(target, scale, seeds, out, pairs, jobs=sweep.jobs, executor=sweep.executor,
-                  ray_address=sweep.ray_address)
-        print(f"fedhpro reproduce {target} scale={scale}: {time.perf_counter() - started:.0f} s", flush=True)
+        reproduce(target, options.scale, options.seeds, options.out, pairs, jobs=sweep.jobs,
+                  executor=sweep.executor, ray_address=sweep.ray_address)
+        print(f"fedhpro reproduce {target} scale={options.scale}: {time.perf_counter() - started:.0f} s",
+              flush=True)
     return 0
