@@ -29,7 +29,7 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / "fedhpro"
 LAYERS = {
     0: ("errors", "bounded", "arrays", "files", "seeds", "runtime", "search_space", "options", "registry", "averaging",
         "functional",
-        "robust", "aggregation", "metrics", "reports", "data", "models"),
+        "robust", "aggregation", "metrics", "reports", "data", "models", "command_options"),
     1: ("methods", "privacy"),
     2: ("engines", "config"),
     # below the API: modules that drive runs they are given; deploy: operations tooling below the Flower apps

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from fedhpro.command_options.keys import command_option
 
-#: the per-class report's head/tail split when ``tail_ratio=`` is not given
-#: (``fedhpro.reports.classes.DEFAULT_TAIL_RATIO``)
+#: head and tail classes only when the largest class has at least this many times the smallest's training
+#: samples (``fedhpro report ... tail_ratio=R``); below it the classes count as balanced
 DEFAULT_TAIL_RATIO = 2.0
 
 

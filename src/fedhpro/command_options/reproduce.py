@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from fedhpro.command_options.keys import command_option
 
 #: a target's scales: the paper's settings, or its ``smoke`` section (minutes on 2 CPU cores)
-#: (``fedhpro.reproduce.targets.SCALES``)
 SCALES = ("paper", "smoke")
 
 

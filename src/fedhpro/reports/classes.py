@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fedhpro.bounded import read_yaml_file, run_file
+from fedhpro.command_options.report import DEFAULT_TAIL_RATIO
 from fedhpro.errors import ConfigError, DataError
 from fedhpro.files import write_atomic
 from fedhpro.reports import significance
@@ -37,9 +38,6 @@ from fedhpro.reports.tables import csv_text, markdown_table, mean_std
 CLASS_FILES = ("per_class.md", "per_class.csv", "per_class.png", "classification.csv", "confusion.csv")
 #: the classification figures of every tested row pooled (:func:`fedhpro.metrics.classification_figures`)
 FIGURES = (("balanced_accuracy", "balanced accuracy"), ("macro_f1", "macro-F1"), ("auroc", "AUROC"))
-#: head and tail classes only when the largest class has at least this many times the smallest's training
-#: samples (``fedhpro report ... tail_ratio=R``); below it the classes count as balanced
-DEFAULT_TAIL_RATIO = 2.0
 #: the confusion-matrix figures' names: ``confusion_<method>.png`` and its vector copies
 CONFUSION_PREFIX = "confusion_"
 

@@ -18,9 +18,8 @@ from typing import Any
 import yaml
 
 from fedhpro.bounded import MAX_YAML_CHARS, load_yaml, read_bounded
+from fedhpro.command_options.reproduce import SCALES
 from fedhpro.errors import ConfigError
-
-SCALES = ("paper", "smoke")
 
 #: layout -> the keys a part of that layout may add to the common ones (its smoke section may replace them):
 #: exactly what that layout's builder reads
