@@ -64,13 +64,14 @@ _COMPARE_DESCRIPTION = (
     "each method at its tuned settings, on seeds apart from the tuning's, and the table's caption names them. ")
 _TUNE_DESCRIPTION = (
     "fedhpro tune [CONFIG.yaml] methods=[fedavg,fedprox] trials=20 out=DIR [jobs=N] [storage=URL] "
-    "[pruner=median|none] KEY=VALUE ...: per method an Optuna study (TPE sampler, median pruner on each round's "
-    "validation AVG) of trials= runs over lr, local_epochs and the knobs the method declares (a key given here is "
-    "fixed), on validation= (default 0.2; never test accuracy) at seed= (default 1000). Resumable: the studies live "
-    "in DIR/study.db (storage= any RDB URL Optuna accepts); jobs=N workers share them, the total staying trials=. "
-    "Writes DIR/<method>/trials.csv (each trial complete, diverged, pruned or failed) and best.yaml, DIR/tuning.md "
-    "(the counts, the best trials, the diverged ones apart) and DIR/tuned.yaml for `fedhpro compare "
-    "tuned=DIR/tuned.yaml`.")
+    "[pruner=median|none] [lr_range=[0.001,0.1]] KEY=VALUE ...: per method an Optuna study (TPE sampler, median "
+    "pruner on each round's validation AVG) of trials= runs over lr (log-uniform in lr_range), local_epochs and the "
+    "knobs the method declares (a key given here is fixed), on validation= (default 0.2; never test accuracy) at "
+    "seed= (default 1000). Resumable: the studies live in DIR/study.db (storage= any RDB URL Optuna accepts); "
+    "jobs=N workers share them, the total staying trials=. Writes DIR/<method>/trials.csv (each trial complete, "
+    "diverged, pruned or failed) and best.yaml, DIR/tuning.md (the counts, the best trials, the diverged ones "
+    "apart) and DIR/tuned.yaml for `fedhpro compare tuned=DIR/tuned.yaml`. `fedhpro config --keys` lists every "
+    "key of this command.")
 _REPRODUCE_DESCRIPTION = (
     "fedhpro reproduce NAME [scale=paper|smoke] [seeds=[0,1,2]] [out=DIR] [KEY=VALUE ...]: runs the target's "
     "methods x seeds (finished runs are reused) and writes table.md, table.csv and PNG figures with the paper's "
