@@ -65,20 +65,24 @@ _LAZY = {
 }
 
 
+def _interface(name: str) -> Any:
+    """The method interface's ``name`` (a key of :data:`_LAZY`), its module imported on first use."""
+    return getattr(importlib.import_module(_LAZY[name]), name)
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        return _interface(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _check(name: str, loaded: object, where: str) -> MethodSpec:
     """``loaded`` (a :class:`MethodSpec` or a zero-argument callable returning one) named ``name``, or a one-line
     ConfigError saying what a method must be."""
-    # MethodSpec's module imports torch; a method's code is being checked, so torch is loaded or about to be
-    from fedhpro.methods.base import MethodSpec
-
+    # MethodSpec's module imports torch: taken from the lazy table only when a method's code is registered or
+    # loaded (which imports torch anyway), so that listing and reading the declarations does not
     built = "a class built from a MethodContext"
-    return checked_spec(name, loaded, where, MethodSpec, path="fedhpro.methods.MethodSpec",
+    return checked_spec(name, loaded, where, _interface("MethodSpec"), path="fedhpro.methods.MethodSpec",
                         give="MethodSpec(name, options, server, client) (see fedhpro.methods.fedavg)",
                         keys="the <name>.<knob> keys", callables={"server": built, "client": built})
 
