@@ -103,21 +103,33 @@ def test_the_prototype_methods_share_the_torch_free_prototype_options():
     assert methods.declared_method("fedavg").weights_travel is None
 
 
-def test_an_unknown_name_or_clipping_is_one_line():
+@dataclasses.dataclass
+class PlugOptions:
+    step: float = option(1.0, help="a plug-in's knob")
+    recipe: str = option("plain", choices=("plain", "fast"), help="a recipe")
+
+
+def test_an_unknown_name_or_a_bad_declaration_is_one_line():
     with pytest.raises(ConfigError) as error:
         methods.declared_method("fedavgg")
     assert "\n" not in str(error.value) and str(error.value).startswith(
         "method='fedavgg' is not valid (did you mean 'fedavg', ")
     assert "; choose one of: fedavg, fedhpro, fedprox, " in str(error.value)
     with pytest.raises(ConfigError, match=r"^MethodDeclaration\(name='x', dp_clipping='some'\): say 'joint' or"):
-        MethodDeclaration("x", dict, dp_clipping="some")
+        MethodDeclaration("x", PlugOptions, dp_clipping="some")
+    with pytest.raises(ConfigError, match=r"^MethodDeclaration\(name='x'\): options must be a dataclass class"):
+        MethodDeclaration("x", dict)
+
+    @dataclasses.dataclass
+    class NoDefault:
+        step: float
+
+    with pytest.raises(ConfigError, match=r"^MethodDeclaration\(name='x'\): every field of NoDefault needs a default"):
+        MethodDeclaration("x", NoDefault)
+    with pytest.raises(ConfigError, match=r"its declaration is a type; give Declared\(MethodDeclaration"):
+        methods.register("x", Declared(PlugOptions, "json:dumps"))
+    assert "x" not in methods.method_names()
     assert methods.recipes_of("fedavgg") == {}
-
-
-@dataclasses.dataclass
-class PlugOptions:
-    step: float = option(1.0, help="a plug-in's knob")
-    recipe: str = option("plain", choices=("plain", "fast"), help="a recipe")
 
 
 def test_a_method_registered_whole_answers_declared():

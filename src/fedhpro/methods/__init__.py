@@ -30,6 +30,7 @@ import importlib
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, overload
 
+from fedhpro.errors import ConfigError
 from fedhpro.methods.declaration import MethodDeclaration
 from fedhpro.methods.fedavg_options import DECLARATION as FEDAVG
 from fedhpro.methods.fedgmkd_options import DECLARATION as FEDGMKD
@@ -166,10 +167,15 @@ def register(name: str, spec: MethodSpec | Declared, *, replace: bool = False,
 
     ``spec``: a :class:`MethodSpec`, or a :class:`~fedhpro.registry.Declared` (a :class:`MethodDeclaration` and
     where its code's MethodSpec is, imported on the first lookup of ``name``). Raises a one-line ConfigError for a
-    name that is not a plain word, a spec that is not a :class:`MethodSpec` with a defaults-only options dataclass,
-    or a name already taken (a built-in, or registered before) unless ``replace=True``. ``recipes``: recipe name ->
-    settings that ``<name>.recipe=<recipe>`` applies first (the method's options need a ``recipe`` field).
+    name that is not a plain word, a spec that is not a :class:`MethodSpec` with a defaults-only options dataclass
+    (nor a Declared of a MethodDeclaration), or a name already taken (a built-in, or registered before) unless
+    ``replace=True``. ``recipes``: recipe name -> settings that ``<name>.recipe=<recipe>`` applies first (the
+    method's options need a ``recipe`` field).
     """
+    if isinstance(spec, Declared) and not isinstance(spec.declaration, MethodDeclaration):
+        raise ConfigError(f"register({name!r}, Declared(...)): its declaration is a "
+                          f"{type(spec.declaration).__name__}; give Declared(MethodDeclaration(...), "
+                          "'package.module:METHOD')")
     registered = REGISTRY.register(name, spec, replace=replace)
     if recipes is not None:
         RECIPES[name] = {recipe: dict(values) for recipe, values in recipes.items()}

@@ -14,6 +14,7 @@ the first lookup of its name (``REGISTRY.declare(name, DECLARATION, "module:METH
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,4 +71,13 @@ class MethodDeclaration:
     dp_clipping: str = "joint"
 
     def __post_init__(self) -> None:
+        where = f"{type(self).__name__}(name={self.name!r})"
+        if not isinstance(self.options, type) or not dataclasses.is_dataclass(self.options):
+            raise ConfigError(f"{where}: options must be a dataclass class (the {self.name}.<knob> keys), got "
+                              f"{self.options!r}")
+        try:
+            self.options()
+        except TypeError:
+            raise ConfigError(f"{where}: every field of {self.options.__name__} needs a default (a run may leave "
+                              "every knob unset)") from None
         check_dp_clipping(type(self).__name__, self.name, self.dp_clipping)
