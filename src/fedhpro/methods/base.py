@@ -42,6 +42,7 @@ from fedhpro.data.federation import Augment, ClientData
 from fedhpro.errors import ConfigError, UpdateError
 from fedhpro.functional import weighted_average
 from fedhpro.methods import sample_dp
+from fedhpro.methods.declaration import MethodDeclaration, check_dp_clipping
 from fedhpro.methods.layout import Payload, ReplyLayout, Weights, weights_layout
 from fedhpro.methods.no_grad import no_grad_precision
 from fedhpro.methods.parts import classifier_of, features_of
@@ -459,7 +460,12 @@ class InferenceRule:
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A registered method: its name, option group, server part and client part."""
+    """A registered method: its name, option group, server part and client part.
+
+    The fields a config reads without running the method (``name``, ``options``, ``description``, ``recipes``,
+    ``weights_travel``, ``needs_each_upload``, ``paper_order``, ``baseline``, ``dp_clipping``) are those of its
+    :attr:`declaration` (:class:`~fedhpro.methods.declaration.MethodDeclaration`, which documents each); a built-in's
+    spec is built from its torch-free declaration (:meth:`from_declaration`). The others are the method's code."""
 
     name: str
     options: type
@@ -469,35 +475,33 @@ class MethodSpec:
     #: optional ``(model, options, num_classes) -> model``: a method that changes the network (MOON's
     #: projection head) wraps the engine's model here; the result keeps ``features``/``classifier``
     model_wrapper: Callable[[nn.Module, Any, int], nn.Module] | None = None
-    #: named recipes: recipe name -> the settings ``<name>.recipe=<recipe>`` applies before the user's (the
-    #: options need a ``recipe`` field); fedhpro.config applies whatever recipe a method declares
     recipes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    #: optional ``options -> "all" | "none"``: which model weights travel between server and clients under
-    #: these options ("none": every client keeps its own model and only the method's other payloads travel,
-    #: e.g. the prototype methods' protocol=proto-only); without it, "all". The engines send the classifier
-    #: only when the clients' architectures differ (heterogeneity=), whatever the method declares.
     weights_travel: Callable[[Any], str] | None = None
-    #: why the server's step needs each client's own upload, not only their sums (FedTGP trains on every
-    #: client's prototypes); "" (the default): a function of sums, weighted as the reply layout declares
-    #: (:attr:`ClassRows.averaged`). Secure aggregation refuses a method that says why, quoting it.
     needs_each_upload: str = ""
     #: the rule the method's :meth:`Server.inference_model` applies when it is not the network itself (the
     #: prototype methods' nearest prototype): with it a run's exported model keeps the rule; without it a
     #: model tested through another module is exported as the network with its own classifier, with a warning
     inference_rule: InferenceRule | None = None
-    #: the method's place in the paper's tables (FedAvg, FedProx, MOON, FedProto, FedTGP, FedGMKD, FedRCL,
-    #: FedSA, FedHPro): a default ``fedhpro compare`` runs every registered method, these in this order and
-    #: the others (plug-ins) after them by name; None: not in the paper
     paper_order: int | None = None
-    #: the method a comparison's gain column is measured against (one method: FedAvg)
     baseline: bool = False
-    #: how ``privacy=client`` clips this method's upload under ``privacy.clipping=auto`` (the default): "joint" (the
-    #: whole upload to the clip) or "per-group" (the weight update and each class tensor to clip/sqrt(groups)), the
-    #: choice measured for the method (docs/how-to/privacy.md): a method whose raw class rows (prototypes) are far
-    #: longer than its update loses the update's signal under a joint clip
     dp_clipping: str = "joint"
 
     def __post_init__(self) -> None:
-        if self.dp_clipping not in ("joint", "per-group"):
-            raise ConfigError(f"MethodSpec(name={self.name!r}, dp_clipping={self.dp_clipping!r}): say 'joint' or "
-                              "'per-group'")
+        check_dp_clipping(type(self).__name__, self.name, self.dp_clipping)
+
+    @classmethod
+    def from_declaration(cls, declaration: MethodDeclaration, *, server: type[Server], client: type[Client],
+                         model_wrapper: Callable[[nn.Module, Any, int], nn.Module] | None = None,
+                         inference_rule: InferenceRule | None = None) -> MethodSpec:
+        """The spec of the method ``declaration`` declares, with its code: its server and client parts, and
+        optionally its model wrapper and inference rule (a built-in's ``METHOD``, its fields written once)."""
+        declared = {part.name: getattr(declaration, part.name) for part in dataclasses.fields(MethodDeclaration)}
+        return cls(**declared, server=server, client=client, model_wrapper=model_wrapper,
+                   inference_rule=inference_rule)
+
+    @property
+    def declaration(self) -> MethodDeclaration:
+        """What a config reads of this method without its code (``REGISTRY.declared(name)`` of a spec
+        registered whole), made of its fields: equal to the declaration a built-in's spec was built from."""
+        return MethodDeclaration(**{part.name: getattr(self, part.name)
+                                    for part in dataclasses.fields(MethodDeclaration)})

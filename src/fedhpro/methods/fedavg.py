@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from fedhpro.methods.base import Client, MethodSpec, Server
+from fedhpro.methods.fedavg_options import DECLARATION
+from fedhpro.methods.fedavg_options import FedAvgOptions as FedAvgOptions
 
-
-@dataclass
-class FedAvgOptions:
-    """FedAvg has no knobs beyond the shared training settings."""
-
-
-METHOD = MethodSpec(
-    name="fedavg",
-    paper_order=0,
-    baseline=True,
-    options=FedAvgOptions,
+METHOD = MethodSpec.from_declaration(
+    DECLARATION,
     server=Server,
     client=Client,
-    description="FedAvg: local SGD, weighted averaging by n_k",
 )

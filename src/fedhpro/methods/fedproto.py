@@ -18,28 +18,19 @@ hyper-prototypes instead of ``P`` (Table 3).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from fedhpro import functional
 from fedhpro.methods.base import MethodSpec
+from fedhpro.methods.fedproto_options import DECLARATION
+from fedhpro.methods.fedproto_options import FedProtoOptions as FedProtoOptions
 from fedhpro.methods.layout import HOLDERS, Payload
 from fedhpro.methods.prototypes import (
     NEAREST_PROTOTYPE,
-    RAW_PROTOTYPES_CLIPPING,
     PrototypeClient,
-    PrototypeOptions,
     PrototypeServer,
     Uploads,
     merge_prototypes,
-    weights_travel,
 )
-from fedhpro.options import option
-from fedhpro.search_space import LogUniform
-
-
-@dataclass
-class FedProtoOptions(PrototypeOptions):
-    lam: float = option(1.0, min=0.0, help="lambda of the prototype MSE term", search=LogUniform(0.01, 10.0))
 
 
 class FedProtoServer(PrototypeServer):
@@ -55,14 +46,9 @@ class FedProtoClient(PrototypeClient):
     pass
 
 
-METHOD = MethodSpec(
-    name="fedproto",
-    paper_order=3,
-    dp_clipping=RAW_PROTOTYPES_CLIPPING,
-    options=FedProtoOptions,
+METHOD = MethodSpec.from_declaration(
+    DECLARATION,
     server=FedProtoServer,
     client=FedProtoClient,
-    description="FedProto: CE + lam * MSE to the unweighted mean of the clients' class prototypes",
-    weights_travel=weights_travel,
     inference_rule=NEAREST_PROTOTYPE,
 )

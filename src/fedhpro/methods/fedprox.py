@@ -14,21 +14,14 @@ With ``mu = 0`` the term is not built at all, so the update equals FedAvg's bit 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from fedhpro.methods.base import Client, MethodSpec, Server
+from fedhpro.methods.fedprox_options import DECLARATION
+from fedhpro.methods.fedprox_options import FedProxOptions as FedProxOptions
 from fedhpro.methods.training import LocalRound, LossTerms
-from fedhpro.options import option
-from fedhpro.search_space import LogUniform
-
-
-@dataclass
-class FedProxOptions:
-    mu: float = option(0.01, min=0.0, help="proximal coefficient mu of (mu/2)||w - w^t||^2 (paper C.1: 0.01)",
-                       search=LogUniform(1e-4, 1.0))
 
 
 def anchored_parameters(model: nn.Module, anchors: Mapping[str, Tensor]) -> list[tuple[Tensor, Tensor]]:
@@ -65,11 +58,8 @@ class FedProxClient(Client):
         return lambda batch: {"prox": proximal_term(pairs, mu)}
 
 
-METHOD = MethodSpec(
-    name="fedprox",
-    paper_order=1,
-    options=FedProxOptions,
+METHOD = MethodSpec.from_declaration(
+    DECLARATION,
     server=Server,
     client=FedProxClient,
-    description="FedProx: CE + (mu/2)||w - w^t||^2 on the received trainable parameters; FedAvg server",
 )

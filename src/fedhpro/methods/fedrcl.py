@@ -54,7 +54,6 @@ digits-offline, 3 rounds: AVG 8.6% without clipping, the CE rising to 19;
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -62,28 +61,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedhpro.methods.base import Client, MethodSpec, Server
+from fedhpro.methods.fedrcl_options import DECLARATION
+from fedhpro.methods.fedrcl_options import FedRCLOptions as FedRCLOptions
 from fedhpro.methods.training import Batch, LocalRound, LossTerms
-from fedhpro.options import option
-from fedhpro.search_space import LogUniform
-
-
-@dataclass
-class FedRCLOptions:
-    tau: float = option(0.05, gt=0.0,
-                        help="temperature of the relaxed contrastive loss and the penalty (paper C.1: 0.05)",
-                        search=LogUniform(0.01, 1.0))
-    beta: float = option(1.0, min=0.0, help="weight beta of the divergence penalty (paper C.1: 1.0)",
-                         search=LogUniform(0.01, 10.0))
-    threshold: float = option(0.7, min=-1.0, max=1.0,
-                              help="similarity threshold of the penalty: m' = least similar same-class "
-                                   "similarity if >= threshold, else -1 (the authors' 0.7)")
-    num_negatives: int = option(2, min=1, help="hardest negatives per sample (the authors' topk_neg = 2)")
-    max_grad_norm: float = option(10.0, min=0.0, alias_of="max_grad_norm",
-                                  help="FedRCL's own cap on the local gradient's L2 norm (the authors' 10; 0 = no "
-                                       "clipping), used when the run key max_grad_norm is unset; the old spelling "
-                                       "of max_grad_norm: setting it warns, and both set to different values is "
-                                       "refused")
-
 
 _LOCAL_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
 _GLOBAL_POOLS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
@@ -205,11 +185,8 @@ class FedRCLClient(Client):
         return float(self.options.max_grad_norm)  # the authors' 10 (or fedrcl.max_grad_norm's value, 0: off)
 
 
-METHOD = MethodSpec(
-    name="fedrcl",
-    paper_order=6,
-    options=FedRCLOptions,
+METHOD = MethodSpec.from_declaration(
+    DECLARATION,
     server=Server,
     client=FedRCLClient,
-    description="FedRCL: CE + relaxed supervised contrastive loss and divergence penalty at every backbone stage",
 )

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,33 +54,18 @@ from torch import Tensor
 
 from fedhpro import functional
 from fedhpro.methods.base import MethodContext, MethodSpec
+from fedhpro.methods.fedsa_options import DECLARATION
+from fedhpro.methods.fedsa_options import FedSAOptions as FedSAOptions
 from fedhpro.methods.layout import HOLDERS, Payload
 from fedhpro.methods.parts import classifier_of
 from fedhpro.methods.prototypes import (
     NEAREST_PROTOTYPE,
-    RAW_PROTOTYPES_CLIPPING,
     PrototypeClient,
-    PrototypeOptions,
     PrototypeServer,
     Uploads,
     margin_ce,
-    weights_travel,
 )
 from fedhpro.methods.training import Batch, LocalRound, LossTerms
-from fedhpro.options import option
-from fedhpro.search_space import LogUniform
-
-
-@dataclass
-class FedSAOptions(PrototypeOptions):
-    lambda1: float = option(0.1, min=0.0, help="weight of the classifier calibration CE(h(A), [0..C-1])",
-                            search=LogUniform(0.01, 10.0))
-    lambda2: float = option(0.9, min=0.0, help="weight of MSE(z, A_y)", search=LogUniform(0.01, 10.0))
-    lambda3: float = option(1.0, min=0.0, help="weight of the margin-enhanced contrastive CE",
-                            search=LogUniform(0.01, 10.0))
-    anchor_momentum: float = option(0.9999, min=0.0, max=1.0,
-                                    help="m in A <- m A + (1 - m) Pbar after each round")
-
 
 # ----------------------------------------------------------------------------
 # pure pieces
@@ -219,14 +203,9 @@ class FedSAClient(PrototypeClient):
         return self.sent(statistics)
 
 
-METHOD = MethodSpec(
-    name="fedsa",
-    paper_order=7,
-    dp_clipping=RAW_PROTOTYPES_CLIPPING,
-    options=FedSAOptions,
+METHOD = MethodSpec.from_declaration(
+    DECLARATION,
     server=FedSAServer,
     client=FedSAClient,
-    description="FedSA: fixed random semantic anchors (EMA of prototypes), calibration + MSE + margin CE",
-    weights_travel=weights_travel,  # protocol=proto-only: every client keeps its own model
     inference_rule=NEAREST_PROTOTYPE,
 )

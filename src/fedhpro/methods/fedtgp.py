@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,32 +43,20 @@ from torch import Tensor, nn
 
 from fedhpro import functional
 from fedhpro.methods.base import MethodContext, MethodSpec
+from fedhpro.methods.fedtgp_options import DECLARATION
+from fedhpro.methods.fedtgp_options import FedTGPOptions as FedTGPOptions
 from fedhpro.methods.layout import Payload
 from fedhpro.methods.prototypes import (
     NEAREST_PROTOTYPE,
-    RAW_PROTOTYPES_CLIPPING,
     PrototypeClient,
-    PrototypeOptions,
     PrototypeServer,
     Uploads,
     margin_ce,
     nearest_class_gaps,
-    weights_travel,
 )
-from fedhpro.options import option
-from fedhpro.search_space import LogUniform
 from fedhpro.seeds import derive_seed
 
 _TGP_INIT, _TGP_SHUFFLE = 41, 42
-
-
-@dataclass
-class FedTGPOptions(PrototypeOptions):
-    lam: float = option(1.0, min=0.0, help="lambda of the prototype MSE term", search=LogUniform(0.01, 10.0))
-    server_epochs: int = option(100, min=0, help="S, epochs of TGP training per round")
-    server_lr: float = option(0.01, gt=0.0, help="SGD step size of TGP training", search=LogUniform(1e-3, 0.1))
-    server_batch_size: int = option(10, min=1, help="batch size of TGP training")
-    margin_cap: float = option(100.0, min=0.0, help="upper bound of the adaptive margin delta")
 
 
 class TrainableGlobalPrototypes(nn.Module):
@@ -159,15 +146,9 @@ class FedTGPClient(PrototypeClient):
     pass
 
 
-METHOD = MethodSpec(
-    name="fedtgp",
-    paper_order=4,
-    dp_clipping=RAW_PROTOTYPES_CLIPPING,
-    options=FedTGPOptions,
+METHOD = MethodSpec.from_declaration(
+    DECLARATION,
     server=FedTGPServer,
     client=FedTGPClient,
-    description="FedTGP: CE + lam * MSE to trainable global prototypes learned with an adaptive-margin CE",
-    weights_travel=weights_travel,
-    needs_each_upload="its server trains the global prototypes on every client's own prototypes",
     inference_rule=NEAREST_PROTOTYPE,
 )

@@ -52,7 +52,6 @@ Server: FedAvg.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -61,25 +60,11 @@ from torch import Tensor, nn
 from fedhpro.errors import ConfigError
 from fedhpro.methods.base import Client, MethodSpec, Server, clone_weights
 from fedhpro.methods.layout import Payload
+from fedhpro.methods.moon_options import DECLARATION
+from fedhpro.methods.moon_options import MoonOptions as MoonOptions
 from fedhpro.methods.parts import features_of
 from fedhpro.methods.training import Batch, LocalRound, LossTerms
 from fedhpro.models.projection import ProjectionHeadNet, with_projection_head
-from fedhpro.options import option
-from fedhpro.search_space import LogUniform
-
-
-@dataclass
-class MoonOptions:
-    mu: float = option(1.0, min=0.0, help="weight mu of the model-contrastive loss (paper C.1: 1.0)",
-                       search=LogUniform(0.01, 10.0))
-    tau: float = option(0.5, gt=0.0, help="temperature tau of the model-contrastive loss (paper C.1: 0.5)",
-                        search=LogUniform(0.05, 1.0))
-    projection_head: str = option("none", choices=("none", "authors"),
-                                  help="none: contrast the feature z of the common network every method trains; "
-                                       "authors: MOON alone gets the authors' head d -> d -> P, classifier on the "
-                                       "projection (projection_head=true gives it to every method)")
-    projection_dim: int = option(256, min=1, help="output size P of the authors' head d -> d -> P "
-                                                  "(moon.projection_head=authors)")
 
 
 def wrap_model(model: nn.Module, options: MoonOptions, num_classes: int) -> nn.Module:
@@ -147,13 +132,9 @@ class MoonClient(Client):
         return {}
 
 
-METHOD = MethodSpec(
-    name="moon",
-    paper_order=2,
-    options=MoonOptions,
+METHOD = MethodSpec.from_declaration(
+    DECLARATION,
     server=Server,
     client=MoonClient,
-    description="MOON: CE + mu * model-contrastive loss (global vs previous local model) on the features "
-                "(moon.projection_head=authors: on the authors' projection head)",
     model_wrapper=wrap_model,
 )

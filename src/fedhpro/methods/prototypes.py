@@ -2,8 +2,9 @@
 
 What lives here:
 
-* their common options, :class:`PrototypeOptions` (the protocol, the prototype source, the
-  inference rule, the hyper-prototype knobs), which each method's options dataclass extends,
+* the code of their common options, :class:`PrototypeOptions` (the protocol, the prototype source, the
+  inference rule, the hyper-prototype knobs, which each method's options dataclass extends), declared without torch
+  in :mod:`fedhpro.methods.prototype_options` with the other facts their declarations share,
 * validating and stacking the prototypes the clients upload (:func:`stack_prototypes`) and
   keeping the previous prototype of a class nobody held this round (:func:`merge_prototypes`);
   the unweighted mean over the clients that hold a class is
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -45,33 +45,14 @@ from fedhpro.methods.fedhpro.hyper import HyperPrototypeBank, feature_statistics
 from fedhpro.methods.layout import ClassRows, Payload, ReplyLayout, Weights
 from fedhpro.methods.no_grad import extract_features
 from fedhpro.methods.parts import classifier_of, features_of
+
+# the options and declared facts live in the torch-free prototype_options; imported here under their old path
+from fedhpro.methods.prototype_options import INFERENCE as INFERENCE
+from fedhpro.methods.prototype_options import PROTOCOLS, PROTOTYPE_SOURCES
+from fedhpro.methods.prototype_options import RAW_PROTOTYPES_CLIPPING as RAW_PROTOTYPES_CLIPPING
+from fedhpro.methods.prototype_options import PrototypeOptions as PrototypeOptions
+from fedhpro.methods.prototype_options import weights_travel as weights_travel
 from fedhpro.methods.training import LocalRound, LossTerms, Regularizer, regularizer_terms
-from fedhpro.options import option
-
-PROTOCOLS = ("dagger", "proto-only")
-PROTOTYPE_SOURCES = ("local", "hyper")
-INFERENCE = ("head", "nearest-prototype")
-
-
-@dataclass
-class PrototypeOptions:
-    """The options of every prototype method; each method's options dataclass extends this one."""
-
-    protocol: str = option("dagger", choices=PROTOCOLS,
-                           help="dagger: exchange model weights (FedAvg) and prototypes (the paper's default); "
-                                "proto-only: exchange prototypes only, every client keeps its own model (Table A7)")
-    prototypes: str = option("local", choices=PROTOTYPE_SOURCES,
-                             help="local: the method's own global prototypes; hyper: the averaged hyper-prototypes "
-                                  "H learned by FedHPro's gradient matching (plug-and-play, Table 3; needs "
-                                  "protocol=dagger)")
-    inference: str = option("head", choices=INFERENCE,
-                            help="how the evaluated models classify: head (the model's own classifier) or "
-                                 "nearest-prototype (argmin_c ||f(x) - P_c||_2 over the server's global "
-                                 "prototypes, FedProto's inference; useful with protocol=proto-only)")
-    num_hyper: int = option(5, min=1, help="|I|, hyper-prototypes per class (prototypes=hyper only)")
-    match_steps: int = option(30, min=0, help="M, gradient-matching steps per round (prototypes=hyper only)")
-    hyper_lr: float = option(0.1, gt=0.0, help="step size of gradient matching (prototypes=hyper only)")
-
 
 # ----------------------------------------------------------------------------
 # pure tensor helpers
@@ -325,11 +306,6 @@ def empty_nearest_prototype(network: nn.Module, num_classes: int) -> NearestProt
                                       torch.zeros(num_classes, dtype=torch.bool))
 
 
-#: the ``dp_clipping`` of the methods that upload raw prototypes (FedProto, FedTGP, FedSA): under privacy=client
-#: their prototypes (norm far above the update) share a joint clip with the update and drown it; per-group
-#: clipping measured 78-81 % against 22-54 % joint (docs/how-to/privacy.md)
-RAW_PROTOTYPES_CLIPPING = "per-group"
-
 #: the prototype methods' ``inference=nearest-prototype`` as their MethodSpec declares it (kept on export)
 NEAREST_PROTOTYPE = InferenceRule("nearest-prototype", empty_nearest_prototype)
 
@@ -356,12 +332,6 @@ def feature_dim_of(model: nn.Module) -> int:
 # ----------------------------------------------------------------------------
 # the two protocols and the plug-and-play hyper-prototypes
 # ----------------------------------------------------------------------------
-
-
-def weights_travel(options: PrototypeOptions) -> str:
-    """:attr:`~fedhpro.methods.base.MethodSpec.weights_travel` of the prototype methods: proto-only sends
-    prototypes only (every client keeps its own model), dagger the weights too."""
-    return "none" if options.protocol == "proto-only" else "all"
 
 
 def check_protocol(context: MethodContext) -> None:

@@ -23,14 +23,16 @@ describe, ``classifier_step=synthetic`` (:class:`~fedhpro.methods.fedhpro.hyper.
 
 The modules, from the bottom:
 
-- :mod:`~fedhpro.methods.fedhpro.options`: :class:`FedHProOptions`, the authors' recipe, the description (no torch:
-  config validation and ``fedhpro config --keys`` read them before torch loads; so does this ``__init__``);
+- :mod:`~fedhpro.methods.fedhpro.options`: :class:`FedHProOptions`, the authors' recipe, the description and the
+  ``DECLARATION`` the registry declares (no torch: config validation and ``fedhpro config --keys`` read them before
+  torch loads; so does this ``__init__``);
 - :mod:`~fedhpro.methods.fedhpro.equations`: the paper's Eq. 4-13 as pure functions on tensors;
 - :mod:`~fedhpro.methods.fedhpro.authors_code`: what the authors' published code computes where it is not the paper;
 - :mod:`~fedhpro.methods.fedhpro.hyper`: the hyper-prototype bank (also FedProto's and FedTGP's ``prototypes=hyper``);
 - :mod:`~fedhpro.methods.fedhpro.server`, :mod:`~fedhpro.methods.fedhpro.client`: the two sides, each choosing
   its modes once, when it is built;
-- :mod:`~fedhpro.methods.fedhpro.method`: ``METHOD``, the registry's entry.
+- :mod:`~fedhpro.methods.fedhpro.method`: ``METHOD``, the registry's entry (built from ``DECLARATION``), imported
+  on the first lookup of ``method=fedhpro``.
 """
 
 from fedhpro.methods.fedhpro.options import AUTHORS_RECIPE, FedHProOptions

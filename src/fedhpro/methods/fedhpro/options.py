@@ -1,6 +1,6 @@
-"""FedHPro's options, its recipes and its description: what config validation, ``fedhpro config --keys`` and
-``--help`` read. It imports no torch (the method's code, which does, is :mod:`fedhpro.methods.fedhpro.method`),
-so they answer before torch loads.
+"""FedHPro's options, its recipes, its description and its declaration: what config validation,
+``fedhpro config --keys`` and ``--help`` read. It imports no torch (the method's code, which does, is
+:mod:`fedhpro.methods.fedhpro.method`), so they answer before torch loads.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from fedhpro.methods.declaration import MethodDeclaration
 from fedhpro.options import option
 from fedhpro.search_space import LogUniform
 
@@ -152,3 +153,13 @@ AUTHORS_RECIPE: dict[str, Any] = {
     "data.mean": [0.4914, 0.4822, 0.4465],
     "data.std": [0.2023, 0.1994, 0.2010],
 }
+
+#: ``method=fedhpro`` as the registry declares it (its code, ``fedhpro.methods.fedhpro.method:METHOD``, loads on
+#: first use)
+DECLARATION = MethodDeclaration(
+    name="fedhpro",
+    options=FedHProOptions,
+    paper_order=8,
+    description=DESCRIPTION,
+    recipes={"authors": AUTHORS_RECIPE},
+)
