@@ -299,10 +299,17 @@ def test_the_methods_aggregate_of_the_release_is_the_privatized_value():
 def test_refused_combinations_say_why_in_one_line():
     for extra, word in ((["aggregation=median"], "median"), (["aggregation=trimmed-mean"], "trimmed-mean"),
                         (["aggregation=norm-clip"], "norm-clip"), (["min_clients=2"], "min_clients")):
-        config = load_config(None, ["privacy=client", *extra])
-        with pytest.raises(ConfigError, match=word) as error:
-            protocol_settings(config)
+        with pytest.raises(ConfigError, match=word) as error:  # refused as the config is read (before torch)
+            load_config(None, ["privacy=client", *extra])
         assert "\n" not in str(error.value) and "privacy=client" in str(error.value)
+        # and by the run itself for a config changed after it was read
+        key, value = extra[0].split("=")
+        private = load_config(None, ["privacy=client"])
+        changed = (dataclasses.replace(private, aggregation=dataclasses.replace(private.aggregation, rule=value))
+                   if key == "aggregation" else
+                   dataclasses.replace(private, run=dataclasses.replace(private.run, min_clients=int(value))))
+        with pytest.raises(ConfigError, match=word):
+            protocol_settings(changed)
     protocol_settings(load_config(None, ["privacy=client"]))
     protocol_settings(load_config(None, ["aggregation=median"]))
 

@@ -42,7 +42,7 @@ def probe(*argv: str) -> dict:
     (["config", "--keys"], 0, "fedhpro.tau"),
     (["config"], 0, "method: fedhpro"),
     (["config", "method=fedavg", "dataset=clients"], 0, "method: fedavg"),
-    (["config", "--keys", "dataset=imagefolder"], 0, "data.root"),
+    (["config", "--keys", "dataset=imagefolder"], 0, "data.image_size"),
     (["run", "roundz=3"], 2, "unknown config key 'roundz' (did you mean 'rounds'?)"),
     (["run", "rounds=0"], 2, "rounds"),
     (["run", "method=fedavgg"], 2, "did you mean 'fedavg'"),

@@ -49,7 +49,7 @@ from fedhpro.config import PRESENTATION_KEYS, Config, load_config, numbers_setti
 from fedhpro.engines import checkpoint
 from fedhpro.errors import ConfigError, FedHProError
 from fedhpro.files import claim_run_folder, spreadsheet_cell
-from fedhpro.methods import METHODS, get_method, method_names
+from fedhpro.methods import declared_method, method_declarations, method_names
 from fedhpro.options import fields_of
 from fedhpro.reports import significance, write_atomic, write_json
 from fedhpro.reports.captions import data_sentence, data_text
@@ -69,7 +69,7 @@ def table_order(names: Iterable[str]) -> list[str]:
 
 def baseline_method() -> str | None:
     """The registered method a comparison's gain column is measured against (``MethodSpec.baseline``)."""
-    return next((name for name, spec in METHODS.items() if spec.baseline), None)
+    return next((name for name, declaration in method_declarations().items() if declaration.baseline), None)
 
 
 def run_settings(config: Mapping[str, Any], method: str) -> dict[str, Any]:
@@ -235,7 +235,7 @@ def tuned_settings(tuned: Mapping[str, Any], path: str | os.PathLike, methods: S
         if not isinstance(found, dict):
             raise ConfigError(f"{method} is not in {path} (tuned: {', '.join(tuned['methods']) or 'none'}); tune it "
                               f"(fedhpro tune methods=[{method}] ...) or leave it out of methods=")
-        allowed = searched(method, get_method(method).options)
+        allowed = searched(method, declared_method(method).options)
         for key, value in found.items():
             if key not in allowed:
                 raise ConfigError(f"{path} sets {key}= for {method}, which fedhpro tune does not search (a tuned file "
@@ -461,7 +461,7 @@ def main(arguments: Sequence[str]) -> int:
     pairs = dict(map(parse_override, items))
     options = take(CompareOptions, pairs)
     sweep = sweep_options(pairs)  # what stays in pairs: the run keys
-    methods = options.methods if options.methods is not None else table_order(METHODS)  # every registered one
+    methods = options.methods if options.methods is not None else table_order(method_names())  # every registered one
     compare(methods, options.seeds, pairs, options.out, source=source, jobs=sweep.jobs, executor=sweep.executor,
             ray_address=sweep.ray_address, tuned=options.tuned)
     return 0

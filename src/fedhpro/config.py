@@ -39,9 +39,10 @@ from fedhpro.data.partition import PartitionOptions, partition_options_class
 from fedhpro.data.standardize_options import FEDERATED, FORMER_FEDERATED, resolved_standardize
 from fedhpro.engines.fault_options import FAULTS_SECTION, FaultOptions
 from fedhpro.errors import ConfigError
-from fedhpro.methods import METHODS, all_methods, get_method, method_names, recipes_of
+from fedhpro.methods import declared_method, method_declarations, method_names, recipes_of
 from fedhpro.models import MODELS
 from fedhpro.options import fields_of, option, tagged
+from fedhpro.privacy import check_combinations
 from fedhpro.privacy.options import PRIVACY_SECTION, PrivacyOptions, is_private
 from fedhpro.registry import LiveChoices
 from fedhpro.robust import aggregation_options_class
@@ -437,8 +438,8 @@ def setting_value(config: Config, key: str) -> Any:
 
 def _all_keys(dataset: str) -> list[str]:
     keys = _run_keys()
-    for name, spec in all_methods().items():
-        keys += [f"{name}.{f.name}" for f in dataclasses.fields(spec.options)]
+    for name, declaration in method_declarations().items():
+        keys += [f"{name}.{f.name}" for f in dataclasses.fields(declaration.options)]
     for section in SECTIONS:
         keys += [section.name] if section.shorthand else []
         keys += [f"{section.name}.{f.name}" for f in dataclasses.fields(section.options_for(dataset))]
@@ -647,12 +648,12 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
     for key in run_values:
         if key not in _run_keys():
             raise _unknown(key, dataset)
-    registry = all_methods()
+    declarations = method_declarations()
     for section, knobs in sections.items():
-        if section not in registry and section not in SECTION_NAMES:
+        if section not in declarations and section not in SECTION_NAMES:
             raise _unknown(f"{section}.{next(iter(knobs))}", dataset)
     if isinstance(run_values.get("method"), str):
-        get_method(run_values["method"])  # an unknown name, or an installed method that failed to load: one line
+        declared_method(run_values["method"])  # an unknown name, or an installed method that failed to load
     if is_from_python(run_values.get("model")):
         raise ConfigError(f"model={run_values['model']!r} was a Python callable; pass it again from Python "
                           "(fedhpro.run(..., model=<callable>)), or give a registered model here: "
@@ -663,12 +664,13 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
     run.parallel_clients = parallel_clients_setting(run.parallel_clients, run.threads)
     if "dataset" not in run_values and run.data_dir:
         refuse_data_dir_without_dataset(run.data_dir)
-    methods = {name: _build(spec.options, sections.get(name, {}), f"{name}.", dataset)
-               for name, spec in registry.items()}
+    methods = {name: _build(declaration.options, sections.get(name, {}), f"{name}.", dataset)
+               for name, declaration in declarations.items()}
     built = {section.name: _build(section.options_for(dataset), sections.get(section.name, {}),
                                   f"{section.name}.", dataset) for section in SECTIONS}
     check_aliases(run, methods[run.method])
     config = Config(run=run, methods=methods, **built, federation=federation, given=given)
+    check_combinations(config)  # privacy=client with a robust rule or min_clients > 1: refused with the keys
     return dataclasses.replace(config, _resolved=config.to_dict())
 
 
@@ -749,7 +751,8 @@ def _recipe_settings(assignments: list[tuple[str, Any]], dataset: str) -> list[t
         recipes = recipes_of(name)
         if not recipes:
             continue
-        default = next((f.default for f in dataclasses.fields(METHODS[name].options) if f.name == "recipe"), None)
+        options = declared_method(name).options
+        default = next((f.default for f in dataclasses.fields(options) if f.name == "recipe"), None)
         chosen = _last_value(assignments, f"{name}.recipe", default)
         if isinstance(chosen, str) and chosen in recipes:
             settings += [(key, copy.deepcopy(value)) for key, value in recipes[chosen].items()
@@ -798,7 +801,7 @@ def _default_of(section: str, name: str, dataset: str) -> Any:
     if section in table:
         cls = table[section].options_for(dataset)
     else:
-        cls = getattr(all_methods().get(section), "options", None)
+        cls = getattr(method_declarations().get(section), "options", None)
     if cls is None:
         raise _unknown(f"{section}.{name}", dataset)
     defaults = dataclasses.asdict(cls())

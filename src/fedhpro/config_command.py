@@ -14,7 +14,7 @@ import yaml
 from fedhpro import command_options
 from fedhpro.config import SECTIONS, RunOptions, load_config
 from fedhpro.flower import options as flower_options
-from fedhpro.methods import all_methods
+from fedhpro.methods import method_declarations
 
 
 def _shown(value: object) -> str:
@@ -33,7 +33,8 @@ def key_lines(dataset: str) -> list[str]:
     an unset (null) default whose help already says what it means is not repeated."""
     defaults = load_config(None, {"dataset": dataset})
     groups: list[tuple[str, type[Any], Any]] = [("", RunOptions, defaults.run)]
-    groups += [(f"{name}.", spec.options, defaults.methods[name]) for name, spec in all_methods().items()]
+    groups += [(f"{name}.", declaration.options, defaults.methods[name])
+               for name, declaration in method_declarations().items()]
     groups += [(f"{section.name}.", section.options_for(dataset), getattr(defaults, section.name))
                for section in SECTIONS]
     lines = []

@@ -63,7 +63,7 @@ from fedhpro.engines.protocol import RoundRecord
 from fedhpro.errors import ConfigError, UpdateError
 from fedhpro.experiment import run_with_engine
 from fedhpro.files import spreadsheet_cell, write_atomic
-from fedhpro.methods import get_method
+from fedhpro.methods import declared_method
 from fedhpro.methods.base import all_finite, load_weights
 from fedhpro.methods.no_grad import eval_forward, no_grad_pass, no_grad_precision
 from fedhpro.options import fields_of
@@ -116,7 +116,7 @@ def space_of(method: str, fixed: Mapping[str, Any] | None = None,
     """``{config key: space}`` searched for ``method``: :data:`SHARED` (``lr`` in ``lr_space``) and the knobs its
     options declare (``method.knob``), less the keys ``fixed`` sets. A ConfigError for a method whose options
     declare none (a method without options has only the shared keys to search)."""
-    spec = get_method(method)  # a ConfigError naming the registered ones for an unknown name
+    spec = declared_method(method)  # a ConfigError naming the registered ones for an unknown name
     own = declared(spec.options)
     if fields_of(spec.options) and not own:
         raise ConfigError(f"method {method!r} declares no search space; give some of its options search= "

@@ -65,7 +65,7 @@ from fedhpro.errors import ConfigError, FedHProError, UpdateError
 from fedhpro.flower.records import HEADER
 from fedhpro.flower.secure_sum import METRIC_SCALE, SecureLayout, holder_counts, rebuild_replies
 from fedhpro.flower.settings import SecureSettings
-from fedhpro.methods import get_method
+from fedhpro.methods import declared_method
 from fedhpro.methods.base import Server
 from fedhpro.privacy import client_level
 
@@ -109,7 +109,7 @@ def check_secure_config(config: Config) -> None:
         raise ConfigError("privacy=client cannot go with flower.secure-aggregation=secagg+ yet: the round protocol "
                           "checks and sums each privatized upload itself; use one of them")
     method = config.run.method
-    reason = get_method(method).needs_each_upload  # the method's own declaration (MethodSpec)
+    reason = declared_method(method).needs_each_upload  # the method's own declaration
     if reason:
         raise ConfigError(f"method={method} cannot run under flower.secure-aggregation=secagg+: {reason}, and the "
                           "server learns only the sum of the uploads")
