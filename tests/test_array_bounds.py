@@ -36,6 +36,7 @@ from fedhpro.arrays import (
     load_torch,
 )
 from fedhpro.cli import main
+from fedhpro.data.tensor_files import read_tensor_file
 from fedhpro.engines import checkpoint
 from fedhpro.errors import ConfigError, DataError
 
@@ -166,17 +167,15 @@ def test_own_data_with_the_bomb_is_refused_in_one_line(tmp_path, capsys):
 def test_own_data_of_a_torch_file_past_the_limit_is_refused(tmp_path, monkeypatch):
     """train.pt is checked from its zip directory: declared bytes over the limit are refused before
     torch.load, and read once the limit is raised."""
-    from fedhpro.data.clients import _read_tensor_file
-
     path = tmp_path / "site" / "train.pt"
     path.parent.mkdir()
     x = torch.arange(2000, dtype=torch.float32).reshape(250, 8)
     torch.save({"x": x, "y": torch.arange(250) % 3}, path)
     monkeypatch.setenv(MAX_ARRAY_BYTES_VARIABLE, "4000")
-    message = refused_at_once(lambda: _read_tensor_file(path), ArrayFileError, "over fedhpro's limit of 4,000")
+    message = refused_at_once(lambda: read_tensor_file(path), ArrayFileError, "over fedhpro's limit of 4,000")
     assert str(path) in message and "zip members" in message and f"{MAX_ARRAY_BYTES_VARIABLE}=BYTES" in message
     monkeypatch.setenv(MAX_ARRAY_BYTES_VARIABLE, "100000")
-    read_x, read_y = _read_tensor_file(path)
+    read_x, read_y = read_tensor_file(path)
     assert torch.equal(read_x, x) and read_y.tolist() == [k % 3 for k in range(250)]
 
 

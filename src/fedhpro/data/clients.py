@@ -68,7 +68,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedhpro.arrays import ArrayFileError, load_npz, load_torch
+from fedhpro.data.client_scaling import (
+    applied_mode,
+    apply_statistics,
+    feature_statistics,
+    federation_scaling,
+    given_scaling,
+    scales,
+    skewed_scaling_warning,
+    standardized,
+)
 from fedhpro.data.clients_options import DECLARATION, UNTRAINED_CHOICES, ClientsOptions
 from fedhpro.data.decode_options import DETECTED, scaling_depth
 from fedhpro.data.feature_statistics import (
@@ -76,9 +85,7 @@ from fedhpro.data.feature_statistics import (
     FEDERATED,
     STANDARDIZE_CHOICES,
     FeatureSums,
-    SharedScaling,
     feature_sums,
-    shared_scaling,
 )
 from fedhpro.data.federation import Federation, avg_note, untested_domains_note, untested_note
 from fedhpro.data.images import (
@@ -92,7 +99,6 @@ from fedhpro.data.images import (
 )
 from fedhpro.data.spec import DatasetSpec, half_range_image
 from fedhpro.data.tables import (
-    Rows,
     SiteRows,
     close_name,
     close_path,
@@ -104,6 +110,7 @@ from fedhpro.data.tables import (
     read_csv_header,
     table_sites,
 )
+from fedhpro.data.tensor_files import as_float, read_tensor_file, rows_tensors
 from fedhpro.errors import ConfigError, DataError
 
 #: ``<prefix>-<digits>`` or ``<prefix>_<digits>``: the prefix is the client's domain
@@ -184,18 +191,9 @@ def _read_split(path: Path, options: ClientsOptions) -> tuple[Tensor, Tensor | n
     """``(x, labels)`` of one split file: a ``.csv``'s rows (labels: int64 class indices, or the names of an
     object array), else a tensor file's ``x`` and ``y``."""
     if path.suffix != ".csv":
-        return _read_tensor_file(path, options.max_classes)
-    return _rows_tensors(frame_rows(read_csv(path), f"client {path.parent.name}: {path}", options.label_column),
+        return read_tensor_file(path, options.max_classes)
+    return rows_tensors(frame_rows(read_csv(path), f"client {path.parent.name}: {path}", options.label_column),
                          options.max_classes)
-
-
-def _rows_tensors(rows: Rows, max_classes: int) -> tuple[Tensor, Tensor | np.ndarray]:
-    """A table's rows as float32 ``x`` and its labels: int64 class indices checked as a tensor file's ``y``
-    (:func:`_labels`), or the names as they are (classes are named across clients: :func:`resolve_classes`)."""
-    x = torch.from_numpy(rows.x)
-    if rows.named:
-        return x, rows.labels
-    return x, _labels(torch.from_numpy(rows.labels), Path(rows.where), rows.where, max_classes)
 
 
 def _label_summary(name: str, labels: Sequence[Tensor | np.ndarray]) -> tuple[list[str] | None, int | None]:
@@ -474,7 +472,7 @@ def sites_federation(sites: Sequence[SiteRows], options: ClientsOptions, clients
                                 f"{sites[0].name} ({columns[:20]}); give every site the same columns in the same "
                                 "order (e.g. frame[columns])")
     limit = int(options.max_classes)
-    parts = [[_rows_tensors(rows, limit) for rows in (site.train, site.test) if rows is not None] for site in sites]
+    parts = [[rows_tensors(rows, limit) for rows in (site.train, site.test) if rows is not None] for site in sites]
     infos = []
     for site, loaded in zip(sites, parts):
         class_names, max_label = _label_summary(site.name, [labels for _, labels in loaded])
@@ -752,66 +750,6 @@ def _class_folder_notes(folders: Sequence[Path], infos: Sequence[ClientInfo], cl
     return notes
 
 
-def standardized(train: tuple[Tensor, Tensor], test: tuple[Tensor, Tensor], mode: str,
-                 shared: tuple[Tensor, Tensor] | None = None) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
-    """Float ``N x F`` features scaled to mean 0 and std 1 per feature, the same map applied to the test
-    data: ``mode="client"`` by the client's own training mean and (population) std (a feature constant in
-    training is only centred), ``mode="federated"`` by ``shared``, the ``(mean, std)`` every site uses
-    (:mod:`fedhpro.data.feature_statistics`). Other inputs (images, integer token ids), and
-    ``mode="none"``, are returned as they are (the same objects)."""
-    x, y = train
-    if mode == "none" or not scales(x):
-        return train, test
-    if mode == FEDERATED:
-        if shared is None:
-            raise DataError("data.standardize=federated but no shared scaling was given for these features (a "
-                            "node of another fedhpro version?); run the same fedhpro on the server and every node")
-        mean, std = shared
-        if mean.numel() != x.shape[1] or std.numel() != x.shape[1]:
-            raise DataError(f"the shared scaling has {mean.numel()} features but these rows have {x.shape[1]}; "
-                            "give every site the same feature columns")
-    else:
-        mean, std = feature_statistics(x)
-    return (apply_statistics(x, mean, std), y), (apply_statistics(test[0], mean, std), test[1])
-
-
-def applied_mode(mode: str) -> str:
-    """The scaling ``data.standardize=mode`` applies to data: ``auto`` is ``federated`` here (a run under
-    privacy has already resolved it: :func:`fedhpro.config.applied_data_options`)."""
-    return FEDERATED if mode == "auto" else mode
-
-
-def given_scaling(options: ClientsOptions) -> tuple[Tensor, Tensor] | None:
-    """``(data.feature_mean, data.feature_std)`` as float64 tensors, checked (as long as each other, every std
-    > 0), or None when not given."""
-    mean, std = options.feature_mean, options.feature_std
-    if mean is None and std is None:
-        return None
-    if mean is None or std is None or len(mean) != len(std) or not mean:
-        raise ConfigError("data.feature_mean and data.feature_std go together, as two lists of one number per "
-                          "feature; give both (or neither: the sites' sums give them)")
-    if any(not value > 0 for value in std):
-        raise ConfigError("data.feature_std holds a value <= 0; each feature's std must be > 0 (1 for a "
-                          "constant feature)")
-    return torch.tensor(mean, dtype=torch.float64), torch.tensor(std, dtype=torch.float64)
-
-
-def federation_scaling(infos: Sequence[ClientInfo], train: Sequence[tuple[Tensor, Tensor]], options: ClientsOptions,
-                       columns: Sequence[str] | None = None) -> SharedScaling | None:
-    """``data.standardize=federated`` over loaded clients: the scaling of ``data.feature_mean`` /
-    ``feature_std`` when given, else combined from each scaled client's :func:`feature_sums` (each counting
-    as its rows: the simulator knows its clients), with ``data.statistics_limit``'s guard; None when no
-    client holds features to scale."""
-    given = given_scaling(options)
-    names = [info.name for info, (x, _) in zip(infos, train) if scales(x)]
-    if not names:
-        return None
-    if given is not None:
-        return SharedScaling(given[0], given[1], names, given="data.feature_mean and data.feature_std")
-    parts = {info.name: feature_sums(x) for info, (x, _) in zip(infos, train) if scales(x)}
-    return shared_scaling(parts, limit=options.statistics_limit, columns=columns)
-
-
 def site_feature_sums(folder: str | Path, options: ClientsOptions) -> FeatureSums | None:
     """What a Flower node releases for ``data.standardize=federated``: the :func:`feature_sums` of its own
     training features as :func:`load_client` reads them (before any scaling); None when the run gives the
@@ -833,52 +771,6 @@ def site_training_features(folder: str | Path, options: ClientsOptions) -> Tenso
     (x, _), _ = _load_tensors(folder, info, own, options)
     x = x.float() if not x.is_floating_point() and x.dim() == 2 else x
     return x if scales(x) else None
-
-
-#: how far (total variation) a site's class distribution may be from the federation's before per-site scaling
-#: is warned about: a site of one class among three is 0.67 away; a Dirichlet 0.5 split's sites 0.3 to 0.6
-SKEW_WARNING = 0.5
-
-
-def skewed_scaling_warning(names: Sequence[str], labels: Sequence[Tensor], num_classes: int) -> list[str]:
-    """``data.standardize=client`` where sites' class distributions differ: one warning line naming the
-    sites whose classes are furthest from the federation's (per-site scaling maps a site of one class onto the
-    others' classes), or none."""
-    counts = [torch.bincount(y.long(), minlength=num_classes).double() for y in labels if y.numel()]
-    if len(counts) < 2:
-        return []
-    total = torch.stack(counts).sum(dim=0)
-    pooled = total / total.sum()
-    far = []
-    for name, count in zip([n for n, y in zip(names, labels) if y.numel()], counts):
-        distance = 0.5 * float((count / count.sum() - pooled).abs().sum())
-        if distance > SKEW_WARNING:
-            far.append(f"{name} ({distance:.2f})")
-    if not far:
-        return []
-    return [f"warning: data.standardize=client scales each site by its own statistics, but the class "
-            f"distributions of {', '.join(far[:5])}{' and more' if len(far) > 5 else ''} are far from the "
-            f"federation's (total variation above {SKEW_WARNING:g}): per-site scaling maps their classes onto "
-            "the others'; data.standardize=federated shares one scaling"]
-
-
-def scales(x: Tensor) -> bool:
-    """Whether ``data.standardize=client`` scales these training features (float ``N x F``, N >= 1)."""
-    return x.dim() == 2 and x.is_floating_point() and bool(x.shape[0])
-
-
-def feature_statistics(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``(mean, std)`` per feature of float ``N x F`` training features, in float64: the population std, 1
-    where a feature is constant (it is then only centred)."""
-    column = x.double()
-    mean = column.mean(dim=0)
-    std = column.std(dim=0, unbiased=False)
-    return mean, torch.where(std > 0, std, torch.ones_like(std))
-
-
-def apply_statistics(values: Tensor, mean: Tensor, std: Tensor) -> Tensor:
-    """``(values - mean) / std`` computed in float64, as float32: the map :func:`standardized` applies."""
-    return ((values.double() - mean) / std).float()
 
 
 def standardization_statistics(options: ClientsOptions, data_dir: Any) -> dict[str, Any] | None:
@@ -921,135 +813,6 @@ def _statistics(infos: Sequence[ClientInfo], train: Sequence[tuple[Tensor, Tenso
         return None
     mean, std = feature_statistics(torch.cat(rows))
     return {"features": int(rows[0].shape[1]), "sites": sites, "pooled": {"mean": mean.tolist(), "std": std.tolist()}}
-
-
-#: the most elements a sparse or expanded (stride-0) x or y may densify to: 2**28 (1 GiB of float32)
-MAX_DENSE = 1 << 28
-#: integers a float32 holds exactly: integer x mixed with float x is converted only within this range
-EXACT_FLOAT32 = 1 << 24
-_FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_INT_TYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
-_UNSIGNED_TYPES = (torch.uint16, torch.uint32, torch.uint64)
-
-
-def _as_tensor(value: Any, name: str, path: Path, how: str) -> Tensor:
-    """``x`` or ``y`` of a tensor file as a plain CPU tensor (a tensor, an array or a list of numbers)."""
-    if isinstance(value, Tensor):
-        if value.device.type != "cpu":
-            raise DataError(f"{path}: {name} is a {value.device.type} tensor without data; save it with {how}")
-        return value.detach()
-    if isinstance(value, (np.ndarray, list, tuple)):
-        try:
-            array = np.asarray(value)
-        except (TypeError, ValueError, OverflowError) as error:
-            raise DataError(f"{path}: {name} must be a numeric array ({str(error).splitlines()[0]}); save it with "
-                            f"{how}") from None
-        if array.dtype.kind not in "biuf":
-            raise DataError(f"{path}: {name} holds {array.dtype} values, not numbers; save it with {how}")
-        return torch.from_numpy(np.ascontiguousarray(array))
-    raise DataError(f"{path}: {name} is a {type(value).__name__}, not an array; save it with {how}")
-
-
-def _dense(value: Tensor, name: str, path: Path) -> Tensor:
-    """A sparse tensor densified, an expanded (stride-0) view copied: both only up to :data:`MAX_DENSE`
-    elements, so a small file cannot ask for more memory than the machine has."""
-    sparse = value.layout != torch.strided
-    expanded = not sparse and value.numel() * value.element_size() > value.untyped_storage().nbytes()
-    if not (sparse or expanded):
-        return value
-    if value.numel() > MAX_DENSE:
-        shape = " x ".join(map(str, value.shape))
-        what = "a sparse" if sparse else "an expanded (stride-0)"
-        raise DataError(f"{path}: {name} is {what} {shape} tensor; densified it would hold {value.numel():,} values "
-                        f"(more than {MAX_DENSE:,}); save the dense array of the samples you use")
-    try:
-        return value.to_dense() if sparse else value.contiguous()
-    except (RuntimeError, ValueError) as error:
-        raise DataError(f"{path}: {name} is a malformed sparse tensor ({str(error).splitlines()[0]}); save a dense "
-                        "array") from None
-
-
-def _unsigned_to_int64(value: Tensor, name: str, path: Path) -> Tensor:
-    array = value.numpy()
-    if array.size and int(array.max()) > np.iinfo(np.int64).max:
-        raise DataError(f"{path}: {name} holds {int(array.max())}, beyond int64; save smaller integers")
-    return torch.from_numpy(array.astype(np.int64))
-
-
-def _read_tensor_file(path: Path, max_classes: int = 100_000) -> tuple[Tensor, Tensor]:
-    """``(x, y)`` of a ``.npz`` or ``.pt`` file, checked; anything else is one DataError naming the file.
-
-    ``y``: N integer labels in ``0 .. max_classes - 1`` (floats that are
-    whole numbers are taken as integers). ``x``: N x ... float features
-    (any float type -> float32; NaN, infinities and values beyond float32 are
-    refused) or integer token ids (-> int64). Sparse ``x``/``y`` are
-    densified (up to :data:`MAX_DENSE` elements). ``.npz`` files are read
-    without pickles and ``.pt`` files with ``weights_only=True``: no file
-    runs code; what either declares (shapes, sizes) is checked against
-    ``FEDHPRO_MAX_ARRAY_BYTES`` before it is read (:mod:`fedhpro.arrays`).
-    """
-    client = f"client {path.parent.name}: {path}"
-    how = (f"np.savez('{path.name}', x=x, y=y)" if path.suffix == ".npz"
-           else f"torch.save({{'x': x, 'y': y}}, '{path.name}')")
-    try:
-        content = load_npz(path) if path.suffix == ".npz" else load_torch(path)
-    except ArrayFileError:
-        raise  # one line already: what the file declares, the limit and the fix
-    except Exception as error:  # noqa: BLE001 - numpy and torch raise many types for a bad file; one line for all
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise DataError(f"cannot read {path} ({reason[:300]}); save it with {how}") from None
-    if not isinstance(content, dict):
-        raise DataError(f"{path} holds a {type(content).__name__}, not a dict with x and y; save it with {how}")
-    missing = [key for key in ("x", "y") if key not in content]
-    if missing:
-        held = sorted(map(str, content))
-        listed = str(held[:20])[:-1] + (", ...]" if len(held) > 20 else "]")
-        raise DataError(f"{path} has no {' and no '.join(missing)} (it holds {listed[:300]}); save it with {how}")
-    x = _dense(_as_tensor(content["x"], "x", path, how), "x", path)
-    y = _dense(_as_tensor(content["y"], "y", path, how), "y", path)
-    if y.dim() != 1 or x.dim() < 2 or x.shape[0] != y.shape[0]:
-        raise DataError(f"{path}: x {tuple(x.shape)} and y {tuple(y.shape)} do not match; give x as N x F "
-                        "inputs and y as N labels")
-    if 0 in x.shape[1:]:
-        raise DataError(f"{path}: x {tuple(x.shape)} has an empty feature dimension; give x as N x F inputs, F >= 1")
-    y = _labels(y, path, client, max_classes)
-    if x.dtype in _FLOAT_TYPES:
-        x = x.float()
-        if not bool(torch.isfinite(x).all()):
-            raise DataError(f"{client}: x holds NaN or infinite values (or values beyond float32's range); clean "
-                            "the data")
-    elif x.dtype in _INT_TYPES:
-        x = x.long()
-    elif x.dtype in _UNSIGNED_TYPES:
-        x = _unsigned_to_int64(x, "x", path)
-    else:
-        raise DataError(f"{path}: x is {x.dtype}; save float features (pixels: x / 127.5 - 1) or integer "
-                        "token ids (int64)")
-    return x.contiguous(), y.contiguous()
-
-
-def _labels(y: Tensor, path: Path, client: str, max_classes: int) -> Tensor:
-    """``y`` as int64 class indices, each in ``0 .. max_classes - 1``; else one DataError naming the file."""
-    if y.dtype in _FLOAT_TYPES:
-        y64 = y.double()
-        if not bool(torch.isfinite(y64).all()) or not bool(torch.all(y64 == y64.round())):
-            raise DataError(f"{client}: y holds labels that are not whole numbers; labels are class indices 0..C-1")
-    elif y.dtype in _UNSIGNED_TYPES:
-        y64 = _unsigned_to_int64(y, "y", path)
-    elif y.dtype in _INT_TYPES:
-        y64 = y.long()
-    else:
-        raise DataError(f"{path}: y must hold integer class labels, got {y.dtype}")
-    if not y64.numel():
-        return y64.long()
-    low, high = y64.min().item(), y64.max().item()
-    if low < 0:
-        raise DataError(f"{path}: label {int(low)} is negative; labels are class indices 0..C-1")
-    if high >= max_classes:
-        raise DataError(f"{client}: label {int(high)} is not below data.max_classes={max_classes}; fix the label, "
-                        "or, if the data really has that many classes, raise data.max_classes (and set "
-                        "data.num_classes)")
-    return y64.long()
 
 
 def _load_images(folder: Path, info: ClientInfo, options: ClientsOptions,
@@ -1113,18 +876,6 @@ def class_indices(labels: Tensor | np.ndarray, classes: Sequence[str], where: st
         raise DataError(f"{where}: label {int(labels.max())} is out of range for {len(classes)} classes; fix "
                         "the labels or set data.num_classes")
     return labels
-
-
-def as_float(x: Tensor, path: Path) -> Tensor:
-    """Integer features as float32 (beside float features of another split or client); exact, else refused."""
-    if x.is_floating_point():
-        return x
-    largest = max(-int(x.min()), int(x.max())) if x.numel() else 0
-    if largest > EXACT_FLOAT32:
-        raise DataError(f"client {path.parent.name}: {path} holds integer x of magnitude {largest}, which "
-                        "float32 cannot hold exactly, while other x are floats; save every x as float32 (features) "
-                        "or every x as int64 (token ids)")
-    return x.float()
 
 
 def _group(infos: Sequence[ClientInfo], key: Any) -> dict[str, list[str]]:

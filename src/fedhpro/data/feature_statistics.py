@@ -7,7 +7,7 @@ combines the sites' sums into one mean and one population standard deviation
 per feature (:func:`shared_scaling`), the statistics of every site's training
 rows pooled (what scikit-learn's ``StandardScaler`` fits on the pooled rows),
 and every site scales its training and test features by them
-(:func:`~fedhpro.data.clients.apply_statistics`). Per-site scaling
+(:func:`~fedhpro.data.client_scaling.apply_statistics`). Per-site scaling
 (``data.standardize=client``) maps a site that holds one class onto the
 others' classes; a shared scaling keeps the sites' features comparable.
 
