@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from fedhpro.arrays import ArrayFileError, load_npz, load_torch
 from fedhpro.bounded import read_json_file
 from fedhpro.data.benchmarks import to_float as preset_float
-from fedhpro.data.clients import apply_statistics
+from fedhpro.data.client_scaling import apply_statistics
 from fedhpro.data.images import decode_file, open_image, to_float
 from fedhpro.data.loaders import IMAGE_EXTENSIONS, Preset
 from fedhpro.data.tables import feature_matrix, read_csv
