@@ -3,6 +3,7 @@ once, one-line errors (unknown name with the closest ones, a name taken twice, a
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import sys
 import types
@@ -324,3 +325,26 @@ def test_kept_puts_back_what_a_block_registered_replaced_or_removed():
         assert registry.names() == ["b", "d", "a"] and not registry.is_builtin("a")
     assert registry.names() == ["a", "b", "c"] and registry["a"] == 1 and registry.is_builtin("a")
     assert registry.declared("c") == "declared" and registry.lookup("c") is __import__("json").dumps
+
+
+@dataclasses.dataclass(frozen=True)
+class WidgetDeclaration:
+    name: str
+    size: int = 1
+
+
+def test_a_declaration_of_the_wrong_type_is_refused_and_a_renamed_one_takes_its_name(widget_module, monkeypatch):
+    name, imports = widget_module
+    registry = Registry("widget", "fedhpro.tests.widgets", key="widget", declaration_type=WidgetDeclaration)
+    registry._entry_points = lambda: []  # type: ignore[method-assign]
+    with pytest.raises(ConfigError, match=r"the declaration of a widget is a .*WidgetDeclaration, not a dict$"):
+        registry.register("bad", Declared({"size": 2}, f"{name}:WIDGET"))
+    registry.register("renamed", Declared(WidgetDeclaration("original", 3), f"{name}:WIDGET"))
+    assert registry.declared("renamed") == WidgetDeclaration("renamed", 3) and imports == []
+    holder = types.ModuleType("widget_bad_declarations")
+    holder.DECLARED = Declared("not a declaration", f"{name}:WIDGET")  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "widget_bad_declarations", holder)
+    entry_points(registry, monkeypatch, plug="widget_bad_declarations:DECLARED")
+    assert "plug" not in registry.names()  # an installed package's bad declaration is reported, never fatal
+    with pytest.raises(ConfigError, match="widget 'plug' of package .* failed to load .*not a str"):
+        registry.lookup("plug")

@@ -125,6 +125,9 @@ class Registry(MutableMapping[str, T], Generic[T]):
         reserved: names that may not be registered (they are config sections of their own).
         declaration_of: ``entry -> declaration``: what :meth:`declared` answers for an entry registered whole
             (not declared); default: the entry itself.
+        declaration_type: the class a :class:`Declared`'s declaration must be (given to :meth:`register` or named
+            by an entry point; a one-line ConfigError otherwise); a dataclass with a ``name`` field is renamed to
+            the name it is registered as. None: any declaration.
 
     As a mapping it is live: iterating or ``len`` loads the entry points first, ``in`` and ``[name]`` load
     them when ``name`` is not registered yet, ``[name]`` imports a declared entry's code. :attr:`entries` is the
@@ -133,7 +136,8 @@ class Registry(MutableMapping[str, T], Generic[T]):
 
     def __init__(self, kind: str, group: str | None = None, *, key: str | None = None,
                  check: Callable[[str, Any, str], T] | None = None, hint: str = "",
-                 reserved: Iterable[str] = (), declaration_of: Callable[[T], Any] | None = None) -> None:
+                 reserved: Iterable[str] = (), declaration_of: Callable[[T], Any] | None = None,
+                 declaration_type: type | None = None) -> None:
         self.kind = kind
         self.group = group
         self.key = key or kind
@@ -141,6 +145,7 @@ class Registry(MutableMapping[str, T], Generic[T]):
         self.reserved = frozenset(reserved)
         self._check = check
         self._declaration_of = declaration_of
+        self._declaration_type = declaration_type
         #: the entries whose code is loaded, in registration order (built-ins first); the registry's own storage
         self.entries: dict[str, T] = {}
         #: the names registered while :meth:`builtin` was in force
@@ -222,8 +227,19 @@ class Registry(MutableMapping[str, T], Generic[T]):
         if name in self.reserved:
             raise ConfigError(f"{self.kind} name {name!r} is a config section of its own; choose another name")
         if isinstance(entry, Declared):
-            return entry  # its code is checked when it is imported (:meth:`_load`)
+            return self._checked_declared(name, entry, where)  # its code is checked when it is imported (_load)
         return self._check(name, entry, where) if self._check is not None else entry
+
+    def _checked_declared(self, name: str, entry: Declared, where: str) -> Declared:
+        declaration, wanted = entry.declaration, self._declaration_type
+        if wanted is None:
+            return entry
+        if not isinstance(declaration, wanted):
+            raise ConfigError(f"{where}: the declaration of a {self.kind} is a {wanted.__module__}."
+                              f"{wanted.__qualname__}, not a {type(declaration).__name__}")
+        if dataclasses.is_dataclass(declaration) and getattr(declaration, "name", name) != name:
+            return Declared(dataclasses.replace(declaration, name=name), entry.code)  # type: ignore[type-var]
+        return entry
 
     # -- looking up --------------------------------------------------------------------------------------
 

@@ -62,6 +62,7 @@ ENTRY_POINT_GROUP = "fedhpro.datasets"
 #: name -> its spec, declared (the declaration now, the code on first lookup) or registered whole
 REGISTRY: Registry[DatasetSpec] = Registry(
     "data set", ENTRY_POINT_GROUP, key="dataset", check=_checked, declaration_of=_declaration_of,
+    declaration_type=DatasetDeclaration,
     hint=f" (or add one with fedhpro.data.register or a package's {ENTRY_POINT_GROUP!r} entry point)")
 
 REGISTRY.declare("digits-offline", digits_federation_options.DECLARATION, "fedhpro.data.digits_federation:DATASET")

@@ -96,7 +96,7 @@ def _declaration_of(spec: MethodSpec) -> MethodDeclaration:
 #: is the method's :class:`MethodDeclaration` (no code imported), ``lookup(name)`` its :class:`MethodSpec`
 REGISTRY: Registry[MethodSpec] = Registry(
     "method", ENTRY_POINT_GROUP, key="method", check=_check, reserved=RESERVED_NAMES,
-    declaration_of=_declaration_of,
+    declaration_of=_declaration_of, declaration_type=MethodDeclaration,
     hint=f" (or add one with fedhpro.methods.register or a package's {ENTRY_POINT_GROUP!r} entry point)")
 
 # the built-in methods: one line each, the declaration now, the code on first lookup

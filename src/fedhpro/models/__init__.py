@@ -90,6 +90,7 @@ ENTRY_POINT_GROUP = "fedhpro.models"
 #: built-in declared: its :class:`ModelDeclaration` now, its code on first lookup)
 REGISTRY: Registry[Callable[..., nn.Module]] = Registry(
     "model", ENTRY_POINT_GROUP, key="model", check=_checked, declaration_of=_declaration_of,
+    declaration_type=ModelDeclaration,
     hint=f" (or add one with fedhpro.models.register or a package's {ENTRY_POINT_GROUP!r} entry point)")
 
 _IMAGE = "image"
