@@ -2,8 +2,8 @@
 and usage errors answer without torch (~2-4 s of a start-up on a loaded machine); ``fedhpro config --keys``
 leaves the engines, the run API, the trained model, the sweeps, the tuning and the reports unloaded (it used to
 import every command's modules). Held without timing: the modules a fresh process has loaded after the command,
-read in that process (``sys.modules``). Not held yet: ``config`` without torch (the methods, data sets and models
-that declare the keys are torch modules)."""
+read in that process (``sys.modules``). That ``config``, ``config --keys`` and a refused run key or value load no
+torch at all: tests/test_torch_free_declarations.py."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ and that the registries read the installed packages' entry points once for all o
 
 ``import torch`` is ~95 % of the CPU time of ``fedhpro config --keys`` (bench/startup.py). The commands that answer
 without torch stay so; the robust aggregation rules are listed, and their options' names and needs read, without
-it (the rules need torch only when they aggregate). ``fedhpro config`` itself still loads torch: the methods, data
-sets and models that declare its keys are torch modules (tests/test_startup.py says the same)."""
+it (the rules need torch only when they aggregate); every other registry declares its entries torch-free
+(tests/test_torch_free_declarations.py)."""
 
 from __future__ import annotations
 
