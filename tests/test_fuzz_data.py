@@ -233,6 +233,9 @@ def test_corrupted_cifar_pickles_give_one_line_errors_only(source, mutation):
     assert not MARKER.exists()
 
 
-@pytest.mark.slow
 def test_the_fuzzers_ran_their_examples():
-    assert COUNT["tensor files"] >= 300 and COUNT["pickles"] >= 100, COUNT
+    """Each fuzzer that ran in this session (the tensor files' is in the slow tier) made most of its examples."""
+    if not any(COUNT.values()):
+        pytest.skip("no fuzzer of this file ran in this session")
+    least = {"tensor files": 300, "pickles": 100}
+    assert all(count == 0 or count >= least[name] for name, count in COUNT.items()), COUNT

@@ -405,7 +405,14 @@ def test_evaluation_replies_through_the_server(rejoining, values):
     assert [item["client"] for item in row.get("not_evaluated", [])] == ([] if valid else [1])
 
 
-@pytest.mark.slow
 def test_enough_messages_were_generated():
-    assert sum(GENERATED.values()) >= 700, GENERATED
+    """Every generator that ran in this session (a tier or ``-k`` may leave some out) made most of the examples it
+    asks for (fewer: hypothesis rejected most of what a strategy drew)."""
+    if not GENERATED:
+        pytest.skip("no fuzzer of this file ran in this session")
+    asked = {"partition answers": PARTITIONS, "descriptions": DESCRIPTIONS, "descriptions at rejoin": DESCRIPTIONS // 4,
+             "training replies": TRAINING, "evaluation replies": EVALUATIONS,
+             "evaluation replies through the server": EVALUATIONS // 4}
+    short = {name: (count, asked[name]) for name, count in GENERATED.items() if count < 0.85 * asked[name]}
+    assert not short, f"generated, asked: {short}"
     print(f"generated messages: {GENERATED} (total {sum(GENERATED.values())})")
