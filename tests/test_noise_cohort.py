@@ -8,6 +8,8 @@ draws (the sum's noise std is ``sigma C m / M``, so the mean update's is ``sigma
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 
@@ -92,10 +94,13 @@ def test_a_cohort_that_cannot_be_simulated_is_one_line(cohort, participation, cl
 
 def test_a_noise_cohort_without_client_level_dp_is_one_line():
     for mode in ("none", "sample"):
-        config = load_config(None, [f"privacy={mode}", "privacy.noise_cohort=100"])
-        with pytest.raises(ConfigError, match="privacy=client") as error:
-            protocol_settings(config)
+        with pytest.raises(ConfigError, match="privacy=client") as error:  # as the config is read
+            load_config(None, [f"privacy={mode}", "privacy.noise_cohort=100"])
         assert "\n" not in str(error.value)
+        config = load_config(None, [f"privacy={mode}"])
+        changed = dataclasses.replace(config, privacy=dataclasses.replace(config.privacy, noise_cohort=100))
+        with pytest.raises(ConfigError, match="privacy=client"):  # and by a run of a config changed after
+            protocol_settings(changed)
 
 
 @pytest.mark.slow
