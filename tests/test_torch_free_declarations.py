@@ -54,6 +54,12 @@ def probe(*argv: str) -> dict:
     (["run", "fedhpro.tau=-1"], 2, "fedhpro.tau"),
     (["run", "partition=dirichlet", "partition.alpha=0"], 2, "partition.alpha"),
     (["run", "dataset=clients", "data.standardize=bogus"], 2, "data.standardize"),
+    (["compare", "jobs=0"], 2, "jobs=0 is not valid"),
+    (["compare", "seeds=[a]"], 2, "seeds=['a'] must be integers"),
+    (["tune", "trials=0"], 2, "trials=0 gives no trial"),
+    (["tune", "pruner=hyperband"], 2, "pruner"),
+    (["report", "some/folder", "per_class=maybe"], 2, "per_class='maybe' is not a boolean"),
+    (["reproduce", "table1", "scale=huge"], 2, "scale='huge' is not valid; choose one of: paper, smoke"),
     (["run", "--help"], 0, "usage: fedhpro run"),
     (["--help"], 0, "usage: fedhpro"),
 ])

@@ -6,7 +6,6 @@ import argparse
 import os
 import shlex
 import sys
-import warnings
 from types import ModuleType
 
 from fedhpro import __version__
@@ -27,17 +26,6 @@ def _commands() -> ModuleType:
     from fedhpro import commands
 
     return commands
-
-
-def check_run_settings(settings: list[str]) -> None:
-    """Read ``fedhpro run``'s settings (a YAML path, then KEY=VALUE pairs) as the run will read them, before the
-    engines load: a bad key or value is refused in one line before torch loads. The run reads them again and shows
-    their warnings (silenced here, so each is said once)."""
-    overrides = list(settings)
-    source = overrides.pop(0) if overrides and "=" not in overrides[0] else None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _config_command().load_config(source, overrides)
 
 
 def key_lines(dataset: str) -> list[str]:
@@ -200,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "handler", None):
         return _usage(getattr(args, "usage", parser))
     try:
-        if args.handler == "run":
-            check_run_settings(args.settings)
+        if args.handler in ("run", "compare", "tune", "report", "reproduce"):  # refused before torch loads
+            _config_command().check_command_keys(args.handler, list(args.settings))
         handler = _config_command().cmd_config if args.handler == "config" else _commands().HANDLERS[args.handler]
         code = handler(args)
         sys.stdout.flush()  # a closed pipe shows here, not at exit where it could not be caught

@@ -7,14 +7,34 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import warnings
 from typing import Any
 
 import yaml
 
 from fedhpro import command_options
-from fedhpro.config import SECTIONS, RunOptions, load_config
+from fedhpro.command_options.keys import take
+from fedhpro.config import SECTIONS, RunOptions, load_config, parse_override
 from fedhpro.flower import options as flower_options
 from fedhpro.methods import method_declarations
+
+
+def check_command_keys(command: str, settings: list[str]) -> None:
+    """The keys ``command`` (``run``, ``compare``, ``tune``, ``report``, ``reproduce``) takes for itself, read and
+    checked from its ``settings`` as the command will read them, before the engines load: a bad key or value is
+    refused in one line before torch loads. ``run`` reads its whole config (its warnings are left to the run);
+    the others their own keys (:mod:`fedhpro.command_options`; the run keys they hand on, grids among them, are
+    checked by the command)."""
+    if command == "run":
+        overrides = list(settings)
+        source = overrides.pop(0) if overrides and "=" not in overrides[0] else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            load_config(source, overrides)
+        return
+    pairs = dict(parse_override(item) for item in settings if "=" in item)
+    for cls in command_options.COMMAND_OPTIONS.get(command, ()):
+        take(cls, pairs)
 
 
 def _shown(value: object) -> str:
