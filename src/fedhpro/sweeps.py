@@ -37,6 +37,7 @@ from typing import Any
 from fedhpro.bounded import read_json_file
 from fedhpro.command_options.keys import read, take
 from fedhpro.command_options.sweep import Sweep
+from fedhpro.config import Config
 from fedhpro.errors import ConfigError, DataError, FedHProError
 from fedhpro.runtime import auto_threads, available_cores, resolve_threads, torch_threads  # noqa: F401 (kept importable)
 
@@ -79,7 +80,7 @@ def checked(sweep: Sweep) -> Sweep:
     return sweep
 
 
-def worker_config(config: Any, jobs: int) -> Any:
+def worker_config(config: Config, jobs: int) -> Config:
     """``config`` as a worker runs it: its thread count fixed (auto divided among ``jobs``), no progress bar."""
     threads = str(resolve_threads(config.run.threads, jobs))
     return replace(config, run=replace(config.run, threads=threads, progress=False))
@@ -258,7 +259,7 @@ def _run_ray(work: list[tuple[int, Any, Path, int]], sweep: Sweep, running: Runn
             ray.shutdown()
 
 
-def _absolute(config: Any, folder: Path) -> Any:
+def _absolute(config: Config, folder: Path) -> Config:
     """``config`` with its folders absolute: a Ray worker does not start in this process's working directory."""
     data_dir = config.run.data_dir and str(Path(config.run.data_dir).expanduser().resolve())
     return replace(config, run=replace(config.run, out=str(folder.resolve()), data_dir=data_dir))
