@@ -55,9 +55,9 @@ def unread_files() -> list[Path]:
 def interrupted_run(out: Path) -> None:
     """``fedhpro run rounds=3`` stopped right after round 1 ended (in this process: deterministic)."""
     from fedhpro.api import run  # here, not at the top: the other folders are written by the command line
-    from fedhpro.engines import driver
+    from fedhpro.engines import lifecycle
 
-    round_done = driver.Run.round_done
+    round_done = lifecycle.Run.round_done
 
     def stop_after_round_1(self, record, state):
         written = round_done(self, record, state)
@@ -65,13 +65,13 @@ def interrupted_run(out: Path) -> None:
             raise KeyboardInterrupt
         return written
 
-    driver.Run.round_done = stop_after_round_1
+    lifecycle.Run.round_done = stop_after_round_1
     try:
         run(overrides=[*RUN, "rounds=3", f"out={out}"], echo=False)
     except KeyboardInterrupt:
         pass
     finally:
-        driver.Run.round_done = round_done
+        lifecycle.Run.round_done = round_done
 
 
 def main() -> None:
