@@ -38,8 +38,12 @@ def _run_args(data_dir: Path, out: Path, *extra: str) -> list[str]:
 
 def _interrupted(args: list[str], ready) -> tuple[int, str]:
     """Start ``fedhpro ARGS``, send SIGINT once ``ready()`` holds; its exit status and stderr."""
+    # Ctrl-C's default disposition in the child, as a terminal gives it: a test run started in the background by a
+    # non-interactive shell ignores SIGINT, and an ignored signal is inherited across exec (Python then installs
+    # no KeyboardInterrupt handler)
     process = subprocess.Popen([sys.executable, "-m", "fedhpro", *args], env=_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not ready() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
